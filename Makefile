@@ -1,0 +1,35 @@
+# One command each: `make demo` and `make test` install what is missing, then run.
+PYTHON ?= python3
+SHARED ?= $(abspath ../shared)
+TORCH_VERSION ?= 2.13.0
+export HF_UNLEARN_DATA_DIR ?= $(SHARED)/data
+export TOKENIZERS_PARALLELISM = false
+
+.PHONY: install install-dev demo test test-slow bench lint clean
+
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel.
+install:
+	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' else 1)" 2>/dev/null \
+		|| $(PYTHON) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PYTHON) -m pip install -q -e ".[all]"
+
+install-dev: install
+	$(PYTHON) -m pip install -q -e ".[dev]"
+
+demo: install
+	hf-unlearn demo
+
+test: install-dev
+	$(PYTHON) -m pytest
+
+test-slow: install-dev
+	$(PYTHON) -m pytest -m slow
+
+bench: install-dev
+	$(PYTHON) benchmarks/run_all.py
+
+lint: install-dev
+	$(PYTHON) -m ruff check hf_unlearn tests examples benchmarks
+
+clean:
+	rm -rf build dist *.egg-info demo_output .pytest_cache

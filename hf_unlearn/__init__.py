@@ -1,0 +1,65 @@
+"""hf_unlearn: machine unlearning for language models, the Hugging Face way.
+
+Importing the package is cheap: public names are resolved lazily on first access, so
+``import hf_unlearn`` pulls in neither torch nor transformers until a name needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it. Each capability adds its names here.
+_LAZY: dict[str, str] = {
+    # data
+    "load_tofu": "hf_unlearn.data.tofu",
+    "tokenize_qa": "hf_unlearn.data.tokenize",
+    "QACollator": "hf_unlearn.data.collators",
+    "load_task": "hf_unlearn.data.tasks",
+    "load_muse_news": "hf_unlearn.data.muse",
+    # models
+    "load_model": "hf_unlearn.models",
+    "load_tokenizer": "hf_unlearn.models",
+    "build_tiny_model": "hf_unlearn.models",
+    # state hashes (shared by trace verification and Hub cards)
+    "state_hashes": "hf_unlearn.trace.hashing",
+    "StateHashes": "hf_unlearn.trace.hashing",
+
+    # --- trace (exact deletion) ---
+
+    # --- methods (approximate unlearning) ---
+
+    # --- random-label forgetting and analysis ---
+
+    # --- evaluation ---
+
+    # --- hub publishing ---
+
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_unlearn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .data.collators import QACollator
+    from .data.muse import load_muse_news
+    from .data.tasks import load_task
+    from .data.tofu import load_tofu
+    from .data.tokenize import tokenize_qa
+    from .models import build_tiny_model, load_model, load_tokenizer
+    from .trace.hashing import StateHashes, state_hashes

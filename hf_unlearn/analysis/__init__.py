@@ -1,0 +1,1 @@
+"""Diagnostics before and after unlearning."""

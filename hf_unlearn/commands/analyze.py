@@ -1,0 +1,7 @@
+"""`hf-unlearn analyze ...`: commands of this group register here."""
+
+from . import add_subcommands
+
+
+def register(parser) -> None:
+    add_subcommands(parser)

@@ -1,0 +1,1 @@
+"""Unlearning evaluation: TOFU, MUSE-News, multiple-choice tasks."""

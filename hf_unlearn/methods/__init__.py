@@ -1,0 +1,1 @@
+"""Approximate unlearning trainers."""

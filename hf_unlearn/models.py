@@ -1,0 +1,169 @@
+"""Model and tokenizer loading: Hub ids, local folders, GGUF files, and tiny test models.
+
+GGUF checkpoints load de-quantised into an ordinary, saveable ``PreTrainedModel`` (transformers refuses to
+``save_pretrained`` a GGUF-loaded model, so we rebuild the same class from a clean config).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import UnlearnError
+
+TINY_FAMILIES = ("llama", "gpt_neox", "gpt2")
+
+
+def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple[str, str | None]:
+    """Accept ``dir + gguf_file``, a path to a ``.gguf`` file, or a dir holding one ``.gguf`` and no config."""
+    p = Path(name_or_path)
+    if gguf_file is not None:
+        return str(name_or_path), gguf_file
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise UnlearnError(f"GGUF file {p} does not exist")
+        return str(p.parent), p.name
+    if p.is_dir() and not (p / "config.json").exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(p), ggufs[0].name
+        if len(ggufs) > 1:
+            raise UnlearnError(f"{p} holds several GGUF files ({', '.join(g.name for g in ggufs)}); pass gguf_file=")
+    return str(name_or_path), None
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, gguf_file: str | None = None, **kwargs):
+    """Load a tokenizer; if it has no pad token, use its EOS token for padding (as trl does)."""
+    from transformers import AutoTokenizer
+
+    name, gguf = _split_gguf(name_or_path, gguf_file)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, gguf_file=gguf, **kwargs) if gguf else AutoTokenizer.from_pretrained(
+            name, **kwargs
+        )
+    except OSError as e:
+        raise UnlearnError(f"cannot load a tokenizer from {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name_or_path: str | os.PathLike, gguf_file: str | None = None, dtype=None, **kwargs):
+    """Load a causal LM by Hub id, local folder, or GGUF file into a plain, saveable ``PreTrainedModel``.
+
+    Args:
+        gguf_file: the GGUF file name inside ``name_or_path`` (also inferred from a ``.gguf`` path).
+        dtype: torch dtype; defaults to float32 (GGUF weights are de-quantised to it).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    name, gguf = _split_gguf(name_or_path, gguf_file)
+    try:
+        if gguf:
+            model = AutoModelForCausalLM.from_pretrained(name, gguf_file=gguf, dtype=dtype, **kwargs)
+            return _plain_copy(model)
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
+    except (ValueError, KeyError) as e:
+        what = f"GGUF file {gguf}" if gguf else repr(str(name_or_path))
+        raise UnlearnError(f"{what} is not a causal language model transformers can load: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise UnlearnError(f"cannot load a model from {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+
+
+def _plain_copy(model):
+    """Rebuild a GGUF-loaded model as the same class without ``quantization_config`` (so it can be saved)."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    plain.to(next(model.parameters()).dtype)
+    plain.generation_config = model.generation_config
+    plain.eval()
+    return plain
+
+
+def build_tiny_model(
+    family: str = "llama",
+    tokenizer=None,
+    *,
+    vocab_size: int | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+    dropout: float = 0.0,
+    seed: int = 0,
+):
+    """A small randomly initialised causal LM of the Llama, GPT-NeoX or GPT-2 family, sized to a tokenizer.
+
+    Used by the tests and the demo: real architectures, seconds per training step on a CPU.
+    """
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig
+    from transformers import LlamaForCausalLM
+
+    if family not in TINY_FAMILIES:
+        raise UnlearnError(f"unknown model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    if vocab_size is None:
+        if tokenizer is None:
+            raise UnlearnError("build_tiny_model needs a tokenizer or vocab_size")
+        vocab_size = len(tokenizer)
+    special = {}
+    if tokenizer is not None:
+        special = {
+            "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+    inter = intermediate_size or 4 * hidden_size
+    if family == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=inter, num_hidden_layers=num_layers,
+            num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=max_position_embeddings,
+            attention_dropout=dropout, tie_word_embeddings=True, **special,
+        )
+        cls = LlamaForCausalLM
+    elif family == "gpt_neox":
+        config = GPTNeoXConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=inter, num_hidden_layers=num_layers,
+            num_attention_heads=num_heads, max_position_embeddings=max_position_embeddings,
+            attention_dropout=dropout, hidden_dropout=dropout, tie_word_embeddings=False, **special,
+        )
+        cls = GPTNeoXForCausalLM
+    else:
+        config = GPT2Config(
+            vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_inner=inter,
+            n_positions=max_position_embeddings, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **special,
+        )
+        cls = GPT2LMHeadModel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model
+
+
+def build_tiny_tokenizer(texts, vocab_size: int = 2048):
+    """A byte-level BPE tokenizer trained on ``texts`` in about a second, for the offline demo.
+
+    Deterministic for the same texts and size. It has ``<|bos|>``, ``<|eos|>`` and ``<|pad|>`` and no chat template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )

@@ -1,0 +1,1 @@
+"""Exact deletion by trace-preserving replay."""

@@ -1,0 +1,134 @@
+"""State hashes: SHA-256 over (name, dtype, shape, raw bytes) of every tensor, per tensor and as roots.
+
+One function for the whole library: trace verification, the Hub manifest and ``hub verify`` all call
+:func:`state_hashes`, so a hash printed anywhere can be compared with a hash printed anywhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+HASH_FORMAT = "hf_unlearn.state_hash.v1"
+
+
+def tensor_hash(name: str, tensor: torch.Tensor) -> str:
+    """SHA-256 of one named tensor: its name, dtype, shape and raw little-endian bytes."""
+    t = tensor.detach().to("cpu").contiguous()
+    h = hashlib.sha256()
+    h.update(name.encode("utf-8") + b"\0")
+    h.update(str(t.dtype).removeprefix("torch.").encode() + b"\0")
+    h.update(json.dumps(list(t.shape)).encode() + b"\0")
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def root_hash(per_tensor: Mapping[str, str]) -> str:
+    """One hash over the sorted (name, tensor hash) pairs."""
+    h = hashlib.sha256(HASH_FORMAT.encode())
+    for name in sorted(per_tensor):
+        h.update(name.encode("utf-8") + b"\0" + per_tensor[name].encode() + b"\n")
+    return h.hexdigest()
+
+
+def optimizer_tensors(optimizer_or_state: Any, param_names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Flatten an optimizer's state into named tensors (``<param name>.<key>``, e.g. ``lm_head.weight.exp_avg``).
+
+    ``param_names`` gives the names of the optimizer's parameters in ``param_groups`` order; without it the
+    optimizer's integer indices are used. Scalar entries (like a float ``step``) become 0-dim float64 tensors.
+    """
+    state_dict = optimizer_or_state.state_dict() if hasattr(optimizer_or_state, "state_dict") else optimizer_or_state
+    order = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+    names = {}
+    if param_names is not None:
+        names = {idx: param_names[pos] for pos, idx in enumerate(order) if pos < len(param_names)}
+    out: dict[str, torch.Tensor] = {}
+    for idx, entries in state_dict.get("state", {}).items():
+        prefix = names.get(idx, str(idx))
+        for key, value in entries.items():
+            if not torch.is_tensor(value):
+                value = torch.tensor(float(value), dtype=torch.float64)
+            out[f"{prefix}.{key}"] = value
+    return out
+
+
+def optimizer_param_names(model: torch.nn.Module, optimizer) -> list[str]:
+    """Names of ``optimizer``'s parameters in ``param_groups`` order (via the model's named parameters)."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id.get(id(p), f"param{i}") for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
+
+
+@dataclass
+class StateHashes:
+    """Per-tensor hashes and roots of a model state (and optionally of its optimizer state)."""
+
+    params: dict[str, str]
+    optimizer: dict[str, str] = field(default_factory=dict)
+    params_root: str = ""
+    optimizer_root: str = ""
+    format: str = HASH_FORMAT
+
+    def __post_init__(self):
+        self.params_root = self.params_root or root_hash(self.params)
+        self.optimizer_root = self.optimizer_root or (root_hash(self.optimizer) if self.optimizer else "")
+
+    @property
+    def root(self) -> str:
+        """One hash over both roots."""
+        return hashlib.sha256(f"{self.params_root}:{self.optimizer_root}".encode()).hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "root": self.root}
+
+    def to_json(self, path) -> None:
+        from ..utils import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=True))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StateHashes:
+        return cls(
+            params=dict(data["params"]),
+            optimizer=dict(data.get("optimizer", {})),
+            params_root=data.get("params_root", ""),
+            optimizer_root=data.get("optimizer_root", ""),
+            format=data.get("format", HASH_FORMAT),
+        )
+
+    @classmethod
+    def from_json(cls, path) -> StateHashes:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+def state_hashes(model_or_state_dict, optimizer=None) -> StateHashes:
+    """Hash a model (or a state dict) and, optionally, an optimizer (or its state dict).
+
+    Tied weights appear under each of their state-dict names, as ``state_dict()`` lists them.
+    """
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        tensors = model_or_state_dict.state_dict()
+    else:
+        tensors = model_or_state_dict
+    params = {name: tensor_hash(name, t) for name, t in tensors.items()}
+    opt: dict[str, str] = {}
+    if optimizer is not None:
+        names = None
+        if isinstance(model_or_state_dict, torch.nn.Module) and hasattr(optimizer, "param_groups"):
+            names = optimizer_param_names(model_or_state_dict, optimizer)
+        opt = {n: tensor_hash(n, t) for n, t in optimizer_tensors(optimizer, names).items()}
+    return StateHashes(params=params, optimizer=opt)
+
+
+def diff_hashes(a: StateHashes, b: StateHashes) -> dict[str, list[str]]:
+    """Names whose hashes differ, or that exist on one side only, for params and optimizer state."""
+    out = {}
+    for part in ("params", "optimizer"):
+        x, y = getattr(a, part), getattr(b, part)
+        out[part] = sorted(n for n in set(x) | set(y) if x.get(n) != y.get(n))
+    return out

@@ -1,0 +1,64 @@
+"""Shared fixtures. Tests are offline: data and tokenizers come from ../shared, models are built from configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("HF_UNLEARN_SHARED", ROOT.parent / "shared")).resolve()
+TOFU_DIR = SHARED / "data" / "tofu"
+TASKS_DIR = SHARED / "data" / "tasks"
+MUSE_DIR = SHARED / "data" / "muse_news"
+TOKENIZERS = SHARED / "tokenizers"
+SMOLLM2_DIR = SHARED / "models" / "SmolLM2-135M-Instruct"
+
+# Never reach the network: local data, offline Hub clients (tests that need a Hub start a local server).
+os.environ["HF_UNLEARN_DATA_DIR"] = str(SHARED / "data")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer():
+    from hf_unlearn.models import load_tokenizer
+
+    return load_tokenizer(TOKENIZERS / "gpt2")
+
+
+@pytest.fixture(scope="session")
+def neox_tokenizer():
+    from hf_unlearn.models import load_tokenizer
+
+    return load_tokenizer(TOKENIZERS / "gpt-neox-20b")
+
+
+@pytest.fixture(scope="session")
+def tofu_full():
+    from hf_unlearn.data import load_tofu
+
+    return load_tofu("full", TOFU_DIR)
+
+
+@pytest.fixture
+def tiny_llama(gpt2_tokenizer):
+    from hf_unlearn.models import build_tiny_model
+
+    return build_tiny_model("llama", gpt2_tokenizer, hidden_size=32, num_layers=2, num_heads=2)
+
+
+def run_cli(*args: str, check: bool = False, env: dict | None = None):
+    """Run ``python -m hf_unlearn ARGS`` in a subprocess against this checkout; returns CompletedProcess."""
+    import subprocess
+    import sys
+
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "hf_unlearn", *map(str, args)], capture_output=True, text=True,
+                          env=full_env, cwd=str(ROOT))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hf-unlearn {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc

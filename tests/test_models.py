@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from hf_unlearn.errors import UnlearnError
+from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
+
+from .conftest import SMOLLM2_DIR
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
+def test_tiny_models_run_and_are_seeded(family, gpt2_tokenizer):
+    a = build_tiny_model(family, gpt2_tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=3)
+    b = build_tiny_model(family, gpt2_tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=3)
+    ids = torch.tensor([gpt2_tokenizer("hello world")["input_ids"]])
+    out = a(input_ids=ids, labels=ids)
+    assert out.logits.shape[-1] == len(gpt2_tokenizer) and torch.isfinite(out.loss)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_tiny_model_save_and_load_round_trip(tmp_path, tiny_llama):
+    tiny_llama.save_pretrained(tmp_path)
+    again = load_model(tmp_path)
+    assert all(torch.equal(x, y) for x, y in zip(tiny_llama.state_dict().values(), again.state_dict().values()))
+
+
+def test_unknown_family():
+    with pytest.raises(UnlearnError, match="unknown model family"):
+        build_tiny_model("mamba", vocab_size=10)
+
+
+def test_tiny_tokenizer_is_deterministic():
+    texts = ["Jaime Vasquez was born in Santiago.", "The author writes true crime."] * 20
+    a, b = build_tiny_tokenizer(texts, 300), build_tiny_tokenizer(texts, 300)
+    assert a("Jaime writes")["input_ids"] == b("Jaime writes")["input_ids"]
+    assert a.pad_token_id is not None and a.eos_token_id is not None
+
+
+def test_missing_model_path_is_one_line_error(tmp_path):
+    with pytest.raises(UnlearnError, match="cannot load a model"):
+        load_model(tmp_path / "nope")
+
+
+def test_gguf_that_is_not_a_causal_lm(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(UnlearnError, match="broken.gguf"):
+        load_model(bad)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_loads_into_a_saveable_model(tmp_path):
+    tok = load_tokenizer(SMOLLM2_DIR)
+    model = load_model(SMOLLM2_DIR)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not hasattr(model.config, "quantization_config")
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    model.save_pretrained(tmp_path)
+    ids = tok("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(model(**ids).logits).all()
