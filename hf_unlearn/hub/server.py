@@ -1,0 +1,622 @@
+"""A local Hugging Face Hub-compatible HTTP server, on the standard library only.
+
+It answers the calls the real ``huggingface_hub`` client makes to publish and download a model repository
+(whoami, create repo, preupload, the NDJSON commit endpoint with inline and LFS files, LFS batch/upload/verify,
+validate-yaml, repo info, tree, refs, branches, tags, commits, and ``resolve`` downloads with ``X-Repo-Commit``,
+``ETag`` and ``X-Linked-Etag``), so that ``HfApi``, ``hf_hub_download`` and ``snapshot_download`` work against it
+unchanged once ``HF_ENDPOINT`` points here. Tests use it as the Hub; teams use it as an internal model store
+(``hf-unlearn hub serve --root DIR --port N --token T``). Large files go through the LFS protocol, so clients must
+run with ``HF_HUB_DISABLE_XET=1`` (Xet storage is not served).
+
+Why the standard library: the protocol is a few dozen JSON routes plus streaming bodies; ``ThreadingHTTPServer``
+handles it without a dependency, and the store (``store.py``) gives atomic commits. It is a single-tenant store:
+every configured token can read and write every repository (private repositories need a valid token to be seen).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import re
+import secrets
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from .store import GITATTRIBUTES, RepoStore, StoreError
+
+logger = logging.getLogger(__name__)
+
+LFS_SIZE_THRESHOLD = 10 * 1024 * 1024
+LFS_SUFFIXES = tuple(line.split()[0][1:] for line in GITATTRIBUTES.decode().splitlines())
+FAULT_POINTS = ("commit", "lfs-upload")
+_T = r"(models|datasets|spaces)"
+_R = r"([^/]+)/([^/]+)"
+_PREFIX = r"^/(?:(datasets|spaces)/)?"
+
+
+class _Abort(Exception):
+    """Drop the connection without an answer (a server dying mid-request)."""
+
+
+class HubServer:
+    """A Hub-compatible server over a :class:`RepoStore` at ``root``.
+
+    ``tokens`` maps access tokens to user names (a bare string is one token for user ``user``). ``port=0`` picks
+    a free port. Use :meth:`start`/:meth:`stop` (a background thread) or :meth:`serve_forever`.
+    """
+
+    def __init__(self, root, tokens: dict[str, str] | str, host: str = "127.0.0.1", port: int = 0):
+        self.store = RepoStore(root)
+        self.tokens = {tokens: "user"} if isinstance(tokens, str) else dict(tokens)
+        if not self.tokens:
+            raise ValueError("HubServer needs at least one access token")
+        self._secret = secrets.token_bytes(32)
+        self._faults: dict[str, int] = {}
+        self._faults_lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"hub": self})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> HubServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="hf-unlearn-hub", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> HubServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- fault injection (tests) ---------------------------------------------------------------------------
+    def inject_fault(self, point: str, times: int = 1) -> None:
+        """Make the next ``times`` requests at ``point`` die mid-way, dropping the connection unanswered.
+
+        ``"commit"``: after the commit's objects and record are written, before the branch moves (so nothing is
+        published). ``"lfs-upload"``: after half of an LFS upload body has been read (nothing is stored).
+        """
+        if point not in FAULT_POINTS:
+            raise ValueError(f"unknown fault point {point!r}; choose one of {FAULT_POINTS}")
+        with self._faults_lock:
+            self._faults[point] = self._faults.get(point, 0) + times
+
+    def _take_fault(self, point: str) -> bool:
+        with self._faults_lock:
+            if self._faults.get(point, 0) > 0:
+                self._faults[point] -= 1
+                return True
+            return False
+
+    def _sign(self, oid: str, size: int) -> str:
+        return hmac.new(self._secret, f"{oid}:{size}".encode(), hashlib.sha256).hexdigest()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "hf-unlearn-hub/1"
+    hub: HubServer
+
+    # -- plumbing ------------------------------------------------------------------------------------------
+    def log_message(self, fmt, *args):  # quiet unless the logger is set to DEBUG
+        logger.debug("%s %s", self.address_string(), fmt % args)
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_HEAD(self):
+        self._dispatch("HEAD")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        split = urlsplit(self.path)
+        self.query = {k: v[-1] for k, v in parse_qs(split.query).items()}
+        path = split.path
+        try:
+            for route_method, pattern, name in _ROUTES:
+                if route_method == method or (route_method == "GET" and method == "HEAD"):
+                    m = pattern.match(path)
+                    if m:
+                        getattr(self, name)(*[unquote(g) if g is not None else None for g in m.groups()])
+                        return
+            raise StoreError(404, f"no route for {method} {path}")
+        except _Abort:
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        except StoreError as e:
+            self._drain()
+            self._json({"error": str(e), **e.extra}, status=e.status, code=e.code)
+        except Exception as e:  # a bug must not kill the server thread; answer 500 and log it
+            logger.exception("internal error on %s %s", method, path)
+            self._drain()
+            self._json({"error": f"internal error: {e}"}, status=500)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.headers.get('Host') or '%s:%d' % self.server.server_address[:2]}"
+
+    def _json(self, payload, status: int = 200, code: str | None = None, headers: dict | None = None) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if code:
+            self.send_header("X-Error-Code", code)
+        if status >= 400:
+            self.send_header("X-Error-Message", str(payload.get("error", ""))[:200].replace("\n", " "))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _body_chunks(self):
+        """The request body as chunks (Content-Length or chunked transfer encoding)."""
+        if self._body_consumed:
+            return
+        self._body_consumed = True
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return
+                yield self.rfile.read(size)
+                self.rfile.readline()
+        else:
+            left = int(self.headers.get("Content-Length") or 0)
+            while left > 0:
+                chunk = self.rfile.read(min(left, 1 << 20))
+                if not chunk:
+                    raise _Abort()
+                left -= len(chunk)
+                yield chunk
+
+    def setup(self):
+        super().setup()
+        self._body_consumed = False
+
+    def handle_one_request(self):
+        self._body_consumed = False
+        super().handle_one_request()
+
+    def _body(self) -> bytes:
+        return b"".join(self._body_chunks())
+
+    def _json_body(self) -> dict:
+        try:
+            data = json.loads(self._body() or b"{}")
+        except json.JSONDecodeError as e:
+            raise StoreError(400, f"invalid JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise StoreError(400, "JSON body must be an object")
+        return data
+
+    def _drain(self) -> None:
+        try:
+            for _ in self._body_chunks():
+                pass
+        except (_Abort, ValueError, OSError):
+            self.close_connection = True
+
+    # -- auth ----------------------------------------------------------------------------------------------
+    def _token_user(self) -> str | None:
+        """The user of a valid token, None without a token; a token that is sent but invalid is a 401."""
+        auth = self.headers.get("Authorization") or ""
+        if not auth:
+            return None
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        user = self.hub.tokens.get(token)
+        if user is None:
+            raise StoreError(401, "Invalid credentials in Authorization header")
+        return user
+
+    def _require_user(self) -> str:
+        user = self._token_user()
+        if user is None:
+            raise StoreError(401, "Invalid credentials in Authorization header")
+        return user
+
+    def _readable(self, rtype: str, repo_id: str) -> None:
+        user = self._token_user()
+        meta = self.hub.store.repo_meta(rtype, repo_id)
+        if meta["private"] and user is None:
+            raise StoreError(404, f"Repository {repo_id} not found", "RepoNotFound")
+
+    def _writable(self, rtype: str, repo_id: str) -> str:
+        user = self._require_user()
+        self.hub.store.repo_meta(rtype, repo_id)
+        return user
+
+    def _repo_url(self, rtype: str, repo_id: str) -> str:
+        return f"{self.endpoint}/{'' if rtype == 'model' else rtype + 's/'}{repo_id}"
+
+    # -- account and repos ---------------------------------------------------------------------------------
+    def whoami(self):
+        user = self._require_user()
+        self._json({"type": "user", "id": hashlib.sha1(user.encode()).hexdigest()[:24], "name": user,
+                    "fullname": user, "email": None, "emailVerified": False, "isPro": False, "orgs": [],
+                    "auth": {"type": "access_token",
+                             "accessToken": {"displayName": "hf_unlearn local hub", "role": "write"}}})
+
+    def create_repo(self):
+        user = self._require_user()
+        body = self._json_body()
+        rtype = body.get("type") or "model"
+        repo_id = f"{body.get('organization') or user}/{body.get('name')}"
+        private = body.get("visibility", "private" if body.get("private") else "public") == "private"
+        url = self._repo_url(rtype, repo_id)
+        if not self.hub.store.create_repo(rtype, repo_id, private=private, author=user):
+            raise StoreError(409, f"You already created this {rtype} repo", url=url)
+        self._json({"url": url, "name": repo_id, "id": repo_id})
+
+    def delete_repo(self):
+        self._require_user()
+        body = self._json_body()
+        self.hub.store.delete_repo(body.get("type") or "model", f"{body.get('organization')}/{body.get('name')}")
+        self._json({})
+
+    def validate_yaml(self):
+        body = self._json_body()
+        errors, warnings = validate_card_metadata(body.get("content", ""))
+        self._json({"errors": [{"message": m} for m in errors], "warnings": [{"message": m} for m in warnings]},
+                   status=400 if errors else 200)
+
+    def repo_info(self, rtypes, ns, name, revision=None):
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._readable(rtype, repo_id)
+        meta = self.hub.store.repo_meta(rtype, repo_id)
+        sha, files = self.hub.store.files(rtype, repo_id, revision or "main")
+        commit = self.hub.store.commit(rtype, repo_id, sha)
+        blobs = self.query.get("blobs", "").lower() in ("1", "true")
+        siblings = []
+        for entry in sorted(files.values(), key=lambda e: e.path):
+            s = {"rfilename": entry.path}
+            if blobs:
+                s.update(size=entry.size, blobId=entry.oid)
+                if entry.lfs_oid:
+                    s["lfs"] = {"size": entry.size, "sha256": entry.lfs_oid, "pointerSize": entry.tree_item()["lfs"]
+                                ["pointerSize"]}
+            siblings.append(s)
+        card = self._card_data(rtype, repo_id, files)
+        info = {"_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24], "id": repo_id, "author": ns, "sha": sha,
+                "lastModified": commit["date"], "createdAt": meta["created_at"], "private": meta["private"],
+                "disabled": False, "gated": False, "downloads": 0, "likes": 0, "tags": card.get("tags") or [],
+                "cardData": card, "siblings": siblings, "usedStorage": sum(e.size for e in files.values())}
+        if rtype == "model":
+            info.update(modelId=repo_id, library_name=card.get("library_name"))
+        self._json(info)
+
+    def _card_data(self, rtype, repo_id, files) -> dict:
+        entry = files.get("README.md")
+        if entry is None:
+            return {}
+        with self.hub.store.open_entry(entry) as f:
+            meta = _front_matter(f.read().decode("utf-8", "replace"))
+        return meta if isinstance(meta, dict) else {}
+
+    def tree(self, rtypes, ns, name, revision, subpath):
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._readable(rtype, repo_id)
+        _, files = self.hub.store.files(rtype, repo_id, revision)
+        prefix = (subpath or "").strip("/")
+        recursive = self.query.get("recursive", "").lower() in ("1", "true")
+        base = prefix + "/" if prefix else ""
+        items, folders = [], set()
+        for entry in files.values():
+            if not entry.path.startswith(base):
+                continue
+            rest = entry.path[len(base):].split("/")
+            for depth in range(1, len(rest)):
+                if recursive or depth == 1:
+                    folders.add(base + "/".join(rest[:depth]))
+            if recursive or len(rest) == 1:
+                items.append(entry.tree_item())
+        if prefix and not items and not folders:
+            raise StoreError(404, f"{prefix} does not exist at {revision}", "EntryNotFound")
+        items += [{"type": "directory", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": 0, "path": p}
+                  for p in folders]
+        self._json(sorted(items, key=lambda i: i["path"]))
+
+    def refs(self, rtypes, ns, name):
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._readable(rtype, repo_id)
+        refs = self.hub.store.refs(rtype, repo_id)
+        self._json({
+            "branches": [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": s}
+                         for n, s in sorted(refs["branches"].items())],
+            "tags": [{"name": n, "ref": f"refs/tags/{n}", "targetCommit": t["target"]}
+                     for n, t in sorted(refs["tags"].items())],
+            "converts": [], "pullRequests": [],
+        })
+
+    def commits(self, rtypes, ns, name, revision):
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._readable(rtype, repo_id)
+        self._json([{"id": c["id"], "title": c["message"], "message": c["description"],
+                     "authors": [{"user": c["author"]}], "date": c["date"]}
+                    for c in self.hub.store.history(rtype, repo_id, revision)])
+
+    def ref_op(self, rtypes, ns, name, kind, ref):
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._writable(rtype, repo_id)
+        if self.command == "DELETE":
+            self._drain()
+            self.hub.store.delete_ref(rtype, repo_id, kind, ref)
+        else:
+            body = self._json_body()
+            if kind == "branch":
+                self.hub.store.create_ref(rtype, repo_id, "branch", ref, body.get("startingPoint") or "main")
+            else:  # POST /tag/{revision} {"tag": name, "message": ...}
+                if not body.get("tag"):
+                    raise StoreError(400, "missing 'tag' in the request body")
+                self.hub.store.create_ref(rtype, repo_id, "tag", body["tag"], ref, body.get("message") or "")
+        self._json({})
+
+    # -- uploads -------------------------------------------------------------------------------------------
+    def preupload(self, rtypes, ns, name, revision):
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._writable(rtype, repo_id)
+        body = self._json_body()
+        sha, files = self.hub.store.files(rtype, repo_id, revision)
+        out = []
+        for f in body.get("files", []):
+            path, size = f["path"], int(f.get("size", 0))
+            sample = base64.b64decode(f.get("sample") or "")
+            lfs = size > 0 and (size >= LFS_SIZE_THRESHOLD or path.endswith(LFS_SUFFIXES) or b"\0" in sample)
+            entry = files.get(path)
+            oid = (entry.lfs_oid or entry.oid) if entry is not None and bool(entry.lfs_oid) == lfs else None
+            out.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
+        self._json({"files": out, "commitOid": sha})
+
+    def lfs_batch(self, prefix, ns, name):
+        rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
+        self._writable(rtype, repo_id)
+        body = self._json_body()
+        if body.get("operation") != "upload":
+            raise StoreError(400, "only the 'upload' LFS operation is served (downloads go through /resolve)")
+        verify = f"{self.endpoint}/{prefix or ''}{repo_id}.git/info/lfs/objects/verify"
+        objects = []
+        for obj in body.get("objects", []):
+            oid, size = str(obj["oid"]), int(obj["size"])
+            item = {"oid": oid, "size": size, "authenticated": True}
+            if not re.fullmatch(r"[0-9a-f]{64}", oid):
+                item["error"] = {"code": 422, "message": f"invalid sha256 oid {oid!r}"}
+            elif not self.hub.store.has_lfs(oid, size):
+                href = f"{self.endpoint}/_lfs/{oid}?size={size}&sig={self.hub._sign(oid, size)}"
+                item["actions"] = {"upload": {"href": href, "header": {}}, "verify": {"href": verify, "header": {}}}
+            objects.append(item)
+        self._json({"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
+                   headers={"Content-Type": "application/vnd.git-lfs+json"})
+
+    def lfs_upload(self, oid):
+        """PUT of one LFS object. Authorised by the signature in the URL (like a presigned URL: the client sends
+        no token here); stored only if the content matches the oid and size."""
+        size = int(self.query.get("size", -1))
+        if not hmac.compare_digest(self.query.get("sig", ""), self.hub._sign(oid, size)):
+            raise StoreError(403, "invalid or missing upload signature")
+        writer = self.hub.store.lfs_writer()
+        fault = self.hub._take_fault("lfs-upload")
+        try:
+            for chunk in self._body_chunks():
+                writer.write(chunk)
+                if fault and writer.size >= size // 2:
+                    raise _Abort()
+            writer.commit(oid, size)
+        except BaseException:
+            writer.abort()
+            raise
+        self._json({})
+
+    def lfs_verify(self, prefix, ns, name):
+        rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
+        self._writable(rtype, repo_id)
+        body = self._json_body()
+        if not self.hub.store.has_lfs(str(body.get("oid")), int(body.get("size", -1))):
+            raise StoreError(404, f"LFS object {body.get('oid')} not found")
+        self._json({})
+
+    def commit(self, rtypes, ns, name, revision):
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        user = self._writable(rtype, repo_id)
+        if self.query.get("create_pr") in ("1", "true"):
+            self._drain()
+            raise StoreError(400, "pull requests are not supported by this server")
+        header, ops = None, []
+        for n, line in enumerate(self._body().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                key, value = item["key"], item["value"]
+                if key == "header":
+                    header = value
+                elif key == "file":
+                    content = value["content"]
+                    data = (base64.b64decode(content) if value.get("encoding", "base64") == "base64"
+                            else content.encode())
+                    ops.append(("file", value["path"], data))
+                elif key == "lfsFile":
+                    if value.get("algo", "sha256") != "sha256":
+                        raise StoreError(400, f"unsupported LFS hash algorithm {value.get('algo')!r}")
+                    size = value.get("size")
+                    if size is None:  # a copy of an existing object
+                        path = self.hub.store._object_path("lfs", value["oid"])
+                        size = path.stat().st_size if path.exists() else -1
+                    ops.append(("lfs", value["path"], (value["oid"], int(size))))
+                elif key in ("deletedFile", "deletedFolder"):
+                    ops.append(("delete", value["path"], key == "deletedFolder"))
+                else:
+                    raise StoreError(400, f"unknown commit operation {key!r} on line {n + 1}")
+            except (KeyError, TypeError, ValueError) as e:
+                if isinstance(e, StoreError):
+                    raise
+                raise StoreError(400, f"malformed commit payload on line {n + 1}: {e!r}") from None
+        if header is None:
+            raise StoreError(400, "commit payload has no header line")
+
+        def fault():
+            if self.hub._take_fault("commit"):
+                raise _Abort()
+
+        sha = self.hub.store.apply_commit(
+            rtype, repo_id, revision, message=str(header.get("summary") or "update"),
+            description=str(header.get("description") or ""), author=user, operations=ops,
+            parent_commit=header.get("parentCommit"), before_publish=fault)
+        self._json({"success": True, "commitOid": sha, "commitUrl": f"{self._repo_url(rtype, repo_id)}/commit/{sha}",
+                    "pullRequestUrl": None, "hookOutput": ""})
+
+    # -- downloads -----------------------------------------------------------------------------------------
+    def resolve(self, prefix, ns, name, revision, path):
+        rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
+        self._readable(rtype, repo_id)
+        sha, files = self.hub.store.files(rtype, repo_id, revision)
+        entry = files.get(path)
+        if entry is None:
+            raise StoreError(404, f"Entry not found: {path} at {revision}", "EntryNotFound")
+        start, end, status = 0, entry.size - 1, 200
+        rng = self.headers.get("Range")
+        m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip()) if rng else None
+        if m and entry.size > 0:
+            if m.group(1):
+                start = int(m.group(1))
+                end = min(int(m.group(2)), entry.size - 1) if m.group(2) else entry.size - 1
+            else:
+                start = max(0, entry.size - int(m.group(2) or 0))
+            if start >= entry.size or start > end:
+                self._json({"error": "range not satisfiable"}, status=416,
+                           headers={"Content-Range": f"bytes */{entry.size}"})
+                return
+            status = 206
+        length = max(0, end - start + 1)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(length))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("X-Repo-Commit", sha)
+        self.send_header("ETag", f'"{entry.oid}"')
+        if entry.lfs_oid:
+            self.send_header("X-Linked-Etag", f'"{entry.lfs_oid}"')
+            self.send_header("X-Linked-Size", str(entry.size))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{entry.size}")
+        self.send_header("Content-Disposition", f"inline; filename*=UTF-8''{quote(Path(path).name)}")
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        with self.hub.store.open_entry(entry) as f:
+            f.seek(start)
+            left = length
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                self.wfile.write(chunk)
+                left -= len(chunk)
+
+
+_ROUTES = [(m, re.compile(p), n) for m, p, n in [
+    ("GET", r"^/api/whoami-v2$", "whoami"),
+    ("POST", r"^/api/repos/create$", "create_repo"),
+    ("DELETE", r"^/api/repos/delete$", "delete_repo"),
+    ("POST", r"^/api/validate-yaml$", "validate_yaml"),
+    ("GET", rf"^/api/{_T}/{_R}(?:/revision/([^/]+))?$", "repo_info"),
+    ("GET", rf"^/api/{_T}/{_R}/tree/([^/]+)(/.*)?$", "tree"),
+    ("GET", rf"^/api/{_T}/{_R}/refs$", "refs"),
+    ("GET", rf"^/api/{_T}/{_R}/commits/([^/]+)$", "commits"),
+    ("POST", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
+    ("DELETE", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
+    ("POST", rf"^/api/{_T}/{_R}/preupload/([^/]+)$", "preupload"),
+    ("POST", rf"^/api/{_T}/{_R}/commit/([^/]+)$", "commit"),
+    ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/batch$", "lfs_batch"),
+    ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/verify$", "lfs_verify"),
+    ("PUT", r"^/_lfs/([0-9a-f]{64})$", "lfs_upload"),
+    ("GET", _PREFIX + r"([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$", "resolve"),
+]]
+
+
+def _front_matter(text: str):
+    """The parsed YAML block at the top of a card (None if there is none)."""
+    import yaml
+
+    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
+    return yaml.safe_load(m.group(1)) if m else None
+
+
+def validate_card_metadata(content: str) -> tuple[list[str], list[str]]:
+    """Errors and warnings for a README's YAML metadata, checking what the Hub checks for models."""
+    import yaml
+
+    try:
+        meta = _front_matter(content)
+    except yaml.YAMLError as e:
+        return [f"YAML metadata is not valid YAML: {e}"], []
+    if meta is None:
+        return [], ["Empty or missing yaml metadata in repo card"]
+    if not isinstance(meta, dict):
+        return ["YAML metadata must be a mapping"], []
+    errors = []
+    for key in ("tags", "datasets", "language", "base_model"):
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, str) or
+                                      (isinstance(value, list) and all(isinstance(v, str) for v in value))):
+            errors.append(f'"{key}" must be a string or a list of strings')
+    for key in ("license", "library_name", "pipeline_tag"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            errors.append(f'"{key}" must be a string')
+    index = meta.get("model-index")
+    if index is not None:
+        if not isinstance(index, list):
+            errors.append('"model-index" must be a list')
+        else:
+            for i, model in enumerate(index):
+                if not isinstance(model, dict) or not isinstance(model.get("name"), str):
+                    errors.append(f'"model-index[{i}].name" must be a string')
+                    continue
+                for j, res in enumerate(model.get("results") or []):
+                    where = f"model-index[{i}].results[{j}]"
+                    if not isinstance(res, dict) or not isinstance(res.get("task"), dict) \
+                            or not isinstance(res["task"].get("type"), str):
+                        errors.append(f'"{where}.task.type" is required')
+                        continue
+                    ds = res.get("dataset")
+                    if not isinstance(ds, dict) or not isinstance(ds.get("name"), str) \
+                            or not isinstance(ds.get("type"), str):
+                        errors.append(f'"{where}.dataset" needs "name" and "type"')
+                    for k, metric in enumerate(res.get("metrics") or []):
+                        if not isinstance(metric, dict) or not isinstance(metric.get("type"), str) \
+                                or "value" not in metric:
+                            errors.append(f'"{where}.metrics[{k}]" needs "type" and "value"')
+    return errors, []
