@@ -1,7 +1,116 @@
-"""`hf-unlearn hub ...`: commands of this group register here."""
+"""`hf-unlearn hub ...`: push an unlearned model, verify a published revision, serve a local Hub."""
+
+from __future__ import annotations
+
+import json
 
 from . import add_subcommands
 
 
 def register(parser) -> None:
-    add_subcommands(parser)
+    sub = add_subcommands(parser)
+
+    p = sub.add_parser("push", help="publish an output dir: weights, tokenizer, state hashes, card, in one commit",
+                       description="Publish OUT (a trainer output dir with unlearning_info.json) to the Hub in one "
+                                   "commit, optionally tagged (each deletion request gets its own tag).")
+    p.add_argument("output_dir", metavar="OUT")
+    p.add_argument("--repo", required=True, help="ORG/NAME on the Hub")
+    p.add_argument("--revision", metavar="TAG", help="tag this push, e.g. deletion-0003 (tags are append-only)")
+    p.add_argument("--deletion", action="store_true", help="tag this push with the next deletion-NNNN")
+    p.add_argument("--branch", default="main", help="branch to commit to (default: main)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--card-info", metavar="FILE", help="unlearning_card_info() as JSON (default: OUT/unlearning_info.json)")
+    p.add_argument("--base-model", help="Hub id of the model that was unlearned")
+    p.add_argument("--dataset", action="append", dest="datasets", help="dataset Hub id (repeatable)")
+    p.add_argument("--license", default="apache-2.0")
+    p.add_argument("--trace", metavar="DIR", help="trace dir: its files with keyed tags only go under provenance/")
+    p.add_argument("--message", help="commit message")
+    _common(p)
+    p.set_defaults(func=_push)
+
+    v = sub.add_parser("verify", help="download a revision, recompute state hashes, compare with card and manifest",
+                       description="Exit 0 iff every tensor's hash and the roots match the manifest and the card.")
+    v.add_argument("repo", metavar="ORG/NAME")
+    v.add_argument("--revision", help="branch, tag (e.g. deletion-0003) or commit (default: main)")
+    v.add_argument("--cache-dir", help="download cache (default: the Hugging Face cache)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    _common(v)
+    v.set_defaults(func=_verify)
+
+    s = sub.add_parser("serve", help="run a local Hub-compatible server (tests, internal model stores)",
+                       description="Serve a Hub-compatible API from DIR; point clients at it with HF_ENDPOINT "
+                                   "and HF_HUB_DISABLE_XET=1.")
+    s.add_argument("--root", required=True, metavar="DIR", help="storage directory (created if missing)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--token", action="append", required=True, metavar="T", help="accepted access token (repeatable)")
+    s.add_argument("--user", default="user", help="user name the tokens belong to")
+    s.add_argument("--verbose", action="store_true", help="log every request")
+    s.set_defaults(func=_serve)
+
+
+def _common(p) -> None:
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
+
+
+def _push(args) -> int:
+    from ..errors import UnlearnError
+    from ..hub.publish import load_card_info, push_unlearned
+
+    if args.revision and args.deletion:
+        raise UnlearnError("pass either --revision TAG or --deletion, not both")
+    if args.card_info:
+        try:
+            with open(args.card_info, encoding="utf-8") as f:
+                card_info = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UnlearnError(f"{args.card_info} is not valid JSON: {e}") from None
+    else:
+        card_info = load_card_info(args.output_dir)
+    result = push_unlearned(
+        args.output_dir, args.repo, card_info=card_info, tag=args.revision, deletion=args.deletion,
+        revision=args.branch, private=args.private or None, token=args.token, endpoint=args.endpoint,
+        base_model=args.base_model, datasets=args.datasets, license=args.license, trace_dir=args.trace,
+        commit_message=args.message,
+    )
+    print(f"published {result.repo_id} commit {result.commit}" + (f" tag {result.tag}" if result.tag else ""))
+    print(f"  {len(result.files)} files, parameters root {result.params_root}")
+    for rel, why in sorted(result.skipped_provenance.items()):
+        print(f"  kept local (not published): {rel}: {why}")
+    print(f"  verify: hf-unlearn hub verify {result.repo_id}" + (f" --revision {result.tag}" if result.tag else ""))
+    return 0
+
+
+def _verify(args) -> int:
+    import sys
+    from dataclasses import asdict
+
+    from ..hub.verify import verify_on_hub
+
+    report = verify_on_hub(args.repo, args.revision, token=args.token, endpoint=args.endpoint,
+                           cache_dir=args.cache_dir)
+    if args.json:
+        print(json.dumps({**asdict(report), "ok": report.ok}, indent=1))
+    else:
+        print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _serve(args) -> int:
+    import logging
+
+    from ..hub.server import HubServer
+
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG, format="%(message)s")
+    server = HubServer(args.root, {t: args.user for t in args.token}, host=args.host, port=args.port)
+    print(f"hf-unlearn hub serving {args.root} at {server.url}", flush=True)
+    print(f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.httpd.server_close()
+    return 0
