@@ -36,6 +36,11 @@ _LAZY: dict[str, str] = {
     # --- evaluation ---
 
     # --- hub publishing ---
+    "push_unlearned": "hf_unlearn.hub.publish",
+    "verify_on_hub": "hf_unlearn.hub.verify",
+    "UnlearningHubMixin": "hf_unlearn.hub.mixin",
+    "write_model_card": "hf_unlearn.hub.mixin",
+    "HubServer": "hf_unlearn.hub.server",
 
 }
 

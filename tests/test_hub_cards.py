@@ -1,0 +1,170 @@
+"""Model cards, keyed tags, the state-hash manifest, provenance selection and local verification (no network)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hf_unlearn.errors import UnlearnError
+from hf_unlearn.hub.cards import find_raw_ids, render_model_card
+from hf_unlearn.hub.keys import key_fingerprint, keyed_tag, keyed_tags, load_key
+
+from .conftest import ROOT
+
+KEY = bytes(range(32))
+FORGET = list(range(3600, 3640))
+
+
+def card_info(**over):
+    info = dict(method="MASC", hyperparameters={"beta": 2.0, "rho": 0.1, "top_k": 8}, forget_ids=FORGET,
+                citation="@inproceedings{masc2025, title={MASC}}", paper="https://arxiv.org/abs/2501.00001",
+                evaluation={"forget_rouge_l": 0.12, "retain_rouge_l": 0.81})
+    info.update(over)
+    return info
+
+
+def test_keyed_tags_are_keyed_and_typed(tmp_path, monkeypatch):
+    assert keyed_tag(7, KEY) == keyed_tag(7, KEY) != keyed_tag("7", KEY)
+    assert keyed_tag(7, KEY) != keyed_tag(7, bytes(32))
+    assert keyed_tags([3, 1, 2, 1], KEY) == sorted({keyed_tag(i, KEY) for i in (1, 2, 3)})
+    assert len(key_fingerprint(KEY)) == 16 and key_fingerprint(KEY) != key_fingerprint(bytes(32))
+    monkeypatch.delenv("HF_UNLEARN_TAG_KEY", raising=False)
+    key = load_key(tmp_path / "k")  # created once (mode 0600), then the same key
+    assert load_key(tmp_path / "k") == key and (tmp_path / "k").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(UnlearnError, match="int or str"):
+        keyed_tag(1.5, KEY)
+
+
+def test_card_metadata_and_body(tmp_path):
+    from huggingface_hub import ModelCard
+
+    manifest = {"params": {"a": "0" * 64}, "params_root": "1" * 64, "root": "2" * 64, "not_saved": ["lm_head.weight"]}
+    text = render_model_card(card_info(), key=KEY, repo_id="org/tiny-masc", base_model="HuggingFaceTB/SmolLM2-135M",
+                             datasets=["locuslab/TOFU"], manifest=manifest, tag="deletion-0003")
+    card = ModelCard(text)  # huggingface_hub parses the metadata
+    data = card.data.to_dict()
+    assert data["base_model"] == "HuggingFaceTB/SmolLM2-135M" and data["library_name"] == "transformers"
+    assert {"unlearning", "masc"} <= set(data["tags"]) and data["datasets"] == ["locuslab/TOFU"]
+    assert data["license"] == "apache-2.0" and data["hf_unlearn"]["params_root"] == "1" * 64
+    results = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert results == {"forget_rouge_l": 0.12, "retain_rouge_l": 0.81}
+    body = card.text
+    assert "| beta | 2.0 |" in body and "samples to forget: **40**" in body
+    assert keyed_tags(FORGET, KEY)[0] in body and key_fingerprint(KEY) in body
+    assert "hf-unlearn hub verify org/tiny-masc --revision deletion-0003" in body
+    assert "@inproceedings{masc2025" in body and "transformers" in body and "Exact deletion" not in body
+    assert not find_raw_ids(text, FORGET)
+
+
+def test_exact_deletion_card_shows_roots_and_verification():
+    exact = {"params_root": "a" * 64, "optimizer_root": "b" * 64, "verified": True,
+             "verification": "bit-identical to the trace oracle"}
+    text = render_model_card(card_info(extra={"exact_deletion": exact}), key=KEY)
+    assert "## Exact deletion" in text and "a" * 64 in text and "b" * 64 in text
+    assert "**passed** (bit-identical to the trace oracle)" in text and "exact-deletion" in text
+
+
+@pytest.mark.parametrize("over, where", [
+    ({"extra": {"deleted_rows": [3600, 3601]}}, "deleted_rows"),
+    ({"hyperparameters": {"forget_ids": [3605]}}, "forget_ids"),
+    ({"extra": {"note": "removed rows 3600, 3601, 3602"}}, "note"),
+    ({"forget_ids": ["piqa-17", "piqa-18"], "hyperparameters": {"comment": "dropped piqa-17"}}, "comment"),
+])
+def test_card_with_raw_ids_is_refused(over, where):
+    with pytest.raises(UnlearnError, match=f"raw sample ids.*{where}"):
+        render_model_card(card_info(**over), key=KEY)
+
+
+def test_numbers_that_are_not_ids_are_not_flagged():
+    # hyperparameters that happen to equal a forget id are scalars, not a published id list
+    render_model_card(card_info(hyperparameters={"max_steps": 3600, "layers": [0, 1]}), key=KEY)
+
+
+def test_manifest_covers_saved_tensors_with_the_library_hash(tmp_path, tiny_llama):
+    from safetensors.torch import load_file
+
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.trace.hashing import state_hashes
+
+    tiny_llama.save_pretrained(tmp_path)
+    manifest = build_manifest(tmp_path, state_dict_names=list(tiny_llama.state_dict()))
+    saved = load_file(tmp_path / "model.safetensors")
+    expected = state_hashes(saved)
+    assert manifest["params"] == expected.params and manifest["params_root"] == expected.params_root
+    assert manifest["not_saved"] == ["lm_head.weight"]  # tied to the embeddings, saved once
+    full = state_hashes(tiny_llama)  # the trainer-side hashes list the tied name too, with the same bytes
+    assert set(full.params) - set(manifest["params"]) == {"lm_head.weight"}
+    assert all(full.params[n] == h for n, h in manifest["params"].items())
+
+
+def test_verify_folder_names_tampered_tensors(tmp_path, tiny_llama):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.hub.verify import verify_folder
+
+    tiny_llama.save_pretrained(tmp_path)
+    manifest = build_manifest(tmp_path)
+    (tmp_path / "state_hashes.json").write_text(json.dumps(manifest))
+    (tmp_path / "README.md").write_text(render_model_card(card_info(), key=KEY, manifest=manifest))
+    report = verify_folder(tmp_path)
+    assert report.ok and report.checked == len(manifest["params"]), report.summary()
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] += 1e-3
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    report = verify_folder(tmp_path)
+    assert not report.ok and report.mismatched == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    assert "tensor differs: model.norm.weight" in report.summary() and "parameters root" in report.summary()
+    assert torch.equal(tensors["model.embed_tokens.weight"], tiny_llama.model.embed_tokens.weight.detach())
+
+
+def test_provenance_keeps_keyed_files_only(tmp_path):
+    from hf_unlearn.hub.publish import select_provenance
+
+    tag = keyed_tag(3600, KEY)
+    (tmp_path / "plan.jsonl").write_text(json.dumps({"step": 0, "seed": 3600, "ids": [tag]}) + "\n")
+    (tmp_path / "id_manifest.json").write_text(json.dumps({"ids": [3600, 3601]}))
+    (tmp_path / "named.json").write_text(json.dumps({"note": "row piqa-17 removed"}))
+    (tmp_path / "run.wal").write_bytes(b"\0" * 64)
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "tokens.npy").write_bytes(b"\0" * 16)
+    keep, skipped = select_provenance(tmp_path, forget_ids=[3600, "piqa-17"])
+    assert sorted(keep) == ["plan.jsonl", "run.wal"]
+    assert "raw ids" in skipped["id_manifest.json"] and "forget ids" in skipped["named.json"]
+    assert "store/tokens.npy" in skipped
+
+
+def test_cli_push_refuses_raw_ids_before_any_network(tmp_path, capsys):
+    from hf_unlearn.cli import main
+    from hf_unlearn.hub.publish import save_card_info
+
+    save_card_info(tmp_path, card_info(extra={"deleted_rows": [3600, 3601]}))
+    # no server listens on this endpoint: the refusal must come first
+    assert main(["hub", "push", str(tmp_path), "--repo", "org/x", "--endpoint", "http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to publish" in err and "deleted_rows" in err
+
+
+def test_templates_ship_with_a_non_editable_install(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "tests", "__pycache__", "*.egg-info", "build"),
+                    symlinks=True)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+                    "--target", str(target), str(src)], check=True, capture_output=True)
+    assert (target / "hf_unlearn" / "model_cards" / "unlearned_model.md").is_file()
+    assert not (target / "hf_unlearn" / "model_cards").is_symlink()
+    code = ("import hf_unlearn.hub.cards as c; assert c.TEMPLATES_DIR.is_relative_to(%r), c.TEMPLATES_DIR; "
+            "print(c.render_model_card({'method': 'M', 'hyperparameters': {}, 'forget_ids': [1], 'citation': '', "
+            "'paper': ''}, key=b'k' * 32)[:3])" % str(target))
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "---", out.stderr[-2000:]
