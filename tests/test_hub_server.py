@@ -166,3 +166,31 @@ def test_private_repo_is_hidden_without_a_token(server):
     call(server, "POST", "/api/repos/create", {"name": "p", "organization": "org", "visibility": "private"})
     assert call(server, "GET", "/api/models/org/p", token=None)[1]["X-Error-Code"] == "RepoNotFound"
     assert call(server, "GET", "/api/models/org/p")[0] == 200
+
+
+def test_cli_serve(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "hf_unlearn", "hub", "serve", "--root", str(tmp_path / "store"),
+                             "--port", str(port), "--token", "t1", "--token", "t2", "--user", "team"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}" in line
+        for token in ("t1", "t2"):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/api/whoami-v2",
+                                         headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert json.loads(r.read())["name"] == "team"
+        assert (tmp_path / "store" / "repos").is_dir()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -286,7 +286,17 @@ def push_unlearned(
         card_info = load_card_info(source)
     info = checked_card_info(card_info)  # refuses raw ids before anything is staged or sent
     key = key if key is not None else load_key()
-    api = _authenticated_api(endpoint, token)
+    if not hasattr(source, "save_pretrained") and not Path(source).is_dir():
+        raise UnlearnError(f"{source} is not a directory (expected a trainer output dir or save_pretrained() dir)")
+    if not hasattr(source, "save_pretrained") and not safetensors_files(source):
+        raise UnlearnError(f"no safetensors weights in {source}; save the model with save_pretrained() "
+                           "(safetensors is the default) before publishing")
+    api = _authenticated_api(endpoint, token)  # cheap checks first: token, repo, tag, before staging
+    _create_repo(api, repo_id, private)
+    if deletion:
+        tag = next_deletion_tag(api, repo_id)
+    if tag is not None:
+        _check_new_tag(api, repo_id, tag)
 
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
         staging = Path(tmp)
@@ -304,12 +314,6 @@ def push_unlearned(
                 dest = staging / PROVENANCE_DIR / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, dest)
-
-        _create_repo(api, repo_id, private)
-        if deletion:
-            tag = next_deletion_tag(api, repo_id)
-        if tag is not None:
-            _check_new_tag(api, repo_id, tag)
 
         card = render_model_card(
             info, key=key, repo_id=repo_id, base_model=_base_model(staging, base_model, info), datasets=datasets,
