@@ -42,14 +42,14 @@ class Client:
     def __init__(self, server: HubServer, tmp_path):
         self.server, self.tmp_path, self.n = server, tmp_path, itertools.count()
 
-    def env(self, token: str | None = TOKEN) -> dict[str, str]:
+    def env(self, token: str | None = TOKEN, xet_off: bool = True) -> dict[str, str]:
         return {"HF_ENDPOINT": self.server.url, "HF_HOME": str(self.tmp_path / f"hf_home_{next(self.n)}"),
-                "HF_TOKEN": token or "", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
+                "HF_TOKEN": token or "", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1" if xet_off else "0",
                 "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                 "HF_UNLEARN_KEY_FILE": str(self.tmp_path / "tag.key")}
 
-    def cli(self, *args, token: str | None = TOKEN):
-        return run_cli("hub", *args, env=self.env(token))
+    def cli(self, *args, token: str | None = TOKEN, xet_off: bool = True):
+        return run_cli("hub", *args, env=self.env(token, xet_off))
 
     def script(self, code: str) -> dict:
         """Run ``code`` (which prints one JSON line last) and return that JSON."""
@@ -198,7 +198,8 @@ def test_server_failing_mid_upload_publishes_nothing_and_a_retry_succeeds(client
 def test_tampered_weights_on_the_hub_fail_verification(client, hub, saved_model):
     from safetensors.torch import load_file, save_file
 
-    proc = client.cli("push", saved_model, "--repo", "org/tamper", "--revision", "deletion-0001")
+    # without HF_HUB_DISABLE_XET: the push learns from whoami that this hub serves LFS only
+    proc = client.cli("push", saved_model, "--repo", "org/tamper", "--revision", "deletion-0001", xet_off=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # someone replaces the weights on main, keeping the card and the manifest
     tensors = load_file(saved_model / "model.safetensors")

@@ -359,9 +359,14 @@ def _authenticated_api(endpoint: str | None, token: str | None):
 
     api = HfApi(endpoint=endpoint, token=token)
     try:
-        api.whoami()
+        me = api.whoami()
     except Exception as e:
         raise hub_error(e, "cannot publish") from None
+    if (me.get("hf_unlearn_hub") or {}).get("xet") is False:
+        # our local Hub serves large files over LFS only; huggingface_hub checks this flag at upload time
+        from huggingface_hub import constants
+
+        constants.HF_HUB_DISABLE_XET = True
     return api
 
 

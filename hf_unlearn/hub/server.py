@@ -269,7 +269,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._json({"type": "user", "id": hashlib.sha1(user.encode()).hexdigest()[:24], "name": user,
                     "fullname": user, "email": None, "emailVerified": False, "isPro": False, "orgs": [],
                     "auth": {"type": "access_token",
-                             "accessToken": {"displayName": "hf_unlearn local hub", "role": "write"}}})
+                             "accessToken": {"displayName": "hf_unlearn local hub", "role": "write"}},
+                    "hf_unlearn_hub": {"xet": False}})  # tells hf_unlearn's push to use LFS, not Xet
+
+    def xet_token(self, *_):
+        raise StoreError(501, "this Hub server does not serve Xet storage; set HF_HUB_DISABLE_XET=1 before "
+                              "huggingface_hub is imported (large files then go through LFS)")
 
     def create_repo(self):
         user = self._require_user()
@@ -555,6 +560,7 @@ _ROUTES = [(m, re.compile(p), n) for m, p, n in [
     ("GET", rf"^/api/{_T}/{_R}(?:/revision/([^/]+))?$", "repo_info"),
     ("GET", rf"^/api/{_T}/{_R}/tree/([^/]+)(/.*)?$", "tree"),
     ("GET", rf"^/api/{_T}/{_R}/refs$", "refs"),
+    ("GET", rf"^/api/{_T}/{_R}/xet-(read|write)-token(?:/.*)?$", "xet_token"),
     ("GET", rf"^/api/{_T}/{_R}/commits/([^/]+)$", "commits"),
     ("POST", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
     ("DELETE", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
