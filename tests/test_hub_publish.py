@@ -91,19 +91,25 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     from hf_unlearn.hub.publish import save_card_info
     from hf_unlearn.trace.hashing import state_hashes
 
+    trace = tmp_path / "trace"  # provenance: the keyed plan is published, the raw id manifest stays local
+    trace.mkdir()
+    (trace / "plan.jsonl").write_text(json.dumps({"step": 0, "ids": ["0123456789abcdef0123456789abcdef"]}) + "\n")
+    (trace / "id_manifest.json").write_text(json.dumps({"ids": FORGET}))
     proc = client.cli("push", saved_model, "--repo", "org/tiny", "--revision", "deletion-0001",
-                      "--dataset", "locuslab/TOFU")
+                      "--dataset", "locuslab/TOFU", "--trace", trace)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kept local (not published): id_manifest.json" in proc.stdout
     refs = hub.store.refs("model", "org/tiny")
     first = refs["branches"]["main"]
     assert refs["tags"]["deletion-0001"]["target"] == first
     sha, files = hub.store.files("model", "org/tiny", "deletion-0001")
-    assert set(files) == EXPECTED_FILES and files["model.safetensors"].lfs_oid  # weights went through LFS
+    assert set(files) == EXPECTED_FILES | {"provenance/plan.jsonl"}
+    assert files["model.safetensors"].lfs_oid  # the weights went through LFS
     card = read(hub, "org/tiny", first, "README.md").decode()
     assert not find_raw_ids(card, FORGET) and "unlearning_info.json" not in files
     manifest = json.loads(read(hub, "org/tiny", first, "state_hashes.json"))
     assert manifest["params"] == state_hashes(load_file(saved_model / "model.safetensors")).params
-    assert manifest["params_root"] in card
+    assert manifest["params_root"] in card and "provenance/plan.jsonl" in card
     request = json.loads(read(hub, "org/tiny", first, "forget_request.json"))
     assert request["count"] == len(FORGET) and not find_raw_ids(request, FORGET)
 
@@ -125,6 +131,7 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     history = [c["message"] for c in hub.store.history("model", "org/tiny", "main")]
     assert history[0].startswith("deletion-0002") and history[1].startswith("deletion-0001")
     assert json.loads(read(hub, "org/tiny", "deletion-0002", "forget_request.json"))["count"] == len(FORGET) + 2
+    assert "provenance/plan.jsonl" not in hub.store.files("model", "org/tiny", "deletion-0002")[1]  # one model, whole
     proc = client.cli("push", second, "--repo", "org/tiny", "--revision", "deletion-0002")
     assert proc.returncode == 1 and "already has a tag 'deletion-0002'" in proc.stderr
 

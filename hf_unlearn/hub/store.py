@@ -301,6 +301,8 @@ class LfsWriter:
         self.size += len(chunk)
 
     def commit(self, oid: str, size: int) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
         self.file.close()
         if self.sha.hexdigest() != oid or self.size != size:
             self.abort()
