@@ -168,3 +168,25 @@ def test_templates_ship_with_a_non_editable_install(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "---", out.stderr[-2000:]
+
+
+def test_trainer_mixin_writes_the_card_and_keeps_raw_ids_local(tmp_path, tiny_llama, gpt2_tokenizer):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_unlearn.hub import UnlearningHubMixin
+    from hf_unlearn.hub.cards import check_card_metadata
+
+    class Toy(UnlearningHubMixin, Trainer):
+        def unlearning_card_info(self):
+            return card_info()
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = Toy(model=tiny_llama, args=args, processing_class=gpt2_tokenizer)
+    trainer.save_model()
+    text = trainer.create_model_card(model_name="org/toy", dataset_name="locuslab/TOFU", tags=["demo"],
+                                     finetuned_from="HuggingFaceTB/SmolLM2-135M")
+    meta = check_card_metadata((tmp_path / "README.md").read_text())
+    assert text.startswith("---") and {"demo", "masc", "unlearning"} <= set(meta["tags"])
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and meta["hf_unlearn"]["params_root"]
+    assert json.loads((tmp_path / "unlearning_info.json").read_text())["forget_ids"] == FORGET  # local only
+    assert not find_raw_ids(text, FORGET)

@@ -150,11 +150,13 @@ def render_model_card(
     provenance_files: Iterable[str] = (),
     tag: str | None = None,
     template: str | Path | None = None,
+    extra_tags: list[str] | str | None = None,
 ) -> str:
     """Render the card (YAML metadata + body) for an unlearned model; raises if it would carry raw ids.
 
     ``manifest`` is the state-hash manifest (``publish.build_manifest``); ``tag`` the revision tag of this push
-    (e.g. ``deletion-0003``); ``template`` a custom template file (else ``model_cards/`` picks one).
+    (e.g. ``deletion-0003``); ``template`` a custom template file (else ``model_cards/`` picks one); ``extra_tags``
+    more Hub tags.
     """
     import jinja2
     from huggingface_hub import EvalResult, ModelCardData
@@ -173,6 +175,8 @@ def render_model_card(
         for name, value in info["evaluation"].items() if math.isfinite(value)
     ]
     tags = ["unlearning", "hf_unlearn", _slug(info["method"])] + (["exact-deletion"] if exact else [])
+    extra_tags = [extra_tags] if isinstance(extra_tags, str) else list(extra_tags or [])
+    tags += [t for t in extra_tags if t not in tags]
     summary = {"method": info["method"], "forget_count": request["count"],
                "key_fingerprint": request["key_fingerprint"]}
     if manifest:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def write_model_card(output_dir: str | os.PathLike, card_info: Mapping[str, Any], *, repo_id: str | None = None,
                      base_model: str | None = None, datasets: list[str] | None = None, license: str = "apache-2.0",
-                     key: bytes | None = None) -> str:
+                     extra_tags: list[str] | str | None = None, key: bytes | None = None) -> str:
     """Render the card for the model saved in ``output_dir`` into ``output_dir/README.md`` and return it.
 
     Also stores ``card_info`` as ``unlearning_info.json`` (local only) so ``hf-unlearn hub push OUT`` can publish
@@ -41,7 +41,8 @@ def write_model_card(output_dir: str | os.PathLike, card_info: Mapping[str, Any]
     exact = (card_info.get("extra") or {}).get("exact_deletion") or {}
     manifest = build_manifest(out, optimizer_root=exact.get("optimizer_root", "")) if safetensors_files(out) else None
     card = render_model_card(card_info, key=key if key is not None else load_key(), repo_id=repo_id,
-                             base_model=base_model, datasets=datasets, license=license, manifest=manifest)
+                             base_model=base_model, datasets=datasets, license=license, manifest=manifest,
+                             extra_tags=extra_tags)
     atomic_write_text(out / "README.md", card)
     return card
 
@@ -59,21 +60,26 @@ class UnlearningHubMixin:
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None, *, base_model: str | None = None,
-                          datasets: list[str] | None = None, license: str = "apache-2.0") -> str | None:
-        """Write ``README.md`` (and the local ``unlearning_info.json``) into ``args.output_dir``."""
+                          datasets: list[str] | None = None, license: str | None = None,
+                          finetuned_from: str | None = None, **kwargs) -> str | None:
+        """Write ``README.md`` (and the local ``unlearning_info.json``) into ``args.output_dir``.
+
+        Takes trl's arguments (``model_name``, ``dataset_name``, ``tags``) and transformers' ``finetuned_from``
+        and ``license`` (default apache-2.0); other transformers card arguments are ignored.
+        """
         if not self.is_world_process_zero():
             return None
         datasets = datasets or ([dataset_name] if dataset_name else None)
         return write_model_card(self.args.output_dir, self.unlearning_card_info(),
                                 repo_id=model_name or self.args.hub_model_id,
-                                base_model=base_model or self._card_defaults()["base_model"], datasets=datasets,
-                                license=license)
+                                base_model=base_model or finetuned_from or self._card_defaults()["base_model"],
+                                datasets=datasets, license=license or "apache-2.0", extra_tags=tags)
 
     def push_to_hub(self, repo_id: str | None = None, commit_message: str | None = None, *, tag: str | None = None,
                     deletion: bool = False, private: bool | None = None, token: str | None = None,
                     revision: str = "main", base_model: str | None = None, datasets: list[str] | None = None,
                     license: str = "apache-2.0", trace_dir: str | os.PathLike | None = None,
-                    **kwargs) -> PushResult | None:
+                    tags: list[str] | str | None = None, **kwargs) -> PushResult | None:
         """Save the model and publish it to ``repo_id`` (default ``args.hub_model_id``) in one commit."""
         self.save_model(self.args.output_dir)
         if not self.is_world_process_zero():
@@ -89,7 +95,7 @@ class UnlearningHubMixin:
             self.args.output_dir, repo_id, card_info=info, tag=tag, deletion=deletion, revision=revision,
             private=self.args.hub_private_repo if private is None else private,
             token=token or self.args.hub_token, base_model=base_model or self._card_defaults()["base_model"],
-            datasets=datasets, license=license, trace_dir=trace_dir, commit_message=commit_message,
+            datasets=datasets, license=license, trace_dir=trace_dir, commit_message=commit_message, extra_tags=tags,
         )
 
     def _push_from_checkpoint(self, checkpoint_folder):

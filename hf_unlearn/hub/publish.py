@@ -265,6 +265,7 @@ def push_unlearned(
     commit_message: str | None = None,
     endpoint: str | None = None,
     template: str | os.PathLike | None = None,
+    extra_tags: list[str] | str | None = None,
 ) -> PushResult:
     """Publish an unlearned model (an output directory, or a model + ``tokenizer``) to ``repo_id`` in one commit.
 
@@ -317,7 +318,7 @@ def push_unlearned(
 
         card = render_model_card(
             info, key=key, repo_id=repo_id, base_model=_base_model(staging, base_model, info), datasets=datasets,
-            license=license, manifest=manifest, tag=tag, template=template,
+            license=license, manifest=manifest, tag=tag, template=template, extra_tags=extra_tags,
             provenance_files=[f"{PROVENANCE_DIR}/{r}" for r in sorted(_provenance_rel(staging))],
         )
         atomic_write_text(staging / "README.md", card)
