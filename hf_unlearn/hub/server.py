@@ -164,7 +164,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.headers.get('Host') or '%s:%d' % self.server.server_address[:2]}"
+        """The URL clients reach us at (behind a TLS proxy: its X-Forwarded-Proto and Host)."""
+        scheme = self.headers.get("X-Forwarded-Proto") or "http"
+        return f"{scheme}://{self.headers.get('Host') or '%s:%d' % self.server.server_address[:2]}"
 
     def _json(self, payload, status: int = 200, code: str | None = None, headers: dict | None = None) -> None:
         body = json.dumps(payload).encode()
