@@ -154,9 +154,11 @@ def test_cli_push_refuses_raw_ids_before_any_network(tmp_path, capsys):
 
 
 def test_templates_ship_with_a_non_editable_install(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "tests", "__pycache__", "*.egg-info", "build"),
-                    symlinks=True)
+    src = tmp_path / "src"  # what a source checkout ships: the package, the templates, the build files
+    for name in ("hf_unlearn", "model_cards"):
+        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
                     "--target", str(target), str(src)], check=True, capture_output=True)
