@@ -39,7 +39,8 @@ def quantize_model(model, bits: int = 4, *, quant_type: str | None = None, skip_
     Args:
         bits: 4 (``quant_type`` ``nf4`` default, or ``fp4``) or 8 (LLM.int8 weights).
         skip_modules: module names (last component) left in full precision; the output head by default, as
-            transformers' bitsandbytes integration does.
+            transformers' bitsandbytes integration does. 4-bit layers whose input size is not a multiple of
+            ``block_size`` also stay in full precision (counted in ``qmodel.hf_unlearn_quantization``).
     """
     import torch
 
@@ -52,7 +53,7 @@ def quantize_model(model, bits: int = 4, *, quant_type: str | None = None, skip_
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     qmodel = copy.deepcopy(model)
-    replaced = 0
+    replaced, skipped = 0, []
     from transformers.pytorch_utils import Conv1D
 
     for _, module in list(qmodel.named_modules()):
@@ -62,6 +63,9 @@ def quantize_model(model, bits: int = 4, *, quant_type: str | None = None, skip_
             # GPT-2's Conv1D is a linear layer with its weight stored transposed ([in, out])
             w = child.weight.data.t() if isinstance(child, Conv1D) else child.weight.data
             out_features, in_features = w.shape
+            if bits == 4 and in_features % block_size:
+                skipped.append(child_name)  # bitsandbytes' 4-bit CPU kernels need whole blocks per row
+                continue
             bias = child.bias is not None
             if bits == 4:
                 q = bnb.nn.Linear4bit(in_features, out_features, bias=bias, compute_dtype=dtype,
@@ -78,7 +82,10 @@ def quantize_model(model, bits: int = 4, *, quant_type: str | None = None, skip_
             setattr(module, child_name, q)
             replaced += 1
     if replaced == 0:
-        raise UnlearnError(f"{type(model).__name__} has no nn.Linear layers to quantise (all skipped or none)")
+        why = f" (input sizes not multiples of block_size={block_size})" if skipped else ""
+        raise UnlearnError(f"{type(model).__name__} has no linear layers bitsandbytes can quantise{why}")
+    qmodel.hf_unlearn_quantization = {"bits": bits, "quant_type": quant_type, "quantized_layers": replaced,
+                                      "skipped_layers": len(skipped)}
     qmodel.eval()
     return qmodel
 
@@ -130,6 +137,5 @@ def evaluate_quantized(model, tokenizer, *, bits: int = 4, quant_type: str | Non
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")  # int8 matmul's per-call notice
         after = evaluate(qmodel, tokenizer, **eval_kwargs)
-    meta = {"benchmark": benchmark, "bits": bits, "quant_type": quant_type or QUANT_TYPES[bits][0],
-            "backend": f"bitsandbytes {_bnb().__version__}"}
+    meta = {"benchmark": benchmark, **qmodel.hf_unlearn_quantization, "backend": f"bitsandbytes {_bnb().__version__}"}
     return QuantizedComparison.from_results(before, after, meta)
