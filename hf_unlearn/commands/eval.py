@@ -75,6 +75,7 @@ def _muse_options(p) -> None:
     _common(p, "eval_results")
     p.add_argument("--muse", default=None, help="local MUSE-News folder (default: $HF_UNLEARN_DATA_DIR/muse_news)")
     p.add_argument("--max-length", type=int, default=1024, help="tokens of each privleak text scored")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="last tokens of each verbmem prompt kept")
     p.add_argument("--verbmem-max-new-tokens", type=int, default=128)
     p.add_argument("--knowmem-max-new-tokens", type=int, default=32)
 
@@ -188,7 +189,8 @@ def run_muse(args) -> int:
     model, tok = _load(args.model)
     result = evaluate_muse_news(
         model, tok, muse_path=args.muse, reference=args.reference, batch_size=args.batch_size,
-        max_items=args.max_items, max_length=args.max_length, verbmem_max_new_tokens=args.verbmem_max_new_tokens,
+        max_items=args.max_items, max_length=args.max_length, max_prompt_tokens=args.max_prompt_tokens,
+        verbmem_max_new_tokens=args.verbmem_max_new_tokens,
         knowmem_max_new_tokens=args.knowmem_max_new_tokens, progress=not args.quiet,
     )
     _write(result, Path(args.out), "muse_results")

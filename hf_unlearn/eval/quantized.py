@@ -6,10 +6,11 @@ weights by less than a quantisation step. We quantise every ``nn.Linear`` except
 **bitsandbytes** (NF4/FP4 4-bit via ``Linear4bit``, LLM.int8 8-bit via ``Linear8bitLt``), the backend behind
 ``BitsAndBytesConfig(load_in_4bit=True)``, and re-run the same evaluation.
 
-Why bitsandbytes: since 0.46 it ships a CPU backend (torch ops, no CUDA), so the same quantisation users deploy on
-GPUs runs here on CPU and in CI; it quantises an in-memory model (an unlearned model need not be saved first, and
-GGUF-loaded models cannot be re-loaded with a quantisation config). optimum-quanto's last release predates the
-torch we pin and torchao's CPU int4 path needs layout-specific kernels; neither was needed.
+Why bitsandbytes: since 0.46 it ships a CPU backend (torch ops, no CUDA, no compiler), so the same NF4 quantisation
+users deploy on GPUs runs on CPU and in CI; it quantises an in-memory model (an unlearned model need not be saved
+first, and GGUF-loaded models cannot be re-loaded with a quantisation config). optimum-quanto 0.2.7 also runs here
+(qint4 weights), but its first forward JIT-compiles a C++ extension with ninja (over 4 minutes on the shared 2-core
+development machine) and needs a compiler; torchao was not tried.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ them, truth-ratio summaries (and forget quality) use only the items that have on
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -274,6 +275,7 @@ def evaluate_tofu(
                     raise UnlearnError(f"TOFU {name} id {it['id']}: {e}") from None
                 tags.append((name, i, kind, j))
     pad = pad_token_id(tokenizer)
+    started = time.perf_counter()
     stats = score_sequences(model, encodings, pad_id=pad, batch_size=batch_size, desc="TOFU scoring",
                             progress=progress)
 
@@ -291,11 +293,14 @@ def evaluate_tofu(
         else:
             rec["perturbed_nlls"].append(st.mean_nll)
 
+    scored = time.perf_counter()
     qa_items = [(name, i) for name in QA_SETS for i in range(len(sets[name]))]
     generations = generate_texts(
         model, tokenizer, [prompt_ids(tokenizer, sets[n][i]["question"], chat) for n, i in qa_items],
         max_new_tokens=max_new_tokens, batch_size=batch_size, desc="TOFU generation", progress=progress,
     )
+    meta["timings"] = {"sequences_scored": len(encodings), "scoring_s": scored - started,
+                       "prompts_generated": len(qa_items), "generation_s": time.perf_counter() - scored}
     for (name, i), text in zip(qa_items, generations):
         rec = records[name][i]
         rec["generation"] = text
