@@ -109,3 +109,15 @@ def test_token_statistics_ignores_padding_on_either_side():
     (padded,) = M.token_statistics(left, torch.tensor([[-100, -100, -100, 3, 5, 1]]))
     np.testing.assert_allclose(padded.logprobs, ref.logprobs, rtol=1e-6)
     np.testing.assert_array_equal(padded.correct, ref.correct)
+
+
+def test_metrics_load_the_evaluate_way():
+    import evaluate
+
+    from hf_unlearn.eval.hf_metrics import UNLEARNING_METRIC_PATH
+
+    rouge = evaluate.load(UNLEARNING_METRIC_PATH, "rouge_l")
+    out = rouge.compute(predictions=["the cat on the mat"], references=["the cat sat on the mat"])
+    assert out == pytest.approx({"rouge_l_recall": 5 / 6, "rouge_l_f1": 10 / 11})
+    auc = evaluate.load(UNLEARNING_METRIC_PATH, "mia_auc")
+    assert auc.compute(predictions=[0.1, 0.2, 0.9, 0.8], references=[1, 1, 0, 0]) == {"auc": 1.0}

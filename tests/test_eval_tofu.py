@@ -137,3 +137,20 @@ def test_truth_ratio_plot_and_tradeoff_plot(result, tmp_path):
     assert trade.stat().st_size > 1000
     with pytest.raises(UnlearnError, match="forget_quality"):
         plot_tradeoff([result], tmp_path / "x.png", x="forget_quality")
+
+
+@pytest.mark.slow
+def test_smollm2_knows_real_authors_better_than_chance_and_survives_4bit():
+    pytest.importorskip("bitsandbytes")
+    from hf_unlearn.eval.quantized import evaluate_quantized
+    from hf_unlearn.models import load_model, load_tokenizer
+
+    from .conftest import SMOLLM2_DIR
+
+    model, tok = load_model(SMOLLM2_DIR), load_tokenizer(SMOLLM2_DIR)
+    cmp = evaluate_quantized(model, tok, bits=4, tofu_path=TOFU_DIR, max_items=8, max_new_tokens=24, progress=False)
+    before = cmp.meta["before"]
+    assert before["chat_template"] is True  # SmolLM2-Instruct has one, and auto uses it
+    ra = cmp.summary["real_authors_probability"]
+    assert ra["before"] > 0.4 and ra["after"] > 0.3  # 4 choices: chance is 0.25
+    assert cmp.summary["real_authors_rouge_l"]["before"] > 0.2

@@ -67,8 +67,9 @@ def score_sequences(
                     labels[row, :n] = torch.tensor(encodings[i]["labels"])
                     mask[row, :n] = 1
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-                for i, stats in zip(idx, token_statistics(logits, labels.to(device))):
-                    results[i] = stats
+                labels = labels.to(device)
+                for row, i in enumerate(idx):  # row by row: the full-vocabulary temporaries stay one sequence big
+                    results[i] = token_statistics(logits[row:row + 1], labels[row:row + 1])[0]
     finally:
         model.train(was_training)
     return results  # type: ignore[return-value]
