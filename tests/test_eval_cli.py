@@ -49,6 +49,14 @@ def test_tofu_with_forget_ids(model_dir, tmp_path):
     assert json.loads((out / "tofu_results.json").read_text())["meta"]["forget_ids"] == [3610, 3611]
 
 
+def test_reference_may_not_train_on_forget_ids(model_dir, tmp_path, capsys):
+    assert main(["eval", "tofu-reference", str(model_dir), "--out", str(tmp_path), "--train-ids", "0-41",
+                 "--forget-ids", "0-39", *TOFU]) == 1
+    assert "must never see them" in capsys.readouterr().err
+    assert main(["eval", "tofu-reference", str(model_dir), "--out", str(tmp_path), "--forget-ids", "0-39", *TOFU]) == 1
+    assert "overlap retain90" in capsys.readouterr().err
+
+
 def test_bad_input_gives_one_line_errors(model_dir, tmp_path, capsys):
     assert main(["eval", "tofu", str(model_dir), "--out", str(tmp_path), "--chat-template", "yes", *TOFU]) == 1
     assert "has none" in capsys.readouterr().err

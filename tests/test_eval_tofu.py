@@ -148,7 +148,7 @@ def test_smollm2_knows_real_authors_better_than_chance_and_survives_4bit():
     from .conftest import SMOLLM2_DIR
 
     model, tok = load_model(SMOLLM2_DIR), load_tokenizer(SMOLLM2_DIR)
-    cmp = evaluate_quantized(model, tok, bits=4, tofu_path=TOFU_DIR, max_items=8, max_new_tokens=24, progress=False)
+    cmp = evaluate_quantized(model, tok, bits=4, tofu_path=TOFU_DIR, max_items=6, max_new_tokens=24, progress=False)
     before = cmp.meta["before"]
     assert before["chat_template"] is True  # SmolLM2-Instruct has one, and auto uses it
     ra = cmp.summary["real_authors_probability"]

@@ -25,6 +25,7 @@ def register(parser) -> None:
     p.add_argument("--train-batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--max-train-rows", type=int, default=None, help="train on a seeded subset of the retain split")
+    p.add_argument("--train-ids", default=None, help="train on these TOFU ids instead of retainNN (a TOFU subset)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_tofu_reference)
 
@@ -176,7 +177,8 @@ def run_tofu_reference(args) -> int:
                              gradient_accumulation_steps=args.grad_accum, max_train_rows=args.max_train_rows,
                              seed=args.seed)
     train_retain_reference(model, tok, forget_split=args.forget_split, output_dir=out / "model", tofu_path=args.tofu,
-                           recipe=recipe, use_chat_template=kwargs["use_chat_template"], progress=not args.quiet)
+                           recipe=recipe, use_chat_template=kwargs["use_chat_template"],
+                           train_ids=parse_ids(args.train_ids), forget_ids=kwargs["forget_ids"], progress=not args.quiet)
     result = evaluate_tofu(model, tok, **kwargs)
     result.meta["reference_recipe"] = vars(recipe)
     _write_tofu(result, out, None)

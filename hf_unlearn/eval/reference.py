@@ -26,9 +26,13 @@ class ReferenceRecipe:
 
 def train_retain_reference(model, tokenizer, *, forget_split: str = "forget10", output_dir: str | os.PathLike,
                            tofu_path=None, recipe: ReferenceRecipe | None = None, use_chat_template: bool | None = None,
-                           progress: bool = True):
+                           train_ids=None, forget_ids=None, progress: bool = True):
     """Fine-tune ``model`` in place on ``retainNN`` (the complement of ``forget_split``) and save it to
-    ``output_dir``; returns the model. ``recipe.max_train_rows`` takes a seeded subset for quick runs."""
+    ``output_dir``; returns the model. ``recipe.max_train_rows`` takes a seeded subset for quick runs.
+
+    ``train_ids`` (rows of ``full``) replaces ``retainNN`` for experiments on a TOFU subset (e.g. 18 of 20 authors);
+    it may not contain any of ``forget_ids``, or the reference would not be retain-only.
+    """
     from transformers import Trainer, TrainingArguments
 
     from ..data import QACollator, load_tofu, tokenize_qa
@@ -38,7 +42,21 @@ def train_retain_reference(model, tokenizer, *, forget_split: str = "forget10", 
     if forget_split not in FORGET_SPLITS:
         raise UnlearnError(f"unknown forget split {forget_split!r}; choose one of {', '.join(FORGET_SPLITS)}")
     chat = resolve_chat_template(tokenizer, use_chat_template)
-    retain = load_tofu(f"retain{100 - int(forget_split[-2:])}", tofu_path)
+    if train_ids is None:
+        retain = load_tofu(f"retain{100 - int(forget_split[-2:])}", tofu_path)
+        if forget_ids is not None and set(forget_ids) & set(retain["id"]):
+            raise UnlearnError(f"forget_ids overlap retain{100 - int(forget_split[-2:])}; pass train_ids (the rows the "
+                               "reference may see)")
+    else:
+        train_ids = [int(i) for i in train_ids]
+        leaked = sorted(set(train_ids) & set(int(i) for i in forget_ids or ()))
+        if leaked:
+            raise UnlearnError(f"train_ids contain forget ids {leaked[:5]}; a retain-only reference must never see them")
+        full = load_tofu("full", tofu_path)
+        bad = [i for i in train_ids if not 0 <= i < len(full)]
+        if bad:
+            raise UnlearnError(f"train_ids {bad[:5]} are not rows of TOFU full (0..{len(full) - 1})")
+        retain = full.select(train_ids)
     if recipe.max_train_rows is not None:
         if recipe.max_train_rows < 1:
             raise UnlearnError(f"max_train_rows must be >= 1, got {recipe.max_train_rows}")
