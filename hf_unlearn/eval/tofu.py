@@ -21,7 +21,6 @@ import os
 import time
 import warnings
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
@@ -366,7 +365,3 @@ def _summarize(records: dict[str, list[dict]], meta: dict, ref: TofuResult | Non
         meta["reference"] = ref.meta.get("model")
     return s
 
-
-def load_result(path: str | os.PathLike | Path) -> TofuResult:
-    """Read a :class:`TofuResult` written by :meth:`TofuResult.to_json`."""
-    return TofuResult.from_json(path)
