@@ -34,6 +34,13 @@ _LAZY: dict[str, str] = {
     # --- random-label forgetting and analysis ---
 
     # --- evaluation ---
+    "evaluate_tofu": "hf_unlearn.eval.tofu",
+    "TofuResult": "hf_unlearn.eval.tofu",
+    "evaluate_muse_news": "hf_unlearn.eval.muse",
+    "MuseResult": "hf_unlearn.eval.muse",
+    "evaluate_quantized": "hf_unlearn.eval.quantized",
+    "quantize_model": "hf_unlearn.eval.quantized",
+    "UnlearningEvalCallback": "hf_unlearn.eval.callback",
 
     # --- hub publishing ---
     "push_unlearned": "hf_unlearn.hub.publish",

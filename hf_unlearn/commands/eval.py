@@ -1,7 +1,229 @@
-"""`hf-unlearn eval ...`: commands of this group register here."""
+"""`hf-unlearn eval ...`: TOFU, the retain-only TOFU reference, MUSE-News, quantised re-evaluation, trade-off plots."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from . import add_subcommands
 
 
 def register(parser) -> None:
-    add_subcommands(parser)
+    sub = add_subcommands(parser)
+
+    p = sub.add_parser("tofu", help="evaluate a model on TOFU (forget quality needs --reference)")
+    p.add_argument("model", help="Hub id, local folder or .gguf file")
+    _tofu_options(p)
+    p.add_argument("--reference", default=None, help="the retain-only reference's tofu_results.json")
+    p.set_defaults(func=run_tofu)
+
+    p = sub.add_parser("tofu-reference", help="train the retain-only reference model on retainNN and evaluate it")
+    p.add_argument("base", help="the base model (before any TOFU fine-tuning): Hub id, folder or .gguf")
+    _tofu_options(p)
+    p.add_argument("--epochs", type=float, default=5.0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--train-batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--max-train-rows", type=int, default=None, help="train on a seeded subset of the retain split")
+    p.add_argument("--train-ids", default=None, help="train on these TOFU ids instead of retainNN (a TOFU subset)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_tofu_reference)
+
+    p = sub.add_parser("muse-news", help="evaluate a model on MUSE-News (verbmem, knowmem, privleak)")
+    p.add_argument("model")
+    _muse_options(p)
+    p.add_argument("--reference", default=None, help="the retain-only model's muse_results.json (for privleak)")
+    p.set_defaults(func=run_muse)
+
+    p = sub.add_parser("quantized", help="the same evaluation before and after bitsandbytes weight quantisation")
+    p.add_argument("model")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    p.add_argument("--quant-type", default=None, help="nf4 (default) or fp4 for 4 bits")
+    p.add_argument("--benchmark", choices=("tofu", "muse-news"), default="tofu")
+    _tofu_options(p)
+    p.add_argument("--reference", default=None, help="reference result JSON of the chosen benchmark")
+    p.add_argument("--muse", default=None, help="local MUSE-News folder (for --benchmark muse-news)")
+    p.add_argument("--max-length", type=int, default=None, help="max tokens per scored sequence")
+    p.set_defaults(func=run_quantized)
+
+    p = sub.add_parser("plot-tradeoff", help="plot a forget metric against model utility across result files")
+    p.add_argument("results", nargs="+", help="tofu_results.json files, in checkpoint order (LABEL=PATH allowed)")
+    p.add_argument("--x", default="forget_truth_ratio", help="summary key on the x axis (default forget_truth_ratio)")
+    p.add_argument("--y", default="model_utility", help="summary key on the y axis (default model_utility)")
+    p.add_argument("--out", default="tradeoff.png")
+    p.set_defaults(func=run_plot_tradeoff)
+
+
+def _common(p, out_default: str) -> None:
+    p.add_argument("--out", default=out_default, help=f"output folder (default {out_default})")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-items", type=int, default=None, help="evaluate only the first N items of every set")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _tofu_options(p) -> None:
+    _common(p, "eval_results")
+    p.add_argument("--forget-split", default="forget10", choices=("forget01", "forget05", "forget10"))
+    p.add_argument("--tofu", default=None, help="local TOFU folder (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)")
+    p.add_argument("--forget-ids", default=None, help="TOFU ids to evaluate as the forget set: 3600-3639,3700 or a file")
+    p.add_argument("--retain-ids", default=None, help="TOFU ids of the retain set (same forms)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
+                   help="prompt with the tokenizer's chat template (auto: when it has one)")
+
+
+def _muse_options(p) -> None:
+    _common(p, "eval_results")
+    p.add_argument("--muse", default=None, help="local MUSE-News folder (default: $HF_UNLEARN_DATA_DIR/muse_news)")
+    p.add_argument("--max-length", type=int, default=1024, help="tokens of each privleak text scored")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="last tokens of each verbmem prompt kept")
+    p.add_argument("--verbmem-max-new-tokens", type=int, default=128)
+    p.add_argument("--knowmem-max-new-tokens", type=int, default=32)
+
+
+def parse_ids(spec: str | None) -> list[int] | None:
+    """``3600-3639,3700`` (inclusive ranges) or a file of ids (JSON list, or whitespace/comma separated)."""
+    import json
+
+    from ..errors import UnlearnError
+
+    if spec is None:
+        return None
+    path = Path(spec)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8").strip()
+        try:
+            values = json.loads(text) if text.startswith("[") else text.replace(",", " ").split()
+            return [int(v) for v in values]
+        except (ValueError, TypeError):
+            raise UnlearnError(f"{path} must hold integer TOFU ids (a JSON list or one per line)") from None
+    ids: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1)
+                ids.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                ids.append(int(part))
+        except ValueError:
+            raise UnlearnError(f"cannot read ids {spec!r}: use 3600-3639,3700 or a file of ids") from None
+    if not ids:
+        raise UnlearnError(f"no ids in {spec!r}")
+    return ids
+
+
+def _tofu_kwargs(args) -> dict:
+    return dict(
+        forget_split=args.forget_split,
+        tofu_path=args.tofu,
+        forget_ids=parse_ids(args.forget_ids),
+        retain_ids=parse_ids(args.retain_ids),
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        max_items=args.max_items,
+        use_chat_template={"auto": None, "yes": True, "no": False}[args.chat_template],
+        progress=not args.quiet,
+    )
+
+
+def _load(name: str):
+    from ..models import load_model, load_tokenizer
+
+    return load_model(name), load_tokenizer(name)
+
+
+def _write(result, out: Path, stem: str) -> None:
+    from ..utils import atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    result.to_json(out / f"{stem}.json")
+    markdown = result.to_markdown()
+    atomic_write_text(out / f"{stem.replace('results', 'summary')}.md", markdown)
+    print(markdown)
+    print(f"wrote {out / f'{stem}.json'}", file=sys.stderr)
+
+
+def _write_tofu(result, out: Path, reference) -> None:
+    import importlib.util
+
+    _write(result, out, "tofu_results")
+    if importlib.util.find_spec("matplotlib") is None:  # the numbers are written; the picture is optional
+        print("matplotlib is not installed; skipped truth_ratio.png", file=sys.stderr)
+        return
+    from ..eval.plots import plot_truth_ratio_histogram
+
+    print(f"wrote {plot_truth_ratio_histogram(result, reference, out / 'truth_ratio.png')}", file=sys.stderr)
+
+
+def run_tofu(args) -> int:
+    from ..eval.tofu import evaluate_tofu
+
+    kwargs = _tofu_kwargs(args)
+    model, tok = _load(args.model)
+    result = evaluate_tofu(model, tok, reference=args.reference, **kwargs)
+    _write_tofu(result, Path(args.out), args.reference)
+    return 0
+
+
+def run_tofu_reference(args) -> int:
+    from ..eval.reference import ReferenceRecipe, train_retain_reference
+    from ..eval.tofu import evaluate_tofu
+
+    kwargs = _tofu_kwargs(args)
+    out = Path(args.out)
+    model, tok = _load(args.base)
+    recipe = ReferenceRecipe(epochs=args.epochs, learning_rate=args.lr, batch_size=args.train_batch_size,
+                             gradient_accumulation_steps=args.grad_accum, max_train_rows=args.max_train_rows,
+                             seed=args.seed)
+    train_retain_reference(model, tok, forget_split=args.forget_split, output_dir=out / "model", tofu_path=args.tofu,
+                           recipe=recipe, use_chat_template=kwargs["use_chat_template"],
+                           train_ids=parse_ids(args.train_ids), forget_ids=kwargs["forget_ids"], progress=not args.quiet)
+    result = evaluate_tofu(model, tok, **kwargs)
+    result.meta["reference_recipe"] = vars(recipe)
+    _write_tofu(result, out, None)
+    return 0
+
+
+def run_muse(args) -> int:
+    from ..eval.muse import evaluate_muse_news
+
+    model, tok = _load(args.model)
+    result = evaluate_muse_news(
+        model, tok, muse_path=args.muse, reference=args.reference, batch_size=args.batch_size,
+        max_items=args.max_items, max_length=args.max_length, max_prompt_tokens=args.max_prompt_tokens,
+        verbmem_max_new_tokens=args.verbmem_max_new_tokens,
+        knowmem_max_new_tokens=args.knowmem_max_new_tokens, progress=not args.quiet,
+    )
+    _write(result, Path(args.out), "muse_results")
+    return 0
+
+
+def run_quantized(args) -> int:
+    from ..eval.quantized import evaluate_quantized
+
+    model, tok = _load(args.model)
+    if args.benchmark == "tofu":
+        kwargs = _tofu_kwargs(args)
+        if args.max_length:
+            kwargs["max_length"] = args.max_length
+    else:
+        kwargs = dict(muse_path=args.muse, batch_size=args.batch_size, max_items=args.max_items,
+                      progress=not args.quiet)
+        if args.max_length:
+            kwargs["max_length"] = args.max_length
+    comparison = evaluate_quantized(model, tok, bits=args.bits, quant_type=args.quant_type,
+                                    benchmark=args.benchmark.replace("-", "_"), reference=args.reference, **kwargs)
+    _write(comparison, Path(args.out), "quantized_results")
+    return 0
+
+
+def run_plot_tradeoff(args) -> int:
+    from ..eval.plots import plot_tradeoff
+
+    results = {}
+    for spec in args.results:
+        label, _, path = spec.rpartition("=") if "=" in spec else (Path(spec).parent.name or spec, "", spec)
+        results[label] = path
+    print(f"wrote {plot_tradeoff(results, args.out, x=args.x, y=args.y)}", file=sys.stderr)
+    return 0

@@ -1,0 +1,96 @@
+"""Plots people would rather look at than read: truth-ratio histograms and the forget/utility trade-off.
+
+matplotlib is imported inside each function (with the non-interactive Agg backend), never at package import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ..errors import UnlearnError
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UnlearnError("plots need matplotlib: pip install 'hf_unlearn[plot]'") from None
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _as_result(obj):
+    from .tofu import TofuResult
+
+    return obj if isinstance(obj, TofuResult) else TofuResult.from_json(obj)
+
+
+def plot_truth_ratio_histogram(result, reference=None, path: str | os.PathLike = "truth_ratio.png",
+                               bins: int = 30, labels: Sequence[str] = ("model", "retain-only reference")) -> Path:
+    """Histogram of per-item forget truth ratios of ``result`` (and of ``reference``) on a log axis; KS p in the title.
+
+    ``result``/``reference``: :class:`TofuResult` objects or paths to their JSON.
+    """
+    import numpy as np
+
+    from .metrics import forget_quality
+
+    plt = _pyplot()
+    res = _as_result(result)
+    series = [(labels[0], res.forget_truth_ratios())]
+    if reference is not None:
+        series.append((labels[1], _as_result(reference).forget_truth_ratios()))
+    if not series[0][1]:
+        raise UnlearnError("the result has no forget truth ratios to plot")
+    logs = [np.log10(np.asarray(v, float)) for _, v in series if v]
+    edges = np.linspace(min(x.min() for x in logs), max(x.max() for x in logs) + 1e-9, bins + 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (label, _), values in zip(series, logs):
+        ax.hist(values, bins=edges, alpha=0.55, label=f"{label} (n={len(values)})")
+    title = f"TOFU {res.meta.get('forget_split', '')} forget truth ratio"
+    if len(series) == 2 and series[1][1]:
+        title += f" (KS p = {forget_quality(series[0][1], series[1][1]):.3g})"
+    ax.set(xlabel="log10 truth ratio  (P(perturbed) / P(paraphrased))", ylabel="items", title=title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | os.PathLike = "tradeoff.png",
+                  x: str = "forget_truth_ratio", y: str = "model_utility") -> Path:
+    """Scatter of ``summary[x]`` against ``summary[y]`` across checkpoints/methods, joined in the given order.
+
+    ``results``: ``{label: TofuResult or JSON path}`` or a sequence (labelled by position or file name).
+    """
+    plt = _pyplot()
+    if not isinstance(results, Mapping):
+        results = {(Path(r).stem if isinstance(r, (str, os.PathLike)) else str(i)): r for i, r in enumerate(results)}
+    points = []
+    for label, r in results.items():
+        s = _as_result(r).summary
+        if s.get(x) is None or s.get(y) is None:
+            raise UnlearnError(f"result {label!r} has no {x if s.get(x) is None else y!r} value to plot")
+        points.append((label, float(s[x]), float(s[y])))
+    if not points:
+        raise UnlearnError("no results to plot")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p[1] for p in points], [p[2] for p in points], "o-", alpha=0.8)
+    for label, px, py in points:
+        ax.annotate(label, (px, py), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(xlabel=x, ylabel=y, title="forget / utility trade-off")
+    if x == "forget_quality":
+        ax.set_xscale("log")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

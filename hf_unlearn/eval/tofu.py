@@ -1,0 +1,367 @@
+"""TOFU evaluation (Maini et al., 2024): forget/retain/real-authors/world-facts metrics, forget quality, MIA.
+
+Sets evaluated (ids as in :mod:`hf_unlearn.data.tofu`):
+
+* ``forget``: ``forgetNN_perturbed`` (the forget split with paraphrased and perturbed answers), or the rows of
+  ``full`` with ``forget_ids``;
+* ``retain``: ``retain_perturbed`` (= the first 400 rows of ``full``) minus any forget id, or the rows with
+  ``retain_ids``;
+* ``real_authors`` and ``world_facts``: their ``*_perturbed`` files (the true answer is its own paraphrase);
+* ``holdout``: as many rows of ``holdout10`` as there are forget items, for membership inference only.
+
+For explicit ids, paraphrased/perturbed answers come from ``forget10_perturbed`` (ids 3600-3999) and
+``retain_perturbed`` (ids 0-399). Items outside those ranges have no truth ratio: every other metric is computed for
+them, truth-ratio summaries (and forget quality) use only the items that have one, and
+``meta["truth_ratio_items"]`` says how many that was per set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import UnlearnError
+from . import metrics as M
+from .result import EvalResult, fmt
+
+FORGET_SPLITS = ("forget01", "forget05", "forget10")
+UTILITY_SETS = ("retain", "real_authors", "world_facts")
+QA_SETS = ("forget", *UTILITY_SETS)
+HEADLINE = ("forget_quality", "model_utility", "forget_probability", "forget_rouge_l", "forget_truth_ratio",
+            "privleak", "retain_probability", "retain_rouge_l", "retain_truth_ratio")
+
+
+class TofuResult(EvalResult):
+    """TOFU evaluation result; ``summary`` keys: ``forget_quality`` (None without a reference), ``model_utility``,
+    ``{set}_{probability,rouge_l,truth_ratio,truth_ratio_symmetric,truth_ratio_one_minus}`` for every set,
+    ``{forget,retain}_{extraction_strength,exact_memorization}``, ``mia_{attack}_auc``, ``privleak`` (Min-k%,
+    None without a reference) and ``privleak_{attack}``."""
+
+    kind = "tofu"
+
+    def headline(self) -> dict[str, Any]:
+        return {k: self.summary.get(k) for k in HEADLINE}
+
+    def forget_truth_ratios(self) -> list[float]:
+        """Per-item forget truth ratios (items that have one), in item order."""
+        return [r["truth_ratio"] for r in self.per_item if r["set"] == "forget" and r.get("truth_ratio") is not None]
+
+    def check_comparable(self, reference: TofuResult) -> None:
+        """Raise unless ``reference`` was computed on the same forget items with the same tokenizer and prompts."""
+        mine, theirs = self.meta, reference.meta
+        if theirs.get("forget_split") != mine.get("forget_split"):
+            raise UnlearnError(
+                f"the reference was evaluated on {theirs.get('forget_split')!r} but this evaluation uses "
+                f"{mine.get('forget_split')!r}; evaluate the retain-only reference on the same forget split"
+            )
+        if theirs.get("tokenizer_fingerprint") != mine.get("tokenizer_fingerprint"):
+            raise UnlearnError(
+                f"the reference was evaluated with another tokenizer (fingerprint {theirs.get('tokenizer_fingerprint')} "
+                f"vs {mine.get('tokenizer_fingerprint')}); truth ratios are only comparable with the same tokenizer"
+            )
+        if theirs.get("chat_template") != mine.get("chat_template"):
+            raise UnlearnError(
+                f"the reference used chat_template={theirs.get('chat_template')} but this evaluation uses "
+                f"{mine.get('chat_template')}; use the same prompt format for both"
+            )
+        if sorted(theirs.get("forget_ids", [])) != sorted(mine.get("forget_ids", [])):
+            raise UnlearnError(
+                f"the reference was evaluated on {len(theirs.get('forget_ids', []))} forget items and this evaluation "
+                f"on {len(mine.get('forget_ids', []))} different ones; use the same forget_ids and max_items for both"
+            )
+
+    def to_markdown(self) -> str:
+        m = self.meta
+        lines = [
+            f"## TOFU evaluation ({m.get('forget_split')}, {m.get('model', 'model')})",
+            "",
+            "| metric | value |",
+            "|---|---|",
+        ]
+        lines += [f"| {k} | {fmt(v)} |" for k, v in self.headline().items()]
+        lines += ["", "| set | items | probability | ROUGE-L recall | truth ratio (report form) | ES | EM |",
+                  "|---|---|---|---|---|---|---|"]
+        s = self.summary
+        for name in QA_SETS:
+            lines.append(
+                f"| {name} | {m.get('items', {}).get(name, 'n/a')} | {fmt(s.get(f'{name}_probability'))} | "
+                f"{fmt(s.get(f'{name}_rouge_l'))} | {fmt(s.get(f'{name}_truth_ratio'))} | "
+                f"{fmt(s.get(f'{name}_extraction_strength'))} | {fmt(s.get(f'{name}_exact_memorization'))} |"
+            )
+        lines += ["", "| MIA (forget vs holdout) | AUC | privleak % |", "|---|---|---|"]
+        for attack in M.MIA_ATTACKS:
+            lines.append(f"| {attack} | {fmt(s.get(f'mia_{attack}_auc'))} | {fmt(s.get(f'privleak_{attack}'))} |")
+        notes = m.get("notes") or []
+        if notes:
+            lines += [""] + [f"- {n}" for n in notes]
+        return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data
+
+
+def _load(config: str, tofu_path, why: str) -> list[dict]:
+    from ..data.tofu import load_tofu
+
+    try:
+        return load_tofu(config, tofu_path).to_list()
+    except UnlearnError as e:
+        raise UnlearnError(f"{e} ({config} is needed for {why})") from None
+
+
+def _qa(row: dict, perturbed: dict | None) -> dict:
+    item = {"id": int(row["id"]), "question": row["question"], "answer": row["answer"],
+            "paraphrased_answer": None, "perturbed_answer": None}
+    if perturbed is not None:
+        item["paraphrased_answer"] = perturbed.get("paraphrased_answer", row["answer"])
+        item["perturbed_answer"] = list(perturbed["perturbed_answer"])
+    return item
+
+
+def _by_ids(ids: Iterable[int], full: dict[int, dict], lookup: dict[int, dict], what: str) -> list[dict]:
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise UnlearnError(f"{what} is empty; pass at least one TOFU id")
+    unknown = [i for i in ids if i not in full]
+    if unknown:
+        raise UnlearnError(f"{what} has ids that are not rows of TOFU full (0..{len(full) - 1}): {unknown[:5]}")
+    return [_qa(full[i], lookup.get(i)) for i in ids]
+
+
+def tofu_sets(
+    forget_split: str = "forget10",
+    tofu_path: str | os.PathLike | None = None,
+    forget_ids: Iterable[int] | None = None,
+    retain_ids: Iterable[int] | None = None,
+    max_items: int | None = None,
+) -> dict[str, list[dict]]:
+    """The items of each evaluated set: ``{set: [{id, question, answer, paraphrased_answer, perturbed_answer}]}``."""
+    if forget_split not in FORGET_SPLITS:
+        raise UnlearnError(f"unknown forget split {forget_split!r}; choose one of {', '.join(FORGET_SPLITS)}")
+    why = "truth ratio and forget quality"
+    sets: dict[str, list[dict]] = {}
+    if forget_ids is None and retain_ids is None:
+        sets["forget"] = [_qa(r, r) for r in _load(f"{forget_split}_perturbed", tofu_path, why)]
+        lookup = None
+    else:
+        lookup = {r["id"]: r for name in ("forget10_perturbed", "retain_perturbed") for r in _load(name, tofu_path, why)}
+        full = {r["id"]: r for r in _load("full", tofu_path, "looking up forget/retain ids")}
+        if forget_ids is not None:
+            sets["forget"] = _by_ids(forget_ids, full, lookup, "forget_ids")
+        else:
+            sets["forget"] = [_qa(r, r) for r in _load(f"{forget_split}_perturbed", tofu_path, why)]
+    forget_set = {it["id"] for it in sets["forget"]}
+    if retain_ids is not None:
+        overlap = sorted(forget_set.intersection(int(i) for i in retain_ids))
+        if overlap:
+            raise UnlearnError(f"retain_ids and forget_ids overlap ({overlap[:5]}); an item cannot be in both")
+        sets["retain"] = _by_ids(retain_ids, full, lookup, "retain_ids")
+    else:
+        rows = [r for r in _load("retain_perturbed", tofu_path, "the retain truth ratio") if r["id"] not in forget_set]
+        if not rows:
+            raise UnlearnError("every retain_perturbed item is a forget id; pass retain_ids")
+        sets["retain"] = [_qa(r, r) for r in rows]
+    for name in ("real_authors", "world_facts"):
+        sets[name] = [_qa(r, r) for r in _load(f"{name}_perturbed", tofu_path, "model utility")]
+    holdout = _load("holdout10", tofu_path, "membership inference (forget vs holdout)")
+    sets["holdout"] = [_qa(r, None) for r in holdout[: min(len(sets["forget"]), len(holdout))]]
+    if max_items is not None:
+        if max_items < 1:
+            raise UnlearnError(f"max_items must be >= 1, got {max_items}")
+        sets = {k: v[:max_items] for k, v in sets.items()}
+    return sets
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def _load_reference(reference) -> TofuResult | None:
+    if reference is None or isinstance(reference, TofuResult):
+        return reference
+    if isinstance(reference, EvalResult):
+        return TofuResult(reference.summary, reference.per_item, reference.meta)
+    if isinstance(reference, (str, os.PathLike)):
+        return TofuResult.from_json(reference)
+    raise UnlearnError(f"reference must be a TofuResult or the path to its JSON, got {type(reference).__name__}")
+
+
+def resolve_chat_template(tokenizer, use_chat_template: bool | None) -> bool:
+    from ..data.tokenize import has_chat_template
+
+    if use_chat_template and not has_chat_template(tokenizer):
+        raise UnlearnError(
+            f"a chat template was asked for but tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has none; "
+            "use plain prompts (use_chat_template=False / --chat-template no) or a tokenizer with a template"
+        )
+    return has_chat_template(tokenizer) if use_chat_template is None else bool(use_chat_template)
+
+
+def prompt_ids(tokenizer, question: str, chat: bool) -> list[int]:
+    """Token ids of the prompt exactly as :func:`hf_unlearn.data.tokenize.encode_qa` builds it."""
+    from ..data.tokenize import format_prompt
+
+    return tokenizer(format_prompt(tokenizer, question, chat), add_special_tokens=not chat)["input_ids"]
+
+
+def evaluate_tofu(
+    model,
+    tokenizer,
+    *,
+    forget_split: str = "forget10",
+    tofu_path: str | os.PathLike | None = None,
+    forget_ids: Iterable[int] | None = None,
+    retain_ids: Iterable[int] | None = None,
+    reference: TofuResult | str | os.PathLike | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 200,
+    max_items: int | None = None,
+    use_chat_template: bool | None = None,
+    max_length: int = 512,
+    mia_k: float = 0.4,
+    progress: bool = True,
+) -> TofuResult:
+    """Evaluate ``model`` on TOFU; see the module docstring for the sets and :class:`TofuResult` for the keys.
+
+    Args:
+        forget_split: ``forget01``/``forget05``/``forget10``; labels the result and sizes the holdout set.
+        forget_ids, retain_ids: restrict evaluation to these TOFU ids (rows of ``full``).
+        reference: the retain-only reference model's result (object or JSON path) for forget quality and privleak.
+            It must come from the same forget items, tokenizer and prompt format.
+        max_items: cap every set at its first ``max_items`` items (quick checks, tests).
+        use_chat_template: None = the tokenizer's chat template if it has one (as training does).
+        mia_k: the fraction of lowest-scoring tokens Min-k% and Min-k%++ average.
+    """
+    from ..data.tokenize import encode_qa
+    from .runner import generate_texts, pad_token_id, score_sequences, tokenizer_fingerprint
+
+    chat = resolve_chat_template(tokenizer, use_chat_template)
+    ref = _load_reference(reference)
+    sets = tofu_sets(forget_split, tofu_path, forget_ids, retain_ids, max_items)
+    meta: dict[str, Any] = {
+        "benchmark": "TOFU",
+        "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
+        "forget_split": forget_split,
+        "forget_ids": [it["id"] for it in sets["forget"]],
+        "retain_ids": [it["id"] for it in sets["retain"]],
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "chat_template": chat,
+        "max_new_tokens": max_new_tokens,
+        "max_length": max_length,
+        "mia_k": mia_k,
+        "items": {k: len(v) for k, v in sets.items()},
+        "notes": [],
+    }
+    if ref is not None:
+        TofuResult(summary={}, meta=meta).check_comparable(ref)  # fail before spending compute
+
+    # one flat list of teacher-forced sequences: (set, item index, kind, perturbed index)
+    encodings, tags = [], []
+    for name, items in sets.items():
+        for i, it in enumerate(items):
+            answers = [("answer", 0, it["answer"])]
+            if it["perturbed_answer"] is not None and name != "holdout":
+                answers.append(("paraphrased", 0, it["paraphrased_answer"]))
+                answers += [("perturbed", j, a) for j, a in enumerate(it["perturbed_answer"])]
+            for kind, j, text in answers:
+                try:
+                    encodings.append(encode_qa(tokenizer, it["question"], text, max_length, chat))
+                except UnlearnError as e:
+                    raise UnlearnError(f"TOFU {name} id {it['id']}: {e}") from None
+                tags.append((name, i, kind, j))
+    pad = pad_token_id(tokenizer)
+    started = time.perf_counter()
+    stats = score_sequences(model, encodings, pad_id=pad, batch_size=batch_size, desc="TOFU scoring",
+                            progress=progress)
+
+    records = {name: [dict(set=name, id=it["id"], question=it["question"], answer=it["answer"], perturbed_nlls=[])
+                      for it in items] for name, items in sets.items()}
+    for (name, i, kind, _j), st in zip(tags, stats):
+        rec = records[name][i]
+        if kind == "answer":
+            rec["mean_nll"] = st.mean_nll
+            rec["exact_memorization"] = M.exact_memorization(st.correct)
+            rec["extraction_strength"] = M.extraction_strength(st.correct)
+            rec["mia"] = M.mia_scores(st, rec["answer"], mia_k)
+        elif kind == "paraphrased":
+            rec["paraphrased_nll"] = st.mean_nll
+        else:
+            rec["perturbed_nlls"].append(st.mean_nll)
+
+    scored = time.perf_counter()
+    qa_items = [(name, i) for name in QA_SETS for i in range(len(sets[name]))]
+    generations = generate_texts(
+        model, tokenizer, [prompt_ids(tokenizer, sets[n][i]["question"], chat) for n, i in qa_items],
+        max_new_tokens=max_new_tokens, batch_size=batch_size, desc="TOFU generation", progress=progress,
+    )
+    meta["timings"] = {"sequences_scored": len(encodings), "scoring_s": scored - started,
+                       "prompts_generated": len(qa_items), "generation_s": time.perf_counter() - scored}
+    for (name, i), text in zip(qa_items, generations):
+        rec = records[name][i]
+        rec["generation"] = text
+        rec["rouge_l_recall"] = M.rouge_l_recall(text, rec["answer"])
+
+    for name in QA_SETS:
+        for rec in records[name]:
+            has_tr = bool(rec["perturbed_nlls"])
+            rec["truth_ratio"] = M.truth_ratio(rec["paraphrased_nll"], rec["perturbed_nlls"]) if has_tr else None
+            if name in ("real_authors", "world_facts"):
+                rec["probability"] = M.normalized_probability(rec["mean_nll"], rec["perturbed_nlls"])
+            else:
+                rec["probability"] = M.probability(rec["mean_nll"])
+
+    summary = _summarize(records, meta, ref)
+    per_item = [rec for name in sets for rec in records[name]]
+    return TofuResult(summary=summary, per_item=per_item, meta=meta)
+
+
+def _summarize(records: dict[str, list[dict]], meta: dict, ref: TofuResult | None) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    meta["truth_ratio_items"] = {}
+    for name in QA_SETS:
+        recs = records[name]
+        s[f"{name}_probability"] = M.nanmean([r["probability"] for r in recs])
+        s[f"{name}_rouge_l"] = M.nanmean([r["rouge_l_recall"] for r in recs])
+        trs = [r["truth_ratio"] for r in recs if r["truth_ratio"] is not None]
+        meta["truth_ratio_items"][name] = f"{len(trs)}/{len(recs)}"
+        if len(trs) < len(recs):
+            note = (f"{name}: {len(recs) - len(trs)} of {len(recs)} items have no paraphrased/perturbed answers "
+                    f"(only ids 0-399 and 3600-3999 do); truth ratios use the other {len(trs)}")
+            meta["notes"].append(note)
+            warnings.warn(note, stacklevel=3)
+        s[f"{name}_truth_ratio_symmetric"] = M.truth_ratio_forget_score(trs) if trs else None
+        s[f"{name}_truth_ratio_one_minus"] = M.truth_ratio_retain_score(trs) if trs else None
+        form = "symmetric" if name == "forget" else "one_minus"
+        s[f"{name}_truth_ratio"] = s[f"{name}_truth_ratio_{form}"]
+        if name in ("forget", "retain"):
+            s[f"{name}_extraction_strength"] = M.nanmean([r["extraction_strength"] for r in recs])
+            s[f"{name}_exact_memorization"] = M.nanmean([r["exact_memorization"] for r in recs])
+    parts = [s[f"{n}_{m}"] for n in UTILITY_SETS for m in ("probability", "rouge_l", "truth_ratio")]
+    s["model_utility"] = M.model_utility(parts) if all(p is not None for p in parts) else None
+    if s["model_utility"] is None:
+        meta["notes"].append("model utility is undefined: a utility set has no truth ratio")
+
+    for attack in M.MIA_ATTACKS:
+        s[f"mia_{attack}_auc"] = M.mia_auc([r["mia"][attack] for r in records["forget"]],
+                                           [r["mia"][attack] for r in records["holdout"]])
+    model_trs = [r["truth_ratio"] for r in records["forget"] if r["truth_ratio"] is not None]
+    s["forget_quality"] = None
+    s["privleak"] = None
+    for attack in M.MIA_ATTACKS:
+        s[f"privleak_{attack}"] = None
+    if ref is not None:
+        ref_trs = ref.forget_truth_ratios()
+        if model_trs and ref_trs:
+            s["forget_quality"] = M.forget_quality(model_trs, ref_trs)
+        for attack in M.MIA_ATTACKS:
+            ref_auc = ref.summary.get(f"mia_{attack}_auc")
+            if ref_auc is not None and ref_auc < 1.0:
+                s[f"privleak_{attack}"] = M.privleak(s[f"mia_{attack}_auc"], ref_auc)
+        s["privleak"] = s["privleak_min_k"]
+        meta["reference"] = ref.meta.get("model")
+    return s
+
