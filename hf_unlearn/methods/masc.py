@@ -43,9 +43,14 @@ class MASCConfig(UnlearningConfig):
     r"""Configuration of :class:`MASCTrainer` (only MASC's own fields; the rest is ``TrainingArguments``).
 
     ``num_train_epochs`` / ``max_steps`` are an upper budget: training normally ends earlier, when the stopping rule
-    fires.
+    fires. Default that differs from ``TrainingArguments``: ``restore_callback_states_from_checkpoint=True``, so the
+    stopping rule's state (violation curve, stop step) survives ``train(resume_from_checkpoint=...)``.
     """
 
+    restore_callback_states_from_checkpoint: bool = field(
+        default=True,
+        metadata={"help": "Restore callback states (MASC's violation curve and stop step) when resuming."},
+    )
     k: int = field(default=10, metadata={"help": "Number of top non-target competitor tokens in the margin."})
     beta: float = field(default=1.0, metadata={"help": "Temperature multiplying the logits inside the margin."})
     rho: float = field(
