@@ -93,15 +93,6 @@ def run(args) -> int:
 
     trainer_cls, config_cls = _method_classes(args.method)
     retain_split = args.retain_split or retain_split_for(args.forget_split)
-    forget = load_tofu(args.forget_split, args.tofu)
-    retain = load_tofu(retain_split, args.tofu)
-    if args.max_forget_rows:
-        forget = forget.select(range(min(args.max_forget_rows, len(forget))))
-    if args.max_retain_rows:
-        retain = retain.select(range(min(args.max_retain_rows, len(retain))))
-
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model)
     options = {"retain_loss": args.retain_loss, "lambda_forget": args.lambda_forget,
                "lambda_retain": args.lambda_retain}
     for flag, _, _ in METHOD_OPTIONS[args.method]:
@@ -113,6 +104,15 @@ def run(args) -> int:
         max_length=args.max_length, seed=args.seed, gradient_checkpointing=args.gradient_checkpointing,
         save_strategy="no", report_to=[], logging_steps=10, disable_tqdm=False, **options,
     )
+    # the config is checked first (bad options fail before anything heavy loads)
+    forget = load_tofu(args.forget_split, args.tofu)
+    retain = load_tofu(retain_split, args.tofu)
+    if args.max_forget_rows:
+        forget = forget.select(range(min(args.max_forget_rows, len(forget))))
+    if args.max_retain_rows:
+        retain = retain.select(range(min(args.max_retain_rows, len(retain))))
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model)
     peft_config = None
     if args.lora:
         from peft import LoraConfig

@@ -195,6 +195,8 @@ class UnlearningTrainer(Trainer):
                 raise UnlearnError("pass processing_class= (the tokenizer) or a data_collator= to pad batches")
             data_collator = QACollator.from_tokenizer(processing_class, id_column=args.id_column)
         self.retain_dataset = retain_dataset
+        if eval_dataset is not None and not isinstance(eval_dataset, dict):
+            eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, "eval")
 
         super().__init__(
             model=model,
