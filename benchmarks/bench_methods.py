@@ -63,9 +63,18 @@ def prepare(args):
     fset = set(forget_ids)
     forget = data.filter(lambda r: r["id"] in fset)
     retain = data.filter(lambda r: r["id"] not in fset)
-    start = time.perf_counter()
-    fine_tune(cfg, model, tokenizer, data, Path(args.out) / "finetune")
-    seconds = time.perf_counter() - start
+    cache = Path(args.out) / "finetuned-model"
+    seconds = 0.0
+    if (cache / "config.json").exists():  # same --out and settings: reuse the fine-tuned weights
+        from hf_unlearn.models import load_model
+
+        model = load_model(cache)
+        name += f" (fine-tuned weights reused from {cache})"
+    else:
+        start = time.perf_counter()
+        fine_tune(cfg, model, tokenizer, data, Path(args.out) / "finetune")
+        seconds = time.perf_counter() - start
+        model.save_pretrained(cache)
     retain_ids = [i for i in subset["id"] if i not in fset]
     return model, tokenizer, name, forget, retain, forget_ids, retain_ids, seconds
 

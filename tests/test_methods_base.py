@@ -17,14 +17,14 @@ def _config(cls, tmp_path, **kw):
     return cls(output_dir=str(tmp_path), **{**COMMON, **kw})
 
 
-def _graddiff(tmp_path, model=None, forget=None, retain=None, tok=None, **kw):
+def _graddiff(tmp_path, model=None, forget=None, retain=None, tok=None, eval_dataset=None, **kw):
     from hf_unlearn.methods import GradDiffConfig, GradDiffTrainer
 
     t, f, r = tiny_data()
     return GradDiffTrainer(model=model if model is not None else memorised_model(),
                            args=_config(GradDiffConfig, tmp_path, **kw),
                            forget_dataset=f if forget is None else forget, retain_dataset=r if retain is None else retain,
-                           processing_class=t if tok is None else tok)
+                           processing_class=t if tok is None else tok, eval_dataset=eval_dataset)
 
 
 # ------------------------------------------------------------------ bad input, each a clear UnlearnError
@@ -168,3 +168,12 @@ def test_method_metrics_are_logged_and_card_info_follows_the_contract(tmp_path):
     assert info["hyperparameters"]["retain_loss"] == "ce" and info["hyperparameters"]["max_steps"] == 2
     json.dumps(info)  # JSON-able
     assert "output_dir" not in info["hyperparameters"]  # only the method's own fields and the budget
+
+
+def test_evaluate_reports_answer_cross_entropy_of_raw_eval_rows(tmp_path):
+    from .methods_helpers import answer_loss
+
+    rows = raw_rows()
+    trainer = _graddiff(tmp_path, eval_dataset=rows.select(range(4)), max_length=96)
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(answer_loss(trainer.model, trainer.eval_dataset), rel=1e-4)
