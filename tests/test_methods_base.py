@@ -114,6 +114,20 @@ def test_retain_stream_is_seeded_cycles_and_depends_only_on_the_draw(tmp_path):
     assert [other_seed.retain_batch(d)["id"].tolist() for d in range(2)] != first_pass
 
 
+def test_joint_forward_matches_separate_forwards(tmp_path):
+    trainer = _graddiff(tmp_path, retain_batch_size=3)
+    forget = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    retain = trainer.retain_batch(0)
+    f_out, r_out = trainer.joint_forward(trainer.model, forget, retain, output_hidden_states=True)
+    with torch.no_grad():
+        f_alone = trainer.model(**trainer._model_inputs(forget), output_hidden_states=True)
+        r_alone = trainer.model(**trainer._model_inputs(retain))
+    assert f_out.logits.shape == f_alone.logits.shape and r_out.logits.shape == r_alone.logits.shape
+    assert torch.allclose(f_out.logits, f_alone.logits, atol=1e-4)
+    assert torch.allclose(r_out.logits, r_alone.logits, atol=1e-4)
+    assert torch.allclose(f_out.hidden_states[1], f_alone.hidden_states[1], atol=1e-4)
+
+
 # ------------------------------------------------------------------ reference model
 
 

@@ -162,12 +162,28 @@ def _distributed_masc(out_dir):
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 
 
+DISTRIBUTED = """
+import pathlib, sys
+from accelerate import debug_launcher
+from tests.test_methods_masc import _distributed_masc
+out = pathlib.Path(sys.argv[1])
+debug_launcher(lambda: _distributed_masc(out), num_processes=2)
+"""
+
+
 @pytest.mark.slow
 def test_stopping_decision_is_identical_on_every_process(tmp_path):
-    from accelerate import debug_launcher
+    import os
+    import subprocess
+    import sys
 
-    memorised_model(), tiny_data()  # built once in the parent, inherited by the forked workers
-    debug_launcher(lambda: _distributed_masc(tmp_path), num_processes=2)
+    from .conftest import ROOT
+
+    # a fresh interpreter forks the 2 gloo workers before any torch computation (forking after it can hang)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", DISTRIBUTED, str(tmp_path)], cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world"] == 2 for r in records)
     assert records[0]["stopped_step"] is not None

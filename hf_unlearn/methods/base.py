@@ -21,6 +21,7 @@ import dataclasses
 import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -340,15 +341,39 @@ class UnlearningTrainer(Trainer):
 
     # ------------------------------------------------------------------ common loss terms
 
-    def retain_term(self, model, retain: dict[str, Any] | None) -> torch.Tensor | None:
-        """The retain loss selected by ``args.retain_loss`` on one retain microbatch (None for 'none')."""
-        if retain is None or self.args.retain_loss == "none":
+    def joint_forward(self, model, forget: dict[str, Any], retain: dict[str, Any] | None, **kwargs):
+        """One forward pass over the forget rows and the paired retain rows: ``(forget_out, retain_out)``.
+
+        DDP allows one forward per backward, so (as trl does for chosen/rejected pairs) both batches are right-padded
+        to a common length, concatenated, and the outputs split back and cut to each batch's own length (right
+        padding leaves the real tokens' outputs unchanged). Outputs carry ``logits`` and, if asked, ``hidden_states``.
+        """
+        if retain is None:
+            return model(**self._model_inputs(forget), **kwargs), None
+        nf, lf, lr = forget["input_ids"].shape[0], forget["input_ids"].shape[1], retain["input_ids"].shape[1]
+        length = max(lf, lr)
+
+        def pad(t):
+            return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=0)
+
+        joint = {k: torch.cat([pad(forget[k]), pad(retain[k])]) for k in ("input_ids", "attention_mask")}
+        out = model(**joint, **kwargs)
+
+        def split(rows: slice, n: int) -> SimpleNamespace:
+            hidden = getattr(out, "hidden_states", None)
+            return SimpleNamespace(logits=out.logits[rows, :n],
+                                   hidden_states=None if hidden is None else tuple(h[rows, :n] for h in hidden))
+
+        return split(slice(0, nf), lf), split(slice(nf, None), lr)
+
+    def retain_term(self, retain: dict[str, Any] | None, retain_out) -> torch.Tensor | None:
+        """The retain loss selected by ``args.retain_loss`` from the retain rows' outputs (None for 'none')."""
+        if retain is None or retain_out is None or self.args.retain_loss == "none":
             return None
-        logits = model(**self._model_inputs(retain)).logits
         if self.args.retain_loss == "ce":
-            return nll_loss(logits, retain["labels"])
+            return nll_loss(retain_out.logits, retain["labels"])
         ref_logits = self.reference_outputs(retain).logits
-        return kl_retain_loss(logits, ref_logits, retain["labels"])
+        return kl_retain_loss(retain_out.logits, ref_logits, retain["labels"])
 
     def combine(self, forget_loss: torch.Tensor, retain_loss: torch.Tensor | None, metrics: dict[str, Any]) -> torch.Tensor:
         """``lambda_forget * forget + lambda_retain * retain``; records both terms as metrics."""

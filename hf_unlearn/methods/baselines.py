@@ -36,9 +36,10 @@ class GradAscentTrainer(UnlearningTrainer):
   booktitle={ACL}, year={2023}}"""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**self._model_inputs(inputs))
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
         forget = gradient_ascent_loss(outputs.logits, inputs["labels"])
-        loss = self.combine(forget, self.retain_term(model, self.retain_batch()), {})
+        loss = self.combine(forget, self.retain_term(retain, retain_out), {})
         return (loss, outputs) if return_outputs else loss
 
 
@@ -96,12 +97,13 @@ class NPOTrainer(UnlearningTrainer):
         return True
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**self._model_inputs(inputs))
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
         policy = sequence_logprob(outputs.logits, inputs["labels"])
         ref = sequence_logprob(self.reference_outputs(inputs).logits, inputs["labels"])
         forget = npo_loss(policy, ref, self.args.beta)
         metrics = {"forget_log_ratio": (policy - ref).mean().detach()}
-        loss = self.combine(forget, self.retain_term(model, self.retain_batch()), metrics)
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
         return (loss, outputs) if return_outputs else loss
 
     @property
@@ -142,11 +144,12 @@ class SimNPOTrainer(UnlearningTrainer):
   journal={arXiv preprint arXiv:2410.07163}, year={2024}}"""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**self._model_inputs(inputs))
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
         avg = sequence_logprob(outputs.logits, inputs["labels"], average=True)
         forget = simnpo_loss(avg, self.args.beta, self.args.gamma)
         metrics = {"forget_avg_logprob": avg.mean().detach()}
-        loss = self.combine(forget, self.retain_term(model, self.retain_batch()), metrics)
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
         return (loss, outputs) if return_outputs else loss
 
 
@@ -219,14 +222,13 @@ class RMUTrainer(UnlearningTrainer):
         return outputs.hidden_states[self.layer_id + 1]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**self._model_inputs(inputs), output_hidden_states=True)
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain, output_hidden_states=True)
         forget = rmu_forget_loss(self._hidden(outputs), self.control_vector, inputs["attention_mask"])
         retain_loss = None
-        retain = self.retain_batch() if self.args.retain_loss != "none" else None
         if retain is not None:
-            hidden = self._hidden(model(**self._model_inputs(retain), output_hidden_states=True))
             ref_hidden = self._hidden(self.reference_outputs(retain, output_hidden_states=True))
-            retain_loss = rmu_retain_loss(hidden, ref_hidden, retain["attention_mask"])
+            retain_loss = rmu_retain_loss(self._hidden(retain_out), ref_hidden, retain["attention_mask"])
         loss = self.combine(forget, retain_loss, {})
         return (loss, outputs) if return_outputs else loss
 

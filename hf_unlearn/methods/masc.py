@@ -254,24 +254,25 @@ class MASCTrainer(UnlearningTrainer):
 
     # ------------------------------------------------------------------ the loss
 
-    def _margins(self, model, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        outputs = model(**self._model_inputs(batch))
+    def _margins(self, batch, outputs) -> tuple[torch.Tensor, torch.Tensor]:
         competitors = None
         if self.args.competitors == "reference":
             competitors = self.reference_outputs(batch).logits
         margin, mask = masc_margin(outputs.logits, batch["labels"], self.args.k, self.args.beta, competitors)
         active = masc_active_mask(mask, self.args.active_tokens, self.args.suffix_fraction, self.args.skip_first)
-        return margin, active, outputs
+        return margin, active
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        margin, active, outputs = self._margins(model, inputs)
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
+        margin, active = self._margins(inputs, outputs)
         forget = masc_forget_loss(margin, active, self.tau, self.args.eta)
         rates, valid = masc_violation_rates(margin.detach(), active, self.tau)
         metrics = {
             "batch_violation_rate": rates[valid].mean() if bool(valid.any()) else 0.0,
             "mean_margin": (margin.detach() * active).sum() / active.sum().clamp(min=1),
         }
-        loss = self.combine(forget, self.retain_term(model, self.retain_batch()), metrics)
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
         return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------ the stopping rule's measurement
@@ -294,7 +295,7 @@ class MASCTrainer(UnlearningTrainer):
         try:
             for start in range(0, len(mine), bs):
                 batch = self._prepare_inputs(self.data_collator([dataset[i] for i in mine[start:start + bs]]))
-                margin, active, _ = self._margins(model, batch)
+                margin, active = self._margins(batch, model(**self._model_inputs(batch)))
                 rates, valid = masc_violation_rates(margin, active, self.tau)
                 totals += torch.stack([rates[valid].sum(), valid.sum().float()])
         finally:
