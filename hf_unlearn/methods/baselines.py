@@ -13,7 +13,6 @@ from ..errors import UnlearnError
 from ..losses import gradient_ascent_loss, npo_loss, rmu_forget_loss, rmu_retain_loss, sequence_logprob, simnpo_loss
 from .base import UnlearningConfig, UnlearningTrainer
 
-
 # ---------------------------------------------------------------------------------------------- gradient ascent
 
 
