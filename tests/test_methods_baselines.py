@@ -88,3 +88,31 @@ def test_lora_changes_only_the_adapter_with_gradient_checkpointing(name, tmp_pat
     assert changed and all("lora_" in n for n in changed)
     assert {n for n in before if "lora_B" in n} <= changed  # B starts at zero and must move
     assert trainer.unlearning_card_info()["hyperparameters"]["peft"]["r"] == 4
+
+
+@pytest.mark.slow
+def test_masc_and_npo_klr_step_on_smollm2_with_lora(tmp_path):
+    from peft import LoraConfig
+
+    from hf_unlearn import load_model, load_tofu, load_tokenizer
+    from hf_unlearn.methods import MASCConfig, MASCTrainer, NPOConfig, NPOTrainer
+
+    from .conftest import SMOLLM2_DIR, TOFU_DIR
+
+    tok = load_tokenizer(SMOLLM2_DIR)
+    forget = load_tofu("forget01", TOFU_DIR).select(range(4))
+    retain = load_tofu("retain99", TOFU_DIR).select(range(4))
+    base = load_model(SMOLLM2_DIR)
+    for trainer_cls, config_cls, extra in ((MASCTrainer, MASCConfig, {"probe_steps": 1, "probe_size": 2}),
+                                           (NPOTrainer, NPOConfig, {"retain_loss": "kl"})):
+        import copy
+
+        args = config_cls(output_dir=str(tmp_path / trainer_cls.__name__), max_length=128,
+                          **{**COMMON, "max_steps": 1, "learning_rate": 1e-4}, **extra)
+        trainer = trainer_cls(model=copy.deepcopy(base), args=args, forget_dataset=forget, retain_dataset=retain,
+                              processing_class=tok, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        before = _snapshot(trainer.model)
+        trainer.train()
+        after = _snapshot(trainer.model)
+        changed = {n for n in before if not torch.equal(before[n], after[n])}
+        assert changed and all("lora_" in n for n in changed)
