@@ -30,6 +30,21 @@ _LAZY: dict[str, str] = {
     # --- trace (exact deletion) ---
 
     # --- methods (approximate unlearning) ---
+    "UnlearningConfig": "hf_unlearn.methods.base",
+    "UnlearningTrainer": "hf_unlearn.methods.base",
+    "MASCConfig": "hf_unlearn.methods.masc",
+    "MASCTrainer": "hf_unlearn.methods.masc",
+    "MASCStoppingCallback": "hf_unlearn.methods.masc",
+    "GradAscentConfig": "hf_unlearn.methods.baselines",
+    "GradAscentTrainer": "hf_unlearn.methods.baselines",
+    "GradDiffConfig": "hf_unlearn.methods.baselines",
+    "GradDiffTrainer": "hf_unlearn.methods.baselines",
+    "NPOConfig": "hf_unlearn.methods.baselines",
+    "NPOTrainer": "hf_unlearn.methods.baselines",
+    "SimNPOConfig": "hf_unlearn.methods.baselines",
+    "SimNPOTrainer": "hf_unlearn.methods.baselines",
+    "RMUConfig": "hf_unlearn.methods.baselines",
+    "RMUTrainer": "hf_unlearn.methods.baselines",
 
     # --- random-label forgetting and analysis ---
 

@@ -1,7 +1,168 @@
-"""`hf-unlearn unlearn ...`: commands of this group register here."""
+"""`hf-unlearn unlearn METHOD MODEL --forget-split forget10 --out OUT [--lora]`: approximate unlearning on TOFU.
+
+Loads MODEL (Hub id, local folder or GGUF file), the TOFU forget split and its complementary retain split, runs the
+method (MASC until its stopping rule fires, the baselines for their budget) and saves a plain model (LoRA merged)
+with its tokenizer and ``unlearning.json`` (method, hyperparameters, stop step, answer losses; no raw sample ids).
+"""
+
+from __future__ import annotations
+
+import re
 
 from . import add_subcommands
 
+METHOD_HELP = {
+    "masc": "margin self-correction; stops by itself",
+    "grad_ascent": "gradient ascent on the forget answers",
+    "grad_diff": "gradient ascent on forget + cross-entropy on retain",
+    "npo": "negative preference optimisation (--retain-loss kl = NPO+KLR)",
+    "simnpo": "reference-free, length-normalised NPO",
+    "rmu": "representation misdirection (steer one layer's activations)",
+}
+
+# method -> its own options: (flag, type, help); the dest is the config field
+METHOD_OPTIONS = {
+    "masc": [
+        ("--k", int, "top-k competitor tokens (default 10)"),
+        ("--rho", float, "dominance level in (0, 1) (default 0.5)"),
+        ("--alpha", float, "stop when the violation rate is <= alpha (default 0.2)"),
+        ("--eta", float, "hinge buffer (default 1.0)"),
+        ("--beta", float, "margin temperature (default 1.0)"),
+        ("--competitors", str, "'current' or 'reference' (default current)"),
+        ("--active-tokens", str, "'suffix' or 'all' (default suffix)"),
+        ("--probe-steps", int, "probe every N steps (default 5)"),
+        ("--probe-size", int, "forget rows in the probe (default 8)"),
+        ("--hoeffding-delta", float, "stop on the Hoeffding upper bound at level 1-delta"),
+    ],
+    "npo": [("--beta", float, "NPO inverse temperature (default 0.1)")],
+    "simnpo": [("--beta", float, "inverse temperature (default 2.5)"), ("--gamma", float, "reward margin (default 0)")],
+    "rmu": [("--layer-id", int, "steered layer (default: middle)"), ("--steering-coeff", float, "control norm c")],
+    "grad_ascent": [],
+    "grad_diff": [],
+}
+
 
 def register(parser) -> None:
-    add_subcommands(parser)
+    sub = add_subcommands(parser)
+    for method, help_text in METHOD_HELP.items():
+        p = sub.add_parser(method, help=help_text, description=f"{method}: {help_text}")
+        p.add_argument("model", help="Hub id, local folder or .gguf file")
+        p.add_argument("--forget-split", default="forget10", help="TOFU forget config (default forget10)")
+        p.add_argument("--retain-split", default=None, help="TOFU retain config (default: the complement, e.g. retain90)")
+        p.add_argument("--out", required=True, help="output folder for the unlearned model")
+        p.add_argument("--tofu", default=None, help="local TOFU folder (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)")
+        p.add_argument("--lora", action="store_true", help="train a LoRA adapter (merged into the saved model)")
+        p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
+        p.add_argument("--max-steps", type=int, default=-1, help="step budget (default: --epochs)")
+        p.add_argument("--epochs", type=float, default=5.0, help="epoch budget over the forget set (default 5)")
+        p.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+        p.add_argument("--batch-size", type=int, default=4, help="forget (and retain) rows per step (default 4)")
+        p.add_argument("--max-length", type=int, default=256, help="tokens per QA pair (default 256)")
+        p.add_argument("--max-forget-rows", type=int, default=None, help="use only the first N forget rows")
+        p.add_argument("--max-retain-rows", type=int, default=None, help="use only the first N retain rows")
+        p.add_argument("--retain-loss", choices=["none", "ce", "kl"], default=None, help="retain term (method default)")
+        p.add_argument("--lambda-forget", type=float, default=None)
+        p.add_argument("--lambda-retain", type=float, default=None)
+        p.add_argument("--gradient-checkpointing", action="store_true")
+        p.add_argument("--seed", type=int, default=0)
+        for flag, typ, h in METHOD_OPTIONS[method]:
+            p.add_argument(flag, type=typ, default=None, help=h)
+        p.set_defaults(func=run, method=method)
+
+
+def retain_split_for(forget_split: str) -> str:
+    """``forget10`` -> ``retain90`` (TOFU's complementary retain split)."""
+    from ..errors import UnlearnError
+
+    m = re.fullmatch(r"forget(\d\d)", forget_split)
+    if not m:
+        raise UnlearnError(f"cannot infer the retain split of {forget_split!r}; pass --retain-split")
+    return f"retain{100 - int(m.group(1)):02d}"
+
+
+def run(args) -> int:
+    import json
+    import time
+    from pathlib import Path
+
+    from ..data import load_tofu
+    from ..demo import mean_answer_loss
+    from ..methods.base import UnlearningTrainer
+    from ..models import load_model, load_tokenizer
+    from ..utils import atomic_write_text
+
+    trainer_cls, config_cls = _method_classes(args.method)
+    retain_split = args.retain_split or retain_split_for(args.forget_split)
+    options = {"retain_loss": args.retain_loss, "lambda_forget": args.lambda_forget,
+               "lambda_retain": args.lambda_retain}
+    for flag, _, _ in METHOD_OPTIONS[args.method]:
+        options[flag[2:].replace("-", "_")] = getattr(args, flag[2:].replace("-", "_"))
+    options = {k: v for k, v in options.items() if v is not None}
+    config = config_cls(
+        output_dir=args.out, max_steps=args.max_steps, num_train_epochs=args.epochs, learning_rate=args.lr,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
+        max_length=args.max_length, seed=args.seed, gradient_checkpointing=args.gradient_checkpointing,
+        save_strategy="no", report_to=[], logging_steps=10, disable_tqdm=False, **options,
+    )
+    # the config is checked first (bad options fail before anything heavy loads)
+    forget = load_tofu(args.forget_split, args.tofu)
+    retain = load_tofu(retain_split, args.tofu)
+    if args.max_forget_rows:
+        forget = forget.select(range(min(args.max_forget_rows, len(forget))))
+    if args.max_retain_rows:
+        retain = retain.select(range(min(args.max_retain_rows, len(retain))))
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer: UnlearningTrainer = trainer_cls(model=model, args=config, forget_dataset=forget, retain_dataset=retain,
+                                             processing_class=tokenizer, peft_config=peft_config)
+    forget_tok, retain_tok = trainer.train_dataset, trainer.retain_dataset
+    retain_probe = retain_tok.select(range(min(100, len(retain_tok))))
+    before = {"forget": mean_answer_loss(trainer.model, tokenizer, forget_tok),
+              "retain": mean_answer_loss(trainer.model, tokenizer, retain_probe)}
+    print(f"== unlearning {len(forget)} {args.forget_split} rows with {trainer.method_name} "
+          f"({'LoRA' if args.lora else 'full'}; retain {retain_split}, {len(retain)} rows)", flush=True)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    after = {"forget": mean_answer_loss(trainer.model, tokenizer, forget_tok),
+             "retain": mean_answer_loss(trainer.model, tokenizer, retain_probe)}
+
+    out = Path(args.out)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer.is_peft:
+        model = model.merge_and_unload()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    info = trainer.unlearning_card_info()
+    info.pop("forget_ids")  # raw ids stay local; the Hub card code publishes keyed tags only
+    info.update({"forget_split": args.forget_split, "retain_split": retain_split, "train_seconds": seconds,
+                 "answer_loss_before": before, "answer_loss_after": after, "base_model": str(args.model)})
+    atomic_write_text(out / "unlearning.json", json.dumps(info, indent=2) + "\n")
+    stop = info["extra"].get("stopped_step")
+    print(f"done in {seconds:.1f} s, {trainer.state.global_step} steps"
+          + (f" (MASC stopped at step {stop})" if stop is not None else ""))
+    print(f"answer loss forget {before['forget']:.3f} -> {after['forget']:.3f}, "
+          f"retain {before['retain']:.3f} -> {after['retain']:.3f}")
+    print(f"saved to {out}")
+    if info["extra"].get("stopped_by_rule") is False:
+        print("note: MASC reached the step budget before its stopping rule fired; raise --epochs/--max-steps or --lr")
+    return 0
+
+
+def _method_classes(method: str):
+    from ..methods import baselines, masc
+
+    return {
+        "masc": (masc.MASCTrainer, masc.MASCConfig),
+        "grad_ascent": (baselines.GradAscentTrainer, baselines.GradAscentConfig),
+        "grad_diff": (baselines.GradDiffTrainer, baselines.GradDiffConfig),
+        "npo": (baselines.NPOTrainer, baselines.NPOConfig),
+        "simnpo": (baselines.SimNPOTrainer, baselines.SimNPOConfig),
+        "rmu": (baselines.RMUTrainer, baselines.RMUConfig),
+    }[method]

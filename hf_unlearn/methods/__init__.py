@@ -1,1 +1,33 @@
-"""Approximate unlearning trainers."""
+"""Approximate unlearning trainers: MASC (stops by itself) and the fixed-budget baselines.
+
+Each method is a ``XConfig(UnlearningConfig)`` + ``XTrainer(UnlearningTrainer)`` pair; losses live in
+:mod:`hf_unlearn.losses`. Names resolve lazily so importing one trainer module does not import the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    # --- methods (approximate unlearning) ---
+    "UnlearningConfig": "base",
+    "UnlearningTrainer": "base",
+    "MASCConfig": "masc",
+    "MASCTrainer": "masc",
+    "MASCStoppingCallback": "masc",
+    **{name: "baselines" for name in (
+        "GradAscentConfig", "GradAscentTrainer", "GradDiffConfig", "GradDiffTrainer", "NPOConfig", "NPOTrainer",
+        "SimNPOConfig", "SimNPOTrainer", "RMUConfig", "RMUTrainer",
+    )},
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_unlearn.methods' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,57 @@
+"""Unlearn a TOFU forget split with MASC (stops by itself), optionally with LoRA.
+
+    PYTHONPATH=. python examples/masc_tofu.py --model ../shared/models/SmolLM2-135M-Instruct --forget-split forget01
+    accelerate launch examples/masc_tofu.py --model ... --lora          # several processes: same stop on each
+
+Data come from $HF_UNLEARN_DATA_DIR/tofu (or --tofu DIR), else the Hub. The unlearned model (LoRA merged) is saved to
+--out with masc_stopping.json and masc_violation_curve.png (the stop step and the violation curve).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hf_unlearn import MASCConfig, MASCTrainer, load_model, load_tofu, load_tokenizer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hub id, local folder or .gguf file (a model fine-tuned on TOFU)")
+    p.add_argument("--forget-split", default="forget01")
+    p.add_argument("--tofu", default=None)
+    p.add_argument("--out", default="masc_tofu_output")
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--max-retain-rows", type=int, default=400)
+    args = p.parse_args()
+
+    forget = load_tofu(args.forget_split, args.tofu)
+    retain = load_tofu(f"retain{100 - int(args.forget_split[-2:]):02d}", args.tofu)
+    retain = retain.select(range(min(args.max_retain_rows, len(retain))))
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+
+    config = MASCConfig(
+        output_dir=args.out,
+        num_train_epochs=10,  # a cap: MASC stops when the violation rate on held-out forget rows is <= alpha
+        learning_rate=1e-4 if args.lora else 1e-5,
+        per_device_train_batch_size=4,
+        k=10, rho=0.5, eta=1.0, alpha=0.2, probe_steps=5, probe_size=8,
+        retain_loss="kl", save_strategy="no", report_to="none",
+    )
+    trainer = MASCTrainer(model=model, args=config, forget_dataset=forget, retain_dataset=retain,
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        print(f"stopped at step {trainer.stopped_step} (budget {trainer.state.max_steps}); curve in {args.out}")
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        (model.merge_and_unload() if trainer.is_peft else model).save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
+
+
+if __name__ == "__main__":
+    main()

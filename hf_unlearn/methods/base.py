@@ -1,0 +1,445 @@
+"""The shared base of the approximate unlearning trainers: data pairing, the reference model, metric logging.
+
+How data reach ``compute_loss``: the Trainer's own training dataloader iterates the **forget set** (it is the
+``train_dataset``; epochs, ``max_steps``, gradient accumulation and ``accelerate`` sharding behave as usual). Each
+forget microbatch is paired with one **retain microbatch** drawn from a cycling retain stream: retain draw ``d`` is
+a slice of a seeded permutation of the retain set (a new permutation per pass, seeded by ``args.seed`` and the pass
+number), split across processes. The draw index is ``global_step * gradient_accumulation_steps + microbatch``, so
+the retain batches are a function of the step alone and a resumed run sees the same retain batches as an
+uninterrupted one.
+
+The reference model (``p_0``, the model before unlearning) is the PEFT base with the adapter disabled when the
+model is a ``PeftModel`` or ``peft_config=`` is given, else a frozen copy made once at construction, and only when
+the method needs one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import enum
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from ..data.collators import QACollator
+from ..data.tokenize import IGNORE_INDEX, tokenize_qa
+from ..errors import UnlearnError
+from ..losses import kl_retain_loss, nll_loss
+
+RETAIN_LOSSES = ("none", "ce", "kl")
+
+
+@dataclass
+class UnlearningConfig(TrainingArguments):
+    r"""Arguments shared by every hf_unlearn unlearning trainer (a ``TrainingArguments`` subclass).
+
+    Method configs (``MASCConfig``, ``NPOConfig``, ...) subclass it and add only their own fields. Defaults that
+    differ from ``TrainingArguments``: ``learning_rate=1e-5``, ``logging_steps=10``.
+    """
+
+    learning_rate: float = field(default=1e-5, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X update steps."})
+
+    max_length: int = field(
+        default=256,
+        metadata={"help": "Maximum tokens per QA pair when the trainer tokenises raw question/answer rows."},
+    )
+    id_column: str = field(default="id", metadata={"help": "Column holding each row's stable sample id."})
+    retain_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Retain rows per device per microbatch; None = per_device_train_batch_size."},
+    )
+    retain_loss: str = field(
+        default="ce",
+        metadata={
+            "help": "Retain term: 'ce' (cross-entropy on retain answers), 'kl' (KL(p_0 || p_theta) on retain "
+            "answers, needs the reference model) or 'none' (no retain batches are drawn).",
+            "choices": list(RETAIN_LOSSES),
+        },
+    )
+    lambda_forget: float = field(default=1.0, metadata={"help": "Weight of the forget term."})
+    lambda_retain: float = field(default=1.0, metadata={"help": "Weight of the retain term."})
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Set dropout to 0 in the model and the reference model."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.retain_loss not in RETAIN_LOSSES:
+            raise UnlearnError(f"retain_loss must be one of {', '.join(RETAIN_LOSSES)}, got {self.retain_loss!r}")
+        if self.lambda_forget < 0 or self.lambda_retain < 0:
+            raise UnlearnError("lambda_forget and lambda_retain must be >= 0")
+        if self.max_length < 2:
+            raise UnlearnError(f"max_length must be at least 2, got {self.max_length}")
+        if self.retain_batch_size is not None and self.retain_batch_size < 1:
+            raise UnlearnError(f"retain_batch_size must be >= 1, got {self.retain_batch_size}")
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return _jsonable(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+class UnlearningTrainer(Trainer):
+    """A ``Trainer`` whose training data are a forget set (the train dataset) paired with a retain set.
+
+    Args:
+        model: a ``PreTrainedModel``, a ``PeftModel``, or a name/path/GGUF for :func:`hf_unlearn.load_model`.
+        args: the method's config (an :class:`UnlearningConfig` subclass).
+        forget_dataset: rows to forget: tokenised (``input_ids``/``attention_mask``/``labels`` + id column, as
+            :func:`hf_unlearn.tokenize_qa` returns) or raw QA rows (``question``/``answer`` + id column), which the
+            trainer tokenises with ``processing_class``. ``train_dataset=`` is accepted as an alias.
+        retain_dataset: rows to keep (same formats); required unless ``args.retain_loss == "none"``.
+        processing_class: the tokenizer (needs a pad token); required for raw rows and for the default collator.
+        ref_model: an explicit reference model; by default see the module docstring.
+        peft_config: a ``peft.PeftConfig``; the model is wrapped with ``get_peft_model`` and only the adapter trains.
+    """
+
+    _config_class: type[UnlearningConfig] = UnlearningConfig
+    method_name: str = "unlearning"
+    paper: str = ""
+    citation: str = ""
+
+    def __init__(
+        self,
+        model=None,
+        args: UnlearningConfig | None = None,
+        forget_dataset=None,
+        retain_dataset=None,
+        processing_class=None,
+        ref_model=None,
+        data_collator=None,
+        eval_dataset=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        train_dataset=None,
+    ):
+        if model is None:
+            raise UnlearnError("pass the model to unlearn (model=...)")
+        if train_dataset is not None and forget_dataset is not None:
+            raise UnlearnError("pass the forget set once: forget_dataset= (train_dataset= is its alias)")
+        forget_dataset = forget_dataset if forget_dataset is not None else train_dataset
+        if args is None:
+            args = self._config_class(output_dir=f"{type(self).__name__.replace('Trainer', '').lower()}-unlearned")
+        if not isinstance(args, UnlearningConfig):
+            raise UnlearnError(f"args must be a {self._config_class.__name__} (an UnlearningConfig), got "
+                               f"{type(args).__name__}")
+        self._check_tokenizer(processing_class)
+        if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+            from ..models import load_model
+
+            model = load_model(model)
+
+        forget_dataset = self._prepare_dataset(forget_dataset, processing_class, args, "forget")
+        uses_retain = self._uses_retain(args)
+        if retain_dataset is not None:
+            retain_dataset = self._prepare_dataset(retain_dataset, processing_class, args, "retain")
+        elif uses_retain:
+            raise UnlearnError(
+                f"{type(self).__name__} with retain_loss={args.retain_loss!r} needs a retain set (retain_dataset=...); "
+                "set retain_loss='none' to unlearn without one"
+            )
+        self.forget_ids = list(forget_dataset[args.id_column])
+        if retain_dataset is not None:
+            overlap = set(self.forget_ids) & set(retain_dataset[args.id_column])
+            if overlap:
+                shown = ", ".join(map(repr, sorted(overlap)[:5]))
+                raise UnlearnError(
+                    f"{len(overlap)} id(s) are in both the forget and the retain set ({shown}{', ...' if len(overlap) > 5 else ''}); "
+                    "remove them from the retain set"
+                )
+
+        # PEFT: the adapter trains, the base with the adapter disabled is the reference
+        if peft_config is not None:
+            if _is_peft_model(model):
+                raise UnlearnError("the model is already a PeftModel; pass either a PeftModel or peft_config=, not both")
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        self.is_peft = _is_peft_model(model)
+        if self.is_peft and args.gradient_checkpointing:
+            model.enable_input_require_grads()
+
+        if ref_model is model:
+            raise UnlearnError("ref_model must not be the model being trained; omit it to get a frozen copy")
+        if ref_model is None and self._needs_reference(args) and not self.is_peft:
+            ref_model = copy.deepcopy(model)
+        if ref_model is not None:
+            ref_model.eval()
+            ref_model.requires_grad_(False)
+        self.ref_model = ref_model
+
+        if data_collator is None:
+            if processing_class is None:
+                raise UnlearnError("pass processing_class= (the tokenizer) or a data_collator= to pad batches")
+            data_collator = QACollator.from_tokenizer(processing_class, id_column=args.id_column)
+        self.retain_dataset = retain_dataset
+        if eval_dataset is not None and not isinstance(eval_dataset, dict):
+            eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, "eval")
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=forget_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        # compute_loss returns a per-microbatch mean: the Trainer divides it by the accumulation steps
+        self.loss_is_scaled_for_ga = False
+        self.model_accepts_loss_kwargs = False
+
+        if self.ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+        if args.disable_dropout:
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    for module in m.modules():
+                        if isinstance(module, torch.nn.Dropout):
+                            module.p = 0.0
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._retain_perm: tuple[int, torch.Tensor] | None = None
+        self._retain_cursor = (-1, 0)  # (global step, microbatch within the step)
+
+    # ------------------------------------------------------------------ what a method needs (override)
+
+    @classmethod
+    def _uses_retain(cls, args: UnlearningConfig) -> bool:
+        return args.retain_loss != "none"
+
+    @classmethod
+    def _needs_reference(cls, args: UnlearningConfig) -> bool:
+        return args.retain_loss == "kl"
+
+    # ------------------------------------------------------------------ input checks and tokenisation
+
+    @staticmethod
+    def _check_tokenizer(tokenizer) -> None:
+        if tokenizer is not None and getattr(tokenizer, "pad_token_id", 0) is None:
+            raise UnlearnError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no pad token; set "
+                "tokenizer.pad_token = tokenizer.eos_token (or load it with hf_unlearn.load_tokenizer)"
+            )
+
+    @staticmethod
+    def _prepare_dataset(dataset, tokenizer, args: UnlearningConfig, name: str):
+        """Validate (and tokenise raw QA rows of) a forget/retain/probe dataset."""
+        if dataset is None:
+            raise UnlearnError(f"the {name} set is missing; pass {name}_dataset=...")
+        if len(dataset) == 0:
+            raise UnlearnError(f"the {name} set is empty; pass at least one row to {name}")
+        columns = dataset.column_names
+        if args.id_column not in columns:
+            raise UnlearnError(
+                f"the {name} set has no id column {args.id_column!r} (columns: {columns}); add stable ids with "
+                f"dataset.add_column({args.id_column!r}, ...) or set id_column="
+            )
+        if "input_ids" not in columns:
+            if "question" not in columns or "answer" not in columns:
+                raise UnlearnError(
+                    f"the {name} set is neither tokenised (input_ids/labels) nor raw QA (question/answer); "
+                    f"it has {columns}"
+                )
+            if tokenizer is None:
+                raise UnlearnError(f"the {name} set holds raw question/answer rows: pass processing_class= (the tokenizer)")
+            dataset = tokenize_qa(dataset, tokenizer, max_length=args.max_length, id_column=args.id_column)
+        elif "labels" not in columns:
+            raise UnlearnError(f"the {name} set has input_ids but no labels; tokenise it with hf_unlearn.tokenize_qa")
+        ids = dataset[args.id_column]
+        if len(set(ids)) != len(ids):
+            raise UnlearnError(f"the {name} set has duplicate ids in column {args.id_column!r}; ids must be unique")
+        for row_id, labels in zip(ids, dataset["labels"]):
+            if not any(t != IGNORE_INDEX for t in labels[1:]):
+                raise UnlearnError(
+                    f"{name} row id {row_id!r} has no answer token (empty after truncation?); raise max_length or "
+                    "drop the row"
+                )
+        return dataset
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["input_ids", "attention_mask", "labels", self.args.id_column]
+
+    # ------------------------------------------------------------------ batches
+
+    def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The keys the model's forward takes (drops the id column)."""
+        return {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
+
+    def _retain_draw_index(self) -> int:
+        step = self.state.global_step
+        last_step, micro = self._retain_cursor
+        micro = micro + 1 if step == last_step else 0
+        self._retain_cursor = (step, micro)
+        return step * self.args.gradient_accumulation_steps + micro
+
+    def retain_batch(self, draw: int | None = None) -> dict[str, Any] | None:
+        """The retain microbatch paired with the current forget microbatch (None without a retain set)."""
+        if self.retain_dataset is None or not self._uses_retain(self.args):
+            return None
+        if draw is None:
+            draw = self._retain_draw_index()
+        n = len(self.retain_dataset)
+        bs = self.args.retain_batch_size or self.args.per_device_train_batch_size
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        global_bs = bs * world
+        per_pass = max(1, n // global_bs)
+        cycle, b = divmod(draw, per_pass)
+        if self._retain_perm is None or self._retain_perm[0] != cycle:
+            gen = torch.Generator().manual_seed(int(self.args.seed) * 1_000_003 + cycle)
+            perm = torch.randperm(n, generator=gen)
+            if n < global_bs:  # tiny retain sets: repeat the permutation to fill one global batch
+                perm = perm.repeat(-(-global_bs // n))
+            self._retain_perm = (cycle, perm)
+        chunk = self._retain_perm[1][b * global_bs:(b + 1) * global_bs]
+        rows = [self.retain_dataset[int(i)] for i in chunk[rank::world]]
+        batch = self.data_collator(rows)
+        return self._prepare_inputs(batch)
+
+    # ------------------------------------------------------------------ reference model
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The reference model ``p_0`` for no-grad forwards (the PEFT base with the adapter disabled, or the copy)."""
+        if self.ref_model is not None:
+            with torch.no_grad():
+                yield self.ref_model
+            return
+        if not self.is_peft:
+            raise UnlearnError(f"{type(self).__name__} has no reference model in this configuration")
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with torch.no_grad(), unwrapped.disable_adapter():
+            yield self.model
+
+    def reference_outputs(self, batch: dict[str, Any], **kwargs):
+        with self.reference_model() as ref:
+            return ref(**self._model_inputs(batch), **kwargs)
+
+    # ------------------------------------------------------------------ common loss terms
+
+    def joint_forward(self, model, forget: dict[str, Any], retain: dict[str, Any] | None, **kwargs):
+        """One forward pass over the forget rows and the paired retain rows: ``(forget_out, retain_out)``.
+
+        DDP allows one forward per backward, so (as trl does for chosen/rejected pairs) both batches are right-padded
+        to a common length, concatenated, and the outputs split back and cut to each batch's own length (right
+        padding leaves the real tokens' outputs unchanged). Outputs carry ``logits`` and, if asked, ``hidden_states``.
+        """
+        if retain is None:
+            return model(**self._model_inputs(forget), **kwargs), None
+        nf, lf, lr = forget["input_ids"].shape[0], forget["input_ids"].shape[1], retain["input_ids"].shape[1]
+        length = max(lf, lr)
+
+        def pad(t):
+            return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=0)
+
+        joint = {k: torch.cat([pad(forget[k]), pad(retain[k])]) for k in ("input_ids", "attention_mask")}
+        out = model(**joint, **kwargs)
+
+        def split(rows: slice, n: int) -> SimpleNamespace:
+            hidden = getattr(out, "hidden_states", None)
+            return SimpleNamespace(logits=out.logits[rows, :n],
+                                   hidden_states=None if hidden is None else tuple(h[rows, :n] for h in hidden))
+
+        return split(slice(0, nf), lf), split(slice(nf, None), lr)
+
+    def retain_term(self, retain: dict[str, Any] | None, retain_out) -> torch.Tensor | None:
+        """The retain loss selected by ``args.retain_loss`` from the retain rows' outputs (None for 'none')."""
+        if retain is None or retain_out is None or self.args.retain_loss == "none":
+            return None
+        if self.args.retain_loss == "ce":
+            return nll_loss(retain_out.logits, retain["labels"])
+        ref_logits = self.reference_outputs(retain).logits
+        return kl_retain_loss(retain_out.logits, ref_logits, retain["labels"])
+
+    def combine(self, forget_loss: torch.Tensor, retain_loss: torch.Tensor | None, metrics: dict[str, Any]) -> torch.Tensor:
+        """``lambda_forget * forget + lambda_retain * retain``; records both terms as metrics."""
+        metrics["forget_loss"] = forget_loss
+        loss = self.args.lambda_forget * forget_loss
+        if retain_loss is not None:
+            metrics["retain_loss"] = retain_loss
+            loss = loss + self.args.lambda_retain * retain_loss
+        self.record_metrics(metrics)
+        return loss
+
+    # ------------------------------------------------------------------ metrics and logging (as trl does)
+
+    def record_metrics(self, metrics: dict[str, Any]) -> None:
+        """Queue method metrics; they are averaged (across steps and processes) into the next ``log`` call."""
+        mode = "train" if self.model.training else "eval"
+        for key, value in metrics.items():
+            t = value.detach().float().reshape(1) if torch.is_tensor(value) else torch.tensor([float(value)])
+            t = t.to(self.args.device)
+            if self.accelerator.num_processes > 1:
+                t = self.accelerator.gather(t)
+            self._metrics[mode][key].append(float(t.mean()))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
+        metrics = {k: sum(v) / len(v) for k, v in self._metrics[mode].items() if v}
+        if mode == "eval":
+            metrics = {f"eval_{k}": v for k, v in metrics.items()}
+        logs.update(metrics)
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation reports the answer cross-entropy of the eval rows (``eval_loss``)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            logits = model(**self._model_inputs(inputs)).logits
+            loss = nll_loss(logits, inputs["labels"])
+        return loss.detach(), None, None
+
+    # ------------------------------------------------------------------ model card contract
+
+    def method_hyperparameters(self) -> dict[str, Any]:
+        """The config's own fields (those not inherited from ``TrainingArguments``) and the training budget."""
+        base = {f.name for f in dataclasses.fields(TrainingArguments)}
+        own = {f.name: _jsonable(getattr(self.args, f.name)) for f in dataclasses.fields(self.args)
+               if f.name not in base}
+        for name in ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+                     "gradient_accumulation_steps", "lr_scheduler_type", "warmup_steps", "weight_decay", "seed"):
+            own[name] = _jsonable(getattr(self.args, name))
+        own.pop("id_column", None)
+        if self.is_peft:
+            cfg = self.accelerator.unwrap_model(self.model).peft_config.get("default")
+            own["peft"] = {"type": str(getattr(cfg, "peft_type", "")), "r": getattr(cfg, "r", None),
+                           "target_modules": _jsonable(getattr(cfg, "target_modules", None))}
+        return own
+
+    def unlearning_card_info(self) -> dict[str, Any]:
+        """What a model card needs (see the trainer contract in DESIGN.md); ``forget_ids`` are raw, never publish them."""
+        return {
+            "method": self.method_name,
+            "hyperparameters": self.method_hyperparameters(),
+            "forget_ids": list(self.forget_ids),
+            "citation": self.citation,
+            "paper": self.paper,
+            "extra": {"num_forget": len(self.forget_ids),
+                      "num_retain": 0 if self.retain_dataset is None else len(self.retain_dataset),
+                      "global_step": int(self.state.global_step)},
+        }

@@ -1,0 +1,240 @@
+"""The standard approximate-unlearning baselines, each a config + trainer pair on :class:`UnlearningTrainer`.
+
+They run a fixed budget (``num_train_epochs`` / ``max_steps``); the losses live in :mod:`hf_unlearn.losses`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UnlearnError
+from ..losses import gradient_ascent_loss, npo_loss, rmu_forget_loss, rmu_retain_loss, sequence_logprob, simnpo_loss
+from .base import UnlearningConfig, UnlearningTrainer
+
+# ---------------------------------------------------------------------------------------------- gradient ascent
+
+
+@dataclass
+class GradAscentConfig(UnlearningConfig):
+    """Gradient ascent on the forget answers; no retain term by default."""
+
+    retain_loss: str = field(default="none", metadata={"help": "Retain term ('none', 'ce' or 'kl')."})
+
+
+class GradAscentTrainer(UnlearningTrainer):
+    """Maximise the forget answers' cross-entropy (Jang et al., 2023)."""
+
+    _config_class = GradAscentConfig
+    method_name = "GradAscent"
+    paper = "https://arxiv.org/abs/2210.01504"
+    citation = """@inproceedings{jang2023knowledge,
+  title={Knowledge Unlearning for Mitigating Privacy Risks in Language Models},
+  author={Jang, Joel and Yoon, Dongkeun and Yang, Sohee and Cha, Sungmin and Lee, Moontae and Logeswaran, Lajanugen and Seo, Minjoon},
+  booktitle={ACL}, year={2023}}"""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
+        forget = gradient_ascent_loss(outputs.logits, inputs["labels"])
+        loss = self.combine(forget, self.retain_term(retain, retain_out), {})
+        return (loss, outputs) if return_outputs else loss
+
+
+# ---------------------------------------------------------------------------------------------- gradient difference
+
+
+@dataclass
+class GradDiffConfig(UnlearningConfig):
+    """Gradient difference: ascent on forget answers, descent (cross-entropy) on retain answers."""
+
+
+class GradDiffTrainer(GradAscentTrainer):
+    """Gradient ascent on the forget set plus cross-entropy on the retain set (Liu et al., 2022; TOFU baseline)."""
+
+    _config_class = GradDiffConfig
+    method_name = "GradDiff"
+    paper = "https://arxiv.org/abs/2401.06121"
+    citation = """@article{maini2024tofu,
+  title={TOFU: A Task of Fictitious Unlearning for LLMs},
+  author={Maini, Pratyush and Feng, Zhili and Schwarzschild, Avi and Lipton, Zachary C. and Kolter, J. Zico},
+  journal={arXiv preprint arXiv:2401.06121}, year={2024}}"""
+
+
+# ---------------------------------------------------------------------------------------------- NPO
+
+
+@dataclass
+class NPOConfig(UnlearningConfig):
+    """Negative Preference Optimization; ``retain_loss='kl'`` gives NPO+KLR, ``'ce'`` NPO+RT."""
+
+    beta: float = field(default=0.1, metadata={"help": "Inverse temperature of the NPO loss."})
+    retain_loss: str = field(
+        default="none", metadata={"help": "Retain term: 'none' (plain NPO), 'kl' (NPO+KLR) or 'ce' (NPO+RT)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta <= 0:
+            raise UnlearnError(f"beta must be > 0, got {self.beta}")
+
+
+class NPOTrainer(UnlearningTrainer):
+    """NPO (Zhang et al., 2024): a DPO-style loss with only a rejected answer, relative to the reference model."""
+
+    _config_class = NPOConfig
+    method_name = "NPO"
+    paper = "https://arxiv.org/abs/2404.05868"
+    citation = """@article{zhang2024negative,
+  title={Negative Preference Optimization: From Catastrophic Collapse to Effective Unlearning},
+  author={Zhang, Ruiqi and Lin, Licong and Bai, Yu and Mei, Song},
+  journal={arXiv preprint arXiv:2404.05868}, year={2024}}"""
+
+    @classmethod
+    def _needs_reference(cls, args) -> bool:
+        return True
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
+        policy = sequence_logprob(outputs.logits, inputs["labels"])
+        ref = sequence_logprob(self.reference_outputs(inputs).logits, inputs["labels"])
+        forget = npo_loss(policy, ref, self.args.beta)
+        metrics = {"forget_log_ratio": (policy - ref).mean().detach()}
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
+        return (loss, outputs) if return_outputs else loss
+
+    @property
+    def _method_label(self) -> str:
+        return {"kl": "NPO+KLR", "ce": "NPO+RT"}.get(self.args.retain_loss, "NPO")
+
+    def unlearning_card_info(self):
+        info = super().unlearning_card_info()
+        info["method"] = self._method_label
+        return info
+
+
+# ---------------------------------------------------------------------------------------------- SimNPO
+
+
+@dataclass
+class SimNPOConfig(UnlearningConfig):
+    """SimNPO: reference-free, length-normalised NPO with a reward margin ``gamma``."""
+
+    beta: float = field(default=2.5, metadata={"help": "Inverse temperature of the SimNPO loss."})
+    gamma: float = field(default=0.0, metadata={"help": "Reward margin inside the sigmoid."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta <= 0:
+            raise UnlearnError(f"beta must be > 0, got {self.beta}")
+
+
+class SimNPOTrainer(UnlearningTrainer):
+    """SimNPO (Fan et al., 2024): NPO without a reference model, on the mean answer log-probability."""
+
+    _config_class = SimNPOConfig
+    method_name = "SimNPO"
+    paper = "https://arxiv.org/abs/2410.07163"
+    citation = """@article{fan2024simplicity,
+  title={Simplicity Prevails: Rethinking Negative Preference Optimization for LLM Unlearning},
+  author={Fan, Chongyu and Liu, Jiancheng and Lin, Licong and Jia, Jinghan and Zhang, Ruiqi and Mei, Song and Liu, Sijia},
+  journal={arXiv preprint arXiv:2410.07163}, year={2024}}"""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
+        avg = sequence_logprob(outputs.logits, inputs["labels"], average=True)
+        forget = simnpo_loss(avg, self.args.beta, self.args.gamma)
+        metrics = {"forget_avg_logprob": avg.mean().detach()}
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
+        return (loss, outputs) if return_outputs else loss
+
+
+# ---------------------------------------------------------------------------------------------- RMU
+
+
+@dataclass
+class RMUConfig(UnlearningConfig):
+    """Representation Misdirection for Unlearning: steer one layer's activations on forget text to a random vector."""
+
+    layer_id: int | None = field(
+        default=None, metadata={"help": "Decoder layer whose output is steered; None = the middle layer."}
+    )
+    update_layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "Layers whose MLP weights train (full fine-tuning only); None = layer_id-2..layer_id."},
+    )
+    steering_coeff: float = field(default=6.5, metadata={"help": "Norm c of the control vector c*u."})
+    retain_loss: str = field(
+        default="ce",
+        metadata={"help": "Unused by RMU (its retain term matches the frozen model's activations); 'none' drops it."},
+    )
+    lambda_retain: float = field(default=100.0, metadata={"help": "Weight of the activation-matching retain term."})
+
+
+class RMUTrainer(UnlearningTrainer):
+    """RMU (Li et al., 2024, WMDP): forget activations go to ``c*u``, retain activations stay the frozen model's.
+
+    Without PEFT only the MLPs of ``update_layers`` train (the rest of the model is frozen in place); with
+    ``peft_config=`` the adapter trains. The control vector ``u`` is a seeded random unit vector.
+    """
+
+    _config_class = RMUConfig
+    method_name = "RMU"
+    paper = "https://arxiv.org/abs/2403.03218"
+    citation = """@article{li2024wmdp,
+  title={The WMDP Benchmark: Measuring and Reducing Malicious Use With Unlearning},
+  author={Li, Nathaniel and Pan, Alexander and Gopal, Anjali and others},
+  journal={arXiv preprint arXiv:2403.03218}, year={2024}}"""
+
+    @classmethod
+    def _needs_reference(cls, args) -> bool:
+        return args.retain_loss != "none"
+
+    def __init__(self, model=None, args=None, *pargs, **kwargs):
+        super().__init__(model, args, *pargs, **kwargs)
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        n_layers = config.num_hidden_layers
+        layer = self.args.layer_id if self.args.layer_id is not None else n_layers // 2
+        if not 0 <= layer < n_layers:
+            raise UnlearnError(f"layer_id must be in [0, {n_layers - 1}] for this model, got {layer}")
+        self.layer_id = layer
+        if not self.is_peft:
+            layers = self.args.update_layers or [i for i in range(layer - 2, layer + 1) if i >= 0]
+            if any(not 0 <= i < n_layers for i in layers):
+                raise UnlearnError(f"update_layers must be in [0, {n_layers - 1}], got {layers}")
+            patterns = tuple(f"layers.{i}.mlp." for i in layers) + tuple(f"h.{i}.mlp." for i in layers)
+            trainable = 0
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(any(s in name for s in patterns))
+                trainable += p.requires_grad
+            if trainable == 0:
+                raise UnlearnError(f"no MLP parameters found for layers {layers}; use peft_config= for this model")
+            self.update_layers = layers
+        gen = torch.Generator().manual_seed(int(self.args.seed))
+        u = torch.rand(config.hidden_size, generator=gen)
+        self.control_vector = (self.args.steering_coeff * u / u.norm()).to(self.args.device)
+
+    def _hidden(self, outputs) -> torch.Tensor:
+        return outputs.hidden_states[self.layer_id + 1]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain, output_hidden_states=True)
+        forget = rmu_forget_loss(self._hidden(outputs), self.control_vector, inputs["attention_mask"])
+        retain_loss = None
+        if retain is not None:
+            ref_hidden = self._hidden(self.reference_outputs(retain, output_hidden_states=True))
+            retain_loss = rmu_retain_loss(self._hidden(retain_out), ref_hidden, retain["attention_mask"])
+        loss = self.combine(forget, retain_loss, {})
+        return (loss, outputs) if return_outputs else loss
+
+    def method_hyperparameters(self):
+        hp = super().method_hyperparameters()
+        hp["layer_id"] = self.layer_id
+        if not self.is_peft:
+            hp["update_layers"] = list(self.update_layers)
+        hp.pop("retain_loss", None)
+        return hp

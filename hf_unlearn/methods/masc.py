@@ -1,0 +1,329 @@
+"""MASC (margin self-correction): unlearning that stops by itself.
+
+The forget term lowers the restricted margin ``m = beta*z(y_t) - logsumexp_{top-k non-target}(beta*z(v))`` of each
+active forget-answer token below ``tau - eta`` (``tau = log(rho/(1-rho))``); the retain term keeps the model close
+to the original (``KL(p_0 || p_theta)`` or cross-entropy). Training stops at the first check where the share of
+still-dominant tokens (``m > tau``), averaged over forget examples, is at most ``alpha``:
+:class:`MASCStoppingCallback` probes a small seeded sample of forget rows every ``probe_steps`` steps and, when the
+probe passes, confirms on forget rows the probe did not use (optionally with a Hoeffding upper bound).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from ..errors import UnlearnError
+from ..losses import (
+    hoeffding_upper_bound,
+    masc_active_mask,
+    masc_forget_loss,
+    masc_margin,
+    masc_threshold,
+    masc_violation_rates,
+)
+from ..utils import atomic_write_text
+from .base import UnlearningConfig, UnlearningTrainer
+
+logger = logging.getLogger(__name__)
+
+STOPPING_JSON = "masc_stopping.json"
+STOPPING_PLOT = "masc_violation_curve.png"
+
+
+@dataclass
+class MASCConfig(UnlearningConfig):
+    r"""Configuration of :class:`MASCTrainer` (only MASC's own fields; the rest is ``TrainingArguments``).
+
+    ``num_train_epochs`` / ``max_steps`` are an upper budget: training normally ends earlier, when the stopping rule
+    fires. Default that differs from ``TrainingArguments``: ``restore_callback_states_from_checkpoint=True``, so the
+    stopping rule's state (violation curve, stop step) survives ``train(resume_from_checkpoint=...)``.
+    """
+
+    restore_callback_states_from_checkpoint: bool = field(
+        default=True,
+        metadata={"help": "Restore callback states (MASC's violation curve and stop step) when resuming."},
+    )
+    k: int = field(default=10, metadata={"help": "Number of top non-target competitor tokens in the margin."})
+    beta: float = field(default=1.0, metadata={"help": "Temperature multiplying the logits inside the margin."})
+    rho: float = field(
+        default=0.5,
+        metadata={"help": "Dominance level in (0, 1): a token is still 'dominant' while its restricted probability "
+                          "sigmoid(m) exceeds rho, i.e. m > tau = log(rho/(1-rho))."},
+    )
+    eta: float = field(default=1.0, metadata={"help": "Buffer of the hinge relu(m - (tau - eta)) / eta (> 0)."})
+    competitors: str = field(
+        default="current",
+        metadata={"help": "Where the top-k competitors are chosen: 'current' (the model being trained) or "
+                          "'reference' (the original model).", "choices": ["current", "reference"]},
+    )
+    active_tokens: str = field(
+        default="suffix",
+        metadata={"help": "Which answer tokens are active: 'suffix' (the last suffix_fraction of each answer) or "
+                          "'all'.", "choices": ["suffix", "all"]},
+    )
+    suffix_fraction: float = field(default=0.5, metadata={"help": "Share of each answer kept by the suffix rule."})
+    skip_first: int = field(default=0, metadata={"help": "Answer tokens never active at the start of each answer."})
+    retain_loss: str = field(
+        default="kl", metadata={"help": "Retain term: 'kl' (KL(p_0 || p_theta)), 'ce' or 'none'."}
+    )
+    alpha: float = field(
+        default=0.2, metadata={"help": "Stop when the violation rate on forget examples is <= alpha, in (0, 1)."}
+    )
+    probe_steps: int = field(default=5, metadata={"help": "Run the cheap probe every this many optimizer steps."})
+    probe_size: int = field(default=8, metadata={"help": "Forget rows in the cheap probe (a seeded sample)."})
+    hoeffding_delta: float | None = field(
+        default=None,
+        metadata={"help": "If set, stop only when the Hoeffding upper confidence bound (level 1-delta) of the "
+                          "confirmed violation rate is <= alpha."},
+    )
+    save_violation_curve: bool = field(
+        default=True, metadata={"help": f"Write {STOPPING_JSON} and {STOPPING_PLOT} to output_dir at the end."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("alpha", "rho"):
+            value = getattr(self, name)
+            if not 0.0 < value < 1.0:
+                raise UnlearnError(f"{name} must lie strictly between 0 and 1, got {value}")
+        if self.eta <= 0:
+            raise UnlearnError(f"eta must be > 0, got {self.eta}")
+        if self.k < 1:
+            raise UnlearnError(f"k must be >= 1, got {self.k}")
+        if self.competitors not in ("current", "reference"):
+            raise UnlearnError(f"competitors must be 'current' or 'reference', got {self.competitors!r}")
+        if self.active_tokens not in ("suffix", "all"):
+            raise UnlearnError(f"active_tokens must be 'suffix' or 'all', got {self.active_tokens!r}")
+        if not 0.0 < self.suffix_fraction <= 1.0:
+            raise UnlearnError(f"suffix_fraction must lie in (0, 1], got {self.suffix_fraction}")
+        if self.probe_steps < 1 or self.probe_size < 1:
+            raise UnlearnError("probe_steps and probe_size must be >= 1")
+        if self.hoeffding_delta is not None and not 0.0 < self.hoeffding_delta < 1.0:
+            raise UnlearnError(f"hoeffding_delta must lie in (0, 1), got {self.hoeffding_delta}")
+
+
+class MASCStoppingCallback(TrainerCallback, ExportableState):
+    """MASC's online stopping rule, shaped like ``EarlyStoppingCallback`` (its state survives checkpoint/resume).
+
+    Every ``probe_steps`` optimizer steps it asks the trainer for the violation rate on the probe rows; when that is
+    at most ``alpha`` it asks for the rate on the confirmation rows (held out from the probe, so the estimate is not
+    biased by having triggered the check) and stops training if that rate, or its Hoeffding upper bound when
+    ``hoeffding_delta`` is set, is at most ``alpha``. The rates are sums reduced across processes, so every process
+    takes the same decision. ``history`` is the violation curve; ``stopped_step`` the step it stopped at.
+    """
+
+    def __init__(self, alpha: float = 0.2, probe_steps: int = 5, hoeffding_delta: float | None = None,
+                 save_curve: bool = True):
+        self.alpha = alpha
+        self.probe_steps = probe_steps
+        self.hoeffding_delta = hoeffding_delta
+        self.save_curve = save_curve
+        self.history: list[dict[str, Any]] = []
+        self.stopped_step: int | None = None
+        self.trainer = None
+
+    def bind(self, trainer) -> MASCStoppingCallback:
+        """Attach the trainer that measures violation rates (re-done after a resume re-creates the callback)."""
+        self.trainer = trainer
+        return self
+
+    def state(self) -> dict:
+        return {
+            "args": {"alpha": self.alpha, "probe_steps": self.probe_steps, "hoeffding_delta": self.hoeffding_delta,
+                     "save_curve": self.save_curve},
+            "attributes": {"history": list(self.history), "stopped_step": self.stopped_step},
+        }
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stopped_step is not None:  # resumed from a checkpoint taken after the stop
+            control.should_training_stop = True
+            return control
+        step = state.global_step
+        if step % self.probe_steps != 0:
+            return control
+        if self.trainer is None:
+            raise UnlearnError("MASCStoppingCallback is not bound to a trainer; MASCTrainer adds it for you")
+        rate, n = self.trainer.violation_rate("probe")
+        self.history.append({"step": step, "kind": "probe", "violation_rate": rate, "n": n})
+        metrics = {"probe_violation_rate": rate}
+        if rate <= self.alpha:
+            rate, n = self.trainer.violation_rate("confirm")
+            bound = hoeffding_upper_bound(rate, n, self.hoeffding_delta) if self.hoeffding_delta else rate
+            self.history.append({"step": step, "kind": "confirm", "violation_rate": rate, "upper_bound": bound,
+                                 "n": n})
+            metrics["confirm_violation_rate"] = rate
+            if bound <= self.alpha:
+                self.stopped_step = step
+                control.should_training_stop = True
+                logger.info("MASC stopped at step %d: violation rate %.4f (bound %.4f) <= alpha %.3f on %d examples",
+                            step, rate, bound, self.alpha, n)
+        self.trainer.record_metrics(metrics)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.save_curve and state.is_world_process_zero:
+            save_stopping_report(args.output_dir, self.alpha, self.stopped_step, self.history)
+        return control
+
+
+def save_stopping_report(output_dir, alpha: float, stopped_step: int | None, history: list[dict]) -> Path:
+    """Write the stop step and violation curve as JSON (atomically) and, if matplotlib is there, a plot."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"alpha": alpha, "stopped": stopped_step is not None, "stopped_step": stopped_step, "history": history}
+    path = out / STOPPING_JSON
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is an optional extra
+        logger.warning("matplotlib is not installed; %s not written", STOPPING_PLOT)
+        return path
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for kind, style in (("probe", "o-"), ("confirm", "s")):
+        pts = [(h["step"], h["violation_rate"]) for h in history if h["kind"] == kind]
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"{kind} violation rate")
+    ax.axhline(alpha, color="gray", linestyle="--", label=f"alpha = {alpha:g}")
+    if stopped_step is not None:
+        ax.axvline(stopped_step, color="red", linestyle=":", label=f"stopped at step {stopped_step}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("violation rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / STOPPING_PLOT, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class MASCTrainer(UnlearningTrainer):
+    """Margin self-correction unlearning with an online stopping rule (Di Gennaro, Shevchenko, Yang, 2026).
+
+    Takes everything :class:`UnlearningTrainer` takes, plus ``confirm_dataset``: forget examples for the
+    confirmation pass (default: the forget rows not in the probe sample; if the forget set is no larger than
+    ``probe_size``, the whole forget set).
+    """
+
+    _config_class = MASCConfig
+    method_name = "MASC"
+    paper = "https://arxiv.org/abs/2606.02920"
+    citation = """@article{digennaro2026masc,
+  title={Fast Unlearning at Scale via Margin Self-Correction},
+  author={Di Gennaro, Federico and Shevchenko, Alexander and Yang, Fanny},
+  journal={arXiv preprint arXiv:2606.02920}, year={2026}}"""
+
+    @classmethod
+    def _needs_reference(cls, args) -> bool:
+        return args.retain_loss == "kl" or args.competitors == "reference"
+
+    def __init__(self, model=None, args: MASCConfig | None = None, forget_dataset=None, retain_dataset=None,
+                 *pargs, confirm_dataset=None, **kwargs):
+        super().__init__(model, args, forget_dataset, retain_dataset, *pargs, **kwargs)
+        self.tau = masc_threshold(self.args.rho)
+        forget = self.train_dataset
+        gen = torch.Generator().manual_seed(int(self.args.seed))
+        perm = torch.randperm(len(forget), generator=gen).tolist()
+        self.probe_dataset = forget.select(sorted(perm[: self.args.probe_size]))
+        if confirm_dataset is not None:
+            self.confirm_dataset = self._prepare_dataset(confirm_dataset, self.processing_class, self.args, "confirm")
+        else:
+            rest = sorted(perm[self.args.probe_size:])
+            self.confirm_dataset = forget.select(rest) if rest else forget
+        self.stopping_callback = MASCStoppingCallback(
+            self.args.alpha, self.args.probe_steps, self.args.hoeffding_delta, self.args.save_violation_curve
+        ).bind(self)
+        self.add_callback(self.stopping_callback)
+
+    def _load_callback_state(self):
+        """Resume restores the callback by re-creating it from its state; bind the new instance to this trainer."""
+        super()._load_callback_state()
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, MASCStoppingCallback):
+                self.stopping_callback = cb.bind(self)
+
+    # ------------------------------------------------------------------ the loss
+
+    def _margins(self, batch, outputs) -> tuple[torch.Tensor, torch.Tensor]:
+        competitors = None
+        if self.args.competitors == "reference":
+            competitors = self.reference_outputs(batch).logits
+        margin, mask = masc_margin(outputs.logits, batch["labels"], self.args.k, self.args.beta, competitors)
+        active = masc_active_mask(mask, self.args.active_tokens, self.args.suffix_fraction, self.args.skip_first)
+        return margin, active
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
+        margin, active = self._margins(inputs, outputs)
+        forget = masc_forget_loss(margin, active, self.tau, self.args.eta)
+        rates, valid = masc_violation_rates(margin.detach(), active, self.tau)
+        metrics = {
+            "batch_violation_rate": rates[valid].mean() if bool(valid.any()) else 0.0,
+            "mean_margin": (margin.detach() * active).sum() / active.sum().clamp(min=1),
+        }
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
+        return (loss, outputs) if return_outputs else loss
+
+    # ------------------------------------------------------------------ the stopping rule's measurement
+
+    @torch.no_grad()
+    def violation_rate(self, which: str = "confirm") -> tuple[float, int]:
+        """Violation rate of the current model on the probe or confirmation rows: ``(rate, n_examples)``.
+
+        Each process scores its share of the rows; the sums are reduced across processes, so the result (and the
+        stopping decision) is the same everywhere.
+        """
+        dataset = {"probe": self.probe_dataset, "confirm": self.confirm_dataset}[which]
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        mine = list(range(rank, len(dataset), world))
+        bs = self.args.per_device_eval_batch_size
+        model = self.model
+        was_training = model.training
+        model.eval()
+        totals = torch.zeros(2, device=self.args.device)
+        try:
+            for start in range(0, len(mine), bs):
+                batch = self._prepare_inputs(self.data_collator([dataset[i] for i in mine[start:start + bs]]))
+                margin, active = self._margins(batch, model(**self._model_inputs(batch)))
+                rates, valid = masc_violation_rates(margin, active, self.tau)
+                totals += torch.stack([rates[valid].sum(), valid.sum().float()])
+        finally:
+            model.train(was_training)
+        if world > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        n = int(totals[1].item())
+        return float(totals[0].item()) / max(n, 1), n
+
+    # ------------------------------------------------------------------ results
+
+    @property
+    def stopped_step(self) -> int | None:
+        return self.stopping_callback.stopped_step
+
+    @property
+    def violation_history(self) -> list[dict[str, Any]]:
+        return self.stopping_callback.history
+
+    def unlearning_card_info(self) -> dict[str, Any]:
+        info = super().unlearning_card_info()
+        confirms = [h for h in self.violation_history if h["kind"] == "confirm"]
+        info["extra"].update({
+            "tau": self.tau,
+            "stopped_by_rule": self.stopped_step is not None,
+            "stopped_step": self.stopped_step,
+            "num_probes": sum(h["kind"] == "probe" for h in self.violation_history),
+        })
+        if confirms:
+            info["evaluation"] = {"masc_violation_rate": confirms[-1]["violation_rate"]}
+        return info

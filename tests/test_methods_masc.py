@@ -1,0 +1,193 @@
+"""MASCTrainer and its stopping callback: stops by itself, saves its curve, survives checkpoint/resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from transformers import TrainerControl, TrainerState
+
+from hf_unlearn.methods.masc import STOPPING_JSON, STOPPING_PLOT, MASCStoppingCallback
+
+from .methods_helpers import answer_loss, memorised_model, tiny_data
+
+COMMON = dict(report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=1,
+              per_device_train_batch_size=4, learning_rate=1e-3, k=5)
+
+
+class FakeTrainer:
+    """Serves scripted violation rates to the callback."""
+
+    def __init__(self, probe, confirm, n=100):
+        self.rates = {"probe": list(probe), "confirm": list(confirm)}
+        self.n = n
+        self.calls = []
+        self.metrics = []
+
+    def violation_rate(self, which):
+        self.calls.append(which)
+        return self.rates[which].pop(0), self.n
+
+    def record_metrics(self, metrics):
+        self.metrics.append(metrics)
+
+
+def _step(cb, step):
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = step
+    cb.on_step_end(None, state, control)
+    return control
+
+
+# ------------------------------------------------------------------ the callback's rule (scripted rates)
+
+
+def test_probe_every_n_steps_then_confirm_then_stop():
+    fake = FakeTrainer(probe=[0.9, 0.15, 0.1], confirm=[0.3, 0.18])
+    cb = MASCStoppingCallback(alpha=0.2, probe_steps=2).bind(fake)
+    assert not _step(cb, 1).should_training_stop and fake.calls == []
+    assert not _step(cb, 2).should_training_stop and fake.calls == ["probe"]  # 0.9 > alpha: no confirmation
+    assert not _step(cb, 4).should_training_stop  # probe 0.15 passes, confirmation 0.3 does not
+    assert _step(cb, 6).should_training_stop  # probe 0.1, confirmation 0.18 <= 0.2
+    assert fake.calls == ["probe", "probe", "confirm", "probe", "confirm"]
+    assert cb.stopped_step == 6
+    assert [(h["step"], h["kind"]) for h in cb.history] == [(2, "probe"), (4, "probe"), (4, "confirm"), (6, "probe"),
+                                                            (6, "confirm")]
+    assert fake.metrics[-1] == {"probe_violation_rate": 0.1, "confirm_violation_rate": 0.18}
+
+
+def test_hoeffding_bound_delays_the_stop():
+    fake = FakeTrainer(probe=[0.1, 0.1], confirm=[0.1, 0.1], n=20)
+    cb = MASCStoppingCallback(alpha=0.2, probe_steps=1, hoeffding_delta=0.1).bind(fake)
+    assert not _step(cb, 1).should_training_stop  # 0.1 + sqrt(log(10)/40) = 0.34 > 0.2
+    assert cb.history[-1]["upper_bound"] == pytest.approx(0.1 + math.sqrt(math.log(10) / 40))
+    fake.n = 1000  # enough examples: 0.1 + 0.034 <= 0.2
+    assert _step(cb, 2).should_training_stop
+
+
+def test_state_round_trip_keeps_the_curve_and_a_stop():
+    fake = FakeTrainer(probe=[0.5, 0.1], confirm=[0.1])
+    cb = MASCStoppingCallback(alpha=0.2, probe_steps=1).bind(fake)
+    _step(cb, 1), _step(cb, 2)
+    restored = MASCStoppingCallback.from_state(json.loads(json.dumps(cb.state())))
+    assert restored.history == cb.history and restored.stopped_step == 2 and restored.alpha == 0.2
+    assert _step(restored, 3).should_training_stop  # resumed after the stop: stops at once, no evaluation needed
+
+
+def test_unbound_callback_is_a_clear_error():
+    from hf_unlearn.errors import UnlearnError
+
+    with pytest.raises(UnlearnError, match="not bound"):
+        _step(MASCStoppingCallback(probe_steps=1), 1)
+
+
+# ------------------------------------------------------------------ MASC on a tiny model that memorised its rows
+
+
+def _masc(tmp_path, model=None, **kw):
+    from hf_unlearn.methods import MASCConfig, MASCTrainer
+
+    tok, forget, retain = tiny_data()
+    args = MASCConfig(output_dir=str(tmp_path), **{**COMMON, **kw})
+    return MASCTrainer(model=model if model is not None else memorised_model(), args=args, forget_dataset=forget,
+                       retain_dataset=retain, processing_class=tok)
+
+
+def test_masc_stops_by_itself_and_saves_its_curve(tmp_path):
+    _, forget, retain = tiny_data()
+    trainer = _masc(tmp_path, max_steps=60, probe_steps=2, probe_size=2, alpha=0.2)
+    assert trainer.violation_rate("confirm")[0] > 0.9  # memorised: nearly every active token is dominant
+    forget_before, retain_before = answer_loss(trainer.model, forget), answer_loss(trainer.model, retain)
+    trainer.train()
+    assert trainer.stopped_step is not None and trainer.stopped_step < 60
+    assert trainer.state.global_step == trainer.stopped_step
+    confirm = [h for h in trainer.violation_history if h["kind"] == "confirm"]
+    assert confirm[-1]["violation_rate"] <= 0.2 and confirm[-1]["step"] == trainer.stopped_step
+    assert trainer.violation_rate("confirm")[0] <= 0.2  # the saved model is the one that passed
+    report = json.loads((tmp_path / STOPPING_JSON).read_text())
+    assert report["stopped"] and report["stopped_step"] == trainer.stopped_step and report["history"]
+    assert (tmp_path / STOPPING_PLOT).stat().st_size > 1000
+    forget_gain = answer_loss(trainer.model, forget) - forget_before
+    retain_gain = answer_loss(trainer.model, retain) - retain_before
+    assert forget_gain > 1.0 and forget_gain > 3 * retain_gain
+    info = trainer.unlearning_card_info()
+    assert info["extra"]["stopped_step"] == trainer.stopped_step and info["evaluation"]["masc_violation_rate"] <= 0.2
+
+
+def test_probe_and_confirmation_rows_are_disjoint_forget_rows(tmp_path):
+    trainer = _masc(tmp_path, probe_size=1)
+    probe, confirm = set(trainer.probe_dataset["id"]), set(trainer.confirm_dataset["id"])
+    assert len(probe) == 1 and not probe & confirm and probe | confirm == set(trainer.forget_ids)
+
+
+@pytest.mark.parametrize("extra", [{"competitors": "reference", "retain_loss": "ce"}, {"active_tokens": "all"}])
+def test_masc_variants_lower_the_violation_rate(tmp_path, extra):
+    trainer = _masc(tmp_path, max_steps=4, probe_steps=100, **extra)
+    before = trainer.violation_rate("confirm")[0]
+    trainer.train()
+    assert trainer.violation_rate("confirm")[0] < before
+
+
+def test_callback_state_survives_checkpoint_resume(tmp_path):
+    # alpha tiny: never stops; a checkpoint at step 4 carries the probes of steps 2 and 4
+    kw = dict(probe_steps=2, probe_size=2, alpha=1e-6, save_strategy="steps", save_steps=4)
+    first = _masc(tmp_path, max_steps=4, **kw)
+    first.train()
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert [h["step"] for h in saved["stateful_callbacks"]["MASCStoppingCallback"]["attributes"]["history"]] == [2, 4]
+
+    resumed = _masc(tmp_path, max_steps=6, **kw)
+    original_callback = resumed.stopping_callback
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert resumed.stopping_callback is not original_callback  # re-created from the checkpoint, then re-bound
+    assert [h["step"] for h in resumed.violation_history] == [2, 4, 6]
+    assert resumed.violation_history[:2] == first.violation_history
+    callbacks = [cb for cb in resumed.callback_handler.callbacks if isinstance(cb, MASCStoppingCallback)]
+    assert callbacks == [resumed.stopping_callback]
+
+
+# ------------------------------------------------------------------ accelerate: the same decision on every process
+
+
+def _distributed_masc(out_dir):
+    """Run by each of 2 CPU processes (gloo): train MASC, write what this process decided."""
+    from accelerate import PartialState
+
+    trainer = _masc(out_dir, max_steps=40, probe_steps=2, probe_size=2, alpha=0.2, per_device_train_batch_size=2)
+    trainer.train()
+    rank = PartialState().process_index
+    record = {"stopped_step": trainer.stopped_step, "history": trainer.violation_history,
+              "world": trainer.accelerator.num_processes}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+DISTRIBUTED = """
+import pathlib, sys
+from accelerate import debug_launcher
+from tests.test_methods_masc import _distributed_masc
+out = pathlib.Path(sys.argv[1])
+debug_launcher(lambda: _distributed_masc(out), num_processes=2)
+"""
+
+
+@pytest.mark.slow
+def test_stopping_decision_is_identical_on_every_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    # a fresh interpreter forks the 2 gloo workers before any torch computation (forking after it can hang)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", DISTRIBUTED, str(tmp_path)], cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["world"] == 2 for r in records)
+    assert records[0]["stopped_step"] is not None
+    assert records[0]["stopped_step"] == records[1]["stopped_step"]
+    assert records[0]["history"] == records[1]["history"]  # rates reduced across processes: bit-identical
+    # each process scored one of the 2 probe (and 2 confirmation) rows; the counts are the sums over both
+    assert all(h["n"] == 2 for h in records[0]["history"])
