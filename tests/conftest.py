@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
+# keyed id tags: a throwaway key per test session, never the user's ~/.cache/hf_unlearn key
+os.environ.setdefault("HF_UNLEARN_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="hfu-key-"), "id_tag.key"))
 
 
 @pytest.fixture(scope="session")

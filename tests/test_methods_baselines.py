@@ -116,3 +116,20 @@ def test_masc_and_npo_klr_step_on_smollm2_with_lora(tmp_path):
         after = _snapshot(trainer.model)
         changed = {n for n in before if not torch.equal(before[n], after[n])}
         assert changed and all("lora_" in n for n in changed)
+
+
+def test_trainers_write_a_model_card_without_raw_ids(tmp_path, monkeypatch):
+    """Every unlearning trainer is an UnlearningHubMixin: its card names the method and keys the forget ids."""
+    from hf_unlearn.hub.cards import check_card_metadata, find_raw_ids
+
+    from .methods_helpers import FORGET_IDS
+
+    monkeypatch.setenv("HF_UNLEARN_TAG_KEY", "ab" * 32)
+    trainer = _trainer("NPO+KLR", tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    text = trainer.create_model_card(model_name="org/npo-unlearned", dataset_name="locuslab/TOFU")
+    meta = check_card_metadata(text)
+    assert "unlearning" in meta["tags"] and "npo" in " ".join(meta["tags"]).lower()
+    assert meta["hf_unlearn"]["params_root"]
+    assert not find_raw_ids(text, FORGET_IDS)

@@ -51,7 +51,7 @@ class UnlearningHubMixin:
     """Mix into a ``transformers.Trainer`` subclass that implements ``unlearning_card_info()``."""
 
     def unlearning_card_info(self) -> dict[str, Any]:  # pragma: no cover - the contract, implemented by trainers
-        raise NotImplementedError(f"{type(self).__name__} must implement unlearning_card_info()")
+        raise TypeError(f"{type(self).__name__} mixes in UnlearningHubMixin but does not define unlearning_card_info()")
 
     def _card_defaults(self) -> dict[str, Any]:
         name = getattr(getattr(self.model, "config", None), "_name_or_path", None) or None

@@ -30,6 +30,7 @@ from transformers import Trainer, TrainingArguments
 from ..data.collators import QACollator
 from ..data.tokenize import IGNORE_INDEX, tokenize_qa
 from ..errors import UnlearnError
+from ..hub.mixin import UnlearningHubMixin
 from ..losses import kl_retain_loss, nll_loss
 
 RETAIN_LOSSES = ("none", "ce", "kl")
@@ -101,7 +102,7 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-class UnlearningTrainer(Trainer):
+class UnlearningTrainer(UnlearningHubMixin, Trainer):
     """A ``Trainer`` whose training data are a forget set (the train dataset) paired with a retain set.
 
     Args:
