@@ -99,7 +99,7 @@ def test_dropout_is_reproduced_by_reseeding(trace_data, tmp_path):
     """With dropout 0.1 a full replay without deletions reproduces the recorded final state exactly."""
     from hf_unlearn.trace import ReplayTrainer
     from hf_unlearn.trace.run import load_checkpoint, open_run
-    from hf_unlearn.trace.verify import compare_states
+    from hf_unlearn.trace.verification import compare_states
 
     tok, data = trace_data
     record(tok, data, tmp_path, dropout=0.1, max_steps=4)

@@ -182,7 +182,7 @@ def oracle_cmd(args) -> int:
 
 
 def verify_cmd(args) -> int:
-    from ..trace.verify import verify
+    from ..trace.verification import verify
 
     report = verify(args.out, args.oracle)
     if args.json:

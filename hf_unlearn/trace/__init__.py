@@ -20,8 +20,8 @@ _NAMES = {
     "redact_store": "store",
     "open_run": "run",
     "check_run": "run",
-    "verify": "verify",
-    "compare_states": "verify",
+    "verify": "verification",
+    "compare_states": "verification",
 }
 
 
