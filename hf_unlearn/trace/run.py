@@ -201,7 +201,9 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         pos += len(e.slots)
         if bad:
             rep.errors.append(f"plan entry {i} and wal.bin record {i} (optimizer step {e.step}) disagree: {', '.join(bad)}")
-    if len(manifest) != pos and not rep.errors:
+    if len(manifest) > pos and not sealed:
+        rep.warnings.append(f"manifest.bin lists {len(manifest) - pos} slots past the WAL's end; they are ignored")
+    elif len(manifest) != pos and not rep.errors:
         rep.errors.append(f"manifest.bin lists {len(manifest)} slots, the plan {pos}")
     # Keep whole segments only (a crash can leave a segment half-written).
     while plan and not plan[-1].end:

@@ -89,3 +89,6 @@ def verify(replay_out, oracle_out) -> dict:
                              "optimizer_l2": cmp["optimizer"]["l2"], "identical": cmp["identical"]}
     report["baselines"] = baselines
     return report
+
+
+verify_replay = verify  # the top-level name: ``hf_unlearn.verify_replay(replay_out, oracle_out)``
