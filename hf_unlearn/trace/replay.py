@@ -182,7 +182,9 @@ class ReplayTrainer(TraceRecordingTrainer):
                                f"(e.g. {missing[0]}); it must be the run's store minus the deleted rows only")
 
     def _dummy_row(self, length: int) -> dict:
-        template = self.store[0]
+        if not hasattr(self, "_template"):
+            self._template = self.store[0]
+        template = self._template
         row = {}
         for k, v in template.items():
             if k == self.id_column:
@@ -392,7 +394,7 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
     retained = store.select([n for n, i in enumerate(store[run.id_column]) if i not in forget], keep_in_memory=True)
     model = model_from_run(run)
     model.load_state_dict(load_checkpoint(run.checkpoints()[0])["model"])
-    args = training_args_from_header(run.header, output_dir, remove_unused_columns=False)
+    args = training_args_from_header(run.header, output_dir, remove_unused_columns=False, logging_strategy="no")
     collate = data_collator or rebuild_collator(run.header.get("collator"))
     id_column = run.id_column
 
