@@ -71,9 +71,5 @@ def copy_run(run, dst):
 def ids_at_step(run_dir, step: int) -> list:
     """Raw ids of the slots of one optimizer step (the test holds the key, so it can map tags back)."""
     from hf_unlearn.trace.run import open_run
-    from hf_unlearn.trace.store import load_store
-    from hf_unlearn.trace.tags import tag
 
-    run = open_run(run_dir)
-    by_tag = {tag(run.key, i): i for i in load_store(run.store_path)["id"]}
-    return [by_tag[s] for e in run.plan if e.step == step for s in e.slots if s]
+    return open_run(run_dir).ids_at_steps([step])

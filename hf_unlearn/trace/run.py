@@ -117,6 +117,15 @@ class TraceRun:
     def total_steps(self) -> int:
         return self.plan[-1].step + 1 if self.plan else 0
 
+    def ids_at_steps(self, steps) -> list:
+        """Raw ids of the slots of the given optimizer steps (maps tags back through the store and the key)."""
+        from .store import load_store
+        from .tags import tag
+
+        steps = set(steps)
+        by_tag = {tag(self.key, i): i for i in load_store(self.store_path)[self.id_column]}
+        return [by_tag[s] for e in self.plan if e.step in steps for s in e.slots if s]
+
     def final_checkpoint(self) -> Path:
         cps = self.checkpoints()
         if self.total_steps not in cps:
