@@ -399,6 +399,9 @@ class TraceRecordingTrainer(Trainer):
                            "deleting a row re-weights the other rows of its microbatch")
         if any(v > 0 for v in dropout.values()) or args.neftune_noise_alpha:
             notes.append("random layers (dropout/NEFTune) are active: reproduced by per-microbatch reseeding")
+        if args.fp16:
+            hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
+                           "may scale (and skip) steps differently; use bf16 or fp32")
         if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled():
             hazards.append("CUDA without torch.use_deterministic_algorithms(True): kernels may not be bit-reproducible")
         if not spec["rebuildable"]:

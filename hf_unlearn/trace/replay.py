@@ -365,7 +365,8 @@ class RedactedReplayTrainer(ReplayTrainer):
     def __init__(self, run, store, forget_ids, out_dir, **kwargs):
         super().__init__(run, store=store, forget_ids=forget_ids, out_dir=out_dir, start=kwargs.pop("start", "suffix"),
                          **kwargs)
-        present = [i for i in self.forget_ids if i in set(self.store[self.id_column])]
+        stored = set(self.store[self.id_column])
+        present = [i for i in self.forget_ids if i in stored]
         if present:
             raise UnlearnError(f"the store {store} still holds {len(present)} id(s) to forget (e.g. {present[:5]}); "
                                "redact it first (hf-unlearn trace redact)")
