@@ -281,6 +281,12 @@ class TraceRecordingTrainer(Trainer):
         with seeded(self._trace_seeds.popleft()):
             return super().training_step(model, inputs, num_items_in_batch)
 
+    def _finalize_training(self, *args, **kwargs):
+        # Seal before the Trainer may load the best checkpoint (load_best_model_at_end): the trace's final
+        # checkpoint is the state after the last recorded step. (The callback's on_train_end is the fallback.)
+        self._trace_finish()
+        return super()._finalize_training(*args, **kwargs)
+
     # ---- internals --------------------------------------------------------------------------------------
     def _lr_record(self) -> tuple[float, list[float] | None]:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
