@@ -33,8 +33,18 @@ def main():
 
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
-    from hf_unlearn import (OracleReplayTrainer, QACollator, RedactedReplayTrainer, TraceRecordingTrainer, load_model,
-                            load_tofu, load_tokenizer, redact_store, tokenize_qa, verify_replay)
+    from hf_unlearn import (
+        OracleReplayTrainer,
+        QACollator,
+        RedactedReplayTrainer,
+        TraceRecordingTrainer,
+        load_model,
+        load_tofu,
+        load_tokenizer,
+        redact_store,
+        tokenize_qa,
+        verify_replay,
+    )
     from hf_unlearn.trace import compare_states, filter_counterfactual, open_run, repack_counterfactual, replay_cost
     from hf_unlearn.trace.verification import load_state
 

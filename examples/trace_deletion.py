@@ -16,8 +16,17 @@ from pathlib import Path
 
 from transformers import TrainingArguments
 
-from hf_unlearn import (OracleReplayTrainer, QACollator, RedactedReplayTrainer, TraceRecordingTrainer, load_tofu,
-                        redact_store, replay_cost, tokenize_qa, verify_replay)
+from hf_unlearn import (
+    OracleReplayTrainer,
+    QACollator,
+    RedactedReplayTrainer,
+    TraceRecordingTrainer,
+    load_tofu,
+    redact_store,
+    replay_cost,
+    tokenize_qa,
+    verify_replay,
+)
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
 from hf_unlearn.trace import open_run
 

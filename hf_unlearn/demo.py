@@ -8,7 +8,6 @@ delete, unlearn, evaluate, publish) hang off the same fine-tuned run.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -1,22 +1,26 @@
 """Shared set-up of the trace tests (no tests here): a tiny Llama, TOFU rows, and recorded runs.
 
-Runs are recorded once per session into a temporary folder; tests that damage a run work on a copy.
+Plain cached functions rather than fixtures (fixtures cannot be shared between test modules without conftest):
+the data is built and the run recorded once per session into a temporary folder removed at exit; tests that
+damage a run work on a copy.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import shutil
+import tempfile
 import warnings
-
-import pytest
+from pathlib import Path
 
 from .conftest import TOFU_DIR
 
 warnings.filterwarnings("ignore", message=".*not sealed.*")
 
 
-@pytest.fixture(scope="session")
-def trace_data():
+@functools.cache
+def get_trace_data():
     """64 TOFU rows tokenised with a 1k-token tokenizer trained on them (fast, real text)."""
     from hf_unlearn.data import load_tofu, tokenize_qa
     from hf_unlearn.models import build_tiny_tokenizer
@@ -54,11 +58,12 @@ def record(tok, data, out, dropout: float = 0.0, every: int = 2, trace_key: byte
     return trainer
 
 
-@pytest.fixture(scope="session")
-def recorded(trace_data, tmp_path_factory):
+@functools.cache
+def get_recorded() -> Path:
     """One epoch, 16 microbatches of 4, accumulation 2 (8 optimizer steps), checkpoints every 2 steps."""
-    tok, data = trace_data
-    out = tmp_path_factory.mktemp("recorded")
+    tok, data = get_trace_data()
+    out = Path(tempfile.mkdtemp(prefix="trace_tests_"))
+    atexit.register(shutil.rmtree, out, True)
     record(tok, data, out)
     return out / "trace"
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from .test_trace_common import copy_run, ids_at_step, recorded, trace_data  # noqa: F401
+from .test_trace_common import copy_run, get_recorded, ids_at_step
 
 
 def _cli(*args):
@@ -21,7 +21,8 @@ def _forget_file(tmp_path, ids):
     return f
 
 
-def test_unknown_ids_are_listed(recorded, tmp_path):
+def test_unknown_ids_are_listed(tmp_path):
+    recorded = get_recorded()
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store, replay_cost
 
@@ -34,7 +35,8 @@ def test_unknown_ids_are_listed(recorded, tmp_path):
         RedactedReplayTrainer(run, run.store_path, [999], tmp_path / "out")
 
 
-def test_flipped_wal_byte_is_named_and_refused(recorded, tmp_path, capsys):
+def test_flipped_wal_byte_is_named_and_refused(tmp_path, capsys):
+    recorded = get_recorded()
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer
 
@@ -50,8 +52,9 @@ def test_flipped_wal_byte_is_named_and_refused(recorded, tmp_path, capsys):
         RedactedReplayTrainer(run, run / "private" / "store", [1], tmp_path / "out")
 
 
-def test_truncated_wal_tail(recorded, tmp_path):
+def test_truncated_wal_tail(tmp_path):
     """Sealed run with a cut WAL: refused. Crashed (unsealed) run: recovered to the last whole segment."""
+    recorded = get_recorded()
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import open_run
 
@@ -74,7 +77,8 @@ def test_truncated_wal_tail(recorded, tmp_path):
     assert len(run.plan) == 14 and run.plan[-1].end and run.total_steps == 7  # 14 whole records = 7 segments
 
 
-def test_plan_and_wal_disagree(recorded, tmp_path, capsys):
+def test_plan_and_wal_disagree(tmp_path, capsys):
+    recorded = get_recorded()
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.run import write_sidecar
@@ -92,7 +96,8 @@ def test_plan_and_wal_disagree(recorded, tmp_path, capsys):
         open_run(run)
 
 
-def test_store_missing_a_retained_row(recorded, tmp_path):
+def test_store_missing_a_retained_row(tmp_path):
+    recorded = get_recorded()
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store
 
@@ -104,7 +109,8 @@ def test_store_missing_a_retained_row(recorded, tmp_path):
         RedactedReplayTrainer(run, tmp_path / "s", forget, tmp_path / "out")
 
 
-def test_replay_refuses_an_unredacted_store(recorded, tmp_path):
+def test_replay_refuses_an_unredacted_store(tmp_path):
+    recorded = get_recorded()
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer
 
@@ -112,8 +118,9 @@ def test_replay_refuses_an_unredacted_store(recorded, tmp_path):
         RedactedReplayTrainer(recorded, recorded / "private" / "store", [5], tmp_path / "out")
 
 
-def test_cli_workflow(recorded, tmp_path, capsys):
+def test_cli_workflow(tmp_path, capsys):
     """inspect, cost, redact, replay, oracle --baselines, verify: exit 0 and the distances printed."""
+    recorded = get_recorded()
     forget = _forget_file(tmp_path, ids_at_step(recorded, 6)[:2])
     assert _cli("trace", "inspect", recorded) == 0
     assert "integrity: OK" in capsys.readouterr().out

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from .test_trace_common import recorded, record, tiny, trace_data, train_args  # noqa: F401
+from .test_trace_common import get_recorded, get_trace_data, record, tiny, train_args
 
 
-def test_bit_identical_to_plain_trainer(trace_data, tmp_path):
+def test_bit_identical_to_plain_trainer(tmp_path):
     """Accumulation, clipping, warmup, two epochs, logging: final weights equal a plain Trainer's bit for bit."""
+    trace_data = get_trace_data()
     from transformers import Trainer
 
     from hf_unlearn.data import QACollator
@@ -32,7 +33,8 @@ def test_bit_identical_to_plain_trainer(trace_data, tmp_path):
     assert not torch.equal(a["model.embed_tokens.weight"], tiny(tok).state_dict()["model.embed_tokens.weight"])
 
 
-def test_wal_records_are_32_bytes_with_crc_and_match_the_plan(recorded):
+def test_wal_records_are_32_bytes_with_crc_and_match_the_plan():
+    recorded = get_recorded()
     from hf_unlearn.trace.plan import read_plan
 
     wal = (recorded / "wal.bin").read_bytes()
@@ -47,7 +49,8 @@ def test_wal_records_are_32_bytes_with_crc_and_match_the_plan(recorded):
     assert (recorded / "manifest.bin").stat().st_size == 8 * 64
 
 
-def test_plan_records_controls(recorded):
+def test_plan_records_controls():
+    recorded = get_recorded()
     from hf_unlearn.trace.plan import read_plan, segments
 
     plan = read_plan(recorded / "plan.jsonl")
@@ -62,7 +65,8 @@ def test_plan_records_controls(recorded):
     assert len(set(slots)) == 64 and all(len(t) == 16 for t in slots)  # keyed tags, every row once
 
 
-def test_header_sidecars_checkpoints_and_store(recorded):
+def test_header_sidecars_checkpoints_and_store():
+    recorded = get_recorded()
     from hf_unlearn.trace.hashing import StateHashes
     from hf_unlearn.trace.run import check_run, load_checkpoint
     from hf_unlearn.trace.store import load_store
@@ -85,8 +89,9 @@ def test_header_sidecars_checkpoints_and_store(recorded):
     assert sorted(store["id"]) == list(range(64)) and "labels" in store.column_names
 
 
-def test_published_files_carry_no_raw_ids(recorded):
+def test_published_files_carry_no_raw_ids():
     """The plan and manifest hold 8-byte keyed tags; a raw id's plain SHA-256 prefix appears nowhere."""
+    recorded = get_recorded()
     import hashlib
 
     text = (recorded / "plan.jsonl").read_text()
@@ -95,8 +100,9 @@ def test_published_files_carry_no_raw_ids(recorded):
     assert '"slots":[0' not in text and '"id"' not in text
 
 
-def test_dropout_is_reproduced_by_reseeding(trace_data, tmp_path):
+def test_dropout_is_reproduced_by_reseeding(tmp_path):
     """With dropout 0.1 a full replay without deletions reproduces the recorded final state exactly."""
+    trace_data = get_trace_data()
     from hf_unlearn.trace import ReplayTrainer
     from hf_unlearn.trace.run import load_checkpoint, open_run
     from hf_unlearn.trace.verification import compare_states
@@ -109,8 +115,9 @@ def test_dropout_is_reproduced_by_reseeding(trace_data, tmp_path):
     assert compare_states(state, load_checkpoint(run.final_checkpoint()))["identical"]
 
 
-def test_resume_from_checkpoint_continues_the_trace(trace_data, tmp_path):
+def test_resume_from_checkpoint_continues_the_trace(tmp_path):
     """Interrupted at step 4 and resumed from the Trainer checkpoint: same plan, same final state."""
+    trace_data = get_trace_data()
     from transformers import TrainerCallback
 
     from hf_unlearn.data import QACollator
@@ -144,7 +151,8 @@ def test_resume_from_checkpoint_continues_the_trace(trace_data, tmp_path):
     assert full.state.global_step == t2.state.global_step == 8
 
 
-def test_random_collator_reported_as_hazard(trace_data, tmp_path):
+def test_random_collator_reported_as_hazard(tmp_path):
+    trace_data = get_trace_data()
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from .test_trace_common import copy_run, ids_at_step, recorded, trace_data  # noqa: F401
+from .test_trace_common import copy_run, get_recorded, ids_at_step
 
 
 def delete(run_dir, forget, tmp_path, start="suffix"):
@@ -25,7 +25,8 @@ def delete(run_dir, forget, tmp_path, start="suffix"):
 
 
 @pytest.mark.parametrize("where,start_step", [("early", 0), ("middle", 4), ("late", 6)])
-def test_local_deletion_replays_a_suffix_bit_exactly(recorded, tmp_path, where, start_step):
+def test_local_deletion_replays_a_suffix_bit_exactly(tmp_path, where, start_step):
+    recorded = get_recorded()
     step = {"early": 0, "middle": 4, "late": 7}[where]
     forget = ids_at_step(recorded, step)[:2]
     replay, report = delete(recorded, forget, tmp_path)
@@ -40,8 +41,9 @@ def test_local_deletion_replays_a_suffix_bit_exactly(recorded, tmp_path, where, 
     assert not compare_states(load_state(tmp_path / "oracle"), load_state(recorded))["identical"]
 
 
-def test_random_deletion_with_baselines(recorded, tmp_path):
+def test_random_deletion_with_baselines(tmp_path):
     """Random 5 ids: replay == oracle; the naive filter and repack counterfactuals both differ from it."""
+    recorded = get_recorded()
     from hf_unlearn.trace import filter_counterfactual, repack_counterfactual
     from hf_unlearn.trace.verification import compare_states, load_state
 
@@ -55,7 +57,8 @@ def test_random_deletion_with_baselines(recorded, tmp_path):
         assert not cmp["identical"] and cmp["params"]["mismatched_elements"] > 0 and cmp["params"]["l2"] > 0
 
 
-def test_emptied_segment_keeps_boundary_but_takes_no_step(recorded, tmp_path):
+def test_emptied_segment_keeps_boundary_but_takes_no_step(tmp_path):
+    recorded = get_recorded()
     from hf_unlearn.trace import replay_cost
     from hf_unlearn.trace.run import load_checkpoint, open_run
 
@@ -73,8 +76,9 @@ def test_emptied_segment_keeps_boundary_but_takes_no_step(recorded, tmp_path):
     assert all(s is None for e in plan if e["step"] == 5 for s in e["slots"])
 
 
-def test_replay_reads_only_the_redacted_store(recorded, tmp_path):
+def test_replay_reads_only_the_redacted_store(tmp_path):
     """The original store is moved away before the replay; the replay still matches the oracle."""
+    recorded = get_recorded()
     from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
 
     run_dir = copy_run(recorded, tmp_path / "run")
@@ -91,8 +95,9 @@ def test_replay_reads_only_the_redacted_store(recorded, tmp_path):
     assert not set(forget) & set(load_store(tmp_path / "replay" / "private" / "store")["id"])
 
 
-def test_sequential_requests_equal_one_oracle_of_the_union(recorded, tmp_path):
+def test_sequential_requests_equal_one_oracle_of_the_union(tmp_path):
     """Request 2 suffix-replays from request 1's output run; the result is the oracle of both requests."""
+    recorded = get_recorded()
     from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
     from hf_unlearn.trace.run import read_deletion_log
     from hf_unlearn.trace.tags import tag
@@ -119,7 +124,8 @@ def test_sequential_requests_equal_one_oracle_of_the_union(recorded, tmp_path):
     assert open_run(tmp_path / "r2").report.ok
 
 
-def test_redaction_receipt(recorded, tmp_path):
+def test_redaction_receipt(tmp_path):
+    recorded = get_recorded()
     from hf_unlearn.trace import open_run, redact_store
     from hf_unlearn.trace.store import load_store
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from . import add_subcommands
 
@@ -56,7 +57,7 @@ def read_forget_file(path) -> list:
     from ..errors import UnlearnError
 
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise UnlearnError(f"cannot read the forget list {path}: {e.strerror}") from None
     ids = []
@@ -71,7 +72,6 @@ def read_forget_file(path) -> list:
 
 def _quiet():
     import logging
-    import warnings
 
     import datasets
     import transformers
@@ -79,12 +79,10 @@ def _quiet():
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.simplefilter("default")
 
 
 def inspect_cmd(args) -> int:
     from ..trace.run import check_run
-    from pathlib import Path
 
     kp = Path(args.run) / "private" / "hmac.key"
     rep, header, _ = check_run(args.run, key=kp.read_bytes() if kp.exists() else None)
@@ -158,7 +156,6 @@ def replay_cmd(args) -> int:
 
 
 def oracle_cmd(args) -> int:
-    from pathlib import Path
 
     from ..trace.replay import OracleReplayTrainer, filter_counterfactual, repack_counterfactual, save_state
     from ..trace.run import open_run

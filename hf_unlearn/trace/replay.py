@@ -172,7 +172,7 @@ class ReplayTrainer(TraceRecordingTrainer):
         for e in self.run.plan:
             if e.step < self.start_step:
                 continue
-            for s, n in zip(e.slots, e.lens):
+            for s in e.slots:
                 if s is None or s in self.forget_tag_set:
                     continue
                 if s not in self._tag_index:
