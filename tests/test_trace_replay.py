@@ -35,6 +35,8 @@ def test_local_deletion_replays_a_suffix_bit_exactly(tmp_path, where, start_step
     assert report["identical"], report["params"]["mismatched_tensors"][:5] + report["optimizer"]["mismatched_tensors"][:5]
     assert report["params"]["mismatched_elements"] == report["optimizer"]["mismatched_elements"] == 0
     assert report["roots"]["a"] == report["roots"]["b"]
+    info = replay.unlearning_card_info()
+    assert info["forget_ids"] == forget and info["extra"]["start_step"] == start_step and info["extra"]["exact"]
     # ... and the deletion changed the model: the oracle differs from the original run.
     from hf_unlearn.trace.verification import compare_states, load_state
 

@@ -302,6 +302,20 @@ class ReplayTrainer(TraceRecordingTrainer):
         model.zero_grad()
         return 1
 
+    def unlearning_card_info(self) -> dict:
+        """What a model card needs (the Hub code turns ``forget_ids`` into keyed tags before publishing)."""
+        stats = getattr(self, "replay_stats", {})
+        return {
+            "method": "trace-preserving replay" + (" (oracle)" if self.mode == "oracle" else ""),
+            "hyperparameters": {"start": self.start_mode, "start_step": self.start_step,
+                                "checkpoint_steps": self.run.header.get("checkpoint_steps"),
+                                "dummy_token_id": self.dummy_token_id, "filter_rows": self.filter_rows},
+            "forget_ids": list(self.forget_ids),
+            "citation": "",
+            "paper": "",
+            "extra": {"exact": not self.filter_rows, "parent_run": self.run.path.name, **stats},
+        }
+
     # ---- output run ---------------------------------------------------------------------------------------
     def _open_output(self, start: int) -> TraceWriter:
         src, out = self.run.path, self.out_dir
