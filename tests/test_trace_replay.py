@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from .test_trace_common import copy_run, get_recorded, ids_at_step
+from .test_trace_common import copy_run, get_recorded, get_trace_data, ids_at_step, record
 
 
 def delete(run_dir, forget, tmp_path, start="suffix"):
@@ -143,3 +143,19 @@ def test_redaction_receipt(tmp_path):
     original = load_store(run.store_path)
     deleted_tokens = torch.tensor(original[3]["input_ids"], dtype=torch.int32).numpy().tobytes()
     assert deleted_tokens not in raw
+
+
+def test_string_ids_and_string_forget_list(tmp_path):
+    """Ids may be strings (as hf_unlearn.load_task gives): recorded, redacted, replayed and verified the same way."""
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+
+    tok, data = get_trace_data()
+    data = data.map(lambda r: {"id": f"row-{r['id']}"}).select(range(32))
+    record(tok, data, tmp_path / "run", max_steps=3)
+    run = open_run(tmp_path / "run" / "trace")
+    forget = run.ids_at_steps([2])[:2]
+    assert all(isinstance(i, str) for i in forget)
+    redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay").train()
+    OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
+    assert verify(tmp_path / "replay", tmp_path / "oracle")["identical"]
