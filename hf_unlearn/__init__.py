@@ -28,6 +28,12 @@ _LAZY: dict[str, str] = {
     "StateHashes": "hf_unlearn.trace.hashing",
 
     # --- trace (exact deletion) ---
+    "TraceRecordingTrainer": "hf_unlearn.trace.recording",
+    "RedactedReplayTrainer": "hf_unlearn.trace.replay",
+    "OracleReplayTrainer": "hf_unlearn.trace.replay",
+    "redact_store": "hf_unlearn.trace.store",
+    "replay_cost": "hf_unlearn.trace.replay",
+    "verify_replay": "hf_unlearn.trace.verification",
 
     # --- methods (approximate unlearning) ---
     "UnlearningConfig": "hf_unlearn.methods.base",

@@ -8,7 +8,6 @@ delete, unlearn, evaluate, publish) hang off the same fine-tuned run.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ class DemoConfig:
     batch_size: int = 8
     max_length: int = 128
     seed: int = 0
+    trace_baselines: bool = True  # also train the naive filter/repack counterfactuals (2 more runs) in stage 2
     stats: dict = field(default_factory=dict)
 
 
@@ -174,8 +174,10 @@ def run_demo(cfg: DemoConfig) -> dict:
     retain = data.filter(lambda r: r["id"] not in forget_set)
 
     before = {"forget": mean_answer_loss(model, tokenizer, forget), "retain": mean_answer_loss(model, tokenizer, retain)}
-    _print(f"[1/1] fine-tuning for {cfg.epochs:g} epochs")
-    fine_tune(cfg, model, tokenizer, data, out / "finetune")
+    from .trace import TraceRecordingTrainer
+
+    _print(f"[1/2] fine-tuning for {cfg.epochs:g} epochs (recorded by TraceRecordingTrainer in {out / 'trace'})")
+    fine_tune(cfg, model, tokenizer, data, out / "finetune", trainer_cls=TraceRecordingTrainer, trace_dir=out / "trace")
     after = {"forget": mean_answer_loss(model, tokenizer, forget), "retain": mean_answer_loss(model, tokenizer, retain)}
     _print(f"answer loss before fine-tuning: forget {before['forget']:.3f}  retain {before['retain']:.3f}")
     _print(f"answer loss after fine-tuning:  forget {after['forget']:.3f}  retain {after['retain']:.3f}"
@@ -185,6 +187,55 @@ def run_demo(cfg: DemoConfig) -> dict:
     _print(f"A (model):     {sample_answer(model, tokenizer, question)}")
     _print(f"A (reference): {subset[forget_ids[0]]['answer']}")
     cfg.stats.update({"loss_before": before, "loss_after": after})
+    cfg.stats["deletion"] = trace_deletion_stage(cfg, model, tokenizer, forget, retain, forget_ids, out)
     return cfg.stats
+
+
+def trace_deletion_stage(cfg: DemoConfig, model, tokenizer, forget, retain, forget_ids, out: Path) -> dict:
+    """Stage 2: honour a deletion request for the forget author exactly (redact, replay, oracle, verify)."""
+    import copy
+    import shutil
+
+    from .trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, replay_cost
+    from .trace.replay import filter_counterfactual, repack_counterfactual
+    from .trace.verification import compare_states, load_state, verify
+
+    _print(f"[2/2] deletion request: the forget author's {len(forget_ids)} rows, honoured by trace-preserving replay")
+    del_dir = out / "deletion"
+    if del_dir.exists():
+        shutil.rmtree(del_dir)
+    run = open_run(out / "trace")
+    cost = replay_cost(run, forget_ids)
+    _print(f"cost: {cost['slots_deleted']} slots in {cost['affected_steps']} of {cost['total_steps']} optimizer steps; "
+           f"suffix replay from checkpoint step {cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% "
+           f"of the run), {cost['segments_emptied']} accumulation segment(s) emptied")
+    receipt = redact_store(run.store_path, forget_ids, del_dir / "store", run.key)
+    _print(f"redacted store: {receipt['rows_before']} -> {receipt['rows_after']} rows; "
+           f"{receipt['checks']['id_column_scanned']}")
+    replay = RedactedReplayTrainer(run, del_dir / "store", forget_ids, del_dir / "replay")
+    replay.train()
+    OracleReplayTrainer(run, forget_ids, out_dir=del_dir / "oracle").train()
+    report = verify(del_dir / "replay", del_dir / "oracle")
+    p, o = report["params"], report["optimizer"]
+    _print(f"verify replay vs oracle: parameters {p['mismatched_elements']} of {p['elements']:,} elements differ, "
+           f"optimizer state {o['mismatched_elements']} of {o['elements']:,} differ; state-hash roots "
+           f"{report['roots']['a']['params'][:12]}.../{report['roots']['a']['optimizer'][:12]}... "
+           f"{'== oracle: VERIFIED bit-identical' if report['identical'] else '!= oracle: NOT identical'}")
+    oracle = load_state(del_dir / "oracle")
+    distances = {}
+    baselines = (("filter", lambda: filter_counterfactual(run, forget_ids)),
+                 ("repack", lambda: repack_counterfactual(run, forget_ids, del_dir / "repack_tmp")))
+    for name, make in baselines if cfg.trace_baselines else ():
+        state = make()
+        cmp = compare_states(state, oracle)["params"]
+        distances[name] = {"mismatched_elements": cmp["mismatched_elements"], "l2": cmp["l2"]}
+        _print(f"naive {name:6s} vs oracle: {cmp['mismatched_elements']:,} of {cmp['elements']:,} parameter elements "
+               f"differ, L2 distance {cmp['l2']:.4g}")
+    shutil.rmtree(del_dir / "repack_tmp", ignore_errors=True)
+    unlearned = copy.deepcopy(model)
+    unlearned.load_state_dict(load_state(del_dir / "replay")["model"])
+    loss = {"forget": mean_answer_loss(unlearned, tokenizer, forget), "retain": mean_answer_loss(unlearned, tokenizer, retain)}
+    _print(f"answer loss after the deletion: forget {loss['forget']:.3f}  retain {loss['retain']:.3f}")
+    return {"cost": cost, "identical": report["identical"], "baselines": distances, "loss": loss}
 
 

@@ -12,6 +12,8 @@ def register(parser) -> None:
     parser.add_argument("--epochs", type=float, default=25.0)
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 3e-3 tiny model, 2e-5 otherwise)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip the naive filter/repack counterfactuals of the deletion stage (saves two runs)")
     parser.set_defaults(func=run)
 
 
@@ -28,6 +30,7 @@ def run(args) -> int:
             epochs=args.epochs,
             learning_rate=args.lr,
             seed=args.seed,
+            trace_baselines=not args.no_baselines,
         )
     )
     return 0

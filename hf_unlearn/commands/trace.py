@@ -1,7 +1,202 @@
-"""`hf-unlearn trace ...`: commands of this group register here."""
+"""`hf-unlearn trace ...`: inspect, cost, redact, replay, oracle and verify a recorded run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 from . import add_subcommands
 
 
 def register(parser) -> None:
-    add_subcommands(parser)
+    sub = add_subcommands(parser)
+    p = sub.add_parser("inspect", help="summary and integrity check of every file of a recorded run")
+    p.add_argument("run", help="the trace_dir of a TraceRecordingTrainer (or a replay's output)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=inspect_cmd)
+
+    p = sub.add_parser("cost", help="where a suffix replay starts and how much of the run it re-executes")
+    p.add_argument("run")
+    p.add_argument("--forget", required=True, help="file of ids to delete, one per line")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cost_cmd)
+
+    p = sub.add_parser("redact", help="write a new token store without the deleted rows, plus a redaction receipt")
+    p.add_argument("run")
+    p.add_argument("--forget", required=True)
+    p.add_argument("--out", required=True, help="folder of the redacted store (must not exist)")
+    p.add_argument("--store", default=None, help="source store (default: RUN/private/store)")
+    p.set_defaults(func=redact_cmd)
+
+    p = sub.add_parser("replay", help="RedactedReplayTrainer: replay the run from the redacted store")
+    p.add_argument("run")
+    p.add_argument("--store", required=True, help="the redacted store (`trace redact --out`)")
+    p.add_argument("--forget", required=True)
+    p.add_argument("--out", required=True, help="output folder: a recorded run with the final state")
+    p.add_argument("--full", action="store_true", help="replay from step 0 instead of the latest usable checkpoint")
+    p.set_defaults(func=replay_cmd)
+
+    p = sub.add_parser("oracle", help="the counterfactual from the original store (deleted slots as weight-0 dummies)")
+    p.add_argument("run")
+    p.add_argument("--forget", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--baselines", action="store_true",
+                   help="also compute the naive `filter` and `repack` counterfactuals (OUT/baselines/) for comparison")
+    p.set_defaults(func=oracle_cmd)
+
+    p = sub.add_parser("verify", help="exit 0 iff params AND optimizer state of OUT and ORACLE are bit-identical")
+    p.add_argument("out", help="replay output (run folder, checkpoint folder or .pt file)")
+    p.add_argument("oracle", help="oracle output")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=verify_cmd)
+
+
+def read_forget_file(path) -> list:
+    """One id per line (``#`` comments, blank lines ignored); all-digit ids are ints, the rest strings."""
+    from ..errors import UnlearnError
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UnlearnError(f"cannot read the forget list {path}: {e.strerror}") from None
+    ids = []
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line:
+            ids.append(int(line) if line.lstrip("-").isdigit() else line)
+    if not ids:
+        raise UnlearnError(f"the forget list {path} holds no ids")
+    return ids
+
+
+def _quiet():
+    import logging
+
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def inspect_cmd(args) -> int:
+    from ..trace.run import check_run
+
+    kp = Path(args.run) / "private" / "hmac.key"
+    rep, header, _ = check_run(args.run, key=kp.read_bytes() if kp.exists() else None)
+    if args.json:
+        print(json.dumps({"summary": rep.summary, "errors": rep.errors, "warnings": rep.warnings,
+                          "hazards": rep.hazards, "notes": header.get("notes", [])}, indent=1))
+        return 0 if rep.ok else 1
+    s = rep.summary
+    print(f"run {s['run']}: {'sealed' if s['sealed'] else 'NOT sealed'}, {s['optimizer_steps']} optimizer steps, "
+          f"{s['microbatches']} microbatches, {s['slots']} slots ({s['dummy_slots']} dummy), "
+          f"store rows {s['store_rows']}, deletion requests {s['deletion_requests']}")
+    print(f"checkpoints at steps {s['checkpoints']}; WAL {s['wal_bytes']} B, manifest {s['manifest_bytes']} B")
+    print(f"model {header['model']['class']} ({header['model']['num_parameters']:,} params), optimizer "
+          f"{header['optimizer']['class']}, torch {header['versions'].get('torch')}, "
+          f"transformers {header['versions'].get('transformers')}")
+    for h in rep.hazards:
+        print(f"HAZARD: {h}")
+    for n in header.get("notes", []):
+        print(f"note: {n}")
+    for w in rep.warnings:
+        print(f"WARNING: {w}")
+    for e in rep.errors:
+        print(f"ERROR: {e}")
+    print("integrity: OK" if rep.ok else f"integrity: FAILED ({len(rep.errors)} error(s))")
+    return 0 if rep.ok else 1
+
+
+def cost_cmd(args) -> int:
+    from ..trace.replay import replay_cost
+    from ..trace.run import open_run
+
+    _quiet()
+    c = replay_cost(open_run(args.run, check_checkpoints=False), read_forget_file(args.forget))
+    if args.json:
+        print(json.dumps(c, indent=1))
+        return 0
+    print(f"{c['forget_ids']} id(s) in {c['slots_deleted']} slot(s), {c['affected_steps']} affected optimizer step(s)"
+          f" (first: {c['first_affected_step']}), {c['segments_emptied']} segment(s) emptied")
+    print(f"suffix replay from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of {c['total_steps']} "
+          f"steps ({100 * c['fraction_replayed']:.1f}% of the run)")
+    return 0
+
+
+def redact_cmd(args) -> int:
+    from ..trace.run import open_run
+    from ..trace.store import redact_store
+
+    _quiet()
+    run = open_run(args.run, strict=False, check_checkpoints=False)
+    receipt = redact_store(args.store or run.store_path, read_forget_file(args.forget), args.out, run.key,
+                           id_column=run.id_column)
+    print(f"redacted store {args.out}: {receipt['rows_before']} -> {receipt['rows_after']} rows "
+          f"({receipt['deleted']} deleted), sha256 {receipt['store_sha256'][:16]}...")
+    for name, text in receipt["checks"].items():
+        print(f"  {name}: {text}")
+    print(f"receipt: {args.out}/redaction_receipt.json")
+    return 0
+
+
+def replay_cmd(args) -> int:
+    from ..trace.replay import RedactedReplayTrainer
+
+    _quiet()
+    trainer = RedactedReplayTrainer(args.run, args.store, read_forget_file(args.forget), args.out,
+                                    start="full" if args.full else "suffix")
+    trainer.train()
+    s = trainer.replay_stats
+    print(f"replayed {s['segments_replayed']} of {s['total_steps']} steps from checkpoint step {s['start_step']} "
+          f"({s['optimizer_steps_taken']} optimizer steps taken); output run: {args.out}")
+    return 0
+
+
+def oracle_cmd(args) -> int:
+
+    from ..trace.replay import OracleReplayTrainer, filter_counterfactual, repack_counterfactual, save_state
+    from ..trace.run import open_run
+
+    _quiet()
+    forget = read_forget_file(args.forget)
+    run = open_run(args.run)
+    trainer = OracleReplayTrainer(run, forget, out_dir=args.out)
+    trainer.train()
+    print(f"oracle: full replay of {trainer.replay_stats['total_steps']} steps "
+          f"({trainer.replay_stats['optimizer_steps_taken']} optimizer steps taken); output: {args.out}")
+    if args.baselines:
+        out = Path(args.out) / "baselines"
+        save_state(filter_counterfactual(run, forget), out / "filter.pt")
+        save_state(repack_counterfactual(run, forget, out / "_repack_tmp"), out / "repack.pt")
+        import shutil
+
+        shutil.rmtree(out / "_repack_tmp", ignore_errors=True)
+        print(f"baselines: {out}/filter.pt, {out}/repack.pt")
+    return 0
+
+
+def verify_cmd(args) -> int:
+    from ..trace.verification import verify
+
+    report = verify(args.out, args.oracle)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0 if report["identical"] else 1
+    for part in ("params", "optimizer"):
+        r = report[part]
+        print(f"{part:9s}: {r['tensors']} tensors, {r['elements']:,} elements, {len(r['mismatched_tensors'])} tensors "
+              f"and {r['mismatched_elements']:,} elements differ, L2 distance {r['l2']:.6g}")
+    roots = report["roots"]
+    for side, name in (("a", args.out), ("b", args.oracle)):
+        print(f"roots {name}: params {roots[side]['params'][:16]}... optimizer {roots[side]['optimizer'][:16]}...")
+    for name, b in report["baselines"].items():
+        print(f"baseline {name:7s} vs oracle: {b['params_mismatched_elements']:,} of {b['params_elements']:,} parameter "
+              f"elements differ, L2 distance {b['params_l2']:.6g}")
+    if report["identical"]:
+        print("VERIFIED: parameters and optimizer state are bit-identical")
+        return 0
+    print("NOT IDENTICAL: the replay differs from the oracle", file=sys.stderr)
+    return 1

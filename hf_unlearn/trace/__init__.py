@@ -1,1 +1,34 @@
-"""Exact deletion by trace-preserving replay."""
+"""Exact deletion by trace-preserving replay.
+
+Record a run with :class:`TraceRecordingTrainer`; honour a deletion request with :func:`redact_store` and
+:class:`RedactedReplayTrainer`; check it against :class:`OracleReplayTrainer` with :func:`verify`.
+Names resolve lazily so ``import hf_unlearn.trace`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_NAMES = {
+    "TraceRecordingTrainer": "recording",
+    "ReplayTrainer": "replay",
+    "RedactedReplayTrainer": "replay",
+    "OracleReplayTrainer": "replay",
+    "filter_counterfactual": "replay",
+    "repack_counterfactual": "replay",
+    "replay_cost": "replay",
+    "redact_store": "store",
+    "open_run": "run",
+    "check_run": "run",
+    "verify": "verification",
+    "compare_states": "verification",
+}
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'hf_unlearn.trace' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+
+
+__all__ = sorted(_NAMES)

@@ -1,0 +1,285 @@
+"""A recorded run on disk: its layout, checkpoints, sidecars, integrity check and deletion log.
+
+```
+RUN/header.json  plan.jsonl  wal.bin  manifest.bin  deletion_log.jsonl   (publishable: keyed tags only)
+RUN/*.sha256                                                               (sidecars, written when sealed)
+RUN/checkpoints/step-00000040/{state.pt, hashes.json}                     (model + optimizer state)
+RUN/model/config.json                                                      (to rebuild the model)
+RUN/private/{hmac.key, store/}                                             (never publish)
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UnlearnError
+from ..utils import atomic_write_text
+from .plan import PlanEntry, read_plan, segments
+from .tags import ids_digest
+from .wal import FLAG_ACCUM_END, FLAG_DUMMY, read_manifest, read_wal
+
+FORMAT = "hf_unlearn.trace.v1"
+SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
+
+
+def checkpoint_dir(run: Path, step: int) -> Path:
+    return Path(run) / "checkpoints" / f"step-{step:08d}"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_sidecar(path: Path) -> None:
+    atomic_write_text(Path(str(path) + ".sha256"), f"{file_sha256(path)}  {Path(path).name}\n")
+
+
+def check_sidecar(path: Path) -> bool | None:
+    """True/False when a sidecar exists and matches/does not; None when there is none."""
+    side = Path(str(path) + ".sha256")
+    if not side.exists():
+        return None
+    return side.read_text().split()[0] == file_sha256(path)
+
+
+def list_checkpoints(run: Path) -> dict[int, Path]:
+    out = {}
+    for d in sorted((Path(run) / "checkpoints").glob("step-*")):
+        if (d / "state.pt").exists():
+            out[int(d.name.split("-")[1])] = d
+    return out
+
+
+def load_checkpoint(path: Path) -> dict:
+    import torch
+
+    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=True)
+
+
+@dataclass
+class Report:
+    """What :func:`check_run` found. ``errors`` make a run unusable for replay; ``warnings`` do not."""
+
+    summary: dict = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    hazards: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+@dataclass
+class TraceRun:
+    """A recorded run, checked and loaded: header, plan (cut to whole segments), checkpoints, key."""
+
+    path: Path
+    header: dict
+    plan: list[PlanEntry]
+    report: Report
+
+    @property
+    def key(self) -> bytes:
+        kp = self.path / "private" / "hmac.key"
+        if not kp.exists():
+            raise UnlearnError(f"{kp} is missing: the run's HMAC key is needed to map ids to slots "
+                               "(it never leaves the machine that recorded the run)")
+        return kp.read_bytes()
+
+    @property
+    def store_path(self) -> Path:
+        return self.path / "private" / "store"
+
+    @property
+    def id_column(self) -> str:
+        return self.header["dataset"]["id_column"]
+
+    def segments(self) -> list[list[PlanEntry]]:
+        return segments(self.plan)
+
+    def checkpoints(self) -> dict[int, Path]:
+        return list_checkpoints(self.path)
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan[-1].step + 1 if self.plan else 0
+
+    def ids_at_steps(self, steps) -> list:
+        """Raw ids of the slots of the given optimizer steps (maps tags back through the store and the key)."""
+        from .store import load_store
+        from .tags import tag
+
+        steps = set(steps)
+        by_tag = {tag(self.key, i): i for i in load_store(self.store_path)[self.id_column]}
+        return [by_tag[s] for e in self.plan if e.step in steps for s in e.slots if s]
+
+    def final_checkpoint(self) -> Path:
+        cps = self.checkpoints()
+        if self.total_steps not in cps:
+            raise UnlearnError(f"{self.path} has no final checkpoint (step {self.total_steps}); "
+                               "the run did not finish")
+        return cps[self.total_steps]
+
+
+def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: bool = True) -> tuple[Report, dict, list]:
+    """Check every file of a run: sidecars, WAL CRCs, torn tail, plan/WAL/manifest agreement, checkpoints, store.
+
+    Returns the report, the header, and the plan cut to what the WAL committed (whole segments).
+    """
+    path = Path(path)
+    rep = Report()
+    if not (path / "header.json").exists():
+        raise UnlearnError(f"{path} is not a recorded run (no header.json); pass the trace_dir of a TraceRecordingTrainer")
+    header = json.loads((path / "header.json").read_text())
+    if header.get("format") != FORMAT:
+        raise UnlearnError(f"{path}/header.json has format {header.get('format')!r}, expected {FORMAT!r}")
+    rep.hazards = list(header.get("hazards", []))
+    sealed = bool(header.get("sealed"))
+    for name in SEALED_FILES + ("deletion_log.jsonl",):
+        f = path / name
+        if not f.exists():
+            if name not in ("deletion_log.jsonl",):
+                rep.errors.append(f"{name} is missing")
+            continue
+        ok = check_sidecar(f)
+        if ok is False:
+            rep.errors.append(f"{name} does not match its SHA-256 sidecar ({name}.sha256): modified after the run was sealed")
+        elif ok is None and sealed and name in SEALED_FILES and name != "header.json":
+            rep.errors.append(f"{name}.sha256 is missing from a sealed run")
+    if rep.errors and any("missing" in e and e.split()[0] in ("plan.jsonl", "wal.bin") for e in rep.errors):
+        return rep, header, []
+
+    plan = read_plan(path / "plan.jsonl")
+    scan = read_wal(path / "wal.bin")
+    for i in scan.bad_crc:
+        where = f" (microbatch {i}, optimizer step {plan[i].step})" if i < len(plan) else ""
+        rep.errors.append(f"wal.bin record {i}{where} fails its CRC32 check (byte offset {i * 32}): the WAL is corrupt")
+    n = len(scan.records)
+    if scan.tail_bytes:
+        msg = f"wal.bin ends with a torn record ({scan.tail_bytes} of 32 bytes) after record {n - 1}"
+        if sealed:
+            rep.errors.append(msg + " in a sealed run: the file was cut after the run finished")
+        else:
+            rep.warnings.append(msg + f" (crash while recording): recovered to the last whole record ({n} records)")
+    if not sealed:
+        rep.warnings.append("the run is not sealed (training did not finish): only whole committed segments are usable")
+    if len(plan) < n:
+        rep.errors.append(f"plan.jsonl has {len(plan)} entries but wal.bin has {n} records: plan and WAL disagree")
+    elif len(plan) > n:
+        if sealed:
+            rep.errors.append(f"plan.jsonl has {len(plan)} entries but wal.bin has {n} records: plan and WAL disagree")
+        else:
+            rep.warnings.append(f"plan.jsonl has {len(plan) - n} entries past the WAL's end; they are dropped")
+        plan = plan[:n]
+    manifest = read_manifest(path / "manifest.bin") if (path / "manifest.bin").exists() else []
+    pos = 0
+    for i, (e, r) in enumerate(zip(plan, scan.records)):
+        if i in scan.bad_crc:
+            pos += len(e.slots)
+            continue
+        bad = []
+        if r.step != e.step:
+            bad.append(f"step {r.step} != {e.step}")
+        if r.seed != e.seed:
+            bad.append("seed")
+        if r.lr != float(np.float32(e.lr)):
+            bad.append(f"lr {r.lr} != {e.lr}")
+        if r.length != len(e.slots):
+            bad.append(f"length {r.length} != {len(e.slots)}")
+        if bool(r.flags & FLAG_ACCUM_END) != e.end:
+            bad.append("accumulation-end flag")
+        if bool(r.flags & FLAG_DUMMY) != (None in e.slots):
+            bad.append("dummy flag")
+        if key is not None and r.digest != ids_digest(key, e.slots):
+            bad.append("ids digest (the slots' ids differ)")
+        if manifest[pos:pos + len(e.slots)] != e.slots:
+            bad.append("id manifest")
+        pos += len(e.slots)
+        if bad:
+            rep.errors.append(f"plan entry {i} and wal.bin record {i} (optimizer step {e.step}) disagree: {', '.join(bad)}")
+    if len(manifest) > pos and not sealed:
+        rep.warnings.append(f"manifest.bin lists {len(manifest) - pos} slots past the WAL's end; they are ignored")
+    elif len(manifest) != pos and not rep.errors:
+        rep.errors.append(f"manifest.bin lists {len(manifest)} slots, the plan {pos}")
+    # Keep whole segments only (a crash can leave a segment half-written).
+    while plan and not plan[-1].end:
+        plan.pop()
+
+    cps = list_checkpoints(path)
+    for step, d in cps.items():
+        if not check_checkpoints:
+            break
+        ok = check_sidecar(d / "state.pt")
+        if ok is False:
+            rep.errors.append(f"checkpoint step {step} does not match its SHA-256 sidecar")
+        elif ok is None:
+            rep.warnings.append(f"checkpoint step {step} has no SHA-256 sidecar")
+    if 0 not in cps and not header.get("parent"):
+        rep.warnings.append("there is no step-0 checkpoint: full replays (the oracle) are impossible")
+    store = path / "private" / "store"
+    if store.exists():
+        from .store import store_sha256
+
+        if store_sha256(store) != header["dataset"].get("store_sha256"):
+            rep.errors.append("private/store does not match the store fingerprint in header.json")
+    else:
+        rep.warnings.append("private/store is absent (moved or redacted away): replays need --store")
+    steps = plan[-1].step + 1 if plan else 0
+    rep.summary = {
+        "run": str(path),
+        "sealed": sealed,
+        "optimizer_steps": steps,
+        "microbatches": len(plan),
+        "slots": sum(len(e.slots) for e in plan),
+        "dummy_slots": sum(s is None for e in plan for s in e.slots),
+        "checkpoints": sorted(cps),
+        "store_rows": header["dataset"].get("rows"),
+        "wal_bytes": (path / "wal.bin").stat().st_size,
+        "manifest_bytes": (path / "manifest.bin").stat().st_size if (path / "manifest.bin").exists() else 0,
+        "deletion_requests": len(read_deletion_log(path)),
+    }
+    return rep, header, plan
+
+
+def open_run(path: str | Path, strict: bool = True, check_checkpoints: bool = True) -> TraceRun:
+    """Check and load a run; with ``strict`` any integrity error is an :class:`UnlearnError` (replays refuse)."""
+    path = Path(path)
+    kp = path / "private" / "hmac.key"
+    key = kp.read_bytes() if kp.exists() else None
+    rep, header, plan = check_run(path, key=key, check_checkpoints=check_checkpoints)
+    if strict and rep.errors:
+        raise UnlearnError(f"{path} failed its integrity check; refusing to use it: " + "; ".join(rep.errors[:5]))
+    for w in rep.warnings:
+        warnings.warn(f"{path}: {w}", stacklevel=2)
+    return TraceRun(path=path, header=header, plan=plan, report=rep)
+
+
+def read_deletion_log(path: str | Path) -> list[dict]:
+    f = Path(path) / "deletion_log.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
+def append_deletion_log(path: str | Path, entry: dict) -> None:
+    """Append one request to the run's append-only deletion log (previous entries are kept byte for byte)."""
+    f = Path(path) / "deletion_log.jsonl"
+    old = f.read_bytes() if f.exists() else b""
+    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **entry}, sort_keys=True)
+    from ..utils import atomic_write_bytes
+
+    atomic_write_bytes(f, old + line.encode() + b"\n")
+    write_sidecar(f)

@@ -1,0 +1,77 @@
+"""The binary write-ahead log: one 32-byte record per microbatch, written before the microbatch runs.
+
+Record layout (little-endian ``<QQfIHHI``): ordered-id digest (keyed, 8 bytes), seed, learning rate (float32),
+logical optimizer step, microbatch length (slots), flags (bit 0 = accumulation end, bit 1 = holds a dummy slot),
+CRC32 of the first 28 bytes. The id manifest lists every slot's 8-byte tag in WAL order (zeros = dummy slot).
+
+A tail shorter than one record is what a crash mid-write leaves; :func:`read_wal` reports it and the readers
+decide (an unsealed run is recovered to its last whole record, a sealed one is refused).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .tags import NULL_TAG, TAG_BYTES
+
+RECORD = struct.Struct("<QQfIHHI")
+RECORD_SIZE = RECORD.size  # 32
+FLAG_ACCUM_END = 1
+FLAG_DUMMY = 2
+assert RECORD_SIZE == 32
+
+
+@dataclass(frozen=True)
+class WalRecord:
+    digest: int
+    seed: int
+    lr: float
+    step: int
+    length: int
+    flags: int
+
+    @property
+    def accumulation_end(self) -> bool:
+        return bool(self.flags & FLAG_ACCUM_END)
+
+    def pack(self) -> bytes:
+        body = RECORD.pack(self.digest, self.seed, self.lr, self.step, self.length, self.flags, 0)[:28]
+        return body + struct.pack("<I", zlib.crc32(body))
+
+
+@dataclass
+class WalScan:
+    """What reading a WAL found: whole records, records whose CRC failed (index), and a torn tail (bytes)."""
+
+    records: list[WalRecord]
+    bad_crc: list[int]
+    tail_bytes: int
+
+
+def read_wal(path: str | Path) -> WalScan:
+    data = Path(path).read_bytes()
+    whole = len(data) // RECORD_SIZE
+    records, bad = [], []
+    for i in range(whole):
+        chunk = data[i * RECORD_SIZE:(i + 1) * RECORD_SIZE]
+        digest, seed, lr, step, length, flags, crc = RECORD.unpack(chunk)
+        if zlib.crc32(chunk[:28]) != crc:
+            bad.append(i)
+        records.append(WalRecord(digest, seed, lr, step, length, flags))
+    return WalScan(records, bad, len(data) - whole * RECORD_SIZE)
+
+
+def manifest_bytes(tags: list[str | None]) -> bytes:
+    return b"".join(bytes.fromhex(t) if t else NULL_TAG for t in tags)
+
+
+def read_manifest(path: str | Path) -> list[str | None]:
+    data = Path(path).read_bytes()
+    out = []
+    for i in range(0, len(data) - len(data) % TAG_BYTES, TAG_BYTES):
+        chunk = data[i:i + TAG_BYTES]
+        out.append(None if chunk == NULL_TAG else chunk.hex())
+    return out

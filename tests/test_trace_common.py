@@ -1,0 +1,80 @@
+"""Shared set-up of the trace tests (no tests here): a tiny Llama, TOFU rows, and recorded runs.
+
+Plain cached functions rather than fixtures (fixtures cannot be shared between test modules without conftest):
+the data is built and the run recorded once per session into a temporary folder removed at exit; tests that
+damage a run work on a copy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from .conftest import TOFU_DIR
+
+warnings.filterwarnings("ignore", message=".*not sealed.*")
+
+
+@functools.cache
+def get_trace_data():
+    """64 TOFU rows tokenised with a 1k-token tokenizer trained on them (fast, real text)."""
+    from hf_unlearn.data import load_tofu, tokenize_qa
+    from hf_unlearn.models import build_tiny_tokenizer
+
+    rows = load_tofu("full", TOFU_DIR).select(range(64))
+    tok = build_tiny_tokenizer([r["question"] + " " + r["answer"] for r in rows], vocab_size=1024)
+    return tok, tokenize_qa(rows, tok, max_length=128)
+
+
+def tiny(tok, dropout: float = 0.0):
+    from hf_unlearn.models import build_tiny_model
+
+    return build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2, dropout=dropout, seed=0)
+
+
+def train_args(out, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2, num_train_epochs=1,
+                learning_rate=3e-3, warmup_steps=2, max_grad_norm=1.0, report_to=[], save_strategy="no", use_cpu=True,
+                seed=0, disable_tqdm=True, logging_steps=4)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def record(tok, data, out, dropout: float = 0.0, every: int = 2, trace_key: bytes | None = None, **kw):
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    model = tiny(tok, dropout)
+    trainer = TraceRecordingTrainer(model=model, args=train_args(out, **kw), train_dataset=data,
+                                    data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=every,
+                                    trace_key=trace_key)
+    trainer.train()
+    return trainer
+
+
+@functools.cache
+def get_recorded() -> Path:
+    """One epoch, 16 microbatches of 4, accumulation 2 (8 optimizer steps), checkpoints every 2 steps."""
+    tok, data = get_trace_data()
+    out = Path(tempfile.mkdtemp(prefix="trace_tests_"))
+    atexit.register(shutil.rmtree, out, True)
+    record(tok, data, out)
+    return out / "trace"
+
+
+def copy_run(run, dst):
+    shutil.copytree(run, dst)
+    return dst
+
+
+def ids_at_step(run_dir, step: int) -> list:
+    """Raw ids of the slots of one optimizer step (the test holds the key, so it can map tags back)."""
+    from hf_unlearn.trace.run import open_run
+
+    return open_run(run_dir).ids_at_steps([step])

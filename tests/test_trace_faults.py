@@ -1,0 +1,138 @@
+"""Bad input and faults: each is named clearly, and replays refuse what they cannot trust."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .test_trace_common import copy_run, get_recorded, ids_at_step
+
+
+def _cli(*args):
+    from hf_unlearn.cli import main
+
+    return main([str(a) for a in args])
+
+
+def _forget_file(tmp_path, ids):
+    f = tmp_path / "forget.txt"
+    f.write_text("# ids to delete\n" + "\n".join(map(str, ids)) + "\n")
+    return f
+
+
+def test_unknown_ids_are_listed(tmp_path):
+    recorded = get_recorded()
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store, replay_cost
+
+    run = open_run(recorded)
+    with pytest.raises(UnlearnError, match=r"2 id\(s\) to forget never appear.*\[999, 'nope'\]"):
+        replay_cost(run, [1, 999, "nope"])
+    with pytest.raises(UnlearnError, match=r"not in the store: \[12345\]"):
+        redact_store(run.store_path, [1, 12345], tmp_path / "s", run.key)
+    with pytest.raises(UnlearnError, match="999"):
+        RedactedReplayTrainer(run, run.store_path, [999], tmp_path / "out")
+
+
+def test_flipped_wal_byte_is_named_and_refused(tmp_path, capsys):
+    recorded = get_recorded()
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import RedactedReplayTrainer
+
+    run = copy_run(recorded, tmp_path / "run")
+    wal = bytearray((run / "wal.bin").read_bytes())
+    wal[5 * 32 + 12] ^= 0x01  # a bit of record 5's seed
+    (run / "wal.bin").write_bytes(bytes(wal))
+    assert _cli("trace", "inspect", run) == 1
+    out = capsys.readouterr().out
+    assert "wal.bin record 5 (microbatch 5, optimizer step 2) fails its CRC32 check" in out
+    assert "does not match its SHA-256 sidecar" in out
+    with pytest.raises(UnlearnError, match="refusing.*record 5"):
+        RedactedReplayTrainer(run, run / "private" / "store", [1], tmp_path / "out")
+
+
+def test_truncated_wal_tail(tmp_path):
+    """Sealed run with a cut WAL: refused. Crashed (unsealed) run: recovered to the last whole segment."""
+    recorded = get_recorded()
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import open_run
+
+    sealed = copy_run(recorded, tmp_path / "sealed")
+    data = (sealed / "wal.bin").read_bytes()
+    (sealed / "wal.bin").write_bytes(data[:-40])  # 1 whole record and 8 bytes of another lost
+    with pytest.raises(UnlearnError, match="torn record .* in a sealed run"):
+        open_run(sealed)
+    crashed = copy_run(recorded, tmp_path / "crashed")
+    (crashed / "wal.bin").write_bytes(data[:-40])
+    (crashed / "wal.bin.sha256").unlink()
+    (crashed / "plan.jsonl.sha256").unlink()
+    (crashed / "manifest.bin.sha256").unlink()
+    header = json.loads((crashed / "header.json").read_text())
+    header["sealed"] = False
+    (crashed / "header.json").write_text(json.dumps(header))
+    (crashed / "header.json.sha256").unlink()
+    with pytest.warns(UserWarning, match="recovered to the last whole record"):
+        run = open_run(crashed)
+    assert len(run.plan) == 14 and run.plan[-1].end and run.total_steps == 7  # 14 whole records = 7 segments
+
+
+def test_plan_and_wal_disagree(tmp_path, capsys):
+    recorded = get_recorded()
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import write_sidecar
+
+    run = copy_run(recorded, tmp_path / "run")
+    lines = (run / "plan.jsonl").read_text().splitlines()
+    entry = json.loads(lines[3])
+    entry["lr"] *= 2
+    lines[3] = json.dumps(entry, separators=(",", ":"))
+    (run / "plan.jsonl").write_text("\n".join(lines) + "\n")
+    write_sidecar(run / "plan.jsonl")  # a consistent sidecar: only the cross-check can catch it
+    assert _cli("trace", "inspect", run) == 1
+    assert "plan entry 3 and wal.bin record 3 (optimizer step 1) disagree: lr" in capsys.readouterr().out
+    with pytest.raises(UnlearnError, match="disagree"):
+        open_run(run)
+
+
+def test_store_missing_a_retained_row(tmp_path):
+    recorded = get_recorded()
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store
+
+    run = open_run(recorded)
+    forget = ids_at_step(recorded, 6)[:1]
+    also_gone = ids_at_step(recorded, 7)[:1]
+    redact_store(run.store_path, forget + also_gone, tmp_path / "s", run.key)
+    with pytest.raises(UnlearnError, match=r"missing 1 retained row\(s\).*step 7"):
+        RedactedReplayTrainer(run, tmp_path / "s", forget, tmp_path / "out")
+
+
+def test_replay_refuses_an_unredacted_store(tmp_path):
+    recorded = get_recorded()
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import RedactedReplayTrainer
+
+    with pytest.raises(UnlearnError, match="still holds 1 id"):
+        RedactedReplayTrainer(recorded, recorded / "private" / "store", [5], tmp_path / "out")
+
+
+def test_cli_workflow(tmp_path, capsys):
+    """inspect, cost, redact, replay, oracle --baselines, verify: exit 0 and the distances printed."""
+    recorded = get_recorded()
+    forget = _forget_file(tmp_path, ids_at_step(recorded, 6)[:2])
+    assert _cli("trace", "inspect", recorded) == 0
+    assert "integrity: OK" in capsys.readouterr().out
+    assert _cli("trace", "cost", recorded, "--forget", forget) == 0
+    assert "suffix replay from checkpoint step 6: 2 of 8 steps (25.0% of the run)" in capsys.readouterr().out
+    assert _cli("trace", "redact", recorded, "--forget", forget, "--out", tmp_path / "store") == 0
+    assert _cli("trace", "replay", recorded, "--store", tmp_path / "store", "--forget", forget,
+                "--out", tmp_path / "replay") == 0
+    assert _cli("trace", "oracle", recorded, "--forget", forget, "--out", tmp_path / "oracle", "--baselines") == 0
+    capsys.readouterr()
+    assert _cli("trace", "verify", tmp_path / "replay", tmp_path / "oracle") == 0
+    out = capsys.readouterr().out
+    assert "VERIFIED" in out and "baseline filter" in out and "baseline repack" in out
+    assert _cli("trace", "verify", recorded, tmp_path / "oracle") == 1  # the original run is not the counterfactual
+    assert _cli("trace", "inspect", tmp_path / "replay") == 0

@@ -1,0 +1,173 @@
+"""TraceRecordingTrainer: drop-in behaviour and the files it writes."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from .test_trace_common import get_recorded, get_trace_data, record, tiny, train_args
+
+
+def test_bit_identical_to_plain_trainer(tmp_path):
+    """Accumulation, clipping, warmup, two epochs, logging: final weights equal a plain Trainer's bit for bit."""
+    trace_data = get_trace_data()
+    from transformers import Trainer
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+
+    tok, data = trace_data
+    kw = dict(gradient_accumulation_steps=3, num_train_epochs=2)
+    plain = tiny(tok)
+    Trainer(model=plain, args=train_args(tmp_path / "plain", **kw), train_dataset=data,
+            data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
+    traced = record(tok, data, tmp_path / "traced", every=3, **kw).model
+    a, b = plain.state_dict(), traced.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], tiny(tok).state_dict()["model.embed_tokens.weight"])
+
+
+def test_wal_records_are_32_bytes_with_crc_and_match_the_plan():
+    recorded = get_recorded()
+    from hf_unlearn.trace.plan import read_plan
+
+    wal = (recorded / "wal.bin").read_bytes()
+    plan = read_plan(recorded / "plan.jsonl")
+    assert len(wal) == 32 * len(plan) == 32 * 16
+    for i, e in enumerate(plan):
+        rec = wal[32 * i:32 * (i + 1)]
+        digest, seed, lr, step, length, flags, crc = struct.unpack("<QQfIHHI", rec)
+        assert crc == zlib.crc32(rec[:28])
+        assert (seed, step, length, bool(flags & 1)) == (e.seed, e.step, len(e.slots), e.end)
+        assert lr == float(np.float32(e.lr))
+    assert (recorded / "manifest.bin").stat().st_size == 8 * 64
+
+
+def test_plan_records_controls():
+    recorded = get_recorded()
+    from hf_unlearn.trace.plan import read_plan, segments
+
+    plan = read_plan(recorded / "plan.jsonl")
+    segs = segments(plan)
+    assert [s[0].step for s in segs] == list(range(8))
+    assert all(len(s) == 2 and [e.j for e in s] == [0, 1] and s[-1].end and not s[0].end for s in segs)
+    assert plan[0].lr == 0.0 and plan[2].lr == pytest.approx(1.5e-3) and plan[4].lr == pytest.approx(3e-3)
+    assert len({e.seed for e in plan}) == 16
+    for s in segs:  # the normaliser is the segment's count of answer tokens (labels shifted by one)
+        assert s[0].norm == s[1].norm and s[0].norm_dtype == "float32" and s[0].norm > 0
+    slots = [t for e in plan for t in e.slots]
+    assert len(set(slots)) == 64 and all(len(t) == 16 for t in slots)  # keyed tags, every row once
+
+
+def test_header_sidecars_checkpoints_and_store():
+    recorded = get_recorded()
+    from hf_unlearn.trace.hashing import StateHashes
+    from hf_unlearn.trace.run import check_run, load_checkpoint
+    from hf_unlearn.trace.store import load_store
+
+    header = json.loads((recorded / "header.json").read_text())
+    assert header["sealed"] and header["model"]["class"] == "LlamaForCausalLM"
+    assert header["optimizer"]["class"] == "AdamW" and header["versions"]["torch"] == torch.__version__
+    assert header["determinism"]["per_microbatch_reseeding"] and header["hazards"] == []
+    assert header["dataset"]["rows"] == 64 and header["dataset"]["fingerprint"]
+    for name in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin"):
+        assert (recorded / f"{name}.sha256").exists()
+    rep, _, _ = check_run(recorded, key=(recorded / "private" / "hmac.key").read_bytes())
+    assert rep.ok, rep.errors
+    assert rep.summary["checkpoints"] == [0, 2, 4, 6, 8]
+    ck = load_checkpoint(recorded / "checkpoints" / "step-00000008")
+    assert ck["step"] == 8 and ck["optimizer"]["state"]
+    hashes = StateHashes.from_json(recorded / "checkpoints" / "step-00000008" / "hashes.json")
+    assert hashes.optimizer_root and len(hashes.params) == len(ck["model"])
+    store = load_store(recorded / "private" / "store")
+    assert sorted(store["id"]) == list(range(64)) and "labels" in store.column_names
+
+
+def test_published_files_carry_no_raw_ids():
+    """The plan and manifest hold 8-byte keyed tags; a raw id's plain SHA-256 prefix appears nowhere."""
+    recorded = get_recorded()
+    import hashlib
+
+    text = (recorded / "plan.jsonl").read_text()
+    for i in (0, 17, 63):
+        assert hashlib.sha256(str(i).encode()).hexdigest()[:16] not in text
+    assert '"slots":[0' not in text and '"id"' not in text
+
+
+def test_dropout_is_reproduced_by_reseeding(tmp_path):
+    """With dropout 0.1 a full replay without deletions reproduces the recorded final state exactly."""
+    trace_data = get_trace_data()
+    from hf_unlearn.trace import ReplayTrainer
+    from hf_unlearn.trace.run import load_checkpoint, open_run
+    from hf_unlearn.trace.verification import compare_states
+
+    tok, data = trace_data
+    record(tok, data, tmp_path, dropout=0.1, max_steps=4)
+    run = open_run(tmp_path / "trace")
+    assert any("dropout" in n for n in run.header["notes"])
+    state = ReplayTrainer(run, start="full").train()
+    assert compare_states(state, load_checkpoint(run.final_checkpoint()))["identical"]
+
+
+def test_resume_from_checkpoint_continues_the_trace(tmp_path):
+    """Interrupted at step 4 and resumed from the Trainer checkpoint: same plan, same final state."""
+    trace_data = get_trace_data()
+    from transformers import TrainerCallback
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+    from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.run import check_run, load_checkpoint
+
+    tok, data = trace_data
+    key = b"k" * 32
+    full = record(tok, data, tmp_path / "full", trace_key=key, save_strategy="steps", save_steps=4)
+    part = tmp_path / "part"
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 5  # dies after step 5, checkpoint-4 survives
+
+    t = TraceRecordingTrainer(model=tiny(tok), args=train_args(part, save_strategy="steps", save_steps=4),
+                              train_dataset=data, data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
+                              callbacks=[Crash()], trace_key=key)
+    t.train()
+    t2 = TraceRecordingTrainer(model=tiny(tok), args=train_args(part, save_strategy="steps", save_steps=4),
+                               train_dataset=data, data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
+                               trace_key=key)
+    t2.train(resume_from_checkpoint=str(part / "checkpoint-4"))
+    a, b = read_plan(tmp_path / "full" / "trace" / "plan.jsonl"), read_plan(part / "trace" / "plan.jsonl")
+    assert [(e.step, e.seed, e.lr, e.norm, e.slots) for e in a] == [(e.step, e.seed, e.lr, e.norm, e.slots) for e in b]
+    x = load_checkpoint(tmp_path / "full" / "trace" / "checkpoints" / "step-00000008")["model"]
+    y = load_checkpoint(part / "trace" / "checkpoints" / "step-00000008")["model"]
+    assert all(torch.equal(x[k], y[k]) for k in x)
+    assert check_run(part / "trace")[0].ok
+    assert full.state.global_step == t2.state.global_step == 8
+
+
+def test_random_collator_reported_as_hazard(tmp_path):
+    trace_data = get_trace_data()
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    tok, data = trace_data
+    base = QACollator.from_tokenizer(tok)
+
+    def augmenting_collator(features):
+        batch = base(features)
+        noise = torch.randint(0, 2, batch["input_ids"].shape)
+        batch["input_ids"] = batch["input_ids"] * (1 - noise) + noise * tok.pad_token_id
+        return batch
+
+    t = TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path, max_steps=1, dataloader_num_workers=0),
+                              train_dataset=data, data_collator=augmenting_collator)
+    t.train()
+    header = json.loads((tmp_path / "trace" / "header.json").read_text())
+    assert any("collator" in h and "random" in h for h in header["hazards"])
+    assert any("cannot be rebuilt" in n for n in header["notes"])

@@ -1,0 +1,161 @@
+"""Redaction, replay and the oracle: bit-exact deletion for every deletion geometry."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from .test_trace_common import copy_run, get_recorded, get_trace_data, ids_at_step, record
+
+
+def delete(run_dir, forget, tmp_path, start="suffix"):
+    """Redact, replay from the redacted store, run the oracle; return (replay trainer, verification report)."""
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+
+    run = open_run(run_dir)
+    redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    replay = RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay", start=start)
+    replay.train()
+    OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
+    return replay, verify(tmp_path / "replay", tmp_path / "oracle")
+
+
+@pytest.mark.parametrize("where,start_step", [("early", 0), ("middle", 4), ("late", 6)])
+def test_local_deletion_replays_a_suffix_bit_exactly(tmp_path, where, start_step):
+    recorded = get_recorded()
+    step = {"early": 0, "middle": 4, "late": 7}[where]
+    forget = ids_at_step(recorded, step)[:2]
+    replay, report = delete(recorded, forget, tmp_path)
+    assert replay.replay_stats["start_step"] == start_step
+    assert replay.replay_stats["segments_replayed"] == 8 - start_step
+    assert report["identical"], report["params"]["mismatched_tensors"][:5] + report["optimizer"]["mismatched_tensors"][:5]
+    assert report["params"]["mismatched_elements"] == report["optimizer"]["mismatched_elements"] == 0
+    assert report["roots"]["a"] == report["roots"]["b"]
+    info = replay.unlearning_card_info()
+    assert info["forget_ids"] == forget and info["extra"]["start_step"] == start_step and info["extra"]["exact"]
+    # ... and the deletion changed the model: the oracle differs from the original run.
+    from hf_unlearn.trace.verification import compare_states, load_state
+
+    assert not compare_states(load_state(tmp_path / "oracle"), load_state(recorded))["identical"]
+
+
+def test_random_deletion_with_baselines(tmp_path):
+    """Random 5 ids: replay == oracle; the naive filter and repack counterfactuals both differ from it."""
+    recorded = get_recorded()
+    from hf_unlearn.trace import filter_counterfactual, repack_counterfactual
+    from hf_unlearn.trace.verification import compare_states, load_state
+
+    forget = random.Random(0).sample(range(64), 5)
+    replay, report = delete(recorded, forget, tmp_path)
+    assert report["identical"]
+    oracle = load_state(tmp_path / "oracle")
+    filt = compare_states(filter_counterfactual(recorded, forget), oracle)
+    repack = compare_states(repack_counterfactual(recorded, forget, tmp_path / "repack"), oracle)
+    for cmp in (filt, repack):
+        assert not cmp["identical"] and cmp["params"]["mismatched_elements"] > 0 and cmp["params"]["l2"] > 0
+
+
+def test_emptied_segment_keeps_boundary_but_takes_no_step(tmp_path):
+    recorded = get_recorded()
+    from hf_unlearn.trace import replay_cost
+    from hf_unlearn.trace.run import load_checkpoint, open_run
+
+    forget = ids_at_step(recorded, 5)  # all 8 rows of optimizer step 5
+    cost = replay_cost(open_run(recorded), forget)
+    assert cost["segments_emptied"] == 1 and cost["start_checkpoint"] == 4
+    replay, report = delete(recorded, forget, tmp_path)
+    assert report["identical"]
+    assert replay.replay_stats["optimizer_steps_taken"] == replay.replay_stats["segments_replayed"] - 1 == 3
+    final = load_checkpoint(tmp_path / "replay" / "checkpoints" / "step-00000008")
+    steps = {float(s["step"]) for s in final["optimizer"]["state"].values()}
+    assert steps == {7.0}  # AdamW stepped 7 times in 8 logical steps
+    plan = [json.loads(x) for x in (tmp_path / "replay" / "plan.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in plan] == [e // 2 for e in range(16)]
+    assert all(s is None for e in plan if e["step"] == 5 for s in e["slots"])
+
+
+def test_replay_reads_only_the_redacted_store(tmp_path):
+    """The original store is moved away before the replay; the replay still matches the oracle."""
+    recorded = get_recorded()
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+
+    run_dir = copy_run(recorded, tmp_path / "run")
+    forget = ids_at_step(run_dir, 6)[:3]
+    run = open_run(run_dir)
+    redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
+    shutil.move(run_dir / "private" / "store", tmp_path / "original_store_elsewhere")
+    with pytest.warns(UserWarning, match="store is absent"):
+        RedactedReplayTrainer(run_dir, tmp_path / "store", forget, tmp_path / "replay").train()
+    assert verify(tmp_path / "replay", tmp_path / "oracle")["identical"]
+    from hf_unlearn.trace.store import load_store
+
+    assert not set(forget) & set(load_store(tmp_path / "replay" / "private" / "store")["id"])
+
+
+def test_sequential_requests_equal_one_oracle_of_the_union(tmp_path):
+    """Request 2 suffix-replays from request 1's output run; the result is the oracle of both requests."""
+    recorded = get_recorded()
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+    from hf_unlearn.trace.run import read_deletion_log
+    from hf_unlearn.trace.tags import tag
+
+    first, second = ids_at_step(recorded, 5)[:2], ids_at_step(recorded, 6)[:2]
+    run = open_run(recorded)
+    redact_store(run.store_path, first, tmp_path / "s1", run.key)
+    RedactedReplayTrainer(run, tmp_path / "s1", first, tmp_path / "r1").train()
+    run1 = open_run(tmp_path / "r1")
+    redact_store(run1.store_path, second, tmp_path / "s2", run1.key)
+    r2 = RedactedReplayTrainer(run1, tmp_path / "s2", second, tmp_path / "r2")
+    r2.train()
+    assert r2.replay_stats["start_step"] == 6
+    OracleReplayTrainer(run, first + second, out_dir=tmp_path / "oracle").train()
+    assert verify(tmp_path / "r2", tmp_path / "oracle")["identical"]
+    log = read_deletion_log(tmp_path / "r2")
+    assert [e["request"] for e in log] == [1, 2]
+    assert log[1]["forget_tags"] == sorted(tag(run.key, i) for i in second)
+    assert log[0]["params_root"] != log[1]["params_root"]
+    text = (tmp_path / "r2" / "deletion_log.jsonl").read_text()
+    assert all(f'"{i}"' not in text and f" {i}," not in text for i in first + second)
+    # the log is append-only: request 1's line is kept byte for byte
+    assert text.startswith((tmp_path / "r1" / "deletion_log.jsonl").read_text())
+    assert open_run(tmp_path / "r2").report.ok
+
+
+def test_redaction_receipt(tmp_path):
+    recorded = get_recorded()
+    from hf_unlearn.trace import open_run, redact_store
+    from hf_unlearn.trace.store import load_store
+
+    run = open_run(recorded)
+    receipt = redact_store(run.store_path, [3, 4], tmp_path / "s", run.key)
+    assert receipt["rows_before"] == 64 and receipt["rows_after"] == 62
+    assert "0 of 2 deleted ids present" in receipt["checks"]["id_column_scanned"]
+    assert json.loads((tmp_path / "s" / "redaction_receipt.json").read_text())["store_sha256"] == receipt["store_sha256"]
+    assert "3" not in json.dumps(receipt["deleted_tags"]) or len(receipt["deleted_tags"][0]) == 16
+    store = load_store(tmp_path / "s")
+    assert len(store) == 62 and {3, 4}.isdisjoint(store["id"])
+    raw = b"".join(f.read_bytes() for f in (tmp_path / "s").glob("*.arrow"))
+    original = load_store(run.store_path)
+    deleted_tokens = torch.tensor(original[3]["input_ids"], dtype=torch.int32).numpy().tobytes()
+    assert deleted_tokens not in raw
+
+
+def test_string_ids_and_string_forget_list(tmp_path):
+    """Ids may be strings (as hf_unlearn.load_task gives): recorded, redacted, replayed and verified the same way."""
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+
+    tok, data = get_trace_data()
+    data = data.map(lambda r: {"id": f"row-{r['id']}"}).select(range(32))
+    record(tok, data, tmp_path / "run", max_steps=3)
+    run = open_run(tmp_path / "run" / "trace")
+    forget = run.ids_at_steps([2])[:2]
+    assert all(isinstance(i, str) for i in forget)
+    redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay").train()
+    OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
+    assert verify(tmp_path / "replay", tmp_path / "oracle")["identical"]
