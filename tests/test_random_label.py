@@ -125,6 +125,7 @@ def test_unlearning_card_info(finetuned, tmp_path):
     info = t.unlearning_card_info()
     assert {"method", "hyperparameters", "forget_ids", "citation", "paper"} <= set(info)
     assert info["method"] == "RandomLabel" and info["forget_ids"] == ds["id"]
+    assert "2409.02228" in info["paper"] and info["citation"].startswith("@article")
     assert info["hyperparameters"]["label_mode"] == "flipped" and info["extra"]["fraction_labels_changed"] == 1.0
     json.dumps(info)
     ft_info = trainer.unlearning_card_info()

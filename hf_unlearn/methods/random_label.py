@@ -30,6 +30,13 @@ from ..eval.tasks import (
 )
 
 LABEL_MODES = ("uniform", "flipped")
+PAPER = "https://arxiv.org/abs/2409.02228"
+CITATION = """@article{zhang2024unforgettable,
+  title={Unforgettable Generalization in Language Models},
+  author={Zhang, Eric and Choshen, Leshem and Andreas, Jacob},
+  journal={arXiv preprint arXiv:2409.02228},
+  year={2024}
+}"""
 
 
 @dataclass
@@ -208,4 +215,4 @@ class RandomLabelForgetTrainer(MultipleChoiceTrainer):
         hp = {**self._hyperparameters(), "label_mode": self.args.label_mode,
               "label_seed": self.args.seed if self.args.label_seed is None else self.args.label_seed}
         return {"method": self.method_name, "hyperparameters": hp, "forget_ids": self._train_ids(),
-                "citation": "", "paper": "", "extra": {"fraction_labels_changed": changed}}
+                "citation": CITATION, "paper": PAPER, "extra": {"fraction_labels_changed": changed}}
