@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("--epochs", default="2")
     ap.add_argument("--forget-epochs", default="2")
     ap.add_argument("--lr", default="1e-4")
+    ap.add_argument("--forget-lr", default=None, help="random-label learning rate (default: --lr)")
+    ap.add_argument("--no-cross-task", action="store_true", help="skip the cross-task matrix")
     ap.add_argument("--batch-size", default="4")
     ap.add_argument("--max-length", default="64")
     ap.add_argument("--train-last-layers", default="4")
@@ -52,6 +54,8 @@ def main() -> int:
             "--n-test", args.n_test, "--epochs", args.epochs, "--forget-epochs", args.forget_epochs, "--lr", args.lr,
             "--batch-size", args.batch_size, "--max-length", args.max_length, "--threads", args.threads,
             "--train-last-layers", args.train_last_layers]
+    argv += ["--forget-lr", args.forget_lr] if args.forget_lr else []
+    argv += ["--no-cross-task"] if args.no_cross_task else []
     print("hf-unlearn " + " ".join(argv), flush=True)
     code = cli(argv)
     if code:
@@ -64,7 +68,7 @@ def main() -> int:
         vals = [row.get(c) for c in cols]
         print(f"{name}  " + "  ".join("n/a" if v is None else f"{v:.3f}" for v in vals))
     print("cross-task forget ratio (row forgotten, column evaluated):")
-    for a, accs in res["cross_task_ratio"].items():
+    for a, accs in res["cross_task_ratio"].items():  # without the matrix: the diagonal only
         print(f"  {a}: " + ", ".join(f"{b}={'n/a' if v is None else f'{v:.2f}'}" for b, v in accs.items()))
     print("predictors vs test forget ratio (spearman):", json.dumps(res["predictors"]["spearman"]))
     print(f"total {res['timing_s']['total']:.0f} s")

@@ -154,5 +154,8 @@ def test_trainer_refuses_an_empty_split_and_a_missing_tokenizer(finetuned, tmp_p
     with pytest.raises(UnlearnError, match="empty"):
         RandomLabelForgetTrainer(model=trainer.model, args=_args(RandomLabelConfig, tmp_path, 1),
                                  train_dataset=ds.select([]), processing_class=tok)
+    with pytest.raises(UnlearnError, match="datasets.Dataset"):
+        RandomLabelForgetTrainer(model=trainer.model, args=_args(RandomLabelConfig, tmp_path, 1),
+                                 train_dataset=list(ds), processing_class=tok)
     with pytest.raises(UnlearnError, match="processing_class"):
         MultipleChoiceTrainer(model=trainer.model, args=_args(MultipleChoiceConfig, tmp_path, 1), train_dataset=ds)

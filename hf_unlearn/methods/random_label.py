@@ -197,8 +197,9 @@ class RandomLabelForgetTrainer(MultipleChoiceTrainer):
             args = RandomLabelConfig(output_dir="tmp_trainer")
         if not isinstance(args, RandomLabelConfig):
             raise UnlearnError("RandomLabelForgetTrainer needs a RandomLabelConfig as args")
-        if train_dataset is None:
-            raise UnlearnError("RandomLabelForgetTrainer needs the task's training rows as train_dataset=")
+        if train_dataset is None or not hasattr(train_dataset, "column_names"):
+            raise UnlearnError("RandomLabelForgetTrainer needs the task's training rows as a datasets.Dataset "
+                               "(e.g. hf_unlearn.load_task(...)['train']) in train_dataset=")
         check_split(train_dataset, "train_dataset")
         seed = args.seed if args.label_seed is None else args.label_seed
         true = [int(y) for y in train_dataset["label"]]
