@@ -83,6 +83,23 @@ def freeze_below(model, last_layers: int) -> int:
     return trainable
 
 
+def _probe_rows(train_res, test_res, setup: ForgettingSetup, prefix: str) -> dict:
+    """Per-layer probe accuracies (true labels, train + test rows pooled, cross-validated) under ``prefix``."""
+    import numpy as np
+
+    from .probes import majority_baseline, probe_by_layer
+
+    states = np.concatenate([train_res.hidden_states, test_res.hidden_states], axis=1)
+    labels = train_res.labels + test_res.labels
+    try:
+        accs = probe_by_layer(states, labels, setup.probe_folds, setup.seed)
+    except UnlearnError as e:  # e.g. a class with a single row in a tiny subset
+        return {f"{prefix}_error": str(e)}
+    best = int(max(range(len(accs)), key=accs.__getitem__))
+    return {f"{prefix}_by_layer": accs, f"{prefix}_best": accs[best], f"{prefix}_best_layer": best,
+            "probe_majority": majority_baseline(labels)}
+
+
 def load_splits(setup: ForgettingSetup) -> dict:
     """Seeded train/test subsets per task (``n_train`` + ``n_test`` rows drawn, then split)."""
     from ..data import load_task
@@ -109,8 +126,6 @@ def run_forgetting_experiment(model, tokenizer, setup: ForgettingSetup, out: str
     from ..eval.tasks import evaluate_multiple_choice
     from ..methods.random_label import MultipleChoiceConfig, MultipleChoiceTrainer, RandomLabelConfig
     from ..methods.random_label import RandomLabelForgetTrainer
-    from .probes import majority_baseline, probe_by_layer
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -152,6 +167,8 @@ def run_forgetting_experiment(model, tokenizer, setup: ForgettingSetup, out: str
             "confidence_ft_train": tr.mean_confidence, "confidence_ft_test": te.mean_confidence,
             "total_variance_last_layer": F.total_variance(reps),
         })
+        if setup.probes:  # the same probes before forgetting: what forgetting has to remove
+            result["tasks"][name].update(_probe_rows(tr, te, setup, "probe_ft"))
         _log(f"{name}: fine-tuned accuracy train {tr.accuracy:.3f} test {te.accuracy:.3f}")
 
     # 2. forget each task from the fine-tuned weights
@@ -177,19 +194,9 @@ def run_forgetting_experiment(model, tokenizer, setup: ForgettingSetup, out: str
             "never_forgotten_train": sum(1 for v in forgotten.values() if math.isinf(v)),
         })
         if setup.probes:
-            import numpy as np
-
-            states = np.concatenate([tr.hidden_states, te.hidden_states], axis=1)
-            labels = tr.labels + te.labels
-            try:
-                accs = probe_by_layer(states, labels, setup.probe_folds, setup.seed)
-                row.update({"probe_by_layer": accs, "probe_best": max(accs),
-                            "probe_best_layer": int(max(range(len(accs)), key=accs.__getitem__)),
-                            "probe_majority": majority_baseline(labels),
-                            "acc_forgot_all": (tr.accuracy * len(tr.labels) + te.accuracy * len(te.labels))
-                            / len(labels)})
-            except UnlearnError as e:  # e.g. a class with a single row in a tiny subset
-                row["probe_error"] = str(e)
+            row.update(_probe_rows(tr, te, setup, "probe"))
+            row["acc_forgot_all"] = (tr.accuracy * len(tr.labels) + te.accuracy * len(te.labels)) / (
+                len(tr.labels) + len(te.labels))
         cross = {name: te.accuracy}
         if setup.cross_task:
             for other in setup.tasks:

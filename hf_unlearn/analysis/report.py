@@ -44,6 +44,9 @@ TASK_ROWS = [
      lambda r: f"{_fmt(r.get('forget_ratio_train'))} / {_fmt(r.get('forget_ratio_test'))}"),
     ("mean confidence, fine-tuned (test)", lambda r: _fmt(r.get("confidence_ft_test"))),
     ("total variance, last layer, last prompt token", lambda r: _fmt(r.get("total_variance_last_layer"), 1)),
+    ("probe accuracy fine-tuned: best layer",
+     lambda r: f"{_fmt(r.get('probe_ft_best'))} at layer {r.get('probe_ft_best_layer', 'n/a')}"
+     if "probe_ft_best" in r else r.get("probe_ft_error", "not run")),
     ("probe accuracy after forgetting: best layer (majority)",
      lambda r: f"{_fmt(r.get('probe_best'))} at layer {r.get('probe_best_layer', 'n/a')} ({_fmt(r.get('probe_majority'))})"
      if "probe_best" in r else r.get("probe_error", "not run")),
@@ -127,9 +130,11 @@ def plot_report(result: dict, out: str | Path) -> list[Path]:
         if "probe_by_layer" in r:
             line = ax.plot(r["probe_by_layer"], label=f"{n} probe")[0]
             ax.axhline(r.get("acc_forgot_all", nan), color=line.get_color(), ls=":", lw=1)
+            if "probe_ft_by_layer" in r:
+                ax.plot(r["probe_ft_by_layer"], color=line.get_color(), alpha=0.35, lw=1)
     ax.set_xlabel("layer (0 = embeddings)")
     ax.set_ylabel("accuracy")
-    ax.set_title("Probe accuracy after forgetting (dotted: model accuracy)")
+    ax.set_title("Probes after forgetting (faint: before; dotted: model)", fontsize=9)
     if ax.lines:
         ax.legend(fontsize=7)
     paths.append(_save(fig, out / "probe_accuracy_by_layer.png"))
