@@ -53,6 +53,16 @@ _LAZY: dict[str, str] = {
     "RMUTrainer": "hf_unlearn.methods.baselines",
 
     # --- random-label forgetting and analysis ---
+    "MultipleChoiceConfig": "hf_unlearn.methods.random_label",
+    "MultipleChoiceTrainer": "hf_unlearn.methods.random_label",
+    "RandomLabelConfig": "hf_unlearn.methods.random_label",
+    "RandomLabelForgetTrainer": "hf_unlearn.methods.random_label",
+    "evaluate_multiple_choice": "hf_unlearn.eval.tasks",
+    "forget_gap": "hf_unlearn.analysis.forgetting",
+    "forget_ratio": "hf_unlearn.analysis.forgetting",
+    "probe_by_layer": "hf_unlearn.analysis.probes",
+    "run_forgetting_experiment": "hf_unlearn.analysis.forgetting_experiment",
+    "ForgettingSetup": "hf_unlearn.analysis.forgetting_experiment",
 
     # --- evaluation ---
     "evaluate_tofu": "hf_unlearn.eval.tofu",
