@@ -159,3 +159,27 @@ def test_string_ids_and_string_forget_list(tmp_path):
     RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay").train()
     OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
     assert verify(tmp_path / "replay", tmp_path / "oracle")["identical"]
+
+
+def test_replay_model_card_states_roots_and_verdict(tmp_path, monkeypatch):
+    """A replay is an UnlearningHubMixin trainer: its card carries the state-hash roots and the oracle verdict."""
+    from hf_unlearn.hub.cards import check_card_metadata, find_raw_ids
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+
+    run_dir = copy_run(get_recorded(), tmp_path / "run")
+    forget = ids_at_step(run_dir, 6)[:2]
+    run = open_run(run_dir)
+    redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
+    replay = RedactedReplayTrainer(run_dir, tmp_path / "store", forget, tmp_path / "replay")
+    replay.train()
+    pending = replay.unlearning_card_info()["extra"]["exact_deletion"]
+    assert not pending["verified"] and "trace verify" in pending["verification"]
+    assert verify(tmp_path / "replay", tmp_path / "oracle")["identical"]
+    replay.save_model()
+    text = replay.create_model_card(model_name="org/replayed")
+    meta = check_card_metadata(text)
+    assert "exact-deletion" in meta["tags"]
+    exact = replay.unlearning_card_info()["extra"]["exact_deletion"]
+    assert exact["verified"] and exact["params_root"] in text and "passed" in text
+    assert not find_raw_ids(text, forget)

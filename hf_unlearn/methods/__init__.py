@@ -19,6 +19,10 @@ _LAZY = {
         "GradAscentConfig", "GradAscentTrainer", "GradDiffConfig", "GradDiffTrainer", "NPOConfig", "NPOTrainer",
         "SimNPOConfig", "SimNPOTrainer", "RMUConfig", "RMUTrainer",
     )},
+    # --- random-label forgetting ---
+    **{name: "random_label" for name in (
+        "MultipleChoiceConfig", "MultipleChoiceTrainer", "RandomLabelConfig", "RandomLabelForgetTrainer",
+    )},
 }
 
 __all__ = sorted(_LAZY)

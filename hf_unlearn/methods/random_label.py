@@ -21,6 +21,7 @@ from typing import Sequence
 from transformers import Trainer, TrainingArguments
 
 from ..errors import UnlearnError
+from ..hub.mixin import UnlearningHubMixin
 from ..eval.tasks import (
     MultipleChoiceCollator,
     check_split,
@@ -108,7 +109,7 @@ def _accuracy_metrics(eval_pred) -> dict:
     return {"accuracy": float((np.asarray(scores).argmax(-1) == np.asarray(labels)).mean())}
 
 
-class MultipleChoiceTrainer(Trainer):
+class MultipleChoiceTrainer(UnlearningHubMixin, Trainer):
     """Fine-tune a causal LM to pick the labelled choice of multiple-choice rows (task schema).
 
     ``train_dataset``/``eval_dataset`` hold raw rows (``id, context, question, choices, label``);

@@ -30,6 +30,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from ..errors import UnlearnError
+from ..hub.mixin import UnlearningHubMixin
 from .hashing import optimizer_param_names, state_hashes
 from .plan import PlanEntry
 from .recording import TraceRecordingTrainer, TraceWriter, rebuild_collator, seeded
@@ -111,7 +112,7 @@ def model_from_run(run: TraceRun):
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class ReplayTrainer(TraceRecordingTrainer):
+class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     """Re-execute a recorded plan with some slots deleted (see the module docstring).
 
     Args:
@@ -313,8 +314,27 @@ class ReplayTrainer(TraceRecordingTrainer):
             "forget_ids": list(self.forget_ids),
             "citation": "",
             "paper": "",
-            "extra": {"exact": not self.filter_rows, "parent_run": self.run.path.name, **stats},
+            "extra": {"exact": not self.filter_rows, "parent_run": self.run.path.name, **stats,
+                      **self._exact_deletion_evidence()},
         }
+
+    def _exact_deletion_evidence(self) -> dict:
+        """State-hash roots of the replayed state and, once ``trace verify`` ran, its verdict (for the model card)."""
+        if self.mode == "oracle" or self.filter_rows or self.out_dir is None or self.state.global_step == 0:
+            return {}
+        from .hashing import state_hashes
+
+        hashes = state_hashes(self.model, self.optimizer)  # optimizer tensors named by parameter
+        opt_root = hashes.optimizer_root
+        verdict_file = self.out_dir / "verification.json"
+        verdict = json.loads(verdict_file.read_text()) if verdict_file.is_file() else None
+        return {"exact_deletion": {
+            "params_root": hashes.params_root, "optimizer_root": opt_root,
+            "verified": bool(verdict and verdict["identical"]),
+            "verification": (f"bit-identical to the oracle run {verdict['oracle']!r}" if verdict and verdict["identical"]
+                             else "differs from the oracle" if verdict
+                             else f"not verified yet: run `hf-unlearn trace verify {self.out_dir} ORACLE`"),
+        }}
 
     # ---- output run ---------------------------------------------------------------------------------------
     def _open_output(self, start: int) -> TraceWriter:

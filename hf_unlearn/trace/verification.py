@@ -88,7 +88,22 @@ def verify(replay_out, oracle_out) -> dict:
                              "params_elements": cmp["params"]["elements"], "params_l2": cmp["params"]["l2"],
                              "optimizer_l2": cmp["optimizer"]["l2"], "identical": cmp["identical"]}
     report["baselines"] = baselines
+    _record_verification(Path(replay_out), Path(oracle_out), report)
     return report
+
+
+def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> None:
+    """Keep the verdict next to the replay (``verification.json``) so its model card can state it."""
+    if not replay_out.is_dir():
+        return
+    import json
+
+    from ..utils import atomic_write_text
+
+    summary = {"identical": report["identical"], "oracle": oracle_out.name, "roots": report["roots"],
+               "params_mismatched_elements": report["params"]["mismatched_elements"],
+               "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"]}
+    atomic_write_text(replay_out / "verification.json", json.dumps(summary, indent=1))
 
 
 verify_replay = verify  # the top-level name: ``hf_unlearn.verify_replay(replay_out, oracle_out)``
