@@ -26,7 +26,7 @@ test-slow: install-dev
 	$(PYTHON) -m pytest -m slow
 
 bench: install-dev
-	$(PYTHON) benchmarks/run_all.py
+	PYTHONPATH=. $(PYTHON) benchmarks/bench_trace.py   # the quick one; see benchmarks/README.md for the others
 
 lint: install-dev
 	$(PYTHON) -m ruff check hf_unlearn tests examples benchmarks

@@ -7,7 +7,7 @@ Importing the package is cheap: public names are resolved lazily on first access
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -97,12 +97,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return __all__
 
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .data.collators import QACollator
-    from .data.muse import load_muse_news
-    from .data.tasks import load_task
-    from .data.tofu import load_tofu
-    from .data.tokenize import tokenize_qa
-    from .models import build_tiny_model, load_model, load_tokenizer
-    from .trace.hashing import StateHashes, state_hashes

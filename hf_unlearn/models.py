@@ -103,8 +103,14 @@ def build_tiny_model(
     Used by the tests and the demo: real architectures, seconds per training step on a CPU.
     """
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig
-    from transformers import LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     if family not in TINY_FAMILIES:
         raise UnlearnError(f"unknown model family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")

@@ -124,8 +124,12 @@ def run_forgetting_experiment(model, tokenizer, setup: ForgettingSetup, out: str
     from datasets import concatenate_datasets
 
     from ..eval.tasks import evaluate_multiple_choice
-    from ..methods.random_label import MultipleChoiceConfig, MultipleChoiceTrainer, RandomLabelConfig
-    from ..methods.random_label import RandomLabelForgetTrainer
+    from ..methods.random_label import (
+        MultipleChoiceConfig,
+        MultipleChoiceTrainer,
+        RandomLabelConfig,
+        RandomLabelForgetTrainer,
+    )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()

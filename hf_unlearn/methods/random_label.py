@@ -21,7 +21,6 @@ from typing import Sequence
 from transformers import Trainer, TrainingArguments
 
 from ..errors import UnlearnError
-from ..hub.mixin import UnlearningHubMixin
 from ..eval.tasks import (
     MultipleChoiceCollator,
     check_split,
@@ -29,6 +28,7 @@ from ..eval.tasks import (
     forward_scores,
     multiple_choice_loss,
 )
+from ..hub.mixin import UnlearningHubMixin
 
 LABEL_MODES = ("uniform", "flipped")
 PAPER = "https://arxiv.org/abs/2409.02228"
