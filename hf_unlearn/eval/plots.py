@@ -56,12 +56,7 @@ def plot_truth_ratio_histogram(result, reference=None, path: str | os.PathLike =
         title += f" (KS p = {forget_quality(series[0][1], series[1][1]):.3g})"
     ax.set(xlabel="log10 truth ratio  (P(perturbed) / P(paraphrased))", ylabel="items", title=title)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | os.PathLike = "tradeoff.png",
@@ -88,6 +83,12 @@ def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | 
     ax.set(xlabel=x, ylabel=y, title="forget / utility trade-off")
     if x == "forget_quality":
         ax.set_xscale("log")
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
