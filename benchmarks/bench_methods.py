@@ -41,6 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=0.2)
     p.add_argument("--probe-steps", type=int, default=2)
     p.add_argument("--eval-items", type=int, default=20, help="max items per split for evaluate_tofu")
+    p.add_argument("--eval-max-new-tokens", type=int, default=200, help="generation length for ROUGE-L in evaluate_tofu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (1 is much faster on an oversubscribed CPU: threads wait on each other)")
     p.add_argument("--out", default="bench_methods_output")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -116,7 +119,7 @@ def run_method(method, args, base_model, tokenizer, forget, retain):
     return trainer, seconds
 
 
-def evaluate(model, tokenizer, forget, retain, forget_ids, retain_ids, eval_items):
+def evaluate(model, tokenizer, forget, retain, forget_ids, retain_ids, eval_items, max_new_tokens=200):
     from hf_unlearn.demo import mean_answer_loss
 
     row = {"forget_loss": mean_answer_loss(model, tokenizer, forget),
@@ -125,9 +128,11 @@ def evaluate(model, tokenizer, forget, retain, forget_ids, retain_ids, eval_item
         from hf_unlearn.eval.tofu import evaluate_tofu
     except ImportError:
         return row
-    result = evaluate_tofu(model, tokenizer, forget_ids=forget_ids, retain_ids=retain_ids, max_items=eval_items)
+    result = evaluate_tofu(model, tokenizer, forget_ids=forget_ids, retain_ids=retain_ids, max_items=eval_items,
+                           max_new_tokens=max_new_tokens, progress=False)
     keys = ("forget_probability", "forget_rouge_l", "forget_truth_ratio", "forget_quality", "model_utility")
-    row.update({k: float(result.summary[k]) for k in keys if k in result.summary})
+    # forget_quality is None without a retain-only reference model's result
+    row.update({k: float(result.summary[k]) for k in keys if result.summary.get(k) is not None})
     return row
 
 
@@ -139,13 +144,18 @@ def plot(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover
         return
-    use_tofu = all("forget_quality" in r and "model_utility" in r for r in rows)
-    x, y = ("forget_quality", "model_utility") if use_tofu else ("forget_loss", "retain_loss")
+    if all("forget_quality" in r and "model_utility" in r for r in rows):
+        x, y = "forget_quality", "model_utility"
+    elif all("forget_probability" in r and "model_utility" in r for r in rows):
+        x, y = "forget_probability", "model_utility"
+    else:
+        x, y = "forget_loss", "retain_loss"
     fig, ax = plt.subplots(figsize=(5, 4))
     for r in rows:
         ax.scatter(r[x], r[y], s=20 + 4 * r["seconds"])
         ax.annotate(f"{r['method']} ({r['seconds']:.0f} s)", (r[x], r[y]), fontsize=8)
-    ax.set_xlabel(x + (" (higher = more forgotten)" if x == "forget_loss" else ""))
+    ax.set_xlabel(x + {"forget_loss": " (higher = more forgotten)",
+                       "forget_probability": " (lower = more forgotten)"}.get(x, ""))
     ax.set_ylabel(y + (" (lower = better kept)" if y == "retain_loss" else ""))
     ax.set_title("forget/retain trade-off (marker size ~ wall clock)")
     fig.tight_layout()
@@ -155,21 +165,30 @@ def plot(rows, path):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok, name, forget, retain, forget_ids, retain_ids, ft_seconds = prepare(args)
     print(f"model {name}; {len(forget)} forget rows, {len(retain)} retain rows; fine-tuned in {ft_seconds:.1f} s")
     rows = [{"method": "fine-tuned", "seconds": 0.0, "steps": 0,
-             **evaluate(model, tok, forget, retain, forget_ids, retain_ids, args.eval_items)}]
+             **evaluate(model, tok, forget, retain, forget_ids, retain_ids, args.eval_items, args.eval_max_new_tokens)}]
+    print(json.dumps(rows[0]), flush=True)
     for method in args.methods.split(","):
         trainer, seconds = run_method(method, args, model, tok, forget, retain)
         row = {"method": trainer.unlearning_card_info()["method"], "seconds": seconds,
                "steps": trainer.state.global_step}
         if method == "masc":
             row["stopped_step"] = trainer.stopped_step
-        row.update(evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, args.eval_items))
+        row.update(evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, args.eval_items,
+                            args.eval_max_new_tokens))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        # written after every method so that a run stopped early still leaves its finished rows
+        (out / "bench_methods.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        del trainer
 
     keys = [k for k in rows[0] if k not in ("method",)]
     print("\n| " + " | ".join(["method", *keys]) + " |")
