@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..trace.tags import canonical_id  # one id encoding for every keyed tag in the library
 
 TAG_FORMAT = "hf_unlearn.id_tag.v1"
 TAG_HEX_CHARS = 32
@@ -55,17 +55,9 @@ def load_key(path: str | os.PathLike | None = None, *, create: bool = True) -> b
     return key
 
 
-def _canonical(sample_id) -> bytes:
-    if hasattr(sample_id, "item"):  # numpy / torch scalars
-        sample_id = sample_id.item()
-    if isinstance(sample_id, bool) or not isinstance(sample_id, (int, str)):
-        raise UnlearnError(f"sample ids must be int or str, got {type(sample_id).__name__}: {sample_id!r}")
-    return json.dumps(sample_id).encode()
-
-
 def keyed_tag(sample_id, key: bytes) -> str:
     """The keyed tag of one sample id (ids 7 and "7" get different tags)."""
-    msg = TAG_FORMAT.encode() + b"\0" + _canonical(sample_id)
+    msg = TAG_FORMAT.encode() + b"\0" + canonical_id(sample_id)
     return hmac.new(key, msg, hashlib.sha256).hexdigest()[:TAG_HEX_CHARS]
 
 

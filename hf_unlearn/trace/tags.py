@@ -23,12 +23,13 @@ NULL_TAG = b"\0" * TAG_BYTES  # a slot already filled by the dummy (deleted by a
 def canonical_id(sample_id) -> bytes:
     """Ids are ints or strings; ``1`` and ``"1"`` are different ids."""
     if isinstance(sample_id, bool):
-        raise UnlearnError(f"sample id {sample_id!r} is a bool; ids must be ints or strings")
+        raise UnlearnError(f"sample id {sample_id!r} is a bool; ids must be ints or strings (int or str)")
     if isinstance(sample_id, int) or (hasattr(sample_id, "item") and not isinstance(sample_id, str)):
         return b"i:" + str(int(sample_id)).encode()
     if isinstance(sample_id, str):
         return b"s:" + sample_id.encode("utf-8")
-    raise UnlearnError(f"sample id {sample_id!r} has type {type(sample_id).__name__}; ids must be ints or strings")
+    raise UnlearnError(f"sample id {sample_id!r} has type {type(sample_id).__name__}; ids must be ints or strings "
+                       "(int or str)")
 
 
 def tag_bytes(key: bytes, sample_id) -> bytes:
