@@ -6,8 +6,13 @@ the forget and retain rows, and (when ``hf_unlearn.eval.tofu.evaluate_tofu`` is 
 ROUGE-L, truth ratio, forget quality and model utility, plus the time ratios against MASC.
 
     PYTHONPATH=. python benchmarks/bench_methods.py                       # tiny Llama built locally (minutes on CPU)
-    PYTHONPATH=. python benchmarks/bench_methods.py --model ../shared/models/SmolLM2-135M-Instruct \\
-        --authors 20 --forget-authors 2 --finetune-epochs 5 --lr 1e-5 --masc-lr 1e-5   # the issue's setting (GPU)
+
+A method may carry its own learning rate (``--methods masc@1e-4,npo@1e-5,npo@5e-5``: a small lr sweep). With
+``--reference train`` it also fine-tunes the retain-only reference (the same base, the retained authors only) and
+reports forget quality (KS test of forget truth ratios against the reference's); ``--reference-only`` does just that
+(to run it in a second process beside the methods), and ``--reference PATH`` reuses its ``tofu_results.json``.
+Every evaluated model's full result is kept in ``OUT/results/<label>.json``; ``--table-only`` rebuilds the table,
+ratios and plot from them (for example once a reference finished in another process).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--forget-authors", type=int, default=1)
     p.add_argument("--finetune-epochs", type=float, default=30.0)
     p.add_argument("--finetune-lr", type=float, default=None, help="default: 3e-3 tiny, 2e-5 otherwise")
-    p.add_argument("--methods", default="masc,npo,grad_diff", help="comma list of masc,npo,npo_klr,grad_diff,simnpo")
+    p.add_argument("--methods", default="masc,npo,grad_diff",
+                   help="comma list of masc,npo,npo_klr,grad_diff,simnpo, each optionally METHOD@LR")
     p.add_argument("--epochs", type=float, default=5.0, help="baseline budget in epochs over the forget set")
     p.add_argument("--masc-max-epochs", type=float, default=20.0, help="MASC's budget cap (it normally stops first)")
     p.add_argument("--lr", type=float, default=None, help="baseline learning rate (default: 1e-3 tiny, 1e-5 otherwise)")
@@ -41,6 +47,12 @@ def parse_args(argv=None):
     p.add_argument("--alpha", type=float, default=0.2)
     p.add_argument("--probe-steps", type=int, default=2)
     p.add_argument("--eval-items", type=int, default=20, help="max items per split for evaluate_tofu")
+    p.add_argument("--eval-forget-items", type=int, default=None,
+                   help="max forget items (default: as --eval-items; forget quality wants them all)")
+    p.add_argument("--reference", default=None,
+                   help="'train' (fine-tune the retain-only reference here) or the path of its tofu_results.json")
+    p.add_argument("--reference-only", action="store_true", help="only fine-tune and evaluate the reference")
+    p.add_argument("--table-only", action="store_true", help="rebuild table/ratios/plot from OUT/bench_methods.json")
     p.add_argument("--eval-max-new-tokens", type=int, default=200, help="generation length for ROUGE-L in evaluate_tofu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (1 is much faster on an oversubscribed CPU: threads wait on each other)")
@@ -49,8 +61,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def prepare(args):
-    """Fine-tune once; return (model, tokenizer, forget, retain tokenised, forget_ids, retain_ids, seconds)."""
+def prepare(args, retain_only: bool = False):
+    """Fine-tune once (cached in OUT); return the model, tokenizer, data and ids.
+
+    ``retain_only`` fine-tunes the retain-only reference instead: the same base and settings, without the forget rows.
+    """
     import torch
 
     from hf_unlearn.data import tokenize_qa
@@ -66,7 +81,8 @@ def prepare(args):
     fset = set(forget_ids)
     forget = data.filter(lambda r: r["id"] in fset)
     retain = data.filter(lambda r: r["id"] not in fset)
-    cache = Path(args.out) / "finetuned-model"
+    tag = "reference-model" if retain_only else "finetuned-model"
+    cache = Path(args.out) / tag
     seconds = 0.0
     if (cache / "config.json").exists():  # same --out and settings: reuse the fine-tuned weights
         from hf_unlearn.models import load_model
@@ -75,14 +91,23 @@ def prepare(args):
         name += f" (fine-tuned weights reused from {cache})"
     else:
         start = time.perf_counter()
-        fine_tune(cfg, model, tokenizer, data, Path(args.out) / "finetune")
+        fine_tune(cfg, model, tokenizer, retain if retain_only else data, Path(args.out) / tag.replace("-model", ""))
         seconds = time.perf_counter() - start
         model.save_pretrained(cache)
     retain_ids = [i for i in subset["id"] if i not in fset]
     return model, tokenizer, name, forget, retain, forget_ids, retain_ids, seconds
 
 
-def run_method(method, args, base_model, tokenizer, forget, retain):
+def parse_method(spec: str, args) -> tuple[str, float]:
+    """``"npo@5e-5"`` -> ("npo", 5e-5); without ``@`` the lr is --masc-lr / --lr / the size default."""
+    name, _, lr = spec.strip().partition("@")
+    default = args.lr or (1e-3 if args.model is None else 1e-5)
+    if not lr and name == "masc" and args.masc_lr:
+        lr = args.masc_lr
+    return name, float(lr) if lr else default
+
+
+def run_method(spec, args, base_model, tokenizer, forget, retain):
     from hf_unlearn.methods import (
         GradDiffConfig,
         GradDiffTrainer,
@@ -94,32 +119,35 @@ def run_method(method, args, base_model, tokenizer, forget, retain):
         SimNPOTrainer,
     )
 
-    tiny = args.model is None
-    lr = args.lr or (1e-3 if tiny else 1e-5)
-    common = dict(output_dir=str(Path(args.out) / method), per_device_train_batch_size=args.batch_size,
+    method, lr = parse_method(spec, args)
+    common = dict(output_dir=str(Path(args.out) / spec.replace("@", "_lr")), per_device_train_batch_size=args.batch_size,
                   per_device_eval_batch_size=8, learning_rate=lr, save_strategy="no", report_to=[], logging_steps=5,
                   disable_tqdm=True, seed=args.seed, max_length=args.max_length, num_train_epochs=args.epochs)
     if method == "masc":
-        config = MASCConfig(**{**common, "learning_rate": args.masc_lr or lr, "num_train_epochs": args.masc_max_epochs},
+        config = MASCConfig(**{**common, "num_train_epochs": args.masc_max_epochs},
                             alpha=args.alpha, probe_steps=args.probe_steps, k=10)
         cls = MASCTrainer
     else:
-        cls, config = {
+        makers = {
             "npo": (NPOTrainer, lambda: NPOConfig(**common)),
             "npo_klr": (NPOTrainer, lambda: NPOConfig(**common, retain_loss="kl")),
             "grad_diff": (GradDiffTrainer, lambda: GradDiffConfig(**common)),
             "simnpo": (SimNPOTrainer, lambda: SimNPOConfig(**common)),
-        }[method]
-        config = config()
+        }
+        if method not in makers:
+            raise SystemExit(f"unknown method {method!r} in --methods; choose from masc, {', '.join(makers)}")
+        cls, make = makers[method]
+        config = make()
     model = copy.deepcopy(base_model)
     trainer = cls(model=model, args=config, forget_dataset=forget, retain_dataset=retain, processing_class=tokenizer)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    return trainer, seconds
+    return trainer, seconds, lr
 
 
-def evaluate(model, tokenizer, forget, retain, forget_ids, retain_ids, eval_items, max_new_tokens=200):
+def evaluate(model, tokenizer, forget, retain, forget_ids, retain_ids, args, label):
+    """Answer losses, and the TOFU metrics (full result kept in OUT/results/<label>.json)."""
     from hf_unlearn.demo import mean_answer_loss
 
     row = {"forget_loss": mean_answer_loss(model, tokenizer, forget),
@@ -128,12 +156,32 @@ def evaluate(model, tokenizer, forget, retain, forget_ids, retain_ids, eval_item
         from hf_unlearn.eval.tofu import evaluate_tofu
     except ImportError:
         return row
-    result = evaluate_tofu(model, tokenizer, forget_ids=forget_ids, retain_ids=retain_ids, max_items=eval_items,
-                           max_new_tokens=max_new_tokens, progress=False)
-    keys = ("forget_probability", "forget_rouge_l", "forget_truth_ratio", "forget_quality", "model_utility")
-    # forget_quality is None without a retain-only reference model's result
-    row.update({k: float(result.summary[k]) for k in keys if result.summary.get(k) is not None})
+    caps = {k: args.eval_items for k in ("forget", "retain", "real_authors", "world_facts", "holdout")}
+    caps["forget"] = caps["holdout"] = args.eval_forget_items or args.eval_items
+    result = evaluate_tofu(model, tokenizer, forget_ids=forget_ids, retain_ids=retain_ids, max_items=caps,
+                           max_new_tokens=args.eval_max_new_tokens, progress=False)
+    row["result"] = str(result.to_json(Path(args.out) / "results" / f"{label}.json"))
+    row.update(summary_metrics(result))
     return row
+
+
+SUMMARY_KEYS = ("forget_probability", "forget_rouge_l", "forget_truth_ratio", "forget_quality", "model_utility")
+
+
+def summary_metrics(result) -> dict:
+    # forget_quality is None without a retain-only reference model's result
+    return {k: float(result.summary[k]) for k in SUMMARY_KEYS if result.summary.get(k) is not None}
+
+
+def add_forget_quality(rows, reference_path):
+    """Fill forget quality (and privleak) of every row from its saved result and the reference's."""
+    from hf_unlearn.eval.tofu import TofuResult
+
+    for r in rows:
+        if r.get("result") and Path(r["result"]).is_file():
+            res = TofuResult.from_json(r["result"]).with_reference(reference_path)
+            r.update(summary_metrics(res))
+            r["privleak"] = res.summary.get("privleak")
 
 
 def plot(rows, path):
@@ -163,6 +211,35 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def print_table(rows, out: Path):
+    keys = [k for k in ("seconds", "steps", "stopped_step", "lr", *SUMMARY_KEYS, "privleak", "forget_loss",
+                        "retain_loss") if any(k in r for r in rows)]
+    print("\n| " + " | ".join(["method", *keys]) + " |")
+    print("|" + "---|" * (len(keys) + 1))
+    for r in rows:
+        cells = [f"{r.get(k):.3g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys]
+        print("| " + " | ".join([r["method"], *cells]) + " |")
+    for masc in (r for r in rows if r["method"].startswith("MASC")):
+        for r in rows[1:]:
+            if not r["method"].startswith("MASC") and r.get("seconds"):
+                print(f"wall clock {r['method']} / {masc['method']} = {r['seconds'] / masc['seconds']:.2f}x "
+                      f"({r['seconds']:.1f} s vs {masc['seconds']:.1f} s; steps {r['steps']} vs {masc['steps']})")
+    plot(rows, out / "tradeoff.png")
+    print(f"wrote {out / 'bench_methods.json'} and {out / 'tradeoff.png'}")
+
+
+def save(out: Path, args, rows):
+    # written after every model so that a run stopped early still leaves its finished rows
+    (out / "bench_methods.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+def reference_path(args) -> Path | None:
+    if args.reference in (None, "train"):
+        path = Path(args.out) / "results" / "reference.json"
+        return path if path.is_file() else None
+    return Path(args.reference)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
@@ -171,40 +248,48 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.table_only:
+        rows = json.loads((out / "bench_methods.json").read_text())["rows"]
+        ref = reference_path(args)
+        if ref:
+            add_forget_quality(rows, ref)
+            save(out, args, rows)
+        print_table(rows, out)
+        return 0
+    if args.reference_only or args.reference == "train":
+        model, tok, name, forget, retain, forget_ids, retain_ids, ft_seconds = prepare(args, retain_only=True)
+        print(f"reference {name}: {len(retain)} retain rows only; fine-tuned in {ft_seconds:.1f} s", flush=True)
+        row = evaluate(model, tok, forget, retain, forget_ids, retain_ids, args, "reference")
+        print(json.dumps({"method": "retain-only reference", **row}), flush=True)
+        if args.reference_only:
+            return 0
+        del model
     model, tok, name, forget, retain, forget_ids, retain_ids, ft_seconds = prepare(args)
     print(f"model {name}; {len(forget)} forget rows, {len(retain)} retain rows; fine-tuned in {ft_seconds:.1f} s")
     rows = [{"method": "fine-tuned", "seconds": 0.0, "steps": 0,
-             **evaluate(model, tok, forget, retain, forget_ids, retain_ids, args.eval_items, args.eval_max_new_tokens)}]
+             **evaluate(model, tok, forget, retain, forget_ids, retain_ids, args, "fine-tuned")}]
     print(json.dumps(rows[0]), flush=True)
-    for method in args.methods.split(","):
-        trainer, seconds = run_method(method, args, model, tok, forget, retain)
-        row = {"method": trainer.unlearning_card_info()["method"], "seconds": seconds,
-               "steps": trainer.state.global_step}
-        if method == "masc":
+    save(out, args, rows)
+    for spec in args.methods.split(","):
+        trainer, seconds, lr = run_method(spec, args, model, tok, forget, retain)
+        label = f"{trainer.unlearning_card_info()['method']} (lr {lr:g})"
+        row = {"method": label, "seconds": seconds, "steps": trainer.state.global_step, "lr": lr}
+        if spec.startswith("masc"):
             row["stopped_step"] = trainer.stopped_step
-        row.update(evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, args.eval_items,
-                            args.eval_max_new_tokens))
+            row["violation_history"] = trainer.violation_history
+        row.update(evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, args,
+                            spec.replace("@", "_lr")))
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        # written after every method so that a run stopped early still leaves its finished rows
-        (out / "bench_methods.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        print(json.dumps({k: v for k, v in row.items() if k != "violation_history"}), flush=True)
+        save(out, args, rows)
         del trainer
-
-    keys = [k for k in rows[0] if k not in ("method",)]
-    print("\n| " + " | ".join(["method", *keys]) + " |")
-    print("|" + "---|" * (len(keys) + 1))
-    for r in rows:
-        print("| " + " | ".join([r["method"], *(f"{r.get(k):.3f}" if isinstance(r.get(k), float) else str(r.get(k))
-                                               for k in keys)]) + " |")
-    masc = next((r for r in rows if r["method"] == "MASC"), None)
-    if masc:
-        for r in rows[1:]:
-            if r is not masc:
-                print(f"wall clock {r['method']} / MASC = {r['seconds'] / masc['seconds']:.2f}x "
-                      f"({r['seconds']:.1f} s vs {masc['seconds']:.1f} s)")
-    (out / "bench_methods.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    plot(rows, out / "tradeoff.png")
-    print(f"wrote {out / 'bench_methods.json'} and {out / 'tradeoff.png'}")
+    ref = reference_path(args)
+    if ref:
+        add_forget_quality(rows, ref)
+        save(out, args, rows)
+    else:
+        print("no reference result yet: forget quality n/a (rerun with --table-only once it exists)")
+    print_table(rows, out)
     return 0
 
 

@@ -49,6 +49,29 @@ def test_model_compared_with_itself_has_forget_quality_one_and_no_privleak(model
     assert again.summary["forget_probability"] == pytest.approx(result.summary["forget_probability"], rel=1e-5)
 
 
+def test_reference_added_after_the_fact_equals_one_given_up_front(model_and_tok, result, tmp_path):
+    other = evaluate_tofu(*model_and_tok, **{**FAST, "max_new_tokens": 2})  # a second, unrelated-looking result
+    later = TofuResult.from_json(other.to_json(tmp_path / "model.json")).with_reference(result.to_json(tmp_path / "r"))
+    upfront = evaluate_tofu(*model_and_tok, reference=result, **{**FAST, "max_new_tokens": 2})
+    assert later.summary["forget_quality"] == pytest.approx(upfront.summary["forget_quality"])
+    assert later.summary["privleak"] == pytest.approx(upfront.summary["privleak"])
+    assert later.summary["forget_probability"] == pytest.approx(other.summary["forget_probability"])
+    assert other.summary["forget_quality"] is None  # the original is not changed
+    with pytest.raises(UnlearnError, match="forget items"):
+        TofuResult.from_json(tmp_path / "model.json").with_reference(
+            evaluate_tofu(*model_and_tok, **{**FAST, "max_items": 2}))
+
+
+def test_max_items_per_set_caps_only_the_named_sets():
+    sets = tofu_sets("forget10", TOFU_DIR, forget_ids=range(360, 400), max_items={"retain": 4, "real_authors": 2})
+    assert len(sets["forget"]) == 40 and len(sets["holdout"]) == 40
+    assert len(sets["retain"]) == 4 and len(sets["real_authors"]) == 2 and len(sets["world_facts"]) > 100
+    with pytest.raises(UnlearnError, match="unknown TOFU sets.*'retian'"):
+        tofu_sets("forget10", TOFU_DIR, max_items={"retian": 4})
+    with pytest.raises(UnlearnError, match=">= 1"):
+        tofu_sets("forget10", TOFU_DIR, max_items={"forget": 0})
+
+
 def test_json_round_trip_and_markdown(result, tmp_path):
     path = result.to_json(tmp_path / "r.json")
     data = json.loads(path.read_text())

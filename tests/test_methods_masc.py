@@ -121,6 +121,14 @@ def test_probe_and_confirmation_rows_are_disjoint_forget_rows(tmp_path):
     assert len(probe) == 1 and not probe & confirm and probe | confirm == set(trainer.forget_ids)
 
 
+def test_masc_learning_rate_stays_constant_until_it_stops(tmp_path):
+    trainer = _masc(tmp_path, max_steps=3, probe_steps=100, learning_rate=1e-3)
+    assert trainer.args.lr_scheduler_type == "constant"  # a decay to 0 at the cap would stall the last steps
+    trainer.train()
+    logged = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert len(logged) == 3 and all(lr == pytest.approx(1e-3) for lr in logged + trainer.lr_scheduler.get_last_lr())
+
+
 @pytest.mark.parametrize("extra", [{"competitors": "reference", "retain_loss": "ce"}, {"active_tokens": "all"}])
 def test_masc_variants_lower_the_violation_rate(tmp_path, extra):
     trainer = _masc(tmp_path, max_steps=4, probe_steps=100, **extra)

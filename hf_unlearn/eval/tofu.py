@@ -17,10 +17,11 @@ them, truth-ratio summaries (and forget quality) use only the items that have on
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import UnlearnError
@@ -48,6 +49,19 @@ class TofuResult(EvalResult):
     def forget_truth_ratios(self) -> list[float]:
         """Per-item forget truth ratios (items that have one), in item order."""
         return [r["truth_ratio"] for r in self.per_item if r["set"] == "forget" and r.get("truth_ratio") is not None]
+
+    def with_reference(self, reference: TofuResult | str | os.PathLike) -> TofuResult:
+        """This result with forget quality and privleak computed against a retain-only ``reference`` result.
+
+        Lets a model be evaluated once, before the reference exists, and compared later without re-running it.
+        """
+        ref = _load_reference(reference)
+        self.check_comparable(ref)
+        records = {name: [r for r in self.per_item if r.get("set") == name] for name in (*QA_SETS, "holdout")}
+        meta = copy.deepcopy(self.meta)
+        summary = _summarize(records, meta, ref)
+        meta["notes"] = list(dict.fromkeys(meta.get("notes", [])))  # the set notes are added again
+        return TofuResult(summary=summary, per_item=self.per_item, meta=meta)
 
     def check_comparable(self, reference: TofuResult) -> None:
         """Raise unless ``reference`` was computed on the same forget items with the same tokenizer and prompts."""
@@ -137,9 +151,13 @@ def tofu_sets(
     tofu_path: str | os.PathLike | None = None,
     forget_ids: Iterable[int] | None = None,
     retain_ids: Iterable[int] | None = None,
-    max_items: int | None = None,
+    max_items: int | Mapping[str, int] | None = None,
 ) -> dict[str, list[dict]]:
-    """The items of each evaluated set: ``{set: [{id, question, answer, paraphrased_answer, perturbed_answer}]}``."""
+    """The items of each evaluated set: ``{set: [{id, question, answer, paraphrased_answer, perturbed_answer}]}``.
+
+    ``max_items`` caps every set at its first N items, or, as ``{set: N}``, only the sets it names (for example all
+    forget items, which forget quality needs, but a sample of the utility sets).
+    """
     if forget_split not in FORGET_SPLITS:
         raise UnlearnError(f"unknown forget split {forget_split!r}; choose one of {', '.join(FORGET_SPLITS)}")
     why = "truth ratio and forget quality"
@@ -170,9 +188,14 @@ def tofu_sets(
     holdout = _load("holdout10", tofu_path, "membership inference (forget vs holdout)")
     sets["holdout"] = [_qa(r, None) for r in holdout[: min(len(sets["forget"]), len(holdout))]]
     if max_items is not None:
-        if max_items < 1:
-            raise UnlearnError(f"max_items must be >= 1, got {max_items}")
-        sets = {k: v[:max_items] for k, v in sets.items()}
+        caps = dict(max_items) if isinstance(max_items, Mapping) else dict.fromkeys(sets, max_items)
+        unknown = sorted(set(caps) - set(sets))
+        if unknown:
+            raise UnlearnError(f"max_items names unknown TOFU sets {unknown}; the sets are {', '.join(sets)}")
+        bad = {k: n for k, n in caps.items() if n is not None and n < 1}
+        if bad:
+            raise UnlearnError(f"max_items must be >= 1, got {bad}")
+        sets = {k: v[:caps[k]] if caps.get(k) is not None else v for k, v in sets.items()}
     return sets
 
 
@@ -219,7 +242,7 @@ def evaluate_tofu(
     reference: TofuResult | str | os.PathLike | None = None,
     batch_size: int = 16,
     max_new_tokens: int = 200,
-    max_items: int | None = None,
+    max_items: int | Mapping[str, int] | None = None,
     use_chat_template: bool | None = None,
     max_length: int = 512,
     mia_k: float = 0.4,
@@ -232,7 +255,8 @@ def evaluate_tofu(
         forget_ids, retain_ids: restrict evaluation to these TOFU ids (rows of ``full``).
         reference: the retain-only reference model's result (object or JSON path) for forget quality and privleak.
             It must come from the same forget items, tokenizer and prompt format.
-        max_items: cap every set at its first ``max_items`` items (quick checks, tests).
+        max_items: cap every set at its first ``max_items`` items (quick checks, tests), or only the sets named in a
+            ``{set: N}`` mapping (``forget``, ``retain``, ``real_authors``, ``world_facts``, ``holdout``).
         use_chat_template: None = the tokenizer's chat template if it has one (as training does).
         mia_k: the fraction of lowest-scoring tokens Min-k% and Min-k%++ average.
     """

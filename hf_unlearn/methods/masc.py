@@ -43,9 +43,16 @@ class MASCConfig(UnlearningConfig):
     r"""Configuration of :class:`MASCTrainer` (only MASC's own fields; the rest is ``TrainingArguments``).
 
     ``num_train_epochs`` / ``max_steps`` are an upper budget: training normally ends earlier, when the stopping rule
-    fires. Default that differs from ``TrainingArguments``: ``restore_callback_states_from_checkpoint=True``, so the
-    stopping rule's state (violation curve, stop step) survives ``train(resume_from_checkpoint=...)``.
+    fires. Defaults that differ from ``TrainingArguments``: ``lr_scheduler_type="constant"`` (a linear decay to zero at
+    the budget cap would slow the very steps the stopping rule is waiting for, and tie the result to a cap MASC is
+    not meant to reach) and ``restore_callback_states_from_checkpoint=True``, so the stopping rule's state (violation
+    curve, stop step) survives ``train(resume_from_checkpoint=...)``.
     """
+
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={"help": "Learning-rate schedule; constant by default because MASC stops itself before its cap."},
+    )
 
     restore_callback_states_from_checkpoint: bool = field(
         default=True,
