@@ -46,13 +46,20 @@ def parse_args(argv=None):
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--alpha", type=float, default=0.2)
     p.add_argument("--probe-steps", type=int, default=2)
+    p.add_argument("--probe-size", type=int, default=8, help="MASC probe rows; 0 = probe on the training batches")
+    p.add_argument("--masc-retain-loss", default="kl", choices=("kl", "ce", "none"), help="MASC's retain term")
     p.add_argument("--eval-items", type=int, default=20, help="max items per split for evaluate_tofu")
     p.add_argument("--eval-forget-items", type=int, default=None,
                    help="max forget items (default: as --eval-items; forget quality wants them all)")
     p.add_argument("--reference", default=None,
                    help="'train' (fine-tune the retain-only reference here) or the path of its tofu_results.json")
+    p.add_argument("--no-base-eval", action="store_true",
+                   help="skip evaluating the fine-tuned model (another process sharing its weights already did)")
     p.add_argument("--reference-only", action="store_true", help="only fine-tune and evaluate the reference")
     p.add_argument("--table-only", action="store_true", help="rebuild table/ratios/plot from OUT/bench_methods.json")
+    p.add_argument("--merge", nargs="*", default=[],
+                   help="with --table-only: also take the method rows of these bench_methods.json files (runs of the "
+                        "same fine-tuned model in other processes)")
     p.add_argument("--eval-max-new-tokens", type=int, default=200, help="generation length for ROUGE-L in evaluate_tofu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (1 is much faster on an oversubscribed CPU: threads wait on each other)")
@@ -125,7 +132,8 @@ def run_method(spec, args, base_model, tokenizer, forget, retain):
                   disable_tqdm=True, seed=args.seed, max_length=args.max_length, num_train_epochs=args.epochs)
     if method == "masc":
         config = MASCConfig(**{**common, "num_train_epochs": args.masc_max_epochs},
-                            alpha=args.alpha, probe_steps=args.probe_steps, k=10)
+                            alpha=args.alpha, probe_steps=args.probe_steps, probe_size=args.probe_size, k=10,
+                            retain_loss=args.masc_retain_loss)
         cls = MASCTrainer
     else:
         makers = {
@@ -174,9 +182,12 @@ def summary_metrics(result) -> dict:
 
 
 def add_forget_quality(rows, reference_path):
-    """Fill forget quality (and privleak) of every row from its saved result and the reference's."""
+    """Fill forget quality (and privleak) of every row from its saved result and the reference's; the reference
+    itself becomes a row (what a model that never saw the forget rows scores)."""
     from hf_unlearn.eval.tofu import TofuResult
 
+    if not any(r["method"] == "retain-only reference" for r in rows):
+        rows.insert(1, {"method": "retain-only reference", "seconds": 0.0, "steps": 0, "result": str(reference_path)})
     for r in rows:
         if r.get("result") and Path(r["result"]).is_file():
             res = TofuResult.from_json(r["result"]).with_reference(reference_path)
@@ -198,14 +209,18 @@ def plot(rows, path):
         x, y = "forget_probability", "model_utility"
     else:
         x, y = "forget_loss", "retain_loss"
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for r in rows:
-        ax.scatter(r[x], r[y], s=20 + 4 * r["seconds"])
-        ax.annotate(f"{r['method']} ({r['seconds']:.0f} s)", (r[x], r[y]), fontsize=8)
-    ax.set_xlabel(x + {"forget_loss": " (higher = more forgotten)",
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for i, r in enumerate(rows):
+        marker = "o" if r["method"].startswith("MASC") else "*" if not r.get("seconds") else "s"
+        ax.scatter(r[x], r[y], s=30 + 1.5 * r.get("seconds", 0), alpha=0.6, marker=marker, color=plt.cm.tab20(i % 20),
+                   label=f"{r['method']} ({r.get('seconds', 0):.0f} s)")
+    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=7, markerscale=0.5)
+    if x == "forget_quality":
+        ax.set_xscale("log")  # a KS p-value: orders of magnitude apart
+    ax.set_xlabel(x + {"forget_loss": " (higher = more forgotten)", "forget_quality": " (higher = closer to retain-only)",
                        "forget_probability": " (lower = more forgotten)"}.get(x, ""))
     ax.set_ylabel(y + (" (lower = better kept)" if y == "retain_loss" else ""))
-    ax.set_title("forget/retain trade-off (marker size ~ wall clock)")
+    ax.set_title("forget/retain trade-off (marker area ~ wall clock; o MASC, s baselines)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -220,7 +235,7 @@ def print_table(rows, out: Path):
         cells = [f"{r.get(k):.3g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys]
         print("| " + " | ".join([r["method"], *cells]) + " |")
     for masc in (r for r in rows if r["method"].startswith("MASC")):
-        for r in rows[1:]:
+        for r in rows:
             if not r["method"].startswith("MASC") and r.get("seconds"):
                 print(f"wall clock {r['method']} / {masc['method']} = {r['seconds'] / masc['seconds']:.2f}x "
                       f"({r['seconds']:.1f} s vs {masc['seconds']:.1f} s; steps {r['steps']} vs {masc['steps']})")
@@ -250,6 +265,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     if args.table_only:
         rows = json.loads((out / "bench_methods.json").read_text())["rows"]
+        for other in args.merge:
+            seen = {r["method"] for r in rows}
+            rows += [r for r in json.loads(Path(other).read_text())["rows"] if r["method"] not in seen]
         ref = reference_path(args)
         if ref:
             add_forget_quality(rows, ref)
@@ -266,13 +284,20 @@ def main(argv=None):
         del model
     model, tok, name, forget, retain, forget_ids, retain_ids, ft_seconds = prepare(args)
     print(f"model {name}; {len(forget)} forget rows, {len(retain)} retain rows; fine-tuned in {ft_seconds:.1f} s")
-    rows = [{"method": "fine-tuned", "seconds": 0.0, "steps": 0,
-             **evaluate(model, tok, forget, retain, forget_ids, retain_ids, args, "fine-tuned")}]
-    print(json.dumps(rows[0]), flush=True)
-    save(out, args, rows)
+    rows = []
+    if not args.no_base_eval:
+        rows.append({"method": "fine-tuned", "seconds": 0.0, "steps": 0,
+                     **evaluate(model, tok, forget, retain, forget_ids, retain_ids, args, "fine-tuned")})
+        print(json.dumps(rows[0]), flush=True)
+        save(out, args, rows)
     for spec in args.methods.split(","):
         trainer, seconds, lr = run_method(spec, args, model, tok, forget, retain)
-        label = f"{trainer.unlearning_card_info()['method']} (lr {lr:g})"
+        variant = ""
+        if spec.startswith("masc"):
+            variant += ", batch probe" if args.probe_size == 0 else ""
+            variant += f", probe every {args.probe_steps}" if args.probe_steps != 2 else ""
+            variant += f", retain {args.masc_retain_loss}" if args.masc_retain_loss != "kl" else ""
+        label = f"{trainer.unlearning_card_info()['method']} (lr {lr:g}{variant})"
         row = {"method": label, "seconds": seconds, "steps": trainer.state.global_step, "lr": lr}
         if spec.startswith("masc"):
             row["stopped_step"] = trainer.stopped_step

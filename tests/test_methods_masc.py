@@ -121,6 +121,18 @@ def test_probe_and_confirmation_rows_are_disjoint_forget_rows(tmp_path):
     assert len(probe) == 1 and not probe & confirm and probe | confirm == set(trainer.forget_ids)
 
 
+def test_probe_size_zero_probes_on_the_training_batches_and_confirms_on_all_forget_rows(tmp_path):
+    trainer = _masc(tmp_path, max_steps=60, probe_steps=2, probe_size=0, alpha=0.2)
+    assert trainer.probe_dataset is None and sorted(trainer.confirm_dataset["id"]) == sorted(trainer.forget_ids)
+    trainer.train()
+    assert trainer.stopped_step is not None and trainer.stopped_step < 60
+    probes = [h for h in trainer.violation_history if h["kind"] == "probe"]
+    assert all(h["n"] == 2 * 4 for h in probes)  # the forget rows of the last probe_steps training batches
+    confirms = [h for h in trainer.violation_history if h["kind"] == "confirm"]
+    assert confirms[-1]["n"] == len(trainer.forget_ids) and confirms[-1]["violation_rate"] <= 0.2
+    assert trainer.violation_rate("probe") == (0.0, 0)  # nothing trained since the last check
+
+
 def test_masc_learning_rate_stays_constant_until_it_stops(tmp_path):
     trainer = _masc(tmp_path, max_steps=3, probe_steps=100, learning_rate=1e-3)
     assert trainer.args.lr_scheduler_type == "constant"  # a decay to 0 at the cap would stall the last steps

@@ -31,7 +31,7 @@ METHOD_OPTIONS = {
         ("--competitors", str, "'current' or 'reference' (default current)"),
         ("--active-tokens", str, "'suffix' or 'all' (default suffix)"),
         ("--probe-steps", int, "probe every N steps (default 5)"),
-        ("--probe-size", int, "forget rows in the probe (default 8)"),
+        ("--probe-size", int, "forget rows in the probe (default 8; 0 = probe on the training batches, no extra forward)"),
         ("--hoeffding-delta", float, "stop on the Hoeffding upper bound at level 1-delta"),
     ],
     "npo": [("--beta", float, "NPO inverse temperature (default 0.1)")],

@@ -4,8 +4,9 @@ The forget term lowers the restricted margin ``m = beta*z(y_t) - logsumexp_{top-
 active forget-answer token below ``tau - eta`` (``tau = log(rho/(1-rho))``); the retain term keeps the model close
 to the original (``KL(p_0 || p_theta)`` or cross-entropy). Training stops at the first check where the share of
 still-dominant tokens (``m > tau``), averaged over forget examples, is at most ``alpha``:
-:class:`MASCStoppingCallback` probes a small seeded sample of forget rows every ``probe_steps`` steps and, when the
-probe passes, confirms on forget rows the probe did not use (optionally with a Hoeffding upper bound).
+:class:`MASCStoppingCallback` probes a small seeded sample of forget rows every ``probe_steps`` steps (or, with
+``probe_size=0``, reads the rates the training forward already measured) and, when the probe passes, confirms on
+forget rows the probe did not use (optionally with a Hoeffding upper bound).
 """
 
 from __future__ import annotations
@@ -85,7 +86,13 @@ class MASCConfig(UnlearningConfig):
         default=0.2, metadata={"help": "Stop when the violation rate on forget examples is <= alpha, in (0, 1)."}
     )
     probe_steps: int = field(default=5, metadata={"help": "Run the cheap probe every this many optimizer steps."})
-    probe_size: int = field(default=8, metadata={"help": "Forget rows in the cheap probe (a seeded sample)."})
+    probe_size: int = field(
+        default=8,
+        metadata={"help": "Forget rows in the cheap probe (a seeded sample). 0: the probe is the violation rate the "
+                          "training forward already measured on the forget batches since the last check (no extra "
+                          "forward; slightly stale, so it errs on the late side); the confirmation then covers the "
+                          "whole forget set."},
+    )
     hoeffding_delta: float | None = field(
         default=None,
         metadata={"help": "If set, stop only when the Hoeffding upper confidence bound (level 1-delta) of the "
@@ -111,8 +118,8 @@ class MASCConfig(UnlearningConfig):
             raise UnlearnError(f"active_tokens must be 'suffix' or 'all', got {self.active_tokens!r}")
         if not 0.0 < self.suffix_fraction <= 1.0:
             raise UnlearnError(f"suffix_fraction must lie in (0, 1], got {self.suffix_fraction}")
-        if self.probe_steps < 1 or self.probe_size < 1:
-            raise UnlearnError("probe_steps and probe_size must be >= 1")
+        if self.probe_steps < 1 or self.probe_size < 0:
+            raise UnlearnError("probe_steps must be >= 1 and probe_size >= 0 (0 = probe on the training batches)")
         if self.hoeffding_delta is not None and not 0.0 < self.hoeffding_delta < 1.0:
             raise UnlearnError(f"hoeffding_delta must lie in (0, 1), got {self.hoeffding_delta}")
 
@@ -218,8 +225,8 @@ class MASCTrainer(UnlearningTrainer):
     """Margin self-correction unlearning with an online stopping rule (Di Gennaro, Shevchenko, Yang, 2026).
 
     Takes everything :class:`UnlearningTrainer` takes, plus ``confirm_dataset``: forget examples for the
-    confirmation pass (default: the forget rows not in the probe sample; if the forget set is no larger than
-    ``probe_size``, the whole forget set).
+    confirmation pass (default: the forget rows not in the probe sample; the whole forget set when ``probe_size`` is
+    0 or not smaller than it).
     """
 
     _config_class = MASCConfig
@@ -241,11 +248,14 @@ class MASCTrainer(UnlearningTrainer):
         forget = self.train_dataset
         gen = torch.Generator().manual_seed(int(self.args.seed))
         perm = torch.randperm(len(forget), generator=gen).tolist()
-        self.probe_dataset = forget.select(sorted(perm[: self.args.probe_size]))
+        size = self.args.probe_size
+        self.probe_dataset = forget.select(sorted(perm[:size])) if size else None
+        # (sum of per-example violation rates, examples) seen by the training forward since the last probe
+        self._batch_rates = torch.zeros(2, device=self.args.device)
         if confirm_dataset is not None:
             self.confirm_dataset = self._prepare_dataset(confirm_dataset, self.processing_class, self.args, "confirm")
         else:
-            rest = sorted(perm[self.args.probe_size:])
+            rest = sorted(perm[size:]) if size else []
             self.confirm_dataset = forget.select(rest) if rest else forget
         self.stopping_callback = MASCStoppingCallback(
             self.args.alpha, self.args.probe_steps, self.args.hoeffding_delta, self.args.save_violation_curve
@@ -275,6 +285,8 @@ class MASCTrainer(UnlearningTrainer):
         margin, active = self._margins(inputs, outputs)
         forget = masc_forget_loss(margin, active, self.tau, self.args.eta)
         rates, valid = masc_violation_rates(margin.detach(), active, self.tau)
+        if model.training:
+            self._batch_rates += torch.stack([rates[valid].sum(), valid.sum().float()]).to(self._batch_rates.device)
         metrics = {
             "batch_violation_rate": rates[valid].mean() if bool(valid.any()) else 0.0,
             "mean_margin": (margin.detach() * active).sum() / active.sum().clamp(min=1),
@@ -289,8 +301,16 @@ class MASCTrainer(UnlearningTrainer):
         """Violation rate of the current model on the probe or confirmation rows: ``(rate, n_examples)``.
 
         Each process scores its share of the rows; the sums are reduced across processes, so the result (and the
-        stopping decision) is the same everywhere.
+        stopping decision) is the same everywhere. With ``probe_size=0`` the probe is the rate measured by the
+        training forward on the forget batches since the last probe (``(0.0, 0)`` if none, e.g. just after a resume:
+        the confirmation then decides).
         """
+        if which == "probe" and self.probe_dataset is None:
+            totals, self._batch_rates = self._batch_rates, torch.zeros_like(self._batch_rates)
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals, reduction="sum")
+            n = int(totals[1].item())
+            return float(totals[0].item()) / max(n, 1), n
         dataset = {"probe": self.probe_dataset, "confirm": self.confirm_dataset}[which]
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         mine = list(range(rank, len(dataset), world))
