@@ -297,6 +297,7 @@ def main(argv=None):
             variant += ", batch probe" if args.probe_size == 0 else ""
             variant += f", probe every {args.probe_steps}" if args.probe_steps != 2 else ""
             variant += f", retain {args.masc_retain_loss}" if args.masc_retain_loss != "kl" else ""
+        variant += f", seed {args.seed}" if args.seed else ""
         label = f"{trainer.unlearning_card_info()['method']} (lr {lr:g}{variant})"
         row = {"method": label, "seconds": seconds, "steps": trainer.state.global_step, "lr": lr}
         if spec.startswith("masc"):
