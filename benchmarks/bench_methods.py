@@ -83,26 +83,34 @@ def prepare(args, retain_only: bool = False):
                      epochs=args.finetune_epochs, learning_rate=args.finetune_lr, max_length=args.max_length,
                      seed=args.seed)
     subset, forget_ids = load_demo_data(cfg)
-    model, tokenizer, name = load_demo_model(cfg, [r["question"] + " " + r["answer"] for r in subset])
+    tag = "reference-model" if retain_only else "finetuned-model"
+    cache = Path(args.out) / tag
+    cached = (cache / "config.json").exists() and (cache / "tokenizer_config.json").exists()
+    if cached:  # same --out and settings: reuse the fine-tuned weights (the base model is not loaded)
+        from hf_unlearn.models import load_model, load_tokenizer
+
+        model, tokenizer = load_model(cache), load_tokenizer(cache)
+        name = f"{args.model or 'tiny Llama'} (fine-tuned weights reused from {cache})"
+    else:
+        model, tokenizer, name = load_demo_model(cfg, [r["question"] + " " + r["answer"] for r in subset])
     data = tokenize_qa(subset, tokenizer, max_length=args.max_length)
     fset = set(forget_ids)
     forget = data.filter(lambda r: r["id"] in fset)
     retain = data.filter(lambda r: r["id"] not in fset)
-    tag = "reference-model" if retain_only else "finetuned-model"
-    cache = Path(args.out) / tag
     seconds = 0.0
-    if (cache / "config.json").exists():  # same --out and settings: reuse the fine-tuned weights
-        from hf_unlearn.models import load_model
-
-        model = load_model(cache)
-        name += f" (fine-tuned weights reused from {cache})"
-    else:
+    if not cached:
         start = time.perf_counter()
         fine_tune(cfg, model, tokenizer, retain if retain_only else data, Path(args.out) / tag.replace("-model", ""))
         seconds = time.perf_counter() - start
         model.save_pretrained(cache)
+        tokenizer.save_pretrained(cache)
     retain_ids = [i for i in subset["id"] if i not in fset]
     return model, tokenizer, name, forget, retain, forget_ids, retain_ids, seconds
+
+
+def spec_slug(spec: str) -> str:
+    """``"npo@5e-5"`` -> ``"npo_lr5e-5"``: the run's folder and result-file name."""
+    return spec.strip().replace("@", "_lr")
 
 
 def parse_method(spec: str, args) -> tuple[str, float]:
@@ -127,7 +135,7 @@ def run_method(spec, args, base_model, tokenizer, forget, retain):
     )
 
     method, lr = parse_method(spec, args)
-    common = dict(output_dir=str(Path(args.out) / spec.replace("@", "_lr")), per_device_train_batch_size=args.batch_size,
+    common = dict(output_dir=str(Path(args.out) / spec_slug(spec)), per_device_train_batch_size=args.batch_size,
                   per_device_eval_batch_size=8, learning_rate=lr, save_strategy="no", report_to=[], logging_steps=5,
                   disable_tqdm=True, seed=args.seed, max_length=args.max_length, num_train_epochs=args.epochs)
     if method == "masc":
@@ -157,13 +165,10 @@ def run_method(spec, args, base_model, tokenizer, forget, retain):
 def evaluate(model, tokenizer, forget, retain, forget_ids, retain_ids, args, label):
     """Answer losses, and the TOFU metrics (full result kept in OUT/results/<label>.json)."""
     from hf_unlearn.demo import mean_answer_loss
+    from hf_unlearn.eval.tofu import evaluate_tofu
 
     row = {"forget_loss": mean_answer_loss(model, tokenizer, forget),
            "retain_loss": mean_answer_loss(model, tokenizer, retain)}
-    try:
-        from hf_unlearn.eval.tofu import evaluate_tofu
-    except ImportError:
-        return row
     caps = {k: args.eval_items for k in ("forget", "retain", "real_authors", "world_facts", "holdout")}
     caps["forget"] = caps["holdout"] = args.eval_forget_items or args.eval_items
     result = evaluate_tofu(model, tokenizer, forget_ids=forget_ids, retain_ids=retain_ids, max_items=caps,
@@ -304,7 +309,7 @@ def main(argv=None):
             row["stopped_step"] = trainer.stopped_step
             row["violation_history"] = trainer.violation_history
         row.update(evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, args,
-                            spec.replace("@", "_lr")))
+                            spec_slug(spec)))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "violation_history"}), flush=True)
         save(out, args, rows)

@@ -47,6 +47,17 @@ def tofu_full():
     return load_tofu("full", TOFU_DIR)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, gpt2_tokenizer):
+    """A saved tiny Llama (hidden 32, 2 layers) with the GPT-2 tokenizer; read-only: copy it before writing."""
+    from hf_unlearn.models import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-llama-gpt2")
+    build_tiny_model("llama", gpt2_tokenizer, hidden_size=32, num_layers=2, num_heads=2).save_pretrained(path)
+    gpt2_tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def tiny_llama(gpt2_tokenizer):
     from hf_unlearn.models import build_tiny_model

@@ -113,24 +113,11 @@ def test_report_writes_tables_json_and_plots(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from hf_unlearn.models import build_tiny_model, load_tokenizer
-
-    from .conftest import TOKENIZERS
-
-    path = tmp_path_factory.mktemp("tiny")
-    tok = load_tokenizer(TOKENIZERS / "gpt2")
-    build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-def test_cli_analyze_forgetting_end_to_end(tiny_model_dir, tmp_path):
+def test_cli_analyze_forgetting_end_to_end(tiny_llama_dir, tmp_path):
     from hf_unlearn.cli import main
 
     out = tmp_path / "report"
-    code = main(["analyze", "forgetting", str(tiny_model_dir), "--tasks", "rte,cola", "--n-train", "8", "--n-test",
+    code = main(["analyze", "forgetting", str(tiny_llama_dir), "--tasks", "rte,cola", "--n-train", "8", "--n-test",
                  "8", "--epochs", "1", "--forget-epochs", "1", "--lr", "1e-3", "--max-length", "40",
                  "--batch-size", "4", "--train-last-layers", "1", "--out", str(out)])
     assert code == 0
@@ -142,14 +129,14 @@ def test_cli_analyze_forgetting_end_to_end(tiny_model_dir, tmp_path):
     assert "## Cross-task forget ratio" in (out / "report.md").read_text()
 
 
-def test_cli_reports_bad_tasks_in_one_line(tiny_model_dir, tmp_path, capsys):
+def test_cli_reports_bad_tasks_in_one_line(tiny_llama_dir, tmp_path, capsys):
     from hf_unlearn.cli import main
 
-    assert main(["analyze", "forgetting", str(tiny_model_dir), "--tasks", "nosuchtask", "--out", str(tmp_path)]) == 1
+    assert main(["analyze", "forgetting", str(tiny_llama_dir), "--tasks", "nosuchtask", "--out", str(tmp_path)]) == 1
     assert "no task 'nosuchtask'" in capsys.readouterr().err
-    assert main(["analyze", "forgetting", str(tiny_model_dir), "--tasks", ",", "--out", str(tmp_path)]) == 1
+    assert main(["analyze", "forgetting", str(tiny_llama_dir), "--tasks", ",", "--out", str(tmp_path)]) == 1
     assert "--tasks is empty" in capsys.readouterr().err
-    assert main(["analyze", "forgetting", str(tiny_model_dir), "--n-train", "2", "--out", str(tmp_path)]) == 1
+    assert main(["analyze", "forgetting", str(tiny_llama_dir), "--n-train", "2", "--out", str(tmp_path)]) == 1
     assert "at least 4" in capsys.readouterr().err
 
 

@@ -65,15 +65,12 @@ def client(hub, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def saved_model(tmp_path_factory):
+def saved_model(tmp_path_factory, tiny_llama_dir):
     """A trainer-like output dir: tiny Llama (hidden 32, tied embeddings), GPT-2 tokenizer, unlearning_info.json."""
     from hf_unlearn.hub.publish import save_card_info
-    from hf_unlearn.models import build_tiny_model, load_tokenizer
 
     out = tmp_path_factory.mktemp("unlearned")
-    tok = load_tokenizer(TOKENIZERS / "gpt2")
-    build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2).save_pretrained(out)
-    tok.save_pretrained(out)
+    shutil.copytree(tiny_llama_dir, out, dirs_exist_ok=True)
     save_card_info(out, {"method": "MASC", "hyperparameters": {"beta": 2.0, "rho": 0.1}, "forget_ids": FORGET,
                          "citation": "", "paper": "", "evaluation": {"forget_rouge_l": 0.1}})
     return out

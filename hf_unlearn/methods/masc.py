@@ -124,6 +124,11 @@ class MASCConfig(UnlearningConfig):
             raise UnlearnError(f"hoeffding_delta must lie in (0, 1), got {self.hoeffding_delta}")
 
 
+def _rate_totals(rates: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[sum of the valid examples' violation rates, number of valid examples]``, summable across batches."""
+    return torch.stack([rates[valid].sum(), valid.sum().float()])
+
+
 class MASCStoppingCallback(TrainerCallback, ExportableState):
     """MASC's online stopping rule, shaped like ``EarlyStoppingCallback`` (its state survives checkpoint/resume).
 
@@ -285,8 +290,8 @@ class MASCTrainer(UnlearningTrainer):
         margin, active = self._margins(inputs, outputs)
         forget = masc_forget_loss(margin, active, self.tau, self.args.eta)
         rates, valid = masc_violation_rates(margin.detach(), active, self.tau)
-        if model.training:
-            self._batch_rates += torch.stack([rates[valid].sum(), valid.sum().float()]).to(self._batch_rates.device)
+        if model.training and self.probe_dataset is None:  # the probe reads these (probe_size=0)
+            self._batch_rates += _rate_totals(rates, valid).to(self._batch_rates.device)
         metrics = {
             "batch_violation_rate": rates[valid].mean() if bool(valid.any()) else 0.0,
             "mean_margin": (margin.detach() * active).sum() / active.sum().clamp(min=1),
@@ -307,10 +312,7 @@ class MASCTrainer(UnlearningTrainer):
         """
         if which == "probe" and self.probe_dataset is None:
             totals, self._batch_rates = self._batch_rates, torch.zeros_like(self._batch_rates)
-            if self.accelerator.num_processes > 1:
-                totals = self.accelerator.reduce(totals, reduction="sum")
-            n = int(totals[1].item())
-            return float(totals[0].item()) / max(n, 1), n
+            return self._reduced_rate(totals)
         dataset = {"probe": self.probe_dataset, "confirm": self.confirm_dataset}[which]
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         mine = list(range(rank, len(dataset), world))
@@ -324,10 +326,14 @@ class MASCTrainer(UnlearningTrainer):
                 batch = self._prepare_inputs(self.data_collator([dataset[i] for i in mine[start:start + bs]]))
                 margin, active = self._margins(batch, model(**self._model_inputs(batch)))
                 rates, valid = masc_violation_rates(margin, active, self.tau)
-                totals += torch.stack([rates[valid].sum(), valid.sum().float()])
+                totals += _rate_totals(rates, valid)
         finally:
             model.train(was_training)
-        if world > 1:
+        return self._reduced_rate(totals)
+
+    def _reduced_rate(self, totals: torch.Tensor) -> tuple[float, int]:
+        """``(sum of per-example rates, examples)`` summed over processes -> ``(mean rate, examples)``."""
+        if self.accelerator.num_processes > 1:
             totals = self.accelerator.reduce(totals, reduction="sum")
         n = int(totals[1].item())
         return float(totals[0].item()) / max(n, 1), n
