@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--finetune-epochs", type=float, default=30.0)
     p.add_argument("--finetune-lr", type=float, default=None, help="default: 3e-3 tiny, 2e-5 otherwise")
     p.add_argument("--methods", default="masc,npo,grad_diff",
-                   help="comma list of masc,npo,npo_klr,grad_diff,simnpo, each optionally METHOD@LR")
+                   help="comma list of registered methods (hf_unlearn.methods.registry), each optionally METHOD@LR")
     p.add_argument("--epochs", type=float, default=5.0, help="baseline budget in epochs over the forget set")
     p.add_argument("--masc-max-epochs", type=float, default=20.0, help="MASC's budget cap (it normally stops first)")
     p.add_argument("--lr", type=float, default=None, help="baseline learning rate (default: 1e-3 tiny, 1e-5 otherwise)")
@@ -123,37 +123,24 @@ def parse_method(spec: str, args) -> tuple[str, float]:
 
 
 def run_method(spec, args, base_model, tokenizer, forget, retain):
-    from hf_unlearn.methods import (
-        GradDiffConfig,
-        GradDiffTrainer,
-        MASCConfig,
-        MASCTrainer,
-        NPOConfig,
-        NPOTrainer,
-        SimNPOConfig,
-        SimNPOTrainer,
-    )
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.methods.registry import get_method
 
     method, lr = parse_method(spec, args)
+    try:
+        registered = get_method(method)
+    except UnlearnError as e:
+        raise SystemExit(f"--methods: {e}") from None
     common = dict(output_dir=str(Path(args.out) / spec_slug(spec)), per_device_train_batch_size=args.batch_size,
                   per_device_eval_batch_size=8, learning_rate=lr, save_strategy="no", report_to=[], logging_steps=5,
                   disable_tqdm=True, seed=args.seed, max_length=args.max_length, num_train_epochs=args.epochs)
     if method == "masc":
-        config = MASCConfig(**{**common, "num_train_epochs": args.masc_max_epochs},
-                            alpha=args.alpha, probe_steps=args.probe_steps, probe_size=args.probe_size, k=10,
-                            retain_loss=args.masc_retain_loss)
-        cls = MASCTrainer
+        config = registered.make_config(**{**common, "num_train_epochs": args.masc_max_epochs},
+                                        alpha=args.alpha, probe_steps=args.probe_steps, probe_size=args.probe_size,
+                                        k=10, retain_loss=args.masc_retain_loss)
     else:
-        makers = {
-            "npo": (NPOTrainer, lambda: NPOConfig(**common)),
-            "npo_klr": (NPOTrainer, lambda: NPOConfig(**common, retain_loss="kl")),
-            "grad_diff": (GradDiffTrainer, lambda: GradDiffConfig(**common)),
-            "simnpo": (SimNPOTrainer, lambda: SimNPOConfig(**common)),
-        }
-        if method not in makers:
-            raise SystemExit(f"unknown method {method!r} in --methods; choose from masc, {', '.join(makers)}")
-        cls, make = makers[method]
-        config = make()
+        config = registered.make_config(**common)
+    cls = registered.trainer_class
     model = copy.deepcopy(base_model)
     trainer = cls(model=model, args=config, forget_dataset=forget, retain_dataset=retain, processing_class=tokenizer)
     start = time.perf_counter()

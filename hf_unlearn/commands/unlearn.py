@@ -11,41 +11,13 @@ import re
 
 from . import add_subcommands
 
-METHOD_HELP = {
-    "masc": "margin self-correction; stops by itself",
-    "grad_ascent": "gradient ascent on the forget answers",
-    "grad_diff": "gradient ascent on forget + cross-entropy on retain",
-    "npo": "negative preference optimisation (--retain-loss kl = NPO+KLR)",
-    "simnpo": "reference-free, length-normalised NPO",
-    "rmu": "representation misdirection (steer one layer's activations)",
-}
-
-# method -> its own options: (flag, type, help); the dest is the config field
-METHOD_OPTIONS = {
-    "masc": [
-        ("--k", int, "top-k competitor tokens (default 10)"),
-        ("--rho", float, "dominance level in (0, 1) (default 0.5)"),
-        ("--alpha", float, "stop when the violation rate is <= alpha (default 0.2)"),
-        ("--eta", float, "hinge buffer (default 1.0)"),
-        ("--beta", float, "margin temperature (default 1.0)"),
-        ("--competitors", str, "'current' or 'reference' (default current)"),
-        ("--active-tokens", str, "'suffix' or 'all' (default suffix)"),
-        ("--probe-steps", int, "probe every N steps (default 5)"),
-        ("--probe-size", int, "forget rows in the probe (default 8; 0 = probe on the training batches, no extra forward)"),
-        ("--hoeffding-delta", float, "stop on the Hoeffding upper bound at level 1-delta"),
-    ],
-    "npo": [("--beta", float, "NPO inverse temperature (default 0.1)")],
-    "simnpo": [("--beta", float, "inverse temperature (default 2.5)"), ("--gamma", float, "reward margin (default 0)")],
-    "rmu": [("--layer-id", int, "steered layer (default: middle)"), ("--steering-coeff", float, "control norm c")],
-    "grad_ascent": [],
-    "grad_diff": [],
-}
-
 
 def register(parser) -> None:
+    from ..methods.registry import METHODS
+
     sub = add_subcommands(parser)
-    for method, help_text in METHOD_HELP.items():
-        p = sub.add_parser(method, help=help_text, description=f"{method}: {help_text}")
+    for method, spec in METHODS.items():
+        p = sub.add_parser(method, help=spec.help, description=f"{method}: {spec.help}")
         p.add_argument("model", help="Hub id, local folder or .gguf file")
         p.add_argument("--forget-split", default="forget10", help="TOFU forget config (default forget10)")
         p.add_argument("--retain-split", default=None, help="TOFU retain config (default: the complement, e.g. retain90)")
@@ -61,12 +33,12 @@ def register(parser) -> None:
         p.add_argument("--max-forget-rows", type=int, default=None, help="use only the first N forget rows")
         p.add_argument("--max-retain-rows", type=int, default=None, help="use only the first N retain rows")
         p.add_argument("--retain-loss", choices=["none", "ce", "kl"], default=None, help="retain term (method default)")
-        p.add_argument("--lambda-forget", type=float, default=None)
-        p.add_argument("--lambda-retain", type=float, default=None)
-        p.add_argument("--gradient-checkpointing", action="store_true")
-        p.add_argument("--seed", type=int, default=0)
-        for flag, typ, h in METHOD_OPTIONS[method]:
-            p.add_argument(flag, type=typ, default=None, help=h)
+        p.add_argument("--lambda-forget", type=float, default=None, help="weight of the forget term (default 1)")
+        p.add_argument("--lambda-retain", type=float, default=None, help="weight of the retain term (method default)")
+        p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for activation memory")
+        p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+        for option in spec.options:
+            p.add_argument(option.flag, type=option.type, default=None, help=option.help)
         p.set_defaults(func=run, method=method)
 
 
@@ -88,17 +60,18 @@ def run(args) -> int:
     from ..data import load_tofu
     from ..demo import mean_answer_loss
     from ..methods.base import UnlearningTrainer
+    from ..methods.registry import get_method
     from ..models import load_model, load_tokenizer
     from ..utils import atomic_write_text
 
-    trainer_cls, config_cls = _method_classes(args.method)
+    spec = get_method(args.method)
     retain_split = args.retain_split or retain_split_for(args.forget_split)
     options = {"retain_loss": args.retain_loss, "lambda_forget": args.lambda_forget,
                "lambda_retain": args.lambda_retain}
-    for flag, _, _ in METHOD_OPTIONS[args.method]:
-        options[flag[2:].replace("-", "_")] = getattr(args, flag[2:].replace("-", "_"))
+    for option in spec.options:
+        options[option.field] = getattr(args, option.field)
     options = {k: v for k, v in options.items() if v is not None}
-    config = config_cls(
+    config = spec.make_config(
         output_dir=args.out, max_steps=args.max_steps, num_train_epochs=args.epochs, learning_rate=args.lr,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
         max_length=args.max_length, seed=args.seed, gradient_checkpointing=args.gradient_checkpointing,
@@ -119,7 +92,7 @@ def run(args) -> int:
 
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
                                  target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer: UnlearningTrainer = trainer_cls(model=model, args=config, forget_dataset=forget, retain_dataset=retain,
+    trainer: UnlearningTrainer = spec.trainer_class(model=model, args=config, forget_dataset=forget, retain_dataset=retain,
                                              processing_class=tokenizer, peft_config=peft_config)
     forget_tok, retain_tok = trainer.train_dataset, trainer.retain_dataset
     retain_probe = retain_tok.select(range(min(100, len(retain_tok))))
@@ -154,15 +127,3 @@ def run(args) -> int:
         print("note: MASC reached the step budget before its stopping rule fired; raise --epochs/--max-steps or --lr")
     return 0
 
-
-def _method_classes(method: str):
-    from ..methods import baselines, masc
-
-    return {
-        "masc": (masc.MASCTrainer, masc.MASCConfig),
-        "grad_ascent": (baselines.GradAscentTrainer, baselines.GradAscentConfig),
-        "grad_diff": (baselines.GradDiffTrainer, baselines.GradDiffConfig),
-        "npo": (baselines.NPOTrainer, baselines.NPOConfig),
-        "simnpo": (baselines.SimNPOTrainer, baselines.SimNPOConfig),
-        "rmu": (baselines.RMUTrainer, baselines.RMUConfig),
-    }[method]
