@@ -53,21 +53,10 @@ def register(parser) -> None:
 
 
 def read_forget_file(path) -> list:
-    """One id per line (``#`` comments, blank lines ignored); all-digit ids are ints, the rest strings."""
-    from ..errors import UnlearnError
+    """The ids of a deletion request (see :func:`hf_unlearn.data.ids.read_ids` for the typed forms)."""
+    from ..data.ids import read_ids
 
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise UnlearnError(f"cannot read the forget list {path}: {e.strerror}") from None
-    ids = []
-    for line in lines:
-        line = line.split("#", 1)[0].strip()
-        if line:
-            ids.append(int(line) if line.lstrip("-").isdigit() else line)
-    if not ids:
-        raise UnlearnError(f"the forget list {path} holds no ids")
-    return ids
+    return read_ids(path)
 
 
 def _quiet():
