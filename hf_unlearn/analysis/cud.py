@@ -37,9 +37,9 @@ STAT_KEYS = ("mean_edge_depth", "longest_path", "mlp_share", "late_share")
 def cud_score(s_easy: float, s_hard: float) -> float:
     """``(1 - s_E) / ((1 - s_E) + (1 - s_H))``: 0 when the circuit matches the easy anchors, 1 when it matches the
     hard ones; 0.5 when it is equally close to both (including identical to both)."""
-    d_easy, d_hard = max(0.0, 1.0 - float(s_easy)), max(0.0, 1.0 - float(s_hard))
-    if math.isnan(d_easy) or math.isnan(d_hard):
+    if math.isnan(s_easy) or math.isnan(s_hard):
         return float("nan")
+    d_easy, d_hard = max(0.0, 1.0 - float(s_easy)), max(0.0, 1.0 - float(s_hard))
     return 0.5 if d_easy + d_hard == 0 else d_easy / (d_easy + d_hard)
 
 
