@@ -240,10 +240,11 @@ def test_cli_circuit_anchors_cud_stratify(tiny_model_dir, tmp_path, capsys):
     assert main(["analyze", "circuit", str(tiny_model_dir), *data, "--top-edges", "8", "--ig-steps", "2",
                  "--out", str(circuits)]) == 0
     assert CircuitSet.load(circuits).ids == list(range(3960, 3972))
-    assert main(["analyze", "anchors", str(tiny_model_dir), *data, "--methods", "grad_ascent,grad_diff",
+    assert main(["analyze", "anchors", str(tiny_model_dir), *data, "--methods", "grad_ascent@2e-2,grad_diff",
                  "--max-steps", "2", "--lr", "1e-2", "--max-retain-rows", "8", "--fraction", "0.25",
                  "--out", str(anchors)]) == 0
     assert len(read_ids(anchors / "easy.jsonl")) == 3
+    assert AnchorSet.load(anchors).runs["grad_ascent"]["hyperparameters"]["learning_rate"] == 2e-2
     out = tmp_path / "cud.jsonl"
     assert main(["analyze", "cud", "--circuits", str(circuits), "--anchors", str(anchors), "--similarity", "jaccard",
                  "--out", str(out)]) == 0
@@ -281,6 +282,16 @@ def test_cli_refuses_anchors_of_another_model_in_one_line(tiny_model_dir, tmp_pa
     assert main(["analyze", "circuit", str(tiny_model_dir), "--forget-split", "forget01", "--tofu", str(TOFU_DIR),
                  "--ids", str(_write(tmp_path / "x.jsonl", "5\n")), "--out", str(tmp_path / "c2")]) == 1
     assert "not in forget01" in capsys.readouterr().err
+
+
+def test_method_list_with_learning_rates():
+    from hf_unlearn.commands.analyze import parse_methods
+
+    assert parse_methods("grad_diff@2e-5, npo") == (["grad_diff", "npo"], {"grad_diff": {"learning_rate": 2e-5}})
+    with pytest.raises(UnlearnError, match="twice"):
+        parse_methods("npo,npo@1e-5")
+    with pytest.raises(UnlearnError, match="METHOD@LEARNING_RATE"):
+        parse_methods("npo@fast")
 
 
 def _write(path, text):

@@ -64,7 +64,7 @@ class AnchorConfig:
         "help": "'loss' (post-unlearning answer loss) or 'increase' (post minus pre).", "choices": list(CRITERIA)})
     seed: int = field(default=0, metadata={"help": "Training seed of every run."})
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict, metadata={
-        "help": "Per-method config fields, e.g. {'masc': {'alpha': 0.2}}."})
+        "help": "Per-method config fields (override the shared ones), e.g. {'npo': {'learning_rate': 5e-5}}."})
     id_column: str = field(default="id", metadata={"help": "Column holding each row's stable sample id."})
 
     def __post_init__(self):
@@ -231,13 +231,14 @@ def build_anchors(model, tokenizer, forget_dataset, retain_dataset=None, config:
     for name in config.methods:
         spec = get_method(name)
         with tempfile.TemporaryDirectory(prefix=f"hfu-anchor-{name}-") as tmp:
-            args = spec.make_config(
+            settings = dict(
                 output_dir=tmp, num_train_epochs=config.epochs, max_steps=config.max_steps,
                 learning_rate=config.learning_rate, per_device_train_batch_size=config.batch_size,
                 per_device_eval_batch_size=config.batch_size, max_length=config.max_length, seed=config.seed,
                 save_strategy="no", report_to=[], logging_steps=10, disable_tqdm=not progress,
-                id_column=config.id_column, **config.method_options.get(name, {}),
+                id_column=config.id_column,
             )
+            args = spec.make_config(**{**settings, **config.method_options.get(name, {})})
             trainer = spec.trainer_class(model=copy.deepcopy(model), args=args, forget_dataset=forget,
                                          retain_dataset=retain, processing_class=tokenizer)
             start = time.perf_counter()
@@ -456,6 +457,12 @@ def _mean(values) -> float | None:
 # plots
 
 
+def _save(fig, path) -> Path:
+    from ..eval.plots import _save as save_figure  # one figure-saving routine for the library's plots
+
+    return save_figure(fig, path)
+
+
 def plot_cud_vs_loss(result: CUDResult, losses: Mapping[Any, float], path: str | Path,
                      ylabel: str = "answer loss after unlearning (mean over anchor runs)") -> Path:
     """Scatter of CUD against a per-sample post-unlearning loss, anchors marked, Spearman (non-anchors) in the title."""
@@ -476,12 +483,7 @@ def plot_cud_vs_loss(result: CUDResult, losses: Mapping[Any, float], path: str |
     ax.set_ylabel(ylabel)
     ax.set_title(f"Spearman (non-anchors) = {corr['spearman']:.2f}, n = {corr['n']}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_circuit_statistics(groups: Mapping[str, Sequence[Mapping[str, float]]], path: str | Path) -> Path:
@@ -504,9 +506,4 @@ def plot_circuit_statistics(groups: Mapping[str, Sequence[Mapping[str, float]]],
             errs.append(vals.std(ddof=1) / np.sqrt(vals.size) if vals.size > 1 else 0.0)
         ax.bar(names, means, yerr=errs, color=[colors.get(n, "tab:blue") for n in names], capsize=3)
         ax.set_title(key.replace("_", " "), fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -107,7 +107,8 @@ def _register_cud(sub) -> None:
     p.add_argument("--retain-split", default=None, help="TOFU retain config (default: the complement, e.g. retain90)")
     p.add_argument("--max-retain-rows", type=int, default=None, help="use only the first N retain rows")
     p.add_argument("--methods", default="grad_diff,npo",
-                   help="comma-separated registered methods (see `hf-unlearn unlearn --help`; default: %(default)s)")
+                   help="comma-separated registered methods (see `hf-unlearn unlearn --help`), each optionally "
+                        "METHOD@LR with its own learning rate, e.g. grad_diff@2e-5,npo@5e-5 (default: %(default)s)")
     p.add_argument("--epochs", type=float, default=5.0, help="epochs over the forget set per run (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=-1, help="step budget per run (default: --epochs)")
     p.add_argument("--lr", type=float, default=1e-5, help="learning rate (default: %(default)s)")
@@ -217,14 +218,35 @@ def _print_circuit_summary(circuits) -> None:
     print("mean circuit statistics: " + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()))
 
 
+def parse_methods(spec: str) -> tuple[list[str], dict[str, dict]]:
+    """``"grad_diff@2e-5,npo"`` -> (["grad_diff", "npo"], {"grad_diff": {"learning_rate": 2e-5}})."""
+    from ..errors import UnlearnError
+
+    methods, options = [], {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        name, _, lr = item.partition("@")
+        if name in methods:
+            raise UnlearnError(f"--methods names {name!r} twice; each method runs once")
+        methods.append(name)
+        if lr:
+            try:
+                options[name] = {"learning_rate": float(lr)}
+            except ValueError:
+                raise UnlearnError(f"--methods: {item!r} is not METHOD@LEARNING_RATE") from None
+    return methods, options
+
+
 def run_anchors(args) -> int:
     from ..analysis.cud import AnchorConfig, build_anchors
     from ..data import load_tofu
     from .unlearn import retain_split_for
 
-    config = AnchorConfig(methods=[m.strip() for m in args.methods.split(",") if m.strip()], epochs=args.epochs,
-                          max_steps=args.max_steps, learning_rate=args.lr, batch_size=args.batch_size,
-                          max_length=args.max_length, fraction=args.fraction, criterion=args.criterion, seed=args.seed)
+    methods, options = parse_methods(args.methods)
+    config = AnchorConfig(methods=methods, epochs=args.epochs, max_steps=args.max_steps, learning_rate=args.lr,
+                          batch_size=args.batch_size, max_length=args.max_length, fraction=args.fraction,
+                          criterion=args.criterion, seed=args.seed, method_options=options)
     forget = _forget_rows(args)
     retain = load_tofu(args.retain_split or retain_split_for(args.forget_split), args.tofu)
     if args.max_retain_rows:
