@@ -123,6 +123,10 @@ def test_anchor_and_cud_files_round_trip_and_refuse_tampering(tmp_path):
     anchors = _fake_anchors(ids, [1, 2], [3, 4])
     back = AnchorSet.load(anchors.save(tmp_path / "anchors"))
     assert back == anchors and read_ids(tmp_path / "anchors" / "easy.jsonl") == [1, 2]
+    data = json.loads((tmp_path / "anchors" / "anchors.json").read_text())
+    (tmp_path / "edited.json").write_text(json.dumps({**data, "hard": [3, 77]}))  # smuggle an id never scored
+    with pytest.raises(UnlearnError, match="77"):
+        AnchorSet.load(tmp_path / "edited.json")
     (tmp_path / "bad.json").write_text(json.dumps({"format": "x"}))
     with pytest.raises(UnlearnError, match="not an hf_unlearn anchor"):
         AnchorSet.load(tmp_path / "bad.json")
@@ -279,6 +283,26 @@ def test_cli_refuses_anchors_of_another_model_in_one_line(tiny_model_dir, tmp_pa
     assert err.startswith("hf-unlearn: error: the anchors were built with another model") and "\n" not in err
     assert main(["analyze", "cud", "--anchors", str(tmp_path / "foreign")]) == 1
     assert "give MODEL" in capsys.readouterr().err
+    # circuits checked against the model named on the command line (here: the same weights, one tensor changed)
+    from hf_unlearn.models import load_model
+
+    other = load_model(tiny_model_dir)
+    with torch.no_grad():
+        other.model.norm.weight.add_(0.01)
+    other.save_pretrained(tmp_path / "other")
+    (tmp_path / "other" / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+    for f in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model_dir / f).exists():
+            (tmp_path / "other" / f).write_bytes((tiny_model_dir / f).read_bytes())
+    _fake.model_fingerprint = cs.model_fingerprint
+    _fake.save(tmp_path / "own")
+    assert main(["analyze", "cud", str(tmp_path / "other"), "--circuits", str(circuits), "--anchors",
+                 str(tmp_path / "own"), "--out", str(tmp_path / "c.jsonl")]) == 1
+    assert "computed with another model" in capsys.readouterr().err
+    assert main(["analyze", "cud", str(tmp_path / "other"), *data, "--anchors", str(tmp_path / "own"),
+                 "--out", str(tmp_path / "c.jsonl")]) == 1
+    assert "anchors were built with another model" in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()
     assert main(["analyze", "circuit", str(tiny_model_dir), "--forget-split", "forget01", "--tofu", str(TOFU_DIR),
                  "--ids", str(_write(tmp_path / "x.jsonl", "5\n")), "--out", str(tmp_path / "c2")]) == 1
     assert "not in forget01" in capsys.readouterr().err
