@@ -101,7 +101,7 @@ def prepare(args):
         model, tokenizer = load_model(cache), load_tokenizer(cache)
     else:
         model, tokenizer, _ = load_demo_model(cfg, [r["question"] + " " + r["answer"] for r in subset])
-    data = tokenize_qa(subset, tokenizer, max_length=args.max_length)
+    data = tokenize_qa(subset, tokenizer, max_length=args.max_length, keep_columns=("question",))
     fset = set(forget_ids)
     forget = data.filter(lambda r: r["id"] in fset)
     retain = data.filter(lambda r: r["id"] not in fset)

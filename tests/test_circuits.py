@@ -277,6 +277,13 @@ def test_corrupted_input_shuffles_only_the_question_and_is_reproducible():
         assert sorted(bad) == sorted(row["input_ids"])
         assert bad == C.corrupt_input(row["input_ids"], row["positions"], 0, row["id"])
         assert bad != C.corrupt_input(row["input_ids"], row["positions"], 1, row["id"])
+    from hf_unlearn.data import tokenize_qa
+
+    kept = C._prepare_rows(tokenize_qa(rows, tok, keep_columns=("question",)), tok, cfg)
+    assert [r["positions"] for r in kept] == [r["positions"] for r in prepared]
+    bare = C._prepare_rows(tokenize_qa(rows, tok), tok, cfg)  # no question text: every non-special prompt token
+    n_prompt = sum(1 for t in bare[0]["labels"] if t == -100)
+    assert set(prepared[0]["positions"]) < set(bare[0]["positions"]) <= set(range(n_prompt))
     with pytest.raises(UnlearnError, match="baseline='zero'"):
         C.corrupt_input([5, 6, 7], [1], 0, "x")
     with pytest.raises(UnlearnError, match="baseline='zero'"):

@@ -13,7 +13,8 @@ baseline to the clean ones (EAP-IG over inputs). ``score ~ M(clean) - M(clean wi
 baseline value)``: positive edges raise the answer loss, negative edges carry the answer.
 
 Two baselines: ``"corrupted"`` (the paper's setting: activations from a corrupted input, here the sample's question
-tokens shuffled with a seed, or your own ``corrupted_input_ids`` column) and ``"zero"`` (every upstream activation
+tokens shuffled with a seed; rows tokenised without their ``question`` column shuffle every non-special prompt token;
+or your own ``corrupted_input_ids`` column) and ``"zero"`` (every upstream activation
 patched to zero; the path scales the input embeddings from 0, which is exactly the all-zero state for models without
 biases in their projections, such as Llama, and approximately so for GPT-2-style models with biases).
 
@@ -401,13 +402,17 @@ def build_graph(model) -> GraphSpec:
 # rows: tokenisation, answer tokens, corrupted inputs
 
 
-def _question_positions(tokenizer, prompt: str, question: str, n_prompt: int, chat: bool) -> list[int]:
-    """Token positions of the question inside the prompt (offsets of a fast tokenizer); [] when unavailable."""
+def _question_positions(tokenizer, question: str, prompt_ids: list[int], chat: bool) -> list[int]:
+    """Token positions of the question inside the prompt (offsets of a fast tokenizer); [] when the prompt cannot be
+    rebuilt token for token (then every non-special prompt token is shuffle-able)."""
+    from ..data.tokenize import format_prompt
+
+    prompt = format_prompt(tokenizer, question, chat)
     start = prompt.rfind(question)
     if start < 0 or not getattr(tokenizer, "is_fast", False):
         return []
     enc = tokenizer(prompt, add_special_tokens=not chat, return_offsets_mapping=True)
-    if len(enc["input_ids"]) != n_prompt:
+    if list(enc["input_ids"]) != list(prompt_ids):
         return []
     end = start + len(question)
     return [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and b > start and a < end]  # overlaps
@@ -415,7 +420,7 @@ def _question_positions(tokenizer, prompt: str, question: str, n_prompt: int, ch
 
 def _prepare_rows(dataset, tokenizer, config: CircuitConfig) -> list[dict[str, Any]]:
     """Token ids, labels and shuffle-able positions of every row; refuses rows without answer tokens up front."""
-    from ..data.tokenize import IGNORE_INDEX, encode_qa, format_prompt, has_chat_template
+    from ..data.tokenize import IGNORE_INDEX, encode_qa, has_chat_template
 
     if dataset is None or len(dataset) == 0:
         raise UnlearnError("no samples to score: the dataset is empty")
@@ -442,14 +447,13 @@ def _prepare_rows(dataset, tokenizer, config: CircuitConfig) -> list[dict[str, A
             except UnlearnError as e:
                 raise UnlearnError(f"sample id {sid!r} has no answer tokens: {e}") from None
             ids, labels = enc["input_ids"], enc["labels"]
-            n_prompt = sum(1 for t in labels if t == IGNORE_INDEX)
-            positions = _question_positions(tokenizer, format_prompt(tokenizer, row["question"], chat),
-                                            row["question"], n_prompt, chat)
         else:
             ids, labels = list(row["input_ids"]), list(row["labels"])
-            n_prompt, positions = 0, []
-            while n_prompt < len(labels) and labels[n_prompt] == IGNORE_INDEX:
-                n_prompt += 1
+        n_prompt = 0
+        while n_prompt < len(labels) and labels[n_prompt] == IGNORE_INDEX:
+            n_prompt += 1
+        # the question's own tokens (raw rows, or tokenised rows that kept a "question" column)
+        positions = _question_positions(tokenizer, row["question"], ids[:n_prompt], chat) if "question" in row else []
         if not any(t != IGNORE_INDEX for t in labels[1:]):
             raise UnlearnError(f"sample id {sid!r} has no answer tokens (labels are all -100 after the first "
                                "position); drop it or raise max_length")
