@@ -225,7 +225,7 @@ def anchors_stage(args, model, tokenizer, forget, retain):
 
 
 def set_runs(args, model, tokenizer, forget, retain, sets_by_seed):
-    from hf_unlearn.analysis.cud import _answer_losses
+    from hf_unlearn.analysis.cud import answer_losses
     from hf_unlearn.methods.registry import get_method
 
     path = Path(args.out) / "set_runs.json"
@@ -235,12 +235,12 @@ def set_runs(args, model, tokenizer, forget, retain, sets_by_seed):
     methods = parse_methods(args.set_methods or args.anchor_methods or default_methods(args), lr)
     rows_by_id = {r["id"]: r for r in forget}
     retain_rows = list(retain)
-    retain_before = sum(_answer_losses(model, tokenizer, retain_rows)) / len(retain_rows)
+    retain_before = sum(answer_losses(model, tokenizer, retain_rows)) / len(retain_rows)
     for seed, sets in sets_by_seed.items():
         for name, ids in sets.items():
             wanted = set(ids)
             subset = forget.filter(lambda r, wanted=wanted: r["id"] in wanted)
-            before = _answer_losses(model, tokenizer, [rows_by_id[i] for i in subset["id"]])
+            before = answer_losses(model, tokenizer, [rows_by_id[i] for i in subset["id"]])
             for method, mlr in methods:
                 if (name, method, seed) in have:
                     continue
@@ -255,8 +255,8 @@ def set_runs(args, model, tokenizer, forget, retain, sets_by_seed):
                 start = time.perf_counter()
                 trainer.train()
                 seconds = time.perf_counter() - start
-                after = _answer_losses(trainer.model, tokenizer, [rows_by_id[i] for i in subset["id"]])
-                retain_after = sum(_answer_losses(trainer.model, tokenizer, retain_rows)) / len(retain_rows)
+                after = answer_losses(trainer.model, tokenizer, [rows_by_id[i] for i in subset["id"]])
+                retain_after = sum(answer_losses(trainer.model, tokenizer, retain_rows)) / len(retain_rows)
                 rec = {"set": name, "method": method, "lr": mlr, "seed": seed, "ids": list(subset["id"]),
                        "steps": int(trainer.state.global_step), "seconds": seconds, "loss_before": before,
                        "loss_after": after, "ue_before": ue(before), "ue_after": ue(after),

@@ -27,7 +27,7 @@ from hf_unlearn import (
     compute_cud,
     stratify,
 )
-from hf_unlearn.analysis.cud import _answer_losses, write_sets
+from hf_unlearn.analysis.cud import answer_losses, write_sets
 from hf_unlearn.data.ids import read_ids
 
 
@@ -53,7 +53,7 @@ def setup(args):
 
 def efficacy(model, tok, rows) -> float:
     """100 * (1 - mean answer probability): how much of the set is forgotten."""
-    losses = _answer_losses(model, tok, list(rows))
+    losses = answer_losses(model, tok, list(rows))
     return 100 * (1 - sum(math.exp(-x) for x in losses) / len(losses))
 
 

@@ -191,7 +191,8 @@ def select_anchors(ids: Sequence, post_loss: Mapping[str, Sequence[float]], pre_
     return easy, hard
 
 
-def _answer_losses(model, tokenizer, rows, batch_size: int = 8) -> list[float]:
+def answer_losses(model, tokenizer, rows, batch_size: int = 8) -> list[float]:
+    """Each row's mean answer-token NLL (rows: ``input_ids`` and ``labels``, -100 on the prompt), in row order."""
     from ..eval.runner import pad_token_id, score_sequences
 
     enc = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
@@ -225,7 +226,7 @@ def build_anchors(model, tokenizer, forget_dataset, retain_dataset=None, config:
     ids = list(forget[config.id_column])
     rows = list(forget)
     fingerprint = model_fingerprint(model)
-    pre = _answer_losses(model, tokenizer, rows)
+    pre = answer_losses(model, tokenizer, rows)
     post: dict[str, list[float]] = {}
     runs: dict[str, dict] = {}
     for name in config.methods:
@@ -244,7 +245,7 @@ def build_anchors(model, tokenizer, forget_dataset, retain_dataset=None, config:
             start = time.perf_counter()
             trainer.train()
             seconds = time.perf_counter() - start
-            post[name] = _answer_losses(trainer.model, tokenizer, rows)
+            post[name] = answer_losses(trainer.model, tokenizer, rows)
             info = trainer.unlearning_card_info()
             runs[name] = {"seconds": seconds, "steps": int(trainer.state.global_step),
                           "hyperparameters": info.get("hyperparameters", {}),
