@@ -127,8 +127,10 @@ def probability(mean_nll: float) -> float:
 
 def normalized_probability(true_nll: float, false_nlls: Sequence[float]) -> float:
     """``P(true) / (P(true) + sum P(false))`` with per-token-normalised probabilities (real_authors, world_facts)."""
-    p_true = math.exp(-true_nll)
-    return float(p_true / (p_true + sum(math.exp(-x) for x in false_nlls)))
+    # softmax over -NLL, shifted by the smallest NLL: no 0/0 when every answer is very unlikely
+    low = min(true_nll, *false_nlls)
+    p_true = math.exp(low - true_nll)
+    return float(p_true / (p_true + sum(math.exp(low - x) for x in false_nlls)))
 
 
 def truth_ratio(paraphrased_nll: float, perturbed_nlls: Sequence[float]) -> float:
@@ -138,7 +140,8 @@ def truth_ratio(paraphrased_nll: float, perturbed_nlls: Sequence[float]) -> floa
     """
     if len(perturbed_nlls) == 0:
         raise UnlearnError("truth ratio needs at least one perturbed answer")
-    return float(math.exp(paraphrased_nll - float(np.mean(perturbed_nlls))))
+    log_ratio = paraphrased_nll - float(np.mean(perturbed_nlls))
+    return math.inf if log_ratio > 700 else float(math.exp(log_ratio))  # inf: both report forms are then 0
 
 
 def truth_ratio_forget_score(ratios: Sequence[float]) -> float:
