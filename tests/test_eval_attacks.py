@@ -226,3 +226,32 @@ def test_probability_forms_stay_finite_for_very_unlikely_answers():
     tr = M.truth_ratio(900.0, [1.0, 2.0])  # the paraphrase is astronomically less likely than the perturbations
     assert tr == math.inf
     assert M.truth_ratio_forget_score([tr]) == 0.0 and M.truth_ratio_retain_score([tr]) == 0.0
+
+
+def test_cli_attack_subset_and_few_shot_knowmem(tiny_llama_dir, tmp_path, capsys):
+    import json
+
+    from hf_unlearn.cli import main
+
+    from .conftest import MUSE_DIR
+
+    tofu = ["--tofu", str(TOFU_DIR), "--max-items", "2", "--max-new-tokens", "1", "--quiet"]
+    ref = tmp_path / "ref"
+    assert main(["eval", "tofu", str(tiny_llama_dir), "--out", str(ref), "--mia-attacks", "loss", *tofu]) == 0
+    out = tmp_path / "model"
+    assert main(["eval", "tofu", str(tiny_llama_dir), "--out", str(out), "--reference", str(ref / "tofu_results.json"),
+                 "--mia-attacks", "loss,reference", *tofu]) == 0
+    s = json.loads((out / "tofu_results.json").read_text())["summary"]
+    assert s["mia_reference_auc"] == 0.5 and s["privleak_reference"] == 0.0 and s["mia_gradnorm_auc"] is None
+    assert "| reference | 0.5 | 0 |" in capsys.readouterr().out
+    assert main(["eval", "tofu", str(tiny_llama_dir), "--out", str(out), "--mia-attacks", "loss,ratio", *tofu]) == 1
+    assert capsys.readouterr().err.strip() == ("hf-unlearn: error: unknown membership-inference attack 'ratio'; choose "
+                                               "from loss, zlib, min_k, min_k_plus_plus, gradnorm, reference")
+    shots = tmp_path / "shots.json"
+    shots.write_text(json.dumps([{"question": "Who wrote Hamlet?", "answer": "Shakespeare"}]))
+    muse = tmp_path / "muse"
+    assert main(["eval", "muse-news", str(tiny_llama_dir), "--out", str(muse), "--muse", str(MUSE_DIR), "--max-items", "2",
+                 "--max-length", "32", "--max-prompt-tokens", "32", "--verbmem-max-new-tokens", "2",
+                 "--knowmem-max-new-tokens", "2", "--knowmem-examples", str(shots), "--quiet"]) == 0
+    meta = json.loads((muse / "muse_results.json").read_text())["meta"]
+    assert meta["knowmem_shots"] == {"forget": 1, "retain": 1} and "gradnorm" in meta["mia_attacks"]
