@@ -234,3 +234,52 @@ def test_config_errors(config, bad, match, tmp_path):
 
     with pytest.raises(UnlearnError, match=match):
         getattr(methods, config)(output_dir=str(tmp_path), **bad)
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-memorised")
+    memorised_model().save_pretrained(path)
+    tiny_data()[0].save_pretrained(path)
+    return path
+
+
+def _cli(method, model_dir, out, *extra):
+    from .conftest import TOFU_DIR
+
+    return ["unlearn", method, str(model_dir), "--forget-split", "forget01", "--out", str(out), "--tofu", str(TOFU_DIR),
+            "--max-forget-rows", "4", "--max-retain-rows", "8", "--max-length", "256", "--batch-size", "2",
+            "--lr", "1e-3", "--max-steps", "2", *extra]
+
+
+@pytest.mark.parametrize("method, extra, hp", [
+    ("idk_dpo", ["--beta", "0.5"], {"beta": 0.5, "alternate_answers": "hf_unlearn/data/refusals.txt"}),
+    ("pdu", ["--dual-warmup-ratio", "0", "--retain-tolerance", "0.5"], {"dual_warmup_ratio": 0.0,
+                                                                          "retain_tolerance": 0.5}),
+])
+def test_cli_runs_new_methods_on_raw_tofu_rows(method, extra, hp, tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from hf_unlearn.cli import main
+
+    out = tmp_path / "out"
+    assert main(_cli(method, tiny_model_dir, out, *extra)) == 0
+    info = json.loads((out / "unlearning.json").read_text())
+    assert info["method"] == NEW[method][3] and info["paper"].startswith("https://arxiv.org/abs/")
+    assert hp.items() <= info["hyperparameters"].items()
+    assert "forget_ids" not in info and (out / "config.json").is_file()
+    assert f"with {NEW[method][3]}" in capsys.readouterr().out
+
+
+def test_cli_nonfinite_training_is_a_one_line_error_and_writes_no_model(tiny_model_dir, tmp_path, capsys):
+    from hf_unlearn.cli import main
+
+    out = tmp_path / "out"
+    assert main(_cli("grad_ascent", tiny_model_dir, out, "--lr", "1e30", "--max-steps", "4")) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # (and a progress bar)
+    assert len(errors) == 1 and errors[0].startswith("hf-unlearn: error: GradAscentTrainer: the ")
+    assert "not finite" in errors[0] and "at step 2; training stopped before" in errors[0]
+    assert not (out / "config.json").exists() and not (out / "unlearning.json").exists()
