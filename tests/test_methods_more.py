@@ -7,7 +7,7 @@ import torch
 
 from hf_unlearn.errors import UnlearnError
 
-from .methods_helpers import FORGET_IDS, MAX_LENGTH, memorised_model, raw_rows, tiny_data
+from .methods_helpers import FORGET_IDS, MAX_LENGTH, memorised_model, raw_rows, save_memorised_model, tiny_data
 
 COMMON = dict(report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=3,
               per_device_train_batch_size=2, learning_rate=1e-3)
@@ -134,9 +134,8 @@ def test_partial_alternate_columns_and_a_collator_without_them_are_refused(tmp_p
     _, forget, _ = tiny_data()
     with pytest.raises(UnlearnError, match="only some of alt_input_ids"):
         _trainer("idk_dpo", tmp_path, forget=forget.add_column("alt_input_ids", forget["input_ids"]))
-    from hf_unlearn.data import QACollator
-
     import hf_unlearn.methods as methods
+    from hf_unlearn.data import QACollator
 
     tok, forget, retain = tiny_data()
     args = methods.IdkDPOConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 1})
@@ -241,10 +240,7 @@ def test_config_errors(config, bad, match, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-memorised")
-    memorised_model().save_pretrained(path)
-    tiny_data()[0].save_pretrained(path)
-    return path
+    return save_memorised_model(tmp_path_factory.mktemp("tiny-llama-memorised"))
 
 
 def _cli(method, model_dir, out, *extra):

@@ -148,6 +148,12 @@ def evaluate_muse_news(
     knowmem = {s: _rows("knowmem", f"{s}_qa", muse_path, max_items) for s in ("forget", "retain2")}
     shots = _knowmem_examples(knowmem_examples, muse_path)
     priv = {s: _rows("privleak", s, muse_path, max_items) for s in ("forget", "holdout")}
+    ref_losses = _reference_losses(reference) if "reference" in attacks else None
+    missing = [(s, r["id"]) for s, rows in priv.items() for r in rows
+               if ref_losses is not None and (s, r["id"]) not in ref_losses]
+    if missing:  # checked before any model pass
+        raise UnlearnError(f"the MUSE reference result has no privleak loss for {missing[0]}; evaluate it with the "
+                           "same max_items")
 
     per_item: list[dict] = []
     summary: dict[str, Any] = {}
@@ -210,16 +216,10 @@ def evaluate_muse_news(
         sc = M.mia_scores(st, scored, mia_k, body=M.drop_final_eos(st, enc["labels"], eos))
         if norm is not None:
             sc["gradnorm"] = norm
+        if ref_losses is not None:
+            sc["reference"] = M.reference_attack_score(sc["loss"], ref_losses[(s, r["id"])])
         mia[s].append(sc)
         per_item.append({"set": f"privleak_{s}", "id": r["id"], "mia": sc})
-    ref_losses = _reference_losses(reference)
-    if "reference" in attacks and ref_losses is not None:
-        missing = [(s, r["id"]) for s, r in texts if (s, r["id"]) not in ref_losses]
-        if missing:
-            raise UnlearnError(f"the MUSE reference result has no privleak loss for {missing[0]}; evaluate it with the "
-                               "same max_items")
-        for (s, r), sc in zip(texts, (x for s in priv for x in mia[s])):
-            sc["reference"] = M.reference_attack_score(sc["loss"], ref_losses[(s, r["id"])])
     for attack in M.MIA_ATTACKS:
         present = attack in attacks and all(attack in x for s in priv for x in mia[s])
         auc = M.mia_auc([x[attack] for x in mia["forget"]], [x[attack] for x in mia["holdout"]]) if present else None

@@ -403,6 +403,17 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         self.record_metrics(metrics)
         return loss
 
+    def forget_retain_loss(self, model, inputs, forget_term, return_outputs: bool = False):
+        """The usual ``compute_loss``: one joint forward over the forget batch and its paired retain batch, then
+        ``lambda_forget * forget_term(outputs, inputs) + lambda_retain * retain``; ``forget_term`` returns the
+        forget loss or ``(loss, metrics)``."""
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
+        term = forget_term(outputs, inputs)
+        forget, metrics = term if isinstance(term, tuple) else (term, {})
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
+        return (loss, outputs) if return_outputs else loss
+
     # ------------------------------------------------------------------ metrics and logging (as trl does)
 
     def record_metrics(self, metrics: dict[str, Any]) -> None:

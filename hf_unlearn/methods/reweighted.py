@@ -18,11 +18,8 @@ class _ReweightedAscentTrainer(UnlearningTrainer):
         raise NotImplementedError
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        retain = self.retain_batch()
-        outputs, retain_out = self.joint_forward(model, inputs, retain)
-        forget = self.forget_term(outputs.logits, inputs["labels"])
-        loss = self.combine(forget, self.retain_term(retain, retain_out), {})
-        return (loss, outputs) if return_outputs else loss
+        return self.forget_retain_loss(model, inputs, lambda out, batch: self.forget_term(out.logits, batch["labels"]),
+                                       return_outputs)
 
 
 @dataclass

@@ -57,12 +57,10 @@ class UNDIALTrainer(UnlearningTrainer):
         return True
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        retain = self.retain_batch()
-        outputs, retain_out = self.joint_forward(model, inputs, retain)
-        teacher = self.reference_outputs(inputs).logits
-        forget = undial_loss(outputs.logits, teacher, inputs["labels"], self.args.beta)
-        loss = self.combine(forget, self.retain_term(retain, retain_out), {})
-        return (loss, outputs) if return_outputs else loss
+        def forget(outputs, batch):
+            return undial_loss(outputs.logits, self.reference_outputs(batch).logits, batch["labels"], self.args.beta)
+
+        return self.forget_retain_loss(model, inputs, forget, return_outputs)
 
 
 # ---------------------------------------------------------------------------------------------- CE-U
@@ -104,9 +102,7 @@ class CEUTrainer(UnlearningTrainer):
   journal={arXiv preprint arXiv:2503.01224}, year={2025}}"""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        retain = self.retain_batch()
-        outputs, retain_out = self.joint_forward(model, inputs, retain)
-        labels = mask_first_answer_tokens(inputs["labels"], self.args.skip_first)
-        forget = ce_u_loss(outputs.logits, labels)
-        loss = self.combine(forget, self.retain_term(retain, retain_out), {})
-        return (loss, outputs) if return_outputs else loss
+        def forget(outputs, batch):
+            return ce_u_loss(outputs.logits, mask_first_answer_tokens(batch["labels"], self.args.skip_first))
+
+        return self.forget_retain_loss(model, inputs, forget, return_outputs)
