@@ -279,3 +279,46 @@ def test_cli_nonfinite_training_is_a_one_line_error_and_writes_no_model(tiny_mod
     assert len(errors) == 1 and "hf-unlearn: error: GradAscentTrainer: the " in errors[0]
     assert "not finite" in errors[0] and "at step 2; training stopped before" in errors[0]
     assert not (out / "config.json").exists() and not (out / "unlearning.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- other model families
+
+
+def _family_model(family, tok):
+    import transformers
+
+    from hf_unlearn.models import build_tiny_model
+
+    if family == "gpt2":
+        return build_tiny_model("gpt2", tok, hidden_size=32, num_layers=2, num_heads=2)
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=16, **common))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "gemma"])
+@pytest.mark.parametrize("name", ["idk_dpo", "pdu"])
+def test_gpt2_qwen2_gemma_with_string_ids_from_raw_rows(family, name, gpt2_tokenizer, tmp_path):
+    import hf_unlearn.methods as methods
+    from hf_unlearn import load_tofu
+
+    from .conftest import TOFU_DIR
+
+    rows = load_tofu("forget01", TOFU_DIR).select(range(4))
+    forget = rows.remove_columns("id").add_column("id", [f"author-a/{i}" for i in range(4)])
+    retain = load_tofu("retain99", TOFU_DIR).select(range(4))
+    retain = retain.remove_columns("id").add_column("id", [f"author-b/{i}" for i in range(4)])
+    trainer_name, config_name, extra, _ = NEW[name]
+    args = getattr(methods, config_name)(output_dir=str(tmp_path), max_length=128, **{**COMMON, **extra, "max_steps": 2})
+    trainer = getattr(methods, trainer_name)(model=_family_model(family, gpt2_tokenizer), args=args,
+                                             forget_dataset=forget, retain_dataset=retain,
+                                             processing_class=gpt2_tokenizer)
+    before = _snapshot(trainer.model)
+    trainer.train()
+    unchanged = [n for n, p in trainer.model.named_parameters() if torch.equal(before[n], p)]
+    assert not unchanged, f"{name} on {family} left {unchanged} unchanged"
+    assert trainer.forget_ids == [f"author-a/{i}" for i in range(4)]
