@@ -113,3 +113,13 @@ def test_the_guards_can_be_switched_off(tmp_path):
     trainer.train()  # the Trainer's own behaviour: it runs on and the weights become NaN
     assert trainer.state.global_step == 2
     assert not all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_fp16_model_trains_in_fp32_and_comes_back_fp16(tmp_path):
+    model = memorised_model().to(torch.float16)
+    trainer = _trainer(tmp_path, model, learning_rate=1e-3, max_steps=1)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert all(p.dtype == torch.float16 for p in trainer.model.parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert all(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
