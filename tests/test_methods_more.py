@@ -322,3 +322,18 @@ def test_gpt2_qwen2_gemma_with_string_ids_from_raw_rows(family, name, gpt2_token
     unchanged = [n for n, p in trainer.model.named_parameters() if torch.equal(before[n], p)]
     assert not unchanged, f"{name} on {family} left {unchanged} unchanged"
     assert trainer.forget_ids == [f"author-a/{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("name", ["idk_dpo", "pdu"])
+def test_model_card_names_the_method_and_keys_the_ids(name, tmp_path, monkeypatch):
+    from hf_unlearn.hub.cards import check_card_metadata, find_raw_ids
+
+    monkeypatch.setenv("HF_UNLEARN_TAG_KEY", "cd" * 32)
+    trainer = _trainer(name, tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    text = trainer.create_model_card(model_name=f"org/{name}-unlearned", dataset_name="locuslab/TOFU")
+    meta = check_card_metadata(text)
+    assert NEW[name][3].lower() in " ".join(meta["tags"]).lower() and "unlearning" in meta["tags"]
+    assert trainer.paper in text
+    assert not find_raw_ids(text, FORGET_IDS)
