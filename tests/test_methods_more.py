@@ -300,8 +300,7 @@ def _family_model(family, tok):
     return transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=16, **common))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen2", "gemma"])
-@pytest.mark.parametrize("name", ["idk_dpo", "pdu"])
+@pytest.mark.parametrize("name, family", [("idk_dpo", "qwen2"), ("idk_dpo", "gemma"), ("pdu", "gpt2")])
 def test_gpt2_qwen2_gemma_with_string_ids_from_raw_rows(family, name, gpt2_tokenizer, tmp_path):
     import hf_unlearn.methods as methods
     from hf_unlearn import load_tofu
