@@ -260,6 +260,15 @@ def test_cli_circuit_anchors_cud_stratify(tiny_model_dir, tmp_path, capsys):
     for name in ("easy", "hard", "random"):
         assert len(read_ids(tmp_path / "sets" / f"{name}.jsonl")) == 3
     assert (tmp_path / "sets" / "circuit_stats.png").is_file()
+    # a set is a forget set for `hf-unlearn unlearn` as written
+    run = ["unlearn", "grad_ascent", str(tiny_model_dir), "--forget-split", "forget01", "--tofu", str(TOFU_DIR),
+           "--max-steps", "1", "--max-retain-rows", "4", "--lr", "1e-3"]
+    assert main([*run, "--forget-ids", str(tmp_path / "sets" / "hard.jsonl"), "--out", str(tmp_path / "u")]) == 0
+    assert json.loads((tmp_path / "u" / "unlearning.json").read_text())["extra"]["num_forget"] == 3
+    capsys.readouterr()
+    for bad, says in (('"3960"\n', "is str but TOFU forget01 uses int ids"), ("5\n", "are not in TOFU forget01")):
+        assert main([*run, "--forget-ids", str(_write(tmp_path / "bad.jsonl", bad)), "--out", str(tmp_path / "v")]) == 1
+        assert says in capsys.readouterr().err and not (tmp_path / "v").exists()
     # the same CUD computed from the model directly (circuits scored inside `cud`)
     out2 = tmp_path / "cud2.jsonl"
     assert main(["analyze", "cud", str(tiny_model_dir), *data, "--top-edges", "8", "--ig-steps", "2",
@@ -305,7 +314,7 @@ def test_cli_refuses_anchors_of_another_model_in_one_line(tiny_model_dir, tmp_pa
     assert not (tmp_path / "c.jsonl").exists()
     assert main(["analyze", "circuit", str(tiny_model_dir), "--forget-split", "forget01", "--tofu", str(TOFU_DIR),
                  "--ids", str(_write(tmp_path / "x.jsonl", "5\n")), "--out", str(tmp_path / "c2")]) == 1
-    assert "not in forget01" in capsys.readouterr().err
+    assert "not in TOFU forget01" in capsys.readouterr().err
 
 
 def test_method_list_with_learning_rates():

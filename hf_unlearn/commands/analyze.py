@@ -154,19 +154,11 @@ def _register_cud(sub) -> None:
 
 def _forget_rows(args):
     from ..data import load_tofu
-    from ..data.ids import check_id_types, read_ids
-    from ..errors import UnlearnError
+    from ..data.ids import read_ids, select_ids
 
     rows = load_tofu(args.forget_split, args.tofu)
     if args.ids:
-        wanted = read_ids(args.ids)
-        check_id_types(wanted, rows["id"], f"TOFU {args.forget_split}")
-        known = set(rows["id"])
-        unknown = [i for i in wanted if i not in known]
-        if unknown:
-            raise UnlearnError(f"{len(unknown)} id(s) of {args.ids} are not in {args.forget_split} (e.g. {unknown[0]!r})")
-        keep = set(wanted)
-        rows = rows.filter(lambda r: r["id"] in keep)
+        rows = select_ids(rows, read_ids(args.ids), f"TOFU {args.forget_split}", args.ids)
     if args.max_samples:
         rows = rows.select(range(min(args.max_samples, len(rows))))
     return rows
