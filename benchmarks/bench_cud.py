@@ -319,6 +319,19 @@ def summarise(args, circuits, cost, patching, anchors, result, runs, sets_by_see
     for m in sorted({r["method"] for r in runs}):
         by_method[m] = {name: float(np.mean([r["ue_after"] for r in runs if r["set"] == name and r["method"] == m]))
                         for name in ("easy", "hard", "random")}
+    # every scoring variant on the same circuits and anchors (all reported; the CLI default is cosine / circuit)
+    from hf_unlearn.analysis.cud import compute_cud
+
+    variants = {}
+    for sim in ("cosine", "jaccard", "hamming"):
+        for agg in ("circuit", "mean"):
+            for weighted in ((False, True) if sim == "cosine" else (False,)):
+                res = compute_cud(circuits, anchors, similarity=sim, aggregate=agg, weighted=weighted)
+                by_id = res.by_id()
+                variants[f"{sim}/{agg}" + ("/weighted" if weighted else "")] = {
+                    **cud_correlation(res, post),
+                    "easy_anchor_cud": float(np.nanmean([by_id[i]["cud"] or np.nan for i in anchors.easy])),
+                    "hard_anchor_cud": float(np.nanmean([by_id[i]["cud"] or np.nan for i in anchors.hard]))}
     stats = {}
     rows = result.by_id()
     for group, ids in (("easy anchors", anchors.easy), ("hard anchors", anchors.hard),
@@ -330,7 +343,7 @@ def summarise(args, circuits, cost, patching, anchors, result, runs, sets_by_see
             "cud_spearman_vs_anchor_post_loss": corr, "cud_spearman_by_method": per_method,
             "pre_loss_spearman_vs_post_loss": {"spearman": float(pre_corr.statistic), "p_value": float(pre_corr.pvalue),
                                                "n": len(non_anchor)},
-            "cud_spearman_vs_set_run_loss": set_corr, "ue_by_set": table, "ue_minus_random": deltas,
+            "cud_spearman_vs_set_run_loss": set_corr, "cud_variants": variants, "ue_by_set": table, "ue_minus_random": deltas,
             "ue_by_method": by_method, "circuit_stats": stats, "cud_meta": result.meta}
 
 
@@ -352,6 +365,10 @@ def print_report(s) -> None:
     print(f"  CUD vs anchor-run loss (non-anchors, n={a['n']}): {a['spearman']:.3f} (p={a['p_value']:.3g}); "
           f"by method {', '.join(f'{m} {v:.3f}' for m, v in s['cud_spearman_by_method'].items())}")
     print(f"  trivial predictor, loss before vs after (same samples): {b['spearman']:.3f} (p={b['p_value']:.3g})")
+    print("  every variant (Spearman vs anchor-run loss; leave-one-out mean CUD of the easy / hard anchors):")
+    for name, v in s["cud_variants"].items():
+        print(f"    {name:22s} {v['spearman']:+.3f} (p={v['p_value']:.2g})   anchors easy {v['easy_anchor_cud']:.3f} "
+              f"/ hard {v['hard_anchor_cud']:.3f}")
     d = s["cud_spearman_vs_set_run_loss"]
     print(f"  CUD vs loss after the set runs (n={d['n']}): {d['spearman']:.3f} (p={d['p_value']:.3g})")
     print("== unlearning efficacy UE = 100 (1 - answer probability), mean over methods and seeds")
