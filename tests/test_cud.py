@@ -93,6 +93,23 @@ def test_cud_is_zero_on_easy_like_and_one_on_hard_like_circuits():
             assert res[5]["anchor"] is None
 
 
+def test_hamming_and_cosine_give_the_same_cud_on_equal_size_circuits():
+    """For binary circuits of n edges each, 1 - cosine = (n - shared)/n and 1 - Hamming = 2 (n - shared)/E: CUD's ratio
+    cancels the scale (documented in the README), for both aggregations, while Jaccard differs."""
+    g = GraphSpec("llama", n_layers=1, n_heads=1, n_kv_heads=1)
+    rng = np.random.default_rng(0)
+    ids = list(range(10))
+    cs = _fake_set([dict(zip(g.edge_names(), -rng.random(g.num_edges))) for _ in ids], ids, top=3)
+    assert {len(c.edges) for c in cs.circuits} == {3}
+    anchors = _fake_anchors(ids, easy=[0, 1, 2], hard=[3, 4, 5])
+    for agg in ("circuit", "mean"):
+        cud = {sim: [r["cud"] for r in compute_cud(cs, anchors, similarity=sim, aggregate=agg).rows]
+               for sim in ("cosine", "hamming", "jaccard")}
+        assert cud["hamming"] == pytest.approx(cud["cosine"], abs=1e-9)
+        assert len(set(cud["cosine"])) > 2
+    assert cud["jaccard"] != pytest.approx(cud["cosine"])
+
+
 def test_anchor_samples_are_scored_without_themselves():
     ids = [1, 2, 3, 4]
     mixed = {**EASY_PATH, "a0.h0->logits": -2.5}  # one edge of each path
