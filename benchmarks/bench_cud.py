@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--patch-samples", type=int, default=2)
     p.add_argument("--patch-top", type=int, default=20)
     p.add_argument("--patch-random", type=int, default=40)
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing new: report the set runs already in --out (whole easy/hard/random triples)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1 on a shared CPU)")
     p.add_argument("--out", default="bench_cud_output")
     p.add_argument("--figures", default=None, help="also copy the plots here with this prefix (e.g. benchmarks/cud_smollm2)")
@@ -237,13 +239,13 @@ def set_runs(args, model, tokenizer, forget, retain, sets_by_seed):
     retain_rows = list(retain)
     retain_before = sum(answer_losses(model, tokenizer, retain_rows)) / len(retain_rows)
     for seed, sets in sets_by_seed.items():
-        for name, ids in sets.items():
-            wanted = set(ids)
-            subset = forget.filter(lambda r, wanted=wanted: r["id"] in wanted)
-            before = answer_losses(model, tokenizer, [rows_by_id[i] for i in subset["id"]])
-            for method, mlr in methods:
-                if (name, method, seed) in have:
+        subsets = {name: forget.filter(lambda r, wanted=set(ids): r["id"] in wanted) for name, ids in sets.items()}
+        # method-major: a run stopped early still leaves whole easy/hard/random triples to compare
+        for method, mlr in methods:
+            for name, subset in subsets.items():
+                if (name, method, seed) in have or args.report_only:
                     continue
+                before = answer_losses(model, tokenizer, [rows_by_id[i] for i in subset["id"]])
                 spec = get_method(method)
                 cfg = spec.make_config(output_dir=str(Path(args.out) / "runs" / f"{name}-{method}-{seed}"),
                                        num_train_epochs=args.set_epochs, learning_rate=mlr,
@@ -267,6 +269,15 @@ def set_runs(args, model, tokenizer, forget, retain, sets_by_seed):
                     f"retain loss {retain_before:.3f} -> {retain_after:.3f} ({seconds:.0f} s, {rec['steps']} steps)")
                 del trainer
     return done
+
+
+def whole_triples(runs):
+    """The set runs of the (method, seed) pairs that have all of easy, hard and random: a stopped benchmark must not
+    tilt one set's mean towards a method."""
+    sets = {}
+    for r in runs:
+        sets.setdefault((r["method"], r["seed"]), set()).add(r["set"])
+    return [r for r in runs if sets[(r["method"], r["seed"])] >= {"easy", "hard", "random"}]
 
 
 def ue(losses) -> float:
@@ -344,7 +355,7 @@ def summarise(args, circuits, cost, patching, anchors, result, runs, sets_by_see
             "pre_loss_spearman_vs_post_loss": {"spearman": float(pre_corr.statistic), "p_value": float(pre_corr.pvalue),
                                                "n": len(non_anchor)},
             "cud_spearman_vs_set_run_loss": set_corr, "cud_variants": variants, "ue_by_set": table, "ue_minus_random": deltas,
-            "ue_by_method": by_method, "circuit_stats": stats, "cud_meta": result.meta}
+            "ue_by_method": by_method, "set_runs": sorted({(r["method"], r["seed"]) for r in runs}), "circuit_stats": stats, "cud_meta": result.meta}
 
 
 def print_report(s) -> None:
@@ -442,7 +453,7 @@ def main(argv=None):
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     sets_by_seed = {s: stratify(result, args.set_size, seed=s) for s in seeds}
     write_sets(Path(args.out) / "sets", sets_by_seed[seeds[0]], result, {"size": args.set_size, "seed": seeds[0]})
-    runs = set_runs(args, model, tokenizer, forget, retain, sets_by_seed)
+    runs = whole_triples(set_runs(args, model, tokenizer, forget, retain, sets_by_seed))
     summary = summarise(args, circuits, cost, patching, anchors, result, runs, sets_by_seed)
     summary["args"] = vars(args)
     save_json(Path(args.out) / "cud_results.json", summary)
