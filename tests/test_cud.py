@@ -158,6 +158,12 @@ def test_anchor_and_cud_files_round_trip_and_refuse_tampering(tmp_path):
         (tmp_path / "t.jsonl").write_text("\n".join(bad) + "\n")
         with pytest.raises(UnlearnError, match=why):
             CUDResult.from_jsonl(tmp_path / "t.jsonl")
+    (tmp_path / "cud.meta.json").write_text("{truncated")
+    with pytest.raises(UnlearnError, match="cud.meta.json is not valid JSON"):
+        CUDResult.from_jsonl(path)
+    (tmp_path / "anchors" / "anchors.json").write_text("{truncated")
+    with pytest.raises(UnlearnError, match="anchors.json is not valid JSON"):
+        AnchorSet.load(tmp_path / "anchors")
 
 
 def test_correlation_leaves_anchors_out():

@@ -964,10 +964,7 @@ class CircuitSet:
         if not meta_file.is_file() or not scores_file.is_file():
             raise UnlearnError(f"{folder} is not a circuit folder (needs circuits.json and scores.safetensors; "
                                "write one with `hf-unlearn analyze circuit`)")
-        try:
-            meta = json.loads(meta_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise UnlearnError(f"{meta_file} is not valid JSON ({e.msg})") from None
+        meta = read_json(meta_file)
         if meta.get("format") != FORMAT:
             raise UnlearnError(f"{meta_file} has format {meta.get('format')!r}, expected {FORMAT!r}")
         if meta.get("scores_sha256") != _sha256_file(scores_file):
@@ -980,6 +977,14 @@ class CircuitSet:
                    baseline_loss=[float("nan") if x is None else x for x in meta["baseline_loss"]], config=config,
                    model_fingerprint=meta["model_fingerprint"], tokenizer_fingerprint=meta["tokenizer_fingerprint"],
                    seconds=float(meta.get("seconds", 0.0)), extra=dict(meta.get("extra", {})))
+
+
+def read_json(file: Path):
+    """A JSON file this module or :mod:`.cud` wrote; unreadable JSON is a one-line :class:`UnlearnError`."""
+    try:
+        return json.loads(Path(file).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UnlearnError(f"{file} is not valid JSON ({e.msg})") from None
 
 
 @contextlib.contextmanager

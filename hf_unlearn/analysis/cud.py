@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import UnlearnError
-from .circuits import SIMILARITIES, CircuitSet, atomic_folder, circuit_similarity, extract_circuit
+from .circuits import SIMILARITIES, CircuitSet, atomic_folder, circuit_similarity, extract_circuit, read_json
 
 ANCHOR_FORMAT = "hf_unlearn.cud_anchors.v1"
 CUD_FORMAT = "hf_unlearn.cud.v1"
@@ -140,10 +140,7 @@ class AnchorSet:
         file = path / "anchors.json" if path.is_dir() else path
         if not file.is_file():
             raise UnlearnError(f"no anchors at {path} (expected a folder written by `hf-unlearn analyze anchors`)")
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise UnlearnError(f"{file} is not valid JSON ({e.msg})") from None
+        data = read_json(file)
         if data.pop("format", None) != ANCHOR_FORMAT:
             raise UnlearnError(f"{file} is not an hf_unlearn anchor file (format {ANCHOR_FORMAT!r})")
         try:
@@ -309,7 +306,7 @@ class CUDResult:
             raise UnlearnError(f"{path} holds no CUD rows")
         meta = {}
         if meta_path(path).is_file():
-            meta = json.loads(meta_path(path).read_text(encoding="utf-8"))
+            meta = read_json(meta_path(path))
             meta.pop("format", None)
         return cls(rows=rows, meta=meta)
 
