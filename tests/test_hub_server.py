@@ -194,3 +194,215 @@ def test_cli_serve(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# -- root confinement and input limits (issue 12): each of these failed on the server before it validated inputs --
+def raw_request(server, data: bytes, timeout: float = 10) -> bytes:
+    """Send raw bytes on a fresh connection and return whatever the server answers before closing."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(data)
+        chunks = []
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                if b"\r\n\r\n" in b"".join(chunks):
+                    head, _, rest = b"".join(chunks).partition(b"\r\n\r\n")
+                    length = [int(v) for k, v in (ln.split(b":", 1) for ln in head.split(b"\r\n")[1:] if b":" in ln)
+                              if k.strip().lower() == b"content-length"]
+                    if length and len(rest) >= length[0]:
+                        break
+        except socket.timeout:
+            pass
+    return b"".join(chunks)
+
+
+@pytest.fixture
+def secret(tmp_path):
+    """A file next to the server's root that no request may ever publish."""
+    path = tmp_path / "secret.txt"
+    path.write_text("the server machine's private file")
+    return path
+
+
+def traversal_oids(server, secret):
+    import os
+
+    objects = server.store.root / "objects"
+    return {
+        "dotdot": os.path.relpath(secret, objects),  # objects/lfs/<..>/<oid> climbs out of the store
+        "absolute": str(secret),
+        "url-encoded": os.path.relpath(secret, objects).replace("/", "%2F").replace(".", "%2e"),
+        "short-hex": "ab" * 8,
+        "upper-hex": "AB" * 32,
+    }
+
+
+@pytest.mark.parametrize("variant", ["dotdot", "absolute", "url-encoded", "short-hex", "upper-hex"])
+@pytest.mark.parametrize("with_size", [True, False])
+def test_lfs_object_ids_cannot_reach_outside_the_root(server, secret, variant, with_size):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    oid = traversal_oids(server, secret)[variant]
+    before = server.store.refs("model", "org/m")
+    value = {"path": "stolen.bin", "algo": "sha256", "oid": oid}
+    if with_size:
+        value["size"] = secret.stat().st_size
+    status, _, body = commit(server, "org/m", [header(), {"key": "lfsFile", "value": value}])
+    assert status == 400 and b"oid" in body, (status, body)
+    assert server.store.refs("model", "org/m") == before
+    assert call(server, "GET", "/org/m/resolve/main/stolen.bin", token=None)[0] == 404
+    # the LFS verify endpoint must not confirm the existence (or size) of files outside the store either
+    status, _, _ = call(server, "POST", "/org/m.git/info/lfs/objects/verify",
+                        {"oid": oid, "size": secret.stat().st_size})
+    assert status == 400
+
+
+@pytest.mark.parametrize("path", ["../escape.txt", "/etc/passwd", "a/../../b.txt", "a/./b.txt", "a//b.txt", "a\\..\\b",
+                                  "nul\x00byte.txt", "line\nbreak.txt", "",
+                                  pytest.param("x" * 2000, id="too-long")])
+def test_file_paths_in_commits_are_clean_or_refused(server, path):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    before = server.store.refs("model", "org/m")
+    status, _, _ = commit(server, "org/m", [header(), file_line(path, b"data")])
+    assert status == 400
+    assert server.store.refs("model", "org/m") == before
+
+
+@pytest.mark.parametrize("body", [{}, {"name": None}, {"name": ["x"]}, {"name": "m", "organization": ".."},
+                                  {"name": "..", "organization": "org"}, {"name": "a/b", "organization": "org"},
+                                  {"name": "m", "organization": "org", "type": "../models"},
+                                  {"name": "m\x00", "organization": "org"}])
+def test_repo_creation_needs_a_valid_name(server, body):
+    status, _, _ = call(server, "POST", "/api/repos/create", body)
+    assert status == 400
+    assert not any((server.store.root / "repos").rglob("repo.json"))
+
+
+def test_url_encoded_names_and_paths_stay_in_the_root(server, secret):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"1")])
+    for url in ["/org/%2e%2e/resolve/main/a.txt", "/%2e%2e/%2e%2e/resolve/main/secret.txt",
+                "/org/m/resolve/main/..%2F..%2F..%2Fsecret.txt", "/org/m/resolve/main/%2Fetc%2Fpasswd",
+                "/api/models/org/m/tree/main/..%2F..", "/api/models/%2e%2e/m", "/api/models/org/m/revision/..%2F..",
+                "/org/m/resolve/..%2F..%2Frepos/a.txt", "/org/m/resolve/main/a%00.txt"]:
+        status, _, data = call(server, "GET", url)
+        assert 400 <= status < 500 and b"private file" not in data, (url, status)
+
+
+def test_validate_yaml_needs_a_token_and_refuses_alias_bombs(server):
+    content = "---\nlicense: mit\n---\n"
+    assert call(server, "POST", "/api/validate-yaml", {"content": content}, token=None)[0] == 401
+    # a billion-laughs document: 9 levels of 9 aliases each
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join(['*a%d' % (i - 1)] * 9)}]" for i in range(1, 10)]
+    status, _, body = call(server, "POST", "/api/validate-yaml", {"content": "---\n" + "\n".join(lines) + "\n---\n"})
+    assert status == 400 and len(body) < 10_000 and b"alias" in body
+    # the same document committed as a README must not hang repo info either
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    readme = ("---\n" + "\n".join(lines) + "\n---\n").encode()
+    assert commit(server, "org/m", [header(), file_line("README.md", readme)])[0] == 200
+    status, _, body = call(server, "GET", "/api/models/org/m")
+    assert status == 200 and json.loads(body)["cardData"] == {} and len(body) < 10_000
+
+
+def test_request_bodies_are_capped(tmp_path):
+    srv = HubServer(tmp_path / "hub", {TOKEN: "alice"}, max_body_bytes=4096).start()
+    try:
+        # announced far beyond the cap: answered 413 at once, without waiting for (or reading) the body
+        reply = raw_request(srv, b"POST /api/repos/create HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + TOKEN.encode() + b"\r\nContent-Length: 1000000000000\r\n\r\n{")
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        # chunked bodies are counted as they arrive
+        chunk = b"a" * 3000
+        body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3)) + b"0\r\n\r\n"
+        reply = raw_request(srv, b"POST /api/repos/create HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + TOKEN.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert call(srv, "GET", "/api/whoami-v2")[0] == 200  # still serving
+    finally:
+        srv.stop()
+
+
+def test_lfs_upload_cannot_exceed_its_announced_size(server):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    data = b"z" * 1000
+    oid = hashlib.sha256(data).hexdigest()
+    body = json.loads(call(server, "POST", "/org/m.git/info/lfs/objects/batch",
+                           {"operation": "upload", "objects": [{"oid": oid, "size": 1000}]})[2])
+    href = body["objects"][0]["actions"]["upload"]["href"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(href, data=data + b"z" * 100_000, method="PUT"), timeout=10)
+    assert e.value.code in (400, 413) and not server.store.has_lfs(oid)
+    assert not list((server.store.root / "objects" / "tmp").iterdir())
+
+
+def _fuzz_cases():
+    repo = "/api/models/org/m"
+    lines = lambda *items: b"".join(json.dumps(x).encode() + b"\n" for x in items)  # noqa: E731
+    hdr = {"key": "header", "value": {"summary": "s"}}
+    return [
+        ("POST", "/api/repos/create", b"not json"),
+        ("POST", "/api/repos/create", b"[]"),
+        ("POST", "/api/repos/create", b'{"name": 5}'),
+        ("POST", "/api/repos/create", b'{"name": "x", "organization": {"a": 1}}'),
+        ("POST", "/api/repos/create", b'{"name": "x", "private": "yes", "type": 7}'),
+        ("DELETE", "/api/repos/delete", b"{}"),
+        ("DELETE", "/api/repos/delete", b'{"name": "m", "organization": 3}'),
+        ("POST", "/api/validate-yaml", b'{"content": 5}'),
+        ("POST", "/api/validate-yaml", b'{"content": "---\\n[unclosed\\n---\\n"}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": "x"}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"size": 1}]}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"path": "a", "size": "x", "sample": ""}]}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"path": "a", "size": 1, "sample": "!!!"}]}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"path": "a\\u0000b", "size": 1, "sample": ""}]}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": "x"}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": [{"size": 1}]}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": [{"oid": "a", "size": "x"}]}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": [5]}'),
+        ("POST", "/org/m.git/info/lfs/objects/verify", b'{"oid": ["x"], "size": "y"}'),
+        ("POST", f"{repo}/commit/main", lines({"key": "header", "value": []})),
+        ("POST", f"{repo}/commit/main", lines({"key": "header", "value": "s"})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": {"path": "a", "content": "!!!"}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": {"path": "a", "content": 5}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": {"path": ["a"], "content": ""}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "lfsFile", "value": {"path": "a", "oid": "0" * 64,
+                                                                                "size": "x"}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "lfsFile", "value": {"path": "a", "oid": "0" * 64,
+                                                                                "size": -5}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "deletedFile", "value": {"path": 5}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": "x"})),
+        ("POST", f"{repo}/commit/main", lines(hdr, [1, 2])),
+        ("POST", f"{repo}/commit/main", b"\xff\xfe not utf-8\n"),
+        ("POST", f"{repo}/commit/main", lines({"key": "header", "value": {"summary": {"a": 1}, "parentCommit": 5}})),
+        ("POST", f"{repo}/tag/main", b'{"tag": ["x"]}'),
+        ("POST", f"{repo}/tag/main", b'{"tag": "t", "message": {"a": 1}}'),
+        ("POST", f"{repo}/branch/b", b'{"startingPoint": 5}'),
+        ("PUT", "/_lfs/" + "0" * 64 + "?size=x&sig=y", b"data"),
+        ("PUT", "/_lfs/" + "0" * 64 + "?size=-1&sig=y", b"data"),
+        ("GET", f"{repo}/tree/main/a%00b", None),
+        ("GET", "/org/m/resolve/main/a%0D%0AX-Evil:%201", None),
+    ]
+
+
+def test_malformed_requests_get_a_clear_4xx_on_every_route(server):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"1")])
+    before = server.store.refs("model", "org/m")
+    for method, path, body in _fuzz_cases():
+        status, hdrs, data = call(server, method, path, raw=body,
+                                  headers={"Content-Type": "application/json"} if body is not None else None)
+        assert 400 <= status < 500, (method, path, body, status, data[:300])
+        answer = json.loads(data)
+        assert "X-Evil" not in hdrs and (answer.get("error") or answer.get("errors")), (method, path)
+    # a bad Content-Length header
+    reply = raw_request(server, b"POST /api/repos/create HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                        + TOKEN.encode() + b"\r\nContent-Length: lots\r\n\r\n{}")
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert server.store.refs("model", "org/m")["branches"] == before["branches"]
+    assert call(server, "GET", "/api/whoami-v2")[0] == 200
