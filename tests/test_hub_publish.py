@@ -85,33 +85,46 @@ def read(server, repo, revision, path) -> bytes:
 def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from hf_unlearn.hub.keys import key_fingerprint
     from hf_unlearn.hub.publish import save_card_info
     from hf_unlearn.trace.hashing import state_hashes
 
-    trace = tmp_path / "trace"  # provenance: the keyed plan is published, the raw id manifest stays local
-    trace.mkdir()
-    (trace / "plan.jsonl").write_text(json.dumps({"step": 0, "ids": ["0123456789abcdef0123456789abcdef"]}) + "\n")
-    (trace / "id_manifest.json").write_text(json.dumps({"ids": FORGET}))
+    from .test_hub_cards import KEY, fake_run
+
+    # provenance: a run folder (its own key, as runs recorded before the one key have) plus a user's raw-id file
+    trace = fake_run(tmp_path / "trace", key=KEY)
+    (trace / "forget.json").write_text(json.dumps(FORGET))
     proc = client.cli("push", saved_model, "--repo", "org/tiny", "--revision", "deletion-0001",
                       "--dataset", "locuslab/TOFU", "--trace", trace)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "kept local (not published): id_manifest.json" in proc.stdout
+    assert "kept local (not published): forget.json" in proc.stdout
+    assert "kept local (not published): private/hmac.key" in proc.stdout
     refs = hub.store.refs("model", "org/tiny")
     first = refs["branches"]["main"]
     assert refs["tags"]["deletion-0001"]["target"] == first
     sha, files = hub.store.files("model", "org/tiny", "deletion-0001")
-    assert set(files) == EXPECTED_FILES | {"provenance/plan.jsonl"}
+    published = {f"provenance/{n}{s}" for n in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin",
+                                                "deletion_log.jsonl") for s in ("", ".sha256")}
+    assert set(files) == EXPECTED_FILES | published
     assert files["model.safetensors"].lfs_oid  # the weights went through LFS
     card = read(hub, "org/tiny", first, "README.md").decode()
-    assert not find_raw_ids(card, FORGET) and "unlearning_info.json" not in files
+    assert "unlearning_info.json" not in files and "3600" not in card
+    assert card.encode() == (saved_model / "README.md").read_bytes()  # the local card is the pushed one
     manifest = json.loads(read(hub, "org/tiny", first, "state_hashes.json"))
     assert manifest["params"] == state_hashes(load_file(saved_model / "model.safetensors")).params
     assert manifest["params_root"] in card and "provenance/plan.jsonl" in card
+    assert set(manifest["file_hashes"]) == set(files) - {"README.md", "state_hashes.json", ".gitattributes",
+                                                         "model.safetensors"}
     request = json.loads(read(hub, "org/tiny", first, "forget_request.json"))
     assert request["count"] == len(FORGET) and not find_raw_ids(request, FORGET)
+    # one key: the card's tags are the run's deletion-log tags (the run's key tags both)
+    log = json.loads(read(hub, "org/tiny", first, "provenance/deletion_log.jsonl"))
+    assert request["key_fingerprint"] == key_fingerprint(KEY) and set(log["forget_tags"]) <= set(request["tags"])
 
     proc = client.cli("verify", "org/tiny", "--revision", "deletion-0001")  # fresh cache
-    assert proc.returncode == 0 and f"OK: {len(manifest['params'])} tensors" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"OK: Proven: the {len(manifest['params'])} tensors and {len(manifest['file_hashes'])} other files" \
+        in proc.stdout and "Not proven" in proc.stdout
 
     # a second deletion request: new weights and a larger forget set -> its own commit and the next tag
     second = tmp_path / "second"
