@@ -2,7 +2,7 @@
 
 It answers the calls the real ``huggingface_hub`` client makes to publish and download a model repository
 (whoami, create repo, preupload, the NDJSON commit endpoint with inline and LFS files, LFS batch/upload/verify,
-validate-yaml, repo info, tree, refs, branches, tags, commits, and ``resolve`` downloads with ``X-Repo-Commit``,
+validate-yaml, repo info, tree, paths-info, refs, branches, tags, commits, and ``resolve`` downloads with ``X-Repo-Commit``,
 ``ETag`` and ``X-Linked-Etag``), so that ``HfApi``, ``hf_hub_download`` and ``snapshot_download`` work against it
 unchanged once ``HF_ENDPOINT`` points here. Tests use it as the Hub; teams use it as an internal model store
 (``hf-unlearn hub serve --root DIR --port N --token T``). Large files go through the LFS protocol, so clients must
@@ -38,7 +38,7 @@ MAX_JSON_BYTES = 16 * 1024 * 1024  # every other JSON body
 MAX_LFS_BYTES = 1 << 40
 MAX_CARD_BYTES = 1024 * 1024  # YAML front matter parsed for validate-yaml and repo info
 LFS_SUFFIXES = tuple(line.split()[0][1:] for line in GITATTRIBUTES.decode().splitlines())
-FAULT_POINTS = ("commit", "lfs-upload")
+FAULT_POINTS = ("commit", "lfs-upload", "tag")
 _T = r"(models|datasets|spaces)"
 _R = r"([^/]+)/([^/]+)"
 _PREFIX = r"^/(?:(datasets|spaces)/)?"
@@ -130,6 +130,7 @@ class HubServer:
 
         ``"commit"``: after the commit's objects and record are written, before the branch moves (so nothing is
         published). ``"lfs-upload"``: after half of an LFS upload body has been read (nothing is stored).
+        ``"tag"``: a tag creation request, before the tag is created.
         """
         if point not in FAULT_POINTS:
             raise ValueError(f"unknown fault point {point!r}; choose one of {FAULT_POINTS}")
@@ -428,6 +429,26 @@ class _Handler(BaseHTTPRequestHandler):
                   for p in folders]
         self._json(sorted(items, key=lambda i: i["path"]))
 
+    def paths_info(self, rtypes, ns, name, revision):
+        """POST paths-info: the tree entries of the given paths (form-encoded ``paths=...``), missing ones left out."""
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._readable(rtype, repo_id)
+        body = self._body(min(self.hub.max_body_bytes, MAX_JSON_BYTES))
+        try:
+            form = parse_qs(body.decode("utf-8"), strict_parsing=bool(body))
+        except (UnicodeDecodeError, ValueError):
+            raise StoreError(400, "paths-info expects a form-encoded body (paths=...)") from None
+        _, files = self.hub.store.files(rtype, repo_id, revision)
+        items = []
+        for path in dict.fromkeys(form.get("paths", [])):
+            path = clean_path(path.strip("/"))
+            if path in files:
+                items.append(files[path].tree_item())
+            elif any(p.startswith(path + "/") for p in files):
+                items.append({"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0,
+                              "path": path})
+        self._json(items)
+
     def refs(self, rtypes, ns, name):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
         self._readable(rtype, repo_id)
@@ -459,6 +480,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.hub.store.create_ref(rtype, repo_id, "branch", ref,
                                           _field(body, "startingPoint", str) or "main")
             else:  # POST /tag/{revision} {"tag": name, "message": ...}
+                if self.hub._take_fault("tag"):
+                    raise _Abort()
                 self.hub.store.create_ref(rtype, repo_id, "tag", _field(body, "tag", str, required=True), ref,
                                           _field(body, "message", str, default=""))
         self._json({})
@@ -656,6 +679,7 @@ _ROUTES = [(m, re.compile(p), n) for m, p, n in [
     ("POST", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
     ("DELETE", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
     ("POST", rf"^/api/{_T}/{_R}/preupload/([^/]+)$", "preupload"),
+    ("POST", rf"^/api/{_T}/{_R}/paths-info/([^/]+)$", "paths_info"),
     ("POST", rf"^/api/{_T}/{_R}/commit/([^/]+)$", "commit"),
     ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/batch$", "lfs_batch"),
     ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/verify$", "lfs_verify"),
