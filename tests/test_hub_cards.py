@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hf_unlearn.errors import UnlearnError
-from hf_unlearn.hub.cards import find_raw_ids, render_model_card
+from hf_unlearn.hub.cards import check_card_metadata, find_raw_ids, render_model_card
 from hf_unlearn.hub.keys import key_fingerprint, keyed_tag, keyed_tags, load_key
 
 from .conftest import ROOT
@@ -264,3 +264,37 @@ def test_trainer_mixin_writes_the_card_and_keeps_raw_ids_local(tmp_path, tiny_ll
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and meta["hf_unlearn"]["params_root"]
     assert json.loads((tmp_path / "unlearning_info.json").read_text())["forget_ids"] == FORGET  # local only
     assert not find_raw_ids(text, FORGET)
+
+
+def test_card_details_base_model_index_ties_peft_values_and_the_step_budget(tmp_path):
+    from peft import LoraConfig
+
+    from hf_unlearn.hub.cards import public_value
+    from hf_unlearn.hub.publish import _base_model
+
+    manifest = {"params": {"a": "0" * 64}, "params_root": "1" * 64, "root": "2" * 64, "not_saved": ["lm_head.weight"],
+                "state_dict_root": "3" * 64, "file_hashes": {"config.json": "4" * 64}, "files_root": "5" * 64}
+    lora = LoraConfig(r=4, target_modules=["v_proj", "q_proj"])
+    hyper = {"max_steps": 10, "num_train_epochs": 3.0, "peft": {"type": lora.peft_type, "modules": lora.target_modules}}
+    text = render_model_card(card_info(hyperparameters=hyper, evaluation={"forget_quality": 0.5}), key=KEY,
+                             manifest=manifest)
+    meta = check_card_metadata(text)
+    assert meta["model-index"][0]["results"][0]["metrics"][0]["type"] == "forget_quality"  # even without datasets
+    assert "\n\nTied weights are stored once" in text and "`lm_head.weight`." in text
+    assert '{"type": "LORA", "modules": ["q_proj", "v_proj"]}' in text and "PeftType" not in text
+    assert "| max_steps | 10 |" in text and "num_train_epochs" not in text
+    assert meta["hf_unlearn"]["state_dict_root"] == "3" * 64 and meta["hf_unlearn"]["files_root"] == "5" * 64
+    assert public_value({"s": {3, 1}, "t": (1, 2)}) == {"s": [1, 3], "t": [1, 2]}
+    epochs = render_model_card(card_info(hyperparameters={"max_steps": -1, "num_train_epochs": 3.0}), key=KEY)
+    assert "| num_train_epochs | 3.0 |" in epochs and "max_steps" not in epochs
+    # base_model: the first Hub id known (argument, card info, adapter, model config, the trace header), never a path
+    staging, trace = tmp_path / "staging", tmp_path / "trace"
+    staging.mkdir()
+    trace.mkdir()
+    (staging / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path)}))
+    (trace / "header.json").write_text(json.dumps({"model": {"config": {"_name_or_path": "org/recorded-base"}}}))
+    info = {"extra": {}}
+    assert _base_model(staging, None, info, None, None) is None
+    assert _base_model(staging, None, info, None, trace) == "org/recorded-base"
+    assert _base_model(staging, None, info, {"base_model": "org/adapter-base"}, trace) == "org/adapter-base"
+    assert _base_model(staging, "org/given", info, None, trace) == "org/given"

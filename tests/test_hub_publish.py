@@ -578,3 +578,153 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     assert out["weights rewritten"]["ok"] and not out["weights rewritten, expect root"]["ok"]
     assert any("does not load" in p for p in out["no config"]["problems"])
     assert out["extra file"]["problems"] == ["file not covered by the manifest: modeling_extra.py"]
+
+
+# -- item 8: a LoRA run publishes something loadable ---------------------------------------------------------------------
+LORA_SCRIPT = r"""
+import copy, json, sys, tempfile
+from pathlib import Path
+import torch
+from huggingface_hub import snapshot_download
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from hf_unlearn.data import QACollator, load_tofu, tokenize_qa
+from hf_unlearn.hub import UnlearningHubMixin, push_unlearned
+from hf_unlearn.hub.server import _front_matter
+from hf_unlearn.hub.verify import verify_on_hub
+from hf_unlearn.models import build_tiny_model, load_tokenizer
+
+tokenizer_dir, tofu_dir = sys.argv[1:3]
+tmp = Path(tempfile.mkdtemp())
+tok = load_tokenizer(tokenizer_dir)
+build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2).save_pretrained(tmp / "base")
+tok.save_pretrained(tmp / "base")
+rows = tokenize_qa(load_tofu("forget01", tofu_dir).select(range(4)), tok, max_length=64)
+
+class ToyGradientAscent(UnlearningHubMixin, Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        inputs.pop("id", None)
+        out = model(**inputs)
+        return (-out.loss, out) if return_outputs else -out.loss
+
+    def unlearning_card_info(self):
+        return {"method": "GradAscent", "forget_ids": list(rows["id"]), "citation": "", "paper": "",
+                "hyperparameters": {"learning_rate": self.args.learning_rate, "max_steps": self.args.max_steps,
+                                    "num_train_epochs": self.args.num_train_epochs, "peft": {"type": "PeftType.LORA"}}}
+
+def unlearn(out, hub_name=None):
+    model = AutoModelForCausalLM.from_pretrained(tmp / "base")
+    if hub_name:
+        model.config._name_or_path = hub_name  # as if it had been loaded from the Hub
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = TrainingArguments(output_dir=str(tmp / out), max_steps=2, learning_rate=1e-2, report_to=[],
+                             per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="no",
+                             use_cpu=True, disable_tqdm=True)
+    trainer = ToyGradientAscent(model=model, args=args, train_dataset=rows, processing_class=tok,
+                                data_collator=QACollator.from_tokenizer(tok))
+    trainer.train()
+    return trainer
+
+trainer = unlearn("a", "org/tiny-base")
+result = trainer.push_to_hub("org/lora", deletion=True)
+merged = copy.deepcopy(trainer.model).merge_and_unload()
+folder = Path(snapshot_download("org/lora", revision=result.tag, cache_dir=str(tmp / "cache")))
+loaded = AutoModelForCausalLM.from_pretrained(folder)
+x = torch.tensor([[1, 2, 3, 4, 5]])
+base = AutoModelForCausalLM.from_pretrained(tmp / "base")
+report = verify_on_hub("org/lora", result.tag, expect_root=result.state_dict_root, expect_commit=result.commit)
+card = (folder / "README.md").read_text()
+# a folder holding only the adapter (its base a local path) is merged on the way
+second = unlearn("b")
+second.save_model()
+folder_result = push_unlearned(tmp / "b", "org/lora-dir", card_info=second.unlearning_card_info(), deletion=True)
+print(json.dumps({
+    "files": result.files, "dir_files": folder_result.files,
+    "same_logits": torch.equal(loaded(x).logits, merged(x).logits),
+    "moved": not torch.equal(loaded(x).logits, base(x).logits),
+    "verified": report.ok and report.anchored, "dir_verified": verify_on_hub("org/lora-dir", folder_result.tag).ok,
+    "meta": _front_matter(card), "card": card,
+    "local_card_is_pushed": (tmp / "a" / "README.md").read_text() == card,
+}))
+"""
+
+
+def test_a_lora_run_publishes_the_merged_model_that_loads_and_verifies(client):
+    import os
+
+    from .conftest import TOFU_DIR
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
+    proc = subprocess.run([sys.executable, "-c", LORA_SCRIPT, str(TOKENIZERS / "gpt2"), str(TOFU_DIR)],
+                          capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for files in (out["files"], out["dir_files"]):
+        assert "config.json" in files and "model.safetensors" in files
+        assert not any(f.startswith("adapter_") for f in files)
+    assert out["same_logits"] and out["moved"]  # loads with plain transformers, to the merged (unlearned) model
+    assert out["verified"] and out["dir_verified"]
+    meta, card = out["meta"], out["card"]
+    assert meta["base_model"] == "org/tiny-base" and meta["library_name"] == "transformers"
+    assert "PeftType" not in card and "{'" not in card
+    assert '| peft | {"peft_type": "LORA", "r": 4, "lora_alpha": 8' in card
+    assert '"target_modules": ["q_proj", "v_proj"]' in card and "**merged** model" in card
+    assert "| max_steps | 2 |" in card and "num_train_epochs" not in card
+    assert out["local_card_is_pushed"]
+
+
+# -- items 4 and 5: a real recorded run, replayed, published with its provenance under the one key -----------------------
+EXACT_SCRIPT = r"""
+import json, secrets, shutil, string, sys, tempfile
+from pathlib import Path
+from tests.test_trace_common import get_trace_data, record
+from hf_unlearn.hub.verify import verify_on_hub
+from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store
+from hf_unlearn.trace.run import read_deletion_log
+
+# a folder name without digits, so no number in the run's recorded paths can equal an id by chance
+root = Path(tempfile.gettempdir()) / ("hfu-exact-" + "".join(secrets.choice(string.ascii_lowercase) for _ in range(12)))
+try:
+    tok, data = get_trace_data()
+    record(tok, data, root / "rec")
+    run = open_run(root / "rec" / "trace")
+    config = run.header["model"]["config"]
+    forget = [config["hidden_size"], config["head_dim"]]  # ids equal to numbers of the run's own configuration
+    redact_store(run.store_path, forget, root / "store", run.key)
+    replay = RedactedReplayTrainer(run, root / "store", forget, root / "replay")
+    replay.train()
+    (root / "replay" / "forget.json").write_text(json.dumps(forget))  # a user's file next to the run
+    result = replay.push_to_hub("org/exact", deletion=True, trace_dir=root / "replay")
+    log = read_deletion_log(root / "replay")
+    report = verify_on_hub("org/exact", result.tag, expect_root=log[-1]["params_root"], expect_commit=result.commit)
+    print(json.dumps({"files": result.files, "kept_local": result.skipped_provenance, "log": log[-1],
+                      "header_fingerprint": run.header["key_fingerprint"], "own_key": (run.path / "private" /
+                      "hmac.key").exists(), "verified": report.ok, "anchored": report.anchored,
+                      "statement": report.statement, "problems": report.problems}))
+finally:
+    shutil.rmtree(root, ignore_errors=True)
+"""
+
+
+def test_a_replay_publishes_its_checked_provenance_and_tags_that_match_its_deletion_log(client, hub):
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
+    proc = subprocess.run([sys.executable, "-c", EXACT_SCRIPT], capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    provenance = {f[len("provenance/"):] for f in out["files"] if f.startswith("provenance/")}
+    names = {"header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"}
+    assert provenance == names | {f"{n}.sha256" for n in names}  # the allowlist, sidecars included
+    kept = set(out["kept_local"])
+    assert "forget.json" in kept and any(k.startswith("private/") for k in kept)
+    assert any(k.startswith("checkpoints/") for k in kept) and "model.safetensors" in kept
+    # one key: the run has no key of its own, and the card's tags are exactly the deletion log's
+    assert not out["own_key"]
+    request = json.loads(read(hub, "org/exact", "deletion-0001", "forget_request.json"))
+    assert request["tags"] == sorted(out["log"]["forget_tags"])
+    assert request["key_fingerprint"] == out["header_fingerprint"]
+    # the published weights are the replay's final state: verified against the root its deletion log records
+    assert out["verified"] and out["anchored"], out["problems"]
+    assert out["log"]["params_root"] in out["statement"]

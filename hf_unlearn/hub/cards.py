@@ -202,8 +202,9 @@ def render_model_card(
                "key_fingerprint": request["key_fingerprint"]}
     if manifest:
         summary.update(manifest="state_hashes.json", params_root=manifest["params_root"], root=manifest["root"])
-        if manifest.get("files_root"):
-            summary["files_root"] = manifest["files_root"]
+        for root_name in ("state_dict_root", "files_root"):
+            if manifest.get(root_name):
+                summary[root_name] = manifest[root_name]
     if exact and exact.get("params_root"):
         summary["exact_deletion_params_root"] = exact["params_root"]
     if tag:

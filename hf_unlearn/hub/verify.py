@@ -142,8 +142,9 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
                                    f"{card_hashes['params_root']}")
         if card_hashes.get("root") and card_hashes["root"] != manifest.get("root"):
             report.problems.append("the card's root differs from the manifest's root")
-        if card_hashes.get("files_root") != manifest.get("files_root"):
-            report.problems.append("the card's files_root differs from the manifest's")
+        for name in ("files_root", "state_dict_root"):
+            if card_hashes.get(name) != manifest.get(name):
+                report.problems.append(f"the card's {name} differs from the manifest's")
 
     if load:
         _check_loads(folder, manifest, report)
