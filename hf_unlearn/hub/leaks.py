@@ -139,6 +139,17 @@ class IdScanner:
         self._walk(value, field, numbers, hits)
         return self._allowed_out(hits)
 
+    def scan_strings(self, value: Any, field: str) -> list[Hit]:
+        """Hits in every string below ``value`` (numbers inside the texts included); the non-string values are
+        left alone (for structures whose numbers are known to be configuration, not ids)."""
+        if isinstance(value, str):
+            return self.scan_text(value, field)
+        if isinstance(value, Mapping):
+            return [h for k, v in value.items() for h in self.scan_strings(v, f"{field}.{k}")]
+        if isinstance(value, (list, tuple)):
+            return [h for n, v in enumerate(value) for h in self.scan_strings(v, f"{field}[{n}]")]
+        return []
+
     def _walk(self, value, path: str, numbers: bool, hits: list[Hit]) -> None:
         if value is None or isinstance(value, bool):
             return

@@ -136,22 +136,11 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     texts = {"training_args": header.get("training_args"), "parent": header.get("parent"),
              "model.config._name_or_path": ((header.get("model") or {}).get("config") or {}).get("_name_or_path")}
     for key, value in texts.items():
-        hits += [h for h in _strings(value, field + key, scanner)]
+        hits += scanner.scan_strings(value, field + key)
     for key in ("created", "finished"):
         if header.get(key) is not None and not (isinstance(header[key], str) and _TIME.match(header[key])):
             _fail(name, f"{key} is not a time")
     return hits
-
-
-def _strings(value, where: str, scanner: IdScanner) -> list[Hit]:
-    """Every string below ``value`` scanned with numbers (the numbers themselves are configuration)."""
-    if isinstance(value, str):
-        return scanner.scan_text(value, where)
-    if isinstance(value, dict):
-        return [h for k, v in value.items() for h in _strings(v, f"{where}.{k}", scanner)]
-    if isinstance(value, list):
-        return [h for n, v in enumerate(value) for h in _strings(v, f"{where}[{n}]", scanner)]
-    return []
 
 
 def _wal(path: Path, name: str, scanner: IdScanner) -> list[Hit]:

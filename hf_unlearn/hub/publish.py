@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..trace.run import file_sha256
 from ..utils import atomic_write_text
 from .cards import card_scanner, checked_card_info, forget_request, hub_model_id, normalize_card_info, render_model_card
 from .leaks import Hit, IdScanner
@@ -142,14 +143,6 @@ def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[st
                 hashes[name] = tensor_hash(name, f.get_tensor(name))
         layout[path.name] = names
     return hashes, layout
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hashed_files(folder: Path) -> dict[str, str]:
@@ -374,7 +367,7 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
                     continue
                 hits += scanner.scan_text(str(key), where + " (key)")
                 if key in known:  # configuration numbers; its strings are still texts the user may have chosen
-                    hits += scanner.scan(value, where, numbers=False) + _string_hits(value, where, scanner)
+                    hits += scanner.scan(value, where, numbers=False) + scanner.scan_strings(value, where)
                 else:
                     hits += scanner.scan(value, where)
         elif name == "tokenizer.json":
@@ -395,16 +388,6 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
         else:
             hits += scanner.scan_text(path.read_text(encoding="utf-8", errors="replace"), name)
     return hits
-
-
-def _string_hits(value, where: str, scanner: IdScanner) -> list[Hit]:
-    if isinstance(value, str):
-        return scanner.scan_text(value, where)
-    if isinstance(value, Mapping):
-        return [h for k, v in value.items() for h in _string_hits(v, f"{where}.{k}", scanner)]
-    if isinstance(value, list):
-        return [h for n, v in enumerate(value) for h in _string_hits(v, f"{where}[{n}]", scanner)]
-    return []
 
 
 def _load_json(path: Path):
