@@ -150,7 +150,7 @@ def hashed_files(folder: Path) -> dict[str, str]:
     out = {}
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
-        if p.is_file() and rel not in NOT_HASHED and not rel.endswith(".safetensors") and not rel.startswith("."):
+        if p.is_file() and rel not in NOT_HASHED and not rel.endswith(".safetensors"):
             out[rel] = file_sha256(p)
     return out
 
