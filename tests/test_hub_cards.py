@@ -160,6 +160,10 @@ def fake_run(folder, key=KEY, ids=(3600, 3601, 3602, 3603)):
         "steps_replayed": 1, "params_root": "a" * 64, "optimizer_root": "b" * 64, "parent_run": "trace"}) + "\n")
     for name in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"):
         write_sidecar(folder / name)
+    (folder / "model").mkdir()
+    (folder / "model" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "pad_token_id": 3600, "hidden_size": 3601, "id2label": {"3602": "LABEL_3602"},
+        "_name_or_path": "HuggingFaceTB/SmolLM2-135M", "transformers_version": "5.24.0"}))
     (folder / "private" / "store").mkdir(parents=True)
     (folder / "private" / "hmac.key").write_bytes(key)
     (folder / "private" / "hmac.key").chmod(0o600)
@@ -178,7 +182,7 @@ def test_provenance_is_an_allowlist_checked_against_the_schema(tmp_path):
     scanner = IdScanner([3600, 3601, 3602, 3603])
     keep, skipped, hits = select_provenance(run, scanner)
     files = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl")
-    assert sorted(keep) == sorted(files + tuple(f + ".sha256" for f in files))
+    assert sorted(keep) == sorted(files + tuple(f + ".sha256" for f in files) + ("model/config.json",))
     assert hits == []  # configuration numbers (pad_token_id, seeds, lengths) equal to ids are not ids
     assert set(skipped) == {"forget.json", "private/hmac.key", "private/meta.json", "checkpoints/step-00000001/hashes.json"}
 
@@ -208,6 +212,8 @@ def test_provenance_is_an_allowlist_checked_against_the_schema(tmp_path):
     refused(lambda f: (f / "deletion_log.jsonl").write_text(json.dumps({"forget_ids": [3600]}) + "\n"),
             "deletion_log.jsonl:forget_ids")
     refused(lambda f: (f / "plan.jsonl.sha256").write_text("3600 ids\n"), "sidecar")
+    refused(lambda f: (f / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "rows": [3601]})),
+            "model/config.json:rows")
     with pytest.raises(SchemaError):
         bad = fake_run(tmp_path / "badjson")
         (bad / "deletion_log.jsonl").write_text("{not json\n")

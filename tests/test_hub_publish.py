@@ -104,7 +104,7 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     assert refs["tags"]["deletion-0001"]["target"] == first
     sha, files = hub.store.files("model", "org/tiny", "deletion-0001")
     published = {f"provenance/{n}{s}" for n in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin",
-                                                "deletion_log.jsonl") for s in ("", ".sha256")}
+                                                "deletion_log.jsonl") for s in ("", ".sha256")} | {"provenance/model/config.json"}
     assert set(files) == EXPECTED_FILES | published
     assert files["model.safetensors"].lfs_oid  # the weights went through LFS
     card = read(hub, "org/tiny", first, "README.md").decode()
@@ -716,7 +716,7 @@ def test_a_replay_publishes_its_checked_provenance_and_tags_that_match_its_delet
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     provenance = {f[len("provenance/"):] for f in out["files"] if f.startswith("provenance/")}
     names = {"header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"}
-    assert provenance == names | {f"{n}.sha256" for n in names}  # the allowlist, sidecars included
+    assert provenance == names | {f"{n}.sha256" for n in names} | {"model/config.json"}  # the allowlist
     kept = set(out["kept_local"])
     assert "forget.json" in kept and any(k.startswith("private/") for k in kept)
     assert any(k.startswith("checkpoints/") for k in kept) and "model.safetensors" in kept

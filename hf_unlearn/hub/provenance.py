@@ -1,9 +1,9 @@
 """``--trace`` provenance: an allowlist of the files the trace code writes, each checked against its schema.
 
 Published from a recorded run (or a replay's output, which is a run too): ``header.json``, ``plan.jsonl``,
-``wal.bin``, ``manifest.bin``, ``deletion_log.jsonl``, ``verification.json`` and their ``.sha256`` sidecars.
-Nothing else leaves: not ``private/`` (the key, the token store), not checkpoints, not the rebuilt model config,
-and not whatever else happens to sit in the folder (a ``forget.json`` of raw ids): those are listed as kept local.
+``wal.bin``, ``manifest.bin``, ``deletion_log.jsonl``, ``verification.json``, their ``.sha256`` sidecars and the
+run's ``model/config.json``. Nothing else leaves: not ``private/`` (the key, the token store), not checkpoints, and
+not whatever else happens to sit in the folder (a ``forget.json`` of raw ids): those are listed as kept local.
 
 Every allowlisted file is checked before anything is sent: plan lines hold keyed tags only (16 hex digits or
 null) in the fields of :class:`hf_unlearn.trace.plan.PlanEntry`; the WAL is whole 32-byte records with valid CRCs
@@ -143,6 +143,15 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     return hits
 
 
+def _model_config(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
+    from .publish import scan_config
+
+    data = _json(path, name)
+    if not isinstance(data, dict) or "model_type" not in data:
+        _fail(name, "not a model config (no model_type)")
+    return scan_config(data, f"{PREFIX}/{name}", scanner)
+
+
 def _wal(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     from ..trace.wal import RECORD_SIZE, read_wal
 
@@ -163,7 +172,7 @@ def _manifest(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 CHECKERS: dict[str, Callable[[Path, str, IdScanner], list[Hit]]] = {
     "header.json": _header, "plan.jsonl": _plan, "wal.bin": _wal, "manifest.bin": _manifest,
-    "deletion_log.jsonl": _deletion_log, "verification.json": _verification,
+    "deletion_log.jsonl": _deletion_log, "verification.json": _verification, "model/config.json": _model_config,
 }
 
 

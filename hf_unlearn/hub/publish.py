@@ -359,17 +359,7 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
         if name.endswith(".safetensors"):
             hits += _scan_safetensors(path, scanner)
         elif name in ("config.json", "generation_config.json"):
-            data = _load_json(path)
-            known = _known_config_keys(data, name == "generation_config.json") if isinstance(data, dict) else set()
-            for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
-                where = f"{name}:{key}"
-                if key in _VERSION_KEYS:
-                    continue
-                hits += scanner.scan_text(str(key), where + " (key)")
-                if key in known:  # configuration numbers; its strings are still texts the user may have chosen
-                    hits += scanner.scan(value, where, numbers=False) + scanner.scan_strings(value, where)
-                else:
-                    hits += scanner.scan(value, where)
+            hits += scan_config(_load_json(path), name, scanner, generation=name == "generation_config.json")
         elif name == "tokenizer.json":
             data = _load_json(path)
             if isinstance(data, dict) and isinstance(data.get("model"), dict):
@@ -387,6 +377,26 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
             continue  # the tokenizer's learned vocabulary: not written from the training data's ids
         else:
             hits += scanner.scan_text(path.read_text(encoding="utf-8", errors="replace"), name)
+    return hits
+
+
+def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -> list[Hit]:
+    """Forget ids in a model (or generation) config: the fields the config class defines hold configuration, so
+    their numbers and label names are not matched (``pad_token_id``, ``id2label``), only string ids and the path
+    in ``_name_or_path``; every field the class does not define is matched in full."""
+    known = _known_config_keys(data, generation) if isinstance(data, dict) else set()
+    hits: list[Hit] = []
+    for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
+        where = f"{name}:{key}"
+        if key in _VERSION_KEYS:
+            continue
+        hits += scanner.scan_text(str(key), where + " (key)")
+        if key == "_name_or_path":
+            hits += scanner.scan_strings(value, where)
+        elif key in known:
+            hits += scanner.scan(value, where, numbers=False)
+        else:
+            hits += scanner.scan(value, where)
     return hits
 
 
