@@ -136,6 +136,26 @@ def test_verify_folder_names_tampered_tensors(tmp_path, tiny_llama):
     assert torch.equal(tensors["model.embed_tokens.weight"], tiny_llama.model.embed_tokens.weight.detach())
 
 
+@pytest.mark.parametrize("smuggled", ["adapter_model.safetensors", "sub/model.safetensors", ".hidden/x.safetensors"])
+def test_verify_folder_refuses_safetensors_files_it_does_not_hash_per_tensor(tmp_path, tiny_llama, smuggled):
+    """An adapter (which transformers would apply on load) or a subfolder's weights slipped into a revision: they
+    are not hashed per tensor, so they must be covered by file hash like everything else, or verify fails."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.hub.verify import verify_folder
+
+    tiny_llama.save_pretrained(tmp_path)
+    manifest = build_manifest(tmp_path)
+    (tmp_path / "state_hashes.json").write_text(json.dumps(manifest))
+    (tmp_path / "README.md").write_text(render_model_card(card_info(), key=KEY, manifest=manifest))
+    (tmp_path / smuggled).parent.mkdir(parents=True, exist_ok=True)
+    save_file({"x": torch.zeros(2)}, tmp_path / smuggled)
+    report = verify_folder(tmp_path, load=False)
+    assert f"file not covered by the manifest: {smuggled}" in report.problems, report.summary()
+
+
 def fake_run(folder, key=KEY, ids=(3600, 3601, 3602, 3603)):
     """A run folder as the trace code writes it (header, plan, WAL, manifest, deletion log, sidecars, private/)."""
     from hf_unlearn.trace.plan import PlanEntry

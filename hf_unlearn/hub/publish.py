@@ -146,11 +146,15 @@ def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[st
 
 
 def hashed_files(folder: Path) -> dict[str, str]:
-    """SHA-256 of every file of a repository folder that the manifest covers by file (all but weights and card)."""
+    """SHA-256 of every file of a repository folder that the manifest covers by file: all but the card, the
+    manifest and the weights hashed per tensor (top-level ``*.safetensors``; an adapter's or a subfolder's
+    safetensors file is hashed here like any other file, so it cannot sit in a revision unchecked)."""
+    folder = Path(folder)
+    tensors = {p.name for p in safetensors_files(folder)}
     out = {}
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
-        if p.is_file() and rel not in NOT_HASHED and not rel.endswith(".safetensors"):
+        if p.is_file() and rel not in NOT_HASHED and rel not in tensors:
             out[rel] = file_sha256(p)
     return out
 
