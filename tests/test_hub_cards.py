@@ -324,3 +324,44 @@ def test_card_details_base_model_index_ties_peft_values_and_the_step_budget(tmp_
     assert _base_model(staging, None, info, None, trace) == "org/recorded-base"
     assert _base_model(staging, None, info, {"base_model": "org/adapter-base"}, trace) == "org/adapter-base"
     assert _base_model(staging, "org/given", info, None, trace) == "org/given"
+
+
+def test_expected_values_come_from_the_publishers_records(tmp_path):
+    from hf_unlearn.hub.verify import expected_from
+
+    out = tmp_path / "out"
+    out.mkdir()
+    c1, c2, c3 = "1" * 40, "2" * 40, "3" * 40
+    pushes = [{"repo_id": "org/m", "tag": "deletion-0001", "commit": c1, "params_root": "p1", "state_dict_root": "s1"},
+              {"repo_id": "org/other", "tag": "deletion-0001", "commit": c3, "params_root": "p3", "state_dict_root": "s3"},
+              {"repo_id": "org/m", "tag": "deletion-0002", "commit": c2, "params_root": "p2", "state_dict_root": "s2"}]
+    (out / "hub_pushes.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pushes))
+    assert expected_from(out, "org/m", "deletion-0001") == {"expect_root": "s1", "expect_commit": c1}
+    assert expected_from(out / "hub_pushes.jsonl", "org/m", c2) == {"expect_root": "s2", "expect_commit": c2}
+    assert expected_from(out, "org/m") == expected_from(out, "org/m", "main") == {"expect_root": "s2",
+                                                                                  "expect_commit": c2}
+    with pytest.raises(UnlearnError, match="no push of org/m tagged or committed as 'deletion-0003'"):
+        expected_from(out, "org/m", "deletion-0003")  # never falls back to another push's values
+    with pytest.raises(UnlearnError, match="records no push of org/nope"):
+        expected_from(out, "org/nope")
+
+    run = fake_run(tmp_path / "run")  # a deletion log: the last request's root (no commit: the log never saw one)
+    with open(run / "deletion_log.jsonl", "a") as f:
+        f.write(json.dumps({"request": 2, "params_root": "c" * 64, "forget_tags": []}) + "\n")
+    assert expected_from(run, "org/m", "deletion-0002") == {"expect_root": "c" * 64}
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    (replay / "verification.json").write_text(json.dumps({"identical": True, "roots": {"a": {"params": "d" * 64}}}))
+    assert expected_from(replay, "org/m") == {"expect_root": "d" * 64}
+
+    for name, text, match in [("deletion_log.jsonl", '{"request": 1}\n', "no params_root"),
+                              ("verification.json", "{}", "not a replay verification record"),
+                              ("hub_pushes.jsonl", "not json\n", "not valid JSON")]:
+        bad = tmp_path / f"bad-{name}"
+        bad.mkdir()
+        (bad / name).write_text(text)
+        with pytest.raises(UnlearnError, match=match):
+            expected_from(bad, "org/m")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnlearnError, match="holds no hub_pushes.jsonl"):
+        expected_from(tmp_path / "empty", "org/m")

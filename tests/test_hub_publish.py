@@ -272,6 +272,11 @@ SMUGGLED = {  # case: (what is smuggled, where the refusal must point)
     "string id, other case": ({"info": {"extra": {"note": "dropped tofu-author-7"}}}, "extra.note (id"),
     "string id, URL-encoded": ({"info": {"extra": {"url": "https://x.org/?id=TOFU%2DAuthor%2D7"}}}, "extra.url"),
     "string id in a dataset name": ({"kwargs": {"datasets": ["org/TOFU-AUTHOR-7"]}}, "datasets[0]"),
+    "string id, other separators": ({"info": {"extra": {"note": "tofu_author 7"}}}, "extra.note (id"),
+    "ordinal": ({"info": {"extra": {"note": "the 3614th row"}}}, "extra.note (number 3614)"),
+    "thousands separator": ({"kwargs": {"commit_message": "drop row 3,615"}}, "commit_message (number 3,615)"),
+    "branch name": ({"kwargs": {"revision": "forget-3611"}}, "branch (number 3611)"),
+    "file name": ({"rename": ["model.safetensors", "model-3610.safetensors"]}, "file name model-3610.safetensors"),
 }
 
 SMUGGLE_SCRIPT = r"""
@@ -322,7 +327,7 @@ def smuggled(tmp_path_factory, saved_model):
         cases = {}
         for n, (name, (case, _)) in enumerate(SMUGGLED.items()):
             source = saved_model
-            if any(k in case for k in ("config", "metadata", "tokenizer_config")):
+            if any(k in case for k in ("config", "metadata", "tokenizer_config", "rename")):
                 source = tmp / f"src{n}"
                 shutil.copytree(saved_model, source)
                 for file, extra in (("config.json", case.get("config")),
@@ -333,6 +338,8 @@ def smuggled(tmp_path_factory, saved_model):
                 if case.get("metadata"):
                     save_file(load_file(source / "model.safetensors"), source / "model.safetensors",
                               metadata=case["metadata"])
+                if case.get("rename"):
+                    (source / case["rename"][0]).rename(source / case["rename"][1])
             kwargs = dict(case.get("kwargs", {}))
             if case.get("template"):
                 (tmp / f"template{n}.md").write_text(case["template"])
@@ -466,10 +473,11 @@ def test_concurrent_deletion_pushes_take_distinct_tags_and_tag_every_commit(clie
 # -- item 6: hub verify proves what it says ---------------------------------------------------------------------------
 VERIFY_SCRIPT = r"""
 import json, sys
-from hf_unlearn.hub.verify import verify_on_hub
+from hf_unlearn.hub.verify import expected_from, verify_on_hub
 out = {}
-for name, (revision, root, commit) in json.loads(sys.argv[1]).items():
-    r = verify_on_hub("org/v", revision, expect_root=root, expect_commit=commit)
+for name, (revision, root, commit, *record) in json.loads(sys.argv[1]).items():
+    expect = expected_from(record[0], "org/v", revision) if record else {"expect_root": root, "expect_commit": commit}
+    r = verify_on_hub("org/v", revision, **expect)
     out[name] = {"ok": r.ok, "anchored": r.anchored, "statement": r.statement, "problems": r.problems,
                  "mismatched": r.mismatched, "loaded": r.loaded}
 print(json.dumps(out))
@@ -559,6 +567,9 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
         "weights rewritten, expect root": ["t-weights-rewritten", root, None],
         "no config": ["t-no-config", None, None],
         "extra file": ["t-extra-file", None, None],
+        "record, tag": ["deletion-0001", None, None, str(saved_model)],  # OUT/hub_pushes.jsonl of the push
+        "record, rewritten branch": ["t-weights-rewritten", None, None, str(saved_model / "hub_pushes.jsonl")],
+        "record, rewritten config": ["t-config-rewritten", None, None, str(saved_model)],
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
     proc = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -578,6 +589,16 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     assert out["weights rewritten"]["ok"] and not out["weights rewritten, expect root"]["ok"]
     assert any("does not load" in p for p in out["no config"]["problems"])
     assert out["extra file"]["problems"] == ["file not covered by the manifest: modeling_extra.py"]
+    # the push's own record anchors the check: the tag verifies, a branch whose writer rewrote everything does not
+    assert out["record, tag"]["anchored"] and root in out["record, tag"]["statement"]
+    assert commit in out["record, tag"]["statement"]
+    for case in ("record, rewritten branch", "record, rewritten config"):
+        assert not out[case]["ok"] and any(f"not the expected commit {commit}" in p for p in out[case]["problems"])
+    assert any("expected root" in p for p in out["record, rewritten branch"]["problems"])
+    proc = client.cli("verify", "org/v", "--revision", "deletion-0001", "--expect-from", saved_model)
+    assert proc.returncode == 0 and f"expected root {root}" in proc.stdout, proc.stderr[-3000:]
+    proc = client.cli("verify", "org/v", "--expect-from", saved_model, "--expect-root", "0" * 64)
+    assert proc.returncode == 1 and "disagrees with" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # -- item 8: a LoRA run publishes something loadable ---------------------------------------------------------------------

@@ -42,6 +42,9 @@ def register(parser) -> None:
                                                          "your deletion log / hub_pushes.jsonl, or the saved-tensor "
                                                          "root): a value the repository cannot rewrite")
     v.add_argument("--expect-commit", metavar="SHA", help="the revision must be exactly this commit")
+    v.add_argument("--expect-from", metavar="RECORD", help="take --expect-root (and --expect-commit) from your own "
+                                                           "record: OUT/hub_pushes.jsonl, a run's deletion_log.jsonl, "
+                                                           "a replay's verification.json, or the folder holding it")
     v.add_argument("--no-load", action="store_true", help="do not load the model (verify then fails: loading is "
                                                            "part of the claim; for inspecting large models)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -106,11 +109,18 @@ def _push(args) -> int:
 def _verify(args) -> int:
     import sys
 
-    from ..hub.verify import verify_on_hub
+    from ..errors import UnlearnError
+    from ..hub.verify import expected_from, verify_on_hub
 
+    expect = {"expect_root": args.expect_root, "expect_commit": args.expect_commit}
+    if args.expect_from:
+        for name, value in expected_from(args.expect_from, args.repo, args.revision).items():
+            if expect[name] and expect[name] != value:
+                raise UnlearnError(f"--{name.replace('_', '-')} {expect[name]} disagrees with {args.expect_from} "
+                                   f"({value}); pass one of them")
+            expect[name] = value
     report = verify_on_hub(args.repo, args.revision, token=args.token, endpoint=args.endpoint,
-                           cache_dir=args.cache_dir, expect_root=args.expect_root, expect_commit=args.expect_commit,
-                           load=not args.no_load)
+                           cache_dir=args.cache_dir, load=not args.no_load, **expect)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -21,6 +21,7 @@ _LAZY = {
     "verify_on_hub": "hf_unlearn.hub.verify",
     "verify_folder": "hf_unlearn.hub.verify",
     "VerifyReport": "hf_unlearn.hub.verify",
+    "expected_from": "hf_unlearn.hub.verify",
     "render_model_card": "hf_unlearn.hub.cards",
     "UnlearningHubMixin": "hf_unlearn.hub.mixin",
     "write_model_card": "hf_unlearn.hub.mixin",

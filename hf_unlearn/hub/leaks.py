@@ -8,8 +8,11 @@ every value and text a push sends. What counts as a hit:
   not glued to letters or digits and not the fractional part of a decimal (``"rows 3600 and 3601"``,
   ``"3600,3601"``, ``"row-3600"``, ``"id_3600"``, ``"0003"`` = 3, ``"3.6e3"``), and every range whose span contains
   an id (``"3960-3963"``, ``"3950..3970"``, ``"3950 to 3970"``);
+* a number written with thousands separators (``"3,600"``, ``"3_600"``) or an ordinal/plural suffix
+  (``"3600th"``, ``"3600s"``);
 * a **string id** (``"piqa-17"``) as a whole word, case-insensitively, in the text as written and URL-decoded
-  (``piqa%2D17``); a digit-only string id (``"3600"``) is matched as a number too;
+  (``piqa%2D17``), its separators interchangeable (``piqa_17``, ``PIQA 17``); a digit-only string id
+  (``"3600"``) is matched as a number too;
 * dict **keys** are text like any other (``{"3600": ...}``, ``{"forgetIds": [3600]}``).
 
 Not detected (documented, not guessed at): ids glued to letters (``row3600``), transformed ids (hashed without
@@ -33,7 +36,10 @@ from urllib.parse import unquote
 
 from ..errors import UnlearnError
 
-_WHOLE = re.compile(r"(?<![0-9a-z])(?<!\d\.)(\d{1,40})(?![0-9a-z])")
+_END = r"(?:st|nd|rd|th|s)?(?![0-9a-z])"  # a number ends at a non-alphanumeric, or an ordinal/plural suffix
+_WHOLE = re.compile(rf"(?<![0-9a-z])(?<!\d\.)(\d{{1,40}}){_END}")
+_GROUPED = re.compile(rf"(?<![0-9a-z])(?<![\d.,_'])(\d{{1,3}}(?:[,_']\d{{3}})+){_END}")  # 3,600  3_600  3'600
+_SEPARATOR = re.compile(r"[-_\s]+")
 _EXP = re.compile(r"(?<![0-9a-z])(?<!\d\.)(\d{1,20}(?:\.\d{1,20})?e[+-]?\d{1,3})(?![0-9a-z])")
 _RANGE = re.compile(r"(?<![0-9a-z])(?<!\d\.)(\d{1,40})(?:\s*(?:-|–|—|\.\.\.?|~)\s*|\s+(?:to|through|thru|until)\s+)"
                     r"(\d{1,40})(?![0-9a-z])")
@@ -69,6 +75,13 @@ def _decoded_forms(text: str) -> list[str]:
     return list(dict.fromkeys(_normal(f) for f in forms))
 
 
+def _word_pattern(word: str) -> str:
+    """A string id as a pattern whose separators (``-``, ``_``, spaces) match any of them: ``piqa-17`` also
+    finds ``piqa_17`` and ``PIQA 17``."""
+    parts = [re.escape(p) for p in _SEPARATOR.split(word)]
+    return r"[-_\s]+".join(parts) if all(parts) else re.escape(word)
+
+
 def field_of(path: str) -> str:
     """The allowance name of a reported field: list indices dropped (``tags[2]`` -> ``tags``)."""
     return _INDEX.sub("", path)
@@ -93,7 +106,7 @@ class IdScanner:
         self.numbers = numbers
         self._sorted = sorted(numbers)
         self.words = sorted(words, key=len, reverse=True)
-        self._word_re = (re.compile("|".join(rf"(?<![0-9a-z]){re.escape(w)}(?![0-9a-z])" for w in self.words))
+        self._word_re = (re.compile("|".join(rf"(?<![0-9a-z]){_word_pattern(w)}(?![0-9a-z])" for w in self.words))
                          if self.words else None)
         self.not_ids = parse_not_ids(not_ids)
 
@@ -120,6 +133,10 @@ class IdScanner:
                 n = int(m.group(1))
                 if n in self.numbers:
                     hits.append(Hit(field, f"number {n}", n))
+            for m in _GROUPED.finditer(form):
+                n = int(re.sub(r"\D", "", m.group(1)))
+                if n in self.numbers:
+                    hits.append(Hit(field, f"number {m.group(1)}", n))
             for m in _EXP.finditer(form):
                 value = float(m.group(1))
                 if value.is_integer() and int(value) in self.numbers:

@@ -62,6 +62,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_mo
 NOT_HASHED = {"README.md", MANIFEST_FILE, ".gitattributes"}  # the card and manifest vouch; .gitattributes is Hub's
 DELETION_TAG = re.compile(r"^deletion-(\d{4,})$")
 DELETION_TITLE = re.compile(r"^(deletion-\d{4,}): ")
+SHARD_NAME = re.compile(r"^[A-Za-z_]+-\d{5}-of-\d{5}\.safetensors(\.index\.json)?$")
 TAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 MAX_ATTEMPTS = 20
 
@@ -360,6 +361,8 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
         name = path.name
         if name in ("README.md", MANIFEST_FILE, FORGET_REQUEST_FILE):
             continue
+        # the file's name is published too; a shard name's numbers are its position, not ids
+        hits += scanner.scan_text(name, f"file name {name}", numbers=not SHARD_NAME.match(name))
         if name.endswith(".safetensors"):
             hits += _scan_safetensors(path, scanner)
         elif name in ("config.json", "generation_config.json"):
@@ -478,7 +481,7 @@ def push_unlearned(
             raise UnlearnError(f"no safetensors weights in {source}; save the model with save_pretrained() "
                                "(safetensors is the default) before publishing")
     key = _push_key(key, trace_dir)
-    hits = scanner.scan({"repo_id": repo_id, "tag": tag, "commit_message": commit_message}, "")
+    hits = scanner.scan({"repo_id": repo_id, "tag": tag, "branch": revision, "commit_message": commit_message}, "")
 
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
         staging = Path(tmp)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,6 +213,63 @@ def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
     if manifest.get("state_dict_root") and manifest["state_dict_root"] != loaded.params_root:
         report.problems.append(f"the loaded state dict's root {loaded.params_root} differs from the manifest's "
                                f"state_dict_root {manifest['state_dict_root']}")
+
+
+def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None = None) -> dict[str, str]:
+    """The values a revision must match, read from the publisher's own records (never from the repository).
+
+    ``record`` is one of (or a folder holding one of, looked for in this order):
+
+    * ``hub_pushes.jsonl`` (next to the pushed weights): the push of ``repo_id`` whose tag or commit is
+      ``revision`` (without a revision, or for a branch name, the latest push of ``repo_id``): its state-dict
+      root and commit;
+    * ``deletion_log.jsonl`` (a trace run or replay output): the last request's ``params_root`` (the state the
+      run ended in, which is what its model publishes);
+    * ``verification.json`` (a replay checked by ``trace verify``): the replay's parameter root.
+
+    Returns ``{"expect_root": ..., "expect_commit": ...}`` (the commit only from ``hub_pushes.jsonl``).
+    """
+    from .publish import PUSH_LOG_FILE
+
+    path = Path(record)
+    if path.is_dir():
+        found = [path / n for n in (PUSH_LOG_FILE, "deletion_log.jsonl", "verification.json") if (path / n).is_file()]
+        if not found:
+            raise UnlearnError(f"{path} holds no {PUSH_LOG_FILE}, deletion_log.jsonl or verification.json to take "
+                               "the expected root from")
+        path = found[0]
+    if not path.is_file():
+        raise UnlearnError(f"{record} does not exist (pass OUT/{PUSH_LOG_FILE}, a run's deletion_log.jsonl or a "
+                           "replay's verification.json, or the folder holding it)")
+    try:
+        text = path.read_text(encoding="utf-8")
+        entries = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" \
+            else [json.loads(text)]
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnlearnError(f"{path} is not valid JSON ({e})") from None
+    if not entries or not all(isinstance(e, dict) for e in entries):
+        raise UnlearnError(f"{path} records nothing to verify against")
+    if path.name == PUSH_LOG_FILE:
+        pushes = [e for e in entries if e.get("repo_id") == repo_id]
+        if not pushes:
+            raise UnlearnError(f"{path} records no push of {repo_id} (it has {sorted({str(e.get('repo_id')) for e in entries})})")
+        chosen = [e for e in pushes if revision in (e.get("tag"), e.get("commit"))] if revision else []
+        entry = (chosen or pushes)[-1]
+        if revision and not chosen and (revision.startswith("deletion-") or re.fullmatch(r"[0-9a-f]{40}", revision)):
+            raise UnlearnError(f"{path} records no push of {repo_id} tagged or committed as {revision!r}")
+        root, commit = entry.get("state_dict_root") or entry.get("params_root"), entry.get("commit")
+        if not (isinstance(root, str) and isinstance(commit, str)):
+            raise UnlearnError(f"{path}: the push of {repo_id} records no root or commit")
+        return {"expect_root": root, "expect_commit": commit}
+    if path.name == "verification.json":
+        try:
+            return {"expect_root": entries[0]["roots"]["a"]["params"]}
+        except (KeyError, TypeError):
+            raise UnlearnError(f"{path} is not a replay verification record (no roots.a.params)") from None
+    root = entries[-1].get("params_root")
+    if not isinstance(root, str) or not re.fullmatch(r"[0-9a-f]{64}", root):
+        raise UnlearnError(f"{path}: its last entry records no params_root")
+    return {"expect_root": root}
 
 
 def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | None = None,
