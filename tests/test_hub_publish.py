@@ -396,6 +396,11 @@ try:
     first = "TAGGED"
 except UnlearnError as e:
     first = str(e)
+try:  # another push may not take the tag the cut-off commit's title claims (it would stay untagged for ever)
+    push_unlearned(dirs[1], "org/cut", tag="deletion-0001")
+    steal = "TAGGED"
+except UnlearnError as e:
+    steal = str(e)
 again = push_unlearned(dirs[0], "org/cut", deletion=True)
 barrier = threading.Barrier(len(dirs))
 local = threading.local()
@@ -423,7 +428,7 @@ for t in threads:
 for t in threads:
     t.join()
 HfApi.create_commit = create_commit
-print(json.dumps({"race": results, "cut": first, "again": [again.tag, again.commit]}))
+print(json.dumps({"race": results, "cut": first, "steal": steal, "again": [again.tag, again.commit]}))
 """
 
 
@@ -465,6 +470,7 @@ def test_concurrent_deletion_pushes_take_distinct_tags_and_tag_every_commit(clie
         assert refs["tags"][tag]["target"] == commit
 
     assert "was published but tagging it 'deletion-0001' failed; run the same push again" in out["cut"]
+    assert "is already titled 'deletion-0001' but not tagged yet" in out["steal"], out["steal"]
     cut = hub.store.history("model", "org/cut", "main")
     assert len(cut) == 2 and out["again"] == ["deletion-0001", cut[0]["id"]]  # tagged, not committed twice
     assert hub.store.refs("model", "org/cut")["tags"]["deletion-0001"]["target"] == cut[0]["id"]

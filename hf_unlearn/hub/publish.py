@@ -653,6 +653,15 @@ def _unfinished_push(api, repo_id: str, head: str, tags: Mapping[str, str], mani
     return wanted if same else None
 
 
+def _titled_commit(api, repo_id: str, head: str, tag: str) -> str | None:
+    """A commit of the branch whose title claims ``tag`` (``"deletion-0002: ..."``), or None: taking that tag for
+    another commit would leave the claiming commit untagged for ever."""
+    for c in api.list_repo_commits(repo_id, revision=head):
+        if (c.title or "").startswith(f"{tag}: "):
+            return c.commit_id
+    return None
+
+
 def _commit_and_tag(api, repo_id, staging: Path, revision: str, tag, deletion: bool, card_for, message_for,
                     manifest) -> tuple[str, str | None, str]:
     """Commit against the head the tag was chosen from, retrying when another push got there first; then tag."""
@@ -672,6 +681,9 @@ def _commit_and_tag(api, repo_id, staging: Path, revision: str, tag, deletion: b
             if tag is not None and tag in tags:
                 raise UnlearnError(f"{repo_id} already has a tag {tag!r}; deletion tags are append-only, pick a new "
                                    "one (or use --deletion for the next number)")
+            if tag is not None and not deletion and (claimed := _titled_commit(api, repo_id, head, tag)):
+                raise UnlearnError(f"commit {claimed} of {repo_id} is already titled {tag!r} but not tagged yet (a "
+                                   "push cut off before its tag: run that push again to tag it); pick another tag")
             card = card_for(tag)
             atomic_write_text(staging / "README.md", card)
             files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
