@@ -406,3 +406,77 @@ def test_malformed_requests_get_a_clear_4xx_on_every_route(server):
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     assert server.store.refs("model", "org/m")["branches"] == before["branches"]
     assert call(server, "GET", "/api/whoami-v2")[0] == 200
+
+
+MISTYPED = [None, 5, -1, 2**70, 1.5, 1e308, True, "x", "", "\x00", "../x", "/etc/passwd", [], [1], {}, {"a": 1},
+            "a" * 5000]
+
+
+def _field_paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _field_paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _field_paths(v, prefix + (i,))
+
+
+def _replaced(obj, path, value):
+    if not path:
+        return value
+    out = json.loads(json.dumps(obj))
+    cur = out
+    for k in path[:-1]:
+        cur = cur[k]
+    cur[path[-1]] = value
+    return out
+
+
+def test_every_field_of_every_route_mistyped_is_answered_without_a_server_error(server, tmp_path):
+    """Systematic fuzz: each field (and each whole body, and each commit line) of a valid request to every JSON
+    route replaced by each of MISTYPED; every answer is a 2xx (the value happened to be valid) or a 4xx with a JSON
+    error, never a 5xx, and nothing is written outside the store."""
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"1")])
+    repo = "/api/models/org/m"
+    valid = [
+        ("/api/repos/create", {"name": "n", "organization": "org", "private": False, "type": "model"}),
+        ("/api/validate-yaml", {"content": "---\nlicense: mit\n---\n", "repoType": "model"}),
+        (f"{repo}/preupload/main", {"files": [{"path": "a", "size": 1, "sample": "eA=="}]}),
+        ("/org/m.git/info/lfs/objects/batch", {"operation": "upload", "transfers": ["basic"], "hash_algo": "sha256",
+                                               "objects": [{"oid": "0" * 64, "size": 1}]}),
+        (f"{repo}/tag/main", {"tag": "t", "message": "m"}),
+        (f"{repo}/branch/b", {"startingPoint": "main"}),
+        (f"{repo}/paths-info/main", {"paths": ["a.txt"], "expand": True}),
+    ]
+    lines = [{"key": "header", "value": {"summary": "s", "description": "d", "parentCommit": None}},
+             file_line("b.txt", b"x"),
+             {"key": "lfsFile", "value": {"path": "c.bin", "algo": "sha256", "oid": "0" * 64, "size": 1}},
+             {"key": "deletedFile", "value": {"path": "a.txt"}}]
+    n, answers = 0, []
+    for route, body in valid:
+        for path in list(_field_paths(body)):
+            for value in MISTYPED:
+                n += 1
+                sent = _replaced(body, path, value)
+                where = route.replace("/branch/b", f"/branch/b{n}")
+                if isinstance(sent, dict) and isinstance(sent.get("tag"), str):
+                    sent["tag"] += str(n)  # a fresh tag name each time (tags are append-only)
+                status, _, data = call(server, "POST", where, sent, headers={"Content-Type": "application/json"})
+                answers.append((route, path, value, status, data))
+    for i, line in enumerate(lines):
+        for path in list(_field_paths(line)):
+            for value in MISTYPED:
+                sent = [*lines[:i], _replaced(line, path, value), *lines[i + 1:]]
+                status, _, data = commit(server, "org/m", sent)
+                answers.append(("commit", (i, *path), value, status, data))
+    assert len(answers) > 800
+    for route, path, value, status, data in answers:
+        assert status < 500, (route, path, value, status, data[:300])
+        if status >= 400:
+            answer = json.loads(data)
+            assert answer.get("error") or answer.get("errors"), (route, path, value, data[:300])
+    assert sum(400 <= a[3] < 500 for a in answers) > len(answers) // 2  # most mistypes are refused, not absorbed
+    assert not (tmp_path / "x").exists() and not (server.store.root.parent / "x").exists()
+    assert call(server, "GET", "/api/whoami-v2")[0] == 200
