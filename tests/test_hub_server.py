@@ -480,3 +480,23 @@ def test_every_field_of_every_route_mistyped_is_answered_without_a_server_error(
     assert sum(400 <= a[3] < 500 for a in answers) > len(answers) // 2  # most mistypes are refused, not absorbed
     assert not (tmp_path / "x").exists() and not (server.store.root.parent / "x").exists()
     assert call(server, "GET", "/api/whoami-v2")[0] == 200
+
+
+def test_odd_methods_queries_and_ranges_get_clear_answers(server):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"12345")])
+    for method in ("PATCH", "OPTIONS", "TRACE"):
+        status, hdrs, data = call(server, method, "/api/models/org/m/tree/main", raw=b"{}")
+        assert status == 405 and "not allowed" in json.loads(data)["error"], (method, status, data[:200])
+    queries = ["/api/models/org/m/tree/main?recursive=x&expand=y&limit=-1&cursor=zz", "/api/models/org/m/tree/main/%2e%2e",
+               "/api/models/org/m/commits/main?p=abc&limit=zz", "/api/models/org/m/revision/%00",
+               "/org/m/resolve/%00/a.txt", "/org/m/resolve/main/%2e%2e/%2e%2e/etc/passwd", "/%ff%fe",
+               "/org/m/resolve/main/" + "a/" * 3000, "/api/models/" + "x" * 10000, "/api/models/org%2fm/tree/main"]
+    for path in queries:
+        status, _, data = call(server, "GET", path)
+        assert status < 500 and (status == 200 or json.loads(data)["error"]), (path, status, data[:200])
+    answers = {r: call(server, "GET", "/org/m/resolve/main/a.txt", headers={"Range": r})
+               for r in ("bytes=abc", "bytes=5-2", "bytes=99-", "bytes=0-99999999999999999999", "bytes=1-2")}
+    assert answers["bytes=1-2"][0] == 206 and answers["bytes=1-2"][2] == b"23"
+    assert answers["bytes=5-2"][0] == answers["bytes=99-"][0] == 416
+    assert answers["bytes=abc"][2] == answers["bytes=0-99999999999999999999"][2] == b"12345"

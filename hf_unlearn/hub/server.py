@@ -172,6 +172,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self):
         self._dispatch("DELETE")
 
+    def _not_allowed(self):  # a JSON 405 for the methods the Hub API never uses (not http.server's HTML 501)
+        self._drain()
+        self._json({"error": f"method {self.command} is not allowed"}, status=405,
+                   headers={"Allow": "GET, HEAD, POST, PUT, DELETE"})
+
+    do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
+
     def _dispatch(self, method: str) -> None:
         split = urlsplit(self.path)
         self.query = {k: v[-1] for k, v in parse_qs(split.query).items()}
