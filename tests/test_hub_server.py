@@ -143,13 +143,18 @@ def test_commit_fault_publishes_nothing_and_retry_succeeds(server):
     assert call(server, "GET", "/org/m/resolve/main/a.txt")[2] == b"new"
 
 
-def test_lfs_upload_is_checked_and_signed(server):
+def _lfs_upload_href(server, data: bytes) -> tuple[str, str]:
+    """Create org/m and ask for an upload of ``data``: (its oid, the signed upload URL)."""
     call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
-    data = b"x" * 1000
     oid = hashlib.sha256(data).hexdigest()
     body = json.loads(call(server, "POST", "/org/m.git/info/lfs/objects/batch",
-                           {"operation": "upload", "objects": [{"oid": oid, "size": 1000}]})[2])
-    href = body["objects"][0]["actions"]["upload"]["href"]
+                           {"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]})[2])
+    return oid, body["objects"][0]["actions"]["upload"]["href"]
+
+
+def test_lfs_upload_is_checked_and_signed(server):
+    data = b"x" * 1000
+    oid, href = _lfs_upload_href(server, data)
     with pytest.raises(urllib.error.HTTPError) as e:  # wrong content for the oid: refused, nothing stored
         urllib.request.urlopen(urllib.request.Request(href, data=b"y" * 1000, method="PUT"), timeout=10)
     assert e.value.code == 400 and not server.store.has_lfs(oid)
@@ -330,12 +335,8 @@ def test_request_bodies_are_capped(tmp_path):
 
 
 def test_lfs_upload_cannot_exceed_its_announced_size(server):
-    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
     data = b"z" * 1000
-    oid = hashlib.sha256(data).hexdigest()
-    body = json.loads(call(server, "POST", "/org/m.git/info/lfs/objects/batch",
-                           {"operation": "upload", "objects": [{"oid": oid, "size": 1000}]})[2])
-    href = body["objects"][0]["actions"]["upload"]["href"]
+    oid, href = _lfs_upload_href(server, data)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(href, data=data + b"z" * 100_000, method="PUT"), timeout=10)
     assert e.value.code in (400, 413) and not server.store.has_lfs(oid)
