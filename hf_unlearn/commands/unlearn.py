@@ -30,6 +30,9 @@ def register(parser) -> None:
         p.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
         p.add_argument("--batch-size", type=int, default=4, help="forget (and retain) rows per step (default 4)")
         p.add_argument("--max-length", type=int, default=256, help="tokens per QA pair (default 256)")
+        p.add_argument("--forget-ids", default=None,
+                       help="unlearn only these rows of the forget split: an id file, e.g. the easy/hard/random "
+                            "sets of `hf-unlearn analyze stratify` (typed .jsonl/.json, or one id a line)")
         p.add_argument("--max-forget-rows", type=int, default=None, help="use only the first N forget rows")
         p.add_argument("--max-retain-rows", type=int, default=None, help="use only the first N retain rows")
         p.add_argument("--retain-loss", choices=["none", "ce", "kl"], default=None, help="retain term (method default)")
@@ -80,6 +83,10 @@ def run(args) -> int:
     # the config is checked first (bad options fail before anything heavy loads)
     forget = load_tofu(args.forget_split, args.tofu)
     retain = load_tofu(retain_split, args.tofu)
+    if args.forget_ids:
+        from ..data.ids import read_ids, select_ids
+
+        forget = select_ids(forget, read_ids(args.forget_ids), f"TOFU {args.forget_split}", args.forget_ids)
     if args.max_forget_rows:
         forget = forget.select(range(min(args.max_forget_rows, len(forget))))
     if args.max_retain_rows:
