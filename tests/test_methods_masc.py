@@ -239,11 +239,15 @@ def test_probe_is_not_the_first_rows_trained_on(tmp_path, seed):
     assert len(probe) == len(first_two_steps) == 8
     assert probe != first_two_steps and len(probe & first_two_steps) < 6
     # the held-out split has its own stream too: not the probe, not the first batches
-    held = MASCTrainer(model=memorised_model(), args=MASCConfig(output_dir=str(tmp_path), **COMMON, seed=seed,
-                                                                retain_loss="none", validation_fraction=0.2,
-                                                                probe_size=0),
-                       forget_dataset=forget, processing_class=tok).held_out_forget_ids
+    assert trainer.probe_size == 8  # the default without held-out rows
+    held_out = MASCTrainer(model=memorised_model(), args=MASCConfig(output_dir=str(tmp_path), **COMMON, seed=seed,
+                                                                    retain_loss="none", validation_fraction=0.2),
+                           forget_dataset=forget, processing_class=tok)
+    held = held_out.held_out_forget_ids
     assert len(held) == 8 and set(held) != first_two_steps and set(held) != probe
+    # the default with held-out rows: probe on the training batches, confirm on every held-out row
+    assert held_out.probe_size == 0 and held_out.probe_dataset is None
+    assert sorted(held_out.confirm_dataset["id"]) == sorted(held)
 
 
 def test_probe_size_zero_probes_on_the_training_batches_and_confirms_on_all_forget_rows(tmp_path):

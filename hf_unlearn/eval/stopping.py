@@ -51,6 +51,11 @@ TARGET_METRICS = {"violation_rate": False, "forget_probability": False, "truth_r
 MODES = ("stop", "monitor")
 
 
+def _clocks() -> tuple[float, float]:
+    """(wall clock, this process's CPU time): on a shared machine the CPU time is the steadier measure."""
+    return time.perf_counter(), time.process_time()
+
+
 class StoppingScores(EvalResult):
     """The forget metric of one check on the held-out rows (``summary``: the metric and ``rows``)."""
 
@@ -147,7 +152,8 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
 
     After training: ``reached_step`` / ``reached_value`` / ``reached_seconds`` (training time from ``on_train_begin``
     to the check that reached the target, checks included, the checkpoint write excluded) or ``None``;
-    ``check_seconds`` (time spent in checks and checkpoint writes, to subtract from a fixed-budget run's time);
+    ``check_seconds`` (time spent in checks and checkpoint writes, to subtract from a fixed-budget run's time); the
+    same two as process CPU time (``reached_cpu_seconds``, ``check_cpu_seconds``);
     ``history``; ``best_model_path``. All but the timings survive checkpoint/resume (``ExportableState``).
     """
 
@@ -177,10 +183,12 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
         self.reached_step: int | None = None
         self.reached_value: float | None = None
         self.reached_seconds: float | None = None
+        self.reached_cpu_seconds: float | None = None
         self.check_seconds = 0.0
+        self.check_cpu_seconds = 0.0
         self._rows = None  # tokenised held-out rows, or truth-ratio items
-        self._started: float | None = None
-        self._save_seconds = 0.0
+        self._started: tuple[float, float] | None = None  # (wall, process CPU) at on_train_begin
+        self._save_seconds = (0.0, 0.0)
         self.trainer = None
         if trainer is not None:
             self.bind(trainer)
@@ -281,14 +289,14 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
     def _save_best(self, args, model, tokenizer, result) -> None:
         if not self.save_checkpoint:
             return
-        started = time.perf_counter()
+        started = _clocks()
         super()._save_best(args, model, tokenizer, result)
-        self._save_seconds += time.perf_counter() - started
+        self._save_seconds = tuple(a + b - c for a, b, c in zip(self._save_seconds, _clocks(), started))
 
     # -- Trainer events ------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
-        self._started = time.perf_counter()
-        self.check_seconds = 0.0
+        self._started = _clocks()
+        self.check_seconds = self.check_cpu_seconds = 0.0
         return control
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -299,15 +307,17 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
         step = state.global_step
         if step % self.eval_steps and not (state.max_steps and step >= state.max_steps):
             return control
-        started, self._save_seconds = time.perf_counter(), 0.0
+        started, self._save_seconds = _clocks(), (0.0, 0.0)
         self._run(args, state, model, processing_class)
-        now = time.perf_counter()
-        self.check_seconds += now - started
+        now = _clocks()
+        self.check_seconds += now[0] - started[0]
+        self.check_cpu_seconds += now[1] - started[1]
         value = self.history[-1][self.metric]
         if self.reached(value):
             self.reached_step, self.reached_value = step, value
-            if self._started is not None:
-                self.reached_seconds = now - self._save_seconds - self._started
+            if self._started is not None:  # the checkpoint write is not part of the time to the target
+                self.reached_seconds = now[0] - self._save_seconds[0] - self._started[0]
+                self.reached_cpu_seconds = now[1] - self._save_seconds[1] - self._started[1]
             logger.info("forget target reached at step %d: %s = %.4f (target %g)", step, self.metric, value,
                         self.target)
             if self.mode == "stop":
@@ -318,5 +328,6 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
         """What the run reached, for reports: metric, target, mode, reached step/value/seconds, check seconds."""
         return {"metric": self.metric, "target": self.target, "mode": self.mode, "reached_step": self.reached_step,
                 "reached_value": self.reached_value, "reached_seconds": self.reached_seconds,
-                "check_seconds": self.check_seconds, "best_step": self.best_step,
+                "reached_cpu_seconds": self.reached_cpu_seconds, "check_seconds": self.check_seconds,
+                "check_cpu_seconds": self.check_cpu_seconds, "best_step": self.best_step,
                 "checkpoint": self.best_model_path, "checks": len(self.history)}

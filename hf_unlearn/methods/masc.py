@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 STOPPING_JSON = "masc_stopping.json"
 STOPPING_PLOT = "masc_violation_curve.png"
+DEFAULT_PROBE_SIZE = 8  # probe rows when the rule monitors the trained forget rows (at most half of them)
 
 
 @dataclass
@@ -101,13 +102,14 @@ class MASCConfig(UnlearningConfig):
         default=0.2, metadata={"help": "Stop when the violation rate on forget examples is <= alpha, in (0, 1)."}
     )
     probe_steps: int = field(default=5, metadata={"help": "Run the cheap probe every this many optimizer steps."})
-    probe_size: int = field(
-        default=8,
+    probe_size: int | None = field(
+        default=None,
         metadata={"help": "Monitored forget rows in the cheap probe (drawn independently of the training shuffle; "
                           "the confirmation uses the others). 0: the probe is the violation rate the training "
                           "forward already measured on the forget batches since the last check (no extra forward; "
                           "slightly stale, so it errs on the late side); the confirmation then covers every "
-                          "monitored row."},
+                          "monitored row. None (default): 0 when the monitored rows are held out (a small set, kept "
+                          "whole for the confirmation), else 8 (at most half the forget rows)."},
     )
     hoeffding_delta: float | None = field(
         default=None,
@@ -135,7 +137,7 @@ class MASCConfig(UnlearningConfig):
             raise UnlearnError(f"active_tokens must be 'suffix' or 'all', got {self.active_tokens!r}")
         if not 0.0 < self.suffix_fraction <= 1.0:
             raise UnlearnError(f"suffix_fraction must lie in (0, 1], got {self.suffix_fraction}")
-        if self.probe_steps < 1 or self.probe_size < 0:
+        if self.probe_steps < 1 or (self.probe_size is not None and self.probe_size < 0):
             raise UnlearnError("probe_steps must be >= 1 and probe_size >= 0 (0 = probe on the training batches)")
         if self.hoeffding_delta is not None and not 0.0 < self.hoeffding_delta < 1.0:
             raise UnlearnError(f"hoeffding_delta must lie in (0, 1), got {self.hoeffding_delta}")
@@ -306,6 +308,9 @@ class MASCTrainer(UnlearningTrainer):
         monitored = self.eval_forget_dataset if held_out else self.train_dataset
         self.certified_rows = "held-out" if held_out else "trained"
         size = self.args.probe_size
+        if size is None:
+            size = 0 if held_out else min(DEFAULT_PROBE_SIZE, len(monitored) // 2)
+        self.probe_size = size
         if size >= len(monitored):
             raise UnlearnError(
                 f"probe_size={size} leaves no confirmation rows among the {len(monitored)} {self.certified_rows} "
@@ -418,6 +423,7 @@ class MASCTrainer(UnlearningTrainer):
             "stopped_step": self.stopped_step,
             "stop_reason": self.stop_reason,
             "certified_rows": self.certified_rows,
+            "probe_size": self.probe_size,
             "num_confirmation_rows": len(self.confirm_dataset),
             "num_probes": sum(h["kind"] == "probe" for h in self.violation_history),
         })

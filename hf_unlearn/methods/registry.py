@@ -88,8 +88,8 @@ METHODS: dict[str, MethodSpec] = {s.name: s for s in (
         ("--competitors", str, "'current' or 'reference' (default current)"),
         ("--active-tokens", str, "'suffix' or 'all' (default suffix)"),
         ("--probe-steps", int, "probe every N steps (default 5)"),
-        ("--probe-size", int, "forget rows in the probe (default 8; 0 = probe on the training batches, "
-                              "no extra forward)"),
+        ("--probe-size", int, "monitored forget rows in the probe (default: 0 with held-out rows, else 8 or half; "
+                              "0 = probe on the training batches, no extra forward)"),
         ("--hoeffding-delta", float, "stop on the Hoeffding upper bound at level 1-delta"),
     ], stops_itself=True),
     _spec("grad_ascent", "gradient ascent on the forget answers", _B, "GradAscent"),
