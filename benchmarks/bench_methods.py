@@ -375,11 +375,11 @@ def choices(runs: list[dict], args) -> dict[tuple[str, str], float]:
 def phase_seeds_runs(args) -> list[tuple[str, float, int]]:
     runs = load_runs(args)
     picked = choices(runs, args)
-    out = []
-    for spec in method_specs(args):
-        lrs = sorted({lr for (s, _), lr in picked.items() if s == spec} | {default_lr(args)})
-        out += [(spec, lr, seed) for seed in (int(x) for x in args.seeds.split(",")) for lr in lrs]
-    return out
+    seeds = [int(x) for x in args.seeds.split(",")]
+    chosen = [(spec, lr, seed) for seed in seeds for spec in method_specs(args)
+              for lr in sorted({lr for (s, _), lr in picked.items() if s == spec})]
+    defaults = [(spec, default_lr(args), seed) for seed in seeds for spec in method_specs(args)]
+    return chosen + [run for run in defaults if run not in chosen]  # the chosen lrs first
 
 
 def _fmt(v, digits=3):
