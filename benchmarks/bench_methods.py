@@ -328,7 +328,17 @@ def phase_prepare(args) -> None:
 
 
 def load_runs(args) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((Path(args.out) / "runs").glob("*.json"))]
+    """Every finished run; rows evaluated before the reference existed get their forget quality now."""
+    from hf_unlearn.eval.tofu import TofuResult
+
+    runs = [json.loads(p.read_text()) for p in sorted((Path(args.out) / "runs").glob("*.json"))]
+    ref = Path(args.out) / "results" / "reference.json"
+    if ref.is_file():
+        for run in runs:
+            for row in (run.get("fixed"), run["stop"]):
+                if row and row.get("result") and row.get("forget_quality") is None:
+                    row.update(summary_metrics(TofuResult.from_json(row["result"]).with_reference(ref)))
+    return runs
 
 
 def base_utility(args) -> float:
