@@ -570,7 +570,8 @@ def main(argv=None):
         phase_prepare(args)
     if args.phase in ("grid", "all"):
         ctx = load_context(args)
-        run_queue([(s, lr, args.grid_seed) for lr in default_lrs(args) for s in specs], args, ctx)
+        # method by method, so that a queue cut short leaves complete grids for the methods it reached
+        run_queue([(s, lr, args.grid_seed) for s in specs for lr in default_lrs(args)], args, ctx)
     if args.phase in ("seeds", "all"):
         ctx = load_context(args)
         run_queue(phase_seeds_runs(args), args, ctx)
