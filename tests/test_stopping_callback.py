@@ -84,7 +84,8 @@ def test_never_reached_keeps_the_best_checkpoint_and_says_so(tmp_path):
     rescored = UnlearningStoppingCallback("forget_probability", 0.0).bind(trainer).evaluate(kept, None, 0)
     assert rescored.summary["forget_probability"] == pytest.approx(cb.best_score, rel=1e-5)
     logged = [h for h in trainer.state.log_history if "unlearn/forget_probability" in h]
-    assert len(logged) == 3
+    assert len(logged) == 3 and not any("forget_loss" in h for h in logged)
+    assert all("forget_loss" in h for h in trainer.state.log_history if "loss" in h)  # method metrics stay in their lines
 
 
 def test_scores_agree_with_the_tofu_evaluation_and_masc(tmp_path):

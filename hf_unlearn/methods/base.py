@@ -491,6 +491,8 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
             self._metrics[mode][key].append(float(t.mean()))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if logs and all(k.startswith("unlearn/") for k in logs):  # an evaluation callback's line: keep the queue
+            return super().log(logs, start_time)
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
         metrics = {k: sum(v) / len(v) for k, v in self._metrics[mode].items() if v}
         if mode == "eval":
