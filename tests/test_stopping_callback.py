@@ -236,3 +236,19 @@ def test_every_process_stops_at_the_same_step(tmp_path):
     assert all(r["world"] == 2 for r in records)
     assert records[0]["reached"] == records[1]["reached"] == records[0]["step"] == records[1]["step"] == 2
     assert records[0]["history"] == records[1]["history"]  # identical weights, identical scores
+
+
+@pytest.mark.parametrize("name", sorted(__import__("hf_unlearn.methods.registry", fromlist=["METHODS"]).METHODS))
+def test_every_registered_method_holds_out_rows_and_stops_on_them(name, tmp_path):
+    from hf_unlearn.methods.registry import get_method
+
+    spec = get_method(name)
+    tok, forget, retain = tiny_data()
+    cb = UnlearningStoppingCallback("violation_rate", 1.0, eval_steps=1, save_checkpoint=False)  # reached at once
+    args = spec.make_config(output_dir=str(tmp_path), **{**COMMON, "max_steps": 3}, validation_fraction=0.5)
+    trainer = spec.trainer_class(model=memorised_model(), args=args, forget_dataset=forget, retain_dataset=retain,
+                                 processing_class=tok, callbacks=[cb])
+    held = set(trainer.held_out_forget_ids)
+    assert len(held) == 2 and not held & set(trainer.trained_forget_ids)
+    trainer.train()
+    assert cb.reached_step == trainer.state.global_step == 1 and cb.history[0]["rows"] == 2
