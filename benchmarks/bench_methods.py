@@ -23,7 +23,8 @@ jobs the CPU time is the steadier measure of the work done; the ratios are given
 Phases (each resumable; a run is claimed with a lock file, so two processes can share one queue):
 
     B="python benchmarks/bench_methods.py --out OUT"          # plus the setting flags (README)
-    $B --phase prepare            # fine-tune, reference, their evaluations (cached in OUT)
+    $B --phase prepare            # fine-tune, reference, their evaluations (cached in OUT); --phase reference:
+                                  # only the reference (beside a process that fine-tunes or runs the grid)
     $B --phase grid               # every method x --lrs on --grid-seed
     $B --phase seeds              # every method at its chosen and its default lr, --seeds
     $B --phase table              # tables, ratios, the target verdict per seed (OUT/bench_methods.json, .md, .png)
@@ -49,7 +50,7 @@ from pathlib import Path
 os.environ.setdefault("HF_UNLEARN_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-PHASES = ("prepare", "grid", "seeds", "table", "all")
+PHASES = ("prepare", "reference", "grid", "seeds", "table", "all")
 
 
 def parse_args(argv=None):
@@ -311,14 +312,14 @@ def load_context(args) -> dict:
             "retain_ids": retain_ids}
 
 
-def phase_prepare(args) -> None:
+def phase_prepare(args, reference_only: bool = False) -> None:
     results = Path(args.out) / "results"
     if not (results / "reference.json").is_file():
         model, tok, _, _, forget_ids, retain_ids = prepare_data(args, retain_only=True)
         row = evaluate(model, tok, forget_ids, retain_ids, args, "reference")
         print(f"reference: {json.dumps(row)}", flush=True)
         del model
-    if not (results / "finetuned.json").is_file():
+    if not reference_only and not (results / "finetuned.json").is_file():
         ctx = load_context(args)
         row = evaluate(ctx["model"], ctx["tokenizer"], ctx["forget_ids"], ctx["retain_ids"], args, "finetuned")
         print(f"fine-tuned: {json.dumps(row)}", flush=True)
@@ -566,8 +567,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     specs = method_specs(args)
-    if args.phase in ("prepare", "all"):
-        phase_prepare(args)
+    if args.phase in ("prepare", "reference", "all"):
+        phase_prepare(args, reference_only=args.phase == "reference")
     if args.phase in ("grid", "all"):
         ctx = load_context(args)
         # method by method, so that a queue cut short leaves complete grids for the methods it reached
