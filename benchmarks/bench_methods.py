@@ -242,7 +242,7 @@ def run_one(spec: str, lr: float, seed: int, args, ctx) -> dict:
         common.update(alpha=args.alpha, probe_steps=args.check_every, probe_size=args.masc_probe_size)
     else:
         callbacks.append(UnlearningStoppingCallback("violation_rate", args.alpha, eval_steps=args.check_every,
-                                                    mode="monitor"))
+                                                    mode="monitor", save_checkpoint="target"))
     config = method.make_config(**{**common, **overrides})
     trainer = method.trainer_class(model=copy.deepcopy(ctx["model"]), args=config, forget_dataset=ctx["forget"],
                                    retain_dataset=ctx["retain"], processing_class=ctx["tokenizer"],

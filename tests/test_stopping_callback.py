@@ -48,7 +48,8 @@ def test_stop_mode_is_the_prefix_of_the_full_run_and_monitoring_changes_nothing(
 
     plain = _graddiff(tmp_path / "plain")  # no callback at all
     plain.train()
-    monitor = UnlearningStoppingCallback("violation_rate", target, eval_steps=2, mode="monitor")
+    monitor = UnlearningStoppingCallback("violation_rate", target, eval_steps=2, mode="monitor",
+                                         save_checkpoint="target")  # one write: the model that reached the target
     monitored = _graddiff(tmp_path / "monitor", [monitor])
     monitored.train()
     stop = UnlearningStoppingCallback("violation_rate", target, eval_steps=2, mode="stop")
@@ -130,6 +131,8 @@ def test_bad_settings_and_missing_rows_are_one_line_errors(tmp_path):
         UnlearningStoppingCallback("rouge", 0.2)
     with pytest.raises(UnlearnError, match="mode must be 'stop' or 'monitor'"):
         UnlearningStoppingCallback(mode="early")
+    with pytest.raises(UnlearnError, match="save_checkpoint must be True, False or 'target'"):
+        UnlearningStoppingCallback(save_checkpoint="best")
     cb = UnlearningStoppingCallback("violation_rate", 0.2, eval_steps=1)
     trainer = _graddiff(tmp_path, [cb], validation_fraction=0.0)
     with pytest.raises(UnlearnError, match="no held-out forget rows: set validation_fraction"):

@@ -145,20 +145,21 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
         eval_dataset: held-out forget rows (tokenised or raw QA); default: the bound trainer's
             ``eval_forget_dataset``.
         tokenizer: needed for raw rows and ``truth_ratio``; default: the bound trainer's ``processing_class``.
-        save_checkpoint: keep the best model so far in ``<output_dir>/<best_dir>`` (frozen once the target is
-            reached: in monitor mode it is the model at ``reached_step``).
+        save_checkpoint: ``True``: keep the best model so far in ``<output_dir>/<best_dir>`` (frozen once the target
+            is reached: in monitor mode it is the model at ``reached_step``); ``"target"``: only the model that
+            reaches the target (no writes before); ``False``: none.
         k, beta, rho, active_tokens, suffix_fraction, skip_first: the violation rate's margin, as MASC's.
         tofu_path: where TOFU's perturbed answers are read for ``truth_ratio`` (default: $HF_UNLEARN_DATA_DIR/tofu).
 
     After training: ``reached_step`` / ``reached_value`` / ``reached_seconds`` (training time from ``on_train_begin``
-    to the check that reached the target, checks included, the checkpoint write excluded) or ``None``;
+    to the check that reached the target, checks included, checkpoint writes excluded) or ``None``;
     ``check_seconds`` (time spent in checks and checkpoint writes, to subtract from a fixed-budget run's time); the
     same two as process CPU time (``reached_cpu_seconds``, ``check_cpu_seconds``);
     ``history``; ``best_model_path``. All but the timings survive checkpoint/resume (``ExportableState``).
     """
 
     def __init__(self, metric: str = "violation_rate", target: float = 0.2, *, eval_steps: int = 5,
-                 mode: str = "stop", eval_dataset=None, tokenizer=None, save_checkpoint: bool = True,
+                 mode: str = "stop", eval_dataset=None, tokenizer=None, save_checkpoint: bool | str = True,
                  best_dir: str = "stopping_checkpoint", k: int = 10, beta: float = 1.0, rho: float = 0.5,
                  active_tokens: str = "suffix", suffix_fraction: float = 0.5, skip_first: int = 0,
                  max_length: int | None = None, batch_size: int = 8, tofu_path=None, trainer=None):
@@ -168,6 +169,8 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
             raise UnlearnError(f"mode must be 'stop' or 'monitor', got {mode!r}")
         if eval_steps < 1:
             raise UnlearnError(f"eval_steps must be >= 1, got {eval_steps}")
+        if save_checkpoint not in (True, False, "target"):
+            raise UnlearnError(f"save_checkpoint must be True, False or 'target', got {save_checkpoint!r}")
         if metric == "violation_rate" and not 0.0 < rho < 1.0:
             raise UnlearnError(f"rho must lie strictly between 0 and 1, got {rho}")
         super().__init__(tokenizer, eval_steps=eval_steps, metric_for_best=metric,
@@ -287,7 +290,8 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
         return StoppingScores(summary={self.metric: value, "rows": n}, meta={"target": self.target})
 
     def _save_best(self, args, model, tokenizer, result) -> None:
-        if not self.save_checkpoint:
+        if not self.save_checkpoint or (self.save_checkpoint == "target"
+                                        and not self.reached(result.summary[self.metric])):
             return
         started = _clocks()
         super()._save_best(args, model, tokenizer, result)
@@ -297,6 +301,7 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._started = _clocks()
         self.check_seconds = self.check_cpu_seconds = 0.0
+        self._save_seconds = (0.0, 0.0)  # every checkpoint write of this run (wall, CPU)
         return control
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -307,7 +312,7 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
         step = state.global_step
         if step % self.eval_steps and not (state.max_steps and step >= state.max_steps):
             return control
-        started, self._save_seconds = _clocks(), (0.0, 0.0)
+        started = _clocks()
         self._run(args, state, model, processing_class)
         now = _clocks()
         self.check_seconds += now[0] - started[0]
@@ -315,7 +320,7 @@ class UnlearningStoppingCallback(UnlearningEvalCallback):
         value = self.history[-1][self.metric]
         if self.reached(value):
             self.reached_step, self.reached_value = step, value
-            if self._started is not None:  # the checkpoint write is not part of the time to the target
+            if self._started is not None:  # checkpoint writes are not part of the time to the target
                 self.reached_seconds = now[0] - self._save_seconds[0] - self._started[0]
                 self.reached_cpu_seconds = now[1] - self._save_seconds[1] - self._started[1]
             logger.info("forget target reached at step %d: %s = %.4f (target %g)", step, self.metric, value,
