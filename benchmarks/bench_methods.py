@@ -81,6 +81,11 @@ def parse_args(argv=None):
     p.add_argument("--masc-probe-size", type=int, default=0, help="MASC probe rows (0 = its training batches)")
     p.add_argument("--eval-items", type=int, default=12, help="items per utility set (retain, real authors, facts)")
     p.add_argument("--eval-max-new-tokens", type=int, default=32)
+    p.add_argument("--utility", choices=("model_utility", "retain_utility"), default="model_utility",
+                   help="the utility the tolerance and the lr rule read: TOFU's model utility (retain, real authors, "
+                        "world facts), or retain_utility, its retain-set part alone (harmonic mean of retain "
+                        "probability, ROUGE-L and truth ratio) for a model built from scratch that never knew the "
+                        "real authors or world facts (its model utility is 0)")
     p.add_argument("--utility-tolerance", type=float, default=0.05)
     p.add_argument("--speedup-target", type=float, default=3.0)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
@@ -179,8 +184,12 @@ def evaluate(model, tokenizer, forget_ids, retain_ids, args, label) -> dict:
     caps = {"retain": args.eval_items, "real_authors": args.eval_items, "world_facts": args.eval_items}
     ref = Path(args.out) / "results" / "reference.json"
     started = time.perf_counter()
+    # the table reports no membership inference: skip the gradient-norm attack (one backward per forget/holdout item)
+    from hf_unlearn.eval.metrics import SCORE_ATTACKS
+
     result = evaluate_tofu(model, tokenizer, forget_ids=forget_ids, retain_ids=retain_ids, max_items=caps,
-                           max_new_tokens=args.eval_max_new_tokens, max_length=args.max_length, progress=False)
+                           max_new_tokens=args.eval_max_new_tokens, max_length=args.max_length, progress=False,
+                           mia_attacks=SCORE_ATTACKS)
     path = result.to_json(Path(args.out) / "results" / f"{label}.json")
     if ref.is_file() and label != "reference":
         result = TofuResult.from_json(path).with_reference(ref)
@@ -188,12 +197,15 @@ def evaluate(model, tokenizer, forget_ids, retain_ids, args, label) -> dict:
     return {"result": str(path), "eval_seconds": time.perf_counter() - started, **summary_metrics(result)}
 
 
-SUMMARY_KEYS = ("forget_quality", "model_utility", "forget_probability", "forget_rouge_l", "forget_truth_ratio",
-                "retain_probability")
+SUMMARY_KEYS = ("forget_quality", "model_utility", "retain_utility", "forget_probability", "forget_rouge_l",
+                "forget_truth_ratio", "retain_probability")
 
 
 def summary_metrics(result) -> dict:
-    return {k: result.summary.get(k) for k in SUMMARY_KEYS}
+    s = dict(result.summary)
+    parts = [s.get(k) for k in ("retain_probability", "retain_rouge_l", "retain_truth_ratio")]
+    s["retain_utility"] = statistics.harmonic_mean(parts) if None not in parts else None
+    return {k: s.get(k) for k in SUMMARY_KEYS}
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -337,7 +349,7 @@ def load_runs(args) -> list[dict]:
     if ref.is_file():
         for run in runs:
             for row in (run.get("fixed"), run["stop"]):
-                if row and row.get("result") and row.get("forget_quality") is None:
+                if row and row.get("result") and any(row.get(k) is None for k in ("forget_quality", "retain_utility")):
                     row.update(summary_metrics(TofuResult.from_json(row["result"]).with_reference(ref)))
     return runs
 
@@ -345,7 +357,7 @@ def load_runs(args) -> list[dict]:
 def base_utility(args) -> float:
     from hf_unlearn.eval.tofu import TofuResult
 
-    return TofuResult.from_json(Path(args.out) / "results" / "finetuned.json").summary["model_utility"]
+    return summary_metrics(TofuResult.from_json(Path(args.out) / "results" / "finetuned.json"))[args.utility]
 
 
 def rows_of(run: dict) -> list[tuple[str, dict]]:
@@ -358,15 +370,15 @@ def rows_of(run: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def choose_lr(candidates: list[tuple[float, dict]], utility_floor: float) -> float | None:
+def choose_lr(candidates: list[tuple[float, dict]], utility_floor: float, key: str = "model_utility") -> float | None:
     """The rule fixed in advance: highest forget quality with utility >= floor (ties: higher utility, lower lr);
     if no candidate keeps utility, the highest utility."""
     if not candidates:
         return None
-    ok = [(lr, r) for lr, r in candidates if (r.get("model_utility") or 0.0) >= utility_floor]
+    ok = [(lr, r) for lr, r in candidates if (r.get(key) or 0.0) >= utility_floor]
     if ok:
-        return max(ok, key=lambda c: (c[1].get("forget_quality") or 0.0, c[1]["model_utility"], -c[0]))[0]
-    return max(candidates, key=lambda c: (c[1].get("model_utility") or 0.0, -c[0]))[0]
+        return max(ok, key=lambda c: (c[1].get("forget_quality") or 0.0, c[1][key], -c[0]))[0]
+    return max(candidates, key=lambda c: (c[1].get(key) or 0.0, -c[0]))[0]
 
 
 def choices(runs: list[dict], args) -> dict[tuple[str, str], float]:
@@ -377,7 +389,7 @@ def choices(runs: list[dict], args) -> dict[tuple[str, str], float]:
         for mode in ("fixed", "stop"):
             cands = [(r["lr"], row) for r in runs if r["spec"] == spec and r["seed"] == args.grid_seed
                      for m, row in rows_of(r) if m == mode]
-            lr = choose_lr(cands, floor)
+            lr = choose_lr(cands, floor, args.utility)
             if lr is not None:
                 picked[(spec, mode)] = lr
     return picked
@@ -423,13 +435,14 @@ def phase_table(args) -> int:
         return 1
     from hf_unlearn.eval.tofu import TofuResult
 
-    base = TofuResult.from_json(Path(args.out) / "results" / "finetuned.json").summary
+    base = summary_metrics(TofuResult.from_json(Path(args.out) / "results" / "finetuned.json"))
     ref_path = Path(args.out) / "results" / "reference.json"
-    ref = TofuResult.from_json(ref_path).summary if ref_path.is_file() else {}
-    util0 = base["model_utility"]
+    ref = summary_metrics(TofuResult.from_json(ref_path)) if ref_path.is_file() else {}
+    key = args.utility
+    util0 = base[key]
     picked = choices(runs, args)
     lines = [f"fine-tuned: forget quality {_fmt(base.get('forget_quality'))}, utility {_fmt(util0)}, forget prob. "
-             f"{_fmt(base.get('forget_probability'))}; retain-only reference: utility {_fmt(ref.get('model_utility'))}, "
+             f"{_fmt(base.get('forget_probability'))}; retain-only reference: utility {_fmt(ref.get(key))}, "
              f"forget prob. {_fmt(ref.get('forget_probability'))}, truth ratio {_fmt(ref.get('forget_truth_ratio'))}",
              "", "### Every run", "",
              "| method | lr | seed | mode | steps | wall s | cpu s | s/step (cpu) | forget quality | utility (vs ft) | "
@@ -439,7 +452,7 @@ def phase_table(args) -> int:
         if r.get("fixed") is None and r["stop"].get("reached_step") is None:  # MASC at its cap
             modes = [("cap (no stop)", r["stop"])]
         for mode, row in modes:
-            util = row.get("model_utility")
+            util = row.get(key)
             rel = f" ({relative(util, util0)})" if util is not None and util0 else ""
             chosen = " *" if picked.get((r["spec"], mode)) == r["lr"] else ""
             cpu = row.get("cpu_seconds")
@@ -461,7 +474,7 @@ def phase_table(args) -> int:
     atomic_write_text(Path(args.out) / "bench_methods.md", text + "\n")
     _atomic_json(Path(args.out) / "bench_methods.json", {"args": vars(args), "choices": {
         f"{s}|{m}": lr for (s, m), lr in picked.items()}, "runs": runs})
-    plot(runs, picked, util0, Path(args.out) / "tradeoff.png")
+    plot(runs, picked, util0, key, Path(args.out) / "tradeoff.png")
     return 0
 
 
@@ -485,8 +498,8 @@ def summary_by_seed(runs, picked, args, util0) -> list[str]:
                 if not group:
                     continue
                 cells = []
-                for key in ("steps", "cpu_seconds", "seconds", "forget_quality", "model_utility"):
-                    m, sd = mean_spread([x.get(key) for x in got])
+                for name in ("steps", "cpu_seconds", "seconds", "forget_quality", args.utility):
+                    m, sd = mean_spread([x.get(name) for x in got])
                     cells.append("-" if m is None else f"{_fmt(m)} ± {_fmt(sd, 2)}")
                 lines.append(f"| {group[0]['method']} `{spec}` | {mode} | {lr:g} ({which}) | "
                              f"{','.join(str(r['seed']) for r in group)} | " + " | ".join(cells)
@@ -502,14 +515,14 @@ def summary_by_seed(runs, picked, args, util0) -> list[str]:
                 and picked.get((r["spec"], "stop")) == r["lr"] for row in [r["stop"]]]
         base = [(r, m, row) for r in runs if r["seed"] == seed and r.get("fixed") is not None
                 for m, row in rows_of(r) if picked.get((r["spec"], m)) == r["lr"]
-                and (row.get("model_utility") or 0) >= floor]
+                and (row.get(args.utility) or 0) >= floor]
         if not masc or not base:
             lines.append(f"- seed {seed}: not enough rows (MASC {len(masc)}, eligible baselines {len(base)})")
             continue
         best = max(base, key=lambda b: (b[2].get("forget_quality") or 0, -(b[2].get("cpu_seconds") or math.inf)))
         for r, row in masc:
             fq_ok = (row.get("forget_quality") or 0) >= (best[2].get("forget_quality") or 0)
-            util_ok = (row.get("model_utility") or 0) >= floor
+            util_ok = (row.get(args.utility) or 0) >= floor
             cpu_ratio = (best[2].get("cpu_seconds") or 0) / max(row.get("cpu_seconds") or 1e-9, 1e-9)
             wall_ratio = (best[2].get("seconds") or 0) / max(row.get("seconds") or 1e-9, 1e-9)
             verdict = "HOLDS" if fq_ok and util_ok and cpu_ratio >= args.speedup_target else "does NOT hold"
@@ -517,14 +530,14 @@ def summary_by_seed(runs, picked, args, util0) -> list[str]:
                 f"- seed {seed}, {r['method']} `{r['spec']}` lr {r['lr']:g}: forget quality {_fmt(row.get('forget_quality'))}"
                 f" vs best baseline {best[0]['method']} `{best[0]['spec']}` lr {best[0]['lr']:g} ({best[1]}) "
                 f"{_fmt(best[2].get('forget_quality'))} -> {'reached' if fq_ok else 'NOT reached'}; utility "
-                f"{_fmt(row.get('model_utility'))} ({relative(row.get('model_utility'), util0)}) -> "
+                f"{_fmt(row.get(args.utility))} ({relative(row.get(args.utility), util0)}) -> "
                 f"{'within' if util_ok else 'NOT within'} {args.utility_tolerance:.0%}; time {_fmt(best[2].get('cpu_seconds'))}"
                 f" / {_fmt(row.get('cpu_seconds'))} cpu s = {cpu_ratio:.2f}x (wall {wall_ratio:.2f}x), steps "
                 f"{best[2].get('steps')} vs {row.get('steps')}: **{verdict}**")
     return lines
 
 
-def plot(runs, picked, util0, path):
+def plot(runs, picked, util0, key, path):
     try:
         import matplotlib
 
@@ -539,17 +552,17 @@ def plot(runs, picked, util0, path):
             if r["spec"] != spec:
                 continue
             for mode, row in rows_of(r) or [("cap", r["stop"])]:
-                if row.get("forget_quality") is None or row.get("model_utility") is None:
+                if row.get("forget_quality") is None or row.get(key) is None:
                     continue
                 chosen = picked.get((spec, mode)) == r["lr"]
-                ax.scatter(max(row["forget_quality"], 1e-6), row["model_utility"],
+                ax.scatter(max(row["forget_quality"], 1e-6), row[key],
                            s=20 + 0.3 * (row.get("cpu_seconds") or 0), alpha=0.8 if chosen else 0.25,
                            marker={"fixed": "s", "stop": "o", "cap": "x"}[mode], color=plt.cm.tab20(i % 20),
                            label=f"{r['method']} ({spec})" if chosen and mode in ("stop", "cap") else None)
     ax.axhline(util0 * 0.95, color="gray", linestyle=":", label="utility -5%")
     ax.set_xscale("log")
     ax.set_xlabel("forget quality (KS p-value vs retain-only reference; higher = closer)")
-    ax.set_ylabel("model utility")
+    ax.set_ylabel(key.replace("_", " "))
     ax.set_title("o stopped at the certified level, s fixed budget; area ~ CPU s; opaque = chosen lr")
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=7)
     fig.tight_layout()
