@@ -315,39 +315,18 @@ def test_callback_state_survives_checkpoint_resume(tmp_path):
 
 def _distributed_masc(out_dir):
     """Run by each of 2 CPU processes (gloo): train MASC, write what this process decided."""
-    from accelerate import PartialState
+    from .conftest import write_rank_record
 
     trainer = _masc(out_dir, max_steps=40, probe_steps=2, probe_size=2, alpha=0.2, per_device_train_batch_size=2)
     trainer.train()
-    rank = PartialState().process_index
-    record = {"stopped_step": trainer.stopped_step, "history": trainer.violation_history,
-              "world": trainer.accelerator.num_processes}
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-
-
-DISTRIBUTED = """
-import pathlib, sys
-from accelerate import debug_launcher
-from tests.test_methods_masc import _distributed_masc
-out = pathlib.Path(sys.argv[1])
-debug_launcher(lambda: _distributed_masc(out), num_processes=2)
-"""
+    write_rank_record(out_dir, trainer, stopped_step=trainer.stopped_step, history=trainer.violation_history)
 
 
 @pytest.mark.slow
 def test_stopping_decision_is_identical_on_every_process(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from .conftest import run_on_two_processes
 
-    from .conftest import ROOT
-
-    # a fresh interpreter forks the 2 gloo workers before any torch computation (forking after it can hang)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", DISTRIBUTED, str(tmp_path)], cwd=str(ROOT), env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    records = run_on_two_processes("tests.test_methods_masc", "_distributed_masc", tmp_path)
     assert all(r["world"] == 2 for r in records)
     assert records[0]["stopped_step"] is not None
     assert records[0]["stopped_step"] == records[1]["stopped_step"]

@@ -203,39 +203,19 @@ def test_cli_metric_list_is_the_callbacks():
 
 def _distributed_stop(out_dir):
     """Run by each of 2 CPU processes (gloo): GradDiff with the stopping callback; write what this process decided."""
-    from accelerate import PartialState
+    from .conftest import write_rank_record
 
     cb = UnlearningStoppingCallback("forget_probability", 1.0, eval_steps=2, save_checkpoint=False)  # reached at once
     trainer = _graddiff(out_dir, [cb], per_device_train_batch_size=1)
     trainer.train()
-    rank = PartialState().process_index
-    record = {"reached": cb.reached_step, "step": trainer.state.global_step, "history": cb.history,
-              "world": trainer.accelerator.num_processes}
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-
-
-DISTRIBUTED = """
-import pathlib, sys
-from accelerate import debug_launcher
-from tests.test_stopping_callback import _distributed_stop
-out = pathlib.Path(sys.argv[1])
-debug_launcher(lambda: _distributed_stop(out), num_processes=2)
-"""
+    write_rank_record(out_dir, trainer, reached=cb.reached_step, step=trainer.state.global_step, history=cb.history)
 
 
 @pytest.mark.slow
 def test_every_process_stops_at_the_same_step(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from .conftest import run_on_two_processes
 
-    from .conftest import ROOT
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", DISTRIBUTED, str(tmp_path)], cwd=str(ROOT), env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    records = run_on_two_processes("tests.test_stopping_callback", "_distributed_stop", tmp_path)
     assert all(r["world"] == 2 for r in records)
     assert records[0]["reached"] == records[1]["reached"] == records[0]["step"] == records[1]["step"] == 2
     assert records[0]["history"] == records[1]["history"]  # identical weights, identical scores
