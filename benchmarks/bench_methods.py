@@ -18,7 +18,11 @@ Each run (method, learning rate, seed) trains for the same budget (``--epochs`` 
   (probe on its training batches, confirmation on the same held-out rows, the same cap).
 
 Timing: wall clock and this process's CPU time of ``train()`` (one torch thread): on a machine shared with other
-jobs the CPU time is the steadier measure of the work done; the ratios are given for both.
+jobs the CPU time is the steadier measure of the work done; the ratios are given for both. Output is not unlearning
+work: the baselines' checkpoint writes and MASC's end-of-run report and plot are left out of both.
+
+Utility: TOFU's model utility by default; ``--utility retain_utility`` (its retain-set part) for a model built from
+scratch, which never knew the real authors or world facts and scores 0 on them.
 
 Phases (each resumable; a run is claimed with a lock file, so two processes can share one queue):
 
