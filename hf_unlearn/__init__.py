@@ -92,6 +92,7 @@ _LAZY: dict[str, str] = {
     "evaluate_quantized": "hf_unlearn.eval.quantized",
     "quantize_model": "hf_unlearn.eval.quantized",
     "UnlearningEvalCallback": "hf_unlearn.eval.callback",
+    "UnlearningStoppingCallback": "hf_unlearn.eval.stopping",
 
     # --- hub publishing ---
     "push_unlearned": "hf_unlearn.hub.publish",
