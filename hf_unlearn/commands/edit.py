@@ -164,22 +164,16 @@ def run_qr_erase(args) -> int:
 
 
 def run_task_matrices(args) -> int:
-    from ..data import load_tofu
     from ..editing.finetune import make_task_matrices
     from ..errors import UnlearnError
     from ..models import load_model, load_tokenizer
-    from .unlearn import retain_split_for
+    from .unlearn import load_tofu_splits, retain_split_for
 
     for flag in ("epochs", "batch_size", "max_length", "lora_r"):
         if getattr(args, flag) <= 0:
             raise UnlearnError(f"--{flag.replace('_', '-')} must be positive")
     retain_split = args.retain_split or retain_split_for(args.forget_split)
-    forget = load_tofu(args.forget_split, args.tofu)
-    retain = load_tofu(retain_split, args.tofu)
-    if args.max_forget_rows:
-        forget = forget.select(range(min(args.max_forget_rows, len(forget))))
-    if args.max_retain_rows:
-        retain = retain.select(range(min(args.max_retain_rows, len(retain))))
+    forget, retain = load_tofu_splits(args, retain_split)
     tokenizer = load_tokenizer(args.base)
     model = load_model(args.base)
     print(f"== task matrices of {args.base}: {len(forget)} {args.forget_split} rows, {len(retain)} {retain_split} "

@@ -26,9 +26,11 @@ subspace explains: ``(I - Q_r Q_r^T) Q_f Q_f^T T_f``. Subspaces are compared by 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,43 @@ def choose_rank(spectrum: torch.Tensor, shape: Sequence[int], rank: int | None =
 
 
 # -- decompositions -------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    import scipy.linalg  # noqa: F401  (loads scipy's OpenBLAS, so the controller sees it)
+
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - threadpoolctl comes with the editing extra
+        return None
+    return ThreadpoolController()
+
+
+_limit_depth = 0
+
+
+@contextlib.contextmanager
+def blas_threads(threads: int | None = None) -> Iterator[None]:
+    """Run scipy's LAPACK with ``threads`` (default: torch's intra-op thread count) BLAS threads.
+
+    scipy ships its own OpenBLAS, whose thread pool knows nothing of torch's: next to torch (and on a busy machine)
+    its default of one thread per core can make a small CPQR 100x slower. Nested uses keep the outer limit, so a
+    whole edit pays the ``threadpoolctl`` switch once. Without threadpoolctl installed this does nothing.
+    """
+    global _limit_depth
+    controller = None if _limit_depth else _blas_controller()
+    if controller is None:
+        yield
+        return
+    import torch
+
+    _limit_depth += 1
+    try:
+        with controller.limit(limits=threads or torch.get_num_threads(), user_api="blas"):
+            yield
+    finally:
+        _limit_depth -= 1
+
+
 def _cpqr_leading(matrix, rank, energy, shape) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
     """CPQR of a CPU float32 matrix; returns (Q_k, |diag R|, k, capped)."""
     import numpy as np
@@ -107,13 +146,14 @@ def _cpqr_leading(matrix, rank, energy, shape) -> tuple[torch.Tensor, torch.Tens
     from scipy.linalg import lapack
 
     a = np.asarray(matrix.cpu().numpy(), dtype=np.float32)
-    (h, tau), _, _ = scipy.linalg.qr(a, mode="raw", pivoting=True, check_finite=False)
-    diag = torch.from_numpy(np.abs(np.diag(h)).copy())
-    k, capped = choose_rank(diag, shape, rank, energy)
-    if k == 0:
-        return torch.zeros(a.shape[0], 0), diag, 0, capped
-    orgqr, = lapack.get_lapack_funcs(("orgqr",), (h,))
-    q, _, info = orgqr(h[:, :k], tau[:k])
+    with blas_threads():
+        (h, tau), _, _ = scipy.linalg.qr(a, mode="raw", pivoting=True, check_finite=False)
+        diag = torch.from_numpy(np.abs(np.diag(h)).copy())
+        k, capped = choose_rank(diag, shape, rank, energy)
+        if k == 0:
+            return torch.zeros(a.shape[0], 0), diag, 0, capped
+        orgqr, = lapack.get_lapack_funcs(("orgqr",), (h,))
+        q, _, info = orgqr(h[:, :k], tau[:k])
     if info != 0:  # pragma: no cover - LAPACK argument error
         raise RuntimeError(f"LAPACK orgqr failed with info={info}")
     return torch.from_numpy(np.ascontiguousarray(q)), diag, k, capped

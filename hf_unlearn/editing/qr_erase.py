@@ -31,6 +31,7 @@ import torch
 from ..errors import UnlearnError
 from .decompositions import (
     METHODS,
+    blas_threads,
     captured_energy,
     check_rank_fits,
     check_rank_rule,
@@ -189,7 +190,7 @@ def qr_erase(model, forget_task, retain_task=None, config: QREraseConfig | None 
     edits: list[LayerEdit] = []
     seconds_decomposition = seconds_comparison = 0.0
     bar = tqdm(todo, desc=f"{cfg.method} edit", unit="layer", disable=not cfg.progress)
-    with torch.no_grad():
+    with torch.no_grad(), blas_threads():
         for t in bar:
             bar.set_postfix_str(t.name, refresh=False)
             t_f = forget[t.name]

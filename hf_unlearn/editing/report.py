@@ -179,12 +179,9 @@ class EditReport:
         ax.set_xlabel("block")
         ax.set_ylabel("normalised forget-task energy E_l")
         ax.set_title(f"{self.method_name}: {len(self.selected_blocks)} of {n} blocks edited (red)", fontsize=9)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
+        from ..eval.plots import _save
+
+        return _save(fig, path)
 
     def save(self, output_dir: str | os.PathLike) -> dict[str, Path]:
         """``edit_report.json``, ``edit_report.md`` and ``layer_energies.png`` in ``output_dir``."""
