@@ -176,8 +176,11 @@ class EditReport:
         if n:
             ax.axhline(1.0 / n, color="k", linestyle="--", linewidth=1, label="1/|L|")
             ax.legend(loc="upper right", fontsize=8)
-        ax.set_xlabel("block")
-        ax.set_ylabel("normalised forget-task energy E_l")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("transformer block")
+        ax.set_ylabel("forget energy (normalised)")
         ax.set_title(f"{self.method_name}: {len(self.selected_blocks)} of {n} blocks edited (red)", fontsize=9)
         from ..eval.plots import _save
 
