@@ -4,7 +4,8 @@
    ``bench_methods.py``); the last ``--forget-authors`` authors are the forget set.
 2. Task matrices: LoRA fine-tunes of that model on the forget rows and on the retain rows
    (``hf_unlearn.editing.finetune.fine_tune_task``, timed, cached per ``--task-seed``).
-3. A scale sweep with answer losses only (cheap): every method x {all layers, localised} x ``--scales``; the edit's
+3. A scale sweep with answer losses only (cheap): every method x all layers (and localised for
+   ``--localize-methods``) x ``--scales``; the edit's
    wall clock (``qr_erase`` without the reference decompositions) is recorded for each.
 4. TOFU metrics (``evaluate_tofu`` with ``max_items`` caps) of the fine-tuned model, of each method at
    ``--eval-scale`` (all layers), of localised QR at the scale whose forget loss is closest to all-layer QR's
@@ -48,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--task-seed", type=int, default=0, help="seed of the task fine-tunes (data order)")
     p.add_argument("--rank", type=int, default=4, help="edit rank (below the LoRA rank, so the decomposition matters)")
     p.add_argument("--methods", default="qr,svd,qr-truncated")
+    p.add_argument("--localize-methods", default="qr", help="methods also swept with localisation")
     p.add_argument("--scales", default="1,2,4,8,16")
     p.add_argument("--eval-scale", type=float, default=None, help="scale of the TOFU evaluation (default: the "
                    "smallest swept scale at which all-layer QR raises the forget loss by --target-gain)")
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
     sweep = state.setdefault("sweep", {})
     scales = [float(s) for s in args.scales.split(",")]
     for method in args.methods.split(","):
-        for localize in (False, True):
+        for localize in (False, True) if method in args.localize_methods.split(",") else (False,):
             for scale in scales:
                 key = f"{method}|{'localized' if localize else 'all'}|{scale:g}"
                 if key in sweep:

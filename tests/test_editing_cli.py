@@ -33,6 +33,7 @@ def test_task_matrices_folder(task_folder, tiny_llama_dir):
     manifest = json.loads((task_folder / "task_matrices.json").read_text())
     assert manifest["kind"] == "lora" and manifest["forget_ids"] == [3960, 3961, 3962, 3963]
     assert manifest["retain_split"] == "retain99" and manifest["num_retain"] == 8
+    assert len(manifest["forget_fingerprint"]) == 64 and manifest["forget_fingerprint"] != manifest["retain_fingerprint"]
     for sub in ("forget", "retain"):
         assert (task_folder / sub / "adapter_config.json").is_file()
         assert not (task_folder / sub / "_trainer").exists()
@@ -75,6 +76,29 @@ def test_another_base_is_refused_and_nothing_is_written(task_folder, tmp_path, c
     err = capsys.readouterr().err
     assert one_line_error(err, "computed against another base")
     assert not out.exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_swapped_task_files_or_a_manifest_without_the_base_hash_are_refused(task_folder, tiny_llama_dir, tmp_path):
+    from hf_unlearn.editing.qr_erase import qr_erase
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.models import load_model
+
+    model = load_model(tiny_llama_dir)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(task_folder, swapped)
+    shutil.copy(swapped / "retain" / "adapter_model.safetensors", swapped / "forget" / "adapter_model.safetensors")
+    with pytest.raises(UnlearnError, match="not the forget task model recorded"):
+        qr_erase(model, swapped, progress=False)
+    stripped = tmp_path / "stripped"
+    shutil.copytree(task_folder, stripped)
+    manifest = json.loads((stripped / "task_matrices.json").read_text())
+    del manifest["base_params_root"]
+    (stripped / "task_matrices.json").write_text(json.dumps(manifest))
+    with pytest.raises(UnlearnError, match="records no base weight hash"):
+        qr_erase(model, stripped, progress=False)
+    # the untouched folder still edits (and the refusals above changed nothing)
+    _, report = qr_erase(model, task_folder, rank=2, progress=False, compare_subspaces=False)
+    assert report.num_forget == 4 and report.retain_task["kind"] == "lora"
 
 
 def test_cli_errors_are_one_line(tiny_llama_dir, task_folder, tmp_path, capsys):

@@ -100,10 +100,14 @@ def make_task_matrices(model, tokenizer, forget, retain, output_dir, *, base: st
     for name, data in (("forget", forget_rows), ("retain", retain_rows)):
         fine_tune_task(model, tokenizer, data, partial / name, lora=lora, **fine_tune_kwargs)
     if state.is_main_process:
+        from .task_matrices import load_task_matrices
+
+        fingerprints = {f"{name}_fingerprint": load_task_matrices(model, partial / name).fingerprint
+                        for name in ("forget", "retain")}
         manifest = {
             "format": "hf_unlearn.task_matrices.v1", "kind": "lora" if lora else "full", "forget": "forget",
             "retain": "retain", "base": base, "base_params_root": base_root, "num_forget": len(forget),
-            "num_retain": len(retain), "forget_ids": [_plain(i) for i in forget["id"]],
+            "num_retain": len(retain), "forget_ids": [_plain(i) for i in forget["id"]], **fingerprints,
             "fine_tune": {k: v for k, v in fine_tune_kwargs.items() if isinstance(v, (int, float, str, bool, list))},
             **(info or {}),
         }

@@ -159,6 +159,8 @@ def qr_erase(model, forget_task, retain_task=None, config: QREraseConfig | None 
     layers = target_layers(model, cfg.target_modules)
     forget = load_task_matrices(model, forget_task, layers)
     retain: TaskMatrices | None = None if retain_task is None else load_task_matrices(model, retain_task, layers)
+    if folder is not None:
+        folder.check_sources(forget, retain if retain_task == folder.retain else None)
     layers = [t for t in layers if t.name in forget]
     num_blocks = len({t.block for t in target_layers(model)})
     retain_rule = cfg.retain_rule()

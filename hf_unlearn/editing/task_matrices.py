@@ -381,11 +381,28 @@ class TaskFolder:
         return list(self.manifest.get("forget_ids") or [])
 
     def check_base(self, base_params_root: str) -> None:
+        """Refuse a base whose weights differ from the one the task models were trained from."""
         expected = self.manifest.get("base_params_root")
-        if expected and expected != base_params_root:
+        if not expected:
+            raise UnlearnError(f"{self.path / TASK_MANIFEST} records no base weight hash (base_params_root); "
+                               "recreate the folder with `hf-unlearn edit task-matrices`")
+        if expected != base_params_root:
             raise UnlearnError(f"the task matrices in {self.path} were computed against another base (weights hash "
                                f"{expected[:12]}, this base {base_params_root[:12]}); load the base named in "
                                f"{TASK_MANIFEST} ({self.manifest.get('base', '?')}) in the same dtype")
+
+    def check_sources(self, forget: TaskMatrices, retain: TaskMatrices | None) -> None:
+        """Refuse task models whose tensors differ from those recorded when the folder was written (swapped or
+        altered files). Whoever can rewrite the folder can rewrite the manifest too: this is an integrity check,
+        not a proof of origin."""
+        for name, matrices in (("forget", forget), ("retain", retain)):
+            expected = self.manifest.get(f"{name}_fingerprint")
+            if matrices is None or not expected:
+                continue
+            if matrices.fingerprint != expected:
+                raise UnlearnError(f"{self.path / self.manifest[name]} is not the {name} task model recorded in "
+                                   f"{TASK_MANIFEST} (tensor hash {matrices.fingerprint[:12]}, recorded "
+                                   f"{expected[:12]}); its files were replaced or modified")
 
 
 def read_task_folder(path) -> TaskFolder | None:
