@@ -164,15 +164,15 @@ def main(argv=None) -> int:
                 save()
                 del edited
     # one comparison run: per-layer times and principal angles of every method on the same task matrices
-    if "angles" not in state:
-        for method in args.methods.split(","):
+    for method in args.methods.split(","):
+        if method not in state.get("angles", {}):
             _, report = edit(method, False, 1.0, compare=True)
             state.setdefault("angles", {})[method] = {
                 "max_angle_deg": report.max_angles(), "decomposition_seconds": report.decomposition_seconds(),
                 "mean_rank": report.mean_rank()}
             if method == "qr":
                 report.save(out / "qr_report")
-        save()
+            save()
     if args.no_eval:
         print_summary(state, args)
         return 0
@@ -183,7 +183,8 @@ def main(argv=None) -> int:
         hits = [s for s in scales if sweep[f"qr|all|{s:g}"]["forget_loss"] - base_gain >= args.target_gain]
         eval_scale = hits[0] if hits else scales[-1]
     target = sweep[f"qr|all|{eval_scale:g}"]["forget_loss"]
-    loc_scale = min(scales, key=lambda s: abs(sweep[f"qr|localized|{s:g}"]["forget_loss"] - target))
+    swept = [float(k.split("|")[2]) for k in sweep if k.startswith("qr|localized|")]  # every scale swept so far
+    loc_scale = min(swept, key=lambda s: abs(sweep[f"qr|localized|{s:g}"]["forget_loss"] - target))
     state["eval_scale"], state["localized_eval_scale"] = eval_scale, loc_scale
     evals = state.setdefault("eval", {})
     todo = [("fine-tuned", None, None, None)]
