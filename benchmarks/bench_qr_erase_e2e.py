@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-items", type=int, default=12, help="retain/real_authors/world_facts items")
     p.add_argument("--eval-max-new-tokens", type=int, default=32)
     p.add_argument("--no-eval", action="store_true", help="stop after the sweep")
+    p.add_argument("--summary", action="store_true", help="only print the tables of OUT's results file (a partial run's)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench_qr_erase_e2e_output")
     p.add_argument("--seed", type=int, default=0)
@@ -108,6 +109,9 @@ def task_models(args, model, tokenizer, forget, retain):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summary:
+        print_summary(json.loads((Path(args.out) / f"bench_qr_erase_e2e_seed{args.task_seed}.json").read_text()), args)
+        return 0
     import torch
 
     if args.threads:
@@ -163,20 +167,8 @@ def main(argv=None) -> int:
                       f"edit {report.seconds_total:.1f} s ({len(report.selected_blocks)} blocks)", flush=True)
                 save()
                 del edited
-    # one comparison run per method: per-layer times and principal angles on the same task matrices (svd's run is
-    # skipped when qr's is there: it would only repeat the same two decompositions and the same angles)
-    for method in args.methods.split(","):
-        if method == "svd" and "qr" in args.methods.split(","):
-            continue
-        if method not in state.get("angles", {}):
-            _, report = edit(method, False, 1.0, compare=True)
-            state.setdefault("angles", {})[method] = {
-                "max_angle_deg": report.max_angles(), "decomposition_seconds": report.decomposition_seconds(),
-                "mean_rank": report.mean_rank()}
-            if method == "qr":
-                report.save(out / "qr_report")
-            save()
     if args.no_eval:
+        compare_subspaces(args, state, edit, save, out)
         print_summary(state, args)
         return 0
     # 4. TOFU metrics --------------------------------------------------------------------------------------------
@@ -190,10 +182,32 @@ def main(argv=None) -> int:
     loc_scale = min(swept, key=lambda s: abs(sweep[f"qr|localized|{s:g}"]["forget_loss"] - target))
     state["eval_scale"], state["localized_eval_scale"] = eval_scale, loc_scale
     evals = state.setdefault("eval", {})
+    methods = args.methods.split(",")
+    # most informative first, so that a run stopped early (shared CPU) still answers the issue's two questions
     todo = [("fine-tuned", None, None, None)]
-    todo += [(f"{m} all x{eval_scale:g}", m, False, eval_scale) for m in args.methods.split(",")]
-    todo += [(f"qr localized x{loc_scale:g}", "qr", True, loc_scale), (f"qr localized x{eval_scale:g}", "qr", True,
-                                                                        eval_scale)]
+    todo += [(f"{m} all x{eval_scale:g}", m, False, eval_scale) for m in methods if m in ("qr", "svd")]
+    todo += [(f"qr localized x{loc_scale:g}", "qr", True, loc_scale)]
+    todo += [(f"{m} all x{eval_scale:g}", m, False, eval_scale) for m in methods if m not in ("qr", "svd")]
+    evaluate_all(todo, evals, edit, bm, model, tok, forget, retain, forget_ids, retain_ids, margs, save)
+    if args.masc and "MASC" not in evals:
+        cpu = time.process_time()
+        trainer, seconds, lr = bm.run_method(f"masc@{args.masc_lr}", margs, model, tok, forget, retain)
+        cpu = time.process_time() - cpu  # includes the trainer's construction and the model copy
+        row = bm.evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, margs, "masc")
+        evals["MASC"] = {"train_seconds": seconds, "train_cpu_seconds": cpu, "steps": trainer.state.global_step,
+                         "stopped_step": trainer.stopped_step, **{k: v for k, v in row.items() if k != "result"}}
+        print(json.dumps({"MASC": evals["MASC"]}), flush=True)
+        save()
+    # then localised QR at the same scale as the all-layer runs, and the subspace comparison (cheapest to lose)
+    evaluate_all([(f"qr localized x{eval_scale:g}", "qr", True, eval_scale)], evals, edit, bm, model, tok, forget,
+                 retain, forget_ids, retain_ids, margs, save)
+    compare_subspaces(args, state, edit, save, out)
+    print_summary(state, args)
+    return 0
+
+
+def evaluate_all(todo, evals, edit, bm, model, tok, forget, retain, forget_ids, retain_ids, margs, save) -> None:
+    """TOFU metrics of each (label, method, localize, scale) not yet in ``evals`` (method None: the model as is)."""
     for label, method, localize, scale in todo:
         if label in evals:
             continue
@@ -208,17 +222,22 @@ def main(argv=None) -> int:
                         **{k: v for k, v in row.items() if k != "result"}}
         print(json.dumps({label: evals[label]}), flush=True)
         save()
-    if args.masc and "MASC" not in evals:
-        cpu = time.process_time()
-        trainer, seconds, lr = bm.run_method(f"masc@{args.masc_lr}", margs, model, tok, forget, retain)
-        cpu = time.process_time() - cpu  # includes the trainer's construction and the model copy
-        row = bm.evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, margs, "masc")
-        evals["MASC"] = {"train_seconds": seconds, "train_cpu_seconds": cpu, "steps": trainer.state.global_step,
-                         "stopped_step": trainer.stopped_step, **{k: v for k, v in row.items() if k != "result"}}
-        print(json.dumps({"MASC": evals["MASC"]}), flush=True)
-        save()
-    print_summary(state, args)
-    return 0
+
+
+def compare_subspaces(args, state, edit, save, out) -> None:
+    """One comparison run per method: per-layer times and principal angles on the same task matrices (svd's run is
+    skipped when qr's is there: it would only repeat the same two decompositions and the same angles)."""
+    for method in args.methods.split(","):
+        if method == "svd" and "qr" in args.methods.split(","):
+            continue
+        if method not in state.get("angles", {}):
+            _, report = edit(method, False, 1.0, compare=True)
+            state.setdefault("angles", {})[method] = {
+                "max_angle_deg": report.max_angles(), "decomposition_seconds": report.decomposition_seconds(),
+                "mean_rank": report.mean_rank()}
+            if method == "qr":
+                report.save(out / "qr_report")
+            save()
 
 
 def print_summary(state, args) -> None:
@@ -238,6 +257,9 @@ def print_summary(state, args) -> None:
             if abs(gain_svd) > 1e-9:
                 print(f"forgetting QR / SVD ({where}, x{scale}): {gain_qr / gain_svd:.3f} "
                       f"(gains {gain_qr:.3f} / {gain_svd:.3f})")
+    for method, a in state.get("angles", {}).items():
+        print(f"{method}: largest principal angle over layers {a['max_angle_deg']} (degrees), decomposition seconds "
+              f"{a['decomposition_seconds']}, mean rank {a['mean_rank']}")
     evals = state.get("eval", {})
     if evals:
         keys = ["forget_probability", "forget_rouge_l", "forget_truth_ratio", "model_utility", "forget_loss",
