@@ -47,13 +47,14 @@ def test_qr_erase_cli_saves_a_plain_model_report_and_card(task_folder, tiny_llam
 
     out = tmp_path / "edited"
     assert main(["edit", "qr-erase", str(tiny_llama_dir), "--task-matrices", str(task_folder), "--out", str(out),
-                 "--rank", "2", "--top-k-layers", "1"]) == 0
+                 "--rank", "2", "--top-k-layers", "1", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "edited 7 layers in 1 of 2 blocks" in printed and "largest principal angle to the svd" in printed
     for name in ("config.json", "model.safetensors", "tokenizer.json", "edit_report.json", "edit_report.md",
                  "layer_energies.png", "README.md", "unlearning_info.json"):
         assert (out / name).is_file(), name
     report = json.loads((out / "edit_report.json").read_text())
+    assert report["device"] == "cpu"
     block = report["selected_blocks"][0]
     edited, base = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     for e, b in zip(target_layers(edited), target_layers(base)):
@@ -107,6 +108,9 @@ def test_cli_errors_are_one_line(tiny_llama_dir, task_folder, tmp_path, capsys):
         (["--task-matrices", str(task_folder), "--rank", "99"], "larger than"),
         (["--task-matrices", str(task_folder), "--energy", "1.5"], "energy"),
         (["--forget-adapter", str(tmp_path)], "not a PEFT adapter"),
+        (["--task-matrices", str(task_folder), "--device", "cuda:99"], "no such CUDA device"),
+        (["--task-matrices", str(task_folder), "--device", "banana"], "not a torch device"),
+        (["--task-matrices", str(task_folder), "--device", "meta"], "only cpu and cuda"),
     ]
     for extra, message in cases:
         assert main(["edit", "qr-erase", str(tiny_llama_dir), "--out", str(out), *extra]) == 1

@@ -58,6 +58,9 @@ def register(parser) -> None:
                    help="file of the forget sample ids (for the model card's keyed tags; default: from --task-matrices)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype to load BASE in (decompositions always run in float32)")
+    p.add_argument("--device", default="auto",
+                   help="device to edit on: auto (cuda when available, else cpu), cpu, cuda, cuda:1, ... (the SVD "
+                        "and the projections run there; CPQR always runs on the CPU, LAPACK)")
     p.set_defaults(func=run_qr_erase)
 
     t = sub.add_parser("task-matrices", help="fine-tune BASE on forget and on retain rows to get task matrices",
@@ -113,6 +116,27 @@ def _check_sources(args) -> None:
                            "task-matrices` (no task_matrices.json)")
 
 
+def _edit_device(name: str):
+    """``--device`` as a torch.device, refused before anything loads when it does not exist here."""
+    import torch
+
+    from ..errors import UnlearnError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UnlearnError(f"--device {name!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and (not torch.cuda.is_available()
+                                  or (device.index or 0) >= torch.cuda.device_count()):
+        raise UnlearnError(f"--device {name}: no such CUDA device here ({torch.cuda.device_count()} visible); "
+                           "use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise UnlearnError(f"--device {name}: only cpu and cuda devices are supported")
+    return device
+
+
 def run_qr_erase(args) -> int:
     import os
     import shutil
@@ -131,10 +155,11 @@ def run_qr_erase(args) -> int:
         oversample=args.oversample, power_iters=args.power_iters, seed=args.seed, compare_subspaces=not args.no_compare,
     )  # options are checked before anything loads
     forget_ids = read_ids(args.forget_ids) if args.forget_ids else None
+    device = _edit_device(args.device)
     _check_sources(args)
     out, partial = _staging(args.out)
     try:
-        model = load_model(args.base, dtype=getattr(torch, args.dtype))
+        model = load_model(args.base, dtype=getattr(torch, args.dtype)).to(device)
         tokenizer = load_tokenizer(args.base)
         forget = args.task_matrices or args.forget_adapter or args.forget_model
         retain = args.retain_adapter or args.retain_model
