@@ -237,13 +237,13 @@ def test_report_files_card_and_raw_ids(tmp_path):
     from hf_unlearn.hub.cards import render_model_card
 
     base = tiny("llama", layers=4)
-    forget_ids = [0, 1, 2, 3, 17]  # they collide with block indices and ranks on purpose
+    forget_ids = [1, 3, 17]  # they collide with block indices and ranks on purpose (2 would hit "apache-2.0")
     _, report = qr_erase(copy.deepcopy(base), blockwise(base, 1), lora(base, 2), rank=3, localize=True,
                          forget_ids=forget_ids, progress=False)
     paths = report.save(tmp_path)
     assert {p.name for p in paths.values()} == {"edit_report.json", "edit_report.md", "layer_energies.png"}
     data = json.loads(paths["json"].read_text())
-    assert "forget_ids" not in data and data["num_forget"] == 5
+    assert "forget_ids" not in data and data["num_forget"] == 3
     again = EditReport.from_json(paths["json"])
     assert again.selected_blocks == report.selected_blocks and again.layers[0] == report.layers[0]
     assert "| 1 |" in paths["markdown"].read_text()
@@ -254,8 +254,16 @@ def test_report_files_card_and_raw_ids(tmp_path):
     assert "QR-Erase" in card and "qr_erase" not in card.split("---")[1]
     assert report.base_params_root in card or report.edited_params_root in json.dumps(info)
     leaked = dict(info, hyperparameters={**info["hyperparameters"], "deleted_rows": forget_ids})
-    with pytest.raises(UnlearnError, match="raw sample ids"):
+    with pytest.raises(UnlearnError, match="forget ids"):
         render_model_card(leaked, key=b"k" * 32)
+    # the editor declares its own numbers (rank 3, block_1, ...) by exact value: another id in those fields, or an
+    # id in the user's module names, is still refused
+    assert info["not_ids"]["hyperparameters.rank"] == [3]
+    for smuggled in (dict(info, hyperparameters={**info["hyperparameters"], "rank": 17}),
+                     dict(info, hyperparameters={**info["hyperparameters"], "target_modules": ["q_proj", "17"]}),
+                     dict(info, extra={**info["extra"], "num_blocks": 17})):
+        with pytest.raises(UnlearnError, match="forget ids"):
+            render_model_card(smuggled, key=b"k" * 32)
     with pytest.raises(UnlearnError, match="not an hf_unlearn edit report"):
         (tmp_path / "x.json").write_text("{}")
         EditReport.from_json(tmp_path / "x.json")
