@@ -94,6 +94,14 @@ _LAZY: dict[str, str] = {
     "UnlearningEvalCallback": "hf_unlearn.eval.callback",
     "UnlearningStoppingCallback": "hf_unlearn.eval.stopping",
 
+    # --- closed-form editing (QR-Erase) ---
+    "qr_erase": "hf_unlearn.editing.qr_erase",
+    "QREraseConfig": "hf_unlearn.editing.qr_erase",
+    "EditReport": "hf_unlearn.editing.report",
+    "TaskMatrices": "hf_unlearn.editing.task_matrices",
+    "load_task_matrices": "hf_unlearn.editing.task_matrices",
+    "make_task_matrices": "hf_unlearn.editing.finetune",
+
     # --- hub publishing ---
     "push_unlearned": "hf_unlearn.hub.publish",
     "verify_on_hub": "hf_unlearn.hub.verify",
