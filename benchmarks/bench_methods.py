@@ -572,8 +572,9 @@ def plot(runs, picked, util0, key, path):
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover
         return
-    fig, ax = plt.subplots(figsize=(10, 5.5))
+    fig, ax = plt.subplots(figsize=(11, 6.5))
     specs = sorted({r["spec"] for r in runs})
+    labelled = set()  # one legend entry per method, not one per seed
     for i, spec in enumerate(specs):
         for r in runs:
             if r["spec"] != spec:
@@ -582,10 +583,14 @@ def plot(runs, picked, util0, key, path):
                 if row.get("forget_quality") is None or row.get(key) is None:
                     continue
                 chosen = picked.get((spec, mode)) == r["lr"]
+                label = f"{r['method']} ({spec})" if chosen and mode in ("stop", "cap") else None
+                if label in labelled:
+                    label = None
+                labelled.add(label)
                 ax.scatter(max(row["forget_quality"], 1e-6), row[key],
                            s=20 + 0.3 * (row.get("cpu_seconds") or 0), alpha=0.8 if chosen else 0.25,
                            marker={"fixed": "s", "stop": "o", "cap": "x"}[mode], color=plt.cm.tab20(i % 20),
-                           label=f"{r['method']} ({spec})" if chosen and mode in ("stop", "cap") else None)
+                           label=label)
     ax.axhline(util0 * 0.95, color="gray", linestyle=":", label="utility -5%")
     ax.set_xscale("log")
     ax.set_xlabel("forget quality (KS p-value vs retain-only reference; higher = closer)")
