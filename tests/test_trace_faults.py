@@ -27,8 +27,10 @@ def test_unknown_ids_are_listed(tmp_path):
     from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store, replay_cost
 
     run = open_run(recorded)
-    with pytest.raises(UnlearnError, match=r"2 id\(s\) to forget never appear.*\[999, 'nope'\]"):
-        replay_cost(run, [1, 999, "nope"])
+    with pytest.raises(UnlearnError, match=r"2 id\(s\) to forget never appear.*\[999, 1234\]"):
+        replay_cost(run, [1, 999, 1234])
+    with pytest.raises(UnlearnError, match=r"id '7' is str but the run .* uses int ids"):  # "7" is not 7
+        replay_cost(run, [1, "7"])
     with pytest.raises(UnlearnError, match=r"not in the store: \[12345\]"):
         redact_store(run.store_path, [1, 12345], tmp_path / "s", run.key)
     with pytest.raises(UnlearnError, match="999"):
@@ -72,9 +74,13 @@ def test_truncated_wal_tail(tmp_path):
     header["sealed"] = False
     (crashed / "header.json").write_text(json.dumps(header))
     (crashed / "header.json.sha256").unlink()
-    with pytest.warns(UserWarning, match="recovered to the last whole record"):
+    with pytest.warns(UserWarning) as caught:
         run = open_run(crashed)
-    assert len(run.plan) == 14 and run.plan[-1].end and run.total_steps == 7  # 14 whole records = 7 segments
+    messages = " ".join(str(w.message) for w in caught)
+    assert "recovered to the last whole record" in messages
+    # 14 whole records = 7 segments; step 6 was logged, but nothing after it proves it completed: replays stop there
+    assert "optimizer step 6 was logged but never completed" in messages and "replays stop at step 6" in messages
+    assert len(run.plan) == 12 and run.plan[-1].end and run.total_steps == 6
 
 
 def test_plan_and_wal_disagree(tmp_path, capsys):
@@ -96,7 +102,8 @@ def test_plan_and_wal_disagree(tmp_path, capsys):
         open_run(run)
 
 
-def test_store_missing_a_retained_row(tmp_path):
+def test_store_redacted_for_another_request(tmp_path):
+    """A store missing a retained row (redacted for a larger request) is refused by its receipt, before compute."""
     recorded = get_recorded()
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store
@@ -105,8 +112,9 @@ def test_store_missing_a_retained_row(tmp_path):
     forget = ids_at_step(recorded, 6)[:1]
     also_gone = ids_at_step(recorded, 7)[:1]
     redact_store(run.store_path, forget + also_gone, tmp_path / "s", run.key)
-    with pytest.raises(UnlearnError, match=r"missing 1 retained row\(s\).*step 7"):
+    with pytest.raises(UnlearnError, match=r"redacted for another deletion request \(2 id\(s\), 1 of them"):
         RedactedReplayTrainer(run, tmp_path / "s", forget, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_replay_refuses_an_unredacted_store(tmp_path):
@@ -114,7 +122,7 @@ def test_replay_refuses_an_unredacted_store(tmp_path):
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer
 
-    with pytest.raises(UnlearnError, match="still holds 1 id"):
+    with pytest.raises(UnlearnError, match="original store and still holds the ids to forget"):
         RedactedReplayTrainer(recorded, recorded / "private" / "store", [5], tmp_path / "out")
 
 

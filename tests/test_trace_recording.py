@@ -165,8 +165,13 @@ def test_random_collator_reported_as_hazard(tmp_path):
         batch["input_ids"] = batch["input_ids"] * (1 - noise) + noise * tok.pad_token_id
         return batch
 
-    t = TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path, max_steps=1, dataloader_num_workers=0),
-                              train_dataset=data, data_collator=augmenting_collator)
+    from hf_unlearn.errors import UnlearnError
+
+    kw = dict(args=train_args(tmp_path, max_steps=1), train_dataset=data, data_collator=augmenting_collator)
+    with pytest.raises(UnlearnError, match=r"cannot record a run a replay reproduces: the data collator .* is random"):
+        TraceRecordingTrainer(model=tiny(tok), **kw)  # refused at construction, before any training
+    assert not (tmp_path / "trace").exists()
+    t = TraceRecordingTrainer(model=tiny(tok), trace_allow_hazards=True, **kw)
     t.train()
     header = json.loads((tmp_path / "trace" / "header.json").read_text())
     assert any("collator" in h and "random" in h for h in header["hazards"])

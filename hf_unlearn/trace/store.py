@@ -3,12 +3,15 @@
 The recorder saves exactly the rows the dataloader served (after unused columns were removed), so a replay can
 rebuild every microbatch. Redaction writes a *new* store holding only the retained rows (fresh Arrow files, no
 shared file, no indices mapping over the old data) and a receipt that says how the absence of the deleted rows
-was checked.
+was checked. The receipt binds the new store to its source: it names the source's fingerprint (which the run's
+header records) and the new store's, and carries an HMAC under the run's key, so a replay accepts a store only if
+it was redacted from this run, for this request, and not changed since (:func:`check_store_binding`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import time
 from pathlib import Path
@@ -71,6 +74,57 @@ def _row_digest(row: dict, id_column: str) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def receipt_mac(key: bytes, receipt: dict) -> str:
+    """HMAC-SHA256 under the run's key over the receipt's content (everything but the ``mac`` field)."""
+    body = json.dumps({k: v for k, v in receipt.items() if k != "mac"}, sort_keys=True).encode()
+    return hmac.new(key, b"hf_unlearn.redaction_receipt\0" + body, hashlib.sha256).hexdigest()
+
+
+def read_receipt(store: str | Path) -> dict | None:
+    f = Path(store) / RECEIPT_NAME
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError:
+        raise UnlearnError(f"{f} is not valid JSON: the redaction receipt is damaged") from None
+
+
+def check_store_binding(store: str | Path, run_store_sha256: str | None, key: bytes,
+                        forget_tags: set[str] | None) -> str:
+    """Refuse a store that is not the run's own store or a redaction of it for exactly ``forget_tags``.
+
+    Returns ``"original"`` (the store's fingerprint is the one in the run's header) or ``"redacted"`` (its receipt
+    verifies under the run's key, its source is the run's store, its own fingerprint is the receipt's, and it
+    deleted exactly ``forget_tags``). Checked before any compute; the store's content is hashed once.
+    """
+    store = Path(store)
+    actual = store_sha256(store)
+    if run_store_sha256 and actual == run_store_sha256:
+        return "original"
+    receipt = read_receipt(store)
+    if receipt is None:
+        raise UnlearnError(f"the store {store} is neither the run's own store (its fingerprint differs from the one in "
+                           "the run's header) nor a redaction of it (no redaction_receipt.json); use the folder "
+                           "`hf-unlearn trace redact` wrote for this run")
+    if not hmac.compare_digest(str(receipt.get("mac", "")), receipt_mac(key, receipt)):
+        raise UnlearnError(f"{store / RECEIPT_NAME} does not verify under this run's key: it was written for another run "
+                           "or edited after redaction; redact again from this run's store")
+    if receipt.get("source_store_sha256") != run_store_sha256:
+        raise UnlearnError(f"the store {store} was redacted from another store (source fingerprint "
+                           f"{str(receipt.get('source_store_sha256'))[:16]}..., this run's store is "
+                           f"{str(run_store_sha256)[:16]}...); redact from this run's store")
+    if receipt.get("store_sha256") != actual:
+        raise UnlearnError(f"the store {store} was changed after redaction: its fingerprint {actual[:16]}... is not the "
+                           f"receipt's {str(receipt.get('store_sha256'))[:16]}...; redact again")
+    if forget_tags is not None and set(receipt.get("deleted_tags", [])) != set(forget_tags):
+        deleted = set(receipt.get("deleted_tags", []))
+        raise UnlearnError(f"the store {store} was redacted for another deletion request ({len(deleted)} id(s), "
+                           f"{len(deleted & set(forget_tags))} of them in this request of {len(forget_tags)}); "
+                           "redact with the same forget list")
+    return "redacted"
+
+
 def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id_column: str = "id") -> dict:
     """Write a new store at ``out`` without the rows whose id is in ``forget_ids``; return the receipt.
 
@@ -84,6 +138,11 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
     store = load_store(source)
     index = id_index(store, id_column)
     forget = list(dict.fromkeys(forget_ids))
+    if not forget:
+        raise UnlearnError("the forget list is empty")
+    from ..data.ids import check_id_types
+
+    check_id_types(forget, store[id_column][:1], what="the store")
     unknown = [i for i in forget if i not in index]
     if unknown:
         raise UnlearnError(f"{len(unknown)} id(s) to forget are not in the store: {unknown[:20]}"
@@ -121,6 +180,7 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         },
         "content_duplicates": content_matches,
     }
+    receipt["mac"] = receipt_mac(key, receipt)
     from ..utils import atomic_write_text
 
     atomic_write_text(out / RECEIPT_NAME, json.dumps(receipt, indent=1))
