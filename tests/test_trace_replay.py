@@ -9,19 +9,7 @@ import shutil
 import pytest
 import torch
 
-from .test_trace_common import copy_run, get_recorded, get_trace_data, ids_at_step, record
-
-
-def delete(run_dir, forget, tmp_path, start="suffix"):
-    """Redact, replay from the redacted store, run the oracle; return (replay trainer, verification report)."""
-    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
-
-    run = open_run(run_dir)
-    redact_store(run.store_path, forget, tmp_path / "store", run.key)
-    replay = RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay", start=start)
-    replay.train()
-    OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
-    return replay, verify(tmp_path / "replay", tmp_path / "oracle")
+from .test_trace_common import copy_run, delete, get_recorded, get_trace_data, ids_at_step, record
 
 
 @pytest.mark.parametrize("where,start_step", [("early", 0), ("middle", 4), ("late", 6)])

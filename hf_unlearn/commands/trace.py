@@ -140,15 +140,18 @@ def cost_cmd(args) -> int:
 
 
 def redact_cmd(args) -> int:
+    from ..trace.replay import already_deleted
     from ..trace.run import open_run
     from ..trace.store import redact_store
 
     _quiet()
     run = open_run(args.run, strict=False, check_checkpoints=False)
-    receipt = redact_store(args.store or run.store_path, read_forget_file(args.forget), args.out, run.key,
-                           id_column=run.id_column)
+    forget = read_forget_file(args.forget)
+    receipt = redact_store(args.store or run.store_path, forget, args.out, run.key, id_column=run.id_column,
+                           already_deleted=already_deleted(run, forget))
+    absent = f", {receipt['already_absent']} already deleted by an earlier request" if receipt["already_absent"] else ""
     print(f"redacted store {args.out}: {receipt['rows_before']} -> {receipt['rows_after']} rows "
-          f"({receipt['deleted']} deleted), sha256 {receipt['store_sha256'][:16]}...")
+          f"({receipt['deleted']} id(s) requested{absent}), sha256 {receipt['store_sha256'][:16]}...")
     for name, text in receipt["checks"].items():
         print(f"  {name}: {text}")
     print(f"receipt: {args.out}/redaction_receipt.json")

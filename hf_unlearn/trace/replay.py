@@ -98,6 +98,13 @@ def forget_tags(run: TraceRun, forget_ids) -> set[str]:
     return set(tags.values()) & in_plan
 
 
+def already_deleted(run: TraceRun, forget_ids) -> list:
+    """The ids among ``forget_ids`` that an earlier request already deleted (the run's deletion log has their tags)."""
+    logged = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
+    key = run.key
+    return [i for i in dict.fromkeys(forget_ids) if tag(key, i) in logged]
+
+
 def emptied_steps(plan: list[PlanEntry], tags: set[str]) -> list[int]:
     """Steps whose every slot is deleted (now or before): they keep their boundary but take no optimizer step."""
     weighted: dict[int, bool] = {}

@@ -151,8 +151,8 @@ def check_checkpoint_state(path: Path, state: dict) -> None:
     if recorded.get("meta_sha256") != actual["meta_sha256"]:
         bad.append("step/tie map/parameter names/optimizer hyperparameters")
     if bad:
-        raise UnlearnError(f"checkpoint {path} does not match its hashes.json ({len(bad)} entr{'y' if len(bad) == 1 else 'ies'}"
-                           f" differ, e.g. {', '.join(bad[:3])}): the state was modified after it was saved")
+        raise UnlearnError(f"checkpoint {path} does not match its hashes.json (it differs in {', '.join(bad[:3])}"
+                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
 
 
 @dataclass

@@ -125,12 +125,15 @@ def check_store_binding(store: str | Path, run_store_sha256: str | None, key: by
     return "redacted"
 
 
-def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id_column: str = "id") -> dict:
+def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id_column: str = "id",
+                 already_deleted=()) -> dict:
     """Write a new store at ``out`` without the rows whose id is in ``forget_ids``; return the receipt.
 
-    Unknown ids are an error (listed). The new store is read back and scanned: no deleted id in the id
-    column, and no retained row whose content (every column but the id) equals a deleted row's. The receipt
-    carries keyed tags of the deleted ids, never raw ids.
+    Unknown ids are an error (listed), except those in ``already_deleted`` (ids an earlier request removed: the
+    run's deletion log has them; see :func:`hf_unlearn.trace.replay.already_deleted`). The new store is read back
+    and scanned: no deleted id in the id column, and no retained row whose content (every column but the id)
+    equals a deleted row's. The receipt carries keyed tags of the deleted ids, never raw ids. On any failure
+    ``out`` is removed.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -143,14 +146,32 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
     from ..data.ids import check_id_types
 
     check_id_types(forget, store[id_column][:1], what="the store")
-    unknown = [i for i in forget if i not in index]
+    absent_ok = set(already_deleted)
+    unknown = [i for i in forget if i not in index and i not in absent_ok]
     if unknown:
         raise UnlearnError(f"{len(unknown)} id(s) to forget are not in the store: {unknown[:20]}"
                            f"{' ...' if len(unknown) > 20 else ''}; check the forget list")
-    drop = {index[i] for i in forget}
+    drop = {index[i] for i in forget if i in index}
     keep = [n for n in range(len(store)) if n not in drop]
     deleted_digests = {_row_digest(store[n], id_column) for n in sorted(drop)}
     redacted = store.select(keep, keep_in_memory=True).flatten_indices(keep_in_memory=True)
+    try:
+        receipt = _write_and_check(store, redacted, source, out, forget, deleted_digests, key, id_column)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    receipt["already_absent"] = len(forget) - len(drop)
+    receipt["mac"] = receipt_mac(key, receipt)
+    from ..utils import atomic_write_text
+
+    atomic_write_text(out / RECEIPT_NAME, json.dumps(receipt, indent=1))
+    return receipt
+
+
+def _write_and_check(store, redacted, source, out: Path, forget: list, deleted_digests: set, key: bytes,
+                     id_column: str) -> dict:
     fingerprint = save_store(redacted, out)
 
     # Read back what was written, as a stranger would, and check.
@@ -169,7 +190,7 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         "store_sha256": fingerprint,
         "rows_before": len(store),
         "rows_after": len(written),
-        "deleted": len(forget),
+        "deleted": len(forget),  # ids of the request (rows removed: rows_before - rows_after)
         "deleted_tags": sorted(tag(key, i) for i in forget),
         "checks": {
             "id_column_scanned": f"all {len(written)} rows of the new store read back; 0 of {len(forget)} deleted ids present",
@@ -180,8 +201,4 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         },
         "content_duplicates": content_matches,
     }
-    receipt["mac"] = receipt_mac(key, receipt)
-    from ..utils import atomic_write_text
-
-    atomic_write_text(out / RECEIPT_NAME, json.dumps(receipt, indent=1))
     return receipt
