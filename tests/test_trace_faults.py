@@ -122,7 +122,7 @@ def test_replay_refuses_an_unredacted_store(tmp_path):
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer
 
-    with pytest.raises(UnlearnError, match="original store and still holds the ids to forget"):
+    with pytest.raises(UnlearnError, match="still holds 1 id"):
         RedactedReplayTrainer(recorded, recorded / "private" / "store", [5], tmp_path / "out")
 
 
@@ -144,3 +144,66 @@ def test_cli_workflow(tmp_path, capsys):
     assert "VERIFIED" in out and "baseline filter" in out and "baseline repack" in out
     assert _cli("trace", "verify", recorded, tmp_path / "oracle") == 1  # the original run is not the counterfactual
     assert _cli("trace", "inspect", tmp_path / "replay") == 0
+
+
+def test_nothing_left_to_replay_is_sealed_and_logged(tmp_path, capsys):
+    """A request for ids an earlier request deleted: redact and replay succeed, the output says so and is sealed."""
+    recorded = get_recorded()
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run, redact_store, replay_cost
+    from hf_unlearn.trace.replay import RedactedReplayTrainer
+    from hf_unlearn.trace.run import read_deletion_log
+
+    forget = ids_at_step(recorded, 6)[:2]
+    run = open_run(recorded)
+    redact_store(run.store_path, forget, tmp_path / "s1", run.key)
+    RedactedReplayTrainer(run, tmp_path / "s1", forget, tmp_path / "r1").train()
+    cost = replay_cost(open_run(tmp_path / "r1"), forget)
+    assert cost["already_deleted"] == 2 and cost["steps_to_replay"] == 0
+    ids = write_ids(tmp_path / "f.jsonl", forget)
+    assert _cli("trace", "redact", tmp_path / "r1", "--forget", ids, "--out", tmp_path / "s2") == 0
+    assert "2 already deleted by an earlier request" in capsys.readouterr().out
+    assert _cli("trace", "replay", tmp_path / "r1", "--store", tmp_path / "s2", "--forget", ids,
+                "--out", tmp_path / "r2") == 0
+    assert "nothing to replay" in capsys.readouterr().out
+    log = read_deletion_log(tmp_path / "r2")
+    assert len(log) == 2 and log[1]["steps_replayed"] == 0 and "nothing to replay" in log[1]["note"]
+    assert log[1]["params_root"] == log[0]["params_root"]
+    assert _cli("trace", "inspect", tmp_path / "r2") == 0
+    assert "sealed" in capsys.readouterr().out
+
+
+def test_crash_mid_step(tmp_path, capsys):
+    """An exception inside step 5: inspect names the step, replays stop before it, warnings are one line."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    from .conftest import run_cli
+    from .test_trace_common import get_trace_data, tiny, train_args
+
+    tok, data = get_trace_data()
+
+    class Crash(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                raise RuntimeError("power cut")
+
+    t = TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path), train_dataset=data, callbacks=[Crash()],
+                              data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2)
+    with pytest.raises(RuntimeError, match="power cut"):
+        t.train()
+    run = tmp_path / "trace"
+    assert _cli("trace", "inspect", run) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: optimizer step 5 was logged but never completed" in out and "5 optimizer steps" in out
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    with pytest.warns(UserWarning):
+        ids = write_ids(tmp_path / "f.jsonl", open_run(run).ids_at_steps([4])[:1])
+    proc = run_cli("trace", "cost", run, "--forget", ids)
+    assert proc.returncode == 0 and "1 of 5 steps" in proc.stdout, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip() and "gemm_4bit" not in x]  # (a bitsandbytes notice)
+    assert lines and all(x.startswith("hf-unlearn: warning: ") for x in lines), proc.stderr  # one line each

@@ -281,10 +281,14 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self.store_kind == "redacted" and self.store_policy == "original":
             raise UnlearnError("the oracle reads the run's original store (the counterfactual of the recorded rows), "
                                f"not the redacted store {self.store_path}")
-        if self.store_kind == "original" and self.store_policy == "redacted" and self.forget_ids:
-            raise UnlearnError(f"the store {self.store_path} is the run's original store and still holds the ids to "
-                               "forget; redact it first (hf-unlearn trace redact) and replay from the redacted store")
         self.store = load_store(self.store_path)
+        if self.store_policy == "redacted" and self.forget_ids:
+            stored = set(self.store[self.id_column])
+            present = [i for i in self.forget_ids if i in stored]
+            if present:
+                raise UnlearnError(f"the store {self.store_path} still holds {len(present)} id(s) to forget (e.g. "
+                                   f"{present[:5]}); redact it first (hf-unlearn trace redact) and replay from the "
+                                   "redacted store")
         self._tag_index = {tag(self.run.key, i): n for i, n in id_index(self.store, self.id_column).items()}
         self._template = {k: v for k, v in self.store[0].items() if k != self.id_column}
         if dummy_has_weight(self.data_collator, dummy_row(self._template, 4, self.dummy_token_id, self.id_column)):
