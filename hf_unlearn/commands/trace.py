@@ -166,6 +166,8 @@ def replay_cmd(args) -> int:
                                     start="full" if args.full else "suffix", data_collator=_collator(args))
     trainer.train()
     s = trainer.replay_stats
+    if not trainer.accelerator.is_main_process:
+        return 0
     if s["nothing_to_replay"]:
         print(f"nothing to replay: the ids' slots were deleted by an earlier request; output run {args.out} is sealed "
               "with the parent's final state and a deletion-log entry")
@@ -184,8 +186,17 @@ def oracle_cmd(args) -> int:
     forget = read_forget_file(args.forget)
     run = open_run(args.run)
     collator = _collator(args)
+    if args.baselines:
+        import os
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from ..errors import UnlearnError
+
+            raise UnlearnError("--baselines runs in one process: run `trace oracle --baselines` without accelerate launch")
     trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator)
     trainer.train()
+    if not trainer.accelerator.is_main_process:
+        return 0
     print(f"oracle: full replay of {trainer.replay_stats['total_steps']} steps "
           f"({trainer.replay_stats['optimizer_steps_taken']} optimizer steps taken); output: {args.out}")
     if args.baselines:
