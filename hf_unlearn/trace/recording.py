@@ -140,11 +140,12 @@ def _versions() -> dict:
 
 
 def dropout_settings(model) -> dict:
-    """Every dropout probability of the model: config fields (``*dropout*``, GPT-2's ``*_pdrop``) and modules."""
+    """Every non-zero dropout probability of the model: config fields (``*dropout*``, GPT-2's ``*_pdrop``) and
+    ``nn.Dropout`` modules."""
     config = getattr(model, "config", None)
     found = {}
     for k, v in (config.to_dict() if config is not None else {}).items():
-        if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool):
+        if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
             found[k] = v
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
@@ -362,6 +363,11 @@ class TraceRecordingTrainer(Trainer):
         if self.args.n_gpu > 1:
             raise UnlearnError(f"exact deletion cannot replay torch.nn.DataParallel over {self.args.n_gpu} GPUs in one "
                                f"process; {supported}")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.accelerator.num_processes:
+            raise UnlearnError(f"{launched} processes were launched but training runs {self.accelerator.num_processes} "
+                               "(they are not connected: on CPU set TrainingArguments(use_cpu=True) so they use gloo); "
+                               "they would all write the same trace")
         cfg = self.accelerator.dataloader_config
         if getattr(cfg, "split_batches", False) or getattr(cfg, "dispatch_batches", False):
             raise UnlearnError(f"exact deletion does not record split_batches/dispatch_batches dataloaders; {supported}")
