@@ -251,6 +251,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         except BaseException:
             if created and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
                 self.out_dir.rmdir()  # a refused replay leaves nothing behind (Trainer creates output_dir)
+            if getattr(self, "_scratch", None) is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
             raise
 
     def _setup(self, header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs) -> None:
@@ -262,8 +264,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             model = model_from_run(self.run)
         else:
             _check_model(model, header)
+        self._scratch = None
         if args is None:
-            args = training_args_from_header(header, self.out_dir or (self.run.path / "_replay_tmp"))
+            if self.out_dir is None:  # nothing is written, but Trainer wants an output_dir: not inside the run
+                import tempfile
+
+                self._scratch = Path(tempfile.mkdtemp(prefix="hf_unlearn_replay_"))
+            args = training_args_from_header(header, self.out_dir or self._scratch)
         else:
             _check_args(args, header)
         if data_collator is None:
@@ -271,7 +278,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
             data_collator = rebuild_collator(header.get("collator"), self.run.path / "collator", model=model)
         super().__init__(model=model, args=args, data_collator=data_collator,
-                         trace_dir=self.out_dir or self.run.path / "_unused", id_column=self.run.id_column,
+                         trace_dir=self.out_dir or self._scratch or self.run.path / "_unused", id_column=self.run.id_column,
                          dummy_token_id=header.get("dummy_token_id", 0), **kwargs)
         self._check_processes()
         self.store_path = Path(store) if store is not None else self.run.store_path
@@ -445,6 +452,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 writer.save_checkpoint(run.total_steps, self.model, self.optimizer)
             self._finish_output(writer)
         self.accelerator.wait_for_everyone()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         return final
 
     def _output_entry(self, e: PlanEntry) -> PlanEntry:
