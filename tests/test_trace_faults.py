@@ -137,8 +137,10 @@ def test_cli_workflow(tmp_path, capsys):
     assert _cli("trace", "redact", recorded, "--forget", forget, "--out", tmp_path / "store") == 0
     assert _cli("trace", "replay", recorded, "--store", tmp_path / "store", "--forget", forget,
                 "--out", tmp_path / "replay") == 0
-    assert _cli("trace", "oracle", recorded, "--forget", forget, "--out", tmp_path / "oracle", "--baselines") == 0
     capsys.readouterr()
+    assert _cli("trace", "oracle", recorded, "--forget", forget, "--out", tmp_path / "oracle", "--baselines") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("oracle: full replay") and "train_runtime" not in out  # the repack baseline prints nothing
     assert _cli("trace", "verify", tmp_path / "replay", tmp_path / "oracle") == 0
     out = capsys.readouterr().out
     assert "VERIFIED" in out and "baseline filter" in out and "baseline repack" in out

@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
@@ -654,6 +654,7 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
     if spec.get("source") == "custom":
         optimizers = (build_optimizer(spec["rebuild"], model, start["param_names"]), None)
     trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator, optimizers=optimizers)
+    trainer.remove_callback(PrinterCallback)  # a baseline, not a user's training: no metrics dict on stdout
     trainer.train()
     return capture_state(model, trainer.optimizer, trainer.state.global_step, clone=True)
 
