@@ -147,6 +147,17 @@ def test_string_ids_and_string_forget_list(tmp_path):
     RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay").train()
     OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
     assert verify(tmp_path / "replay", tmp_path / "oracle")["verified"]
+    # no raw string id in any publishable file (private/ and tensor/Arrow binaries aside): plan, header, WAL,
+    # manifest, deletion log, receipt, sidecars, collator and model folders of the run, the replay and the oracle
+    import re
+
+    scanned = 0
+    for root in (tmp_path / "run" / "trace", tmp_path / "store", tmp_path / "replay", tmp_path / "oracle"):
+        for f in root.rglob("*"):
+            if f.is_file() and "private" not in f.relative_to(root).parts and f.suffix not in (".pt", ".arrow"):
+                scanned += 1
+                assert not re.search(rb"row-\d", f.read_bytes()), f"raw id in {f}"
+    assert scanned > 20
 
 
 def test_replay_model_card_states_roots_and_verdict(tmp_path, monkeypatch):
