@@ -133,6 +133,14 @@ def test_cli_collator_option_and_a_wrong_collator_is_refused(tmp_path, monkeypat
     assert _cli("trace", "replay", run, "--store", tmp_path / "s", "--forget", forget, "--out", tmp_path / "r2",
                 "--collator", "my_collators:nope") == 1
     assert "cannot import it" in capsys.readouterr().err
+    # the user's own code failing (at import, or in the factory) is one line naming the option, not a traceback
+    (tmp_path / "broken_collators.py").write_text("def make(:\n")
+    (tmp_path / "raising_collators.py").write_text("def make():\n    raise RuntimeError('no tokenizer here')\n")
+    for ref, says in (("broken_collators:make()", "importing it raised SyntaxError"),
+                      ("raising_collators:make()", "calling raising_collators:make() raised RuntimeError: no tokenizer")):
+        assert _cli("trace", "oracle", run, "--forget", forget, "--out", tmp_path / "o2", "--collator", ref) == 1
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "o2").exists()
 
 
 def test_id_carrying_collator_hides_ids_from_the_collator():

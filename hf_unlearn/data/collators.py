@@ -211,8 +211,15 @@ def load_collator(reference: str):
         obj = _import(name)
     except (ImportError, AttributeError) as e:
         raise UnlearnError(f"--collator {reference!r}: cannot import it ({e})") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing: one line, cause chained
+        raise UnlearnError(f"--collator {reference!r}: importing it raised {type(e).__name__}: {e}") from e
     if call:
-        obj = obj()
+        if not callable(obj):
+            raise UnlearnError(f"--collator {reference!r}: {name} is a {type(obj).__name__}, not a factory to call")
+        try:
+            obj = obj()
+        except Exception as e:  # noqa: BLE001 - the user's factory failed
+            raise UnlearnError(f"--collator {reference!r}: calling {name}() raised {type(e).__name__}: {e}") from e
     if not callable(obj):
         raise UnlearnError(f"--collator {reference!r} is a {type(obj).__name__}, not a collator (a callable)")
     return obj
