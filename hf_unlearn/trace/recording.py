@@ -39,7 +39,7 @@ from ..utils import atomic_write_text
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .run import FORMAT, SEALED_FILES, save_checkpoint, write_sidecar
-from .tags import ids_digest, load_or_create_key, tag
+from .tags import ids_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
 IGNORE_INDEX = -100
@@ -299,7 +299,8 @@ class TraceRecordingTrainer(Trainer):
         trace_checkpoint_steps: save model + optimizer state every N optimizer steps (default: about 10
             checkpoints over the run). Suffix replays start from the latest checkpoint before the first
             affected step, so more checkpoints mean cheaper late deletions.
-        trace_key: the HMAC key for id tags (bytes); default: a random key created in ``trace_dir/private``.
+        trace_key: the HMAC key for id tags (bytes), kept in ``trace_dir/private/hmac.key``; default: the
+            library's one key (:mod:`hf_unlearn.hub.keys`), so cards and deletion logs carry matching tags.
         id_column: the dataset column with the stable sample id (int or str; the collator never sees it).
         dummy_token_id: the token of the dummy sequence that fills deleted slots (default: the collator's pad
             token, else 0). The collator must give the dummy no label (checked at construction).
@@ -617,7 +618,7 @@ class TraceRecordingTrainer(Trainer):
         served, hazards, notes = self.trace_preflight()
         run = self.trace_dir
         resume_step = self.state.global_step if self._trace_resume else None
-        self._trace_key = load_or_create_key(run / "private" / "hmac.key", self._trace_key_arg)
+        self._trace_key = recording_key(run, self._trace_key_arg)
         max_steps = max(self.state.max_steps, 1)
         self._trace_every = self.trace_checkpoint_steps or max(1, -(-max_steps // 10))
         store = run / "private" / "store"
@@ -631,6 +632,9 @@ class TraceRecordingTrainer(Trainer):
         header = self._trace_header_dict(served, fingerprint, hazards, notes)
         header["run_id"] = previous.get("run_id", header["run_id"])
         header["origin_run_id"] = header["run_id"]
+        from ..hub.keys import key_fingerprint
+
+        header["key_fingerprint"] = key_fingerprint(self._trace_key)
         self._trace_header = header
         self._save_model_files(run)
         self._trace_writer = TraceWriter(run, self._trace_key)
