@@ -1,11 +1,13 @@
 """Exact deletion end to end: record a fine-tune, then honour a deletion request bit for bit.
 
-    python examples/trace_deletion.py                      # tiny Llama on 64 TOFU rows, ~1 minute
-    accelerate launch examples/trace_deletion.py           # same, through accelerate (one process)
+    python examples/trace_deletion.py                                   # tiny Llama on 64 TOFU rows, ~1 minute
+    accelerate launch examples/trace_deletion.py                        # same, through accelerate (one process)
+    accelerate launch --multi_gpu --num_processes 2 examples/trace_deletion.py --out trace_example_dp   # data parallel
     python examples/trace_deletion.py --model ../shared/models/SmolLM2-135M-Instruct --rows 16 --max-length 96
 
-The only change to an ordinary fine-tuning script is the class: ``TraceRecordingTrainer`` instead of ``Trainer``.
-The same steps are available as ``hf-unlearn trace inspect|cost|redact|replay|oracle|verify``.
+The only change to an ordinary fine-tuning script is the class: ``TraceRecordingTrainer`` instead of ``Trainer``
+(any collator; here transformers' ``DataCollatorForSeq2Seq``). The same steps are available as
+``hf-unlearn trace inspect|cost|redact|replay|oracle|verify``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import argparse
 import os
 from pathlib import Path
 
-from transformers import TrainingArguments
+import torch
+from accelerate import PartialState
+from transformers import DataCollatorForSeq2Seq, TrainingArguments
 
 from hf_unlearn import (
     OracleReplayTrainer,
-    QACollator,
     RedactedReplayTrainer,
     TraceRecordingTrainer,
     load_tofu,
@@ -41,6 +44,8 @@ def main() -> None:
     parser.add_argument("--out", default="trace_example")
     args = parser.parse_args()
     out = Path(args.out)
+    cpu = not torch.cuda.is_available()
+    state = PartialState(cpu=cpu)  # several processes on a CPU talk over gloo
 
     rows = load_tofu("full", args.tofu if Path(args.tofu).exists() else None).select(range(args.rows))
     if args.model is None:
@@ -54,29 +59,33 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=str(out / "finetune"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_train_epochs=args.epochs, learning_rate=3e-3 if args.model is None else 2e-5, warmup_steps=2,
-        max_grad_norm=1.0, save_strategy="no", report_to=[], logging_steps=5, seed=0,
+        max_grad_norm=1.0, save_strategy="no", report_to=[], logging_steps=5, seed=0, use_cpu=cpu,
     )
     trainer = TraceRecordingTrainer(model=model, args=training_args, train_dataset=data,
-                                    data_collator=QACollator.from_tokenizer(tokenizer), trace_dir=out / "trace",
+                                    data_collator=DataCollatorForSeq2Seq(tokenizer), trace_dir=out / "trace",
                                     trace_checkpoint_steps=2)
     trainer.train()
+    state.wait_for_everyone()
 
     # 2. A deletion request: four rows of the last optimizer step (a late deletion: a short suffix replay).
     run = open_run(out / "trace")
     forget = run.ids_at_steps([run.total_steps - 1])[:4]
-    cost = replay_cost(run, forget)
-    print(f"replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
-          f"{cost['total_steps']} steps")
-    receipt = redact_store(run.store_path, forget, out / "redacted_store", run.key)
-    print(f"redacted store: {receipt['rows_after']} rows; {receipt['checks']['id_column_scanned']}")
-    RedactedReplayTrainer(run, out / "redacted_store", forget, out / "replay").train()
+    if state.is_main_process:
+        cost = replay_cost(run, forget)
+        print(f"replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
+              f"{cost['total_steps']} steps")
+        receipt = redact_store(run.store_path, forget, out / "redacted_store", run.key)  # one process writes it
+        print(f"redacted store: {receipt['rows_after']} rows; {receipt['checks']['id_column_scanned']}")
+    state.wait_for_everyone()
+    RedactedReplayTrainer(run, out / "redacted_store", forget, out / "replay").train()  # every process replays
 
     # 3. Check it against the trace oracle (full replay on the original store, deleted slots at weight 0).
     OracleReplayTrainer(run, forget, out_dir=out / "oracle").train()
-    report = verify_replay(out / "replay", out / "oracle")
-    print(f"replay == oracle, parameters and optimizer state bit for bit: {report['identical']}")
-    if not report["identical"]:
-        raise SystemExit(1)
+    if state.is_main_process:
+        report = verify_replay(out / "replay", out / "oracle")
+        print(f"replay == oracle, parameters and optimizer state bit for bit: {report['verified']}")
+        if not report["verified"]:
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

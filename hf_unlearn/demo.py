@@ -198,6 +198,7 @@ def trace_deletion_stage(cfg: DemoConfig, model, tokenizer, forget, retain, forg
 
     from .trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, replay_cost
     from .trace.replay import filter_counterfactual, repack_counterfactual
+    from .trace.run import full_model_state
     from .trace.verification import compare_states, load_state, verify
 
     _print(f"[2/2] deletion request: the forget author's {len(forget_ids)} rows, honoured by trace-preserving replay")
@@ -233,7 +234,7 @@ def trace_deletion_stage(cfg: DemoConfig, model, tokenizer, forget, retain, forg
                f"differ, L2 distance {cmp['l2']:.4g}")
     shutil.rmtree(del_dir / "repack_tmp", ignore_errors=True)
     unlearned = copy.deepcopy(model)
-    unlearned.load_state_dict(load_state(del_dir / "replay")["model"])
+    unlearned.load_state_dict(full_model_state(load_state(del_dir / "replay")))  # tied weights are stored once
     loss = {"forget": mean_answer_loss(unlearned, tokenizer, forget), "retain": mean_answer_loss(unlearned, tokenizer, retain)}
     _print(f"answer loss after the deletion: forget {loss['forget']:.3f}  retain {loss['retain']:.3f}")
     return {"cost": cost, "identical": report["identical"], "baselines": distances, "loss": loss}

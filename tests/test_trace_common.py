@@ -46,16 +46,41 @@ def train_args(out, **kw):
     return TrainingArguments(**base)
 
 
-def record(tok, data, out, dropout: float = 0.0, every: int = 2, trace_key: bytes | None = None, **kw):
+def record(tok, data, out, dropout: float = 0.0, every: int = 2, trace_key: bytes | None = None, model=None,
+           data_collator=None, trainer_kwargs: dict | None = None, **kw):
+    """Record a run of ``model`` (default: the tiny Llama) into ``out/trace``; ``kw`` are TrainingArguments."""
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer
 
-    model = tiny(tok, dropout)
-    trainer = TraceRecordingTrainer(model=model, args=train_args(out, **kw), train_dataset=data,
-                                    data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=every,
-                                    trace_key=trace_key)
+    trainer = TraceRecordingTrainer(model=model if model is not None else tiny(tok, dropout),
+                                    args=train_args(out, **kw), train_dataset=data,
+                                    data_collator=data_collator or QACollator.from_tokenizer(tok),
+                                    trace_checkpoint_steps=every, trace_key=trace_key, **(trainer_kwargs or {}))
     trainer.train()
     return trainer
+
+
+def delete(run_dir, forget, tmp_path, start="suffix", **kwargs):
+    """Redact, replay from the redacted store, run the oracle; return (replay trainer, verification report)."""
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+
+    run = open_run(run_dir)
+    redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    replay = RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay", start=start, **kwargs)
+    replay.train()
+    OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle", **kwargs).train()
+    return replay, verify(tmp_path / "replay", tmp_path / "oracle")
+
+
+def replays_the_recording(run_dir, **kwargs) -> bool:
+    """A full replay without deletions reproduces the recorded final state bit for bit."""
+    from hf_unlearn.trace import ReplayTrainer, open_run
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.verification import compare_states
+
+    run = open_run(run_dir)
+    state = ReplayTrainer(run, start="full", **kwargs).train()
+    return compare_states(state, load_checkpoint(run.final_checkpoint()))["identical"]
 
 
 @functools.cache

@@ -73,5 +73,5 @@ def test_collator_spec_round_trip():
     qa = QACollator(pad_token_id=3, pad_to_multiple_of=8)
     assert rebuild_collator(collator_spec(qa)) == qa
     assert rebuild_collator(collator_spec(default_data_collator)) is default_data_collator
-    with pytest.raises(UnlearnError, match="pass the same data_collator"):
+    with pytest.raises(UnlearnError, match="pass the same collator to the replay"):
         rebuild_collator(collator_spec(lambda f: f))

@@ -117,7 +117,8 @@ def test_dropout_is_reproduced_by_reseeding(tmp_path):
 
 
 def test_resume_from_checkpoint_continues_the_trace(tmp_path):
-    """Interrupted at step 4 and resumed from the Trainer checkpoint: same plan, same final state."""
+    """Interrupted at step 7 of 8 (2 epochs) and resumed mid-epoch from checkpoint-6 (epoch 1.5): same plan (true
+    epochs included), same final state."""
     trace_data = get_trace_data()
     from transformers import TrainerCallback
 
@@ -127,29 +128,35 @@ def test_resume_from_checkpoint_continues_the_trace(tmp_path):
     from hf_unlearn.trace.run import check_run, load_checkpoint
 
     tok, data = trace_data
+    data = data.select(range(32))
     key = b"k" * 32
-    full = record(tok, data, tmp_path / "full", trace_key=key, save_strategy="steps", save_steps=4)
+    kw = dict(save_strategy="steps", save_steps=6, num_train_epochs=2)
+    full = record(tok, data, tmp_path / "full", trace_key=key, **kw)
     part = tmp_path / "part"
 
     class Crash(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 5  # dies after step 5, checkpoint-4 survives
+            control.should_training_stop = state.global_step == 7  # dies after step 7, checkpoint-6 survives
 
-    t = TraceRecordingTrainer(model=tiny(tok), args=train_args(part, save_strategy="steps", save_steps=4),
-                              train_dataset=data, data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
-                              callbacks=[Crash()], trace_key=key)
-    t.train()
-    t2 = TraceRecordingTrainer(model=tiny(tok), args=train_args(part, save_strategy="steps", save_steps=4),
-                               train_dataset=data, data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
-                               trace_key=key)
-    t2.train(resume_from_checkpoint=str(part / "checkpoint-4"))
+    def trainer(**extra):
+        return TraceRecordingTrainer(model=tiny(tok), args=train_args(part, **kw), train_dataset=data,
+                                     data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
+                                     trace_key=key, **extra)
+
+    trainer(callbacks=[Crash()]).train()
+    t2 = trainer()
+    t2.train(resume_from_checkpoint=str(part / "checkpoint-6"))
     a, b = read_plan(tmp_path / "full" / "trace" / "plan.jsonl"), read_plan(part / "trace" / "plan.jsonl")
-    assert [(e.step, e.seed, e.lr, e.norm, e.slots) for e in a] == [(e.step, e.seed, e.lr, e.norm, e.slots) for e in b]
+    fields = lambda e: (e.step, e.seed, e.lr, e.norm, e.slots, e.epoch, e.batch)  # noqa: E731
+    assert [fields(e) for e in a] == [fields(e) for e in b]
+    assert [e.epoch for e in b] == [0] * 8 + [1] * 8
     x = load_checkpoint(tmp_path / "full" / "trace" / "checkpoints" / "step-00000008")["model"]
     y = load_checkpoint(part / "trace" / "checkpoints" / "step-00000008")["model"]
     assert all(torch.equal(x[k], y[k]) for k in x)
     assert check_run(part / "trace")[0].ok
     assert full.state.global_step == t2.state.global_step == 8
+    assert json.loads((part / "trace" / "header.json").read_text())["run_id"] == \
+        json.loads((part / "trace" / "header.json").read_text())["origin_run_id"]
 
 
 def test_random_collator_reported_as_hazard(tmp_path):
@@ -166,9 +173,48 @@ def test_random_collator_reported_as_hazard(tmp_path):
         batch["input_ids"] = batch["input_ids"] * (1 - noise) + noise * tok.pad_token_id
         return batch
 
-    t = TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path, max_steps=1, dataloader_num_workers=0),
-                              train_dataset=data, data_collator=augmenting_collator)
+    from hf_unlearn.errors import UnlearnError
+
+    kw = dict(args=train_args(tmp_path, max_steps=1), train_dataset=data, data_collator=augmenting_collator)
+    with pytest.raises(UnlearnError, match=r"cannot record a run a replay reproduces: the data collator .* is random"):
+        TraceRecordingTrainer(model=tiny(tok), **kw)  # refused at construction, before any training
+    assert not (tmp_path / "trace").exists()
+    t = TraceRecordingTrainer(model=tiny(tok), trace_allow_hazards=True, **kw)
     t.train()
     header = json.loads((tmp_path / "trace" / "header.json").read_text())
     assert any("collator" in h and "random" in h for h in header["hazards"])
     assert any("cannot be rebuilt" in n for n in header["notes"])
+
+
+def test_data_parallel_record_replay_oracle_under_accelerate_launch(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo): the plan holds both processes' slots and the
+    world size; the CLI's replay == oracle bit for bit, a replay without deletions reproduces the recording, and a
+    replay at another world size is refused at construction (both directions)."""
+    import socket
+    import subprocess
+    import sys
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import ReplayTrainer
+
+    from .conftest import ROOT
+
+    single = get_recorded()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(port), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / "tests" / "trace_distributed.py"), str(tmp_path), str(single)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["codes"] == [0, 0] and result["verified"] and result["reproduces_recording"]
+    assert result["oracle_differs_from_recording"]
+    assert result["header_world_size"] == 2 and all(r == [2, 2] for r in result["ranks"])
+    assert all(n == 2 for n in result["batch_digests"])
+    assert "recorded with 1 process(es) and this replay has 2" in result["refused_single_process_run"]
+    with pytest.raises(UnlearnError, match=r"recorded with 2 process\(es\) and this replay has 1.*accelerate launch "
+                                           r"--num_processes 2.*FSDP and DeepSpeed are not supported"):
+        ReplayTrainer(tmp_path / "trace", start="full")

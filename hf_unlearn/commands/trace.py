@@ -8,17 +8,24 @@ from pathlib import Path
 
 from . import add_subcommands
 
+FORGET_HELP = ("file of ids to delete: .jsonl (one JSON value a line: 3600 or \"3600\"), .json (a list), or text "
+               "(one id a line; digit-only lines are ints)")
+COLLATOR_HELP = ("the run's data collator when the trace cannot rebuild it: module:name (the collator) or "
+                 "module:name() (a factory called with no arguments); the current directory is importable")
+
 
 def register(parser) -> None:
     sub = add_subcommands(parser)
     p = sub.add_parser("inspect", help="summary and integrity check of every file of a recorded run")
     p.add_argument("run", help="the trace_dir of a TraceRecordingTrainer (or a replay's output)")
+    p.add_argument("--deep", action="store_true",
+                   help="also load every checkpoint and check its state against its hashes.json (reads them all)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=inspect_cmd)
 
     p = sub.add_parser("cost", help="where a suffix replay starts and how much of the run it re-executes")
     p.add_argument("run")
-    p.add_argument("--forget", required=True, help="file of ids to delete, one per line")
+    p.add_argument("--forget", required=True, help=FORGET_HELP)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cost_cmd)
 
@@ -35,6 +42,7 @@ def register(parser) -> None:
     p.add_argument("--forget", required=True)
     p.add_argument("--out", required=True, help="output folder: a recorded run with the final state")
     p.add_argument("--full", action="store_true", help="replay from step 0 instead of the latest usable checkpoint")
+    p.add_argument("--collator", default=None, help=COLLATOR_HELP)
     p.set_defaults(func=replay_cmd)
 
     p = sub.add_parser("oracle", help="the counterfactual from the original store (deleted slots as weight-0 dummies)")
@@ -43,9 +51,11 @@ def register(parser) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--baselines", action="store_true",
                    help="also compute the naive `filter` and `repack` counterfactuals (OUT/baselines/) for comparison")
+    p.add_argument("--collator", default=None, help=COLLATOR_HELP)
     p.set_defaults(func=oracle_cmd)
 
-    p = sub.add_parser("verify", help="exit 0 iff params AND optimizer state of OUT and ORACLE are bit-identical")
+    p = sub.add_parser("verify", help="exit 0 iff OUT and ORACLE are a replay and an oracle of one run for the same ids "
+                                      "and their params AND optimizer state are bit-identical")
     p.add_argument("out", help="replay output (run folder, checkpoint folder or .pt file)")
     p.add_argument("oracle", help="oracle output")
     p.add_argument("--json", action="store_true")
@@ -61,6 +71,7 @@ def read_forget_file(path) -> list:
 
 def _quiet():
     import logging
+    import warnings
 
     import datasets
     import transformers
@@ -69,12 +80,23 @@ def _quiet():
     datasets.disable_progress_bars()
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        print(f"hf-unlearn: warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = one_line
+
+
+def _collator(args):
+    from ..data.collators import load_collator
+
+    return load_collator(args.collator) if args.collator else None
+
 
 def inspect_cmd(args) -> int:
     from ..trace.run import check_run
     from ..trace.tags import run_key
 
-    rep, header, _ = check_run(args.run, key=run_key(args.run, required=False))
+    rep, header, _ = check_run(args.run, key=run_key(args.run, required=False), deep=args.deep)
     if args.json:
         print(json.dumps({"summary": rep.summary, "errors": rep.errors, "warnings": rep.warnings,
                           "hazards": rep.hazards, "notes": header.get("notes", [])}, indent=1))
@@ -83,7 +105,8 @@ def inspect_cmd(args) -> int:
     print(f"run {s['run']}: {'sealed' if s['sealed'] else 'NOT sealed'}, {s['optimizer_steps']} optimizer steps, "
           f"{s['microbatches']} microbatches, {s['slots']} slots ({s['dummy_slots']} dummy), "
           f"store rows {s['store_rows']}, deletion requests {s['deletion_requests']}")
-    print(f"checkpoints at steps {s['checkpoints']}; WAL {s['wal_bytes']} B, manifest {s['manifest_bytes']} B")
+    print(f"checkpoints at steps {s['checkpoints']} ({'states checked against hashes.json' if s['checkpoints_deep_checked'] else 'hashes.json sidecars checked; --deep checks the states'}); "
+          f"WAL {s['wal_bytes']} B, manifest {s['manifest_bytes']} B; {s['world_size']} process(es)")
     print(f"model {header['model']['class']} ({header['model']['num_parameters']:,} params), optimizer "
           f"{header['optimizer']['class']}, torch {header['versions'].get('torch')}, "
           f"transformers {header['versions'].get('transformers')}")
@@ -108,23 +131,27 @@ def cost_cmd(args) -> int:
     if args.json:
         print(json.dumps(c, indent=1))
         return 0
-    print(f"{c['forget_ids']} id(s) in {c['slots_deleted']} slot(s), {c['affected_steps']} affected optimizer step(s)"
-          f" (first: {c['first_affected_step']}), {c['segments_emptied']} segment(s) emptied")
+    already = f" ({c['already_deleted']} deleted by an earlier request)" if c["already_deleted"] else ""
+    print(f"{c['forget_ids']} id(s){already} in {c['slots_deleted']} slot(s), {c['affected_steps']} affected optimizer "
+          f"step(s) (first: {c['first_affected_step']}), {c['segments_emptied']} segment(s) emptied")
     print(f"suffix replay from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of {c['total_steps']} "
           f"steps ({100 * c['fraction_replayed']:.1f}% of the run)")
     return 0
 
 
 def redact_cmd(args) -> int:
+    from ..trace.replay import already_deleted
     from ..trace.run import open_run
     from ..trace.store import redact_store
 
     _quiet()
     run = open_run(args.run, strict=False, check_checkpoints=False)
-    receipt = redact_store(args.store or run.store_path, read_forget_file(args.forget), args.out, run.key,
-                           id_column=run.id_column)
+    forget = read_forget_file(args.forget)
+    receipt = redact_store(args.store or run.store_path, forget, args.out, run.key, id_column=run.id_column,
+                           already_deleted=already_deleted(run, forget))
+    absent = f", {receipt['already_absent']} already deleted by an earlier request" if receipt["already_absent"] else ""
     print(f"redacted store {args.out}: {receipt['rows_before']} -> {receipt['rows_after']} rows "
-          f"({receipt['deleted']} deleted), sha256 {receipt['store_sha256'][:16]}...")
+          f"({receipt['deleted']} id(s) requested{absent}), sha256 {receipt['store_sha256'][:16]}...")
     for name, text in receipt["checks"].items():
         print(f"  {name}: {text}")
     print(f"receipt: {args.out}/redaction_receipt.json")
@@ -136,9 +163,15 @@ def replay_cmd(args) -> int:
 
     _quiet()
     trainer = RedactedReplayTrainer(args.run, args.store, read_forget_file(args.forget), args.out,
-                                    start="full" if args.full else "suffix")
+                                    start="full" if args.full else "suffix", data_collator=_collator(args))
     trainer.train()
     s = trainer.replay_stats
+    if not trainer.accelerator.is_main_process:
+        return 0
+    if s["nothing_to_replay"]:
+        print(f"nothing to replay: the ids' slots were deleted by an earlier request; output run {args.out} is sealed "
+              "with the parent's final state and a deletion-log entry")
+        return 0
     print(f"replayed {s['segments_replayed']} of {s['total_steps']} steps from checkpoint step {s['start_step']} "
           f"({s['optimizer_steps_taken']} optimizer steps taken); output run: {args.out}")
     return 0
@@ -152,14 +185,24 @@ def oracle_cmd(args) -> int:
     _quiet()
     forget = read_forget_file(args.forget)
     run = open_run(args.run)
-    trainer = OracleReplayTrainer(run, forget, out_dir=args.out)
+    collator = _collator(args)
+    if args.baselines:
+        import os
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from ..errors import UnlearnError
+
+            raise UnlearnError("--baselines runs in one process: run `trace oracle --baselines` without accelerate launch")
+    trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator)
     trainer.train()
+    if not trainer.accelerator.is_main_process:
+        return 0
     print(f"oracle: full replay of {trainer.replay_stats['total_steps']} steps "
           f"({trainer.replay_stats['optimizer_steps_taken']} optimizer steps taken); output: {args.out}")
     if args.baselines:
         out = Path(args.out) / "baselines"
-        save_state(filter_counterfactual(run, forget), out / "filter.pt")
-        save_state(repack_counterfactual(run, forget, out / "_repack_tmp"), out / "repack.pt")
+        save_state(filter_counterfactual(run, forget, data_collator=collator), out / "filter.pt")
+        save_state(repack_counterfactual(run, forget, out / "_repack_tmp", data_collator=collator), out / "repack.pt")
         import shutil
 
         shutil.rmtree(out / "_repack_tmp", ignore_errors=True)
@@ -170,10 +213,11 @@ def oracle_cmd(args) -> int:
 def verify_cmd(args) -> int:
     from ..trace.verification import verify
 
+    _quiet()
     report = verify(args.out, args.oracle)
     if args.json:
         print(json.dumps(report, indent=1))
-        return 0 if report["identical"] else 1
+        return 0 if report["verified"] else 1
     for part in ("params", "optimizer"):
         r = report[part]
         print(f"{part:9s}: {r['tensors']} tensors, {r['elements']:,} elements, {len(r['mismatched_tensors'])} tensors "
@@ -184,8 +228,16 @@ def verify_cmd(args) -> int:
     for name, b in report["baselines"].items():
         print(f"baseline {name:7s} vs oracle: {b['params_mismatched_elements']:,} of {b['params_elements']:,} parameter "
               f"elements differ, L2 distance {b['params_l2']:.6g}")
-    if report["identical"]:
-        print("VERIFIED: parameters and optimizer state are bit-identical")
+    prov = report["provenance"]
+    for h in prov["hazards"]:
+        print(f"HAZARD (not covered by this verdict): {h}")
+    if report["verified"]:
+        print(f"VERIFIED: parameters and optimizer state are bit-identical to the oracle of the same run for the same "
+              f"{prov['deleted_ids']} deleted id(s)")
         return 0
-    print("NOT IDENTICAL: the replay differs from the oracle", file=sys.stderr)
+    if report["identical"]:
+        print("NOT VERIFIED: the states are bit-identical, but " + "; ".join(prov["problems"]), file=sys.stderr)
+        return 1
+    print("NOT IDENTICAL: the replay differs from the oracle"
+          + (f" (also: {'; '.join(prov['problems'])})" if prov["problems"] else ""), file=sys.stderr)
     return 1

@@ -74,9 +74,12 @@ def write_ids(path: str | Path, ids: Iterable[SampleId]) -> Path:
     return Path(path)
 
 
-def check_id_types(ids: Iterable[SampleId], known: Iterable[SampleId], what: str = "the run") -> None:
-    """Refuse ids whose type differs from ``known``'s (e.g. ``"3600"`` against int ids), naming both types."""
-    kinds = {type(k) for k in known}
+def check_id_types(ids: Iterable[SampleId], known: Iterable[SampleId] | type, what: str = "the run") -> None:
+    """Refuse ids whose type differs from ``known``'s (e.g. ``"3600"`` against int ids), naming both types.
+
+    ``known`` is the ids of the run (or store), or their type (``int`` or ``str``) when only that is at hand.
+    """
+    kinds = {known} if isinstance(known, type) else {type(k) for k in known}
     if len(kinds) != 1:
         return
     (kind,) = kinds

@@ -97,7 +97,7 @@ def _plan(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     from ..trace.plan import PlanEntry
 
     kinds = {"slots": "tags", "lens": "numbers", "group_lrs": "numbers", "end": "bool", "norm_dtype": "words",
-             "extra": "text"}
+             "extra": "text", "batch": "tags", "ranks": "numbers"}  # batch: keyed digests; ranks: slots per process
     spec = {f.name: kinds.get(f.name, "number") for f in dataclasses.fields(PlanEntry)}
     hits: list[Hit] = []
     for n, record in enumerate(_jsonl(path, name)):
@@ -109,8 +109,9 @@ def _plan(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 _DELETION_LOG = {"time": "time", "request": "number", "mode": "words", "forget_tags": "tags", "start_step": "number",
-                 "steps_replayed": "number", "params_root": "hex", "optimizer_root": "hex", "parent_run": "text"}
-_VERIFICATION = {"identical": "bool", "oracle": "text", "params_mismatched_elements": "number",
+                 "steps_replayed": "number", "params_root": "hex", "optimizer_root": "hex", "parent_run": "text",
+                 "note": "words"}
+_VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems": "text", "oracle": "text", "params_mismatched_elements": "number",
                  "optimizer_mismatched_elements": "number",
                  "roots": {"a": {"params": "hex", "optimizer": "hex"}, "b": {"params": "hex", "optimizer": "hex"}}}
 

@@ -11,8 +11,8 @@ then talk to the Hub (token, repo, tag, commit).
 The state-hash manifest (``state_hashes.json``) hashes every tensor actually saved in the safetensors files with the
 library's one hash function (:func:`hf_unlearn.trace.hashing.state_hashes`); safetensors stores a tied weight once,
 so the manifest lists the saved names and records the tied duplicates in ``not_saved``, and its
-``state_dict_root`` is the root over the full state dict (duplicates included) that the trace and its deletion log
-record. It also holds the SHA-256 of every other published file that changes what the model computes (config,
+``state_dict_root`` is the root over the full state dict (duplicates included); the trace and its deletion log
+hash each tied tensor once, as saved, so their ``params_root`` is the manifest's ``params_root``. It also holds the SHA-256 of every other published file that changes what the model computes (config,
 generation config, tokenizer files, chat template) and of the forget request and provenance files.
 
 Deletion tags are allocated safely under concurrency: the commit is made against the branch head that the tag

@@ -17,11 +17,15 @@ _NAMES = {
     "filter_counterfactual": "replay",
     "repack_counterfactual": "replay",
     "replay_cost": "replay",
+    "already_deleted": "replay",
     "redact_store": "store",
+    "check_store_binding": "store",
     "open_run": "run",
     "check_run": "run",
     "verify": "verification",
     "compare_states": "verification",
+    "verify_replay": "verification",
+    "check_provenance": "verification",
 }
 
 

@@ -24,7 +24,30 @@ def tensor_hash(name: str, tensor: torch.Tensor) -> str:
     h.update(name.encode("utf-8") + b"\0")
     h.update(str(t.dtype).removeprefix("torch.").encode() + b"\0")
     h.update(json.dumps(list(t.shape)).encode() + b"\0")
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(_raw_bytes(t))
+    return h.hexdigest()
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (hashing a 1.6 GB checkpoint must not copy it first)."""
+    flat = t.reshape(-1)
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def batch_digest(batch: Mapping[str, Any]) -> str:
+    """SHA-256 over a collated batch (every key, tensor dtype, shape and bytes): what a replay must rebuild.
+
+    It hashes private content: the plan stores it keyed (:func:`hf_unlearn.trace.recording.keyed_batch_digest`).
+    """
+    h = hashlib.sha256(b"hf_unlearn.batch.v1")
+    for key in sorted(batch):
+        value = batch[key]
+        if torch.is_tensor(value):
+            h.update(tensor_hash(key, value).encode())
+        else:
+            h.update(key.encode() + b"\0" + json.dumps(value, default=repr, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -123,6 +146,25 @@ def state_hashes(model_or_state_dict, optimizer=None) -> StateHashes:
             names = optimizer_param_names(model_or_state_dict, optimizer)
         opt = {n: tensor_hash(n, t) for n, t in optimizer_tensors(optimizer, names).items()}
     return StateHashes(params=params, optimizer=opt)
+
+
+def checkpoint_hashes(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``hashes.json`` of a checkpoint dict (``model``, ``optimizer``, ``param_names``, ``tied``, ``step``).
+
+    Per-tensor hashes and roots of the parameters (each tied tensor once, under its first name) and of the
+    optimizer state (named by parameter), plus ``meta_sha256`` over everything else a replay loads from the
+    checkpoint (the step, the tie map, the parameter names and the optimizer's param-group hyperparameters).
+    Recomputing it from a loaded checkpoint and comparing checks the checkpoint against what was saved.
+    """
+    params = {n: tensor_hash(n, t) for n, t in state["model"].items()}
+    opt = {n: tensor_hash(n, t) for n, t in optimizer_tensors(state["optimizer"], state.get("param_names")).items()}
+    meta = {"step": state.get("step"), "tied": state.get("tied", {}), "param_names": state.get("param_names"),
+            "param_groups": state["optimizer"].get("param_groups", [])}
+    meta_sha = hashlib.sha256(json.dumps(meta, sort_keys=True, default=repr).encode()).hexdigest()
+    hashes = StateHashes(params=params, optimizer=opt).to_dict()
+    hashes.update(meta_sha256=meta_sha, tied=dict(state.get("tied", {})),
+                  elements={"params": sum(t.numel() for t in state["model"].values())})
+    return hashes
 
 
 def diff_hashes(a: StateHashes, b: StateHashes) -> dict[str, list[str]]:

@@ -5,7 +5,10 @@ Fields: ``mb`` (microbatch index in the run), ``step`` (logical optimizer step t
 ``lr`` (the learning rate of that step, float64 as the scheduler produced it; ``group_lrs`` when param groups
 differ), ``norm`` (the loss normaliser ``num_items_in_batch`` of the segment, or null) and ``norm_dtype``,
 ``accum`` (microbatches in the segment), ``slots`` (keyed tags of the ids, null = dummy slot), ``lens`` (token
-length of every slot: the dummy of a deleted slot has the same shape), ``epoch``.
+length of every slot: the dummy of a deleted slot has the same shape), ``epoch``; in a data-parallel run
+``ranks`` (how many of the slots each process ran, in process order); ``batch`` (per process, 16 hex digits of
+the collated batch, which a replay must rebuild exactly); ``extra.groups`` (optimizer param-group settings other
+than the learning rate, written when a scheduler changed them, e.g. cycled momentum).
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ class PlanEntry:
     lens: list[int]
     epoch: int = 0
     group_lrs: list[float] | None = None
+    ranks: list[int] | None = None
+    batch: list[str] | None = None
     extra: dict = field(default_factory=dict)
 
     def to_line(self) -> str:
         d = asdict(self)
-        if not d["group_lrs"]:
-            d.pop("group_lrs")
+        for optional in ("group_lrs", "ranks", "batch"):
+            if not d[optional]:
+                d.pop(optional)
         if not d["extra"]:
             d.pop("extra")
         return json.dumps(d, separators=(",", ":")) + "\n"
@@ -45,6 +51,14 @@ class PlanEntry:
     @classmethod
     def from_dict(cls, d: dict) -> PlanEntry:
         return cls(**d)
+
+    def rank_slots(self, rank: int, world: int) -> tuple[int, int]:
+        """``(start, stop)`` of the slots process ``rank`` ran (all of them in a single-process run)."""
+        counts = self.ranks or [len(self.slots)]
+        if len(counts) != world:
+            raise UnlearnError(f"plan entry {self.mb} was run by {len(counts)} process(es), not {world}")
+        start = sum(counts[:rank])
+        return start, start + counts[rank]
 
 
 def read_plan(path: str | Path) -> list[PlanEntry]:

@@ -1,26 +1,30 @@
 """TraceRecordingTrainer: a drop-in ``Trainer`` that records everything an exact deletion needs.
 
-It hooks two methods and changes no arithmetic:
+It changes no arithmetic. At construction it checks that a replay can reproduce the run and refuses what it
+could not (see :meth:`TraceRecordingTrainer.trace_preflight`). During training it hooks:
 
-* ``get_batch_samples`` (called once per optimizer step with the whole accumulation segment) writes the
+* ``get_train_dataloader``: the user's collator is wrapped so it never sees the id column (any collator works,
+  with int or string ids); the ids travel beside the batch;
+* ``get_batch_samples`` (called once per optimizer step with the whole accumulation segment): writes the
   segment's plan entries and WAL records *before* the segment runs, with the loss normaliser
-  ``num_items_in_batch`` the Trainer just computed and the learning rate the scheduler set, pops the id column
-  so the model never sees it, and saves a model + optimizer checkpoint every ``trace_checkpoint_steps``.
-* ``training_step`` runs each microbatch under ``torch.random.fork_rng`` seeded with the microbatch's recorded
-  seed: dropout is reproducible microbatch by microbatch, and the global RNG stream (data order) is untouched,
-  so a run with dropout 0 is bit-identical to a plain ``Trainer`` run.
+  ``num_items_in_batch`` the Trainer just computed, the learning rate the scheduler set, every process's slots
+  (data parallel) and a digest of every collated batch; saves a checkpoint every ``trace_checkpoint_steps``;
+* ``training_step``: each microbatch runs under ``torch.random.fork_rng`` seeded with its recorded seed, so
+  dropout and NEFTune noise are reproducible microbatch by microbatch and the global RNG stream (data order) is
+  untouched: a run with dropout 0 is bit-identical to a plain ``Trainer`` run.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import platform
 import shutil
 import time
+import uuid
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,18 +33,29 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from ..data.collators import IdCarryingCollator, _importable_name, collator_spec, rebuild_collator
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
-from .hashing import optimizer_param_names, state_hashes
+from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
-from .run import FORMAT, SEALED_FILES, checkpoint_dir, write_sidecar
+from .run import FORMAT, SEALED_FILES, save_checkpoint, write_sidecar
 from .tags import ids_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
+
+IGNORE_INDEX = -100
 
 
 def microbatch_seed(base: int, step: int, j: int) -> int:
     """The seed of microbatch ``j`` of optimizer step ``step`` (63 bits, independent of resumes)."""
     d = hashlib.sha256(f"{base}:{step}:{j}".encode()).digest()
+    return int.from_bytes(d[:8], "little") & ((1 << 63) - 1)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed process ``rank`` uses for a microbatch whose recorded seed is ``seed`` (rank 0: the seed itself)."""
+    if rank == 0:
+        return seed
+    d = hashlib.sha256(f"{seed}:rank{rank}".encode()).digest()
     return int.from_bytes(d[:8], "little") & ((1 << 63) - 1)
 
 
@@ -61,35 +76,45 @@ def _jsonable(value):
         return repr(value)
 
 
-def collator_spec(collator) -> dict:
-    """How to rebuild the collator at replay time: an importable function, or a dataclass with JSON kwargs."""
-    import types
-
-    if dataclasses.is_dataclass(collator) and not isinstance(collator, type):
-        cls = type(collator)
-        kwargs = {f.name: getattr(collator, f.name) for f in dataclasses.fields(collator) if f.init}
-        try:
-            json.dumps(kwargs)
-        except (TypeError, ValueError):
-            kwargs = None
-        return {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": kwargs, "rebuildable": kwargs is not None}
-    if isinstance(collator, types.FunctionType):
-        name = f"{collator.__module__}:{collator.__qualname__}"
-        return {"class": name, "kwargs": None, "rebuildable": "<" not in name}
-    cls = type(collator)
-    return {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": None, "rebuildable": False}
+def _plain_id(value):
+    """A sample id as a plain int or str (tensors and numpy scalars from custom datasets included)."""
+    if hasattr(value, "item") and not isinstance(value, str):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise UnlearnError(f"sample id {value!r} has type {type(value).__name__}; ids must be ints or strings")
+    return value
 
 
-def rebuild_collator(spec: dict | None):
-    if not spec or not spec.get("rebuildable"):
-        name = (spec or {}).get("class", "unknown")
-        raise UnlearnError(f"the run's data collator ({name}) cannot be rebuilt from the trace; "
-                           "pass the same data_collator= to the replay")
-    module, qual = spec["class"].split(":")
-    obj = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj(**spec["kwargs"]) if spec["kwargs"] is not None else obj
+def keyed_batch_digest(key: bytes, digest: str) -> str:
+    """What the plan stores for a batch: 16 hex digits of HMAC(key, its SHA-256), so published plans reveal nothing."""
+    import hmac
+
+    return hmac.new(key, b"hf_unlearn.batch\0" + digest.encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def dummy_row(template: dict, length: int, dummy_token_id: int, id_column: str) -> dict:
+    """The fixed row that fills a deleted slot: ``length`` dummy tokens, full attention, every label ignored."""
+    row = {}
+    for k, v in template.items():
+        if k == id_column:
+            continue
+        if k == "input_ids":
+            row[k] = [dummy_token_id] * length
+        elif k == "attention_mask":
+            row[k] = [1] * length
+        elif k == "labels":
+            row[k] = [IGNORE_INDEX] * length
+        elif isinstance(v, list):
+            row[k] = [0] * length
+        else:
+            row[k] = type(v)() if v is not None else None
+    return row
+
+
+def dummy_has_weight(collator, row: dict) -> bool:
+    """True unless the collator gives the dummy row labels that are all ignored (weight exactly 0)."""
+    labels = collator([dict(row)]).get("labels")
+    return labels is None or bool((torch.as_tensor(labels) != IGNORE_INDEX).any())
 
 
 def _collator_is_random(collator, rows: list[dict]) -> bool:
@@ -97,18 +122,13 @@ def _collator_is_random(collator, rows: list[dict]) -> bool:
     outs = []
     for s in (1, 2):
         with seeded(s):
-            outs.append(collator([dict(r) for r in rows]))
-    a, b = outs
-    for k in a:
-        x, y = a[k], b.get(k)
-        if torch.is_tensor(x) and (not torch.is_tensor(y) or x.shape != y.shape or not torch.equal(x, y)):
-            return True
-    return False
+            outs.append(batch_digest(collator([dict(r) for r in rows])))
+    return outs[0] != outs[1]
 
 
 def _versions() -> dict:
     out = {"python": platform.python_version()}
-    for mod in ("torch", "transformers", "datasets", "accelerate", "numpy"):
+    for mod in ("torch", "transformers", "datasets", "accelerate", "numpy", "peft"):
         try:
             out[mod] = importlib.import_module(mod).__version__
         except ImportError:
@@ -117,6 +137,76 @@ def _versions() -> dict:
 
     out["hf_unlearn"] = __version__
     return out
+
+
+def dropout_settings(model) -> dict:
+    """Every non-zero dropout probability of the model: config fields (``*dropout*``, GPT-2's ``*_pdrop``) and
+    ``nn.Dropout`` modules."""
+    config = getattr(model, "config", None)
+    found = {}
+    for k, v in (config.to_dict() if config is not None else {}).items():
+        if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            found[k] = v
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.setdefault("modules", {})[name] = module.p
+    return found
+
+
+# ---- optimizers a replay must rebuild ----------------------------------------------------------------------
+def optimizer_spec(optimizer, model=None) -> dict:
+    """How to rebuild ``optimizer``: importable class, constructor arguments, param-group sizes and names.
+
+    With ``model``, every optimized tensor must be one of its parameters (a replay finds them by name).
+    """
+    import inspect
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    cls = type(inner)
+    name = _importable_name(cls)
+    spec = {"class": name or f"{cls.__module__}:{cls.__qualname__}", "rebuildable": False}
+    if name is None:
+        return {**spec, "why": f"{cls.__qualname__} is defined locally or in __main__: a replay cannot import it"}
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in inner.defaults.items() if takes_any or k in params}
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError):
+        return {**spec, "why": f"the constructor arguments of {cls.__qualname__} are not JSON ({kwargs})"}
+    names = None
+    if model is not None:
+        names = optimizer_param_names(model, inner)
+        by_id = {id(p) for p in model.parameters()}
+        foreign = sum(id(p) not in by_id for g in inner.param_groups for p in g["params"])
+        if foreign:
+            return {**spec, "why": f"{foreign} optimized tensor(s) are not parameters of the model"}
+    try:  # the constructor must accept the recorded arguments and give back the same defaults
+        probe = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+        same = json.dumps(probe.defaults, sort_keys=True, default=repr) == json.dumps(inner.defaults, sort_keys=True,
+                                                                                         default=repr)
+    except Exception as e:  # noqa: BLE001 - any constructor failure means "not rebuildable"
+        return {**spec, "why": f"{cls.__qualname__}(**recorded arguments) fails: {e}"}
+    if not same:
+        return {**spec, "why": f"{cls.__qualname__} rebuilt from its arguments has other defaults"}
+    return {**spec, "rebuildable": True, "kwargs": kwargs, "group_sizes": [len(g["params"]) for g in inner.param_groups],
+            "param_names": names}
+
+
+def build_optimizer(spec: dict, model, param_names: list[str]):
+    """The optimizer :func:`optimizer_spec` describes, over ``model``'s parameters in the recorded order."""
+    from ..data.collators import _import
+
+    named = dict(model.named_parameters())
+    missing = [n for n in param_names if n not in named]
+    if missing:
+        raise UnlearnError(f"the replay model has no parameter {missing[0]!r} that the run's optimizer updated")
+    params = [named[n] for n in param_names]
+    groups, i = [], 0
+    for size in spec["group_sizes"]:
+        groups.append({"params": params[i:i + size]})
+        i += size
+    return _import(spec["class"])(groups, **spec["kwargs"])
 
 
 class TraceWriter:
@@ -169,17 +259,7 @@ class TraceWriter:
             f.flush()
 
     def save_checkpoint(self, step: int, model, optimizer) -> Path:
-        d = checkpoint_dir(self.run, step)
-        d.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
-        osd = optimizer.state_dict()
-        names = optimizer_param_names(model, optimizer)
-        tmp = d / "state.pt.tmp"
-        torch.save({"step": step, "model": sd, "optimizer": osd, "param_names": names}, tmp)
-        os.replace(tmp, d / "state.pt")
-        write_sidecar(d / "state.pt")
-        state_hashes(model, optimizer).to_json(d / "hashes.json")
-        return d
+        return save_checkpoint(self.run, step, model, optimizer)
 
     def close(self) -> None:
         for f in (self._plan, self._wal, self._manifest):
@@ -204,7 +284,8 @@ class _TraceCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self.trainer._trace_epoch = int(round(state.epoch or 0))
+        # state.epoch is fractional after a resume mid-epoch (1.5 is still epoch 1) and exact at epoch ends
+        self.trainer._trace_epoch = int(math.floor((state.epoch or 0) + 1e-9))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._trace_finish()
@@ -220,38 +301,221 @@ class TraceRecordingTrainer(Trainer):
             affected step, so more checkpoints mean cheaper late deletions.
         trace_key: the HMAC key for id tags (bytes), kept in ``trace_dir/private/hmac.key``; default: the
             library's one key (:mod:`hf_unlearn.hub.keys`), so cards and deletion logs carry matching tags.
-        id_column: the dataset column with the stable sample id (kept through ``remove_unused_columns``).
-        dummy_token_id: the token of the dummy sequence that fills deleted slots (default 0).
+        id_column: the dataset column with the stable sample id (int or str; the collator never sees it).
+        dummy_token_id: the token of the dummy sequence that fills deleted slots (default: the collator's pad
+            token, else 0). The collator must give the dummy no label (checked at construction).
+        trace_allow_hazards: record even if the run has hazards a replay cannot reproduce (a random collator,
+            fp16 loss scaling, ...). They are written to the header and printed by ``inspect`` and ``verify``,
+            whose verdicts then do not cover them. Default: refuse at construction.
     """
 
+    _is_replay = False
+
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
-                 trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int = 0, **kwargs):
+                 trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
+                 trace_allow_hazards: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
         self.trace_checkpoint_steps = trace_checkpoint_steps
         self.id_column = id_column
-        self.dummy_token_id = dummy_token_id
+        self.dummy_token_id = dummy_token_id if dummy_token_id is not None else self._default_dummy_token()
+        self.trace_allow_hazards = trace_allow_hazards
         self._trace_key_arg = trace_key
         self._trace_writer: TraceWriter | None = None
+        self._trace_started = False
         self._trace_seeds: deque = deque()
         self._trace_epoch = 0
         self._trace_mb = 0
         self._trace_saved: set[int] = set()
         self._trace_header: dict = {}
         self._trace_lens: dict = {}
+        self._trace_groups = None
         self._trace_resume = None
+        self._trace_optimizer_source = self._optimizer_source()
         self.add_callback(_TraceCallback(self))
+        if not self._is_replay:
+            self._trace_check_parallelism()
+            if self.train_dataset is not None:
+                self.trace_preflight()
 
-    # ---- columns: keep the id through remove_unused_columns -------------------------------------------------
-    def _set_signature_columns_if_needed(self):
-        super()._set_signature_columns_if_needed()
-        if self.id_column not in self._signature_columns:
-            self._signature_columns.append(self.id_column)
+    # ---- what a replay can reproduce, checked up front ----------------------------------------------------
+    def _default_dummy_token(self) -> int:
+        collator = self.data_collator
+        for owner in (collator, getattr(collator, "tokenizer", None), self.processing_class):
+            pad = getattr(owner, "pad_token_id", None)
+            if isinstance(pad, int):
+                return pad
+        return 0
 
-    # ---- recording hooks ---------------------------------------------------------------------------------
+    def _optimizer_source(self) -> str:
+        custom_method = type(self).create_optimizer is not Trainer.create_optimizer
+        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None or custom_method:
+            return "custom"
+        return "args"
+
+    def _trace_check_parallelism(self) -> None:
+        """Only single-process and DDP-style data parallel runs are replayable; refuse the rest here."""
+        supported = ("supported: one process, or data parallel with `accelerate launch --multi_gpu "
+                     "--num_processes N` (DDP); replays run at the recorded number of processes")
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            name = "FSDP" if self.is_fsdp_enabled else "DeepSpeed"
+            raise UnlearnError(f"exact deletion cannot replay a {name} run (sharded optimizer state, its own "
+                               f"reduction order); {supported}")
+        if self.args.n_gpu > 1:
+            raise UnlearnError(f"exact deletion cannot replay torch.nn.DataParallel over {self.args.n_gpu} GPUs in one "
+                               f"process; {supported}")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.accelerator.num_processes:
+            raise UnlearnError(f"{launched} processes were launched but training runs {self.accelerator.num_processes} "
+                               "(they are not connected: on CPU set TrainingArguments(use_cpu=True) so they use gloo); "
+                               "they would all write the same trace")
+        cfg = self.accelerator.dataloader_config
+        if getattr(cfg, "split_batches", False) or getattr(cfg, "dispatch_batches", False):
+            raise UnlearnError(f"exact deletion does not record split_batches/dispatch_batches dataloaders; {supported}")
+
+    def _trace_served(self, dataset):
+        """The rows the dataloader serves: unused columns removed as ``Trainer`` does, the id column kept."""
+        if not self.args.remove_unused_columns:
+            return dataset
+        self._set_signature_columns_if_needed()
+        cols = self._signature_columns
+        added = self.id_column not in cols
+        if added:
+            cols.append(self.id_column)
+        try:
+            return super()._remove_unused_columns(dataset, description="training")
+        finally:
+            if added:
+                cols.remove(self.id_column)
+
+    def _remove_unused_columns(self, dataset, description=None):
+        if not self._is_replay and str(description).lower() == "training":
+            return self._trace_served(dataset)
+        return super()._remove_unused_columns(dataset, description=description)
+
+    def trace_preflight(self) -> tuple:
+        """Check that a replay can reproduce this run; return ``(served rows, hazards, notes)``.
+
+        Errors (an unusable dataset, a collator that gives a deleted slot weight, an optimizer or adapter a replay
+        cannot rebuild) raise :class:`UnlearnError`; hazards (the replay would run but differ) raise too unless
+        ``trace_allow_hazards``. Run at construction, again when training starts.
+        """
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover
+            datasets = None
+        dataset = self.train_dataset
+        if datasets is None or not isinstance(dataset, datasets.Dataset):
+            raise UnlearnError("TraceRecordingTrainer needs train_dataset to be a datasets.Dataset of token rows "
+                               f"with an id column (got {type(dataset).__name__}); the token store is saved from it")
+        served = self._trace_served(dataset)
+        if self.id_column not in served.column_names:
+            raise UnlearnError(f"train_dataset has no {self.id_column!r} column; add stable sample ids "
+                               "(hf_unlearn.tokenize_qa keeps TOFU's `id`), or pass id_column=")
+        if "input_ids" not in served.column_names:
+            raise UnlearnError("train_dataset has no `input_ids` column: the trace stores token rows")
+        id_type = served.features[self.id_column]
+        if getattr(id_type, "dtype", None) not in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                                     "uint64", "string", "large_string"):
+            raise UnlearnError(f"the id column {self.id_column!r} has type {id_type}; ids must be ints or strings")
+        if len(served) == 0:
+            raise UnlearnError("train_dataset is empty")
+        from .store import id_index
+
+        id_index(served, self.id_column)  # unique ids
+        collator = self.data_collator
+        hazards, notes = [], []
+        args = self.args
+        probe = [{k: v for k, v in served[i].items() if k != self.id_column} for i in range(min(2, len(served)))]
+        try:
+            random_collator = _collator_is_random(collator, probe)
+        except Exception as e:  # noqa: BLE001 - a collator that fails on real rows is the user's error to see
+            raise UnlearnError(f"the data collator fails on the training rows (without the id column): {e}") from None
+        name = getattr(collator, "__qualname__", type(collator).__qualname__)
+        if random_collator:
+            hazards.append(f"the data collator ({name}) is random (its output changes with the RNG seed): replays "
+                           "re-collate stored rows and cannot reproduce its draws")
+        if args.dataloader_num_workers > 0:
+            notes.append(f"dataloader_num_workers={args.dataloader_num_workers}: harmless, the collator is "
+                         "deterministic and batches are digested in the plan")
+        if served.format.get("type") == "custom":
+            hazards.append("train_dataset has an on-the-fly transform (set_transform/with_transform): the store holds "
+                           "the untransformed rows")
+        if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
+            hazards.append("the model does not accept num_items_in_batch: the loss is a per-microbatch mean, so "
+                           "deleting a row re-weights the other rows of its microbatch")
+        if args.fp16:
+            hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
+                           "may scale (and skip) steps differently; use bf16 or fp32")
+        if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled() and not args.use_cpu:
+            hazards.append("CUDA without torch.use_deterministic_algorithms(True): kernels may not be bit-reproducible")
+        template = served[0]
+        if dummy_has_weight(collator, dummy_row(template, 4, self.dummy_token_id, self.id_column)):
+            raise UnlearnError(
+                f"the data collator ({name}) gives the dummy row that replaces a deleted sample a label "
+                f"(dummy_token_id={self.dummy_token_id}): a deleted slot would not have weight 0; add a `labels` column "
+                "(-100 on ignored tokens) or pass dummy_token_id= a token the collator masks (its pad token)")
+        if self.neftune_noise_alpha is not None:
+            notes.append(f"NEFTune (alpha {self.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
+                         "microbatch's recorded seed")
+        if dropout_settings(self.accelerator.unwrap_model(self.model)):
+            notes.append("dropout is active: reproduced by per-microbatch reseeding")
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            notes.append("gradient clipping is replayed on the replay's own gradients (part of the counterfactual)")
+        self._check_optimizer_rebuildable()
+        self._check_model_rebuildable()
+        if hazards and not self.trace_allow_hazards:
+            raise UnlearnError("TraceRecordingTrainer cannot record a run a replay reproduces: " + "; ".join(hazards)
+                               + ". Fix this, or pass trace_allow_hazards=True to record anyway (inspect and verify "
+                               "will then list what their verdicts do not cover)")
+        return served, hazards, notes
+
+    def _check_optimizer_rebuildable(self) -> None:
+        if self._trace_optimizer_source != "custom":
+            return
+        if self.optimizer is not None:
+            spec = optimizer_spec(self.optimizer, self.accelerator.unwrap_model(self.model))
+        elif self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+            try:
+                spec = optimizer_spec(cls([torch.nn.Parameter(torch.zeros(1))], **kwargs))
+            except Exception as e:  # noqa: BLE001
+                spec = {"rebuildable": False, "why": f"{getattr(cls, '__qualname__', cls)}(**kwargs) fails: {e}"}
+        else:
+            return  # a subclass's create_optimizer: checked on the optimizer it creates when training starts
+        if not spec["rebuildable"]:
+            raise UnlearnError(f"a replay must rebuild the optimizer and cannot: {spec['why']}; use an importable "
+                               "torch optimizer class (optimizers=(...) or optimizer_cls_and_kwargs=) or the "
+                               "TrainingArguments `optim` options")
+
+    def _check_model_rebuildable(self) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        peft = _peft_info(model)
+        base = peft["base"] if peft else model
+        if getattr(base, "config", None) is None or _importable_name(type(base)) is None:
+            raise UnlearnError(f"a replay must rebuild the model and cannot: {type(base).__qualname__} is not an "
+                               "importable transformers model with a config (pass model= to replays otherwise)")
+        if peft and peft.get("why"):
+            raise UnlearnError(f"a replay must rebuild the PEFT model and cannot: {peft['why']}")
+
+    # ---- training ----------------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        collator = self.data_collator
+        self.data_collator = IdCarryingCollator(collator, self.id_column)
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = collator
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         self._trace_resume = resume_from_checkpoint
         self._trace_writer = None
+        self._trace_started = False
+        plan = self.trace_dir / "plan.jsonl"
+        if not resume_from_checkpoint and plan.exists() and plan.stat().st_size:
+            raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
+                               "(or resume_from_checkpoint)")
+        self.accelerator.wait_for_everyone()  # every process checked before the main one writes
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
@@ -259,21 +523,35 @@ class TraceRecordingTrainer(Trainer):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples:
             return batch_samples, num_items
-        if self._trace_writer is None:
+        if not self._trace_started:
             self._trace_start()
         step = self.state.global_step
-        if step % self._trace_every == 0 and step not in self._trace_saved:
-            self._trace_writer.save_checkpoint(step, self.model, self.optimizer)
+        if self._trace_writer is not None and step % self._trace_every == 0 and step not in self._trace_saved:
+            self._trace_writer.save_checkpoint(step, self.accelerator.unwrap_model(self.model), self.optimizer)
             self._trace_saved.add(step)
-        ids = []
-        self._trace_seeds.clear()
+        ids, digests = [], []
         for batch in batch_samples:
             if self.id_column not in batch:
-                raise UnlearnError(f"the batch has no {self.id_column!r} column: TraceRecordingTrainer needs the "
-                                   "collator to carry sample ids (hf_unlearn.QACollator does)")
+                raise UnlearnError(f"the batch has no {self.id_column!r} entry: TraceRecordingTrainer's dataloader "
+                                   "carries the ids; do not override get_train_dataloader without IdCarryingCollator")
             raw = batch.pop(self.id_column)
-            ids.append(raw.tolist() if torch.is_tensor(raw) else list(raw))
-        self._trace_writer.append(self._segment_entries(step, ids, num_items))
+            ids.append([_plain_id(i) for i in (raw.tolist() if torch.is_tensor(raw) else raw)])
+            digests.append(batch_digest(batch))
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        if world > 1:
+            from accelerate.utils import gather_object
+
+            per_rank = gather_object([(ids, digests)])
+            if len({len(r[0]) for r in per_rank}) != 1:
+                raise UnlearnError("the processes ran different numbers of microbatches in one optimizer step; "
+                                   "exact deletion needs even batches (accelerate's default)")
+        else:
+            per_rank = [(ids, digests)]
+        base = self._trace_header_seed
+        self._trace_seeds.clear()
+        self._trace_seeds.extend(rank_seed(microbatch_seed(base, step, j), rank) for j in range(len(ids)))
+        if self._trace_writer is not None:
+            self._trace_writer.append(self._segment_entries(step, per_rank, num_items))
         return batch_samples, num_items
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -293,75 +571,72 @@ class TraceRecordingTrainer(Trainer):
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         return lrs[0], (lrs if len(set(lrs)) > 1 else None)
 
-    def _segment_entries(self, step: int, ids: list[list], num_items, slots: list[list] | None = None,
-                         lens: list[list[int]] | None = None, seeds: list[int] | None = None,
-                         lr: tuple | None = None) -> list[PlanEntry]:
-        lr0, group_lrs = lr if lr is not None else self._lr_record()
+    def _group_settings(self) -> list[dict]:
+        """Param-group settings other than the learning rate (a scheduler may cycle momentum, e.g. OneCycleLR)."""
+        return [{k: _jsonable(v) for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                for g in self.optimizer.param_groups]
+
+    def _segment_entries(self, step: int, per_rank: list, num_items) -> list[PlanEntry]:
+        lr0, group_lrs = self._lr_record()
+        groups = self._group_settings()
+        extra = {}
+        if groups != self._trace_groups:
+            extra = {"groups": groups}
+            self._trace_groups = groups
         if torch.is_tensor(num_items):
             norm, norm_dtype = float(num_items.item()), str(num_items.dtype).removeprefix("torch.")
         elif num_items is None:
             norm, norm_dtype = None, None
         else:
             norm, norm_dtype = float(num_items), "python"
+        world = len(per_rank)
         entries = []
-        for j, mb_ids in enumerate(ids):
-            seed = seeds[j] if seeds is not None else microbatch_seed(self._trace_header["seed_base"], step, j)
-            self._trace_seeds.append(seed)
+        n_mb = len(per_rank[0][0])
+        for j in range(n_mb):
+            mb_ids = [i for ids, _ in per_rank for i in ids[j]]
             entries.append(PlanEntry(
-                mb=self._trace_mb, step=step, j=j, end=j == len(ids) - 1, seed=seed, lr=lr0, norm=norm,
-                norm_dtype=norm_dtype, accum=len(ids),
-                slots=slots[j] if slots is not None else [tag(self._trace_key, i) for i in mb_ids],
-                lens=lens[j] if lens is not None else [self._trace_lens[i] for i in mb_ids],
+                mb=self._trace_mb, step=step, j=j, end=j == n_mb - 1, seed=microbatch_seed(self._trace_header_seed, step, j),
+                lr=lr0, norm=norm, norm_dtype=norm_dtype, accum=n_mb,
+                slots=[tag(self._trace_key, i) for i in mb_ids], lens=[self._trace_lens[i] for i in mb_ids],
                 epoch=self._trace_epoch, group_lrs=group_lrs,
+                ranks=[len(ids[j]) for ids, _ in per_rank] if world > 1 else None,
+                batch=[keyed_batch_digest(self._trace_key, digests[j]) for _, digests in per_rank],
+                extra=extra if j == 0 else {},
             ))
             self._trace_mb += 1
         return entries
 
     def _trace_start(self) -> None:
-        """Called at the first segment of ``train()``: write the header and the store, open the log files."""
-        from .store import save_store
+        """Called at the first segment of ``train()``: the main process writes the header and the store."""
+        self._trace_started = True
+        self._trace_header_seed = self.args.seed
+        self._trace_groups = None
+        if not self.accelerator.is_main_process:
+            return
+        from .store import id_index, save_store, store_sha256
 
-        if self.args.world_size > 1:
-            raise UnlearnError("TraceRecordingTrainer records single-process runs; launch with one process")
+        served, hazards, notes = self.trace_preflight()
         run = self.trace_dir
         resume_step = self.state.global_step if self._trace_resume else None
-        if resume_step is None and (run / "plan.jsonl").exists() and (run / "plan.jsonl").stat().st_size:
-            raise UnlearnError(f"{run} already holds a recorded run; pass a new trace_dir (or resume_from_checkpoint)")
         self._trace_key = recording_key(run, self._trace_key_arg)
         max_steps = max(self.state.max_steps, 1)
         self._trace_every = self.trace_checkpoint_steps or max(1, -(-max_steps // 10))
-        dataset = self.train_dataset
-        try:
-            import datasets
-        except ImportError:  # pragma: no cover
-            datasets = None
-        if datasets is None or not isinstance(dataset, datasets.Dataset):
-            raise UnlearnError("TraceRecordingTrainer needs train_dataset to be a datasets.Dataset of token rows "
-                               "with an id column (the token store is saved from it)")
-        served = self._remove_unused_columns(dataset, description="training")
-        if self.id_column not in served.column_names:
-            raise UnlearnError(f"train_dataset has no {self.id_column!r} column; add stable sample ids "
-                               "(hf_unlearn.tokenize_qa keeps TOFU's `id`)")
         store = run / "private" / "store"
-        if not store.exists():
-            fingerprint = save_store(served, store)
-        else:
-            from .store import store_sha256
-
-            fingerprint = store_sha256(store)
-        from .store import id_index
-
+        fingerprint = store_sha256(store) if store.exists() else save_store(served, store)
         index = id_index(served, self.id_column)
         lengths = [len(x) for x in served["input_ids"]]
         self._trace_lens = {i: lengths[n] for i, n in index.items()}
-        header = self._trace_header_dict(served, fingerprint)
-        header["seed_base"] = self.args.seed
+        previous = {}
+        if resume_step and (run / "header.json").exists():
+            previous = json.loads((run / "header.json").read_text())
+        header = self._trace_header_dict(served, fingerprint, hazards, notes)
+        header["run_id"] = previous.get("run_id", header["run_id"])
+        header["origin_run_id"] = header["run_id"]
         from ..hub.keys import key_fingerprint
 
         header["key_fingerprint"] = key_fingerprint(self._trace_key)
         self._trace_header = header
-        if self.model.config is not None:
-            self.model.config.save_pretrained(run / "model")
+        self._save_model_files(run)
         self._trace_writer = TraceWriter(run, self._trace_key)
         self._trace_writer.open(header, resume_step=resume_step)
         self._trace_saved = {int(d.name.split("-")[1]) for d in (run / "checkpoints").glob("step-*")}
@@ -371,65 +646,69 @@ class TraceRecordingTrainer(Trainer):
 
             self._trace_mb = len(read_plan(run / "plan.jsonl"))
 
+    def _save_model_files(self, run: Path) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        peft = _peft_info(model)
+        base = peft["base"] if peft else model
+        if (run / "model").exists():
+            shutil.rmtree(run / "model")
+        base.config.save_pretrained(run / "model")
+        if peft:
+            peft["config"].save_pretrained(str(run / "model" / "adapter"))
+
     def _trace_finish(self) -> None:
         if self._trace_writer is None:
             return
         step = self.state.global_step
         if step not in self._trace_saved:
-            self._trace_writer.save_checkpoint(step, self.model, self.optimizer)
+            self._trace_writer.save_checkpoint(step, self.accelerator.unwrap_model(self.model), self.optimizer)
             self._trace_saved.add(step)
         self._trace_header.update(optimizer_steps=step, microbatches=self._trace_mb, finished=time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
 
-    def _trace_header_dict(self, served, fingerprint: str) -> dict:
+    def _trace_header_dict(self, served, fingerprint: str, hazards: list[str], notes: list[str]) -> dict:
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
-        config = getattr(model, "config", None)
-        dropout = {k: v for k, v in (config.to_dict() if config is not None else {}).items()
-                   if "dropout" in k and isinstance(v, (int, float))}
-        opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
-        hazards, notes = [], []
-        collator = self.data_collator
-        spec = collator_spec(collator)
-        rows = [served[i] for i in range(min(2, len(served)))]
-        if rows and _collator_is_random(collator, rows):
-            hazards.append(f"the data collator ({spec['class']}) is random (its output changes with the RNG seed): "
-                           "replays re-collate stored rows and cannot reproduce its draws")
-        if args.dataloader_num_workers > 0:
-            (hazards if hazards else notes).append(
-                f"dataloader_num_workers={args.dataloader_num_workers}: workers have their own RNG streams"
-                + (", so random collation differs run to run" if hazards else " (harmless: the collator is deterministic)"))
-        if served.format.get("type") == "custom":
-            hazards.append("train_dataset has an on-the-fly transform (set_transform/with_transform): the store holds "
-                           "the untransformed rows")
-        if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
-            hazards.append("the model does not accept num_items_in_batch: the loss is a per-microbatch mean, so "
-                           "deleting a row re-weights the other rows of its microbatch")
-        if any(v > 0 for v in dropout.values()) or args.neftune_noise_alpha:
-            notes.append("random layers (dropout/NEFTune) are active: reproduced by per-microbatch reseeding")
-        if args.fp16:
-            hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
-                           "may scale (and skip) steps differently; use bf16 or fp32")
-        if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled():
-            hazards.append("CUDA without torch.use_deterministic_algorithms(True): kernels may not be bit-reproducible")
+        peft = _peft_info(model)
+        base = peft["base"] if peft else model
+        config = getattr(base, "config", None)
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)
+        spec = collator_spec(self.data_collator, save_dir=self.trace_dir / "collator")
+        if spec["rebuildable"]:  # prove it: rebuild from the saved files and collate real rows the same way
+            rows = [{k: v for k, v in served[i].items() if k != self.id_column} for i in range(min(4, len(served)))]
+            try:
+                same = batch_digest(rebuild_collator(spec, self.trace_dir / "collator", model=model)(rows)) == \
+                    batch_digest(self.data_collator(rows))
+            except Exception as e:  # noqa: BLE001
+                same, spec["why"] = False, f"rebuilding it failed: {e}"
+            if not same:
+                spec.update(rebuildable=False, why=spec.get("why", "rebuilt from the trace it collates differently"))
         if not spec["rebuildable"]:
-            notes.append(f"the data collator ({spec['class']}) cannot be rebuilt from the trace: pass it to replays")
-        if args.max_grad_norm and args.max_grad_norm > 0:
-            notes.append("gradient clipping is replayed on the replay's own gradients (part of the counterfactual)")
+            notes.append(f"the data collator ({spec['class']}) cannot be rebuilt from the trace ({spec.get('why')}): "
+                         "pass it to replays (data_collator= or --collator)")
+        optimizer = {"class": type(opt).__name__, "source": self._trace_optimizer_source,
+                     "defaults": {k: _jsonable(v) for k, v in opt.defaults.items()},
+                     "param_groups": [{"params": len(g["params"]), **{k: _jsonable(v) for k, v in g.items()
+                                                                      if k != "params"}} for g in opt.param_groups]}
+        if self._trace_optimizer_source == "custom":
+            ospec = optimizer_spec(opt, model)
+            if not ospec["rebuildable"]:
+                raise UnlearnError(f"a replay must rebuild the optimizer and cannot: {ospec['why']}")
+            optimizer["rebuild"] = {k: v for k, v in ospec.items() if k != "param_names"}
         return {
             "format": FORMAT,
+            "run_id": uuid.uuid4().hex,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "sealed": False,
-            "model": {"class": type(model).__name__, "module": type(model).__module__,
+            "model": {"class": type(base).__name__, "module": type(base).__module__,
+                      "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),
+                      "attn_implementation": getattr(config, "_attn_implementation", None),
                       "num_parameters": sum(p.numel() for p in model.parameters()),
+                      "peft": {"adapter_name": peft["name"], "type": str(peft["config"].peft_type)} if peft else None,
                       "config": config.to_dict() if config is not None else None},
-            "optimizer": {"class": type(opt).__name__,
-                          "defaults": {k: _jsonable(v) for k, v in opt.defaults.items()},
-                          "param_groups": [{"params": len(g["params"]), **{k: _jsonable(v) for k, v in g.items()
-                                                                           if k != "params"}}
-                                           for g in opt.param_groups]},
+            "optimizer": optimizer,
             "training_args": {k: _jsonable(v) for k, v in args.to_dict().items()},
             "versions": _versions(),
             "determinism": {"seed": args.seed, "data_seed": args.data_seed, "full_determinism": args.full_determinism,
@@ -437,15 +716,31 @@ class TraceRecordingTrainer(Trainer):
                             "cudnn_deterministic": torch.backends.cudnn.deterministic,
                             "cudnn_benchmark": torch.backends.cudnn.benchmark,
                             "dataloader_num_workers": args.dataloader_num_workers, "device": str(args.device),
-                            "dropout": dropout, "per_microbatch_reseeding": True},
+                            "dropout": dropout_settings(model), "neftune_noise_alpha": args.neftune_noise_alpha,
+                            "per_microbatch_reseeding": True},
             "hazards": hazards,
             "notes": notes,
             "dataset": {"fingerprint": getattr(self.train_dataset, "_fingerprint", None), "rows": len(served),
-                        "columns": served.column_names, "id_column": self.id_column, "store_sha256": fingerprint},
+                        "columns": served.column_names, "id_column": self.id_column,
+                        "id_type": "str" if "string" in str(served.features[self.id_column].dtype) else "int",
+                        "store_sha256": fingerprint},
             "collator": spec,
             "dummy_token_id": self.dummy_token_id,
             "checkpoint_steps": self._trace_every,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_grad_norm": args.max_grad_norm,
-            "world_size": args.world_size,
+            "world_size": self.accelerator.num_processes,
+            "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
         }
+
+
+def _peft_info(model) -> dict | None:
+    """``{"name", "config", "base"}`` of a PEFT model (``why`` when a replay could not rebuild it), else None."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or not hasattr(model, "get_base_model"):
+        return None
+    names = list(peft_config)
+    info = {"name": names[0], "config": peft_config[names[0]], "base": model.get_base_model()}
+    if len(names) != 1:
+        info["why"] = f"it has {len(names)} adapters ({names}); record runs with one adapter"
+    return info

@@ -19,35 +19,76 @@ so a later request can suffix-replay from it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
-from .hashing import optimizer_param_names, state_hashes
+from .hashing import batch_digest
 from .plan import PlanEntry
-from .recording import TraceRecordingTrainer, TraceWriter, rebuild_collator, seeded
-from .run import TraceRun, append_deletion_log, checkpoint_dir, load_checkpoint, open_run, read_deletion_log
-from .store import id_index, load_store, store_sha256
+from .recording import (
+    TraceRecordingTrainer,
+    TraceWriter,
+    _jsonable,
+    build_optimizer,
+    dummy_has_weight,
+    dummy_row,
+    keyed_batch_digest,
+    rank_seed,
+    seeded,
+)
+from .run import (
+    TraceRun,
+    append_deletion_log,
+    capture_state,
+    checkpoint_dir,
+    full_model_state,
+    load_checkpoint,
+    open_run,
+    read_deletion_log,
+)
+from .store import check_store_binding, id_index, load_store, store_sha256
 from .tags import tag
 
 IGNORE_INDEX = -100
 
+# TrainingArguments that change a replay's arithmetic: a replay given its own args must agree on all of them.
+REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "weight_decay", "adam_beta1",
+               "adam_beta2", "adam_epsilon", "learning_rate", "label_smoothing_factor", "bf16", "fp16", "tf32",
+               "average_tokens_across_devices", "gradient_checkpointing", "gradient_checkpointing_kwargs",
+               "torch_compile", "use_liger_kernel", "seed")
+# config keys that say where a model came from, not what it computes
+_VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
+                    "_attn_implementation_autoset", "use_cache"}
+
 
 # ---- planning ----------------------------------------------------------------------------------------------
+def _check_types(run: TraceRun, forget_ids) -> None:
+    from ..data.ids import check_id_types
+
+    id_type = {"int": int, "str": str}.get(run.header["dataset"].get("id_type"))
+    if id_type is not None:
+        check_id_types(forget_ids, id_type, what=f"the run {run.path}")
+
+
 def forget_tags(run: TraceRun, forget_ids) -> set[str]:
     """Tags of the ids to delete; ids the plan never served are an error (listed), unless deleted before."""
-    key = run.key
-    tags = {i: tag(key, i) for i in dict.fromkeys(forget_ids)}
-    if not tags:
+    forget_ids = list(dict.fromkeys(forget_ids))
+    if not forget_ids:
         raise UnlearnError("the forget list is empty")
+    _check_types(run, forget_ids)
+    key = run.key
+    tags = {i: tag(key, i) for i in forget_ids}
     in_plan = {s for e in run.plan for s in e.slots if s}
     deleted_before = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
     unknown = [i for i, t in tags.items() if t not in in_plan and t not in deleted_before]
@@ -55,6 +96,13 @@ def forget_tags(run: TraceRun, forget_ids) -> set[str]:
         raise UnlearnError(f"{len(unknown)} id(s) to forget never appear in the recorded plan of {run.path}: "
                            f"{unknown[:20]}{' ...' if len(unknown) > 20 else ''}; check the forget list")
     return set(tags.values()) & in_plan
+
+
+def already_deleted(run: TraceRun, forget_ids) -> list:
+    """The ids among ``forget_ids`` that an earlier request already deleted (the run's deletion log has their tags)."""
+    logged = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
+    key = run.key
+    return [i for i in dict.fromkeys(forget_ids) if tag(key, i) in logged]
 
 
 def emptied_steps(plan: list[PlanEntry], tags: set[str]) -> list[int]:
@@ -66,7 +114,8 @@ def emptied_steps(plan: list[PlanEntry], tags: set[str]) -> list[int]:
 
 
 def replay_cost(run: TraceRun, forget_ids) -> dict:
-    """Where a suffix replay starts and how much of the run it re-executes."""
+    """Where a suffix replay starts and how much of the run it re-executes (0 steps: nothing left to replay)."""
+    run = run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)
     tags = forget_tags(run, forget_ids)
     affected = sorted({e.step for e in run.plan if tags & set(e.slots)})
     total = run.total_steps
@@ -75,8 +124,10 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
     start = max([c for c in cps if c <= first], default=None)
     if start is None:
         raise UnlearnError(f"{run.path} has no checkpoint at or before step {first}; cannot replay")
+    n_ids = len(set(forget_ids))
     return {
-        "forget_ids": len(set(forget_ids)),
+        "forget_ids": n_ids,
+        "already_deleted": n_ids - len(tags),
         "slots_deleted": sum(s in tags for e in run.plan for s in e.slots),
         "affected_steps": len(affected),
         "first_affected_step": affected[0] if affected else None,
@@ -85,6 +136,7 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
         "total_steps": total,
         "fraction_replayed": (total - start) / total if total else 0.0,
         "segments_emptied": len(emptied_steps(run.plan, tags)),
+        "world_size": run.header.get("world_size", 1),
     }
 
 
@@ -94,7 +146,7 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
     recorded = header["training_args"]
     kwargs = {k: v for k, v in recorded.items() if k in names and not k.endswith("_token") and "hub" not in k
               and k not in ("logging_dir", "deepspeed", "fsdp_config", "accelerator_config", "report_to", "run_name",
-                            "resume_from_checkpoint", "output_dir")}
+                            "resume_from_checkpoint", "output_dir", "fsdp", "parallelism_config")}
     kwargs = {k: v for k, v in kwargs.items() if not (isinstance(v, str) and v.startswith("<") and v.endswith(">"))}
     kwargs.update(output_dir=str(output_dir), report_to=[], save_strategy="no", disable_tqdm=True,
                   use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()))
@@ -102,18 +154,73 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
     return TrainingArguments(**kwargs)
 
 
+def _check_args(args: TrainingArguments, header: dict) -> None:
+    recorded, given = header["training_args"], args.to_dict()
+    diff = [f"{k} ({_jsonable(given.get(k))!r} vs recorded {recorded.get(k)!r})" for k in REPLAY_ARGS
+            if k in recorded and _jsonable(given.get(k)) != recorded.get(k)]
+    if diff:
+        raise UnlearnError(f"the replay's TrainingArguments differ from the recorded run's in {', '.join(diff)}: a "
+                           "replay must run the recorded arithmetic (omit args= to rebuild them from the trace)")
+
+
 def model_from_run(run: TraceRun):
-    """The run's model architecture with its step-0 weights (rebuilt from ``model/config.json``)."""
+    """The run's model (its class, dtype, attention implementation and PEFT adapter) with fresh weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ..data.collators import _import
+
+    info = run.header["model"]
     config = AutoConfig.from_pretrained(run.path / "model")
-    model = AutoModelForCausalLM.from_config(config)
+    try:
+        cls = _import(f"{info['module']}:{info['class']}")
+    except (ImportError, AttributeError):
+        cls = AutoModelForCausalLM
+    kwargs = {"dtype": getattr(torch, info.get("dtype") or "float32")}
+    if info.get("attn_implementation"):
+        kwargs["attn_implementation"] = info["attn_implementation"]
+    model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, **kwargs)
+    if info.get("peft"):
+        from peft import PeftConfig, get_peft_model
+
+        adapter = PeftConfig.from_pretrained(str(run.path / "model" / "adapter"))
+        model = get_peft_model(model, adapter, adapter_name=info["peft"]["adapter_name"])
     return model
+
+
+def _check_model(model, header: dict) -> None:
+    """A model passed to a replay must be the recorded architecture (class, config, dtype, attention, adapter)."""
+    from .recording import _peft_info
+
+    info = header["model"]
+    peft = _peft_info(model)
+    base = peft["base"] if peft else model
+    problems = []
+    if type(base).__name__ != info["class"]:
+        problems.append(f"class {type(base).__name__} (recorded {info['class']})")
+    if bool(peft) != bool(info.get("peft")):
+        problems.append("a PEFT adapter" + (" it does not have" if info.get("peft") else " the run did not have"))
+    dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
+    if info.get("dtype") and dtype != info["dtype"]:
+        problems.append(f"dtype {dtype} (recorded {info['dtype']})")
+    attn = getattr(base.config, "_attn_implementation", None)
+    if info.get("attn_implementation") and attn != info["attn_implementation"]:
+        problems.append(f"attention {attn} (recorded {info['attn_implementation']})")
+    given, recorded = base.config.to_dict(), info.get("config") or {}
+    keys = [k for k in sorted(set(given) | set(recorded)) if k not in _VOLATILE_CONFIG and given.get(k) != recorded.get(k)]
+    if keys:
+        problems.append("config " + ", ".join(f"{k}={given.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys[:4]))
+    if problems:
+        raise UnlearnError("the model passed to the replay is not the recorded one: " + "; ".join(problems)
+                           + " (omit model= to rebuild it from the trace)")
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
 class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     """Re-execute a recorded plan with some slots deleted (see the module docstring).
+
+    Everything is checked at construction, before any compute: the run's integrity, the store's binding to the
+    run, the start checkpoint against its hashes, the number of processes, the model, arguments and collator
+    (every untouched microbatch of the replayed range must collate to the batch the run recorded).
 
     Args:
         run: the recorded run (a folder or an opened :class:`TraceRun`).
@@ -123,10 +230,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         start: ``"suffix"`` (latest checkpoint at or before the first affected step) or ``"full"`` (step 0).
         filter_rows: the naive ``filter`` baseline instead: deleted rows are dropped from their microbatches
             before the forward pass and the normaliser is recomputed (not trace-preserving; for comparison).
-        model, args, data_collator: default to what the run's header and ``model/`` folder describe.
+        model, args, data_collator: default to what the run's header, ``model/`` and ``collator/`` describe;
+            when given they are checked against the recording.
     """
 
     mode = "replay"
+    store_policy = "any"  # RedactedReplayTrainer: a redaction of the run's store; the oracle: the run's own store
+    _is_replay = True
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, **kwargs):
@@ -135,29 +245,84 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if self.out_dir is not None and self.out_dir.exists() and any(self.out_dir.iterdir()):
             raise UnlearnError(f"{self.out_dir} exists and is not empty; choose a new output folder")
+        created = self.out_dir is not None and not self.out_dir.exists()
+        try:
+            self._setup(header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs)
+        except BaseException:
+            if created and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
+                self.out_dir.rmdir()  # a refused replay leaves nothing behind (Trainer creates output_dir)
+            if getattr(self, "_scratch", None) is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
+
+    def _setup(self, header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs) -> None:
         self.forget_ids = list(dict.fromkeys(forget_ids))
         self.forget_tag_set = forget_tags(self.run, self.forget_ids) if self.forget_ids else set()
         self.start_mode = start
         self.filter_rows = filter_rows
         if model is None:
             model = model_from_run(self.run)
+        else:
+            _check_model(model, header)
+        self._scratch = None
         if args is None:
-            args = training_args_from_header(header, self.out_dir or (self.run.path / "_replay_tmp"))
+            if self.out_dir is None:  # nothing is written, but Trainer wants an output_dir: not inside the run
+                import tempfile
+
+                self._scratch = Path(tempfile.mkdtemp(prefix="hf_unlearn_replay_"))
+            args = training_args_from_header(header, self.out_dir or self._scratch)
+        else:
+            _check_args(args, header)
         if data_collator is None:
-            data_collator = rebuild_collator(header.get("collator"))
+            from ..data.collators import rebuild_collator
+
+            data_collator = rebuild_collator(header.get("collator"), self.run.path / "collator", model=model)
         super().__init__(model=model, args=args, data_collator=data_collator,
-                         trace_dir=self.out_dir or self.run.path / "_unused", id_column=self.run.id_column,
+                         trace_dir=self.out_dir or self._scratch or self.run.path / "_unused", id_column=self.run.id_column,
                          dummy_token_id=header.get("dummy_token_id", 0), **kwargs)
+        self._check_processes()
         self.store_path = Path(store) if store is not None else self.run.store_path
+        all_tags = {tag(self.run.key, i) for i in self.forget_ids}
+        self.store_kind = check_store_binding(self.store_path, header["dataset"].get("store_sha256"), self.run.key,
+                                              all_tags)
+        if self.store_kind == "redacted" and self.store_policy == "original":
+            raise UnlearnError("the oracle reads the run's original store (the counterfactual of the recorded rows), "
+                               f"not the redacted store {self.store_path}")
         self.store = load_store(self.store_path)
+        if self.store_policy == "redacted" and self.forget_ids:
+            stored = set(self.store[self.id_column])
+            present = [i for i in self.forget_ids if i in stored]
+            if present:
+                raise UnlearnError(f"the store {self.store_path} still holds {len(present)} id(s) to forget (e.g. "
+                                   f"{present[:5]}); redact it first (hf-unlearn trace redact) and replay from the "
+                                   "redacted store")
         self._tag_index = {tag(self.run.key, i): n for i, n in id_index(self.store, self.id_column).items()}
-        if "labels" not in self.store.column_names:
-            raise UnlearnError("the store has no `labels` column: a deleted slot gets weight 0 through labels = -100, "
-                               "so the run must have been recorded on rows with labels")
+        self._template = {k: v for k, v in self.store[0].items() if k != self.id_column}
+        if dummy_has_weight(self.data_collator, dummy_row(self._template, 4, self.dummy_token_id, self.id_column)):
+            raise UnlearnError("the collator gives a deleted slot's dummy row a label: deleted slots would not have "
+                               "weight 0 (pass the collator the run was recorded with)")
         self.start_step = self._start_step()
         self._check_rows()
+        cps = self.run.checkpoints()
+        if self.start_step not in cps:
+            raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
+        self._start_state = load_checkpoint(cps[self.start_step], verify=True)
+        if not self.filter_rows:
+            self._check_batches()
+        self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
 
     # ---- set-up -------------------------------------------------------------------------------------------
+    def _check_processes(self) -> None:
+        self._trace_check_parallelism()
+        recorded, world = self.run.header.get("world_size", 1), self.accelerator.num_processes
+        if recorded != world:
+            launch = "python (one process)" if recorded == 1 else f"accelerate launch --num_processes {recorded}"
+            raise UnlearnError(f"the run was recorded with {recorded} process(es) and this replay has {world}: a replay "
+                               f"must run at the recorded world size (run it with {launch}); other world sizes, FSDP "
+                               "and DeepSpeed are not supported")
+        if self.filter_rows and world > 1:
+            raise UnlearnError("the naive filter baseline runs in one process only")
+
     def _start_step(self) -> int:
         if self.start_mode == "full":
             if 0 not in self.run.checkpoints():
@@ -165,7 +330,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             return 0
         if self.start_mode != "suffix":
             raise UnlearnError(f"start must be 'suffix' or 'full', not {self.start_mode!r}")
-        return replay_cost(self.run, self.forget_ids)["start_checkpoint"] if self.forget_ids else self.run.total_steps
+        if self.forget_ids:
+            return replay_cost(self.run, self.forget_ids)["start_checkpoint"]
+        cps = [c for c in self.run.checkpoints() if c <= self.run.total_steps]
+        return max(cps) if cps else self.run.total_steps
 
     def _check_rows(self) -> None:
         """Every retained slot of the replayed suffix must be in the store, with its recorded length."""
@@ -182,46 +350,42 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             raise UnlearnError(f"the store {self.store_path} is missing {len(missing)} retained row(s) the plan needs "
                                f"(e.g. {missing[0]}); it must be the run's store minus the deleted rows only")
 
-    def _dummy_row(self, length: int) -> dict:
-        if not hasattr(self, "_template"):
-            self._template = self.store[0]
-        template = self._template
-        row = {}
-        for k, v in template.items():
-            if k == self.id_column:
-                row[k] = type(v)()
-            elif k == "input_ids":
-                row[k] = [self.dummy_token_id] * length
-            elif k == "attention_mask":
-                row[k] = [1] * length
-            elif k == "labels":
-                row[k] = [IGNORE_INDEX] * length
-            elif isinstance(v, list):
-                row[k] = [0] * length
-            else:
-                row[k] = type(v)() if v is not None else None
-        return row
+    def _check_batches(self) -> None:
+        """Every microbatch the replay runs unchanged must collate to the batch the run recorded (before compute)."""
+        world, key = self.accelerator.num_processes, self.run.key
+        for e in self.run.plan:
+            if e.step < self.start_step or not e.batch or any(s in self.forget_tag_set for s in e.slots):
+                continue
+            for r in range(world):
+                feats, dummy_pos = self._rows(e, keep_dummies=True, rank=r)
+                digest = keyed_batch_digest(key, batch_digest(self._collate(feats, dummy_pos)))
+                if digest != e.batch[r]:
+                    raise UnlearnError(
+                        f"microbatch {e.mb} (optimizer step {e.step}) does not collate to the batch the run recorded: "
+                        "the collator, or the rows of the store, differ from the recording's; pass the collator the "
+                        "run was recorded with (data_collator= / --collator)")
 
-    def _rows(self, e: PlanEntry, keep_dummies: bool) -> tuple[list[dict], list[int]]:
+    def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0) -> tuple[list[dict], list[int]]:
+        lo, hi = e.rank_slots(rank, self.accelerator.num_processes)
         feats, dummy_pos = [], []
-        for j, (s, n) in enumerate(zip(e.slots, e.lens)):
+        for s, n in zip(e.slots[lo:hi], e.lens[lo:hi]):
             if s is None or s in self.forget_tag_set:
                 if keep_dummies:
-                    feats.append(self._dummy_row(n))
-                    dummy_pos.append(j)
+                    dummy_pos.append(len(feats))
+                    feats.append(dummy_row(self._template, n, self.dummy_token_id, self.id_column))
                 continue
             row = self.store[self._tag_index[s]]
             if len(row["input_ids"]) != n:
                 raise UnlearnError(f"store row for slot tag {s} has {len(row['input_ids'])} tokens, the plan recorded "
                                    f"{n}: the store is not the one the run read")
-            feats.append(row)
+            feats.append({k: v for k, v in row.items() if k != self.id_column})
         return feats, dummy_pos
 
     def _collate(self, feats: list[dict], dummy_pos: list[int]) -> dict:
         batch = self.data_collator(feats)
-        batch.pop(self.id_column, None)
         labels = batch.get("labels")
-        if dummy_pos and (labels is None or (labels[dummy_pos] != IGNORE_INDEX).any()):
+        if dummy_pos and labels is not None and torch.is_tensor(labels) and labels.dim() >= 1 \
+                and labels.shape[0] == len(feats) and (labels[dummy_pos] != IGNORE_INDEX).any():
             raise UnlearnError("the collator gave a dummy slot a label: deleted slots would not have weight 0")
         return batch
 
@@ -232,56 +396,89 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             return int(e.norm) if float(e.norm).is_integer() else e.norm
         return torch.tensor(e.norm, dtype=getattr(torch, e.norm_dtype), device=self.args.device)
 
+    def create_optimizer(self, model=None):
+        spec = self.run.header["optimizer"]
+        if spec.get("source") == "custom":
+            self.optimizer = build_optimizer(spec["rebuild"], self.model, self._start_state["param_names"])
+            return self.optimizer
+        return super().create_optimizer(model)
+
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
         """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict."""
         run, start = self.run, self.start_step
-        cps = run.checkpoints()
-        if start not in cps:
-            raise UnlearnError(f"{run.path} has no checkpoint at step {start}")
-        ck = load_checkpoint(cps[start])
-        self.model.load_state_dict(ck["model"])
+        ck = self._start_state
+        self.model.load_state_dict(full_model_state(ck))
         self.create_optimizer()
         model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         self.model_wrapped = model
         self.optimizer.load_state_dict(ck["optimizer"])
         self.accelerator.gradient_state._set_sync_gradients(True)
-        writer = self._open_output(start) if self.out_dir is not None and not self.filter_rows else None
+        neftune = None
+        if self.neftune_noise_alpha is not None:
+            from transformers.integrations.neftune import activate_neftune
+
+            neftune = activate_neftune(self.model, self.neftune_noise_alpha, self.accelerator)
+        main = self.accelerator.is_main_process
+        writer = self._open_output(start) if self.out_dir is not None and not self.filter_rows and main else None
         every = run.header.get("checkpoint_steps", 1)
+        model.train()
         model.zero_grad()
         replayed = stepped = 0
-        for seg in run.segments():
-            step = seg[0].step
-            if step < start:
+        try:
+            for seg in run.segments():
+                step = seg[0].step
+                if step < start:
+                    if writer:
+                        writer.append(seg)
+                    continue
+                if writer and step % every == 0 and step != start:
+                    writer.save_checkpoint(step, self.model, self.optimizer)
                 if writer:
-                    writer.append(seg)
-                continue
-            if writer and step % every == 0 and step != start:
-                writer.save_checkpoint(step, self.model, self.optimizer)
-            entries = [dataclasses.replace(e, slots=[None if s in self.forget_tag_set else s for s in e.slots])
-                       for e in seg]
-            if writer:
-                writer.append(entries)
-            replayed += 1
-            stepped += self._run_segment(model, seg)
-            self.state.global_step = step + 1
-        final = {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                 "optimizer": self.optimizer.state_dict(), "step": run.total_steps,
-                 "param_names": optimizer_param_names(self.model, self.optimizer)}
+                    writer.append([self._output_entry(e) for e in seg])
+                replayed += 1
+                stepped += self._run_segment(model, seg)
+                self.state.global_step = step + 1
+        finally:
+            if neftune is not None:
+                from transformers.integrations.neftune import deactivate_neftune
+
+                deactivate_neftune(self.model, neftune, self.accelerator)
+        final = capture_state(self.model, self.optimizer, run.total_steps, clone=True)
         self.replay_stats = {"start_step": start, "segments_replayed": replayed, "optimizer_steps_taken": stepped,
-                             "total_steps": run.total_steps}
-        if writer and run.total_steps > start:
-            writer.save_checkpoint(run.total_steps, self.model, self.optimizer)
+                             "total_steps": run.total_steps, "nothing_to_replay": replayed == 0}
+        if writer:
+            if run.total_steps > start:
+                writer.save_checkpoint(run.total_steps, self.model, self.optimizer)
             self._finish_output(writer)
+        self.accelerator.wait_for_everyone()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         return final
 
+    def _output_entry(self, e: PlanEntry) -> PlanEntry:
+        """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
+        if not any(s in self.forget_tag_set for s in e.slots):
+            return e
+        batch = e.batch
+        if batch:
+            batch = [keyed_batch_digest(self.run.key, batch_digest(self._collate(*self._rows(e, True, rank=r))))
+                     for r in range(len(batch))]
+        return dataclasses.replace(e, slots=[None if s in self.forget_tag_set else s for s in e.slots], batch=batch)
+
     def _run_segment(self, model, seg: list[PlanEntry]) -> int:
-        """Forward/backward every microbatch of a segment; step unless no slot carries weight. Returns 0/1."""
+        """Forward/backward every microbatch of a segment; step unless no slot carries weight. Returns 0/1.
+
+        A microbatch is skipped only if no process has a weighted row in it (decided from the plan, so every
+        process skips the same ones and their gradient all-reduces stay matched).
+        """
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
         work = []
         for e in seg:
-            feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows)
-            if len(dummy_pos) < len(feats):  # at least one weighted row
-                work.append((e, self._collate(feats, dummy_pos)))
+            if not any(s is not None and s not in self.forget_tag_set for s in e.slots):
+                continue
+            feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank)
+            work.append((e, self._collate(feats, dummy_pos)))
         if not work:
             return 0
         if self.filter_rows:
@@ -291,11 +488,15 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         lrs = seg[0].group_lrs or [lr] * len(self.optimizer.param_groups)
         for g, value in zip(self.optimizer.param_groups, lrs):
             g["lr"] = value
-        for e, batch in work:
+        for g, settings in zip(self.optimizer.param_groups, seg[0].extra.get("groups", [])):
+            g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in settings.items()})
+        for i, (e, batch) in enumerate(work):
             if not self.filter_rows:
                 num_items = self._normaliser(e)
                 self.current_gradient_accumulation_steps = e.accum
-            with seeded(e.seed):
+            sync = i == len(work) - 1 or world == 1
+            context = contextlib.nullcontext if sync else functools.partial(self.accelerator.no_sync, model=model)
+            with context(), seeded(rank_seed(e.seed, rank)):
                 Trainer.training_step(self, model, batch, num_items)
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
@@ -320,20 +521,21 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
     def _exact_deletion_evidence(self) -> dict:
         """State-hash roots of the replayed state and, once ``trace verify`` ran, its verdict (for the model card)."""
-        if self.mode == "oracle" or self.filter_rows or self.out_dir is None or self.state.global_step == 0:
+        if self.mode == "oracle" or self.filter_rows or self.out_dir is None or not hasattr(self, "replay_stats"):
             return {}
-        from .hashing import state_hashes
-
-        hashes = state_hashes(self.model, self.optimizer)  # optimizer tensors named by parameter
-        opt_root = hashes.optimizer_root
+        final = checkpoint_dir(self.out_dir, self.run.total_steps) / "hashes.json"
+        if not final.is_file():
+            return {}
+        hashes = json.loads(final.read_text())
         verdict_file = self.out_dir / "verification.json"
         verdict = json.loads(verdict_file.read_text()) if verdict_file.is_file() else None
+        verified = bool(verdict and verdict.get("verified") and verdict["roots"]["a"]["params"] == hashes["params_root"])
         return {"exact_deletion": {
-            "params_root": hashes.params_root, "optimizer_root": opt_root,
-            "verified": bool(verdict and verdict["identical"]),
-            "verification": (f"bit-identical to the oracle run {verdict['oracle']!r}" if verdict and verdict["identical"]
-                             else "differs from the oracle" if verdict
-                             else f"not verified yet: run `hf-unlearn trace verify {self.out_dir} ORACLE`"),
+            "params_root": hashes["params_root"], "optimizer_root": hashes["optimizer_root"],
+            "verified": verified,
+            "verification": (f"bit-identical to the oracle run {verdict['oracle']!r}" if verified
+                             else "differs from the oracle" if verdict and not verdict.get("identical")
+                             else f"not verified: run `hf-unlearn trace verify {self.out_dir} ORACLE`"),
         }}
 
     # ---- output run ---------------------------------------------------------------------------------------
@@ -343,7 +545,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         (out / "private").mkdir(exist_ok=True)
         if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
             shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
-        shutil.copytree(src / "model", out / "model")
+        for folder in ("model", "collator"):
+            if (src / folder).exists():
+                shutil.copytree(src / folder, out / folder)
         for step, d in self.run.checkpoints().items():
             if step <= start:
                 dst = checkpoint_dir(out, step)
@@ -356,8 +560,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))
-        header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False,
-                      parent={"run": str(src), "start_step": start, "mode": self.mode})
+        header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
+                      origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
+                      parent={"run": str(src), "run_id": self.run.header.get("run_id"), "start_step": start,
+                              "mode": self.mode})
         if self.mode == "oracle":
             header["dataset"]["store_sha256"] = None
         else:
@@ -372,45 +578,48 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _finish_output(self, writer: TraceWriter) -> None:
         header = self._out_header
         header.update(finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        writer.seal(header)
-        final = self.out_dir / "checkpoints" / f"step-{self.run.total_steps:08d}" / "hashes.json"
+        final = checkpoint_dir(self.out_dir, self.run.total_steps) / "hashes.json"
         hashes = json.loads(final.read_text())
-        append_deletion_log(self.out_dir, {
+        stats = self.replay_stats
+        entry = {
             "request": len(read_deletion_log(self.out_dir)) + 1,
             "mode": self.mode,
             "forget_tags": sorted(tag(self.run.key, i) for i in self.forget_ids),
             "start_step": self.start_step,
-            "steps_replayed": self.replay_stats["segments_replayed"],
+            "steps_replayed": stats["segments_replayed"],
             "params_root": hashes["params_root"],
             "optimizer_root": hashes["optimizer_root"],
             "parent_run": self.run.path.name,
-        })
+        }
+        if stats["nothing_to_replay"]:
+            entry["note"] = ("nothing to replay: no slot of the requested ids is left in the plan (deleted by an "
+                             "earlier request); the state is the parent's final state")
+        append_deletion_log(self.out_dir, entry)
+        writer.seal(header)
 
 
 class RedactedReplayTrainer(ReplayTrainer):
     """Honour a deletion request: replay the recorded run from the **redacted** store only.
 
-    ``store`` must be the folder ``redact_store`` wrote (it must not contain any of ``forget_ids``); the
-    run's original store is never opened. The output folder is a recorded run with the deleted slots turned
-    into dummies, a deletion-log entry, and the final model + optimizer state in its last checkpoint.
+    ``store`` must be the folder ``redact_store`` wrote from this run's store for exactly ``forget_ids`` (its
+    receipt is checked under the run's key, and the store against the receipt's fingerprint); the run's original
+    store is never opened. The output folder is a recorded run with the deleted slots turned into dummies, a
+    deletion-log entry, and the final model + optimizer state in its last checkpoint.
     """
 
     mode = "replay"
+    store_policy = "redacted"
 
     def __init__(self, run, store, forget_ids, out_dir, **kwargs):
         super().__init__(run, store=store, forget_ids=forget_ids, out_dir=out_dir, start=kwargs.pop("start", "suffix"),
                          **kwargs)
-        stored = set(self.store[self.id_column])
-        present = [i for i in self.forget_ids if i in stored]
-        if present:
-            raise UnlearnError(f"the store {store} still holds {len(present)} id(s) to forget (e.g. {present[:5]}); "
-                               "redact it first (hf-unlearn trace redact)")
 
 
 class OracleReplayTrainer(ReplayTrainer):
     """The trace oracle: a full replay from step 0 on the original store, deleted slots as weight-0 dummies."""
 
     mode = "oracle"
+    store_policy = "original"
 
     def __init__(self, run, forget_ids, out_dir=None, **kwargs):
         super().__init__(run, store=kwargs.pop("store", None), forget_ids=forget_ids, out_dir=out_dir,
@@ -424,30 +633,39 @@ def filter_counterfactual(run, forget_ids, **kwargs) -> dict:
 
 def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> dict:
     """The naive ``repack`` baseline: retrain from the step-0 state on the retained rows with fresh batching."""
+    from ..data.collators import rebuild_collator
+
     run = run if isinstance(run, TraceRun) else open_run(run)
+    _check_types(run, list(forget_ids))
     store = load_store(run.store_path)
     forget = set(forget_ids)
     retained = store.select([n for n, i in enumerate(store[run.id_column]) if i not in forget], keep_in_memory=True)
     model = model_from_run(run)
-    model.load_state_dict(load_checkpoint(run.checkpoints()[0])["model"])
+    start = load_checkpoint(run.checkpoints()[0])
+    model.load_state_dict(full_model_state(start))
     args = training_args_from_header(run.header, output_dir, remove_unused_columns=False, logging_strategy="no")
-    collate = data_collator or rebuild_collator(run.header.get("collator"))
+    collate = data_collator or rebuild_collator(run.header.get("collator"), run.path / "collator", model=model)
     id_column = run.id_column
 
     def collator(features):
-        batch = collate(features)
-        batch.pop(id_column, None)
-        return batch
+        return collate([{k: v for k, v in f.items() if k != id_column} for f in features])
 
-    trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator)
+    spec = run.header["optimizer"]
+    optimizers = (None, None)
+    if spec.get("source") == "custom":
+        optimizers = (build_optimizer(spec["rebuild"], model, start["param_names"]), None)
+    trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator, optimizers=optimizers)
+    trainer.remove_callback(PrinterCallback)  # a baseline, not a user's training: no metrics dict on stdout
     trainer.train()
-    return {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-            "optimizer": trainer.optimizer.state_dict(), "step": trainer.state.global_step,
-            "param_names": optimizer_param_names(model, trainer.optimizer)}
+    return capture_state(model, trainer.optimizer, trainer.state.global_step, clone=True)
 
 
 def save_state(state: dict, path) -> None:
+    from .hashing import checkpoint_hashes
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, path)
-    state_hashes(state["model"]).to_json(path.with_suffix(".hashes.json"))
+    from ..utils import atomic_write_text
+
+    atomic_write_text(path.with_suffix(".hashes.json"), json.dumps(checkpoint_hashes(state), indent=1, sort_keys=True))

@@ -3,10 +3,16 @@
 ```
 RUN/header.json  plan.jsonl  wal.bin  manifest.bin  deletion_log.jsonl   (publishable: keyed tags only)
 RUN/*.sha256                                                               (sidecars, written when sealed)
-RUN/checkpoints/step-00000040/{state.pt, hashes.json}                     (model + optimizer state)
-RUN/model/config.json                                                      (to rebuild the model)
+RUN/checkpoints/step-00000040/{state.pt, hashes.json, hashes.json.sha256} (model + optimizer state)
+RUN/model/config.json [adapter/]                                           (to rebuild the model)
+RUN/collator/                                                              (the collator's tokenizer, if any)
 RUN/private/{store/, hmac.key}   (never publish; hmac.key only in runs with their own key, see tags.run_key)
 ```
+
+A checkpoint's ``hashes.json`` holds the SHA-256 of every tensor (tied tensors once) and of everything else the
+checkpoint holds; it is the checkpoint's integrity record (its own sidecar guards it) and is checked against the
+loaded state whenever a checkpoint is used. Sidecars are plain SHA-256: they catch damage and edits that did not
+also rewrite the sidecar, not an editor who rewrites both.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from .plan import PlanEntry, read_plan, segments
 from .tags import ids_digest
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, read_manifest, read_wal
 
-FORMAT = "hf_unlearn.trace.v1"
+FORMAT = "hf_unlearn.trace.v2"
 SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
 
 
@@ -55,17 +61,98 @@ def check_sidecar(path: Path) -> bool | None:
 
 
 def list_checkpoints(run: Path) -> dict[int, Path]:
+    """Complete checkpoints (state and its hashes.json) by optimizer step."""
     out = {}
     for d in sorted((Path(run) / "checkpoints").glob("step-*")):
-        if (d / "state.pt").exists():
+        if (d / "state.pt").exists() and (d / "hashes.json").exists():
             out[int(d.name.split("-")[1])] = d
     return out
 
 
-def load_checkpoint(path: Path) -> dict:
+def tied_aliases(state_dict) -> dict[str, str]:
+    """``alias -> first name`` for state-dict entries that are one tensor (a tied embedding and LM head)."""
+    first: dict = {}
+    tied = {}
+    for name, t in state_dict.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+               str(t.device))
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
+def capture_state(model, optimizer, step: int, clone: bool = False) -> dict:
+    """A checkpoint dict: model tensors (each tied tensor once), the tie map, optimizer state, parameter names."""
+    from .hashing import optimizer_param_names
+
+    sd = model.state_dict()
+    tied = tied_aliases(sd)
+    tensors = {k: v.detach().to("cpu") for k, v in sd.items() if k not in tied}
+    osd = optimizer.state_dict()
+    if clone:
+        import copy
+
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        osd = copy.deepcopy(osd)
+    return {"step": step, "model": tensors, "tied": tied, "optimizer": osd,
+            "param_names": optimizer_param_names(model, optimizer)}
+
+
+def full_model_state(state: dict) -> dict:
+    """The checkpoint's model tensors with the tied aliases restored, for ``model.load_state_dict``."""
+    return {**state["model"], **{alias: state["model"][name] for alias, name in state.get("tied", {}).items()}}
+
+
+def save_checkpoint(run: Path, step: int, model, optimizer) -> Path:
+    """Write ``checkpoints/step-N/``: ``state.pt`` (atomically), then ``hashes.json`` and its sidecar."""
+    import os
+
     import torch
 
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=True)
+    from .hashing import checkpoint_hashes
+
+    d = checkpoint_dir(run, step)
+    d.mkdir(parents=True, exist_ok=True)
+    state = capture_state(model, optimizer, step)
+    tmp = d / "state.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, d / "state.pt")
+    atomic_write_text(d / "hashes.json", json.dumps(checkpoint_hashes(state), indent=1, sort_keys=True))
+    write_sidecar(d / "hashes.json")
+    return d
+
+
+def load_checkpoint(path: Path, verify: bool = True) -> dict:
+    """Load ``state.pt``; with ``verify`` recompute its hashes and refuse it unless they equal ``hashes.json``."""
+    import torch
+
+    path = Path(path)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    if verify:
+        check_checkpoint_state(path, state)
+    return state
+
+
+def check_checkpoint_state(path: Path, state: dict) -> None:
+    from .hashing import checkpoint_hashes
+
+    path = Path(path)
+    recorded_file = path / "hashes.json"
+    if not recorded_file.exists():
+        raise UnlearnError(f"checkpoint {path} has no hashes.json: it cannot be checked, refusing to use it")
+    if check_sidecar(recorded_file) is False:
+        raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
+    recorded = json.loads(recorded_file.read_text())
+    actual = checkpoint_hashes(state)
+    bad = [n for part in ("params", "optimizer") for n in sorted(set(recorded[part]) | set(actual[part]))
+           if recorded[part].get(n) != actual[part].get(n)]
+    if recorded.get("meta_sha256") != actual["meta_sha256"]:
+        bad.append("step/tie map/parameter names/optimizer hyperparameters")
+    if bad:
+        raise UnlearnError(f"checkpoint {path} does not match its hashes.json (it differs in {', '.join(bad[:3])}"
+                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
 
 
 @dataclass
@@ -132,10 +219,13 @@ class TraceRun:
         return cps[self.total_steps]
 
 
-def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: bool = True) -> tuple[Report, dict, list]:
+def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: bool = True,
+              deep: bool = False) -> tuple[Report, dict, list]:
     """Check every file of a run: sidecars, WAL CRCs, torn tail, plan/WAL/manifest agreement, checkpoints, store.
 
-    Returns the report, the header, and the plan cut to what the WAL committed (whole segments).
+    ``check_checkpoints`` checks each checkpoint's ``hashes.json`` against its sidecar (cheap); ``deep`` also loads
+    every checkpoint and checks its state against its ``hashes.json`` (reads every checkpoint).
+    Returns the report, the header, and the plan cut to the steps known to have completed.
     """
     path = Path(path)
     rep = Report()
@@ -143,7 +233,9 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         raise UnlearnError(f"{path} is not a recorded run (no header.json); pass the trace_dir of a TraceRecordingTrainer")
     header = json.loads((path / "header.json").read_text())
     if header.get("format") != FORMAT:
-        raise UnlearnError(f"{path}/header.json has format {header.get('format')!r}, expected {FORMAT!r}")
+        older = str(header.get("format", "")).startswith("hf_unlearn.trace.")
+        raise UnlearnError(f"{path}/header.json has format {header.get('format')!r}, expected {FORMAT!r}"
+                           + ("; it was recorded by an older hf_unlearn: record the run again" if older else ""))
     rep.hazards = list(header.get("hazards", []))
     sealed = bool(header.get("sealed"))
     for name in SEALED_FILES + ("deletion_log.jsonl",):
@@ -155,7 +247,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         ok = check_sidecar(f)
         if ok is False:
             rep.errors.append(f"{name} does not match its SHA-256 sidecar ({name}.sha256): modified after the run was sealed")
-        elif ok is None and sealed and name in SEALED_FILES and name != "header.json":
+        elif ok is None and sealed:
             rep.errors.append(f"{name}.sha256 is missing from a sealed run")
     if rep.errors and any("missing" in e and e.split()[0] in ("plan.jsonl", "wal.bin") for e in rep.errors):
         return rep, header, []
@@ -173,7 +265,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         else:
             rep.warnings.append(msg + f" (crash while recording): recovered to the last whole record ({n} records)")
     if not sealed:
-        rep.warnings.append("the run is not sealed (training did not finish): only whole committed segments are usable")
+        rep.warnings.append("the run is not sealed (training did not finish): only completed steps are usable")
     if len(plan) < n:
         rep.errors.append(f"plan.jsonl has {len(plan)} entries but wal.bin has {n} records: plan and WAL disagree")
     elif len(plan) > n:
@@ -205,6 +297,8 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             bad.append("ids digest (the slots' ids differ)")
         if manifest[pos:pos + len(e.slots)] != e.slots:
             bad.append("id manifest")
+        if e.ranks is not None and sum(e.ranks) != len(e.slots):
+            bad.append(f"per-process slot counts {e.ranks} do not add up to {len(e.slots)}")
         pos += len(e.slots)
         if bad:
             rep.errors.append(f"plan entry {i} and wal.bin record {i} (optimizer step {e.step}) disagree: {', '.join(bad)}")
@@ -217,14 +311,35 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         plan.pop()
 
     cps = list_checkpoints(path)
+    for d in sorted((path / "checkpoints").glob("step-*")):
+        step = int(d.name.split("-")[1])
+        if step in cps:
+            continue
+        missing = [f for f in ("state.pt", "hashes.json") if not (d / f).exists()]
+        (rep.errors if sealed else rep.warnings).append(
+            f"checkpoint step {step} is incomplete (no {' and no '.join(missing)})"
+            + ("" if sealed else ": it is not used"))
     for step, d in cps.items():
         if not check_checkpoints:
             break
-        ok = check_sidecar(d / "state.pt")
+        ok = check_sidecar(d / "hashes.json")
         if ok is False:
-            rep.errors.append(f"checkpoint step {step} does not match its SHA-256 sidecar")
+            rep.errors.append(f"checkpoint step {step}: hashes.json does not match its SHA-256 sidecar")
         elif ok is None:
-            rep.warnings.append(f"checkpoint step {step} has no SHA-256 sidecar")
+            (rep.errors if sealed else rep.warnings).append(
+                f"checkpoint step {step} has no hashes.json.sha256 sidecar" + (" in a sealed run" if sealed else ""))
+        if deep and ok is not False:
+            try:
+                check_checkpoint_state(d, load_checkpoint(d, verify=False))
+            except UnlearnError as e:
+                rep.errors.append(str(e))
+    if not sealed and plan:
+        # The WAL is written before a step runs: the last logged step completed only if something follows it.
+        last = plan[-1].step
+        if last + 1 not in cps:
+            rep.warnings.append(f"optimizer step {last} was logged but never completed (the run stopped during or "
+                                f"right after it, before any later record or checkpoint): replays stop at step {last}")
+            plan = [e for e in plan if e.step < last]
     if 0 not in cps and not header.get("parent"):
         rep.warnings.append("there is no step-0 checkpoint: full replays (the oracle) are impossible")
     store = path / "private" / "store"
@@ -243,7 +358,9 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "microbatches": len(plan),
         "slots": sum(len(e.slots) for e in plan),
         "dummy_slots": sum(s is None for e in plan for s in e.slots),
+        "world_size": header.get("world_size", 1),
         "checkpoints": sorted(cps),
+        "checkpoints_deep_checked": bool(deep and check_checkpoints),
         "store_rows": header["dataset"].get("rows"),
         "wal_bytes": (path / "wal.bin").stat().st_size,
         "manifest_bytes": (path / "manifest.bin").stat().st_size if (path / "manifest.bin").exists() else 0,

@@ -3,12 +3,15 @@
 The recorder saves exactly the rows the dataloader served (after unused columns were removed), so a replay can
 rebuild every microbatch. Redaction writes a *new* store holding only the retained rows (fresh Arrow files, no
 shared file, no indices mapping over the old data) and a receipt that says how the absence of the deleted rows
-was checked.
+was checked. The receipt binds the new store to its source: it names the source's fingerprint (which the run's
+header records) and the new store's, and carries an HMAC under the run's key, so a replay accepts a store only if
+it was redacted from this run, for this request, and not changed since (:func:`check_store_binding`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import time
 from pathlib import Path
@@ -71,12 +74,66 @@ def _row_digest(row: dict, id_column: str) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id_column: str = "id") -> dict:
+def receipt_mac(key: bytes, receipt: dict) -> str:
+    """HMAC-SHA256 under the run's key over the receipt's content (everything but the ``mac`` field)."""
+    body = json.dumps({k: v for k, v in receipt.items() if k != "mac"}, sort_keys=True).encode()
+    return hmac.new(key, b"hf_unlearn.redaction_receipt\0" + body, hashlib.sha256).hexdigest()
+
+
+def read_receipt(store: str | Path) -> dict | None:
+    f = Path(store) / RECEIPT_NAME
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError:
+        raise UnlearnError(f"{f} is not valid JSON: the redaction receipt is damaged") from None
+
+
+def check_store_binding(store: str | Path, run_store_sha256: str | None, key: bytes,
+                        forget_tags: set[str] | None) -> str:
+    """Refuse a store that is not the run's own store or a redaction of it for exactly ``forget_tags``.
+
+    Returns ``"original"`` (the store's fingerprint is the one in the run's header) or ``"redacted"`` (its receipt
+    verifies under the run's key, its source is the run's store, its own fingerprint is the receipt's, and it
+    deleted exactly ``forget_tags``). Checked before any compute; the store's content is hashed once.
+    """
+    store = Path(store)
+    actual = store_sha256(store)
+    if run_store_sha256 and actual == run_store_sha256:
+        return "original"
+    receipt = read_receipt(store)
+    if receipt is None:
+        raise UnlearnError(f"the store {store} is neither the run's own store (its fingerprint differs from the one in "
+                           "the run's header) nor a redaction of it (no redaction_receipt.json); use the folder "
+                           "`hf-unlearn trace redact` wrote for this run")
+    if not hmac.compare_digest(str(receipt.get("mac", "")), receipt_mac(key, receipt)):
+        raise UnlearnError(f"{store / RECEIPT_NAME} does not verify under this run's key: it was written for another run "
+                           "or edited after redaction; redact again from this run's store")
+    if receipt.get("source_store_sha256") != run_store_sha256:
+        raise UnlearnError(f"the store {store} was redacted from another store (source fingerprint "
+                           f"{str(receipt.get('source_store_sha256'))[:16]}..., this run's store is "
+                           f"{str(run_store_sha256)[:16]}...); redact from this run's store")
+    if receipt.get("store_sha256") != actual:
+        raise UnlearnError(f"the store {store} was changed after redaction: its fingerprint {actual[:16]}... is not the "
+                           f"receipt's {str(receipt.get('store_sha256'))[:16]}...; redact again")
+    if forget_tags is not None and set(receipt.get("deleted_tags", [])) != set(forget_tags):
+        deleted = set(receipt.get("deleted_tags", []))
+        raise UnlearnError(f"the store {store} was redacted for another deletion request ({len(deleted)} id(s), "
+                           f"{len(deleted & set(forget_tags))} of them in this request of {len(forget_tags)}); "
+                           "redact with the same forget list")
+    return "redacted"
+
+
+def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id_column: str = "id",
+                 already_deleted=()) -> dict:
     """Write a new store at ``out`` without the rows whose id is in ``forget_ids``; return the receipt.
 
-    Unknown ids are an error (listed). The new store is read back and scanned: no deleted id in the id
-    column, and no retained row whose content (every column but the id) equals a deleted row's. The receipt
-    carries keyed tags of the deleted ids, never raw ids.
+    Unknown ids are an error (listed), except those in ``already_deleted`` (ids an earlier request removed: the
+    run's deletion log has them; see :func:`hf_unlearn.trace.replay.already_deleted`). The new store is read back
+    and scanned: no deleted id in the id column, and no retained row whose content (every column but the id)
+    equals a deleted row's. The receipt carries keyed tags of the deleted ids, never raw ids. On any failure
+    ``out`` is removed.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -84,14 +141,37 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
     store = load_store(source)
     index = id_index(store, id_column)
     forget = list(dict.fromkeys(forget_ids))
-    unknown = [i for i in forget if i not in index]
+    if not forget:
+        raise UnlearnError("the forget list is empty")
+    from ..data.ids import check_id_types
+
+    check_id_types(forget, store[id_column][:1], what="the store")
+    absent_ok = set(already_deleted)
+    unknown = [i for i in forget if i not in index and i not in absent_ok]
     if unknown:
         raise UnlearnError(f"{len(unknown)} id(s) to forget are not in the store: {unknown[:20]}"
                            f"{' ...' if len(unknown) > 20 else ''}; check the forget list")
-    drop = {index[i] for i in forget}
+    drop = {index[i] for i in forget if i in index}
     keep = [n for n in range(len(store)) if n not in drop]
     deleted_digests = {_row_digest(store[n], id_column) for n in sorted(drop)}
     redacted = store.select(keep, keep_in_memory=True).flatten_indices(keep_in_memory=True)
+    try:
+        receipt = _write_and_check(store, redacted, source, out, forget, deleted_digests, key, id_column)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    receipt["already_absent"] = len(forget) - len(drop)
+    receipt["mac"] = receipt_mac(key, receipt)
+    from ..utils import atomic_write_text
+
+    atomic_write_text(out / RECEIPT_NAME, json.dumps(receipt, indent=1))
+    return receipt
+
+
+def _write_and_check(store, redacted, source, out: Path, forget: list, deleted_digests: set, key: bytes,
+                     id_column: str) -> dict:
     fingerprint = save_store(redacted, out)
 
     # Read back what was written, as a stranger would, and check.
@@ -110,7 +190,7 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         "store_sha256": fingerprint,
         "rows_before": len(store),
         "rows_after": len(written),
-        "deleted": len(forget),
+        "deleted": len(forget),  # ids of the request (rows removed: rows_before - rows_after)
         "deleted_tags": sorted(tag(key, i) for i in forget),
         "checks": {
             "id_column_scanned": f"all {len(written)} rows of the new store read back; 0 of {len(forget)} deleted ids present",
@@ -121,7 +201,4 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         },
         "content_duplicates": content_matches,
     }
-    from ..utils import atomic_write_text
-
-    atomic_write_text(out / RECEIPT_NAME, json.dumps(receipt, indent=1))
     return receipt

@@ -1,7 +1,13 @@
 """Bit-exact verification of a replay against the oracle, and distances of the naive baselines.
 
-Parameters and optimizer state (moments and step counts, named ``<param>.<key>``) are compared tensor by
-tensor on their raw bytes; the SHA-256 state-hash roots of :mod:`hf_unlearn.trace.hashing` are reported too.
+Parameters (each tied tensor once) and optimizer state (moments and step counts, named ``<param>.<key>``) are
+compared tensor by tensor on their raw bytes; the SHA-256 state-hash roots of :mod:`hf_unlearn.trace.hashing` are
+reported too. Each state is checked against its checkpoint's ``hashes.json`` as it is loaded.
+
+``verified`` needs more than equal states: the two folders must be a replay and an oracle of the same recorded
+run for the same deleted ids (checked from their headers and deletion logs), so a folder compared with itself, or
+with an oracle of another request, is not VERIFIED. What it does not prove: that the recorded run itself is what
+was trained (the trace is the claim), nor anything a hazard the run was recorded with (``hazards``) puts in doubt.
 """
 
 from __future__ import annotations
@@ -48,8 +54,11 @@ def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
 
 
 def compare_states(a: dict, b: dict) -> dict:
-    """Compare two checkpoint dicts (``model``, ``optimizer``, ``param_names``) bit for bit."""
+    """Compare two checkpoint dicts (``model``, ``optimizer``, ``param_names``, ``tied``) bit for bit."""
     params = _compare(a["model"], b["model"])
+    if a.get("tied", {}) != b.get("tied", {}):
+        params["identical"] = False
+        params["mismatched_tensors"].append("(the tie maps differ)")
     opt = _compare(_named_optimizer(a), _named_optimizer(b))
     ha, hb = state_roots(a), state_roots(b)
     return {
@@ -70,6 +79,8 @@ def load_state(path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     if (path / "state.pt").exists():
         return load_checkpoint(path)
+    if not path.exists():
+        raise UnlearnError(f"{path} does not exist: pass a replay/oracle output folder, a checkpoint folder or a .pt file")
     cps = list_checkpoints(path)
     if not cps:
         raise UnlearnError(f"{path} holds no checkpoint: pass a replay/oracle output folder, a checkpoint folder or "
@@ -77,10 +88,60 @@ def load_state(path) -> dict:
     return load_checkpoint(cps[max(cps)])
 
 
+def deleted_tags(run_dir) -> set[str]:
+    """Keyed tags of every id a run folder's deletion log says was deleted (all requests)."""
+    from .run import read_deletion_log
+
+    return {t for entry in read_deletion_log(run_dir) for t in entry.get("forget_tags", [])}
+
+
+def check_provenance(replay_out, oracle_out) -> dict:
+    """Are these a replay and an oracle of the same recorded run, for the same deleted ids? (``problems`` if not)"""
+    from .run import check_run
+
+    replay_out, oracle_out = Path(replay_out), Path(oracle_out)
+    problems = []
+    headers = {}
+    for role, path in (("replay", replay_out), ("oracle", oracle_out)):
+        if not (path / "header.json").is_file():
+            problems.append(f"{path} is not a run folder (no header.json): where its state came from is not checked")
+            continue
+        rep, header, _ = check_run(path, check_checkpoints=True)
+        problems += [f"{path}: {e}" for e in rep.errors]
+        headers[role] = header
+    if len(headers) == 2:
+        replay, oracle = headers["replay"], headers["oracle"]
+        if replay_out.resolve() == oracle_out.resolve():
+            problems.append("the replay and the oracle are the same folder")
+        if (replay.get("parent") or {}).get("mode") != "replay":
+            problems.append(f"{replay_out} is not the output of a replay (RedactedReplayTrainer / trace replay)")
+        parent = oracle.get("parent") or {}
+        if parent.get("mode") != "oracle" or parent.get("start_step") != 0:
+            problems.append(f"{oracle_out} is not the output of a full oracle replay (OracleReplayTrainer / trace oracle)")
+        if replay.get("origin_run_id") != oracle.get("origin_run_id"):
+            problems.append("the replay and the oracle come from different recorded runs")
+        a, b = deleted_tags(replay_out), deleted_tags(oracle_out)
+        if a != b:
+            problems.append(f"the replay and the oracle deleted different ids ({len(a - b)} only in the replay, "
+                            f"{len(b - a)} only in the oracle)")
+        if replay.get("optimizer_steps") != oracle.get("optimizer_steps"):
+            problems.append("the replay and the oracle end at different optimizer steps")
+    hazards = sorted({h for h in (headers.get("replay") or {}).get("hazards", [])})
+    return {"checked": len(headers) == 2, "problems": problems, "hazards": hazards,
+            "deleted_ids": len(deleted_tags(replay_out)) if "replay" in headers else None,
+            }
+
+
 def verify(replay_out, oracle_out) -> dict:
-    """Compare a replay with the oracle; add the distances of any baselines stored in ``oracle_out/baselines``."""
+    """Compare a replay with the oracle; add the distances of any baselines stored in ``oracle_out/baselines``.
+
+    ``identical``: parameters and optimizer state are bit-identical. ``verified``: identical, and the provenance
+    check (:func:`check_provenance`) found nothing wrong.
+    """
     oracle = load_state(oracle_out)
     report = compare_states(load_state(replay_out), oracle)
+    report["provenance"] = check_provenance(replay_out, oracle_out)
+    report["verified"] = report["identical"] and not report["provenance"]["problems"]
     baselines = {}
     for f in sorted(Path(oracle_out).glob("baselines/*.pt")):
         cmp = compare_states(load_state(f), oracle)
@@ -94,13 +155,16 @@ def verify(replay_out, oracle_out) -> dict:
 
 def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> None:
     """Keep the verdict next to the replay (``verification.json``) so its model card can state it."""
-    if not replay_out.is_dir():
-        return
     import json
+
+    header = replay_out / "header.json"
+    if not header.is_file() or (json.loads(header.read_text()).get("parent") or {}).get("mode") != "replay":
+        return
 
     from ..utils import atomic_write_text
 
-    summary = {"identical": report["identical"], "oracle": oracle_out.name, "roots": report["roots"],
+    summary = {"identical": report["identical"], "verified": report["verified"], "oracle": oracle_out.name,
+               "roots": report["roots"], "provenance_problems": report["provenance"]["problems"],
                "params_mismatched_elements": report["params"]["mismatched_elements"],
                "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"]}
     atomic_write_text(replay_out / "verification.json", json.dumps(summary, indent=1))
