@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from hf_unlearn.runtime import bench_output_dir
+
 os.environ.setdefault("HF_UNLEARN_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -63,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-max-new-tokens", type=int, default=200, help="generation length for ROUGE-L in evaluate_tofu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (1 is much faster on an oversubscribed CPU: threads wait on each other)")
-    p.add_argument("--out", default="bench_methods_output")
+    p.add_argument("--out", default=bench_output_dir("methods"), help="output folder, outside the repo (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

@@ -73,6 +73,11 @@ _LAZY: dict[str, str] = {
     "quantize_model": "hf_unlearn.eval.quantized",
     "UnlearningEvalCallback": "hf_unlearn.eval.callback",
 
+    # --- a deletion request end to end ---
+    "forget": "hf_unlearn.deletion",
+    "ForgetConfig": "hf_unlearn.deletion",
+    "ForgetReceipt": "hf_unlearn.deletion",
+
     # --- hub publishing ---
     "push_unlearned": "hf_unlearn.hub.publish",
     "verify_on_hub": "hf_unlearn.hub.verify",
@@ -83,6 +88,10 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
+
+from .runtime import quiet_optional_backends as _quiet  # noqa: E402  (stdlib only: keeps the import light)
+
+_quiet()  # peft imports bitsandbytes, which logs a kernels notice at import in every script; drop that one line
 
 
 def __getattr__(name: str) -> Any:

@@ -32,10 +32,23 @@ def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple
     return str(name_or_path), None
 
 
+def _check_source(name_or_path, gguf_file: str | None, what: str, kwargs: dict) -> None:
+    """Fail in one line before transformers retries the Hub for a path that does not exist (see ``validation``)."""
+    from .validation import check_model_source
+
+    if gguf_file is not None:
+        if not (Path(name_or_path) / gguf_file).is_file():
+            raise UnlearnError(f"GGUF file {Path(name_or_path) / gguf_file} does not exist")
+        return
+    for key, value in check_model_source(name_or_path, what).load_kwargs().items():
+        kwargs.setdefault(key, value)
+
+
 def load_tokenizer(name_or_path: str | os.PathLike, gguf_file: str | None = None, **kwargs):
     """Load a tokenizer; if it has no pad token, use its EOS token for padding (as trl does)."""
     from transformers import AutoTokenizer
 
+    _check_source(name_or_path, gguf_file, "tokenizer", kwargs)
     name, gguf = _split_gguf(name_or_path, gguf_file)
     try:
         tok = AutoTokenizer.from_pretrained(name, gguf_file=gguf, **kwargs) if gguf else AutoTokenizer.from_pretrained(
@@ -59,6 +72,7 @@ def load_model(name_or_path: str | os.PathLike, gguf_file: str | None = None, dt
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or torch.float32
+    _check_source(name_or_path, gguf_file, "model", kwargs)
     name, gguf = _split_gguf(name_or_path, gguf_file)
     try:
         if gguf:

@@ -1,0 +1,253 @@
+"""`hf_unlearn.forget` / `hf-unlearn forget`: a deletion request end to end, and everything it refuses up front."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from hf_unlearn.errors import UnlearnError
+
+from .conftest import run_cli
+from .test_trace_common import get_recorded, get_trace_data, ids_at_step
+
+STRING_IDS = [f"author-{a}-q{q}" for a in range(3) for q in range(20)]
+
+
+@pytest.fixture(scope="module")
+def exact_receipt(tmp_path_factory):
+    """One exact deletion with the oracle on the shared recorded run (8 optimizer steps, tiny Llama)."""
+    from hf_unlearn import forget
+
+    run = get_recorded()
+    ids = ids_at_step(run, 6)[:3]
+    tok, _ = get_trace_data()
+    out = tmp_path_factory.mktemp("exact") / "out"
+    return forget(run, ids, out, oracle=True, tokenizer=tok, progress=False), ids, out
+
+
+def test_exact_deletion_is_verified_and_recorded(exact_receipt):
+    receipt, ids, out = exact_receipt
+    assert receipt.mode == "exact" and receipt.method == "exact" and receipt.ok
+    ev = receipt.evidence
+    assert ev["verified"] is True and ev["oracle"]["params_mismatched_elements"] == 0
+    assert ev["cost"]["start_checkpoint"] == 6 and ev["replay"]["start_step"] == 6  # a suffix replay
+    assert ev["redaction"]["rows_before"] - ev["redaction"]["rows_after"] == len(ids)
+    # the saved model is the replayed state: its manifest root is the receipt's
+    from hf_unlearn.hub.publish import build_manifest
+
+    assert build_manifest(out / "model")["params_root"] == receipt.state_hashes["params_root"]
+    assert (out / "model" / "tokenizer_config.json").is_file() and (out / "model" / "README.md").is_file()
+    card = (out / "model" / "README.md").read_text()
+    assert receipt.state_hashes["params_root"] in card and receipt.state_hashes["optimizer_root"] in card
+    saved = json.loads((out / "receipt.json").read_text())
+    assert saved["ok"] is True and saved["request"]["count"] == len(ids)
+    assert saved["state_hashes"] == receipt.state_hashes
+    assert "VERIFIED bit-identical" in receipt.summary_table()
+
+
+def test_receipt_carries_keyed_tags_not_raw_ids(exact_receipt):
+    from hf_unlearn.hub.cards import find_raw_ids
+    from hf_unlearn.hub.keys import keyed_tags, load_key
+
+    receipt, ids, out = exact_receipt
+    data = json.loads((out / "receipt.json").read_text())
+    assert data["request"]["tags"] == keyed_tags(ids, load_key())
+    assert find_raw_ids(data, ids, "receipt") == []
+    assert not any(isinstance(v, list) and len(set(v) & set(ids)) >= 2 for v in _walk(data))
+
+
+def _walk(value):
+    yield value
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)
+
+
+def test_a_tampered_oracle_is_not_verified(tmp_path):
+    """The verdict is the bit comparison: an oracle whose final state differs makes the receipt say NOT identical."""
+    import torch
+
+    from hf_unlearn import forget
+    from hf_unlearn.deletion import ForgetConfig, _exact, _validate
+
+    run = get_recorded()
+    ids = ids_at_step(run, 6)[:2]
+    config = ForgetConfig(output_dir=str(tmp_path / "o"), oracle=True, progress=False)
+    plan = _validate(run, ids, config)
+    from hf_unlearn.trace import replay as replay_mod
+
+    original = replay_mod.OracleReplayTrainer._run_segment
+
+    def nudged(self, model, seg):  # an "oracle" that drifts by one ulp on its last step
+        taken = original(self, model, seg)
+        if seg[0].step == self.run.total_steps - 1:
+            with torch.no_grad():
+                p = next(model.parameters())
+                p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf")))
+        return taken
+
+    replay_mod.OracleReplayTrainer._run_segment = nudged
+    try:
+        (tmp_path / "o").mkdir()
+        receipt = _exact(plan, config, tmp_path / "o", None, lambda m: None)
+    finally:
+        replay_mod.OracleReplayTrainer._run_segment = original
+    assert receipt.evidence["verified"] is False and not receipt.ok
+    assert "NOT identical" in receipt.summary_table()
+    assert forget  # the public entry point is the one the other tests use
+
+
+@pytest.fixture(scope="module")
+def string_id_data(tmp_path_factory, tofu_full):
+    """60 TOFU rows with textual ids, as a user's own JSON Lines file."""
+    path = tmp_path_factory.mktemp("data") / "qa.jsonl"
+    with open(path, "w") as f:
+        for sid, row in zip(STRING_IDS, tofu_full.select(range(60))):
+            f.write(json.dumps({"id": sid, "question": row["question"], "answer": row["answer"]}) + "\n")
+    return path
+
+
+def test_approximate_forget_with_string_ids_and_evaluation(tmp_path, tiny_llama_dir, string_id_data):
+    from hf_unlearn import forget
+
+    ids = STRING_IDS[40:44]
+    request = tmp_path / "request.jsonl"
+    request.write_text("".join(json.dumps(i) + "\n" for i in ids))
+    out = tmp_path / "out"
+    receipt = forget(tiny_llama_dir, request, out, method="grad_ascent", data=str(string_id_data), max_steps=2,
+                     learning_rate=1e-2, eval_rows=4, max_new_tokens=4, max_retain_rows=8, max_length=64,
+                     progress=False)
+    ev = receipt.evidence
+    assert receipt.mode == "approximate" and receipt.method == "grad_ascent" and ev["steps"] == 2
+    assert ev["forget_rows"] == 4 and ev["retain_rows"] == 8
+    # gradient ascent on the forget rows raises their answer loss
+    assert ev["after"]["forget"]["answer_loss"] > ev["before"]["forget"]["answer_loss"]
+    assert set(ev["before"]) == {"forget", "retain"} and ev["after"]["retain"]["items"] == 4
+    text = (out / "receipt.json").read_text()
+    card = (out / "model" / "README.md").read_text()
+    for i in ids:  # textual ids: not in the receipt, not in the card (keyed tags only)
+        assert i not in text and i not in card
+    assert (out / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("case, match", [
+    ("unknown_ids", "not in the data"),
+    ("id_types", "is str but the data uses int"),
+    ("method", "unknown unlearning method"),
+    ("method_arg", "has no option 'nope'"),
+    ("run_with_masc", "is a recorded run"),
+    ("exact_on_model", "exact deletion needs a recorded run"),
+    ("missing_model", "does not exist"),
+    ("empty_request", "holds no ids"),
+    ("lr", "must be > 0"),
+])
+def test_bad_input_is_refused_before_any_compute(case, match, tmp_path, tiny_llama_dir, monkeypatch):
+    from hf_unlearn import forget
+    from hf_unlearn.deletion import DEFAULT_APPROXIMATE
+
+    def no_training(*a, **k):
+        raise AssertionError("training started")
+
+    from hf_unlearn.methods.base import UnlearningTrainer
+
+    monkeypatch.setattr(UnlearningTrainer, "train", no_training)
+    model, ids, opts = str(tiny_llama_dir), [3600, 3601], {"data": "tofu"}
+    if case == "unknown_ids":
+        ids = [3600, 999999]
+    elif case == "id_types":
+        ids = ["3600"]
+    elif case == "method":
+        opts["method"] = "nope"
+    elif case == "method_arg":
+        opts["method_args"] = {"nope": "1"}
+    elif case == "run_with_masc":
+        model, opts["method"] = str(get_recorded()), DEFAULT_APPROXIMATE
+    elif case == "exact_on_model":
+        opts["method"] = "exact"
+    elif case == "missing_model":
+        model = str(tmp_path / "no-such-model")
+    elif case == "empty_request":
+        (tmp_path / "empty.jsonl").write_text("\n")
+        ids = tmp_path / "empty.jsonl"
+    elif case == "lr":
+        opts["learning_rate"] = 0.0
+    with pytest.raises(UnlearnError, match=match):
+        forget(model, ids, tmp_path / "out", **opts)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_model_folder_is_named_without_touching_the_network(tmp_path, monkeypatch):
+    from hf_unlearn.validation import check_model_source
+
+    def no_network(*a, **k):
+        raise AssertionError("network used")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    for name in (tmp_path / "missing", "./missing-model", "../models/x", "a/b/c", "model.gguf"):
+        with pytest.raises(UnlearnError, match="does not exist"):
+            check_model_source(str(name))
+
+
+def test_output_folder_rules(tmp_path, tiny_llama_dir):
+    from hf_unlearn import forget
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(UnlearnError, match="exists and is not empty"):
+        forget(tiny_llama_dir, [3600], busy, data="tofu")
+    with pytest.raises(UnlearnError, match="exists and is not empty"):  # --overwrite replaces only our own outputs
+        forget(tiny_llama_dir, [3600], busy, data="tofu", overwrite=True)
+    assert (busy / "notes.txt").read_text() == "mine"
+
+
+def test_a_failed_publish_leaves_nothing_behind(tmp_path, tiny_llama_dir, string_id_data):
+    """The Hub check runs before training: a closed port is one line, and no output folder is created."""
+    from hf_unlearn import forget
+
+    with pytest.raises(UnlearnError, match="cannot be reached|HF_HUB_OFFLINE"):
+        forget(tiny_llama_dir, STRING_IDS[:2], tmp_path / "out", method="grad_ascent", data=str(string_id_data),
+               repo="org/model", endpoint="http://127.0.0.1:9")
+    assert not (tmp_path / "out").exists()
+
+
+def test_forget_publishes_and_verifies_on_a_local_hub(tmp_path, exact_receipt):
+    """--repo: push as deletion-0001, download into a fresh cache, recompute every tensor hash (local Hub server)."""
+    from hf_unlearn import forget
+    from hf_unlearn.demo import local_hub
+
+    run = get_recorded()
+    ids = ids_at_step(run, 7)[:2]
+    tok, _ = get_trace_data()
+    with local_hub(tmp_path / "hub") as (server, token):
+        receipt = forget(run, ids, tmp_path / "out", tokenizer=tok, repo="org/tiny", endpoint=server.url, token=token,
+                         progress=False)
+        p = receipt.published
+        assert p["tag"] == "deletion-0001" and p["verify_ok"] and receipt.ok
+        assert p["params_root"] == receipt.state_hashes["params_root"]
+        _, files = server.store.files("model", "org/tiny", "deletion-0001")
+        assert "model.safetensors" in files and "unlearning_info.json" not in files
+        assert not any(name.startswith("provenance/private") for name in files)
+    saved = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert saved["published"]["commit"] == p["commit"]
+
+
+def test_cli_forget_prints_a_summary_and_exits_by_the_verdict(tmp_path):
+    run = get_recorded()
+    ids = ids_at_step(run, 7)[:1]
+    request = tmp_path / "ids.jsonl"
+    request.write_text("".join(json.dumps(i) + "\n" for i in ids))
+    proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "== summary" in proc.stdout and "not checked against the oracle" in proc.stdout
+    assert Path(tmp_path / "out" / "receipt.json").is_file()
+    bad = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out2", "--method", "masc")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and "is a recorded run" in bad.stderr
+    assert not (tmp_path / "out2").exists()
