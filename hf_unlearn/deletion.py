@@ -133,7 +133,9 @@ class ForgetReceipt:
         rows.append(("state hashes", f"parameters root {self.state_hashes['params_root'][:16]}..."
                      + (f", optimizer root {self.state_hashes['optimizer_root'][:16]}..."
                         if self.state_hashes.get("optimizer_root") else "")))
-        if self.published:
+        if self.published and self.published.get("error"):
+            rows.append(("published", f"FAILED: {self.published['error']}"))
+        elif self.published:
             p = self.published
             rows.append(("published", f"{p['repo']} {p['tag']} (commit {p['commit'][:12]})"))
             rows.append(("hub verify", ("OK: " if p["verify_ok"] else "FAILED: ") + p["verify_summary"]))
@@ -183,15 +185,24 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
     from .validation import output_folder
 
     started = time.perf_counter()
+    publish_error = None
     with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite) as out:
         if plan["mode"] == EXACT:
             receipt = _exact(plan, config, out, tokenizer, log)
         else:
             receipt = _approximate(plan, config, out, log)
         if config.repo:
-            receipt.published = _publish(receipt, plan, config, out, log)
+            try:
+                receipt.published = _publish(receipt, plan, config, out, log)
+            except Exception as e:  # the deletion is done and kept: the receipt says the publish failed, and how to retry
+                publish_error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                receipt.published = {"repo": config.repo, "error": publish_error, "verify_ok": False}
         receipt.timings["total_s"] = time.perf_counter() - started
         _write_receipt(receipt, plan["ids"], out)
+    if publish_error is not None:
+        raise UnlearnError(f"the deletion is done and saved in {out} (receipt.json), but publishing to {config.repo} "
+                           f"failed: {publish_error}; retry with `hf-unlearn hub push {out / 'model'} --repo "
+                           f"{config.repo} --deletion`")
     return receipt
 
 
@@ -577,14 +588,31 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
     from .hub.publish import load_card_info, push_unlearned
     from .hub.verify import verify_on_hub
 
-    result = push_unlearned(model_dir, config.repo, card_info=load_card_info(model_dir), deletion=True,
-                            private=config.private or None, token=config.token, endpoint=config.endpoint,
-                            base_model=config.base_model, datasets=config.datasets,
-                            trace_dir=out / "replay" if plan["mode"] == EXACT else None)
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
+        trace_dir = _provenance_view(out / "replay", Path(tmp) / "trace") if plan["mode"] == EXACT else None
+        result = push_unlearned(model_dir, config.repo, card_info=load_card_info(model_dir), deletion=True,
+                                private=config.private or None, token=config.token, endpoint=config.endpoint,
+                                base_model=config.base_model, datasets=config.datasets, trace_dir=trace_dir)
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_verify_") as cache:  # a fresh download, not a cached copy
         report = verify_on_hub(config.repo, result.tag, token=config.token, endpoint=config.endpoint,
                                cache_dir=cache)
     return result, report
+
+
+PROVENANCE_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")
+
+
+def _provenance_view(run: Path, dest: Path) -> Path:
+    """The replayed run's publishable files only (an allowlist): never ``private/`` (key, store), checkpoints or
+    the model copy, whatever the publisher's own filter would let through."""
+    import shutil
+
+    dest.mkdir(parents=True)
+    for name in PROVENANCE_FILES:
+        for f in (run / name, run / f"{name}.sha256"):
+            if f.is_file():
+                shutil.copy2(f, dest / f.name)
+    return dest
 
 
 def _write_receipt(receipt: ForgetReceipt, ids: list, out: Path) -> None:

@@ -47,7 +47,8 @@ def test_demo_runs_every_stage(small_demo):
     assert stats["loss_after"]["forget"] < stats["loss_before"]["forget"] / 3
     # exact deletion, verified bit for bit against the oracle
     assert stats["deletion"]["identical"] is True and "VERIFIED bit-identical" in out_text
-    assert stats["deletion"]["loss"]["forget"] > 3 * stats["deletion"]["loss"]["retain"]
+    # after the deletion the forgotten author is back near the untrained loss; the retained ones stay learned
+    assert stats["deletion"]["loss"]["forget"] > stats["deletion"]["loss"]["retain"] + 1.0
     # MASC on another author, evaluated before and after
     masc = stats["masc"]
     assert masc["author"] == 1

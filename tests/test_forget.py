@@ -220,6 +220,7 @@ def test_a_failed_publish_leaves_nothing_behind(tmp_path, tiny_llama_dir, string
 def test_forget_publishes_and_verifies_on_a_local_hub(tmp_path, exact_receipt):
     """--repo: push as deletion-0001, download into a fresh cache, recompute every tensor hash (local Hub server)."""
     from hf_unlearn import forget
+    from hf_unlearn.deletion import PROVENANCE_FILES
     from hf_unlearn.demo import local_hub
 
     run = get_recorded()
@@ -233,7 +234,8 @@ def test_forget_publishes_and_verifies_on_a_local_hub(tmp_path, exact_receipt):
         assert p["params_root"] == receipt.state_hashes["params_root"]
         _, files = server.store.files("model", "org/tiny", "deletion-0001")
         assert "model.safetensors" in files and "unlearning_info.json" not in files
-        assert not any(name.startswith("provenance/private") for name in files)
+        provenance = {name.split("/", 1)[1] for name in files if name.startswith("provenance/")}
+        assert provenance and provenance <= {f for n in PROVENANCE_FILES for f in (n, n + ".sha256")}
     saved = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert saved["published"]["commit"] == p["commit"]
 
@@ -251,3 +253,19 @@ def test_cli_forget_prints_a_summary_and_exits_by_the_verdict(tmp_path):
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().count("\n") == 0 and "is a recorded run" in bad.stderr
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_publish_that_fails_after_the_work_keeps_the_work_and_says_how_to_retry(tmp_path, tiny_llama_dir,
+                                                                                  string_id_data):
+    from hf_unlearn import forget
+    from hf_unlearn.demo import local_hub
+
+    with local_hub(tmp_path / "hub") as (server, token):
+        server.inject_fault("commit", times=10)  # the server drops every commit
+        with pytest.raises(UnlearnError, match="the deletion is done and saved in .*hf-unlearn hub push"):
+            forget(tiny_llama_dir, STRING_IDS[:2], tmp_path / "out", method="grad_ascent", data=str(string_id_data),
+                   max_steps=1, eval_rows=0, max_length=64, progress=False, repo="org/tiny", endpoint=server.url,
+                   token=token)
+    receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert receipt["ok"] is False and receipt["published"]["error"]
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
