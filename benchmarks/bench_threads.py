@@ -14,7 +14,8 @@ interleaving the settings round by round so that every setting sees the same bac
     PYTHONPATH=. python benchmarks/bench_threads.py                        # loads 0,2,4; 3 rounds; ~10 min on 2 cores
     PYTHONPATH=. python benchmarks/bench_threads.py --loads 0,4 --rounds 2 --steps 30
 
-It prints seconds per step (median and range over rounds) and each setting's slowdown against the idle default.
+It prints milliseconds per step (median and range over rounds) and each setting's time relative to torch's default
+at the first load level (on a quiet machine, pass ``--loads 0,...`` to make that the idle reference).
 Nothing is written inside the repository; ``--json PATH`` saves the figures.
 """
 
@@ -136,7 +137,7 @@ def main() -> None:
                 proc.wait()
 
     base = statistics.median(results[loads[0]]["default"]) if "default" in settings else None
-    print("\n| busy processes | setting | torch threads | ms/step median (min-max) | vs idle default |")
+    print(f"\n| busy processes | setting | torch threads | ms/step median (min-max) | vs default at {loads[0]} busy |")
     print("|---|---|---|---|---|")
     for load in loads:
         for s in settings:
