@@ -51,6 +51,12 @@ _LAZY: dict[str, str] = {
     "SimNPOTrainer": "hf_unlearn.methods.baselines",
     "RMUConfig": "hf_unlearn.methods.baselines",
     "RMUTrainer": "hf_unlearn.methods.baselines",
+    **{name: f"hf_unlearn.methods.{module}" for module, names in (
+        ("preference", ("IdkDPOConfig", "IdkDPOTrainer", "IdkNLLConfig", "IdkNLLTrainer")),
+        ("soft_targets", ("UNDIALConfig", "UNDIALTrainer", "CEUConfig", "CEUTrainer")),
+        ("reweighted", ("WGAConfig", "WGATrainer", "SatImpConfig", "SatImpTrainer")),
+        ("pdu", ("PDUConfig", "PDUTrainer")),
+    ) for name in names},
 
     # --- random-label forgetting and analysis ---
     "MultipleChoiceConfig": "hf_unlearn.methods.random_label",

@@ -205,3 +205,120 @@ def hoeffding_upper_bound(mean: float, n: int, delta: float) -> float:
     if n <= 0:
         return float("inf")
     return mean + math.sqrt(math.log(1.0 / delta) / (2.0 * n))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# preference, distillation, reweighted-ascent and constrained methods (the rest of OpenUnlearning's set)
+
+
+def dpo_loss(
+    policy_win: torch.Tensor,
+    policy_lose: torch.Tensor,
+    ref_win: torch.Tensor,
+    ref_lose: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """DPO (Rafailov et al., 2023) used for unlearning (IdkDPO): prefer the alternate answer over the forget answer.
+
+    ``-(2/beta) * mean(log sigmoid(beta * ((pi_w - ref_w) - (pi_l - ref_l))))`` on sequence log-probabilities
+    ``[batch]`` (sums over answer tokens); ``w`` is the preferred answer (a refusal), ``l`` the answer to forget.
+    The DPO paper's loss is ``-log sigmoid(...)``; the ``2/beta`` factor is OpenUnlearning's (as in NPO, which is this
+    loss without the preferred answer), so ``lambda_forget``/``lambda_retain`` weigh the terms as its IdkDPO does.
+    At ``pi == ref`` the loss is ``(2/beta) log 2``.
+    """
+    margin = (policy_win - ref_win) - (policy_lose - ref_lose)
+    return -(2.0 / beta) * F.logsigmoid(beta * margin).mean()
+
+
+def _answer_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``-sum_v q_v log p_v`` with ``p = softmax(logits)``, averaged over the masked (aligned) positions.
+
+    ``logits`` and ``target_probs`` are ``[batch, seq-1, vocab]``, already aligned with their targets; the target
+    distribution ``q`` carries no gradient.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return _answer_mean(-(target_probs.detach() * logp).sum(-1), mask)
+
+
+def undial_loss(logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
+    """UNDIAL (Dong et al., 2025): self-distillation towards the reference's logits with the target's logit lowered.
+
+    Per answer token, the teacher distribution is ``softmax(z_ref - beta * onehot(y_t))`` (``beta``: the penalty
+    strength, the paper's ``gamma``); the loss is the cross-entropy of the current model against it, averaged over
+    answer tokens. OpenUnlearning averages over every position of the batch (prompt and padding included); here only
+    the answer tokens being unlearned count.
+    """
+    z, targets, mask = shift_for_causal_lm(logits, labels)
+    ref = ref_logits[:, :-1].float()
+    index = targets.unsqueeze(-1)
+    adjusted = ref.scatter(-1, index, ref.gather(-1, index) - beta)
+    return soft_cross_entropy(z, torch.softmax(adjusted, dim=-1), mask)
+
+
+def mask_first_answer_tokens(labels: torch.Tensor, n: int) -> torch.Tensor:
+    """``labels`` with the first ``n`` answer tokens of every row set to ``-100`` (CE-U's footnote trick)."""
+    if n <= 0:
+        return labels
+    answer = labels != IGNORE_INDEX
+    return labels.masked_fill(answer & (answer.long().cumsum(-1) <= n), IGNORE_INDEX)
+
+
+def ce_u_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """CE-U (Yang et al., 2025): cross-entropy against the model's own distribution with the target token removed.
+
+    Per answer token the target is ``softmax(z)`` with ``z(y_t) = -inf`` (from the detached logits), so the gradient
+    w.r.t. the logits is ``p - q``: the target's probability goes down and the others rise in proportion, with no
+    runaway ascent. Averaged over answer tokens (OpenUnlearning's ``F.cross_entropy`` over the valid positions).
+    """
+    z, targets, mask = shift_for_causal_lm(logits, labels)
+    suppressed = z.detach().float().scatter(-1, targets.unsqueeze(-1), float("-inf"))
+    return soft_cross_entropy(z, torch.softmax(suppressed, dim=-1), mask)
+
+
+def weighted_ascent_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``mean_t(w_t * log p(y_t))`` over answer tokens, ``w`` without gradient: minimising it lowers the weighted
+    log-likelihood (gradient ascent on the forget answers, token by token)."""
+    return _answer_mean(weights.detach() * logp, mask)
+
+
+def wga_loss(logits: torch.Tensor, labels: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """WGA (Wang et al., 2025): gradient ascent with each token weighted by ``p(y_t)^beta`` (detached).
+
+    Tokens the model no longer predicts get small weights, so the ascent fades where forgetting is done; averaged over
+    the answer tokens of the batch, as OpenUnlearning does.
+    """
+    logp, mask = token_logprobs(logits, labels)
+    return weighted_ascent_loss(logp, mask, logp.detach().exp().pow(beta))
+
+
+def satimp_loss(logits: torch.Tensor, labels: torch.Tensor, beta1: float = 5.0, beta2: float = 1.0) -> torch.Tensor:
+    """SatImp (Yang et al., 2025): gradient ascent weighted by ``p^beta1 * (1 - p)^beta2`` per token (detached).
+
+    ``p^beta1`` is saturation (fade once forgotten), ``(1 - p)^beta2`` importance (tokens the model is unsure of carry
+    the information worth removing); averaged over the answer tokens of the batch, as OpenUnlearning does.
+    """
+    logp, mask = token_logprobs(logits, labels)
+    p = logp.detach().exp()
+    return weighted_ascent_loss(logp, mask, p.pow(beta1) * (1.0 - p).pow(beta2))
+
+
+def logit_margin_flattening_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """PDU's forget term (Entesari et al., 2025): ``(max_v z_v - mean_v z_v)^2`` per answer position, averaged.
+
+    Zero exactly when the next-token logits are all equal (the uniform distribution); softmax-free, so its gradient
+    does not vanish near uniformity. Taken at the positions that predict answer tokens (OpenUnlearning takes the
+    positions of the answer tokens themselves, one to the right).
+    """
+    z, _, mask = shift_for_causal_lm(logits, labels)
+    z = z.float()
+    return _answer_mean((z.max(-1).values - z.mean(-1)).square(), mask)
+
+
+def dual_ascent(multiplier: float, constraint_value: float, epsilon: float, step_size: float) -> float:
+    """One projected dual-ascent step for ``constraint_value <= epsilon``: ``max(0, lambda + step * (value - eps))``."""
+    return max(0.0, multiplier + step_size * (constraint_value - epsilon))

@@ -64,6 +64,13 @@ def memorised_model():
     return copy.deepcopy(_CACHE["model"])
 
 
+def save_memorised_model(path):
+    """Save the memorised model and its tokenizer to ``path`` (for CLI tests); returns ``path``."""
+    memorised_model().save_pretrained(path)
+    tiny_data()[0].save_pretrained(path)
+    return path
+
+
 def answer_loss(model, dataset) -> float:
     from hf_unlearn.demo import mean_answer_loss
 

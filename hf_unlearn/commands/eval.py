@@ -59,6 +59,9 @@ def _common(p, out_default: str) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-items", type=int, default=None, help="evaluate only the first N items of every set")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--mia-attacks", default=None,
+                   help="comma list of membership-inference attacks (default all: loss,zlib,min_k,min_k_plus_plus,"
+                        "gradnorm,reference; leaving out gradnorm saves one backward per forget/holdout item)")
 
 
 def _tofu_options(p) -> None:
@@ -79,6 +82,9 @@ def _muse_options(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="last tokens of each verbmem prompt kept")
     p.add_argument("--verbmem-max-new-tokens", type=int, default=128)
     p.add_argument("--knowmem-max-new-tokens", type=int, default=32)
+    p.add_argument("--knowmem-examples", default=None,
+                   help="few-shot knowmem: 'muse' (MUSE's forget_qa_icl/retain_qa_icl) or a JSON file of "
+                        "[{question, answer}] (or {forget: [...], retain: [...]}); default zero-shot")
 
 
 def parse_ids(spec: str | None) -> list[int] | None:
@@ -123,8 +129,33 @@ def _tofu_kwargs(args) -> dict:
         max_new_tokens=args.max_new_tokens,
         max_items=args.max_items,
         use_chat_template={"auto": None, "yes": True, "no": False}[args.chat_template],
+        mia_attacks=_attacks(args),
         progress=not args.quiet,
     )
+
+
+def _attacks(args) -> list[str] | None:
+    from ..eval.metrics import check_mia_attacks
+
+    if args.mia_attacks is None:
+        return None
+    return list(check_mia_attacks([a.strip() for a in args.mia_attacks.split(",") if a.strip()]))  # before loading
+
+
+def _knowmem_examples(spec: str | None):
+    import json
+
+    from ..errors import UnlearnError
+
+    if spec is None or spec == "muse":
+        return spec
+    path = Path(spec)
+    if not path.is_file():
+        raise UnlearnError(f"--knowmem-examples: {spec} is neither 'muse' nor a JSON file")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UnlearnError(f"--knowmem-examples: {path} is not JSON ({e.msg})") from None
 
 
 def _load(name: str):
@@ -188,12 +219,14 @@ def run_tofu_reference(args) -> int:
 def run_muse(args) -> int:
     from ..eval.muse import evaluate_muse_news
 
+    attacks, examples = _attacks(args), _knowmem_examples(args.knowmem_examples)
     model, tok = _load(args.model)
     result = evaluate_muse_news(
         model, tok, muse_path=args.muse, reference=args.reference, batch_size=args.batch_size,
         max_items=args.max_items, max_length=args.max_length, max_prompt_tokens=args.max_prompt_tokens,
         verbmem_max_new_tokens=args.verbmem_max_new_tokens,
-        knowmem_max_new_tokens=args.knowmem_max_new_tokens, progress=not args.quiet,
+        knowmem_max_new_tokens=args.knowmem_max_new_tokens, knowmem_examples=examples,
+        mia_attacks=attacks, progress=not args.quiet,
     )
     _write(result, Path(args.out), "muse_results")
     return 0
@@ -202,6 +235,7 @@ def run_muse(args) -> int:
 def run_quantized(args) -> int:
     from ..eval.quantized import evaluate_quantized
 
+    attacks = _attacks(args)
     model, tok = _load(args.model)
     if args.benchmark == "tofu":
         kwargs = _tofu_kwargs(args)
@@ -209,7 +243,7 @@ def run_quantized(args) -> int:
             kwargs["max_length"] = args.max_length
     else:
         kwargs = dict(muse_path=args.muse, batch_size=args.batch_size, max_items=args.max_items,
-                      progress=not args.quiet)
+                      mia_attacks=attacks, progress=not args.quiet)
         if args.max_length:
             kwargs["max_length"] = args.max_length
     comparison = evaluate_quantized(model, tok, bits=args.bits, quant_type=args.quant_type,

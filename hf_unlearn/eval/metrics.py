@@ -12,7 +12,10 @@ uses for them:
   model's per-item forget truth ratios;
 * model utility: harmonic mean of the nine retain / real-authors / world-facts values;
 * extraction strength and exact memorisation from teacher-forced argmax predictions;
-* membership inference (LOSS, zlib, Min-k%, Min-k%++) AUC and privleak.
+* membership inference (LOSS, zlib, Min-k%, Min-k%++, gradient norm, reference model) AUC and privleak.
+
+As in OpenUnlearning, extraction strength, exact memorisation, Min-k%, Min-k%++ and the gradient norm score an answer
+without its final EOS token (:func:`drop_final_eos`); probability, LOSS, zlib and the reference attack keep it.
 
 Membership scores here are *non-membership* scores, like a loss: higher means "looks unseen". ``mia_auc`` is the
 probability that a held-out (unseen) item scores higher than a forget item: 1.0 means the forget set is perfectly
@@ -50,6 +53,9 @@ class TokenStats:
     def mean_nll(self) -> float:
         return float(-self.logprobs.mean()) if self.logprobs.size else float("nan")
 
+    def without_last(self) -> TokenStats:
+        return TokenStats(self.logprobs[:-1], self.correct[:-1], self.zscores[:-1])
+
 
 def token_statistics(logits, labels, ignore_index: int = IGNORE_INDEX) -> list[TokenStats]:
     """Per-sequence :class:`TokenStats` from causal-LM ``logits [B, T, V]`` and ``labels [B, T]`` (unshifted).
@@ -83,6 +89,33 @@ def token_statistics(logits, labels, ignore_index: int = IGNORE_INDEX) -> list[T
     return out
 
 
+def final_eos_index(labels: Sequence[int], eos_token_id: int | None) -> int | None:
+    """Position in ``labels`` of the final EOS an answer is scored without, or None (see :func:`drop_final_eos`)."""
+    scored = [i for i, t in enumerate(labels) if t != IGNORE_INDEX]
+    if eos_token_id is None or len(scored) < 2 or labels[scored[-1]] != eos_token_id:
+        return None
+    return scored[-1]
+
+
+def drop_final_eos(stats: TokenStats, labels: Sequence[int], eos_token_id: int | None) -> TokenStats:
+    """``stats`` without the final token when the scored sequence (its ``labels``) ends with EOS.
+
+    The EOS after an answer says nothing about what the model knows, and a model that never learned to stop scores 0
+    extraction strength on every answer with it. Unchanged when the last label is not EOS (an answer cut by
+    ``max_length``) or EOS is the only scored token.
+    """
+    return stats if final_eos_index(labels, eos_token_id) is None else stats.without_last()
+
+
+def labels_without_final_eos(labels: Sequence[int], eos_token_id: int | None) -> list[int]:
+    """``labels`` with the final EOS masked (``-100``): the same scoring for a fresh forward (the gradient norm)."""
+    labels = list(labels)
+    i = final_eos_index(labels, eos_token_id)
+    if i is not None:
+        labels[i] = IGNORE_INDEX
+    return labels
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # probability and truth ratio
 
@@ -94,8 +127,10 @@ def probability(mean_nll: float) -> float:
 
 def normalized_probability(true_nll: float, false_nlls: Sequence[float]) -> float:
     """``P(true) / (P(true) + sum P(false))`` with per-token-normalised probabilities (real_authors, world_facts)."""
-    p_true = math.exp(-true_nll)
-    return float(p_true / (p_true + sum(math.exp(-x) for x in false_nlls)))
+    # softmax over -NLL, shifted by the smallest NLL: no 0/0 when every answer is very unlikely
+    low = min(true_nll, *false_nlls)
+    p_true = math.exp(low - true_nll)
+    return float(p_true / (p_true + sum(math.exp(low - x) for x in false_nlls)))
 
 
 def truth_ratio(paraphrased_nll: float, perturbed_nlls: Sequence[float]) -> float:
@@ -105,7 +140,8 @@ def truth_ratio(paraphrased_nll: float, perturbed_nlls: Sequence[float]) -> floa
     """
     if len(perturbed_nlls) == 0:
         raise UnlearnError("truth ratio needs at least one perturbed answer")
-    return float(math.exp(paraphrased_nll - float(np.mean(perturbed_nlls))))
+    log_ratio = paraphrased_nll - float(np.mean(perturbed_nlls))
+    return math.inf if log_ratio > 700 else float(math.exp(log_ratio))  # inf: both report forms are then 0
 
 
 def truth_ratio_forget_score(ratios: Sequence[float]) -> float:
@@ -204,7 +240,8 @@ def extraction_strength(correct: Sequence[bool]) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 # membership inference
 
-MIA_ATTACKS = ("loss", "zlib", "min_k", "min_k_plus_plus")
+SCORE_ATTACKS = ("loss", "zlib", "min_k", "min_k_plus_plus")  # one teacher-forced forward gives all four
+MIA_ATTACKS = (*SCORE_ATTACKS, "gradnorm", "reference")
 
 
 def _lowest_mean(values: np.ndarray, k: float) -> float:
@@ -214,22 +251,45 @@ def _lowest_mean(values: np.ndarray, k: float) -> float:
     return float(np.sort(values)[:n].mean())
 
 
-def mia_scores(stats: TokenStats, text: str, k: float = 0.4) -> dict[str, float]:
-    """Non-membership scores (higher = looks unseen) of one sequence for every attack in :data:`MIA_ATTACKS`.
+def mia_scores(stats: TokenStats, text: str, k: float = 0.4, body: TokenStats | None = None) -> dict[str, float]:
+    """Non-membership scores (higher = looks unseen) of one sequence for every attack in :data:`SCORE_ATTACKS`.
 
     * loss: mean NLL; zlib: mean NLL divided by the zlib-compressed size of ``text`` in bytes (Carlini et al., 2021);
     * min_k: minus the mean of the ``k`` fraction lowest token log-probs (Shi et al., 2024);
     * min_k_plus_plus: the same on standardised log-probs (Zhang et al., 2024).
+
+    ``body`` (default ``stats``) is what Min-k% and Min-k%++ score: the answer without its final EOS
+    (:func:`drop_final_eos`), as OpenUnlearning does; LOSS and zlib keep it.
     """
-    if stats.logprobs.size == 0:
+    body = stats if body is None else body
+    if stats.logprobs.size == 0 or body.logprobs.size == 0:
         raise UnlearnError("membership scores need at least one scored token")
     loss = stats.mean_nll
     return {
         "loss": loss,
         "zlib": loss / len(zlib.compress(text.encode("utf-8"))),
-        "min_k": -_lowest_mean(stats.logprobs, k),
-        "min_k_plus_plus": -_lowest_mean(stats.zscores, k),
+        "min_k": -_lowest_mean(body.logprobs, k),
+        "min_k_plus_plus": -_lowest_mean(body.zscores, k),
     }
+
+
+def reference_attack_score(loss: float, reference_loss: float) -> float:
+    """Reference-model attack (Carlini et al., 2021; OpenUnlearning's ``mia_reference``): the model's mean NLL minus
+    the reference model's on the same sequence. A member's loss drops below what a model that never saw it predicts,
+    so low scores look like members. With the retain-only reference, the reference scored against itself gives 0 for
+    every item, AUC 0.5: privleak for this attack is measured against 0.5."""
+    return float(loss - reference_loss)
+
+
+def check_mia_attacks(attacks) -> tuple[str, ...]:
+    """``attacks`` (None = all of :data:`MIA_ATTACKS`) as a tuple in canonical order; unknown names raise."""
+    if attacks is None:
+        return MIA_ATTACKS
+    attacks = [attacks] if isinstance(attacks, str) else list(attacks)
+    unknown = [a for a in attacks if a not in MIA_ATTACKS]
+    if unknown:
+        raise UnlearnError(f"unknown membership-inference attack {unknown[0]!r}; choose from {', '.join(MIA_ATTACKS)}")
+    return tuple(a for a in MIA_ATTACKS if a in attacks)
 
 
 def mia_auc(member_scores: Sequence[float], nonmember_scores: Sequence[float]) -> float:

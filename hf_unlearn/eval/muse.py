@@ -2,10 +2,13 @@
 
 * verbmem: greedy continuation of each ``verbmem/forget`` prompt (its last ``max_prompt_tokens`` tokens), as many new
   tokens as the ground truth has (at most ``verbmem_max_new_tokens``); ROUGE-L F1 against the ground truth;
-* knowmem: zero-shot ``Question: ...\\nAnswer:`` prompts on ``knowmem/forget_qa`` and ``knowmem/retain2_qa``, the
-  answer cut at its first line break; ROUGE-L F1 (recall also reported);
-* privleak: Min-k% (and LOSS, zlib, Min-k%++) scores of ``privleak/forget`` vs ``privleak/holdout`` texts (first
-  ``max_length`` tokens), AUC, and privleak against a retain-only reference's AUC.
+* knowmem: ``Question: ...\\nAnswer:`` prompts on ``knowmem/forget_qa`` and ``knowmem/retain2_qa``; zero-shot (the
+  answer cut at its first line break) or, with ``knowmem_examples``, few-shot as MUSE and OpenUnlearning run it (the
+  in-context QA pairs first, each ``Question: q\\nAnswer: a`` and a blank line; the answer cut at the first blank
+  line or ``Question``); ROUGE-L F1 (recall also reported);
+* privleak: Min-k% (and LOSS, zlib, Min-k%++, gradient norm, reference-model) scores of ``privleak/forget`` vs
+  ``privleak/holdout`` texts (first ``max_length`` tokens), AUC, and privleak against a retain-only reference's AUC
+  (the reference attack needs the reference's :class:`MuseResult`, which holds its per-text losses).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from . import metrics as M
 from .result import EvalResult, fmt
 
 KNOWMEM_PROMPT = "Question: {question}\nAnswer:"
+KNOWMEM_EXAMPLE = "Question: {question}\nAnswer: {answer}\n\n"
+KNOWMEM_FEW_SHOT_STOPS = ("\n\n", "\nQuestion", "Question:")
+KNOWMEM_ICL_SPLITS = {"forget": "forget_qa_icl", "retain2": "retain_qa_icl"}  # MUSE's in-context examples
 
 
 class MuseResult(EvalResult):
@@ -55,6 +61,47 @@ def _load_reference_auc(reference) -> dict[str, float] | None:
     raise UnlearnError(f"reference must be a MuseResult, its JSON path or a Min-k% AUC, got {type(reference).__name__}")
 
 
+def _reference_losses(reference) -> dict[tuple[str, int], float] | None:
+    """``{(set, id): loss}`` of the reference's privleak texts (for the reference attack); None for a bare AUC."""
+    if not isinstance(reference, EvalResult):
+        return None
+    return {(r["set"][len("privleak_"):], r["id"]): r["mia"]["loss"] for r in reference.per_item
+            if str(r.get("set", "")).startswith("privleak_") and "loss" in r.get("mia", {})}
+
+
+def _knowmem_examples(examples, muse_path) -> dict[str, list[dict]]:
+    """In-context QA pairs per knowmem set (``forget``, ``retain2``); empty lists = zero-shot."""
+    if examples is None:
+        return {"forget": [], "retain2": []}
+    if isinstance(examples, str):
+        if examples != "muse":
+            raise UnlearnError(f"knowmem_examples must be None, 'muse', a list of QA dicts or a mapping; got {examples!r}")
+        return {s: _rows("knowmem", split, muse_path, None) for s, split in KNOWMEM_ICL_SPLITS.items()}
+    if isinstance(examples, dict):
+        unknown = set(examples) - {"forget", "retain", "retain2"}
+        if unknown:
+            raise UnlearnError(f"knowmem_examples names unknown sets {sorted(unknown)}; use 'forget' and 'retain'")
+        per_set = {"forget": examples.get("forget", []), "retain2": examples.get("retain", examples.get("retain2", []))}
+    else:
+        per_set = {"forget": examples, "retain2": examples}
+    out = {}
+    for s, rows in per_set.items():
+        rows = list(rows)
+        if any(not isinstance(r, dict) or not {"question", "answer"} <= set(r) for r in rows):
+            raise UnlearnError("every in-context knowmem example needs a 'question' and an 'answer'")
+        out[s] = [{"question": r["question"], "answer": r["answer"]} for r in rows]
+    return out
+
+
+def cut_knowmem_answer(generation: str, few_shot: bool) -> str:
+    """The answer part of a knowmem generation: up to the first line break (zero-shot), or up to the first blank
+    line / ``Question`` (few-shot, OpenUnlearning's stop strings)."""
+    if not few_shot:
+        return generation.split("\n")[0].strip()
+    cut = min((i for i in (generation.find(stop) for stop in KNOWMEM_FEW_SHOT_STOPS) if i >= 0), default=len(generation))
+    return generation[:cut].strip()
+
+
 def evaluate_muse_news(
     model,
     tokenizer,
@@ -67,12 +114,22 @@ def evaluate_muse_news(
     max_prompt_tokens: int = 1024,
     verbmem_max_new_tokens: int = 128,
     knowmem_max_new_tokens: int = 32,
+    knowmem_examples=None,
     mia_k: float = 0.4,
+    mia_attacks=None,
     progress: bool = True,
 ) -> MuseResult:
     """Evaluate ``model`` on MUSE-News (see the module docstring). ``reference``: the retain-only model's
-    :class:`MuseResult` (or its JSON path, or its Min-k% AUC as a float) for privleak."""
-    from .runner import generate_texts, pad_token_id, score_sequences, tokenizer_fingerprint
+    :class:`MuseResult` (or its JSON path, or its Min-k% AUC as a float) for privleak.
+
+    ``knowmem_examples``: None (zero-shot), ``"muse"`` (MUSE's own in-context examples, ``knowmem/forget_qa_icl`` and
+    ``knowmem/retain_qa_icl`` from the MUSE folder or the Hub), a list of ``{"question", "answer"}`` dicts for both
+    sets, or ``{"forget": [...], "retain": [...]}``. ``mia_attacks``: a subset of ``metrics.MIA_ATTACKS`` (default
+    all; ``"gradnorm"`` costs one backward per privleak text).
+    """
+    from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
+
+    attacks = M.check_mia_attacks(mia_attacks)
 
     if isinstance(reference, (str, os.PathLike)):
         reference = MuseResult.from_json(reference)
@@ -89,7 +146,14 @@ def evaluate_muse_news(
             )
     verbmem = _rows("verbmem", "forget", muse_path, max_items)
     knowmem = {s: _rows("knowmem", f"{s}_qa", muse_path, max_items) for s in ("forget", "retain2")}
+    shots = _knowmem_examples(knowmem_examples, muse_path)
     priv = {s: _rows("privleak", s, muse_path, max_items) for s in ("forget", "holdout")}
+    ref_losses = _reference_losses(reference) if "reference" in attacks else None
+    missing = [(s, r["id"]) for s, rows in priv.items() for r in rows
+               if ref_losses is not None and (s, r["id"]) not in ref_losses]
+    if missing:  # checked before any model pass
+        raise UnlearnError(f"the MUSE reference result has no privleak loss for {missing[0]}; evaluate it with the "
+                           "same max_items")
 
     per_item: list[dict] = []
     summary: dict[str, Any] = {}
@@ -112,14 +176,17 @@ def evaluate_muse_news(
 
     # knowledge memorisation
     qa = [(s, r) for s, rows in knowmem.items() for r in rows]
+    prefix = {s: "".join(KNOWMEM_EXAMPLE.format(question=e["question"], answer=e["answer"]) for e in shots[s])
+              for s in knowmem}
     gens = generate_texts(
         model, tokenizer,
-        [tokenizer(KNOWMEM_PROMPT.format(question=r["question"]), add_special_tokens=True)["input_ids"] for _, r in qa],
+        [tokenizer(prefix[s] + KNOWMEM_PROMPT.format(question=r["question"]), add_special_tokens=True)["input_ids"]
+         for s, r in qa],
         max_new_tokens=knowmem_max_new_tokens, batch_size=batch_size, desc="MUSE knowmem", progress=progress,
     )
     by_set: dict[str, list[tuple[float, float]]] = {s: [] for s in knowmem}
     for (s, r), g in zip(qa, gens):
-        g = g.split("\n")[0].strip()
+        g = cut_knowmem_answer(g, few_shot=bool(shots[s]))
         recall, _, f1 = M.rouge_l(g, r["answer"])
         by_set[s].append((f1, recall))
         per_item.append({"set": f"knowmem_{s}", "id": r["id"], "question": r["question"], "answer": r["answer"],
@@ -139,17 +206,26 @@ def evaluate_muse_news(
         encodings.append({"input_ids": ids, "labels": [M.IGNORE_INDEX] + ids[1:]})
     stats = score_sequences(model, encodings, pad_id=pad_token_id(tokenizer), batch_size=batch_size,
                             desc="MUSE privleak", progress=progress)
+    eos = tokenizer.eos_token_id
+    norms = (gradient_norms(model, [{**e, "labels": M.labels_without_final_eos(e["labels"], eos)} for e in encodings],
+                            desc="MUSE gradient norms", progress=progress)
+             if "gradnorm" in attacks else [None] * len(encodings))
     mia = {s: [] for s in priv}
-    for (s, r), st, enc in zip(texts, stats, encodings):
+    for (s, r), st, enc, norm in zip(texts, stats, encodings, norms):
         scored = tokenizer.decode(enc["input_ids"], skip_special_tokens=True)
-        sc = M.mia_scores(st, scored, mia_k)
+        sc = M.mia_scores(st, scored, mia_k, body=M.drop_final_eos(st, enc["labels"], eos))
+        if norm is not None:
+            sc["gradnorm"] = norm
+        if ref_losses is not None:
+            sc["reference"] = M.reference_attack_score(sc["loss"], ref_losses[(s, r["id"])])
         mia[s].append(sc)
         per_item.append({"set": f"privleak_{s}", "id": r["id"], "mia": sc})
     for attack in M.MIA_ATTACKS:
-        auc = M.mia_auc([x[attack] for x in mia["forget"]], [x[attack] for x in mia["holdout"]])
+        present = attack in attacks and all(attack in x for s in priv for x in mia[s])
+        auc = M.mia_auc([x[attack] for x in mia["forget"]], [x[attack] for x in mia["holdout"]]) if present else None
         summary[f"mia_{attack}_auc"] = auc
-        ref = (ref_auc or {}).get(attack)
-        summary[f"privleak_{attack}"] = M.privleak(auc, ref) if ref is not None and ref < 1 else None
+        ref = 0.5 if attack == "reference" else (ref_auc or {}).get(attack)
+        summary[f"privleak_{attack}"] = M.privleak(auc, ref) if auc is not None and ref is not None and ref < 1 else None
     summary["privleak"] = summary["privleak_min_k"]
 
     meta = {
@@ -160,7 +236,9 @@ def evaluate_muse_news(
         "max_prompt_tokens": max_prompt_tokens,
         "verbmem_max_new_tokens": verbmem_max_new_tokens,
         "knowmem_max_new_tokens": knowmem_max_new_tokens,
+        "knowmem_shots": {("retain" if k == "retain2" else k): len(v) for k, v in shots.items()},
         "mia_k": mia_k,
+        "mia_attacks": list(attacks),
         "items": {"verbmem": len(verbmem), **{f"knowmem_{s}": len(v) for s, v in knowmem.items()},
                   **{f"privleak_{s}": len(v) for s, v in priv.items()}},
     }

@@ -75,6 +75,53 @@ def score_sequences(
     return results  # type: ignore[return-value]
 
 
+def gradient_norms(
+    model,
+    encodings: Sequence[dict],
+    *,
+    p: float = 2.0,
+    desc: str = "gradient norms",
+    progress: bool = True,
+) -> list[float]:
+    """The gradient-norm membership score of each ``{"input_ids", "labels"}`` encoding (Wang et al., 2024).
+
+    Per sequence: the gradient of its mean answer NLL w.r.t. every floating-point parameter tensor, and the mean over
+    tensors of each gradient's ``p``-norm (OpenUnlearning's ``mia_gradnorm``; a large gradient means the model has
+    not fitted the sequence). One forward and backward per sequence, in eval mode (OpenUnlearning runs train mode, so
+    its scores carry dropout noise); ``torch.autograd.grad`` leaves the parameters' ``.grad`` and ``requires_grad``
+    as they were, so it is safe during training (the evaluation callback).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..losses import nll_loss
+
+    device = _device(model)
+    params = [t for t in model.parameters() if t.is_floating_point()]
+    if not params:
+        raise UnlearnError("the gradient-norm attack needs floating-point parameters; the model has none")
+    flags = [t.requires_grad for t in params]
+    was_training = model.training
+    model.eval()
+    norms: list[float] = []
+    try:
+        for t in params:
+            t.requires_grad_(True)
+        with torch.enable_grad():
+            for enc in tqdm(encodings, desc=desc, disable=not progress, leave=False):
+                ids = torch.tensor([enc["input_ids"]], device=device)
+                labels = torch.tensor([enc["labels"]], device=device)
+                loss = nll_loss(model(input_ids=ids).logits, labels)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                per_tensor = [torch.linalg.vector_norm(g.float(), ord=p) for g in grads if g is not None]
+                norms.append(float(torch.stack(per_tensor).mean()))
+    finally:
+        for t, flag in zip(params, flags):
+            t.requires_grad_(flag)
+        model.train(was_training)
+    return norms
+
+
 def generate_texts(
     model,
     tokenizer,

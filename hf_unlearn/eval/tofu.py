@@ -9,6 +9,10 @@ Sets evaluated (ids as in :mod:`hf_unlearn.data.tofu`):
 * ``real_authors`` and ``world_facts``: their ``*_perturbed`` files (the true answer is its own paraphrase);
 * ``holdout``: as many rows of ``holdout10`` as there are forget items, for membership inference only.
 
+Membership inference (forget vs holdout answers): LOSS, zlib, Min-k%, Min-k%++ from the scoring pass, the gradient
+norm (one backward per forget/holdout answer), and the reference-model attack, which needs the retain-only
+reference's result (its per-item losses on the same forget and holdout items); ``mia_attacks=`` picks a subset.
+
 For explicit ids, paraphrased/perturbed answers come from ``forget10_perturbed`` (ids 3600-3999) and
 ``retain_perturbed`` (ids 0-399). Items outside those ranges have no truth ratio: every other metric is computed for
 them, truth-ratio summaries (and forget quality) use only the items that have one, and
@@ -38,8 +42,9 @@ HEADLINE = ("forget_quality", "model_utility", "forget_probability", "forget_rou
 class TofuResult(EvalResult):
     """TOFU evaluation result; ``summary`` keys: ``forget_quality`` (None without a reference), ``model_utility``,
     ``{set}_{probability,rouge_l,truth_ratio,truth_ratio_symmetric,truth_ratio_one_minus}`` for every set,
-    ``{forget,retain}_{extraction_strength,exact_memorization}``, ``mia_{attack}_auc``, ``privleak`` (Min-k%,
-    None without a reference) and ``privleak_{attack}``."""
+    ``{forget,retain}_{extraction_strength,exact_memorization}``, ``mia_{attack}_auc`` for every attack in
+    ``metrics.MIA_ATTACKS`` (None when not run), ``privleak`` (Min-k%, None without a reference) and
+    ``privleak_{attack}``."""
 
     kind = "tofu"
 
@@ -246,6 +251,7 @@ def evaluate_tofu(
     use_chat_template: bool | None = None,
     max_length: int = 512,
     mia_k: float = 0.4,
+    mia_attacks: Iterable[str] | None = None,
     progress: bool = True,
 ) -> TofuResult:
     """Evaluate ``model`` on TOFU; see the module docstring for the sets and :class:`TofuResult` for the keys.
@@ -259,10 +265,14 @@ def evaluate_tofu(
             ``{set: N}`` mapping (``forget``, ``retain``, ``real_authors``, ``world_facts``, ``holdout``).
         use_chat_template: None = the tokenizer's chat template if it has one (as training does).
         mia_k: the fraction of lowest-scoring tokens Min-k% and Min-k%++ average.
+        mia_attacks: the membership-inference attacks to report (default all of ``metrics.MIA_ATTACKS``); leaving out
+            ``"gradnorm"`` saves one backward pass per forget and holdout item; ``"reference"`` needs ``reference``
+            (or is computed later by :meth:`TofuResult.with_reference`).
     """
     from ..data.tokenize import encode_qa
-    from .runner import generate_texts, pad_token_id, score_sequences, tokenizer_fingerprint
+    from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
 
+    attacks = M.check_mia_attacks(mia_attacks)
     chat = resolve_chat_template(tokenizer, use_chat_template)
     ref = _load_reference(reference)
     sets = tofu_sets(forget_split, tofu_path, forget_ids, retain_ids, max_items)
@@ -279,6 +289,8 @@ def evaluate_tofu(
         "max_new_tokens": max_new_tokens,
         "max_length": max_length,
         "mia_k": mia_k,
+        "mia_attacks": list(attacks),
+        "answer_scoring": "ES, EM, Min-k%, Min-k%++ and gradnorm score answers without their final EOS",
         "items": {k: len(v) for k, v in sets.items()},
         "notes": [],
     }
@@ -306,17 +318,27 @@ def evaluate_tofu(
 
     records = {name: [dict(set=name, id=it["id"], question=it["question"], answer=it["answer"], perturbed_nlls=[])
                       for it in items] for name, items in sets.items()}
-    for (name, i, kind, _j), st in zip(tags, stats):
+    eos = tokenizer.eos_token_id
+    answers = []  # (record, encoding) of each answer, for the gradient norm
+    for (name, i, kind, _j), st, enc in zip(tags, stats, encodings):
         rec = records[name][i]
         if kind == "answer":
+            body = M.drop_final_eos(st, enc["labels"], eos)  # the answer without its EOS, as OpenUnlearning scores it
             rec["mean_nll"] = st.mean_nll
-            rec["exact_memorization"] = M.exact_memorization(st.correct)
-            rec["extraction_strength"] = M.extraction_strength(st.correct)
-            rec["mia"] = M.mia_scores(st, rec["answer"], mia_k)
+            rec["exact_memorization"] = M.exact_memorization(body.correct)
+            rec["extraction_strength"] = M.extraction_strength(body.correct)
+            rec["mia"] = M.mia_scores(st, rec["answer"], mia_k, body=body)
+            if name in ("forget", "holdout"):
+                answers.append((rec, {**enc, "labels": M.labels_without_final_eos(enc["labels"], eos)}))
         elif kind == "paraphrased":
             rec["paraphrased_nll"] = st.mean_nll
         else:
             rec["perturbed_nlls"].append(st.mean_nll)
+    graded = time.perf_counter()
+    if "gradnorm" in attacks:
+        norms = gradient_norms(model, [enc for _, enc in answers], desc="TOFU gradient norms", progress=progress)
+        for (rec, _), norm in zip(answers, norms):
+            rec["mia"]["gradnorm"] = norm
 
     scored = time.perf_counter()
     qa_items = [(name, i) for name in QA_SETS for i in range(len(sets[name]))]
@@ -324,7 +346,8 @@ def evaluate_tofu(
         model, tokenizer, [prompt_ids(tokenizer, sets[n][i]["question"], chat) for n, i in qa_items],
         max_new_tokens=max_new_tokens, batch_size=batch_size, desc="TOFU generation", progress=progress,
     )
-    meta["timings"] = {"sequences_scored": len(encodings), "scoring_s": scored - started,
+    meta["timings"] = {"sequences_scored": len(encodings), "scoring_s": graded - started,
+                       "gradnorm_s": scored - graded,
                        "prompts_generated": len(qa_items), "generation_s": time.perf_counter() - scored}
     for (name, i), text in zip(qa_items, generations):
         rec = records[name][i]
@@ -371,10 +394,13 @@ def _summarize(records: dict[str, list[dict]], meta: dict, ref: TofuResult | Non
     if s["model_utility"] is None:
         meta["notes"].append("model utility is undefined: a utility set has no truth ratio")
 
+    attacks = meta.get("mia_attacks", M.MIA_ATTACKS)
+    forget, holdout = records["forget"], records["holdout"]
     for attack in M.MIA_ATTACKS:
-        s[f"mia_{attack}_auc"] = M.mia_auc([r["mia"][attack] for r in records["forget"]],
-                                           [r["mia"][attack] for r in records["holdout"]])
-    model_trs = [r["truth_ratio"] for r in records["forget"] if r["truth_ratio"] is not None]
+        present = attack in attacks and all(attack in r.get("mia", {}) for r in forget + holdout)
+        s[f"mia_{attack}_auc"] = (M.mia_auc([r["mia"][attack] for r in forget], [r["mia"][attack] for r in holdout])
+                                  if present else None)
+    model_trs = [r["truth_ratio"] for r in forget if r["truth_ratio"] is not None]
     s["forget_quality"] = None
     s["privleak"] = None
     for attack in M.MIA_ATTACKS:
@@ -383,11 +409,27 @@ def _summarize(records: dict[str, list[dict]], meta: dict, ref: TofuResult | Non
         ref_trs = ref.forget_truth_ratios()
         if model_trs and ref_trs:
             s["forget_quality"] = M.forget_quality(model_trs, ref_trs)
+        if "reference" in attacks:
+            s["mia_reference_auc"] = _reference_attack_auc(forget, holdout, ref, meta)
         for attack in M.MIA_ATTACKS:
-            ref_auc = ref.summary.get(f"mia_{attack}_auc")
-            if ref_auc is not None and ref_auc < 1.0:
+            ref_auc = 0.5 if attack == "reference" else ref.summary.get(f"mia_{attack}_auc")
+            if s[f"mia_{attack}_auc"] is not None and ref_auc is not None and ref_auc < 1.0:
                 s[f"privleak_{attack}"] = M.privleak(s[f"mia_{attack}_auc"], ref_auc)
         s["privleak"] = s["privleak_min_k"]
         meta["reference"] = ref.meta.get("model")
     return s
 
+
+
+def _reference_attack_auc(forget: list[dict], holdout: list[dict], ref: TofuResult, meta: dict) -> float | None:
+    """AUC of the reference-model attack: each item's loss minus the retain-only reference's loss on the same item."""
+    ref_loss = {(r["set"], r["id"]): r["mia"]["loss"] for r in ref.per_item
+                if r.get("set") in ("forget", "holdout") and "loss" in r.get("mia", {})}
+    missing = [(name, r["id"]) for name, recs in (("forget", forget), ("holdout", holdout)) for r in recs
+               if (name, r["id"]) not in ref_loss]
+    if missing:
+        meta["notes"].append(f"reference attack skipped: the reference result has no loss for {len(missing)} of the "
+                             f"forget/holdout items (first: {missing[0]}); evaluate it with the same max_items")
+        return None
+    return M.mia_auc([M.reference_attack_score(r["mia"]["loss"], ref_loss[("forget", r["id"])]) for r in forget],
+                     [M.reference_attack_score(r["mia"]["loss"], ref_loss[("holdout", r["id"])]) for r in holdout])

@@ -1,4 +1,4 @@
-"""Approximate unlearning trainers: MASC (stops by itself) and the fixed-budget baselines.
+"""Approximate unlearning trainers: MASC (stops by itself) and the fixed-budget baselines and methods.
 
 Each method is a ``XConfig(UnlearningConfig)`` + ``XTrainer(UnlearningTrainer)`` pair; losses live in
 :mod:`hf_unlearn.losses`. Names resolve lazily so importing one trainer module does not import the others.
@@ -19,6 +19,13 @@ _LAZY = {
         "GradAscentConfig", "GradAscentTrainer", "GradDiffConfig", "GradDiffTrainer", "NPOConfig", "NPOTrainer",
         "SimNPOConfig", "SimNPOTrainer", "RMUConfig", "RMUTrainer",
     )},
+    **{name: "preference" for name in (
+        "IdkDPOConfig", "IdkDPOTrainer", "IdkNLLConfig", "IdkNLLTrainer", "PreferenceCollator", "load_refusals",
+    )},
+    **{name: "soft_targets" for name in ("UNDIALConfig", "UNDIALTrainer", "CEUConfig", "CEUTrainer")},
+    **{name: "reweighted" for name in ("WGAConfig", "WGATrainer", "SatImpConfig", "SatImpTrainer")},
+    **{name: "pdu" for name in ("PDUConfig", "PDUTrainer", "PDUDualCallback")},
+    "NonFiniteGradientCallback": "base",
     # --- random-label forgetting ---
     **{name: "random_label" for name in (
         "MultipleChoiceConfig", "MultipleChoiceTrainer", "RandomLabelConfig", "RandomLabelForgetTrainer",

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.utils import logging
 
 from ..data.collators import QACollator
 from ..data.tokenize import IGNORE_INDEX, tokenize_qa
@@ -34,6 +35,8 @@ from ..hub.mixin import UnlearningHubMixin
 from ..losses import kl_retain_loss, nll_loss
 
 RETAIN_LOSSES = ("none", "ce", "kl")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -68,6 +71,18 @@ class UnlearningConfig(TrainingArguments):
     lambda_retain: float = field(default=1.0, metadata={"help": "Weight of the retain term."})
     disable_dropout: bool = field(
         default=True, metadata={"help": "Set dropout to 0 in the model and the reference model."}
+    )
+    fp32_master_weights: bool = field(
+        default=True,
+        metadata={"help": "Train half-precision (bf16/fp16) trainable weights in fp32: they are upcast when train() "
+                          "starts and cast back when it ends (a PEFT model: only its trainable weights; otherwise the "
+                          "whole model), so updates below half-precision resolution accumulate instead of being "
+                          "rounded away. Set bf16=True to keep the compute in half precision (autocast)."},
+    )
+    stop_on_nonfinite: bool = field(
+        default=True,
+        metadata={"help": "Stop with an error naming the step when the loss or the gradient is NaN/inf, before the "
+                          "optimizer applies it (the Trainer alone would drop the NaN from its log and keep going)."},
     )
 
     def __post_init__(self):
@@ -225,6 +240,8 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._retain_perm: tuple[int, torch.Tensor] | None = None
         self._retain_cursor = (-1, 0)  # (global step, microbatch within the step)
+        if args.stop_on_nonfinite:
+            self.add_callback(NonFiniteGradientCallback(type(self).__name__))
 
     # ------------------------------------------------------------------ what a method needs (override)
 
@@ -386,6 +403,17 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         self.record_metrics(metrics)
         return loss
 
+    def forget_retain_loss(self, model, inputs, forget_term, return_outputs: bool = False):
+        """The usual ``compute_loss``: one joint forward over the forget batch and its paired retain batch, then
+        ``lambda_forget * forget_term(outputs, inputs) + lambda_retain * retain``; ``forget_term`` returns the
+        forget loss or ``(loss, metrics)``."""
+        retain = self.retain_batch()
+        outputs, retain_out = self.joint_forward(model, inputs, retain)
+        term = forget_term(outputs, inputs)
+        forget, metrics = term if isinstance(term, tuple) else (term, {})
+        loss = self.combine(forget, self.retain_term(retain, retain_out), metrics)
+        return (loss, outputs) if return_outputs else loss
+
     # ------------------------------------------------------------------ metrics and logging (as trl does)
 
     def record_metrics(self, metrics: dict[str, Any]) -> None:
@@ -414,6 +442,54 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
             logits = model(**self._model_inputs(inputs)).logits
             loss = nll_loss(logits, inputs["labels"])
         return loss.detach(), None, None
+
+    # ------------------------------------------------------------------ numerics: fp32 master weights, non-finite stop
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train`` with half-precision trainable weights upcast to fp32 for the run (see
+        ``fp32_master_weights``); they are cast back to their dtype when it ends, also when it fails."""
+        restore = self._upcast_half_trainable() if self.args.fp32_master_weights else None
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if restore is not None:
+                restore()
+
+    def _upcast_half_trainable(self):
+        """Upcast in place (same ``Parameter`` objects, so an optimizer made earlier still holds them); returns the
+        function that casts back, or None when there is nothing to upcast."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return None  # they keep their own fp32 master copies
+        model = self.model
+        if not any(p.requires_grad and p.dtype in HALF_DTYPES for p in model.parameters()):
+            return None
+        if self.is_peft:  # peft casts between the half base and fp32 adapter layers itself
+            tensors = [p for p in model.parameters() if p.requires_grad and p.dtype in HALF_DTYPES]
+        else:  # a whole fp32 model: no dtype mismatch between trainable and frozen layers
+            tensors = [t for t in (*model.parameters(), *model.buffers()) if t.dtype in HALF_DTYPES]
+        originals = [(t, t.dtype) for t in tensors]
+        for t, _ in originals:
+            t.data = t.data.float()
+        if not (self.args.bf16 or self.args.fp16):
+            logger.warning(f"{type(self).__name__}: training the {originals[0][1]} weights in fp32 (fp32_master_weights); "
+                           "set bf16=True (or fp16=True) to keep the compute in half precision")
+
+        def restore():
+            for t, dtype in originals:
+                t.data = t.data.to(dtype)
+
+        return restore
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.args.stop_on_nonfinite and not bool(torch.isfinite(loss).all()):
+            step = self.state.global_step + 1
+            raise UnlearnError(
+                f"{type(self).__name__}: the loss is {float(loss.float().mean())} at step {step}; training stopped before "
+                f"that step's update (the model holds the weights of step {step - 1}, nothing of step {step} was "
+                "saved); lower the learning rate, set max_grad_norm, or train in bf16/fp32 instead of fp16"
+            )
+        return loss
 
     # ------------------------------------------------------------------ model card contract
 
@@ -444,3 +520,27 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
                       "num_retain": 0 if self.retain_dataset is None else len(self.retain_dataset),
                       "global_step": int(self.state.global_step)},
         }
+
+
+class NonFiniteGradientCallback(TrainerCallback):
+    """Raises an :class:`UnlearnError` naming the step when a gradient is NaN/inf, before the optimizer step.
+
+    Added by every :class:`UnlearningTrainer` (``stop_on_nonfinite``); runs after gradient clipping, which spreads a
+    NaN to every gradient rather than removing it.
+    """
+
+    def __init__(self, trainer_name: str = "UnlearningTrainer"):
+        self.trainer_name = trainer_name
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad.detach() for p in model.parameters() if p.grad is not None] if model is not None else []
+        if not grads:
+            return
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        if not bool(torch.isfinite(norm)):
+            step = state.global_step + 1
+            raise UnlearnError(
+                f"{self.trainer_name}: the gradient is not finite (norm {float(norm)}) at step {step}; training stopped "
+                f"before the optimizer applied it (the model holds the weights of step {step - 1}); lower the learning "
+                "rate, set max_grad_norm, or train in bf16/fp32 instead of fp16"
+            )

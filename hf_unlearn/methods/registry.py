@@ -71,6 +71,10 @@ def _resolve(path: str) -> type:
 
 _B = "hf_unlearn.methods.baselines"
 _M = "hf_unlearn.methods.masc"
+_P = "hf_unlearn.methods.preference"
+_S = "hf_unlearn.methods.soft_targets"
+_R = "hf_unlearn.methods.reweighted"
+_D = "hf_unlearn.methods.pdu"
 
 
 def _spec(name, help, module, cls, options=(), **kw) -> MethodSpec:
@@ -103,6 +107,24 @@ METHODS: dict[str, MethodSpec] = {s.name: s for s in (
     _spec("rmu", "representation misdirection (steer one layer's activations)", _B, "RMU",
           [("--layer-id", int, "steered layer (default: middle)"),
            ("--steering-coeff", float, "control norm c (default 6.5)")]),
+    _spec("idk_dpo", "DPO preferring a refusal over the forget answer (IdkDPO)", _P, "IdkDPO",
+          [("--beta", float, "DPO inverse temperature (default 0.1)"),
+           ("--refusals-file", str, "refusal answers, one per line (default: the list shipped with hf_unlearn)")]),
+    _spec("idk_nll", "cross-entropy on a refusal as the answer to each forget question (IdkNLL)", _P, "IdkNLL",
+          [("--refusals-file", str, "refusal answers, one per line (default: the list shipped with hf_unlearn)")]),
+    _spec("undial", "self-distillation from the original model with the answer logit lowered (UNDIAL)", _S, "UNDIAL",
+          [("--beta", float, "penalty on the answer token's logit (default 10)")]),
+    _spec("ce_u", "cross-entropy against the model's distribution without the answer token (CE-U)", _S, "CEU",
+          [("--skip-first", int, "answer tokens per row left out of the loss (default 1)")]),
+    _spec("wga", "gradient ascent weighted by each token's probability p^beta (WGA)", _R, "WGA",
+          [("--beta", float, "weight exponent (default 1)")]),
+    _spec("satimp", "gradient ascent weighted by p^beta1 (1-p)^beta2 (SatImp)", _R, "SatImp",
+          [("--beta1", float, "saturation exponent (default 5)"), ("--beta2", float, "importance exponent (default 1)")]),
+    _spec("pdu", "logit flattening under a retain-loss budget, primal-dual (PDU)", _D, "PDU",
+          [("--retain-loss-eps", float, "retain-loss budget (default: 2x the initial retain loss)"),
+           ("--retain-tolerance", float, "relative slack of the default budget (default 1.0)"),
+           ("--dual-step-size", float, "dual ascent step (default 5)"),
+           ("--dual-warmup-ratio", float, "share of the steps before the multiplier moves (default 0.5)")]),
 )}
 
 
