@@ -117,9 +117,12 @@ def test_synopses_name_real_commands_and_options():
             node, words = parser, list(argv)
             while words:
                 sub = next((a for a in node._actions if isinstance(a, argparse._SubParsersAction)), None)
-                if sub is None or words[0] not in sub.choices:
+                names = words[0].split("|")  # `a|b|c`: alternatives, each must exist
+                if sub is None or names[0] not in sub.choices:
                     break
-                node = sub.choices[words.pop(0)]
+                problems += [f"line {s.line}: unknown command {n!r}" for n in names if n not in sub.choices]
+                node = sub.choices[names[0]]
+                words.pop(0)
             if node is parser:
                 problems.append(f"line {s.line}: unknown command in {' '.join(argv)!r}")
                 continue
