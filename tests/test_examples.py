@@ -98,11 +98,3 @@ def test_example_runs(name, launcher, tmp_path):
     assert expected in proc.stdout, proc.stdout[-3000:]
     if launcher == "accelerate" and procs == 2:
         assert proc.stdout.count(expected) == 1  # printed by the main process only
-
-
-def test_unlearn_example_runs_with_python(tmp_path):
-    """One example end to end in the fast suite (the others: `pytest -m slow`)."""
-    proc = _run([sys.executable, str(ROOT / "examples" / "unlearn_tofu.py"), "--method", "grad_ascent",
-                 "--max-steps", "1"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "grad_ascent: 1 steps; forget answer loss" in proc.stdout

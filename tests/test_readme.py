@@ -6,9 +6,10 @@ Fenced ``python`` and ``bash`` blocks are run, in README order, in one scratch w
 by pasting them. ``text`` (or unlabelled) blocks are command synopses with placeholders and are not run; their
 ``hf-unlearn`` commands and options are checked against the real parser instead.
 
-A block can be marked by an HTML comment on the line before it:
-``<!-- readme-test: slow -->`` (run only by ``pytest -m slow``) or ``<!-- readme-test: skip REASON -->`` (reported
-as skipped with its reason; for blocks that cannot run here, e.g. a real Hub login).
+Running the blocks trains small models (minutes on 2 cores), so it belongs to ``pytest -m slow``; the synopsis
+check is in the fast suite. A block that cannot run here (a real Hub login, a fragment of a larger script) is
+marked by an HTML comment on the line before it, ``<!-- readme-test: skip REASON -->``, and reported as skipped
+with its reason.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 from .conftest import ROOT, SHARED
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
-MARK = re.compile(r"<!--\s*readme-test:\s*(slow|skip)\s*(.*?)\s*-->\s*$")
+MARK = re.compile(r"<!--\s*readme-test:\s*(skip)\s*(.*?)\s*-->\s*$")
 
 
 @dataclass
@@ -76,8 +77,8 @@ def _env(work: Path) -> dict:
     return env
 
 
-@pytest.mark.parametrize("snippet", [pytest.param(s, id=s.id, marks=[pytest.mark.slow] if s.mark == "slow" else [])
-                                     for s in RUNNABLE])
+@pytest.mark.slow
+@pytest.mark.parametrize("snippet", [pytest.param(s, id=s.id) for s in RUNNABLE])
 def test_readme_snippet_runs_as_written(snippet: Snippet, workdir):
     if snippet.mark == "skip":
         pytest.skip(f"README line {snippet.line}: {snippet.reason}")
