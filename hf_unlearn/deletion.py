@@ -106,8 +106,28 @@ class ForgetReceipt:
         exact_ok = self.evidence.get("verified", True) is not False
         return exact_ok and (self.published is None or bool(self.published.get("verify_ok")))
 
+    @property
+    def guarantee(self) -> str:
+        """What the deletion proves, and what it does not, in one sentence (in the summary and ``receipt.json``)."""
+        if self.mode == EXACT:
+            verified = self.evidence.get("verified")
+            hazards = self.evidence.get("hazards") or []
+            caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
+                      "not reproduce what the original training computed") if hazards else ""
+            if verified is True:
+                return ("exact: the model is the recorded run with the rows' loss contributions removed, replayed from "
+                        "a store without them and bit-identical to an independent full replay (the oracle)" + caveat)
+            if verified is False:
+                return "exact deletion NOT verified: the replay differs from the oracle; do not publish it as exact"
+            return ("exact replay from a store without the rows, not checked against the oracle (oracle=True / "
+                    "--oracle checks it bit for bit)" + caveat)
+        measured = "the evaluation before/after shows its measured effect" if self.evidence.get("after") else \
+            "no evaluation was run (eval_rows=0)"
+        return (f"approximate ({self.method}): no proof that the rows' influence is gone (the model may still reveal "
+                f"them); {measured}")
+
     def to_dict(self) -> dict:
-        return {"format": RECEIPT_FORMAT, **asdict(self), "ok": self.ok}
+        return {"format": RECEIPT_FORMAT, **asdict(self), "guarantee": self.guarantee, "ok": self.ok}
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """(stage, outcome) rows for the closing table."""
@@ -139,6 +159,7 @@ class ForgetReceipt:
             p = self.published
             rows.append(("published", f"{p['repo']} {p['tag']} (commit {p['commit'][:12]})"))
             rows.append(("hub verify", ("OK: " if p["verify_ok"] else "FAILED: ") + p["verify_summary"]))
+        rows.append(("guarantee", self.guarantee))
         return rows
 
     def summary_table(self) -> str:
@@ -257,7 +278,7 @@ def _validate_run(source: str, request: list) -> dict:
     stored = load_store(run.store_path)[run.id_column]
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed
-    return {"run": run, "cost": cost}
+    return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", []))}
 
 
 def _method_args(spec, given: dict) -> dict:
@@ -402,6 +423,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
         f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
         f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
+    for hazard in plan["hazards"]:
+        log(f"HAZARD (recorded with the run): {hazard}")
     t = time.perf_counter()
     redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column)
     timings["redact_s"] = time.perf_counter() - t
@@ -440,6 +463,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                       "receipt": str(out / "store" / "redaction_receipt.json")},
         "replay": {**stats, "output": str(out / "replay")},
         "verified": None if report is None else bool(report["identical"]),
+        "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
     }
     if report is not None:
         evidence["oracle"] = {"output": str(out / "oracle"), "roots": report["roots"],

@@ -46,6 +46,8 @@ def test_exact_deletion_is_verified_and_recorded(exact_receipt):
     assert saved["ok"] is True and saved["request"]["count"] == len(ids)
     assert saved["state_hashes"] == receipt.state_hashes
     assert "VERIFIED bit-identical" in receipt.summary_table()
+    assert "bit-identical to an independent full replay" in receipt.guarantee and "hazard" not in receipt.guarantee
+    assert saved["guarantee"] == receipt.guarantee and saved["evidence"]["hazards"] == []
 
 
 def test_receipt_carries_keyed_tags_not_raw_ids(exact_receipt):
@@ -100,6 +102,7 @@ def test_a_tampered_oracle_is_not_verified(tmp_path):
         replay_mod.OracleReplayTrainer._run_segment = original
     assert receipt.evidence["verified"] is False and not receipt.ok
     assert "NOT identical" in receipt.summary_table()
+    assert receipt.guarantee.startswith("exact deletion NOT verified")
     assert forget  # the public entry point is the one the other tests use
 
 
@@ -134,6 +137,47 @@ def test_approximate_forget_with_string_ids_and_evaluation(tmp_path, tiny_llama_
     for i in ids:  # textual ids: not in the receipt, not in the card (keyed tags only)
         assert i not in text and i not in card
     assert (out / "model" / "model.safetensors").is_file()
+    # an approximate method proves nothing: the receipt says so next to what it measured
+    assert "no proof that the rows' influence is gone" in receipt.guarantee
+    assert json.loads(text)["guarantee"] == receipt.guarantee and "guarantee" in receipt.summary_table()
+
+
+def test_the_guarantee_never_claims_more_than_the_evidence():
+    """A verified replay of a run with recorded hazards, an unchecked replay, an approximate run without evaluation:
+    each sentence names what is missing (the verdict cannot be read as a proof it is not)."""
+    from hf_unlearn.deletion import ForgetReceipt
+
+    def receipt(mode, **evidence):
+        return ForgetReceipt(mode=mode, method="exact" if mode == "exact" else "npo", source="s", output_dir="o",
+                             request={}, evidence=evidence, state_hashes={}, model_dir="m")
+
+    hazard = "the data collator (RandomCollator) is random"
+    verified_with_hazard = receipt("exact", verified=True, hazards=[hazard])
+    assert "1 recorded hazard(s)" in verified_with_hazard.guarantee and verified_with_hazard.ok
+    unchecked = receipt("exact", verified=None, hazards=[])
+    assert "not checked against the oracle" in unchecked.guarantee and "bit-identical" not in unchecked.guarantee
+    assert "no evaluation was run" in receipt("approximate", after={}).guarantee
+
+
+def test_hazards_recorded_with_the_run_reach_the_receipt(tmp_path, monkeypatch):
+    """A run whose header lists hazards: the deletion says so as it starts, and the receipt's guarantee carries it."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import run as run_mod
+
+    hazard = "the data collator (RandomCollator) is random (its output changes with the RNG seed)"
+    real_open = run_mod.open_run
+
+    def open_with_hazard(*a, **k):
+        opened = real_open(*a, **k)
+        opened.header = {**opened.header, "hazards": [hazard]}
+        return opened
+
+    monkeypatch.setattr(run_mod, "open_run", open_with_hazard)
+    run = get_recorded()
+    lines = []
+    receipt = forget(run, ids_at_step(run, 7)[:1], tmp_path / "o", progress=False, log=lines.append)
+    assert any(line.startswith("HAZARD") and hazard in line for line in lines)
+    assert receipt.evidence["hazards"] == [hazard] and "1 recorded hazard(s)" in receipt.guarantee
 
 
 @pytest.mark.parametrize("case, match", [
