@@ -224,11 +224,16 @@ def output_folder(path: str | os.PathLike, *, marker: str | None = None, overwri
 
     On success, empty sub-folders are removed. On failure, a folder the command created is removed with what it
     wrote (nothing half-written stays behind); a folder that existed before is left as it was found, minus empty
-    sub-folders. ``marker`` names the file that makes an earlier output replaceable with ``overwrite``.
+    sub-folders. ``marker`` names the file that makes an earlier output replaceable with ``overwrite``: that output
+    is moved aside while the command runs, deleted when it succeeds and put back when it fails.
     """
     p = check_new_output(path, overwrite_marker=marker, overwrite=overwrite)
+    previous = None
     if p.is_dir() and any(p.iterdir()):  # an earlier output of the same command, replaced on request
-        shutil.rmtree(p)
+        import tempfile
+
+        previous = Path(tempfile.mkdtemp(prefix=f".{p.name}.previous-", dir=p.parent))
+        p.rename(previous / p.name)
     created = not p.exists()
     p.mkdir(parents=True, exist_ok=True)
     try:
@@ -238,7 +243,14 @@ def output_folder(path: str | os.PathLike, *, marker: str | None = None, overwri
             shutil.rmtree(p, ignore_errors=True)
         else:
             remove_empty_dirs(p)
+        if previous is not None:
+            if p.exists():  # HF_UNLEARN_DEBUG kept the failed output: it stays beside the restored one
+                p.rename(p.with_name(f"{p.name}.failed-{previous.name.rsplit('-', 1)[-1]}"))
+            (previous / p.name).rename(p)
+            previous.rmdir()
         raise
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
     remove_empty_dirs(p)
 
 

@@ -100,6 +100,27 @@ def test_a_failed_command_removes_the_empty_output_folder_it_created(monkeypatch
     assert not (tmp_path / "new").exists()
 
 
+def test_overwrite_keeps_the_earlier_output_until_the_new_one_is_done(tmp_path, monkeypatch):
+    """--overwrite replaces an earlier output only when the new command succeeds; a failure puts it back intact."""
+    from hf_unlearn.validation import output_folder
+
+    monkeypatch.delenv("HF_UNLEARN_DEBUG", raising=False)
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "receipt.json").write_text("earlier")
+    (out / "model" / "weights").write_text("earlier weights")
+    with pytest.raises(RuntimeError), output_folder(out, marker="receipt.json", overwrite=True) as p:
+        assert not any(p.iterdir())  # the command starts from an empty folder
+        (p / "receipt.json").write_text("half")
+        raise RuntimeError("interrupted")
+    assert (out / "receipt.json").read_text() == "earlier"
+    assert (out / "model" / "weights").read_text() == "earlier weights"
+    with output_folder(out, marker="receipt.json", overwrite=True) as p:
+        (p / "receipt.json").write_text("new")
+    assert sorted(f.name for f in out.iterdir()) == ["receipt.json"] and (out / "receipt.json").read_text() == "new"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["out"]  # nothing moved aside is left behind
+
+
 def test_every_option_of_every_command_has_help():
     from hf_unlearn.cli import build_parser
 
