@@ -150,9 +150,11 @@ class ForgetReceipt:
                 b, a = ev.get("before", {}).get(name), ev.get("after", {}).get(name)
                 if a:
                     rows.append((f"eval {name}", _eval_line(b, a)))
-        rows.append(("state hashes", f"parameters root {self.state_hashes['params_root'][:16]}..."
-                     + (f", optimizer root {self.state_hashes['optimizer_root'][:16]}..."
-                        if self.state_hashes.get("optimizer_root") else "")))
+        h = self.state_hashes
+        rows.append(("state hashes", f"weights root {h['params_root'][:16]}..."
+                     + (f"; trace roots: parameters {h['trace_params_root'][:16]}..., optimizer "
+                        f"{h['optimizer_root'][:16]}... (as in the run's deletion log)"
+                        if h.get("trace_params_root") and h.get("optimizer_root") else "")))
         if self.published and self.published.get("error"):
             rows.append(("published", f"FAILED: {self.published['error']}"))
         elif self.published:
@@ -207,7 +209,8 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
     started = time.perf_counter()
     publish_error = None
-    with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite) as out:
+    with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite) as out, \
+            _library_progress(config.progress):
         if plan["mode"] == EXACT:
             receipt = _exact(plan, config, out, tokenizer, log)
         else:
@@ -471,7 +474,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                               "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"],
                               "params_elements": report["params"]["elements"],
                               "optimizer_elements": report["optimizer"]["elements"]}
-    return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""))
+    return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
+                    trace_params_root=exact.get("params_root"))
 
 
 # -- approximate unlearning ------------------------------------------------------------------------------------
@@ -554,7 +558,11 @@ def _hub_id(source: str) -> str | None:
 
 
 # -- receipt and publishing ------------------------------------------------------------------------------------
-def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, optimizer_root: str = "") -> ForgetReceipt:
+def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, optimizer_root: str = "",
+             trace_params_root: str | None = None) -> ForgetReceipt:
+    """``state_hashes``: ``params_root`` is the root of the saved safetensors (what the Hub manifest and ``hub verify``
+    check; tied duplicates once); for an exact deletion ``trace_params_root`` and ``optimizer_root`` are the replayed
+    state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
     from . import __version__
     from .hub.cards import forget_request
     from .hub.keys import load_key
@@ -565,7 +573,8 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
         mode=plan["mode"], method=plan["method"], source=plan["source"], output_dir=str(out),
         request=forget_request(plan["ids"], load_key()), evidence=evidence,
         state_hashes={"params_root": manifest["params_root"], "optimizer_root": optimizer_root or None,
-                      "root": manifest["root"], "manifest_tensors": len(manifest["params"])},
+                      "trace_params_root": trace_params_root, "root": manifest["root"],
+                      "manifest_tensors": len(manifest["params"])},
         model_dir=str(model_dir), timings=timings, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         versions={"hf_unlearn": __version__, **_versions()},
     )
@@ -580,8 +589,7 @@ def _versions() -> dict:
 def _publish(receipt: ForgetReceipt, plan: dict, config: ForgetConfig, out: Path, log) -> dict:
     model_dir = Path(receipt.model_dir)
     t = time.perf_counter()
-    with _hub_progress(config.progress):
-        result, report = _push_and_verify(model_dir, plan, config, out)
+    result, report = _push_and_verify(model_dir, plan, config, out)
     receipt.timings["publish_s"] = time.perf_counter() - t
     log(f"published {result.repo_id} {result.tag} (commit {result.commit[:12]}, {len(result.files)} files)")
     log(f"hub verify {config.repo}@{result.tag}: {report.summary().splitlines()[0]}")
@@ -592,18 +600,29 @@ def _publish(receipt: ForgetReceipt, plan: dict, config: ForgetConfig, out: Path
 
 
 @contextlib.contextmanager
-def _hub_progress(enabled: bool):
-    """huggingface_hub's per-file upload/download bars only when progress is wanted."""
+def _library_progress(enabled: bool):
+    """The libraries' own bars (Hub transfers, datasets' "Saving the dataset", transformers' "Writing model shards")
+    only when progress is wanted; their earlier setting is restored afterwards."""
+    if enabled:
+        yield
+        return
+    import datasets
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
 
-    was_disabled = are_progress_bars_disabled()
-    if not enabled:
-        disable_progress_bars()
+    before = (are_progress_bars_disabled(), datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled())
+    disable_progress_bars()
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
-        if not was_disabled:
+        if not before[0]:
             enable_progress_bars()
+        if before[1]:
+            datasets.enable_progress_bars()
+        if before[2]:
+            hf_logging.enable_progress_bar()
 
 
 def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Path):

@@ -358,7 +358,7 @@ def _exact_stage(cfg, out, request, tokenizer, model, forget, retain, forget_ids
     unlearned.load_state_dict(load_state(out / "deletion-exact" / "replay")["model"])
     loss = {"forget": mean_answer_loss(unlearned, tokenizer, forget), "retain": mean_answer_loss(unlearned, tokenizer, retain)}
     _print(f"answer loss after the deletion: forget {loss['forget']:.3f}  retain {loss['retain']:.3f}")
-    stages.append(_Stage("card + state hashes", f"parameters root {receipt.state_hashes['params_root'][:16]}..., "
+    stages.append(_Stage("card + state hashes", f"weights root {receipt.state_hashes['params_root'][:16]}..., "
                                                 f"optimizer root {receipt.state_hashes['optimizer_root'][:16]}...", 0.0))
     stages += _publish_stages(receipt)
     cfg.stats["deletion"] = {"cost": ev["cost"], "identical": ev["verified"], "baselines": distances, "loss": loss,
@@ -443,7 +443,7 @@ def _masc_stage(cfg, out: Path, subset, forget_ids, publish) -> list[_Stage]:
     stages = [_Stage("MASC", (f"stopped itself at step {stop}" if stop is not None else f"{ev['steps']} steps (cap)")
                      + f"; forget prob {b['forget']['probability']:.2f} -> {a['forget']['probability']:.2f}, "
                        f"retain {b['retain']['probability']:.2f} -> {a['retain']['probability']:.2f}", seconds),
-              _Stage("card + state hashes", f"parameters root {receipt.state_hashes['params_root'][:16]}...", 0.0)]
+              _Stage("card + state hashes", f"weights root {receipt.state_hashes['params_root'][:16]}...", 0.0)]
     stages += _publish_stages(receipt)
     cfg.stats["masc"] = {"author": author, "before": b, "after": a, "steps": ev["steps"], "stopped_step": stop,
                          "receipt": receipt.to_dict()}

@@ -50,6 +50,26 @@ def test_exact_deletion_is_verified_and_recorded(exact_receipt):
     assert saved["guarantee"] == receipt.guarantee and saved["evidence"]["hazards"] == []
 
 
+def test_a_second_request_deletes_from_the_first_deletion_and_is_verified(exact_receipt, tmp_path, capfd):
+    """The replay of a deletion is itself a recorded run: the next request suffix-replays from it, and its oracle
+    (a full replay of that run) checks the union of both requests bit for bit. progress=False is silent."""
+    from hf_unlearn import forget
+
+    receipt, ids, out = exact_receipt
+    run = get_recorded()
+    second = [i for i in ids_at_step(run, 7) if i not in ids][:2]
+    capfd.readouterr()
+    again = forget(out / "replay", second, tmp_path / "second", oracle=True, progress=False, log=lambda m: None)
+    assert not capfd.readouterr().err.strip()  # no library progress bars either
+    assert again.ok and again.evidence["verified"] is True
+    assert again.evidence["cost"]["start_checkpoint"] == 6 and again.evidence["redaction"]["rows_before"] == \
+        receipt.evidence["redaction"]["rows_after"]
+    log = [json.loads(line) for line in (tmp_path / "second" / "replay" / "deletion_log.jsonl").read_text().splitlines()]
+    assert [entry["request"] for entry in log] == [1, 2]
+    assert log[-1]["params_root"] == again.state_hashes["trace_params_root"] != receipt.state_hashes["trace_params_root"]
+    assert log[-1]["optimizer_root"] == again.state_hashes["optimizer_root"]
+
+
 def test_receipt_carries_keyed_tags_not_raw_ids(exact_receipt):
     from hf_unlearn.hub.cards import find_raw_ids
     from hf_unlearn.hub.keys import keyed_tags, load_key
