@@ -14,7 +14,9 @@ EPILOG = """examples:
   hf-unlearn forget ./my-model --ids request.jsonl --out forgot --method npo --data tofu
   hf-unlearn forget ./my-model --ids request.jsonl --out forgot --repo org/my-model   # + push and hub verify
 
-methods: exact (recorded runs) and, for models, every method of `hf-unlearn unlearn` (default masc)."""
+methods: exact (recorded runs) and, for models, every method of `hf-unlearn unlearn` (default masc):
+  {methods}
+  their options (--method-arg KEY=VALUE) are listed by `hf-unlearn unlearn --method NAME --help`."""
 
 
 ALIASES = {"learning_rate": ("--lr",), "num_train_epochs": ("--epochs",), "tofu_path": ("--tofu",)}
@@ -26,7 +28,9 @@ def register(parser) -> None:
     from ..deletion import ForgetConfig
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = EPILOG
+    from ..methods.registry import method_names
+
+    parser.epilog = EPILOG.format(methods=", ".join(method_names()))
     parser.add_argument("model_or_run", metavar="MODEL_OR_RUN",
                         help="a recorded run (trace folder: exact deletion) or a model: local folder, .gguf file or "
                              "Hub id")
