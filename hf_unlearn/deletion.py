@@ -160,7 +160,7 @@ class ForgetReceipt:
         elif self.published:
             p = self.published
             rows.append(("published", f"{p['repo']} {p['tag']} (commit {p['commit'][:12]})"))
-            rows.append(("hub verify", ("OK: " if p["verify_ok"] else "FAILED: ") + p["verify_summary"]))
+            rows.append(("hub verify", p["verify_summary"]))
         rows.append(("guarantee", self.guarantee))
         return rows
 
@@ -592,11 +592,29 @@ def _publish(receipt: ForgetReceipt, plan: dict, config: ForgetConfig, out: Path
     result, report = _push_and_verify(model_dir, plan, config, out)
     receipt.timings["publish_s"] = time.perf_counter() - t
     log(f"published {result.repo_id} {result.tag} (commit {result.commit[:12]}, {len(result.files)} files)")
-    log(f"hub verify {config.repo}@{result.tag}: {report.summary().splitlines()[0]}")
+    ok, summary = _published_is_this_deletion(report, result, receipt.state_hashes["params_root"])
+    log(f"hub verify {config.repo}@{result.tag}: {summary}")
     return {"repo": result.repo_id, "url": result.url, "commit": result.commit, "tag": result.tag,
-            "files": result.files, "params_root": result.params_root, "verify_ok": report.ok,
-            "verify_summary": report.summary().splitlines()[0], "verify_checked_tensors": report.checked,
+            "files": result.files, "params_root": result.params_root, "verify_ok": ok,
+            "verify_summary": summary, "verify_checked_tensors": report.checked,
+            "verified_params_root": report.params_root, "verified_commit": report.commit,
             "kept_local": sorted(result.skipped_provenance)}
+
+
+def _published_is_this_deletion(report, result, params_root: str) -> tuple[bool, str]:
+    """``hub verify`` proves a revision matches its own manifest and card; the receipt needs more: that the
+    revision downloaded is the commit just pushed and holds *this* model (its root is the receipt's)."""
+    if not report.ok:
+        return False, report.summary().splitlines()[0]
+    problems = []
+    if report.params_root != params_root:
+        problems.append(f"the downloaded {result.tag} has parameters root {report.params_root[:16]}..., not this "
+                        f"deletion's {params_root[:16]}...")
+    if report.commit and report.commit != result.commit:
+        problems.append(f"{result.tag} resolved to commit {report.commit[:12]}, not the pushed {result.commit[:12]}")
+    if problems:
+        return False, "FAILED: self-consistent, but not the model of this receipt: " + "; ".join(problems)
+    return True, report.summary().splitlines()[0]
 
 
 @contextlib.contextmanager

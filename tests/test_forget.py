@@ -300,6 +300,27 @@ def test_forget_publishes_and_verifies_on_a_local_hub(tmp_path, exact_receipt):
         assert "model.safetensors" in files and "unlearning_info.json" not in files
         provenance = {name.split("/", 1)[1] for name in files if name.startswith("provenance/")}
         assert provenance and provenance <= {f for n in PROVENANCE_FILES for f in (n, n + ".sha256")}
+        assert p["verified_params_root"] == receipt.state_hashes["params_root"] and p["verified_commit"] == p["commit"]
+        assert "hub verify" in receipt.summary_table() and "OK: OK" not in receipt.summary_table()
+
+        # a tag that resolves to another, self-consistent model (here the first deletion) passes `hub verify` of
+        # that revision, but it is not this receipt's model: the receipt must not say OK
+        from hf_unlearn.hub import verify as verify_mod
+
+        real_verify = verify_mod.verify_on_hub
+
+        def verify_the_wrong_revision(repo_id, revision=None, **kw):
+            return real_verify(repo_id, "deletion-0001", **kw)
+
+        verify_mod.verify_on_hub = verify_the_wrong_revision
+        try:
+            other = forget(run, ids_at_step(run, 6)[:1], tmp_path / "out2", tokenizer=tok, repo="org/tiny",
+                           endpoint=server.url, token=token, progress=False, log=lambda m: None)
+        finally:
+            verify_mod.verify_on_hub = real_verify
+        assert other.published["tag"] == "deletion-0002" and not other.published["verify_ok"] and not other.ok
+        assert "not the model of this receipt" in other.published["verify_summary"]
+        assert "FAILED" in other.summary_table()
     saved = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert saved["published"]["commit"] == p["commit"]
 
