@@ -115,8 +115,9 @@ class ForgetReceipt:
             caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
                       "not reproduce what the original training computed") if hazards else ""
             if verified is True:
-                return ("exact: the model is the recorded run with the rows' loss contributions removed, replayed from "
-                        "a store without them and bit-identical to an independent full replay (the oracle)" + caveat)
+                return ("exact: the recorded run with the rows' loss contributions set to zero, replayed from a store "
+                        "without them, bit-identical to the oracle (a full replay from step 0 on the original store: "
+                        "this checks the redaction and the suffix start; both use the same replay engine)" + caveat)
             if verified is False:
                 return "exact deletion NOT verified: the replay differs from the oracle; do not publish it as exact"
             return ("exact replay from a store without the rows, not checked against the oracle (oracle=True / "

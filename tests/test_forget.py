@@ -46,7 +46,7 @@ def test_exact_deletion_is_verified_and_recorded(exact_receipt):
     assert saved["ok"] is True and saved["request"]["count"] == len(ids)
     assert saved["state_hashes"] == receipt.state_hashes
     assert "VERIFIED bit-identical" in receipt.summary_table()
-    assert "bit-identical to an independent full replay" in receipt.guarantee and "hazard" not in receipt.guarantee
+    assert "bit-identical to the oracle" in receipt.guarantee and "hazard" not in receipt.guarantee
     assert saved["guarantee"] == receipt.guarantee and saved["evidence"]["hazards"] == []
 
 
