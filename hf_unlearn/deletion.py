@@ -506,9 +506,12 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
     peft_config = None
     if config.lora:
         from peft import LoraConfig
+        from transformers.pytorch_utils import Conv1D
 
         peft_config = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, lora_dropout=0.0,
-                                 target_modules="all-linear", task_type="CAUSAL_LM")
+                                 target_modules="all-linear", task_type="CAUSAL_LM",
+                                 # GPT-2's Conv1D stores weights transposed (peft warns and flips it otherwise)
+                                 fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()))
     sets = None
     if config.eval_rows:
         sets = {"forget": forget_rows.select(range(min(config.eval_rows, len(forget_rows)))).to_list(),

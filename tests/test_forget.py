@@ -162,6 +162,34 @@ def test_approximate_forget_with_string_ids_and_evaluation(tmp_path, tiny_llama_
     assert json.loads(text)["guarantee"] == receipt.guarantee and "guarantee" in receipt.summary_table()
 
 
+def test_approximate_forget_with_lora_on_a_gpt2_family_model_saves_the_merged_model(tmp_path, gpt2_tokenizer,
+                                                                                     string_id_data):
+    """Another family (GPT-2: Conv1D layers, tied head) and LoRA: the saved model is the merged one, no adapter."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hf_unlearn import forget
+    from hf_unlearn.models import build_tiny_model, load_model
+
+    src = tmp_path / "gpt2-tiny"
+    build_tiny_model("gpt2", gpt2_tokenizer, hidden_size=32, num_layers=2, num_heads=2).save_pretrained(src)
+    gpt2_tokenizer.save_pretrained(src)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fan_in_fan_out")  # peft warns when Conv1D is not declared
+        receipt = forget(src, STRING_IDS[:4], tmp_path / "out", method="npo", data=str(string_id_data), lora=True,
+                         lora_r=4, max_steps=2, learning_rate=5e-2, eval_rows=2, max_new_tokens=2, max_retain_rows=8,
+                         max_length=64, progress=False, log=lambda m: None)
+    model_dir = tmp_path / "out" / "model"
+    assert receipt.ok and receipt.evidence["steps"] == 2 and "lora" in json.dumps(receipt.evidence).lower()
+    assert not (model_dir / "adapter_config.json").exists()
+    before, after = load_file(src / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    assert set(after) == set(before) and not any("lora" in k for k in after)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the adapter was merged into the weights
+    assert type(load_model(model_dir)).__name__ == "GPT2LMHeadModel"
+
+
 def test_the_guarantee_never_claims_more_than_the_evidence():
     """A verified replay of a run with recorded hazards, an unchecked replay, an approximate run without evaluation:
     each sentence names what is missing (the verdict cannot be read as a proof it is not)."""
