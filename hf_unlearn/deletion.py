@@ -50,6 +50,9 @@ class ForgetConfig:
     tofu_path: str | None = field(default=None, metadata={
         "help": "local TOFU folder for data='tofu' (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)"})
     id_column: str = field(default="id", metadata={"help": "the data's id column (default id)"})
+    tokenizer_path: str | None = field(default=None, metadata={
+        "help": "exact: tokenizer (folder or Hub id) saved with the model, which a recorded run does not hold (from "
+                "Python, tokenizer= takes the object)"})
     oracle: bool = field(default=False, metadata={
         "help": "exact: also run the trace oracle (a full replay from step 0 on the original store) and check the "
                 "replay against it bit for bit"})
@@ -242,6 +245,13 @@ def _validate(model_or_run, ids, config: ForgetConfig) -> dict:
     run = is_trace_run(source)
     method = config.method or (EXACT if run else DEFAULT_APPROXIMATE)
     plan: dict[str, Any] = {"ids": request, "source": source, "method": method}
+    if config.tokenizer_path is not None:
+        if method != EXACT:
+            raise UnlearnError("--tokenizer is for exact deletion (a recorded run holds no tokenizer); an approximate "
+                               "method saves the model's own")
+        from .validation import check_model_source
+
+        check_model_source(config.tokenizer_path, "tokenizer")
     if method == EXACT:
         if not run:
             what = "does not exist" if not os.path.exists(source) else "is not a recorded run"
@@ -424,6 +434,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from .trace.verification import verify
 
     run, ids, cost, timings = plan["run"], plan["ids"], plan["cost"], {}
+    if tokenizer is None and config.tokenizer_path is not None:
+        from .models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer_path)
     log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
         f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
         f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
@@ -457,6 +471,9 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     replay.save_model(str(model_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
+    else:
+        log("note: no tokenizer given, so the model folder holds none (a recorded run does not keep one); pass "
+            "--tokenizer (tokenizer= from Python) to save it with the model")
     card_info = replay.unlearning_card_info()
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets)
     exact = card_info["extra"].get("exact_deletion", {})

@@ -225,6 +225,7 @@ def test_hazards_recorded_with_the_run_reach_the_receipt(tmp_path, monkeypatch):
     lines = []
     receipt = forget(run, ids_at_step(run, 7)[:1], tmp_path / "o", progress=False, log=lines.append)
     assert any(line.startswith("HAZARD") and hazard in line for line in lines)
+    assert any(line.startswith("note: no tokenizer given") for line in lines)  # the run holds none
     assert receipt.evidence["hazards"] == [hazard] and "1 recorded hazard(s)" in receipt.guarantee
 
 
@@ -238,6 +239,8 @@ def test_hazards_recorded_with_the_run_reach_the_receipt(tmp_path, monkeypatch):
     ("missing_model", "does not exist"),
     ("empty_request", "holds no ids"),
     ("lr", "must be > 0"),
+    ("tokenizer_for_approximate", "--tokenizer is for exact deletion"),
+    ("missing_tokenizer", "tokenizer .* does not exist"),
 ])
 def test_bad_input_is_refused_before_any_compute(case, match, tmp_path, tiny_llama_dir, monkeypatch):
     from hf_unlearn import forget
@@ -269,6 +272,10 @@ def test_bad_input_is_refused_before_any_compute(case, match, tmp_path, tiny_lla
         ids = tmp_path / "empty.jsonl"
     elif case == "lr":
         opts["learning_rate"] = 0.0
+    elif case == "tokenizer_for_approximate":
+        opts["tokenizer_path"] = str(tiny_llama_dir)
+    elif case == "missing_tokenizer":
+        model, opts = str(get_recorded()), {"tokenizer_path": str(tmp_path / "no-tokenizer")}
     with pytest.raises(UnlearnError, match=match):
         forget(model, ids, tmp_path / "out", **opts)
     assert not (tmp_path / "out").exists()
@@ -358,8 +365,12 @@ def test_cli_forget_prints_a_summary_and_exits_by_the_verdict(tmp_path):
     ids = ids_at_step(run, 7)[:1]
     request = tmp_path / "ids.jsonl"
     request.write_text("".join(json.dumps(i) + "\n" for i in ids))
-    proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out", "--no-progress")
+    tok, _ = get_trace_data()
+    tok.save_pretrained(tmp_path / "tok")
+    proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out", "--no-progress", "--tokenizer",
+                   tmp_path / "tok")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "model" / "tokenizer_config.json").is_file() and "no tokenizer" not in proc.stdout
     assert "== summary" in proc.stdout and "not checked against the oracle" in proc.stdout
     assert Path(tmp_path / "out" / "receipt.json").is_file()
     bad = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out2", "--method", "masc")

@@ -10,7 +10,7 @@ import dataclasses
 import typing
 
 EPILOG = """examples:
-  hf-unlearn forget runs/ft/trace --ids request.jsonl --out deletion-1 --oracle      # a recorded run: exact
+  hf-unlearn forget runs/ft/trace --ids request.jsonl --out deletion-1 --oracle --tokenizer ./my-model  # exact
   hf-unlearn forget ./my-model --ids request.jsonl --out forgot --method npo --data tofu
   hf-unlearn forget ./my-model --ids request.jsonl --out forgot --repo org/my-model   # + push and hub verify
 
@@ -19,7 +19,8 @@ methods: exact (recorded runs) and, for models, every method of `hf-unlearn unle
   their options (--method-arg KEY=VALUE) are listed by `hf-unlearn unlearn --method NAME --help`."""
 
 
-ALIASES = {"learning_rate": ("--lr",), "num_train_epochs": ("--epochs",), "tofu_path": ("--tofu",)}
+ALIASES = {"learning_rate": ("--lr",), "num_train_epochs": ("--epochs",), "tofu_path": ("--tofu",),
+           "tokenizer_path": ("--tokenizer",)}
 
 
 def register(parser) -> None:
