@@ -69,11 +69,37 @@ def check_model_source(name_or_path: str | os.PathLike, what: str = "model") -> 
         if not any((path / f).is_file() for f in wanted) and not any(path.glob("*.gguf")):
             raise UnlearnError(f"{what} folder {name!r} holds no {what} (no {' / '.join(wanted)} and no .gguf file); "
                                "save one with save_pretrained() or pass another folder")
+        if what == "model" and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            _check_adapter_base(path)
         return ModelSource(name, "local")
     if not looks_like_hub_id(name):
         raise UnlearnError(f"{what} {name!r} does not exist: no such local folder or file (and it is not a Hub id "
                            "like 'org/name')")
     return check_hub_repo(name, what)
+
+
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base model a PEFT adapter folder names (``base_model_name_or_path``), or a one-line error."""
+    import json
+
+    config = Path(path) / "adapter_config.json"
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise UnlearnError(f"cannot read {config}: {e}") from None
+    if not base:
+        raise UnlearnError(f"the adapter in {os.fspath(path)!r} names no base model (base_model_name_or_path in "
+                           "adapter_config.json); set it, or merge the adapter and pass the merged model")
+    return base
+
+
+def _check_adapter_base(path: Path) -> None:
+    """A PEFT adapter folder loads its base model first: check that one too (a missing base meant Hub retries)."""
+    base = adapter_base(path)
+    try:
+        check_model_source(base, "model")
+    except UnlearnError as e:
+        raise UnlearnError(f"the base model of the adapter in {os.fspath(path)!r}: {e}") from None
 
 
 def check_hub_repo(repo_id: str, what: str = "model") -> ModelSource:

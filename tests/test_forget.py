@@ -190,6 +190,37 @@ def test_approximate_forget_with_lora_on_a_gpt2_family_model_saves_the_merged_mo
     assert type(load_model(model_dir)).__name__ == "GPT2LMHeadModel"
 
 
+def test_a_peft_adapter_folder_is_merged_into_its_base_and_unlearned(tmp_path, tiny_llama_dir, string_id_data):
+    """An adapter-only folder (adapter_config.json, no config.json) loads as its base with the adapter merged, and
+    trains (transformers alone would attach it frozen); an adapter whose base is missing is refused at once."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from hf_unlearn import forget
+    from hf_unlearn.models import load_model
+
+    peft_model = get_peft_model(load_model(tiny_llama_dir), LoraConfig(r=2, target_modules=["q_proj"],
+                                                                       init_lora_weights=False))
+    peft_model.peft_config["default"].base_model_name_or_path = str(tiny_llama_dir)
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    merged = peft_model.merge_and_unload().state_dict()
+    receipt = forget(adapter, STRING_IDS[:2], tmp_path / "out", method="grad_ascent", data=str(string_id_data),
+                     max_steps=1, learning_rate=1e-2, eval_rows=0, max_length=64, progress=False, log=lambda m: None)
+    assert receipt.evidence["steps"] == 1
+    saved = load_file(tmp_path / "out" / "model" / "model.safetensors")
+    assert not any("lora" in k for k in saved)
+    assert not torch.equal(saved["model.layers.0.self_attn.q_proj.weight"],
+                           merged["model.layers.0.self_attn.q_proj.weight"])  # trained from the merged weights
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str(tmp_path / "gone")
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnlearnError, match="base model of the adapter .* does not exist"):
+        forget(adapter, STRING_IDS[:2], tmp_path / "out2", method="grad_ascent", data=str(string_id_data))
+    assert not (tmp_path / "out2").exists()
+
+
 def test_the_guarantee_never_claims_more_than_the_evidence():
     """A verified replay of a run with recorded hazards, an unchecked replay, an approximate run without evaluation:
     each sentence names what is missing (the verdict cannot be read as a proof it is not)."""
