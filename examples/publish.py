@@ -3,7 +3,8 @@
 A toy unlearning trainer (a few steps of gradient ascent on TOFU ``forget01``) uses ``UnlearningHubMixin``, so
 ``trainer.push_to_hub(repo, deletion=True)`` uploads weights, tokenizer, ``state_hashes.json``, the forget request
 as keyed tags and the model card in one commit tagged ``deletion-NNNN``; ``verify_on_hub`` then downloads the
-revision and recomputes every tensor's hash.
+revision, recomputes every hash, loads the model, and checks it against the commit and the state-dict root the push
+returned (values the repository cannot rewrite). Its ``statement`` says what that proved.
 
     python examples/publish.py --local-hub                    # offline: a local Hub-compatible server
     accelerate launch examples/publish.py --local-hub         # same, under accelerate
@@ -94,7 +95,7 @@ def main():
     if result is not None:
         print(f"published {result.repo_id} commit {result.commit} tag {result.tag}")
         print(f"  files: {', '.join(result.files)}")
-        report = verify_on_hub(args.repo, result.tag)
+        report = verify_on_hub(args.repo, result.tag, expect_root=result.state_dict_root, expect_commit=result.commit)
         print(report.summary())
     if server is not None:
         server.stop()

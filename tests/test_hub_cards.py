@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hf_unlearn.errors import UnlearnError
-from hf_unlearn.hub.cards import find_raw_ids, render_model_card
+from hf_unlearn.hub.cards import check_card_metadata, find_raw_ids, render_model_card
 from hf_unlearn.hub.keys import key_fingerprint, keyed_tag, keyed_tags, load_key
 
 from .conftest import ROOT
@@ -69,19 +69,29 @@ def test_exact_deletion_card_shows_roots_and_verification():
 
 
 @pytest.mark.parametrize("over, where", [
-    ({"extra": {"deleted_rows": [3600, 3601]}}, "deleted_rows"),
-    ({"hyperparameters": {"forget_ids": [3605]}}, "forget_ids"),
-    ({"extra": {"note": "removed rows 3600, 3601, 3602"}}, "note"),
+    ({"extra": {"deleted_rows": [3600, 3601]}}, "extra.deleted_rows"),
+    ({"hyperparameters": {"forget_ids": [3605]}}, "hyperparameters.forget_ids"),
+    ({"extra": {"note": "removed rows 3600, 3601, 3602"}}, "extra.note"),
     ({"forget_ids": ["piqa-17", "piqa-18"], "hyperparameters": {"comment": "dropped piqa-17"}}, "comment"),
 ])
 def test_card_with_raw_ids_is_refused(over, where):
-    with pytest.raises(UnlearnError, match=f"raw sample ids.*{where}"):
+    with pytest.raises(UnlearnError, match=f"refusing to publish.*forget ids at .*{where}"):
         render_model_card(card_info(**over), key=KEY)
 
 
-def test_numbers_that_are_not_ids_are_not_flagged():
-    # hyperparameters that happen to equal a forget id are scalars, not a published id list
-    render_model_card(card_info(hyperparameters={"max_steps": 3600, "layers": [0, 1]}), key=KEY)
+def test_a_number_equal_to_an_id_needs_a_per_field_allowance():
+    info = card_info(hyperparameters={"max_steps": 3600, "layers": [0, 1]})
+    with pytest.raises(UnlearnError, match=r"hyperparameters.max_steps \(number 3600\).*not_ids=\{'hyperparameters"
+                                           r".max_steps': 3600\}.*--not-id hyperparameters.max_steps=3600"):
+        render_model_card(info, key=KEY)
+    text = render_model_card(info, key=KEY, not_ids={"hyperparameters.max_steps": 3600})
+    assert "| max_steps | 3600 |" in text
+    # the allowance is for that field and that number only
+    for not_ids in ({"hyperparameters.max_steps": 3601}, {"hyperparameters.seed": 3600}):
+        with pytest.raises(UnlearnError, match="max_steps"):
+            render_model_card(info, key=KEY, not_ids=not_ids)
+    with pytest.raises(UnlearnError, match="string ids are never allowed"):
+        render_model_card(info, key=KEY, not_ids={"hyperparameters.max_steps": "piqa-17"})
 
 
 def test_manifest_covers_saved_tensors_with_the_library_hash(tmp_path, tiny_llama):
@@ -126,20 +136,108 @@ def test_verify_folder_names_tampered_tensors(tmp_path, tiny_llama):
     assert torch.equal(tensors["model.embed_tokens.weight"], tiny_llama.model.embed_tokens.weight.detach())
 
 
-def test_provenance_keeps_keyed_files_only(tmp_path):
-    from hf_unlearn.hub.publish import select_provenance
+@pytest.mark.parametrize("smuggled", ["adapter_model.safetensors", "sub/model.safetensors", ".hidden/x.safetensors"])
+def test_verify_folder_refuses_safetensors_files_it_does_not_hash_per_tensor(tmp_path, tiny_llama, smuggled):
+    """An adapter (which transformers would apply on load) or a subfolder's weights slipped into a revision: they
+    are not hashed per tensor, so they must be covered by file hash like everything else, or verify fails."""
+    import torch
+    from safetensors.torch import save_file
 
-    tag = keyed_tag(3600, KEY)
-    (tmp_path / "plan.jsonl").write_text(json.dumps({"step": 0, "seed": 3600, "ids": [tag]}) + "\n")
-    (tmp_path / "id_manifest.json").write_text(json.dumps({"ids": [3600, 3601]}))
-    (tmp_path / "named.json").write_text(json.dumps({"note": "row piqa-17 removed"}))
-    (tmp_path / "run.wal").write_bytes(b"\0" * 64)
-    (tmp_path / "store").mkdir()
-    (tmp_path / "store" / "tokens.npy").write_bytes(b"\0" * 16)
-    keep, skipped = select_provenance(tmp_path, forget_ids=[3600, "piqa-17"])
-    assert sorted(keep) == ["plan.jsonl", "run.wal"]
-    assert "raw ids" in skipped["id_manifest.json"] and "forget ids" in skipped["named.json"]
-    assert "store/tokens.npy" in skipped
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.hub.verify import verify_folder
+
+    tiny_llama.save_pretrained(tmp_path)
+    manifest = build_manifest(tmp_path)
+    (tmp_path / "state_hashes.json").write_text(json.dumps(manifest))
+    (tmp_path / "README.md").write_text(render_model_card(card_info(), key=KEY, manifest=manifest))
+    (tmp_path / smuggled).parent.mkdir(parents=True, exist_ok=True)
+    save_file({"x": torch.zeros(2)}, tmp_path / smuggled)
+    report = verify_folder(tmp_path, load=False)
+    assert f"file not covered by the manifest: {smuggled}" in report.problems, report.summary()
+
+
+def fake_run(folder, key=KEY, ids=(3600, 3601, 3602, 3603)):
+    """A run folder as the trace code writes it (header, plan, WAL, manifest, deletion log, sidecars, private/)."""
+    from hf_unlearn.trace.plan import PlanEntry
+    from hf_unlearn.trace.run import FORMAT, write_sidecar
+    from hf_unlearn.trace.tags import ids_digest, tag
+    from hf_unlearn.trace.wal import WalRecord, manifest_bytes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tags = [tag(key, i) for i in ids]
+    header = {"format": FORMAT, "created": "2025-01-15T10:00:00Z", "sealed": True, "key_fingerprint": key_fingerprint(key),
+              "model": {"config": {"pad_token_id": 3600, "vocab_size": 3601, "id2label": {"3602": "LABEL_3602"},
+                                   "_name_or_path": "HuggingFaceTB/SmolLM2-135M"}},
+              "training_args": {"output_dir": "/runs/unlearning", "max_steps": 3603, "seed": 3600}}
+    (folder / "header.json").write_text(json.dumps(header))
+    entry = PlanEntry(mb=0, step=0, j=0, end=True, seed=3600, lr=1e-3, norm=3601.0, norm_dtype="int64", accum=1,
+                      slots=tags[:2] + [None], lens=[3602, 3603, 12])
+    (folder / "plan.jsonl").write_text(entry.to_line())
+    (folder / "wal.bin").write_bytes(WalRecord(ids_digest(key, entry.slots), 3600, 1e-3, 0, 3, 1).pack())
+    (folder / "manifest.bin").write_bytes(manifest_bytes(entry.slots))
+    (folder / "deletion_log.jsonl").write_text(json.dumps({
+        "time": "2025-01-15T10:00:00Z", "request": 1, "mode": "replay", "forget_tags": tags[:2], "start_step": 0,
+        "steps_replayed": 1, "params_root": "a" * 64, "optimizer_root": "b" * 64, "parent_run": "trace"}) + "\n")
+    for name in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"):
+        write_sidecar(folder / name)
+    (folder / "model").mkdir()
+    (folder / "model" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "pad_token_id": 3600, "hidden_size": 3601, "id2label": {"3602": "LABEL_3602"},
+        "_name_or_path": "HuggingFaceTB/SmolLM2-135M", "transformers_version": "5.24.0"}))
+    (folder / "private" / "store").mkdir(parents=True)
+    (folder / "private" / "hmac.key").write_bytes(key)
+    (folder / "private" / "hmac.key").chmod(0o600)
+    (folder / "private" / "meta.json").write_text("{}")
+    (folder / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (folder / "checkpoints" / "step-00000001" / "hashes.json").write_text("{}")
+    return folder
+
+
+def test_provenance_is_an_allowlist_checked_against_the_schema(tmp_path):
+    from hf_unlearn.hub.leaks import IdScanner
+    from hf_unlearn.hub.provenance import SchemaError, select_provenance
+
+    run = fake_run(tmp_path / "run")
+    (run / "forget.json").write_text(json.dumps([3600, 3601]))  # the user's own file in the trace folder
+    scanner = IdScanner([3600, 3601, 3602, 3603])
+    keep, skipped, hits = select_provenance(run, scanner)
+    files = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl")
+    assert sorted(keep) == sorted(files + tuple(f + ".sha256" for f in files) + ("model/config.json",))
+    assert hits == []  # configuration numbers (pad_token_id, seeds, lengths) equal to ids are not ids
+    assert set(skipped) == {"forget.json", "private/hmac.key", "private/meta.json", "checkpoints/step-00000001/hashes.json"}
+
+    def refused(edit, match):
+        bad = fake_run(tmp_path / f"bad{len(list(tmp_path.iterdir()))}")
+        edit(bad)
+        with pytest.raises(UnlearnError, match=match):
+            _, _, found = select_provenance(bad, scanner)
+            scanner.refuse(found, "the push")
+
+    def plan_with(**over):
+        def edit(folder):
+            line = json.loads((folder / "plan.jsonl").read_text())
+            (folder / "plan.jsonl").write_text(json.dumps({**line, **over}) + "\n")
+        return edit
+
+    refused(plan_with(slots=[3600, None]), "plan.jsonl.*slots")  # raw ids where tags belong
+    refused(plan_with(ids=[3600]), "fields a plan entry does not have")
+    refused(plan_with(extra={"note": "rows 3600-3603"}), "plan.jsonl:extra.*range")
+    refused(lambda f: (f / "wal.bin").write_bytes((f / "wal.bin").read_bytes()[:-1] + b"x"), "wal.bin.*CRC")
+    refused(lambda f: (f / "manifest.bin").write_bytes(b"123"), "manifest.bin")
+    refused(lambda f: (f / "header.json").write_text(json.dumps({"ids": [3600]})), "not a run header")
+    refused(lambda f: (f / "header.json").write_text((f / "header.json").read_text().replace(
+        "/runs/unlearning", "/runs/forget-3600")), "header.json:training_args.output_dir")
+    refused(lambda f: (f / "deletion_log.jsonl").write_text(json.dumps({"time": "now", "forget_tags": []}) + "\n"),
+            "deletion_log.jsonl.*time")
+    refused(lambda f: (f / "deletion_log.jsonl").write_text(json.dumps({"forget_ids": [3600]}) + "\n"),
+            "deletion_log.jsonl:forget_ids")
+    refused(lambda f: (f / "plan.jsonl.sha256").write_text("3600 ids\n"), "sidecar")
+    refused(lambda f: (f / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "rows": [3601]})),
+            "model/config.json:rows")
+    with pytest.raises(SchemaError):
+        bad = fake_run(tmp_path / "badjson")
+        (bad / "deletion_log.jsonl").write_text("{not json\n")
+        select_provenance(bad, scanner)
 
 
 def test_cli_push_refuses_raw_ids_before_any_network(tmp_path, capsys):
@@ -150,7 +248,7 @@ def test_cli_push_refuses_raw_ids_before_any_network(tmp_path, capsys):
     # no server listens on this endpoint: the refusal must come first
     assert main(["hub", "push", str(tmp_path), "--repo", "org/x", "--endpoint", "http://127.0.0.1:9"]) == 1
     err = capsys.readouterr().err
-    assert "refusing to publish" in err and "deleted_rows" in err
+    assert "refusing to publish" in err and "extra.deleted_rows" in err and "Traceback" not in err
 
 
 def test_templates_ship_with_a_non_editable_install(tmp_path):
@@ -192,3 +290,78 @@ def test_trainer_mixin_writes_the_card_and_keeps_raw_ids_local(tmp_path, tiny_ll
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and meta["hf_unlearn"]["params_root"]
     assert json.loads((tmp_path / "unlearning_info.json").read_text())["forget_ids"] == FORGET  # local only
     assert not find_raw_ids(text, FORGET)
+
+
+def test_card_details_base_model_index_ties_peft_values_and_the_step_budget(tmp_path):
+    from peft import LoraConfig
+
+    from hf_unlearn.hub.cards import public_value
+    from hf_unlearn.hub.publish import _base_model
+
+    manifest = {"params": {"a": "0" * 64}, "params_root": "1" * 64, "root": "2" * 64, "not_saved": ["lm_head.weight"],
+                "state_dict_root": "3" * 64, "file_hashes": {"config.json": "4" * 64}, "files_root": "5" * 64}
+    lora = LoraConfig(r=4, target_modules=["v_proj", "q_proj"])
+    hyper = {"max_steps": 10, "num_train_epochs": 3.0, "peft": {"type": lora.peft_type, "modules": lora.target_modules}}
+    text = render_model_card(card_info(hyperparameters=hyper, evaluation={"forget_quality": 0.5}), key=KEY,
+                             manifest=manifest)
+    meta = check_card_metadata(text)
+    assert meta["model-index"][0]["results"][0]["metrics"][0]["type"] == "forget_quality"  # even without datasets
+    assert "\n\nTied weights are stored once" in text and "`lm_head.weight`." in text
+    assert '{"type": "LORA", "modules": ["q_proj", "v_proj"]}' in text and "PeftType" not in text
+    assert "| max_steps | 10 |" in text and "num_train_epochs" not in text
+    assert meta["hf_unlearn"]["state_dict_root"] == "3" * 64 and meta["hf_unlearn"]["files_root"] == "5" * 64
+    assert public_value({"s": {3, 1}, "t": (1, 2)}) == {"s": [1, 3], "t": [1, 2]}
+    epochs = render_model_card(card_info(hyperparameters={"max_steps": -1, "num_train_epochs": 3.0}), key=KEY)
+    assert "| num_train_epochs | 3.0 |" in epochs and "max_steps" not in epochs
+    # base_model: the first Hub id known (argument, card info, adapter, model config, the trace header), never a path
+    staging, trace = tmp_path / "staging", tmp_path / "trace"
+    staging.mkdir()
+    trace.mkdir()
+    (staging / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path)}))
+    (trace / "header.json").write_text(json.dumps({"model": {"config": {"_name_or_path": "org/recorded-base"}}}))
+    info = {"extra": {}}
+    assert _base_model(staging, None, info, None, None) is None
+    assert _base_model(staging, None, info, None, trace) == "org/recorded-base"
+    assert _base_model(staging, None, info, {"base_model": "org/adapter-base"}, trace) == "org/adapter-base"
+    assert _base_model(staging, "org/given", info, None, trace) == "org/given"
+
+
+def test_expected_values_come_from_the_publishers_records(tmp_path):
+    from hf_unlearn.hub.verify import expected_from
+
+    out = tmp_path / "out"
+    out.mkdir()
+    c1, c2, c3 = "1" * 40, "2" * 40, "3" * 40
+    pushes = [{"repo_id": "org/m", "tag": "deletion-0001", "commit": c1, "params_root": "p1", "state_dict_root": "s1"},
+              {"repo_id": "org/other", "tag": "deletion-0001", "commit": c3, "params_root": "p3", "state_dict_root": "s3"},
+              {"repo_id": "org/m", "tag": "deletion-0002", "commit": c2, "params_root": "p2", "state_dict_root": "s2"}]
+    (out / "hub_pushes.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pushes))
+    assert expected_from(out, "org/m", "deletion-0001") == {"expect_root": "s1", "expect_commit": c1}
+    assert expected_from(out / "hub_pushes.jsonl", "org/m", c2) == {"expect_root": "s2", "expect_commit": c2}
+    assert expected_from(out, "org/m") == expected_from(out, "org/m", "main") == {"expect_root": "s2",
+                                                                                  "expect_commit": c2}
+    with pytest.raises(UnlearnError, match="no push of org/m tagged or committed as 'deletion-0003'"):
+        expected_from(out, "org/m", "deletion-0003")  # never falls back to another push's values
+    with pytest.raises(UnlearnError, match="records no push of org/nope"):
+        expected_from(out, "org/nope")
+
+    run = fake_run(tmp_path / "run")  # a deletion log: the last request's root (no commit: the log never saw one)
+    with open(run / "deletion_log.jsonl", "a") as f:
+        f.write(json.dumps({"request": 2, "params_root": "c" * 64, "forget_tags": []}) + "\n")
+    assert expected_from(run, "org/m", "deletion-0002") == {"expect_root": "c" * 64}
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    (replay / "verification.json").write_text(json.dumps({"identical": True, "roots": {"a": {"params": "d" * 64}}}))
+    assert expected_from(replay, "org/m") == {"expect_root": "d" * 64}
+
+    for name, text, match in [("deletion_log.jsonl", '{"request": 1}\n', "no params_root"),
+                              ("verification.json", "{}", "not a replay verification record"),
+                              ("hub_pushes.jsonl", "not json\n", "not valid JSON")]:
+        bad = tmp_path / f"bad-{name}"
+        bad.mkdir()
+        (bad / name).write_text(text)
+        with pytest.raises(UnlearnError, match=match):
+            expected_from(bad, "org/m")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnlearnError, match="holds no hub_pushes.jsonl"):
+        expected_from(tmp_path / "empty", "org/m")

@@ -85,33 +85,46 @@ def read(server, repo, revision, path) -> bytes:
 def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from hf_unlearn.hub.keys import key_fingerprint
     from hf_unlearn.hub.publish import save_card_info
     from hf_unlearn.trace.hashing import state_hashes
 
-    trace = tmp_path / "trace"  # provenance: the keyed plan is published, the raw id manifest stays local
-    trace.mkdir()
-    (trace / "plan.jsonl").write_text(json.dumps({"step": 0, "ids": ["0123456789abcdef0123456789abcdef"]}) + "\n")
-    (trace / "id_manifest.json").write_text(json.dumps({"ids": FORGET}))
+    from .test_hub_cards import KEY, fake_run
+
+    # provenance: a run folder (its own key, as runs recorded before the one key have) plus a user's raw-id file
+    trace = fake_run(tmp_path / "trace", key=KEY)
+    (trace / "forget.json").write_text(json.dumps(FORGET))
     proc = client.cli("push", saved_model, "--repo", "org/tiny", "--revision", "deletion-0001",
                       "--dataset", "locuslab/TOFU", "--trace", trace)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "kept local (not published): id_manifest.json" in proc.stdout
+    assert "kept local (not published): forget.json" in proc.stdout
+    assert "kept local (not published): private/hmac.key" in proc.stdout
     refs = hub.store.refs("model", "org/tiny")
     first = refs["branches"]["main"]
     assert refs["tags"]["deletion-0001"]["target"] == first
     sha, files = hub.store.files("model", "org/tiny", "deletion-0001")
-    assert set(files) == EXPECTED_FILES | {"provenance/plan.jsonl"}
+    published = {f"provenance/{n}{s}" for n in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin",
+                                                "deletion_log.jsonl") for s in ("", ".sha256")} | {"provenance/model/config.json"}
+    assert set(files) == EXPECTED_FILES | published
     assert files["model.safetensors"].lfs_oid  # the weights went through LFS
     card = read(hub, "org/tiny", first, "README.md").decode()
-    assert not find_raw_ids(card, FORGET) and "unlearning_info.json" not in files
+    assert "unlearning_info.json" not in files and "3600" not in card
+    assert card.encode() == (saved_model / "README.md").read_bytes()  # the local card is the pushed one
     manifest = json.loads(read(hub, "org/tiny", first, "state_hashes.json"))
     assert manifest["params"] == state_hashes(load_file(saved_model / "model.safetensors")).params
     assert manifest["params_root"] in card and "provenance/plan.jsonl" in card
+    assert set(manifest["file_hashes"]) == set(files) - {"README.md", "state_hashes.json", ".gitattributes",
+                                                         "model.safetensors"}
     request = json.loads(read(hub, "org/tiny", first, "forget_request.json"))
     assert request["count"] == len(FORGET) and not find_raw_ids(request, FORGET)
+    # one key: the card's tags are the run's deletion-log tags (the run's key tags both)
+    log = json.loads(read(hub, "org/tiny", first, "provenance/deletion_log.jsonl"))
+    assert request["key_fingerprint"] == key_fingerprint(KEY) and set(log["forget_tags"]) <= set(request["tags"])
 
     proc = client.cli("verify", "org/tiny", "--revision", "deletion-0001")  # fresh cache
-    assert proc.returncode == 0 and f"OK: {len(manifest['params'])} tensors" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"OK: Proven: the {len(manifest['params'])} tensors and {len(manifest['file_hashes'])} other files" \
+        in proc.stdout and "Not proven" in proc.stdout
 
     # a second deletion request: new weights and a larger forget set -> its own commit and the next tag
     second = tmp_path / "second"
@@ -228,3 +241,517 @@ def test_tampered_weights_on_the_hub_fail_verification(client, hub, saved_model)
     assert "tensor differs: model.layers.1.self_attn.v_proj.weight" in proc.stderr
     assert "tensor differs: model.norm.weight" not in proc.stderr
     assert client.cli("verify", "org/tamper", "--revision", "deletion-0001").returncode == 0  # the tag is intact
+
+
+# -- item 3: forget ids never leave, whatever the user passes along (one script runs every case) -------------------
+STRING_ID = "TOFU-Author-7"
+SMUGGLED = {  # case: (what is smuggled, where the refusal must point)
+    "whole number": ({"info": {"hyperparameters": {"beta": 2.0, "max_rows": 3605}}}, "hyperparameters.max_rows"),
+    "inside a range": ({"info": {"extra": {"note": "removed rows 3598-3630"}}}, "extra.note (range 3598-3630"),
+    "nested lists and dicts": ({"info": {"extra": {"a": {"b": [{"c": [3607]}]}}}}, "extra.a.b[0].c[0]"),
+    "float": ({"info": {"hyperparameters": {"threshold": 3608.0}}}, "hyperparameters.threshold"),
+    "single-element list": ({"info": {"extra": {"rows": [3609]}}}, "extra.rows[0]"),
+    "space-separated": ({"info": {"extra": {"rows": "3610 3611"}}}, "extra.rows (number 3610)"),
+    "and-separated": ({"info": {"extra": {"rows": "3612 and 3613"}}}, "extra.rows (number 3613)"),
+    "scientific notation": ({"info": {"hyperparameters": {"n": "3.61e3"}}}, "hyperparameters.n"),
+    "camelCase key": ({"info": {"extra": {"deletedRowIds": [3614, 3615]}}}, "extra.deletedRowIds[0]"),
+    "id as a key": ({"info": {"extra": {"3616": "gone"}}}, "extra.3616 (key)"),
+    "evaluation key": ({"info": {"evaluation": {"loss_3601": 0.5}}}, "evaluation.loss_3601 (key)"),
+    "evaluation value": ({"info": {"evaluation": {"rows": 3602}}}, "evaluation.rows"),
+    "paper url": ({"info": {"paper": "https://example.org/rows/3613"}}, "paper"),
+    "commit message": ({"kwargs": {"commit_message": "forget rows 3617"}}, "commit_message"),
+    "tags=": ({"kwargs": {"extra_tags": ["rows-3618"]}}, "tags[0]"),
+    "dataset name": ({"kwargs": {"datasets": ["org/tofu-forget-3619"]}}, "datasets[0]"),
+    "base_model": ({"kwargs": {"base_model": "org/model-3600"}}, "base_model"),
+    "tag name": ({"kwargs": {"tag": "rows-3603"}}, "tag (number 3603)"),
+    "repo name": ({"repo": "org/forget-3604"}, "repo_id"),
+    "custom template": ({"template": "Removed 3612.\n"}, "template"),
+    "config.json": ({"config": {"forget_rows": [3605]}}, "config.json:forget_rows"),
+    "safetensors metadata": ({"metadata": {"format": "pt", "removed": "3606"}}, "model.safetensors:metadata"),
+    "tokenizer_config.json": ({"tokenizer_config": {"forget_rows": [3607]}}, "tokenizer_config.json:forget_rows"),
+    "string id, other case": ({"info": {"extra": {"note": "dropped tofu-author-7"}}}, "extra.note (id"),
+    "string id, URL-encoded": ({"info": {"extra": {"url": "https://x.org/?id=TOFU%2DAuthor%2D7"}}}, "extra.url"),
+    "string id in a dataset name": ({"kwargs": {"datasets": ["org/TOFU-AUTHOR-7"]}}, "datasets[0]"),
+    "string id, other separators": ({"info": {"extra": {"note": "tofu_author 7"}}}, "extra.note (id"),
+    "ordinal": ({"info": {"extra": {"note": "the 3614th row"}}}, "extra.note (number 3614)"),
+    "thousands separator": ({"kwargs": {"commit_message": "drop row 3,615"}}, "commit_message (number 3,615)"),
+    "branch name": ({"kwargs": {"revision": "forget-3611"}}, "branch (number 3611)"),
+    "file name": ({"rename": ["model.safetensors", "model-3610.safetensors"]}, "file name model-3610.safetensors"),
+}
+
+SMUGGLE_SCRIPT = r"""
+import json, sys
+from hf_unlearn.errors import UnlearnError
+from hf_unlearn.hub import push_unlearned
+spec = json.load(open(sys.argv[1]))
+out = {}
+for name, case in spec["cases"].items():
+    info = {**spec["info"], **case.get("info", {})}
+    try:
+        result = push_unlearned(case["source"], case["repo"], card_info=info, **case.get("kwargs", {}))
+        out[name] = "PUBLISHED " + result.commit
+    except UnlearnError as e:
+        out[name] = str(e)
+# the server's root confinement, through huggingface_hub's own HTTP session and error handling
+from huggingface_hub import hf_hub_download
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+line = {"key": "lfsFile", "value": {"path": "stolen.txt", "algo": "sha256", "oid": spec["traversal_oid"], "size": 5}}
+body = json.dumps({"key": "header", "value": {"summary": "x"}}) + "\n" + json.dumps(line) + "\n"
+response = get_session().post(spec["endpoint"] + "/api/models/org/control/commit/main", content=body.encode(),
+                              headers={**build_hf_headers(), "Content-Type": "application/x-ndjson"})
+try:
+    hf_raise_for_status(response)
+    out["server: traversal oid"] = "ACCEPTED"
+except Exception as e:
+    out["server: traversal oid"] = f"{response.status_code} {type(e).__name__}"
+try:
+    hf_hub_download("org/control", "../../secret.txt", cache_dir=spec["cache"])
+    out["server: traversal download"] = "SERVED"
+except Exception as e:
+    out["server: traversal download"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def smuggled(tmp_path_factory, saved_model):
+    """Every smuggling case pushed through the real client in one fresh interpreter; the results and the store."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    tmp = tmp_path_factory.mktemp("smuggle")
+    server = HubServer(tmp / "hub", {TOKEN: "alice"}).start()
+    (tmp / "secret.txt").write_text("the server machine's private file")
+    try:
+        cases = {}
+        for n, (name, (case, _)) in enumerate(SMUGGLED.items()):
+            source = saved_model
+            if any(k in case for k in ("config", "metadata", "tokenizer_config", "rename")):
+                source = tmp / f"src{n}"
+                shutil.copytree(saved_model, source)
+                for file, extra in (("config.json", case.get("config")),
+                                    ("tokenizer_config.json", case.get("tokenizer_config"))):
+                    if extra:
+                        data = json.loads((source / file).read_text())
+                        (source / file).write_text(json.dumps({**data, **extra}))
+                if case.get("metadata"):
+                    save_file(load_file(source / "model.safetensors"), source / "model.safetensors",
+                              metadata=case["metadata"])
+                if case.get("rename"):
+                    (source / case["rename"][0]).rename(source / case["rename"][1])
+            kwargs = dict(case.get("kwargs", {}))
+            if case.get("template"):
+                (tmp / f"template{n}.md").write_text(case["template"])
+                kwargs["template"] = str(tmp / f"template{n}.md")
+            cases[name] = {"source": str(source), "repo": case.get("repo", f"org/case-{n}"), "kwargs": kwargs,
+                           "info": case.get("info", {})}
+        cases["control"] = {"source": str(saved_model), "repo": "org/control", "kwargs": {"deletion": True}}
+        cases["control with an allowance"] = {
+            "source": str(saved_model), "repo": "org/allowed", "info": {"hyperparameters": {"max_steps": 3600}},
+            "kwargs": {"not_ids": {"hyperparameters.max_steps": 3600}}}
+        info = json.loads((saved_model / "unlearning_info.json").read_text())
+        spec = {"cases": cases, "info": {**info, "forget_ids": FORGET + [STRING_ID]}, "endpoint": server.url,
+                "cache": str(tmp / "cache"),
+                "traversal_oid": os.path.relpath(tmp / "secret.txt", server.store.root / "objects")}
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        client = Client(server, tmp)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
+        proc = subprocess.run([sys.executable, "-c", SMUGGLE_SCRIPT, str(tmp / "spec.json")], capture_output=True,
+                              text=True, env=env, cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        yield json.loads(proc.stdout.strip().splitlines()[-1]), cases, server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("case", sorted(SMUGGLED))
+def test_a_push_that_would_carry_a_forget_id_is_refused_before_anything_is_created(smuggled, case):
+    results, cases, server = smuggled
+    message = results[case]
+    assert message.startswith("refusing to publish") and SMUGGLED[case][1] in message, message
+    assert "Nothing was sent to the Hub" in message
+    assert not server.store.exists("model", cases[case]["repo"])  # no empty repo left behind
+
+
+def test_the_same_pushes_without_the_ids_publish_and_the_server_stays_in_its_root(smuggled):
+    results, _, server = smuggled
+    assert results["control"].startswith("PUBLISHED") and results["control with an allowance"].startswith("PUBLISHED")
+    card = read(server, "org/allowed", "main", "README.md").decode()
+    assert "| max_steps | 3600 |" in card  # the allowed number, in its field
+    assert results["server: traversal oid"].startswith("400") and results["server: traversal download"] != "SERVED"
+    assert "stolen.txt" not in server.store.files("model", "org/control", "main")[1]
+
+
+# -- item 7: concurrent deletion pushes ----------------------------------------------------------------------------
+RACE_SCRIPT = r"""
+import json, sys, threading
+from huggingface_hub import HfApi
+from hf_unlearn.errors import UnlearnError
+from hf_unlearn.hub import push_unlearned
+dirs = json.loads(sys.argv[1])
+# a push cut off between its commit and its tag; running it again tags that commit (no second commit)
+try:
+    push_unlearned(dirs[0], "org/cut", deletion=True)
+    first = "TAGGED"
+except UnlearnError as e:
+    first = str(e)
+try:  # another push may not take the tag the cut-off commit's title claims (it would stay untagged for ever)
+    push_unlearned(dirs[1], "org/cut", tag="deletion-0001")
+    steal = "TAGGED"
+except UnlearnError as e:
+    steal = str(e)
+again = push_unlearned(dirs[0], "org/cut", deletion=True)
+barrier = threading.Barrier(len(dirs))
+local = threading.local()
+create_commit = HfApi.create_commit
+
+def racing_create_commit(self, *args, **kwargs):
+    if not getattr(local, "waited", False):  # every push has chosen its tag before the first one commits
+        local.waited = True
+        barrier.wait(timeout=120)
+    return create_commit(self, *args, **kwargs)
+
+HfApi.create_commit = racing_create_commit
+results = {}
+
+def push(d):
+    try:
+        r = push_unlearned(d, "org/race", deletion=True)
+        results[d] = [r.tag, r.commit]
+    except Exception as e:
+        results[d] = [None, repr(e)]
+
+threads = [threading.Thread(target=push, args=(d,)) for d in dirs]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+HfApi.create_commit = create_commit
+print(json.dumps({"race": results, "cut": first, "steal": steal, "again": [again.tag, again.commit]}))
+"""
+
+
+def test_concurrent_deletion_pushes_take_distinct_tags_and_tag_every_commit(client, hub, saved_model, tmp_path):
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    dirs = []
+    for n in range(3):  # three different deletion results of the same model
+        d = tmp_path / f"model{n}"
+        shutil.copytree(saved_model, d)
+        tensors = load_file(d / "model.safetensors")
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] * (1.5 + n)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        dirs.append(str(d))
+    hub.store.create_repo("model", "org/race", private=False, author="alice")
+    hub.store.create_repo("model", "org/cut", private=False, author="alice")
+    hub.inject_fault("tag", times=3)  # the first tag request (org/cut's, the script's first push) and its retries die
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
+    proc = subprocess.run([sys.executable, "-c", RACE_SCRIPT, json.dumps(dirs)], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert all(tag for tag, _ in out["race"].values()), out["race"]
+    tags = sorted(tag for tag, _ in out["race"].values())
+    assert tags == ["deletion-0001", "deletion-0002", "deletion-0003"], out["race"]
+    refs = hub.store.refs("model", "org/race")
+    history = hub.store.history("model", "org/race", "main")
+    tagged = {t["target"]: name for name, t in refs["tags"].items()}
+    assert len(history) == 4 and history[-1]["message"] == "initial commit"
+    for commit in history[:-1]:  # every deletion commit on main carries its tag, and its card names that tag
+        tag = tagged[commit["id"]]
+        assert commit["message"].startswith(f"{tag}: ")
+        card = read(hub, "org/race", commit["id"], "README.md").decode()
+        assert f"revision_tag: {tag}" in card
+    for tag, commit in out["race"].values():
+        assert refs["tags"][tag]["target"] == commit
+
+    assert "was published but tagging it 'deletion-0001' failed; run the same push again" in out["cut"]
+    assert "is already titled 'deletion-0001' but not tagged yet" in out["steal"], out["steal"]
+    cut = hub.store.history("model", "org/cut", "main")
+    assert len(cut) == 2 and out["again"] == ["deletion-0001", cut[0]["id"]]  # tagged, not committed twice
+    assert hub.store.refs("model", "org/cut")["tags"]["deletion-0001"]["target"] == cut[0]["id"]
+
+
+# -- item 6: hub verify proves what it says ---------------------------------------------------------------------------
+VERIFY_SCRIPT = r"""
+import json, sys
+from hf_unlearn.hub.verify import expected_from, verify_on_hub
+out = {}
+for name, (revision, root, commit, *record) in json.loads(sys.argv[1]).items():
+    expect = expected_from(record[0], "org/v", revision) if record else {"expect_root": root, "expect_commit": commit}
+    r = verify_on_hub("org/v", revision, **expect)
+    out[name] = {"ok": r.ok, "anchored": r.anchored, "statement": r.statement, "problems": r.problems,
+                 "mismatched": r.mismatched, "loaded": r.loaded}
+print(json.dumps(out))
+"""
+
+
+def _revision_folder(hub, repo, revision, dest):
+    _, files = hub.store.files("model", repo, revision)
+    for path in files:
+        (dest / path).parent.mkdir(parents=True, exist_ok=True)
+        (dest / path).write_bytes(read(hub, repo, revision, path))
+    return dest
+
+
+def _tamper(hub, tmp_path, branch, mutate, rewrite_manifest: bool):
+    """A branch off main whose files ``mutate(folder)`` changed; with ``rewrite_manifest`` the manifest and the
+    card's roots are recomputed too (what someone who can write the repository can do)."""
+    import hashlib
+
+    from hf_unlearn.hub.publish import build_manifest
+
+    folder = _revision_folder(hub, "org/v", "main", tmp_path / branch)
+    before = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    old = json.loads((folder / "state_hashes.json").read_text())
+    mutate(folder)
+    if rewrite_manifest:
+        for name in ("README.md", "state_hashes.json"):
+            (folder / name).rename(tmp_path / f"{branch}-{name}")
+        new = build_manifest(folder, optimizer_root=old["optimizer_root"])
+        (folder / "state_hashes.json").write_text(json.dumps(new, indent=1, sort_keys=True))
+        card = (tmp_path / f"{branch}-README.md").read_text()
+        for k in ("params_root", "root", "files_root", "state_dict_root"):
+            card = card.replace(old[k], new[k])
+        (folder / "README.md").write_text(card)
+    after = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    hub.store.create_ref("model", "org/v", "branch", branch, "main")
+    ops = [("delete", p, False) for p in before if p not in after]
+    for path, data in after.items():
+        if before.get(path) == data:
+            continue
+        if path.endswith(".safetensors"):
+            oid = hashlib.sha256(data).hexdigest()
+            writer = hub.store.lfs_writer()
+            writer.write(data)
+            writer.commit(oid, len(data))
+            ops.append(("lfs", path, (oid, len(data))))
+        else:
+            ops.append(("file", path, data))
+    hub.store.apply_commit("model", "org/v", branch, message="tamper", description="", author="mallory",
+                           operations=ops)
+
+
+def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(client, hub, saved_model, tmp_path):
+    import os
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    proc = client.cli("push", saved_model, "--repo", "org/v", "--deletion")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"--expect-commit ([0-9a-f]{40}) --expect-root ([0-9a-f]{64})", proc.stdout)
+    commit, root = m.groups()
+
+    def relu(folder):  # same weights, other activation: logits move
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
+
+    def weights(folder):
+        tensors = load_file(folder / "model.safetensors")
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    _tamper(hub, tmp_path, "t-config", relu, rewrite_manifest=False)
+    _tamper(hub, tmp_path, "t-config-rewritten", relu, rewrite_manifest=True)
+    _tamper(hub, tmp_path, "t-weights-rewritten", weights, rewrite_manifest=True)
+    _tamper(hub, tmp_path, "t-no-config", lambda f: (f / "config.json").unlink(), rewrite_manifest=True)
+    _tamper(hub, tmp_path, "t-extra-file", lambda f: (f / "modeling_extra.py").write_text("x = 1\n"),
+            rewrite_manifest=False)
+    cases = {
+        "main": ["main", None, None],
+        "anchored": ["deletion-0001", root, commit],
+        "wrong root": ["main", "0" * 64, None],
+        "config changed": ["t-config", None, None],
+        "config and manifest rewritten": ["t-config-rewritten", None, None],
+        "config rewritten, expect commit": ["t-config-rewritten", None, commit],
+        "weights rewritten": ["t-weights-rewritten", None, None],
+        "weights rewritten, expect root": ["t-weights-rewritten", root, None],
+        "no config": ["t-no-config", None, None],
+        "extra file": ["t-extra-file", None, None],
+        "record, tag": ["deletion-0001", None, None, str(saved_model)],  # OUT/hub_pushes.jsonl of the push
+        "record, rewritten branch": ["t-weights-rewritten", None, None, str(saved_model / "hub_pushes.jsonl")],
+        "record, rewritten config": ["t-config-rewritten", None, None, str(saved_model)],
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
+    proc = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert out["main"]["ok"] and not out["main"]["anchored"] and out["main"]["loaded"] == "LlamaForCausalLM"
+    assert "Not proven" in out["main"]["statement"]
+    assert out["anchored"]["ok"] and out["anchored"]["anchored"]
+    assert f"expected root {root}" in out["anchored"]["statement"] and commit in out["anchored"]["statement"]
+    assert not out["wrong root"]["ok"] and "do not hash to the expected root" in " ".join(out["wrong root"]["problems"])
+    assert out["config changed"]["problems"] == ["file differs from the manifest: config.json"]
+    # a writer who rewrites manifest and card too passes self-consistency, and verify says that is all it shows
+    assert out["config and manifest rewritten"]["ok"] and "Not proven" in out["config and manifest rewritten"]["statement"]
+    assert not out["config rewritten, expect commit"]["ok"]
+    assert out["weights rewritten"]["ok"] and not out["weights rewritten, expect root"]["ok"]
+    assert any("does not load" in p for p in out["no config"]["problems"])
+    assert out["extra file"]["problems"] == ["file not covered by the manifest: modeling_extra.py"]
+    # the push's own record anchors the check: the tag verifies, a branch whose writer rewrote everything does not
+    assert out["record, tag"]["anchored"] and root in out["record, tag"]["statement"]
+    assert commit in out["record, tag"]["statement"]
+    for case in ("record, rewritten branch", "record, rewritten config"):
+        assert not out[case]["ok"] and any(f"not the expected commit {commit}" in p for p in out[case]["problems"])
+    assert any("expected root" in p for p in out["record, rewritten branch"]["problems"])
+    proc = client.cli("verify", "org/v", "--revision", "deletion-0001", "--expect-from", saved_model)
+    assert proc.returncode == 0 and f"expected root {root}" in proc.stdout, proc.stderr[-3000:]
+    proc = client.cli("verify", "org/v", "--expect-from", saved_model, "--expect-root", "0" * 64)
+    assert proc.returncode == 1 and "disagrees with" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- item 8: a LoRA run publishes something loadable ---------------------------------------------------------------------
+LORA_SCRIPT = r"""
+import copy, json, sys, tempfile
+from pathlib import Path
+import torch
+from huggingface_hub import snapshot_download
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from hf_unlearn.data import QACollator, load_tofu, tokenize_qa
+from hf_unlearn.hub import UnlearningHubMixin, push_unlearned
+from hf_unlearn.hub.server import _front_matter
+from hf_unlearn.hub.verify import verify_on_hub
+from hf_unlearn.models import build_tiny_model, load_tokenizer
+
+tokenizer_dir, tofu_dir = sys.argv[1:3]
+tmp = Path(tempfile.mkdtemp())
+tok = load_tokenizer(tokenizer_dir)
+build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2).save_pretrained(tmp / "base")
+tok.save_pretrained(tmp / "base")
+rows = tokenize_qa(load_tofu("forget01", tofu_dir).select(range(4)), tok, max_length=64)
+
+class ToyGradientAscent(UnlearningHubMixin, Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        inputs.pop("id", None)
+        out = model(**inputs)
+        return (-out.loss, out) if return_outputs else -out.loss
+
+    def unlearning_card_info(self):
+        return {"method": "GradAscent", "forget_ids": list(rows["id"]), "citation": "", "paper": "",
+                "hyperparameters": {"learning_rate": self.args.learning_rate, "max_steps": self.args.max_steps,
+                                    "num_train_epochs": self.args.num_train_epochs, "peft": {"type": "PeftType.LORA"}}}
+
+def unlearn(out, hub_name=None):
+    model = AutoModelForCausalLM.from_pretrained(tmp / "base")
+    if hub_name:
+        model.config._name_or_path = hub_name  # as if it had been loaded from the Hub
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = TrainingArguments(output_dir=str(tmp / out), max_steps=2, learning_rate=1e-2, report_to=[],
+                             per_device_train_batch_size=2, remove_unused_columns=False, save_strategy="no",
+                             use_cpu=True, disable_tqdm=True)
+    trainer = ToyGradientAscent(model=model, args=args, train_dataset=rows, processing_class=tok,
+                                data_collator=QACollator.from_tokenizer(tok))
+    trainer.train()
+    return trainer
+
+trainer = unlearn("a", "org/tiny-base")
+result = trainer.push_to_hub("org/lora", deletion=True)
+merged = copy.deepcopy(trainer.model).merge_and_unload()
+folder = Path(snapshot_download("org/lora", revision=result.tag, cache_dir=str(tmp / "cache")))
+loaded = AutoModelForCausalLM.from_pretrained(folder)
+x = torch.tensor([[1, 2, 3, 4, 5]])
+base = AutoModelForCausalLM.from_pretrained(tmp / "base")
+report = verify_on_hub("org/lora", result.tag, expect_root=result.state_dict_root, expect_commit=result.commit)
+card = (folder / "README.md").read_text()
+# a folder holding only the adapter (its base a local path) is merged on the way
+second = unlearn("b")
+second.save_model()
+folder_result = push_unlearned(tmp / "b", "org/lora-dir", card_info=second.unlearning_card_info(), deletion=True)
+print(json.dumps({
+    "files": result.files, "dir_files": folder_result.files,
+    "same_logits": torch.equal(loaded(x).logits, merged(x).logits),
+    "moved": not torch.equal(loaded(x).logits, base(x).logits),
+    "verified": report.ok and report.anchored, "dir_verified": verify_on_hub("org/lora-dir", folder_result.tag).ok,
+    "meta": _front_matter(card), "card": card,
+    "local_card_is_pushed": (tmp / "a" / "README.md").read_text() == card,
+}))
+"""
+
+
+def test_a_lora_run_publishes_the_merged_model_that_loads_and_verifies(client):
+    import os
+
+    from .conftest import TOFU_DIR
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
+    proc = subprocess.run([sys.executable, "-c", LORA_SCRIPT, str(TOKENIZERS / "gpt2"), str(TOFU_DIR)],
+                          capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for files in (out["files"], out["dir_files"]):
+        assert "config.json" in files and "model.safetensors" in files
+        assert not any(f.startswith("adapter_") for f in files)
+    assert out["same_logits"] and out["moved"]  # loads with plain transformers, to the merged (unlearned) model
+    assert out["verified"] and out["dir_verified"]
+    meta, card = out["meta"], out["card"]
+    assert meta["base_model"] == "org/tiny-base" and meta["library_name"] == "transformers"
+    assert "PeftType" not in card and "{'" not in card
+    assert '| peft | {"peft_type": "LORA", "r": 4, "lora_alpha": 8' in card
+    assert '"target_modules": ["q_proj", "v_proj"]' in card and "**merged** model" in card
+    assert "| max_steps | 2 |" in card and "num_train_epochs" not in card
+    assert out["local_card_is_pushed"]
+
+
+# -- items 4 and 5: a real recorded run, replayed, published with its provenance under the one key -----------------------
+EXACT_SCRIPT = r"""
+import json, secrets, shutil, string, sys, tempfile
+from pathlib import Path
+from tests.test_trace_common import get_trace_data, record
+from hf_unlearn.hub.verify import verify_on_hub
+from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store
+from hf_unlearn.trace.run import read_deletion_log
+
+# a folder name without digits, so no number in the run's recorded paths can equal an id by chance
+root = Path(tempfile.gettempdir()) / ("hfu-exact-" + "".join(secrets.choice(string.ascii_lowercase) for _ in range(12)))
+try:
+    tok, data = get_trace_data()
+    record(tok, data, root / "rec")
+    run = open_run(root / "rec" / "trace")
+    config = run.header["model"]["config"]
+    forget = [config["hidden_size"], config["head_dim"]]  # ids equal to numbers of the run's own configuration
+    redact_store(run.store_path, forget, root / "store", run.key)
+    replay = RedactedReplayTrainer(run, root / "store", forget, root / "replay")
+    replay.train()
+    (root / "replay" / "forget.json").write_text(json.dumps(forget))  # a user's file next to the run
+    result = replay.push_to_hub("org/exact", deletion=True, trace_dir=root / "replay")
+    log = read_deletion_log(root / "replay")
+    report = verify_on_hub("org/exact", result.tag, expect_root=log[-1]["params_root"], expect_commit=result.commit)
+    print(json.dumps({"files": result.files, "kept_local": result.skipped_provenance, "log": log[-1],
+                      "header_fingerprint": run.header["key_fingerprint"], "own_key": (run.path / "private" /
+                      "hmac.key").exists(), "verified": report.ok, "anchored": report.anchored,
+                      "statement": report.statement, "problems": report.problems}))
+finally:
+    shutil.rmtree(root, ignore_errors=True)
+"""
+
+
+def test_a_replay_publishes_its_checked_provenance_and_tags_that_match_its_deletion_log(client, hub):
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
+    proc = subprocess.run([sys.executable, "-c", EXACT_SCRIPT], capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    provenance = {f[len("provenance/"):] for f in out["files"] if f.startswith("provenance/")}
+    names = {"header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"}
+    assert provenance == names | {f"{n}.sha256" for n in names} | {"model/config.json"}  # the allowlist
+    kept = set(out["kept_local"])
+    assert "forget.json" in kept and any(k.startswith("private/") for k in kept)
+    assert any(k.startswith("checkpoints/") for k in kept) and "model.safetensors" in kept
+    # one key: the run has no key of its own, and the card's tags are exactly the deletion log's
+    assert not out["own_key"]
+    request = json.loads(read(hub, "org/exact", "deletion-0001", "forget_request.json"))
+    assert request["tags"] == sorted(out["log"]["forget_tags"])
+    assert request["key_fingerprint"] == out["header_fingerprint"]
+    # the published weights are the replay's final state: verified against the root its deletion log records
+    assert out["verified"] and out["anchored"], out["problems"]
+    assert out["log"]["params_root"] in out["statement"]

@@ -143,13 +143,18 @@ def test_commit_fault_publishes_nothing_and_retry_succeeds(server):
     assert call(server, "GET", "/org/m/resolve/main/a.txt")[2] == b"new"
 
 
-def test_lfs_upload_is_checked_and_signed(server):
+def _lfs_upload_href(server, data: bytes) -> tuple[str, str]:
+    """Create org/m and ask for an upload of ``data``: (its oid, the signed upload URL)."""
     call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
-    data = b"x" * 1000
     oid = hashlib.sha256(data).hexdigest()
     body = json.loads(call(server, "POST", "/org/m.git/info/lfs/objects/batch",
-                           {"operation": "upload", "objects": [{"oid": oid, "size": 1000}]})[2])
-    href = body["objects"][0]["actions"]["upload"]["href"]
+                           {"operation": "upload", "objects": [{"oid": oid, "size": len(data)}]})[2])
+    return oid, body["objects"][0]["actions"]["upload"]["href"]
+
+
+def test_lfs_upload_is_checked_and_signed(server):
+    data = b"x" * 1000
+    oid, href = _lfs_upload_href(server, data)
     with pytest.raises(urllib.error.HTTPError) as e:  # wrong content for the oid: refused, nothing stored
         urllib.request.urlopen(urllib.request.Request(href, data=b"y" * 1000, method="PUT"), timeout=10)
     assert e.value.code == 400 and not server.store.has_lfs(oid)
@@ -194,3 +199,305 @@ def test_cli_serve(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# -- root confinement and input limits (issue 12): each of these failed on the server before it validated inputs --
+def raw_request(server, data: bytes, timeout: float = 10) -> bytes:
+    """Send raw bytes on a fresh connection and return whatever the server answers before closing."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(data)
+        chunks = []
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                if b"\r\n\r\n" in b"".join(chunks):
+                    head, _, rest = b"".join(chunks).partition(b"\r\n\r\n")
+                    length = [int(v) for k, v in (ln.split(b":", 1) for ln in head.split(b"\r\n")[1:] if b":" in ln)
+                              if k.strip().lower() == b"content-length"]
+                    if length and len(rest) >= length[0]:
+                        break
+        except socket.timeout:
+            pass
+    return b"".join(chunks)
+
+
+@pytest.fixture
+def secret(tmp_path):
+    """A file next to the server's root that no request may ever publish."""
+    path = tmp_path / "secret.txt"
+    path.write_text("the server machine's private file")
+    return path
+
+
+def traversal_oids(server, secret):
+    import os
+
+    objects = server.store.root / "objects"
+    return {
+        "dotdot": os.path.relpath(secret, objects),  # objects/lfs/<..>/<oid> climbs out of the store
+        "absolute": str(secret),
+        "url-encoded": os.path.relpath(secret, objects).replace("/", "%2F").replace(".", "%2e"),
+        "short-hex": "ab" * 8,
+        "upper-hex": "AB" * 32,
+    }
+
+
+@pytest.mark.parametrize("variant", ["dotdot", "absolute", "url-encoded", "short-hex", "upper-hex"])
+@pytest.mark.parametrize("with_size", [True, False])
+def test_lfs_object_ids_cannot_reach_outside_the_root(server, secret, variant, with_size):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    oid = traversal_oids(server, secret)[variant]
+    before = server.store.refs("model", "org/m")
+    value = {"path": "stolen.bin", "algo": "sha256", "oid": oid}
+    if with_size:
+        value["size"] = secret.stat().st_size
+    status, _, body = commit(server, "org/m", [header(), {"key": "lfsFile", "value": value}])
+    assert status == 400 and b"oid" in body, (status, body)
+    assert server.store.refs("model", "org/m") == before
+    assert call(server, "GET", "/org/m/resolve/main/stolen.bin", token=None)[0] == 404
+    # the LFS verify endpoint must not confirm the existence (or size) of files outside the store either
+    status, _, _ = call(server, "POST", "/org/m.git/info/lfs/objects/verify",
+                        {"oid": oid, "size": secret.stat().st_size})
+    assert status == 400
+
+
+@pytest.mark.parametrize("path", ["../escape.txt", "/etc/passwd", "a/../../b.txt", "a/./b.txt", "a//b.txt", "a\\..\\b",
+                                  "nul\x00byte.txt", "line\nbreak.txt", "",
+                                  pytest.param("x" * 2000, id="too-long")])
+def test_file_paths_in_commits_are_clean_or_refused(server, path):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    before = server.store.refs("model", "org/m")
+    status, _, _ = commit(server, "org/m", [header(), file_line(path, b"data")])
+    assert status == 400
+    assert server.store.refs("model", "org/m") == before
+
+
+@pytest.mark.parametrize("body", [{}, {"name": None}, {"name": ["x"]}, {"name": "m", "organization": ".."},
+                                  {"name": "..", "organization": "org"}, {"name": "a/b", "organization": "org"},
+                                  {"name": "m", "organization": "org", "type": "../models"},
+                                  {"name": "m\x00", "organization": "org"}])
+def test_repo_creation_needs_a_valid_name(server, body):
+    status, _, _ = call(server, "POST", "/api/repos/create", body)
+    assert status == 400
+    assert not any((server.store.root / "repos").rglob("repo.json"))
+
+
+def test_url_encoded_names_and_paths_stay_in_the_root(server, secret):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"1")])
+    for url in ["/org/%2e%2e/resolve/main/a.txt", "/%2e%2e/%2e%2e/resolve/main/secret.txt",
+                "/org/m/resolve/main/..%2F..%2F..%2Fsecret.txt", "/org/m/resolve/main/%2Fetc%2Fpasswd",
+                "/api/models/org/m/tree/main/..%2F..", "/api/models/%2e%2e/m", "/api/models/org/m/revision/..%2F..",
+                "/org/m/resolve/..%2F..%2Frepos/a.txt", "/org/m/resolve/main/a%00.txt"]:
+        status, _, data = call(server, "GET", url)
+        assert 400 <= status < 500 and b"private file" not in data, (url, status)
+
+
+def test_validate_yaml_needs_a_token_and_refuses_alias_bombs(server):
+    content = "---\nlicense: mit\n---\n"
+    assert call(server, "POST", "/api/validate-yaml", {"content": content}, token=None)[0] == 401
+    # a billion-laughs document: 9 levels of 9 aliases each
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join(['*a%d' % (i - 1)] * 9)}]" for i in range(1, 10)]
+    status, _, body = call(server, "POST", "/api/validate-yaml", {"content": "---\n" + "\n".join(lines) + "\n---\n"})
+    assert status == 400 and len(body) < 10_000 and b"alias" in body
+    # the same document committed as a README must not hang repo info either
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    readme = ("---\n" + "\n".join(lines) + "\n---\n").encode()
+    assert commit(server, "org/m", [header(), file_line("README.md", readme)])[0] == 200
+    status, _, body = call(server, "GET", "/api/models/org/m")
+    assert status == 200 and json.loads(body)["cardData"] == {} and len(body) < 10_000
+
+
+def test_request_bodies_are_capped(tmp_path):
+    srv = HubServer(tmp_path / "hub", {TOKEN: "alice"}, max_body_bytes=4096).start()
+    try:
+        # announced far beyond the cap: answered 413 at once, without waiting for (or reading) the body
+        reply = raw_request(srv, b"POST /api/repos/create HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + TOKEN.encode() + b"\r\nContent-Length: 1000000000000\r\n\r\n{")
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        # chunked bodies are counted as they arrive
+        chunk = b"a" * 3000
+        body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3)) + b"0\r\n\r\n"
+        reply = raw_request(srv, b"POST /api/repos/create HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + TOKEN.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert call(srv, "GET", "/api/whoami-v2")[0] == 200  # still serving
+    finally:
+        srv.stop()
+
+
+def test_lfs_upload_cannot_exceed_its_announced_size(server):
+    data = b"z" * 1000
+    oid, href = _lfs_upload_href(server, data)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(href, data=data + b"z" * 100_000, method="PUT"), timeout=10)
+    assert e.value.code in (400, 413) and not server.store.has_lfs(oid)
+    assert not list((server.store.root / "objects" / "tmp").iterdir())
+
+
+def _fuzz_cases():
+    repo = "/api/models/org/m"
+    lines = lambda *items: b"".join(json.dumps(x).encode() + b"\n" for x in items)  # noqa: E731
+    hdr = {"key": "header", "value": {"summary": "s"}}
+    return [
+        ("POST", "/api/repos/create", b"not json"),
+        ("POST", "/api/repos/create", b"[]"),
+        ("POST", "/api/repos/create", b'{"name": 5}'),
+        ("POST", "/api/repos/create", b'{"name": "x", "organization": {"a": 1}}'),
+        ("POST", "/api/repos/create", b'{"name": "x", "private": "yes", "type": 7}'),
+        ("DELETE", "/api/repos/delete", b"{}"),
+        ("DELETE", "/api/repos/delete", b'{"name": "m", "organization": 3}'),
+        ("POST", "/api/validate-yaml", b'{"content": 5}'),
+        ("POST", "/api/validate-yaml", b'{"content": "---\\n[unclosed\\n---\\n"}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": "x"}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"size": 1}]}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"path": "a", "size": "x", "sample": ""}]}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"path": "a", "size": 1, "sample": "!!!"}]}'),
+        ("POST", f"{repo}/preupload/main", b'{"files": [{"path": "a\\u0000b", "size": 1, "sample": ""}]}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": "x"}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": [{"size": 1}]}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": [{"oid": "a", "size": "x"}]}'),
+        ("POST", "/org/m.git/info/lfs/objects/batch", b'{"operation": "upload", "objects": [5]}'),
+        ("POST", "/org/m.git/info/lfs/objects/verify", b'{"oid": ["x"], "size": "y"}'),
+        ("POST", f"{repo}/commit/main", lines({"key": "header", "value": []})),
+        ("POST", f"{repo}/commit/main", lines({"key": "header", "value": "s"})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": {"path": "a", "content": "!!!"}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": {"path": "a", "content": 5}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": {"path": ["a"], "content": ""}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "lfsFile", "value": {"path": "a", "oid": "0" * 64,
+                                                                                "size": "x"}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "lfsFile", "value": {"path": "a", "oid": "0" * 64,
+                                                                                "size": -5}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "deletedFile", "value": {"path": 5}})),
+        ("POST", f"{repo}/commit/main", lines(hdr, {"key": "file", "value": "x"})),
+        ("POST", f"{repo}/commit/main", lines(hdr, [1, 2])),
+        ("POST", f"{repo}/commit/main", b"\xff\xfe not utf-8\n"),
+        ("POST", f"{repo}/commit/main", lines({"key": "header", "value": {"summary": {"a": 1}, "parentCommit": 5}})),
+        ("POST", f"{repo}/tag/main", b'{"tag": ["x"]}'),
+        ("POST", f"{repo}/tag/main", b'{"tag": "t", "message": {"a": 1}}'),
+        ("POST", f"{repo}/branch/b", b'{"startingPoint": 5}'),
+        ("PUT", "/_lfs/" + "0" * 64 + "?size=x&sig=y", b"data"),
+        ("PUT", "/_lfs/" + "0" * 64 + "?size=-1&sig=y", b"data"),
+        ("GET", f"{repo}/tree/main/a%00b", None),
+        ("GET", "/org/m/resolve/main/a%0D%0AX-Evil:%201", None),
+    ]
+
+
+def test_malformed_requests_get_a_clear_4xx_on_every_route(server):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"1")])
+    before = server.store.refs("model", "org/m")
+    for method, path, body in _fuzz_cases():
+        status, hdrs, data = call(server, method, path, raw=body,
+                                  headers={"Content-Type": "application/json"} if body is not None else None)
+        assert 400 <= status < 500, (method, path, body, status, data[:300])
+        answer = json.loads(data)
+        assert "X-Evil" not in hdrs and (answer.get("error") or answer.get("errors")), (method, path)
+    # a bad Content-Length header
+    reply = raw_request(server, b"POST /api/repos/create HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                        + TOKEN.encode() + b"\r\nContent-Length: lots\r\n\r\n{}")
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert server.store.refs("model", "org/m")["branches"] == before["branches"]
+    assert call(server, "GET", "/api/whoami-v2")[0] == 200
+
+
+MISTYPED = [None, 5, -1, 2**70, 1.5, 1e308, True, "x", "", "\x00", "../x", "/etc/passwd", [], [1], {}, {"a": 1},
+            "a" * 5000]
+
+
+def _field_paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _field_paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _field_paths(v, prefix + (i,))
+
+
+def _replaced(obj, path, value):
+    if not path:
+        return value
+    out = json.loads(json.dumps(obj))
+    cur = out
+    for k in path[:-1]:
+        cur = cur[k]
+    cur[path[-1]] = value
+    return out
+
+
+def test_every_field_of_every_route_mistyped_is_answered_without_a_server_error(server, tmp_path):
+    """Systematic fuzz: each field (and each whole body, and each commit line) of a valid request to every JSON
+    route replaced by each of MISTYPED; every answer is a 2xx (the value happened to be valid) or a 4xx with a JSON
+    error, never a 5xx, and nothing is written outside the store."""
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"1")])
+    repo = "/api/models/org/m"
+    valid = [
+        ("/api/repos/create", {"name": "n", "organization": "org", "private": False, "type": "model"}),
+        ("/api/validate-yaml", {"content": "---\nlicense: mit\n---\n", "repoType": "model"}),
+        (f"{repo}/preupload/main", {"files": [{"path": "a", "size": 1, "sample": "eA=="}]}),
+        ("/org/m.git/info/lfs/objects/batch", {"operation": "upload", "transfers": ["basic"], "hash_algo": "sha256",
+                                               "objects": [{"oid": "0" * 64, "size": 1}]}),
+        (f"{repo}/tag/main", {"tag": "t", "message": "m"}),
+        (f"{repo}/branch/b", {"startingPoint": "main"}),
+        (f"{repo}/paths-info/main", {"paths": ["a.txt"], "expand": True}),
+    ]
+    lines = [{"key": "header", "value": {"summary": "s", "description": "d", "parentCommit": None}},
+             file_line("b.txt", b"x"),
+             {"key": "lfsFile", "value": {"path": "c.bin", "algo": "sha256", "oid": "0" * 64, "size": 1}},
+             {"key": "deletedFile", "value": {"path": "a.txt"}}]
+    n, answers = 0, []
+    for route, body in valid:
+        for path in list(_field_paths(body)):
+            for value in MISTYPED:
+                n += 1
+                sent = _replaced(body, path, value)
+                where = route.replace("/branch/b", f"/branch/b{n}")
+                if isinstance(sent, dict) and isinstance(sent.get("tag"), str):
+                    sent["tag"] += str(n)  # a fresh tag name each time (tags are append-only)
+                status, _, data = call(server, "POST", where, sent, headers={"Content-Type": "application/json"})
+                answers.append((route, path, value, status, data))
+    for i, line in enumerate(lines):
+        for path in list(_field_paths(line)):
+            for value in MISTYPED:
+                sent = [*lines[:i], _replaced(line, path, value), *lines[i + 1:]]
+                status, _, data = commit(server, "org/m", sent)
+                answers.append(("commit", (i, *path), value, status, data))
+    assert len(answers) > 800
+    for route, path, value, status, data in answers:
+        assert status < 500, (route, path, value, status, data[:300])
+        if status >= 400:
+            answer = json.loads(data)
+            assert answer.get("error") or answer.get("errors"), (route, path, value, data[:300])
+    assert sum(400 <= a[3] < 500 for a in answers) > len(answers) // 2  # most mistypes are refused, not absorbed
+    assert not (tmp_path / "x").exists() and not (server.store.root.parent / "x").exists()
+    assert call(server, "GET", "/api/whoami-v2")[0] == 200
+
+
+def test_odd_methods_queries_and_ranges_get_clear_answers(server):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    commit(server, "org/m", [header(), file_line("a.txt", b"12345")])
+    for method in ("PATCH", "OPTIONS", "TRACE"):
+        status, hdrs, data = call(server, method, "/api/models/org/m/tree/main", raw=b"{}")
+        assert status == 405 and "not allowed" in json.loads(data)["error"], (method, status, data[:200])
+    queries = ["/api/models/org/m/tree/main?recursive=x&expand=y&limit=-1&cursor=zz", "/api/models/org/m/tree/main/%2e%2e",
+               "/api/models/org/m/commits/main?p=abc&limit=zz", "/api/models/org/m/revision/%00",
+               "/org/m/resolve/%00/a.txt", "/org/m/resolve/main/%2e%2e/%2e%2e/etc/passwd", "/%ff%fe",
+               "/org/m/resolve/main/" + "a/" * 3000, "/api/models/" + "x" * 10000, "/api/models/org%2fm/tree/main"]
+    for path in queries:
+        status, _, data = call(server, "GET", path)
+        assert status < 500 and (status == 200 or json.loads(data)["error"]), (path, status, data[:200])
+    answers = {r: call(server, "GET", "/org/m/resolve/main/a.txt", headers={"Range": r})
+               for r in ("bytes=abc", "bytes=5-2", "bytes=99-", "bytes=0-99999999999999999999", "bytes=1-2")}
+    assert answers["bytes=1-2"][0] == 206 and answers["bytes=1-2"][2] == b"23"
+    assert answers["bytes=5-2"][0] == answers["bytes=99-"][0] == 416
+    assert answers["bytes=abc"][2] == answers["bytes=0-99999999999999999999"][2] == b"12345"

@@ -70,6 +70,7 @@ def test_header_sidecars_checkpoints_and_store():
     from hf_unlearn.trace.hashing import StateHashes
     from hf_unlearn.trace.run import check_run, load_checkpoint
     from hf_unlearn.trace.store import load_store
+    from hf_unlearn.trace.tags import run_key
 
     header = json.loads((recorded / "header.json").read_text())
     assert header["sealed"] and header["model"]["class"] == "LlamaForCausalLM"
@@ -78,7 +79,7 @@ def test_header_sidecars_checkpoints_and_store():
     assert header["dataset"]["rows"] == 64 and header["dataset"]["fingerprint"]
     for name in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin"):
         assert (recorded / f"{name}.sha256").exists()
-    rep, _, _ = check_run(recorded, key=(recorded / "private" / "hmac.key").read_bytes())
+    rep, _, _ = check_run(recorded, key=run_key(recorded))  # the library's one key (issue 12)
     assert rep.ok, rep.errors
     assert rep.summary["checkpoints"] == [0, 2, 4, 6, 8]
     ck = load_checkpoint(recorded / "checkpoints" / "step-00000008")

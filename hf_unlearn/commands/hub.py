@@ -1,4 +1,4 @@
-"""`hf-unlearn hub ...`: push an unlearned model, verify a published revision, serve a local Hub."""
+"""`hf-unlearn hub ...`: push an unlearned model, verify a published revision, serve a local Hub, show the key."""
 
 from __future__ import annotations
 
@@ -23,8 +23,13 @@ def register(parser) -> None:
     p.add_argument("--base-model", help="Hub id of the model that was unlearned")
     p.add_argument("--dataset", action="append", dest="datasets", help="dataset Hub id (repeatable)")
     p.add_argument("--license", default="apache-2.0")
-    p.add_argument("--trace", metavar="DIR", help="trace dir: its files with keyed tags only go under provenance/")
+    p.add_argument("--trace", metavar="DIR", help="recorded run (or replay output): its plan, WAL, manifest, "
+                                                  "deletion log, header and sidecars go under provenance/ (checked)")
     p.add_argument("--message", help="commit message")
+    p.add_argument("--tag", action="append", dest="tags", metavar="T", help="extra Hub tag for the card (repeatable)")
+    p.add_argument("--not-id", action="append", dest="not_ids", metavar="FIELD=N[,N]",
+                   help="a number in FIELD equals a forget id but is not one (e.g. hyperparameters.max_steps=3600; "
+                        "FIELD=any for every number there); the refusal message names the field")
     _common(p)
     p.set_defaults(func=_push)
 
@@ -33,6 +38,15 @@ def register(parser) -> None:
     v.add_argument("repo", metavar="ORG/NAME")
     v.add_argument("--revision", help="branch, tag (e.g. deletion-0003) or commit (default: main)")
     v.add_argument("--cache-dir", help="download cache (default: the Hugging Face cache)")
+    v.add_argument("--expect-root", metavar="ROOT", help="the weights must hash to ROOT (the state-dict root from "
+                                                         "your deletion log / hub_pushes.jsonl, or the saved-tensor "
+                                                         "root): a value the repository cannot rewrite")
+    v.add_argument("--expect-commit", metavar="SHA", help="the revision must be exactly this commit")
+    v.add_argument("--expect-from", metavar="RECORD", help="take --expect-root (and --expect-commit) from your own "
+                                                           "record: OUT/hub_pushes.jsonl, a run's deletion_log.jsonl, "
+                                                           "a replay's verification.json, or the folder holding it")
+    v.add_argument("--no-load", action="store_true", help="do not load the model (verify then fails: loading is "
+                                                           "part of the claim; for inspecting large models)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     _common(v)
     v.set_defaults(func=_verify)
@@ -45,8 +59,17 @@ def register(parser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--token", action="append", required=True, metavar="T", help="accepted access token (repeatable)")
     s.add_argument("--user", default="user", help="user name the tokens belong to")
+    s.add_argument("--max-body-mb", type=int, default=256, help="largest commit body accepted (MiB)")
     s.add_argument("--verbose", action="store_true", help="log every request")
     s.set_defaults(func=_serve)
+
+    k = sub.add_parser("key", help="the id-tagging key: where it is, its fingerprint; --rotate",
+                       description="Show the one key that tags forget ids in cards, trace plans and deletion logs "
+                                   "($HF_UNLEARN_TAG_KEY or $HF_UNLEARN_KEY_FILE, default "
+                                   "~/.cache/hf_unlearn/id_tag.key). Back it up; keep it private.")
+    k.add_argument("--rotate", action="store_true", help="archive the current key (id_tag.<fingerprint>.key) and "
+                                                         "create a new one; older runs find the archived key")
+    k.set_defaults(func=_key)
 
 
 def _common(p) -> None:
@@ -56,6 +79,7 @@ def _common(p) -> None:
 
 def _push(args) -> int:
     from ..errors import UnlearnError
+    from ..hub.leaks import parse_not_ids
     from ..hub.publish import load_card_info, push_unlearned
 
     if args.revision and args.deletion:
@@ -72,26 +96,33 @@ def _push(args) -> int:
         args.output_dir, args.repo, card_info=card_info, tag=args.revision, deletion=args.deletion,
         revision=args.branch, private=args.private or None, token=args.token, endpoint=args.endpoint,
         base_model=args.base_model, datasets=args.datasets, license=args.license, trace_dir=args.trace,
-        commit_message=args.message,
+        commit_message=args.message, extra_tags=args.tags, not_ids=parse_not_ids(args.not_ids),
     )
     print(f"published {result.repo_id} commit {result.commit}" + (f" tag {result.tag}" if result.tag else ""))
-    print(f"  {len(result.files)} files, parameters root {result.params_root}")
+    print(f"  {len(result.files)} files, state-dict root {result.state_dict_root}")
     for rel, why in sorted(result.skipped_provenance.items()):
         print(f"  kept local (not published): {rel}: {why}")
-    print(f"  verify: hf-unlearn hub verify {result.repo_id}" + (f" --revision {result.tag}" if result.tag else ""))
+    print(f"  verify: {result.verify_command}")
     return 0
 
 
 def _verify(args) -> int:
     import sys
-    from dataclasses import asdict
 
-    from ..hub.verify import verify_on_hub
+    from ..errors import UnlearnError
+    from ..hub.verify import expected_from, verify_on_hub
 
+    expect = {"expect_root": args.expect_root, "expect_commit": args.expect_commit}
+    if args.expect_from:
+        for name, value in expected_from(args.expect_from, args.repo, args.revision).items():
+            if expect[name] and expect[name] != value:
+                raise UnlearnError(f"--{name.replace('_', '-')} {expect[name]} disagrees with {args.expect_from} "
+                                   f"({value}); pass one of them")
+            expect[name] = value
     report = verify_on_hub(args.repo, args.revision, token=args.token, endpoint=args.endpoint,
-                           cache_dir=args.cache_dir)
+                           cache_dir=args.cache_dir, load=not args.no_load, **expect)
     if args.json:
-        print(json.dumps({**asdict(report), "ok": report.ok}, indent=1))
+        print(json.dumps(report.to_dict(), indent=1))
     else:
         print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
     return 0 if report.ok else 1
@@ -104,7 +135,8 @@ def _serve(args) -> int:
 
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG, format="%(message)s")
-    server = HubServer(args.root, {t: args.user for t in args.token}, host=args.host, port=args.port)
+    server = HubServer(args.root, {t: args.user for t in args.token}, host=args.host, port=args.port,
+                       max_body_bytes=args.max_body_mb * 1024 * 1024)
     print(f"hf-unlearn hub serving {args.root} at {server.url}", flush=True)
     print(f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1", flush=True)
     try:
@@ -113,4 +145,21 @@ def _serve(args) -> int:
         pass
     finally:
         server.httpd.server_close()
+    return 0
+
+
+def _key(args) -> int:
+    import os
+
+    from ..hub.keys import KEY_ENV, default_key_path, key_fingerprint, load_key, rotate_key
+
+    if args.rotate:
+        old, new, archive = rotate_key()
+        print(f"rotated: old key {old} archived as {archive}; new key {new} at {default_key_path()}")
+        print("  back up both files; runs recorded with the old key find it in the archive")
+        return 0
+    key = load_key()
+    where = f"${KEY_ENV}" if os.environ.get(KEY_ENV) else str(default_key_path())
+    print(f"key {key_fingerprint(key)} from {where}")
+    print("  tags model cards, trace plans/WALs and deletion logs; back it up (cp -p) and keep it mode 0600")
     return 0

@@ -72,9 +72,9 @@ def _quiet():
 
 def inspect_cmd(args) -> int:
     from ..trace.run import check_run
+    from ..trace.tags import run_key
 
-    kp = Path(args.run) / "private" / "hmac.key"
-    rep, header, _ = check_run(args.run, key=kp.read_bytes() if kp.exists() else None)
+    rep, header, _ = check_run(args.run, key=run_key(args.run, required=False))
     if args.json:
         print(json.dumps({"summary": rep.summary, "errors": rep.errors, "warnings": rep.warnings,
                           "hazards": rep.hazards, "notes": header.get("notes", [])}, indent=1))

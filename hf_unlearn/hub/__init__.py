@@ -1,9 +1,10 @@
 """Publishing unlearned models to the Hugging Face Hub and checking them there.
 
-``cards`` renders model cards from the Jinja templates in ``model_cards/``; ``keys`` turns raw sample ids into keyed
-tags (HMAC with a key that stays local); ``publish`` pushes weights, tokenizer, state-hash manifest, card and
-publishable provenance in one commit; ``verify`` downloads a revision and recomputes its state hashes;
-``mixin`` gives trainers ``create_model_card``/``push_to_hub``; ``server`` is a local Hub-compatible server.
+``cards`` renders model cards from the Jinja templates in ``model_cards/``; ``keys`` is the one id-tagging key and
+keyed tags; ``leaks`` finds forget ids in anything about to be published; ``provenance`` selects and checks the trace
+files a push may publish; ``publish`` pushes weights, tokenizer, state-hash manifest, card and provenance in one
+commit; ``verify`` downloads a revision, recomputes its hashes and loads it; ``mixin`` gives trainers
+``create_model_card``/``push_to_hub``; ``server`` (over ``store``) is a local Hub-compatible server.
 Modules import ``huggingface_hub`` only inside functions, so ``HF_ENDPOINT`` can be set late.
 """
 
@@ -20,10 +21,15 @@ _LAZY = {
     "verify_on_hub": "hf_unlearn.hub.verify",
     "verify_folder": "hf_unlearn.hub.verify",
     "VerifyReport": "hf_unlearn.hub.verify",
+    "expected_from": "hf_unlearn.hub.verify",
     "render_model_card": "hf_unlearn.hub.cards",
     "UnlearningHubMixin": "hf_unlearn.hub.mixin",
     "write_model_card": "hf_unlearn.hub.mixin",
     "keyed_tags": "hf_unlearn.hub.keys",
+    "load_key": "hf_unlearn.hub.keys",
+    "rotate_key": "hf_unlearn.hub.keys",
+    "IdScanner": "hf_unlearn.hub.leaks",
+    "find_raw_ids": "hf_unlearn.hub.leaks",
     "HubServer": "hf_unlearn.hub.server",
 }
 __all__ = sorted(_LAZY)

@@ -1,17 +1,20 @@
 """Model cards for unlearned models, rendered from the Jinja templates in ``model_cards/``.
 
 A card consumes the trainer contract (``unlearning_card_info()``: ``method``, ``hyperparameters``, ``forget_ids``,
-``citation``, ``paper``, optional ``evaluation`` and ``extra``). The forget request is published as a count and
-keyed tags (see ``keys.py``), never as raw ids, and :func:`render_model_card` refuses a card that would carry raw ids
-anywhere. Exact deletion (trace replay) adds ``extra["exact_deletion"]`` = ``{"params_root", "optimizer_root",
-"verified", "verification"}`` and gets the ``exact_deletion.md`` template. The YAML metadata is built with
+``citation``, ``paper``, optional ``evaluation``, ``extra`` and ``not_ids``). The forget request is published as a
+count and keyed tags (see ``keys.py``), never as raw ids: :func:`render_model_card` scans every value it puts into
+the card for the forget ids (:class:`hf_unlearn.hub.leaks.IdScanner`) and refuses, naming the field. Exact
+deletion (trace replay) adds ``extra["exact_deletion"]`` = ``{"params_root", "optimizer_root", "verified",
+"verification"}`` and gets the ``exact_deletion.md`` template. The YAML metadata is built with
 ``huggingface_hub.ModelCardData`` so the Hub reads base_model, tags, datasets, license and the model-index.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
+import os
 import platform
 import re
 from collections.abc import Iterable, Mapping
@@ -19,14 +22,36 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
-from .keys import key_fingerprint, keyed_tags
+from .keys import TAG_FORMAT, key_fingerprint, keyed_tags
+from .leaks import IdScanner, find_raw_ids  # noqa: F401  (find_raw_ids: the public checker, re-exported)
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_cards"
 DEFAULT_TEMPLATE = "unlearned_model.md"
 EXACT_TEMPLATE = "exact_deletion.md"
 REQUIRED_KEYS = ("method", "hyperparameters", "forget_ids", "citation", "paper")
+CARD_FIELDS = ("method", "hyperparameters", "evaluation", "extra", "citation", "paper")  # published card info
 SHOWN_TAGS = 16
-_ID_KEY = re.compile(r"(^|[_\-\s])(ids?|rows?|samples?|indices|index|examples?)$", re.I)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def public_value(value: Any) -> Any:
+    """A value as a card shows it: enums by value (``LORA``, not ``PeftType.LORA``), sets as sorted lists."""
+    if isinstance(value, enum.Enum):
+        return public_value(value.value)
+    if isinstance(value, Mapping):
+        return {str(k): public_value(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((public_value(v) for v in value), key=lambda v: (str(type(v)), str(v)))
+    if isinstance(value, (list, tuple)):
+        return [public_value(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        try:
+            return value.item()
+        except (ValueError, TypeError):
+            return public_value(value.tolist())
+    return value
 
 
 def normalize_card_info(info: Mapping[str, Any]) -> dict[str, Any]:
@@ -36,14 +61,15 @@ def normalize_card_info(info: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in REQUIRED_KEYS if k not in info]
     if missing:
         raise UnlearnError(f"card info lacks {', '.join(missing)}; unlearning_card_info() must return "
-                           f"{', '.join(REQUIRED_KEYS)} (and optionally evaluation, extra)")
+                           f"{', '.join(REQUIRED_KEYS)} (and optionally evaluation, extra, not_ids)")
     out = dict(info)
     if not isinstance(out["method"], str) or not out["method"]:
         raise UnlearnError("card info 'method' must be a non-empty string, e.g. 'MASC'")
     for key in ("hyperparameters", "evaluation", "extra"):
-        out[key] = dict(out.get(key) or {})
+        out[key] = public_value(dict(out.get(key) or {}))
     out["forget_ids"] = list(out["forget_ids"] or [])
     out["citation"], out["paper"] = str(out["citation"] or ""), str(out["paper"] or "")
+    out["not_ids"] = dict(out.get("not_ids") or {})
     for name, value in out["evaluation"].items():
         try:
             out["evaluation"][name] = float(value)
@@ -56,71 +82,27 @@ def normalize_card_info(info: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-# -- raw id detection ----------------------------------------------------------------------------------------
-def find_raw_ids(value: Any, raw_ids: Iterable, where: str = "card") -> list[str]:
-    """Places in ``value`` (nested dicts/lists/strings) that carry raw sample ids; empty if none.
-
-    Flagged: any raw id under an id-like key (``ids``, ``deleted_rows``, ``sample_id`` ...); a list holding two or
-    more raw ids; a non-numeric raw id (``"piqa-17"``) anywhere in text; two or more numeric raw ids in one
-    comma-separated run of numbers in text. A lone number elsewhere (``epochs: 3``) is not taken for an id.
-    """
-    raw = {str(i) for i in raw_ids}
-    if not raw:
-        return []
-    words = sorted((r for r in raw if not r.isdigit()), key=len, reverse=True)
-    word_re = re.compile("|".join(rf"(?<![\w-]){re.escape(w)}(?![\w-])" for w in words)) if words else None
-    found: list[str] = []
-
-    def walk(v, path, id_key):
-        if isinstance(v, Mapping):
-            for k, sub in v.items():
-                if str(k) in raw:
-                    found.append(f"{path} (key {k!r})")
-                walk(sub, f"{path}.{k}", id_key or bool(_ID_KEY.search(str(k))))
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            hits = [x for x in v if not isinstance(x, (Mapping, list, tuple, set)) and str(x) in raw]
-            if hits and (id_key or len(hits) >= 2):
-                found.append(f"{path} ({len(hits)} raw ids)")
-            for i, sub in enumerate(v):
-                if isinstance(sub, (Mapping, list, tuple, set, frozenset, str)):
-                    walk(sub, f"{path}[{i}]", id_key)
-        elif isinstance(v, str):
-            if id_key and v in raw:
-                found.append(f"{path} (raw id)")
-            elif word_re is not None and word_re.search(v):
-                found.append(f"{path} (raw id {word_re.search(v).group(0)!r})")
-            else:
-                for run in re.finditer(r"(?<![\w.])\d+(?:\s*[,;]\s*\d+)+", v):
-                    if len({n for n in re.split(r"\s*[,;]\s*", run.group(0)) if n in raw}) >= 2:
-                        found.append(f"{path} (a run of raw ids)")
-                        break
-        elif id_key and v is not None and str(v) in raw:
-            found.append(f"{path} (raw id)")
-
-    walk(value, where, False)
-    return found
+def card_scanner(info: Mapping[str, Any], not_ids: Mapping[str, Any] | None = None) -> IdScanner:
+    """The scanner for one push: the request's forget ids, the trainer's and the caller's ``not_ids``."""
+    return IdScanner(info["forget_ids"], {**(info.get("not_ids") or {}), **(not_ids or {})})
 
 
-def refuse_raw_ids(value: Any, raw_ids: Iterable, where: str = "card") -> None:
-    hits = find_raw_ids(value, raw_ids, where)
-    if hits:
-        raise UnlearnError(f"refusing to publish: the {where} would contain raw sample ids at {'; '.join(hits[:5])}. "
-                           "Publish keyed tags only (hf_unlearn.hub.keys.keyed_tags); remove the ids from the "
-                           "hyperparameters/extra/evaluation of unlearning_card_info()")
-
-
-def checked_card_info(card_info: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`normalize_card_info`, refusing info whose published fields carry raw forget ids."""
+def checked_card_info(card_info: Mapping[str, Any], not_ids: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`normalize_card_info`, refusing info whose published fields carry a forget id (naming the field)."""
     info = normalize_card_info(card_info)
-    shown = {k: info[k] for k in ("method", "hyperparameters", "evaluation", "extra", "citation", "paper")}
-    refuse_raw_ids(shown, info["forget_ids"], "card info")
+    scanner = card_scanner(info, not_ids)
+    hits = [h for k in CARD_FIELDS for h in scanner.scan(info[k], k)]
+    scanner.refuse(hits, "the card info (unlearning_card_info())")
     return info
 
 
 # -- rendering ----------------------------------------------------------------------------------------------
 def forget_request(forget_ids: list, key: bytes) -> dict[str, Any]:
-    """The publishable form of a forget request: a count, the key fingerprint and the sorted keyed tags."""
-    return {"format": "hf_unlearn.forget_request.v1", "count": len(forget_ids),
+    """The publishable form of a forget request: a count, the key fingerprint and the sorted keyed tags.
+
+    The tags are the trace's slot tags under the same key, so they match a run's deletion log one to one.
+    """
+    return {"format": "hf_unlearn.forget_request.v2", "tag_format": TAG_FORMAT, "count": len(set(forget_ids)),
             "key_fingerprint": key_fingerprint(key), "tags": keyed_tags(forget_ids, key)}
 
 
@@ -138,6 +120,28 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def hub_model_id(name: Any) -> str | None:
+    """``name`` if it is a Hub model id (``org/name``) and not a local folder; None otherwise.
+
+    A local path is never published as ``base_model``: it is not a Hub id and would expose the publisher's file
+    system.
+    """
+    if not isinstance(name, str) or not HUB_ID.match(name) or os.path.exists(name):
+        return None
+    return name
+
+
+def shown_hyperparameters(hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
+    """What the card's table shows: ``max_steps`` when it bounded the run, else the epoch count (not both)."""
+    shown = dict(hyperparameters)
+    steps = shown.get("max_steps")
+    if isinstance(steps, (int, float)) and not isinstance(steps, bool) and steps > 0:
+        shown.pop("num_train_epochs", None)
+    elif steps is not None and isinstance(steps, (int, float)) and steps <= 0:
+        shown.pop("max_steps")
+    return shown
+
+
 def render_model_card(
     card_info: Mapping[str, Any],
     *,
@@ -151,43 +155,24 @@ def render_model_card(
     tag: str | None = None,
     template: str | Path | None = None,
     extra_tags: list[str] | str | None = None,
+    not_ids: Mapping[str, Any] | None = None,
+    merged_adapter: Mapping[str, Any] | None = None,
 ) -> str:
-    """Render the card (YAML metadata + body) for an unlearned model; raises if it would carry raw ids.
+    """Render the card (YAML metadata + body) for an unlearned model; raises if it would carry a forget id.
 
     ``manifest`` is the state-hash manifest (``publish.build_manifest``); ``tag`` the revision tag of this push
     (e.g. ``deletion-0003``); ``template`` a custom template file (else ``model_cards/`` picks one); ``extra_tags``
-    more Hub tags.
+    more Hub tags; ``not_ids`` allowances for numbers that merely equal an id (see :mod:`hf_unlearn.hub.leaks`);
+    ``merged_adapter`` the settings of a PEFT adapter merged into the published weights.
     """
     import jinja2
     from huggingface_hub import EvalResult, ModelCardData
 
-    info = checked_card_info(card_info)
-    forget_ids = info["forget_ids"]
-
-    exact = info["extra"].get("exact_deletion") or None
-    request = forget_request(forget_ids, key)
-    model_name = repo_id.split("/")[-1] if repo_id else f"{info['method']}-unlearned"
-    datasets = list(datasets or [])
-    eval_results = [
-        EvalResult(task_type="text-generation", dataset_type=datasets[0] if datasets else "forget-set",
-                   dataset_name=datasets[0] if datasets else "forget set", metric_type=name,
-                   metric_name=name, metric_value=value)
-        for name, value in info["evaluation"].items() if math.isfinite(value)
-    ]
-    tags = ["unlearning", "hf_unlearn", _slug(info["method"])] + (["exact-deletion"] if exact else [])
+    info = checked_card_info(card_info, not_ids)
+    scanner = card_scanner(info, not_ids)
     extra_tags = [extra_tags] if isinstance(extra_tags, str) else list(extra_tags or [])
-    tags += [t for t in extra_tags if t not in tags]
-    summary = {"method": info["method"], "forget_count": request["count"],
-               "key_fingerprint": request["key_fingerprint"]}
-    if manifest:
-        summary.update(manifest="state_hashes.json", params_root=manifest["params_root"], root=manifest["root"])
-    if tag:
-        summary["revision_tag"] = tag
-    card_data = ModelCardData(
-        base_model=base_model or None, library_name="transformers", license=license or None,
-        datasets=datasets or None, tags=tags, model_name=model_name,
-        eval_results=eval_results or None, hf_unlearn=summary,
-    )
+    datasets = list(datasets or [])
+    base_model = hub_model_id(base_model) if base_model else None
 
     if template is not None:
         template = Path(template)
@@ -195,7 +180,40 @@ def render_model_card(
             raise UnlearnError(f"model card template {template} does not exist")
         search, name = [str(template.parent), str(TEMPLATES_DIR)], template.name
     else:
-        search, name = [str(TEMPLATES_DIR)], EXACT_TEMPLATE if exact else DEFAULT_TEMPLATE
+        search, name = [str(TEMPLATES_DIR)], EXACT_TEMPLATE if info["extra"].get("exact_deletion") else DEFAULT_TEMPLATE
+    hits = scanner.scan({"repo_id": repo_id, "base_model": base_model, "datasets": datasets, "license": license,
+                         "tags": extra_tags, "merged_adapter": merged_adapter}, "")  # (a push scans its own tag=)
+    if template is not None:
+        hits += scanner.scan_text(template.read_text(encoding="utf-8", errors="replace"), f"template {template.name}")
+    scanner.refuse(hits, "the model card")
+
+    exact = info["extra"].get("exact_deletion") or None
+    request = forget_request(info["forget_ids"], key)
+    model_name = repo_id.split("/")[-1] if repo_id else f"{info['method']}-unlearned"
+    eval_results = [
+        EvalResult(task_type="text-generation", dataset_type=datasets[0] if datasets else "forget-set",
+                   dataset_name=datasets[0] if datasets else "forget set", metric_type=metric,
+                   metric_name=metric, metric_value=value)
+        for metric, value in info["evaluation"].items() if math.isfinite(value)
+    ]
+    tags = ["unlearning", "hf_unlearn", _slug(info["method"])] + (["exact-deletion"] if exact else [])
+    tags += [t for t in extra_tags if t not in tags]
+    summary = {"method": info["method"], "forget_count": request["count"],
+               "key_fingerprint": request["key_fingerprint"]}
+    if manifest:
+        summary.update(manifest="state_hashes.json", params_root=manifest["params_root"], root=manifest["root"])
+        for root_name in ("state_dict_root", "files_root"):
+            if manifest.get(root_name):
+                summary[root_name] = manifest[root_name]
+    if exact and exact.get("params_root"):
+        summary["exact_deletion_params_root"] = exact["params_root"]
+    if tag:
+        summary["revision_tag"] = tag
+    card_data = ModelCardData(
+        base_model=base_model, library_name="transformers", license=license or None,
+        datasets=datasets or None, tags=tags, model_name=model_name,
+        eval_results=eval_results or None, hf_unlearn=summary,
+    )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(search), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["cell"] = lambda v: (json.dumps(v) if not isinstance(v, str) else v).replace("|", "\\|")
@@ -203,13 +221,16 @@ def render_model_card(
         text = env.get_template(name).render(
             card_data=card_data.to_yaml(), model_name=model_name, repo_id=repo_id or model_name,
             base_model=base_model, datasets=datasets, method=info["method"], paper=info["paper"],
-            hyperparameters=info["hyperparameters"], evaluation=info["evaluation"], citation=info["citation"],
-            request=request, shown_tags=request["tags"][:SHOWN_TAGS], manifest=manifest, exact=exact,
-            provenance_files=sorted(provenance_files), tag=tag, versions=library_versions(),
+            hyperparameters=shown_hyperparameters(info["hyperparameters"]), evaluation=info["evaluation"],
+            citation=info["citation"], request=request, shown_tags=request["tags"][:SHOWN_TAGS], manifest=manifest,
+            exact=exact, provenance_files=sorted(provenance_files), tag=tag, versions=library_versions(),
+            merged_adapter=merged_adapter,
         )
     except jinja2.TemplateError as e:
         raise UnlearnError(f"model card template {name} failed to render: {e}") from None
-    refuse_raw_ids(text, forget_ids, "rendered model card")
+    # every value above was scanned; the rendered text is checked once more for string ids (the template's own
+    # numbers, versions and hashes are the library's, so numbers are matched on the inputs, not here)
+    scanner.refuse(scanner.scan_text(text, "rendered model card", numbers=False), "the model card")
     check_card_metadata(text)
     return text
 

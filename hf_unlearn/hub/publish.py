@@ -2,40 +2,69 @@
 
 One commit per push means a revision is either fully published or not at all (the Hub moves the branch only when
 the commit succeeds), and one tag per deletion request (``deletion-0003``) makes the history of a model's deletions
-auditable from the repository's refs. The state-hash manifest (``state_hashes.json``) is computed with the
-library's one hash function, :func:`hf_unlearn.trace.hashing.state_hashes`, over the tensors actually saved in the
-safetensors files: safetensors stores a tied weight once (``lm_head.weight`` tied to ``embed_tokens.weight`` is
-saved under one name), so the manifest lists the saved names and records the dropped duplicates in ``not_saved``.
+auditable from the repository's refs.
+
+Order of work, so that a refused push creates nothing on the Hub: stage every file locally, scan every value and
+file for the forget ids (:mod:`hf_unlearn.hub.leaks`, :mod:`hf_unlearn.hub.provenance`), render the card, and only
+then talk to the Hub (token, repo, tag, commit).
+
+The state-hash manifest (``state_hashes.json``) hashes every tensor actually saved in the safetensors files with the
+library's one hash function (:func:`hf_unlearn.trace.hashing.state_hashes`); safetensors stores a tied weight once,
+so the manifest lists the saved names and records the tied duplicates in ``not_saved``, and its
+``state_dict_root`` is the root over the full state dict (duplicates included) that the trace and its deletion log
+record. It also holds the SHA-256 of every other published file that changes what the model computes (config,
+generation config, tokenizer files, chat template) and of the forget request and provenance files.
+
+Deletion tags are allocated safely under concurrency: the commit is made against the branch head that the tag
+number was computed from (``parent_commit``), the number counts the deletion commits already on the branch as
+well as the tags, and a push that loses the race recomputes and commits again, so two pushes never take the same
+number and every deletion commit carries its tag (a push cut off between commit and tag is completed by running
+it again).
+
+LoRA: a PEFT model (or a folder holding only an adapter) is published **merged** into its base weights, so the
+repository loads with plain ``transformers``; the card records the adapter's settings.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..trace.run import file_sha256
 from ..utils import atomic_write_text
-from .cards import checked_card_info, find_raw_ids, forget_request, normalize_card_info, render_model_card
+from .cards import card_scanner, checked_card_info, forget_request, hub_model_id, normalize_card_info, render_model_card
+from .leaks import Hit, IdScanner
 
 CARD_INFO_FILE = "unlearning_info.json"  # local only: holds raw forget ids, never uploaded
+PUSH_LOG_FILE = "hub_pushes.jsonl"  # local only: what each push published (commit, tag, roots), for verify
 MANIFEST_FILE = "state_hashes.json"
 FORGET_REQUEST_FILE = "forget_request.json"
 PROVENANCE_DIR = "provenance"
 PUBLISHED_PATTERNS = (
-    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "adapter_config.json",
+    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
 )
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+NOT_HASHED = {"README.md", MANIFEST_FILE, ".gitattributes"}  # the card and manifest vouch; .gitattributes is Hub's
 DELETION_TAG = re.compile(r"^deletion-(\d{4,})$")
-_TAG_LIKE = re.compile(r"^[0-9a-f]{16,}$")
+DELETION_TITLE = re.compile(r"^(deletion-\d{4,}): ")
+SHARD_NAME = re.compile(r"^[A-Za-z_]+-\d{5}-of-\d{5}\.safetensors(\.index\.json)?$")
+TAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+MAX_ATTEMPTS = 20
 
 
 @dataclass
@@ -49,7 +78,17 @@ class PushResult:
     files: list[str]
     params_root: str
     root: str
+    state_dict_root: str = ""
+    files_root: str = ""
     skipped_provenance: dict[str, str] = field(default_factory=dict)
+    card: str = ""
+
+    @property
+    def verify_command(self) -> str:
+        """The command that checks this push against values the repository cannot rewrite."""
+        rev = f" --revision {self.tag}" if self.tag else ""
+        return (f"hf-unlearn hub verify {self.repo_id}{rev} --expect-commit {self.commit} "
+                f"--expect-root {self.state_dict_root or self.params_root}")
 
 
 # -- card info on disk -----------------------------------------------------------------------------------------
@@ -85,7 +124,7 @@ def _jsonable(value):
 
 # -- manifest ---------------------------------------------------------------------------------------------------
 def safetensors_files(folder: str | os.PathLike) -> list[Path]:
-    return sorted(p for p in Path(folder).glob("*.safetensors") if p.is_file())
+    return sorted(p for p in Path(folder).glob("*.safetensors") if p.is_file() and p.name not in ADAPTER_FILES)
 
 
 def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -107,33 +146,30 @@ def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[st
     return hashes, layout
 
 
-def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
-                   state_dict_names: list[str] | None = None) -> dict[str, Any]:
-    """The state-hash manifest of the weights saved in ``folder`` (see the module docstring for its scope).
-
-    ``optimizer_root`` (exact deletion) is carried over from the trace; the optimizer state itself is not
-    published. ``state_dict_names`` (the model's full state dict) lets the manifest list tied duplicates.
-    """
-    from ..trace.hashing import StateHashes
-
-    params, layout = hash_safetensors(folder)
-    if not params:
-        raise UnlearnError(f"no safetensors weights in {folder}; save the model with save_pretrained() "
-                           "(safetensors is the default) before publishing")
-    hashes = StateHashes(params=params, optimizer_root=optimizer_root or "")
-    manifest = hashes.to_dict()
-    manifest.update(
-        scope="tensors saved in this repository's *.safetensors files (tied duplicates are saved once)",
-        files=layout, not_saved=sorted(set(state_dict_names or ()) - set(params)),
-    )
-    return manifest
+def hashed_files(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file of a repository folder that the manifest covers by file: all but the card, the
+    manifest and the weights hashed per tensor (top-level ``*.safetensors``; an adapter's or a subfolder's
+    safetensors file is hashed here like any other file, so it cannot sit in a revision unchecked)."""
+    folder = Path(folder)
+    tensors = {p.name for p in safetensors_files(folder)}
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and rel not in NOT_HASHED and rel not in tensors:
+            out[rel] = file_sha256(p)
+    return out
 
 
-def _state_dict_names(folder: Path) -> list[str]:
-    """The full state-dict names of the model in ``folder``, built on the meta device (no weights loaded).
+def files_root(file_hashes: Mapping[str, str]) -> str:
+    h = hashlib.sha256(b"hf_unlearn.files_root.v1")
+    for name in sorted(file_hashes):
+        h.update(name.encode("utf-8") + b"\0" + file_hashes[name].encode() + b"\n")
+    return h.hexdigest()
 
-    Best effort: used only to list tied duplicates in the manifest; an unknown architecture gives [].
-    """
+
+def tied_names(folder: str | os.PathLike) -> dict[str, str]:
+    """State-dict names that share a tensor with another (saved) name: {duplicate: saved name}, from the model
+    built on the meta device (no weights loaded). An architecture transformers cannot build gives {}."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -141,108 +177,251 @@ def _state_dict_names(folder: Path) -> list[str]:
         config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        return list(model.state_dict().keys())
     except Exception:
-        return []
-
-
-# -- provenance -------------------------------------------------------------------------------------------------
-def select_provenance(trace_dir: str | os.PathLike, forget_ids=()) -> tuple[dict[str, Path], dict[str, str]]:
-    """Split a trace directory into files safe to publish (keyed tags only) and files that stay local.
-
-    Published: JSON/JSONL files whose id-like fields hold only keyed tags (hex digests) and that name none of the
-    forget ids, and WAL files (``*.wal``, ``wal*.bin``: fixed records of keyed digests). Everything else (the token
-    store, checkpoints, id manifests with raw ids) stays local, with the reason.
-    """
-    root = Path(trace_dir)
-    if not root.is_dir():
-        raise UnlearnError(f"trace directory {trace_dir} does not exist")
-    keep: dict[str, Path] = {}
-    skipped: dict[str, str] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if any(part.startswith(".") for part in path.relative_to(root).parts):
-            continue
-        name = path.name.lower()
-        if name.endswith(".wal") or fnmatch.fnmatch(name, "wal*.bin"):
-            keep[rel] = path
-        elif name.endswith((".json", ".jsonl")):
-            reason = _raw_id_reason(path, forget_ids)
-            if reason:
-                skipped[rel] = reason
-            else:
-                keep[rel] = path
+        return {}
+    first: dict[int, str] = {}
+    out = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            out[name] = first[id(param)]
         else:
-            skipped[rel] = "not a publishable provenance file (token stores, checkpoints and tensors stay local)"
-    return keep, skipped
+            first[id(param)] = name
+    return out
 
 
-def _raw_id_reason(path: Path, forget_ids) -> str | None:
-    try:
-        text = path.read_text(encoding="utf-8")
-        records = ([json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl"
-                   else [json.loads(text)])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"unreadable JSON ({e.__class__.__name__})"
-    for record in records:
-        bad = _untagged_id_field(record)
-        if bad:
-            return f"carries raw ids in field {bad!r}"
-    named = [i for i in forget_ids if not str(i).isdigit()]  # numbers in a plan (steps, seeds) are not ids
-    if named and find_raw_ids(records, named):
-        return "names forget ids"
-    return None
+def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
+                   state_dict_names: list[str] | None = None) -> dict[str, Any]:
+    """The state-hash manifest of the repository folder ``folder`` (see the module docstring for its scope).
 
+    ``optimizer_root`` (exact deletion) is carried over from the trace; the optimizer state itself is not
+    published. ``state_dict_names`` (the model's full state dict) lets the manifest list tied duplicates.
+    """
+    from safetensors import safe_open
 
-def _untagged_id_field(value, key: str = "") -> str | None:
-    """The first id-like field whose values are not keyed tags (hex digests)."""
-    from .cards import _ID_KEY
+    from ..trace.hashing import StateHashes, root_hash, tensor_hash
 
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            found = _untagged_id_field(v, str(k))
-            if found:
-                return found
-        return None
-    if isinstance(value, list):
-        for v in value:
-            found = _untagged_id_field(v, key)
-            if found:
-                return found
-        return None
-    if key and _ID_KEY.search(key) and value is not None and not (isinstance(value, str) and _TAG_LIKE.match(value)):
-        return key
-    return None
+    folder = Path(folder)
+    params, layout = hash_safetensors(folder)
+    if not params:
+        raise UnlearnError(f"no safetensors weights in {folder}; save the model with save_pretrained() "
+                           "(safetensors is the default) before publishing")
+    ties = {dup: src for dup, src in tied_names(folder).items() if src in params and dup not in params}
+    full = dict(params)
+    for dup, src in ties.items():  # the tied name's tensor is the saved tensor's bytes under another name
+        shard = next(f for f, names in layout.items() if src in names)
+        with safe_open(str(folder / shard), framework="pt") as f:
+            full[dup] = tensor_hash(dup, f.get_tensor(src))
+    hashes = StateHashes(params=params, optimizer_root=optimizer_root or "")
+    file_hashes = hashed_files(folder)
+    manifest = hashes.to_dict()
+    manifest.update(
+        scope="tensors saved in this repository's *.safetensors files (tied duplicates are saved once) and the "
+              "SHA-256 of every other file except README.md and this manifest",
+        files=layout, not_saved=sorted((set(state_dict_names or ()) | set(ties)) - set(params)),
+        tied=dict(sorted(ties.items())), state_dict_root=root_hash(full),
+        file_hashes=file_hashes, files_root=files_root(file_hashes),
+    )
+    return manifest
 
 
 # -- staging ----------------------------------------------------------------------------------------------------
-def stage_files(source, staging: Path, tokenizer=None) -> list[str]:
-    """Copy (or save) what is published from ``source`` (an output dir or a model) into ``staging``."""
+def peft_settings(model) -> dict[str, Any] | None:
+    """The settings of a PeftModel's active adapter as plain values (for the card), or None for a plain model."""
+    from .cards import public_value
+
+    config = getattr(model, "peft_config", None)
+    if not isinstance(config, Mapping) or not config:
+        return None
+    cfg = config.get(getattr(model, "active_adapter", "default")) or next(iter(config.values()))
+    out = {"peft_type": public_value(getattr(cfg, "peft_type", "")) or type(cfg).__name__}
+    for name in ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora"):
+        value = getattr(cfg, name, None)
+        if value is not None:
+            out[name] = public_value(value)
+    base = hub_model_id(getattr(cfg, "base_model_name_or_path", None))
+    if base:
+        out["base_model"] = base
+    return out
+
+
+def merged_copy(model):
+    """A plain transformers model with the PEFT adapter merged in; ``model`` itself is left untouched."""
+    merged = copy.deepcopy(model)
+    if hasattr(merged, "merge_and_unload"):
+        return merged.merge_and_unload()
+    raise UnlearnError(f"cannot merge the adapter of {type(model).__name__}: only LoRA-style adapters that "
+                       "merge_and_unload() can publish as a plain model")
+
+
+def _merge_adapter_folder(src: Path):
+    """Load ``src`` (an adapter-only folder) on its base model and merge it; the base must be loadable here."""
+    try:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(src)
+    except Exception as e:
+        base = json.loads((src / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        raise UnlearnError(f"{src} holds only a LoRA adapter and its base model {base!r} cannot be loaded here "
+                           f"({type(e).__name__}); publish the merged model: trainer.push_to_hub() merges, or "
+                           "model.merge_and_unload().save_pretrained(DIR) and push DIR") from None
+    return model
+
+
+def stage_files(source, staging: Path, tokenizer=None) -> tuple[list[str], dict[str, Any] | None]:
+    """Copy (or save) what is published from ``source`` (an output dir or a model) into ``staging``.
+
+    Returns the model's state-dict names when a model was saved here ([] for a copied folder: the manifest finds
+    tied duplicates itself) and the settings of a PEFT adapter merged on the way (None if none was).
+    """
+    adapter = None
     if hasattr(source, "save_pretrained") and not isinstance(source, (str, os.PathLike)):
-        source.save_pretrained(staging, safe_serialization=True)
+        adapter = peft_settings(source)
+        model = merged_copy(source) if adapter else source
+        model.save_pretrained(staging, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        return list(source.state_dict().keys())
+        _drop_adapter_files(staging)
+        return list(model.state_dict().keys()), adapter
     src = Path(source)
     if not src.is_dir():
         raise UnlearnError(f"{source} is not a directory (expected a trainer output dir or save_pretrained() dir)")
+    if (src / "adapter_config.json").is_file() and not (src / "config.json").is_file():
+        peft_model = _merge_adapter_folder(src)
+        adapter = peft_settings(peft_model)
+        model = peft_model.merge_and_unload()
+        model.save_pretrained(staging, safe_serialization=True)
+        names = list(model.state_dict().keys())
+    else:
+        names = None
     for path in sorted(src.iterdir()):
-        if path.is_file() and any(fnmatch.fnmatch(path.name, pat) for pat in PUBLISHED_PATTERNS):
+        if path.is_file() and any(fnmatch.fnmatch(path.name, pat) for pat in PUBLISHED_PATTERNS) \
+                and path.name not in ADAPTER_FILES and not (staging / path.name).exists():
             shutil.copy2(path, staging / path.name)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
-    return _state_dict_names(staging) if (staging / "config.json").is_file() else []
+    _drop_adapter_files(staging)
+    return names or [], adapter
 
 
-def _base_model(staging: Path, base_model: str | None, info: dict) -> str | None:
-    candidate = base_model or info["extra"].get("base_model")
-    if candidate:
-        return str(candidate)
-    try:  # a Hub id in config._name_or_path (never a local path: it would leak the publisher's file system)
-        name = json.loads((staging / "config.json").read_text()).get("_name_or_path") or ""
+def _drop_adapter_files(staging: Path) -> None:
+    for name in ADAPTER_FILES:
+        (staging / name).unlink(missing_ok=True)
+
+
+def _base_model(staging: Path, base_model: str | None, info: dict, adapter: dict | None,
+                trace_dir) -> str | None:
+    """The Hub id of the model that was unlearned, from the first source that knows one."""
+    candidates = [base_model, info["extra"].get("base_model"), (adapter or {}).get("base_model")]
+    try:
+        candidates.append(json.loads((staging / "config.json").read_text()).get("_name_or_path"))
     except (OSError, json.JSONDecodeError):
-        return None
-    return name if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not os.path.exists(name) else None
+        pass
+    if trace_dir is not None and (Path(trace_dir) / "header.json").is_file():
+        try:
+            header = json.loads((Path(trace_dir) / "header.json").read_text())
+            candidates.append(((header.get("model") or {}).get("config") or {}).get("_name_or_path"))
+        except json.JSONDecodeError:
+            pass
+    return next((hub_model_id(c) for c in candidates if hub_model_id(c)), None)
+
+
+# -- scanning the outgoing files ---------------------------------------------------------------------------------
+_VERSION_KEYS = {"transformers_version", "_commit_hash"}
+_TOKENIZER_NUMBERS = {"added_tokens_decoder", "model_max_length", "max_length", "stride", "pad_to_multiple_of",
+                      "pad_token_type_id"}
+
+
+def _known_config_keys(data: dict, generation: bool) -> set[str]:
+    try:
+        if generation:
+            from transformers import GenerationConfig
+
+            return set(GenerationConfig().to_dict())
+        from transformers import AutoConfig, PretrainedConfig
+
+        keys = set(PretrainedConfig().to_dict())
+        try:
+            keys |= set(AutoConfig.for_model(data.get("model_type")).to_dict())
+        except Exception:
+            pass
+        return keys
+    except Exception:
+        return set()
+
+
+def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
+    """Forget ids in the staged files (the card, manifest and forget request are checked where they are made).
+
+    Config files: numbers under the fields the config class defines are configuration (layer counts, token ids),
+    every other value is matched. Tokenizer files: token ids and the learned vocabulary and merges are not sample
+    ids, every other string is matched. Safetensors: the header metadata is matched; tensor names for string ids.
+    """
+    hits: list[Hit] = []
+    for path in sorted(p for p in staging.iterdir() if p.is_file()):
+        name = path.name
+        if name in ("README.md", MANIFEST_FILE, FORGET_REQUEST_FILE):
+            continue
+        # the file's name is published too; a shard name's numbers are its position, not ids
+        hits += scanner.scan_text(name, f"file name {name}", numbers=not SHARD_NAME.match(name))
+        if name.endswith(".safetensors"):
+            hits += _scan_safetensors(path, scanner)
+        elif name in ("config.json", "generation_config.json"):
+            hits += scan_config(_load_json(path), name, scanner, generation=name == "generation_config.json")
+        elif name == "tokenizer.json":
+            data = _load_json(path)
+            if isinstance(data, dict) and isinstance(data.get("model"), dict):
+                data = {**data, "model": {k: v for k, v in data["model"].items() if k not in ("vocab", "merges")}}
+            hits += scanner.scan(data, name, numbers=False)
+        elif name == "tokenizer_config.json":
+            data = _load_json(path)
+            for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
+                numbers = key not in _TOKENIZER_NUMBERS and key != "chat_template"
+                hits += scanner.scan_text(str(key), f"{name}:{key} (key)")
+                hits += scanner.scan(value, f"{name}:{key}", numbers=numbers)
+        elif name in ("special_tokens_map.json", "added_tokens.json", "chat_template.json", "chat_template.jinja"):
+            hits += scanner.scan_text(path.read_text(encoding="utf-8", errors="replace"), name, numbers=False)
+        elif name in ("vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model"):
+            continue  # the tokenizer's learned vocabulary: not written from the training data's ids
+        else:
+            hits += scanner.scan_text(path.read_text(encoding="utf-8", errors="replace"), name)
+    return hits
+
+
+def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -> list[Hit]:
+    """Forget ids in a model (or generation) config: the fields the config class defines hold configuration, so
+    their numbers and label names are not matched (``pad_token_id``, ``id2label``), only string ids and the path
+    in ``_name_or_path``; every field the class does not define is matched in full."""
+    known = _known_config_keys(data, generation) if isinstance(data, dict) else set()
+    hits: list[Hit] = []
+    for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
+        where = f"{name}:{key}"
+        if key in _VERSION_KEYS:
+            continue
+        hits += scanner.scan_text(str(key), where + " (key)")
+        if key == "_name_or_path":
+            hits += scanner.scan_strings(value, where)
+        elif key in known:
+            hits += scanner.scan(value, where, numbers=False)
+        else:
+            hits += scanner.scan(value, where)
+    return hits
+
+
+def _load_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnlearnError(f"{path.name} is not valid JSON ({e}); it cannot be published") from None
+
+
+def _scan_safetensors(path: Path, scanner: IdScanner) -> list[Hit]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        names = list(f.keys())
+    hits = scanner.scan(metadata, f"{path.name}:metadata")
+    return hits + scanner.scan(names, f"{path.name}:tensor names", numbers=False)
 
 
 # -- the push ---------------------------------------------------------------------------------------------------
@@ -266,72 +445,119 @@ def push_unlearned(
     endpoint: str | None = None,
     template: str | os.PathLike | None = None,
     extra_tags: list[str] | str | None = None,
+    not_ids: Mapping[str, Any] | None = None,
+    local_dir: str | os.PathLike | None = None,
 ) -> PushResult:
     """Publish an unlearned model (an output directory, or a model + ``tokenizer``) to ``repo_id`` in one commit.
 
     ``card_info`` is the trainer's ``unlearning_card_info()`` (default: ``source/unlearning_info.json``). ``tag``
-    names this revision (e.g. ``deletion-0003``); ``deletion=True`` picks the next ``deletion-NNNN`` tag. Files of
-    the branch that this push does not contain (an old shard layout) are deleted in the same commit, so the
-    revision holds exactly one model. Raises :class:`UnlearnError` for a missing/bad token, a card that would carry
-    raw ids, an existing tag, or a failed upload (nothing is published then; run it again).
+    names this revision (e.g. ``deletion-0003``); ``deletion=True`` takes the next free ``deletion-NNNN`` tag.
+    Files of the branch that this push does not contain are deleted in the same commit, so the revision holds
+    exactly one model. Every value and file is scanned for the forget ids first; ``not_ids`` allows numbers that
+    merely equal an id, per field (``{"hyperparameters.max_steps": 3600}``, see :mod:`hf_unlearn.hub.leaks`).
+    Raises :class:`UnlearnError` for a missing/bad token, a forget id in anything published, an existing tag, or a
+    failed upload (nothing is published then; run it again). A PEFT model is published merged. The pushed card is
+    also written to ``local_dir`` (default: ``source`` when it is a folder) with a line in ``hub_pushes.jsonl``.
     """
-    from .keys import load_key
+    from .keys import key_fingerprint
+    from .provenance import select_provenance
 
     if not isinstance(repo_id, str) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
         raise UnlearnError(f"repo id {repo_id!r} must look like 'org/name'")
     if tag is not None and deletion:
         raise UnlearnError("pass either tag= or deletion=True, not both")
+    if tag is not None and not TAG_NAME.match(tag):
+        raise UnlearnError(f"tag {tag!r} is not a valid tag name (letters, digits, '.', '_', '-')")
     if card_info is None:
         if hasattr(source, "save_pretrained"):
             raise UnlearnError("card_info is required when pushing a model object (use unlearning_card_info())")
         card_info = load_card_info(source)
-    info = checked_card_info(card_info)  # refuses raw ids before anything is staged or sent
-    key = key if key is not None else load_key()
-    if not hasattr(source, "save_pretrained") and not Path(source).is_dir():
-        raise UnlearnError(f"{source} is not a directory (expected a trainer output dir or save_pretrained() dir)")
-    if not hasattr(source, "save_pretrained") and not safetensors_files(source):
-        raise UnlearnError(f"no safetensors weights in {source}; save the model with save_pretrained() "
-                           "(safetensors is the default) before publishing")
-    api = _authenticated_api(endpoint, token)  # cheap checks first: token, repo, tag, before staging
-    _create_repo(api, repo_id, private)
-    if deletion:
-        tag = next_deletion_tag(api, repo_id)
-    if tag is not None:
-        _check_new_tag(api, repo_id, tag)
+    info = checked_card_info(card_info, not_ids)  # refuses forget ids before anything is staged or sent
+    scanner = card_scanner(info, not_ids)
+    if not hasattr(source, "save_pretrained"):
+        if not Path(source).is_dir():
+            raise UnlearnError(f"{source} is not a directory (expected a trainer output dir or save_pretrained() dir)")
+        if not safetensors_files(source) and not (Path(source) / "adapter_config.json").is_file():
+            raise UnlearnError(f"no safetensors weights in {source}; save the model with save_pretrained() "
+                               "(safetensors is the default) before publishing")
+    key = _push_key(key, trace_dir)
+    hits = scanner.scan({"repo_id": repo_id, "tag": tag, "branch": revision, "commit_message": commit_message}, "")
 
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
         staging = Path(tmp)
-        names = stage_files(source, staging, tokenizer)
-        exact = info["extra"].get("exact_deletion") or {}
-        manifest = build_manifest(staging, optimizer_root=exact.get("optimizer_root", ""), state_dict_names=names)
-        atomic_write_text(staging / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+        names, adapter = stage_files(source, staging, tokenizer)
+        hits += scan_files(staging, scanner)
         request = forget_request(info["forget_ids"], key)
         atomic_write_text(staging / FORGET_REQUEST_FILE, json.dumps(request, indent=1))
-
         skipped: dict[str, str] = {}
         if trace_dir is not None:
-            keep, skipped = select_provenance(trace_dir, info["forget_ids"])
+            keep, skipped, trace_hits = select_provenance(trace_dir, scanner)
+            hits += trace_hits
             for rel, path in keep.items():
                 dest = staging / PROVENANCE_DIR / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, dest)
+        scanner.refuse(hits, "the push")
+        exact = info["extra"].get("exact_deletion") or {}
+        manifest = build_manifest(staging, optimizer_root=exact.get("optimizer_root", ""), state_dict_names=names)
+        atomic_write_text(staging / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+        base = _base_model(staging, base_model, info, adapter, trace_dir)
+        provenance = [f"{PROVENANCE_DIR}/{r}" for r in sorted(_provenance_rel(staging))]
 
-        card = render_model_card(
-            info, key=key, repo_id=repo_id, base_model=_base_model(staging, base_model, info), datasets=datasets,
-            license=license, manifest=manifest, tag=tag, template=template, extra_tags=extra_tags,
-            provenance_files=[f"{PROVENANCE_DIR}/{r}" for r in sorted(_provenance_rel(staging))],
-        )
-        atomic_write_text(staging / "README.md", card)
+        def card_for(revision_tag: str | None) -> str:
+            return render_model_card(
+                info, key=key, repo_id=repo_id, base_model=base, datasets=datasets, license=license,
+                manifest=manifest, tag=revision_tag, template=template, extra_tags=extra_tags, not_ids=not_ids,
+                provenance_files=provenance, merged_adapter=adapter)
 
+        card_for(tag)  # every check that does not need the Hub, first (the user's tag was scanned above)
+        summary = f"{info['method']} unlearning of {request['count']} samples"
+
+        def message_for(revision_tag: str | None) -> str:
+            text = commit_message or summary
+            return f"{revision_tag}: {text}" if revision_tag else text
+
+        api = _authenticated_api(endpoint, token)
+        _create_repo(api, repo_id, private)
+        commit, tag, card = _commit_and_tag(api, repo_id, staging, revision, tag, deletion, card_for, message_for,
+                                            manifest)
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
-        message = commit_message or (f"{tag}: " if tag else "") + (
-            f"{info['method']} unlearning of {request['count']} samples")
-        commit = _commit(api, repo_id, staging, files, message, revision)
-        if tag is not None:
-            _tag(api, repo_id, tag, commit, message)
-    url = f"{api.endpoint}/{repo_id}"
-    return PushResult(repo_id=repo_id, commit=commit, url=url, tag=tag, files=files,
-                      params_root=manifest["params_root"], root=manifest["root"], skipped_provenance=skipped)
+    result = PushResult(repo_id=repo_id, commit=commit, url=f"{api.endpoint}/{repo_id}", tag=tag, files=files,
+                        params_root=manifest["params_root"], root=manifest["root"],
+                        state_dict_root=manifest["state_dict_root"], files_root=manifest["files_root"],
+                        skipped_provenance=skipped, card=card)
+    local_dir = local_dir if local_dir is not None else (None if hasattr(source, "save_pretrained") else source)
+    if local_dir is not None:
+        _record_locally(Path(local_dir), result, key_fingerprint(key))
+    return result
+
+
+def _push_key(key: bytes | None, trace_dir) -> bytes:
+    """The key that tags the card: the run's key when publishing its provenance (so the card's tags match its
+    deletion log), else the library's one key."""
+    from .keys import key_fingerprint, load_key
+
+    if trace_dir is not None and (Path(trace_dir) / "header.json").is_file():
+        from ..trace.tags import run_key
+
+        run = run_key(trace_dir)
+        if key is not None and key != run:
+            raise UnlearnError(f"key= (fingerprint {key_fingerprint(key)}) is not the key of the run in {trace_dir} "
+                               f"({key_fingerprint(run)}): the card's tags would not match its deletion log")
+        return run
+    return key if key is not None else load_key()
+
+
+def _record_locally(folder: Path, result: PushResult, fingerprint: str) -> None:
+    """Keep the pushed card next to the weights (the local README.md is the one on the Hub) and log the push."""
+    atomic_write_text(folder / "README.md", result.card)
+    log = folder / PUSH_LOG_FILE
+    old = log.read_text() if log.is_file() else ""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repo_id": result.repo_id,
+             "commit": result.commit, "tag": result.tag, "params_root": result.params_root,
+             "state_dict_root": result.state_dict_root, "files_root": result.files_root,
+             "key_fingerprint": fingerprint}
+    atomic_write_text(log, old + json.dumps(entry, sort_keys=True) + "\n")
 
 
 def _provenance_rel(staging: Path) -> list[str]:
@@ -345,13 +571,17 @@ def hub_error(e: Exception, action: str) -> UnlearnError:
 
     if isinstance(e, LocalTokenNotFoundError):
         return UnlearnError(f"{action}: no Hugging Face token; set HF_TOKEN, pass --token, or run `hf auth login`")
-    status = getattr(getattr(e, "response", None), "status_code", None)
+    status = _status(e)
     if isinstance(e, HfHubHTTPError) and status == 401:
         return UnlearnError(f"{action}: the Hub rejected the token (401 Unauthorized); check HF_TOKEN / --token")
     if isinstance(e, HfHubHTTPError) and status == 403:
         return UnlearnError(f"{action}: the token may not write here (403 Forbidden)")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return UnlearnError(f"{action}: {first}")
+
+
+def _status(e: Exception) -> int | None:
+    return getattr(getattr(e, "response", None), "status_code", None)
 
 
 def _authenticated_api(endpoint: str | None, token: str | None):
@@ -378,41 +608,119 @@ def _create_repo(api, repo_id: str, private: bool | None) -> None:
         raise hub_error(e, f"cannot create {repo_id}") from None
 
 
-def next_deletion_tag(api, repo_id: str) -> str:
-    """``deletion-NNNN`` one above the highest deletion tag of the repo (``deletion-0001`` for the first)."""
-    numbers = [int(m.group(1)) for t in api.list_repo_refs(repo_id).tags if (m := DELETION_TAG.match(t.name))]
+def _head(api, repo_id: str, revision: str) -> tuple[str, dict[str, str]]:
+    """The branch's head commit (the branch is created from main if missing) and the repo's tags -> commits."""
+    refs = api.list_repo_refs(repo_id)
+    branches = {b.name: b.target_commit for b in refs.branches}
+    if revision not in branches:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+        refs = api.list_repo_refs(repo_id)
+        branches = {b.name: b.target_commit for b in refs.branches}
+    return branches[revision], {t.name: t.target_commit for t in refs.tags}
+
+
+def next_deletion_tag(api, repo_id: str, head: str | None = None, tags: Mapping[str, str] | None = None) -> str:
+    """``deletion-NNNN`` one above every deletion number in the repo's tags and in the branch's commit titles."""
+    tags = {t.name: t.target_commit for t in api.list_repo_refs(repo_id).tags} if tags is None else tags
+    numbers = [int(m.group(1)) for t in tags if (m := DELETION_TAG.match(t))]
+    if head is not None:
+        for c in api.list_repo_commits(repo_id, revision=head):
+            m = DELETION_TITLE.match(c.title or "")
+            if m:
+                numbers.append(int(DELETION_TAG.match(m.group(1)).group(1)))
     return f"deletion-{max(numbers, default=0) + 1:04d}"
 
 
-def _check_new_tag(api, repo_id: str, tag: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", tag):
-        raise UnlearnError(f"tag {tag!r} is not a valid tag name (letters, digits, '.', '_', '-')")
-    existing = {t.name for t in api.list_repo_refs(repo_id).tags}
-    if tag in existing:
-        raise UnlearnError(f"{repo_id} already has a tag {tag!r}; deletion tags are append-only, pick a new one "
-                           "(or use --deletion for the next number)")
+def _unfinished_push(api, repo_id: str, head: str, tags: Mapping[str, str], manifest_path: Path,
+                     tag: str | None) -> str | None:
+    """The tag of the head commit if it is this same push, committed but never tagged (a push cut off between
+    its commit and its tag: its title names the tag, its manifest is ours), else None."""
+    from huggingface_hub import hf_api
+
+    commits = api.list_repo_commits(repo_id, revision=head)
+    title = (commits[0].title or "") if commits else ""
+    wanted = tag if tag is not None else (m.group(1) if (m := DELETION_TITLE.match(title)) else None)
+    if not wanted or not title.startswith(f"{wanted}: ") or wanted in tags:
+        return None
+    try:
+        info = api.get_paths_info(repo_id, [MANIFEST_FILE], revision=head)
+    except Exception:
+        return None
+    from .store import git_blob_id
+
+    ours = git_blob_id(manifest_path.read_bytes())
+    same = any(isinstance(i, hf_api.RepoFile) and i.blob_id == ours for i in info)
+    return wanted if same else None
 
 
-def _commit(api, repo_id: str, staging: Path, files: list[str], message: str, revision: str) -> str:
+def _titled_commit(api, repo_id: str, head: str, tag: str) -> str | None:
+    """A commit of the branch whose title claims ``tag`` (``"deletion-0002: ..."``), or None: taking that tag for
+    another commit would leave the claiming commit untagged for ever."""
+    for c in api.list_repo_commits(repo_id, revision=head):
+        if (c.title or "").startswith(f"{tag}: "):
+            return c.commit_id
+    return None
+
+
+def _commit_and_tag(api, repo_id, staging: Path, revision: str, tag, deletion: bool, card_for, message_for,
+                    manifest) -> tuple[str, str | None, str]:
+    """Commit against the head the tag was chosen from, retrying when another push got there first; then tag."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-    try:
-        if revision != "main":
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        remote = set(api.list_repo_files(repo_id, revision=revision))
-        ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(staging / f)) for f in files]
-        ops += [CommitOperationDelete(path_in_repo=f) for f in sorted(remote - set(files) - {".gitattributes"})]
-        return api.create_commit(repo_id, operations=ops, commit_message=message, revision=revision).oid
-    except UnlearnError:
-        raise
-    except Exception as e:
-        raise hub_error(e, f"the upload to {repo_id} failed, nothing was published (a Hub commit is atomic); "
-                           "run the push again") from None
+    for attempt in range(MAX_ATTEMPTS):
+        try:
+            head, tags = _head(api, repo_id, revision)
+            if deletion or tag is not None:
+                done = _unfinished_push(api, repo_id, head, tags, staging / MANIFEST_FILE, None if deletion else tag)
+                if done:
+                    card = card_for(done)
+                    _tag(api, repo_id, done, head, message_for(done))
+                    return head, done, card
+            if deletion:
+                tag = next_deletion_tag(api, repo_id, head, tags)
+            if tag is not None and tag in tags:
+                raise UnlearnError(f"{repo_id} already has a tag {tag!r}; deletion tags are append-only, pick a new "
+                                   "one (or use --deletion for the next number)")
+            if tag is not None and not deletion and (claimed := _titled_commit(api, repo_id, head, tag)):
+                raise UnlearnError(f"commit {claimed} of {repo_id} is already titled {tag!r} but not tagged yet (a "
+                                   "push cut off before its tag: run that push again to tag it); pick another tag")
+            card = card_for(tag)
+            atomic_write_text(staging / "README.md", card)
+            files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+            remote = set(api.list_repo_files(repo_id, revision=head))
+            ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(staging / f)) for f in files]
+            ops += [CommitOperationDelete(path_in_repo=f) for f in sorted(remote - set(files) - {".gitattributes"})]
+            commit = api.create_commit(repo_id, operations=ops, commit_message=message_for(tag), revision=revision,
+                                       parent_commit=head).oid
+        except UnlearnError:
+            raise
+        except Exception as e:
+            if _status(e) in (409, 412) and attempt + 1 < MAX_ATTEMPTS:  # another push moved the branch first
+                time.sleep(random.uniform(0.05, 0.3) * (attempt + 1))
+                continue
+            raise hub_error(e, f"the upload to {repo_id} failed, nothing was published (a Hub commit is atomic); "
+                               "run the push again") from None
+        if tag is not None:
+            _tag(api, repo_id, tag, commit, message_for(tag))
+        return commit, tag, card
+    raise UnlearnError(f"{repo_id}: the branch kept moving under {MAX_ATTEMPTS} attempts; run the push again")
 
 
 def _tag(api, repo_id: str, tag: str, commit: str, message: str) -> None:
-    try:
-        api.create_tag(repo_id, tag=tag, revision=commit, tag_message=message)
-    except Exception as e:
-        raise hub_error(e, f"commit {commit} was published but tagging it {tag!r} failed; run the same push "
-                           "again (an unchanged push re-uses the commit and tags it)") from None
+    for attempt in range(3):
+        try:
+            api.create_tag(repo_id, tag=tag, revision=commit, tag_message=message)
+            return
+        except Exception as e:
+            if _status(e) == 409:
+                current = {t.name: t.target_commit for t in api.list_repo_refs(repo_id).tags}.get(tag)
+                if current == commit:
+                    return  # already tagged (a retried request)
+                raise UnlearnError(f"commit {commit} was published but the tag {tag!r} was taken by another writer "
+                                   f"(it points to {current}); tag the commit by hand") from None
+            if attempt == 2:
+                raise hub_error(e, f"commit {commit} was published but tagging it {tag!r} failed; run the same push "
+                                   "again (it finds the untagged commit and tags it)") from None
+            time.sleep(0.2 * (attempt + 1))
+
+

@@ -2,7 +2,7 @@
 
 It answers the calls the real ``huggingface_hub`` client makes to publish and download a model repository
 (whoami, create repo, preupload, the NDJSON commit endpoint with inline and LFS files, LFS batch/upload/verify,
-validate-yaml, repo info, tree, refs, branches, tags, commits, and ``resolve`` downloads with ``X-Repo-Commit``,
+validate-yaml, repo info, tree, paths-info, refs, branches, tags, commits, and ``resolve`` downloads with ``X-Repo-Commit``,
 ``ETag`` and ``X-Linked-Etag``), so that ``HfApi``, ``hf_hub_download`` and ``snapshot_download`` work against it
 unchanged once ``HF_ENDPOINT`` points here. Tests use it as the Hub; teams use it as an internal model store
 (``hf-unlearn hub serve --root DIR --port N --token T``). Large files go through the LFS protocol, so clients must
@@ -28,13 +28,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from .store import GITATTRIBUTES, RepoStore, StoreError
+from .store import GITATTRIBUTES, OID_RE, RepoStore, StoreError, clean_path
 
 logger = logging.getLogger(__name__)
 
 LFS_SIZE_THRESHOLD = 10 * 1024 * 1024
+MAX_BODY_BYTES = 256 * 1024 * 1024  # a commit's NDJSON (inline files are below the LFS threshold, base64-encoded)
+MAX_JSON_BYTES = 16 * 1024 * 1024  # every other JSON body
+MAX_LFS_BYTES = 1 << 40
+MAX_CARD_BYTES = 1024 * 1024  # YAML front matter parsed for validate-yaml and repo info
 LFS_SUFFIXES = tuple(line.split()[0][1:] for line in GITATTRIBUTES.decode().splitlines())
-FAULT_POINTS = ("commit", "lfs-upload")
+FAULT_POINTS = ("commit", "lfs-upload", "tag")
 _T = r"(models|datasets|spaces)"
 _R = r"([^/]+)/([^/]+)"
 _PREFIX = r"^/(?:(datasets|spaces)/)?"
@@ -44,6 +48,35 @@ class _Abort(Exception):
     """Drop the connection without an answer (a server dying mid-request)."""
 
 
+def _field(obj, key: str, kind, *, required: bool = False, default=None, where: str = "request body"):
+    """``obj[key]`` checked to be a ``kind`` (a type or tuple of types; bools are not ints); 400 otherwise."""
+    if not isinstance(obj, dict):
+        raise StoreError(400, f"{where} must be a JSON object")
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise StoreError(400, f"{where} lacks {key!r}")
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise StoreError(400, f"{where}: {key!r} must be {' or '.join(k.__name__ for k in kinds)}")
+    return value
+
+
+def _size(obj, key: str = "size", *, where: str = "request body", required: bool = True) -> int | None:
+    size = _field(obj, key, int, required=required, where=where)
+    if size is not None and size < 0:
+        raise StoreError(400, f"{where}: {key!r} must not be negative")
+    return size
+
+
+def _b64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise StoreError(400, f"{where}: content is not valid base64") from None
+
+
 class HubServer:
     """A Hub-compatible server over a :class:`RepoStore` at ``root``.
 
@@ -51,8 +84,10 @@ class HubServer:
     a free port. Use :meth:`start`/:meth:`stop` (a background thread) or :meth:`serve_forever`.
     """
 
-    def __init__(self, root, tokens: dict[str, str] | str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, root, tokens: dict[str, str] | str, host: str = "127.0.0.1", port: int = 0, *,
+                 max_body_bytes: int = MAX_BODY_BYTES, max_lfs_bytes: int = MAX_LFS_BYTES):
         self.store = RepoStore(root)
+        self.max_body_bytes, self.max_lfs_bytes = int(max_body_bytes), int(max_lfs_bytes)
         self.tokens = {tokens: "user"} if isinstance(tokens, str) else dict(tokens)
         if not self.tokens:
             raise ValueError("HubServer needs at least one access token")
@@ -95,6 +130,7 @@ class HubServer:
 
         ``"commit"``: after the commit's objects and record are written, before the branch moves (so nothing is
         published). ``"lfs-upload"``: after half of an LFS upload body has been read (nothing is stored).
+        ``"tag"``: a tag creation request, before the tag is created.
         """
         if point not in FAULT_POINTS:
             raise ValueError(f"unknown fault point {point!r}; choose one of {FAULT_POINTS}")
@@ -136,6 +172,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self):
         self._dispatch("DELETE")
 
+    def _not_allowed(self):  # a JSON 405 for the methods the Hub API never uses (not http.server's HTML 501)
+        self._drain()
+        self._json({"error": f"method {self.command} is not allowed"}, status=405,
+                   headers={"Allow": "GET, HEAD, POST, PUT, DELETE"})
+
+    do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
+
     def _dispatch(self, method: str) -> None:
         split = urlsplit(self.path)
         self.query = {k: v[-1] for k, v in parse_qs(split.query).items()}
@@ -175,30 +218,53 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         if code:
             self.send_header("X-Error-Code", code)
-        if status >= 400:
-            self.send_header("X-Error-Message", str(payload.get("error", ""))[:200].replace("\n", " "))
+        if status >= 400:  # printable ASCII only: a client-chosen path in a message must not split the header
+            self.send_header("X-Error-Message", re.sub(r"[^\x20-\x7e]", "?", str(payload.get("error", "")))[:200])
+        if self.close_connection:
+            self.send_header("Connection", "close")
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _body_chunks(self):
-        """The request body as chunks (Content-Length or chunked transfer encoding)."""
+    def _body_chunks(self, limit: int | None = None):
+        """The request body as chunks (Content-Length or chunked transfer encoding), at most ``limit`` bytes.
+
+        A body announced larger than ``limit`` is refused (413) before any of it is read; a chunked body is
+        counted as it arrives. Either way the connection is closed after the answer (the rest is never read).
+        """
         if self._body_consumed:
             return
         self._body_consumed = True
+        limit = self.hub.max_body_bytes if limit is None else limit
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            total = 0
             while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                try:
+                    size = int(self.rfile.readline(64).split(b";")[0].strip() or b"0", 16)
+                except ValueError:
+                    self.close_connection = True
+                    raise StoreError(400, "malformed chunked transfer encoding") from None
                 if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
                         pass
                     return
+                total += size
+                if size < 0 or total > limit:
+                    self.close_connection = True
+                    raise StoreError(413, f"request body larger than {limit} bytes")
                 yield self.rfile.read(size)
-                self.rfile.readline()
+                self.rfile.readline(64)
         else:
-            left = int(self.headers.get("Content-Length") or 0)
+            raw = (self.headers.get("Content-Length") or "0").strip()
+            if not raw.isdigit():
+                self.close_connection = True
+                raise StoreError(400, "invalid Content-Length header")
+            left = int(raw)
+            if left > limit:
+                self.close_connection = True
+                raise StoreError(413, f"request body of {left} bytes is larger than the limit of {limit} bytes")
             while left > 0:
                 chunk = self.rfile.read(min(left, 1 << 20))
                 if not chunk:
@@ -214,23 +280,24 @@ class _Handler(BaseHTTPRequestHandler):
         self._body_consumed = False
         super().handle_one_request()
 
-    def _body(self) -> bytes:
-        return b"".join(self._body_chunks())
+    def _body(self, limit: int | None = None) -> bytes:
+        return b"".join(self._body_chunks(limit))
 
     def _json_body(self) -> dict:
         try:
-            data = json.loads(self._body() or b"{}")
-        except json.JSONDecodeError as e:
+            data = json.loads(self._body(min(self.hub.max_body_bytes, MAX_JSON_BYTES)) or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise StoreError(400, f"invalid JSON body: {e}") from None
         if not isinstance(data, dict):
             raise StoreError(400, "JSON body must be an object")
         return data
 
     def _drain(self) -> None:
+        """Read an unread body so the connection can serve the next request (or close it when that is unsafe)."""
         try:
             for _ in self._body_chunks():
                 pass
-        except (_Abort, ValueError, OSError):
+        except (_Abort, StoreError, ValueError, OSError):
             self.close_connection = True
 
     # -- auth ----------------------------------------------------------------------------------------------
@@ -281,23 +348,29 @@ class _Handler(BaseHTTPRequestHandler):
     def create_repo(self):
         user = self._require_user()
         body = self._json_body()
-        rtype = body.get("type") or "model"
-        repo_id = f"{body.get('organization') or user}/{body.get('name')}"
-        private = body.get("visibility", "private" if body.get("private") else "public") == "private"
+        rtype = _field(body, "type", str, default="model")
+        repo_id = f"{_field(body, 'organization', str) or user}/{_field(body, 'name', str, required=True)}"
+        visibility = _field(body, "visibility", str)
+        private = (visibility == "private") if visibility is not None else bool(_field(body, "private", bool))
         url = self._repo_url(rtype, repo_id)
         if not self.hub.store.create_repo(rtype, repo_id, private=private, author=user):
             raise StoreError(409, f"You already created this {rtype} repo", url=url)
         self._json({"url": url, "name": repo_id, "id": repo_id})
 
     def delete_repo(self):
-        self._require_user()
+        user = self._require_user()
         body = self._json_body()
-        self.hub.store.delete_repo(body.get("type") or "model", f"{body.get('organization')}/{body.get('name')}")
+        repo_id = f"{_field(body, 'organization', str) or user}/{_field(body, 'name', str, required=True)}"
+        self.hub.store.delete_repo(_field(body, "type", str, default="model"), repo_id)
         self._json({})
 
     def validate_yaml(self):
+        self._require_user()  # parsing YAML costs CPU: not for anonymous callers
         body = self._json_body()
-        errors, warnings = validate_card_metadata(body.get("content", ""))
+        content = _field(body, "content", str, default="")
+        if len(content) > MAX_CARD_BYTES:
+            raise StoreError(413, f"card content larger than {MAX_CARD_BYTES} bytes")
+        errors, warnings = validate_card_metadata(content)
         self._json({"errors": [{"message": m} for m in errors], "warnings": [{"message": m} for m in warnings]},
                    status=400 if errors else 200)
 
@@ -328,10 +401,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _card_data(self, rtype, repo_id, files) -> dict:
         entry = files.get("README.md")
-        if entry is None:
+        if entry is None or entry.size > MAX_CARD_BYTES:
             return {}
         with self.hub.store.open_entry(entry) as f:
-            meta = _front_matter(f.read().decode("utf-8", "replace"))
+            text = f.read().decode("utf-8", "replace")
+        try:
+            meta = _front_matter(text)
+        except Exception:  # an invalid or hostile card (YAML aliases) is served as "no card data"
+            return {}
         return meta if isinstance(meta, dict) else {}
 
     def tree(self, rtypes, ns, name, revision, subpath):
@@ -339,6 +416,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._readable(rtype, repo_id)
         _, files = self.hub.store.files(rtype, repo_id, revision)
         prefix = (subpath or "").strip("/")
+        if prefix:
+            clean_path(prefix)
         recursive = self.query.get("recursive", "").lower() in ("1", "true")
         base = prefix + "/" if prefix else ""
         items, folders = [], set()
@@ -356,6 +435,26 @@ class _Handler(BaseHTTPRequestHandler):
         items += [{"type": "directory", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": 0, "path": p}
                   for p in folders]
         self._json(sorted(items, key=lambda i: i["path"]))
+
+    def paths_info(self, rtypes, ns, name, revision):
+        """POST paths-info: the tree entries of the given paths (form-encoded ``paths=...``), missing ones left out."""
+        rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
+        self._readable(rtype, repo_id)
+        body = self._body(min(self.hub.max_body_bytes, MAX_JSON_BYTES))
+        try:
+            form = parse_qs(body.decode("utf-8"), strict_parsing=bool(body))
+        except (UnicodeDecodeError, ValueError):
+            raise StoreError(400, "paths-info expects a form-encoded body (paths=...)") from None
+        _, files = self.hub.store.files(rtype, repo_id, revision)
+        items = []
+        for path in dict.fromkeys(form.get("paths", [])):
+            path = clean_path(path.strip("/"))
+            if path in files:
+                items.append(files[path].tree_item())
+            elif any(p.startswith(path + "/") for p in files):
+                items.append({"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0,
+                              "path": path})
+        self._json(items)
 
     def refs(self, rtypes, ns, name):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
@@ -385,11 +484,13 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             body = self._json_body()
             if kind == "branch":
-                self.hub.store.create_ref(rtype, repo_id, "branch", ref, body.get("startingPoint") or "main")
+                self.hub.store.create_ref(rtype, repo_id, "branch", ref,
+                                          _field(body, "startingPoint", str) or "main")
             else:  # POST /tag/{revision} {"tag": name, "message": ...}
-                if not body.get("tag"):
-                    raise StoreError(400, "missing 'tag' in the request body")
-                self.hub.store.create_ref(rtype, repo_id, "tag", body["tag"], ref, body.get("message") or "")
+                if self.hub._take_fault("tag"):
+                    raise _Abort()
+                self.hub.store.create_ref(rtype, repo_id, "tag", _field(body, "tag", str, required=True), ref,
+                                          _field(body, "message", str, default=""))
         self._json({})
 
     # -- uploads -------------------------------------------------------------------------------------------
@@ -399,9 +500,11 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._json_body()
         sha, files = self.hub.store.files(rtype, repo_id, revision)
         out = []
-        for f in body.get("files", []):
-            path, size = f["path"], int(f.get("size", 0))
-            sample = base64.b64decode(f.get("sample") or "")
+        for n, f in enumerate(_field(body, "files", list, default=[])):
+            where = f"files[{n}]"
+            path = clean_path(_field(f, "path", str, required=True, where=where))
+            size = _size(f, where=where, required=False) or 0
+            sample = _b64(_field(f, "sample", str, default="", where=where), where)
             lfs = size > 0 and (size >= LFS_SIZE_THRESHOLD or path.endswith(LFS_SUFFIXES) or b"\0" in sample)
             entry = files.get(path)
             oid = (entry.lfs_oid or entry.oid) if entry is not None and bool(entry.lfs_oid) == lfs else None
@@ -416,11 +519,14 @@ class _Handler(BaseHTTPRequestHandler):
             raise StoreError(400, "only the 'upload' LFS operation is served (downloads go through /resolve)")
         verify = f"{self.endpoint}/{prefix or ''}{repo_id}.git/info/lfs/objects/verify"
         objects = []
-        for obj in body.get("objects", []):
-            oid, size = str(obj["oid"]), int(obj["size"])
+        for n, obj in enumerate(_field(body, "objects", list, default=[])):
+            oid = _field(obj, "oid", str, required=True, where=f"objects[{n}]")
+            size = _size(obj, where=f"objects[{n}]")
             item = {"oid": oid, "size": size, "authenticated": True}
-            if not re.fullmatch(r"[0-9a-f]{64}", oid):
-                item["error"] = {"code": 422, "message": f"invalid sha256 oid {oid!r}"}
+            if not OID_RE["lfs"].match(oid):
+                item["error"] = {"code": 422, "message": f"invalid sha256 oid {oid[:80]!r}"}
+            elif size > self.hub.max_lfs_bytes:
+                item["error"] = {"code": 413, "message": f"object larger than {self.hub.max_lfs_bytes} bytes"}
             elif not self.hub.store.has_lfs(oid, size):
                 href = f"{self.endpoint}/_lfs/{oid}?size={size}&sig={self.hub._sign(oid, size)}"
                 item["actions"] = {"upload": {"href": href, "header": {}}, "verify": {"href": verify, "header": {}}}
@@ -431,13 +537,16 @@ class _Handler(BaseHTTPRequestHandler):
     def lfs_upload(self, oid):
         """PUT of one LFS object. Authorised by the signature in the URL (like a presigned URL: the client sends
         no token here); stored only if the content matches the oid and size."""
-        size = int(self.query.get("size", -1))
+        raw = self.query.get("size", "")
+        if not raw.isdigit():
+            raise StoreError(400, "the upload URL needs a size (a non-negative integer)")
+        size = int(raw)
         if not hmac.compare_digest(self.query.get("sig", ""), self.hub._sign(oid, size)):
             raise StoreError(403, "invalid or missing upload signature")
-        writer = self.hub.store.lfs_writer()
+        writer = self.hub.store.lfs_writer(max_size=size)
         fault = self.hub._take_fault("lfs-upload")
         try:
-            for chunk in self._body_chunks():
+            for chunk in self._body_chunks(limit=min(size, self.hub.max_lfs_bytes)):
                 writer.write(chunk)
                 if fault and writer.size >= size // 2:
                     raise _Abort()
@@ -451,8 +560,9 @@ class _Handler(BaseHTTPRequestHandler):
         rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
         self._writable(rtype, repo_id)
         body = self._json_body()
-        if not self.hub.store.has_lfs(str(body.get("oid")), int(body.get("size", -1))):
-            raise StoreError(404, f"LFS object {body.get('oid')} not found")
+        oid, size = _field(body, "oid", str, required=True), _size(body)
+        if not self.hub.store.has_lfs(oid, size):
+            raise StoreError(404, f"LFS object {oid} not found")
         self._json({})
 
     def commit(self, rtypes, ns, name, revision):
@@ -465,32 +575,42 @@ class _Handler(BaseHTTPRequestHandler):
         for n, line in enumerate(self._body().splitlines()):
             if not line.strip():
                 continue
+            where = f"commit payload line {n + 1}"
             try:
                 item = json.loads(line)
-                key, value = item["key"], item["value"]
-                if key == "header":
-                    header = value
-                elif key == "file":
-                    content = value["content"]
-                    data = (base64.b64decode(content) if value.get("encoding", "base64") == "base64"
-                            else content.encode())
-                    ops.append(("file", value["path"], data))
-                elif key == "lfsFile":
-                    if value.get("algo", "sha256") != "sha256":
-                        raise StoreError(400, f"unsupported LFS hash algorithm {value.get('algo')!r}")
-                    size = value.get("size")
-                    if size is None:  # a copy of an existing object
-                        path = self.hub.store._object_path("lfs", value["oid"])
-                        size = path.stat().st_size if path.exists() else -1
-                    ops.append(("lfs", value["path"], (value["oid"], int(size))))
-                elif key in ("deletedFile", "deletedFolder"):
-                    ops.append(("delete", value["path"], key == "deletedFolder"))
-                else:
-                    raise StoreError(400, f"unknown commit operation {key!r} on line {n + 1}")
-            except (KeyError, TypeError, ValueError) as e:
-                if isinstance(e, StoreError):
-                    raise
-                raise StoreError(400, f"malformed commit payload on line {n + 1}: {e!r}") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise StoreError(400, f"{where} is not JSON: {e}") from None
+            key = _field(item, "key", str, required=True, where=where)
+            value = _field(item, "value", dict, required=True, where=where)
+            if key == "header":
+                header = {"summary": _field(value, "summary", str, default="update", where=where),
+                          "description": _field(value, "description", str, default="", where=where),
+                          "parentCommit": _field(value, "parentCommit", str, where=where)}
+            elif key == "file":
+                path = clean_path(_field(value, "path", str, required=True, where=where))
+                content = _field(value, "content", str, required=True, where=where)
+                encoding = _field(value, "encoding", str, default="base64", where=where)
+                if encoding not in ("base64", "utf-8"):
+                    raise StoreError(400, f"{where}: unknown encoding {encoding[:40]!r}")
+                data = _b64(content, where) if encoding == "base64" else content.encode("utf-8")
+                ops.append(("file", path, data))
+            elif key == "lfsFile":
+                path = clean_path(_field(value, "path", str, required=True, where=where))
+                if _field(value, "algo", str, default="sha256", where=where) != "sha256":
+                    raise StoreError(400, f"{where}: unsupported LFS hash algorithm {value.get('algo')!r}")
+                oid = _field(value, "oid", str, required=True, where=where)
+                if not OID_RE["lfs"].match(oid):
+                    raise StoreError(400, f"{where}: invalid LFS oid {oid[:80]!r} (64 lowercase hex digits)")
+                size = _size(value, where=where, required=False)
+                if size is None:  # a copy of an existing object
+                    obj = self.hub.store._object_path("lfs", oid)
+                    size = obj.stat().st_size if obj.is_file() else -1
+                ops.append(("lfs", path, (oid, size)))
+            elif key in ("deletedFile", "deletedFolder"):
+                path = clean_path(_field(value, "path", str, required=True, where=where).rstrip("/"))
+                ops.append(("delete", path, key == "deletedFolder"))
+            else:
+                raise StoreError(400, f"unknown commit operation {key[:40]!r} on line {n + 1}")
         if header is None:
             raise StoreError(400, "commit payload has no header line")
 
@@ -499,9 +619,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _Abort()
 
         sha = self.hub.store.apply_commit(
-            rtype, repo_id, revision, message=str(header.get("summary") or "update"),
-            description=str(header.get("description") or ""), author=user, operations=ops,
-            parent_commit=header.get("parentCommit"), before_publish=fault)
+            rtype, repo_id, revision, message=header["summary"] or "update", description=header["description"],
+            author=user, operations=ops, parent_commit=header["parentCommit"], before_publish=fault)
         self._json({"success": True, "commitOid": sha, "commitUrl": f"{self._repo_url(rtype, repo_id)}/commit/{sha}",
                     "pullRequestUrl": None, "hookOutput": ""})
 
@@ -510,7 +629,7 @@ class _Handler(BaseHTTPRequestHandler):
         rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
         self._readable(rtype, repo_id)
         sha, files = self.hub.store.files(rtype, repo_id, revision)
-        entry = files.get(path)
+        entry = files.get(clean_path(path))
         if entry is None:
             raise StoreError(404, f"Entry not found: {path} at {revision}", "EntryNotFound")
         start, end, status = 0, entry.size - 1, 200
@@ -567,6 +686,7 @@ _ROUTES = [(m, re.compile(p), n) for m, p, n in [
     ("POST", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
     ("DELETE", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
     ("POST", rf"^/api/{_T}/{_R}/preupload/([^/]+)$", "preupload"),
+    ("POST", rf"^/api/{_T}/{_R}/paths-info/([^/]+)$", "paths_info"),
     ("POST", rf"^/api/{_T}/{_R}/commit/([^/]+)$", "commit"),
     ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/batch$", "lfs_batch"),
     ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/verify$", "lfs_verify"),
@@ -576,11 +696,24 @@ _ROUTES = [(m, re.compile(p), n) for m, p, n in [
 
 
 def _front_matter(text: str):
-    """The parsed YAML block at the top of a card (None if there is none)."""
+    """The parsed YAML block at the top of a card (None if there is none).
+
+    Parsed with a safe loader that refuses aliases: card metadata never needs them, and a few hundred bytes of
+    nested aliases expand to gigabytes (a "billion laughs" document). Raises ``yaml.YAMLError``.
+    """
     import yaml
 
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "YAML aliases are not allowed in card metadata",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+    if len(text) > 4 * MAX_CARD_BYTES:
+        raise yaml.YAMLError(f"card larger than {4 * MAX_CARD_BYTES} characters")
     m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
-    return yaml.safe_load(m.group(1)) if m else None
+    return yaml.load(m.group(1), Loader=NoAliasLoader) if m else None
 
 
 def validate_card_metadata(content: str) -> tuple[list[str], list[str]]:

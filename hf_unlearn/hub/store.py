@@ -31,6 +31,9 @@ from ..utils import atomic_write_bytes, atomic_write_text
 REPO_TYPES = ("model", "dataset", "space")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+OID_RE = {"blobs": re.compile(r"^[0-9a-f]{40}$"), "lfs": re.compile(r"^[0-9a-f]{64}$")}  # git sha1 / LFS sha256
+MAX_PATH_CHARS = 1000
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n"
 GITATTRIBUTES = "".join(
     f"*.{ext} filter=lfs diff=lfs merge=lfs -text\n"
@@ -88,7 +91,18 @@ class RepoStore:
 
     # -- objects -------------------------------------------------------------------------------------------
     def _object_path(self, kind: str, oid: str) -> Path:
-        return self.root / "objects" / kind / oid[:2] / oid
+        """Where object ``oid`` lives; ``oid`` must be a lowercase hex digest (client input never becomes a path
+        otherwise), and the result is checked to lie inside the store."""
+        if not isinstance(oid, str) or not OID_RE[kind].match(oid):
+            raise StoreError(400, f"invalid {'LFS' if kind == 'lfs' else 'blob'} oid {str(oid)[:80]!r}: expected "
+                                  f"{64 if kind == 'lfs' else 40} lowercase hex digits")
+        return self._confined(self.root / "objects" / kind / oid[:2] / oid)
+
+    def _confined(self, path: Path) -> Path:
+        """``path`` if it resolves inside the store's root (defence in depth behind the name/oid checks)."""
+        if not path.resolve().is_relative_to(self.root.resolve()):
+            raise StoreError(400, "path outside the store")
+        return path
 
     def has_lfs(self, oid: str, size: int | None = None) -> bool:
         path = self._object_path("lfs", oid)
@@ -101,8 +115,8 @@ class RepoStore:
             atomic_write_bytes(path, data)
         return oid
 
-    def lfs_writer(self) -> LfsWriter:
-        return LfsWriter(self)
+    def lfs_writer(self, max_size: int | None = None) -> LfsWriter:
+        return LfsWriter(self, max_size)
 
     def open_entry(self, entry: Entry):
         kind, oid = ("lfs", entry.lfs_oid) if entry.lfs_oid else ("blobs", entry.oid)
@@ -112,10 +126,11 @@ class RepoStore:
     def _repo_dir(self, repo_type: str, repo_id: str) -> Path:
         if repo_type not in REPO_TYPES:
             raise StoreError(400, f"unknown repo type {repo_type!r}")
-        parts = repo_id.split("/")
+        parts = repo_id.split("/") if isinstance(repo_id, str) else []
         if len(parts) != 2 or not all(_NAME_RE.match(p) and ".." not in p for p in parts):
-            raise StoreError(400, f"invalid repo id {repo_id!r}: expected 'namespace/name'")
-        return self.root / "repos" / f"{repo_type}s" / parts[0] / parts[1]
+            raise StoreError(400, f"invalid repo id {str(repo_id)[:200]!r}: expected 'namespace/name' (letters, "
+                                  "digits, '-', '_', '.')")
+        return self._confined(self.root / "repos" / f"{repo_type}s" / parts[0] / parts[1])
 
     def lock(self, repo_type: str, repo_id: str) -> threading.Lock:
         with self._locks_guard:
@@ -240,7 +255,7 @@ class RepoStore:
                 raise StoreError(412, f"A commit has happened since {parent_commit}: the head of {branch} is {head}")
             files = dict(self.commit(repo_type, repo_id, head)["files"])
             for kind, path, value in operations:
-                path = _clean_path(path)
+                path = clean_path(path)
                 if kind == "file":
                     files[path] = self._regular_entry(path, value).to_dict()
                 elif kind == "lfs":
@@ -286,8 +301,9 @@ class LfsWriter:
     """Streams an upload into a temporary file and moves it into the object store only if its sha256 and size
     match what the client announced: a torn or corrupted upload never becomes an object."""
 
-    def __init__(self, store: RepoStore):
+    def __init__(self, store: RepoStore, max_size: int | None = None):
         self.store = store
+        self.max_size = max_size
         tmp_dir = store.root / "objects" / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         fd, self.tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".part")
@@ -296,6 +312,9 @@ class LfsWriter:
         self.size = 0
 
     def write(self, chunk: bytes) -> None:
+        if self.max_size is not None and self.size + len(chunk) > self.max_size:
+            self.abort()
+            raise StoreError(413, f"upload is larger than its announced size ({self.max_size} bytes)")
         self.file.write(chunk)
         self.sha.update(chunk)
         self.size += len(chunk)
@@ -313,16 +332,21 @@ class LfsWriter:
         os.replace(self.tmp, path)
 
     def abort(self) -> None:
-        self.file.close()
+        if not self.file.closed:
+            self.file.close()
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
 
 
-def _clean_path(path: str) -> str:
-    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise StoreError(400, f"invalid path in repo: {path!r}")
-    return "/".join(parts)
+def clean_path(path) -> str:
+    """A file path inside a repository, refused (400) unless it is already clean: relative, '/'-separated, no
+    empty, '.' or '..' part, no backslash or control character (NUL included), at most 1000 characters."""
+    ok = (isinstance(path, str) and 0 < len(path) <= MAX_PATH_CHARS and not _CONTROL.search(path)
+          and "\\" not in path and all(p not in ("", ".", "..") for p in path.split("/")))
+    if not ok:
+        raise StoreError(400, f"invalid path in repo: {str(path)[:200]!r} (relative, '/'-separated, no '.', '..', "
+                              "empty parts, backslashes or control characters)")
+    return path
 
 
 def _now() -> str:

@@ -1,24 +1,36 @@
-"""Verify a published revision: download it, recompute every tensor's state hash, compare with manifest and card.
+"""Verify a published revision: download it, recompute every hash, load the model, compare with manifest and card.
 
-The check is per tensor, so a failure names the tensors that differ; the roots close the loop: the recomputed
-parameters root must equal the manifest's and the one in the card's metadata, so neither the weights, nor the
-manifest, nor the card can be changed alone without ``verify`` failing.
+What ``verify`` proves, and what it cannot:
+
+* Always (self-consistency): every tensor of the revision's safetensors files hashes to the value in
+  ``state_hashes.json``; every other file that changes what the model computes (config, generation config,
+  tokenizer, chat template; also the forget request and provenance) has the SHA-256 the manifest lists, and no
+  file outside the manifest is in the revision (apart from the card and ``.gitattributes``); the manifest's roots
+  are the roots of its own entries and the card states the same roots; the model **loads** with ``transformers``
+  from the revision and the loaded state dict is exactly the hashed tensors (tied weights included). Whoever can
+  write the repository can rewrite weights, manifest and card together, so this alone does not show that the
+  weights are the ones the publisher produced.
+* With ``expect_root`` (from the publisher's own records: the run's deletion log, the replay's verification
+  record, or the push's ``hub_pushes.jsonl``): the loaded weights hash to that root (the full state-dict root, or
+  the saved-tensor root). The repository cannot rewrite that value.
+* With ``expect_commit``: the revision checked is exactly that commit (a tag or branch that was moved fails).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
-from .publish import MANIFEST_FILE, hash_safetensors
+from .publish import MANIFEST_FILE, files_root, hash_safetensors, hashed_files
 
 
 @dataclass
 class VerifyReport:
-    """The outcome of a verification; ``ok`` iff every tensor and every root matches."""
+    """The outcome of a verification; ``ok`` iff every check passed. ``statement`` says what was proven."""
 
     source: str
     commit: str | None = None
@@ -28,30 +40,72 @@ class VerifyReport:
     unexpected: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     params_root: str = ""
+    state_dict_root: str = ""
+    files_checked: int = 0
+    loaded: str | None = None  # the class the revision loaded as (None: not loaded)
+    expect_root: str | None = None
+    expect_commit: str | None = None
 
     @property
     def ok(self) -> bool:
         return not (self.mismatched or self.missing or self.unexpected or self.problems)
 
+    @property
+    def anchored(self) -> bool:
+        """True when the result was checked against a value the repository's writer cannot rewrite."""
+        return self.ok and bool(self.expect_root)
+
+    @property
+    def statement(self) -> str:
+        """What this verification proved, and what it did not (one paragraph)."""
+        where = f"{self.source}{f' at commit {self.commit}' if self.commit else ''}"
+        if not self.ok:
+            return f"Nothing is proven about {where}: the checks failed (see the problems)."
+        text = (f"Proven: the {self.checked} tensors and {self.files_checked} other files of {where} match its "
+                f"state_hashes.json and its model card, and the model loads with transformers ({self.loaded}) to "
+                f"exactly those tensors (state-dict root {self.state_dict_root}).")
+        if self.expect_root:
+            text += f" The weights hash to the expected root {self.expect_root}, given from outside the repository."
+        if self.expect_commit:
+            text += f" The revision is the expected commit {self.expect_commit}."
+        if not self.expect_root:
+            text += (" Not proven: that these are the weights the publisher produced; whoever can write the "
+                     "repository can replace weights, manifest and card together. Pass --expect-root (and "
+                     "--expect-commit) from the publisher's own records for that.")
+        return text
+
     def summary(self) -> str:
         if self.ok:
-            return (f"OK: {self.checked} tensors of {self.source}{f' (commit {self.commit})' if self.commit else ''} match "
-                    f"the manifest and the card (parameters root {self.params_root})")
-        lines = [f"FAILED: {self.source}{f' (commit {self.commit})' if self.commit else ''} does not match its manifest/card"]
+            return f"OK: {self.statement}"
+        lines = [f"FAILED: {self.source}{f' (commit {self.commit})' if self.commit else ''} does not verify"]
         lines += [f"  tensor differs: {n}" for n in self.mismatched]
         lines += [f"  tensor missing from the weights: {n}" for n in self.missing]
         lines += [f"  tensor not in the manifest: {n}" for n in self.unexpected]
         lines += [f"  {p}" for p in self.problems]
         return "\n".join(lines)
 
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
 
-def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commit: str | None = None) -> VerifyReport:
-    """Verify a downloaded (or local) repository folder: safetensors files + ``state_hashes.json`` + ``README.md``."""
+        return {**asdict(self), "ok": self.ok, "anchored": self.anchored, "statement": self.statement}
+
+
+def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commit: str | None = None,
+                  expect_root: str | None = None, expect_commit: str | None = None,
+                  load: bool = True) -> VerifyReport:
+    """Verify a downloaded (or local) repository folder (see the module docstring for what is checked).
+
+    ``load=False`` skips loading the model (for a model too large for this machine); the report then says so
+    and is not ``ok``: loadability is part of the claim.
+    """
     from ..trace.hashing import root_hash
     from .server import _front_matter
 
     folder = Path(folder)
-    report = VerifyReport(source=source or str(folder), commit=commit)
+    report = VerifyReport(source=source or str(folder), commit=commit, expect_root=expect_root or None,
+                          expect_commit=expect_commit or None)
+    if expect_commit and commit != expect_commit:
+        report.problems.append(f"the revision is commit {commit}, not the expected commit {expect_commit}")
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file():
         report.problems.append(f"no {MANIFEST_FILE} in the revision: nothing to verify against")
@@ -59,7 +113,7 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
     try:
         manifest = json.loads(manifest_path.read_text())
         expected = dict(manifest["params"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         report.problems.append(f"{MANIFEST_FILE} is malformed: {e!r}")
         return report
 
@@ -69,13 +123,18 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
     report.missing = sorted(set(expected) - set(actual))
     report.unexpected = sorted(set(actual) - set(expected))
     report.params_root = root_hash(actual) if actual else ""
-
     if root_hash(expected) != manifest.get("params_root"):
         report.problems.append("the manifest's params_root is not the root of its own per-tensor hashes "
                                "(the manifest was edited)")
+    _check_files(folder, manifest, report)
+
     card = folder / "README.md"
-    meta = _front_matter(card.read_text(encoding="utf-8")) if card.is_file() else None
-    card_hashes = (meta or {}).get("hf_unlearn") or {} if isinstance(meta, dict) else {}
+    try:
+        meta = _front_matter(card.read_text(encoding="utf-8")) if card.is_file() else None
+    except Exception as e:
+        meta = None
+        report.problems.append(f"the model card's metadata cannot be read ({type(e).__name__})")
+    card_hashes = ((meta or {}).get("hf_unlearn") or {}) if isinstance(meta, dict) else {}
     if not card_hashes.get("params_root"):
         report.problems.append("the model card records no hf_unlearn.params_root")
     else:
@@ -84,22 +143,157 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
                                    f"{card_hashes['params_root']}")
         if card_hashes.get("root") and card_hashes["root"] != manifest.get("root"):
             report.problems.append("the card's root differs from the manifest's root")
+        for name in ("files_root", "state_dict_root"):
+            if card_hashes.get(name) != manifest.get(name):
+                report.problems.append(f"the card's {name} differs from the manifest's")
+
+    if load:
+        _check_loads(folder, manifest, report)
+        exact = card_hashes.get("exact_deletion_params_root")
+        if exact and report.state_dict_root and exact != report.state_dict_root:
+            report.problems.append(f"the card's exact-deletion root {exact} (the replayed state) is not the root "
+                                   f"{report.state_dict_root} of the published weights")
+    else:
+        report.problems.append("loading was skipped (load=False): that the revision loads is not checked")
+    if expect_root and expect_root not in (report.state_dict_root, report.params_root):
+        report.problems.append(f"the weights do not hash to the expected root {expect_root} (state-dict root "
+                               f"{report.state_dict_root or 'not computed'}, saved-tensor root {report.params_root})")
     return report
 
 
+def _check_files(folder: Path, manifest: dict, report: VerifyReport) -> None:
+    """Every file but the weights and the card must be in the manifest with its SHA-256, and nothing more."""
+    listed = manifest.get("file_hashes")
+    present = hashed_files(folder)
+    if not isinstance(listed, dict):
+        report.problems.append(f"the manifest lists no file hashes (published before hf_unlearn covered files): "
+                               f"{', '.join(sorted(present)) or 'no file'} cannot be checked")
+        return
+    report.files_checked = len(set(present) & set(listed))
+    for name in sorted(set(present) | set(listed)):
+        if name not in listed:
+            report.problems.append(f"file not covered by the manifest: {name}")
+        elif name not in present:
+            report.problems.append(f"file listed in the manifest but missing: {name}")
+        elif present[name] != listed[name]:
+            report.problems.append(f"file differs from the manifest: {name}")
+    if files_root(listed) != manifest.get("files_root"):
+        report.problems.append("the manifest's files_root is not the root of its own file hashes")
+
+
+def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
+    """Load the revision with transformers; its state dict must be exactly the hashed tensors (ties included)."""
+    from ..trace.hashing import state_hashes
+
+    if not (folder / "config.json").is_file():
+        report.problems.append("no config.json: the revision does not load with transformers")
+        return
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(folder)
+        arch = (getattr(config, "architectures", None) or [None])[0]
+        cls = getattr(transformers, arch, None) if arch else None
+        model = (cls or AutoModelForCausalLM).from_pretrained(folder, dtype="auto")
+    except Exception as e:
+        report.problems.append(f"the revision does not load with transformers: {type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+        return
+    report.loaded = type(model).__name__
+    loaded = state_hashes(model)
+    report.state_dict_root = loaded.params_root
+    params = manifest.get("params") or {}
+    differ = sorted(n for n in params if n in loaded.params and loaded.params[n] != params[n])
+    absent = sorted(n for n in params if n not in loaded.params)
+    extra = sorted(set(loaded.params) - set(params) - set(manifest.get("not_saved") or []))
+    if differ or absent or extra:
+        report.problems.append(f"the loaded model is not the hashed tensors: differs {differ[:5]}, not loaded "
+                               f"{absent[:5]}, not in the manifest {extra[:5]}")
+    if manifest.get("state_dict_root") and manifest["state_dict_root"] != loaded.params_root:
+        report.problems.append(f"the loaded state dict's root {loaded.params_root} differs from the manifest's "
+                               f"state_dict_root {manifest['state_dict_root']}")
+
+
+def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None = None) -> dict[str, str]:
+    """The values a revision must match, read from the publisher's own records (never from the repository).
+
+    ``record`` is one of (or a folder holding one of, looked for in this order):
+
+    * ``hub_pushes.jsonl`` (next to the pushed weights): the push of ``repo_id`` whose tag or commit is
+      ``revision`` (without a revision, or for a branch name, the latest push of ``repo_id``): its state-dict
+      root and commit;
+    * ``deletion_log.jsonl`` (a trace run or replay output): the last request's ``params_root`` (the state the
+      run ended in, which is what its model publishes);
+    * ``verification.json`` (a replay checked by ``trace verify``): the replay's parameter root.
+
+    Returns ``{"expect_root": ..., "expect_commit": ...}`` (the commit only from ``hub_pushes.jsonl``).
+    """
+    from .publish import PUSH_LOG_FILE
+
+    path = Path(record)
+    if path.is_dir():
+        found = [path / n for n in (PUSH_LOG_FILE, "deletion_log.jsonl", "verification.json") if (path / n).is_file()]
+        if not found:
+            raise UnlearnError(f"{path} holds no {PUSH_LOG_FILE}, deletion_log.jsonl or verification.json to take "
+                               "the expected root from")
+        path = found[0]
+    if not path.is_file():
+        raise UnlearnError(f"{record} does not exist (pass OUT/{PUSH_LOG_FILE}, a run's deletion_log.jsonl or a "
+                           "replay's verification.json, or the folder holding it)")
+    try:
+        text = path.read_text(encoding="utf-8")
+        entries = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" \
+            else [json.loads(text)]
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnlearnError(f"{path} is not valid JSON ({e})") from None
+    if not entries or not all(isinstance(e, dict) for e in entries):
+        raise UnlearnError(f"{path} records nothing to verify against")
+    if path.name == PUSH_LOG_FILE:
+        pushes = [e for e in entries if e.get("repo_id") == repo_id]
+        if not pushes:
+            raise UnlearnError(f"{path} records no push of {repo_id} (it has {sorted({str(e.get('repo_id')) for e in entries})})")
+        chosen = [e for e in pushes if revision in (e.get("tag"), e.get("commit"))] if revision else []
+        entry = (chosen or pushes)[-1]
+        if revision and not chosen and (revision.startswith("deletion-") or re.fullmatch(r"[0-9a-f]{40}", revision)):
+            raise UnlearnError(f"{path} records no push of {repo_id} tagged or committed as {revision!r}")
+        root, commit = entry.get("state_dict_root") or entry.get("params_root"), entry.get("commit")
+        if not (isinstance(root, str) and isinstance(commit, str)):
+            raise UnlearnError(f"{path}: the push of {repo_id} records no root or commit")
+        return {"expect_root": root, "expect_commit": commit}
+    if path.name == "verification.json":
+        try:
+            return {"expect_root": entries[0]["roots"]["a"]["params"]}
+        except (KeyError, TypeError):
+            raise UnlearnError(f"{path} is not a replay verification record (no roots.a.params)") from None
+    root = entries[-1].get("params_root")
+    if not isinstance(root, str) or not re.fullmatch(r"[0-9a-f]{64}", root):
+        raise UnlearnError(f"{path}: its last entry records no params_root")
+    return {"expect_root": root}
+
+
 def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | None = None,
-                  endpoint: str | None = None, cache_dir: str | os.PathLike | None = None) -> VerifyReport:
-    """Download ``repo_id`` at ``revision`` (weights, manifest, card) and verify it with :func:`verify_folder`."""
+                  endpoint: str | None = None, cache_dir: str | os.PathLike | None = None,
+                  expect_root: str | None = None, expect_commit: str | None = None, load: bool = True) -> VerifyReport:
+    """Download ``repo_id`` at ``revision`` (every file) and verify it with :func:`verify_folder`.
+
+    ``expect_root`` / ``expect_commit`` come from the publisher's own records (``PushResult.state_dict_root`` and
+    ``.commit``, the local ``hub_pushes.jsonl``, a run's deletion log), never from the repository itself.
+    Without ``revision``, ``expect_commit`` is the revision downloaded.
+    """
     from huggingface_hub import snapshot_download
 
     from .publish import hub_error
 
+    revision = revision or expect_commit or None
+    label = f"{repo_id}{'@' + revision if revision else ''}"
     try:
-        folder = snapshot_download(repo_id, revision=revision, token=token, endpoint=endpoint, cache_dir=cache_dir,
-                                   allow_patterns=["*.safetensors", MANIFEST_FILE, "README.md"])
+        folder = snapshot_download(repo_id, revision=revision, token=token, endpoint=endpoint, cache_dir=cache_dir)
     except Exception as e:
-        raise hub_error(e, f"cannot download {repo_id}{'@' + revision if revision else ''}") from None
+        raise hub_error(e, f"cannot download {label}") from None
     commit = Path(folder).name if len(Path(folder).name) == 40 else None
     if not any(Path(folder).glob("*.safetensors")):
-        raise UnlearnError(f"{repo_id}{'@' + revision if revision else ''} holds no safetensors weights")
-    return verify_folder(folder, source=f"{repo_id}{'@' + revision if revision else ''}", commit=commit)
+        raise UnlearnError(f"{label} holds no safetensors weights")
+    return verify_folder(folder, source=label, commit=commit, expect_root=expect_root, expect_commit=expect_commit,
+                         load=load)
+

@@ -34,7 +34,7 @@ from ..utils import atomic_write_text
 from .hashing import optimizer_param_names, state_hashes
 from .plan import PlanEntry
 from .run import FORMAT, SEALED_FILES, checkpoint_dir, write_sidecar
-from .tags import ids_digest, load_or_create_key, tag
+from .tags import ids_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
 
@@ -218,7 +218,8 @@ class TraceRecordingTrainer(Trainer):
         trace_checkpoint_steps: save model + optimizer state every N optimizer steps (default: about 10
             checkpoints over the run). Suffix replays start from the latest checkpoint before the first
             affected step, so more checkpoints mean cheaper late deletions.
-        trace_key: the HMAC key for id tags (bytes); default: a random key created in ``trace_dir/private``.
+        trace_key: the HMAC key for id tags (bytes), kept in ``trace_dir/private/hmac.key``; default: the
+            library's one key (:mod:`hf_unlearn.hub.keys`), so cards and deletion logs carry matching tags.
         id_column: the dataset column with the stable sample id (kept through ``remove_unused_columns``).
         dummy_token_id: the token of the dummy sequence that fills deleted slots (default 0).
     """
@@ -326,7 +327,7 @@ class TraceRecordingTrainer(Trainer):
         resume_step = self.state.global_step if self._trace_resume else None
         if resume_step is None and (run / "plan.jsonl").exists() and (run / "plan.jsonl").stat().st_size:
             raise UnlearnError(f"{run} already holds a recorded run; pass a new trace_dir (or resume_from_checkpoint)")
-        self._trace_key = load_or_create_key(run / "private" / "hmac.key", self._trace_key_arg)
+        self._trace_key = recording_key(run, self._trace_key_arg)
         max_steps = max(self.state.max_steps, 1)
         self._trace_every = self.trace_checkpoint_steps or max(1, -(-max_steps // 10))
         dataset = self.train_dataset
@@ -355,6 +356,9 @@ class TraceRecordingTrainer(Trainer):
         self._trace_lens = {i: lengths[n] for i, n in index.items()}
         header = self._trace_header_dict(served, fingerprint)
         header["seed_base"] = self.args.seed
+        from ..hub.keys import key_fingerprint
+
+        header["key_fingerprint"] = key_fingerprint(self._trace_key)
         self._trace_header = header
         if self.model.config is not None:
             self.model.config.save_pretrained(run / "model")

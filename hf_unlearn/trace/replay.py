@@ -341,7 +341,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         src, out = self.run.path, self.out_dir
         out.mkdir(parents=True, exist_ok=True)
         (out / "private").mkdir(exist_ok=True)
-        shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
+        if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
+            shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
         shutil.copytree(src / "model", out / "model")
         for step, d in self.run.checkpoints().items():
             if step <= start:

@@ -5,7 +5,7 @@ RUN/header.json  plan.jsonl  wal.bin  manifest.bin  deletion_log.jsonl   (publis
 RUN/*.sha256                                                               (sidecars, written when sealed)
 RUN/checkpoints/step-00000040/{state.pt, hashes.json}                     (model + optimizer state)
 RUN/model/config.json                                                      (to rebuild the model)
-RUN/private/{hmac.key, store/}                                             (never publish)
+RUN/private/{store/, hmac.key}   (never publish; hmac.key only in runs with their own key, see tags.run_key)
 ```
 """
 
@@ -93,11 +93,9 @@ class TraceRun:
 
     @property
     def key(self) -> bytes:
-        kp = self.path / "private" / "hmac.key"
-        if not kp.exists():
-            raise UnlearnError(f"{kp} is missing: the run's HMAC key is needed to map ids to slots "
-                               "(it never leaves the machine that recorded the run)")
-        return kp.read_bytes()
+        from .tags import run_key
+
+        return run_key(self.path, self.header)
 
     @property
     def store_path(self) -> Path:
@@ -256,10 +254,10 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
 
 def open_run(path: str | Path, strict: bool = True, check_checkpoints: bool = True) -> TraceRun:
     """Check and load a run; with ``strict`` any integrity error is an :class:`UnlearnError` (replays refuse)."""
+    from .tags import run_key
+
     path = Path(path)
-    kp = path / "private" / "hmac.key"
-    key = kp.read_bytes() if kp.exists() else None
-    rep, header, plan = check_run(path, key=key, check_checkpoints=check_checkpoints)
+    rep, header, plan = check_run(path, key=run_key(path, required=False), check_checkpoints=check_checkpoints)
     if strict and rep.errors:
         raise UnlearnError(f"{path} failed its integrity check; refusing to use it: " + "; ".join(rep.errors[:5]))
     for w in rep.warnings:

@@ -1,8 +1,11 @@
 """Keyed id tags: what published trace files say instead of raw sample ids.
 
-A tag is the first 8 bytes of HMAC-SHA256(key, canonical id). The key is generated once per recorded run and
-stays in the run's ``private/`` folder: without it nobody can test whether a given id was in a plan, a WAL or
-the deletion log, while the key holder can map ids to slots exactly.
+A tag is the first 8 bytes of HMAC-SHA256(key, canonical id). The key is the library's one key
+(:mod:`hf_unlearn.hub.keys`: the same key tags model cards, so a card's tags match a deletion log's), and the
+run's header records its fingerprint. Without it nobody can test whether a given id was in a plan, a WAL or
+the deletion log, while the key holder can map ids to slots exactly. Runs recorded before the one key (or with
+``trace_key=``) keep their own key in ``private/hmac.key`` and go on using it: their sealed plan, WAL and
+deletion log are tagged with it, and re-tagging them would rewrite sealed (possibly published) files.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ def ids_digest(key: bytes, tags: list[str | None]) -> int:
 
 def load_or_create_key(path: str | os.PathLike, key: bytes | None = None) -> bytes:
     """Read the run's HMAC key from ``path``; create it (random, or ``key``) if it does not exist yet."""
+    from ..hub.keys import read_key_file
+
     path = Path(path)
     if path.exists():
-        existing = path.read_bytes()
+        existing = read_key_file(path)  # refused if group/others may read it
         if key is not None and key != existing:
             raise UnlearnError(f"{path} holds a different HMAC key than the one passed; use a fresh trace_dir")
         return existing
@@ -62,4 +67,54 @@ def load_or_create_key(path: str | os.PathLike, key: bytes | None = None) -> byt
 
     atomic_write_bytes(path, key)
     os.chmod(path, 0o600)
+    return key
+
+
+RUN_KEY = ("private", "hmac.key")  # a run's own key: runs recorded before the one key, or with trace_key=
+
+
+def recording_key(run_dir: str | os.PathLike, key: bytes | None = None) -> bytes:
+    """The key a recording tags ids with: ``key`` if given (kept as the run's own key), the run's own key when
+    resuming a run that has one, else the library's one key (created on first use)."""
+    from ..hub.keys import load_key
+
+    own = Path(run_dir).joinpath(*RUN_KEY)
+    if key is not None or own.exists():
+        return load_or_create_key(own, key)
+    return load_key()
+
+
+def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required: bool = True) -> bytes | None:
+    """The key a recorded run's tags were made with.
+
+    The run's own ``private/hmac.key`` if it has one; else the library key whose fingerprint ``header.json``
+    records (the current key, or one archived by a rotation). A key file others can read is always refused;
+    otherwise, with ``required=False``, a key that cannot be found gives None (integrity checks then skip the
+    keyed digests).
+    """
+    from ..hub.keys import find_key, key_fingerprint, read_key_file
+
+    run_dir = Path(run_dir)
+    if header is None and (run_dir / "header.json").is_file():
+        import json
+
+        header = json.loads((run_dir / "header.json").read_text())
+    fingerprint = (header or {}).get("key_fingerprint")
+    own = run_dir.joinpath(*RUN_KEY)
+    if own.exists():
+        key = read_key_file(own)
+        if fingerprint and key_fingerprint(key) != fingerprint:
+            if not required:
+                return None
+            raise UnlearnError(f"{own} has fingerprint {key_fingerprint(key)} but the run was recorded with key "
+                               f"{fingerprint}; restore the run's own key")
+        return key
+    key = find_key(fingerprint) if fingerprint else None
+    if key is None and required:
+        if fingerprint:
+            raise UnlearnError(f"{run_dir} was recorded with the key of fingerprint {fingerprint}, which is neither "
+                               "the current key nor an archived one; set HF_UNLEARN_KEY_FILE to that key (see "
+                               "`hf-unlearn hub key`)")
+        raise UnlearnError(f"{own} is missing and the run records no key fingerprint: the run's HMAC key is needed "
+                           "to map ids to slots (it never leaves the machine that recorded the run)")
     return key
