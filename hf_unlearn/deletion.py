@@ -475,7 +475,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         log("note: no tokenizer given, so the model folder holds none (a recorded run does not keep one); pass "
             "--tokenizer (tokenizer= from Python) to save it with the model")
     card_info = replay.unlearning_card_info()
-    write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets)
+    write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
+                     not_ids=_own_settings(card_info))
     exact = card_info["extra"].get("exact_deletion", {})
     evidence = {
         "cost": cost,
@@ -564,7 +565,7 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
         extra["evaluation_before"] = {f"{s}_{m}": v for s, r in before.items() for m, v in r.items()
                                       if m != "items" and v is not None}
     write_model_card(model_dir, card_info, base_model=config.base_model or _hub_id(plan["source"]),
-                     datasets=config.datasets)
+                     datasets=config.datasets, not_ids=_own_settings(card_info))
     evidence = {"method": spec.name, "hyperparameters": card_info.get("hyperparameters", {}),
                 "steps": trainer.state.global_step, "train_seconds": timings["train_s"],
                 "stopped_step": extra.get("stopped_step"), "stopped_by_rule": extra.get("stopped_by_rule"),
@@ -670,15 +671,34 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
     from .hub.publish import load_card_info, push_unlearned
     from .hub.verify import verify_on_hub
 
+    card_info = load_card_info(model_dir)
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
         trace_dir = _provenance_view(out / "replay", Path(tmp) / "trace") if plan["mode"] == EXACT else None
-        result = push_unlearned(model_dir, config.repo, card_info=load_card_info(model_dir), deletion=True,
+        result = push_unlearned(model_dir, config.repo, card_info=card_info, deletion=True,
                                 private=config.private or None, token=config.token, endpoint=config.endpoint,
-                                base_model=config.base_model, datasets=config.datasets, trace_dir=trace_dir)
+                                base_model=config.base_model, datasets=config.datasets, trace_dir=trace_dir,
+                                not_ids=_own_settings(card_info))
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_verify_") as cache:  # a fresh download, not a cached copy
         report = verify_on_hub(config.repo, result.tag, token=config.token, endpoint=config.endpoint,
-                               cache_dir=cache)
+                               cache_dir=cache, expect_root=result.state_dict_root or result.params_root,
+                               expect_commit=result.commit)  # anchored: checked against the push's own record
     return result, report
+
+
+# card fields forget() fills from its own options and counts: a number there equal to a forget id is a setting or a
+# count, not the id (the publisher's id scanner would refuse it otherwise, e.g. 20 epochs and forget id 20)
+OWN_SETTINGS = ("num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                "max_length", "seed")
+OWN_COUNTS = ("num_forget", "num_retain")
+
+
+def _own_settings(card_info: dict) -> dict:
+    """``not_ids`` for the publisher: the whole-number settings and counts above, as the card holds them."""
+    hyper, extra = card_info.get("hyperparameters") or {}, card_info.get("extra") or {}
+    values = {**{f"hyperparameters.{k}": hyper.get(k) for k in OWN_SETTINGS},
+              **{f"extra.{k}": extra.get(k) for k in OWN_COUNTS}}
+    return {path: int(v) for path, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()}
 
 
 PROVENANCE_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")
