@@ -6,8 +6,9 @@
 
 With --model, data come from --tofu DIR or $HF_UNLEARN_DATA_DIR/tofu, else the Hub; without it, a tiny Llama first
 memorises the first 3 authors of the TOFU subset shipped with hf_unlearn and MASC forgets the third. The unlearned
-model (LoRA merged) is saved to --out with masc_stopping.json and masc_violation_curve.png (the stop step and the
-violation curve). It prints ``stopped at step N (budget M); curve in OUT``.
+model (LoRA merged) is saved to --out with masc_stopping.json and masc_violation_curve.png (the stop step, why, and
+the violation curve). By default 10% of the forget rows are held out from training and the stop certifies them
+(--validation-fraction). It prints ``stopped at step N (budget M); curve in OUT``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
     p.add_argument("--out", default="masc_tofu_output")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--max-retain-rows", type=int, default=400)
+    p.add_argument("--validation-fraction", type=float, default=0.1,
+                   help="forget rows held out from training; the stopping rule certifies them (0: the trained rows)")
     args = p.parse_args()
 
     if args.model is None:
@@ -51,14 +54,16 @@ def main() -> None:
         num_train_epochs=10,  # a cap: MASC stops when the violation rate on held-out forget rows is <= alpha
         learning_rate=(1e-2 if args.lora else 1e-3) if args.model is None else (1e-4 if args.lora else 1e-5),
         per_device_train_batch_size=4,
-        k=10, rho=0.5, eta=1.0, alpha=0.2, probe_steps=5, probe_size=8,
+        validation_fraction=args.validation_fraction,  # probe: the training batches; confirmation: the held-out rows
+        k=10, rho=0.5, eta=1.0, alpha=0.2, probe_steps=5,
         retain_loss="kl", save_strategy="no", report_to="none",
     )
     trainer = MASCTrainer(model=model, args=config, forget_dataset=forget, retain_dataset=retain,
                           processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
     if trainer.accelerator.is_main_process:
-        print(f"stopped at step {trainer.stopped_step} (budget {trainer.state.max_steps}); curve in {args.out}")
+        print(f"stopped at step {trainer.stopped_step} (budget {trainer.state.max_steps}; {trainer.stop_reason}); "
+              f"curve in {args.out}")
         model = trainer.accelerator.unwrap_model(trainer.model)
         (model.merge_and_unload() if trainer.is_peft else model).save_pretrained(args.out)
         tokenizer.save_pretrained(args.out)

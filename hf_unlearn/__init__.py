@@ -70,6 +70,20 @@ _LAZY: dict[str, str] = {
     "run_forgetting_experiment": "hf_unlearn.analysis.forgetting_experiment",
     "ForgettingSetup": "hf_unlearn.analysis.forgetting_experiment",
 
+    # --- circuits and unlearning difficulty (CUD) ---
+    "CircuitConfig": "hf_unlearn.analysis.circuits",
+    "CircuitSet": "hf_unlearn.analysis.circuits",
+    "compute_circuits": "hf_unlearn.analysis.circuits",
+    "extract_circuit": "hf_unlearn.analysis.circuits",
+    "circuit_similarity": "hf_unlearn.analysis.circuits",
+    "circuit_statistics": "hf_unlearn.analysis.circuits",
+    "edge_patching_effects": "hf_unlearn.analysis.circuits",
+    "AnchorConfig": "hf_unlearn.analysis.cud",
+    "AnchorSet": "hf_unlearn.analysis.cud",
+    "build_anchors": "hf_unlearn.analysis.cud",
+    "compute_cud": "hf_unlearn.analysis.cud",
+    "stratify": "hf_unlearn.analysis.cud",
+
     # --- evaluation ---
     "evaluate_tofu": "hf_unlearn.eval.tofu",
     "TofuResult": "hf_unlearn.eval.tofu",
@@ -78,6 +92,7 @@ _LAZY: dict[str, str] = {
     "evaluate_quantized": "hf_unlearn.eval.quantized",
     "quantize_model": "hf_unlearn.eval.quantized",
     "UnlearningEvalCallback": "hf_unlearn.eval.callback",
+    "UnlearningStoppingCallback": "hf_unlearn.eval.stopping",
 
     # --- a deletion request end to end ---
     "forget": "hf_unlearn.deletion",

@@ -73,10 +73,12 @@ def npo_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -
 def simnpo_loss(avg_logps: torch.Tensor, beta: float, gamma: float = 0.0) -> torch.Tensor:
     """SimNPO (Fan et al., 2024): reference-free NPO on length-normalised log-likelihood.
 
-    ``-(2/beta) * mean(log sigmoid(-beta * avg_logp - gamma))`` with ``avg_logps`` the per-sequence mean answer
-    log-probability ``[batch]`` (``sequence_logprob(..., average=True)``) and ``gamma`` the reward margin.
+    ``-(2/beta) * mean(log sigmoid(beta * (-avg_logp - gamma)))`` with ``avg_logps`` the per-sequence mean answer
+    log-probability ``[batch]`` (``sequence_logprob(..., average=True)``) and ``gamma`` the reward margin, which sits
+    inside the ``beta`` scaling as in the authors' code (``gamma`` in Unlearn-Simple's TOFU config) and OpenUnlearning
+    (``delta``): the loss saturates once the mean answer NLL exceeds ``gamma`` by a few ``1/beta``.
     """
-    return -(2.0 / beta) * F.logsigmoid(-beta * avg_logps - gamma).mean()
+    return -(2.0 / beta) * F.logsigmoid(beta * (-avg_logps - gamma)).mean()
 
 
 def kl_retain_loss(policy_logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -93,15 +95,25 @@ def kl_retain_loss(policy_logits: torch.Tensor, ref_logits: torch.Tensor, labels
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
+def answer_token_mask(labels: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` True at the answer tokens themselves (``labels != -100``, not shifted): the positions whose
+    hidden states RMU steers, as OpenUnlearning selects them."""
+    return labels != IGNORE_INDEX
+
+
 def masked_mse(hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over masked positions of the mean squared difference over the hidden dimension.
+    """Per row, the mean over masked positions of the mean squared difference over the hidden dimension; then the
+    mean over rows that have a masked position (OpenUnlearning's RMU reduction: every row weighs the same).
 
     ``hidden`` ``[batch, seq, dim]``; ``target`` broadcastable to it (a ``[dim]`` control vector or frozen
     activations); ``mask`` ``[batch, seq]``.
     """
     sq = (hidden.float() - target.float()).pow(2).mean(-1)
     mask = mask.to(sq.dtype)
-    return (sq * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum(-1)
+    per_row = (sq * mask).sum(-1) / count.clamp(min=1)
+    rows = (count > 0).to(sq.dtype)
+    return (per_row * rows).sum() / rows.sum().clamp(min=1)
 
 
 def rmu_forget_loss(hidden: torch.Tensor, control: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -205,6 +217,17 @@ def hoeffding_upper_bound(mean: float, n: int, delta: float) -> float:
     if n <= 0:
         return float("inf")
     return mean + math.sqrt(math.log(1.0 / delta) / (2.0 * n))
+
+
+def union_bound_delta(delta: float, check: int) -> float:
+    """The share of a total error ``delta`` spent on the ``check``-th check (1-based): ``delta * 6 / (pi^2 check^2)``.
+
+    The shares sum to at most ``delta`` over any number of checks, so bounds that each hold with probability
+    ``1 - share`` hold all at once with probability ``1 - delta``, including at a stop chosen by looking at them.
+    """
+    if check < 1:
+        raise ValueError(f"check numbers start at 1, got {check}")
+    return delta * 6.0 / (math.pi ** 2 * check ** 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

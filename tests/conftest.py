@@ -76,3 +76,36 @@ def run_cli(*args: str, check: bool = False, env: dict | None = None):
     if check and proc.returncode != 0:
         raise AssertionError(f"hf-unlearn {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
+
+
+_TWO_PROCESSES = """
+import importlib, pathlib, sys
+from accelerate import debug_launcher
+func = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
+out = pathlib.Path(sys.argv[3])
+debug_launcher(lambda: func(out), num_processes=2)
+"""
+
+
+def run_on_two_processes(module: str, func: str, out_dir: Path) -> list[dict]:
+    """Run ``module.func(out_dir)`` on 2 CPU processes (accelerate's gloo ``debug_launcher``); each process writes
+    ``out_dir/rank{r}.json``, returned in rank order. A fresh interpreter forks the workers before any torch
+    computation (forking after it can hang)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _TWO_PROCESSES, module, func, str(out_dir)], cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def write_rank_record(out_dir: Path, trainer, **record) -> None:
+    """In a worker of :func:`run_on_two_processes`: write ``record`` + the world size to ``out_dir/rank{r}.json``."""
+    import json
+
+    rank = trainer.accelerator.process_index
+    record["world"] = trainer.accelerator.num_processes
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))

@@ -62,10 +62,21 @@ def test_npo_loss_decreases_as_policy_likelihood_drops():
 def test_simnpo_loss_hand_value():
     # avg logp -1, beta 2, gamma 0: -(2/2) log sigmoid(2) = log(1 + e^-2)
     assert float(L.simnpo_loss(torch.tensor([-1.0]), beta=2.0)) == pytest.approx(math.log(1 + math.exp(-2)))
-    # gamma shifts the sigmoid argument
-    assert float(L.simnpo_loss(torch.tensor([-1.0]), beta=2.0, gamma=1.0)) == pytest.approx(
+    # gamma sits inside the beta scaling, as in the authors' code and OpenUnlearning (their delta):
+    # -(2/beta) log sigmoid(beta * (mean NLL - gamma)) = -(2/2) log sigmoid(2 * (1 - 0.5)) = log(1 + e^-1)
+    assert float(L.simnpo_loss(torch.tensor([-1.0]), beta=2.0, gamma=0.5)) == pytest.approx(
         math.log(1 + math.exp(-1))
     )
+    # beta 4.5, gamma 1 (not beta * 1 = 4.5 outside): argument 4.5 * (1 - 1) = 0 -> (2/4.5) log 2
+    assert float(L.simnpo_loss(torch.tensor([-1.0]), beta=4.5, gamma=1.0)) == pytest.approx(2 / 4.5 * math.log(2))
+
+
+def test_union_bound_shares_sum_to_at_most_delta():
+    shares = [L.union_bound_delta(0.1, i) for i in range(1, 10_001)]
+    assert shares[0] == pytest.approx(0.1 * 6 / math.pi ** 2) and shares[1] == pytest.approx(shares[0] / 4)
+    assert sum(shares) < 0.1 and sum(shares) > 0.0999  # sum 6/(pi^2 i^2) -> 1
+    with pytest.raises(ValueError):
+        L.union_bound_delta(0.1, 0)
 
 
 def test_kl_retain_loss_hand_value():
@@ -82,6 +93,16 @@ def test_rmu_masked_mse():
     mask = torch.tensor([[1, 0]])
     assert float(L.rmu_forget_loss(hidden, torch.zeros(2), mask)) == pytest.approx(1.0)
     assert float(L.rmu_retain_loss(hidden, torch.zeros_like(hidden), torch.ones(1, 2))) == pytest.approx(5.0)
+
+
+def test_rmu_terms_weigh_rows_equally_over_their_answer_tokens():
+    # row 0: answer tokens at positions 1, 2 (squared errors 4 and 16 -> mean 10); row 1: one answer token (1);
+    # row 2: no answer token (ignored). OpenUnlearning: per-row token mean, then the mean over rows -> (10 + 1) / 2
+    hidden = torch.tensor([[[0.0], [2.0], [4.0]], [[9.0], [1.0], [9.0]], [[5.0], [5.0], [5.0]]])
+    labels = torch.tensor([[-100, 7, 8], [-100, 3, -100], [-100, -100, -100]])
+    mask = L.answer_token_mask(labels)
+    assert mask.tolist() == [[False, True, True], [False, True, False], [False, False, False]]
+    assert float(L.rmu_forget_loss(hidden, torch.zeros(1), mask)) == pytest.approx(5.5)
 
 
 def test_masc_threshold():

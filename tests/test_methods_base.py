@@ -166,6 +166,60 @@ def test_reference_is_the_adapter_disabled_base_with_peft(tmp_path):
         assert not torch.allclose(trainer.model(**batch).logits, ref_logits, atol=1e-4)  # the adapter is active
 
 
+def test_lora_reference_forward_runs_without_dropout_in_training_mode(tmp_path):
+    """With dropout everywhere (LoRA, attention, disable_dropout=False) and the model in training mode, two
+    reference forwards of one batch are identical and equal the base model in eval mode."""
+    from peft import LoraConfig
+
+    from hf_unlearn.methods import NPOConfig, NPOTrainer
+
+    tok, forget, _ = tiny_data()
+    base = memorised_model()
+    model = memorised_model()
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    trainer = NPOTrainer(model=model, args=_config(NPOConfig, tmp_path, disable_dropout=False), forget_dataset=forget,
+                         processing_class=tok,
+                         peft_config=LoraConfig(r=4, lora_dropout=0.5, target_modules=["q_proj", "v_proj"]))
+    batch = trainer.data_collator([forget[0], forget[1]])
+    trainer.model.train()
+    with torch.no_grad():  # the test would catch the old behaviour: dropout is live in training mode
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        with unwrapped.disable_adapter():
+            a = trainer.model(**trainer._model_inputs(batch)).logits
+            b = trainer.model(**trainer._model_inputs(batch)).logits
+        assert not torch.equal(a, b)
+    first = trainer.reference_outputs(batch).logits
+    second = trainer.reference_outputs(batch).logits
+    assert torch.equal(first, second)
+    assert trainer.model.training  # the training mode is restored
+    with torch.no_grad():
+        assert torch.allclose(first, base(**trainer._model_inputs(batch)).logits, atol=1e-5)
+
+
+def test_disable_dropout_also_zeroes_attention_dropout_rates(tmp_path):
+    model = memorised_model()
+    model.config.attention_dropout = 0.3
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    trainer = _graddiff(tmp_path, model=model)
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in trainer.model.model.layers)
+
+
+def test_validation_fraction_holds_out_a_seeded_share_and_keeps_it_in_the_request(tmp_path):
+    trainer = _graddiff(tmp_path, validation_fraction=0.25)
+    assert len(trainer.held_out_forget_ids) == 1 and len(trainer.train_dataset) == 3
+    assert trainer.forget_ids == trainer.trained_forget_ids + trainer.held_out_forget_ids
+    assert sorted(trainer.forget_ids) == FORGET_IDS  # the card keys every forget id, held out or not
+    assert _graddiff(tmp_path, validation_fraction=0.25).held_out_forget_ids == trainer.held_out_forget_ids
+    with pytest.raises(UnlearnError, match="leaves no row to train on"):
+        _graddiff(tmp_path, validation_fraction=0.9)
+    with pytest.raises(UnlearnError, match=r"validation_fraction must lie in \[0, 1\)"):
+        _config(__import__("hf_unlearn.methods", fromlist=["GradDiffConfig"]).GradDiffConfig, tmp_path,
+                validation_fraction=1.0)
+
+
 # ------------------------------------------------------------------ metrics and card
 
 

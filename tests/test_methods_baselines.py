@@ -15,8 +15,9 @@ METHODS = {
     "GradDiff": ({}, "GradDiffTrainer", "GradDiffConfig"),
     "NPO": ({}, "NPOTrainer", "NPOConfig"),
     "NPO+KLR": ({"retain_loss": "kl"}, "NPOTrainer", "NPOConfig"),
+    "NPO+RT": ({"retain_loss": "ce"}, "NPOTrainer", "NPOConfig"),
     "SimNPO": ({}, "SimNPOTrainer", "SimNPOConfig"),
-    "MASC": ({"probe_steps": 100}, "MASCTrainer", "MASCConfig"),
+    "MASC": ({"probe_steps": 100, "probe_size": 2}, "MASCTrainer", "MASCConfig"),
 }
 
 
@@ -66,6 +67,35 @@ def test_rmu_trains_only_the_selected_mlps(tmp_path):
     assert changed and all(".layers.1.mlp." in n for n in changed)
     assert {n for n in before if ".layers.1.mlp." in n} == changed
     assert trainer.unlearning_card_info()["hyperparameters"]["layer_id"] == 1
+
+
+def test_rmu_steers_answer_tokens_only(tmp_path):
+    """Prompt tokens do not enter RMU's terms: changing their hidden states leaves both terms unchanged."""
+    trainer = _trainer("RMU", tmp_path, layer_id=1, update_layers=[1])
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    seen = {}
+
+    def rmu_forget_loss(hidden, control, mask):
+        seen["mask"] = mask
+        return hidden.sum() * 0
+
+    import hf_unlearn.methods.baselines as B
+
+    original, B.rmu_forget_loss = B.rmu_forget_loss, rmu_forget_loss
+    try:
+        trainer.compute_loss(trainer.model, batch)
+    finally:
+        B.rmu_forget_loss = original
+    assert torch.equal(seen["mask"], batch["labels"] != -100)
+    assert not torch.equal(seen["mask"], batch["attention_mask"].bool())  # prompts are attended, not steered
+
+
+def test_simnpo_tofu_preset_is_the_authors_forget10_setting(tmp_path):
+    from hf_unlearn.methods.registry import get_method
+
+    cfg = get_method("simnpo_tofu").make_config(output_dir=str(tmp_path))
+    assert (cfg.beta, cfg.gamma, cfg.lambda_forget, cfg.lambda_retain, cfg.retain_loss) == (4.5, 0.0, 0.125, 1.0, "ce")
+    assert get_method("npo_rt").make_config(output_dir=str(tmp_path)).retain_loss == "ce"
 
 
 def test_rmu_layer_out_of_range(tmp_path):

@@ -37,6 +37,7 @@ def test_cli_masc_saves_model_and_report(tiny_model_dir, tmp_path, capsys):
     info = json.loads((out / "unlearning.json").read_text())
     assert info["method"] == "MASC" and info["hyperparameters"]["k"] == 5 and info["retain_split"] == "retain99"
     assert "forget_ids" not in info  # raw ids never land in a folder that may be published
+    assert info["extra"]["probe_size"] == 2  # the default probe takes at most half of the 4 forget rows
     assert (out / "masc_stopping.json").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -57,13 +57,63 @@ def test_probe_every_n_steps_then_confirm_then_stop():
     assert fake.metrics[-1] == {"probe_violation_rate": 0.1, "confirm_violation_rate": 0.18}
 
 
-def test_hoeffding_bound_delays_the_stop():
-    fake = FakeTrainer(probe=[0.1, 0.1], confirm=[0.1, 0.1], n=20)
-    cb = MASCStoppingCallback(alpha=0.2, probe_steps=1, hoeffding_delta=0.1).bind(fake)
-    assert not _step(cb, 1).should_training_stop  # 0.1 + sqrt(log(10)/40) = 0.34 > 0.2
-    assert cb.history[-1]["upper_bound"] == pytest.approx(0.1 + math.sqrt(math.log(10) / 40))
-    fake.n = 1000  # enough examples: 0.1 + 0.034 <= 0.2
-    assert _step(cb, 2).should_training_stop
+def test_hoeffding_bound_splits_delta_over_the_checks_and_delays_the_stop():
+    fake = FakeTrainer(probe=[0.1, 0.1, 0.1], confirm=[0.1, 0.1, 0.1], n=20)
+    cb = MASCStoppingCallback(alpha=0.2, probe_steps=2, hoeffding_delta=0.1).bind(fake)
+    assert not _step(cb, 2).should_training_stop  # check 1 spends 0.1 * 6/pi^2: 0.1 + sqrt(log(1/0.0608)/40) > 0.2
+    delta_1 = 0.1 * 6 / math.pi ** 2
+    assert cb.history[-1]["delta"] == pytest.approx(delta_1)
+    assert cb.history[-1]["upper_bound"] == pytest.approx(0.1 + math.sqrt(math.log(1 / delta_1) / 40))
+    assert not _step(cb, 4).should_training_stop
+    assert cb.history[-1]["delta"] == pytest.approx(delta_1 / 4)  # check 2: a quarter of check 1's share
+    fake.n = 1000  # enough examples: 0.1 + sqrt(log(1/(delta_1/9))/2000) = 0.15 <= 0.2
+    assert _step(cb, 6).should_training_stop and cb.history[-1]["delta"] == pytest.approx(delta_1 / 9)
+
+
+def _cap_step(cb, step, max_steps):
+    state, control = TrainerState(), TrainerControl()
+    state.global_step, state.max_steps = step, max_steps
+    cb.on_step_end(None, state, control)
+    return control, state
+
+
+def test_the_cap_gets_a_final_confirmation_and_a_pass_there_is_a_stop():
+    fake = FakeTrainer(probe=[0.5], confirm=[0.15])
+    cb = MASCStoppingCallback(alpha=0.2, probe_steps=2).bind(fake)
+    _cap_step(cb, 2, 3)
+    control, _ = _cap_step(cb, 3, 3)  # off schedule, but the cap: confirmation straight away, no probe
+    assert fake.calls == ["probe", "confirm"] and control.should_training_stop
+    assert cb.stopped_step == 3 and "<= alpha" in cb.stop_reason
+
+
+def test_the_cap_without_the_rule_firing_warns_and_reports_why(tmp_path, caplog):
+    import logging
+
+    from transformers import TrainingArguments
+
+    fake = FakeTrainer(probe=[0.1], confirm=[0.3, 0.25])
+    cb = MASCStoppingCallback(alpha=0.2, probe_steps=2).bind(fake)
+    _cap_step(cb, 2, 4)  # probe passes, confirmation 0.3 does not
+    control, state = _cap_step(cb, 4, 4)  # the cap is on schedule: confirmation only (0.25 > alpha)
+    assert fake.calls == ["probe", "confirm", "confirm"] and not control.should_training_stop
+    assert cb.stopped_step is None
+    with caplog.at_level(logging.WARNING, logger="hf_unlearn.methods.masc"):
+        cb.on_train_end(TrainingArguments(output_dir=str(tmp_path), report_to=[]), state, control)
+    assert "did not stop by its rule" in caplog.text and "step cap 4" in caplog.text
+    report = json.loads((tmp_path / STOPPING_JSON).read_text())
+    assert report["stopped"] is False and report["stopped_step"] is None
+    assert report["reason"].startswith("step cap 4 reached before the rule fired") and "0.2500 > alpha" in report["reason"]
+
+
+def test_a_stop_by_another_callback_is_not_reported_as_the_rule(tmp_path):
+    from transformers import TrainingArguments
+
+    cb = MASCStoppingCallback(alpha=0.2, probe_steps=5).bind(FakeTrainer([], []))
+    state, control = TrainerState(), TrainerControl()
+    state.global_step, state.max_steps = 3, 10
+    cb.on_train_end(TrainingArguments(output_dir=str(tmp_path), report_to=[]), state, control)
+    report = json.loads((tmp_path / STOPPING_JSON).read_text())
+    assert not report["stopped"] and "another callback" in report["reason"]
 
 
 def test_state_round_trip_keeps_the_curve_and_a_stop():
@@ -115,10 +165,89 @@ def test_masc_stops_by_itself_and_saves_its_curve(tmp_path):
     assert info["extra"]["stopped_step"] == trainer.stopped_step and info["evaluation"]["masc_violation_rate"] <= 0.2
 
 
-def test_probe_and_confirmation_rows_are_disjoint_forget_rows(tmp_path):
+def test_probe_and_confirmation_rows_are_disjoint_trained_rows_without_a_held_out_split(tmp_path):
     trainer = _masc(tmp_path, probe_size=1)
     probe, confirm = set(trainer.probe_dataset["id"]), set(trainer.confirm_dataset["id"])
     assert len(probe) == 1 and not probe & confirm and probe | confirm == set(trainer.forget_ids)
+    assert trainer.certified_rows == "trained"
+
+
+def test_held_out_rows_are_never_trained_on_and_are_all_the_rule_reads(tmp_path):
+    seen = []
+    trainer = _masc(tmp_path, probe_size=1, validation_fraction=0.5, max_steps=4, probe_steps=2, alpha=1e-6)
+    original = trainer.compute_loss
+
+    def spy(model, inputs, *a, **kw):
+        seen.extend(inputs["id"].tolist())
+        return original(model, inputs, *a, **kw)
+
+    trainer.compute_loss = spy
+    held = set(trainer.held_out_forget_ids)
+    assert len(held) == 2 and trainer.certified_rows == "held-out"
+    assert set(trainer.trained_forget_ids) | held == set(tiny_data()[1]["id"]) == set(trainer.forget_ids)
+    probe, confirm = set(trainer.probe_dataset["id"]), set(trainer.confirm_dataset["id"])
+    assert len(probe) == 1 and not probe & confirm and probe | confirm == held
+    trainer.train()
+    assert seen and not set(seen) & held  # 4 steps x 2 rows of the 2 trained rows, none held out
+
+
+def test_eval_forget_dataset_must_be_held_out_and_given_once(tmp_path):
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.methods import MASCConfig, MASCTrainer
+
+    tok, forget, retain = tiny_data()
+    args = MASCConfig(output_dir=str(tmp_path), **COMMON, probe_size=1)
+    trainer = MASCTrainer(model=memorised_model(), args=args, forget_dataset=forget.select([0, 1]),
+                          retain_dataset=retain, processing_class=tok, eval_forget_dataset=forget.select([2, 3]))
+    assert set(trainer.confirm_dataset["id"]) | set(trainer.probe_dataset["id"]) == set(forget.select([2, 3])["id"])
+    with pytest.raises(UnlearnError, match=r"1 id\(s\) of eval_forget_dataset are also in the forget set"):
+        MASCTrainer(model=memorised_model(), args=args, forget_dataset=forget.select([0, 1, 2]), retain_dataset=retain,
+                    processing_class=tok, eval_forget_dataset=forget.select([2, 3]))
+    both = MASCConfig(output_dir=str(tmp_path), **COMMON, probe_size=1, validation_fraction=0.5)
+    with pytest.raises(UnlearnError, match="eval_forget_dataset= or validation_fraction, not both"):
+        MASCTrainer(model=memorised_model(), args=both, forget_dataset=forget.select([0, 1]), retain_dataset=retain,
+                    processing_class=tok, eval_forget_dataset=forget.select([2, 3]))
+    with pytest.raises(UnlearnError, match="confirm_dataset= is now eval_forget_dataset="):
+        MASCTrainer(model=memorised_model(), args=args, forget_dataset=forget, retain_dataset=retain,
+                    processing_class=tok, confirm_dataset=forget)
+
+
+def test_a_probe_that_would_leave_no_confirmation_rows_is_refused(tmp_path):
+    from hf_unlearn.errors import UnlearnError
+
+    with pytest.raises(UnlearnError, match="probe_size=4 leaves no confirmation rows among the 4 trained forget rows"):
+        _masc(tmp_path, probe_size=4)
+    with pytest.raises(UnlearnError, match="among the 2 held-out forget rows.*hold out more rows"):
+        _masc(tmp_path, probe_size=2, validation_fraction=0.5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_probe_is_not_the_first_rows_trained_on(tmp_path, seed):
+    """The probe used to be drawn with the Trainer's shuffle seed: exactly the rows of the first two steps."""
+    from hf_unlearn.data import load_tofu, tokenize_qa
+    from hf_unlearn.methods import MASCConfig, MASCTrainer
+
+    from .conftest import TOFU_DIR
+
+    tok = tiny_data()[0]
+    forget = tokenize_qa(load_tofu("full", TOFU_DIR).select(range(40)), tok, max_length=96)
+    args = MASCConfig(output_dir=str(tmp_path), **COMMON, seed=seed, retain_loss="none")
+    trainer = MASCTrainer(model=memorised_model(), args=args, forget_dataset=forget, processing_class=tok)
+    loader = iter(trainer.get_train_dataloader())
+    first_two_steps = {i for _ in range(2) for i in next(loader)["id"].tolist()}
+    probe = set(trainer.probe_dataset["id"])
+    assert len(probe) == len(first_two_steps) == 8
+    assert probe != first_two_steps and len(probe & first_two_steps) < 6
+    # the held-out split has its own stream too: not the probe, not the first batches
+    assert trainer.probe_size == 8  # the default without held-out rows
+    held_out = MASCTrainer(model=memorised_model(), args=MASCConfig(output_dir=str(tmp_path), **COMMON, seed=seed,
+                                                                    retain_loss="none", validation_fraction=0.2),
+                           forget_dataset=forget, processing_class=tok)
+    held = held_out.held_out_forget_ids
+    assert len(held) == 8 and set(held) != first_two_steps and set(held) != probe
+    # the default with held-out rows: probe on the training batches, confirm on every held-out row
+    assert held_out.probe_size == 0 and held_out.probe_dataset is None
+    assert sorted(held_out.confirm_dataset["id"]) == sorted(held)
 
 
 def test_probe_size_zero_probes_on_the_training_batches_and_confirms_on_all_forget_rows(tmp_path):
@@ -134,7 +263,7 @@ def test_probe_size_zero_probes_on_the_training_batches_and_confirms_on_all_forg
 
 
 def test_masc_learning_rate_stays_constant_until_it_stops(tmp_path):
-    trainer = _masc(tmp_path, max_steps=3, probe_steps=100, learning_rate=1e-3)
+    trainer = _masc(tmp_path, max_steps=3, probe_steps=100, learning_rate=1e-3, probe_size=2, alpha=1e-6)
     assert trainer.args.lr_scheduler_type == "constant"  # a decay to 0 at the cap would stall the last steps
     trainer.train()
     logged = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
@@ -143,10 +272,24 @@ def test_masc_learning_rate_stays_constant_until_it_stops(tmp_path):
 
 @pytest.mark.parametrize("extra", [{"competitors": "reference", "retain_loss": "ce"}, {"active_tokens": "all"}])
 def test_masc_variants_lower_the_violation_rate(tmp_path, extra):
-    trainer = _masc(tmp_path, max_steps=4, probe_steps=100, **extra)
+    trainer = _masc(tmp_path, max_steps=4, probe_steps=100, probe_size=2, alpha=1e-6, **extra)
     before = trainer.violation_rate("confirm")[0]
     trainer.train()
     assert trainer.violation_rate("confirm")[0] < before
+
+
+def test_masc_at_its_cap_reports_no_stop_on_a_real_run(tmp_path, caplog):
+    import logging
+
+    trainer = _masc(tmp_path, max_steps=3, probe_steps=2, probe_size=0, alpha=1e-6)
+    with caplog.at_level(logging.WARNING, logger="hf_unlearn.methods.masc"):
+        trainer.train()
+    assert trainer.stopped_step is None and trainer.state.global_step == 3
+    assert [(h["step"], h["kind"]) for h in trainer.violation_history] == [(2, "probe"), (3, "confirm")]
+    report = json.loads((tmp_path / STOPPING_JSON).read_text())
+    assert report["reason"].startswith("step cap 3 reached") and report["certified_rows"] == "trained"
+    assert "did not stop by its rule" in caplog.text
+    assert trainer.unlearning_card_info()["extra"]["stop_reason"] == report["reason"]
 
 
 def test_callback_state_survives_checkpoint_resume(tmp_path):
@@ -172,39 +315,18 @@ def test_callback_state_survives_checkpoint_resume(tmp_path):
 
 def _distributed_masc(out_dir):
     """Run by each of 2 CPU processes (gloo): train MASC, write what this process decided."""
-    from accelerate import PartialState
+    from .conftest import write_rank_record
 
     trainer = _masc(out_dir, max_steps=40, probe_steps=2, probe_size=2, alpha=0.2, per_device_train_batch_size=2)
     trainer.train()
-    rank = PartialState().process_index
-    record = {"stopped_step": trainer.stopped_step, "history": trainer.violation_history,
-              "world": trainer.accelerator.num_processes}
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-
-
-DISTRIBUTED = """
-import pathlib, sys
-from accelerate import debug_launcher
-from tests.test_methods_masc import _distributed_masc
-out = pathlib.Path(sys.argv[1])
-debug_launcher(lambda: _distributed_masc(out), num_processes=2)
-"""
+    write_rank_record(out_dir, trainer, stopped_step=trainer.stopped_step, history=trainer.violation_history)
 
 
 @pytest.mark.slow
 def test_stopping_decision_is_identical_on_every_process(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from .conftest import run_on_two_processes
 
-    from .conftest import ROOT
-
-    # a fresh interpreter forks the 2 gloo workers before any torch computation (forking after it can hang)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", DISTRIBUTED, str(tmp_path)], cwd=str(ROOT), env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    records = run_on_two_processes("tests.test_methods_masc", "_distributed_masc", tmp_path)
     assert all(r["world"] == 2 for r in records)
     assert records[0]["stopped_step"] is not None
     assert records[0]["stopped_step"] == records[1]["stopped_step"]

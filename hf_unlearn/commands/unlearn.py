@@ -11,6 +11,10 @@ import re
 
 from . import add_subcommands
 
+# hf_unlearn.eval.stopping.TARGET_METRICS, written out so that `hf-unlearn --help` imports no torch (a test keeps
+# the two lists equal)
+TARGET_METRIC_NAMES = ("violation_rate", "forget_probability", "truth_ratio")
+
 
 def register(parser) -> None:
     from ..methods.registry import METHODS
@@ -30,6 +34,9 @@ def register(parser) -> None:
         p.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
         p.add_argument("--batch-size", type=int, default=4, help="forget (and retain) rows per step (default 4)")
         p.add_argument("--max-length", type=int, default=256, help="tokens per QA pair (default 256)")
+        p.add_argument("--forget-ids", default=None,
+                       help="unlearn only these rows of the forget split: an id file, e.g. the easy/hard/random "
+                            "sets of `hf-unlearn analyze stratify` (typed .jsonl/.json, or one id a line)")
         p.add_argument("--max-forget-rows", type=int, default=None, help="use only the first N forget rows")
         p.add_argument("--max-retain-rows", type=int, default=None, help="use only the first N retain rows")
         p.add_argument("--retain-loss", choices=["none", "ce", "kl"], default=None, help="retain term (method default)")
@@ -37,6 +44,15 @@ def register(parser) -> None:
         p.add_argument("--lambda-retain", type=float, default=None, help="weight of the retain term (method default)")
         p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for activation memory")
         p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+        p.add_argument("--validation-fraction", type=float, default=None,
+                       help="hold out this share of the forget rows from training; the stopping rules measure "
+                            "forgetting on them (default 0)")
+        p.add_argument("--stop-metric", choices=list(TARGET_METRIC_NAMES), default=None,
+                       help="stop when this forget metric on the held-out rows reaches --stop-target (any method; "
+                            "needs --validation-fraction); the best checkpoint is kept in OUT/stopping_checkpoint")
+        p.add_argument("--stop-target", type=float, default=None,
+                       help="the target: violation_rate / forget_probability <= it, truth_ratio >= it")
+        p.add_argument("--stop-every", type=int, default=5, help="check the stop metric every N steps (default 5)")
         for option in spec.options:
             p.add_argument(option.flag, type=option.type, default=None, help=option.help)
         p.set_defaults(func=run, method=method)
@@ -59,6 +75,7 @@ def run(args) -> int:
 
     from ..data import load_tofu
     from ..demo import mean_answer_loss
+    from ..errors import UnlearnError
     from ..methods.base import UnlearningTrainer
     from ..methods.registry import get_method
     from ..models import load_model, load_tokenizer
@@ -66,8 +83,12 @@ def run(args) -> int:
 
     spec = get_method(args.method)
     retain_split = args.retain_split or retain_split_for(args.forget_split)
+    if (args.stop_metric is None) != (args.stop_target is None):
+        raise UnlearnError("--stop-metric and --stop-target go together")
+    if args.stop_metric and not args.validation_fraction:
+        raise UnlearnError("--stop-metric measures held-out forget rows: add --validation-fraction (e.g. 0.1)")
     options = {"retain_loss": args.retain_loss, "lambda_forget": args.lambda_forget,
-               "lambda_retain": args.lambda_retain}
+               "lambda_retain": args.lambda_retain, "validation_fraction": args.validation_fraction}
     for option in spec.options:
         options[option.field] = getattr(args, option.field)
     options = {k: v for k, v in options.items() if v is not None}
@@ -81,6 +102,10 @@ def run(args) -> int:
     # the config is checked first (bad options fail before anything heavy loads)
     forget = load_tofu(args.forget_split, args.tofu)
     retain = load_tofu(retain_split, args.tofu)
+    if args.forget_ids:
+        from ..data.ids import read_ids, select_ids
+
+        forget = select_ids(forget, read_ids(args.forget_ids), f"TOFU {args.forget_split}", args.forget_ids)
     if args.max_forget_rows:
         forget = forget.select(range(min(args.max_forget_rows, len(forget))))
     if args.max_retain_rows:
@@ -93,8 +118,14 @@ def run(args) -> int:
 
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
                                  target_modules="all-linear", task_type="CAUSAL_LM")
+    callbacks = []
+    if args.stop_metric:
+        from ..eval.stopping import UnlearningStoppingCallback
+
+        callbacks.append(UnlearningStoppingCallback(args.stop_metric, args.stop_target, eval_steps=args.stop_every,
+                                                    tofu_path=args.tofu))
     trainer: UnlearningTrainer = spec.trainer_class(model=model, args=config, forget_dataset=forget, retain_dataset=retain,
-                                             processing_class=tokenizer, peft_config=peft_config)
+                                             processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     forget_tok, retain_tok = trainer.train_dataset, trainer.retain_dataset
     retain_probe = retain_tok.select(range(min(100, len(retain_tok))))
     before = {"forget": mean_answer_loss(trainer.model, tokenizer, forget_tok),
@@ -117,6 +148,8 @@ def run(args) -> int:
     info.pop("forget_ids")  # raw ids stay local; the Hub card code publishes keyed tags only
     info.update({"forget_split": args.forget_split, "retain_split": retain_split, "train_seconds": seconds,
                  "answer_loss_before": before, "answer_loss_after": after, "base_model": str(args.model)})
+    if callbacks:
+        info["stopping"] = {k: v for k, v in callbacks[0].summary().items() if k != "checkpoint"}  # no local paths
     atomic_write_text(out / "unlearning.json", json.dumps(info, indent=2) + "\n")
     stop = info["extra"].get("stopped_step")
     print(f"done in {seconds:.1f} s, {trainer.state.global_step} steps"
@@ -124,6 +157,14 @@ def run(args) -> int:
     print(f"answer loss forget {before['forget']:.3f} -> {after['forget']:.3f}, "
           f"retain {before['retain']:.3f} -> {after['retain']:.3f}")
     print(f"saved to {out}")
+    if callbacks:
+        cb = callbacks[0]
+        if cb.reached_step is not None:
+            print(f"stopped at step {cb.reached_step}: held-out {cb.metric} {cb.reached_value:.4f} reached the target "
+                  f"{cb.target:g}")
+        else:
+            print(f"note: held-out {cb.metric} never reached {cb.target:g}; the best check (step {cb.best_step}, "
+                  f"{cb.best_score:.4f}) is saved in {cb.best_model_path}")
     if info["extra"].get("stopped_by_rule") is False:
         print("note: MASC reached the step budget before its stopping rule fired; raise --epochs/--max-steps or --lr")
     return 0

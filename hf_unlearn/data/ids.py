@@ -84,3 +84,20 @@ def check_id_types(ids: Iterable[SampleId], known: Iterable[SampleId], what: str
     if wrong:
         raise UnlearnError(f"id {wrong[0]!r} is {type(wrong[0]).__name__} but {what} uses {kind.__name__} ids "
                            f"({len(wrong)} such id(s)); write ids in the typed form (.jsonl: 3600 vs \"3600\")")
+
+
+def select_ids(dataset, ids: Iterable[SampleId], what: str = "the data", source: str = "the id list",
+               id_column: str = "id"):
+    """The rows of ``dataset`` whose id is in ``ids`` (dataset order); ids of the wrong type or absent are an error.
+
+    This is how an id file (e.g. ``hf-unlearn analyze stratify``'s ``hard.jsonl``) becomes a forget set.
+    """
+    ids = list(ids)
+    have = dataset[id_column]
+    check_id_types(ids, have, what)
+    known = set(have)
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise UnlearnError(f"{len(unknown)} id(s) of {source} are not in {what} (e.g. {unknown[0]!r})")
+    keep = set(ids)
+    return dataset.filter(lambda r: r[id_column] in keep)

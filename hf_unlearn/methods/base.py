@@ -8,9 +8,15 @@ number), split across processes. The draw index is ``global_step * gradient_accu
 the retain batches are a function of the step alone and a resumed run sees the same retain batches as an
 uninterrupted one.
 
+Held-out forget rows: ``validation_fraction`` (a seeded share of the forget set, drawn from a stream independent of
+the Trainer's shuffle) or ``eval_forget_dataset=`` (rows you choose) are forget rows the model is **never trained
+on**. They are part of the deletion request (``forget_ids``, the card), but only the stopping rules read them
+(:class:`~hf_unlearn.methods.masc.MASCStoppingCallback`, :class:`~hf_unlearn.eval.stopping.UnlearningStoppingCallback`):
+a stop measured on them says that forgetting reached rows the optimiser never saw.
+
 The reference model (``p_0``, the model before unlearning) is the PEFT base with the adapter disabled when the
 model is a ``PeftModel`` or ``peft_config=`` is given, else a frozen copy made once at construction, and only when
-the method needs one.
+the method needs one. Reference forwards always run in eval mode (no dropout), whatever the model's training mode.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -70,7 +77,15 @@ class UnlearningConfig(TrainingArguments):
     lambda_forget: float = field(default=1.0, metadata={"help": "Weight of the forget term."})
     lambda_retain: float = field(default=1.0, metadata={"help": "Weight of the retain term."})
     disable_dropout: bool = field(
-        default=True, metadata={"help": "Set dropout to 0 in the model and the reference model."}
+        default=True,
+        metadata={"help": "Set dropout to 0 in the model and the reference model (dropout layers and attention "
+                          "dropout rates). Reference forwards run without dropout either way."},
+    )
+    validation_fraction: float = field(
+        default=0.0,
+        metadata={"help": "Share of the forget set held out from training (a seeded draw, independent of the "
+                          "training shuffle); stopping rules measure forgetting on these never-trained rows. "
+                          "0 = train on every forget row."},
     )
     fp32_master_weights: bool = field(
         default=True,
@@ -95,6 +110,29 @@ class UnlearningConfig(TrainingArguments):
             raise UnlearnError(f"max_length must be at least 2, got {self.max_length}")
         if self.retain_batch_size is not None and self.retain_batch_size < 1:
             raise UnlearnError(f"retain_batch_size must be >= 1, got {self.retain_batch_size}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise UnlearnError(f"validation_fraction must lie in [0, 1), got {self.validation_fraction}")
+
+
+def independent_generator(seed: int, purpose: str) -> torch.Generator:
+    """A ``torch.Generator`` for ``purpose`` whose stream is unrelated to ``torch.Generator().manual_seed(seed)``.
+
+    The Trainer shuffles the forget set with a generator seeded by ``args.seed``; a sample drawn with that same seed
+    (a probe, a held-out split) would be exactly the first rows trained on. Hashing the purpose into the seed gives
+    each sample its own stream.
+    """
+    digest = hashlib.sha256(f"hf_unlearn/{purpose}/{int(seed)}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def split_held_out(dataset, fraction: float, seed: int):
+    """``(trained rows, held-out rows)``: ``round(fraction * n)`` rows (at least 1) drawn with an independent stream."""
+    n = len(dataset)
+    held = max(1, round(fraction * n))
+    if held >= n:
+        raise UnlearnError(f"validation_fraction={fraction} of {n} forget rows leaves no row to train on; lower it")
+    perm = torch.randperm(n, generator=independent_generator(seed, "held-out-forget")).tolist()
+    return dataset.select(sorted(perm[held:])), dataset.select(sorted(perm[:held]))
 
 
 def _is_peft_model(model) -> bool:
@@ -117,6 +155,16 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout of ``model``: ``nn.Dropout`` layers (LoRA's included) and the attention dropout rates that
+    attention modules keep as plain floats (Llama, Qwen, Gemma: ``attention_dropout``)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 class UnlearningTrainer(UnlearningHubMixin, Trainer):
     """A ``Trainer`` whose training data are a forget set (the train dataset) paired with a retain set.
 
@@ -130,6 +178,11 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         processing_class: the tokenizer (needs a pad token); required for raw rows and for the default collator.
         ref_model: an explicit reference model; by default see the module docstring.
         peft_config: a ``peft.PeftConfig``; the model is wrapped with ``get_peft_model`` and only the adapter trains.
+        eval_forget_dataset: held-out forget rows (same formats), never trained on, for the stopping rules; or set
+            ``args.validation_fraction`` to hold out a share of ``forget_dataset`` instead. Their ids count as forget
+            ids (the card keys them like the others).
+
+    Callbacks with a ``bind(trainer)`` method and no trainer yet (the stopping callbacks) are bound to this trainer.
     """
 
     _config_class: type[UnlearningConfig] = UnlearningConfig
@@ -151,6 +204,7 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         optimizers=(None, None),
         peft_config=None,
         train_dataset=None,
+        eval_forget_dataset=None,
     ):
         if model is None:
             raise UnlearnError("pass the model to unlearn (model=...)")
@@ -169,6 +223,8 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
             model = load_model(model)
 
         forget_dataset = self._prepare_dataset(forget_dataset, processing_class, args, "forget")
+        forget_dataset, held_out = self._held_out_rows(forget_dataset, eval_forget_dataset, processing_class, args)
+        self.eval_forget_dataset = held_out
         uses_retain = self._uses_retain(args)
         if retain_dataset is not None:
             retain_dataset = self._prepare_dataset(retain_dataset, processing_class, args, "retain")
@@ -177,7 +233,9 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
                 f"{type(self).__name__} with retain_loss={args.retain_loss!r} needs a retain set (retain_dataset=...); "
                 "set retain_loss='none' to unlearn without one"
             )
-        self.forget_ids = list(forget_dataset[args.id_column])
+        self.trained_forget_ids = list(forget_dataset[args.id_column])
+        self.held_out_forget_ids = [] if held_out is None else list(held_out[args.id_column])
+        self.forget_ids = self.trained_forget_ids + self.held_out_forget_ids
         if retain_dataset is not None:
             overlap = set(self.forget_ids) & set(retain_dataset[args.id_column])
             if overlap:
@@ -234,14 +292,27 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         if args.disable_dropout:
             for m in (self.model, self.ref_model):
                 if m is not None:
-                    for module in m.modules():
-                        if isinstance(module, torch.nn.Dropout):
-                            module.p = 0.0
+                    disable_dropout(m)
+        for cb in self.callback_handler.callbacks:
+            if callable(getattr(cb, "bind", None)) and getattr(cb, "trainer", None) is None:
+                cb.bind(self)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._retain_perm: tuple[int, torch.Tensor] | None = None
         self._retain_cursor = (-1, 0)  # (global step, microbatch within the step)
         if args.stop_on_nonfinite:
             self.add_callback(NonFiniteGradientCallback(type(self).__name__))
+
+    def _load_callback_state(self):
+        """Resume re-creates stateful callbacks from their saved state; give the new instances what the state does not
+        hold (held-out rows, tokenizer: ``restored_from``) and bind them to this trainer."""
+        previous = {type(cb): cb for cb in self.callback_handler.callbacks}
+        super()._load_callback_state()
+        for cb in self.callback_handler.callbacks:
+            old = previous.get(type(cb))
+            if old is not None and old is not cb and callable(getattr(cb, "restored_from", None)):
+                cb.restored_from(old)
+            if callable(getattr(cb, "bind", None)) and getattr(cb, "trainer", None) is None:
+                cb.bind(self)
 
     # ------------------------------------------------------------------ what a method needs (override)
 
@@ -262,6 +333,21 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
                 f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no pad token; set "
                 "tokenizer.pad_token = tokenizer.eos_token (or load it with hf_unlearn.load_tokenizer)"
             )
+
+    def _held_out_rows(self, forget, eval_forget, tokenizer, args: UnlearningConfig):
+        """``(rows to train on, held-out forget rows or None)`` from ``eval_forget_dataset=`` or ``validation_fraction``."""
+        if eval_forget is None:
+            if not args.validation_fraction:
+                return forget, None
+            return split_held_out(forget, args.validation_fraction, args.seed)
+        if args.validation_fraction:
+            raise UnlearnError("pass held-out forget rows once: eval_forget_dataset= or validation_fraction, not both")
+        eval_forget = self._prepare_dataset(eval_forget, tokenizer, args, "eval_forget")
+        both = set(forget[args.id_column]) & set(eval_forget[args.id_column])
+        if both:
+            raise UnlearnError(f"{len(both)} id(s) of eval_forget_dataset are also in the forget set the model trains "
+                               f"on ({', '.join(map(repr, sorted(both)[:5]))}); held-out rows must not be trained on")
+        return forget, eval_forget
 
     @staticmethod
     def _prepare_dataset(dataset, tokenizer, args: UnlearningConfig, name: str):
@@ -350,8 +436,13 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         if not self.is_peft:
             raise UnlearnError(f"{type(self).__name__} has no reference model in this configuration")
         unwrapped = self.accelerator.unwrap_model(self.model)
-        with torch.no_grad(), unwrapped.disable_adapter():
-            yield self.model
+        was_training = unwrapped.training
+        unwrapped.eval()  # p_0 has no dropout: two reference forwards of a batch must agree
+        try:
+            with torch.no_grad(), unwrapped.disable_adapter():
+                yield self.model
+        finally:
+            unwrapped.train(was_training)
 
     def reference_outputs(self, batch: dict[str, Any], **kwargs):
         with self.reference_model() as ref:
@@ -427,6 +518,8 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
             self._metrics[mode][key].append(float(t.mean()))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if logs and all(k.startswith("unlearn/") for k in logs):  # an evaluation callback's line: keep the queue
+            return super().log(logs, start_time)
         mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
         metrics = {k: sum(v) / len(v) for k, v in self._metrics[mode].items() if v}
         if mode == "eval":

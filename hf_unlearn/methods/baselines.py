@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UnlearnError
-from ..losses import gradient_ascent_loss, npo_loss, rmu_forget_loss, rmu_retain_loss, sequence_logprob, simnpo_loss
+from ..losses import (
+    answer_token_mask,
+    gradient_ascent_loss,
+    npo_loss,
+    rmu_forget_loss,
+    rmu_retain_loss,
+    sequence_logprob,
+    simnpo_loss,
+)
 from .base import UnlearningConfig, UnlearningTrainer
 
 # ---------------------------------------------------------------------------------------------- gradient ascent
@@ -120,10 +128,20 @@ class NPOTrainer(UnlearningTrainer):
 
 @dataclass
 class SimNPOConfig(UnlearningConfig):
-    """SimNPO: reference-free, length-normalised NPO with a reward margin ``gamma``."""
+    """SimNPO: reference-free, length-normalised NPO with a reward margin ``gamma``.
+
+    The loss is ``-(2/beta) log sigmoid(beta * (mean answer NLL - gamma))`` (:func:`hf_unlearn.losses.simnpo_loss`):
+    ``gamma`` inside the ``beta`` scaling, as the authors' code (``gamma``) and OpenUnlearning (``delta``) have it.
+    OpenUnlearning's ``gamma`` is the forget-term weight, here ``lambda_forget``; its ``alpha`` is ``lambda_retain``.
+    The authors' tuned TOFU forget10 setting (also OpenUnlearning's SimNPO default) is ``beta=4.5, gamma=0,
+    lambda_forget=0.125`` with a cross-entropy retain term: the ``simnpo_tofu`` registry entry.
+    """
 
     beta: float = field(default=2.5, metadata={"help": "Inverse temperature of the SimNPO loss."})
-    gamma: float = field(default=0.0, metadata={"help": "Reward margin inside the sigmoid."})
+    gamma: float = field(
+        default=0.0,
+        metadata={"help": "Reward margin on the mean answer NLL, inside the beta scaling (OpenUnlearning's delta)."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -157,7 +175,14 @@ class SimNPOTrainer(UnlearningTrainer):
 
 @dataclass
 class RMUConfig(UnlearningConfig):
-    """Representation Misdirection for Unlearning: steer one layer's activations on forget text to a random vector."""
+    """Representation Misdirection for Unlearning: steer one layer's activations on forget answers to a random vector.
+
+    Both terms are averaged over **answer tokens** (labels != -100), as OpenUnlearning does: per row the mean over its
+    answer tokens of the mean squared difference over the hidden dimension, then the mean over rows. Trained weights
+    (full fine-tuning): the MLPs (gate/up/down projections) of ``update_layers``, by default the steered layer and the
+    two below it (WMDP's RMU trains only their ``down_proj``; OpenUnlearning's TOFU config trains every parameter);
+    with ``peft_config=`` the adapter trains instead.
+    """
 
     layer_id: int | None = field(
         default=None, metadata={"help": "Decoder layer whose output is steered; None = the middle layer."}
@@ -177,8 +202,10 @@ class RMUConfig(UnlearningConfig):
 class RMUTrainer(UnlearningTrainer):
     """RMU (Li et al., 2024, WMDP): forget activations go to ``c*u``, retain activations stay the frozen model's.
 
-    Without PEFT only the MLPs of ``update_layers`` train (the rest of the model is frozen in place); with
-    ``peft_config=`` the adapter trains. The control vector ``u`` is a seeded random unit vector.
+    The steered activations are the output of decoder layer ``layer_id`` (``hidden_states[layer_id + 1]``) on answer
+    tokens. Without PEFT only the MLPs of ``update_layers`` train (the rest of the model is frozen in place; the card
+    lists the layers); with ``peft_config=`` the adapter trains. The control vector ``u`` is a seeded random unit
+    vector (uniform [0, 1) entries, normalised, as WMDP and OpenUnlearning draw it).
     """
 
     _config_class = RMUConfig
@@ -223,11 +250,11 @@ class RMUTrainer(UnlearningTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         retain = self.retain_batch()
         outputs, retain_out = self.joint_forward(model, inputs, retain, output_hidden_states=True)
-        forget = rmu_forget_loss(self._hidden(outputs), self.control_vector, inputs["attention_mask"])
+        forget = rmu_forget_loss(self._hidden(outputs), self.control_vector, answer_token_mask(inputs["labels"]))
         retain_loss = None
         if retain is not None:
             ref_hidden = self._hidden(self.reference_outputs(retain, output_hidden_states=True))
-            retain_loss = rmu_retain_loss(self._hidden(retain_out), ref_hidden, retain["attention_mask"])
+            retain_loss = rmu_retain_loss(self._hidden(retain_out), ref_hidden, answer_token_mask(retain["labels"]))
         loss = self.combine(forget, retain_loss, {})
         return (loss, outputs) if return_outputs else loss
 

@@ -3,10 +3,24 @@
 The forget term lowers the restricted margin ``m = beta*z(y_t) - logsumexp_{top-k non-target}(beta*z(v))`` of each
 active forget-answer token below ``tau - eta`` (``tau = log(rho/(1-rho))``); the retain term keeps the model close
 to the original (``KL(p_0 || p_theta)`` or cross-entropy). Training stops at the first check where the share of
-still-dominant tokens (``m > tau``), averaged over forget examples, is at most ``alpha``:
-:class:`MASCStoppingCallback` probes a small seeded sample of forget rows every ``probe_steps`` steps (or, with
-``probe_size=0``, reads the rates the training forward already measured) and, when the probe passes, confirms on
-forget rows the probe did not use (optionally with a Hoeffding upper bound).
+still-dominant tokens (``m > tau``), averaged over forget examples, is at most ``alpha``.
+
+Which rows certify what (:class:`MASCStoppingCallback`):
+
+* the **monitored rows** are the held-out forget rows when there are any (``validation_fraction`` or
+  ``eval_forget_dataset=``: never trained on, so a stop says forgetting reached rows the optimiser never saw, as in
+  the paper), else the forget rows the model trains on (a stop then says those rows are below ``alpha``);
+* the **probe** (every ``probe_steps`` steps) is ``probe_size`` monitored rows drawn from a stream independent of the
+  training shuffle, or, with ``probe_size=0``, the violation rate the training forward measured on the forget batches
+  since the last check (no extra forward). The probe only decides whether to pay for a confirmation;
+* the **confirmation** runs on the other monitored rows (all of them when ``probe_size=0``): disjoint from the probe
+  rows, it alone decides the stop. With ``hoeffding_delta`` the decision uses a one-sided Hoeffding upper bound whose
+  error level is split over the checks (the ``i``-th scheduled check spends ``delta * 6/(pi^2 i^2)``), so the bound
+  holds at the stop with probability ``1 - delta`` however many checks ran. On held-out rows that are a random draw of
+  the forget set it bounds the expected violation rate of a forget row the model never trained on; on trained rows it
+  only adds a margin to a rate that was measured exactly;
+* at the step cap a final confirmation runs; if it fails, ``stopped_step`` is ``None``, the trainer warns, and
+  ``masc_stopping.json`` gives the reason.
 """
 
 from __future__ import annotations
@@ -29,14 +43,16 @@ from ..losses import (
     masc_margin,
     masc_threshold,
     masc_violation_rates,
+    union_bound_delta,
 )
 from ..utils import atomic_write_text
-from .base import UnlearningConfig, UnlearningTrainer
+from .base import UnlearningConfig, UnlearningTrainer, independent_generator
 
 logger = logging.getLogger(__name__)
 
 STOPPING_JSON = "masc_stopping.json"
 STOPPING_PLOT = "masc_violation_curve.png"
+DEFAULT_PROBE_SIZE = 8  # probe rows when the rule monitors the trained forget rows (at most half of them)
 
 
 @dataclass
@@ -86,17 +102,20 @@ class MASCConfig(UnlearningConfig):
         default=0.2, metadata={"help": "Stop when the violation rate on forget examples is <= alpha, in (0, 1)."}
     )
     probe_steps: int = field(default=5, metadata={"help": "Run the cheap probe every this many optimizer steps."})
-    probe_size: int = field(
-        default=8,
-        metadata={"help": "Forget rows in the cheap probe (a seeded sample). 0: the probe is the violation rate the "
-                          "training forward already measured on the forget batches since the last check (no extra "
-                          "forward; slightly stale, so it errs on the late side); the confirmation then covers the "
-                          "whole forget set."},
+    probe_size: int | None = field(
+        default=None,
+        metadata={"help": "Monitored forget rows in the cheap probe (drawn independently of the training shuffle; "
+                          "the confirmation uses the others). 0: the probe is the violation rate the training "
+                          "forward already measured on the forget batches since the last check (no extra forward; "
+                          "slightly stale, so it errs on the late side); the confirmation then covers every "
+                          "monitored row. None (default): 0 when the monitored rows are held out (a small set, kept "
+                          "whole for the confirmation), else 8 (at most half the forget rows)."},
     )
     hoeffding_delta: float | None = field(
         default=None,
-        metadata={"help": "If set, stop only when the Hoeffding upper confidence bound (level 1-delta) of the "
-                          "confirmed violation rate is <= alpha."},
+        metadata={"help": "If set, stop only when the one-sided Hoeffding upper bound of the confirmed violation rate "
+                          "is <= alpha; the error level delta is split over the checks (union bound), so the bound "
+                          "holds at the stop with probability 1-delta."},
     )
     save_violation_curve: bool = field(
         default=True, metadata={"help": f"Write {STOPPING_JSON} and {STOPPING_PLOT} to output_dir at the end."}
@@ -118,7 +137,7 @@ class MASCConfig(UnlearningConfig):
             raise UnlearnError(f"active_tokens must be 'suffix' or 'all', got {self.active_tokens!r}")
         if not 0.0 < self.suffix_fraction <= 1.0:
             raise UnlearnError(f"suffix_fraction must lie in (0, 1], got {self.suffix_fraction}")
-        if self.probe_steps < 1 or self.probe_size < 0:
+        if self.probe_steps < 1 or (self.probe_size is not None and self.probe_size < 0):
             raise UnlearnError("probe_steps must be >= 1 and probe_size >= 0 (0 = probe on the training batches)")
         if self.hoeffding_delta is not None and not 0.0 < self.hoeffding_delta < 1.0:
             raise UnlearnError(f"hoeffding_delta must lie in (0, 1), got {self.hoeffding_delta}")
@@ -133,10 +152,12 @@ class MASCStoppingCallback(TrainerCallback, ExportableState):
     """MASC's online stopping rule, shaped like ``EarlyStoppingCallback`` (its state survives checkpoint/resume).
 
     Every ``probe_steps`` optimizer steps it asks the trainer for the violation rate on the probe rows; when that is
-    at most ``alpha`` it asks for the rate on the confirmation rows (held out from the probe, so the estimate is not
-    biased by having triggered the check) and stops training if that rate, or its Hoeffding upper bound when
-    ``hoeffding_delta`` is set, is at most ``alpha``. The rates are sums reduced across processes, so every process
-    takes the same decision. ``history`` is the violation curve; ``stopped_step`` the step it stopped at.
+    at most ``alpha`` it asks for the rate on the confirmation rows (disjoint from the probe rows, so the estimate is
+    not biased by having triggered the check) and stops training if that rate, or its Hoeffding upper bound when
+    ``hoeffding_delta`` is set (level split over the checks, see the module docstring), is at most ``alpha``. At the
+    step cap it confirms once more whatever the schedule. The rates are sums reduced across processes, so every
+    process takes the same decision. ``history`` is the violation curve; ``stopped_step`` the step the rule fired at
+    (``None`` if it never did: ``stop_reason`` says why).
     """
 
     def __init__(self, alpha: float = 0.2, probe_steps: int = 5, hoeffding_delta: float | None = None,
@@ -147,6 +168,7 @@ class MASCStoppingCallback(TrainerCallback, ExportableState):
         self.save_curve = save_curve
         self.history: list[dict[str, Any]] = []
         self.stopped_step: int | None = None
+        self.stop_reason: str | None = None
         self.trainer = None
 
     def bind(self, trainer) -> MASCStoppingCallback:
@@ -158,46 +180,74 @@ class MASCStoppingCallback(TrainerCallback, ExportableState):
         return {
             "args": {"alpha": self.alpha, "probe_steps": self.probe_steps, "hoeffding_delta": self.hoeffding_delta,
                      "save_curve": self.save_curve},
-            "attributes": {"history": list(self.history), "stopped_step": self.stopped_step},
+            "attributes": {"history": list(self.history), "stopped_step": self.stopped_step,
+                           "stop_reason": self.stop_reason},
         }
+
+    def _confirm(self, step: int) -> tuple[float, float, int]:
+        rate, n = self.trainer.violation_rate("confirm")
+        entry = {"step": step, "kind": "confirm", "violation_rate": rate, "upper_bound": rate, "n": n}
+        if self.hoeffding_delta:
+            check = -(-step // self.probe_steps)  # the scheduled check this step belongs to (the cap: the next one)
+            entry["delta"] = union_bound_delta(self.hoeffding_delta, check)
+            entry["upper_bound"] = hoeffding_upper_bound(rate, n, entry["delta"])
+        self.history.append(entry)
+        return rate, entry["upper_bound"], n
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.stopped_step is not None:  # resumed from a checkpoint taken after the stop
             control.should_training_stop = True
             return control
         step = state.global_step
-        if step % self.probe_steps != 0:
+        at_cap = bool(state.max_steps) and step >= state.max_steps
+        if step % self.probe_steps != 0 and not at_cap:
             return control
         if self.trainer is None:
             raise UnlearnError("MASCStoppingCallback is not bound to a trainer; MASCTrainer adds it for you")
-        rate, n = self.trainer.violation_rate("probe")
-        self.history.append({"step": step, "kind": "probe", "violation_rate": rate, "n": n})
-        metrics = {"probe_violation_rate": rate}
-        if rate <= self.alpha:
-            rate, n = self.trainer.violation_rate("confirm")
-            bound = hoeffding_upper_bound(rate, n, self.hoeffding_delta) if self.hoeffding_delta else rate
-            self.history.append({"step": step, "kind": "confirm", "violation_rate": rate, "upper_bound": bound,
-                                 "n": n})
+        metrics = {}
+        if not at_cap:  # at the cap there is no later check to save: confirm directly
+            rate, n = self.trainer.violation_rate("probe")
+            self.history.append({"step": step, "kind": "probe", "violation_rate": rate, "n": n})
+            metrics["probe_violation_rate"] = rate
+        if at_cap or rate <= self.alpha:
+            rate, bound, n = self._confirm(step)
             metrics["confirm_violation_rate"] = rate
             if bound <= self.alpha:
                 self.stopped_step = step
+                self.stop_reason = (f"violation rate {rate:.4f}" + (f" (upper bound {bound:.4f})" if bound != rate else "")
+                                    + f" <= alpha {self.alpha:g} on {n} confirmation rows at step {step}")
                 control.should_training_stop = True
-                logger.info("MASC stopped at step %d: violation rate %.4f (bound %.4f) <= alpha %.3f on %d examples",
-                            step, rate, bound, self.alpha, n)
+                logger.info("MASC stopped: %s", self.stop_reason)
+            elif at_cap:
+                self.stop_reason = (f"step cap {step} reached before the rule fired: the final confirmation measured "
+                                    f"{rate:.4f}" + (f" (upper bound {bound:.4f})" if bound != rate else "")
+                                    + f" > alpha {self.alpha:g} on {n} rows")
         self.trainer.record_metrics(metrics)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.stopped_step is None:
+            if self.stop_reason is None:  # neither the rule nor the cap: another callback ended training
+                self.stop_reason = (f"training ended at step {state.global_step}, before the step cap "
+                                    f"{state.max_steps} and before the rule fired (another callback stopped it)")
+            logger.warning("MASC did not stop by its rule: %s. The model may not be unlearned to alpha=%g; raise the "
+                           "budget (max_steps/num_train_epochs) or the learning rate.", self.stop_reason, self.alpha)
         if self.save_curve and state.is_world_process_zero:
-            save_stopping_report(args.output_dir, self.alpha, self.stopped_step, self.history)
+            extra = {"reason": self.stop_reason, "max_steps": state.max_steps, "global_step": state.global_step,
+                     "hoeffding_delta": self.hoeffding_delta}
+            if self.trainer is not None and hasattr(self.trainer, "certified_rows"):
+                extra["certified_rows"] = self.trainer.certified_rows
+            save_stopping_report(args.output_dir, self.alpha, self.stopped_step, self.history, extra)
         return control
 
 
-def save_stopping_report(output_dir, alpha: float, stopped_step: int | None, history: list[dict]) -> Path:
-    """Write the stop step and violation curve as JSON (atomically) and, if matplotlib is there, a plot."""
+def save_stopping_report(output_dir, alpha: float, stopped_step: int | None, history: list[dict],
+                         extra: dict[str, Any] | None = None) -> Path:
+    """Write the stop step, why, and the violation curve as JSON (atomically) and, if matplotlib is there, a plot."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"alpha": alpha, "stopped": stopped_step is not None, "stopped_step": stopped_step, "history": history}
+    report = {"alpha": alpha, "stopped": stopped_step is not None, "stopped_step": stopped_step, **(extra or {}),
+              "history": history}
     path = out / STOPPING_JSON
     atomic_write_text(path, json.dumps(report, indent=2) + "\n")
     try:
@@ -229,9 +279,10 @@ def save_stopping_report(output_dir, alpha: float, stopped_step: int | None, his
 class MASCTrainer(UnlearningTrainer):
     """Margin self-correction unlearning with an online stopping rule (Di Gennaro, Shevchenko, Yang, 2026).
 
-    Takes everything :class:`UnlearningTrainer` takes, plus ``confirm_dataset``: forget examples for the
-    confirmation pass (default: the forget rows not in the probe sample; the whole forget set when ``probe_size`` is
-    0 or not smaller than it).
+    Takes everything :class:`UnlearningTrainer` takes; the stopping rule monitors the held-out forget rows
+    (``eval_forget_dataset=`` or ``args.validation_fraction``) when there are any, else the trained forget rows (see
+    the module docstring for which rows certify what). ``probe_dataset`` and ``confirm_dataset`` are the two disjoint
+    parts of the monitored rows; ``certified_rows`` says which kind they are.
     """
 
     _config_class = MASCConfig
@@ -248,31 +299,42 @@ class MASCTrainer(UnlearningTrainer):
 
     def __init__(self, model=None, args: MASCConfig | None = None, forget_dataset=None, retain_dataset=None,
                  *pargs, confirm_dataset=None, **kwargs):
+        if confirm_dataset is not None:
+            raise UnlearnError("confirm_dataset= is now eval_forget_dataset=: held-out forget rows that the probe and "
+                               "the confirmation share (disjointly) and that are never trained on")
         super().__init__(model, args, forget_dataset, retain_dataset, *pargs, **kwargs)
         self.tau = masc_threshold(self.args.rho)
-        forget = self.train_dataset
-        gen = torch.Generator().manual_seed(int(self.args.seed))
-        perm = torch.randperm(len(forget), generator=gen).tolist()
+        held_out = self.eval_forget_dataset is not None
+        monitored = self.eval_forget_dataset if held_out else self.train_dataset
+        self.certified_rows = "held-out" if held_out else "trained"
         size = self.args.probe_size
-        self.probe_dataset = forget.select(sorted(perm[:size])) if size else None
+        if size is None:
+            size = 0 if held_out else min(DEFAULT_PROBE_SIZE, len(monitored) // 2)
+        self.probe_size = size
+        if size >= len(monitored):
+            raise UnlearnError(
+                f"probe_size={size} leaves no confirmation rows among the {len(monitored)} {self.certified_rows} "
+                "forget rows the stopping rule monitors; lower probe_size (0 = probe on the training batches) "
+                + ("or hold out more rows" if held_out else "or pass more forget rows")
+            )
+        # drawn from its own stream: the Trainer shuffles with args.seed, so a probe drawn with that seed would be
+        # exactly the first rows trained on
+        perm = torch.randperm(len(monitored), generator=independent_generator(self.args.seed, "masc-probe")).tolist()
+        self.probe_dataset = monitored.select(sorted(perm[:size])) if size else None
+        self.confirm_dataset = monitored.select(sorted(perm[size:])) if size else monitored
         # (sum of per-example violation rates, examples) seen by the training forward since the last probe
         self._batch_rates = torch.zeros(2, device=self.args.device)
-        if confirm_dataset is not None:
-            self.confirm_dataset = self._prepare_dataset(confirm_dataset, self.processing_class, self.args, "confirm")
-        else:
-            rest = sorted(perm[size:]) if size else []
-            self.confirm_dataset = forget.select(rest) if rest else forget
         self.stopping_callback = MASCStoppingCallback(
             self.args.alpha, self.args.probe_steps, self.args.hoeffding_delta, self.args.save_violation_curve
         ).bind(self)
         self.add_callback(self.stopping_callback)
 
     def _load_callback_state(self):
-        """Resume restores the callback by re-creating it from its state; bind the new instance to this trainer."""
+        """Resume re-creates the stopping callback from its state (the base binds it); keep pointing at it."""
         super()._load_callback_state()
         for cb in self.callback_handler.callbacks:
             if isinstance(cb, MASCStoppingCallback):
-                self.stopping_callback = cb.bind(self)
+                self.stopping_callback = cb
 
     # ------------------------------------------------------------------ the loss
 
@@ -348,6 +410,10 @@ class MASCTrainer(UnlearningTrainer):
     def violation_history(self) -> list[dict[str, Any]]:
         return self.stopping_callback.history
 
+    @property
+    def stop_reason(self) -> str | None:
+        return self.stopping_callback.stop_reason
+
     def unlearning_card_info(self) -> dict[str, Any]:
         info = super().unlearning_card_info()
         confirms = [h for h in self.violation_history if h["kind"] == "confirm"]
@@ -355,6 +421,10 @@ class MASCTrainer(UnlearningTrainer):
             "tau": self.tau,
             "stopped_by_rule": self.stopped_step is not None,
             "stopped_step": self.stopped_step,
+            "stop_reason": self.stop_reason,
+            "certified_rows": self.certified_rows,
+            "probe_size": self.probe_size,
+            "num_confirmation_rows": len(self.confirm_dataset),
             "num_probes": sum(h["kind"] == "probe" for h in self.violation_history),
         })
         if confirms:

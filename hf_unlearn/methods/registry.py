@@ -92,8 +92,8 @@ METHODS: dict[str, MethodSpec] = {s.name: s for s in (
         ("--competitors", str, "'current' or 'reference' (default current)"),
         ("--active-tokens", str, "'suffix' or 'all' (default suffix)"),
         ("--probe-steps", int, "probe every N steps (default 5)"),
-        ("--probe-size", int, "forget rows in the probe (default 8; 0 = probe on the training batches, "
-                              "no extra forward)"),
+        ("--probe-size", int, "monitored forget rows in the probe (default: 0 with held-out rows, else 8 or half; "
+                              "0 = probe on the training batches, no extra forward)"),
         ("--hoeffding-delta", float, "stop on the Hoeffding upper bound at level 1-delta"),
     ], stops_itself=True),
     _spec("grad_ascent", "gradient ascent on the forget answers", _B, "GradAscent"),
@@ -102,8 +102,14 @@ METHODS: dict[str, MethodSpec] = {s.name: s for s in (
           [("--beta", float, "NPO inverse temperature (default 0.1)")]),
     _spec("npo_klr", "NPO with a KL retain term on the retain set (NPO+KLR)", _B, "NPO",
           [("--beta", float, "NPO inverse temperature (default 0.1)")], preset={"retain_loss": "kl"}),
+    _spec("npo_rt", "NPO with a cross-entropy retain term (NPO+RT): NPO as OpenUnlearning runs it", _B, "NPO",
+          [("--beta", float, "NPO inverse temperature (default 0.1)")], preset={"retain_loss": "ce"}),
     _spec("simnpo", "reference-free, length-normalised NPO", _B, "SimNPO",
-          [("--beta", float, "inverse temperature (default 2.5)"), ("--gamma", float, "reward margin (default 0)")]),
+          [("--beta", float, "inverse temperature (default 2.5)"),
+           ("--gamma", float, "reward margin on the mean answer NLL, inside the beta scaling (default 0)")]),
+    _spec("simnpo_tofu", "SimNPO with its authors' tuned TOFU forget10 setting (OpenUnlearning's SimNPO default): "
+          "beta 4.5, gamma 0, forget weight 0.125, CE retain", _B, "SimNPO",
+          preset={"beta": 4.5, "gamma": 0.0, "lambda_forget": 0.125, "lambda_retain": 1.0, "retain_loss": "ce"}),
     _spec("rmu", "representation misdirection (steer one layer's activations)", _B, "RMU",
           [("--layer-id", int, "steered layer (default: middle)"),
            ("--steering-coeff", float, "control norm c (default 6.5)")]),
