@@ -689,7 +689,7 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
 # count, not the id (the publisher's id scanner would refuse it otherwise, e.g. 20 epochs and forget id 20)
 OWN_SETTINGS = ("num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
                 "max_length", "seed")
-OWN_COUNTS = ("num_forget", "num_retain")
+OWN_COUNTS = ("num_forget", "num_retain", "num_confirmation_rows")
 
 
 def _own_settings(card_info: dict) -> dict:
@@ -697,8 +697,11 @@ def _own_settings(card_info: dict) -> dict:
     hyper, extra = card_info.get("hyperparameters") or {}, card_info.get("extra") or {}
     values = {**{f"hyperparameters.{k}": hyper.get(k) for k in OWN_SETTINGS},
               **{f"extra.{k}": extra.get(k) for k in OWN_COUNTS}}
-    return {path: int(v) for path, v in values.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()}
+    out = {path: int(v) for path, v in values.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()}
+    if isinstance(extra.get("stop_reason"), str) and "extra.num_confirmation_rows" in out:
+        out["extra.stop_reason"] = out["extra.num_confirmation_rows"]  # MASC's reason quotes that row count
+    return out
 
 
 PROVENANCE_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")
