@@ -98,6 +98,13 @@ _LAZY: dict[str, str] = {
     "forget": "hf_unlearn.deletion",
     "ForgetConfig": "hf_unlearn.deletion",
     "ForgetReceipt": "hf_unlearn.deletion",
+    # --- closed-form editing (QR-Erase) ---
+    "qr_erase": "hf_unlearn.editing.qr_erase",
+    "QREraseConfig": "hf_unlearn.editing.qr_erase",
+    "EditReport": "hf_unlearn.editing.report",
+    "TaskMatrices": "hf_unlearn.editing.task_matrices",
+    "load_task_matrices": "hf_unlearn.editing.task_matrices",
+    "make_task_matrices": "hf_unlearn.editing.finetune",
 
     # --- hub publishing ---
     "push_unlearned": "hf_unlearn.hub.publish",

@@ -365,3 +365,17 @@ def test_expected_values_come_from_the_publishers_records(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnlearnError, match="holds no hub_pushes.jsonl"):
         expected_from(tmp_path / "empty", "org/m")
+
+
+@pytest.mark.parametrize("license", ["apache-2.0", "cc-by-4.0", "llama3.1", "gpl-3.0"])
+def test_a_licence_identifiers_version_is_not_an_id(license):
+    # forget ids 2, 3 and 4 are in "apache-2.0", "gpl-3.0", "cc-by-4.0": a licence name cannot carry an id
+    text = info = card_info(forget_ids=[2, 3, 4, 3600], hyperparameters={"beta": 2.5, "rho": 0.1, "top_k": 8})
+    text = render_model_card(info, key=KEY, license=license)
+    assert f"license: {license}" in text
+
+
+@pytest.mark.parametrize("license", ["LicenseRef-3600", "mit OR other-3600", "gpl-3600", "3600"])
+def test_a_licence_that_is_not_an_identifier_is_scanned_in_full(license):
+    with pytest.raises(UnlearnError, match=r"forget ids at license \(number 3600\)"):
+        render_model_card(card_info(), key=KEY, license=license)

@@ -68,12 +68,29 @@ def retain_split_for(forget_split: str) -> str:
     return f"retain{100 - int(m.group(1)):02d}"
 
 
+def load_tofu_splits(args, retain_split: str):
+    """The forget and retain splits named by ``args`` (``--forget-split``, ``--tofu``), the forget split narrowed to
+    ``--forget-ids`` where the command has it, then cut to ``--max-*-rows``."""
+    from ..data import load_tofu
+
+    forget = load_tofu(args.forget_split, args.tofu)
+    retain = load_tofu(retain_split, args.tofu)
+    if getattr(args, "forget_ids", None):
+        from ..data.ids import read_ids, select_ids
+
+        forget = select_ids(forget, read_ids(args.forget_ids), f"TOFU {args.forget_split}", args.forget_ids)
+    if args.max_forget_rows:
+        forget = forget.select(range(min(args.max_forget_rows, len(forget))))
+    if args.max_retain_rows:
+        retain = retain.select(range(min(args.max_retain_rows, len(retain))))
+    return forget, retain
+
+
 def run(args) -> int:
     import json
     import time
     from pathlib import Path
 
-    from ..data import load_tofu
     from ..demo import mean_answer_loss
     from ..errors import UnlearnError
     from ..methods.base import UnlearningTrainer
@@ -100,16 +117,7 @@ def run(args) -> int:
         **options,
     )
     # the config is checked first (bad options fail before anything heavy loads)
-    forget = load_tofu(args.forget_split, args.tofu)
-    retain = load_tofu(retain_split, args.tofu)
-    if args.forget_ids:
-        from ..data.ids import read_ids, select_ids
-
-        forget = select_ids(forget, read_ids(args.forget_ids), f"TOFU {args.forget_split}", args.forget_ids)
-    if args.max_forget_rows:
-        forget = forget.select(range(min(args.max_forget_rows, len(forget))))
-    if args.max_retain_rows:
-        retain = retain.select(range(min(args.max_retain_rows, len(retain))))
+    forget, retain = load_tofu_splits(args, retain_split)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model)
     peft_config = None

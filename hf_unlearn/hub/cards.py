@@ -142,6 +142,30 @@ def shown_hyperparameters(hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
     return shown
 
 
+# licence names the Hub accepts beyond SPDX (their numbers are model versions)
+HUB_LICENSES = frozenset({
+    "openrail", "openrail++", "bigscience-openrail-m", "creativeml-openrail-m", "bigscience-bloom-rail-1.0",
+    "bigcode-openrail-m", "llama2", "llama3", "llama3.1", "llama3.2", "llama3.3", "llama4", "gemma", "apple-amlr",
+    "apple-ascl", "deepfloyd-if-license", "intel-research", "lgpl-lr", "h-research", "fair-noncommercial-research-license",
+    "other", "unknown",
+})
+
+
+def is_license_identifier(license: str | None) -> bool:
+    """Whether ``license`` is one SPDX identifier or a Hub licence name: text a user cannot put an id into."""
+    if not isinstance(license, str) or not license:
+        return False
+    if license.lower() in HUB_LICENSES:
+        return True
+    from packaging.licenses import InvalidLicenseExpression, canonicalize_license_expression
+
+    try:
+        canonical = canonicalize_license_expression(license)
+    except InvalidLicenseExpression:
+        return False
+    return " " not in canonical and "LicenseRef-" not in canonical
+
+
 def render_model_card(
     card_info: Mapping[str, Any],
     *,
@@ -181,8 +205,11 @@ def render_model_card(
         search, name = [str(template.parent), str(TEMPLATES_DIR)], template.name
     else:
         search, name = [str(TEMPLATES_DIR)], EXACT_TEMPLATE if info["extra"].get("exact_deletion") else DEFAULT_TEMPLATE
-    hits = scanner.scan({"repo_id": repo_id, "base_model": base_model, "datasets": datasets, "license": license,
-                         "tags": extra_tags, "merged_adapter": merged_adapter}, "")  # (a push scans its own tag=)
+    hits = scanner.scan({"repo_id": repo_id, "base_model": base_model, "datasets": datasets, "tags": extra_tags,
+                         "merged_adapter": merged_adapter}, "")  # (a push scans its own tag=)
+    # a known licence identifier's numbers are versions, not ids ("apache-2.0" with forget id 2); anything else is
+    # scanned in full
+    hits += scanner.scan({"license": license}, "", numbers=not is_license_identifier(license))
     if template is not None:
         hits += scanner.scan_text(template.read_text(encoding="utf-8", errors="replace"), f"template {template.name}")
     scanner.refuse(hits, "the model card")
