@@ -16,7 +16,7 @@ install:
 install-dev: install
 	$(PYTHON) -m pip install -q -e ".[dev]"
 
-demo: install
+demo: install   # offline, no data folder needed (the TOFU rows ship in the package); runnable again in place
 	hf-unlearn demo
 
 test: install-dev
@@ -32,4 +32,4 @@ lint: install-dev
 	$(PYTHON) -m ruff check hf_unlearn tests examples benchmarks
 
 clean:
-	rm -rf build dist *.egg-info demo_output .pytest_cache
+	rm -rf build dist *.egg-info demo_output .pytest_cache trace_example unlearn_tofu_output masc_tofu_output random_label_output

@@ -3,7 +3,7 @@
 Runs ``hf-unlearn analyze forgetting`` (fine-tune on all tasks, forget each with random labels, measure) and prints
 the per-task figures side by side. Sized for a shared CPU by default; on a GPU raise --n-train/--n-test/--epochs.
 
-    PYTHONPATH=. python benchmarks/bench_forgetting.py --out bench_out/forgetting
+    PYTHONPATH=. python benchmarks/bench_forgetting.py # report under ~/.cache/hf_unlearn/bench/forgetting
     PYTHONPATH=. python benchmarks/bench_forgetting.py --tiny     # a tiny random Llama instead (pipeline check)
 """
 
@@ -15,6 +15,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+from hf_unlearn.runtime import bench_output_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -36,7 +38,7 @@ def main() -> int:
     ap.add_argument("--max-length", default="64")
     ap.add_argument("--train-last-layers", default="4")
     ap.add_argument("--threads", default="1")
-    ap.add_argument("--out", default="bench_out/forgetting")
+    ap.add_argument("--out", default=bench_output_dir("forgetting"), help="output folder (default: %(default)s)")
     args = ap.parse_args()
     os.environ.setdefault("HF_UNLEARN_DATA_DIR", str(SHARED / "data"))
     sys.path.insert(0, str(ROOT))

@@ -51,6 +51,8 @@ import sys
 import time
 from pathlib import Path
 
+from hf_unlearn.runtime import bench_output_dir
+
 os.environ.setdefault("HF_UNLEARN_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -60,7 +62,7 @@ PHASES = ("prepare", "reference", "grid", "seeds", "table", "all")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=PHASES, default="all")
-    p.add_argument("--out", default="bench_methods_output")
+    p.add_argument("--out", default=bench_output_dir("methods"), help="output folder, outside the repo (default: %(default)s)")
     p.add_argument("--model", default=None, help="Hub id / local folder / GGUF (default: tiny Llama built locally)")
     p.add_argument("--authors", type=int, default=4)
     p.add_argument("--forget-authors", type=int, default=1)

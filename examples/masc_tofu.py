@@ -1,11 +1,14 @@
 """Unlearn a TOFU forget split with MASC (stops by itself), optionally with LoRA.
 
-    PYTHONPATH=. python examples/masc_tofu.py --model ../shared/models/SmolLM2-135M-Instruct --forget-split forget01
-    accelerate launch examples/masc_tofu.py --model ... --lora          # several processes: same stop on each
+    python examples/masc_tofu.py --lora                     # tiny Llama taught 3 TOFU authors here, offline
+    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/masc_tofu.py --lora   # same stop on each
+    python examples/masc_tofu.py --model ../shared/models/SmolLM2-135M-Instruct --forget-split forget01 --tofu ../shared/data/tofu
 
-Data come from $HF_UNLEARN_DATA_DIR/tofu (or --tofu DIR), else the Hub. The unlearned model (LoRA merged) is saved to
---out with masc_stopping.json and masc_violation_curve.png (the stop step, why, and the violation curve). By default
-10% of the forget rows are held out from training and the stop certifies them (--validation-fraction).
+With --model, data come from --tofu DIR or $HF_UNLEARN_DATA_DIR/tofu, else the Hub; without it, a tiny Llama first
+memorises the first 3 authors of the TOFU subset shipped with hf_unlearn and MASC forgets the third. The unlearned
+model (LoRA merged) is saved to --out with masc_stopping.json and masc_violation_curve.png (the stop step, why, and
+the violation curve). By default 10% of the forget rows are held out from training and the stop certifies them
+(--validation-fraction). It prints ``stopped at step N (budget M); curve in OUT``.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 import argparse
 
 from hf_unlearn import MASCConfig, MASCTrainer, load_model, load_tofu, load_tokenizer
+from hf_unlearn.data.embedded import author_ids
+from hf_unlearn.demo import tiny_tofu_model
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hub id, local folder or .gguf file (a model fine-tuned on TOFU)")
+    p.add_argument("--model", default=None, help="Hub id, local folder or .gguf file of a model fine-tuned on TOFU "
+                                                 "(default: a tiny Llama taught 3 TOFU authors here)")
     p.add_argument("--forget-split", default="forget01")
     p.add_argument("--tofu", default=None)
     p.add_argument("--out", default="masc_tofu_output")
@@ -27,11 +33,16 @@ def main() -> None:
                    help="forget rows held out from training; the stopping rule certifies them (0: the trained rows)")
     args = p.parse_args()
 
-    forget = load_tofu(args.forget_split, args.tofu)
-    retain = load_tofu(f"retain{100 - int(args.forget_split[-2:]):02d}", args.tofu)
-    retain = retain.select(range(min(args.max_retain_rows, len(retain))))
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model)
+    if args.model is None:
+        model, tokenizer, rows = tiny_tofu_model(authors=3)
+        third = set(author_ids(2))
+        forget, retain = rows.filter(lambda r: r["id"] in third), rows.filter(lambda r: r["id"] not in third)
+    else:
+        forget = load_tofu(args.forget_split, args.tofu)
+        retain = load_tofu(f"retain{100 - int(args.forget_split[-2:]):02d}", args.tofu)
+        retain = retain.select(range(min(args.max_retain_rows, len(retain))))
+        tokenizer = load_tokenizer(args.model)
+        model = load_model(args.model)
     peft_config = None
     if args.lora:
         from peft import LoraConfig
@@ -41,7 +52,7 @@ def main() -> None:
     config = MASCConfig(
         output_dir=args.out,
         num_train_epochs=10,  # a cap: MASC stops when the violation rate on held-out forget rows is <= alpha
-        learning_rate=1e-4 if args.lora else 1e-5,
+        learning_rate=(1e-2 if args.lora else 1e-3) if args.model is None else (1e-4 if args.lora else 1e-5),
         per_device_train_batch_size=4,
         validation_fraction=args.validation_fraction,  # probe: the training batches; confirmation: the held-out rows
         k=10, rho=0.5, eta=1.0, alpha=0.2, probe_steps=5,

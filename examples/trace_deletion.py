@@ -1,5 +1,6 @@
 """Exact deletion end to end: record a fine-tune, then honour a deletion request bit for bit.
 
+<<<<<<< HEAD
     python examples/trace_deletion.py                                   # tiny Llama on 64 TOFU rows, ~1 minute
     accelerate launch examples/trace_deletion.py                        # same, through accelerate (one process)
     accelerate launch --multi_gpu --num_processes 2 examples/trace_deletion.py --out trace_example_dp   # data parallel
@@ -8,12 +9,23 @@
 The only change to an ordinary fine-tuning script is the class: ``TraceRecordingTrainer`` instead of ``Trainer``
 (any collator; here transformers' ``DataCollatorForSeq2Seq``). The same steps are available as
 ``hf-unlearn trace inspect|cost|redact|replay|oracle|verify``.
+=======
+    python examples/trace_deletion.py                      # tiny Llama on 64 TOFU rows, ~1 minute
+    accelerate launch --cpu --num_processes 1 examples/trace_deletion.py   # through accelerate (recording is one process)
+    python examples/trace_deletion.py --model ../shared/models/SmolLM2-135M-Instruct --rows 16 --max-length 96
+
+Rows come from the TOFU subset shipped with hf_unlearn (or --tofu DIR / $HF_UNLEARN_DATA_DIR/tofu for more than 200).
+It prints the replay's start step, the redaction check and ``replay == oracle, parameters and optimizer state bit
+for bit: True``.
+
+The only change to an ordinary fine-tuning script is the class: ``TraceRecordingTrainer`` instead of ``Trainer``.
+The same steps are available as ``hf-unlearn trace inspect|cost|redact|replay|oracle|verify``.
+>>>>>>> i17
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -30,6 +42,7 @@ from hf_unlearn import (
     tokenize_qa,
     verify_replay,
 )
+from hf_unlearn.data.embedded import load_embedded_tofu
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
 from hf_unlearn.trace import open_run
 
@@ -37,7 +50,8 @@ from hf_unlearn.trace import open_run
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model to fine-tune (default: a tiny Llama built locally)")
-    parser.add_argument("--tofu", default=os.environ.get("HF_UNLEARN_TOFU", "../shared/data/tofu"))
+    parser.add_argument("--tofu", default=None, help="TOFU folder (default: the embedded subset for up to 200 rows, "
+                                                     "else $HF_UNLEARN_DATA_DIR/tofu)")
     parser.add_argument("--rows", type=int, default=64, help="TOFU rows to fine-tune on")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--epochs", type=float, default=1)
@@ -47,7 +61,10 @@ def main() -> None:
     cpu = not torch.cuda.is_available()
     state = PartialState(cpu=cpu)  # several processes on a CPU talk over gloo
 
-    rows = load_tofu("full", args.tofu if Path(args.tofu).exists() else None).select(range(args.rows))
+    if args.tofu is None and args.rows <= 200:
+        rows = load_embedded_tofu().select(range(args.rows))
+    else:
+        rows = load_tofu("full", args.tofu).select(range(args.rows))
     if args.model is None:
         tokenizer = build_tiny_tokenizer([r["question"] + " " + r["answer"] for r in rows], vocab_size=1024)
         model = build_tiny_model("llama", tokenizer, hidden_size=64, num_layers=2, num_heads=4)

@@ -94,6 +94,10 @@ _LAZY: dict[str, str] = {
     "UnlearningEvalCallback": "hf_unlearn.eval.callback",
     "UnlearningStoppingCallback": "hf_unlearn.eval.stopping",
 
+    # --- a deletion request end to end ---
+    "forget": "hf_unlearn.deletion",
+    "ForgetConfig": "hf_unlearn.deletion",
+    "ForgetReceipt": "hf_unlearn.deletion",
     # --- closed-form editing (QR-Erase) ---
     "qr_erase": "hf_unlearn.editing.qr_erase",
     "QREraseConfig": "hf_unlearn.editing.qr_erase",
@@ -112,6 +116,10 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
+
+from .runtime import quiet_optional_backends as _quiet  # noqa: E402  (stdlib only: keeps the import light)
+
+_quiet()  # peft imports bitsandbytes, which logs a kernels notice at import in every script; drop that one line
 
 
 def __getattr__(name: str) -> Any:

@@ -2,8 +2,9 @@
 
 Each subcommand group lives in ``hf_unlearn/commands/<group>.py`` and exposes ``register(subparsers)``; a
 command's handler takes the parsed args and returns an exit code. Heavy imports happen inside handlers so
-``hf-unlearn --help`` is instant. Errors a user can cause print one line and exit 1 (set
-``HF_UNLEARN_DEBUG=1`` for the traceback).
+``hf-unlearn --help`` is instant. Every error prints one line and exits 1, never a traceback (set
+``HF_UNLEARN_DEBUG=1`` for it); an output folder a failed command created and left empty is removed. Before a
+command runs, :mod:`hf_unlearn.runtime` sets thread defaults that hold up on a shared machine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import sys
 from . import __version__
 
 GROUPS = {
-    "demo": "run the end-to-end demo offline on a small local model",
+    "forget": "honour a deletion request end to end: delete, prove, publish (one command)",
+    "demo": "the whole pipeline offline in minutes: record, delete exactly, unlearn, publish, verify",
     "trace": "exact deletion: inspect, cost, redact, replay, oracle, verify a recorded run",
     "unlearn": "approximate unlearning: MASC and the baselines",
     "edit": "closed-form weight edits (QR-Erase)",
@@ -24,6 +26,54 @@ GROUPS = {
     "eval": "TOFU / MUSE-News evaluation",
     "hub": "publish to and verify on the Hugging Face Hub",
 }
+
+
+# Help for options that a command module registered without one: the same option means the same thing in every
+# group, so its text lives here once ("GROUP COMMAND --flag" keys win over plain "--flag" keys). A test checks that
+# every option of every command ends up with a help text.
+COMMON_HELP = {
+    "run": "a recorded run: the trace_dir of a TraceRecordingTrainer (or a replay's output)",
+    "model": "Hub id, local folder or .gguf file",
+    "repo": "ORG/NAME on the Hub",
+    "output_dir": "the output folder to publish (weights, tokenizer, unlearning_info.json)",
+    "--forget": "the ids to delete: ids.jsonl (one JSON id per line: 3600 or \"abc-1\"), a JSON list, or one per line",
+    "--json": "print the report as JSON",
+    "--out": "output folder (must not exist or be empty)",
+    "--seed": "random seed (default %(default)s)",
+    "--batch-size": "rows per forward pass (default %(default)s)",
+    "--forget-split": "TOFU forget split (default %(default)s)",
+    "--max-new-tokens": "tokens generated per answer (default %(default)s)",
+    "--epochs": "training epochs (default %(default)s)",
+    "--lr": "learning rate (default %(default)s)",
+    "--train-batch-size": "rows per training step (default %(default)s)",
+    "--grad-accum": "gradient accumulation steps (default %(default)s)",
+    "--label-mode": "uniform: any choice (the true one included); flipped: always a wrong one (default %(default)s)",
+    "--verbmem-max-new-tokens": "tokens generated per verbatim-memorisation prompt (default %(default)s)",
+    "--knowmem-max-new-tokens": "tokens generated per knowledge-memorisation answer (default %(default)s)",
+    "--bits": "4 (NF4/FP4) or 8 (LLM.int8) (default %(default)s)",
+    "--benchmark": "which evaluation to run before and after quantisation (default %(default)s)",
+    "--license": "license in the card metadata (default %(default)s)",
+    "--port": "port to listen on (default %(default)s; 0 picks a free one)",
+    "--host": "interface to listen on (default %(default)s: this machine only)",
+    "eval plot-tradeoff --out": "the plot file to write (default %(default)s)",
+    "trace oracle --out": "output folder of the oracle run (must not exist or be empty)",
+}
+
+
+def _fill_help(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                _fill_help(sub, (*path, name))
+            continue
+        if action.help or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        keys = [*action.option_strings] or [action.dest]
+        for key in keys:
+            text = COMMON_HELP.get(" ".join((*path, key))) or COMMON_HELP.get(key)
+            if text:
+                action.help = text
+                break
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,12 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
         group_parser = sub.add_parser(group, help=help_text, description=help_text)
         group_parser.set_defaults(func=None, _parser=group_parser)
         module.register(group_parser)
+    _fill_help(parser)
     return parser
+
+
+OUTPUT_OPTIONS = ("out", "output_dir")
+NO_TORCH = {("hub", "serve")}  # commands that never touch torch: no thread set-up (keeps them fast to start)
 
 
 def main(argv: list[str] | None = None) -> int:
     from .errors import UnlearnError
+    from .runtime import prepare_environment, quiet_optional_backends
 
+    prepare_environment()
+    quiet_optional_backends()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.group is None:
@@ -52,17 +110,49 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         args._parser.print_help()
         return 2
+    new_outputs = [getattr(args, name) for name in OUTPUT_OPTIONS
+                   if isinstance(getattr(args, name, None), str) and not os.path.exists(getattr(args, name))]
+    debug = bool(os.environ.get("HF_UNLEARN_DEBUG"))
     try:
+        if (args.group, getattr(args, "command", None)) not in NO_TORCH:
+            from .runtime import configure_threads
+
+            configure_threads(getattr(args, "threads", None))
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
+        _cleanup(new_outputs)
         print("hf-unlearn: interrupted", file=sys.stderr)
         return 130
-    except (UnlearnError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
-        if os.environ.get("HF_UNLEARN_DEBUG"):
+    except (UnlearnError, OSError) as e:
+        _cleanup(new_outputs)
+        if debug:
             raise
-        msg = str(e) if isinstance(e, UnlearnError) else f"{e.strerror or e}: {e.filename}"
+        if isinstance(e, UnlearnError):
+            msg = str(e)
+        elif getattr(e, "filename", None):
+            msg = f"{e.strerror or e}: {e.filename}"
+        else:
+            msg = _first_line(e)
         print(f"hf-unlearn: error: {msg}", file=sys.stderr)
         return 1
+    except Exception as e:  # anything else is still one line (a bug to report, or a library's own error)
+        _cleanup(new_outputs)
+        if debug:
+            raise
+        print(f"hf-unlearn: error: {type(e).__name__}: {_first_line(e)} (HF_UNLEARN_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _cleanup(new_outputs: list[str]) -> None:
+    from .validation import remove_if_empty
+
+    remove_if_empty(new_outputs)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,25 +1,43 @@
-"""The end-to-end demo behind ``hf-unlearn demo``: offline, minutes on 2 CPU cores.
+"""The end-to-end demo behind ``hf-unlearn demo``: offline, no data folder, a few minutes on 2 CPU cores.
 
-Stage 1 fine-tunes a model on a TOFU subset (a few fictitious authors) and reports the loss on the
-author that will be forgotten and on the retained authors, with a sample answer. Later stages (record,
-delete, unlearn, evaluate, publish) hang off the same fine-tuned run.
+Stages (each long one shows a progress bar):
+
+1. record a fine-tune on a TOFU subset (the 10-author subset shipped in the package by default) with
+   ``TraceRecordingTrainer``;
+2. a deletion request arrives for one author (written as ``requests/author-N.jsonl``);
+3. ``hf_unlearn.forget(run, ids, oracle=True)``: replay cost, redaction, suffix replay, the trace oracle and the
+   bit-for-bit check, optionally the naive ``filter``/``repack`` counterfactuals, the model card and state hashes;
+   pushed to a local Hub server the demo starts itself, downloaded again and verified (``hub verify``);
+4. a second request, for another author, on a model whose run is treated as unavailable:
+   ``hf_unlearn.forget(model, ids, method="masc")`` with evaluation before and after, card, push and verify;
+5. a summary table (also ``OUT/demo_summary.json``).
+
+Runnable again in the same folder (an earlier demo output is replaced; any other non-empty folder is refused);
+nothing is left behind on failure, and no empty folder on success.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
-from dataclasses import dataclass, field
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import UnlearnError
 
 ROWS_PER_AUTHOR = 20
+SUMMARY_FILE = "demo_summary.json"
+DEMO_REPO = "demo/tiny-llama-tofu"
 
 
 @dataclass
 class DemoConfig:
     model: str | None = None  # Hub id / local path / GGUF; None = tiny Llama built locally
-    tofu_path: str | None = None  # local TOFU folder; None = $HF_UNLEARN_DATA_DIR/tofu, else the Hub
+    tofu_path: str | None = None  # TOFU folder; None = the embedded 10-author subset (more authors: $HF_UNLEARN_DATA_DIR)
     output_dir: str = "demo_output"
     authors: int = 8
     forget_authors: int = 1
@@ -28,7 +46,11 @@ class DemoConfig:
     batch_size: int = 8
     max_length: int = 128
     seed: int = 0
-    trace_baselines: bool = True  # also train the naive filter/repack counterfactuals (2 more runs) in stage 2
+    trace_baselines: bool = True  # also train the naive filter/repack counterfactuals (2 more runs) in stage 3
+    masc: bool = True  # stage 4: MASC on another author
+    masc_learning_rate: float | None = None  # None: 1e-3 for the tiny model, 1e-5 otherwise
+    publish: bool = True  # push both models to a local Hub server and verify them
+    progress: bool = True
     stats: dict = field(default_factory=dict)
 
 
@@ -38,12 +60,16 @@ def _print(msg: str = "") -> None:
 
 def load_demo_data(cfg: DemoConfig):
     """The first ``authors`` authors of TOFU ``full``; the last ``forget_authors`` of them form the forget set."""
-    from .data import load_tofu
+    from .data.embedded import EMBEDDED_TOFU_AUTHORS, load_embedded_tofu
 
     if cfg.forget_authors < 1 or cfg.forget_authors >= cfg.authors:
         raise UnlearnError("--forget-authors must be at least 1 and smaller than --authors")
-    full = load_tofu("full", cfg.tofu_path)
-    subset = full.select(range(cfg.authors * ROWS_PER_AUTHOR))
+    if cfg.tofu_path is None and cfg.authors <= EMBEDDED_TOFU_AUTHORS:
+        subset = load_embedded_tofu(cfg.authors)
+    else:
+        from .data import load_tofu
+
+        subset = load_tofu("full", cfg.tofu_path).select(range(cfg.authors * ROWS_PER_AUTHOR))
     first_forget = (cfg.authors - cfg.forget_authors) * ROWS_PER_AUTHOR
     forget_ids = list(range(first_forget, cfg.authors * ROWS_PER_AUTHOR))
     return subset, forget_ids
@@ -66,8 +92,10 @@ def fine_tune(cfg: DemoConfig, model, tokenizer, train_dataset, output_dir: Path
     from transformers import Trainer, TrainingArguments
 
     from .data import QACollator
+    from .utils import has_cuda
 
     lr = cfg.learning_rate or (3e-3 if cfg.model is None else 2e-5)
+    accelerator = has_cuda()
     args = TrainingArguments(
         output_dir=str(output_dir),
         num_train_epochs=cfg.epochs,
@@ -79,9 +107,10 @@ def fine_tune(cfg: DemoConfig, model, tokenizer, train_dataset, output_dir: Path
         save_strategy="no",
         report_to=[],
         seed=cfg.seed,
-        use_cpu=not _has_accelerator(),
+        use_cpu=not accelerator,
+        dataloader_pin_memory=accelerator,
         remove_unused_columns=False,
-        disable_tqdm=False,
+        disable_tqdm=not cfg.progress,
     )
     cls = trainer_cls or Trainer
     trainer = cls(
@@ -107,10 +136,25 @@ class _DropIds:
         return batch
 
 
-def _has_accelerator() -> bool:
-    import torch
+def tiny_tofu_model(authors: int = 3, epochs: float = 15.0, seed: int = 0, max_length: int = 96,
+                    progress: bool = False):
+    """A tiny Llama that has memorised the first ``authors`` authors of the embedded TOFU subset (seconds on a CPU).
 
-    return torch.cuda.is_available()
+    Returns ``(model, tokenizer, rows)``: the raw QA rows with their TOFU ids. Examples and tests start from it so
+    that unlearning has something to remove, offline.
+    """
+    import tempfile
+
+    from .data import tokenize_qa
+
+    cfg = DemoConfig(authors=max(authors, 2), forget_authors=1, epochs=epochs, seed=seed, max_length=max_length,
+                     progress=progress)
+    rows, _ = load_demo_data(cfg)
+    model, tokenizer, _ = load_demo_model(cfg, [r["question"] + " " + r["answer"] for r in rows])
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_tiny_") as tmp:
+        fine_tune(cfg, model, tokenizer, tokenize_qa(rows, tokenizer, max_length=max_length), Path(tmp))
+    model.eval()
+    return model, tokenizer, rows
 
 
 def mean_answer_loss(model, tokenizer, dataset, batch_size: int = 16) -> float:
@@ -155,28 +199,107 @@ def sample_answer(model, tokenizer, question: str, max_new_tokens: int = 40) -> 
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+# ---- the local Hub ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def local_hub(root: Path):
+    """A Hub-compatible server on 127.0.0.1 for the demo, and huggingface_hub pointed at it while it runs.
+
+    huggingface_hub reads ``HF_HUB_OFFLINE`` once, at import; offline mode keeps the internet away, and this server
+    is on the loopback interface, so the flag is lifted for the demo's own calls and restored afterwards.
+    """
+    from huggingface_hub import constants
+
+    from .hub.server import HubServer
+
+    token = "hf_demo_" + secrets.token_hex(8)
+    server = HubServer(root, {token: "demo"}).start()
+    saved = constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET
+    constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET = False, True
+    try:
+        yield server, token
+    finally:
+        constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_XET = saved
+        server.stop()
+
+
+@contextlib.contextmanager
+def _demo_key(out: Path):
+    """Keyed tags under a key kept in the demo's folder, unless the user chose a key (the demo is not their data)."""
+    if os.environ.get("HF_UNLEARN_KEY_FILE") or os.environ.get("HF_UNLEARN_TAG_KEY"):
+        yield
+        return
+    os.environ["HF_UNLEARN_KEY_FILE"] = str(out / "private" / "id_tag.key")
+    try:
+        yield
+    finally:
+        os.environ.pop("HF_UNLEARN_KEY_FILE", None)
+
+
+# ---- the demo -----------------------------------------------------------------------------------------------
+@dataclass
+class _Stage:
+    name: str
+    outcome: str
+    seconds: float
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo and return the figures it printed (for tests and scripts)."""
+    from .validation import check_positive, output_folder
+
+    if cfg.forget_authors < 1 or cfg.forget_authors >= cfg.authors:
+        raise UnlearnError("--forget-authors must be at least 1 and smaller than --authors")
+    check_positive(authors=cfg.authors, epochs=cfg.epochs, batch_size=cfg.batch_size, max_length=cfg.max_length,
+                   lr=cfg.learning_rate, masc_lr=cfg.masc_learning_rate)
+    if cfg.model is not None:
+        from .validation import check_model_source
+
+        check_model_source(cfg.model)
+    if cfg.tofu_path is not None:
+        from .validation import check_existing_folder
+
+        check_existing_folder(cfg.tofu_path, "TOFU folder")
+    if cfg.masc and cfg.authors - cfg.forget_authors < 2:
+        raise UnlearnError("the MASC stage forgets another author and keeps at least one: use --authors >= "
+                           f"{cfg.forget_authors + 2} (or --no-masc)")
+    started = time.perf_counter()
+    with output_folder(cfg.output_dir, marker=SUMMARY_FILE, overwrite=True) as out, _demo_key(out):
+        stages = _run(cfg, out)
+        total = time.perf_counter() - started
+        _print(f"\n[5/5] summary ({total:.0f} s; {out})")
+        width = max(len(s.name) for s in stages)
+        for s in stages:
+            _print(f"  {s.name.ljust(width)}  {s.seconds:6.1f} s  {s.outcome}")
+        cfg.stats["stages"] = [asdict(s) for s in stages]
+        cfg.stats["total_s"] = total
+        from .utils import atomic_write_text
+
+        atomic_write_text(out / SUMMARY_FILE, json.dumps(cfg.stats, indent=1, default=str) + "\n")
+    return cfg.stats
+
+
+def _run(cfg: DemoConfig, out: Path) -> list[_Stage]:
     import torch
 
     from .data import tokenize_qa
+    from .data.ids import write_ids
+    from .trace import TraceRecordingTrainer
 
     torch.manual_seed(cfg.seed)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    stages: list[_Stage] = []
     subset, forget_ids = load_demo_data(cfg)
     model, tokenizer, model_name = load_demo_model(cfg, [r["question"] + " " + r["answer"] for r in subset])
-    _print(f"== hf_unlearn demo: {model_name}, {cfg.authors} TOFU authors ({len(subset)} QA pairs), "
-           f"forget set = last {cfg.forget_authors} author(s) ({len(forget_ids)} rows)")
+    source = "embedded TOFU subset (MIT)" if cfg.tofu_path is None and cfg.authors <= 10 else f"TOFU from {cfg.tofu_path}"
+    _print(f"== hf_unlearn demo: {model_name}, {cfg.authors} TOFU authors ({len(subset)} QA pairs, {source})")
     data = tokenize_qa(subset, tokenizer, max_length=cfg.max_length)
     forget_set = set(forget_ids)
     forget = data.filter(lambda r: r["id"] in forget_set)
     retain = data.filter(lambda r: r["id"] not in forget_set)
 
+    # 1. record
+    t = time.perf_counter()
     before = {"forget": mean_answer_loss(model, tokenizer, forget), "retain": mean_answer_loss(model, tokenizer, retain)}
-    from .trace import TraceRecordingTrainer
-
-    _print(f"[1/2] fine-tuning for {cfg.epochs:g} epochs (recorded by TraceRecordingTrainer in {out / 'trace'})")
+    _print(f"\n[1/5] fine-tuning for {cfg.epochs:g} epochs, recorded by TraceRecordingTrainer in {out / 'trace'}")
     fine_tune(cfg, model, tokenizer, data, out / "finetune", trainer_cls=TraceRecordingTrainer, trace_dir=out / "trace")
     after = {"forget": mean_answer_loss(model, tokenizer, forget), "retain": mean_answer_loss(model, tokenizer, retain)}
     _print(f"answer loss before fine-tuning: forget {before['forget']:.3f}  retain {before['retain']:.3f}")
@@ -187,56 +310,152 @@ def run_demo(cfg: DemoConfig) -> dict:
     _print(f"A (model):     {sample_answer(model, tokenizer, question)}")
     _print(f"A (reference): {subset[forget_ids[0]]['answer']}")
     cfg.stats.update({"loss_before": before, "loss_after": after})
-    cfg.stats["deletion"] = trace_deletion_stage(cfg, model, tokenizer, forget, retain, forget_ids, out)
-    return cfg.stats
+    stages.append(_Stage("record", f"answer loss {before['forget']:.2f} -> {after['forget']:.3f}; trace in "
+                                   f"{out / 'trace'}", time.perf_counter() - t))
+
+    # 2. the request
+    first = forget_ids[0] // ROWS_PER_AUTHOR
+    request = write_ids(out / "requests" / f"author-{first}.jsonl", forget_ids)
+    _print(f"\n[2/5] deletion request: author {first}'s {len(forget_ids)} rows (ids {forget_ids[0]}-{forget_ids[-1]}), "
+           f"written to {request}")
+    stages.append(_Stage("deletion request", f"{len(forget_ids)} ids in {request.name}", 0.0))
+
+    hub = local_hub(out / "hub") if cfg.publish else contextlib.nullcontext((None, None))
+    with hub as (server, token):
+        if server is not None:
+            _print(f"local Hub server for the demo: {server.url} (storage {out / 'hub'})")
+        publish = {"repo": DEMO_REPO, "endpoint": server.url, "token": token} if server is not None else {}
+        stages += _exact_stage(cfg, out, request, tokenizer, model, forget, retain, forget_ids, publish)
+        if cfg.masc:
+            stages += _masc_stage(cfg, out, subset, forget_ids, publish)
+    return stages
 
 
-def trace_deletion_stage(cfg: DemoConfig, model, tokenizer, forget, retain, forget_ids, out: Path) -> dict:
-    """Stage 2: honour a deletion request for the forget author exactly (redact, replay, oracle, verify)."""
+def _exact_stage(cfg, out, request, tokenizer, model, forget, retain, forget_ids, publish) -> list[_Stage]:
     import copy
-    import shutil
 
-    from .trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, replay_cost
-    from .trace.replay import filter_counterfactual, repack_counterfactual
+    from .deletion import forget as forget_call
     from .trace.run import full_model_state
-    from .trace.verification import compare_states, load_state, verify
+    from .trace.verification import compare_states, load_state
 
-    _print(f"[2/2] deletion request: the forget author's {len(forget_ids)} rows, honoured by trace-preserving replay")
-    del_dir = out / "deletion"
-    if del_dir.exists():
-        shutil.rmtree(del_dir)
-    run = open_run(out / "trace")
-    cost = replay_cost(run, forget_ids)
-    _print(f"cost: {cost['slots_deleted']} slots in {cost['affected_steps']} of {cost['total_steps']} optimizer steps; "
-           f"suffix replay from checkpoint step {cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% "
-           f"of the run), {cost['segments_emptied']} accumulation segment(s) emptied")
-    receipt = redact_store(run.store_path, forget_ids, del_dir / "store", run.key)
-    _print(f"redacted store: {receipt['rows_before']} -> {receipt['rows_after']} rows; "
-           f"{receipt['checks']['id_column_scanned']}")
-    replay = RedactedReplayTrainer(run, del_dir / "store", forget_ids, del_dir / "replay")
-    replay.train()
-    OracleReplayTrainer(run, forget_ids, out_dir=del_dir / "oracle").train()
-    report = verify(del_dir / "replay", del_dir / "oracle")
-    p, o = report["params"], report["optimizer"]
-    _print(f"verify replay vs oracle: parameters {p['mismatched_elements']} of {p['elements']:,} elements differ, "
-           f"optimizer state {o['mismatched_elements']} of {o['elements']:,} differ; state-hash roots "
-           f"{report['roots']['a']['params'][:12]}.../{report['roots']['a']['optimizer'][:12]}... "
-           f"{'== oracle: VERIFIED bit-identical' if report['identical'] else '!= oracle: NOT identical'}")
-    oracle = load_state(del_dir / "oracle")
+    _print("\n[3/5] exact deletion: hf_unlearn.forget(run, ids, oracle=True"
+           + (f", repo={DEMO_REPO!r})" if publish else ")"))
+    t = time.perf_counter()
+    receipt = forget_call(out / "trace", request, out / "deletion-exact", oracle=True, tokenizer=tokenizer,
+                          datasets=["locuslab/TOFU"], progress=cfg.progress, log=_print, **publish)
+    seconds = time.perf_counter() - t
+    ev = receipt.evidence
+    stages = [_Stage("exact deletion", ("VERIFIED bit-identical to the oracle" if ev["verified"] else
+                                        "NOT identical to the oracle") + f", replay from step "
+                                       f"{ev['cost']['start_checkpoint']}", seconds)]
     distances = {}
-    baselines = (("filter", lambda: filter_counterfactual(run, forget_ids)),
-                 ("repack", lambda: repack_counterfactual(run, forget_ids, del_dir / "repack_tmp")))
-    for name, make in baselines if cfg.trace_baselines else ():
-        state = make()
-        cmp = compare_states(state, oracle)["params"]
-        distances[name] = {"mismatched_elements": cmp["mismatched_elements"], "l2": cmp["l2"]}
-        _print(f"naive {name:6s} vs oracle: {cmp['mismatched_elements']:,} of {cmp['elements']:,} parameter elements "
-               f"differ, L2 distance {cmp['l2']:.4g}")
-    shutil.rmtree(del_dir / "repack_tmp", ignore_errors=True)
+    if cfg.trace_baselines:
+        t = time.perf_counter()
+        distances = _baselines(cfg, out, tokenizer, forget_ids, load_state(out / "deletion-exact" / "oracle"),
+                               compare_states)
+        stages.append(_Stage("naive baselines", ", ".join(f"{k} L2 {v['l2']:.3g} from the oracle"
+                                                         for k, v in distances.items()), time.perf_counter() - t))
     unlearned = copy.deepcopy(model)
-    unlearned.load_state_dict(full_model_state(load_state(del_dir / "replay")))  # tied weights are stored once
+    unlearned.load_state_dict(full_model_state(load_state(out / "deletion-exact" / "replay")))  # tied: stored once
     loss = {"forget": mean_answer_loss(unlearned, tokenizer, forget), "retain": mean_answer_loss(unlearned, tokenizer, retain)}
     _print(f"answer loss after the deletion: forget {loss['forget']:.3f}  retain {loss['retain']:.3f}")
-    return {"cost": cost, "identical": report["identical"], "baselines": distances, "loss": loss}
+    stages.append(_Stage("card + state hashes", f"weights root {receipt.state_hashes['params_root'][:16]}..., "
+                                                f"optimizer root {receipt.state_hashes['optimizer_root'][:16]}...", 0.0))
+    stages += _publish_stages(receipt)
+    cfg.stats["deletion"] = {"cost": ev["cost"], "identical": ev["verified"], "baselines": distances, "loss": loss,
+                             "receipt": receipt.to_dict()}
+    return stages
 
 
+def _baselines(cfg, out: Path, tokenizer, forget_ids, oracle: dict, compare_states) -> dict:
+    """The naive counterfactuals next to the oracle: ``filter`` (drop rows before the forward) and ``repack``."""
+    import shutil
+
+    from .deletion import with_replay_progress
+    from .trace import open_run
+    from .trace.replay import ReplayTrainer, repack_counterfactual
+
+    run = open_run(out / "trace")
+    distances = {}
+    _print("naive counterfactuals (for comparison; neither is the deletion):")
+    states = {"filter": lambda: with_replay_progress(ReplayTrainer, "filter baseline", cfg.progress)(
+        run, forget_ids=forget_ids, start="full", filter_rows=True).train()}
+    tmp = out / "deletion-exact" / "repack_tmp"
+    states["repack"] = lambda: _progress_note("repack baseline: retraining on the retained rows, fresh batching",
+                                             lambda: repack_counterfactual(run, forget_ids, tmp))
+    for name, make in states.items():
+        cmp = compare_states(make(), oracle)["params"]
+        distances[name] = {"mismatched_elements": cmp["mismatched_elements"], "l2": cmp["l2"]}
+        _print(f"  {name:6s} vs oracle: {cmp['mismatched_elements']:,} of {cmp['elements']:,} parameter elements "
+               f"differ, L2 distance {cmp['l2']:.4g}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(run.path / "_replay_tmp", ignore_errors=True)
+    return distances
+
+
+def _progress_note(what: str, fn):
+    """Run ``fn`` behind a spinner-like progress line (for steps that have no progress bar of their own)."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    done = threading.Event()
+    with tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False) as bar:
+        def tick():
+            while not done.wait(1.0):
+                bar.refresh()
+        thread = threading.Thread(target=tick, daemon=True)
+        thread.start()
+        try:
+            return fn()
+        finally:
+            done.set()
+            thread.join()
+
+
+def _masc_stage(cfg, out: Path, subset, forget_ids, publish) -> list[_Stage]:
+    from .deletion import forget as forget_call
+
+    deleted = set(forget_ids)
+    kept = subset.filter(lambda r: r["id"] not in deleted)  # what the exactly-unlearned model still knows
+    author = (forget_ids[0] // ROWS_PER_AUTHOR) - 1
+    ids = [i for i in kept["id"] if i // ROWS_PER_AUTHOR == author]
+    request = out / "requests" / f"author-{author}.jsonl"
+    from .data.ids import write_ids
+
+    write_ids(request, ids)
+    lr = cfg.masc_learning_rate or (1e-3 if cfg.model is None else 1e-5)
+    _print(f"\n[4/5] a second request, author {author} ({len(ids)} rows), for a model whose training run is not "
+           f"available: hf_unlearn.forget(model, ids, method='masc')")
+    t = time.perf_counter()
+    receipt = forget_call(out / "deletion-exact" / "model", request, out / "unlearn-masc", method="masc",
+                          data=kept, learning_rate=lr, num_train_epochs=20, batch_size=4,
+                          max_length=cfg.max_length, eval_rows=ROWS_PER_AUTHOR, max_retain_rows=0, seed=cfg.seed,
+                          method_args={"retain_loss": "ce", "probe_size": 0}, datasets=["locuslab/TOFU"],
+                          progress=cfg.progress, log=_print, **publish)
+    seconds = time.perf_counter() - t
+    ev = receipt.evidence
+    b, a = ev["before"], ev["after"]
+    _print("evaluation before -> after (answer loss, answer probability, ROUGE-L of the greedy answer):")
+    for name in ("forget", "retain"):
+        _print("  " + name + ": " + ", ".join(f"{m} {b[name][m]:.3f} -> {a[name][m]:.3f}"
+                                            for m in ("answer_loss", "probability", "rouge_l") if a[name][m] is not None))
+    stop = ev.get("stopped_step")
+    stages = [_Stage("MASC", (f"stopped itself at step {stop}" if stop is not None else f"{ev['steps']} steps (cap)")
+                     + f"; forget prob {b['forget']['probability']:.2f} -> {a['forget']['probability']:.2f}, "
+                       f"retain {b['retain']['probability']:.2f} -> {a['retain']['probability']:.2f}", seconds),
+              _Stage("card + state hashes", f"weights root {receipt.state_hashes['params_root'][:16]}...", 0.0)]
+    stages += _publish_stages(receipt)
+    cfg.stats["masc"] = {"author": author, "before": b, "after": a, "steps": ev["steps"], "stopped_step": stop,
+                         "receipt": receipt.to_dict()}
+    return stages
+
+
+def _publish_stages(receipt) -> list[_Stage]:
+    p = receipt.published
+    if not p:
+        return []
+    return [_Stage("push (local Hub)", f"{p['repo']} {p['tag']} commit {p['commit'][:12]}",
+                   receipt.timings.get("publish_s", 0.0)),
+            _Stage("hub verify", ("OK" if p["verify_ok"] else "FAILED") + f": {p['verify_checked_tensors']} tensors "
+                                 "match the manifest and the card", 0.0)]

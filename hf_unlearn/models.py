@@ -32,11 +32,28 @@ def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple
     return str(name_or_path), None
 
 
+def _check_source(name_or_path, gguf_file: str | None, what: str, kwargs: dict) -> None:
+    """Fail in one line before transformers retries the Hub for a path that does not exist (see ``validation``)."""
+    from .validation import check_model_source
+
+    if gguf_file is not None:
+        if not (Path(name_or_path) / gguf_file).is_file():
+            raise UnlearnError(f"GGUF file {Path(name_or_path) / gguf_file} does not exist")
+        return
+    for key, value in check_model_source(name_or_path, what).load_kwargs().items():
+        kwargs.setdefault(key, value)
+
+
 def load_tokenizer(name_or_path: str | os.PathLike, gguf_file: str | None = None, **kwargs):
     """Load a tokenizer; if it has no pad token, use its EOS token for padding (as trl does)."""
     from transformers import AutoTokenizer
 
+    _check_source(name_or_path, gguf_file, "tokenizer", kwargs)
     name, gguf = _split_gguf(name_or_path, gguf_file)
+    from .validation import TOKENIZER_FILES, adapter_base
+
+    if gguf is None and _is_adapter_folder(name) and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
+        return load_tokenizer(adapter_base(name), **kwargs)  # an adapter saved without its tokenizer: the base's
     try:
         tok = AutoTokenizer.from_pretrained(name, gguf_file=gguf, **kwargs) if gguf else AutoTokenizer.from_pretrained(
             name, **kwargs
@@ -59,17 +76,42 @@ def load_model(name_or_path: str | os.PathLike, gguf_file: str | None = None, dt
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or torch.float32
+    _check_source(name_or_path, gguf_file, "model", kwargs)
     name, gguf = _split_gguf(name_or_path, gguf_file)
     try:
         if gguf:
             model = AutoModelForCausalLM.from_pretrained(name, gguf_file=gguf, dtype=dtype, **kwargs)
             return _plain_copy(model)
+        if _is_adapter_folder(name):
+            return _merged_adapter(name, dtype, kwargs)
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
     except (ValueError, KeyError) as e:
         what = f"GGUF file {gguf}" if gguf else repr(str(name_or_path))
         raise UnlearnError(f"{what} is not a causal language model transformers can load: {str(e).splitlines()[0]}") from None
     except OSError as e:
         raise UnlearnError(f"cannot load a model from {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+
+
+def _is_adapter_folder(name: str) -> bool:
+    path = Path(name).expanduser()
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
+def _merged_adapter(name: str, dtype, kwargs: dict):
+    """A PEFT adapter folder: its base model with the adapter merged in, as a plain model.
+
+    (``AutoModelForCausalLM`` would attach the adapter frozen, in inference mode, so training it fails with
+    "element 0 of tensors does not require grad".)
+    """
+    import warnings
+
+    from peft import AutoPeftModelForCausalLM
+
+    with warnings.catch_warnings():  # peft asks the base model a deprecated transformers attribute
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        model = AutoPeftModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).merge_and_unload()
+    model.requires_grad_(True)  # peft froze the base weights; a loaded model is trainable, as from_pretrained's are
+    return model
 
 
 def _plain_copy(model):

@@ -26,3 +26,24 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def activation_checkpointing_kwargs(enabled: bool) -> dict:
+    """The ``TrainingArguments`` keyword for activation (gradient) checkpointing under the installed transformers.
+
+    transformers 5 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` and warns (FutureWarning) for
+    the old name; older versions only know the old one.
+    """
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
+
+
+def has_cuda() -> bool:
+    """Whether a CUDA device is usable (pinned dataloader memory only helps then, and warns otherwise)."""
+    import torch
+
+    return torch.cuda.is_available()

@@ -38,12 +38,3 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("hf-unlearn: error:")]
     assert len(lines) == 1 and "full.jsonl" in lines[0]
-
-
-def test_demo_fine_tunes_and_memorises(tmp_path, capsys):
-    assert main(["demo", "--authors", "3", "--epochs", "12", "--no-baselines", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    before = float(out.split("answer loss before fine-tuning: forget ")[1].split()[0])
-    after = float(out.split("answer loss after fine-tuning:  forget ")[1].split()[0])
-    assert after < before / 3
-    assert "A (model):" in out

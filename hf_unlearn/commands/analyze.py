@@ -132,7 +132,8 @@ def _register_cud(sub) -> None:
     _add_circuit_args(p)
     p.add_argument("--anchors", required=True, help="folder written by `hf-unlearn analyze anchors`")
     p.add_argument("--circuits", default=None, help="folder written by `hf-unlearn analyze circuit` (skip scoring)")
-    p.add_argument("--similarity", choices=["cosine", "jaccard", "hamming"], default="cosine")
+    p.add_argument("--similarity", choices=["cosine", "jaccard", "hamming"], default="cosine",
+                   help="how two circuits are compared (default cosine)")
     p.add_argument("--aggregate", choices=["circuit", "mean"], default="circuit",
                    help="one circuit per anchor group (default) or the mean similarity to each anchor")
     p.add_argument("--weighted", action="store_true", help="cosine of |score|-weighted circuit vectors")

@@ -96,7 +96,7 @@ def run(args) -> int:
     from ..methods.base import UnlearningTrainer
     from ..methods.registry import get_method
     from ..models import load_model, load_tokenizer
-    from ..utils import atomic_write_text
+    from ..utils import activation_checkpointing_kwargs, atomic_write_text, has_cuda
 
     spec = get_method(args.method)
     retain_split = args.retain_split or retain_split_for(args.forget_split)
@@ -112,8 +112,9 @@ def run(args) -> int:
     config = spec.make_config(
         output_dir=args.out, max_steps=args.max_steps, num_train_epochs=args.epochs, learning_rate=args.lr,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
-        max_length=args.max_length, seed=args.seed, gradient_checkpointing=args.gradient_checkpointing,
-        save_strategy="no", report_to=[], logging_steps=10, disable_tqdm=False, **options,
+        max_length=args.max_length, seed=args.seed, save_strategy="no", report_to=[], logging_steps=10,
+        disable_tqdm=False, dataloader_pin_memory=has_cuda(), **activation_checkpointing_kwargs(args.gradient_checkpointing),
+        **options,
     )
     # the config is checked first (bad options fail before anything heavy loads)
     forget, retain = load_tofu_splits(args, retain_split)

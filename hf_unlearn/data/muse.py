@@ -32,6 +32,10 @@ def load_muse_news(subset: str, split: str, path: str | os.PathLike | None = Non
     if folder is None:
         from datasets import load_dataset
 
+        from ..validation import check_hub_dataset
+
+        check_hub_dataset(MUSE_NEWS_HUB_ID, "set HF_UNLEARN_DATA_DIR to a folder holding muse_news/ or pass "
+                                            "--muse DIR (path=)")
         rows = load_dataset(MUSE_NEWS_HUB_ID, subset, split=split).to_list()
     else:
         file = folder / subset / f"{split}.json"

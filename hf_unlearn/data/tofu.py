@@ -101,6 +101,10 @@ def load_tofu(config: str = "full", path: str | os.PathLike | None = None, *, ve
     if folder is None:
         from datasets import load_dataset
 
+        from ..validation import check_hub_dataset
+
+        check_hub_dataset(TOFU_HUB_ID, "set HF_UNLEARN_DATA_DIR to a folder holding tofu/*.jsonl or pass a TOFU "
+                                       "folder (--tofu DIR / path=)")
         ds = load_dataset(TOFU_HUB_ID, config, split="train")
         rows = ds.to_list()
     else:

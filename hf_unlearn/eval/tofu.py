@@ -95,7 +95,7 @@ class TofuResult(EvalResult):
     def to_markdown(self) -> str:
         m = self.meta
         lines = [
-            f"## TOFU evaluation ({m.get('forget_split')}, {m.get('model', 'model')})",
+            f"## TOFU evaluation ({m.get('forget_set') or m.get('forget_split')}, {m.get('model', 'model')})",
             "",
             "| metric | value |",
             "|---|---|",
@@ -280,6 +280,8 @@ def evaluate_tofu(
         "benchmark": "TOFU",
         "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
         "forget_split": forget_split,
+        # what the forget set is, as the summary names it (forget_split only labels the result when ids were given)
+        "forget_set": forget_split if forget_ids is None else f"{len(sets['forget'])} given forget ids",
         "forget_ids": [it["id"] for it in sets["forget"]],
         "retain_ids": [it["id"] for it in sets["retain"]],
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),

@@ -1,0 +1,81 @@
+"""`hf-unlearn forget MODEL_OR_RUN --ids request.jsonl --out OUT [--method ...] [--repo org/name]`.
+
+The options are generated from :class:`hf_unlearn.forget.ForgetConfig` (one list of options for the Python call and
+the command, with the same help texts). Ends with a summary table; ``OUT/receipt.json`` is the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+EPILOG = """examples:
+  hf-unlearn forget runs/ft/trace --ids request.jsonl --out deletion-1 --oracle --tokenizer ./my-model  # exact
+  hf-unlearn forget ./my-model --ids request.jsonl --out forgot --method npo --data tofu
+  hf-unlearn forget ./my-model --ids request.jsonl --out forgot --repo org/my-model   # + push and hub verify
+
+methods: exact (recorded runs) and, for models, every method of `hf-unlearn unlearn` (default masc):
+  {methods}
+  their options (--method-arg KEY=VALUE) are listed by `hf-unlearn unlearn --method NAME --help`."""
+
+
+ALIASES = {"learning_rate": ("--lr",), "num_train_epochs": ("--epochs",), "tofu_path": ("--tofu",),
+           "tokenizer_path": ("--tokenizer",)}
+
+
+def register(parser) -> None:
+    import argparse
+
+    from ..deletion import ForgetConfig
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    from ..methods.registry import method_names
+
+    parser.epilog = EPILOG.format(methods=", ".join(method_names()))
+    parser.add_argument("model_or_run", metavar="MODEL_OR_RUN",
+                        help="a recorded run (trace folder: exact deletion) or a model: local folder, .gguf file or "
+                             "Hub id")
+    parser.add_argument("--ids", required=True, metavar="FILE",
+                        help="the deletion request: ids.jsonl (one JSON id per line: 3600 or \"abc-1\"), a JSON list "
+                             "or one id per line")
+    parser.add_argument("--out", required=True, dest="output_dir", metavar="OUT",
+                        help=_help(ForgetConfig, "output_dir"))
+    hints = typing.get_type_hints(ForgetConfig)
+    for f in dataclasses.fields(ForgetConfig):
+        if f.name == "output_dir":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if f.name == "method_args":
+            parser.add_argument("--method-arg", action="append", dest="method_args", metavar="KEY=VALUE",
+                                help=_help(ForgetConfig, f.name) + " (repeatable)")
+        elif f.name == "datasets":
+            parser.add_argument("--dataset", action="append", dest="datasets", metavar="HUB_ID",
+                                help=_help(ForgetConfig, f.name) + " (repeatable)")
+        elif kind is bool:
+            if f.default:
+                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                    help="turn off: " + _help(ForgetConfig, f.name))
+            else:
+                parser.add_argument(flag, action="store_true", help=_help(ForgetConfig, f.name))
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            parser.add_argument(flag, *ALIASES.get(f.name, ()), type=base, default=f.default, dest=f.name,
+                                help=_help(ForgetConfig, f.name))
+    parser.set_defaults(func=run)
+
+
+def _help(cls, name: str) -> str:
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name).replace("%", "%%")
+
+
+def run(args) -> int:
+    from ..deletion import ForgetConfig, forget, parse_method_args
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ForgetConfig) if hasattr(args, f.name)}
+    values["method_args"] = parse_method_args(args.method_args)
+    receipt = forget(args.model_or_run, args.ids, config=ForgetConfig(**values))
+    print("\n== summary")
+    print(receipt.summary_table())
+    print(f"receipt: {receipt.output_dir}/receipt.json")
+    return 0 if receipt.ok else 1

@@ -1,0 +1,744 @@
+"""One call from a deletion request to published proof: ``hf_unlearn.forget(model_or_run, ids, ...)``.
+
+(The module is ``deletion``, not ``forget``: a submodule named ``forget`` would replace the function
+``hf_unlearn.forget`` on the package as soon as it was imported.)
+
+* A **recorded run** (the ``trace_dir`` of a ``TraceRecordingTrainer``) gets an exact deletion: the replay cost, a
+  redacted store without the rows, a suffix replay from it, optionally the trace oracle with a bit-for-bit check.
+* A **model** (local folder, GGUF file or Hub id) gets an approximate method from the method registry (MASC by
+  default, any ``hf_unlearn.methods.registry`` name), evaluated before and after on the forget rows and on a sample
+  of the retained rows.
+
+Either way the output folder holds the model (``model/``: safetensors, tokenizer when known, model card with the
+state-hash roots) and ``receipt.json``: what was deleted as keyed tags (never raw ids), how, the evidence, the state
+hashes, and, with ``repo=``, the published commit and tag and the outcome of downloading it again and re-checking
+every tensor's hash. Bad input is refused before any compute; a failed call leaves no output folder behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import UnlearnError
+
+RECEIPT_FILE = "receipt.json"
+RECEIPT_FORMAT = "hf_unlearn.forget_receipt.v1"
+EXACT = "exact"
+DEFAULT_APPROXIMATE = "masc"
+COMMON_METHOD_ARGS = {"retain_loss": str, "lambda_forget": float, "lambda_retain": float}
+
+
+@dataclass
+class ForgetConfig:
+    """Options of :func:`forget` (and of ``hf-unlearn forget``, which is generated from these fields)."""
+
+    output_dir: str = field(metadata={"help": "output folder (new or empty): model/, receipt.json and the evidence"})
+    method: str | None = field(default=None, metadata={
+        "help": "'exact' (needs a recorded run; the default for one) or an approximate method of the registry "
+                "(default for a model: masc)"})
+    data: str | None = field(default=None, metadata={
+        "help": "rows the ids refer to, for approximate methods: 'tofu' (TOFU full; the default), 'tofu-subset' (the "
+                "10 authors shipped with the package), a .jsonl/.json/.parquet/.csv file or a save_to_disk folder "
+                "with question/answer (or input_ids/labels) and an id column; from Python also a datasets.Dataset"})
+    tofu_path: str | None = field(default=None, metadata={
+        "help": "local TOFU folder for data='tofu' (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)"})
+    id_column: str = field(default="id", metadata={"help": "the data's id column (default id)"})
+    tokenizer_path: str | None = field(default=None, metadata={
+        "help": "exact: tokenizer (folder or Hub id) saved with the model, which a recorded run does not hold (from "
+                "Python, tokenizer= takes the object)"})
+    oracle: bool = field(default=False, metadata={
+        "help": "exact: also run the trace oracle (a full replay from step 0 on the original store) and check the "
+                "replay against it bit for bit"})
+    learning_rate: float = field(default=1e-5, metadata={"help": "approximate: learning rate (default 1e-5)"})
+    num_train_epochs: float = field(default=5.0, metadata={
+        "help": "approximate: epoch budget over the forget rows (a cap for methods that stop themselves; default 5)"})
+    max_steps: int = field(default=-1, metadata={"help": "approximate: step budget (default: num_train_epochs)"})
+    batch_size: int = field(default=4, metadata={"help": "approximate: forget (and retain) rows per step (default 4)"})
+    max_length: int = field(default=256, metadata={"help": "approximate: tokens per QA pair (default 256)"})
+    lora: bool = field(default=False, metadata={"help": "approximate: train a LoRA adapter, merged into the saved model"})
+    lora_r: int = field(default=8, metadata={"help": "approximate: LoRA rank (default 8)"})
+    seed: int = field(default=0, metadata={"help": "seed for training and the retain sample (default 0)"})
+    method_args: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "approximate: method options as KEY=VALUE (the method's own options, e.g. alpha=0.2 for masc, and "
+                "retain_loss, lambda_forget, lambda_retain)"})
+    max_retain_rows: int | None = field(default=400, metadata={
+        "help": "approximate: retained rows used as the retain set, a seeded sample (default 400; 0 = all)"})
+    eval_rows: int = field(default=40, metadata={
+        "help": "rows evaluated before and after on each side (forget, retained sample; default 40; 0 = no "
+                "evaluation)"})
+    max_new_tokens: int = field(default=48, metadata={"help": "tokens generated per answer for ROUGE-L (default 48)"})
+    repo: str | None = field(default=None, metadata={
+        "help": "publish to this Hub repo (org/name) as the next deletion-NNNN tag, then download and verify it"})
+    private: bool = field(default=False, metadata={"help": "create the Hub repo private"})
+    token: str | None = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the saved login)"})
+    endpoint: str | None = field(default=None, metadata={"help": "Hub URL (default: HF_ENDPOINT or huggingface.co)"})
+    base_model: str | None = field(default=None, metadata={"help": "Hub id of the base model, for the card"})
+    datasets: list[str] | None = field(default=None, metadata={"help": "dataset Hub ids for the card"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace an earlier output of this command in output_dir (one that holds a receipt.json)"})
+    progress: bool = field(default=True, metadata={"help": "progress bars on every long stage"})
+
+
+@dataclass
+class ForgetReceipt:
+    """What :func:`forget` did; ``receipt.json`` is :meth:`to_dict`. It holds keyed tags, never raw ids."""
+
+    mode: str
+    method: str
+    source: str
+    output_dir: str
+    request: dict
+    evidence: dict
+    state_hashes: dict
+    model_dir: str
+    published: dict | None = None
+    timings: dict = field(default_factory=dict)
+    created: str = ""
+    versions: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when every check that ran passed (oracle identity, Hub verification)."""
+        exact_ok = self.evidence.get("verified", True) is not False
+        return exact_ok and (self.published is None or bool(self.published.get("verify_ok")))
+
+    @property
+    def guarantee(self) -> str:
+        """What the deletion proves, and what it does not, in one sentence (in the summary and ``receipt.json``)."""
+        if self.mode == EXACT:
+            verified = self.evidence.get("verified")
+            hazards = self.evidence.get("hazards") or []
+            caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
+                      "not reproduce what the original training computed") if hazards else ""
+            if verified is True:
+                return ("exact: the recorded run with the rows' loss contributions set to zero, replayed from a store "
+                        "without them, bit-identical to the oracle (a full replay from step 0 on the original store: "
+                        "this checks the redaction and the suffix start; both use the same replay engine)" + caveat)
+            if verified is False:
+                return "exact deletion NOT verified: the replay differs from the oracle; do not publish it as exact"
+            return ("exact replay from a store without the rows, not checked against the oracle (oracle=True / "
+                    "--oracle checks it bit for bit)" + caveat)
+        measured = "the evaluation before/after shows its measured effect" if self.evidence.get("after") else \
+            "no evaluation was run (eval_rows=0)"
+        return (f"approximate ({self.method}): no proof that the rows' influence is gone (the model may still reveal "
+                f"them); {measured}")
+
+    def to_dict(self) -> dict:
+        return {"format": RECEIPT_FORMAT, **asdict(self), "guarantee": self.guarantee, "ok": self.ok}
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """(stage, outcome) rows for the closing table."""
+        rows = [("request", f"{self.request['count']} id(s) as keyed tags (key {self.request['key_fingerprint']})")]
+        ev = self.evidence
+        if self.mode == EXACT:
+            c = ev["cost"]
+            rows.append(("replay cost", f"from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of "
+                                        f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%)"))
+            rows.append(("redaction", f"store {ev['redaction']['rows_before']} -> {ev['redaction']['rows_after']} rows; "
+                                      f"{ev['redaction']['id_check']}"))
+            verdict = {True: "VERIFIED bit-identical to the oracle", False: "NOT identical to the oracle",
+                       None: "not checked against the oracle (oracle=True / --oracle runs it)"}[ev.get("verified")]
+            rows.append(("exact deletion", verdict))
+        else:
+            stop = ev.get("stopped_step")
+            rows.append((self.method, f"{ev['steps']} steps in {ev['train_seconds']:.0f} s"
+                                      + (f", stopped itself at step {stop}" if stop is not None else "")))
+            for name in ("forget", "retain"):
+                b, a = ev.get("before", {}).get(name), ev.get("after", {}).get(name)
+                if a:
+                    rows.append((f"eval {name}", _eval_line(b, a)))
+        h = self.state_hashes
+        rows.append(("state hashes", f"weights root {h['params_root'][:16]}..."
+                     + (f"; trace roots: parameters {h['trace_params_root'][:16]}..., optimizer "
+                        f"{h['optimizer_root'][:16]}... (as in the run's deletion log)"
+                        if h.get("trace_params_root") and h.get("optimizer_root") else "")))
+        if self.published and self.published.get("error"):
+            rows.append(("published", f"FAILED: {self.published['error']}"))
+        elif self.published:
+            p = self.published
+            rows.append(("published", f"{p['repo']} {p['tag']} (commit {p['commit'][:12]})"))
+            rows.append(("hub verify", p["verify_summary"]))
+        rows.append(("guarantee", self.guarantee))
+        return rows
+
+    def summary_table(self) -> str:
+        rows = self.summary_rows()
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _eval_line(before: dict | None, after: dict) -> str:
+    parts = []
+    for metric in ("answer_loss", "probability", "rouge_l"):
+        if after.get(metric) is None:
+            continue
+        b = (before or {}).get(metric)
+        parts.append(f"{metric} {'' if b is None else f'{b:.3f} -> '}{after[metric]:.3f}")
+    return f"{after['items']} rows: " + ", ".join(parts)
+
+
+def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, config: ForgetConfig | None = None,
+           tokenizer=None, log: Callable[[str], None] | None = None, **options) -> ForgetReceipt:
+    """Honour a deletion request end to end and return its receipt (also written to ``OUTPUT_DIR/receipt.json``).
+
+    Args:
+        model_or_run: a recorded run folder (exact deletion) or a model: local folder, ``.gguf`` file or Hub id.
+        ids: the ids to forget: a list, or a file (typed JSON Lines ``ids.jsonl``, a JSON list, or one per line).
+        output_dir: where the model, the evidence and the receipt go (new or empty).
+        config: a :class:`ForgetConfig`; or give its fields as keyword arguments (``method="npo"``, ``repo=...``).
+        tokenizer: saved with an exact deletion's model (a recorded run does not hold one); approximate methods load
+            the model's own.
+        log: where progress lines go (default ``print``).
+    """
+    if config is None:
+        known = {f.name for f in fields(ForgetConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise UnlearnError(f"forget() got unknown option(s) {unknown}; the options are {sorted(known)}")
+        if output_dir is None:
+            raise UnlearnError("forget() needs output_dir= (a new or empty folder)")
+        config = ForgetConfig(output_dir=os.fspath(output_dir), **options)
+    elif options or output_dir is not None:
+        raise UnlearnError("pass either config= or keyword options (and output_dir), not both")
+    log = log or (lambda msg: print(msg, flush=True))
+    plan = _validate(model_or_run, ids, config)  # every check that costs no compute, before any
+    from .validation import output_folder
+
+    started = time.perf_counter()
+    publish_error = None
+    with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite) as out, \
+            _library_progress(config.progress):
+        if plan["mode"] == EXACT:
+            receipt = _exact(plan, config, out, tokenizer, log)
+        else:
+            receipt = _approximate(plan, config, out, log)
+        if config.repo:
+            try:
+                receipt.published = _publish(receipt, plan, config, out, log)
+            except Exception as e:  # the deletion is done and kept: the receipt says the publish failed, and how to retry
+                publish_error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                receipt.published = {"repo": config.repo, "error": publish_error, "verify_ok": False}
+        receipt.timings["total_s"] = time.perf_counter() - started
+        _write_receipt(receipt, plan["ids"], out)
+    if publish_error is not None:
+        raise UnlearnError(f"the deletion is done and saved in {out} (receipt.json), but publishing to {config.repo} "
+                           f"failed: {publish_error}; retry with `hf-unlearn hub push {out / 'model'} --repo "
+                           f"{config.repo} --deletion`")
+    return receipt
+
+
+# -- validation ------------------------------------------------------------------------------------------------
+def _validate(model_or_run, ids, config: ForgetConfig) -> dict:
+    from .validation import check_new_output, check_positive, check_repo_id, is_trace_run, load_request_ids
+
+    request = load_request_ids(ids)
+    check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite)
+    check_repo_id(config.repo)
+    source = os.fspath(model_or_run)
+    run = is_trace_run(source)
+    method = config.method or (EXACT if run else DEFAULT_APPROXIMATE)
+    plan: dict[str, Any] = {"ids": request, "source": source, "method": method}
+    if config.tokenizer_path is not None:
+        if method != EXACT:
+            raise UnlearnError("--tokenizer is for exact deletion (a recorded run holds no tokenizer); an approximate "
+                               "method saves the model's own")
+        from .validation import check_model_source
+
+        check_model_source(config.tokenizer_path, "tokenizer")
+    if method == EXACT:
+        if not run:
+            what = "does not exist" if not os.path.exists(source) else "is not a recorded run"
+            raise UnlearnError(f"exact deletion needs a recorded run (the trace_dir of a TraceRecordingTrainer); "
+                               f"{source!r} {what}; pass --method masc (or another method) for a model")
+        plan.update(mode=EXACT, **_validate_run(source, request))
+    else:
+        if run:
+            raise UnlearnError(f"{source!r} is a recorded run: it gets an exact deletion (--method exact, the default "
+                               f"for runs); for {method!r}, pass the model folder instead")
+        from .methods.registry import get_method
+
+        spec = get_method(method)
+        check_positive(learning_rate=config.learning_rate, num_train_epochs=config.num_train_epochs,
+                       batch_size=config.batch_size, max_length=config.max_length, lora_r=config.lora_r,
+                       max_new_tokens=config.max_new_tokens)
+        if config.eval_rows < 0 or (config.max_retain_rows is not None and config.max_retain_rows < 0):
+            raise UnlearnError("--eval-rows and --max-retain-rows must be >= 0")
+        method_args = _method_args(spec, config.method_args)
+        from .validation import check_model_source
+
+        check_model_source(source)
+        forget_rows, retain_rows = _split_data(config, request)
+        plan.update(mode="approximate", spec=spec, method_args=method_args, forget_rows=forget_rows,
+                    retain_rows=retain_rows)
+    if config.repo:
+        _check_hub_access(config)
+    return plan
+
+
+def _validate_run(source: str, request: list) -> dict:
+    from .data.ids import check_id_types
+    from .trace.replay import replay_cost
+    from .trace.run import open_run
+    from .trace.store import load_store
+
+    run = open_run(source)
+    stored = load_store(run.store_path)[run.id_column]
+    check_id_types(request, stored[:1000], f"the run {source}")
+    cost = replay_cost(run, request)  # unknown ids are an error here, listed
+    return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", []))}
+
+
+def _method_args(spec, given: dict) -> dict:
+    """The method's options from KEY=VALUE pairs, converted to their declared types; unknown keys are an error."""
+    types = {**COMMON_METHOD_ARGS, **{o.field: o.type for o in spec.options}}
+    out = {}
+    for key, value in (given or {}).items():
+        key = key.replace("-", "_")
+        if key not in types:
+            raise UnlearnError(f"{spec.name} has no option {key!r}; its options are {', '.join(sorted(types))}")
+        try:
+            out[key] = types[key](value) if isinstance(value, str) else value
+        except ValueError:
+            raise UnlearnError(f"option {key}={value!r} is not a valid {types[key].__name__}") from None
+    return out
+
+
+def parse_method_args(pairs: Iterable[str] | None) -> dict[str, str]:
+    """``["alpha=0.2", "k=5"]`` -> ``{"alpha": "0.2", "k": "5"}`` (types are applied per method later)."""
+    out = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UnlearnError(f"method option {pair!r} must be KEY=VALUE, e.g. alpha=0.2")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_rows(data: str | None, tofu_path: str | None = None):
+    """The dataset the ids refer to (see ``ForgetConfig.data``)."""
+    from .data.embedded import load_embedded_tofu
+
+    if hasattr(data, "column_names") and hasattr(data, "select"):  # a datasets.Dataset (Python API)
+        return data
+    if data in (None, "tofu"):
+        from .data import load_tofu
+
+        return load_tofu("full", tofu_path)
+    if data == "tofu-subset":
+        return load_embedded_tofu()
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise UnlearnError(f"data {data!r} does not exist; pass 'tofu', 'tofu-subset', a .jsonl/.json/.parquet/.csv "
+                           "file or a save_to_disk folder")
+    import datasets
+
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            raise UnlearnError(f"{data} holds several splits ({', '.join(loaded)}); save the one the ids refer to")
+        return loaded
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return datasets.Dataset.from_list(rows)
+    if path.suffix == ".json":
+        return datasets.Dataset.from_list(json.loads(path.read_text(encoding="utf-8")))
+    if path.suffix == ".parquet":
+        return datasets.Dataset.from_parquet(str(path))
+    if path.suffix == ".csv":
+        return datasets.Dataset.from_csv(str(path))
+    raise UnlearnError(f"data file {data!r} must be .jsonl, .json, .parquet or .csv")
+
+
+def _split_data(config: ForgetConfig, request: list):
+    """(forget rows, retain rows): the rows with the request's ids, and a seeded sample of the others."""
+    from .data.ids import check_id_types
+
+    rows = load_rows(config.data, config.tofu_path)
+    column = config.id_column
+    if column not in rows.column_names:
+        raise UnlearnError(f"the data has no id column {column!r} (columns: {', '.join(rows.column_names)}); pass "
+                           "--id-column")
+    text = {"question", "answer"} <= set(rows.column_names)
+    if not text and not {"input_ids", "labels"} <= set(rows.column_names):
+        raise UnlearnError("the data needs question/answer columns (or tokenised input_ids/labels)")
+    all_ids = rows[column]
+    check_id_types(request, all_ids[:1000], "the data")
+    position = {i: n for n, i in enumerate(all_ids)}
+    unknown = [i for i in request if i not in position]
+    if unknown:
+        raise UnlearnError(f"{len(unknown)} id(s) of the request are not in the data: {unknown[:10]}"
+                           f"{' ...' if len(unknown) > 10 else ''}")
+    wanted = set(request)
+    forget_rows = rows.select([position[i] for i in request])
+    others = [n for n, i in enumerate(all_ids) if i not in wanted]
+    if not others:
+        raise UnlearnError("every row of the data is in the request: nothing is left to retain")
+    import random
+
+    if config.max_retain_rows and len(others) > config.max_retain_rows:
+        others = sorted(random.Random(config.seed).sample(others, config.max_retain_rows))
+    return forget_rows, rows.select(others)
+
+
+def _check_hub_access(config: ForgetConfig) -> None:
+    """Before any compute: the Hub answers and takes the token (a publish that fails after training wastes it)."""
+    from huggingface_hub import HfApi, constants
+
+    from .hub.publish import hub_error
+    from .validation import hub_unreachable
+
+    endpoint = config.endpoint or constants.ENDPOINT
+    if constants.HF_HUB_OFFLINE:
+        raise UnlearnError("--repo publishes to the Hub, but HF_HUB_OFFLINE=1 keeps it off; unset it (or drop --repo)")
+    problem = hub_unreachable(endpoint)
+    if problem is not None:
+        raise UnlearnError(f"--repo: the Hub at {endpoint} cannot be reached ({problem}); set HF_ENDPOINT to a "
+                           "reachable Hub (e.g. `hf-unlearn hub serve`) or drop --repo")
+    try:
+        HfApi(endpoint=endpoint, token=config.token).whoami()
+    except Exception as e:
+        raise hub_error(e, f"--repo {config.repo}") from None
+
+
+# -- exact deletion --------------------------------------------------------------------------------------------
+def with_replay_progress(trainer_cls, desc: str, enabled: bool):
+    """A replay trainer class that advances a progress bar per replayed optimizer step (segment)."""
+    from tqdm.auto import tqdm
+
+    class WithProgress(trainer_cls):
+        def train(self, *args, **kwargs):
+            total = sum(1 for seg in self.run.segments() if seg[0].step >= self.start_step)
+            with tqdm(total=total, desc=desc, unit="step", disable=not enabled, leave=False) as self._bar:
+                return super().train(*args, **kwargs)
+
+        def _run_segment(self, model, seg):
+            taken = super()._run_segment(model, seg)
+            self._bar.update(1)
+            return taken
+
+    WithProgress.__name__ = trainer_cls.__name__
+    return WithProgress
+
+
+def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> ForgetReceipt:
+    from .hub.mixin import write_model_card
+    from .trace.replay import OracleReplayTrainer, RedactedReplayTrainer
+    from .trace.store import redact_store
+    from .trace.verification import verify
+
+    run, ids, cost, timings = plan["run"], plan["ids"], plan["cost"], {}
+    if tokenizer is None and config.tokenizer_path is not None:
+        from .models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer_path)
+    log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
+        f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
+        f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
+    for hazard in plan["hazards"]:
+        log(f"HAZARD (recorded with the run): {hazard}")
+    t = time.perf_counter()
+    redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column)
+    timings["redact_s"] = time.perf_counter() - t
+    log(f"redacted store: {redaction['rows_before']} -> {redaction['rows_after']} rows; "
+        f"{redaction['checks']['id_column_scanned']}")
+    t = time.perf_counter()
+    replay = with_replay_progress(RedactedReplayTrainer, "replay (redacted store)", config.progress)(
+        run, out / "store", ids, out / "replay")
+    replay.train()
+    timings["replay_s"] = time.perf_counter() - t
+    stats = replay.replay_stats
+    log(f"replayed {stats['segments_replayed']} of {stats['total_steps']} steps from step {stats['start_step']} "
+        f"in {timings['replay_s']:.0f} s")
+    report = None
+    if config.oracle:
+        t = time.perf_counter()
+        with_replay_progress(OracleReplayTrainer, "oracle (full replay)", config.progress)(
+            run, ids, out_dir=out / "oracle").train()
+        report = verify(out / "replay", out / "oracle")
+        timings["oracle_s"] = time.perf_counter() - t
+        p, o = report["params"], report["optimizer"]
+        log(f"replay vs oracle: {p['mismatched_elements']} of {p['elements']:,} parameter and "
+            f"{o['mismatched_elements']} of {o['elements']:,} optimizer elements differ: "
+            + ("VERIFIED bit-identical" if report["identical"] else "NOT identical"))
+    model_dir = out / "model"
+    replay.save_model(str(model_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(model_dir)
+    else:
+        log("note: no tokenizer given, so the model folder holds none (a recorded run does not keep one); pass "
+            "--tokenizer (tokenizer= from Python) to save it with the model")
+    card_info = replay.unlearning_card_info()
+    write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
+                     not_ids=_own_settings(card_info))
+    exact = card_info["extra"].get("exact_deletion", {})
+    evidence = {
+        "cost": cost,
+        "redaction": {"rows_before": redaction["rows_before"], "rows_after": redaction["rows_after"],
+                      "store_sha256": redaction["store_sha256"], "id_check": redaction["checks"]["id_column_scanned"],
+                      "receipt": str(out / "store" / "redaction_receipt.json")},
+        "replay": {**stats, "output": str(out / "replay")},
+        "verified": None if report is None else bool(report["identical"]),
+        "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
+    }
+    if report is not None:
+        evidence["oracle"] = {"output": str(out / "oracle"), "roots": report["roots"],
+                              "params_mismatched_elements": report["params"]["mismatched_elements"],
+                              "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"],
+                              "params_elements": report["params"]["elements"],
+                              "optimizer_elements": report["optimizer"]["elements"]}
+    return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
+                    trace_params_root=exact.get("params_root"))
+
+
+# -- approximate unlearning ------------------------------------------------------------------------------------
+def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetReceipt:
+    from .eval.qa import evaluate_qa
+    from .hub.mixin import write_model_card
+    from .models import load_model, load_tokenizer
+    from .utils import has_cuda
+
+    spec, timings = plan["spec"], {}
+    forget_rows, retain_rows = plan["forget_rows"], plan["retain_rows"]
+    model_dir = out / "model"
+    try:
+        args = spec.make_config(
+            output_dir=str(model_dir), max_steps=config.max_steps, num_train_epochs=config.num_train_epochs,
+            learning_rate=config.learning_rate, per_device_train_batch_size=config.batch_size,
+            per_device_eval_batch_size=config.batch_size, max_length=config.max_length, seed=config.seed,
+            save_strategy="no", report_to=[], logging_steps=10, disable_tqdm=not config.progress,
+            dataloader_pin_memory=has_cuda(),
+            id_column=config.id_column, **plan["method_args"])
+    except (TypeError, ValueError) as e:
+        raise UnlearnError(f"{spec.name}: {str(e).splitlines()[0]}") from None
+    t = time.perf_counter()
+    tokenizer = load_tokenizer(plan["source"])
+    model = load_model(plan["source"])
+    timings["load_s"] = time.perf_counter() - t
+    peft_config = None
+    if config.lora:
+        from peft import LoraConfig
+        from transformers.pytorch_utils import Conv1D
+
+        peft_config = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM",
+                                 # GPT-2's Conv1D stores weights transposed (peft warns and flips it otherwise)
+                                 fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()))
+    sets = None
+    if config.eval_rows:
+        sets = {"forget": forget_rows.select(range(min(config.eval_rows, len(forget_rows)))).to_list(),
+                "retain": retain_rows.select(range(min(config.eval_rows, len(retain_rows)))).to_list()}
+    before = after = {}
+    eval_kw = dict(max_length=config.max_length, max_new_tokens=config.max_new_tokens, progress=config.progress)
+    if sets:
+        t = time.perf_counter()
+        before = evaluate_qa(model, tokenizer, sets, **eval_kw)
+        timings["eval_before_s"] = time.perf_counter() - t
+    trainer = spec.trainer_class(model=model, args=args, forget_dataset=forget_rows, retain_dataset=retain_rows,
+                                 processing_class=tokenizer, peft_config=peft_config)
+    log(f"{spec.name} on {len(forget_rows)} forget row(s) of {plan['source']} ({len(retain_rows)} retained rows as "
+        f"the retain set{', LoRA' if config.lora else ''})")
+    t = time.perf_counter()
+    trainer.train()
+    timings["train_s"] = time.perf_counter() - t
+    unlearned = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer.is_peft:
+        unlearned = unlearned.merge_and_unload()
+    if sets:
+        t = time.perf_counter()
+        after = evaluate_qa(unlearned, tokenizer, sets, **eval_kw)
+        timings["eval_after_s"] = time.perf_counter() - t
+    unlearned.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    card_info = trainer.unlearning_card_info()
+    extra = card_info.setdefault("extra", {})
+    if after:
+        card_info["evaluation"] = {**(card_info.get("evaluation") or {}),
+                                   **{f"{s}_{m}": v for s, r in after.items() for m, v in r.items()
+                                      if m != "items" and v is not None}}
+        extra["evaluation_before"] = {f"{s}_{m}": v for s, r in before.items() for m, v in r.items()
+                                      if m != "items" and v is not None}
+    write_model_card(model_dir, card_info, base_model=config.base_model or _hub_id(plan["source"]),
+                     datasets=config.datasets, not_ids=_own_settings(card_info))
+    evidence = {"method": spec.name, "hyperparameters": card_info.get("hyperparameters", {}),
+                "steps": trainer.state.global_step, "train_seconds": timings["train_s"],
+                "stopped_step": extra.get("stopped_step"), "stopped_by_rule": extra.get("stopped_by_rule"),
+                "forget_rows": len(forget_rows), "retain_rows": len(retain_rows), "before": before, "after": after}
+    return _receipt(plan, config, out, model_dir, evidence, timings)
+
+
+def _hub_id(source: str) -> str | None:
+    from .validation import looks_like_hub_id
+
+    return source if looks_like_hub_id(source) and not os.path.exists(source) else None
+
+
+# -- receipt and publishing ------------------------------------------------------------------------------------
+def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, optimizer_root: str = "",
+             trace_params_root: str | None = None) -> ForgetReceipt:
+    """``state_hashes``: ``params_root`` is the root of the saved safetensors (what the Hub manifest and ``hub verify``
+    check; tied duplicates once); for an exact deletion ``trace_params_root`` and ``optimizer_root`` are the replayed
+    state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
+    from . import __version__
+    from .hub.cards import forget_request
+    from .hub.keys import load_key
+    from .hub.publish import build_manifest
+
+    manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
+    return ForgetReceipt(
+        mode=plan["mode"], method=plan["method"], source=plan["source"], output_dir=str(out),
+        request=forget_request(plan["ids"], load_key()), evidence=evidence,
+        state_hashes={"params_root": manifest["params_root"], "optimizer_root": optimizer_root or None,
+                      "trace_params_root": trace_params_root, "root": manifest["root"],
+                      "manifest_tensors": len(manifest["params"])},
+        model_dir=str(model_dir), timings=timings, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        versions={"hf_unlearn": __version__, **_versions()},
+    )
+
+
+def _versions() -> dict:
+    from .hub.cards import library_versions
+
+    return {k: v for k, v in library_versions().items() if k in ("torch", "transformers")}
+
+
+def _publish(receipt: ForgetReceipt, plan: dict, config: ForgetConfig, out: Path, log) -> dict:
+    model_dir = Path(receipt.model_dir)
+    t = time.perf_counter()
+    result, report = _push_and_verify(model_dir, plan, config, out)
+    receipt.timings["publish_s"] = time.perf_counter() - t
+    log(f"published {result.repo_id} {result.tag} (commit {result.commit[:12]}, {len(result.files)} files)")
+    ok, summary = _published_is_this_deletion(report, result, receipt.state_hashes["params_root"])
+    log(f"hub verify {config.repo}@{result.tag}: {summary}")
+    return {"repo": result.repo_id, "url": result.url, "commit": result.commit, "tag": result.tag,
+            "files": result.files, "params_root": result.params_root, "verify_ok": ok,
+            "verify_summary": summary, "verify_checked_tensors": report.checked,
+            "verified_params_root": report.params_root, "verified_commit": report.commit,
+            "kept_local": sorted(result.skipped_provenance)}
+
+
+def _published_is_this_deletion(report, result, params_root: str) -> tuple[bool, str]:
+    """``hub verify`` proves a revision matches its own manifest and card; the receipt needs more: that the
+    revision downloaded is the commit just pushed and holds *this* model (its root is the receipt's)."""
+    if not report.ok:
+        return False, report.summary().splitlines()[0]
+    problems = []
+    if report.params_root != params_root:
+        problems.append(f"the downloaded {result.tag} has parameters root {report.params_root[:16]}..., not this "
+                        f"deletion's {params_root[:16]}...")
+    if report.commit and report.commit != result.commit:
+        problems.append(f"{result.tag} resolved to commit {report.commit[:12]}, not the pushed {result.commit[:12]}")
+    if problems:
+        return False, "FAILED: self-consistent, but not the model of this receipt: " + "; ".join(problems)
+    return True, report.summary().splitlines()[0]
+
+
+@contextlib.contextmanager
+def _library_progress(enabled: bool):
+    """The libraries' own bars (Hub transfers, datasets' "Saving the dataset", transformers' "Writing model shards")
+    only when progress is wanted; their earlier setting is restored afterwards."""
+    if enabled:
+        yield
+        return
+    import datasets
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    before = (are_progress_bars_disabled(), datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled())
+    disable_progress_bars()
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not before[0]:
+            enable_progress_bars()
+        if before[1]:
+            datasets.enable_progress_bars()
+        if before[2]:
+            hf_logging.enable_progress_bar()
+
+
+def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Path):
+    import tempfile
+
+    from .hub.publish import load_card_info, push_unlearned
+    from .hub.verify import verify_on_hub
+
+    card_info = load_card_info(model_dir)
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
+        trace_dir = _provenance_view(out / "replay", Path(tmp) / "trace") if plan["mode"] == EXACT else None
+        result = push_unlearned(model_dir, config.repo, card_info=card_info, deletion=True,
+                                private=config.private or None, token=config.token, endpoint=config.endpoint,
+                                base_model=config.base_model, datasets=config.datasets, trace_dir=trace_dir,
+                                not_ids=_own_settings(card_info))
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_verify_") as cache:  # a fresh download, not a cached copy
+        report = verify_on_hub(config.repo, result.tag, token=config.token, endpoint=config.endpoint,
+                               cache_dir=cache, expect_root=result.state_dict_root or result.params_root,
+                               expect_commit=result.commit)  # anchored: checked against the push's own record
+    return result, report
+
+
+# card fields forget() fills from its own options and counts: a number there equal to a forget id is a setting or a
+# count, not the id (the publisher's id scanner would refuse it otherwise, e.g. 20 epochs and forget id 20)
+OWN_SETTINGS = ("num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                "max_length", "seed")
+OWN_COUNTS = ("num_forget", "num_retain", "num_confirmation_rows")
+
+
+def _own_settings(card_info: dict) -> dict:
+    """``not_ids`` for the publisher: the whole-number settings and counts above, as the card holds them."""
+    hyper, extra = card_info.get("hyperparameters") or {}, card_info.get("extra") or {}
+    values = {**{f"hyperparameters.{k}": hyper.get(k) for k in OWN_SETTINGS},
+              **{f"extra.{k}": extra.get(k) for k in OWN_COUNTS}}
+    out = {path: int(v) for path, v in values.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()}
+    if isinstance(extra.get("stop_reason"), str) and "extra.num_confirmation_rows" in out:
+        out["extra.stop_reason"] = out["extra.num_confirmation_rows"]  # MASC's reason quotes that row count
+    return out
+
+
+PROVENANCE_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")
+
+
+def _provenance_view(run: Path, dest: Path) -> Path:
+    """The replayed run's publishable files only (an allowlist): never ``private/`` (key, store), checkpoints or
+    the model copy, whatever the publisher's own filter would let through."""
+    import shutil
+
+    dest.mkdir(parents=True)
+    for name in PROVENANCE_FILES:
+        for f in (run / name, run / f"{name}.sha256"):
+            if f.is_file():
+                shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def _write_receipt(receipt: ForgetReceipt, ids: list, out: Path) -> None:
+    """Write ``receipt.json`` atomically, after checking it carries no raw id (it is built from tags only)."""
+    from .utils import atomic_write_text
+
+    text = json.dumps(receipt.to_dict(), indent=1, default=str)
+    leaked = [i for i in ids if isinstance(i, str) and json.dumps(i) in text]
+    if leaked:  # a string id quoted anywhere in the receipt: refuse (numbers are checked by the tests' fuzzing)
+        raise UnlearnError(f"internal check: the receipt would contain raw id {leaked[0]!r}; nothing was written")
+    atomic_write_text(out / RECEIPT_FILE, text + "\n")
+
+
+def load_receipt(path: str | os.PathLike) -> dict:
+    """Read a ``receipt.json`` (or the one inside an output folder)."""
+    p = Path(path)
+    p = p / RECEIPT_FILE if p.is_dir() else p
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UnlearnError(f"cannot read the receipt {p}: {e}") from None
+    if data.get("format") != RECEIPT_FORMAT:
+        raise UnlearnError(f"{p} is not an hf_unlearn forget receipt")
+    return data

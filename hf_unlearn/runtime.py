@@ -1,0 +1,102 @@
+"""Process-wide runtime defaults for the CLI: CPU threads that degrade gracefully on a shared machine, quiet logs.
+
+Why threads: torch runs one OpenMP thread per core, and OpenMP threads that reach a barrier spin before they sleep.
+When other processes hold the cores, a spinning thread burns the time slice its partner needs, and every parallel
+region waits for the slowest thread: on a 2-core machine at a background load of about 14 the demo's fine-tune ran
+10-16x slower with torch's default than with one thread (benchmarks/README.md, ``bench_threads.py``). So, unless the user chose:
+
+* ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep at once), set before torch is imported;
+* threads = the cores the other processes leave free (``cores - load average``, at least 1, at most torch's choice).
+
+``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY`` or ``HF_UNLEARN_THREADS`` set by the user always win.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+THREADS_ENV = "HF_UNLEARN_THREADS"
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (the affinity mask, e.g. a container's CPU set)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def free_cores(cores: int | None = None, load: float | None = None) -> int:
+    """Cores not taken by other runnable processes: ``cores - round(1-minute load average)``, at least 1."""
+    cores = available_cores() if cores is None else cores
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # not available on this platform
+            return cores
+    return max(1, min(cores, cores - int(round(load))))
+
+
+def prepare_environment() -> None:
+    """Settings that must be in the environment before torch (libgomp) loads; a no-op once torch is imported."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings from the tokenizers' own threads
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Flattening the indices", "Saving the dataset"
+
+
+def configure_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op threads: ``threads``, else ``$HF_UNLEARN_THREADS``, else the free cores.
+
+    Returns the number in use. ``OMP_NUM_THREADS`` set by the user is respected (nothing is changed).
+    """
+    import torch
+
+    if threads is None and os.environ.get(THREADS_ENV):
+        try:
+            threads = int(os.environ[THREADS_ENV])
+        except ValueError:
+            from .errors import UnlearnError
+
+            raise UnlearnError(f"{THREADS_ENV} must be a whole number of threads, got "
+                               f"{os.environ[THREADS_ENV]!r}") from None
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        threads = min(torch.get_num_threads(), free_cores())
+    if threads < 1:
+        from .errors import UnlearnError
+
+        raise UnlearnError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    return threads
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_optional_backends() -> None:
+    """Drop bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" at import.
+
+    peft imports bitsandbytes whenever it is installed, and transformers' Trainer imports peft, so every command
+    printed it, though only ``eval quantized`` uses bitsandbytes and its fallback kernel works.
+    """
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        _DropMessage("Failed to load CPU gemm_4bit_forward"))
+
+
+def bench_output_dir(name: str) -> str:
+    """Where a benchmark writes by default: ``$HF_UNLEARN_BENCH_DIR/name``, else ``~/.cache/hf_unlearn/bench/name``.
+
+    Outside the repository, so runs never leave untracked files in the tree (and cached fine-tunes survive).
+    """
+    root = os.environ.get("HF_UNLEARN_BENCH_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hf_unlearn",
+                                                                    "bench")
+    return os.path.join(root, name)

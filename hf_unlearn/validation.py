@@ -1,0 +1,290 @@
+"""Checks every command runs on its inputs before anything heavy loads: model sources, ids, options, output folders.
+
+Why a module of its own: a wrong path used to cost 20-60 s of Hub retries and then name the wrong problem, a
+failed command left empty output folders, and each command checked a little differently. Every check here raises
+:class:`~hf_unlearn.errors.UnlearnError` with one line that says what is wrong and what to set, and costs
+milliseconds (the Hub check is one TCP connect with a short timeout, done once per process and endpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+from urllib.parse import urlsplit
+
+from .errors import UnlearnError
+
+MODEL_FILES = ("config.json", "adapter_config.json")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+_HUB_NAME = r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?"
+HUB_ID = re.compile(rf"^(?:{_HUB_NAME}/)?{_HUB_NAME}$")
+_reachability: dict[str, str | None] = {}
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name`` or ``name`` as the Hub spells repo ids (so ``./x``, ``/x``, ``a/b/c``, ``x.gguf`` are paths)."""
+    return bool(HUB_ID.match(name)) and ".." not in name and "--" not in name and not name.endswith(".gguf")
+
+
+def is_trace_run(path: str | os.PathLike) -> bool:
+    """A folder written by ``TraceRecordingTrainer`` (or a replay): header, plan and WAL."""
+    p = Path(path)
+    return p.is_dir() and all((p / f).is_file() for f in ("header.json", "plan.jsonl", "wal.bin"))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model (or tokenizer) comes from: ``local`` folder, ``gguf`` file, or the ``hub`` (maybe its cache)."""
+
+    name: str
+    kind: str
+    local_files_only: bool = False
+
+    def load_kwargs(self) -> dict:
+        """Extra ``from_pretrained`` arguments: cache-only when the Hub is unreachable but the files are cached."""
+        return {"local_files_only": True} if self.local_files_only else {}
+
+
+def check_model_source(name_or_path: str | os.PathLike, what: str = "model") -> ModelSource:
+    """Where ``name_or_path`` points, or a one-line error: missing folder, empty folder, a run, an unreachable Hub."""
+    name = os.fspath(name_or_path)
+    if not name.strip():
+        raise UnlearnError(f"the {what} is empty; pass a local folder, a .gguf file or a Hub id 'org/name'")
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UnlearnError(f"{what} {name!r} is a file but not a .gguf file; pass the model's folder")
+        return ModelSource(name, "gguf")
+    if path.is_dir():
+        if is_trace_run(path):
+            raise UnlearnError(f"{name!r} is a recorded run (a trace folder), not a {what}; `hf-unlearn forget {name} "
+                               "--ids FILE --out OUT` deletes from it, `hf-unlearn trace inspect` describes it")
+        wanted = MODEL_FILES + (TOKENIZER_FILES if what == "tokenizer" else ())
+        if not any((path / f).is_file() for f in wanted) and not any(path.glob("*.gguf")):
+            raise UnlearnError(f"{what} folder {name!r} holds no {what} (no {' / '.join(wanted)} and no .gguf file); "
+                               "save one with save_pretrained() or pass another folder")
+        if what == "model" and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            _check_adapter_base(path)
+        return ModelSource(name, "local")
+    if not looks_like_hub_id(name):
+        raise UnlearnError(f"{what} {name!r} does not exist: no such local folder or file (and it is not a Hub id "
+                           "like 'org/name')")
+    return check_hub_repo(name, what)
+
+
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base model a PEFT adapter folder names (``base_model_name_or_path``), or a one-line error."""
+    import json
+
+    config = Path(path) / "adapter_config.json"
+    try:
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise UnlearnError(f"cannot read {config}: {e}") from None
+    if not base:
+        raise UnlearnError(f"the adapter in {os.fspath(path)!r} names no base model (base_model_name_or_path in "
+                           "adapter_config.json); set it, or merge the adapter and pass the merged model")
+    return base
+
+
+def _check_adapter_base(path: Path) -> None:
+    """A PEFT adapter folder loads its base model first: check that one too (a missing base meant Hub retries)."""
+    base = adapter_base(path)
+    try:
+        check_model_source(base, "model")
+    except UnlearnError as e:
+        raise UnlearnError(f"the base model of the adapter in {os.fspath(path)!r}: {e}") from None
+
+
+def check_hub_repo(repo_id: str, what: str = "model") -> ModelSource:
+    """A Hub repo id the process can load: reachable Hub, or cached files (then loads stay in the cache)."""
+    from huggingface_hub import constants
+
+    cached = _in_hf_cache(repo_id)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return ModelSource(repo_id, "hub", local_files_only=True)
+        raise UnlearnError(f"{what} {repo_id!r} is not a local folder and not in the Hugging Face cache, and "
+                           "HF_HUB_OFFLINE=1 keeps the Hub off; pass a local folder or unset HF_HUB_OFFLINE")
+    problem = hub_unreachable(constants.ENDPOINT)
+    if problem is None:
+        return ModelSource(repo_id, "hub")
+    if cached:
+        return ModelSource(repo_id, "hub", local_files_only=True)
+    raise UnlearnError(f"{what} {repo_id!r} is not a local folder and the Hub at {constants.ENDPOINT} cannot be "
+                       f"reached ({problem}); pass a local folder, set HF_ENDPOINT to a reachable Hub, or "
+                       "HF_HUB_OFFLINE=1 to use what is in the Hugging Face cache")
+
+
+def check_hub_dataset(repo_id: str, how_to_avoid: str) -> None:
+    """Before ``datasets.load_dataset(repo_id)``: fail at once, in one line, when the Hub is off or unreachable."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise UnlearnError(f"the dataset {repo_id} would come from the Hub, which is off (HF_HUB_OFFLINE / "
+                           f"HF_DATASETS_OFFLINE); {how_to_avoid}")
+    problem = hub_unreachable(constants.ENDPOINT)
+    if problem is not None:
+        raise UnlearnError(f"the dataset {repo_id} would come from the Hub at {constants.ENDPOINT}, which cannot be "
+                           f"reached ({problem}); {how_to_avoid}")
+
+
+def hub_unreachable(endpoint: str, timeout: float = 3.0) -> str | None:
+    """None when a TCP connection to ``endpoint`` opens, else why not (cached per endpoint for the process)."""
+    if endpoint in _reachability:
+        return _reachability[endpoint]
+    parts = urlsplit(endpoint)
+    host = parts.hostname
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    problem: str | None = None
+    if not host:
+        problem = f"{endpoint!r} is not a URL"
+    else:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except OSError as e:
+            problem = e.strerror or str(e) or type(e).__name__
+    _reachability[endpoint] = problem
+    return problem
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in MODEL_FILES + TOKENIZER_FILES:
+        try:
+            if isinstance(try_to_load_from_cache(repo_id, filename), str):
+                return True
+        except Exception:  # a malformed cache is the same as no cache here
+            return False
+    return False
+
+
+# -- ids and options -------------------------------------------------------------------------------------------
+def load_request_ids(ids) -> list:
+    """The ids of a deletion request: a file (typed JSON Lines, JSON list, or one per line) or an iterable of ids."""
+    from .data.ids import read_ids
+
+    if isinstance(ids, (str, os.PathLike)):
+        path = Path(ids)
+        if not path.is_file():
+            raise UnlearnError(f"the id file {os.fspath(ids)!r} does not exist; write one id per line "
+                               "(ids.jsonl: 3600 or \"abc-1\" per line)")
+        return read_ids(path)
+    try:
+        values = list(dict.fromkeys(ids))
+    except TypeError:
+        raise UnlearnError(f"ids must be a file or a list of ids, got {type(ids).__name__}") from None
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, str)) or v == ""]
+    if bad:
+        raise UnlearnError(f"ids must be integers or non-empty strings, got {bad[0]!r}")
+    if not values:
+        raise UnlearnError("the deletion request holds no ids")
+    return values
+
+
+def check_positive(**options) -> None:
+    """``check_positive(lr=args.lr, epochs=args.epochs)``: each given value (not None) must be > 0."""
+    for name, value in options.items():
+        if value is not None and not value > 0:
+            raise UnlearnError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def check_repo_id(repo_id: str | None) -> None:
+    if repo_id is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
+        raise UnlearnError(f"repo id {repo_id!r} must look like 'org/name'")
+
+
+def check_existing_folder(path: str | os.PathLike, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UnlearnError(f"{what} {os.fspath(path)!r} does not exist")
+    if not p.is_dir():
+        raise UnlearnError(f"{what} {os.fspath(path)!r} is not a folder")
+    return p
+
+
+# -- output folders --------------------------------------------------------------------------------------------
+def check_new_output(path: str | os.PathLike, *, overwrite_marker: str | None = None, overwrite: bool = False) -> Path:
+    """An output folder that is new or empty; with ``overwrite``, one this library wrote (it holds ``overwrite_marker``).
+
+    Never deletes a folder the library did not write: a non-empty folder without the marker is an error.
+    """
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UnlearnError(f"output {os.fspath(path)!r} exists and is a file; choose a folder name")
+    if p.is_dir() and any(p.iterdir()):
+        if overwrite and overwrite_marker and (p / overwrite_marker).is_file():
+            return p
+        hint = " (or --overwrite to replace an earlier output of the same command)" if overwrite_marker else ""
+        raise UnlearnError(f"output folder {os.fspath(path)!r} exists and is not empty; choose a new folder{hint}")
+    return p
+
+
+def has_files(path: Path) -> bool:
+    return any(f.is_file() or f.is_symlink() for f in path.rglob("*"))
+
+
+def remove_empty_dirs(root: str | os.PathLike, *, include_root: bool = False) -> None:
+    """Remove folders under ``root`` that hold no file (deepest first); ``root`` too with ``include_root``."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for d in sorted((p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only succeeds when empty
+    if include_root:
+        with contextlib.suppress(OSError):
+            root.rmdir()
+
+
+@contextlib.contextmanager
+def output_folder(path: str | os.PathLike, *, marker: str | None = None, overwrite: bool = False) -> Iterator[Path]:
+    """Create an output folder for a command and clean up after it.
+
+    On success, empty sub-folders are removed. On failure, a folder the command created is removed with what it
+    wrote (nothing half-written stays behind); a folder that existed before is left as it was found, minus empty
+    sub-folders. ``marker`` names the file that makes an earlier output replaceable with ``overwrite``: that output
+    is moved aside while the command runs, deleted when it succeeds and put back when it fails.
+    """
+    p = check_new_output(path, overwrite_marker=marker, overwrite=overwrite)
+    previous = None
+    if p.is_dir() and any(p.iterdir()):  # an earlier output of the same command, replaced on request
+        import tempfile
+
+        previous = Path(tempfile.mkdtemp(prefix=f".{p.name}.previous-", dir=p.parent))
+        p.rename(previous / p.name)
+    created = not p.exists()
+    p.mkdir(parents=True, exist_ok=True)
+    try:
+        yield p
+    except BaseException:
+        if created and not os.environ.get("HF_UNLEARN_DEBUG"):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            remove_empty_dirs(p)
+        if previous is not None:
+            if p.exists():  # HF_UNLEARN_DEBUG kept the failed output: it stays beside the restored one
+                p.rename(p.with_name(f"{p.name}.failed-{previous.name.rsplit('-', 1)[-1]}"))
+            (previous / p.name).rename(p)
+            previous.rmdir()
+        raise
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+    remove_empty_dirs(p)
+
+
+def remove_if_empty(paths: Iterable[str | os.PathLike | None]) -> None:
+    """After a failed command: remove each of ``paths`` that is a folder holding no file at all."""
+    for path in paths:
+        if path is None:
+            continue
+        p = Path(path)
+        if p.is_dir() and not has_files(p):
+            shutil.rmtree(p, ignore_errors=True)

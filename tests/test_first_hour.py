@@ -1,0 +1,228 @@
+"""The first hour on a fresh clone: every CLI path fails in one line, fast, naming what to set; no stray warnings,
+no empty folders; thread defaults that hold up on a busy machine; the embedded TOFU subset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_unlearn.errors import UnlearnError
+
+from .conftest import ROOT, TOFU_DIR, run_cli
+
+NOISE = ("Traceback", "gemm_4bit_forward", "FutureWarning", "UserWarning", "Retrying in")
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    for noise in NOISE:
+        assert noise not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hf-unlearn: error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["eval", "tofu", "{tmp}/no-model", "--out", "{tmp}/o"], "does not exist"),
+    (["demo", "--model", "{tmp}/no-model", "--out", "{tmp}/o"], "does not exist"),
+    (["forget", "{tmp}/no-model", "--ids", "{tmp}/ids.jsonl", "--out", "{tmp}/o"], "does not exist"),
+    (["forget", "{tmp}/run", "--ids", "{tmp}/missing.jsonl", "--out", "{tmp}/o"], "id file"),
+    (["unlearn", "masc", "org/model", "--out", "{tmp}/o", "--max-forget-rows", "2"], "HF_HUB_OFFLINE"),
+    (["hub", "push", "{tmp}/no-model", "--repo", "a/b"], ""),
+])
+def test_cli_errors_are_one_line_and_leave_no_folder(argv, expect, tmp_path, capsys):
+    from hf_unlearn.cli import main
+
+    (tmp_path / "ids.jsonl").write_text("3600\n")
+    (tmp_path / "run").mkdir()
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hf-unlearn: error: ") and expect in lines[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_fresh_process_prints_one_line_and_no_library_noise(tmp_path):
+    """In a new interpreter (import-time messages included): no traceback, no bitsandbytes notice, no FutureWarning,
+    no Hub retries; the missing folder is named and the output folder is not created."""
+    proc = run_cli("unlearn", "masc", tmp_path / "no-model", "--out", tmp_path / "o", "--max-forget-rows", "2",
+                   env={"HF_HUB_OFFLINE": "0"})
+    assert "does not exist" in _one_line_error(proc)
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_unreachable_hub_is_one_line_that_says_what_to_set(tmp_path):
+    """HF_ENDPOINT on a closed port: no retries, one line naming HF_ENDPOINT / HF_HUB_OFFLINE."""
+    proc = run_cli("eval", "tofu", "org/some-model", "--out", tmp_path / "o",
+                   env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")})
+    line = _one_line_error(proc)
+    assert "cannot be reached" in line and "HF_ENDPOINT" in line and "HF_HUB_OFFLINE=1" in line
+
+
+def test_tofu_from_the_hub_offline_says_what_to_set(monkeypatch):
+    from hf_unlearn.data import load_tofu
+
+    monkeypatch.delenv("HF_UNLEARN_DATA_DIR", raising=False)
+    with pytest.raises(UnlearnError, match="HF_UNLEARN_DATA_DIR"):
+        load_tofu("forget01")
+
+
+def test_any_unexpected_error_is_still_one_line(monkeypatch, capsys):
+    from hf_unlearn import cli
+    from hf_unlearn.commands import demo
+
+    def boom(args):
+        raise RuntimeError("something broke\nsecond line")
+
+    monkeypatch.setattr(demo, "run", boom)
+    monkeypatch.setattr(cli, "NO_TORCH", {("demo", None)})
+    assert cli.main(["demo"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "hf-unlearn: error: RuntimeError: something broke (HF_UNLEARN_DEBUG=1 shows the traceback)"
+
+
+def test_a_failed_command_removes_the_empty_output_folder_it_created(monkeypatch, tmp_path):
+    from hf_unlearn import cli
+    from hf_unlearn.commands import demo
+
+    def creates_then_fails(args):
+        os.makedirs(os.path.join(args.out, "sub", "deeper"))
+        raise UnlearnError("failed")
+
+    monkeypatch.setattr(demo, "run", creates_then_fails)
+    monkeypatch.setattr(cli, "NO_TORCH", {("demo", None)})
+    assert cli.main(["demo", "--out", str(tmp_path / "new")]) == 1
+    assert not (tmp_path / "new").exists()
+
+
+def test_overwrite_keeps_the_earlier_output_until_the_new_one_is_done(tmp_path, monkeypatch):
+    """--overwrite replaces an earlier output only when the new command succeeds; a failure puts it back intact."""
+    from hf_unlearn.validation import output_folder
+
+    monkeypatch.delenv("HF_UNLEARN_DEBUG", raising=False)
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "receipt.json").write_text("earlier")
+    (out / "model" / "weights").write_text("earlier weights")
+    with pytest.raises(RuntimeError), output_folder(out, marker="receipt.json", overwrite=True) as p:
+        assert not any(p.iterdir())  # the command starts from an empty folder
+        (p / "receipt.json").write_text("half")
+        raise RuntimeError("interrupted")
+    assert (out / "receipt.json").read_text() == "earlier"
+    assert (out / "model" / "weights").read_text() == "earlier weights"
+    with output_folder(out, marker="receipt.json", overwrite=True) as p:
+        (p / "receipt.json").write_text("new")
+    assert sorted(f.name for f in out.iterdir()) == ["receipt.json"] and (out / "receipt.json").read_text() == "new"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["out"]  # nothing moved aside is left behind
+
+
+def test_every_option_of_every_command_has_help():
+    from hf_unlearn.cli import build_parser
+
+    missing = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*path, name))
+            elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)) and not action.help:
+                missing.append(f"{' '.join(path)} {action.option_strings or action.dest}")
+
+    walk(build_parser(), ())
+    assert missing == []
+
+
+def test_masc_config_from_the_cli_path_raises_no_future_warning(tmp_path):
+    import warnings
+
+    from hf_unlearn.methods.registry import get_method
+    from hf_unlearn.utils import activation_checkpointing_kwargs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = get_method("masc").make_config(output_dir=str(tmp_path), report_to=[],
+                                                **activation_checkpointing_kwargs(True))
+    assert config.gradient_checkpointing is True
+
+
+def test_import_of_the_cli_does_not_load_bitsandbytes():
+    code = "import sys, hf_unlearn.cli; hf_unlearn.cli.build_parser(); print('bitsandbytes' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "False" and "gemm_4bit" not in out.stderr
+
+
+# -- threads -----------------------------------------------------------------------------------------------------
+def test_free_cores_follows_the_load():
+    from hf_unlearn.runtime import free_cores
+
+    assert free_cores(cores=2, load=0.1) == 2
+    assert free_cores(cores=2, load=1.2) == 1
+    assert free_cores(cores=2, load=12.0) == 1  # never 0
+    assert free_cores(cores=16, load=3.4) == 13
+
+
+def _thread_probe(env: dict, load: float) -> dict:
+    code = (f"import os, json; os.getloadavg = lambda: ({load}, 0.0, 0.0)\n"
+            "from hf_unlearn.runtime import prepare_environment, configure_threads\n"
+            "prepare_environment(); n = configure_threads()\n"
+            "import torch; print(json.dumps({'n': n, 'torch': torch.get_num_threads(), "
+            "'policy': os.environ.get('OMP_WAIT_POLICY')}))")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "HF_UNLEARN_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**base, "PYTHONPATH": str(ROOT), **env})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_thread_defaults_degrade_with_load_and_respect_the_user(monkeypatch):
+    busy = _thread_probe({}, load=50.0)
+    assert busy == {"n": 1, "torch": 1, "policy": "PASSIVE"}
+    user = _thread_probe({"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}, load=50.0)
+    assert user == {"n": 2, "torch": 2, "policy": "ACTIVE"}
+    import torch
+
+    from hf_unlearn.runtime import configure_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("HF_UNLEARN_THREADS", "1")
+        assert configure_threads() == 1 == torch.get_num_threads()
+        monkeypatch.setenv("HF_UNLEARN_THREADS", "many")
+        with pytest.raises(UnlearnError, match="whole number"):
+            configure_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- the embedded TOFU subset -------------------------------------------------------------------------------------
+def test_embedded_tofu_is_the_first_ten_authors_of_full_with_their_ids():
+    from hf_unlearn.data.embedded import EMBEDDED_TOFU_FILE, author_ids, load_embedded_tofu
+
+    rows = load_embedded_tofu()
+    full = [json.loads(line) for line in (TOFU_DIR / "full.jsonl").read_text().splitlines()[:200]]
+    assert rows["id"] == list(range(200))
+    assert rows["question"] == [r["question"] for r in full] and rows["answer"] == [r["answer"] for r in full]
+    assert load_embedded_tofu(3)["id"] == list(range(60)) and author_ids(2) == list(range(40, 60))
+    license_text = (EMBEDDED_TOFU_FILE.parent / "LICENSE").read_text()
+    assert "MIT License" in license_text and "locuslab/TOFU" in license_text
+    with pytest.raises(UnlearnError, match="10 authors"):
+        load_embedded_tofu(11)
+
+
+def test_the_embedded_subset_ships_in_the_package():
+    import ast
+    import fnmatch
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()  # (tomllib is 3.11+; the project supports 3.10)
+    line = re.search(r"^\[tool\.setuptools\.package-data\]\nhf_unlearn = (\[.*?\])$", text, re.M | re.S).group(1)
+    patterns = ast.literal_eval(line)
+    for name in ("data/tofu_subset/tofu_10_authors.jsonl", "data/tofu_subset/LICENSE"):
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), name

@@ -1,0 +1,426 @@
+"""`hf_unlearn.forget` / `hf-unlearn forget`: a deletion request end to end, and everything it refuses up front."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from hf_unlearn.errors import UnlearnError
+
+from .conftest import run_cli
+from .test_trace_common import get_recorded, get_trace_data, ids_at_step
+
+STRING_IDS = [f"author-{a}-q{q}" for a in range(3) for q in range(20)]
+
+
+@pytest.fixture(scope="module")
+def exact_receipt(tmp_path_factory):
+    """One exact deletion with the oracle on the shared recorded run (8 optimizer steps, tiny Llama)."""
+    from hf_unlearn import forget
+
+    run = get_recorded()
+    ids = ids_at_step(run, 6)[:3]
+    tok, _ = get_trace_data()
+    out = tmp_path_factory.mktemp("exact") / "out"
+    return forget(run, ids, out, oracle=True, tokenizer=tok, progress=False), ids, out
+
+
+def test_exact_deletion_is_verified_and_recorded(exact_receipt):
+    receipt, ids, out = exact_receipt
+    assert receipt.mode == "exact" and receipt.method == "exact" and receipt.ok
+    ev = receipt.evidence
+    assert ev["verified"] is True and ev["oracle"]["params_mismatched_elements"] == 0
+    assert ev["cost"]["start_checkpoint"] == 6 and ev["replay"]["start_step"] == 6  # a suffix replay
+    assert ev["redaction"]["rows_before"] - ev["redaction"]["rows_after"] == len(ids)
+    # the saved model is the replayed state: its manifest root is the receipt's
+    from hf_unlearn.hub.publish import build_manifest
+
+    assert build_manifest(out / "model")["params_root"] == receipt.state_hashes["params_root"]
+    assert (out / "model" / "tokenizer_config.json").is_file() and (out / "model" / "README.md").is_file()
+    card = (out / "model" / "README.md").read_text()
+    assert receipt.state_hashes["params_root"] in card and receipt.state_hashes["optimizer_root"] in card
+    saved = json.loads((out / "receipt.json").read_text())
+    assert saved["ok"] is True and saved["request"]["count"] == len(ids)
+    assert saved["state_hashes"] == receipt.state_hashes
+    assert "VERIFIED bit-identical" in receipt.summary_table()
+    assert "bit-identical to the oracle" in receipt.guarantee and "hazard" not in receipt.guarantee
+    assert saved["guarantee"] == receipt.guarantee and saved["evidence"]["hazards"] == []
+
+
+def test_a_second_request_deletes_from_the_first_deletion_and_is_verified(exact_receipt, tmp_path, capfd):
+    """The replay of a deletion is itself a recorded run: the next request suffix-replays from it, and its oracle
+    (a full replay of that run) checks the union of both requests bit for bit. progress=False is silent."""
+    from hf_unlearn import forget
+
+    receipt, ids, out = exact_receipt
+    run = get_recorded()
+    second = [i for i in ids_at_step(run, 7) if i not in ids][:2]
+    capfd.readouterr()
+    again = forget(out / "replay", second, tmp_path / "second", oracle=True, progress=False, log=lambda m: None)
+    assert not capfd.readouterr().err.strip()  # no library progress bars either
+    assert again.ok and again.evidence["verified"] is True
+    assert again.evidence["cost"]["start_checkpoint"] == 6 and again.evidence["redaction"]["rows_before"] == \
+        receipt.evidence["redaction"]["rows_after"]
+    log = [json.loads(line) for line in (tmp_path / "second" / "replay" / "deletion_log.jsonl").read_text().splitlines()]
+    assert [entry["request"] for entry in log] == [1, 2]
+    assert log[-1]["params_root"] == again.state_hashes["trace_params_root"] != receipt.state_hashes["trace_params_root"]
+    assert log[-1]["optimizer_root"] == again.state_hashes["optimizer_root"]
+
+
+def test_receipt_carries_keyed_tags_not_raw_ids(exact_receipt):
+    from hf_unlearn.hub.cards import find_raw_ids
+    from hf_unlearn.hub.keys import keyed_tags, load_key
+
+    receipt, ids, out = exact_receipt
+    data = json.loads((out / "receipt.json").read_text())
+    assert data["request"]["tags"] == keyed_tags(ids, load_key())
+    assert find_raw_ids(data, ids, "receipt") == []
+    assert not any(isinstance(v, list) and len(set(v) & set(ids)) >= 2 for v in _walk(data))
+
+
+def _walk(value):
+    yield value
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)
+
+
+def test_a_tampered_oracle_is_not_verified(tmp_path):
+    """The verdict is the bit comparison: an oracle whose final state differs makes the receipt say NOT identical."""
+    import torch
+
+    from hf_unlearn import forget
+    from hf_unlearn.deletion import ForgetConfig, _exact, _validate
+
+    run = get_recorded()
+    ids = ids_at_step(run, 6)[:2]
+    config = ForgetConfig(output_dir=str(tmp_path / "o"), oracle=True, progress=False)
+    plan = _validate(run, ids, config)
+    from hf_unlearn.trace import replay as replay_mod
+
+    original = replay_mod.OracleReplayTrainer._run_segment
+
+    def nudged(self, model, seg):  # an "oracle" that drifts by one ulp on its last step
+        taken = original(self, model, seg)
+        if seg[0].step == self.run.total_steps - 1:
+            with torch.no_grad():
+                p = next(model.parameters())
+                p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf")))
+        return taken
+
+    replay_mod.OracleReplayTrainer._run_segment = nudged
+    try:
+        (tmp_path / "o").mkdir()
+        receipt = _exact(plan, config, tmp_path / "o", None, lambda m: None)
+    finally:
+        replay_mod.OracleReplayTrainer._run_segment = original
+    assert receipt.evidence["verified"] is False and not receipt.ok
+    assert "NOT identical" in receipt.summary_table()
+    assert receipt.guarantee.startswith("exact deletion NOT verified")
+    assert forget  # the public entry point is the one the other tests use
+
+
+@pytest.fixture(scope="module")
+def string_id_data(tmp_path_factory, tofu_full):
+    """60 TOFU rows with textual ids, as a user's own JSON Lines file."""
+    path = tmp_path_factory.mktemp("data") / "qa.jsonl"
+    with open(path, "w") as f:
+        for sid, row in zip(STRING_IDS, tofu_full.select(range(60))):
+            f.write(json.dumps({"id": sid, "question": row["question"], "answer": row["answer"]}) + "\n")
+    return path
+
+
+def test_approximate_forget_with_string_ids_and_evaluation(tmp_path, tiny_llama_dir, string_id_data):
+    from hf_unlearn import forget
+
+    ids = STRING_IDS[40:44]
+    request = tmp_path / "request.jsonl"
+    request.write_text("".join(json.dumps(i) + "\n" for i in ids))
+    out = tmp_path / "out"
+    receipt = forget(tiny_llama_dir, request, out, method="grad_ascent", data=str(string_id_data), max_steps=2,
+                     learning_rate=1e-2, eval_rows=4, max_new_tokens=4, max_retain_rows=8, max_length=64,
+                     progress=False)
+    ev = receipt.evidence
+    assert receipt.mode == "approximate" and receipt.method == "grad_ascent" and ev["steps"] == 2
+    assert ev["forget_rows"] == 4 and ev["retain_rows"] == 8
+    # gradient ascent on the forget rows raises their answer loss
+    assert ev["after"]["forget"]["answer_loss"] > ev["before"]["forget"]["answer_loss"]
+    assert set(ev["before"]) == {"forget", "retain"} and ev["after"]["retain"]["items"] == 4
+    text = (out / "receipt.json").read_text()
+    card = (out / "model" / "README.md").read_text()
+    for i in ids:  # textual ids: not in the receipt, not in the card (keyed tags only)
+        assert i not in text and i not in card
+    assert (out / "model" / "model.safetensors").is_file()
+    # an approximate method proves nothing: the receipt says so next to what it measured
+    assert "no proof that the rows' influence is gone" in receipt.guarantee
+    assert json.loads(text)["guarantee"] == receipt.guarantee and "guarantee" in receipt.summary_table()
+
+
+def test_approximate_forget_with_lora_on_a_gpt2_family_model_saves_the_merged_model(tmp_path, gpt2_tokenizer,
+                                                                                     string_id_data):
+    """Another family (GPT-2: Conv1D layers, tied head) and LoRA: the saved model is the merged one, no adapter."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hf_unlearn import forget
+    from hf_unlearn.models import build_tiny_model, load_model
+
+    src = tmp_path / "gpt2-tiny"
+    build_tiny_model("gpt2", gpt2_tokenizer, hidden_size=32, num_layers=2, num_heads=2).save_pretrained(src)
+    gpt2_tokenizer.save_pretrained(src)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fan_in_fan_out")  # peft warns when Conv1D is not declared
+        receipt = forget(src, STRING_IDS[:4], tmp_path / "out", method="npo", data=str(string_id_data), lora=True,
+                         lora_r=4, max_steps=2, learning_rate=5e-2, eval_rows=2, max_new_tokens=2, max_retain_rows=8,
+                         max_length=64, progress=False, log=lambda m: None)
+    model_dir = tmp_path / "out" / "model"
+    assert receipt.ok and receipt.evidence["steps"] == 2 and "lora" in json.dumps(receipt.evidence).lower()
+    assert not (model_dir / "adapter_config.json").exists()
+    before, after = load_file(src / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    assert set(after) == set(before) and not any("lora" in k for k in after)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the adapter was merged into the weights
+    assert type(load_model(model_dir)).__name__ == "GPT2LMHeadModel"
+
+
+def test_a_peft_adapter_folder_is_merged_into_its_base_and_unlearned(tmp_path, tiny_llama_dir, string_id_data):
+    """An adapter-only folder (adapter_config.json, no config.json) loads as its base with the adapter merged, and
+    trains (transformers alone would attach it frozen); an adapter whose base is missing is refused at once."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from hf_unlearn import forget
+    from hf_unlearn.models import load_model
+
+    peft_model = get_peft_model(load_model(tiny_llama_dir), LoraConfig(r=2, target_modules=["q_proj"],
+                                                                       init_lora_weights=False))
+    peft_model.peft_config["default"].base_model_name_or_path = str(tiny_llama_dir)
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    merged = peft_model.merge_and_unload().state_dict()
+    receipt = forget(adapter, STRING_IDS[:2], tmp_path / "out", method="grad_ascent", data=str(string_id_data),
+                     max_steps=1, learning_rate=1e-2, eval_rows=0, max_length=64, progress=False, log=lambda m: None)
+    assert receipt.evidence["steps"] == 1
+    saved = load_file(tmp_path / "out" / "model" / "model.safetensors")
+    assert not any("lora" in k for k in saved)
+    assert not torch.equal(saved["model.layers.0.self_attn.q_proj.weight"],
+                           merged["model.layers.0.self_attn.q_proj.weight"])  # trained from the merged weights
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str(tmp_path / "gone")
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnlearnError, match="base model of the adapter .* does not exist"):
+        forget(adapter, STRING_IDS[:2], tmp_path / "out2", method="grad_ascent", data=str(string_id_data))
+    assert not (tmp_path / "out2").exists()
+
+
+def test_the_guarantee_never_claims_more_than_the_evidence():
+    """A verified replay of a run with recorded hazards, an unchecked replay, an approximate run without evaluation:
+    each sentence names what is missing (the verdict cannot be read as a proof it is not)."""
+    from hf_unlearn.deletion import ForgetReceipt
+
+    def receipt(mode, **evidence):
+        return ForgetReceipt(mode=mode, method="exact" if mode == "exact" else "npo", source="s", output_dir="o",
+                             request={}, evidence=evidence, state_hashes={}, model_dir="m")
+
+    hazard = "the data collator (RandomCollator) is random"
+    verified_with_hazard = receipt("exact", verified=True, hazards=[hazard])
+    assert "1 recorded hazard(s)" in verified_with_hazard.guarantee and verified_with_hazard.ok
+    unchecked = receipt("exact", verified=None, hazards=[])
+    assert "not checked against the oracle" in unchecked.guarantee and "bit-identical" not in unchecked.guarantee
+    assert "no evaluation was run" in receipt("approximate", after={}).guarantee
+
+
+def test_hazards_recorded_with_the_run_reach_the_receipt(tmp_path, monkeypatch):
+    """A run whose header lists hazards: the deletion says so as it starts, and the receipt's guarantee carries it."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import run as run_mod
+
+    hazard = "the data collator (RandomCollator) is random (its output changes with the RNG seed)"
+    real_open = run_mod.open_run
+
+    def open_with_hazard(*a, **k):
+        opened = real_open(*a, **k)
+        opened.header = {**opened.header, "hazards": [hazard]}
+        return opened
+
+    monkeypatch.setattr(run_mod, "open_run", open_with_hazard)
+    run = get_recorded()
+    lines = []
+    receipt = forget(run, ids_at_step(run, 7)[:1], tmp_path / "o", progress=False, log=lines.append)
+    assert any(line.startswith("HAZARD") and hazard in line for line in lines)
+    assert any(line.startswith("note: no tokenizer given") for line in lines)  # the run holds none
+    assert receipt.evidence["hazards"] == [hazard] and "1 recorded hazard(s)" in receipt.guarantee
+
+
+@pytest.mark.parametrize("case, match", [
+    ("unknown_ids", "not in the data"),
+    ("id_types", "is str but the data uses int"),
+    ("method", "unknown unlearning method"),
+    ("method_arg", "has no option 'nope'"),
+    ("run_with_masc", "is a recorded run"),
+    ("exact_on_model", "exact deletion needs a recorded run"),
+    ("missing_model", "does not exist"),
+    ("empty_request", "holds no ids"),
+    ("lr", "must be > 0"),
+    ("tokenizer_for_approximate", "--tokenizer is for exact deletion"),
+    ("missing_tokenizer", "tokenizer .* does not exist"),
+])
+def test_bad_input_is_refused_before_any_compute(case, match, tmp_path, tiny_llama_dir, monkeypatch):
+    from hf_unlearn import forget
+    from hf_unlearn.deletion import DEFAULT_APPROXIMATE
+
+    def no_training(*a, **k):
+        raise AssertionError("training started")
+
+    from hf_unlearn.methods.base import UnlearningTrainer
+
+    monkeypatch.setattr(UnlearningTrainer, "train", no_training)
+    model, ids, opts = str(tiny_llama_dir), [3600, 3601], {"data": "tofu"}
+    if case == "unknown_ids":
+        ids = [3600, 999999]
+    elif case == "id_types":
+        ids = ["3600"]
+    elif case == "method":
+        opts["method"] = "nope"
+    elif case == "method_arg":
+        opts["method_args"] = {"nope": "1"}
+    elif case == "run_with_masc":
+        model, opts["method"] = str(get_recorded()), DEFAULT_APPROXIMATE
+    elif case == "exact_on_model":
+        opts["method"] = "exact"
+    elif case == "missing_model":
+        model = str(tmp_path / "no-such-model")
+    elif case == "empty_request":
+        (tmp_path / "empty.jsonl").write_text("\n")
+        ids = tmp_path / "empty.jsonl"
+    elif case == "lr":
+        opts["learning_rate"] = 0.0
+    elif case == "tokenizer_for_approximate":
+        opts["tokenizer_path"] = str(tiny_llama_dir)
+    elif case == "missing_tokenizer":
+        model, opts = str(get_recorded()), {"tokenizer_path": str(tmp_path / "no-tokenizer")}
+    with pytest.raises(UnlearnError, match=match):
+        forget(model, ids, tmp_path / "out", **opts)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_model_folder_is_named_without_touching_the_network(tmp_path, monkeypatch):
+    from hf_unlearn.validation import check_model_source
+
+    def no_network(*a, **k):
+        raise AssertionError("network used")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    for name in (tmp_path / "missing", "./missing-model", "../models/x", "a/b/c", "model.gguf"):
+        with pytest.raises(UnlearnError, match="does not exist"):
+            check_model_source(str(name))
+
+
+def test_output_folder_rules(tmp_path, tiny_llama_dir):
+    from hf_unlearn import forget
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(UnlearnError, match="exists and is not empty"):
+        forget(tiny_llama_dir, [3600], busy, data="tofu")
+    with pytest.raises(UnlearnError, match="exists and is not empty"):  # --overwrite replaces only our own outputs
+        forget(tiny_llama_dir, [3600], busy, data="tofu", overwrite=True)
+    assert (busy / "notes.txt").read_text() == "mine"
+
+
+def test_a_failed_publish_leaves_nothing_behind(tmp_path, tiny_llama_dir, string_id_data):
+    """The Hub check runs before training: a closed port is one line, and no output folder is created."""
+    from hf_unlearn import forget
+
+    with pytest.raises(UnlearnError, match="cannot be reached|HF_HUB_OFFLINE"):
+        forget(tiny_llama_dir, STRING_IDS[:2], tmp_path / "out", method="grad_ascent", data=str(string_id_data),
+               repo="org/model", endpoint="http://127.0.0.1:9")
+    assert not (tmp_path / "out").exists()
+
+
+def test_forget_publishes_and_verifies_on_a_local_hub(tmp_path, exact_receipt):
+    """--repo: push as deletion-0001, download into a fresh cache, recompute every tensor hash (local Hub server)."""
+    from hf_unlearn import forget
+    from hf_unlearn.deletion import PROVENANCE_FILES
+    from hf_unlearn.demo import local_hub
+
+    run = get_recorded()
+    ids = ids_at_step(run, 7)[:2]
+    tok, _ = get_trace_data()
+    with local_hub(tmp_path / "hub") as (server, token):
+        receipt = forget(run, ids, tmp_path / "out", tokenizer=tok, repo="org/tiny", endpoint=server.url, token=token,
+                         progress=False)
+        p = receipt.published
+        assert p["tag"] == "deletion-0001" and p["verify_ok"] and receipt.ok
+        assert p["params_root"] == receipt.state_hashes["params_root"]
+        _, files = server.store.files("model", "org/tiny", "deletion-0001")
+        assert "model.safetensors" in files and "unlearning_info.json" not in files
+        provenance = {name.split("/", 1)[1] for name in files if name.startswith("provenance/")}
+        assert provenance and provenance <= {f for n in PROVENANCE_FILES for f in (n, n + ".sha256")}
+        assert p["verified_params_root"] == receipt.state_hashes["params_root"] and p["verified_commit"] == p["commit"]
+        assert "hub verify" in receipt.summary_table() and "OK: OK" not in receipt.summary_table()
+
+        # a tag that resolves to another, self-consistent model (here the first deletion) passes `hub verify` of
+        # that revision, but it is not this receipt's model: the receipt must not say OK
+        from hf_unlearn.hub import verify as verify_mod
+
+        real_verify = verify_mod.verify_on_hub
+
+        def verify_the_wrong_revision(repo_id, revision=None, **kw):
+            return real_verify(repo_id, "deletion-0001", **kw)
+
+        verify_mod.verify_on_hub = verify_the_wrong_revision
+        try:
+            other = forget(run, ids_at_step(run, 6)[:1], tmp_path / "out2", tokenizer=tok, repo="org/tiny",
+                           endpoint=server.url, token=token, progress=False, log=lambda m: None)
+        finally:
+            verify_mod.verify_on_hub = real_verify
+        assert other.published["tag"] == "deletion-0002" and not other.published["verify_ok"] and not other.ok
+        assert other.published["verify_summary"].startswith("FAILED")
+        assert "FAILED" in other.summary_table()
+    saved = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert saved["published"]["commit"] == p["commit"]
+
+
+def test_cli_forget_prints_a_summary_and_exits_by_the_verdict(tmp_path):
+    run = get_recorded()
+    ids = ids_at_step(run, 7)[:1]
+    request = tmp_path / "ids.jsonl"
+    request.write_text("".join(json.dumps(i) + "\n" for i in ids))
+    tok, _ = get_trace_data()
+    tok.save_pretrained(tmp_path / "tok")
+    proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out", "--no-progress", "--tokenizer",
+                   tmp_path / "tok")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "model" / "tokenizer_config.json").is_file() and "no tokenizer" not in proc.stdout
+    assert "== summary" in proc.stdout and "not checked against the oracle" in proc.stdout
+    assert Path(tmp_path / "out" / "receipt.json").is_file()
+    bad = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out2", "--method", "masc")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and "is a recorded run" in bad.stderr
+    assert not (tmp_path / "out2").exists()
+
+
+def test_a_publish_that_fails_after_the_work_keeps_the_work_and_says_how_to_retry(tmp_path, tiny_llama_dir,
+                                                                                  string_id_data):
+    from hf_unlearn import forget
+    from hf_unlearn.demo import local_hub
+
+    with local_hub(tmp_path / "hub") as (server, token):
+        server.inject_fault("commit", times=10)  # the server drops every commit
+        with pytest.raises(UnlearnError, match="the deletion is done and saved in .*hf-unlearn hub push"):
+            forget(tiny_llama_dir, STRING_IDS[:2], tmp_path / "out", method="grad_ascent", data=str(string_id_data),
+                   max_steps=1, eval_rows=0, max_length=64, progress=False, repo="org/tiny", endpoint=server.url,
+                   token=token)
+    receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert receipt["ok"] is False and receipt["published"]["error"]
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
