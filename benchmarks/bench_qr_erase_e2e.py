@@ -75,16 +75,26 @@ def bench_methods():
 
 
 def methods_args(args, bm):
-    """The argument namespace bench_methods' helpers expect, for the same model, subset and evaluation caps."""
+    """The argument namespace bench_methods' helpers expect, for the same model, subset and evaluation caps (MASC as
+    in its fair benchmark: probes on its training batches, 5 epochs over the trained forget rows as the cap)."""
     return bm.parse_args([
         *(["--model", args.model] if args.model else []), "--authors", str(args.authors), "--forget-authors",
         str(args.forget_authors), "--finetune-epochs", str(args.finetune_epochs),
         *(["--finetune-lr", str(args.finetune_lr)] if args.finetune_lr else []), "--max-length", str(args.max_length),
-        "--batch-size", str(args.batch_size), "--eval-items", str(args.eval_items), "--eval-forget-items",
-        str(20 * args.forget_authors), "--eval-max-new-tokens", str(args.eval_max_new_tokens), "--out", args.out,
-        "--seed", str(args.seed), "--probe-size", "0", "--masc-retain-loss", "ce", "--masc-lr", str(args.masc_lr),
-        "--masc-max-epochs", "5",
+        "--batch-size", str(args.batch_size), "--eval-items", str(args.eval_items), "--eval-max-new-tokens",
+        str(args.eval_max_new_tokens), "--out", args.out, "--finetune-seed", str(args.seed), "--masc-probe-size", "0",
+        "--epochs", "5",
     ])
+
+
+def evaluate(bm, model, tokenizer, forget, retain, forget_ids, retain_ids, margs, label) -> dict:
+    """Answer losses next to bench_methods' TOFU metrics (every forget row; --eval-items per utility set)."""
+    from hf_unlearn.demo import mean_answer_loss
+
+    row = {"forget_loss": mean_answer_loss(model, tokenizer, forget),
+           "retain_loss": mean_answer_loss(model, tokenizer, retain)}
+    row.update(bm.evaluate(model, tokenizer, forget_ids, retain_ids, margs, label))
+    return row
 
 
 def task_models(args, model, tokenizer, forget, retain):
@@ -123,10 +133,12 @@ def main(argv=None) -> int:
     margs = methods_args(args, bm)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tok, name, forget, retain, forget_ids, retain_ids, ft_seconds = bm.prepare(margs)
+    started = time.perf_counter()
+    model, tok, forget, retain, forget_ids, retain_ids = bm.prepare_data(margs)  # the fine-tune is cached in OUT
+    ft_seconds = time.perf_counter() - started
     model.eval()
-    print(f"model {name}; {len(forget)} forget rows, {len(retain)} retain rows; fine-tuned in {ft_seconds:.0f} s",
-          flush=True)
+    print(f"model {args.model or 'tiny Llama'}; {len(forget)} forget rows, {len(retain)} retain rows; fine-tuned (or "
+          f"loaded from OUT) in {ft_seconds:.0f} s", flush=True)
     forget_task, retain_task, task_seconds = task_models(args, model, tok, forget, retain)
     print(f"task LoRA fine-tunes (r={args.task_lora_r}): forget {task_seconds['forget']:.0f} s, retain "
           f"{task_seconds['retain']:.0f} s", flush=True)
@@ -190,12 +202,13 @@ def main(argv=None) -> int:
     todo += [(f"{m} all x{eval_scale:g}", m, False, eval_scale) for m in methods if m not in ("qr", "svd")]
     evaluate_all(todo, evals, edit, bm, model, tok, forget, retain, forget_ids, retain_ids, margs, save)
     if args.masc and "MASC" not in evals:
-        cpu = time.process_time()
-        trainer, seconds, lr = bm.run_method(f"masc@{args.masc_lr}", margs, model, tok, forget, retain)
-        cpu = time.process_time() - cpu  # includes the trainer's construction and the model copy
-        row = bm.evaluate(trainer.model, tok, forget, retain, forget_ids, retain_ids, margs, "masc")
-        evals["MASC"] = {"train_seconds": seconds, "train_cpu_seconds": cpu, "steps": trainer.state.global_step,
-                         "stopped_step": trainer.stopped_step, **{k: v for k, v in row.items() if k != "result"}}
+        ctx = {"model": model, "tokenizer": tok, "forget": forget, "retain": retain, "forget_ids": forget_ids,
+               "retain_ids": retain_ids}
+        row = bm.run_one("masc[retain_loss=ce]", args.masc_lr, args.seed, margs, ctx)  # trains and evaluates
+        stop = row["stop"]
+        evals["MASC"] = {"train_seconds": row["train_seconds"], "train_cpu_seconds": row["train_cpu_seconds"],
+                         "steps": row["steps"], "stopped_step": stop["reached_step"], "stop_reason": stop["reason"],
+                         **{k: stop[k] for k in bm.SUMMARY_KEYS if k in stop}}
         print(json.dumps({"MASC": evals["MASC"]}), flush=True)
         save()
     # then localised QR at the same scale as the all-layer runs, and the subspace comparison (cheapest to lose)
@@ -217,7 +230,7 @@ def evaluate_all(todo, evals, edit, bm, model, tok, forget, retain, forget_ids, 
             cpu = time.process_time()
             m, report = edit(method, localize, scale)
             seconds, cpu = report.seconds_total, time.process_time() - cpu  # cpu includes the model copy
-        row = bm.evaluate(m, tok, forget, retain, forget_ids, retain_ids, margs, label.replace(" ", "_"))
+        row = evaluate(bm, m, tok, forget, retain, forget_ids, retain_ids, margs, label.replace(" ", "_"))
         evals[label] = {"edit_seconds": seconds, "edit_cpu_seconds": cpu,
                         **{k: v for k, v in row.items() if k != "result"}}
         print(json.dumps({label: evals[label]}), flush=True)
