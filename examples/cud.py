@@ -6,7 +6,8 @@
 
 Steps: EAP-IG circuits of every forget sample -> anchors from real unlearning runs (GradDiff, NPO) -> CUD of every
 sample -> easy / hard / random forget sets (typed id files) -> unlearn the easy and the hard set with GradDiff at the
-same budget and print how much each forgot. TOFU comes from $HF_UNLEARN_DATA_DIR/tofu, else the Hub. Single-process
+same budget and print how much each forgot. Without --model the rows are the TOFU subset shipped with hf_unlearn;
+with --model, the split comes from --tofu DIR or $HF_UNLEARN_DATA_DIR/tofu, else the Hub. Single-process
 only: circuits are scored in one process (several `accelerate` processes would each score everything), so with more
 than one process the script stops and says so.
 """

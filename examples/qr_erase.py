@@ -7,8 +7,8 @@
 Steps: (1) the model learns a few TOFU authors (skipped with --no-finetune for a model that already knows them);
 (2) task matrices: LoRA fine-tunes on the forget author's rows and on the other authors' rows
 (``make_task_matrices``); (3) ``qr_erase`` subtracts the forget task's CPQR subspace, minus the retain subspace, in
-the blocks holding its energy; (4) answer losses before/after, the edit report and the saved model. Data come from
-$HF_UNLEARN_DATA_DIR/tofu (or --tofu DIR), else the Hub.
+the blocks holding its energy; (4) answer losses before/after, the edit report and the saved model. Rows come from
+the TOFU subset shipped with hf_unlearn (up to 10 authors), or from --tofu DIR / $HF_UNLEARN_DATA_DIR/tofu for more.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from pathlib import Path
 from accelerate import PartialState
 
 from hf_unlearn import load_tofu, make_task_matrices, qr_erase, tokenize_qa
+from hf_unlearn.data.embedded import EMBEDDED_TOFU_AUTHORS, load_embedded_tofu
 from hf_unlearn.demo import DemoConfig, fine_tune, load_demo_model, mean_answer_loss
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Hub id, local folder or .gguf file (default: a tiny Llama)")
-    p.add_argument("--tofu", default=None)
+    p.add_argument("--tofu", default=None, help="TOFU folder (default: the embedded subset for up to 10 authors)")
     p.add_argument("--authors", type=int, default=4, help="TOFU authors learned; the last one is forgotten")
     p.add_argument("--no-finetune", action="store_true", help="the model already knows these authors")
     p.add_argument("--method", default="qr", choices=["qr", "qr-truncated", "svd"])
@@ -37,7 +38,10 @@ def main() -> None:
     state = PartialState()
     tiny = args.model is None
 
-    rows = load_tofu("full", args.tofu).select(range(20 * args.authors))
+    if args.tofu is None and args.authors <= EMBEDDED_TOFU_AUTHORS:
+        rows = load_embedded_tofu(args.authors)  # offline, no data folder needed
+    else:
+        rows = load_tofu("full", args.tofu).select(range(20 * args.authors))
     forget = rows.select(range(20 * (args.authors - 1), 20 * args.authors))
     retain = rows.select(range(20 * (args.authors - 1)))
     cfg = DemoConfig(model=args.model, output_dir=args.out, authors=args.authors, epochs=30 if tiny else 3,

@@ -1,26 +1,17 @@
 """Exact deletion end to end: record a fine-tune, then honour a deletion request bit for bit.
 
-<<<<<<< HEAD
     python examples/trace_deletion.py                                   # tiny Llama on 64 TOFU rows, ~1 minute
     accelerate launch examples/trace_deletion.py                        # same, through accelerate (one process)
     accelerate launch --multi_gpu --num_processes 2 examples/trace_deletion.py --out trace_example_dp   # data parallel
-    python examples/trace_deletion.py --model ../shared/models/SmolLM2-135M-Instruct --rows 16 --max-length 96
-
-The only change to an ordinary fine-tuning script is the class: ``TraceRecordingTrainer`` instead of ``Trainer``
-(any collator; here transformers' ``DataCollatorForSeq2Seq``). The same steps are available as
-``hf-unlearn trace inspect|cost|redact|replay|oracle|verify``.
-=======
-    python examples/trace_deletion.py                      # tiny Llama on 64 TOFU rows, ~1 minute
-    accelerate launch --cpu --num_processes 1 examples/trace_deletion.py   # through accelerate (recording is one process)
     python examples/trace_deletion.py --model ../shared/models/SmolLM2-135M-Instruct --rows 16 --max-length 96
 
 Rows come from the TOFU subset shipped with hf_unlearn (or --tofu DIR / $HF_UNLEARN_DATA_DIR/tofu for more than 200).
 It prints the replay's start step, the redaction check and ``replay == oracle, parameters and optimizer state bit
 for bit: True``.
 
-The only change to an ordinary fine-tuning script is the class: ``TraceRecordingTrainer`` instead of ``Trainer``.
-The same steps are available as ``hf-unlearn trace inspect|cost|redact|replay|oracle|verify``.
->>>>>>> i17
+The only change to an ordinary fine-tuning script is the class: ``TraceRecordingTrainer`` instead of ``Trainer``
+(any collator; here transformers' ``DataCollatorForSeq2Seq``). The same steps are available as
+``hf-unlearn trace inspect|cost|redact|replay|oracle|verify``.
 """
 
 from __future__ import annotations

@@ -17,14 +17,16 @@ from .conftest import ROOT
 
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py"))
 ACCELERATE_CPU = ROOT / "examples" / "accelerate" / "cpu_2proc.yaml"
-# short arguments for the runs (the defaults are sized for a demonstration, these for a test); examples that record
-# a trace run as one process (recording is single-process), the others as two (DDP over gloo)
+# short arguments for the runs (the defaults are sized for a demonstration, these for a test) and the number of
+# processes under `accelerate launch` (two: DDP over gloo, recording and replay included)
 RUNS = {
-    "trace_deletion.py": (["--rows", "24", "--max-length", "64"], 1),
+    "trace_deletion.py": (["--rows", "24", "--max-length", "64"], 2),
     "unlearn_tofu.py": (["--method", "grad_diff", "--max-steps", "2"], 2),
     "masc_tofu.py": (["--lora"], 2),
     "random_label_forgetting.py": (["--rows", "32", "--epochs", "1"], 2),
     "publish.py": (["--local-hub"], 2),
+    "qr_erase.py": (["--rank", "2"], 2),
+    "cud.py": (["--set-size", "2"], 1),  # single process: EAP-IG scores every sample in one process
 }
 
 
@@ -92,7 +94,7 @@ def test_example_runs(name, launcher, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     expected = {"trace_deletion.py": "bit for bit: True", "unlearn_tofu.py": "grad_diff: 2 steps",
                 "masc_tofu.py": "stopped at step", "random_label_forgetting.py": "unseen rows: accuracy",
-                "publish.py": "OK:"}.get(name)
+                "publish.py": "OK:", "qr_erase.py": "answer loss forget", "cud.py": "hard   set (CUD"}.get(name)
     if expected is None:
         return
     assert expected in proc.stdout, proc.stdout[-3000:]
