@@ -382,7 +382,7 @@ def _baselines(cfg, out: Path, tokenizer, forget_ids, oracle: dict, compare_stat
         run, forget_ids=forget_ids, start="full", filter_rows=True).train()}
     tmp = out / "deletion-exact" / "repack_tmp"
     states["repack"] = lambda: _progress_note("repack baseline: retraining on the retained rows, fresh batching",
-                                             lambda: repack_counterfactual(run, forget_ids, tmp))
+                                              cfg.progress, lambda: repack_counterfactual(run, forget_ids, tmp))
     for name, make in states.items():
         cmp = compare_states(make(), oracle)["params"]
         distances[name] = {"mismatched_elements": cmp["mismatched_elements"], "l2": cmp["l2"]}
@@ -393,14 +393,14 @@ def _baselines(cfg, out: Path, tokenizer, forget_ids, oracle: dict, compare_stat
     return distances
 
 
-def _progress_note(what: str, fn):
+def _progress_note(what: str, progress: bool, fn):
     """Run ``fn`` behind a spinner-like progress line (for steps that have no progress bar of their own)."""
     import threading
 
     from tqdm.auto import tqdm
 
     done = threading.Event()
-    with tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False) as bar:
+    with tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False, disable=not progress) as bar:
         def tick():
             while not done.wait(1.0):
                 bar.refresh()

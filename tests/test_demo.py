@@ -103,3 +103,12 @@ def test_the_default_demo(tmp_path, monkeypatch, capsys):
     assert "VERIFIED bit-identical" in text and "hub verify" in text
     stats = json.loads((tmp_path / "demo_output" / "demo_summary.json").read_text())
     assert stats["deletion"]["baselines"]["filter"]["l2"] > 0 and stats["deletion"]["baselines"]["repack"]["l2"] > 0
+
+
+def test_the_spinner_of_a_step_without_a_progress_bar_is_silent_under_no_progress(capsys):
+    from hf_unlearn.demo import _progress_note
+
+    assert _progress_note("repack baseline", False, lambda: 42) == 42
+    assert capsys.readouterr().err == ""
+    assert _progress_note("repack baseline", True, lambda: 7) == 7
+    assert "repack baseline" in capsys.readouterr().err
