@@ -9,7 +9,9 @@ by pasting them. ``text`` (or unlabelled) blocks are command synopses with place
 Running the blocks trains small models (minutes on 2 cores), so it belongs to ``pytest -m slow``; the synopsis
 check is in the fast suite. A block that cannot run here (a real Hub login, a fragment of a larger script) is
 marked by an HTML comment on the line before it, ``<!-- readme-test: skip REASON -->``, and reported as skipped
-with its reason.
+with its reason. A block that talks only to a local Hub server it starts itself says so with
+``<!-- readme-test: local-hub REASON -->`` and runs without ``HF_HUB_OFFLINE`` (huggingface_hub's offline mode
+refuses every request, the loopback included); every other Hub request still has nowhere to go.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 from .conftest import ROOT, SHARED
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
-MARK = re.compile(r"<!--\s*readme-test:\s*(skip)\s*(.*?)\s*-->\s*$")
+MARK = re.compile(r"<!--\s*readme-test:\s*(skip|local-hub)\s*(.*?)\s*-->\s*$")
 
 
 @dataclass
@@ -86,7 +88,11 @@ def test_readme_snippet_runs_as_written(snippet: Snippet, workdir):
         cmd = [sys.executable, "-c", snippet.code]
     else:
         cmd = ["bash", "-e", "-o", "pipefail", "-c", snippet.code]
-    proc = subprocess.run(cmd, cwd=workdir, env=_env(workdir), capture_output=True, text=True, timeout=1800)
+    env = _env(workdir)
+    if snippet.mark == "local-hub":
+        env.pop("HF_HUB_OFFLINE")
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # a closed port: a request to any Hub but its own server fails at once
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (f"README line {snippet.line} ({snippet.lang}) failed:\n{snippet.code}\n"
                                   f"--- stderr ---\n{proc.stderr[-4000:]}")
 
@@ -139,3 +145,5 @@ def test_the_marker_syntax_is_understood():
     text = "x\n<!-- readme-test: skip needs a Hub login -->\n```bash\nhf auth login\n```\n```text\nA B\n```\n"
     got = snippets(text)
     assert [(s.lang, s.mark, s.reason) for s in got] == [("bash", "skip", "needs a Hub login"), ("text", None, "")]
+    local = snippets("<!-- readme-test: local-hub starts its own server -->\n```python\nprint(1)\n```\n")
+    assert [(s.mark, s.reason) for s in local] == [("local-hub", "starts its own server")]
