@@ -53,6 +53,9 @@ class ForgetConfig:
     tokenizer_path: str | None = field(default=None, metadata={
         "help": "exact: tokenizer (folder or Hub id) saved with the model, which a recorded run does not hold (from "
                 "Python, tokenizer= takes the object)"})
+    collator: str | None = field(default=None, metadata={
+        "help": "exact: the run's data collator when the trace cannot rebuild it: module:name (the collator) or "
+                "module:name() (a factory); from Python, data_collator= takes the object"})
     oracle: bool = field(default=False, metadata={
         "help": "exact: also run the trace oracle (a full replay from step 0 on the original store) and check the "
                 "replay against it bit for bit"})
@@ -185,7 +188,8 @@ def _eval_line(before: dict | None, after: dict) -> str:
 
 
 def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, config: ForgetConfig | None = None,
-           tokenizer=None, log: Callable[[str], None] | None = None, **options) -> ForgetReceipt:
+           tokenizer=None, data_collator=None, log: Callable[[str], None] | None = None,
+           **options) -> ForgetReceipt:
     """Honour a deletion request end to end and return its receipt (also written to ``OUTPUT_DIR/receipt.json``).
 
     Args:
@@ -195,6 +199,8 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
         config: a :class:`ForgetConfig`; or give its fields as keyword arguments (``method="npo"``, ``repo=...``).
         tokenizer: saved with an exact deletion's model (a recorded run does not hold one); approximate methods load
             the model's own.
+        data_collator: exact deletion only: the run's collator, when the trace cannot rebuild it (the standard
+            ``transformers`` collators and ``QACollator`` are rebuilt; a run recorded with another one says so).
         log: where progress lines go (default ``print``).
     """
     if config is None:
@@ -208,7 +214,7 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
     elif options or output_dir is not None:
         raise UnlearnError("pass either config= or keyword options (and output_dir), not both")
     log = log or (lambda msg: print(msg, flush=True))
-    plan = _validate(model_or_run, ids, config)  # every check that costs no compute, before any
+    plan = _validate(model_or_run, ids, config, data_collator)  # every check that costs no compute, before any
     from .validation import output_folder
 
     started = time.perf_counter()
@@ -235,7 +241,7 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
 
 # -- validation ------------------------------------------------------------------------------------------------
-def _validate(model_or_run, ids, config: ForgetConfig) -> dict:
+def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> dict:
     from .validation import check_new_output, check_positive, check_repo_id, is_trace_run, load_request_ids
 
     request = load_request_ids(ids)
@@ -252,12 +258,18 @@ def _validate(model_or_run, ids, config: ForgetConfig) -> dict:
         from .validation import check_model_source
 
         check_model_source(config.tokenizer_path, "tokenizer")
+    if (config.collator is not None or data_collator is not None) and method != EXACT:
+        raise UnlearnError("--collator (data_collator=) is for exact deletion of a recorded run; an approximate "
+                           "method collates its own forget and retain rows")
+    if config.collator is not None and data_collator is not None:
+        raise UnlearnError("pass the run's collator once: --collator (config.collator) or data_collator=, not both")
     if method == EXACT:
         if not run:
             what = "does not exist" if not os.path.exists(source) else "is not a recorded run"
             raise UnlearnError(f"exact deletion needs a recorded run (the trace_dir of a TraceRecordingTrainer); "
                                f"{source!r} {what}; pass --method masc (or another method) for a model")
         plan.update(mode=EXACT, **_validate_run(source, request))
+        plan["data_collator"] = _run_collator(plan["run"], config.collator, data_collator)
     else:
         if run:
             raise UnlearnError(f"{source!r} is a recorded run: it gets an exact deletion (--method exact, the default "
@@ -293,6 +305,26 @@ def _validate_run(source: str, request: list) -> dict:
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed
     return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", []))}
+
+
+def _run_collator(run, reference: str | None, given):
+    """The collator the replay runs with: the one given, else ``None`` (rebuilt from the trace by the replay), which
+    is checked here, before any compute, to be rebuildable."""
+    if given is not None:
+        if not callable(given):
+            raise UnlearnError(f"data_collator= must be a callable collator, not a {type(given).__name__}")
+        return given
+    if reference is not None:
+        from .data.collators import load_collator
+
+        return load_collator(reference)
+    spec = run.header.get("collator") or {}
+    if not spec.get("rebuildable"):
+        why = spec.get("why")
+        raise UnlearnError(f"the run's data collator ({spec.get('class', 'unknown')}) cannot be rebuilt from the trace"
+                           f"{f' ({why})' if why else ''}; pass it: --collator module:callable (data_collator= from "
+                           "Python)")
+    return None
 
 
 def _method_args(spec, given: dict) -> dict:
@@ -450,7 +482,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         f"{redaction['checks']['id_column_scanned']}")
     t = time.perf_counter()
     replay = with_replay_progress(RedactedReplayTrainer, "replay (redacted store)", config.progress)(
-        run, out / "store", ids, out / "replay")
+        run, out / "store", ids, out / "replay", data_collator=plan["data_collator"])
     replay.train()
     timings["replay_s"] = time.perf_counter() - t
     stats = replay.replay_stats
@@ -460,7 +492,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     if config.oracle:
         t = time.perf_counter()
         with_replay_progress(OracleReplayTrainer, "oracle (full replay)", config.progress)(
-            run, ids, out_dir=out / "oracle").train()
+            run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"]).train()
         report = verify(out / "replay", out / "oracle")
         timings["oracle_s"] = time.perf_counter() - t
         p, o = report["params"], report["optimizer"]

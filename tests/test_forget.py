@@ -424,3 +424,45 @@ def test_a_publish_that_fails_after_the_work_keeps_the_work_and_says_how_to_retr
     receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert receipt["ok"] is False and receipt["published"]["error"]
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+
+
+def wrapped_qa_collator():
+    """A collator the trace cannot rebuild (a closure around QACollator), importable as a factory by --collator."""
+    from hf_unlearn.data import QACollator
+
+    tok, _ = get_trace_data()
+    base = QACollator.from_tokenizer(tok)
+    return lambda rows: base(rows)
+
+
+def test_a_run_whose_collator_the_trace_cannot_rebuild_is_refused_up_front_then_takes_it(tmp_path):
+    """forget() checks before any compute that the replay will have the run's collator; --collator / data_collator=
+    supply it, and the batch digests of the plan confirm it is the same one (VERIFIED against the oracle)."""
+    from hf_unlearn import forget
+
+    from .test_trace_common import record
+
+    tok, data = get_trace_data()
+    collate = wrapped_qa_collator()
+    record(tok, data.select(range(16)), tmp_path / "rec", data_collator=collate, every=1)
+    run = tmp_path / "rec" / "trace"
+    # id 2 equals the run's total_steps (16 rows, batch 4, accumulation 2): the replay's card states that count, which
+    # must not be refused as a forget id (it was, before replays declared their own numbers)
+    ids = [2] + [i for i in ids_at_step(run, 1) if i != 2][:1]
+    with pytest.raises(UnlearnError, match=r"cannot be rebuilt from the trace.*--collator module:callable"):
+        forget(run, ids, tmp_path / "refused", progress=False)
+    assert not (tmp_path / "refused").exists()  # refused before anything was written
+    with pytest.raises(UnlearnError, match="is for exact deletion"):
+        forget(tmp_path / "some-model", ids, tmp_path / "x", method="npo", data_collator=collate)
+    receipt = forget(run, ids, tmp_path / "ok", data_collator=collate, oracle=True, progress=False, log=lambda m: None)
+    assert receipt.ok and receipt.evidence["verified"] is True and receipt.evidence["cost"]["total_steps"] == 2
+
+    request = tmp_path / "ids.jsonl"
+    request.write_text("".join(json.dumps(i) + "\n" for i in ids))
+    bad = run_cli("forget", run, "--ids", request, "--out", tmp_path / "cli-refused", "--no-progress")
+    assert bad.returncode != 0 and "--collator module:callable" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "cli-refused").exists()
+    proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "cli", "--no-progress", "--oracle",
+                   "--collator", "tests.test_forget:wrapped_qa_collator()")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "cli" / "receipt.json").read_text())["evidence"]["verified"] is True

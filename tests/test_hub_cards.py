@@ -379,3 +379,21 @@ def test_a_licence_identifiers_version_is_not_an_id(license):
 def test_a_licence_that_is_not_an_identifier_is_scanned_in_full(license):
     with pytest.raises(UnlearnError, match=r"forget ids at license \(number 3600\)"):
         render_model_card(card_info(), key=KEY, license=license)
+
+
+def test_a_trainers_own_numbers_pass_the_id_scanner_only_at_their_exact_values():
+    """A replay of 2 steps deleting sample 2 states `total_steps: 2`: declared by the trainer (own_numbers), it
+    publishes; the same field with another value, or the id anywhere undeclared, is still refused."""
+    from hf_unlearn.hub.cards import checked_card_info
+    from hf_unlearn.hub.leaks import own_numbers
+
+    hyper, extra = {"start_step": 1, "block_7": {"rank": 4}}, {"total_steps": 2, "segments_replayed": 1}
+    declared = {**own_numbers(hyper, "hyperparameters"), **own_numbers(extra, "extra")}
+    assert declared["hyperparameters.block_7"] == [7] and declared["hyperparameters.block_7.rank"] == [4]
+    info = {"method": "m", "hyperparameters": hyper, "forget_ids": [1, 2, 4, 7], "citation": "", "paper": "",
+            "extra": extra, "not_ids": declared}
+    checked_card_info(info)
+    with pytest.raises(UnlearnError, match="extra.total_steps"):
+        checked_card_info({**info, "extra": {**extra, "total_steps": 7}})
+    with pytest.raises(UnlearnError, match="extra.note"):
+        checked_card_info({**info, "extra": {**extra, "note": "rows 2 and 7"}})

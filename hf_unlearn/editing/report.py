@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..hub.leaks import own_numbers
 from ..utils import atomic_write_text
 
 REPORT_FORMAT = "hf_unlearn.edit_report.v1"
@@ -50,24 +51,6 @@ class LayerEdit:
     seconds: dict[str, float] = field(default_factory=dict)  # decomposition time of the forget matrix per method
     retain_seconds: float = 0.0
     angles: dict[str, dict[str, float]] = field(default_factory=dict)  # other method -> {max, mean} degrees
-
-
-def _own_numbers(tree: dict[str, Any], prefix: str) -> dict[str, list[int | float]]:
-    """Every integral number the editor itself wrote under ``prefix`` (ranks, counts, seeds, block indices in
-    ``block_N`` keys), by field, with its exact value: declared to the Hub's forget-id scanner as ``not_ids`` so that
-    a rank of 16 is not refused as sample id 16. Only these values pass; any other number there is still scanned."""
-    out: dict[str, list[int | float]] = {}
-    for key, value in tree.items():
-        path = f"{prefix}.{key}"
-        found = [int(n) for n in re.findall(r"\d+", str(key))]
-        if isinstance(value, dict):
-            out.update(_own_numbers(value, path))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                and float(value).is_integer():
-            found.append(value)
-        if found:
-            out[path] = out.get(path, []) + found
-    return out
 
 
 @dataclass
@@ -254,7 +237,7 @@ class EditReport:
                  "subtracted in the layers holding the task's energy; SVD baseline: UNLEARN (Lizzo & Heck, 2025)")
         hyperparameters = {k: v for k, v in self.config.items() if k != "progress"}
         own = {k: v for k, v in hyperparameters.items() if k != "target_modules"}  # user strings stay scanned
-        not_ids = {**_own_numbers(own, "hyperparameters"), **_own_numbers(extra, "extra")}
+        not_ids = {**own_numbers(own, "hyperparameters"), **own_numbers(extra, "extra")}
         if any(c.isdigit() for c in self.selection):  # "top-3 by energy", "localized (E_l >= 1/|L|)"
             not_ids["extra.selection"] = [int(n) for n in re.findall(r"\d+", self.selection)]
         return {

@@ -506,17 +506,22 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
     def unlearning_card_info(self) -> dict:
         """What a model card needs (the Hub code turns ``forget_ids`` into keyed tags before publishing)."""
+        from ..hub.leaks import own_numbers
+
         stats = getattr(self, "replay_stats", {})
+        hyperparameters = {"start": self.start_mode, "start_step": self.start_step,
+                           "checkpoint_steps": self.run.header.get("checkpoint_steps"),
+                           "dummy_token_id": self.dummy_token_id, "filter_rows": self.filter_rows}
+        counts = {"exact": not self.filter_rows, **stats}  # steps and counts of this replay: its own numbers
         return {
             "method": "trace-preserving replay" + (" (oracle)" if self.mode == "oracle" else ""),
-            "hyperparameters": {"start": self.start_mode, "start_step": self.start_step,
-                                "checkpoint_steps": self.run.header.get("checkpoint_steps"),
-                                "dummy_token_id": self.dummy_token_id, "filter_rows": self.filter_rows},
+            "hyperparameters": hyperparameters,
             "forget_ids": list(self.forget_ids),
             "citation": "",
             "paper": "",
-            "extra": {"exact": not self.filter_rows, "parent_run": self.run.path.name, **stats,
-                      **self._exact_deletion_evidence()},
+            "extra": {**counts, "parent_run": self.run.path.name, **self._exact_deletion_evidence()},
+            # a run of 500 steps is not sample id 500: declared to the Hub's forget-id scanner by exact value
+            "not_ids": {**own_numbers(hyperparameters, "hyperparameters"), **own_numbers(counts, "extra")},
         }
 
     def _exact_deletion_evidence(self) -> dict:
