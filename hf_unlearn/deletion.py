@@ -245,6 +245,11 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
     from .validation import check_new_output, check_positive, check_repo_id, is_trace_run, load_request_ids
 
     request = load_request_ids(ids)
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1:
+        raise UnlearnError(f"forget runs in one process (this launch has {launched}): run `hf-unlearn forget` "
+                           "without accelerate launch; a data-parallel recorded run is replayed with `hf-unlearn "
+                           "trace replay` under its own launch")
     check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite)
     check_repo_id(config.repo)
     source = os.fspath(model_or_run)
@@ -301,6 +306,12 @@ def _validate_run(source: str, request: list) -> dict:
     from .trace.store import load_store
 
     run = open_run(source)
+    world = run.header.get("world_size", 1)
+    if world != 1:
+        raise UnlearnError(f"{source} was recorded by {world} processes and replays only at that world size, which "
+                           f"forget (one process) does not run; use the trace commands under the same launch: "
+                           f"`accelerate launch --multi_gpu --num_processes {world} -m hf_unlearn.cli trace replay "
+                           "...` (README, exact deletion)")
     stored = load_store(run.store_path)[run.id_column]
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed

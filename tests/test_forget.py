@@ -466,3 +466,26 @@ def test_a_run_whose_collator_the_trace_cannot_rebuild_is_refused_up_front_then_
                    "--collator", "tests.test_forget:wrapped_qa_collator()")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "cli" / "receipt.json").read_text())["evidence"]["verified"] is True
+
+
+def test_data_parallel_runs_and_multi_process_launches_are_refused_before_any_compute(tmp_path, monkeypatch):
+    """forget runs in one process; a run recorded by 2 processes replays only at 2 (the trace commands do that under
+    the same launch), so forget names that way before it redacts anything."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace.run import write_sidecar
+
+    from .test_trace_common import copy_run
+
+    run = copy_run(get_recorded(), tmp_path / "ddp")
+    header = json.loads((run / "header.json").read_text())
+    header["world_size"] = 2  # as a 2-process recording writes it (sidecar rewritten, as such a run has it)
+    (run / "header.json").write_text(json.dumps(header))
+    write_sidecar(run / "header.json")
+    ids = ids_at_step(run, 6)[:1]
+    with pytest.raises(UnlearnError, match=r"recorded by 2 processes.*--num_processes 2 -m hf_unlearn.cli trace replay"):
+        forget(run, ids, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UnlearnError, match="forget runs in one process"):
+        forget(get_recorded(), ids, tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2").exists()
