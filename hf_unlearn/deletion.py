@@ -634,6 +634,11 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     from .hub.publish import build_manifest
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
+    if plan["mode"] == EXACT and trace_params_root not in (manifest["params_root"], manifest["state_dict_root"]):
+        # the oracle check compared the replay's checkpoints; the receipt is about the saved folder: same state?
+        raise UnlearnError(f"internal check: the weights saved in {model_dir} (root {manifest['params_root'][:16]}...) "
+                           f"are not the replayed state (root {str(trace_params_root)[:16]}...) the evidence is about; "
+                           "nothing was kept")
     return ForgetReceipt(
         mode=plan["mode"], method=plan["method"], source=plan["source"], output_dir=str(out),
         request=forget_request(plan["ids"], load_key()), evidence=evidence,

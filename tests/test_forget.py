@@ -126,6 +126,32 @@ def test_a_tampered_oracle_is_not_verified(tmp_path):
     assert forget  # the public entry point is the one the other tests use
 
 
+def test_weights_swapped_after_the_replay_are_refused_not_receipted(tmp_path, monkeypatch):
+    """The oracle check compares the replay's checkpoints; the receipt is about OUT/model. Weights changed between
+    the replay's save and the receipt (here: while the card is written) made a receipt that said VERIFIED and ok
+    with the root of the other weights; now the saved weights must hash to the replayed state's root."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_unlearn import forget
+    from hf_unlearn.hub import mixin
+
+    run = get_recorded()
+    real_card = mixin.write_model_card
+
+    def swap_then_card(model_dir, *args, **kwargs):
+        f = Path(model_dir) / "model.safetensors"
+        sd = load_file(f)
+        name = sorted(sd)[0]
+        sd[name] = sd[name] + 1.0
+        save_file(sd, f, metadata={"format": "pt"})
+        return real_card(model_dir, *args, **kwargs)
+
+    monkeypatch.setattr(mixin, "write_model_card", swap_then_card)
+    with pytest.raises(UnlearnError, match="not the replayed state"):
+        forget(run, ids_at_step(run, 7)[:1], tmp_path / "out", progress=False, log=lambda m: None)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def string_id_data(tmp_path_factory, tofu_full):
     """60 TOFU rows with textual ids, as a user's own JSON Lines file."""
