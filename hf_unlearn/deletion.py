@@ -747,9 +747,12 @@ def _own_settings(card_info: dict) -> dict:
               **{f"extra.{k}": extra.get(k) for k in OWN_COUNTS}}
     out = {path: int(v) for path, v in values.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()}
-    if isinstance(extra.get("stop_reason"), str) and "extra.num_confirmation_rows" in out:
-        out["extra.stop_reason"] = out["extra.num_confirmation_rows"]  # MASC's reason quotes that row count
-    return out
+    # its own evaluation before/after: a ROUGE-L of 0.0 or a probability of 1.0 is not forget id 0 or 1
+    from .hub.leaks import own_numbers
+
+    out.update(own_numbers(card_info.get("evaluation") or {}, "evaluation"))
+    out.update(own_numbers(extra.get("evaluation_before") or {}, "extra.evaluation_before"))
+    return out  # the trainer declares the rest of its own numbers (MASC: every number its stop_reason quotes)
 
 
 PROVENANCE_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")

@@ -247,6 +247,31 @@ def test_a_peft_adapter_folder_is_merged_into_its_base_and_unlearned(tmp_path, t
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.parametrize("method", ["grad_ascent", "masc"])
+def test_one_author_ids_0_to_19_are_not_refused_for_the_methods_own_numbers(method, tmp_path, tiny_llama_dir):
+    """Forgetting TOFU author 0 (ids 0..19): the card carries warmup_steps 0, lambda_forget 1.0, steps, MASC's
+    probe size, a stop reason quoting its own rates and steps, and evaluation scores of 0.0. Those refused the forget (a false
+    positive that blocked the request); the trainer now declares its own numbers by exact value, and a number it
+    did not write is still refused."""
+    from hf_unlearn import forget
+    from hf_unlearn.hub.cards import render_model_card
+    from hf_unlearn.hub.publish import load_card_info
+
+    ids = list(range(20))
+    receipt = forget(tiny_llama_dir, ids, tmp_path / "out", method=method, data="tofu-subset", max_steps=2,
+                     eval_rows=2, max_new_tokens=4, max_retain_rows=8, max_length=64, progress=False,
+                     log=lambda m: None,
+                     **({"method_args": {"probe_steps": "1"}} if method == "masc" else {}))
+    info = load_card_info(Path(receipt.model_dir))
+    assert info["hyperparameters"]["warmup_steps"] == 0 and info["not_ids"]
+    assert 0.0 in info["evaluation"].values()  # an untrained model's ROUGE-L: 0.0 is a score, not id 0
+    if method == "masc":
+        assert info["extra"]["stop_reason"] and "extra.stop_reason" in info["not_ids"]
+    smuggled = {**info, "extra": {**info["extra"], "note": "row 7 was the hard one"}}
+    with pytest.raises(UnlearnError, match=r"extra\.note \(number 7\)"):
+        render_model_card(smuggled, key=b"k" * 32)
+
+
 def test_the_guarantee_never_claims_more_than_the_evidence():
     """A verified replay of a run with recorded hazards, an unchecked replay, an approximate run without evaluation:
     each sentence names what is missing (the verdict cannot be read as a proof it is not)."""
