@@ -251,6 +251,13 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
                            "without accelerate launch; a data-parallel recorded run is replayed with `hf-unlearn "
                            "trace replay` under its own launch")
     check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite)
+    marker = Path(config.output_dir).expanduser() / RECEIPT_FILE
+    if config.overwrite and marker.is_file():  # any file named receipt.json is not an earlier output of forget
+        try:
+            load_receipt(marker)
+        except UnlearnError:
+            raise UnlearnError(f"--overwrite replaces only an earlier output of forget, and {marker} is not a forget "
+                               "receipt; choose a new folder") from None
     check_repo_id(config.repo)
     source = os.fspath(model_or_run)
     run = is_trace_run(source)

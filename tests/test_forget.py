@@ -388,6 +388,22 @@ def test_output_folder_rules(tmp_path, tiny_llama_dir):
     assert (busy / "notes.txt").read_text() == "mine"
 
 
+def test_overwrite_does_not_delete_a_foreign_folder_that_holds_a_receipt_json(tmp_path, tiny_llama_dir):
+    """--overwrite took any file named receipt.json as the mark of an earlier forget output, and the folder (here a
+    shop's receipts) was replaced; now the file must be a forget receipt, checked before any compute."""
+    from hf_unlearn import forget
+
+    mine = tmp_path / "documents"
+    mine.mkdir()
+    (mine / "receipt.json").write_text('{"shop": "bakery", "total": 12.5}')
+    (mine / "taxes.pdf").write_text("precious")
+    with pytest.raises(UnlearnError, match="not a forget receipt"):
+        forget(tiny_llama_dir, [0, 1], mine, method="grad_ascent", data="tofu-subset", overwrite=True,
+               progress=False, log=lambda m: None)
+    assert (mine / "taxes.pdf").read_text() == "precious" and sorted(p.name for p in mine.iterdir()) == [
+        "receipt.json", "taxes.pdf"]
+
+
 def test_a_failed_publish_leaves_nothing_behind(tmp_path, tiny_llama_dir, string_id_data):
     """The Hub check runs before training: a closed port is one line, and no output folder is created."""
     from hf_unlearn import forget
