@@ -251,6 +251,13 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
                            "without accelerate launch; a data-parallel recorded run is replayed with `hf-unlearn "
                            "trace replay` under its own launch")
     check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite)
+    marker = Path(config.output_dir).expanduser() / RECEIPT_FILE
+    if config.overwrite and marker.is_file():  # any file named receipt.json is not an earlier output of forget
+        try:
+            load_receipt(marker)
+        except UnlearnError:
+            raise UnlearnError(f"--overwrite replaces only an earlier output of forget, and {marker} is not a forget "
+                               "receipt; choose a new folder") from None
     check_repo_id(config.repo)
     source = os.fspath(model_or_run)
     run = is_trace_run(source)
@@ -634,6 +641,11 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     from .hub.publish import build_manifest
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
+    if plan["mode"] == EXACT and trace_params_root not in (manifest["params_root"], manifest["state_dict_root"]):
+        # the oracle check compared the replay's checkpoints; the receipt is about the saved folder: same state?
+        raise UnlearnError(f"internal check: the weights saved in {model_dir} (root {manifest['params_root'][:16]}...) "
+                           f"are not the replayed state (root {str(trace_params_root)[:16]}...) the evidence is about; "
+                           "nothing was kept")
     return ForgetReceipt(
         mode=plan["mode"], method=plan["method"], source=plan["source"], output_dir=str(out),
         request=forget_request(plan["ids"], load_key()), evidence=evidence,
@@ -742,9 +754,12 @@ def _own_settings(card_info: dict) -> dict:
               **{f"extra.{k}": extra.get(k) for k in OWN_COUNTS}}
     out = {path: int(v) for path, v in values.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()}
-    if isinstance(extra.get("stop_reason"), str) and "extra.num_confirmation_rows" in out:
-        out["extra.stop_reason"] = out["extra.num_confirmation_rows"]  # MASC's reason quotes that row count
-    return out
+    # its own evaluation before/after: a ROUGE-L of 0.0 or a probability of 1.0 is not forget id 0 or 1
+    from .hub.leaks import own_numbers
+
+    out.update(own_numbers(card_info.get("evaluation") or {}, "evaluation"))
+    out.update(own_numbers(extra.get("evaluation_before") or {}, "extra.evaluation_before"))
+    return out  # the trainer declares the rest of its own numbers (MASC: every number its stop_reason quotes)
 
 
 PROVENANCE_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")

@@ -126,6 +126,32 @@ def test_a_tampered_oracle_is_not_verified(tmp_path):
     assert forget  # the public entry point is the one the other tests use
 
 
+def test_weights_swapped_after_the_replay_are_refused_not_receipted(tmp_path, monkeypatch):
+    """The oracle check compares the replay's checkpoints; the receipt is about OUT/model. Weights changed between
+    the replay's save and the receipt (here: while the card is written) made a receipt that said VERIFIED and ok
+    with the root of the other weights; now the saved weights must hash to the replayed state's root."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_unlearn import forget
+    from hf_unlearn.hub import mixin
+
+    run = get_recorded()
+    real_card = mixin.write_model_card
+
+    def swap_then_card(model_dir, *args, **kwargs):
+        f = Path(model_dir) / "model.safetensors"
+        sd = load_file(f)
+        name = sorted(sd)[0]
+        sd[name] = sd[name] + 1.0
+        save_file(sd, f, metadata={"format": "pt"})
+        return real_card(model_dir, *args, **kwargs)
+
+    monkeypatch.setattr(mixin, "write_model_card", swap_then_card)
+    with pytest.raises(UnlearnError, match="not the replayed state"):
+        forget(run, ids_at_step(run, 7)[:1], tmp_path / "out", progress=False, log=lambda m: None)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def string_id_data(tmp_path_factory, tofu_full):
     """60 TOFU rows with textual ids, as a user's own JSON Lines file."""
@@ -219,6 +245,31 @@ def test_a_peft_adapter_folder_is_merged_into_its_base_and_unlearned(tmp_path, t
     with pytest.raises(UnlearnError, match="base model of the adapter .* does not exist"):
         forget(adapter, STRING_IDS[:2], tmp_path / "out2", method="grad_ascent", data=str(string_id_data))
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("method", ["grad_ascent", "masc"])
+def test_one_author_ids_0_to_19_are_not_refused_for_the_methods_own_numbers(method, tmp_path, tiny_llama_dir):
+    """Forgetting TOFU author 0 (ids 0..19): the card carries warmup_steps 0, lambda_forget 1.0, steps, MASC's
+    probe size, a stop reason quoting its own rates and steps, and evaluation scores of 0.0. Those refused the forget (a false
+    positive that blocked the request); the trainer now declares its own numbers by exact value, and a number it
+    did not write is still refused."""
+    from hf_unlearn import forget
+    from hf_unlearn.hub.cards import render_model_card
+    from hf_unlearn.hub.publish import load_card_info
+
+    ids = list(range(20))
+    receipt = forget(tiny_llama_dir, ids, tmp_path / "out", method=method, data="tofu-subset", max_steps=2,
+                     eval_rows=2, max_new_tokens=4, max_retain_rows=8, max_length=64, progress=False,
+                     log=lambda m: None,
+                     **({"method_args": {"probe_steps": "1"}} if method == "masc" else {}))
+    info = load_card_info(Path(receipt.model_dir))
+    assert info["hyperparameters"]["warmup_steps"] == 0 and info["not_ids"]
+    assert 0.0 in info["evaluation"].values()  # an untrained model's ROUGE-L: 0.0 is a score, not id 0
+    if method == "masc":
+        assert info["extra"]["stop_reason"] and "extra.stop_reason" in info["not_ids"]
+    smuggled = {**info, "extra": {**info["extra"], "note": "row 7 was the hard one"}}
+    with pytest.raises(UnlearnError, match=r"extra\.note \(number 7\)"):
+        render_model_card(smuggled, key=b"k" * 32)
 
 
 def test_the_guarantee_never_claims_more_than_the_evidence():
@@ -335,6 +386,22 @@ def test_output_folder_rules(tmp_path, tiny_llama_dir):
     with pytest.raises(UnlearnError, match="exists and is not empty"):  # --overwrite replaces only our own outputs
         forget(tiny_llama_dir, [3600], busy, data="tofu", overwrite=True)
     assert (busy / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_does_not_delete_a_foreign_folder_that_holds_a_receipt_json(tmp_path, tiny_llama_dir):
+    """--overwrite took any file named receipt.json as the mark of an earlier forget output, and the folder (here a
+    shop's receipts) was replaced; now the file must be a forget receipt, checked before any compute."""
+    from hf_unlearn import forget
+
+    mine = tmp_path / "documents"
+    mine.mkdir()
+    (mine / "receipt.json").write_text('{"shop": "bakery", "total": 12.5}')
+    (mine / "taxes.pdf").write_text("precious")
+    with pytest.raises(UnlearnError, match="not a forget receipt"):
+        forget(tiny_llama_dir, [0, 1], mine, method="grad_ascent", data="tofu-subset", overwrite=True,
+               progress=False, log=lambda m: None)
+    assert (mine / "taxes.pdf").read_text() == "precious" and sorted(p.name for p in mine.iterdir()) == [
+        "receipt.json", "taxes.pdf"]
 
 
 def test_a_failed_publish_leaves_nothing_behind(tmp_path, tiny_llama_dir, string_id_data):

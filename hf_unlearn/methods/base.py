@@ -603,15 +603,22 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
 
     def unlearning_card_info(self) -> dict[str, Any]:
         """What a model card needs (see the trainer contract in DESIGN.md); ``forget_ids`` are raw, never publish them."""
+        from ..hub.leaks import own_numbers
+
+        hyperparameters = self.method_hyperparameters()
+        extra = {"num_forget": len(self.forget_ids),
+                 "num_retain": 0 if self.retain_dataset is None else len(self.retain_dataset),
+                 "global_step": int(self.state.global_step)}
         return {
             "method": self.method_name,
-            "hyperparameters": self.method_hyperparameters(),
+            "hyperparameters": hyperparameters,
             "forget_ids": list(self.forget_ids),
             "citation": self.citation,
             "paper": self.paper,
-            "extra": {"num_forget": len(self.forget_ids),
-                      "num_retain": 0 if self.retain_dataset is None else len(self.retain_dataset),
-                      "global_step": int(self.state.global_step)},
+            "extra": extra,
+            # its own settings and counts, declared by exact value: warmup_steps 0 or lambda_forget 1.0 next to
+            # forget ids 0 and 1 are not those ids (subclasses that add numbers to extra declare them too)
+            "not_ids": {**own_numbers(hyperparameters, "hyperparameters"), **own_numbers(extra, "extra")},
         }
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..errors import UnlearnError
+from ..hub.leaks import own_numbers
 from ..losses import (
     hoeffding_upper_bound,
     masc_active_mask,
@@ -417,16 +419,20 @@ class MASCTrainer(UnlearningTrainer):
     def unlearning_card_info(self) -> dict[str, Any]:
         info = super().unlearning_card_info()
         confirms = [h for h in self.violation_history if h["kind"] == "confirm"]
-        info["extra"].update({
+        own = {
             "tau": self.tau,
             "stopped_by_rule": self.stopped_step is not None,
             "stopped_step": self.stopped_step,
-            "stop_reason": self.stop_reason,
             "certified_rows": self.certified_rows,
             "probe_size": self.probe_size,
             "num_confirmation_rows": len(self.confirm_dataset),
             "num_probes": sum(h["kind"] == "probe" for h in self.violation_history),
-        })
+        }
+        info["extra"].update({**own, "stop_reason": self.stop_reason})
+        info["not_ids"].update(own_numbers(own, "extra"))
+        if self.stop_reason:  # a sentence built from its own rates, steps and row counts ("0.0000 ... at step 5")
+            info["not_ids"]["extra.stop_reason"] = sorted({int(n) for n in re.findall(r"\d+", self.stop_reason)})
         if confirms:
             info["evaluation"] = {"masc_violation_rate": confirms[-1]["violation_rate"]}
+            info["not_ids"].update(own_numbers(info["evaluation"], "evaluation"))  # a rate of 0.0 is not id 0
         return info

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..errors import UnlearnError
+from ..hub.leaks import own_numbers
 from ..losses import dual_ascent, logit_margin_flattening_loss
 from .base import UnlearningConfig, UnlearningTrainer
 
@@ -179,6 +180,8 @@ class PDUTrainer(UnlearningTrainer):
 
     def unlearning_card_info(self):
         info = super().unlearning_card_info()
-        info["extra"].update({"retain_epsilon": self.dual.epsilon, "final_multiplier": self.dual.multiplier,
-                              "initial_retain_loss": getattr(self, "initial_retain_loss", None)})
+        own = {"retain_epsilon": self.dual.epsilon, "final_multiplier": self.dual.multiplier,
+               "initial_retain_loss": getattr(self, "initial_retain_loss", None)}
+        info["extra"].update(own)
+        info["not_ids"].update(own_numbers(own, "extra"))
         return info
