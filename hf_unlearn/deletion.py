@@ -479,6 +479,7 @@ def with_replay_progress(trainer_cls, desc: str, enabled: bool):
 
 def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> ForgetReceipt:
     from .hub.mixin import write_model_card
+    from .hub.publish import hashed_files
     from .trace.replay import OracleReplayTrainer, RedactedReplayTrainer
     from .trace.store import redact_store
     from .trace.verification import verify
@@ -516,7 +517,9 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         p, o = report["params"], report["optimizer"]
         log(f"replay vs oracle: {p['mismatched_elements']} of {p['elements']:,} parameter and "
             f"{o['mismatched_elements']} of {o['elements']:,} optimizer elements differ: "
-            + ("VERIFIED bit-identical" if report["identical"] else "NOT identical"))
+            + ("VERIFIED bit-identical" if report["verified"] else
+               f"bit-identical, but NOT VERIFIED: {'; '.join(report['provenance']['problems'])}"
+               if report["identical"] else "NOT identical"))
     model_dir = out / "model"
     replay.save_model(str(model_dir))
     if tokenizer is not None:
@@ -524,6 +527,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     else:
         log("note: no tokenizer given, so the model folder holds none (a recorded run does not keep one); pass "
             "--tokenizer (tokenizer= from Python) to save it with the model")
+    saved_files = hashed_files(model_dir)  # config, tokenizer, ... as saved: the receipt checks them
     card_info = replay.unlearning_card_info()
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
                      not_ids=_own_settings(card_info))
@@ -534,7 +538,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                       "store_sha256": redaction["store_sha256"], "id_check": redaction["checks"]["id_column_scanned"],
                       "receipt": str(out / "store" / "redaction_receipt.json")},
         "replay": {**stats, "output": str(out / "replay")},
-        "verified": None if report is None else bool(report["identical"]),
+        # VERIFIED needs the states bit-identical AND the two folders a replay and an oracle of this run and request
+        "verified": None if report is None else bool(report["verified"]),
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
     }
     if report is not None:
@@ -544,7 +549,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                               "params_elements": report["params"]["elements"],
                               "optimizer_elements": report["optimizer"]["elements"]}
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
-                    trace_params_root=exact.get("params_root"))
+                    trace_params_root=exact.get("params_root"), saved_files=saved_files)
 
 
 # -- approximate unlearning ------------------------------------------------------------------------------------
@@ -631,7 +636,7 @@ def _hub_id(source: str) -> str | None:
 
 # -- receipt and publishing ------------------------------------------------------------------------------------
 def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, optimizer_root: str = "",
-             trace_params_root: str | None = None) -> ForgetReceipt:
+             trace_params_root: str | None = None, saved_files: dict | None = None) -> ForgetReceipt:
     """``state_hashes``: ``params_root`` is the root of the saved safetensors (what the Hub manifest and ``hub verify``
     check; tied duplicates once); for an exact deletion ``trace_params_root`` and ``optimizer_root`` are the replayed
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
@@ -646,6 +651,14 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
         raise UnlearnError(f"internal check: the weights saved in {model_dir} (root {manifest['params_root'][:16]}...) "
                            f"are not the replayed state (root {str(trace_params_root)[:16]}...) the evidence is about; "
                            "nothing was kept")
+    if saved_files is not None:
+        from .hub.publish import CARD_INFO_FILE, hashed_files
+
+        now = {k: v for k, v in hashed_files(model_dir).items() if k != CARD_INFO_FILE}
+        changed = sorted(k for k in now.keys() | saved_files.keys() if now.get(k) != saved_files.get(k))
+        if changed:
+            raise UnlearnError(f"internal check: {', '.join(changed)} in {model_dir} changed after the replayed model "
+                               "was saved; the evidence would not be about this folder; nothing was kept")
     return ForgetReceipt(
         mode=plan["mode"], method=plan["method"], source=plan["source"], output_dir=str(out),
         request=forget_request(plan["ids"], load_key()), evidence=evidence,

@@ -152,6 +152,28 @@ def test_weights_swapped_after_the_replay_are_refused_not_receipted(tmp_path, mo
     assert not (tmp_path / "out").exists()
 
 
+def test_config_swapped_after_the_replay_is_refused_not_receipted(tmp_path, monkeypatch):
+    """The weights check alone let a changed config.json (here: another vocabulary size) through into a receipt that
+    said VERIFIED; every hashed file of OUT/model must be as the replay saved it."""
+    from hf_unlearn import forget
+    from hf_unlearn.hub import mixin
+
+    run = get_recorded()
+    real_card = mixin.write_model_card
+
+    def edit_config_then_card(model_dir, *args, **kwargs):
+        f = Path(model_dir) / "config.json"
+        cfg = json.loads(f.read_text())
+        cfg["vocab_size"] = cfg["vocab_size"] + 1
+        f.write_text(json.dumps(cfg))
+        return real_card(model_dir, *args, **kwargs)
+
+    monkeypatch.setattr(mixin, "write_model_card", edit_config_then_card)
+    with pytest.raises(UnlearnError, match="changed after the replayed model was saved"):
+        forget(run, ids_at_step(run, 7)[:1], tmp_path / "out", progress=False, log=lambda m: None)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def string_id_data(tmp_path_factory, tofu_full):
     """60 TOFU rows with textual ids, as a user's own JSON Lines file."""
