@@ -243,6 +243,22 @@ class _Stage:
     seconds: float
 
 
+def _check_earlier_output(summary: Path) -> None:
+    """The demo replaces its own earlier output in place; a folder that merely holds a file of that name (someone's
+    notes called demo_summary.json) is not one, and is refused rather than deleted."""
+    if not summary.exists():
+        return
+    try:
+        stats = json.loads(summary.read_text())
+        ok = isinstance(stats, dict) and isinstance(stats.get("stages"), list) and "total_s" in stats and all(
+            isinstance(s, dict) and {"name", "outcome", "seconds"} <= s.keys() for s in stats["stages"])
+    except (OSError, UnicodeDecodeError, ValueError):
+        ok = False
+    if not ok:
+        raise UnlearnError(f"{summary.parent} holds a {SUMMARY_FILE} that is not a demo summary, so it is not an earlier "
+                           "demo output to replace; choose a new --out folder")
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo and return the figures it printed (for tests and scripts)."""
     from .validation import check_positive, output_folder
@@ -262,6 +278,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     if cfg.masc and cfg.authors - cfg.forget_authors < 2:
         raise UnlearnError("the MASC stage forgets another author and keeps at least one: use --authors >= "
                            f"{cfg.forget_authors + 2} (or --no-masc)")
+    _check_earlier_output(Path(cfg.output_dir).expanduser() / SUMMARY_FILE)
     started = time.perf_counter()
     with output_folder(cfg.output_dir, marker=SUMMARY_FILE, overwrite=True) as out, _demo_key(out):
         stages = _run(cfg, out)

@@ -81,6 +81,10 @@ def test_demo_runs_again_in_the_same_folder_and_refuses_foreign_ones(small_demo,
     assert main([*args, "--out", str(foreign)]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
     assert (foreign / "thesis.tex").read_text() == "keep me"
+    (foreign / "demo_summary.json").write_text('{"my": "notes"}')  # a file of the marker's name, not a demo's
+    assert main([*args, "--out", str(foreign)]) == 1
+    assert "not a demo summary" in capsys.readouterr().err
+    assert (foreign / "thesis.tex").read_text() == "keep me"
 
 
 def test_demo_options_are_checked_before_anything_runs(tmp_path):
