@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from hf_unlearn.runtime import bench_output_dir
+
 os.environ.setdefault("HF_UNLEARN_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -58,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true",
                    help="train nothing new: report the set runs already in --out (whole easy/hard/random triples)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (1 on a shared CPU)")
-    p.add_argument("--out", default="bench_cud_output")
+    p.add_argument("--out", default=bench_output_dir("cud"), help="output folder, outside the repo (default: %(default)s)")
     p.add_argument("--figures", default=None, help="also copy the plots here with this prefix (e.g. benchmarks/cud_smollm2)")
     return p.parse_args(argv)
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from hf_unlearn.runtime import bench_output_dir
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -61,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--no-eval", action="store_true", help="stop after the sweep")
     p.add_argument("--summary", action="store_true", help="only print the tables of OUT's results file (a partial run's)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default="bench_qr_erase_e2e_output")
+    p.add_argument("--out", default=bench_output_dir("qr_erase_e2e"), help="output folder, outside the repo (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

@@ -85,7 +85,7 @@ class ForgetConfig:
     base_model: str | None = field(default=None, metadata={"help": "Hub id of the base model, for the card"})
     datasets: list[str] | None = field(default=None, metadata={"help": "dataset Hub ids for the card"})
     overwrite: bool = field(default=False, metadata={
-        "help": "replace an earlier output of this command in output_dir (one that holds a receipt.json)"})
+        "help": "replace an earlier output of this command in output_dir (one whose receipt.json is a forget receipt)"})
     progress: bool = field(default=True, metadata={"help": "progress bars on every long stage"})
 
 
@@ -125,6 +125,10 @@ class ForgetReceipt:
                         "without them, bit-identical to the oracle (a full replay from step 0 on the original store: "
                         "this checks the redaction and the suffix start; both use the same replay engine)" + caveat)
             if verified is False:
+                if (self.evidence.get("oracle") or {}).get("identical"):
+                    return ("exact deletion NOT verified: the states are bit-identical but the replay and oracle "
+                            "folders are not proven to be a replay and an oracle of this run and request (see "
+                            "evidence.oracle.problems); do not publish it as exact")
                 return "exact deletion NOT verified: the replay differs from the oracle; do not publish it as exact"
             return ("exact replay from a store without the rows, not checked against the oracle (oracle=True / "
                     "--oracle checks it bit for bit)" + caveat)
@@ -136,6 +140,18 @@ class ForgetReceipt:
     def to_dict(self) -> dict:
         return {"format": RECEIPT_FORMAT, **asdict(self), "guarantee": self.guarantee, "ok": self.ok}
 
+    @property
+    def verdict(self) -> str:
+        """The oracle check in a few words (exact deletion): VERIFIED needs bit-identity and provenance."""
+        verified = self.evidence.get("verified")
+        if verified is None:
+            return "not checked against the oracle (oracle=True / --oracle runs it)"
+        if verified:
+            return "VERIFIED bit-identical to the oracle"
+        if (self.evidence.get("oracle") or {}).get("identical"):
+            return "bit-identical to the oracle but NOT VERIFIED (provenance: see evidence.oracle.problems)"
+        return "NOT identical to the oracle"
+
     def summary_rows(self) -> list[tuple[str, str]]:
         """(stage, outcome) rows for the closing table."""
         rows = [("request", f"{self.request['count']} id(s) as keyed tags (key {self.request['key_fingerprint']})")]
@@ -146,9 +162,7 @@ class ForgetReceipt:
                                         f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%)"))
             rows.append(("redaction", f"store {ev['redaction']['rows_before']} -> {ev['redaction']['rows_after']} rows; "
                                       f"{ev['redaction']['id_check']}"))
-            verdict = {True: "VERIFIED bit-identical to the oracle", False: "NOT identical to the oracle",
-                       None: "not checked against the oracle (oracle=True / --oracle runs it)"}[ev.get("verified")]
-            rows.append(("exact deletion", verdict))
+            rows.append(("exact deletion", self.verdict))
         else:
             stop = ev.get("stopped_step")
             rows.append((self.method, f"{ev['steps']} steps in {ev['train_seconds']:.0f} s"
@@ -544,6 +558,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     }
     if report is not None:
         evidence["oracle"] = {"output": str(out / "oracle"), "roots": report["roots"],
+                              "identical": bool(report["identical"]),
+                              "problems": list(report["provenance"]["problems"]),
                               "params_mismatched_elements": report["params"]["mismatched_elements"],
                               "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"],
                               "params_elements": report["params"]["elements"],

@@ -362,9 +362,8 @@ def _exact_stage(cfg, out, request, tokenizer, model, forget, retain, forget_ids
                           datasets=["locuslab/TOFU"], progress=cfg.progress, log=_print, **publish)
     seconds = time.perf_counter() - t
     ev = receipt.evidence
-    stages = [_Stage("exact deletion", ("VERIFIED bit-identical to the oracle" if ev["verified"] else
-                                        "NOT identical to the oracle") + f", replay from step "
-                                       f"{ev['cost']['start_checkpoint']}", seconds)]
+    stages = [_Stage("exact deletion", f"{receipt.verdict}, replay from step {ev['cost']['start_checkpoint']}",
+                     seconds)]
     distances = {}
     if cfg.trace_baselines:
         t = time.perf_counter()
@@ -379,7 +378,7 @@ def _exact_stage(cfg, out, request, tokenizer, model, forget, retain, forget_ids
     stages.append(_Stage("card + state hashes", f"weights root {receipt.state_hashes['params_root'][:16]}..., "
                                                 f"optimizer root {receipt.state_hashes['optimizer_root'][:16]}...", 0.0))
     stages += _publish_stages(receipt)
-    cfg.stats["deletion"] = {"cost": ev["cost"], "identical": ev["verified"], "baselines": distances, "loss": loss,
+    cfg.stats["deletion"] = {"cost": ev["cost"], "identical": ev["oracle"]["identical"], "verified": ev["verified"], "baselines": distances, "loss": loss,
                              "receipt": receipt.to_dict()}
     return stages
 

@@ -33,3 +33,12 @@ def test_qr_erase_e2e_drives_the_current_bench_methods():
     assert list(inspect.signature(bm.run_one).parameters) == ["spec", "lr", "seed", "args", "ctx"]
     assert bm.parse_spec("masc[retain_loss=ce]") == ("masc", {"retain_loss": "ce"})
     assert {"forget_probability", "model_utility"} <= set(bm.SUMMARY_KEYS)
+
+
+def test_benchmark_outputs_default_outside_the_repository():
+    """A benchmark run with its defaults must not leave untracked files in the tree."""
+    import re
+
+    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        for default in re.findall(r'add_argument\("--out", default=([^,)]+)', script.read_text()):
+            assert default == "None" or default.startswith("bench_output_dir("), (script.name, default)

@@ -50,6 +50,25 @@ def test_exact_deletion_is_verified_and_recorded(exact_receipt):
     assert saved["guarantee"] == receipt.guarantee and saved["evidence"]["hazards"] == []
 
 
+def test_identical_but_unproven_folders_are_not_called_verified(exact_receipt):
+    """verified is the verifier's verdict (bit-identity AND the folders' provenance): a receipt whose states are
+    identical but whose provenance failed says exactly that, neither VERIFIED nor 'differs'."""
+    import copy
+    import dataclasses
+
+    receipt = exact_receipt[0]
+    assert receipt.evidence["oracle"]["identical"] is True and receipt.evidence["oracle"]["problems"] == []
+    ev = copy.deepcopy(receipt.evidence)
+    ev["verified"] = False
+    ev["oracle"]["problems"] = ["the oracle folder is an oracle of another run"]
+    unproven = dataclasses.replace(receipt, evidence=ev)
+    assert not unproven.ok
+    assert "bit-identical to the oracle but NOT VERIFIED" in unproven.summary_table()
+    assert "not proven" in unproven.guarantee and "differs" not in unproven.guarantee
+    ev["oracle"]["identical"] = False
+    assert "NOT identical" in dataclasses.replace(receipt, evidence=ev).summary_table()
+
+
 def test_a_second_request_deletes_from_the_first_deletion_and_is_verified(exact_receipt, tmp_path, capfd):
     """The replay of a deletion is itself a recorded run: the next request suffix-replays from it, and its oracle
     (a full replay of that run) checks the union of both requests bit for bit. progress=False is silent."""

@@ -159,6 +159,35 @@ def test_fp16_and_a_collator_giving_the_dummy_weight_are_refused(tmp_path):
         TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path), train_dataset=data.remove_columns("id"))
 
 
+def test_a_custom_loss_is_refused_at_construction_or_declared(tmp_path):
+    """Replays and the oracle run Trainer's own loss: a subclass's compute_loss (or training_step) or a
+    compute_loss_func would make both agree on a loss the run never trained on, and verify would say VERIFIED."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    tok, data = get_trace_data()
+    kw = dict(args=train_args(tmp_path), train_dataset=data, data_collator=QACollator.from_tokenizer(tok))
+
+    class Doubled(TraceRecordingTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 2 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    with pytest.raises(UnlearnError, match=r"a custom loss \(.*Doubled.compute_loss\)"):
+        Doubled(model=tiny(tok), **kw)
+
+    def my_loss(outputs, labels, num_items_in_batch=None):
+        return outputs.loss
+
+    with pytest.raises(UnlearnError, match=r"a custom loss \(compute_loss_func=.*my_loss\)"):
+        TraceRecordingTrainer(model=tiny(tok), compute_loss_func=my_loss, **kw)
+    assert not (tmp_path / "trace").exists()
+    allowed = Doubled(model=tiny(tok), trace_allow_hazards=True, **kw)  # recorded, with the hazard declared
+    assert any("custom loss" in h for h in allowed.trace_preflight()[1])
+    plain = TraceRecordingTrainer(model=tiny(tok), **kw)  # the stock loss: no hazard
+    assert not any("custom loss" in h for h in plain.trace_preflight()[1])
+
+
 def test_peft_model_is_rebuilt_by_replays(tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
 

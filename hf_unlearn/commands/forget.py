@@ -1,6 +1,6 @@
 """`hf-unlearn forget MODEL_OR_RUN --ids request.jsonl --out OUT [--method ...] [--repo org/name]`.
 
-The options are generated from :class:`hf_unlearn.forget.ForgetConfig` (one list of options for the Python call and
+The options are generated from :class:`hf_unlearn.deletion.ForgetConfig` (one list of options for the Python call and
 the command, with the same help texts). Ends with a summary table; ``OUT/receipt.json`` is the record.
 """
 

@@ -444,6 +444,14 @@ class TraceRecordingTrainer(Trainer):
         if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
             hazards.append("the model does not accept num_items_in_batch: the loss is a per-microbatch mean, so "
                            "deleting a row re-weights the other rows of its microbatch")
+        custom_loss = [f"{type(self).__qualname__}.{n}" for n in ("compute_loss", "training_step")
+                       if getattr(type(self), n) is not getattr(TraceRecordingTrainer, n)]
+        if self.compute_loss_func is not None:
+            custom_loss.append(f"compute_loss_func={getattr(self.compute_loss_func, '__qualname__', 'custom')}")
+        if custom_loss:
+            hazards.append(f"a custom loss ({', '.join(custom_loss)}): replays and the oracle compute Trainer's own "
+                           "loss, so they would agree with each other on a loss this run did not train on; record "
+                           "with the stock loss, or allow the hazard and give the replays the same loss yourself")
         if args.fp16:
             hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
                            "may scale (and skip) steps differently; use bf16 or fp32")
