@@ -288,7 +288,7 @@ def test_a_peft_adapter_folder_is_merged_into_its_base_and_unlearned(tmp_path, t
     assert not (tmp_path / "out2").exists()
 
 
-@pytest.mark.parametrize("method", ["grad_ascent", "masc"])
+@pytest.mark.parametrize("method", ["grad_ascent", "masc", "pdu"])
 def test_one_author_ids_0_to_19_are_not_refused_for_the_methods_own_numbers(method, tmp_path, tiny_llama_dir):
     """Forgetting TOFU author 0 (ids 0..19): the card carries warmup_steps 0, lambda_forget 1.0, steps, MASC's
     probe size, a stop reason quoting its own rates and steps, and evaluation scores of 0.0. Those refused the forget (a false

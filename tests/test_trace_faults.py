@@ -215,3 +215,11 @@ def test_crash_mid_step(tmp_path, capsys):
     lines = [x for x in err.splitlines() if x.strip()]
     assert any("step 5 was logged but never completed" in x for x in lines)
     assert lines and all(x.startswith("hf-unlearn: warning: ") for x in lines), err  # one line each
+    # a deletion from the crashed run: replay and oracle stop at the last completed step and agree bit for bit
+    from .test_trace_common import delete
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        forget = open_run(run).ids_at_steps([4])[:1]
+        replay, report = delete(run, forget, tmp_path / "deletion")
+    assert report["verified"] and replay.state.global_step == 5

@@ -159,6 +159,35 @@ def test_fp16_and_a_collator_giving_the_dummy_weight_are_refused(tmp_path):
         TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path), train_dataset=data.remove_columns("id"))
 
 
+def test_parallel_setups_a_replay_cannot_reproduce_are_refused(tmp_path, monkeypatch):
+    """FSDP, DeepSpeed, nn.DataParallel over several GPUs and split/dispatched batches are refused with a line that
+    names the setup and what is supported (the settings are forced here: this machine has no GPUs to run them)."""
+    from transformers import TrainingArguments
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    tok, data = get_trace_data()
+    trainer = TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path), train_dataset=data,
+                                    data_collator=QACollator.from_tokenizer(tok))
+    for attr, name in (("is_fsdp_enabled", "FSDP"), ("is_deepspeed_enabled", "DeepSpeed")):
+        monkeypatch.setattr(trainer, attr, True)
+        with pytest.raises(UnlearnError, match=f"cannot replay a {name} run.*supported: one process"):
+            trainer._trace_check_parallelism()
+        monkeypatch.setattr(trainer, attr, False)
+    with monkeypatch.context() as m:
+        m.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+        with pytest.raises(UnlearnError, match="torch.nn.DataParallel over 2 GPUs"):
+            trainer._trace_check_parallelism()
+    for flag in ("split_batches", "dispatch_batches"):
+        with monkeypatch.context() as m:
+            m.setattr(trainer.accelerator.dataloader_config, flag, True)
+            with pytest.raises(UnlearnError, match="split_batches/dispatch_batches"):
+                trainer._trace_check_parallelism()
+    trainer._trace_check_parallelism()  # and the plain single-process setup passes
+
+
 def test_a_custom_loss_is_refused_at_construction_or_declared(tmp_path):
     """Replays and the oracle run Trainer's own loss: a subclass's compute_loss (or training_step) or a
     compute_loss_func would make both agree on a loss the run never trained on, and verify would say VERIFIED."""
