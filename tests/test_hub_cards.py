@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -365,6 +366,64 @@ def test_expected_values_come_from_the_publishers_records(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnlearnError, match="holds no hub_pushes.jsonl"):
         expected_from(tmp_path / "empty", "org/m")
+
+
+def test_expected_values_include_the_pushed_files_root_and_a_forged_record_is_refused(tmp_path):
+    """A push record's files_root (config, tokenizer, every non-weight file) is expected too, with the per-file
+    hashes that let verify name a changed file; hashes that are not those of the root are refused, not trusted."""
+    from hf_unlearn.hub.publish import files_root
+    from hf_unlearn.hub.verify import expected_from
+
+    hashes = {"config.json": "a" * 64, "tokenizer.json": "b" * 64}
+    push = {"repo_id": "org/m", "tag": "deletion-0001", "commit": "1" * 40, "state_dict_root": "s1",
+            "files_root": files_root(hashes), "file_hashes": hashes}
+    older = {**push, "tag": "deletion-0002", "commit": "2" * 40}
+    del older["file_hashes"]  # a record from before file hashes were logged: the root alone
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "hub_pushes.jsonl").write_text(json.dumps(push) + "\n" + json.dumps(older) + "\n")
+    assert expected_from(out, "org/m", "deletion-0001") == {
+        "expect_root": "s1", "expect_commit": "1" * 40, "expect_files_root": files_root(hashes),
+        "expect_file_hashes": hashes}
+    assert expected_from(out, "org/m", "deletion-0002") == {
+        "expect_root": "s1", "expect_commit": "2" * 40, "expect_files_root": files_root(hashes)}
+    for forged, match in [({**push, "file_hashes": {**hashes, "config.json": "c" * 64}}, "not those of its files_root"),
+                          ({**push, "files_root": "not-a-root"}, "malformed files_root"),
+                          ({**push, "file_hashes": ["config.json"]}, "not those of its files_root")]:
+        (out / "hub_pushes.jsonl").write_text(json.dumps(forged) + "\n")
+        with pytest.raises(UnlearnError, match=match):
+            expected_from(out, "org/m", "deletion-0001")
+
+
+def test_verify_names_the_non_weight_files_that_differ_from_the_record(tmp_path):
+    """verify_folder with an expected files root: config.json changed while manifest and card were rewritten to match
+    fails, naming config.json when the record has per-file hashes; with --expect-root alone it is ok but says the
+    config is not proven. (No model is loaded: load=False makes the report not ok, so only the messages are read.)"""
+    from hf_unlearn.hub.publish import files_root
+    from hf_unlearn.hub.verify import VerifyReport, verify_folder
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_act": "relu"}')
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "state_hashes.json").write_text(json.dumps({"params": {}}))
+    pushed = {"config.json": "0" * 64, "tokenizer.json": hashlib.sha256(b"{}").hexdigest()}
+    report = verify_folder(folder, expect_root="r" * 64, expect_files_root=files_root(pushed),
+                           expect_file_hashes=pushed, load=False)
+    differ = [p for p in report.problems if "differ from the publisher's record" in p]
+    assert len(differ) == 1 and differ[0].endswith(": changed: config.json"), report.problems
+    with pytest.raises(UnlearnError, match="record is inconsistent"):
+        verify_folder(folder, expect_files_root="f" * 64, expect_file_hashes=pushed, load=False)
+
+    weights_only = VerifyReport(source="org/m", checked=3, files_checked=2, loaded="LlamaForCausalLM",
+                                expect_root="r" * 64)
+    assert weights_only.ok and weights_only.weights_anchored and not weights_only.anchored
+    assert "Not proven: that config.json, the tokenizer files" in weights_only.statement
+    pinned = VerifyReport(source="org/m", checked=3, loaded="LlamaForCausalLM", expect_root="r" * 64,
+                          expect_files_root="f" * 64)
+    assert pinned.anchored and "Not proven" not in pinned.statement
+    nothing = VerifyReport(source="org/m", checked=3, loaded="LlamaForCausalLM")
+    assert not nothing.anchored and "Not proven: that these are the weights, config and tokenizer" in nothing.statement
 
 
 @pytest.mark.parametrize("license", ["apache-2.0", "cc-by-4.0", "llama3.1", "gpl-3.0"])

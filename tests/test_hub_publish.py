@@ -481,11 +481,15 @@ VERIFY_SCRIPT = r"""
 import json, sys
 from hf_unlearn.hub.verify import expected_from, verify_on_hub
 out = {}
-for name, (revision, root, commit, *record) in json.loads(sys.argv[1]).items():
-    expect = expected_from(record[0], "org/v", revision) if record else {"expect_root": root, "expect_commit": commit}
+for name, (revision, root, commit, *extra) in json.loads(sys.argv[1]).items():
+    expect = {"expect_root": root, "expect_commit": commit}
+    if extra and isinstance(extra[0], dict):  # more expected values given directly
+        expect.update(extra[0])
+    elif extra:  # the publisher's record
+        expect = expected_from(extra[0], "org/v", revision)
     r = verify_on_hub("org/v", revision, **expect)
-    out[name] = {"ok": r.ok, "anchored": r.anchored, "statement": r.statement, "problems": r.problems,
-                 "mismatched": r.mismatched, "loaded": r.loaded}
+    out[name] = {"ok": r.ok, "anchored": r.anchored, "weights_anchored": r.weights_anchored,
+                 "statement": r.statement, "problems": r.problems, "mismatched": r.mismatched, "loaded": r.loaded}
 print(json.dumps(out))
 """
 
@@ -544,8 +548,12 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
 
     proc = client.cli("push", saved_model, "--repo", "org/v", "--deletion")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    m = re.search(r"--expect-commit ([0-9a-f]{40}) --expect-root ([0-9a-f]{64})", proc.stdout)
-    commit, root = m.groups()
+    m = re.search(r"--expect-commit ([0-9a-f]{40}) --expect-root ([0-9a-f]{64}) --expect-files-root ([0-9a-f]{64})",
+                  proc.stdout)
+    commit, root, files = m.groups()
+    pushed = [json.loads(line) for line in (saved_model / "hub_pushes.jsonl").read_text().splitlines()]
+    pushed = [p for p in pushed if p["repo_id"] == "org/v"][-1]
+    assert pushed["files_root"] == files and "config.json" in pushed["file_hashes"]
 
     def relu(folder):  # same weights, other activation: logits move
         config = json.loads((folder / "config.json").read_text())
@@ -576,6 +584,16 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
         "record, tag": ["deletion-0001", None, None, str(saved_model)],  # OUT/hub_pushes.jsonl of the push
         "record, rewritten branch": ["t-weights-rewritten", None, None, str(saved_model / "hub_pushes.jsonl")],
         "record, rewritten config": ["t-config-rewritten", None, None, str(saved_model)],
+        # the attack of issue 12: config changed, manifest's files_root and card rewritten to match
+        "config rewritten, expect root only": ["t-config-rewritten", root, None],
+        "config rewritten, expect root and files root": ["t-config-rewritten", root, None,
+                                                         {"expect_files_root": files}],
+        "config rewritten, expect root and file hashes": ["t-config-rewritten", root, None,
+                                                          {"expect_files_root": files,
+                                                           "expect_file_hashes": pushed["file_hashes"]}],
+        "extra file, expect files root": ["t-extra-file", root, None, {"expect_files_root": files,
+                                                                        "expect_file_hashes": pushed["file_hashes"]}],
+        "anchored by roots": ["deletion-0001", root, None, {"expect_files_root": files}],
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
     proc = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -601,8 +619,46 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     for case in ("record, rewritten branch", "record, rewritten config"):
         assert not out[case]["ok"] and any(f"not the expected commit {commit}" in p for p in out[case]["problems"])
     assert any("expected root" in p for p in out["record, rewritten branch"]["problems"])
+    # the record pins config and tokenizer by their own root too (not only through the commit), naming the file
+    assert any("changed: config.json" in p for p in out["record, rewritten config"]["problems"])
+
+    # --expect-root alone pins the weights only: ok, but not anchored, and the statement says what is not proven
+    weights_only = out["config rewritten, expect root only"]
+    assert weights_only["ok"] and weights_only["weights_anchored"] and not weights_only["anchored"]
+    assert f"expected root {root}" in weights_only["statement"]
+    assert ("Not proven: that config.json, the tokenizer files and the other non-weight files are the "
+            "publisher's") in weights_only["statement"]
+    assert "hidden_act" in weights_only["statement"] and "--expect-files-root" in weights_only["statement"]
+    assert not out["anchored"]["statement"].count("Not proven")  # root and commit: nothing left unproven
+    # an expected files root catches the rewritten config without a commit; with the file hashes it names the file
+    root_only = out["config rewritten, expect root and files root"]
+    assert not root_only["ok"] and not root_only["anchored"]
+    assert root_only["problems"] == [p for p in root_only["problems"] if "differ from the publisher's record" in p]
+    assert f"expected {files}" in root_only["problems"][0] and "cannot be named" in root_only["problems"][0]
+    named = out["config rewritten, expect root and file hashes"]
+    assert not named["ok"] and len(named["problems"]) == 1, named["problems"]
+    assert named["problems"][0].endswith(": changed: config.json"), named["problems"]
+    extra = out["extra file, expect files root"]["problems"]
+    assert any(p.endswith("not pushed by the publisher: modeling_extra.py") for p in extra), extra
+    by_roots = out["anchored by roots"]
+    assert by_roots["ok"] and by_roots["anchored"] and f"expected files root {files}" in by_roots["statement"]
+    assert "Not proven" not in by_roots["statement"]
+
     proc = client.cli("verify", "org/v", "--revision", "deletion-0001", "--expect-from", saved_model)
     assert proc.returncode == 0 and f"expected root {root}" in proc.stdout, proc.stderr[-3000:]
+    assert f"expected files root {files}" in proc.stdout and "Not proven" not in proc.stdout
+    # the CLI: --expect-from catches the attack (naming config.json); --expect-root alone says what it leaves open
+    proc = client.cli("verify", "org/v", "--revision", "t-config-rewritten", "--expect-from", saved_model)
+    assert proc.returncode == 1 and "changed: config.json" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    proc = client.cli("verify", "org/v", "--revision", "t-config-rewritten", "--expect-root", root, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["weights_anchored"] and not report["anchored"] and not report["files_anchored"]
+    assert "Not proven: that config.json, the tokenizer files" in report["statement"]
+    proc = client.cli("verify", "org/v", "--revision", "t-config-rewritten", "--expect-root", root,
+                      "--expect-files-root", files)
+    assert proc.returncode == 1 and "differ from the publisher's record" in proc.stderr, proc.stderr[-3000:]
     proc = client.cli("verify", "org/v", "--expect-from", saved_model, "--expect-root", "0" * 64)
     assert proc.returncode == 1 and "disagrees with" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -316,6 +316,27 @@ def test_validate_yaml_needs_a_token_and_refuses_alias_bombs(server):
     assert status == 200 and json.loads(body)["cardData"] == {} and len(body) < 10_000
 
 
+def test_deeply_nested_json_and_yaml_are_refused_in_one_line(server):
+    call(server, "POST", "/api/repos/create", {"name": "m", "organization": "org"})
+    status, _, body = call(server, "POST", "/api/repos/create", raw=DEEP_JSON)
+    assert status == 400 and json.loads(body)["error"] == ("request body is nested too deeply (no Hub request "
+                                                           "nests more than a few levels)")
+    status, _, body = commit(server, "org/m", [header()])  # still serving; a deep commit line names its line
+    assert status == 200
+    status, _, body = call(server, "POST", "/api/models/org/m/commit/main", raw=json.dumps(header()).encode() + b"\n" + DEEP_JSON,
+                           headers={"Content-Type": "application/x-ndjson"})
+    assert status == 400 and json.loads(body)["error"].startswith("commit payload line 2 is nested too deeply")
+    for text in DEEP_YAML:
+        status, _, body = call(server, "POST", "/api/validate-yaml", {"content": text})
+        errors = json.loads(body)["errors"]
+        assert status == 400 and len(errors) == 1 and "nested too deeply" in errors[0]["message"], body[:300]
+        assert "\n" not in errors[0]["message"]
+    # the same metadata committed as a README: repo info serves it as "no card data", not a 500
+    assert commit(server, "org/m", [header(), file_line("README.md", DEEP_YAML[0].encode())])[0] == 200
+    status, _, body = call(server, "GET", "/api/models/org/m")
+    assert status == 200 and json.loads(body)["cardData"] == {}
+
+
 def test_request_bodies_are_capped(tmp_path):
     srv = HubServer(tmp_path / "hub", {TOKEN: "alice"}, max_body_bytes=4096).start()
     try:
@@ -388,7 +409,33 @@ def _fuzz_cases():
         ("PUT", "/_lfs/" + "0" * 64 + "?size=-1&sig=y", b"data"),
         ("GET", f"{repo}/tree/main/a%00b", None),
         ("GET", "/org/m/resolve/main/a%0D%0AX-Evil:%201", None),
+        *_deep_cases(),
     ]
+
+
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000  # nested past any parser's recursion limit: must be a 4xx, not a 500
+DEEP_YAML = ["---\n" + "[" * 8000 + "\n---\n", "---\na: " + "{b: " * 3000 + "\n---\n",
+             "---\n" + "- " * 4000 + "x\n---\n"]
+
+
+def _deep_cases():
+    """Deeply nested input to every route that parses JSON (the whole body, and nested inside a field) and to the
+    YAML validator."""
+    repo = "/api/models/org/m"
+    routes = [("POST", "/api/repos/create", "name"), ("DELETE", "/api/repos/delete", "name"),
+              ("POST", "/api/validate-yaml", "content"), ("POST", f"{repo}/preupload/main", "files"),
+              ("POST", f"{repo}/paths-info/main", "paths"), ("POST", f"{repo}/tag/main", "tag"),
+              ("POST", f"{repo}/branch/deep", "startingPoint"),
+              ("POST", "/org/m.git/info/lfs/objects/batch", "objects"),
+              ("POST", "/org/m.git/info/lfs/objects/verify", "oid"), ("POST", f"{repo}/commit/main", "key")]
+    cases = []
+    for method, path, key in routes:
+        cases.append((method, path, DEEP_JSON))
+        cases.append((method, path, b'{"%s": ' % key.encode() + DEEP_JSON + b"}"))
+    header_line = json.dumps({"key": "header", "value": {"summary": "s"}}).encode()
+    cases.append(("POST", f"{repo}/commit/main", header_line + b"\n" + DEEP_JSON + b"\n"))
+    cases += [("POST", "/api/validate-yaml", json.dumps({"content": text}).encode()) for text in DEEP_YAML]
+    return cases
 
 
 def test_malformed_requests_get_a_clear_4xx_on_every_route(server):

@@ -42,9 +42,14 @@ def register(parser) -> None:
                                                          "your deletion log / hub_pushes.jsonl, or the saved-tensor "
                                                          "root): a value the repository cannot rewrite")
     v.add_argument("--expect-commit", metavar="SHA", help="the revision must be exactly this commit")
-    v.add_argument("--expect-from", metavar="RECORD", help="take --expect-root (and --expect-commit) from your own "
-                                                           "record: OUT/hub_pushes.jsonl, a run's deletion_log.jsonl, "
-                                                           "a replay's verification.json, or the folder holding it")
+    v.add_argument("--expect-files-root", metavar="ROOT",
+                   help="config, tokenizer and every other non-weight file must hash to ROOT (files_root in "
+                        "hub_pushes.jsonl); --expect-root alone does not pin them")
+    v.add_argument("--expect-from", metavar="RECORD", help="take --expect-root, --expect-files-root and "
+                                                           "--expect-commit from your own record: "
+                                                           "OUT/hub_pushes.jsonl (all three), a run's "
+                                                           "deletion_log.jsonl or a replay's verification.json "
+                                                           "(the root only), or the folder holding it")
     v.add_argument("--no-load", action="store_true", help="do not load the model (verify then fails: loading is "
                                                            "part of the claim; for inspecting large models)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -112,13 +117,17 @@ def _verify(args) -> int:
     from ..errors import UnlearnError
     from ..hub.verify import expected_from, verify_on_hub
 
-    expect = {"expect_root": args.expect_root, "expect_commit": args.expect_commit}
+    expect = {"expect_root": args.expect_root, "expect_commit": args.expect_commit,
+              "expect_files_root": args.expect_files_root}
     if args.expect_from:
-        for name, value in expected_from(args.expect_from, args.repo, args.revision).items():
+        found = expected_from(args.expect_from, args.repo, args.revision)
+        hashes = found.pop("expect_file_hashes", None)  # names the differing files; no option of its own
+        for name, value in found.items():
             if expect[name] and expect[name] != value:
                 raise UnlearnError(f"--{name.replace('_', '-')} {expect[name]} disagrees with {args.expect_from} "
                                    f"({value}); pass one of them")
             expect[name] = value
+        expect["expect_file_hashes"] = hashes
     report = verify_on_hub(args.repo, args.revision, token=args.token, endpoint=args.endpoint,
                            cache_dir=args.cache_dir, load=not args.no_load, **expect)
     if args.json:

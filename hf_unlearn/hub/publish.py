@@ -82,13 +82,16 @@ class PushResult:
     files_root: str = ""
     skipped_provenance: dict[str, str] = field(default_factory=dict)
     card: str = ""
+    file_hashes: dict[str, str] = field(default_factory=dict)  # SHA-256 of every non-weight file (files_root's)
 
     @property
     def verify_command(self) -> str:
-        """The command that checks this push against values the repository cannot rewrite."""
+        """The command that checks this push against values the repository cannot rewrite (weights, config and
+        tokenizer files, commit)."""
         rev = f" --revision {self.tag}" if self.tag else ""
+        files = f" --expect-files-root {self.files_root}" if self.files_root else ""
         return (f"hf-unlearn hub verify {self.repo_id}{rev} --expect-commit {self.commit} "
-                f"--expect-root {self.state_dict_root or self.params_root}")
+                f"--expect-root {self.state_dict_root or self.params_root}{files}")
 
 
 # -- card info on disk -----------------------------------------------------------------------------------------
@@ -525,7 +528,7 @@ def push_unlearned(
     result = PushResult(repo_id=repo_id, commit=commit, url=f"{api.endpoint}/{repo_id}", tag=tag, files=files,
                         params_root=manifest["params_root"], root=manifest["root"],
                         state_dict_root=manifest["state_dict_root"], files_root=manifest["files_root"],
-                        skipped_provenance=skipped, card=card)
+                        skipped_provenance=skipped, card=card, file_hashes=dict(manifest["file_hashes"]))
     local_dir = local_dir if local_dir is not None else (None if hasattr(source, "save_pretrained") else source)
     if local_dir is not None:
         _record_locally(Path(local_dir), result, key_fingerprint(key))
@@ -556,7 +559,7 @@ def _record_locally(folder: Path, result: PushResult, fingerprint: str) -> None:
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repo_id": result.repo_id,
              "commit": result.commit, "tag": result.tag, "params_root": result.params_root,
              "state_dict_root": result.state_dict_root, "files_root": result.files_root,
-             "key_fingerprint": fingerprint}
+             "file_hashes": result.file_hashes, "key_fingerprint": fingerprint}
     atomic_write_text(log, old + json.dumps(entry, sort_keys=True) + "\n")
 
 

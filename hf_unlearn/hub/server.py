@@ -70,6 +70,17 @@ def _size(obj, key: str = "size", *, where: str = "request body", required: bool
     return size
 
 
+def _parse_json(data: bytes, where: str):
+    """``data`` parsed as JSON; 400 for anything that is not JSON, including JSON nested deeper than the parser's
+    recursion limit (a few KB of ``[`` would otherwise answer 500). No Hub payload nests more than a few levels."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(400, f"{where} is not JSON: {e}") from None
+    except RecursionError:
+        raise StoreError(400, f"{where} is nested too deeply (no Hub request nests more than a few levels)") from None
+
+
 def _b64(text: str, where: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
@@ -284,10 +295,7 @@ class _Handler(BaseHTTPRequestHandler):
         return b"".join(self._body_chunks(limit))
 
     def _json_body(self) -> dict:
-        try:
-            data = json.loads(self._body(min(self.hub.max_body_bytes, MAX_JSON_BYTES)) or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise StoreError(400, f"invalid JSON body: {e}") from None
+        data = _parse_json(self._body(min(self.hub.max_body_bytes, MAX_JSON_BYTES)) or b"{}", "request body")
         if not isinstance(data, dict):
             raise StoreError(400, "JSON body must be an object")
         return data
@@ -576,10 +584,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not line.strip():
                 continue
             where = f"commit payload line {n + 1}"
-            try:
-                item = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise StoreError(400, f"{where} is not JSON: {e}") from None
+            item = _parse_json(line, where)
             key = _field(item, "key", str, required=True, where=where)
             value = _field(item, "value", dict, required=True, where=where)
             if key == "header":
@@ -713,7 +718,10 @@ def _front_matter(text: str):
     if len(text) > 4 * MAX_CARD_BYTES:
         raise yaml.YAMLError(f"card larger than {4 * MAX_CARD_BYTES} characters")
     m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
-    return yaml.load(m.group(1), Loader=NoAliasLoader) if m else None
+    try:
+        return yaml.load(m.group(1), Loader=NoAliasLoader) if m else None
+    except RecursionError:  # PyYAML composes nested collections recursively: a few KB of "[" exhaust the stack
+        raise yaml.YAMLError("card metadata is nested too deeply (more levels than a card ever needs)") from None
 
 
 def validate_card_metadata(content: str) -> tuple[list[str], list[str]]:

@@ -12,8 +12,17 @@ What ``verify`` proves, and what it cannot:
   weights are the ones the publisher produced.
 * With ``expect_root`` (from the publisher's own records: the run's deletion log, the replay's verification
   record, or the push's ``hub_pushes.jsonl``): the loaded weights hash to that root (the full state-dict root, or
-  the saved-tensor root). The repository cannot rewrite that value.
-* With ``expect_commit``: the revision checked is exactly that commit (a tag or branch that was moved fails).
+  the saved-tensor root). The repository cannot rewrite that value. It says nothing about ``config.json``, the
+  tokenizer or any other file: a writer can change ``hidden_act`` and rewrite the manifest's ``files_root`` and the
+  card to match, and the weights still hash to the root. The report then says so (``anchored`` is False,
+  ``weights_anchored`` True).
+* With ``expect_files_root`` (``hub_pushes.jsonl`` records it for every push): every file but the weights, the card
+  and the manifest hashes to that root, as the publisher pushed them. With ``expect_file_hashes`` as well (newer
+  push records hold them) a mismatch names the files that differ.
+* With ``expect_commit``: the revision checked is exactly that commit (a tag or branch that was moved fails); a
+  commit id covers the content of every file, config and tokenizer included.
+
+``expected_from(record, repo_id, revision)`` reads all of these from the publisher's records.
 """
 
 from __future__ import annotations
@@ -43,17 +52,34 @@ class VerifyReport:
     state_dict_root: str = ""
     files_checked: int = 0
     loaded: str | None = None  # the class the revision loaded as (None: not loaded)
+    files_root: str = ""  # root of the SHA-256 of every file but the weights, the card and the manifest
     expect_root: str | None = None
     expect_commit: str | None = None
+    expect_files_root: str | None = None
 
     @property
     def ok(self) -> bool:
         return not (self.mismatched or self.missing or self.unexpected or self.problems)
 
     @property
-    def anchored(self) -> bool:
-        """True when the result was checked against a value the repository's writer cannot rewrite."""
+    def weights_anchored(self) -> bool:
+        """``ok``, and the weights were checked against a root given from outside the repository (``expect_root``).
+        Says nothing about config, tokenizer or any other file."""
         return self.ok and bool(self.expect_root)
+
+    @property
+    def files_anchored(self) -> bool:
+        """``ok``, and the config, tokenizer and every other non-weight file were checked against a value from
+        outside the repository (``expect_files_root``, or ``expect_commit``: a commit id covers every file)."""
+        return self.ok and bool(self.expect_files_root or self.expect_commit)
+
+    @property
+    def anchored(self) -> bool:
+        """True when everything the model is built from was checked against values the repository's writer cannot
+        rewrite: the weights (``expect_root``) and the config, tokenizer and other files (``expect_files_root`` or
+        ``expect_commit``). ``expect_root`` alone gives ``weights_anchored`` but not ``anchored``: a writer can
+        change ``config.json`` (``hidden_act``) and rewrite manifest and card to match."""
+        return self.weights_anchored and self.files_anchored
 
     @property
     def statement(self) -> str:
@@ -66,12 +92,27 @@ class VerifyReport:
                 f"exactly those tensors (state-dict root {self.state_dict_root}).")
         if self.expect_root:
             text += f" The weights hash to the expected root {self.expect_root}, given from outside the repository."
+        if self.expect_files_root:
+            text += (f" The config, tokenizer and other non-weight files ({self.files_checked} files) hash to the "
+                     f"expected files root {self.expect_files_root}, given from outside the repository.")
         if self.expect_commit:
-            text += f" The revision is the expected commit {self.expect_commit}."
-        if not self.expect_root:
-            text += (" Not proven: that these are the weights the publisher produced; whoever can write the "
-                     "repository can replace weights, manifest and card together. Pass --expect-root (and "
-                     "--expect-commit) from the publisher's own records for that.")
+            text += (f" The revision is the expected commit {self.expect_commit} (a commit id covers every file, "
+                     "config and tokenizer included).")
+        if not self.expect_root and not self.files_anchored:
+            text += (" Not proven: that these are the weights, config and tokenizer files the publisher produced; "
+                     "whoever can write the repository can replace weights, other files, manifest and card "
+                     "together. Pass --expect-from with your hub_pushes.jsonl (or --expect-root, "
+                     "--expect-files-root and --expect-commit from the publisher's own records) for that.")
+        elif not self.expect_root:
+            text += (" Not proven: that these weights hash to the root the publisher recorded (no expected root "
+                     "was given); pass --expect-root (or --expect-from) for that.")
+        elif not self.files_anchored:
+            text += (" Not proven: that config.json, the tokenizer files and the other non-weight files are the "
+                     "publisher's: only the weights were checked against a value from outside the repository, and "
+                     "whoever can write it can change those files (config.json's hidden_act, the chat template) "
+                     "and rewrite manifest and card to match, which changes what the model computes. Pass "
+                     "--expect-files-root or --expect-commit (--expect-from takes both from hub_pushes.jsonl) for "
+                     "that.")
         return text
 
     def summary(self) -> str:
@@ -87,14 +128,18 @@ class VerifyReport:
     def to_dict(self) -> dict:
         from dataclasses import asdict
 
-        return {**asdict(self), "ok": self.ok, "anchored": self.anchored, "statement": self.statement}
+        return {**asdict(self), "ok": self.ok, "anchored": self.anchored, "weights_anchored": self.weights_anchored,
+                "files_anchored": self.files_anchored, "statement": self.statement}
 
 
 def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commit: str | None = None,
                   expect_root: str | None = None, expect_commit: str | None = None,
+                  expect_files_root: str | None = None, expect_file_hashes: dict[str, str] | None = None,
                   load: bool = True) -> VerifyReport:
     """Verify a downloaded (or local) repository folder (see the module docstring for what is checked).
 
+    ``expect_files_root`` (and optionally ``expect_file_hashes``, the per-file SHA-256 it is the root of) pins
+    every file but the weights, the card and the manifest to what the publisher pushed.
     ``load=False`` skips loading the model (for a model too large for this machine); the report then says so
     and is not ``ok``: loadability is part of the claim.
     """
@@ -102,8 +147,14 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
     from .server import _front_matter
 
     folder = Path(folder)
+    if expect_file_hashes:
+        derived = files_root(expect_file_hashes)
+        if expect_files_root and derived != expect_files_root:
+            raise UnlearnError(f"the expected file hashes have root {derived}, not the expected files root "
+                               f"{expect_files_root}: the record is inconsistent; pass only the files root")
+        expect_files_root = derived
     report = VerifyReport(source=source or str(folder), commit=commit, expect_root=expect_root or None,
-                          expect_commit=expect_commit or None)
+                          expect_commit=expect_commit or None, expect_files_root=expect_files_root or None)
     if expect_commit and commit != expect_commit:
         report.problems.append(f"the revision is commit {commit}, not the expected commit {expect_commit}")
     manifest_path = folder / MANIFEST_FILE
@@ -126,7 +177,10 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
     if root_hash(expected) != manifest.get("params_root"):
         report.problems.append("the manifest's params_root is not the root of its own per-tensor hashes "
                                "(the manifest was edited)")
-    _check_files(folder, manifest, report)
+    present = _check_files(folder, manifest, report)
+    report.files_root = files_root(present)
+    if expect_files_root and report.files_root != expect_files_root:
+        report.problems.append(_files_differ(present, expect_files_root, expect_file_hashes, report.files_root))
 
     card = folder / "README.md"
     try:
@@ -163,14 +217,15 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
     return report
 
 
-def _check_files(folder: Path, manifest: dict, report: VerifyReport) -> None:
-    """Every file but the weights and the card must be in the manifest with its SHA-256, and nothing more."""
+def _check_files(folder: Path, manifest: dict, report: VerifyReport) -> dict[str, str]:
+    """Every file but the weights and the card must be in the manifest with its SHA-256, and nothing more.
+    Returns the SHA-256 of each such file present."""
     listed = manifest.get("file_hashes")
     present = hashed_files(folder)
     if not isinstance(listed, dict):
         report.problems.append(f"the manifest lists no file hashes (published before hf_unlearn covered files): "
                                f"{', '.join(sorted(present)) or 'no file'} cannot be checked")
-        return
+        return present
     report.files_checked = len(set(present) & set(listed))
     for name in sorted(set(present) | set(listed)):
         if name not in listed:
@@ -181,6 +236,26 @@ def _check_files(folder: Path, manifest: dict, report: VerifyReport) -> None:
             report.problems.append(f"file differs from the manifest: {name}")
     if files_root(listed) != manifest.get("files_root"):
         report.problems.append("the manifest's files_root is not the root of its own file hashes")
+    return present
+
+
+def _names(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _files_differ(present: dict[str, str], expected_root: str, expected: dict[str, str] | None, actual_root: str) -> str:
+    """One line: which non-weight files differ from the publisher's record (by name when it lists file hashes)."""
+    head = f"the config, tokenizer and other non-weight files differ from the publisher's record (files root " \
+           f"{actual_root}, expected {expected_root})"
+    if not expected:
+        return (f"{head}: one or more of {_names(sorted(present)) or 'no file'} is not what was pushed "
+                "(the record holds only the root, so the file cannot be named)")
+    changed = sorted(n for n in set(present) & set(expected) if present[n] != expected[n])
+    added = sorted(set(present) - set(expected))
+    gone = sorted(set(expected) - set(present))
+    parts = [f"{what}: {_names(names)}" for what, names in
+             (("changed", changed), ("not pushed by the publisher", added), ("missing", gone)) if names]
+    return f"{head}: {'; '.join(parts)}"
 
 
 def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
@@ -229,7 +304,9 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
       run ended in, which is what its model publishes);
     * ``verification.json`` (a replay checked by ``trace verify``): the replay's parameter root.
 
-    Returns ``{"expect_root": ..., "expect_commit": ...}`` (the commit only from ``hub_pushes.jsonl``).
+    Returns ``{"expect_root": ..., "expect_commit": ..., "expect_files_root": ..., "expect_file_hashes": ...}``:
+    the commit, the files root (config, tokenizer and every other non-weight file) and the per-file hashes only
+    from ``hub_pushes.jsonl``, each where the push recorded it (older records lack the file hashes).
     """
     from .publish import PUSH_LOG_FILE
 
@@ -262,7 +339,19 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
         root, commit = entry.get("state_dict_root") or entry.get("params_root"), entry.get("commit")
         if not (isinstance(root, str) and isinstance(commit, str)):
             raise UnlearnError(f"{path}: the push of {repo_id} records no root or commit")
-        return {"expect_root": root, "expect_commit": commit}
+        out = {"expect_root": root, "expect_commit": commit}
+        fr, hashes = entry.get("files_root"), entry.get("file_hashes")
+        if fr is not None and not (isinstance(fr, str) and re.fullmatch(r"[0-9a-f]{64}", fr)):
+            raise UnlearnError(f"{path}: the push of {repo_id} records a malformed files_root {str(fr)[:80]!r}")
+        if fr:
+            out["expect_files_root"] = fr
+        if hashes is not None:
+            if not (fr and isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())
+                    and files_root(hashes) == fr):
+                raise UnlearnError(f"{path}: the push of {repo_id} records file hashes that are not those of its "
+                                   "files_root (the record was edited); restore it from a backup")
+            out["expect_file_hashes"] = dict(hashes)
+        return out
     if path.name == "verification.json":
         try:
             return {"expect_root": entries[0]["roots"]["a"]["params"]}
@@ -276,12 +365,16 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
 
 def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | None = None,
                   endpoint: str | None = None, cache_dir: str | os.PathLike | None = None,
-                  expect_root: str | None = None, expect_commit: str | None = None, load: bool = True) -> VerifyReport:
+                  expect_root: str | None = None, expect_commit: str | None = None,
+                  expect_files_root: str | None = None, expect_file_hashes: dict[str, str] | None = None,
+                  load: bool = True) -> VerifyReport:
     """Download ``repo_id`` at ``revision`` (every file) and verify it with :func:`verify_folder`.
 
-    ``expect_root`` / ``expect_commit`` come from the publisher's own records (``PushResult.state_dict_root`` and
-    ``.commit``, the local ``hub_pushes.jsonl``, a run's deletion log), never from the repository itself.
-    Without ``revision``, ``expect_commit`` is the revision downloaded.
+    ``expect_root`` / ``expect_files_root`` / ``expect_commit`` come from the publisher's own records
+    (``PushResult.state_dict_root``, ``.files_root`` and ``.commit``, the local ``hub_pushes.jsonl`` via
+    :func:`expected_from`, a run's deletion log), never from the repository itself. ``expect_root`` alone pins the
+    weights only (see :attr:`VerifyReport.anchored`). Without ``revision``, ``expect_commit`` is the revision
+    downloaded.
     """
     from huggingface_hub import snapshot_download
 
@@ -297,5 +390,5 @@ def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | Non
     if not any(Path(folder).glob("*.safetensors")):
         raise UnlearnError(f"{label} holds no safetensors weights")
     return verify_folder(folder, source=label, commit=commit, expect_root=expect_root, expect_commit=expect_commit,
-                         load=load)
+                         expect_files_root=expect_files_root, expect_file_hashes=expect_file_hashes, load=load)
 
