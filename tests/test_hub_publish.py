@@ -401,6 +401,7 @@ try:  # another push may not take the tag the cut-off commit's title claims (it 
     steal = "TAGGED"
 except UnlearnError as e:
     steal = str(e)
+between = push_unlearned(dirs[1], "org/cut", deletion=True)  # another push lands on top before the re-run
 again = push_unlearned(dirs[0], "org/cut", deletion=True)
 barrier = threading.Barrier(len(dirs))
 local = threading.local()
@@ -428,7 +429,8 @@ for t in threads:
 for t in threads:
     t.join()
 HfApi.create_commit = create_commit
-print(json.dumps({"race": results, "cut": first, "steal": steal, "again": [again.tag, again.commit]}))
+print(json.dumps({"race": results, "cut": first, "steal": steal, "again": [again.tag, again.commit],
+                  "between": [between.tag, between.commit]}))
 """
 
 
@@ -471,9 +473,11 @@ def test_concurrent_deletion_pushes_take_distinct_tags_and_tag_every_commit(clie
 
     assert "was published but tagging it 'deletion-0001' failed; run the same push again" in out["cut"]
     assert "is already titled 'deletion-0001' but not tagged yet" in out["steal"], out["steal"]
-    cut = hub.store.history("model", "org/cut", "main")
-    assert len(cut) == 2 and out["again"] == ["deletion-0001", cut[0]["id"]]  # tagged, not committed twice
-    assert hub.store.refs("model", "org/cut")["tags"]["deletion-0001"]["target"] == cut[0]["id"]
+    cut = hub.store.history("model", "org/cut", "main")  # newest first: 0002's commit on top of the cut-off 0001
+    assert len(cut) == 3 and out["between"] == ["deletion-0002", cut[0]["id"]]
+    assert out["again"] == ["deletion-0001", cut[1]["id"]]  # the buried commit is tagged, not committed again
+    cut_tags = hub.store.refs("model", "org/cut")["tags"]
+    assert cut_tags["deletion-0001"]["target"] == cut[1]["id"] and cut_tags["deletion-0002"]["target"] == cut[0]["id"]
 
 
 # -- item 6: hub verify proves what it says ---------------------------------------------------------------------------

@@ -635,25 +635,27 @@ def next_deletion_tag(api, repo_id: str, head: str | None = None, tags: Mapping[
 
 
 def _unfinished_push(api, repo_id: str, head: str, tags: Mapping[str, str], manifest_path: Path,
-                     tag: str | None) -> str | None:
-    """The tag of the head commit if it is this same push, committed but never tagged (a push cut off between
-    its commit and its tag: its title names the tag, its manifest is ours), else None."""
+                     tag: str | None) -> tuple[str, str] | None:
+    """``(tag, commit)`` of this same push if it was committed but never tagged (cut off between its commit and its
+    tag: the commit's title names the tag, its manifest is ours), else None. Every commit of the branch is looked
+    at, not only the head: another push may have landed on top before this one is run again."""
     from huggingface_hub import hf_api
 
-    commits = api.list_repo_commits(repo_id, revision=head)
-    title = (commits[0].title or "") if commits else ""
-    wanted = tag if tag is not None else (m.group(1) if (m := DELETION_TITLE.match(title)) else None)
-    if not wanted or not title.startswith(f"{wanted}: ") or wanted in tags:
-        return None
-    try:
-        info = api.get_paths_info(repo_id, [MANIFEST_FILE], revision=head)
-    except Exception:
-        return None
     from .store import git_blob_id
 
     ours = git_blob_id(manifest_path.read_bytes())
-    same = any(isinstance(i, hf_api.RepoFile) and i.blob_id == ours for i in info)
-    return wanted if same else None
+    for c in api.list_repo_commits(repo_id, revision=head):
+        title = c.title or ""
+        wanted = tag if tag is not None else (m.group(1) if (m := DELETION_TITLE.match(title)) else None)
+        if not wanted or not title.startswith(f"{wanted}: ") or wanted in tags:
+            continue
+        try:
+            info = api.get_paths_info(repo_id, [MANIFEST_FILE], revision=c.commit_id)
+        except Exception:
+            continue
+        if any(isinstance(i, hf_api.RepoFile) and i.blob_id == ours for i in info):
+            return wanted, c.commit_id
+    return None
 
 
 def _titled_commit(api, repo_id: str, head: str, tag: str) -> str | None:
@@ -674,11 +676,12 @@ def _commit_and_tag(api, repo_id, staging: Path, revision: str, tag, deletion: b
         try:
             head, tags = _head(api, repo_id, revision)
             if deletion or tag is not None:
-                done = _unfinished_push(api, repo_id, head, tags, staging / MANIFEST_FILE, None if deletion else tag)
-                if done:
+                found = _unfinished_push(api, repo_id, head, tags, staging / MANIFEST_FILE, None if deletion else tag)
+                if found:
+                    done, commit = found
                     card = card_for(done)
-                    _tag(api, repo_id, done, head, message_for(done))
-                    return head, done, card
+                    _tag(api, repo_id, done, commit, message_for(done))
+                    return commit, done, card
             if deletion:
                 tag = next_deletion_tag(api, repo_id, head, tags)
             if tag is not None and tag in tags:
