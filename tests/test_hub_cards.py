@@ -207,9 +207,14 @@ def test_provenance_is_an_allowlist_checked_against_the_schema(tmp_path):
     assert hits == []  # configuration numbers (pad_token_id, seeds, lengths) equal to ids are not ids
     assert set(skipped) == {"forget.json", "private/hmac.key", "private/meta.json", "checkpoints/step-00000001/hashes.json"}
 
-    def refused(edit, match):
+    from hf_unlearn.trace.run import write_sidecar
+
+    def refused(edit, match, resign=True):
         bad = fake_run(tmp_path / f"bad{len(list(tmp_path.iterdir()))}")
         edit(bad)
+        for name in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"):
+            if resign and (bad / name).is_file():  # a careful forger keeps the sidecars consistent
+                write_sidecar(bad / name)
         with pytest.raises(UnlearnError, match=match):
             _, _, found = select_provenance(bad, scanner)
             scanner.refuse(found, "the push")
@@ -232,7 +237,21 @@ def test_provenance_is_an_allowlist_checked_against_the_schema(tmp_path):
             "deletion_log.jsonl.*time")
     refused(lambda f: (f / "deletion_log.jsonl").write_text(json.dumps({"forget_ids": [3600]}) + "\n"),
             "deletion_log.jsonl:forget_ids")
-    refused(lambda f: (f / "plan.jsonl.sha256").write_text("3600 ids\n"), "sidecar")
+    refused(lambda f: (f / "plan.jsonl.sha256").write_text("3600 ids\n"), "sidecar", resign=False)
+    refused(lambda f: (f / "plan.jsonl").write_text((f / "plan.jsonl").read_text() + "\n"),
+            r"plan.jsonl.sha256.*digest is not the SHA-256 of plan.jsonl", resign=False)  # a stale sidecar
+
+    def header_with(edit):
+        def apply(folder):
+            header = json.loads((folder / "header.json").read_text())
+            edit(header)
+            (folder / "header.json").write_text(json.dumps(header))
+        return apply
+
+    # numbers the trace code did not write are scanned: a key it has no such field for, a custom TrainingArguments field
+    refused(header_with(lambda h: h.update(forgotten_rows=[3600, 3601])), r"header.json:forgotten_rows\[0\] \(number 3600")
+    refused(header_with(lambda h: h["training_args"].update(forget_rows=[3602])),
+            r"header.json:training_args.forget_rows\[0\] \(number 3602")
     refused(lambda f: (f / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "rows": [3601]})),
             "model/config.json:rows")
     with pytest.raises(SchemaError):

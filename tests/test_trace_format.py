@@ -75,3 +75,22 @@ def test_collator_spec_round_trip():
     assert rebuild_collator(collator_spec(default_data_collator)) is default_data_collator
     with pytest.raises(UnlearnError, match="pass the same collator to the replay"):
         rebuild_collator(collator_spec(lambda f: f))
+
+
+def test_header_keys_are_the_ones_the_hub_provenance_check_knows(tmp_path):
+    """hub.provenance scans every header key outside HEADER_KEYS for forget ids (numbers included): a recording's and
+    a replay's headers must only hold known keys, or their own settings would be scanned as ids."""
+    import json
+
+    from hf_unlearn.trace.run import HEADER_KEYS
+
+    from .test_trace_common import delete, get_recorded, ids_at_step
+
+    run = get_recorded()
+    recorded = json.loads((run / "header.json").read_text())
+    _, report = delete(run, ids_at_step(run, 7)[:1], tmp_path)
+    replayed = json.loads((tmp_path / "replay" / "header.json").read_text())
+    oracle = json.loads((tmp_path / "oracle" / "header.json").read_text())
+    for header in (recorded, replayed, oracle):
+        assert set(header) <= HEADER_KEYS, set(header) - HEADER_KEYS
+    assert "parent" in replayed and report["verified"]

@@ -126,8 +126,12 @@ def _verification(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    """The run's header: configuration numbers are not ids; user-chosen texts (paths, names) are scanned."""
-    from ..trace.run import FORMAT
+    """The run's header: the configuration numbers the trace code writes are not ids; user-chosen texts (paths,
+    names) are scanned, and so is everything the trace code does not write (numbers included): a key it has no
+    such field for, or a TrainingArguments field of the user's own subclass."""
+    from transformers import TrainingArguments
+
+    from ..trace.run import FORMAT, HEADER_KEYS
 
     header = _json(path, name)
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -138,6 +142,15 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
              "model.config._name_or_path": ((header.get("model") or {}).get("config") or {}).get("_name_or_path")}
     for key, value in texts.items():
         hits += scanner.scan_strings(value, field + key)
+    for key, value in header.items():
+        if key not in HEADER_KEYS:
+            hits += scanner.scan(value, field + key)
+    args = header.get("training_args")
+    if isinstance(args, dict):
+        standard = {f.name for f in dataclasses.fields(TrainingArguments)}
+        for key, value in args.items():
+            if key not in standard:
+                hits += scanner.scan(value, f"{field}training_args.{key}")
     for key in ("created", "finished"):
         if header.get(key) is not None and not (isinstance(header[key], str) and _TIME.match(header[key])):
             _fail(name, f"{key} is not a time")
@@ -182,6 +195,11 @@ def _sidecar(path: Path, name: str) -> None:
     text = path.read_text(encoding="utf-8", errors="replace")
     if not re.fullmatch(rf"[0-9a-f]{{64}}  {re.escape(target)}\n?", text):
         _fail(name, "not a SHA-256 sidecar (a digest and the file name)")
+    from ..trace.run import file_sha256
+
+    described = path.with_name(Path(target).name)
+    if described.is_file() and text[:64] != file_sha256(described):
+        _fail(name, f"its digest is not the SHA-256 of {target}")
 
 
 def select_provenance(trace_dir, scanner: IdScanner) -> tuple[dict[str, Path], dict[str, str], list[Hit]]:

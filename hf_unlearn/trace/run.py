@@ -33,6 +33,13 @@ from .tags import ids_digest
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, read_manifest, read_wal
 
 FORMAT = "hf_unlearn.trace.v2"
+# Every top-level key a recording or a replay writes into header.json; the Hub's provenance check scans anything
+# else (a value the trace code did not write) for forget ids, numbers included.
+HEADER_KEYS = frozenset({
+    "format", "run_id", "origin_run_id", "parent", "created", "finished", "sealed", "key_fingerprint", "model",
+    "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
+    "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
+    "distributed_type", "optimizer_steps", "microbatches"})
 SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
 
 
