@@ -125,7 +125,7 @@ class ForgetReceipt:
                         "without them, bit-identical to the oracle (a full replay from step 0 on the original store: "
                         "this checks the redaction and the suffix start; both use the same replay engine)" + caveat)
             if verified is False:
-                if (self.evidence.get("oracle") or {}).get("identical"):
+                if self._identical_but_unproven:
                     return ("exact deletion NOT verified: the states are bit-identical but the replay and oracle "
                             "folders are not proven to be a replay and an oracle of this run and request (see "
                             "evidence.oracle.problems); do not publish it as exact")
@@ -141,6 +141,11 @@ class ForgetReceipt:
         return {"format": RECEIPT_FORMAT, **asdict(self), "guarantee": self.guarantee, "ok": self.ok}
 
     @property
+    def _identical_but_unproven(self) -> bool:
+        """Not verified although the states are bit-identical: the folders' provenance failed."""
+        return self.evidence.get("verified") is False and bool((self.evidence.get("oracle") or {}).get("identical"))
+
+    @property
     def verdict(self) -> str:
         """The oracle check in a few words (exact deletion): VERIFIED needs bit-identity and provenance."""
         verified = self.evidence.get("verified")
@@ -148,7 +153,7 @@ class ForgetReceipt:
             return "not checked against the oracle (oracle=True / --oracle runs it)"
         if verified:
             return "VERIFIED bit-identical to the oracle"
-        if (self.evidence.get("oracle") or {}).get("identical"):
+        if self._identical_but_unproven:
             return "bit-identical to the oracle but NOT VERIFIED (provenance: see evidence.oracle.problems)"
         return "NOT identical to the oracle"
 
@@ -233,7 +238,8 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
     started = time.perf_counter()
     publish_error = None
-    with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite) as out, \
+    with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite,
+                       marker_check=_check_earlier_receipt) as out, \
             _library_progress(config.progress):
         if plan["mode"] == EXACT:
             receipt = _exact(plan, config, out, tokenizer, log)
@@ -264,14 +270,8 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         raise UnlearnError(f"forget runs in one process (this launch has {launched}): run `hf-unlearn forget` "
                            "without accelerate launch; a data-parallel recorded run is replayed with `hf-unlearn "
                            "trace replay` under its own launch")
-    check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite)
-    marker = Path(config.output_dir).expanduser() / RECEIPT_FILE
-    if config.overwrite and marker.is_file():  # any file named receipt.json is not an earlier output of forget
-        try:
-            load_receipt(marker)
-        except UnlearnError:
-            raise UnlearnError(f"--overwrite replaces only an earlier output of forget, and {marker} is not a forget "
-                               "receipt; choose a new folder") from None
+    check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite,
+                     marker_check=_check_earlier_receipt)
     check_repo_id(config.repo)
     source = os.fspath(model_or_run)
     run = is_trace_run(source)
@@ -668,9 +668,9 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
                            f"are not the replayed state (root {str(trace_params_root)[:16]}...) the evidence is about; "
                            "nothing was kept")
     if saved_files is not None:
-        from .hub.publish import CARD_INFO_FILE, hashed_files
+        from .hub.publish import CARD_INFO_FILE
 
-        now = {k: v for k, v in hashed_files(model_dir).items() if k != CARD_INFO_FILE}
+        now = {k: v for k, v in manifest["file_hashes"].items() if k != CARD_INFO_FILE}  # the card's info file is new
         changed = sorted(k for k in now.keys() | saved_files.keys() if now.get(k) != saved_files.get(k))
         if changed:
             raise UnlearnError(f"internal check: {', '.join(changed)} in {model_dir} changed after the replayed model "
@@ -817,6 +817,15 @@ def _write_receipt(receipt: ForgetReceipt, ids: list, out: Path) -> None:
     if leaked:  # a string id quoted anywhere in the receipt: refuse (numbers are checked by the tests' fuzzing)
         raise UnlearnError(f"internal check: the receipt would contain raw id {leaked[0]!r}; nothing was written")
     atomic_write_text(out / RECEIPT_FILE, text + "\n")
+
+
+def _check_earlier_receipt(marker: Path) -> None:
+    """--overwrite replaces an earlier output of forget, not a folder that merely holds a file named receipt.json."""
+    try:
+        load_receipt(marker)
+    except UnlearnError:
+        raise UnlearnError(f"--overwrite replaces only an earlier output of forget, and {marker} is not a forget "
+                           "receipt; choose a new folder") from None
 
 
 def load_receipt(path: str | os.PathLike) -> dict:

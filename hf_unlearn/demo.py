@@ -246,8 +246,6 @@ class _Stage:
 def _check_earlier_output(summary: Path) -> None:
     """The demo replaces its own earlier output in place; a folder that merely holds a file of that name (someone's
     notes called demo_summary.json) is not one, and is refused rather than deleted."""
-    if not summary.exists():
-        return
     try:
         stats = json.loads(summary.read_text())
         ok = isinstance(stats, dict) and isinstance(stats.get("stages"), list) and "total_s" in stats and all(
@@ -278,9 +276,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     if cfg.masc and cfg.authors - cfg.forget_authors < 2:
         raise UnlearnError("the MASC stage forgets another author and keeps at least one: use --authors >= "
                            f"{cfg.forget_authors + 2} (or --no-masc)")
-    _check_earlier_output(Path(cfg.output_dir).expanduser() / SUMMARY_FILE)
     started = time.perf_counter()
-    with output_folder(cfg.output_dir, marker=SUMMARY_FILE, overwrite=True) as out, _demo_key(out):
+    with output_folder(cfg.output_dir, marker=SUMMARY_FILE, overwrite=True, marker_check=_check_earlier_output) as out, \
+            _demo_key(out):
         stages = _run(cfg, out)
         total = time.perf_counter() - started
         _print(f"\n[5/5] summary ({total:.0f} s; {out})")

@@ -47,3 +47,14 @@ def has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def import_object(name: str):
+    """The object ``module:qualified.name`` names (a class, function or nested attribute)."""
+    import importlib
+
+    module, _, qual = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj

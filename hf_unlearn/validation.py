@@ -15,7 +15,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 from .errors import UnlearnError
@@ -211,16 +211,20 @@ def check_existing_folder(path: str | os.PathLike, what: str) -> Path:
 
 
 # -- output folders --------------------------------------------------------------------------------------------
-def check_new_output(path: str | os.PathLike, *, overwrite_marker: str | None = None, overwrite: bool = False) -> Path:
+def check_new_output(path: str | os.PathLike, *, overwrite_marker: str | None = None, overwrite: bool = False,
+                     marker_check: Callable[[Path], None] | None = None) -> Path:
     """An output folder that is new or empty; with ``overwrite``, one this library wrote (it holds ``overwrite_marker``).
 
-    Never deletes a folder the library did not write: a non-empty folder without the marker is an error.
+    Never deletes a folder the library did not write: a non-empty folder without the marker is an error, and
+    ``marker_check(marker_path)`` raises :class:`UnlearnError` when the file is merely named like the marker.
     """
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise UnlearnError(f"output {os.fspath(path)!r} exists and is a file; choose a folder name")
     if p.is_dir() and any(p.iterdir()):
         if overwrite and overwrite_marker and (p / overwrite_marker).is_file():
+            if marker_check is not None:
+                marker_check(p / overwrite_marker)
             return p
         hint = " (or --overwrite to replace an earlier output of the same command)" if overwrite_marker else ""
         raise UnlearnError(f"output folder {os.fspath(path)!r} exists and is not empty; choose a new folder{hint}")
@@ -245,7 +249,8 @@ def remove_empty_dirs(root: str | os.PathLike, *, include_root: bool = False) ->
 
 
 @contextlib.contextmanager
-def output_folder(path: str | os.PathLike, *, marker: str | None = None, overwrite: bool = False) -> Iterator[Path]:
+def output_folder(path: str | os.PathLike, *, marker: str | None = None, overwrite: bool = False,
+                  marker_check: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Create an output folder for a command and clean up after it.
 
     On success, empty sub-folders are removed. On failure, a folder the command created is removed with what it
@@ -253,7 +258,7 @@ def output_folder(path: str | os.PathLike, *, marker: str | None = None, overwri
     sub-folders. ``marker`` names the file that makes an earlier output replaceable with ``overwrite``: that output
     is moved aside while the command runs, deleted when it succeeds and put back when it fails.
     """
-    p = check_new_output(path, overwrite_marker=marker, overwrite=overwrite)
+    p = check_new_output(path, overwrite_marker=marker, overwrite=overwrite, marker_check=marker_check)
     previous = None
     if p.is_dir() and any(p.iterdir()):  # an earlier output of the same command, replaced on request
         import tempfile

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import UnlearnError
+from ..utils import import_object
 from .tokenize import IGNORE_INDEX
 
 
@@ -154,16 +155,6 @@ def collator_spec(collator, save_dir=None) -> dict:
     return {**spec, "kwargs": kwargs, "rebuildable": True}
 
 
-def _import(name: str):
-    import importlib
-
-    module, _, qual = name.partition(":")
-    obj = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def rebuild_collator(spec: dict | None, save_dir=None, model=None):
     """The collator a :func:`collator_spec` describes (tokenizers reloaded from ``save_dir``)."""
     from pathlib import Path
@@ -174,7 +165,7 @@ def rebuild_collator(spec: dict | None, save_dir=None, model=None):
         raise UnlearnError(f"the run's data collator ({name}) cannot be rebuilt from the trace"
                            f"{f' ({why})' if why else ''}; pass the same collator to the replay "
                            "(data_collator=..., or --collator module:callable on the command line)")
-    obj = _import(spec["class"])
+    obj = import_object(spec["class"])
     if spec.get("kind") == "function" or spec["kwargs"] is None:
         return obj
     kwargs = {}
@@ -208,7 +199,7 @@ def load_collator(reference: str):
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        obj = _import(name)
+        obj = import_object(name)
     except (ImportError, AttributeError) as e:
         raise UnlearnError(f"--collator {reference!r}: cannot import it ({e})") from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing: one line, cause chained

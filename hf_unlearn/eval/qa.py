@@ -8,7 +8,6 @@ same runner and metric functions, so they read the same way.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 from ..errors import UnlearnError
@@ -53,7 +52,7 @@ def evaluate_qa(model, tokenizer, sets: Mapping[str, Sequence[dict]], *, max_len
                                 progress=progress)
         nll = [s.mean_nll for s in stats]
         res = {"items": len(rows), "answer_loss": sum(nll) / len(nll),
-               "probability": sum(math.exp(-x) for x in nll) / len(nll), "rouge_l": None}
+               "probability": sum(M.probability(x) for x in nll) / len(nll), "rouge_l": None}
         if generate and text and _rouge_available():
             prompts = [prompt_ids(tokenizer, r["question"], chat) for r in rows]
             answers = generate_texts(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,

@@ -7,11 +7,11 @@ registry imports neither torch nor transformers, which keeps `hf-unlearn --help`
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import UnlearnError
+from ..utils import import_object
 
 
 @dataclass(frozen=True)
@@ -45,15 +45,15 @@ class MethodSpec:
 
     def classes(self) -> tuple[type, type]:
         """(trainer class, config class), imported on first use."""
-        return _resolve(self.trainer), _resolve(self.config)
+        return import_object(self.trainer), import_object(self.config)
 
     @property
     def trainer_class(self) -> type:
-        return _resolve(self.trainer)
+        return import_object(self.trainer)
 
     @property
     def config_class(self) -> type:
-        return _resolve(self.config)
+        return import_object(self.config)
 
     def make_config(self, **kwargs: Any):
         """The method's config with ``kwargs`` and the variant's ``preset`` applied."""
@@ -62,11 +62,6 @@ class MethodSpec:
                 raise UnlearnError(f"method {self.name!r} fixes {key}={value!r}; got {key}={kwargs[key]!r} "
                                    f"(use the base method to choose {key} yourself)")
         return self.config_class(**{**kwargs, **self.preset})
-
-
-def _resolve(path: str) -> type:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 _B = "hf_unlearn.methods.baselines"

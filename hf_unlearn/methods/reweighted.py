@@ -14,8 +14,7 @@ from .base import UnlearningConfig, UnlearningTrainer
 
 
 class _ReweightedAscentTrainer(UnlearningTrainer):
-    def forget_term(self, logits, labels):
-        raise NotImplementedError
+    """The shared forget/retain loop; each method's class defines ``forget_term(logits, labels)``."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return self.forget_retain_loss(model, inputs, lambda out, batch: self.forget_term(out.logits, batch["labels"]),

@@ -45,18 +45,19 @@ from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 IGNORE_INDEX = -100
 
 
+def _hashed_seed(text: str) -> int:
+    """63 bits of SHA-256(text): a seed that depends on nothing but the text."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
 def microbatch_seed(base: int, step: int, j: int) -> int:
     """The seed of microbatch ``j`` of optimizer step ``step`` (63 bits, independent of resumes)."""
-    d = hashlib.sha256(f"{base}:{step}:{j}".encode()).digest()
-    return int.from_bytes(d[:8], "little") & ((1 << 63) - 1)
+    return _hashed_seed(f"{base}:{step}:{j}")
 
 
 def rank_seed(seed: int, rank: int) -> int:
     """The seed process ``rank`` uses for a microbatch whose recorded seed is ``seed`` (rank 0: the seed itself)."""
-    if rank == 0:
-        return seed
-    d = hashlib.sha256(f"{seed}:rank{rank}".encode()).digest()
-    return int.from_bytes(d[:8], "little") & ((1 << 63) - 1)
+    return seed if rank == 0 else _hashed_seed(f"{seed}:rank{rank}")
 
 
 @contextmanager
@@ -195,7 +196,7 @@ def optimizer_spec(optimizer, model=None) -> dict:
 
 def build_optimizer(spec: dict, model, param_names: list[str]):
     """The optimizer :func:`optimizer_spec` describes, over ``model``'s parameters in the recorded order."""
-    from ..data.collators import _import
+    from ..utils import import_object
 
     named = dict(model.named_parameters())
     missing = [n for n in param_names if n not in named]
@@ -206,7 +207,7 @@ def build_optimizer(spec: dict, model, param_names: list[str]):
     for size in spec["group_sizes"]:
         groups.append({"params": params[i:i + size]})
         i += size
-    return _import(spec["class"])(groups, **spec["kwargs"])
+    return import_object(spec["class"])(groups, **spec["kwargs"])
 
 
 class TraceWriter:
@@ -498,8 +499,7 @@ class TraceRecordingTrainer(Trainer):
 
     def _check_model_rebuildable(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
-        peft = _peft_info(model)
-        base = peft["base"] if peft else model
+        peft, base = peft_and_base(model)
         if getattr(base, "config", None) is None or _importable_name(type(base)) is None:
             raise UnlearnError(f"a replay must rebuild the model and cannot: {type(base).__qualname__} is not an "
                                "importable transformers model with a config (pass model= to replays otherwise)")
@@ -656,8 +656,7 @@ class TraceRecordingTrainer(Trainer):
 
     def _save_model_files(self, run: Path) -> None:
         model = self.accelerator.unwrap_model(self.model)
-        peft = _peft_info(model)
-        base = peft["base"] if peft else model
+        peft, base = peft_and_base(model)
         if (run / "model").exists():
             shutil.rmtree(run / "model")
         base.config.save_pretrained(run / "model")
@@ -679,8 +678,7 @@ class TraceRecordingTrainer(Trainer):
     def _trace_header_dict(self, served, fingerprint: str, hazards: list[str], notes: list[str]) -> dict:
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
-        peft = _peft_info(model)
-        base = peft["base"] if peft else model
+        peft, base = peft_and_base(model)
         config = getattr(base, "config", None)
         opt = getattr(self.optimizer, "optimizer", self.optimizer)
         spec = collator_spec(self.data_collator, save_dir=self.trace_dir / "collator")
@@ -740,6 +738,12 @@ class TraceRecordingTrainer(Trainer):
             "world_size": self.accelerator.num_processes,
             "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
         }
+
+
+def peft_and_base(model) -> tuple[dict | None, object]:
+    """(:func:`_peft_info` of ``model``, the model under its adapter, or ``model`` itself without one)."""
+    peft = _peft_info(model)
+    return peft, (peft["base"] if peft else model)
 
 
 def _peft_info(model) -> dict | None:

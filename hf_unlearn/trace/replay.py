@@ -167,12 +167,12 @@ def model_from_run(run: TraceRun):
     """The run's model (its class, dtype, attention implementation and PEFT adapter) with fresh weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..data.collators import _import
+    from ..utils import import_object
 
     info = run.header["model"]
     config = AutoConfig.from_pretrained(run.path / "model")
     try:
-        cls = _import(f"{info['module']}:{info['class']}")
+        cls = import_object(f"{info['module']}:{info['class']}")
     except (ImportError, AttributeError):
         cls = AutoModelForCausalLM
     kwargs = {"dtype": getattr(torch, info.get("dtype") or "float32")}
@@ -189,11 +189,10 @@ def model_from_run(run: TraceRun):
 
 def _check_model(model, header: dict) -> None:
     """A model passed to a replay must be the recorded architecture (class, config, dtype, attention, adapter)."""
-    from .recording import _peft_info
+    from .recording import peft_and_base
 
     info = header["model"]
-    peft = _peft_info(model)
-    base = peft["base"] if peft else model
+    peft, base = peft_and_base(model)
     problems = []
     if type(base).__name__ != info["class"]:
         problems.append(f"class {type(base).__name__} (recorded {info['class']})")
