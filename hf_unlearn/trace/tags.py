@@ -118,3 +118,35 @@ def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required:
         raise UnlearnError(f"{own} is missing and the run records no key fingerprint: the run's HMAC key is needed "
                            "to map ids to slots (it never leaves the machine that recorded the run)")
     return key
+
+
+# ---- keyed controls -----------------------------------------------------------------------------------------
+# The ids digest covers which rows a microbatch holds; these MACs cover everything else that decides the state
+# (seeds, learning rates, steps, flags, normalisers, lengths, the run's arguments), so that editing a control in
+# the plan and the WAL, with their CRCs and sidecars recomputed, needs the key.
+MAC_BYTES = 8
+
+
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(key, b"hf_unlearn." + label + b"\0", hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def controls_chain_start(key: bytes, run_id: str) -> bytes:
+    """The value the first segment's MAC chains from: binds the chain to one run (the key tags many runs)."""
+    return _mac(key, b"controls.start.v1", str(run_id).encode())[:MAC_BYTES]
+
+
+def segment_mac(key: bytes, previous: bytes, controls: bytes) -> bytes:
+    """The keyed MAC of one accumulation segment's controls, chained to the previous segment's MAC (so segments
+    cannot be dropped, reordered or spliced from another run)."""
+    return _mac(key, b"controls.segment.v1", previous, controls)[:MAC_BYTES]
+
+
+def seal_mac(key: bytes, last: bytes, header_controls: bytes) -> str:
+    """The keyed seal over the last segment MAC and the header's state-deciding fields (a cut plan, an edited
+    learning rate in ``training_args``, ... fail it)."""
+    return _mac(key, b"controls.seal.v1", last, header_controls).hex()
