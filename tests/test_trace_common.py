@@ -103,3 +103,27 @@ def ids_at_step(run_dir, step: int) -> list:
     from hf_unlearn.trace.run import open_run
 
     return open_run(run_dir).ids_at_steps([step])
+
+
+def to_legacy_format(run) -> Path:
+    """Rewrite a run as runs were recorded before keyed controls: plan.jsonl (every field, no MAC), no
+    controls_mac in the header, sidecars rewritten. Only the plan file changes, so it is today's older format."""
+    import json
+
+    from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.run import write_sidecar
+
+    run = Path(run)
+    plan = read_plan(run)
+    (run / "plan.jsonl").write_text("".join(e.to_line() for e in plan))
+    for f in (run / "plan.bin", run / "plan.bin.sha256"):
+        f.unlink(missing_ok=True)
+    header = json.loads((run / "header.json").read_text())
+    header.pop("controls_mac", None)
+    if (header.get("parent") or {}).get("controls"):
+        header["parent"].pop("controls")
+    (run / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
+    if header.get("sealed"):
+        for name in ("header.json", "plan.jsonl"):
+            write_sidecar(run / name)
+    return run

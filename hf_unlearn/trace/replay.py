@@ -567,7 +567,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
                       origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
                       parent={"run": str(src), "run_id": self.run.header.get("run_id"), "start_step": start,
-                              "mode": self.mode})
+                              "mode": self.mode, "controls": self.run.report.summary.get("controls")})
         if self.mode == "oracle":
             header["dataset"]["store_sha256"] = None
         else:

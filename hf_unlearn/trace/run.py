@@ -58,7 +58,7 @@ SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
 KEYED_HEADER_KEYS = ("format", "run_id", "origin_run_id", "parent", "key_fingerprint", "model", "optimizer",
                      "training_args", "dataset", "collator", "dummy_token_id", "gradient_accumulation_steps",
                      "max_grad_norm", "world_size", "optimizer_steps", "microbatches", "hazards", "sealed")
-UNKEYED_CONTROLS = ("its controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
+UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
                     "of a seed, learning rate, step, flag or normaliser in both the plan and the WAL, with their CRCs "
                     "and sidecars rewritten, is not detected (the ids are keyed); record the run again for keyed "
                     "controls")
@@ -437,8 +437,11 @@ def _check_plan_frames(pscan, planned: int, rep: Report, sealed: bool) -> None:
 def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | None, rep: Report, sealed: bool) -> str:
     """Check the chained segment MACs and the header's keyed seal; returns what the summary says of the controls."""
     if pscan is None:
-        rep.notes.append(f"the run {UNKEYED_CONTROLS}")
+        rep.notes.append(UNKEYED_CONTROLS)
         return "unkeyed"
+    if (header.get("parent") or {}).get("controls") == "unkeyed":
+        rep.notes.append("the run replays a parent run whose controls are unkeyed (recorded with a plan.jsonl): its "
+                         "controls are keyed from the replay on, not checked against the recording")
     if key is None:
         rep.notes.append("the run's controls are keyed but were not checked: the run key is not available here")
         return "keyed, not checked (no key)"
