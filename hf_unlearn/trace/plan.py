@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..errors import UnlearnError
@@ -62,7 +62,7 @@ class PlanEntry:
     extra: dict = field(default_factory=dict)
 
     def to_line(self, sort_keys: bool = False) -> str:
-        d = asdict(self)
+        d = {f: getattr(self, f) for f in _FIELDS}  # not asdict: its deep copy dominated writing a plan
         for optional in ("group_lrs", "ranks", "batch"):
             if not d[optional]:
                 d.pop(optional)
@@ -81,6 +81,9 @@ class PlanEntry:
             raise UnlearnError(f"plan entry {self.mb} was run by {len(counts)} process(es), not {world}")
         start = sum(counts[:rank])
         return start, start + counts[rank]
+
+
+_FIELDS = tuple(f.name for f in fields(PlanEntry))
 
 
 def read_plan(path: str | Path) -> list[PlanEntry]:
