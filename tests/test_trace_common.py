@@ -113,9 +113,15 @@ def to_legacy_format(run) -> Path:
     from hf_unlearn.trace.plan import read_plan
     from hf_unlearn.trace.run import write_sidecar
 
+    from hf_unlearn.trace.tags import ids_digest, run_key
+    from hf_unlearn.trace.wal import WalRecord, read_wal
+
     run = Path(run)
     plan = read_plan(run)
     (run / "plan.jsonl").write_text("".join(e.to_line() for e in plan))
+    key = run_key(run)  # the WAL digests of older runs cover the ids only
+    (run / "wal.bin").write_bytes(b"".join(WalRecord(ids_digest(key, e.slots), r.seed, r.lr, r.step, r.length, r.flags)
+                                           .pack() for e, r in zip(plan, read_wal(run / "wal.bin").records)))
     for f in (run / "plan.bin", run / "plan.bin.sha256"):
         f.unlink(missing_ok=True)
     header = json.loads((run / "header.json").read_text())
@@ -124,6 +130,6 @@ def to_legacy_format(run) -> Path:
         header["parent"].pop("controls")
     (run / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
     if header.get("sealed"):
-        for name in ("header.json", "plan.jsonl"):
+        for name in ("header.json", "plan.jsonl", "wal.bin"):
             write_sidecar(run / name)
     return run

@@ -142,6 +142,29 @@ def test_forged_header_or_cut_plan_fails_the_keyed_seal(tmp_path):
                           "the run was sealed"]
 
 
+def test_a_run_rewritten_in_the_unkeyed_format_is_refused(tmp_path):
+    """The downgrade: plan.bin turned back into a plan.jsonl (no MACs to forge) with the seal removed. Without the
+    key the WAL keeps its keyed record digests, which an older run's ids-only check refuses, naming the entry."""
+    from hf_unlearn.trace import check_run
+    from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.run import write_sidecar
+    from hf_unlearn.trace.tags import run_key
+
+    run = copy_run(get_recorded(), tmp_path / "run")
+    plan = read_plan(run)
+    (run / "plan.jsonl").write_text("".join(e.to_line() for e in plan))
+    (run / "plan.bin").unlink()
+    (run / "plan.bin.sha256").unlink()
+    header = json.loads((run / "header.json").read_text())
+    del header["controls_mac"]
+    (run / "header.json").write_text(json.dumps(header))
+    for name in ("plan.jsonl", "header.json"):
+        write_sidecar(run / name)
+    rep, _, _ = check_run(run, key=run_key(run))
+    assert rep.errors[0].startswith("plan entry 0 and wal.bin record 0 (optimizer step 0) disagree: ids digest")
+    assert len(rep.errors) == 16
+
+
 def test_forged_seed_in_a_legacy_run_is_only_noted(tmp_path):
     """What 'unkeyed' means: the same forgery in a plan.jsonl run (today's format) passes the integrity check."""
     from hf_unlearn.trace import check_run

@@ -39,7 +39,7 @@ from ..utils import atomic_write_text
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .run import FORMAT, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
-from .tags import ids_digest, recording_key, tag
+from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
 IGNORE_INDEX = -100
@@ -257,7 +257,9 @@ class TraceWriter:
         self._plan.append(entries)
         for e in entries:
             flags = (FLAG_ACCUM_END if e.end else 0) | (FLAG_DUMMY if None in e.slots else 0)
-            rec = WalRecord(ids_digest(self.key, e.slots), e.seed, float(np.float32(e.lr)), e.step, len(e.slots), flags)
+            lr32 = float(np.float32(e.lr))
+            rec = WalRecord(record_digest(self.key, e.slots, e.seed, lr32, e.step, len(e.slots), flags), e.seed, lr32,
+                            e.step, len(e.slots), flags)
             self._manifest.write(manifest_bytes(e.slots))
             self._wal.write(rec.pack())
         for f in (self._plan, self._manifest, self._wal):

@@ -41,7 +41,7 @@ from .plan import (
     read_plan_jsonl,
     segments,
 )
-from .tags import ids_digest, seal_mac, segment_mac
+from .tags import ids_digest, record_digest, seal_mac, segment_mac
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, read_manifest, read_wal
 
 FORMAT = "hf_unlearn.trace.v2"
@@ -343,8 +343,11 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             bad.append("dummy flag")
         if e.j and plan[i - 1].step != e.step:
             bad.append(f"step {e.step} inside the segment of step {plan[i - 1].step}")
-        if key is not None and r.digest != ids_digest(key, e.slots):
+        if key is not None and pscan is None and r.digest != ids_digest(key, e.slots):
             bad.append("ids digest (the slots' ids differ)")
+        elif key is not None and pscan is not None and r.digest != record_digest(key, e.slots, r.seed, r.lr, r.step,
+                                                                                 r.length, r.flags):
+            bad.append("keyed record digest (the slots' ids or the record's controls differ)")
         if manifest[pos:pos + len(e.slots)] != e.slots:
             bad.append("id manifest")
         if e.ranks is not None and sum(e.ranks) != len(e.slots):

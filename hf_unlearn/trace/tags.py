@@ -135,6 +135,20 @@ def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
+def record_digest(key: bytes, tags: list[str | None], seed: int, lr32: float, step: int, length: int,
+                  flags: int) -> int:
+    """The WAL record digest of runs with keyed controls: the ids digest's slots and the record's own controls under
+    the key (so a WAL edited alone, or a run rewritten in the older unkeyed format, fails the check)."""
+    import struct
+
+    controls = struct.pack("<QfIHH", seed, lr32, step, length, flags)
+    h = hmac.new(key, b"hf_unlearn.wal_record.v2", hashlib.sha256)
+    for t in tags:
+        h.update(bytes.fromhex(t) if t else NULL_TAG)
+    h.update(controls)
+    return int.from_bytes(h.digest()[:8], "little")
+
+
 def controls_chain_start(key: bytes, run_id: str) -> bytes:
     """The value the first segment's MAC chains from: binds the chain to one run (the key tags many runs)."""
     return _mac(key, b"controls.start.v1", str(run_id).encode())[:MAC_BYTES]
