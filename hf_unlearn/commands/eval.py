@@ -59,6 +59,10 @@ def _common(p, out_default: str) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-items", type=int, default=None, help="evaluate only the first N items of every set")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--preset", choices=("hf-unlearn", "open-unlearning"), default=None,
+                   help="evaluation conventions: open-unlearning = OpenUnlearning's (zlib on the decoded answer "
+                        "tokens, Min-k%%++ variance floor 1e-6, privleak texts cut at 2048; see hf_unlearn.presets); "
+                        "explicit options win")
     p.add_argument("--mia-attacks", default=None,
                    help="comma list of membership-inference attacks (default all: loss,zlib,min_k,min_k_plus_plus,"
                         "gradnorm,reference; leaving out gradnorm saves one backward per forget/holdout item)")
@@ -78,7 +82,7 @@ def _tofu_options(p) -> None:
 def _muse_options(p) -> None:
     _common(p, "eval_results")
     p.add_argument("--muse", default=None, help="local MUSE-News folder (default: $HF_UNLEARN_DATA_DIR/muse_news)")
-    p.add_argument("--max-length", type=int, default=1024, help="tokens of each privleak text scored")
+    p.add_argument("--max-length", type=int, default=None, help="tokens of each privleak text scored (default 2048)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="last tokens of each verbmem prompt kept")
     p.add_argument("--verbmem-max-new-tokens", type=int, default=128)
     p.add_argument("--knowmem-max-new-tokens", type=int, default=32)
@@ -119,8 +123,19 @@ def parse_ids(spec: str | None) -> list[int] | None:
     return ids
 
 
+def _preset(args, benchmark: str) -> dict:
+    """The preset's evaluation keywords, minus those the user gave explicitly (``--max-length``)."""
+    from ..presets import evaluation_preset
+
+    values = evaluation_preset(getattr(args, "preset", None), benchmark)
+    if getattr(args, "max_length", None) is not None:
+        values["max_length"] = args.max_length
+    return values
+
+
 def _tofu_kwargs(args) -> dict:
     return dict(
+        **_preset(args, "tofu"),
         forget_split=args.forget_split,
         tofu_path=args.tofu,
         forget_ids=parse_ids(args.forget_ids),
@@ -223,7 +238,7 @@ def run_muse(args) -> int:
     model, tok = _load(args.model)
     result = evaluate_muse_news(
         model, tok, muse_path=args.muse, reference=args.reference, batch_size=args.batch_size,
-        max_items=args.max_items, max_length=args.max_length, max_prompt_tokens=args.max_prompt_tokens,
+        max_items=args.max_items, **_preset(args, "muse_news"), max_prompt_tokens=args.max_prompt_tokens,
         verbmem_max_new_tokens=args.verbmem_max_new_tokens,
         knowmem_max_new_tokens=args.knowmem_max_new_tokens, knowmem_examples=examples,
         mia_attacks=attacks, progress=not args.quiet,
@@ -239,13 +254,9 @@ def run_quantized(args) -> int:
     model, tok = _load(args.model)
     if args.benchmark == "tofu":
         kwargs = _tofu_kwargs(args)
-        if args.max_length:
-            kwargs["max_length"] = args.max_length
     else:
         kwargs = dict(muse_path=args.muse, batch_size=args.batch_size, max_items=args.max_items,
-                      mia_attacks=attacks, progress=not args.quiet)
-        if args.max_length:
-            kwargs["max_length"] = args.max_length
+                      mia_attacks=attacks, progress=not args.quiet, **_preset(args, "muse_news"))
     comparison = evaluate_quantized(model, tok, bits=args.bits, quant_type=args.quant_type,
                                     benchmark=args.benchmark.replace("-", "_"), reference=args.reference, **kwargs)
     _write(comparison, Path(args.out), "quantized_results")
