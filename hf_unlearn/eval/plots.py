@@ -1,4 +1,4 @@
-"""Plots people would rather look at than read: truth-ratio histograms and the forget/utility trade-off.
+"""Plots people would rather look at than read: truth-ratio histograms, the forget/utility trade-off, recovery curves.
 
 matplotlib is imported inside each function (with the non-interactive Agg backend), never at package import.
 """
@@ -83,6 +83,37 @@ def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | 
     ax.set(xlabel=x, ylabel=y, title="forget / utility trade-off")
     if x == "forget_quality":
         ax.set_xscale("log")
+    return _save(fig, path)
+
+
+def plot_recovery_curves(results, path: str | os.PathLike = "recovery.png") -> Path:
+    """Relearning curves of :class:`~hf_unlearn.eval.robustness.RobustnessResult` objects (or JSON paths): the
+    recovery fraction per step for every attacked model, or the held-out forget probability where the result has no
+    original model to measure recovery against. ``results``: one result, or ``{label: result}`` (several methods)."""
+    from .robustness import RobustnessResult
+
+    plt = _pyplot()
+    if not isinstance(results, Mapping):
+        results = {"": results}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ylabel = "recovery fraction"
+    for label, r in results.items():
+        r = r if isinstance(r, RobustnessResult) else RobustnessResult.from_json(r)
+        steps = r.summary.get("steps") or []
+        if not steps:
+            raise UnlearnError(f"result {label or 'given'!r} has no relearning curve")
+        for name, m in r.summary["models"].items():
+            points = m.get("relearning")
+            if not points or name == "original":
+                continue
+            key = "recovery" if points[0].get("recovery") is not None else "probability"
+            if key == "probability":
+                ylabel = "held-out forget probability (no original model: no recovery fraction)"
+            tag = f"{label} {name}".strip() if label else name
+            ax.plot(steps, [p.get(key) for p in points], "o-" if name == "model" else "s--", label=tag, alpha=0.85)
+    ax.set(xlabel="relearning steps on the other half of the forget rows", ylabel=ylabel,
+           title="relearning attack")
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 

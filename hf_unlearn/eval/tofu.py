@@ -142,6 +142,7 @@ def _qa(row: dict, perturbed: dict | None) -> dict:
     if perturbed is not None:
         item["paraphrased_answer"] = perturbed.get("paraphrased_answer", row["answer"])
         item["perturbed_answer"] = list(perturbed["perturbed_answer"])
+        item["paraphrased_question"] = perturbed.get("paraphrased_question")  # for the robustness evaluation
     return item
 
 
