@@ -583,11 +583,10 @@ def _preset_values(config: ForgetConfig, spec, n_forget_rows: int) -> dict:
            "per_device_train_batch_size": "batch_size", "max_length": "max_length"}
     defaults = {f.name: f.default for f in fields(ForgetConfig)}
     values = {key: getattr(config, name) for key, name in own.items()}
-    preset = training_preset(config.preset, spec.name, n_forget_rows, fixed=spec.preset)
-    for key, value in preset.items():
-        name = own.get(key)
-        if name is None or getattr(config, name) == defaults[name]:
-            values[key] = value
+    if config.preset not in (None, "hf-unlearn"):  # the preset's value where an option is left at its default
+        values = {key: value for key, value in values.items() if value != defaults[own[key]]}
+    values = {**values, **training_preset(config.preset, spec.name, n_forget_rows, fixed=spec.preset,
+                                          overrides=values)}
     values["per_device_eval_batch_size"] = values["per_device_train_batch_size"]
     return values
 

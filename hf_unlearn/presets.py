@@ -94,22 +94,26 @@ def warmup_steps(n_forget_rows: int, batch_size: int, accumulation: int, epochs:
 
 
 def training_preset(preset: str | None, method: str, n_forget_rows: int | None = None,
-                    world_size: int = 1, fixed: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Config keyword arguments of ``preset`` for ``method`` (empty for None / ``hf-unlearn``, the defaults).
+                    world_size: int = 1, fixed: dict[str, Any] | None = None,
+                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Config keyword arguments of ``preset`` for ``method``, with ``overrides`` (the options given explicitly) on top;
+    None / ``hf-unlearn`` give ``overrides`` alone (the config's own defaults apply).
 
-    ``n_forget_rows`` sets the one warm-up epoch as ``warmup_steps`` (left out when None). ``fixed``: values a
-    registry variant fixes itself (``npo_klr``'s KL retain term), which the preset leaves alone. Not set: the optimizer
-    (OpenUnlearning uses bitsandbytes' paged AdamW, the same update with paged memory) and bf16, which are device
-    choices.
+    ``n_forget_rows`` sets the one warm-up epoch as ``warmup_steps`` from the final batch size and accumulation (left
+    out when None). ``fixed``: values a registry variant fixes itself (``npo_klr``'s KL retain term), which the preset
+    leaves alone. Not set: the optimizer (OpenUnlearning uses bitsandbytes' paged AdamW, the same update with paged
+    memory) and bf16, which are device choices.
     """
+    overrides = dict(overrides or {})
     if check_preset(preset) in (None, "hf-unlearn"):
-        return {}
+        return overrides
     base = method.split("_")[0] if method.startswith(("npo", "simnpo")) else method
-    values = {**_OU_TRAINING, **_OU_METHODS.get(base, {})}
-    if n_forget_rows is not None:
+    values = {k: v for k, v in {**_OU_TRAINING, **_OU_METHODS.get(base, {})}.items() if k not in (fixed or {})}
+    values.update(overrides)
+    if n_forget_rows is not None and "warmup_steps" not in overrides:
         values["warmup_steps"] = warmup_steps(n_forget_rows, values["per_device_train_batch_size"],
                                               values["gradient_accumulation_steps"], world_size=world_size)
-    return {k: v for k, v in values.items() if k not in (fixed or {})}
+    return values
 
 
 def evaluation_preset(preset: str | None, benchmark: str) -> dict[str, Any]:

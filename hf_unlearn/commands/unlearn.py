@@ -121,8 +121,8 @@ def run(args) -> int:
     budget = {k: v for k, v in budget.items() if v is not None}
 
     def make_config(n_forget_rows=None):
-        values = {**CLI_BUDGET, **training_preset(args.preset, args.method, n_forget_rows, fixed=spec.preset),
-                  **budget, **options}
+        values = {**CLI_BUDGET, **training_preset(args.preset, args.method, n_forget_rows, fixed=spec.preset,
+                                                  overrides={**budget, **options})}
         values.setdefault("per_device_eval_batch_size", values["per_device_train_batch_size"])
         return spec.make_config(
             output_dir=args.out, max_steps=args.max_steps, seed=args.seed, save_strategy="no", report_to=[],
