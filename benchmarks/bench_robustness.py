@@ -139,15 +139,23 @@ def main(argv=None) -> int:
         print(f"{key}: {steps_run} steps, recovery {results[key].curves()['model']}", flush=True)
 
     header = ["model", "forget prob."] + [f"recovery @{k}" for k in steps] + \
+        [f"recovery @{steps[-1]} / exact's", f"held-out prob. @{steps[-1]} / exact's"] + \
         [f"{b}-bit recovery" for b in bits] + ["paraphrase prob.", "probe acc. (best layer)"]
+    exact_last = results["exact deletion"].summary["models"]["model"]["relearning"][-1]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def f(x):
         return "n/a" if x is None else f"{x:.3g}"
 
+    def ratio(a, b):
+        return None if a is None or not b else a / b
+
     for key, r in results.items():
         m = r.summary["models"]["model"]
+        last = m["relearning"][-1]
         cells = [key, f(m["forget"]["probability"])] + [f(p["recovery"]) for p in m["relearning"]]
+        cells += [f(ratio(last["recovery"], exact_last["recovery"])),
+                  f(ratio(last["probability"], exact_last["probability"]))]
         cells += [f(m["quantization"][str(b)]["recovery"]) for b in bits]
         cells += [f(m.get("paraphrase", {}).get("probability")), f(m.get("probe", {}).get("max"))]
         lines.append("| " + " | ".join(cells) + " |")
