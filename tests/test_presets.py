@@ -174,3 +174,18 @@ def test_forget_preset_keeps_options_set_away_from_their_defaults():
         from hf_unlearn import forget
 
         forget("missing-model", [1], "unused-out", preset="ou")
+
+
+def test_eval_commands_pass_the_preset_and_explicit_options_win():
+    from hf_unlearn.cli import build_parser
+    from hf_unlearn.commands.eval import _preset, _tofu_kwargs
+
+    parser = build_parser()
+    tofu = _tofu_kwargs(parser.parse_args(["eval", "tofu", "m", "--preset", "open-unlearning"]))
+    assert (tofu["zlib_text"], tofu["variance_floor"], tofu["max_length"]) == ("decoded", 1e-6, 512)
+    assert "zlib_text" not in _tofu_kwargs(parser.parse_args(["eval", "tofu", "m"]))
+    muse = parser.parse_args(["eval", "muse-news", "m", "--preset", "open-unlearning", "--max-length", "1024"])
+    assert _preset(muse, "muse_news") == {"max_length": 1024, "variance_floor": 1e-6}
+    assert _preset(parser.parse_args(["eval", "muse-news", "m"]), "muse_news") == {}  # evaluate_muse_news: 2048
+    quantized = parser.parse_args(["eval", "quantized", "m", "--preset", "open-unlearning"])
+    assert _tofu_kwargs(quantized)["zlib_text"] == "decoded"
