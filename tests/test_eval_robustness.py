@@ -127,6 +127,8 @@ def test_relearn_rows_named_and_bad_input():
         split_relearn_rows(rows[:1])
     with pytest.raises(UnlearnError, match="unknown robustness attack"):
         evaluate_robustness(None, None, rows, attacks=["jailbreak"])
+    with pytest.raises(UnlearnError, match="steps must be >= 0"):  # before any model is touched
+        evaluate_robustness(None, None, rows, steps=(-1, 10))
 
 
 def test_recovery_fraction():

@@ -102,6 +102,15 @@ def answer_metrics(model, tokenizer, encodings: Sequence[dict], *, batch_size: i
             "extraction_strength": M.nanmean([M.extraction_strength(b.correct) for b in bodies])}
 
 
+def _check_relearning(steps, learning_rate: float, batch_size: int) -> list[int]:
+    steps = sorted({int(k) for k in steps})
+    if not steps or steps[0] < 0:
+        raise UnlearnError(f"relearning steps must be >= 0, got {steps}")
+    if learning_rate <= 0 or batch_size < 1:
+        raise UnlearnError("the relearning learning rate must be > 0 and its batch size >= 1")
+    return steps
+
+
 def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Sequence[dict], *,
                      steps: Sequence[int] = DEFAULT_STEPS, learning_rate: float = 1e-5, batch_size: int = 4,
                      seed: int = 0, batch_size_eval: int = 16, progress: bool = True,
@@ -119,11 +128,7 @@ def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Seque
     from ..data.collators import QACollator
     from ..methods.base import independent_generator
 
-    steps = sorted({int(k) for k in steps})
-    if not steps or steps[0] < 0:
-        raise UnlearnError(f"relearning steps must be >= 0, got {steps}")
-    if learning_rate <= 0 or batch_size < 1:
-        raise UnlearnError("the relearning learning rate must be > 0 and its batch size >= 1")
+    steps = _check_relearning(steps, learning_rate, batch_size)
     collate = QACollator.from_tokenizer(tokenizer)
     attacked = copy.deepcopy(model)
     device = next(attacked.parameters()).device
@@ -306,6 +311,8 @@ def evaluate_robustness(
     bits = [int(b) for b in bits] if "quantization" in attacks else []
     if any(b not in (4, 8) for b in bits):
         raise UnlearnError(f"quantisation bits must be 4 or 8, got {bits}")
+    if "relearning" in attacks:
+        _check_relearning(steps, learning_rate, relearn_batch_size)
     chat = resolve_chat_template(tokenizer, use_chat_template)
     rows, holdout = _rows(forget_rows), _rows(holdout_rows)
     relearn_rows, evaluated_rows = split_relearn_rows(rows, relearn_ids, seed)
