@@ -119,10 +119,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     finetuned, exact, tok, forget, retain, forget_ids = prepare(args)
-    rows, holdout = tofu_robustness_rows("forget10", forget_ids=forget_ids)
+    sets = tofu_robustness_rows("forget10", forget_ids=forget_ids, retain_ids=list(retain["id"]))
     steps = [int(k) for k in args.steps.split(",")]
     bits = [int(b) for b in args.bits.split(",") if b.strip()]
-    attack = dict(original=finetuned, holdout_rows=holdout, steps=steps, learning_rate=args.relearn_lr, bits=bits,
+    rows = sets["forget"]
+    attack = dict(original=finetuned, holdout_rows=sets["holdout"], probe_rows=sets["retain"], steps=steps, learning_rate=args.relearn_lr, bits=bits,
                   seed=args.seed, max_length=args.max_length, progress=False)
     results, runs = {}, {}
     started = time.process_time()
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
 
     header = ["model", "forget prob."] + [f"recovery @{k}" for k in steps] + \
         [f"recovery @{steps[-1]} / exact's", f"held-out prob. @{steps[-1]} / exact's"] + \
-        [f"{b}-bit recovery" for b in bits] + ["paraphrase prob.", "probe acc. (best layer)"]
+        [f"{b}-bit recovery" for b in bits] + ["paraphrase prob.", "membership probe", "truth probe"]
     exact_last = results["exact deletion"].summary["models"]["model"]["relearning"][-1]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
@@ -157,13 +158,15 @@ def main(argv=None) -> int:
         cells += [f(ratio(last["recovery"], exact_last["recovery"])),
                   f(ratio(last["probability"], exact_last["probability"]))]
         cells += [f(m["quantization"][str(b)]["recovery"]) for b in bits]
-        cells += [f(m.get("paraphrase", {}).get("probability")), f(m.get("probe", {}).get("max"))]
+        cells += [f(m.get("paraphrase", {}).get("probability")), f(m.get("probe", {}).get("max")),
+                  f(m.get("truth_probe", {}).get("max"))]
         lines.append("| " + " | ".join(cells) + " |")
     orig = results["exact deletion"].summary["models"]["original"]
     lines.append(f"\nfine-tuned (before unlearning): forget probability {orig['forget']['probability']:.3g}, "
                  f"measured half {orig['evaluated_half']['probability']:.3g}, paraphrased "
-                 f"{orig.get('paraphrase', {}).get('probability', float('nan')):.3g}, probe "
-                 f"{orig.get('probe', {}).get('max', float('nan')):.3g}")
+                 f"{orig.get('paraphrase', {}).get('probability', float('nan')):.3g}, membership probe "
+                 f"{orig.get('probe', {}).get('max', float('nan')):.3g}, truth probe "
+                 f"{orig.get('truth_probe', {}).get('max', float('nan')):.3g}")
     table = "\n".join(lines) + "\n"
     print(table)
     out = Path(args.out)

@@ -58,12 +58,12 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rows():
-    return tofu_robustness_rows("forget01", TOFU_DIR, forget_ids=FORGET_IDS)
+    return tofu_robustness_rows("forget01", TOFU_DIR, forget_ids=FORGET_IDS, retain_ids=range(20))
 
 
 def _relearn(models, rows, **kw):
     tok, finetuned, ascent, exact = models
-    return evaluate_robustness(ascent, tok, rows[0], original=finetuned, reference=exact, reference_name="exact",
+    return evaluate_robustness(ascent, tok, rows["forget"], original=finetuned, reference=exact, reference_name="exact",
                                steps=(0, 5, 10), learning_rate=1e-3, attacks=["relearning"], max_length=MAX_LENGTH,
                                progress=False, **kw)
 
@@ -86,16 +86,16 @@ def test_attacks_never_modify_the_models_and_are_deterministic(models, rows, tmp
     before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in
               (("ascent", ascent), ("exact", exact))}
     rng = torch.random.get_rng_state()
-    kw = dict(original=finetuned, reference=exact, reference_name="exact", holdout_rows=rows[1], steps=(0, 3), learning_rate=1e-3,
+    kw = dict(original=finetuned, reference=exact, reference_name="exact", holdout_rows=rows["holdout"], probe_rows=rows["retain"], steps=(0, 3), learning_rate=1e-3,
               bits=(4, 8), max_length=MAX_LENGTH, progress=False, seed=1)
-    first = evaluate_robustness(ascent, tok, rows[0], **kw)
-    second = evaluate_robustness(ascent, tok, rows[0], **kw)
+    first = evaluate_robustness(ascent, tok, rows["forget"], **kw)
+    second = evaluate_robustness(ascent, tok, rows["forget"], **kw)
     assert json.dumps(first.to_dict()) == json.dumps(second.to_dict())
     assert torch.equal(torch.random.get_rng_state(), rng)  # the caller's RNG is left as it was
     for name, m in (("ascent", ascent), ("exact", exact)):
         assert all(torch.equal(v, before[name][k]) for k, v in m.state_dict().items()), name
         assert not m.training
-    other = evaluate_robustness(ascent, tok, rows[0], **{**kw, "seed": 2, "bits": (), "attacks": ["relearning"]})
+    other = evaluate_robustness(ascent, tok, rows["forget"], **{**kw, "seed": 2, "bits": (), "attacks": ["relearning"]})
     assert other.meta["relearn_ids"] != first.meta["relearn_ids"]
 
     s = first.summary["models"]
@@ -104,8 +104,10 @@ def test_attacks_never_modify_the_models_and_are_deterministic(models, rows, tmp
         assert 0 <= s[name]["quantization"]["4"]["probability"] <= 1
         assert s[name]["paraphrase"]["probability"] > 0  # TOFU's paraphrased questions (retain_perturbed ids)
         assert len(s[name]["probe"]["by_layer"]) == 3 and s[name]["probe"]["chance"] == 0.5
+        assert len(s[name]["truth_probe"]["by_layer"]) == 3 and 0 <= s[name]["truth_probe"]["max"] <= 1
     md = first.to_markdown()
     assert "4-bit quantisation" in md and "paraphrased questions" in md and "linear probe" in md
+    assert "truth probe" in md
     path = first.to_json(tmp_path / "r.json")
     from hf_unlearn.eval.plots import plot_recovery_curves
     from hf_unlearn.eval.robustness import RobustnessResult
@@ -147,7 +149,7 @@ def test_cli_writes_table_json_and_plot(models, tmp_path, capsys):
         tok.save_pretrained(tmp_path / name)
     out = tmp_path / "out"
     assert main(["eval", "robustness", str(tmp_path / "ascent"), "--original", str(tmp_path / "ft"), "--tofu",
-                 str(TOFU_DIR), "--forget-ids", "20-29", "--relearn-ids", "20-24", "--steps", "0,2", "--lr", "1e-3",
+                 str(TOFU_DIR), "--forget-ids", "20-29", "--retain-ids", "0-19", "--relearn-ids", "20-24", "--steps", "0,2", "--lr", "1e-3",
                  "--bits", "none", "--attacks", "relearning,paraphrase", "--max-length", str(MAX_LENGTH), "--quiet",
                  "--out", str(out)]) == 0
     assert "relearning, 2 steps" in capsys.readouterr().out

@@ -58,6 +58,8 @@ def register(parser) -> None:
     p.add_argument("--forget-split", default="forget10", choices=("forget01", "forget05", "forget10"))
     p.add_argument("--forget-ids", default=None, help="TOFU ids of the forgotten rows: 3600-3639,3700 or a file")
     p.add_argument("--relearn-ids", default=None, help="forget rows to relearn on (default: a seeded half)")
+    p.add_argument("--retain-ids", default=None,
+                   help="rows every model kept, for the truth probe (default: retain_perturbed minus the forget ids)")
     p.add_argument("--tofu", default=None, help="local TOFU folder (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)")
     p.add_argument("--max-items", type=int, default=None, help="only the first N forget (and holdout) rows")
     p.add_argument("--steps", default="0,10,25,50", help="relearning steps measured (default 0,10,25,50)")
@@ -316,14 +318,14 @@ def run_robustness(args) -> int:
     if not bits:
         attacks = [a for a in attacks if a != "quantization"]
     max_length = args.max_length or 512
-    forget, holdout = tofu_robustness_rows(args.forget_split, args.tofu, parse_ids(args.forget_ids),
-                                           max_items=args.max_items)  # data problems fail before models load
+    sets = tofu_robustness_rows(args.forget_split, args.tofu, parse_ids(args.forget_ids), parse_ids(args.retain_ids),
+                                max_items=args.max_items)  # data problems fail before models load
     model, tok = _load(args.model)
     original = load_model(args.original) if args.original else None
     reference = load_model(args.reference) if args.reference else None
     result = evaluate_robustness(
-        model, tok, forget, original=original, reference=reference, reference_name=args.reference_name,
-        holdout_rows=holdout, relearn_ids=parse_ids(args.relearn_ids), steps=steps or [0], learning_rate=args.lr,
+        model, tok, sets["forget"], original=original, reference=reference, reference_name=args.reference_name,
+        holdout_rows=sets["holdout"], probe_rows=sets["retain"], relearn_ids=parse_ids(args.relearn_ids), steps=steps or [0], learning_rate=args.lr,
         relearn_batch_size=args.relearn_batch_size, bits=bits, attacks=attacks, seed=args.seed,
         use_chat_template={"auto": None, "yes": True, "no": False}[args.chat_template], max_length=max_length,
         batch_size=args.batch_size, progress=not args.quiet)

@@ -15,7 +15,10 @@ deletion of the same rows) so that a number is read against what a model that ne
   the trained wording is shallow).
 * **linear probe**: per layer, a cross-validated logistic-regression probe on the mean hidden state of the forget
   answers against holdout answers (:func:`hf_unlearn.analysis.probes.probe_by_layer`): above the reference's accuracy
-  means the forget rows are still recognisable in the representations.
+  means the forget rows are still recognisable in the representations; and a **truth probe**: fitted on the hidden
+  states of true vs perturbed answers of rows every model kept (``probe_rows``), scored on the forget rows' true vs
+  perturbed answers (TOFU's ``perturbed_answer``): above the reference means the forgotten answers are still told
+  apart from false ones inside the model.
 
 The evaluated models are never modified (relearning and quantisation work on copies, scoring runs in eval mode and
 restores the training flag), and the result is a function of the models, the rows and ``seed``.
@@ -206,6 +209,22 @@ def probe_scores(model, forget_enc, holdout_enc, pad_id: int, seed: int = 0) -> 
     return {"by_layer": by_layer, "max": max(by_layer), "chance": majority_baseline(labels)}
 
 
+def truth_probe_scores(model, train: tuple[Sequence[dict], Sequence[dict]], test: tuple[Sequence[dict], Sequence[dict]],
+                       pad_id: int) -> dict[str, Any]:
+    """Per layer, a probe fitted on the mean answer hidden states of true vs perturbed answers of ``train`` (rows the
+    models kept) and scored on ``test`` (the forget rows): can the hidden states still tell a forgotten answer from a
+    false one? ``train``/``test``: (true-answer encodings, perturbed-answer encodings)."""
+    from ..analysis.probes import transfer_accuracy
+
+    n_train, n_test = len(train[0]) + len(train[1]), len(test[0]) + len(test[1])
+    states = answer_hidden_states(model, [*train[0], *train[1], *test[0], *test[1]], pad_id)
+    y_train = [1] * len(train[0]) + [0] * len(train[1])
+    y_test = [1] * len(test[0]) + [0] * len(test[1])
+    by_layer = [transfer_accuracy(layer[:n_train], y_train, layer[n_train:n_train + n_test], y_test)
+                for layer in states]
+    return {"by_layer": by_layer, "max": max(by_layer), "chance": 0.5}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the evaluation
 
@@ -213,8 +232,8 @@ def probe_scores(model, forget_enc, holdout_enc, pad_id: int, seed: int = 0) -> 
 class RobustnessResult(EvalResult):
     """``summary``: ``{"steps", "models": {name: {...}}}``; per model ``relearning`` (one dict per step: probability,
     exact memorisation, extraction strength, ``recovery``), ``quantization`` (``{bits: metrics + recovery}``),
-    ``paraphrase`` (metrics on the paraphrased questions and on the originals), ``probe`` (per-layer accuracy, max,
-    chance) and ``forget`` (the metrics on every forget row, the baseline of quantisation). Names: ``model``,
+    ``paraphrase`` (metrics on the paraphrased questions and on the originals), ``probe`` and ``truth_probe``
+    (per-layer accuracy, max, chance) and ``forget`` (the metrics on every forget row, the baseline of quantisation). Names: ``model``,
     ``original`` (before unlearning: the recovery baseline) and the reference's name."""
 
     kind = "robustness"
@@ -249,10 +268,20 @@ class RobustnessResult(EvalResult):
         if any(models[n].get("probe") for n in names):
             row = [fmt((models[n].get("probe") or {}).get("max")) for n in names]
             lines.append("| linear probe, best layer accuracy (forget vs holdout) | " + " | ".join(row) + " |")
+        if any(models[n].get("truth_probe") for n in names):
+            row = [fmt((models[n].get("truth_probe") or {}).get("max")) for n in names]
+            lines.append("| truth probe, best layer accuracy (forget answers vs perturbed) | " + " | ".join(row) + " |")
         notes = self.meta.get("notes") or []
         if notes:
             lines += [""] + [f"- {n}" for n in notes]
         return "\n".join(lines) + "\n"
+
+
+def _truth_pairs(tokenizer, rows, chat: bool, max_length: int) -> tuple[list[dict], list[dict]]:
+    """(true-answer, first perturbed-answer) encodings of the rows that have a ``perturbed_answer``."""
+    rows = [r for r in rows if r.get("perturbed_answer")]
+    false = [{**r, "answer": r["perturbed_answer"][0]} for r in rows]
+    return _encode(tokenizer, rows, chat, max_length), _encode(tokenizer, false, chat, max_length)
 
 
 def _rows(rows) -> list[dict]:
@@ -277,6 +306,7 @@ def evaluate_robustness(
     reference=None,
     reference_name: str = "reference",
     holdout_rows=None,
+    probe_rows=None,
     relearn_ids: Iterable | None = None,
     steps: Sequence[int] = DEFAULT_STEPS,
     learning_rate: float = 1e-5,
@@ -296,7 +326,9 @@ def evaluate_robustness(
             for the paraphrase attack, ``paraphrased_question``; :func:`tofu_robustness_rows` builds them for TOFU).
         original: the model before unlearning (the recovery baseline ``p_before``); without it recovery is None.
         reference: a retain-only model or the exact deletion of the same rows, attacked the same way.
-        holdout_rows: rows none of the models trained on, for the probe (same keys); without them no probe.
+        holdout_rows: rows none of the models trained on, for the membership probe (same keys); without them none.
+        probe_rows: rows every model trained on and kept (retain rows) with ``perturbed_answer``, for the truth
+            probe (fitted on them, scored on the forget rows that have a ``perturbed_answer``); without them none.
         relearn_ids: the forget rows to relearn on (default: a seeded half); the others are measured.
         steps: relearning steps at which to measure (0 = before relearning).
         bits: quantisation widths (4 = NF4, 8 = LLM.int8) to re-evaluate; needs bitsandbytes.
@@ -334,6 +366,11 @@ def evaluate_robustness(
     enc_para = _encode(tokenizer, para_rows, chat, max_length, "paraphrased_question") if para_rows else []
     enc_para_orig = _encode(tokenizer, para_rows, chat, max_length) if para_rows else []
     enc_hold = _encode(tokenizer, holdout, chat, max_length) if holdout else []
+    truth_train = _truth_pairs(tokenizer, _rows(probe_rows), chat, max_length)
+    truth_test = _truth_pairs(tokenizer, rows, chat, max_length)
+    use_truth = "probe" in attacks and bool(truth_train[0]) and bool(truth_test[0])
+    if "probe" in attacks and probe_rows is not None and not use_truth:
+        notes.append("the truth probe needs perturbed_answer on probe rows and forget rows; skipped")
     from .runner import pad_token_id
 
     pad = pad_token_id(tokenizer)
@@ -379,9 +416,13 @@ def evaluate_robustness(
             res["paraphrase"] = para
         if "probe" in attacks and enc_hold:
             res["probe"] = probe_scores(m, enc_all, enc_hold, pad, seed=seed)
+        if use_truth:
+            res["truth_probe"] = truth_probe_scores(m, truth_train, truth_test, pad)
         out[name] = res
     if "probe" in attacks and enc_hold and original is not None:
         out["original"]["probe"] = probe_scores(original, enc_all, enc_hold, pad, seed=seed)
+    if use_truth and original is not None:
+        out["original"]["truth_probe"] = truth_probe_scores(original, truth_train, truth_test, pad)
 
     summary = {"steps": sorted({int(k) for k in steps}) if "relearning" in attacks else [], "models": out}
     meta = {
@@ -399,11 +440,12 @@ def evaluate_robustness(
 
 
 def tofu_robustness_rows(forget_split: str = "forget10", tofu_path: str | os.PathLike | None = None,
-                         forget_ids: Iterable[int] | None = None,
-                         max_items: int | Mapping[str, int] | None = None) -> tuple[list[dict], list[dict]]:
-    """``(forget rows, holdout rows)`` of TOFU for :func:`evaluate_robustness`, with ``paraphrased_question`` where
-    TOFU has one (``forgetNN_perturbed``, ids 0-399 and 3600-3999)."""
+                         forget_ids: Iterable[int] | None = None, retain_ids: Iterable[int] | None = None,
+                         max_items: int | Mapping[str, int] | None = None) -> dict[str, list[dict]]:
+    """``{"forget", "holdout", "retain"}`` rows of TOFU for :func:`evaluate_robustness` (``forget_rows``,
+    ``holdout_rows``, ``probe_rows``), with ``paraphrased_question`` and ``perturbed_answer`` where TOFU has them (ids
+    0-399 and 3600-3999). ``retain``: ``retain_ids``, else ``retain_perturbed`` minus the forget ids."""
     from .tofu import tofu_sets
 
-    sets = tofu_sets(forget_split, tofu_path, forget_ids=forget_ids, max_items=max_items)
-    return sets["forget"], sets["holdout"]
+    sets = tofu_sets(forget_split, tofu_path, forget_ids=forget_ids, retain_ids=retain_ids, max_items=max_items)
+    return {"forget": sets["forget"], "holdout": sets["holdout"], "retain": sets["retain"]}
