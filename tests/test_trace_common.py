@@ -107,12 +107,11 @@ def ids_at_step(run_dir, step: int) -> list:
 
 def to_legacy_format(run) -> Path:
     """Rewrite a run as runs were recorded before keyed controls: plan.jsonl (every field, no MAC), no
-    controls_mac in the header, sidecars rewritten. Only the plan file changes, so it is today's older format."""
+    controls_mac in the header, WAL digests over the ids only (the test holds the key), sidecars rewritten."""
     import json
 
     from hf_unlearn.trace.plan import read_plan
     from hf_unlearn.trace.run import write_sidecar
-
     from hf_unlearn.trace.tags import ids_digest, run_key
     from hf_unlearn.trace.wal import WalRecord, read_wal
 
