@@ -36,6 +36,7 @@ from transformers import Trainer, TrainerCallback
 from ..data.collators import IdCarryingCollator, _importable_name, collator_spec, rebuild_collator
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .checkpoints import INDEX_FORMAT, CheckpointIndex, FrozenTensors
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .run import FORMAT, SEALED_FILES, save_checkpoint, write_sidecar
@@ -211,12 +212,15 @@ def build_optimizer(spec: dict, model, param_names: list[str]):
 
 
 class TraceWriter:
-    """Appends plan lines, WAL records and manifest slots; saves checkpoints; seals the run with sidecars."""
+    """Appends plan lines, WAL records and manifest slots; saves checkpoints (each bound to the run by the
+    checkpoint index, frozen tensors saved once); seals the run with sidecars."""
 
     def __init__(self, run_dir: Path, key: bytes):
         self.run = Path(run_dir)
         self.key = key
         self._plan = self._wal = self._manifest = None
+        self.index: CheckpointIndex | None = None
+        self.frozen = FrozenTensors(self.run)
 
     def open(self, header: dict, resume_step: int | None = None) -> None:
         """Start the files; on resume keep only entries of steps before ``resume_step``."""
@@ -242,6 +246,7 @@ class TraceWriter:
         else:
             for f in (plan_f, wal_f, man_f):
                 f.write_bytes(b"")
+        self._open_index(header, resume_step)
         self.write_header(header)
         self._plan, self._wal, self._manifest = open(plan_f, "a"), open(wal_f, "ab"), open(man_f, "ab")
 
@@ -259,8 +264,26 @@ class TraceWriter:
         for f in (self._plan, self._manifest, self._wal):
             f.flush()
 
+    def _open_index(self, header: dict, resume_step: int | None) -> None:
+        from .checkpoints import INDEX_NAME, _entry, list_checkpoints
+
+        header["checkpoint_index"] = INDEX_FORMAT
+        if resume_step is not None and (self.run / "checkpoints" / INDEX_NAME).exists():
+            self.index = CheckpointIndex.load(self.run, header["run_id"], self.key)
+            self.index.thin([s for s in self.index.entries if s <= resume_step])
+            return
+        self.index = CheckpointIndex(self.run, header["run_id"], self.key, header.get("checkpoint_retention"))
+        if resume_step is not None:  # a run recorded before the index: bind the checkpoints it has
+            for step, d in list_checkpoints(self.run).items():
+                self.index.adopt(step, _entry(d))
+        self.index.save()
+
     def save_checkpoint(self, step: int, model, optimizer) -> Path:
-        return save_checkpoint(self.run, step, model, optimizer)
+        if not self.frozen.exists and (self.frozen.dir / "hashes.json").exists():
+            self.frozen.adopt_matching(model)  # a resumed recording: its frozen tensors were saved before
+        d = save_checkpoint(self.run, step, model, optimizer, frozen=self.frozen)
+        self.index.add(step)
+        return d
 
     def close(self) -> None:
         for f in (self._plan, self._wal, self._manifest):

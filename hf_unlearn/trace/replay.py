@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import time
 import uuid
@@ -552,15 +551,6 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for folder in ("model", "collator"):
             if (src / folder).exists():
                 shutil.copytree(src / folder, out / folder)
-        for step, d in self.run.checkpoints().items():
-            if step <= start:
-                dst = checkpoint_dir(out, step)
-                dst.mkdir(parents=True)
-                for f in d.iterdir():
-                    try:
-                        os.link(f, dst / f.name)
-                    except OSError:
-                        shutil.copy2(f, dst / f.name)
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))
@@ -576,6 +566,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             header["dataset"].update(store_sha256=store_sha256(out / "private" / "store"), rows=len(self.store))
         writer = TraceWriter(out, self.run.key)
         writer.open(header)
+        from .checkpoints import link_checkpoints
+
+        link_checkpoints(src, writer, [s for s in self.run.checkpoints() if s <= start], self.model,
+                         self._start_state.get("frozen", []))
         self._out_header = header
         return writer
 
