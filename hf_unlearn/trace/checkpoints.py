@@ -381,8 +381,14 @@ def verify_checkpoint_files(path: Path) -> None:
                            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
 
 
-def checkpoint_bytes(d: Path) -> int:
-    return sum(f.stat().st_size for f in Path(d).iterdir() if f.is_file())
+def checkpoint_bytes(d: Path, with_frozen: bool = False) -> int:
+    """Bytes of a checkpoint folder; ``with_frozen``: plus the frozen store it references (the full state's size)."""
+    d = Path(d)
+    size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    frozen = d.parent / FROZEN_DIR
+    if with_frozen and (d / "checkpoint.json").exists() and json.loads((d / "checkpoint.json").read_text())["frozen"]:
+        size += sum(f.stat().st_size for f in frozen.iterdir() if f.is_file())
+    return size
 
 
 # ---- the index: every kept checkpoint's roots, bound to the run ------------------------------------------
