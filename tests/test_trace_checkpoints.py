@@ -141,3 +141,194 @@ def test_old_format_run_replays_with_a_note_and_cadence_checked(tmp_path, capsys
     shutil.rmtree(run / "checkpoints" / "step-00000004")  # the header's cadence says it exists
     assert _cli("trace", "inspect", run) == 1
     assert "checkpoint step(s) [4] are missing: the header's cadence (every 2 steps)" in capsys.readouterr().out
+
+
+def _freeze(model, kind: str):
+    from peft import LoraConfig, get_peft_model
+
+    if kind == "frozen-layers":  # a partly frozen full model: embeddings and the first decoder layer do not train
+        for n, p in model.named_parameters():
+            if n.startswith(("model.embed_tokens", "model.layers.0.")):
+                p.requires_grad_(False)
+        return model
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                        modules_to_save=["norm"] if kind == "lora+modules_to_save" else None)
+    return get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("kind", ["lora", "lora+modules_to_save", "frozen-layers"])
+def test_only_what_trains_is_checkpointed(tmp_path, capsys, kind):
+    """Checkpoints hold the trainable tensors (and their optimizer state); frozen ones are saved once and checked
+    by their hashes at every load; replay == oracle, VERIFIED."""
+    from safetensors import safe_open
+
+    from hf_unlearn.trace.checkpoints import checkpoint_bytes, list_checkpoints, load_checkpoint
+    from hf_unlearn.trace.verification import compare_states
+
+    from .test_trace_common import tiny
+
+    tok, data = get_trace_data()
+    model = _freeze(tiny(tok), kind)
+    trainer = record(tok, data, tmp_path / "rec", model=model)
+    run = tmp_path / "rec" / "trace"
+    from hf_unlearn.trace.checkpoints import tied_aliases
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    stored = set(model.state_dict()) - set(tied_aliases(model.state_dict()))  # each tied tensor once
+    trainable = {n for n in stored if n in params and params[n].requires_grad}
+    frozen = {n for n in stored if n in params and not params[n].requires_grad}
+    assert trainable and frozen
+    with safe_open(str(run / "checkpoints" / "frozen" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == frozen
+    cps = list_checkpoints(run)
+    assert sorted(cps) == [0, 2, 4, 6, 8]
+    for d in cps.values():
+        with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+            assert set(f.keys()) == stored - frozen  # trainable (+ buffers), nothing frozen
+        assert json.loads((d / "checkpoint.json").read_text())["frozen"] == sorted(frozen)
+    final = load_checkpoint(cps[8])  # the full state again, checked against hashes.json (frozen tensors included)
+    from hf_unlearn.trace.checkpoints import capture_state
+
+    assert compare_states(final, capture_state(model, trainer.optimizer, 8))["identical"]
+    if kind == "lora":  # a LoRA checkpoint is a fraction of the full state
+        assert checkpoint_bytes(cps[8]) * 5 < checkpoint_bytes(cps[8], with_frozen=True)
+    _, report = delete(run, ids_at_step(run, 5)[:1], tmp_path)
+    assert report["verified"]
+    if kind != "frozen-layers":
+        return
+    # a frozen tensor edited on disk: the deep check and every load refuse, naming it
+    from safetensors.torch import load_file, save_file
+
+    f = run / "checkpoints" / "frozen" / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.embed_tokens.weight"][0, 0] += 1.0
+    save_file(tensors, f)
+    assert _cli("trace", "inspect", run, "--deep") == 1
+    assert "does not match its hashes.json (it differs in model.embed_tokens.weight" in capsys.readouterr().out
+    with pytest.raises(UnlearnError, match="differs in model.embed_tokens.weight"):
+        load_checkpoint(cps[4])
+
+
+# ---- retention --------------------------------------------------------------------------------------------
+def test_geometric_retention_bound_and_count_property():
+    """Over many run lengths T and spacings K: every step s has a kept c <= s with T - c <= 2 (T - s) + K, at most
+    11 checkpoints for T / K up to 1,000, and thinning online (after every write) keeps the bound for the run as
+    if it ended then, never needs a deleted checkpoint back, and ends in the planned set."""
+    import random
+
+    from hf_unlearn.trace.retention import dense_steps, final_keep, geometric_keep, thin, worst_excess
+
+    rng = random.Random(0)
+    cases = [(t, k) for t in range(1, 80) for k in (1, 2, 3, 5)] + [
+        (t, max(1, t // d)) for t in (rng.randint(80, 60000) for _ in range(150)) for d in (32, 100, 1000, 7)]
+    for total, every in cases:
+        dense = dense_steps(total, every)
+        kept = geometric_keep(total, dense, every)
+        assert kept[0] == 0 and kept[-1] == total and worst_excess(total, kept, every) <= 0, (total, every)
+        if total / every <= 1000:
+            assert len(kept) <= 11, (total, every, kept)
+        if total <= 400:
+            have: set[int] = set()
+            for now in dense:
+                before = set(have)
+                have = set(thin(now, have | {now}, total, every))
+                assert have <= before | {now}
+                assert worst_excess(now, have, every) <= 0, (total, every, now)
+            assert final_keep(total, have, every) == kept
+
+
+@functools.cache
+def get_geometric() -> Path:
+    """48 optimizer steps of one row each, dense every 2 steps, geometric retention (the library default)."""
+    import atexit
+
+    tok, data = get_trace_data()
+    out = Path(tempfile.mkdtemp(prefix="trace_geometric_"))
+    atexit.register(shutil.rmtree, out, True)
+    record(tok, data, out, every=2, retention="geometric", per_device_train_batch_size=1,
+           gradient_accumulation_steps=1, max_steps=48, warmup_steps=0)
+    return out / "trace"
+
+
+def test_geometric_run_keeps_the_planned_set_and_bounds_every_deletion(tmp_path, capsys):
+    from hf_unlearn.trace import open_run, replay_cost
+    from hf_unlearn.trace.retention import dense_steps, geometric_keep
+
+    run = get_geometric()
+    kept = geometric_keep(48, dense_steps(48, 2), 2)
+    assert sorted(open_run(run).checkpoints()) == kept == [0, 20, 36, 44, 48]
+    index = json.loads((run / "checkpoints" / "index.json").read_text())
+    header = json.loads((run / "header.json").read_text())
+    assert index["retention"]["kept"] == header["checkpoint_retention"]["kept"] == kept  # the sealed run lists them
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["index.json"] + [f"step-{c:08d}" for c in kept]
+    r = open_run(run)
+    for s in (0, 5, 20, 33, 40, 45, 47):
+        cost = replay_cost(r, r.ids_at_steps([s])[:1])
+        assert cost["minimum_steps"] == 48 - s and cost["steps_to_replay"] <= 2 * (48 - s) + 2
+    assert _cli("trace", "inspect", run) == 0
+    assert "geometric retention: dense every 2 steps, thinned" in capsys.readouterr().out
+    replay, report = delete(run, r.ids_at_steps([45])[:1], tmp_path)  # a late deletion, replayed from step 44
+    assert report["verified"] and replay.start_step == 44
+    assert sorted(open_run(tmp_path / "replay").checkpoints()) == kept  # the output keeps what its parent kept
+
+
+@pytest.mark.parametrize("stage", ["after the index", "after the rename"])
+def test_interrupted_thinning_leaves_a_run_that_inspects_clean(tmp_path, capsys, monkeypatch, stage):
+    """A kill while an old checkpoint is deleted (simulated: the deletion stops after the index was rewritten, or
+    after the folder was renamed out of step-*): the run still inspects clean and replays from what is listed."""
+    import os
+
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.checkpoints import CheckpointIndex
+    from hf_unlearn.trace.tags import run_key
+
+    run = copy_run(get_geometric(), tmp_path / "run")
+    header = json.loads((run / "header.json").read_text())
+    index = CheckpointIndex.load(run, header["run_id"], run_key(run))
+
+    class Killed(BaseException):
+        pass
+
+    def kill(*a, **k):
+        raise Killed
+
+    import hf_unlearn.trace.checkpoints as checkpoints
+
+    if stage == "after the index":  # killed before the folder was renamed
+        monkeypatch.setattr(checkpoints, "remove_checkpoint_dir", kill)
+    else:  # killed while the renamed folder was being deleted
+        monkeypatch.setattr(shutil, "rmtree", kill)
+    with pytest.raises(Killed):
+        index.thin([0, 20, 44, 48])  # drop step 36
+    monkeypatch.undo()
+    assert _cli("trace", "inspect", run, "--deep") == 0
+    out = capsys.readouterr().out
+    assert "integrity: OK" in out and ("not in the run's checkpoint index" in out or "interrupted checkpoint thinning"
+                                       in out)
+    assert sorted(open_run(run).checkpoints()) == [0, 20, 44, 48]
+    assert os.path.exists(run / "checkpoints" / ("step-00000036" if stage == "after the index"
+                                                 else ".thinned-step-00000036"))
+
+
+def test_checkpoint_budget_caps_what_is_kept_and_says_what_it_costs(tmp_path, capsys):
+    from hf_unlearn.trace import open_run, replay_cost
+    from hf_unlearn.trace.checkpoints import checkpoint_bytes
+    from hf_unlearn.trace.retention import worst_excess
+
+    tok, data = get_trace_data()
+    each = checkpoint_bytes(get_geometric() / "checkpoints" / "step-00000020")  # with optimizer state
+    kw = dict(every=2, retention="geometric", per_device_train_batch_size=1, gradient_accumulation_steps=1,
+              max_steps=48, warmup_steps=0)
+    with pytest.raises(UnlearnError, match=r"trace_checkpoint_budget=.* a run needs at least 2"):
+        record(tok, data, tmp_path / "small", trainer_kwargs={"trace_checkpoint_budget": each}, **kw)
+    record(tok, data, tmp_path / "capped", trainer_kwargs={"trace_checkpoint_budget": int(3.5 * each)}, **kw)
+    run = open_run(tmp_path / "capped" / "trace")
+    kept = sorted(run.checkpoints())
+    retention = run.header["checkpoint_retention"]
+    assert len(kept) <= 3 and retention["factor"] > 2 and retention["max_kept"] == 3
+    assert sum(checkpoint_bytes(d) for d in run.checkpoints().values()) <= 3.5 * each
+    assert worst_excess(48, kept, 2, retention["factor"]) <= 0  # the stated, larger bound holds
+    cost = replay_cost(run, run.ids_at_steps([47])[:1])
+    assert cost["bound_steps"] == retention["factor"] * 1 + 2
+    assert _cli("trace", "inspect", run.path) == 0
+    assert f"capped by trace_checkpoint_budget={int(3.5 * each)} bytes" in capsys.readouterr().out

@@ -82,16 +82,17 @@ def start_for(step: int, kept) -> int | None:
     return max((c for c in kept if c <= step), default=None)
 
 
-def worst_excess(total: int, kept, every: int, factor: float = 2) -> int:
-    """max over steps s of ``(T - start_for(s)) - (factor * (T - s) + K)``: <= 0 means the bound holds."""
-    kept = sorted(kept)
-    worst, j = None, 0
-    for s in range(total + 1):
-        while j + 1 < len(kept) and kept[j + 1] <= s:
-            j += 1
-        excess = (total - kept[j]) - (factor * (total - s) + every)
-        worst = excess if worst is None else max(worst, excess)
-    return worst
+def worst_excess(total: int, kept, every: int, factor: float = 2) -> float:
+    """max over steps s of ``(T - start_for(s)) - (factor * (T - s) + K)``: <= 0 means the bound holds.
+
+    Within each gap between kept checkpoints the excess is largest at the step just before the next one, so only
+    those steps (and ``T``) are evaluated.
+    """
+    kept = sorted(set(kept))
+    if not kept or kept[0] != 0:
+        raise ValueError("the kept checkpoints must include step 0")
+    nxt = kept[1:] + [total + 1]
+    return max((total - c) - (factor * (total - (n - 1)) + every) for c, n in zip(kept, nxt))
 
 
 def factor_for_budget(total: int, every: int, max_count: int) -> float | None:

@@ -50,7 +50,7 @@ HEADER_KEYS = frozenset({
     "format", "run_id", "origin_run_id", "parent", "created", "finished", "sealed", "key_fingerprint", "model",
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
-    "distributed_type", "optimizer_steps", "microbatches"})
+    "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention"})
 SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
 
 
