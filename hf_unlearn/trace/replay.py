@@ -162,7 +162,7 @@ def describe_cost(cost: dict) -> list[str]:
     if cost["first_affected_step"] is None:
         return [f"nothing to replay: the {cost['forget_ids']} id(s) were deleted by an earlier request"]
     ratio = cost["ratio_to_minimum"]
-    lines = [f"replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
+    lines = [f"suffix replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
              f"{cost['total_steps']} steps ({100 * cost['fraction_replayed']:.1f}% of the run); the minimum is "
              f"{cost['minimum_steps']} steps (T - s, first affected step s = {cost['first_affected_step']}), ratio "
              + (f"{ratio:.2f}" if ratio is not None else "n/a")
