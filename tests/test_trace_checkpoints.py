@@ -332,3 +332,39 @@ def test_checkpoint_budget_caps_what_is_kept_and_says_what_it_costs(tmp_path, ca
     assert cost["bound_steps"] == retention["factor"] * 1 + 2
     assert _cli("trace", "inspect", run.path) == 0
     assert f"capped by trace_checkpoint_budget={int(3.5 * each)} bytes" in capsys.readouterr().out
+
+
+def test_frozen_base_referenced_in_its_model_folder(tmp_path):
+    """With trace_frozen_source, a LoRA run stores no copy of the base: its tensors are referenced in the model
+    folder by their hashes; replay == oracle; an edited base is refused at load, naming the tensor."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.trace.checkpoints import checkpoint_bytes, list_checkpoints, load_checkpoint
+
+    from .test_trace_common import tiny
+
+    tok, data = get_trace_data()
+    tiny(tok).save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    record(tok, data, tmp_path / "rec", model=model, trainer_kwargs={"trace_frozen_source": tmp_path / "base"})
+    run = tmp_path / "rec" / "trace"
+    frozen = json.loads((run / "checkpoints" / "frozen" / "hashes.json").read_text())
+    assert set(frozen["source"]["tensors"]) == set(frozen["params"])  # every frozen tensor found in the folder
+    with safe_open(str(run / "checkpoints" / "frozen" / "model.safetensors"), framework="pt") as f:
+        assert list(f.keys()) == []
+    cps = list_checkpoints(run)
+    assert checkpoint_bytes(cps[8], with_frozen=True) * 5 < sum(
+        f.stat().st_size for f in (tmp_path / "base").glob("*.safetensors"))
+    _, report = delete(run, ids_at_step(run, 5)[:1], tmp_path)
+    assert report["verified"]
+    weights = tmp_path / "base" / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] += 1.0
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(UnlearnError, match="does not match its hashes.json"):
+        load_checkpoint(cps[4])

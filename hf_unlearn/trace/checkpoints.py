@@ -116,6 +116,7 @@ class FrozenTensors:
 
     def __init__(self, run: Path):
         self.dir = Path(run) / "checkpoints" / FROZEN_DIR
+        self.source = None  # a model folder to reference frozen tensors in (trace_frozen_source)
         self.hashes: dict[str, str] = {}
         self._stamps: dict[str, tuple] = {}
         self._params: dict = {}
@@ -125,21 +126,27 @@ class FrozenTensors:
         params = dict(model.named_parameters(remove_duplicate=False))
         return {n for n, s in self._stamps.items() if n in params and _stamp(params[n]) == s}
 
-    def save(self, model, tensors: dict) -> None:
-        """Save the tensors among ``tensors`` that are parameters with ``requires_grad=False`` (once)."""
-        from .hashing import tensor_hash
+    def save(self, model, tensors: dict, source: str | os.PathLike | None = None) -> None:
+        """Save the tensors among ``tensors`` that are parameters with ``requires_grad=False`` (once).
+
+        With ``source`` (the model folder the frozen weights were loaded from), a frozen tensor whose dtype, shape
+        and bytes equal a tensor of that folder's safetensors files is referenced there instead of copied; the
+        checkpoints' hashes (which cover frozen tensors too) are checked against it at every load.
+        """
+        from .hashing import root_hash, tensor_hash
 
         params = dict(model.named_parameters(remove_duplicate=False))
         frozen = {n: t for n, t in tensors.items() if n in params and not params[n].requires_grad}
         if not frozen:
             return
+        refs = _match_source(frozen, source) if source is not None else {}
         self.dir.mkdir(parents=True, exist_ok=True)
-        _save_safetensors(frozen, self.dir / "model.safetensors")
+        _save_safetensors({n: t for n, t in frozen.items() if n not in refs}, self.dir / "model.safetensors")
         self.hashes = {n: tensor_hash(n, t) for n, t in frozen.items()}
-        from .hashing import root_hash
-
-        atomic_write_text(self.dir / "hashes.json", json.dumps({"params": self.hashes, "root": root_hash(self.hashes)},
-                                                               indent=1, sort_keys=True))
+        record = {"params": self.hashes, "root": root_hash(self.hashes)}
+        if refs:
+            record["source"] = {"path": str(Path(source).resolve()), "tensors": refs}
+        atomic_write_text(self.dir / "hashes.json", json.dumps(record, indent=1, sort_keys=True))
         self._stamps = {n: _stamp(params[n]) for n in frozen}
 
     def adopt(self, model, names) -> None:
@@ -165,17 +172,58 @@ class FrozenTensors:
         return bool(self._stamps)
 
 
-def load_frozen(run: Path, names) -> dict:
-    from safetensors.torch import load_file
+def _content_digest(t) -> str:
+    from .hashing import tensor_hash
 
-    path = Path(run) / "checkpoints" / FROZEN_DIR / "model.safetensors"
-    if not path.exists():
-        raise UnlearnError(f"{path} is missing: the run's checkpoints reference frozen tensors saved there")
-    tensors = load_file(path)
-    missing = [n for n in names if n not in tensors]
-    if missing:
-        raise UnlearnError(f"{path} lacks the frozen tensor {missing[0]!r} a checkpoint references")
-    return {n: tensors[n] for n in names}
+    return tensor_hash("", t)  # dtype, shape and bytes, without the name
+
+
+def _match_source(frozen: dict, source) -> dict[str, list[str]]:
+    """``frozen name -> [file, key]`` for the frozen tensors a model folder's safetensors files hold bit for bit."""
+    from safetensors import safe_open
+
+    files = sorted(Path(source).glob("*.safetensors"))
+    if not files:
+        raise UnlearnError(f"trace_frozen_source={source!s} holds no .safetensors files: pass the model folder the "
+                           "frozen weights were loaded from (from_pretrained), or leave it out to save them in the run")
+    wanted: dict[str, list[str]] = {}
+    for n, t in frozen.items():
+        wanted.setdefault(_content_digest(t), []).append(n)
+    refs = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                for n in wanted.pop(_content_digest(h.get_tensor(key)), []):
+                    refs[n] = [f.name, key]
+    return refs
+
+
+def load_frozen(run: Path, names) -> dict:
+    """The frozen tensors ``names`` (from the run's frozen store, or the model folder it references)."""
+    from safetensors import safe_open
+
+    folder = Path(run) / "checkpoints" / FROZEN_DIR
+    if not (folder / "hashes.json").exists():
+        raise UnlearnError(f"{folder} is missing: the run's checkpoints reference frozen tensors saved there")
+    source = json.loads((folder / "hashes.json").read_text()).get("source") or {"tensors": {}}
+    where: dict[Path, list[tuple[str, str]]] = {}
+    for n in names:
+        if n in source["tensors"]:
+            file, key = source["tensors"][n]
+            where.setdefault(Path(source["path"]) / file, []).append((n, key))
+        else:
+            where.setdefault(folder / "model.safetensors", []).append((n, n))
+    out = {}
+    for path, items in where.items():
+        if not path.exists():
+            raise UnlearnError(f"{path} is missing: the run's checkpoints reference frozen tensors there (restore it)")
+        with safe_open(str(path), framework="pt") as h:
+            keys = set(h.keys())
+            for n, key in items:
+                if key not in keys:
+                    raise UnlearnError(f"{path} lacks the frozen tensor {key!r} a checkpoint references")
+                out[n] = h.get_tensor(key)
+    return out
 
 
 # ---- save / load -----------------------------------------------------------------------------------------
@@ -235,7 +283,7 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     d.mkdir(parents=True, exist_ok=True)
     state = capture_state(model, optimizer, step)
     if frozen is not None and not frozen.exists and not (frozen.dir / "hashes.json").exists():
-        frozen.save(model, state["model"])
+        frozen.save(model, state["model"], source=frozen.source)
     referenced = frozen.unchanged(model) & set(state["model"]) if frozen is not None else set()
     flat = _flatten_optimizer(state["optimizer"])
     try:
@@ -341,19 +389,15 @@ def verify_checkpoint_files(path: Path) -> None:
     meta = json.loads((path / "checkpoint.json").read_text())
     bad = []
     seen = set()
-    files = [(path / "model.safetensors", None)]
-    if meta.get("frozen"):
-        files.append((path.parent / FROZEN_DIR / "model.safetensors", set(meta["frozen"])))
-    for file, only in files:
-        if not file.exists():
-            raise UnlearnError(f"checkpoint {path}: {file} is missing")
-        with safe_open(str(file), framework="pt") as f:
-            for n in f.keys():
-                if only is not None and n not in only:
-                    continue
-                seen.add(n)
-                if tensor_hash(n, f.get_tensor(n)) != recorded["params"].get(n):
-                    bad.append(n)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for n in f.keys():
+            seen.add(n)
+            if tensor_hash(n, f.get_tensor(n)) != recorded["params"].get(n):
+                bad.append(n)
+    for n in meta.get("frozen", []):  # one at a time (from the run's frozen store or the model folder)
+        seen.add(n)
+        if tensor_hash(n, load_frozen(path.parent.parent, [n])[n]) != recorded["params"].get(n):
+            bad.append(n)
     bad += sorted(set(recorded["params"]) - seen)
     names = meta["param_names"]
     opt = meta["optimizer"]

@@ -332,6 +332,9 @@ class TraceRecordingTrainer(Trainer):
             retention then keeps fewer, with a larger replay bound (logged, written to the run and printed by
             ``inspect`` and ``cost``). Refused, at the first checkpoint after step 0 (its size sets the count),
             when two checkpoints (step 0 and the end) do not fit.
+        trace_frozen_source: the model folder (``from_pretrained``) the frozen weights came from: frozen tensors
+            found there bit for bit are referenced, not copied into the run (checked by their hashes at every
+            load; moving or editing the folder makes the run refuse to load). Default: saved once in the run.
         trace_key: the HMAC key for id tags (bytes), kept in ``trace_dir/private/hmac.key``; default: the
             library's one key (:mod:`hf_unlearn.hub.keys`), so cards and deletion logs carry matching tags.
         id_column: the dataset column with the stable sample id (int or str; the collator never sees it).
@@ -347,7 +350,8 @@ class TraceRecordingTrainer(Trainer):
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
                  trace_allow_hazards: bool = False, trace_checkpoint_retention: str = "geometric",
-                 trace_checkpoint_budget: int | None = None, **kwargs):
+                 trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
+                 **kwargs):
         from .retention import MODES
 
         if trace_checkpoint_retention not in MODES:
@@ -361,6 +365,7 @@ class TraceRecordingTrainer(Trainer):
         self.trace_checkpoint_steps = trace_checkpoint_steps
         self.trace_checkpoint_retention = trace_checkpoint_retention
         self.trace_checkpoint_budget = trace_checkpoint_budget
+        self.trace_frozen_source = trace_frozen_source
         self.id_column = id_column
         self.dummy_token_id = dummy_token_id if dummy_token_id is not None else self._default_dummy_token()
         self.trace_allow_hazards = trace_allow_hazards
@@ -691,6 +696,7 @@ class TraceRecordingTrainer(Trainer):
         self._trace_header = header
         self._save_model_files(run)
         self._trace_writer = TraceWriter(run, self._trace_key)
+        self._trace_writer.frozen.source = self.trace_frozen_source
         self._trace_writer.open(header, resume_step=resume_step)
         self._trace_saved = {int(d.name.split("-")[1]) for d in (run / "checkpoints").glob("step-*")}
         self._trace_mb = 0
