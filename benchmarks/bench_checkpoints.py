@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_checkpoints.py [--steps 256] [--hidden 64] [--memory-hidden 384]
 
 One run prints, side by side, for a LoRA (r=16) and a full fine-tune of a small Llama, ``--steps`` optimizer steps
-of one row each (several epochs over 64 TOFU rows):
+of one row each (one epoch over ``--steps`` TOFU rows; the LoRA base is a model folder the run references):
 
 * bytes kept: this format with geometric retention (the default) vs today's default (even spacing every
   ceil(T/10) steps, full ``torch.save`` state of model + optimizer, frozen base in every checkpoint) vs a
@@ -38,19 +38,25 @@ def record(kind: str, retention: str, steps: int, hidden: int, out: Path):
     from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer
     from hf_unlearn.trace import TraceRecordingTrainer
 
-    rows = load_tofu("full").select(range(64))
+    rows = load_tofu("full").select(range(steps))  # one epoch: every deletion position is distinct
     tok = build_tiny_tokenizer([r["question"] + " " + r["answer"] for r in rows], vocab_size=1024)
     data = tokenize_qa(rows, tok, max_length=64)
     model = build_tiny_model("llama", tok, hidden_size=hidden, num_layers=2, num_heads=4, seed=0)
-    if kind == "lora":
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
-                                                 lora_dropout=0.0))
+    source = None
+    if kind == "lora":  # the base as users have it: a model folder loaded with from_pretrained
+        from transformers import AutoModelForCausalLM
+
+        source = out / "base"
+        model.save_pretrained(source)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(source),
+                               LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-3,
                              report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
                              logging_strategy="no")
     trainer = TraceRecordingTrainer(model=model, args=args, train_dataset=data,
                                     data_collator=QACollator.from_tokenizer(tok), trace_dir=out / "trace",
-                                    trace_checkpoint_retention=retention)
+                                    trace_checkpoint_retention=retention,
+                                    trace_frozen_source=source if retention == "geometric" else None)
     trainer.train()
     return out / "trace"
 

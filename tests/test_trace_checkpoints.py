@@ -368,3 +368,23 @@ def test_frozen_base_referenced_in_its_model_folder(tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(UnlearnError, match="does not match its hashes.json"):
         load_checkpoint(cps[4])
+
+
+def test_cost_names_minimum_ratio_and_first_epoch(tmp_path, capsys):
+    """Before any compute, `trace cost` prints the minimum T - s, the steps it replays, their ratio and, in a
+    multi-epoch run, that the first epoch's occurrence sets the start."""
+    from hf_unlearn.trace import open_run, replay_cost
+
+    tok, data = get_trace_data()
+    record(tok, data.select(range(16)), tmp_path, num_train_epochs=3, warmup_steps=0)  # 2 steps an epoch, 6 steps
+    run = open_run(tmp_path / "trace")
+    late = run.ids_at_steps([5])[:1]  # served in every epoch: first at step 0 or 1
+    cost = replay_cost(run, late)
+    assert cost["epochs"] == [0, 1, 2] and cost["first_affected_step"] in (0, 1)
+    assert cost["minimum_steps"] == 6 - cost["first_affected_step"]
+    assert cost["ratio_to_minimum"] == cost["steps_to_replay"] / cost["minimum_steps"]
+    (tmp_path / "ids.json").write_text(json.dumps(late))
+    assert _cli("trace", "cost", run.path, "--forget", tmp_path / "ids.json") == 0
+    out = capsys.readouterr().out
+    assert f"the minimum is {cost['minimum_steps']} steps (T - s, first affected step s = " in out and "ratio" in out
+    assert "the ids occur in epochs [0, 1, 2]: their first occurrence (epoch 0" in out
