@@ -388,3 +388,36 @@ def test_cost_names_minimum_ratio_and_first_epoch(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"the minimum is {cost['minimum_steps']} steps (T - s, first affected step s = " in out and "ratio" in out
     assert "the ids occur in epochs [0, 1, 2]: their first occurrence (epoch 0" in out
+
+
+def test_kill_9_during_thinning_leaves_a_run_that_inspects_clean(tmp_path, capsys):
+    """A real SIGKILL in the middle of deleting a thinned checkpoint (a recording in a subprocess kills itself once
+    the first old checkpoint has been renamed out of step-*): the unsealed run inspects with integrity OK."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, signal, shutil
+        import hf_unlearn.trace.checkpoints as ck
+        real = shutil.rmtree
+        def rmtree(path, *a, **k):
+            if os.path.basename(str(path)).startswith(ck.TRASH_PREFIX):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(path, *a, **k)
+        ck.shutil.rmtree = rmtree
+        from tests.test_trace_common import get_trace_data, record
+        tok, data = get_trace_data()
+        record(tok, data, {str(tmp_path)!r}, every=2, retention="geometric", per_device_train_batch_size=1,
+               gradient_accumulation_steps=1, max_steps=48, warmup_steps=0)
+    """)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    run = tmp_path / "trace"
+    assert list((run / "checkpoints").glob(".thinned-step-*"))  # killed mid-deletion
+    assert _cli("trace", "inspect", run, "--deep") == 0
+    out = capsys.readouterr().out
+    assert "integrity: OK" in out and "interrupted checkpoint thinning" in out and "NOT sealed" in out
