@@ -390,6 +390,7 @@ def test_cost_names_minimum_ratio_and_first_epoch(tmp_path, capsys):
     assert "the ids occur in epochs [0, 1, 2]: their first occurrence (epoch 0" in out
 
 
+@pytest.mark.slow  # a fresh interpreter and a 48-step recording (the simulated interruption above is the fast check)
 def test_kill_9_during_thinning_leaves_a_run_that_inspects_clean(tmp_path, capsys):
     """A real SIGKILL in the middle of deleting a thinned checkpoint (a recording in a subprocess kills itself once
     the first old checkpoint has been renamed out of step-*): the unsealed run inspects with integrity OK."""
