@@ -167,7 +167,8 @@ class ForgetReceipt:
         if self.mode == EXACT:
             c = ev["cost"]
             rows.append(("replay cost", f"from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of "
-                                        f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%)"))
+                                        f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%), minimum "
+                                        f"{c.get('minimum_steps')}"))
             rows.append(("redaction", f"store {ev['redaction']['rows_before']} -> {ev['redaction']['rows_after']} rows; "
                                       f"{ev['redaction']['id_check']}"))
             rows.append(("exact deletion", self.verdict))
@@ -513,6 +514,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
         f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
         f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
+    from .trace.replay import describe_cost
+
+    for line in describe_cost(cost):  # the minimum (T - s), the steps replayed and their ratio, before any compute
+        log(line)
     for hazard in plan["hazards"]:
         log(f"HAZARD (recorded with the run): {hazard}")
     for note in plan["controls"]["notes"]:

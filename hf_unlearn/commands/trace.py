@@ -110,6 +110,10 @@ def inspect_cmd(args) -> int:
     print(f"model {header['model']['class']} ({header['model']['num_parameters']:,} params), optimizer "
           f"{header['optimizer']['class']}, torch {header['versions'].get('torch')}, "
           f"transformers {header['versions'].get('transformers')}")
+    if header.get("checkpoint_retention"):
+        from ..trace.retention import describe
+
+        print(f"checkpoints: {describe(header['checkpoint_retention'])}")
     for h in rep.hazards:
         print(f"HAZARD: {h}")
     for n in header.get("notes", []) + rep.notes:
@@ -135,8 +139,10 @@ def cost_cmd(args) -> int:
     already = f" ({c['already_deleted']} deleted by an earlier request)" if c["already_deleted"] else ""
     print(f"{c['forget_ids']} id(s){already} in {c['slots_deleted']} slot(s), {c['affected_steps']} affected optimizer "
           f"step(s) (first: {c['first_affected_step']}), {c['segments_emptied']} segment(s) emptied")
-    print(f"suffix replay from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of {c['total_steps']} "
-          f"steps ({100 * c['fraction_replayed']:.1f}% of the run)")
+    from ..trace.replay import describe_cost
+
+    for line in describe_cost(c):
+        print(line)
     return 0
 
 

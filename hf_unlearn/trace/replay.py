@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import time
 import uuid
@@ -114,10 +113,17 @@ def emptied_steps(plan: list[PlanEntry], tags: set[str]) -> list[int]:
 
 
 def replay_cost(run: TraceRun, forget_ids) -> dict:
-    """Where a suffix replay starts and how much of the run it re-executes (0 steps: nothing left to replay)."""
+    """Where a suffix replay starts and how much of the run it re-executes (0 steps: nothing left to replay).
+
+    ``minimum_steps`` is the physical limit of a trace-preserving deletion (``T - s``, ``s`` the first affected
+    step); ``steps_to_replay / minimum_steps`` is what the kept checkpoints cost on top of it, and ``bound_steps``
+    the most the run's retention rule allows (``factor * (T - s) + K``; None for runs without one). In a
+    multi-epoch run the ids' first occurrence (its epoch) sets the start; every later occurrence is replayed too.
+    """
     run = run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)
     tags = forget_tags(run, forget_ids)
-    affected = sorted({e.step for e in run.plan if tags & set(e.slots)})
+    hits = [e for e in run.plan if tags & set(e.slots)]
+    affected = sorted({e.step for e in hits})
     total = run.total_steps
     cps = sorted(run.checkpoints())
     first = affected[0] if affected else total
@@ -125,6 +131,12 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
     if start is None:
         raise UnlearnError(f"{run.path} has no checkpoint at or before step {first}; cannot replay")
     n_ids = len(set(forget_ids))
+    retention = run.header.get("checkpoint_retention") or {}
+    minimum = total - first
+    bound = None
+    if retention.get("mode") == "geometric" and affected:
+        bound = retention.get("factor", 2) * minimum + retention.get("every", 0)
+    epochs = sorted({e.epoch for e in hits if e.epoch is not None})
     return {
         "forget_ids": n_ids,
         "already_deleted": n_ids - len(tags),
@@ -133,11 +145,32 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
         "first_affected_step": affected[0] if affected else None,
         "start_checkpoint": start,
         "steps_to_replay": total - start,
+        "minimum_steps": minimum,
+        "ratio_to_minimum": (total - start) / minimum if minimum else None,
+        "bound_steps": bound,
+        "epochs": epochs,
+        "first_epoch": epochs[0] if epochs else None,
         "total_steps": total,
         "fraction_replayed": (total - start) / total if total else 0.0,
         "segments_emptied": len(emptied_steps(run.plan, tags)),
         "world_size": run.header.get("world_size", 1),
     }
+
+
+def describe_cost(cost: dict) -> list[str]:
+    """The cost estimate as the lines ``trace cost`` and ``forget`` print before any compute."""
+    if cost["first_affected_step"] is None:
+        return [f"nothing to replay: the {cost['forget_ids']} id(s) were deleted by an earlier request"]
+    ratio = cost["ratio_to_minimum"]
+    lines = [f"suffix replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
+             f"{cost['total_steps']} steps ({100 * cost['fraction_replayed']:.1f}% of the run); the minimum is "
+             f"{cost['minimum_steps']} steps (T - s, first affected step s = {cost['first_affected_step']}), ratio "
+             + (f"{ratio:.2f}" if ratio is not None else "n/a")
+             + (f" (the run's retention bound: at most {cost['bound_steps']:g} steps)" if cost["bound_steps"] else "")]
+    if len(cost["epochs"]) > 1:
+        lines.append(f"the ids occur in epochs {cost['epochs']}: their first occurrence (epoch {cost['first_epoch']}, "
+                     f"step {cost['first_affected_step']}) sets the start; the later ones are replayed with it")
+    return lines
 
 
 def training_args_from_header(header: dict, output_dir, **overrides) -> TrainingArguments:
@@ -184,6 +217,10 @@ def model_from_run(run: TraceRun):
 
         adapter = PeftConfig.from_pretrained(str(run.path / "model" / "adapter"))
         model = get_peft_model(model, adapter, adapter_name=info["peft"]["adapter_name"])
+    if info.get("frozen_parameters") is not None:  # the same parameters frozen as in the recorded run
+        frozen = set(info["frozen_parameters"])
+        for name, p in model.named_parameters(remove_duplicate=False):
+            p.requires_grad_(name not in frozen)
     return model
 
 
@@ -208,6 +245,10 @@ def _check_model(model, header: dict) -> None:
     keys = [k for k in sorted(set(given) | set(recorded)) if k not in _VOLATILE_CONFIG and given.get(k) != recorded.get(k)]
     if keys:
         problems.append("config " + ", ".join(f"{k}={given.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys[:4]))
+    from .recording import frozen_parameters
+
+    if info.get("frozen_parameters") is not None and frozen_parameters(model) != info["frozen_parameters"]:
+        problems.append("other frozen parameters (requires_grad) than the recorded run's")
     if problems:
         raise UnlearnError("the model passed to the replay is not the recorded one: " + "; ".join(problems)
                            + " (omit model= to rebuild it from the trace)")
@@ -426,7 +467,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             neftune = activate_neftune(self.model, self.neftune_noise_alpha, self.accelerator)
         main = self.accelerator.is_main_process
         writer = self._open_output(start) if self.out_dir is not None and not self.filter_rows and main else None
-        every = run.header.get("checkpoint_steps", 1)
+        saves = set(run.checkpoints())  # the output keeps the checkpoints its parent kept
         model.train()
         model.zero_grad()
         replayed = stepped = 0
@@ -437,7 +478,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                     if writer:
                         writer.append(seg)
                     continue
-                if writer and step % every == 0 and step != start:
+                if writer and step in saves and step != start:
                     writer.save_checkpoint(step, self.model, self.optimizer)
                 if writer:
                     writer.append([self._output_entry(e) for e in seg])
@@ -558,15 +599,6 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for folder in ("model", "collator"):
             if (src / folder).exists():
                 shutil.copytree(src / folder, out / folder)
-        for step, d in self.run.checkpoints().items():
-            if step <= start:
-                dst = checkpoint_dir(out, step)
-                dst.mkdir(parents=True)
-                for f in d.iterdir():
-                    try:
-                        os.link(f, dst / f.name)
-                    except OSError:
-                        shutil.copy2(f, dst / f.name)
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))
@@ -582,6 +614,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             header["dataset"].update(store_sha256=store_sha256(out / "private" / "store"), rows=len(self.store))
         writer = TraceWriter(out, self.run.key)
         writer.open(header)
+        from .checkpoints import link_checkpoints
+
+        link_checkpoints(src, writer, [s for s in self.run.checkpoints() if s <= start], self.model,
+                         self._start_state.get("frozen", []))
         self._out_header = header
         return writer
 

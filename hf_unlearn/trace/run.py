@@ -3,19 +3,19 @@
 ```
 RUN/header.json  plan.bin  wal.bin  manifest.bin  deletion_log.jsonl     (publishable: keyed tags only)
 RUN/*.sha256                                                               (sidecars, written when sealed)
-RUN/checkpoints/step-00000040/{state.pt, hashes.json, hashes.json.sha256} (model + optimizer state)
+RUN/checkpoints/step-00000040/, frozen/, index.json                     (see hf_unlearn.trace.checkpoints)
 RUN/model/config.json [adapter/]                                           (to rebuild the model)
 RUN/collator/                                                              (the collator's tokenizer, if any)
 RUN/private/{store/, hmac.key}   (never publish; hmac.key only in runs with their own key, see tags.run_key)
 ```
 
 A checkpoint's ``hashes.json`` holds the SHA-256 of every tensor (tied tensors once) and of everything else the
-checkpoint holds; it is the checkpoint's integrity record (its own sidecar guards it) and is checked against the
-loaded state whenever a checkpoint is used. Sidecars are plain SHA-256: they catch damage and edits that did not
-also rewrite the sidecar, not an editor who rewrites both. What such an editor cannot forge without the run key:
-the ids (keyed tags and WAL digests) and the controls (``plan.bin``'s chained segment MACs and the header's
-``controls_mac`` over :data:`KEYED_HEADER_KEYS`; runs recorded with a ``plan.jsonl`` have no such MACs and are
-reported as having unkeyed controls).
+checkpoint holds; it is checked against the loaded state whenever a checkpoint is used, and bound to the run by
+``checkpoints/index.json`` (:mod:`hf_unlearn.trace.checkpoints`). Sidecars are plain SHA-256: they catch damage and
+edits that did not also rewrite the sidecar, not an editor who rewrites both. What such an editor cannot forge
+without the run key: the ids (keyed tags and WAL digests) and the controls (``plan.bin``'s chained segment MACs and
+the header's ``controls_mac`` over :data:`KEYED_HEADER_KEYS`; runs recorded with a ``plan.jsonl`` have no such MACs
+and are reported as having unkeyed controls).
 """
 
 from __future__ import annotations
@@ -31,6 +31,17 @@ import numpy as np
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .checkpoints import (  # noqa: F401 - re-exported: the checkpoint functions lived here
+    capture_state,
+    check_checkpoint_state,
+    checkpoint_dir,
+    full_model_state,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    tied_aliases,
+)
+from .checkpoints import check_checkpoints as checkpoint_report
 from .plan import (
     PLAN_FILE,
     PlanEntry,
@@ -51,7 +62,8 @@ HEADER_KEYS = frozenset({
     "format", "run_id", "origin_run_id", "parent", "created", "finished", "sealed", "key_fingerprint", "model",
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
-    "distributed_type", "optimizer_steps", "microbatches", "controls_mac"})
+    "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index",
+    "checkpoint_retention", "controls_mac"})
 SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
 # The header fields that decide the replayed state (or what a verdict covers): the keyed seal covers them. A field
 # written after the seal must not be one of them (or the writer re-seals with :func:`controls_seal`).
@@ -68,10 +80,6 @@ def controls_seal(key: bytes, last_mac: bytes, header: dict) -> str:
     """The header's ``controls_mac``: the run key over the last segment MAC and :data:`KEYED_HEADER_KEYS`."""
     fields = json.loads(json.dumps({k: header.get(k) for k in KEYED_HEADER_KEYS}, default=str))
     return seal_mac(key, last_mac, json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
-
-
-def checkpoint_dir(run: Path, step: int) -> Path:
-    return Path(run) / "checkpoints" / f"step-{step:08d}"
 
 
 def file_sha256(path: Path) -> str:
@@ -92,101 +100,6 @@ def check_sidecar(path: Path) -> bool | None:
     if not side.exists():
         return None
     return side.read_text().split()[0] == file_sha256(path)
-
-
-def list_checkpoints(run: Path) -> dict[int, Path]:
-    """Complete checkpoints (state and its hashes.json) by optimizer step."""
-    out = {}
-    for d in sorted((Path(run) / "checkpoints").glob("step-*")):
-        if (d / "state.pt").exists() and (d / "hashes.json").exists():
-            out[int(d.name.split("-")[1])] = d
-    return out
-
-
-def tied_aliases(state_dict) -> dict[str, str]:
-    """``alias -> first name`` for state-dict entries that are one tensor (a tied embedding and LM head)."""
-    first: dict = {}
-    tied = {}
-    for name, t in state_dict.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-               str(t.device))
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
-    return tied
-
-
-def capture_state(model, optimizer, step: int, clone: bool = False) -> dict:
-    """A checkpoint dict: model tensors (each tied tensor once), the tie map, optimizer state, parameter names."""
-    from .hashing import optimizer_param_names
-
-    sd = model.state_dict()
-    tied = tied_aliases(sd)
-    tensors = {k: v.detach().to("cpu") for k, v in sd.items() if k not in tied}
-    osd = optimizer.state_dict()
-    if clone:
-        import copy
-
-        tensors = {k: v.clone() for k, v in tensors.items()}
-        osd = copy.deepcopy(osd)
-    return {"step": step, "model": tensors, "tied": tied, "optimizer": osd,
-            "param_names": optimizer_param_names(model, optimizer)}
-
-
-def full_model_state(state: dict) -> dict:
-    """The checkpoint's model tensors with the tied aliases restored, for ``model.load_state_dict``."""
-    return {**state["model"], **{alias: state["model"][name] for alias, name in state.get("tied", {}).items()}}
-
-
-def save_checkpoint(run: Path, step: int, model, optimizer) -> Path:
-    """Write ``checkpoints/step-N/``: ``state.pt`` (atomically), then ``hashes.json`` and its sidecar."""
-    import os
-
-    import torch
-
-    from .hashing import checkpoint_hashes
-
-    d = checkpoint_dir(run, step)
-    d.mkdir(parents=True, exist_ok=True)
-    state = capture_state(model, optimizer, step)
-    tmp = d / "state.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, d / "state.pt")
-    atomic_write_text(d / "hashes.json", json.dumps(checkpoint_hashes(state), indent=1, sort_keys=True))
-    write_sidecar(d / "hashes.json")
-    return d
-
-
-def load_checkpoint(path: Path, verify: bool = True) -> dict:
-    """Load ``state.pt``; with ``verify`` recompute its hashes and refuse it unless they equal ``hashes.json``."""
-    import torch
-
-    path = Path(path)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    if verify:
-        check_checkpoint_state(path, state)
-    return state
-
-
-def check_checkpoint_state(path: Path, state: dict) -> None:
-    from .hashing import checkpoint_hashes
-
-    path = Path(path)
-    recorded_file = path / "hashes.json"
-    if not recorded_file.exists():
-        raise UnlearnError(f"checkpoint {path} has no hashes.json: it cannot be checked, refusing to use it")
-    if check_sidecar(recorded_file) is False:
-        raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
-    recorded = json.loads(recorded_file.read_text())
-    actual = checkpoint_hashes(state)
-    bad = [n for part in ("params", "optimizer") for n in sorted(set(recorded[part]) | set(actual[part]))
-           if recorded[part].get(n) != actual[part].get(n)]
-    if recorded.get("meta_sha256") != actual["meta_sha256"]:
-        bad.append("step/tie map/parameter names/optimizer hyperparameters")
-    if bad:
-        raise UnlearnError(f"checkpoint {path} does not match its hashes.json (it differs in {', '.join(bad[:3])}"
-                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
 
 
 @dataclass
@@ -364,29 +277,12 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     while plan and not plan[-1].end:
         plan.pop()
 
-    cps = list_checkpoints(path)
-    for d in sorted((path / "checkpoints").glob("step-*")):
-        step = int(d.name.split("-")[1])
-        if step in cps:
-            continue
-        missing = [f for f in ("state.pt", "hashes.json") if not (d / f).exists()]
-        (rep.errors if sealed else rep.warnings).append(
-            f"checkpoint step {step} is incomplete (no {' and no '.join(missing)})"
-            + ("" if sealed else ": it is not used"))
-    for step, d in cps.items():
-        if not check_checkpoints:
-            break
-        ok = check_sidecar(d / "hashes.json")
-        if ok is False:
-            rep.errors.append(f"checkpoint step {step}: hashes.json does not match its SHA-256 sidecar")
-        elif ok is None:
-            (rep.errors if sealed else rep.warnings).append(
-                f"checkpoint step {step} has no hashes.json.sha256 sidecar" + (" in a sealed run" if sealed else ""))
-        if deep and ok is not False:
-            try:
-                check_checkpoint_state(d, load_checkpoint(d, verify=False))
-            except UnlearnError as e:
-                rep.errors.append(str(e))
+    total = header.get("optimizer_steps") if sealed else None
+    cps, ck_errors, ck_warnings = checkpoint_report(path, header, key, sealed,
+                                                    total or (plan[-1].step + 1 if plan else 0),
+                                                    check_sidecars=check_checkpoints, deep=deep)
+    rep.errors += ck_errors
+    rep.warnings += ck_warnings
     if not sealed and plan:
         # The WAL is written before a step runs: the last logged step completed only if something follows it.
         last = plan[-1].step

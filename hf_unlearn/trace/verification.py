@@ -77,7 +77,7 @@ def load_state(path) -> dict:
     path = Path(path)
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
-    if (path / "state.pt").exists():
+    if (path / "state.pt").exists() or (path / "checkpoint.json").exists():
         return load_checkpoint(path)
     if not path.exists():
         raise UnlearnError(f"{path} does not exist: pass a replay/oracle output folder, a checkpoint folder or a .pt file")
