@@ -110,6 +110,9 @@ def inspect_cmd(args) -> int:
     print(f"model {header['model']['class']} ({header['model']['num_parameters']:,} params), optimizer "
           f"{header['optimizer']['class']}, torch {header['versions'].get('torch')}, "
           f"transformers {header['versions'].get('transformers')}")
+    from ..trace.fidelity import fidelity_statement
+
+    print(f"fidelity: {fidelity_statement(header)}")
     for h in rep.hazards:
         print(f"HAZARD: {h}")
     for n in header.get("notes", []):
@@ -229,6 +232,7 @@ def verify_cmd(args) -> int:
         print(f"baseline {name:7s} vs oracle: {b['params_mismatched_elements']:,} of {b['params_elements']:,} parameter "
               f"elements differ, L2 distance {b['params_l2']:.6g}")
     prov = report["provenance"]
+    print(f"fidelity: {report['fidelity']}")
     for h in prov["hazards"]:
         print(f"HAZARD (not covered by this verdict): {h}")
     if report["verified"]:

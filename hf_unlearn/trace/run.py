@@ -39,7 +39,7 @@ HEADER_KEYS = frozenset({
     "format", "run_id", "origin_run_id", "parent", "created", "finished", "sealed", "key_fingerprint", "model",
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
-    "distributed_type", "optimizer_steps", "microbatches"})
+    "distributed_type", "optimizer_steps", "microbatches", "fidelity", "kept_model"})
 SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
 
 
@@ -184,6 +184,7 @@ class TraceRun:
     header: dict
     plan: list[PlanEntry]
     report: Report
+    served_plan: list[PlanEntry] | None = None
 
     @property
     def key(self) -> bytes:
@@ -217,6 +218,20 @@ class TraceRun:
         steps = set(steps)
         by_tag = {tag(self.key, i): i for i in load_store(self.store_path)[self.id_column]}
         return [by_tag[s] for e in self.plan if e.step in steps for s in e.slots if s]
+
+    def cut(self, end_step: int) -> TraceRun:
+        """This run as if it had stopped before optimizer step ``end_step`` (its plan cut there; ``served_plan``
+        keeps the whole plan, so ids served only later are known, not unknown)."""
+        import dataclasses
+
+        return dataclasses.replace(self, plan=[e for e in self.plan if e.step < end_step],
+                                   served_plan=self.served_plan or self.plan)
+
+    def kept(self) -> TraceRun:
+        """The run up to the model its user kept: with ``load_best_model_at_end`` the recorded best step, a control of
+        the run like its length (the header's ``kept_model``); otherwise the run itself."""
+        step = (self.header.get("kept_model") or {}).get("step")
+        return self.cut(step) if step is not None and step < self.total_steps else self
 
     def final_checkpoint(self) -> Path:
         cps = self.checkpoints()
