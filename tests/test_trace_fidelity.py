@@ -282,3 +282,38 @@ def test_runs_that_evaluated_and_kept_the_best_model_replay_to_the_kept_step(tmp
     receipt = forget(run, forget_ids, tmp_path / "forget", oracle=True, tokenizer=tok, progress=False)
     assert receipt.evidence["verified"] and receipt.evidence["kept_model"]["step"] == 1
     assert receipt.evidence["fidelity"].startswith("engine reproduced recorded steps 0..")
+
+
+@pytest.mark.parametrize("hook,logged,completed", [("on_step_end", 4, 5)])  # on_step_begin: test_crash_mid_step
+def test_crash_report_names_the_step_that_did_not_complete(tmp_path, capsys, hook, logged, completed):
+    """A crash right after step 4's optimizer step (a callback failing in on_step_end) was reported as "step 4 logged
+    but never completed": inspect now says step 4 completed, and the completed steps are kept."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.cli import main
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_common import tiny
+
+    tok, data = get_trace_data()
+
+    class Crash(TrainerCallback):
+        pass
+
+    def crash(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            raise RuntimeError("power cut")
+
+    setattr(Crash, hook, crash)
+    with pytest.raises(RuntimeError, match="power cut"):
+        record(tok, data, tmp_path, model=tiny(tok), trainer_kwargs={"callbacks": [Crash()]})
+    capsys.readouterr()
+    assert main(["trace", "inspect", str(tmp_path / "trace")]) == 0
+    out = capsys.readouterr().out
+    assert f"{completed} optimizer steps" in out
+    if logged == completed:
+        assert f"optimizer step {logged} was logged but never completed" in out
+    else:
+        assert f"the run stopped after optimizer step {logged} completed" in out and "never completed" not in out
+    with pytest.warns(UserWarning):
+        assert open_run(tmp_path / "trace").total_steps == completed

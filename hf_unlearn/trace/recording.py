@@ -39,7 +39,7 @@ from ..utils import atomic_write_text
 from .fidelity import device_info, prepare_cuda_determinism
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
-from .run import FORMAT, SEALED_FILES, save_checkpoint, write_sidecar
+from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, save_checkpoint, write_sidecar
 from .tags import ids_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
@@ -258,8 +258,13 @@ class TraceWriter:
         else:
             for f in (plan_f, wal_f, man_f):
                 f.write_bytes(b"")
+            (self.run / PROGRESS_FILE).unlink(missing_ok=True)
         self.write_header(header)
         self._plan, self._wal, self._manifest = open(plan_f, "a"), open(wal_f, "ab"), open(man_f, "ab")
+
+    def mark_completed(self, step: int) -> None:
+        """Note that optimizer step ``step`` ran (``progress.json``), so a crash report names the right step."""
+        atomic_write_text(self.run / PROGRESS_FILE, json.dumps({"completed_step": step}))
 
     def write_header(self, header: dict) -> None:
         atomic_write_text(self.run / "header.json", json.dumps(header, indent=1, sort_keys=True))
@@ -308,6 +313,12 @@ class _TraceCallback(TrainerCallback):
     def on_epoch_begin(self, args, state, control, **kwargs):
         # state.epoch is fractional after a resume mid-epoch (1.5 is still epoch 1) and exact at epoch ends
         self.trainer._trace_epoch = int(math.floor((state.epoch or 0) + 1e-9))
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the optimizer step ran: a crash from here on (logging, saving, evaluation, a callback) leaves a completed step
+        writer = self.trainer._trace_writer
+        if writer is not None:
+            writer.mark_completed(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._trace_finish()
@@ -361,7 +372,8 @@ class TraceRecordingTrainer(Trainer):
         self._trace_groups = None
         self._trace_resume = None
         self._trace_optimizer_source = self._optimizer_source()
-        self.add_callback(_TraceCallback(self))
+        # first, so a user callback that fails right after an optimizer step cannot hide that the step completed
+        self.callback_handler.callbacks.insert(0, _TraceCallback(self))
         if not self._is_replay:
             self._trace_check_parallelism()
             if self.train_dataset is not None:

@@ -41,6 +41,7 @@ HEADER_KEYS = frozenset({
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
     "distributed_type", "optimizer_steps", "microbatches", "fidelity", "kept_model"})
 SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
+PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
 
 
 def checkpoint_dir(run: Path, step: int) -> Path:
@@ -358,7 +359,12 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     if not sealed and plan:
         # The WAL is written before a step runs: the last logged step completed only if something follows it.
         last = plan[-1].step
-        if last + 1 not in cps:
+        done = _completed_step(path)
+        if last + 1 not in cps and done is not None and done >= last:
+            rep.warnings.append(f"the run stopped after optimizer step {last} completed, before step {last + 1} was "
+                                f"logged (a crash in logging, saving, evaluation or a callback): replays end after step "
+                                f"{last}")
+        elif last + 1 not in cps:
             rep.warnings.append(f"optimizer step {last} was logged but never completed (the run stopped during or "
                                 f"right after it, before any later record or checkpoint): replays stop at step {last}")
             plan = [e for e in plan if e.step < last]
@@ -389,6 +395,14 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "deletion_requests": len(read_deletion_log(path)),
     }
     return rep, header, plan
+
+
+def _completed_step(path: Path) -> int | None:
+    f = Path(path) / PROGRESS_FILE
+    try:
+        return int(json.loads(f.read_text())["completed_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def open_run(path: str | Path, strict: bool = True, check_checkpoints: bool = True) -> TraceRun:
