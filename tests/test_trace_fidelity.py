@@ -317,3 +317,54 @@ def test_crash_report_names_the_step_that_did_not_complete(tmp_path, capsys, hoo
         assert f"the run stopped after optimizer step {logged} completed" in out and "never completed" not in out
     with pytest.warns(UserWarning):
         assert open_run(tmp_path / "trace").total_steps == completed
+
+
+def test_replay_on_other_hardware_is_refused(tmp_path, capsys):
+    """A run recorded on a GPU (faked header: an H200 with CUDA 12.8) is refused on this CPU, naming what differs."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.trace import ReplayTrainer
+    from hf_unlearn.trace.run import write_sidecar
+
+    from .test_trace_common import copy_run
+
+    run = copy_run(get_recorded(), tmp_path / "run")
+    header = json.loads((run / "header.json").read_text())
+    assert header["determinism"]["device_info"] == {"type": "cpu"}
+    header["determinism"]["device_info"] = {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0",
+                                            "cuda": "12.8", "cudnn": 91002}
+    (run / "header.json").write_text(json.dumps(header))
+    write_sidecar(run / "header.json")
+    with pytest.raises(UnlearnError, match="other hardware.*type 'cpu' \\(recorded 'cuda'\\).*NVIDIA H200"):
+        ReplayTrainer(run, start="full")
+    from hf_unlearn.data.ids import write_ids
+
+    from .test_trace_common import ids_at_step
+
+    ids = write_ids(tmp_path / "f.jsonl", ids_at_step(run, 7)[:1])
+    capsys.readouterr()
+    assert main(["trace", "oracle", str(run), "--forget", str(ids), "--out", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other hardware" in err[0] and not (tmp_path / "out").exists()
+
+
+def test_cuda_determinism_is_turned_on_or_refused_with_the_lines_to_add(monkeypatch):
+    from hf_unlearn.trace.fidelity import CUDA_LINES, prepare_cuda_determinism
+
+    was = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(UnlearnError) as e:
+        prepare_cuda_determinism(None)
+    assert all(line in str(e.value) for line in CUDA_LINES) and "\n" not in str(e.value)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    try:
+        assert prepare_cuda_determinism(None)
+        import os
+
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    from types import SimpleNamespace
+
+    assert not prepare_cuda_determinism(SimpleNamespace(use_cpu=True))
