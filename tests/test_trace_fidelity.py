@@ -368,3 +368,23 @@ def test_cuda_determinism_is_turned_on_or_refused_with_the_lines_to_add(monkeypa
     from types import SimpleNamespace
 
     assert not prepare_cuda_determinism(SimpleNamespace(use_cpu=True))
+
+
+@pytest.mark.slow
+def test_device_suite_tiny_mode_runs_on_cpu(tmp_path, capsys):
+    """benchmarks/device_suite.py --tiny: the GPU suite's checks on CPU (fp32 and bf16 autocast, MASC benchmark)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "device_suite.py"
+    spec = importlib.util.spec_from_file_location("device_suite", path)
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    assert suite.main(["--tiny", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for precision in ("fp32", "bf16"):
+        line = next(x for x in out.splitlines() if x.startswith(f"{precision} on cpu"))
+        assert "early (step 0) VERIFIED" in line and "late (step 3) VERIFIED" in line and "self-check" in line
+    results = json.loads((tmp_path / "device_suite.json").read_text())
+    assert all(r["fidelity"]["reproduced"] for r in results)
+    assert "MASC fair benchmark" in out and (tmp_path / "masc" / "bench_methods.json").is_file()

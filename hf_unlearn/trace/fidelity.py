@@ -179,7 +179,7 @@ def self_check(run_path: Path, data_collator=None) -> dict:
     from .replay import ReplayTrainer
     from .run import open_run
 
-    started = time.process_time()
+    started, wall = time.process_time(), time.perf_counter()
     run = open_run(run_path)
     cps = sorted(run.checkpoints())
     later = [c for c in cps if c > 0]
@@ -193,7 +193,7 @@ def self_check(run_path: Path, data_collator=None) -> dict:
         result = {"checked": True, "reproduced": False, "steps": [0, until], "why": str(e)}
     except UnlearnError as e:
         result = {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
-    result["cpu_seconds"] = round(time.process_time() - started, 3)
+    result.update(cpu_seconds=round(time.process_time() - started, 3), wall_seconds=round(time.perf_counter() - wall, 3))
     return result
 
 
