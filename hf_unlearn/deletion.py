@@ -558,6 +558,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
         "fidelity": fidelity_statement(run.header),
     }
+    log(f"fidelity: {evidence['fidelity']}")
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
         evidence["kept_model"] = run.header["kept_model"]
         log(f"kept model: {run.header['kept_model']['why']}")

@@ -236,12 +236,48 @@ def test_a_buffer_the_run_changed_is_refused(tmp_path):
     shutil.rmtree(tmp_path / "trace")
 
 
+EVAL_KW = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=2,
+               load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
+
+
+def _record_with_evaluation(tmp_path, rows: int, **kw):
+    """eval every step, saving with save_total_limit, EarlyStoppingCallback, load_best_model_at_end; greater_is_better
+    on a falling loss keeps the first evaluation best, so early stopping ends the run at step 3 with step 1 kept."""
+    from transformers import EarlyStoppingCallback
+
+    tok, data = get_trace_data()
+    held_out = data.select(range(48, 56)).remove_columns("id")
+    trainer = record(tok, data.select(range(rows)), tmp_path / "rec", every=2, **kw, **EVAL_KW,
+                     trainer_kwargs={"eval_dataset": held_out,
+                                     "callbacks": [EarlyStoppingCallback(early_stopping_patience=2)]})
+    return trainer, tmp_path / "rec" / "trace"
+
+
+def test_a_run_that_evaluated_replays_to_the_model_the_user_kept(tmp_path, capsys):
+    """The replay (evaluation, saving and best-model loading off) reproduces the best checkpoint's model the
+    Trainer loaded, not the last step's; the oracle runs from the CLI."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import ReplayTrainer, open_run
+
+    trainer, run = _record_with_evaluation(tmp_path, 16, gradient_accumulation_steps=1, max_steps=4)
+    kept = open_run(run).header["kept_model"]
+    assert kept["step"] == 1 and kept["recorded_steps"] == trainer.state.global_step == 3
+    state = ReplayTrainer(run, start="full").train()
+    held = trainer.model.state_dict()
+    assert state["step"] == 1 and all(torch.equal(t, held[n]) for n, t in state["model"].items())
+    last = ReplayTrainer(run, start="full", stop_step=3).train()  # the last step's state is another model
+    assert not all(torch.equal(t, held[n]) for n, t in last["model"].items())
+    ids = write_ids(tmp_path / "f.jsonl", open_run(run).ids_at_steps([2])[:1])  # served after the kept step
+    assert main(["trace", "oracle", str(run), "--forget", str(ids), "--out", str(tmp_path / "oracle")]) == 0
+    assert open_run(tmp_path / "oracle").total_steps == 1
+
+
+@pytest.mark.slow
 def test_runs_that_evaluated_and_kept_the_best_model_replay_to_the_kept_step(tmp_path, capsys):
     """eval every step, saving with save_total_limit, EarlyStoppingCallback, load_best_model_at_end: trace replay,
     trace oracle and forget --oracle run (evaluation and saving off); the kept model is the best step's, the deletion
     is its counterfactual (equal to a plain Trainer stopped there), and the receipt names the step."""
-    from transformers import EarlyStoppingCallback
-
     from hf_unlearn import forget
     from hf_unlearn.cli import main
     from hf_unlearn.data.ids import write_ids
@@ -251,15 +287,9 @@ def test_runs_that_evaluated_and_kept_the_best_model_replay_to_the_kept_step(tmp
     from .test_trace_common import tiny
 
     tok, data = get_trace_data()
-    train, held_out = data.select(range(24)), data.select(range(48, 56)).remove_columns("id")
+    train = data.select(range(24))
     kw = dict(gradient_accumulation_steps=1, max_steps=6)
-    # greater_is_better on a falling loss: the first evaluation stays best, early stopping ends the run at step 3
-    eval_kw = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=2,
-                   load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
-    trainer = record(tok, train, tmp_path / "rec", every=2, **kw, **eval_kw,
-                     trainer_kwargs={"eval_dataset": held_out,
-                                     "callbacks": [EarlyStoppingCallback(early_stopping_patience=2)]})
-    run = tmp_path / "rec" / "trace"
+    trainer, run = _record_with_evaluation(tmp_path, 24, **kw)
     kept = open_run(run).header["kept_model"]
     assert kept["step"] == 1 and kept["recorded_steps"] == 3 and trainer.state.global_step == 3
     # a replay without deletions reproduces the model the user holds (the best checkpoint), not the last step
