@@ -351,8 +351,8 @@ class TraceRecordingTrainer(Trainer):
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
                  trace_allow_hazards: bool = False, trace_self_check: bool = True, **kwargs):
-        if not self._is_replay:
-            prepare_cuda_determinism(kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None))
+        # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
+        prepare_cuda_determinism(kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         self.trace_self_check = trace_self_check
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
