@@ -418,3 +418,21 @@ def test_device_suite_tiny_mode_runs_on_cpu(tmp_path, capsys):
     results = json.loads((tmp_path / "device_suite.json").read_text())
     assert all(r["fidelity"]["reproduced"] for r in results)
     assert "MASC fair benchmark" in out and (tmp_path / "masc" / "bench_methods.json").is_file()
+
+
+def test_edited_buffers_file_is_refused_before_compute(tmp_path):
+    """model/buffers.safetensors rewritten with other values (a consistent file, its digest in the header unchanged):
+    every replay refuses it at construction, naming the file."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_unlearn.trace import ReplayTrainer
+
+    from .test_trace_common import copy_run
+
+    run = copy_run(get_recorded(), tmp_path / "run")
+    path = run / "model" / "buffers.safetensors"
+    buffers = load_file(str(path))
+    assert "model.rotary_emb.inv_freq" in buffers
+    save_file({n: t * 1.01 for n, t in buffers.items()}, str(path))
+    with pytest.raises(UnlearnError, match="buffers.safetensors is missing or does not match the digest"):
+        ReplayTrainer(run, start="full")
