@@ -269,7 +269,11 @@ def test_a_run_that_evaluated_replays_to_the_model_the_user_kept(tmp_path, capsy
     last = ReplayTrainer(run, start="full", stop_step=3).train()  # the last step's state is another model
     assert not all(torch.equal(t, held[n]) for n, t in last["model"].items())
     ids = write_ids(tmp_path / "f.jsonl", open_run(run).ids_at_steps([2])[:1])  # served after the kept step
+    capsys.readouterr()
     assert main(["trace", "oracle", str(run), "--forget", str(ids), "--out", str(tmp_path / "oracle")]) == 0
+    out = capsys.readouterr().out
+    assert "kept model: load_best_model_at_end" in out and "after 1 of 3 optimizer steps" in out
+    assert "fidelity: engine reproduced recorded steps 0..2" in out
     assert open_run(tmp_path / "oracle").total_steps == 1
 
 
