@@ -501,6 +501,7 @@ def with_replay_progress(trainer_cls, desc: str, enabled: bool):
 def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> ForgetReceipt:
     from .hub.mixin import write_model_card
     from .hub.publish import hashed_files
+    from .trace.fidelity import fidelity_statement
     from .trace.replay import OracleReplayTrainer, RedactedReplayTrainer
     from .trace.store import redact_store
     from .trace.verification import verify
@@ -566,7 +567,12 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         # VERIFIED needs the states bit-identical AND the two folders a replay and an oracle of this run and request
         "verified": None if report is None else bool(report["verified"]),
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
+        "fidelity": fidelity_statement(run.header),
     }
+    log(f"fidelity: {evidence['fidelity']}")
+    if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
+        evidence["kept_model"] = run.header["kept_model"]
+        log(f"kept model: {run.header['kept_model']['why']}")
     if report is not None:
         evidence["oracle"] = {"output": str(out / "oracle"), "roots": report["roots"],
                               "identical": bool(report["identical"]),
