@@ -277,7 +277,31 @@ SMUGGLED = {  # case: (what is smuggled, where the refusal must point)
     "thousands separator": ({"kwargs": {"commit_message": "drop row 3,615"}}, "commit_message (number 3,615)"),
     "branch name": ({"kwargs": {"revision": "forget-3611"}}, "branch (number 3611)"),
     "file name": ({"rename": ["model.safetensors", "model-3610.safetensors"]}, "file name model-3610.safetensors"),
+    # what an honest user still published before (issue 26): numbers in every published text
+    "a file the card template includes": ({"template": '{% include "notes.md" %}\n',
+                                           "includes": {"notes.md": "Deleted rows 3600 and 3601.\n"}},
+                                          "template notes.md (number 3600)"),
+    "chat template comment": ({"files": {"chat_template.jinja": "{# unlearned sample 3601 #}"
+                                         "{% for m in messages %}{{ m['content'] }}{% endfor %}"}},
+                              "chat_template.jinja (number 3601)"),
+    "chat template in tokenizer_config": ({"tokenizer_config": {"chat_template": "{{ 'rows 3604 gone' }}"}},
+                                          "tokenizer_config.json:chat_template (number 3604)"),
+    "tokenizer added token": ({"added_tokens": ["<forget_3602>"]}, "tokenizer.json:added_tokens (number 3602)"),
+    "config id2label": ({"config": {"id2label": {"0": "row 3603", "1": "kept"}, "label2id": {"row 3603": 0, "kept": 1}}},
+                        "config.json:id2label[0] (number 3603)"),
+    "thousands separator, dot": ({"kwargs": {"commit_message": "drop row 3.616"}}, "commit_message (number 3.616)"),
+    "thousands separator, space": ({"kwargs": {"commit_message": "drop row 3 617"}}, "commit_message (number 3 617)"),
+    "thousands separator, no-break space": ({"kwargs": {"commit_message": "drop row 3\u00a0618"}},
+                                            "commit_message (number 3 618)"),
+    "string id, dot separator": ({"info": {"extra": {"note": "dropped tofu.author.7"}}}, "extra.note (id"),
+    "string id, slash separator": ({"info": {"paper": "https://x.org/tofu/author/7"}}, "paper (id"),
 }
+# a normal push with small forget ids (0-63) and ordinary files: a default id2label, a chat template whose code
+# holds small numbers, a numbered block of reserved tokens; it must publish (no false refusal)
+ORDINARY = {"config": {"id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1}},
+            "files": {"chat_template.jinja": "{% for m in messages %}{% if loop.index0 == 0 %}<|system|>{% endif %}"
+                                             "{{ m['content'][0:2] }}{% endfor %}"},
+            "added_tokens": [f"<extra_id_{i}>" for i in range(4)]}
 
 SMUGGLE_SCRIPT = r"""
 import json, sys
@@ -325,27 +349,45 @@ def smuggled(tmp_path_factory, saved_model):
     (tmp / "secret.txt").write_text("the server machine's private file")
     try:
         cases = {}
+        def source_for(n, case):
+            if not any(k in case for k in ("config", "metadata", "tokenizer_config", "rename", "files",
+                                           "added_tokens")):
+                return saved_model
+            source = tmp / f"src{n}"
+            shutil.copytree(saved_model, source)
+            for file, extra in (("config.json", case.get("config")),
+                                ("tokenizer_config.json", case.get("tokenizer_config"))):
+                if extra:
+                    data = json.loads((source / file).read_text())
+                    (source / file).write_text(json.dumps({**data, **extra}))
+            if case.get("added_tokens"):
+                data = json.loads((source / "tokenizer.json").read_text())
+                data["added_tokens"] += [{"id": 50257 + k, "content": t, "single_word": False, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "special": True}
+                                         for k, t in enumerate(case["added_tokens"])]
+                (source / "tokenizer.json").write_text(json.dumps(data))
+            for file, text in case.get("files", {}).items():
+                (source / file).write_text(text)
+            if case.get("metadata"):
+                save_file(load_file(source / "model.safetensors"), source / "model.safetensors",
+                          metadata=case["metadata"])
+            if case.get("rename"):
+                (source / case["rename"][0]).rename(source / case["rename"][1])
+            return source
+
         for n, (name, (case, _)) in enumerate(SMUGGLED.items()):
-            source = saved_model
-            if any(k in case for k in ("config", "metadata", "tokenizer_config", "rename")):
-                source = tmp / f"src{n}"
-                shutil.copytree(saved_model, source)
-                for file, extra in (("config.json", case.get("config")),
-                                    ("tokenizer_config.json", case.get("tokenizer_config"))):
-                    if extra:
-                        data = json.loads((source / file).read_text())
-                        (source / file).write_text(json.dumps({**data, **extra}))
-                if case.get("metadata"):
-                    save_file(load_file(source / "model.safetensors"), source / "model.safetensors",
-                              metadata=case["metadata"])
-                if case.get("rename"):
-                    (source / case["rename"][0]).rename(source / case["rename"][1])
             kwargs = dict(case.get("kwargs", {}))
             if case.get("template"):
-                (tmp / f"template{n}.md").write_text(case["template"])
-                kwargs["template"] = str(tmp / f"template{n}.md")
-            cases[name] = {"source": str(source), "repo": case.get("repo", f"org/case-{n}"), "kwargs": kwargs,
-                           "info": case.get("info", {})}
+                folder = tmp / f"template{n}"
+                folder.mkdir()
+                for file, text in {"card.md": case["template"], **case.get("includes", {})}.items():
+                    (folder / file).write_text(text)
+                kwargs["template"] = str(folder / "card.md")
+            cases[name] = {"source": str(source_for(n, case)), "repo": case.get("repo", f"org/case-{n}"),
+                           "kwargs": kwargs, "info": case.get("info", {})}
+        cases["control, small ids, ordinary files"] = {
+            "source": str(source_for(len(SMUGGLED), ORDINARY)), "repo": "org/small-ids",
+            "info": {"forget_ids": list(range(64)), "hyperparameters": {"beta": 0.5}}}
         cases["control"] = {"source": str(saved_model), "repo": "org/control", "kwargs": {"deletion": True}}
         cases["control with an allowance"] = {
             "source": str(saved_model), "repo": "org/allowed", "info": {"hyperparameters": {"max_steps": 3600}},
@@ -377,6 +419,7 @@ def test_a_push_that_would_carry_a_forget_id_is_refused_before_anything_is_creat
 def test_the_same_pushes_without_the_ids_publish_and_the_server_stays_in_its_root(smuggled):
     results, _, server = smuggled
     assert results["control"].startswith("PUBLISHED") and results["control with an allowance"].startswith("PUBLISHED")
+    assert results["control, small ids, ordinary files"].startswith("PUBLISHED"), results["control, small ids, ordinary files"]
     card = read(server, "org/allowed", "main", "README.md").decode()
     assert "| max_steps | 3600 |" in card  # the allowed number, in its field
     assert results["server: traversal oid"].startswith("400") and results["server: traversal download"] != "SERVED"

@@ -356,8 +356,11 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
     """Forget ids in the staged files (the card, manifest and forget request are checked where they are made).
 
     Config files: numbers under the fields the config class defines are configuration (layer counts, token ids),
-    every other value is matched. Tokenizer files: token ids and the learned vocabulary and merges are not sample
-    ids, every other string is matched. Safetensors: the header metadata is matched; tensor names for string ids.
+    every other value is matched, and so are the label names of ``id2label``/``label2id``. Tokenizer files: token
+    ids and the learned vocabulary and merges are not sample ids; added and special tokens are matched numbers
+    included (a block of reserved tokens numbered 0..n-1 or 1..n is numbered by position), every other string for
+    string ids. Chat templates: text, comments and string literals numbers included. Safetensors: the header
+    metadata is matched; tensor names for string ids.
     """
     hits: list[Hit] = []
     for path in sorted(p for p in staging.iterdir() if p.is_file()):
@@ -371,18 +374,18 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
         elif name in ("config.json", "generation_config.json"):
             hits += scan_config(_load_json(path), name, scanner, generation=name == "generation_config.json")
         elif name == "tokenizer.json":
-            data = _load_json(path)
-            if isinstance(data, dict) and isinstance(data.get("model"), dict):
-                data = {**data, "model": {k: v for k, v in data["model"].items() if k not in ("vocab", "merges")}}
-            hits += scanner.scan(data, name, numbers=False)
+            hits += _scan_tokenizer_json(_load_json(path), name, scanner)
         elif name == "tokenizer_config.json":
+            hits += _scan_tokenizer_config(_load_json(path), name, scanner)
+        elif name in ("special_tokens_map.json", "added_tokens.json"):
+            hits += scan_tokens(_token_texts(_load_json(path)), name, scanner)
+        elif name == "chat_template.jinja":
+            hits += scanner.scan_template(path.read_text(encoding="utf-8", errors="replace"), name)
+        elif name == "chat_template.json":
             data = _load_json(path)
-            for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
-                numbers = key not in _TOKENIZER_NUMBERS and key != "chat_template"
-                hits += scanner.scan_text(str(key), f"{name}:{key} (key)")
-                hits += scanner.scan(value, f"{name}:{key}", numbers=numbers)
-        elif name in ("special_tokens_map.json", "added_tokens.json", "chat_template.json", "chat_template.jinja"):
-            hits += scanner.scan_text(path.read_text(encoding="utf-8", errors="replace"), name, numbers=False)
+            hits += _scan_chat_template(data.get("chat_template") if isinstance(data, dict) else data, name,
+                                        scanner)
+            hits += scanner.scan(data, name, numbers=False)
         elif name in ("vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model"):
             continue  # the tokenizer's learned vocabulary: not written from the training data's ids
         else:
@@ -390,10 +393,82 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
     return hits
 
 
+_NUMBERED = re.compile(r"^(\D*)(\d+)(\D*)$")
+
+
+def scan_tokens(tokens: list[str], field: str, scanner: IdScanner) -> list[Hit]:
+    """Forget ids in added/special token texts (``<forget_3600>``), numbers included, except the numbers of a
+    block of reserved tokens that differ only by a number running 0..n-1 or 1..n (``<extra_id_0>``...,
+    ``<|reserved_special_token_0|>``...): those number positions in the block."""
+    families: dict[tuple[str, str], set[int]] = {}
+    for token in tokens:
+        if m := _NUMBERED.match(token):
+            families.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    blocks = {k for k, nums in families.items()
+              if len(nums) > 1 and (nums == set(range(len(nums))) or nums == set(range(1, len(nums) + 1)))}
+    hits: list[Hit] = []
+    for token in dict.fromkeys(tokens):
+        m = _NUMBERED.match(token)
+        hits += scanner.scan_text(token, field, numbers=not (m and (m.group(1), m.group(3)) in blocks))
+    return hits
+
+
+def _token_texts(value) -> list[str]:
+    """Every token text in a special-tokens map, an added-tokens file (its keys) or a list of AddedToken dicts."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        if isinstance(value.get("content"), str):
+            return [value["content"]]
+        out = []
+        for k, v in value.items():
+            out += [str(k)] if isinstance(v, int) and not isinstance(v, bool) else _token_texts(v)  # token -> id
+        return out
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _token_texts(v)]
+    return []
+
+
+def _scan_chat_template(template, field: str, scanner: IdScanner) -> list[Hit]:
+    """A chat template is one Jinja source or a list of ``{"name", "template"}``."""
+    if isinstance(template, str):
+        return scanner.scan_template(template, field)
+    if isinstance(template, list):
+        return [h for t in template if isinstance(t, Mapping) for h in
+                scanner.scan_template(str(t.get("template", "")), f"{field}:{t.get('name', '')}")]
+    return []
+
+
+def _scan_tokenizer_json(data, name: str, scanner: IdScanner) -> list[Hit]:
+    if not isinstance(data, dict):
+        return scanner.scan(data, name, numbers=False)
+    rest = {k: v for k, v in data.items() if k != "added_tokens"}
+    if isinstance(rest.get("model"), dict):
+        rest["model"] = {k: v for k, v in rest["model"].items() if k not in ("vocab", "merges")}
+    return (scan_tokens(_token_texts(data.get("added_tokens") or []), f"{name}:added_tokens", scanner)
+            + scanner.scan(rest, name, numbers=False))
+
+
+def _scan_tokenizer_config(data, name: str, scanner: IdScanner) -> list[Hit]:
+    hits: list[Hit] = []
+    for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
+        where = f"{name}:{key}"
+        hits += scanner.scan_text(str(key), f"{where} (key)")
+        if key == "chat_template":
+            hits += _scan_chat_template(value, where, scanner)
+        elif key in ("added_tokens_decoder", "additional_special_tokens", "extra_special_tokens") \
+                or key.endswith("_token"):
+            hits += scan_tokens(_token_texts(value), where, scanner)  # token ids (the decoder's keys) are not
+        else:
+            hits += scanner.scan(value, where, numbers=key not in _TOKENIZER_NUMBERS)
+    return hits
+
+
 def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -> list[Hit]:
     """Forget ids in a model (or generation) config: the fields the config class defines hold configuration, so
-    their numbers and label names are not matched (``pad_token_id``, ``id2label``), only string ids and the path
-    in ``_name_or_path``; every field the class does not define is matched in full."""
+    their numbers are not matched (``pad_token_id``), only string ids and the path in ``_name_or_path``; the label
+    names of ``id2label``/``label2id`` are matched numbers included; every field the class does not define is
+    matched in full."""
     known = _known_config_keys(data, generation) if isinstance(data, dict) else set()
     hits: list[Hit] = []
     for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
@@ -403,10 +478,31 @@ def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -
         hits += scanner.scan_text(str(key), where + " (key)")
         if key == "_name_or_path":
             hits += scanner.scan_strings(value, where)
+        elif key in ("id2label", "label2id") and isinstance(value, Mapping) \
+                and all(isinstance(v, (int, str)) for v in value.values()):
+            hits += _scan_labels(value if key == "id2label" else {v: k for k, v in value.items()}, where, scanner)
         elif key in known:
             hits += scanner.scan(value, where, numbers=False)
         else:
             hits += scanner.scan(value, where)
+    return hits
+
+
+def _scan_labels(id2label: Mapping, where: str, scanner: IdScanner) -> list[Hit]:
+    """Class labels: transformers' default entries (``3: "LABEL_3"``) are its own and the indices 0..n-1 are the
+    classes' positions; any other index and every other label name is matched numbers included."""
+    try:
+        indices = sorted(int(i) for i in id2label)
+    except (TypeError, ValueError):
+        indices = []
+    positional = indices == list(range(len(id2label)))
+    hits: list[Hit] = []
+    for index, label in id2label.items():
+        if str(label) == f"LABEL_{index}":
+            continue
+        hits += scanner.scan(label, f"{where}[{index}]")
+        if not positional:
+            hits += scanner.scan_text(str(index), f"{where}[{index}]")
     return hits
 
 
