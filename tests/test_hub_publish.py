@@ -617,6 +617,18 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     _tamper(hub, tmp_path, "t-no-config", lambda f: (f / "config.json").unlink(), rewrite_manifest=True)
     _tamper(hub, tmp_path, "t-extra-file", lambda f: (f / "modeling_extra.py").write_text("x = 1\n"),
             rewrite_manifest=False)
+
+    def card(folder):  # issue 26: the card's claims rewritten; weights, config and tokenizer untouched
+        text = (folder / "README.md").read_text().replace("MASC", "NPO")
+        (folder / "README.md").write_text(text + "\nThis model forgot nothing.\n")
+
+    def metadata(folder):  # issue 26: free text in the weights file's header; every tensor unchanged
+        save_file(load_file(folder / "model.safetensors"), folder / "model.safetensors",
+                  metadata={"format": "pt", "note": "this model forgot nothing"})
+
+    _tamper(hub, tmp_path, "t-card", card, rewrite_manifest=False)
+    _tamper(hub, tmp_path, "t-metadata", metadata, rewrite_manifest=False)
+    _tamper(hub, tmp_path, "t-metadata-rewritten", metadata, rewrite_manifest=True)
     cases = {
         "main": ["main", None, None],
         "anchored": ["deletion-0001", root, commit],
@@ -641,6 +653,14 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
         "extra file, expect files root": ["t-extra-file", root, None, {"expect_files_root": files,
                                                                         "expect_file_hashes": pushed["file_hashes"]}],
         "anchored by roots": ["deletion-0001", root, None, {"expect_files_root": files}],
+        "anchored by roots and card": ["deletion-0001", root, None, {"expect_files_root": files,
+                                                                     "expect_card_sha256": pushed["card_sha256"]}],
+        "card rewritten, expect roots": ["t-card", root, None, {"expect_files_root": files}],
+        "card rewritten, record": ["t-card", None, None, str(saved_model)],
+        "metadata changed": ["t-metadata", None, None],
+        "metadata and manifest rewritten, expect roots": ["t-metadata-rewritten", root, None,
+                                                          {"expect_files_root": files,
+                                                           "expect_file_hashes": pushed["file_hashes"]}],
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
     proc = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -687,9 +707,25 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     assert named["problems"][0].endswith(": changed: config.json"), named["problems"]
     extra = out["extra file, expect files root"]["problems"]
     assert any(p.endswith("not pushed by the publisher: modeling_extra.py") for p in extra), extra
+    # weights and files pinned, the card not: ok, but `anchored` excludes nothing silently: it is false, and the
+    # statement says the card is not proven; a rewritten card ("This model forgot nothing.") is then caught only by
+    # the card's own hash (or the commit)
     by_roots = out["anchored by roots"]
-    assert by_roots["ok"] and by_roots["anchored"] and f"expected files root {files}" in by_roots["statement"]
-    assert "Not proven" not in by_roots["statement"]
+    assert by_roots["ok"] and not by_roots["anchored"] and f"expected files root {files}" in by_roots["statement"]
+    assert "Not proven: that the model card" in by_roots["statement"]
+    full = out["anchored by roots and card"]
+    assert full["ok"] and full["anchored"] and "Not proven" not in full["statement"]
+    rewritten = out["card rewritten, expect roots"]
+    assert rewritten["ok"] and not rewritten["anchored"] and "Not proven: that the model card" in rewritten["statement"]
+    by_record = out["card rewritten, record"]  # hub_pushes.jsonl holds the card's SHA-256
+    assert not by_record["ok"] and not by_record["anchored"]
+    assert any("the model card (README.md" in p and "not the one pushed" in p for p in by_record["problems"]), \
+        by_record["problems"]
+    # safetensors header metadata is covered: by the manifest, and by the files root when the manifest is rewritten
+    assert out["metadata changed"]["problems"] == ["the header metadata of model.safetensors differs from the manifest"]
+    meta = out["metadata and manifest rewritten, expect roots"]
+    assert not meta["ok"] and any("changed: /safetensors-metadata/model.safetensors" in p for p in meta["problems"]), \
+        meta["problems"]
 
     proc = client.cli("verify", "org/v", "--revision", "deletion-0001", "--expect-from", saved_model)
     assert proc.returncode == 0 and f"expected root {root}" in proc.stdout, proc.stderr[-3000:]

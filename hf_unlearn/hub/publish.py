@@ -83,6 +83,7 @@ class PushResult:
     skipped_provenance: dict[str, str] = field(default_factory=dict)
     card: str = ""
     file_hashes: dict[str, str] = field(default_factory=dict)  # SHA-256 of every non-weight file (files_root's)
+    card_sha256: str = ""  # of the card as pushed (outside files_root: the card states that root)
 
     @property
     def verify_command(self) -> str:
@@ -90,6 +91,7 @@ class PushResult:
         tokenizer files, commit)."""
         rev = f" --revision {self.tag}" if self.tag else ""
         files = f" --expect-files-root {self.files_root}" if self.files_root else ""
+        files += f" --expect-card-sha256 {self.card_sha256}" if self.card_sha256 else ""
         return (f"hf-unlearn hub verify {self.repo_id}{rev} --expect-commit {self.commit} "
                 f"--expect-root {self.state_dict_root or self.params_root}{files}")
 
@@ -149,10 +151,15 @@ def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[st
     return hashes, layout
 
 
+METADATA_KEY = "/safetensors-metadata/"  # + shard name: never a relative file path, so never a file's key
+
+
 def hashed_files(folder: Path) -> dict[str, str]:
     """SHA-256 of every file of a repository folder that the manifest covers by file: all but the card, the
     manifest and the weights hashed per tensor (top-level ``*.safetensors``; an adapter's or a subfolder's
-    safetensors file is hashed here like any other file, so it cannot sit in a revision unchecked)."""
+    safetensors file is hashed here like any other file, so it cannot sit in a revision unchecked), and of the
+    header metadata of each per-tensor hashed weights file (``/safetensors-metadata/<name>``: free text that the
+    tensor hashes do not cover)."""
     folder = Path(folder)
     tensors = {p.name for p in safetensors_files(folder)}
     out = {}
@@ -160,7 +167,18 @@ def hashed_files(folder: Path) -> dict[str, str]:
         rel = p.relative_to(folder).as_posix()
         if p.is_file() and rel not in NOT_HASHED and rel not in tensors:
             out[rel] = file_sha256(p)
+    for name in sorted(tensors):
+        out[METADATA_KEY + name] = safetensors_metadata_sha256(folder / name)
     return out
+
+
+def safetensors_metadata_sha256(path: Path) -> str:
+    """SHA-256 of a safetensors file's header metadata (``{}`` when it has none), as canonical JSON."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    return hashlib.sha256(json.dumps(metadata, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
 
 
 def files_root(file_hashes: Mapping[str, str]) -> str:
@@ -218,8 +236,9 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
     file_hashes = hashed_files(folder)
     manifest = hashes.to_dict()
     manifest.update(
-        scope="tensors saved in this repository's *.safetensors files (tied duplicates are saved once) and the "
-              "SHA-256 of every other file except README.md and this manifest",
+        scope="tensors saved in this repository's *.safetensors files (tied duplicates are saved once), their "
+              "header metadata (file_hashes['/safetensors-metadata/NAME']) and the SHA-256 of every other file "
+              "except README.md and this manifest",
         files=layout, not_saved=sorted((set(state_dict_names or ()) | set(ties)) - set(params)),
         tied=dict(sorted(ties.items())), state_dict_root=root_hash(full),
         file_hashes=file_hashes, files_root=files_root(file_hashes),
@@ -624,7 +643,8 @@ def push_unlearned(
     result = PushResult(repo_id=repo_id, commit=commit, url=f"{api.endpoint}/{repo_id}", tag=tag, files=files,
                         params_root=manifest["params_root"], root=manifest["root"],
                         state_dict_root=manifest["state_dict_root"], files_root=manifest["files_root"],
-                        skipped_provenance=skipped, card=card, file_hashes=dict(manifest["file_hashes"]))
+                        skipped_provenance=skipped, card=card, file_hashes=dict(manifest["file_hashes"]),
+                        card_sha256=hashlib.sha256(card.encode("utf-8")).hexdigest())
     local_dir = local_dir if local_dir is not None else (None if hasattr(source, "save_pretrained") else source)
     if local_dir is not None:
         _record_locally(Path(local_dir), result, key_fingerprint(key))
@@ -655,7 +675,7 @@ def _record_locally(folder: Path, result: PushResult, fingerprint: str) -> None:
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repo_id": result.repo_id,
              "commit": result.commit, "tag": result.tag, "params_root": result.params_root,
              "state_dict_root": result.state_dict_root, "files_root": result.files_root,
-             "file_hashes": result.file_hashes, "key_fingerprint": fingerprint}
+             "file_hashes": result.file_hashes, "card_sha256": result.card_sha256, "key_fingerprint": fingerprint}
     atomic_write_text(log, old + json.dumps(entry, sort_keys=True) + "\n")
 
 
