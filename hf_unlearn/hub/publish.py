@@ -104,7 +104,7 @@ def save_card_info(output_dir: str | os.PathLike, card_info: Mapping[str, Any]) 
     """
     info = normalize_card_info(card_info)
     path = Path(output_dir) / CARD_INFO_FILE
-    atomic_write_text(path, json.dumps(info, indent=1, default=_jsonable))
+    atomic_write_text(path, json.dumps(info, indent=1, default=_jsonable), private=True)  # raw ids
     return path
 
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..utils import atomic_write_bytes, atomic_write_text
+from ..utils import atomic_write_bytes, atomic_write_text, file_mode
 
 REPO_TYPES = ("model", "dataset", "space")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -378,6 +378,7 @@ class LfsWriter:
         tmp_dir = store.root / "objects" / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         fd, self.tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".part")
+        os.fchmod(fd, file_mode())  # readable as a plain file would be (mkstemp makes it owner-only)
         self.file = os.fdopen(fd, "wb")
         self.sha = hashlib.sha256()
         self.size = 0
