@@ -539,8 +539,11 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
     elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
-        log("note: no tokenizer given, so the model folder holds none (this recorded run keeps none); pass "
-            "--tokenizer (tokenizer= from Python) to save it with the model")
+        kept = run.path / "collator"
+        where = (f"the run keeps its collator's tokenizer in {kept}: pass --tokenizer {kept}" if
+                 any((kept / f).is_file() for f in TOKENIZER_FILES) else "pass --tokenizer")
+        log(f"note: no tokenizer given, so the model folder holds none; {where} (tokenizer= from Python) to save it "
+            "with the model")
     saved_files = hashed_files(model_dir)  # config, tokenizer, ... as saved: the receipt checks them
     card_info = replay.unlearning_card_info()
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,

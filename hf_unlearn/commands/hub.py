@@ -68,6 +68,10 @@ def register(parser) -> None:
     s.add_argument("--token", action="append", required=True, metavar="T", help="accepted access token (repeatable)")
     s.add_argument("--user", default="user", help="user name the tokens belong to")
     s.add_argument("--max-body-mb", type=int, default=256, help="largest commit body accepted (MiB)")
+    s.add_argument("--read-timeout", type=float, default=60.0,
+                   help="close a connection idle (or stalled mid-request) this many seconds (default %(default)s)")
+    s.add_argument("--max-connections", type=int, default=64,
+                   help="connections served at once, one thread each; more get 503 (default %(default)s)")
     s.add_argument("--verbose", action="store_true", help="log every request")
     s.set_defaults(func=_serve)
 
@@ -148,7 +152,8 @@ def _serve(args) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG, format="%(message)s")
     server = HubServer(args.root, {t: args.user for t in args.token}, host=args.host, port=args.port,
-                       max_body_bytes=args.max_body_mb * 1024 * 1024)
+                       max_body_bytes=args.max_body_mb * 1024 * 1024, read_timeout=args.read_timeout,
+                       max_connections=args.max_connections)
     print(f"hf-unlearn hub serving {args.root} at {server.url}", flush=True)
     print(f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1", flush=True)
     try:
