@@ -768,8 +768,9 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_verify_") as cache:  # a fresh download, not a cached copy
         report = verify_on_hub(config.repo, result.tag, token=config.token, endpoint=config.endpoint,
                                cache_dir=cache, expect_root=result.state_dict_root or result.params_root,
-                               expect_commit=result.commit, expect_files_root=result.files_root or None)
-        # anchored: weights, config/tokenizer files and commit checked against the push's own record
+                               expect_commit=result.commit, expect_files_root=result.files_root or None,
+                               expect_card_sha256=result.card_sha256 or None)
+        # anchored: weights, config/tokenizer files, card and commit checked against the push's own record
     return result, report
 
 
