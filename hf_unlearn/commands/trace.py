@@ -114,6 +114,9 @@ def inspect_cmd(args) -> int:
         from ..trace.retention import describe
 
         print(f"checkpoints: {describe(header['checkpoint_retention'])}")
+    from ..trace.fidelity import fidelity_statement
+
+    print(f"fidelity: {fidelity_statement(header)}")
     for h in rep.hazards:
         print(f"HAZARD: {h}")
     for n in header.get("notes", []) + rep.notes:
@@ -181,7 +184,19 @@ def replay_cmd(args) -> int:
         return 0
     print(f"replayed {s['segments_replayed']} of {s['total_steps']} steps from checkpoint step {s['start_step']} "
           f"({s['optimizer_steps_taken']} optimizer steps taken); output run: {args.out}")
+    _print_fidelity(trainer)
     return 0
+
+
+def _print_fidelity(trainer) -> None:
+    from ..trace.fidelity import fidelity_statement
+
+    header = {**trainer.run.header, "fidelity": {**(trainer.run.header.get("fidelity") or {}),
+                                                 "checkpoints_matched": trainer.replay_stats["checkpoints_matched"]}}
+    print(f"fidelity: {fidelity_statement(header)}")
+    kept = trainer.run.header.get("kept_model")
+    if kept:
+        print(f"kept model: {kept['why']}")
 
 
 def oracle_cmd(args) -> int:
@@ -206,6 +221,7 @@ def oracle_cmd(args) -> int:
         return 0
     print(f"oracle: full replay of {trainer.replay_stats['total_steps']} steps "
           f"({trainer.replay_stats['optimizer_steps_taken']} optimizer steps taken); output: {args.out}")
+    _print_fidelity(trainer)
     if args.baselines:
         out = Path(args.out) / "baselines"
         save_state(filter_counterfactual(run, forget, data_collator=collator), out / "filter.pt")
@@ -236,6 +252,7 @@ def verify_cmd(args) -> int:
         print(f"baseline {name:7s} vs oracle: {b['params_mismatched_elements']:,} of {b['params_elements']:,} parameter "
               f"elements differ, L2 distance {b['params_l2']:.6g}")
     prov = report["provenance"]
+    print(f"fidelity: {report['fidelity']}")
     for h in prov["hazards"]:
         print(f"HAZARD (not covered by this verdict): {h}")
     for n in prov.get("notes", []):

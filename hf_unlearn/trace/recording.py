@@ -37,10 +37,11 @@ from ..data.collators import IdCarryingCollator, _importable_name, collator_spec
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .checkpoints import INDEX_FORMAT, CheckpointIndex, FrozenTensors
+from .fidelity import device_info, prepare_cuda_determinism
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
-from .run import FORMAT, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
+from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
 from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
@@ -60,6 +61,21 @@ def microbatch_seed(base: int, step: int, j: int) -> int:
 def rank_seed(seed: int, rank: int) -> int:
     """The seed process ``rank`` uses for a microbatch whose recorded seed is ``seed`` (rank 0: the seed itself)."""
     return seed if rank == 0 else _hashed_seed(f"{seed}:rank{rank}")
+
+
+@contextmanager
+def _rng_kept():
+    """Run a block (a nested Trainer seeds everything) and give the caller its Python, numpy and torch RNGs back."""
+    import random
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 @contextmanager
@@ -248,14 +264,29 @@ class TraceWriter:
         else:
             for f in (wal_f, man_f):
                 f.write_bytes(b"")
+            (self.run / PROGRESS_FILE).unlink(missing_ok=True)
         self._open_index(header, resume_step)
         self.write_header(header)
         self._plan = CompactPlanWriter(self.run / PLAN_FILE, self.key, header["run_id"], kept)
         (self.run / LEGACY_PLAN_FILE).unlink(missing_ok=True)
         self._wal, self._manifest = open(wal_f, "ab"), open(man_f, "ab")
 
+    def mark_completed(self, step: int) -> None:
+        """Note that optimizer step ``step`` ran (``progress.json``), so a crash report names the right step."""
+        atomic_write_text(self.run / PROGRESS_FILE, json.dumps({"completed_step": step}))
+
     def write_header(self, header: dict) -> None:
         atomic_write_text(self.run / "header.json", json.dumps(header, indent=1, sort_keys=True))
+
+    def reseal_header(self, header: dict) -> None:
+        """Rewrite a sealed run's header (the self-check's outcome) with its sidecar and its keyed controls seal."""
+        from .plan import PLAN_FILE, read_compact_plan
+
+        segs = read_compact_plan(self.run / PLAN_FILE).segments
+        if segs:
+            header["controls_mac"] = controls_seal(self.key, segs[-1].mac, header)
+        self.write_header(header)
+        write_sidecar(self.run / "header.json")
 
     def append(self, entries: list[PlanEntry]) -> None:
         """Write one segment ahead of running it (its plan frame, then per microbatch manifest slots and WAL record)."""
@@ -319,6 +350,12 @@ class _TraceCallback(TrainerCallback):
         # state.epoch is fractional after a resume mid-epoch (1.5 is still epoch 1) and exact at epoch ends
         self.trainer._trace_epoch = int(math.floor((state.epoch or 0) + 1e-9))
 
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the optimizer step ran: a crash from here on (logging, saving, evaluation, a callback) leaves a completed step
+        writer = self.trainer._trace_writer
+        if writer is not None:
+            writer.mark_completed(state.global_step)
+
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._trace_finish()
 
@@ -350,13 +387,18 @@ class TraceRecordingTrainer(Trainer):
         trace_allow_hazards: record even if the run has hazards a replay cannot reproduce (a random collator,
             fp16 loss scaling, ...). They are written to the header and printed by ``inspect`` and ``verify``,
             whose verdicts then do not cover them. Default: refuse at construction.
+        trace_self_check: when ``train()`` ends, replay the first checkpoint interval with the replay engine and
+            compare it with the recorded checkpoint; the outcome is sealed into the run (``header.json``
+            ``fidelity``) and a run the engine does not reproduce gets every replay and verdict refused (see
+            :mod:`hf_unlearn.trace.fidelity`). Costs about 1/number-of-checkpoints of the run. Default: on.
     """
 
     _is_replay = False
 
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
-                 trace_allow_hazards: bool = False, trace_checkpoint_retention: str = "geometric",
+                 trace_allow_hazards: bool = False, trace_self_check: bool = True,
+                 trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
                  **kwargs):
         from .retention import MODES
@@ -367,7 +409,10 @@ class TraceRecordingTrainer(Trainer):
                             ("trace_checkpoint_budget", trace_checkpoint_budget)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UnlearnError(f"{name} must be a positive int (or None for the default), not {value!r}")
+        # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
+        prepare_cuda_determinism(kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+        self.trace_self_check = trace_self_check
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
         self.trace_checkpoint_steps = trace_checkpoint_steps
         self.trace_checkpoint_retention = trace_checkpoint_retention
@@ -388,7 +433,8 @@ class TraceRecordingTrainer(Trainer):
         self._trace_groups = None
         self._trace_resume = None
         self._trace_optimizer_source = self._optimizer_source()
-        self.add_callback(_TraceCallback(self))
+        # first, so a user callback that fails right after an optimizer step cannot hide that the step completed
+        self.callback_handler.callbacks.insert(0, _TraceCallback(self))
         if not self._is_replay:
             self._trace_check_parallelism()
             if self.train_dataset is not None:
@@ -511,7 +557,7 @@ class TraceRecordingTrainer(Trainer):
         if args.fp16:
             hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
                            "may scale (and skip) steps differently; use bf16 or fp32")
-        if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled() and not args.use_cpu:
+        if args.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
             hazards.append("CUDA without torch.use_deterministic_algorithms(True): kernels may not be bit-reproducible")
         template = served[0]
         if dummy_has_weight(collator, dummy_row(template, 4, self.dummy_token_id, self.id_column)):
@@ -580,8 +626,31 @@ class TraceRecordingTrainer(Trainer):
             raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
                                "(or resume_from_checkpoint)")
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        self._trace_self_check()
+        return output
+
+    def _trace_self_check(self) -> None:
+        """Prove the replay engine on this run (its first checkpoint interval) and seal the outcome into it."""
+        header = self._trace_header
+        if self._is_replay or not header.get("sealed") or not self.accelerator.is_main_process:
+            return
+        fid = header.setdefault("fidelity", {})
+        if fid.get("recording"):  # decided when sealing (a buffer changed during training)
+            return
+        if not self.trace_self_check:
+            fid["recording"] = {"checked": False, "why": "trace_self_check=False"}
+        elif self.accelerator.num_processes > 1:
+            fid["recording"] = {"checked": False, "why": "the self-check runs in one-process runs; the checkpoints each "
+                                "replay passes check data-parallel runs"}
+        else:
+            from .fidelity import self_check
+
+            collator = None if header["collator"].get("rebuildable") else self.data_collator
+            with _rng_kept():
+                fid["recording"] = self_check(self.trace_dir, data_collator=collator)
+        TraceWriter(self.trace_dir, self._trace_key).reseal_header(header)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -703,6 +772,9 @@ class TraceRecordingTrainer(Trainer):
         header["key_fingerprint"] = key_fingerprint(self._trace_key)
         self._trace_header = header
         self._save_model_files(run)
+        from .fidelity import save_buffers
+
+        header["model"]["layout"] = save_buffers(self.accelerator.unwrap_model(self.model), run)
         self._trace_writer = TraceWriter(run, self._trace_key)
         self._trace_writer.frozen.source = self.trace_frozen_source
         self._trace_writer.open(header, resume_step=resume_step)
@@ -732,6 +804,18 @@ class TraceRecordingTrainer(Trainer):
             self._trace_thin(step, final=True)
         self._trace_header.update(optimizer_steps=step, microbatches=self._trace_mb, finished=time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        kept = self._kept_model()
+        if kept:
+            self._trace_header["kept_model"] = kept
+        if not self._is_replay:
+            from .fidelity import changed_buffers
+
+            changed = changed_buffers(self.accelerator.unwrap_model(self.model), self.trace_dir)
+            if changed:
+                self._trace_header["fidelity"] = {"recording": {
+                    "checked": True, "reproduced": False, "steps": [0, step],
+                    "why": f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do "
+                           "not carry it, so replays cannot follow it)"}}
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
 
@@ -795,6 +879,18 @@ class TraceRecordingTrainer(Trainer):
             self._trace_header["checkpoint_retention"] = index.retention
             index.save()
 
+    def _kept_model(self) -> dict | None:
+        """With ``load_best_model_at_end`` the user keeps the best checkpoint's model, not the last step's: its step."""
+        state = self.state
+        if self._is_replay or not self.args.load_best_model_at_end or not state.best_model_checkpoint:
+            return None
+        best = state.best_global_step
+        if best is None:
+            best = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
+        return {"step": int(best), "recorded_steps": state.global_step, "metric": self.args.metric_for_best_model,
+                "why": "load_best_model_at_end: the Trainer loaded the best checkpoint, so the kept model is the state "
+                       f"after {best} of {state.global_step} optimizer steps; deletions replay up to it"}
+
     def _trace_header_dict(self, served, fingerprint: str, hazards: list[str], notes: list[str]) -> dict:
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
@@ -843,6 +939,8 @@ class TraceRecordingTrainer(Trainer):
                             "cudnn_deterministic": torch.backends.cudnn.deterministic,
                             "cudnn_benchmark": torch.backends.cudnn.benchmark,
                             "dataloader_num_workers": args.dataloader_num_workers, "device": str(args.device),
+                            "device_info": device_info(args.device),
+                            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                             "dropout": dropout_settings(model), "neftune_noise_alpha": args.neftune_noise_alpha,
                             "per_microbatch_reseeding": True},
             "hazards": hazards,

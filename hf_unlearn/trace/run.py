@@ -62,14 +62,16 @@ HEADER_KEYS = frozenset({
     "format", "run_id", "origin_run_id", "parent", "created", "finished", "sealed", "key_fingerprint", "model",
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
-    "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index",
-    "checkpoint_retention", "controls_mac"})
+    "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention", "fidelity",
+    "kept_model", "controls_mac"})
 SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
+PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
 # The header fields that decide the replayed state (or what a verdict covers): the keyed seal covers them. A field
 # written after the seal must not be one of them (or the writer re-seals with :func:`controls_seal`).
 KEYED_HEADER_KEYS = ("format", "run_id", "origin_run_id", "parent", "key_fingerprint", "model", "optimizer",
                      "training_args", "dataset", "collator", "dummy_token_id", "gradient_accumulation_steps",
-                     "max_grad_norm", "world_size", "optimizer_steps", "microbatches", "hazards", "sealed")
+                     "max_grad_norm", "world_size", "optimizer_steps", "microbatches", "hazards", "sealed",
+                     "fidelity", "kept_model")
 UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
                     "of a seed, learning rate, step, flag or normaliser in both the plan and the WAL, with their CRCs "
                     "and sidecars rewritten, is not detected (the ids are keyed); record the run again for keyed "
@@ -125,6 +127,7 @@ class TraceRun:
     header: dict
     plan: list[PlanEntry]
     report: Report
+    served_plan: list[PlanEntry] | None = None
 
     @property
     def key(self) -> bytes:
@@ -158,6 +161,20 @@ class TraceRun:
         steps = set(steps)
         by_tag = {tag(self.key, i): i for i in load_store(self.store_path)[self.id_column]}
         return [by_tag[s] for e in self.plan if e.step in steps for s in e.slots if s]
+
+    def cut(self, end_step: int) -> TraceRun:
+        """This run as if it had stopped before optimizer step ``end_step`` (its plan cut there; ``served_plan``
+        keeps the whole plan, so ids served only later are known, not unknown)."""
+        import dataclasses
+
+        return dataclasses.replace(self, plan=[e for e in self.plan if e.step < end_step],
+                                   served_plan=self.served_plan or self.plan)
+
+    def kept(self) -> TraceRun:
+        """The run up to the model its user kept: with ``load_best_model_at_end`` the recorded best step, a control of
+        the run like its length (the header's ``kept_model``); otherwise the run itself."""
+        step = (self.header.get("kept_model") or {}).get("step")
+        return self.cut(step) if step is not None and step < self.total_steps else self
 
     def final_checkpoint(self) -> Path:
         cps = self.checkpoints()
@@ -286,7 +303,12 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     if not sealed and plan:
         # The WAL is written before a step runs: the last logged step completed only if something follows it.
         last = plan[-1].step
-        if last + 1 not in cps:
+        done = _completed_step(path)
+        if last + 1 not in cps and done is not None and done >= last:
+            rep.warnings.append(f"the run stopped after optimizer step {last} completed, before step {last + 1} was "
+                                f"logged (a crash in logging, saving, evaluation or a callback): replays end after step "
+                                f"{last}")
+        elif last + 1 not in cps:
             rep.warnings.append(f"optimizer step {last} was logged but never completed (the run stopped during or "
                                 f"right after it, before any later record or checkpoint): replays stop at step {last}")
             plan = [e for e in plan if e.step < last]
@@ -367,6 +389,14 @@ def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | Non
                           "optimizer, model, dataset, step counts or hazards were changed, or the plan was cut, "
                           "after the run was sealed")
     return "keyed" if not forged and seal_ok else "keyed, FAILED"
+
+
+def _completed_step(path: Path) -> int | None:
+    f = Path(path) / PROGRESS_FILE
+    try:
+        return int(json.loads(f.read_text())["completed_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def open_run(path: str | Path, strict: bool = True, check_checkpoints: bool = True) -> TraceRun:
