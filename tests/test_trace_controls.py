@@ -138,8 +138,16 @@ def test_forged_header_or_cut_plan_fails_the_keyed_seal(tmp_path):
         write_sidecar(cut / name)
     rep, _, _ = check_run(cut, key=run_key(cut))
     assert rep.errors == ["header.json's controls_mac does not match the run key: the header's training arguments, "
-                          "optimizer, model, dataset, step counts or hazards were changed, or the plan was cut, after "
-                          "the run was sealed"]
+                          "optimizer, model, dataset, step counts, hazards or fidelity evidence were changed, or the "
+                          "plan was cut, after the run was sealed"]
+
+    faked = copy_run(recorded, tmp_path / "fidelity")  # the engine's self-check outcome is covered too
+    header = json.loads((faked / "header.json").read_text())
+    assert header["fidelity"]["recording"]["checked"]  # the seal was recomputed after the self-check wrote it
+    header["fidelity"]["recording"]["steps"] = [0, 8]
+    (faked / "header.json").write_text(json.dumps(header))
+    write_sidecar(faked / "header.json")
+    assert check_run(faked, key=run_key(faked))[0].summary["controls"] == "keyed, FAILED"
 
 
 def test_a_run_rewritten_in_the_unkeyed_format_is_refused(tmp_path):

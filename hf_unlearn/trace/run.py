@@ -386,8 +386,8 @@ def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | Non
     seal_ok = not sealed or header.get("controls_mac") == controls_seal(key, previous, header)
     if not seal_ok:
         rep.errors.append("header.json's controls_mac does not match the run key: the header's training arguments, "
-                          "optimizer, model, dataset, step counts or hazards were changed, or the plan was cut, "
-                          "after the run was sealed")
+                          "optimizer, model, dataset, step counts, hazards or fidelity evidence were changed, or the "
+                          "plan was cut, after the run was sealed")
     return "keyed" if not forged and seal_ok else "keyed, FAILED"
 
 
