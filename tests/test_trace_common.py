@@ -136,3 +136,18 @@ def to_legacy_format(run) -> Path:
         for name in ("header.json", "plan.jsonl", "wal.bin"):
             write_sidecar(run / name)
     return run
+
+
+def write_sealed_header(run, header: dict) -> None:
+    """Write an edited header as the recorder would have sealed it: keyed controls seal (the test holds the key)
+    and sidecar recomputed; a forger without the key cannot do this."""
+    import json
+
+    from hf_unlearn.trace.plan import read_compact_plan
+    from hf_unlearn.trace.run import controls_seal, write_sidecar
+    from hf_unlearn.trace.tags import run_key
+
+    run = Path(run)
+    header["controls_mac"] = controls_seal(run_key(run), read_compact_plan(run / "plan.bin").segments[-1].mac, header)
+    (run / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
+    write_sidecar(run / "header.json")
