@@ -1,4 +1,9 @@
-"""The library's one id-tagging key, and keyed tags: what may be published instead of a raw sample id.
+"""Every key of the library: the one id-tagging (HMAC) key, runs' own HMAC keys, and the Ed25519 signing key.
+
+This module imports nothing of ``trace/`` or ``hub/`` (both import it): the tag function itself is
+:func:`hf_unlearn.trace.tags.tag`; ``hub/keys.py`` and ``trace/tags.py`` re-export the names that used to live there.
+
+The id-tagging key.
 
 One key serves everything that names a sample: model cards (``forget_request.json``), trace plans, WALs and
 deletion logs. A tag is the first 8 bytes of HMAC-SHA256(key, canonical id) (:func:`hf_unlearn.trace.tags.tag`),
@@ -19,10 +24,9 @@ import hashlib
 import os
 import secrets
 import stat
-from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import UnlearnError
+from .errors import UnlearnError
 
 KEY_ENV = "HF_UNLEARN_TAG_KEY"
 KEY_FILE_ENV = "HF_UNLEARN_KEY_FILE"
@@ -152,13 +156,97 @@ def rotate_key(path: str | os.PathLike | None = None) -> tuple[str, str, Path]:
     return old_fp, key_fingerprint(new), archive
 
 
-def keyed_tag(sample_id, key: bytes) -> str:
-    """The keyed tag of one sample id (ids 7 and "7" get different tags); the same as a trace's slot tag."""
-    from ..trace.tags import tag
+def load_or_create_key(path: str | os.PathLike, key: bytes | None = None) -> bytes:
+    """A run's own HMAC key at ``path``: read it, or create it (random, or ``key``) if it does not exist yet."""
+    path = Path(path)
+    if path.exists():
+        existing = read_key_file(path)  # refused if group/others may read it
+        if key is not None and key != existing:
+            raise UnlearnError(f"{path} holds a different HMAC key than the one passed; use a fresh trace_dir")
+        return existing
+    key = key if key is not None else secrets.token_bytes(KEY_BYTES)
+    if not write_key_file(path, key):  # 0600 from its creation, never briefly readable by others
+        return load_or_create_key(path, key)
+    return key
 
-    return tag(key, sample_id)
+
+# -- Ed25519 signing key: receipts and ledger heads that anyone holding the public key can check ------------------
+SIGNING_KEY_ENV = "HF_UNLEARN_SIGNING_KEY_FILE"
+SIGNATURE_FORMAT = "ed25519"
 
 
-def keyed_tags(sample_ids: Iterable, key: bytes) -> list[str]:
-    """Sorted keyed tags of ``sample_ids`` (sorting hides the order the ids came in)."""
-    return sorted({keyed_tag(i, key) for i in sample_ids})
+def default_signing_key_path() -> Path:
+    return Path(os.environ.get(SIGNING_KEY_ENV) or default_key_path().with_name("signing_ed25519.pem"))
+
+
+def load_signing_key(path: str | os.PathLike | None = None, *, create: bool = True):
+    """The Ed25519 private key (PEM, mode 0600, refused if others may read it), created on first use."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    path = Path(path) if path is not None else default_signing_key_path()
+    if not path.exists() and not path.is_symlink():
+        if not create:
+            raise UnlearnError(f"no signing key at {path}; set {SIGNING_KEY_ENV} to your Ed25519 key (PEM)")
+        pem = Ed25519PrivateKey.generate().private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption())
+        write_key_file(path, pem)  # False: another process created it first; read that one
+    try:
+        key = serialization.load_pem_private_key(read_key_file(path), password=None)
+    except ValueError as e:
+        raise UnlearnError(f"{path} is not a PEM private key: {e}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise UnlearnError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
+    return key
+
+
+def public_key_pem(private_key) -> str:
+    """The public half, as PEM text: what an auditor is given."""
+    from cryptography.hazmat.primitives import serialization
+
+    return private_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                 serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+
+
+def load_public_key(path_or_pem: str | os.PathLike):
+    """An Ed25519 public key from a PEM file (or PEM text)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    text = str(path_or_pem)
+    if "-----BEGIN" not in text:
+        try:
+            text = Path(path_or_pem).read_text()
+        except OSError as e:
+            raise UnlearnError(f"cannot read the public key {path_or_pem}: {e.strerror or e}") from None
+    try:
+        key = serialization.load_pem_public_key(text.encode())
+    except ValueError:
+        raise UnlearnError(f"{path_or_pem} is not a PEM public key (`hf-unlearn requests public-key` prints "
+                           "yours)") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise UnlearnError(f"{path_or_pem} is a {type(key).__name__}, not an Ed25519 public key")
+    return key
+
+
+def public_key_fingerprint(public_key) -> str:
+    """A short public name of a signing key (hash of its raw bytes), recorded beside every signature."""
+    from cryptography.hazmat.primitives import serialization
+
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(b"hf_unlearn.signing-key\0" + raw).hexdigest()[:16]
+
+
+def sign(private_key, message: bytes) -> str:
+    """The Ed25519 signature of ``message``, hex."""
+    return private_key.sign(message).hex()
+
+
+def signature_ok(public_key, message: bytes, signature_hex: str) -> bool:
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        public_key.verify(bytes.fromhex(signature_hex), message)
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True

@@ -658,7 +658,7 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
     from .. import __version__
     from ..hub.cards import forget_request
-    from ..hub.keys import load_key
+    from ..keys import load_key
     from ..hub.publish import build_manifest
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
