@@ -31,3 +31,9 @@ from .forgetting import (
 __all__ = ["COMMON_METHOD_ARGS", "DEFAULT_APPROXIMATE", "EXACT", "OWN_COUNTS", "OWN_SETTINGS", "PROVENANCE_FILES",
            "RECEIPT_FILE", "RECEIPT_FORMAT", "ForgetConfig", "ForgetReceipt", "_exact", "_validate", "_validate_run",
            "forget", "load_receipt", "load_rows", "parse_method_args", "with_replay_progress"]
+
+from .ledger import DeletionLedger, Request  # noqa: E402
+from .receipts import verify_receipt  # noqa: E402
+from .service import Policy  # noqa: E402
+
+__all__ += ["DeletionLedger", "Policy", "Request", "verify_receipt"]

@@ -658,8 +658,8 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
     from .. import __version__
     from ..hub.cards import forget_request
-    from ..keys import load_key
     from ..hub.publish import build_manifest
+    from ..keys import load_key
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
     if plan["mode"] == EXACT and trace_params_root not in (manifest["params_root"], manifest["state_dict_root"]):
