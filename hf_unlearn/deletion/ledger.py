@@ -334,12 +334,12 @@ class DeletionLedger:
         from ..validation import load_request_ids
         from .forgetting import _validate_run
 
-        ids = load_request_ids(ids)
-        _validate_run(os.fspath(self.current_run() if self.records_path.exists() else self.run), ids)
         received_at = parse_time(received, "--received")
         days = self.deadline_days if deadline_days is None else deadline_days
         if not days > 0:
             raise UnlearnError(f"--deadline-days must be > 0, got {days}")
+        ids = load_request_ids(ids)
+        _validate_run(os.fspath(self.current_run() if self.records_path.exists() else self.run), ids)
         key = self.tag_key
         with self.lock():
             number = 1 + sum(1 for r in self._read()[0] if r["type"] == "request")
