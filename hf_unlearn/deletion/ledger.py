@@ -209,7 +209,7 @@ class DeletionLedger:
         """The run the next exact batch deletes from: the last batch's replay (a run without every row deleted so
         far), else the recorded run. Never an approximately unlearned model."""
         done = self.last("batch_done")
-        return self.path / done["run"] if done else self.run
+        return Path(os.path.normpath(self.path / done["run"])) if done else self.run
 
     def served_model(self) -> Path | None:
         """The model served now: the newest of the last exact batch's model and later provisional ones."""

@@ -125,7 +125,7 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
             log(f"{name} was interrupted: serving it again with the same {len(request_ids)} request(s)")
         ids = _union(ledger, request_ids)
         out = _fresh(ledger.path / "batches" / name)
-        run = ledger.path / start["run"]
+        run = Path(os.path.normpath(ledger.path / start["run"]))
         log(f"{name}: exact deletion of {len(ids)} id(s) for {len(request_ids)} request(s) "
             f"({', '.join(request_ids)}) from {run}")
         publish_error = None
