@@ -54,7 +54,7 @@ def record(args, out: Path) -> Path:
 
     rows = load_tofu("full").select(range(args.rows))
     tok = build_tiny_tokenizer([r["question"] + " " + r["answer"] for r in rows], vocab_size=1024)
-    data = tokenize_qa(rows, tok, max_length=64)
+    data = tokenize_qa(rows, tok, max_length=128)
     model = build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
     targs = TrainingArguments(output_dir=str(out / "train"), per_device_train_batch_size=4, num_train_epochs=1,
                               learning_rate=3e-3, warmup_steps=2, max_grad_norm=1.0, report_to=[], save_strategy="no",

@@ -15,6 +15,7 @@ import pytest
 from hf_unlearn.errors import UnlearnError
 
 from .conftest import ROOT
+from .test_forget import _walk
 from .test_trace_common import get_recorded, get_trace_data, ids_at_step
 
 QUIET = {"progress": False, "log": lambda m: None}
@@ -98,16 +99,6 @@ def test_ledger_and_receipts_hold_tags_never_raw_ids(served):
     assert oct(private.stat().st_mode & 0o777) == "0o600" and oct((ledger.path / "private").stat().st_mode & 0o777) \
         == "0o700"
     assert "TICKET-2" in private.read_text()
-
-
-def _walk(value):
-    yield value
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _walk(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _walk(v)
 
 
 def test_receipts_verify_with_the_public_key_alone(served, tmp_path, capsys):
