@@ -288,13 +288,17 @@ def test_serve_due_follows_the_policy_and_is_cron_safe(served, tmp_path, capsys)
     policy.write_text(json.dumps({"max_wait_days": 10, "max_replay_steps": 1}))
     code, out = cli(capsys, "requests", "serve", get_recorded(), "--ledger", work.path, "--due", "--policy", policy)
     assert code == 0 and "nothing due: no pending request" in out, out
-    work.add(ids_at_step(get_recorded(), 3)[:1], received="2026-11-10")  # a batch would replay 6 steps: > 1
+    # a batch would replay 6 steps (> 1); the request repeats an id batch-0001 deleted already: only the new one goes
+    repeated = ids_at_step(get_recorded(), 2)[:1]
+    work.add(ids_at_step(get_recorded(), 3)[:1] + repeated, received="2026-11-10")
     out = work.serve_due(policy, now="2026-11-15", **QUIET)
     assert out["exact"] is None and out["message"].startswith("nothing due: 1 pending request(s)") and \
         "2026-11-20" in out["message"]
     tok, _ = get_trace_data()
     out = work.serve_due(policy, now="2026-11-21", tokenizer=tok, **QUIET)
     assert out["exact"].name == "batch-0003" and "waited 11.0 days" in out["reasons"][0]
+    assert out["exact"].forget_receipt.evidence["redaction"]["rows_before"] - \
+        out["exact"].forget_receipt.evidence["redaction"]["rows_after"] == 1
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"max_wait": 3}))
     with pytest.raises(UnlearnError, match="unknown field.*max_wait.*max_wait_days"):

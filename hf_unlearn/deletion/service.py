@@ -123,9 +123,9 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
         name, request_ids = start["batch"], start["requests"]
         if resumed:
             log(f"{name} was interrupted: serving it again with the same {len(request_ids)} request(s)")
-        ids = _union(ledger, request_ids)
         out = _fresh(ledger.path / "batches" / name)
         run = Path(os.path.normpath(ledger.path / start["run"]))
+        ids = _still_present(run, _union(ledger, request_ids))
         log(f"{name}: exact deletion of {len(ids)} id(s) for {len(request_ids)} request(s) "
             f"({', '.join(request_ids)}) from {run}")
         publish_error = None
@@ -145,6 +145,16 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
     if publish_error:
         raise UnlearnError(f"{name} is done and recorded (receipts in {ledger.path / RECEIPTS_DIR}); {publish_error}")
     return result
+
+
+def _still_present(run: Path, ids: list) -> list:
+    """The ids an earlier batch has not deleted yet (a request may repeat an id that is gone already); all of them
+    when every one is gone (forget then records a deletion that replays nothing)."""
+    from ..trace.replay import already_deleted
+    from ..trace.run import open_run
+
+    gone = set(already_deleted(open_run(run, check_checkpoints=False), ids))
+    return [i for i in ids if i not in gone] or ids
 
 
 def _reload_forget_receipt(out: Path):
