@@ -19,6 +19,7 @@ from .forgetting import (
     ForgetConfig,
     ForgetReceipt,
     _exact,
+    _preset_values,
     _validate,
     _validate_run,
     forget,
@@ -29,7 +30,7 @@ from .forgetting import (
 )
 
 __all__ = ["COMMON_METHOD_ARGS", "DEFAULT_APPROXIMATE", "EXACT", "OWN_COUNTS", "OWN_SETTINGS", "PROVENANCE_FILES",
-           "RECEIPT_FILE", "RECEIPT_FORMAT", "ForgetConfig", "ForgetReceipt", "_exact", "_validate", "_validate_run",
+           "RECEIPT_FILE", "RECEIPT_FORMAT", "ForgetConfig", "ForgetReceipt", "_exact", "_preset_values", "_validate", "_validate_run",
            "forget", "load_receipt", "load_rows", "parse_method_args", "with_replay_progress"]
 
 from .ledger import DeletionLedger, Request  # noqa: E402

@@ -167,7 +167,8 @@ class ForgetReceipt:
         if self.mode == EXACT:
             c = ev["cost"]
             rows.append(("replay cost", f"from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of "
-                                        f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%)"))
+                                        f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%), minimum "
+                                        f"{c.get('minimum_steps')}"))
             rows.append(("redaction", f"store {ev['redaction']['rows_before']} -> {ev['redaction']['rows_after']} rows; "
                                       f"{ev['redaction']['id_check']}"))
             rows.append(("exact deletion", self.verdict))
@@ -500,6 +501,7 @@ def with_replay_progress(trainer_cls, desc: str, enabled: bool):
 def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> ForgetReceipt:
     from ..hub.mixin import write_model_card
     from ..hub.publish import hashed_files
+    from ..trace.fidelity import fidelity_statement
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer
     from ..trace.store import redact_store
     from ..trace.verification import verify
@@ -512,6 +514,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
         f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
         f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
+    from ..trace.replay import describe_cost
+
+    for line in describe_cost(cost):  # the minimum (T - s), the steps replayed and their ratio, before any compute
+        log(line)
     for hazard in plan["hazards"]:
         log(f"HAZARD (recorded with the run): {hazard}")
     t = time.perf_counter()
@@ -561,7 +567,12 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         # VERIFIED needs the states bit-identical AND the two folders a replay and an oracle of this run and request
         "verified": None if report is None else bool(report["verified"]),
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
+        "fidelity": fidelity_statement(run.header),
     }
+    log(f"fidelity: {evidence['fidelity']}")
+    if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
+        evidence["kept_model"] = run.header["kept_model"]
+        log(f"kept model: {run.header['kept_model']['why']}")
     if report is not None:
         evidence["oracle"] = {"output": str(out / "oracle"), "roots": report["roots"],
                               "identical": bool(report["identical"]),
