@@ -163,8 +163,8 @@ def test_verify_refuses_a_run_whose_engine_did_not_reproduce_it(tmp_path, capsys
 
 
 def test_oracle_stops_at_the_first_recorded_checkpoint_it_does_not_reproduce(tmp_path):
-    """A middle checkpoint replaced by a consistent-looking foreign state (its own hashes.json matches it): the
-    oracle of a late deletion stops there, naming the step and the first differing tensor, and leaves no output."""
+    """A middle checkpoint replaced by a consistent-looking foreign state (its own hashes.json matches it, and it
+    is even re-indexed under the run key, as a diverging engine of the run's owner would leave it): the oracle of a late deletion stops there, naming the step and the first differing tensor, and leaves no output."""
     from hf_unlearn.trace import OracleReplayTrainer, open_run
     from hf_unlearn.trace.hashing import checkpoint_hashes
     from hf_unlearn.trace.run import checkpoint_dir, load_checkpoint, write_sidecar
@@ -180,6 +180,11 @@ def test_oracle_stops_at_the_first_recorded_checkpoint_it_does_not_reproduce(tmp
     torch.save(state, d / "state.pt")
     atomic_write_text(d / "hashes.json", json.dumps(checkpoint_hashes(state), indent=1, sort_keys=True))
     write_sidecar(d / "hashes.json")
+    # re-indexed under the run's own key, so the checkpoint binding passes: what is left to catch it is the engine
+    from hf_unlearn.trace.checkpoints import CheckpointIndex
+    from hf_unlearn.trace.tags import run_key
+
+    CheckpointIndex.load(run, json.loads((run / "header.json").read_text())["run_id"], run_key(run)).add(4)
     forget = ids_at_step(run, 7)[:1]
     with pytest.raises(UnlearnError, match=f"step.{{0,10}}4.*{name}|{name}.*step.{{0,10}}4") as e:
         OracleReplayTrainer(open_run(run), forget, out_dir=tmp_path / "oracle").train()

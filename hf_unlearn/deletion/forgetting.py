@@ -266,7 +266,7 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
 # -- validation ------------------------------------------------------------------------------------------------
 def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> dict:
-    from ..validation import check_new_output, check_positive, check_repo_id, is_trace_run, load_request_ids
+    from ..validation import check_new_output, check_options, check_repo_id, is_trace_run, load_request_ids
 
     request = load_request_ids(ids)
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -307,11 +307,10 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         from ..methods.registry import get_method
 
         spec = get_method(method)
-        check_positive(learning_rate=config.learning_rate, num_train_epochs=config.num_train_epochs,
-                       batch_size=config.batch_size, max_length=config.max_length, lora_r=config.lora_r,
-                       max_new_tokens=config.max_new_tokens)
-        if config.eval_rows < 0 or (config.max_retain_rows is not None and config.max_retain_rows < 0):
-            raise UnlearnError("--eval-rows and --max-retain-rows must be >= 0")
+        check_options(learning_rate=config.learning_rate, num_train_epochs=config.num_train_epochs,
+                      max_steps=config.max_steps, batch_size=config.batch_size, max_length=config.max_length,
+                      lora_r=config.lora_r, max_new_tokens=config.max_new_tokens, eval_rows=config.eval_rows,
+                      max_retain_rows=config.max_retain_rows)
         from ..presets import check_preset
 
         check_preset(config.preset)
@@ -505,6 +504,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer
     from ..trace.store import redact_store
     from ..trace.verification import verify
+    from ..validation import TOKENIZER_FILES
 
     run, ids, cost, timings = plan["run"], plan["ids"], plan["cost"], {}
     if tokenizer is None and config.tokenizer_path is not None:
@@ -550,9 +550,12 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     replay.save_model(str(model_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
-    else:
-        log("note: no tokenizer given, so the model folder holds none (a recorded run does not keep one); pass "
-            "--tokenizer (tokenizer= from Python) to save it with the model")
+    elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
+        kept = run.path / "collator"
+        where = (f"the run keeps its collator's tokenizer in {kept}: pass --tokenizer {kept}" if
+                 any((kept / f).is_file() for f in TOKENIZER_FILES) else "pass --tokenizer")
+        log(f"note: no tokenizer given, so the model folder holds none; {where} (tokenizer= from Python) to save it "
+            "with the model")
     saved_files = hashed_files(model_dir)  # config, tokenizer, ... as saved: the receipt checks them
     card_info = replay.unlearning_card_info()
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
@@ -796,8 +799,9 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_verify_") as cache:  # a fresh download, not a cached copy
         report = verify_on_hub(config.repo, result.tag, token=config.token, endpoint=config.endpoint,
                                cache_dir=cache, expect_root=result.state_dict_root or result.params_root,
-                               expect_commit=result.commit, expect_files_root=result.files_root or None)
-        # anchored: weights, config/tokenizer files and commit checked against the push's own record
+                               expect_commit=result.commit, expect_files_root=result.files_root or None,
+                               expect_card_sha256=result.card_sha256 or None)
+        # anchored: weights, config/tokenizer files, card and commit checked against the push's own record
     return result, report
 
 
