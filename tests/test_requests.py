@@ -99,6 +99,11 @@ def test_ledger_and_receipts_hold_tags_never_raw_ids(served):
     assert oct(private.stat().st_mode & 0o777) == "0o600" and oct((ledger.path / "private").stat().st_mode & 0o777) \
         == "0o700"
     assert "TICKET-2" in private.read_text()
+    # ledger, head and receipts are readable by the group (the umask decides; 022 in tests), raw ids owner-only
+    os.umask(mask := os.umask(0o022))
+    if not mask & 0o040:
+        for path in public:
+            assert path.stat().st_mode & 0o040, path
 
 
 def test_receipts_verify_with_the_public_key_alone(served, tmp_path, capsys):
