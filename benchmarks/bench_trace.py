@@ -74,14 +74,15 @@ def bench_recording(tok, data, hidden, repeats, tmp):
 
 def bench_size(run):
     from hf_unlearn.trace.checkpoints import checkpoint_bytes
+    from hf_unlearn.trace.plan import plan_file
     from hf_unlearn.trace.run import list_checkpoints
 
     cps = list_checkpoints(run)
     ck = checkpoint_bytes(cps[max(cps)], with_frozen=True)
     wal, man = (run / "wal.bin").stat().st_size, (run / "manifest.bin").stat().st_size
-    plan = (run / "plan.jsonl").stat().st_size
+    plan = plan_file(run).stat().st_size
     print(f"provenance size: WAL {wal} B + manifest {man} B = {wal + man} B; one checkpoint (model + optimizer) "
-          f"{ck / 1e6:.2f} MB; ratio {100 * (wal + man) / ck:.4f}% (plan.jsonl {plan} B, {100 * plan / ck:.3f}%)")
+          f"{ck / 1e6:.2f} MB; ratio {100 * (wal + man) / ck:.4f}% (plan {plan} B, {100 * plan / ck:.3f}%)")
     return (wal + man) / ck
 
 

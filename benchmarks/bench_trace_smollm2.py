@@ -108,9 +108,11 @@ def main():
 
         ck = checkpoint_bytes(run_.final_checkpoint(), with_frozen=True)
         wal, man = (trace / "wal.bin").stat().st_size, (trace / "manifest.bin").stat().st_size
-        plan = (trace / "plan.jsonl").stat().st_size
+        from hf_unlearn.trace.plan import plan_file
+
+        plan = plan_file(trace).stat().st_size
         print(f"\nprovenance: WAL {wal} B + manifest {man} B = {100 * (wal + man) / ck:.5f}% of one checkpoint "
-              f"({ck / 1e6:.0f} MB, model + AdamW state, tied embedding once); with plan.jsonl ({plan} B) "
+              f"({ck / 1e6:.0f} MB, model + AdamW state, tied embedding once); with the plan ({plan} B) "
               f"{100 * (wal + man + plan) / ck:.4f}%; {len(run_.checkpoints())} trace checkpoints")
 
         forget = run_.ids_at_steps([run_.total_steps - 1])[:2]

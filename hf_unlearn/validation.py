@@ -35,7 +35,8 @@ def looks_like_hub_id(name: str) -> bool:
 def is_trace_run(path: str | os.PathLike) -> bool:
     """A folder written by ``TraceRecordingTrainer`` (or a replay): header, plan and WAL."""
     p = Path(path)
-    return p.is_dir() and all((p / f).is_file() for f in ("header.json", "plan.jsonl", "wal.bin"))
+    return p.is_dir() and all((p / f).is_file() for f in ("header.json", "wal.bin")) and \
+        any((p / f).is_file() for f in ("plan.bin", "plan.jsonl"))
 
 
 @dataclass(frozen=True)

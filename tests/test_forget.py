@@ -585,15 +585,13 @@ def test_data_parallel_runs_and_multi_process_launches_are_refused_before_any_co
     """forget runs in one process; a run recorded by 2 processes replays only at 2 (the trace commands do that under
     the same launch), so forget names that way before it redacts anything."""
     from hf_unlearn import forget
-    from hf_unlearn.trace.run import write_sidecar
 
-    from .test_trace_common import copy_run
+    from .test_trace_common import copy_run, write_sealed_header
 
     run = copy_run(get_recorded(), tmp_path / "ddp")
     header = json.loads((run / "header.json").read_text())
-    header["world_size"] = 2  # as a 2-process recording writes it (sidecar rewritten, as such a run has it)
-    (run / "header.json").write_text(json.dumps(header))
-    write_sidecar(run / "header.json")
+    header["world_size"] = 2  # as a 2-process recording writes it (sealed under the run key, as such a run has it)
+    write_sealed_header(run, header)
     ids = ids_at_step(run, 6)[:1]
     with pytest.raises(UnlearnError, match=r"recorded by 2 processes.*--num_processes 2 -m hf_unlearn.cli trace replay"):
         forget(run, ids, tmp_path / "out", progress=False)

@@ -882,7 +882,7 @@ def test_a_replay_publishes_its_checked_provenance_and_tags_that_match_its_delet
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     provenance = {f[len("provenance/"):] for f in out["files"] if f.startswith("provenance/")}
-    names = {"header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"}
+    names = {"header.json", "plan.bin", "wal.bin", "manifest.bin", "deletion_log.jsonl"}
     assert provenance == names | {f"{n}.sha256" for n in names} | {"model/config.json"}  # the allowlist
     kept = set(out["kept_local"])
     assert "forget.json" in kept and any(k.startswith("private/") for k in kept)

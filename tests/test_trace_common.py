@@ -107,3 +107,47 @@ def ids_at_step(run_dir, step: int) -> list:
     from hf_unlearn.trace.run import open_run
 
     return open_run(run_dir).ids_at_steps([step])
+
+
+def to_legacy_format(run) -> Path:
+    """Rewrite a run as runs were recorded before keyed controls: plan.jsonl (every field, no MAC), no
+    controls_mac in the header, WAL digests over the ids only (the test holds the key), sidecars rewritten."""
+    import json
+
+    from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.run import write_sidecar
+    from hf_unlearn.trace.tags import ids_digest, run_key
+    from hf_unlearn.trace.wal import WalRecord, read_wal
+
+    run = Path(run)
+    plan = read_plan(run)
+    (run / "plan.jsonl").write_text("".join(e.to_line() for e in plan))
+    key = run_key(run)  # the WAL digests of older runs cover the ids only
+    (run / "wal.bin").write_bytes(b"".join(WalRecord(ids_digest(key, e.slots), r.seed, r.lr, r.step, r.length, r.flags)
+                                           .pack() for e, r in zip(plan, read_wal(run / "wal.bin").records)))
+    for f in (run / "plan.bin", run / "plan.bin.sha256"):
+        f.unlink(missing_ok=True)
+    header = json.loads((run / "header.json").read_text())
+    header.pop("controls_mac", None)
+    if (header.get("parent") or {}).get("controls"):
+        header["parent"].pop("controls")
+    (run / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
+    if header.get("sealed"):
+        for name in ("header.json", "plan.jsonl", "wal.bin"):
+            write_sidecar(run / name)
+    return run
+
+
+def write_sealed_header(run, header: dict) -> None:
+    """Write an edited header as the recorder would have sealed it: keyed controls seal (the test holds the key)
+    and sidecar recomputed; a forger without the key cannot do this."""
+    import json
+
+    from hf_unlearn.trace.plan import read_compact_plan
+    from hf_unlearn.trace.run import controls_seal, write_sidecar
+    from hf_unlearn.trace.tags import run_key
+
+    run = Path(run)
+    header["controls_mac"] = controls_seal(run_key(run), read_compact_plan(run / "plan.bin").segments[-1].mac, header)
+    (run / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
+    write_sidecar(run / "header.json")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from .test_trace_common import copy_run, get_recorded, ids_at_step
+from .test_trace_common import copy_run, get_recorded, ids_at_step, to_legacy_format
 
 
 def _cli(*args):
@@ -68,7 +68,7 @@ def test_truncated_wal_tail(tmp_path):
     crashed = copy_run(recorded, tmp_path / "crashed")
     (crashed / "wal.bin").write_bytes(data[:-40])
     (crashed / "wal.bin.sha256").unlink()
-    (crashed / "plan.jsonl.sha256").unlink()
+    (crashed / "plan.bin.sha256").unlink()
     (crashed / "manifest.bin.sha256").unlink()
     header = json.loads((crashed / "header.json").read_text())
     header["sealed"] = False
@@ -93,7 +93,7 @@ def test_plan_and_wal_disagree(tmp_path, capsys):
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.run import write_sidecar
 
-    run = copy_run(recorded, tmp_path / "run")
+    run = to_legacy_format(copy_run(recorded, tmp_path / "run"))  # the keyed format: test_trace_controls.py
     lines = (run / "plan.jsonl").read_text().splitlines()
     entry = json.loads(lines[3])
     entry["lr"] *= 2

@@ -53,7 +53,7 @@ def independent_counterfactual(tok, data, model, run_dir, forget, out, stop_at=N
     from hf_unlearn.demo import _DropIds
     from hf_unlearn.trace.plan import read_plan
 
-    norms = {e.step: (e.norm, e.norm_dtype) for e in read_plan(run_dir / "plan.jsonl")}
+    norms = {e.step: (e.norm, e.norm_dtype) for e in read_plan(run_dir)}
     forget = set(forget)
     masked = data.map(lambda r: {"labels": [-100] * len(r["labels"])} if r["id"] in forget else {})
 

@@ -88,8 +88,9 @@ def test_custom_optimizer_and_momentum_cycling_scheduler(tmp_path):
     run = tmp_path / "rec" / "trace"
     header = json.loads((run / "header.json").read_text())
     assert header["optimizer"]["class"] == "SGD" and header["optimizer"]["source"] == "custom"
-    plan = [json.loads(x) for x in (run / "plan.jsonl").read_text().splitlines()]
-    momenta = [e["extra"]["groups"][0]["momentum"] for e in plan if e.get("extra")]
+    from hf_unlearn.trace.plan import read_plan
+
+    momenta = [e.extra["groups"][0]["momentum"] for e in read_plan(run) if e.extra]
     assert len(set(momenta)) == 3  # changed every step, so written every step
     assert replays_the_recording(run)
     from hf_unlearn.trace import open_run

@@ -38,7 +38,7 @@ def test_wal_records_are_32_bytes_with_crc_and_match_the_plan():
     from hf_unlearn.trace.plan import read_plan
 
     wal = (recorded / "wal.bin").read_bytes()
-    plan = read_plan(recorded / "plan.jsonl")
+    plan = read_plan(recorded)
     assert len(wal) == 32 * len(plan) == 32 * 16
     for i, e in enumerate(plan):
         rec = wal[32 * i:32 * (i + 1)]
@@ -53,7 +53,7 @@ def test_plan_records_controls():
     recorded = get_recorded()
     from hf_unlearn.trace.plan import read_plan, segments
 
-    plan = read_plan(recorded / "plan.jsonl")
+    plan = read_plan(recorded)
     segs = segments(plan)
     assert [s[0].step for s in segs] == list(range(8))
     assert all(len(s) == 2 and [e.j for e in s] == [0, 1] and s[-1].end and not s[0].end for s in segs)
@@ -77,7 +77,7 @@ def test_header_sidecars_checkpoints_and_store():
     assert header["optimizer"]["class"] == "AdamW" and header["versions"]["torch"] == torch.__version__
     assert header["determinism"]["per_microbatch_reseeding"] and header["hazards"] == []
     assert header["dataset"]["rows"] == 64 and header["dataset"]["fingerprint"]
-    for name in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin"):
+    for name in ("header.json", "plan.bin", "wal.bin", "manifest.bin"):
         assert (recorded / f"{name}.sha256").exists()
     rep, _, _ = check_run(recorded, key=run_key(recorded))  # the library's one key (issue 12)
     assert rep.ok, rep.errors
@@ -95,10 +95,10 @@ def test_published_files_carry_no_raw_ids():
     recorded = get_recorded()
     import hashlib
 
-    text = (recorded / "plan.jsonl").read_text()
+    data = (recorded / "plan.bin").read_bytes() + (recorded / "manifest.bin").read_bytes()
     for i in (0, 17, 63):
-        assert hashlib.sha256(str(i).encode()).hexdigest()[:16] not in text
-    assert '"slots":[0' not in text and '"id"' not in text
+        assert hashlib.sha256(str(i).encode()).digest()[:8] not in data
+    assert b'"slots"' not in data and b'"id"' not in data
 
 
 def test_dropout_is_reproduced_by_reseeding(tmp_path):
@@ -146,7 +146,7 @@ def test_resume_from_checkpoint_continues_the_trace(tmp_path):
     trainer(callbacks=[Crash()]).train()
     t2 = trainer()
     t2.train(resume_from_checkpoint=str(part / "checkpoint-6"))
-    a, b = read_plan(tmp_path / "full" / "trace" / "plan.jsonl"), read_plan(part / "trace" / "plan.jsonl")
+    a, b = read_plan(tmp_path / "full" / "trace"), read_plan(part / "trace")
     fields = lambda e: (e.step, e.seed, e.lr, e.norm, e.slots, e.epoch, e.batch)  # noqa: E731
     assert [fields(e) for e in a] == [fields(e) for e in b]
     assert [e.epoch for e in b] == [0] * 8 + [1] * 8

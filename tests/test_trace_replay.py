@@ -61,9 +61,11 @@ def test_emptied_segment_keeps_boundary_but_takes_no_step(tmp_path):
     final = load_checkpoint(tmp_path / "replay" / "checkpoints" / "step-00000008")
     steps = {float(s["step"]) for s in final["optimizer"]["state"].values()}
     assert steps == {7.0}  # AdamW stepped 7 times in 8 logical steps
-    plan = [json.loads(x) for x in (tmp_path / "replay" / "plan.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in plan] == [e // 2 for e in range(16)]
-    assert all(s is None for e in plan if e["step"] == 5 for s in e["slots"])
+    from hf_unlearn.trace.plan import read_plan
+
+    plan = read_plan(tmp_path / "replay")
+    assert [e.step for e in plan] == [e // 2 for e in range(16)]
+    assert all(s is None for e in plan if e.step == 5 for s in e.slots)
 
 
 def test_replay_reads_only_the_redacted_store(tmp_path):

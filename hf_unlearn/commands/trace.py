@@ -99,7 +99,7 @@ def inspect_cmd(args) -> int:
     rep, header, _ = check_run(args.run, key=run_key(args.run, required=False), deep=args.deep)
     if args.json:
         print(json.dumps({"summary": rep.summary, "errors": rep.errors, "warnings": rep.warnings,
-                          "hazards": rep.hazards, "notes": header.get("notes", [])}, indent=1))
+                          "hazards": rep.hazards, "notes": header.get("notes", []) + rep.notes}, indent=1))
         return 0 if rep.ok else 1
     s = rep.summary
     print(f"run {s['run']}: {'sealed' if s['sealed'] else 'NOT sealed'}, {s['optimizer_steps']} optimizer steps, "
@@ -119,8 +119,9 @@ def inspect_cmd(args) -> int:
     print(f"fidelity: {fidelity_statement(header)}")
     for h in rep.hazards:
         print(f"HAZARD: {h}")
-    for n in header.get("notes", []):
+    for n in header.get("notes", []) + rep.notes:
         print(f"note: {n}")
+    print(f"controls: {s.get('controls')} ({s.get('plan_file')}, {s.get('plan_bytes')} B)")
     for w in rep.warnings:
         print(f"WARNING: {w}")
     for e in rep.errors:
@@ -254,6 +255,8 @@ def verify_cmd(args) -> int:
     print(f"fidelity: {report['fidelity']}")
     for h in prov["hazards"]:
         print(f"HAZARD (not covered by this verdict): {h}")
+    for n in prov.get("notes", []):
+        print(f"note (not covered by this verdict): {n}")
     if report["verified"]:
         print(f"VERIFIED: parameters and optimizer state are bit-identical to the oracle of the same run for the same "
               f"{prov['deleted_ids']} deleted id(s)")

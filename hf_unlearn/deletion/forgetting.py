@@ -342,7 +342,8 @@ def _validate_run(source: str, request: list) -> dict:
     stored = load_store(run.store_path)[run.id_column]
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed
-    return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", []))}
+    return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", [])),
+            "controls": {"status": run.report.summary.get("controls"), "notes": list(run.report.notes)}}
 
 
 def _run_collator(run, reference: str | None, given):
@@ -520,6 +521,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         log(line)
     for hazard in plan["hazards"]:
         log(f"HAZARD (recorded with the run): {hazard}")
+    for note in plan["controls"]["notes"]:
+        log(f"note: {note}")
     t = time.perf_counter()
     redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column)
     timings["redact_s"] = time.perf_counter() - t
@@ -570,6 +573,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         # VERIFIED needs the states bit-identical AND the two folders a replay and an oracle of this run and request
         "verified": None if report is None else bool(report["verified"]),
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
+        "controls": plan["controls"],  # keyed (seeds, lrs, steps, ... under the run key) or unkeyed (an older run)
         "fidelity": fidelity_statement(run.header),
     }
     log(f"fidelity: {evidence['fidelity']}")
@@ -827,7 +831,7 @@ def _own_settings(card_info: dict) -> dict:
     return out  # the trainer declares the rest of its own numbers (MASC: every number its stop_reason quotes)
 
 
-PROVENANCE_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")
+PROVENANCE_FILES = ("header.json", "plan.bin", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")
 
 
 def _provenance_view(run: Path, dest: Path) -> Path:

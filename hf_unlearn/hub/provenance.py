@@ -1,12 +1,13 @@
 """``--trace`` provenance: an allowlist of the files the trace code writes, each checked against its schema.
 
-Published from a recorded run (or a replay's output, which is a run too): ``header.json``, ``plan.jsonl``,
-``wal.bin``, ``manifest.bin``, ``deletion_log.jsonl``, ``verification.json``, their ``.sha256`` sidecars and the
+Published from a recorded run (or a replay's output, which is a run too): ``header.json``, ``plan.bin`` (or
+a run's older ``plan.jsonl``), ``wal.bin``, ``manifest.bin``, ``deletion_log.jsonl``, ``verification.json``, their ``.sha256`` sidecars and the
 run's ``model/config.json``. Nothing else leaves: not ``private/`` (the key, the token store), not checkpoints, and
 not whatever else happens to sit in the folder (a ``forget.json`` of raw ids): those are listed as kept local.
 
 Every allowlisted file is checked before anything is sent: plan lines hold keyed tags only (16 hex digits or
-null) in the fields of :class:`hf_unlearn.trace.plan.PlanEntry`; the WAL is whole 32-byte records with valid CRCs
+null) in the fields of :class:`hf_unlearn.trace.plan.PlanEntry`; ``plan.bin`` is whole frames with valid CRCs that
+decode (it holds no ids: the manifest has the tags; its free texts are scanned); the WAL is whole 32-byte records with valid CRCs
 and the manifest whole 8-byte tags; the deletion log's tags are tags and its roots digests; sidecars are a digest
 and a name. Every text the user could have chosen (paths, run and oracle names, unknown fields) is scanned for the
 forget ids; numbers that the schema says are configuration (hidden sizes, steps, seeds, token ids such as
@@ -116,6 +117,23 @@ _VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems":
                  "roots": {"a": {"params": "hex", "optimizer": "hex"}, "b": {"params": "hex", "optimizer": "hex"}}}
 
 
+def _plan_bin(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
+    from ..trace.plan import read_compact_plan
+
+    try:
+        scan = read_compact_plan(path)
+    except UnlearnError as e:
+        _fail(name, str(e))
+    if scan.damaged_at is not None or scan.tail_bytes:
+        _fail(name, f"segment {len(scan.segments)} (byte offset {scan.damaged_at}) {scan.damage}" if scan.damage
+              else f"a torn last segment ({scan.tail_bytes} bytes)")
+    hits: list[Hit] = []
+    for k, seg in enumerate(scan.segments):  # the texts a scheduler or a dtype name put there
+        hits += scanner.scan(seg.extra, f"{PREFIX}/{name}:segment {k}.extra")
+        hits += scanner.scan(seg.norm_dtype, f"{PREFIX}/{name}:segment {k}.norm_dtype", numbers=False)
+    return hits
+
+
 def _deletion_log(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     return [h for n, r in enumerate(_jsonl(path, name)) for h in _values(_DELETION_LOG, r, name, f"line {n + 1}",
                                                                           scanner)]
@@ -185,7 +203,7 @@ def _manifest(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 CHECKERS: dict[str, Callable[[Path, str, IdScanner], list[Hit]]] = {
-    "header.json": _header, "plan.jsonl": _plan, "wal.bin": _wal, "manifest.bin": _manifest,
+    "header.json": _header, "plan.bin": _plan_bin, "plan.jsonl": _plan, "wal.bin": _wal, "manifest.bin": _manifest,
     "deletion_log.jsonl": _deletion_log, "verification.json": _verification, "model/config.json": _model_config,
 }
 

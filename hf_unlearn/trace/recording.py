@@ -41,8 +41,8 @@ from .fidelity import device_info, prepare_cuda_determinism
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
-from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, save_checkpoint, write_sidecar
-from .tags import ids_digest, recording_key, tag
+from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
+from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
 IGNORE_INDEX = -100
@@ -229,8 +229,8 @@ def build_optimizer(spec: dict, model, param_names: list[str]):
 
 
 class TraceWriter:
-    """Appends plan lines, WAL records and manifest slots; saves checkpoints (each bound to the run by the
-    checkpoint index, frozen tensors saved once); seals the run with sidecars."""
+    """Appends plan frames, WAL records and manifest slots; saves checkpoints (each bound to the run by the
+    checkpoint index, frozen tensors saved once); seals the run with sidecars and the keyed controls seal."""
 
     def __init__(self, run_dir: Path, key: bytes):
         self.run = Path(run_dir)
@@ -240,19 +240,20 @@ class TraceWriter:
         self.frozen = FrozenTensors(self.run)
 
     def open(self, header: dict, resume_step: int | None = None) -> None:
-        """Start the files; on resume keep only entries of steps before ``resume_step``."""
-        from .plan import read_plan
+        """Start the files; on resume keep only entries of steps before ``resume_step`` (a run recorded with a
+        ``plan.jsonl`` continues in ``plan.bin``, its kept entries keyed afresh)."""
+        from .plan import LEGACY_PLAN_FILE, PLAN_FILE, CompactPlanWriter, has_plan, read_plan
         from .wal import RECORD_SIZE
 
         self.run.mkdir(parents=True, exist_ok=True)
-        for name in SEALED_FILES + ("deletion_log.jsonl",):
+        for name in SEALED_FILES + (LEGACY_PLAN_FILE, "deletion_log.jsonl"):
             side = self.run / f"{name}.sha256"
             if side.exists():
                 side.unlink()
-        plan_f, wal_f, man_f = (self.run / n for n in ("plan.jsonl", "wal.bin", "manifest.bin"))
-        if resume_step is not None and plan_f.exists():
-            kept = [e for e in read_plan(plan_f) if e.step < resume_step]
-            atomic_write_text(plan_f, "".join(e.to_line() for e in kept))
+        wal_f, man_f = self.run / "wal.bin", self.run / "manifest.bin"
+        kept = []
+        if resume_step is not None and has_plan(self.run):
+            kept = [e for e in read_plan(self.run) if e.step < resume_step]
             with open(wal_f, "r+b") as f:
                 f.truncate(len(kept) * RECORD_SIZE)
             with open(man_f, "r+b") as f:
@@ -261,12 +262,14 @@ class TraceWriter:
                 if int(d.name.split("-")[1]) > resume_step:
                     shutil.rmtree(d)
         else:
-            for f in (plan_f, wal_f, man_f):
+            for f in (wal_f, man_f):
                 f.write_bytes(b"")
             (self.run / PROGRESS_FILE).unlink(missing_ok=True)
         self._open_index(header, resume_step)
         self.write_header(header)
-        self._plan, self._wal, self._manifest = open(plan_f, "a"), open(wal_f, "ab"), open(man_f, "ab")
+        self._plan = CompactPlanWriter(self.run / PLAN_FILE, self.key, header["run_id"], kept)
+        (self.run / LEGACY_PLAN_FILE).unlink(missing_ok=True)
+        self._wal, self._manifest = open(wal_f, "ab"), open(man_f, "ab")
 
     def mark_completed(self, step: int) -> None:
         """Note that optimizer step ``step`` ran (``progress.json``), so a crash report names the right step."""
@@ -276,16 +279,23 @@ class TraceWriter:
         atomic_write_text(self.run / "header.json", json.dumps(header, indent=1, sort_keys=True))
 
     def reseal_header(self, header: dict) -> None:
-        """Rewrite a sealed run's header (the self-check's outcome) with its sidecar."""
+        """Rewrite a sealed run's header (the self-check's outcome) with its sidecar and its keyed controls seal."""
+        from .plan import PLAN_FILE, read_compact_plan
+
+        segs = read_compact_plan(self.run / PLAN_FILE).segments
+        if segs:
+            header["controls_mac"] = controls_seal(self.key, segs[-1].mac, header)
         self.write_header(header)
         write_sidecar(self.run / "header.json")
 
     def append(self, entries: list[PlanEntry]) -> None:
-        """Write one segment ahead of running it (plan line, WAL record, manifest slots per microbatch)."""
+        """Write one segment ahead of running it (its plan frame, then per microbatch manifest slots and WAL record)."""
+        self._plan.append(entries)
         for e in entries:
             flags = (FLAG_ACCUM_END if e.end else 0) | (FLAG_DUMMY if None in e.slots else 0)
-            rec = WalRecord(ids_digest(self.key, e.slots), e.seed, float(np.float32(e.lr)), e.step, len(e.slots), flags)
-            self._plan.write(e.to_line())
+            lr32 = float(np.float32(e.lr))
+            rec = WalRecord(record_digest(self.key, e.slots, e.seed, lr32, e.step, len(e.slots), flags), e.seed, lr32,
+                            e.step, len(e.slots), flags)
             self._manifest.write(manifest_bytes(e.slots))
             self._wal.write(rec.pack())
         for f in (self._plan, self._manifest, self._wal):
@@ -321,8 +331,10 @@ class TraceWriter:
         self._plan = self._wal = self._manifest = None
 
     def seal(self, header: dict) -> None:
+        last = self._plan.mac
         self.close()
         header["sealed"] = True
+        header["controls_mac"] = controls_seal(self.key, last, header)
         self.write_header(header)
         for name in SEALED_FILES:
             write_sidecar(self.run / name)
@@ -608,8 +620,9 @@ class TraceRecordingTrainer(Trainer):
         self._trace_resume = resume_from_checkpoint
         self._trace_writer = None
         self._trace_started = False
-        plan = self.trace_dir / "plan.jsonl"
-        if not resume_from_checkpoint and plan.exists() and plan.stat().st_size:
+        from .plan import has_plan
+
+        if not resume_from_checkpoint and has_plan(self.trace_dir):
             raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
                                "(or resume_from_checkpoint)")
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
@@ -637,7 +650,7 @@ class TraceRecordingTrainer(Trainer):
             collator = None if header["collator"].get("rebuildable") else self.data_collator
             with _rng_kept():
                 fid["recording"] = self_check(self.trace_dir, data_collator=collator)
-        TraceWriter(self.trace_dir, b"").reseal_header(header)
+        TraceWriter(self.trace_dir, self._trace_key).reseal_header(header)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -770,7 +783,7 @@ class TraceRecordingTrainer(Trainer):
         if resume_step:
             from .plan import read_plan
 
-            self._trace_mb = len(read_plan(run / "plan.jsonl"))
+            self._trace_mb = len(read_plan(run))
 
     def _save_model_files(self, run: Path) -> None:
         model = self.accelerator.unwrap_model(self.model)

@@ -1,7 +1,7 @@
 """A recorded run on disk: its layout, checkpoints, sidecars, integrity check and deletion log.
 
 ```
-RUN/header.json  plan.jsonl  wal.bin  manifest.bin  deletion_log.jsonl   (publishable: keyed tags only)
+RUN/header.json  plan.bin  wal.bin  manifest.bin  deletion_log.jsonl     (publishable: keyed tags only)
 RUN/*.sha256                                                               (sidecars, written when sealed)
 RUN/checkpoints/step-00000040/, frozen/, index.json                     (see hf_unlearn.trace.checkpoints)
 RUN/model/config.json [adapter/]                                           (to rebuild the model)
@@ -11,8 +11,11 @@ RUN/private/{store/, hmac.key}   (never publish; hmac.key only in runs with thei
 
 A checkpoint's ``hashes.json`` holds the SHA-256 of every tensor (tied tensors once) and of everything else the
 checkpoint holds; it is checked against the loaded state whenever a checkpoint is used, and bound to the run by
-``checkpoints/index.json`` (:mod:`hf_unlearn.trace.checkpoints`). Sidecars are plain SHA-256: they catch damage and edits that did not
-also rewrite the sidecar, not an editor who rewrites both.
+``checkpoints/index.json`` (:mod:`hf_unlearn.trace.checkpoints`). Sidecars are plain SHA-256: they catch damage and
+edits that did not also rewrite the sidecar, not an editor who rewrites both. What such an editor cannot forge
+without the run key: the ids (keyed tags and WAL digests) and the controls (``plan.bin``'s chained segment MACs and
+the header's ``controls_mac`` over :data:`KEYED_HEADER_KEYS`; runs recorded with a ``plan.jsonl`` have no such MACs
+and are reported as having unkeyed controls).
 """
 
 from __future__ import annotations
@@ -39,8 +42,17 @@ from .checkpoints import (  # noqa: F401 - re-exported: the checkpoint functions
     tied_aliases,
 )
 from .checkpoints import check_checkpoints as checkpoint_report
-from .plan import PlanEntry, read_plan, segments
-from .tags import ids_digest
+from .plan import (
+    PLAN_FILE,
+    PlanEntry,
+    canonical_controls,
+    join_plan,
+    plan_file,
+    read_compact_plan,
+    read_plan_jsonl,
+    segments,
+)
+from .tags import ids_digest, record_digest, seal_mac, segment_mac
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, read_manifest, read_wal
 
 FORMAT = "hf_unlearn.trace.v2"
@@ -51,9 +63,25 @@ HEADER_KEYS = frozenset({
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
     "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention", "fidelity",
-    "kept_model"})
-SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
+    "kept_model", "controls_mac"})
+SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
 PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
+# The header fields that decide the replayed state (or what a verdict covers): the keyed seal covers them. A field
+# written after the seal must not be one of them (or the writer re-seals with :func:`controls_seal`).
+KEYED_HEADER_KEYS = ("format", "run_id", "origin_run_id", "parent", "key_fingerprint", "model", "optimizer",
+                     "training_args", "dataset", "collator", "dummy_token_id", "gradient_accumulation_steps",
+                     "max_grad_norm", "world_size", "optimizer_steps", "microbatches", "hazards", "sealed",
+                     "fidelity", "kept_model")
+UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
+                    "of a seed, learning rate, step, flag or normaliser in both the plan and the WAL, with their CRCs "
+                    "and sidecars rewritten, is not detected (the ids are keyed); record the run again for keyed "
+                    "controls")
+
+
+def controls_seal(key: bytes, last_mac: bytes, header: dict) -> str:
+    """The header's ``controls_mac``: the run key over the last segment MAC and :data:`KEYED_HEADER_KEYS`."""
+    fields = json.loads(json.dumps({k: header.get(k) for k in KEYED_HEADER_KEYS}, default=str))
+    return seal_mac(key, last_mac, json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
 
 
 def file_sha256(path: Path) -> str:
@@ -84,6 +112,7 @@ class Report:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     hazards: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what a check does not cover (unkeyed controls)
 
     @property
     def ok(self) -> bool:
@@ -174,7 +203,8 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
                            + ("; it was recorded by an older hf_unlearn: record the run again" if older else ""))
     rep.hazards = list(header.get("hazards", []))
     sealed = bool(header.get("sealed"))
-    for name in SEALED_FILES + ("deletion_log.jsonl",):
+    pfile = plan_file(path)
+    for name in SEALED_FILES[:1] + (pfile.name,) + SEALED_FILES[2:] + ("deletion_log.jsonl",):
         f = path / name
         if not f.exists():
             if name not in ("deletion_log.jsonl",):
@@ -185,11 +215,19 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             rep.errors.append(f"{name} does not match its SHA-256 sidecar ({name}.sha256): modified after the run was sealed")
         elif ok is None and sealed:
             rep.errors.append(f"{name}.sha256 is missing from a sealed run")
-    if rep.errors and any("missing" in e and e.split()[0] in ("plan.jsonl", "wal.bin") for e in rep.errors):
+    if rep.errors and any("missing" in e and e.split()[0] in (pfile.name, "wal.bin") for e in rep.errors):
         return rep, header, []
 
-    plan = read_plan(path / "plan.jsonl")
     scan = read_wal(path / "wal.bin")
+    manifest = read_manifest(path / "manifest.bin") if (path / "manifest.bin").exists() else []
+    if pfile.name == PLAN_FILE:
+        pscan = read_compact_plan(pfile)
+        plan, planned = join_plan(pscan.segments, scan.records, manifest)
+        _check_plan_frames(pscan, planned, rep, sealed)
+    else:
+        pscan = None
+        plan = read_plan_jsonl(pfile)
+        planned = len(plan)
     for i in scan.bad_crc:
         where = f" (microbatch {i}, optimizer step {plan[i].step})" if i < len(plan) else ""
         rep.errors.append(f"wal.bin record {i}{where} fails its CRC32 check (byte offset {i * 32}): the WAL is corrupt")
@@ -202,15 +240,19 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             rep.warnings.append(msg + f" (crash while recording): recovered to the last whole record ({n} records)")
     if not sealed:
         rep.warnings.append("the run is not sealed (training did not finish): only completed steps are usable")
-    if len(plan) < n:
-        rep.errors.append(f"plan.jsonl has {len(plan)} entries but wal.bin has {n} records: plan and WAL disagree")
-    elif len(plan) > n:
+    disagree = f"{pfile.name} has {planned} entries but wal.bin has {n} records: plan and WAL disagree"
+    if planned < n:
+        if sealed or pscan is None:
+            rep.errors.append(disagree)
+        else:  # plan.bin's frame is written first, but the WAL's buffer may reach the disk before it
+            rep.warnings.append(f"wal.bin has {n - planned} records past the plan's end (crash while recording); "
+                                "they are dropped")
+    elif planned > n:
         if sealed:
-            rep.errors.append(f"plan.jsonl has {len(plan)} entries but wal.bin has {n} records: plan and WAL disagree")
+            rep.errors.append(disagree)
         else:
-            rep.warnings.append(f"plan.jsonl has {len(plan) - n} entries past the WAL's end; they are dropped")
+            rep.warnings.append(f"{pfile.name} has {planned - n} entries past the WAL's end; they are dropped")
         plan = plan[:n]
-    manifest = read_manifest(path / "manifest.bin") if (path / "manifest.bin").exists() else []
     pos = 0
     for i, (e, r) in enumerate(zip(plan, scan.records)):
         if i in scan.bad_crc:
@@ -229,8 +271,13 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             bad.append("accumulation-end flag")
         if bool(r.flags & FLAG_DUMMY) != (None in e.slots):
             bad.append("dummy flag")
-        if key is not None and r.digest != ids_digest(key, e.slots):
+        if e.j and plan[i - 1].step != e.step:
+            bad.append(f"step {e.step} inside the segment of step {plan[i - 1].step}")
+        if key is not None and pscan is None and r.digest != ids_digest(key, e.slots):
             bad.append("ids digest (the slots' ids differ)")
+        elif key is not None and pscan is not None and r.digest != record_digest(key, e.slots, r.seed, r.lr, r.step,
+                                                                                 r.length, r.flags):
+            bad.append("keyed record digest (the slots' ids or the record's controls differ)")
         if manifest[pos:pos + len(e.slots)] != e.slots:
             bad.append("id manifest")
         if e.ranks is not None and sum(e.ranks) != len(e.slots):
@@ -242,6 +289,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         rep.warnings.append(f"manifest.bin lists {len(manifest) - pos} slots past the WAL's end; they are ignored")
     elif len(manifest) != pos and not rep.errors:
         rep.errors.append(f"manifest.bin lists {len(manifest)} slots, the plan {pos}")
+    rep.summary["controls"] = _check_controls(pscan, plan, header, key, rep, sealed)
     # Keep whole segments only (a crash can leave a segment half-written).
     while plan and not plan[-1].end:
         plan.pop()
@@ -275,7 +323,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     else:
         rep.warnings.append("private/store is absent (moved or redacted away): replays need --store")
     steps = plan[-1].step + 1 if plan else 0
-    rep.summary = {
+    rep.summary = {"controls": rep.summary.get("controls"),
         "run": str(path),
         "sealed": sealed,
         "optimizer_steps": steps,
@@ -287,10 +335,60 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "checkpoints_deep_checked": bool(deep and check_checkpoints),
         "store_rows": header["dataset"].get("rows"),
         "wal_bytes": (path / "wal.bin").stat().st_size,
+        "plan_file": pfile.name,
+        "plan_bytes": pfile.stat().st_size,
         "manifest_bytes": (path / "manifest.bin").stat().st_size if (path / "manifest.bin").exists() else 0,
         "deletion_requests": len(read_deletion_log(path)),
     }
     return rep, header, plan
+
+
+def _check_plan_frames(pscan, planned: int, rep: Report, sealed: bool) -> None:
+    if pscan.damaged_at is not None:
+        rep.errors.append(f"plan.bin segment {len(pscan.segments)} (byte offset {pscan.damaged_at}, after plan entry "
+                          f"{planned - 1}) {pscan.damage}: the plan is corrupt")
+    if pscan.tail_bytes:
+        msg = f"plan.bin ends with a torn segment ({pscan.tail_bytes} bytes) after plan entry {planned - 1}"
+        if sealed:
+            rep.errors.append(msg + " in a sealed run: the file was cut after the run finished")
+        else:
+            rep.warnings.append(msg + " (crash while recording): recovered to the last whole segment")
+
+
+def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | None, rep: Report, sealed: bool) -> str:
+    """Check the chained segment MACs and the header's keyed seal; returns what the summary says of the controls."""
+    if pscan is None:
+        rep.notes.append(UNKEYED_CONTROLS)
+        return "unkeyed"
+    if (header.get("parent") or {}).get("controls") == "unkeyed":
+        rep.notes.append("the run replays a parent run whose controls are unkeyed (recorded with a plan.jsonl): its "
+                         "controls are keyed from the replay on, not checked against the recording")
+    if key is None:
+        rep.notes.append("the run's controls are keyed but were not checked: the run key is not available here")
+        return "keyed, not checked (no key)"
+    from .tags import controls_chain_start
+
+    previous, mb = controls_chain_start(key, header.get("run_id", "")), 0
+    forged = []
+    for k, seg in enumerate(pscan.segments):
+        entries = plan[mb:mb + len(seg.lens)]
+        mb += len(seg.lens)
+        if len(entries) < len(seg.lens):
+            break  # past the WAL's end (reported above)
+        if segment_mac(key, previous, canonical_controls(entries)) != seg.mac:
+            forged.append(f"optimizer step {entries[0].step} (plan entries {entries[0].mb}-{entries[-1].mb}, "
+                          f"plan.bin segment {k})")
+        previous = seg.mac
+    if forged:
+        rep.errors.append(f"the controls of {forged[0]}{f' and {len(forged) - 1} more segment(s)' if len(forged) > 1 else ''} "
+                          "do not match their keyed MAC: a seed, learning rate, step, flag, normaliser, length or id "
+                          "was changed without the run key; refusing the run")
+    seal_ok = not sealed or header.get("controls_mac") == controls_seal(key, previous, header)
+    if not seal_ok:
+        rep.errors.append("header.json's controls_mac does not match the run key: the header's training arguments, "
+                          "optimizer, model, dataset, step counts, hazards or fidelity evidence were changed, or the "
+                          "plan was cut, after the run was sealed")
+    return "keyed" if not forged and seal_ok else "keyed, FAILED"
 
 
 def _completed_step(path: Path) -> int | None:
@@ -309,7 +407,7 @@ def open_run(path: str | Path, strict: bool = True, check_checkpoints: bool = Tr
     rep, header, plan = check_run(path, key=run_key(path, required=False), check_checkpoints=check_checkpoints)
     if strict and rep.errors:
         raise UnlearnError(f"{path} failed its integrity check; refusing to use it: " + "; ".join(rep.errors[:5]))
-    for w in rep.warnings:
+    for w in rep.warnings + rep.notes:
         warnings.warn(f"{path}: {w}", stacklevel=2)
     return TraceRun(path=path, header=header, plan=plan, report=rep)
 

@@ -110,3 +110,49 @@ def keyed_tag(sample_id, key: bytes) -> str:
 def keyed_tags(sample_ids, key: bytes) -> list[str]:
     """Sorted keyed tags of ``sample_ids`` (sorting hides the order the ids came in)."""
     return sorted({tag(key, i) for i in sample_ids})
+
+
+# ---- keyed controls -----------------------------------------------------------------------------------------
+# The ids digest covers which rows a microbatch holds; these MACs cover everything else that decides the state
+# (seeds, learning rates, steps, flags, normalisers, lengths, the run's arguments), so that editing a control in
+# the plan and the WAL, with their CRCs and sidecars recomputed, needs the key.
+MAC_BYTES = 8
+
+
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(key, b"hf_unlearn." + label + b"\0", hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def record_digest(key: bytes, tags: list[str | None], seed: int, lr32: float, step: int, length: int,
+                  flags: int) -> int:
+    """The WAL record digest of runs with keyed controls: the ids digest's slots and the record's own controls under
+    the key (so a WAL edited alone, or a run rewritten in the older unkeyed format, fails the check)."""
+    import struct
+
+    controls = struct.pack("<QfIHH", seed, lr32, step, length, flags)
+    h = hmac.new(key, b"hf_unlearn.wal_record.v2", hashlib.sha256)
+    for t in tags:
+        h.update(bytes.fromhex(t) if t else NULL_TAG)
+    h.update(controls)
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def controls_chain_start(key: bytes, run_id: str) -> bytes:
+    """The value the first segment's MAC chains from: binds the chain to one run (the key tags many runs)."""
+    return _mac(key, b"controls.start.v1", str(run_id).encode())[:MAC_BYTES]
+
+
+def segment_mac(key: bytes, previous: bytes, controls: bytes) -> bytes:
+    """The keyed MAC of one accumulation segment's controls, chained to the previous segment's MAC (so segments
+    cannot be dropped, reordered or spliced from another run)."""
+    return _mac(key, b"controls.segment.v1", previous, controls)[:MAC_BYTES]
+
+
+def seal_mac(key: bytes, last: bytes, header_controls: bytes) -> str:
+    """The keyed seal over the last segment MAC and the header's state-deciding fields (a cut plan, an edited
+    learning rate in ``training_args``, ... fail it)."""
+    return _mac(key, b"controls.seal.v1", last, header_controls).hex()

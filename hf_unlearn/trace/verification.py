@@ -96,18 +96,22 @@ def deleted_tags(run_dir) -> set[str]:
 
 
 def check_provenance(replay_out, oracle_out) -> dict:
-    """Are these a replay and an oracle of the same recorded run, for the same deleted ids? (``problems`` if not)"""
+    """Are these a replay and an oracle of the same recorded run, for the same deleted ids? (``problems`` if not;
+    ``controls`` says whether each run's controls are keyed and checked, ``notes`` what that does not cover)"""
     from .run import check_run
+    from .tags import run_key
 
     replay_out, oracle_out = Path(replay_out), Path(oracle_out)
-    problems = []
+    problems, notes, controls = [], [], {}
     headers = {}
     for role, path in (("replay", replay_out), ("oracle", oracle_out)):
         if not (path / "header.json").is_file():
             problems.append(f"{path} is not a run folder (no header.json): where its state came from is not checked")
             continue
-        rep, header, _ = check_run(path, check_checkpoints=True)
+        rep, header, _ = check_run(path, key=run_key(path, required=False), check_checkpoints=True)
         problems += [f"{path}: {e}" for e in rep.errors]
+        notes += [f"{path}: {n}" for n in rep.notes]
+        controls[role] = rep.summary.get("controls")
         headers[role] = header
     if len(headers) == 2:
         replay, oracle = headers["replay"], headers["oracle"]
@@ -135,6 +139,7 @@ def check_provenance(replay_out, oracle_out) -> dict:
     hazards = sorted({h for h in (headers.get("replay") or {}).get("hazards", [])})
     fidelity = {role: fidelity_statement(header) for role, header in headers.items()}
     return {"checked": len(headers) == 2, "problems": problems, "hazards": hazards, "fidelity": fidelity,
+            "controls": controls, "notes": notes,
             "deleted_ids": len(deleted_tags(replay_out)) if "replay" in headers else None,
             }
 

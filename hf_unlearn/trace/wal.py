@@ -2,7 +2,10 @@
 
 Record layout (little-endian ``<QQfIHHI``): ordered-id digest (keyed, 8 bytes), seed, learning rate (float32),
 logical optimizer step, microbatch length (slots), flags (bit 0 = accumulation end, bit 1 = holds a dummy slot),
-CRC32 of the first 28 bytes. The id manifest lists every slot's 8-byte tag in WAL order (zeros = dummy slot).
+CRC32 of the first 28 bytes. The digest is :func:`~hf_unlearn.trace.tags.record_digest` (the slot tags and the
+record's own controls under the run key) in runs with a ``plan.bin``, and
+:func:`~hf_unlearn.trace.tags.ids_digest` (the slot tags only) in runs recorded with a ``plan.jsonl``. The id
+manifest lists every slot's 8-byte tag in WAL order (zeros = dummy slot).
 
 A tail shorter than one record is what a crash mid-write leaves; :func:`read_wal` reports it and the readers
 decide (an unsealed run is recovered to its last whole record, a sealed one is refused).
