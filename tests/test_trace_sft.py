@@ -1,0 +1,285 @@
+"""Exact deletion for trl.SFTTrainer and any Trainer subclass with its own loss (the real trl, tiny models from a
+config, TOFU rows, int and string ids, Llama and GPT-2 families).
+
+The recording is ``trace_recording(SFTTrainer)``; replays and the oracle rebuild SFTTrainer from the run and run its
+own ``compute_loss``. The exactness claim is also checked against a counterfactual built without the library's
+replay engine: a plain SFTTrainer run where the deleted rows' labels are all ignored and the loss normalisers are
+the recorded ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+
+from .conftest import TOFU_DIR
+
+pytest.importorskip("trl")
+warnings.filterwarnings("ignore", message=".*not sealed.*")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+# A chat template whose assistant turns are marked for return_assistant_tokens_mask (assistant_only_loss).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ 'A: ' }}{% generation %}"
+    "{{ message['content'] + eos_token }}{% endgeneration %}{% else %}{{ 'Q: ' + message['content'] + '\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}")
+
+
+@functools.cache
+def _rows_and_tokenizer():
+    from hf_unlearn.data import load_tofu
+    from hf_unlearn.models import build_tiny_tokenizer
+
+    rows = load_tofu("full", TOFU_DIR).select(range(32))
+    tok = build_tiny_tokenizer([r["question"] + " " + r["answer"] for r in rows], vocab_size=1024)
+    tok.chat_template = CHAT_TEMPLATE
+    return rows, tok
+
+
+def prompt_completion(string_ids: bool = False):
+    from datasets import Dataset
+
+    rows, tok = _rows_and_tokenizer()
+    ids = [f"tofu-{i}" for i in rows["id"]] if string_ids else list(rows["id"])
+    return tok, Dataset.from_dict({"id": ids, "prompt": rows["question"], "completion": [" " + a for a in rows["answer"]]})
+
+
+def conversational(string_ids: bool = True):
+    from datasets import Dataset
+
+    rows, tok = _rows_and_tokenizer()
+    ids = [f"tofu-{i}" for i in rows["id"]] if string_ids else list(rows["id"])
+    messages = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                for q, a in zip(rows["question"], rows["answer"])]
+    return tok, Dataset.from_dict({"id": ids, "messages": messages})
+
+
+def model(tok, family: str = "llama", dropout: float = 0.0):
+    from hf_unlearn.models import build_tiny_model
+
+    return build_tiny_model(family, tok, hidden_size=32, num_layers=2, num_heads=2, dropout=dropout, seed=0)
+
+
+def sft_config(out, config_cls=None, **kw):
+    from trl import SFTConfig
+
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=4,
+                learning_rate=3e-3, warmup_steps=1, max_grad_norm=1.0, report_to=[], save_strategy="no", use_cpu=True,
+                bf16=False, seed=0, disable_tqdm=True, logging_steps=100, max_length=128, dataset_num_proc=None)
+    base.update(kw)
+    return (config_cls or SFTConfig)(**base)
+
+
+def record_sft(out, tok, data, family="llama", dropout=0.0, trainer_kwargs=None, **config):
+    from trl import SFTTrainer
+
+    from hf_unlearn.trace import trace_recording
+
+    trainer = trace_recording(SFTTrainer)(model=model(tok, family, dropout), args=sft_config(out, **config),
+                                          train_dataset=data, processing_class=tok, trace_checkpoint_steps=2,
+                                          **(trainer_kwargs or {}))
+    trainer.train()
+    return trainer
+
+
+def delete_and_verify(run_dir, forget, tmp_path):
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+
+    run = open_run(run_dir)
+    redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    replay = RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay")
+    replay.train()
+    oracle = OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle")
+    oracle.train()
+    return replay, oracle, verify(tmp_path / "replay", tmp_path / "oracle")
+
+
+def full_replay_reproduces(run_dir) -> bool:
+    from hf_unlearn.trace import ReplayTrainer, compare_states, open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    run = open_run(run_dir)
+    return compare_states(ReplayTrainer(run, start="full").train(),
+                          load_checkpoint(run.final_checkpoint()))["identical"]
+
+
+def state_of(trainer) -> dict:
+    from hf_unlearn.trace.run import capture_state
+
+    return capture_state(trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer, trainer.state.global_step,
+                         clone=True)
+
+
+def test_sft_prompt_completion_replay_equals_oracle_equals_a_plain_sftrainer_counterfactual(tmp_path):
+    """Prompt-completion data (completion-only loss), int ids, Llama: the recording equals a plain SFTTrainer run bit
+    for bit; replay == oracle; and the oracle equals an SFTTrainer run built without the replay engine, with the
+    deleted rows' completion labels all ignored and the recorded normalisers."""
+    from trl import SFTTrainer
+
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.verification import load_state
+
+    tok, data = prompt_completion()
+    recorder = record_sft(tmp_path / "rec", tok, data)
+    run_dir = tmp_path / "rec" / "trace"
+    run = open_run(run_dir)
+    header = run.header
+    assert header["trainer"]["class"] == "trl.trainer.sft_trainer:SFTTrainer"
+    assert header["trainer"]["config_class"] == "trl.trainer.sft_config:SFTConfig"
+    assert header["training_args"]["completion_only_loss"] is None and header["collator"]["rebuildable"]
+
+    plain = SFTTrainer(model=model(tok), args=sft_config(tmp_path / "plain"), train_dataset=data, processing_class=tok)
+    plain.train()
+    assert compare_states(state_of(plain), load_checkpoint(run.final_checkpoint()))["identical"]
+
+    forget = run.ids_at_steps([1])[:1] + run.ids_at_steps([3])[-1:]
+    replay, oracle, report = delete_and_verify(run_dir, forget, tmp_path)
+    assert report["verified"], report["provenance"]
+    assert type(replay).__mro__.index(SFTTrainer) and replay.compute_loss.__func__ is SFTTrainer.compute_loss
+
+    norms = {e.step: (e.norm, e.norm_dtype) for e in run.plan}
+
+    class RecordedNormalisers(SFTTrainer):  # the counterfactual's one change: the recorded num_items_in_batch
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+            norm, dtype = norms[self.state.global_step]
+            return batches, torch.tensor(norm, dtype=getattr(torch, dtype), device=device)
+
+    prepared = recorder.train_dataset
+    masked = prepared.map(lambda r: {"labels": [-100] * len(r["labels"]) if r["id"] in forget else r["labels"]})
+    counterfactual = RecordedNormalisers(
+        model=model(tok), args=sft_config(tmp_path / "cf", dataset_kwargs={"skip_prepare_dataset": True}),
+        train_dataset=masked, processing_class=tok)
+    counterfactual.train()
+    assert compare_states(state_of(counterfactual), load_state(tmp_path / "oracle"))["identical"]
+    assert not compare_states(state_of(plain), load_state(tmp_path / "oracle"))["identical"]  # the deletion changed it
+
+
+def test_sft_conversational_assistant_only_loss_dft_neftune_string_ids(tmp_path):
+    """`messages` data through a chat template with generation markers (assistant_only_loss), loss_type dft,
+    NEFTune noise and dropout, string ids, GPT-2: a full replay reproduces the recording and replay == oracle."""
+    tok, data = conversational()
+    recorder = record_sft(tmp_path / "rec", tok, data, family="gpt2", dropout=0.1, assistant_only_loss=True,
+                          loss_type="dft", neftune_noise_alpha=5.0)
+    row = recorder.train_dataset[0]
+    assert isinstance(row["id"], str) and row["labels"][0] == -100 and any(x != -100 for x in row["labels"])
+    run_dir = tmp_path / "rec" / "trace"
+    assert full_replay_reproduces(run_dir)
+    from hf_unlearn.trace import open_run
+
+    forget = open_run(run_dir).ids_at_steps([2])[:2]
+    assert delete_and_verify(run_dir, forget, tmp_path)[2]["verified"]
+
+
+def test_sft_lora_peft_config(tmp_path):
+    """peft_config= (LoRA): the adapter is rebuilt from the run; replay == oracle."""
+    from peft import LoraConfig
+
+    tok, data = prompt_completion(string_ids=True)
+    record_sft(tmp_path / "rec", tok, data, learning_rate=1e-2,
+               trainer_kwargs={"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])})
+    run_dir = tmp_path / "rec" / "trace"
+    header = json.loads((run_dir / "header.json").read_text())
+    assert header["model"]["peft"] and (run_dir / "model" / "adapter").is_dir()
+    from hf_unlearn.trace import open_run
+
+    assert delete_and_verify(run_dir, open_run(run_dir).ids_at_steps([0])[:1], tmp_path)[2]["verified"]
+
+
+def test_rows_sftrainer_drops_are_reported_not_lost(tmp_path):
+    """A prompt that fills max_length leaves a fully masked row, which SFTTrainer drops: the recording warns, the
+    header counts it (as a keyed tag), and a deletion request for it is answered 'never trained on'."""
+    from hf_unlearn.trace import open_run, redact_store, replay_cost
+
+    tok, data = prompt_completion()
+    long_prompt = " ".join(data["prompt"][:6])
+    data = data.map(lambda r, i: {"prompt": long_prompt if i in (5, 9) else r["prompt"]}, with_indices=True)
+    with pytest.warns(UserWarning, match=r"dropped 2 row\(s\) \(e.g. ids \[\d+, \d+\]\): they are never trained on"):
+        record_sft(tmp_path / "rec", tok, data, max_length=48, max_steps=2)
+    run = open_run(tmp_path / "rec" / "trace")
+    assert run.header["trainer"]["dropped_rows"] == 2 and len(run.header["dataset"]) and run.header["dataset"]["rows"] == 30
+    dropped = [data["id"][5], data["id"][9]]
+    assert str(dropped[0]) not in json.dumps(run.header["trainer"])  # tags, not raw ids
+    cost = replay_cost(run, dropped)
+    assert cost["never_trained"] == 2 and cost["slots_deleted"] == 0 and cost["already_deleted"] == 0
+    receipt = redact_store(run.store_path, dropped, tmp_path / "store", run.key,
+                           already_deleted=__import__("hf_unlearn.trace.replay", fromlist=["x"]).already_deleted(
+                               run, dropped))
+    assert receipt["already_absent"] == 2
+    from hf_unlearn.errors import UnlearnError
+
+    with pytest.raises(UnlearnError, match="never appear in the recorded plan"):
+        replay_cost(run, [123456])  # an id the trainer was never given is still an error
+
+
+def test_a_user_trainer_with_its_own_loss_in_an_importable_module(tmp_path):
+    """A Trainer subclass with its own compute_loss and a JSON constructor argument (tests/trace_trainers.py): the
+    replay rebuilds it with the argument and runs its loss (a full replay reproduces the recording; the stock loss
+    would not), and replay == oracle."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import open_run, trace_recording
+
+    from .test_trace_common import get_trace_data, tiny, train_args
+    from .trace_trainers import L2Trainer
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    trainer = trace_recording(L2Trainer)(model=tiny(tok), args=train_args(tmp_path / "rec", max_steps=2),
+                                         train_dataset=data, data_collator=QACollator.from_tokenizer(tok), l2=0.5,
+                                         trace_checkpoint_steps=1)
+    trainer.train()
+    run_dir = tmp_path / "rec" / "trace"
+    spec = open_run(run_dir).header["trainer"]
+    assert spec["class"] == "tests.trace_trainers:L2Trainer" and spec["kwargs"] == {"l2": 0.5}
+    assert full_replay_reproduces(run_dir)
+    assert delete_and_verify(run_dir, open_run(run_dir).ids_at_steps([1])[:1], tmp_path)[2]["verified"]
+
+
+def test_what_a_replay_cannot_rebuild_is_refused_at_construction(tmp_path):
+    """A trainer class or config class defined in a function, a non-JSON constructor argument, and packing are
+    refused when the recording trainer is constructed, each naming what is wrong."""
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import trace_recording
+    from hf_unlearn.trace.recording import TraceRecordingMixin
+
+    from .trace_trainers import L2Trainer
+
+    tok, data = prompt_completion()
+    kw = dict(train_dataset=data, processing_class=tok)
+
+    class LocalSFT(TraceRecordingMixin, SFTTrainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    with pytest.raises(UnlearnError, match="trainer class .*LocalSFT is defined inside a function"):
+        LocalSFT(model=model(tok), args=sft_config(tmp_path), **kw)
+
+    class Combined(TraceRecordingMixin, SFTTrainer):  # only combines its bases: SFTTrainer is what is recorded
+        pass
+
+    assert Combined(model=model(tok), args=sft_config(tmp_path), **kw)._trace_trainer["class"].endswith(":SFTTrainer")
+
+    from dataclasses import dataclass
+
+    @dataclass
+    class MyConfig(SFTConfig):
+        extra: int = 0
+
+    with pytest.raises(UnlearnError, match="config class .*MyConfig is defined inside a function"):
+        trace_recording(SFTTrainer)(model=model(tok), args=sft_config(tmp_path, MyConfig), **kw)
+    from .test_trace_common import get_trace_data, tiny, train_args
+
+    qtok, qdata = get_trace_data()
+    with pytest.raises(UnlearnError, match=r"L2Trainer\(l2=Tensor\) cannot be recorded"):
+        trace_recording(L2Trainer)(model=tiny(qtok), args=train_args(tmp_path), train_dataset=qdata,
+                                   l2=torch.tensor(0.1))
+    with pytest.raises(UnlearnError, match="packing=True"):
+        trace_recording(SFTTrainer)(model=model(tok), args=sft_config(tmp_path, packing=True, padding_free=True), **kw)
+    assert not (tmp_path / "trace").exists()
