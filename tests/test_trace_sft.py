@@ -283,3 +283,53 @@ def test_what_a_replay_cannot_rebuild_is_refused_at_construction(tmp_path):
     with pytest.raises(UnlearnError, match="packing=True"):
         trace_recording(SFTTrainer)(model=model(tok), args=sft_config(tmp_path, packing=True, padding_free=True), **kw)
     assert not (tmp_path / "trace").exists()
+
+
+def test_cli_forget_and_trace_commands_rebuild_the_sft_trainer_from_the_run(tmp_path, capsys):
+    """`hf-unlearn forget RUN` (a fresh process: the trainer is rebuilt from the run alone), the receipts, and
+    `trace inspect/redact/replay/oracle/verify` for an SFTTrainer run; inspect names the trainer class."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    from .conftest import run_cli
+
+    tok, data = prompt_completion(string_ids=True)
+    record_sft(tmp_path / "rec", tok, data, max_steps=2)
+    run = tmp_path / "rec" / "trace"
+    forget = write_ids(tmp_path / "f.jsonl", open_run(run).ids_at_steps([1])[:1])
+    proc = run_cli("forget", run, "--ids", forget, "--out", tmp_path / "out", "--no-progress", "--oracle")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert receipt["evidence"]["verified"] is True
+    assert (tmp_path / "out" / "model" / "tokenizer_config.json").is_file()  # the run's own tokenizer
+    assert main(["trace", "inspect", str(run)]) == 0
+    assert "trainer trl.trainer.sft_trainer:SFTTrainer (config trl.trainer.sft_config:SFTConfig" in capsys.readouterr().out
+    for cmd in (["redact", run, "--forget", forget, "--out", tmp_path / "s"],
+                ["replay", run, "--store", tmp_path / "s", "--forget", forget, "--out", tmp_path / "r"],
+                ["oracle", run, "--forget", forget, "--out", tmp_path / "o"],
+                ["verify", tmp_path / "r", tmp_path / "o"]):
+        assert main(["trace", *map(str, cmd)]) == 0, capsys.readouterr().err
+    assert "VERIFIED" in capsys.readouterr().out
+
+
+def test_without_trl_a_trl_run_names_the_extra_to_install(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import OracleReplayTrainer, open_run
+
+    tok, data = prompt_completion()
+    record_sft(tmp_path / "rec", tok, data, max_steps=1)
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([0])[:1]
+    for name in ("trl", "trl.trainer", "trl.trainer.sft_trainer", "trl.trainer.sft_config"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if trl were not installed
+    with pytest.raises(UnlearnError, match=r"recorded with the trainer class trl.trainer.sft_trainer:SFTTrainer, "
+                                           r"which cannot be imported here .*: pip install 'hf_unlearn\[trl\]'"):
+        OracleReplayTrainer(run, ids)
+    assert main(["trace", "oracle", str(run), "--forget", str(write_ids(tmp_path / "f.jsonl", ids)), "--out",
+                 str(tmp_path / "o")]) == 1
+    assert "pip install 'hf_unlearn[trl]'" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -39,7 +39,7 @@ HEADER_KEYS = frozenset({
     "format", "run_id", "origin_run_id", "parent", "created", "finished", "sealed", "key_fingerprint", "model",
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
-    "distributed_type", "optimizer_steps", "microbatches"})
+    "distributed_type", "optimizer_steps", "microbatches", "trainer"})
 SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
 
 
@@ -372,6 +372,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "wal_bytes": (path / "wal.bin").stat().st_size,
         "manifest_bytes": (path / "manifest.bin").stat().st_size if (path / "manifest.bin").exists() else 0,
         "deletion_requests": len(read_deletion_log(path)),
+        "trainer": (header.get("trainer") or {}).get("class", "transformers.trainer:Trainer"),
     }
     return rep, header, plan
 

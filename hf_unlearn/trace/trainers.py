@@ -119,6 +119,18 @@ def config_fields(config_cls) -> set[str]:
     return {f.name for f in dataclasses.fields(config_cls) if f.init}
 
 
+def library_config_fields(header: dict) -> set[str]:
+    """The fields of the run's config class when a library we ship an extra for defines it (SFTConfig): settings,
+    not user data. A user's own config subclass gives none (its values are the user's)."""
+    name = (header.get("trainer") or {}).get("config_class", DEFAULT_CONFIG)
+    if name.split(".")[0] not in EXTRAS:
+        return set()
+    try:
+        return config_fields(_import(name, "config class"))
+    except UnlearnError:
+        return set()
+
+
 def load_processing_class(path):
     """The tokenizer (or processor) a recording saved with :meth:`save_pretrained`."""
     from transformers import AutoProcessor, AutoTokenizer
