@@ -333,3 +333,50 @@ def test_without_trl_a_trl_run_names_the_extra_to_install(tmp_path, monkeypatch,
     assert main(["trace", "oracle", str(run), "--forget", str(write_ids(tmp_path / "f.jsonl", ids)), "--out",
                  str(tmp_path / "o")]) == 1
     assert "pip install 'hf_unlearn[trl]'" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_padding_free_packs_each_microbatch_and_a_deleted_row_leaves_the_other_documents_unchanged(tmp_path):
+    """padding_free=True: SFTTrainer's collator packs each microbatch into one sequence with position ids (documents
+    do not attend to each other). A deleted row becomes dummy tokens of the same length inside that sequence; the
+    other documents' per-token losses equal those of the same sequence with the row's labels merely ignored, and
+    replay == oracle."""
+    from hf_unlearn.data.collators import rebuild_collator
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.recording import dummy_row
+    from hf_unlearn.trace.run import full_model_state, load_checkpoint
+    from hf_unlearn.trace.store import load_store
+    from hf_unlearn.trace.tags import tag
+
+    tok, data = prompt_completion()
+    record_sft(tmp_path / "rec", tok, data, padding_free=True, max_length=None)
+    run_dir = tmp_path / "rec" / "trace"
+    run = open_run(run_dir)
+    assert run.header["collator"]["kwargs"]["padding_free"] is True
+    entry = next(e for e in run.plan if e.step == 1)
+    forget = run.ids_at_steps([1])[1:2]
+    assert delete_and_verify(run_dir, forget, tmp_path)[2]["verified"]
+
+    collate = rebuild_collator(run.header["collator"], run_dir / "collator")
+    store = load_store(run.store_path)
+    by_tag = {tag(run.key, i): n for n, i in enumerate(store["id"])}
+    rows = [{k: v for k, v in store[by_tag[s]].items() if k != "id"} for s in entry.slots]
+    gone = entry.slots.index(tag(run.key, forget[0]))
+    masked = [dict(r, labels=[-100] * len(r["labels"])) if n == gone else r for n, r in enumerate(rows)]
+    dummied = [dummy_row(r, len(r["input_ids"]), run.header["dummy_token_id"], "id") if n == gone else r
+               for n, r in enumerate(rows)]
+    a, b = collate(masked), collate(dummied)
+    assert a["input_ids"].shape[0] == 1 and (a["position_ids"] == 0).sum() == len(rows)  # one packed sequence
+    assert torch.equal(a["position_ids"], b["position_ids"]) and torch.equal(a["labels"], b["labels"])
+    lm = model(tok)
+    lm.load_state_dict(full_model_state(load_checkpoint(run.checkpoints()[2])))
+    with torch.no_grad():
+        la, lb = (torch.log_softmax(lm(input_ids=x["input_ids"], position_ids=x["position_ids"],
+                                             use_cache=False).logits[0, :-1], -1)  # as SFTTrainer calls it
+                  for x in (a, b))
+    targets = a["labels"][0, 1:]
+    keep = targets != -100
+    lp_a = la[keep].gather(1, targets[keep, None])
+    lp_b = lb[keep].gather(1, targets[keep, None])
+    assert keep.sum() > 0 and torch.equal(lp_a, lp_b)  # every other document: the same per-token loss, bit for bit
+    start = sum(len(r["input_ids"]) for r in rows[:gone])
+    assert not torch.equal(la[start:start + 4], lb[start:start + 4])  # while the deleted row's own tokens did change

@@ -360,8 +360,16 @@ class TraceRecordingMixin:
         cls = recorded_trainer_class(type(self))
         spec = trainer_spec(cls, self.args, self._trace_arguments)
         if getattr(self.args, "packing", False):
-            raise UnlearnError(f"{cls.__qualname__} with packing=True: packed sequences mix several rows, and exact "
-                               "deletion is not supported for them yet; set packing=False")
+            strategy = getattr(self.args, "packing_strategy", None)
+            if strategy == "wrapped":
+                why = ("packing_strategy='wrapped' cuts rows across packed sequences and lets their tokens attend to "
+                       "each other, so 'the run without row X' is not defined")
+            else:
+                why = (f"packing_strategy={strategy!r} packs several rows into one dataset row and drops the id "
+                       "column, so the trace cannot say which rows a packed sequence holds (not supported yet)")
+            raise UnlearnError(f"{cls.__qualname__} with packing=True cannot be recorded for exact deletion: {why}; "
+                               "use padding_free=True without packing (the same padding-free kernels: each microbatch "
+                               "is packed into one sequence with position ids, rows stay the deletion unit)")
         return spec
 
     def _dropped_rows(self, raw_ids: list | None) -> list:

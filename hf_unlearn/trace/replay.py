@@ -315,9 +315,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             raise UnlearnError("the oracle reads the run's original store (the counterfactual of the recorded rows), "
                                f"not the redacted store {self.store_path}")
         self.store = load_store(self.store_path)
-        super().__init__(model=model, args=args, data_collator=data_collator,
+        # SFTTrainer builds its own padding-free collator and refuses another: the rebuilt one is set after it
+        padding_free = bool(getattr(args, "padding_free", False))
+        super().__init__(model=model, args=args, data_collator=None if padding_free else data_collator,
                          trace_dir=self.out_dir or self._scratch or self.run.path / "_unused", id_column=self.run.id_column,
                          dummy_token_id=header.get("dummy_token_id", 0), **self._recorded_trainer_arguments(), **kwargs)
+        self.data_collator = data_collator
         self._check_processes()
         if self.store_policy == "redacted" and self.forget_ids:
             stored = set(self.store[self.id_column])
