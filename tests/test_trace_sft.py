@@ -204,7 +204,9 @@ def test_rows_sftrainer_drops_are_reported_not_lost(tmp_path):
     run = open_run(tmp_path / "rec" / "trace")
     assert run.header["trainer"]["dropped_rows"] == 2 and len(run.header["dataset"]) and run.header["dataset"]["rows"] == 30
     dropped = [data["id"][5], data["id"][9]]
-    assert str(dropped[0]) not in json.dumps(run.header["trainer"])  # tags, not raw ids
+    from hf_unlearn.trace.tags import tag
+
+    assert run.header["trainer"]["dropped_tags"] == sorted(tag(run.key, i) for i in dropped)  # keyed tags, not ids
     cost = replay_cost(run, dropped)
     assert cost["never_trained"] == 2 and cost["slots_deleted"] == 0 and cost["already_deleted"] == 0
     receipt = redact_store(run.store_path, dropped, tmp_path / "store", run.key,
@@ -241,8 +243,9 @@ def test_a_user_trainer_with_its_own_loss_in_an_importable_module(tmp_path):
 
 
 def test_what_a_replay_cannot_rebuild_is_refused_at_construction(tmp_path):
-    """A trainer class or config class defined in a function, a non-JSON constructor argument, and packing are
-    refused when the recording trainer is constructed, each naming what is wrong."""
+    """A trainer class or config class defined in a function, a non-JSON constructor argument, a loss that gives a
+    deleted slot's dummy row weight, and packing are refused when the recording trainer is constructed, each naming
+    what is wrong."""
     from trl import SFTConfig, SFTTrainer
 
     from hf_unlearn.errors import UnlearnError
@@ -280,6 +283,17 @@ def test_what_a_replay_cannot_rebuild_is_refused_at_construction(tmp_path):
     with pytest.raises(UnlearnError, match=r"L2Trainer\(l2=Tensor\) cannot be recorded"):
         trace_recording(L2Trainer)(model=tiny(qtok), args=train_args(tmp_path), train_dataset=qdata,
                                    l2=torch.tensor(0.1))
+    from hf_unlearn.data import QACollator
+
+    from .trace_trainers import EveryTokenTrainer
+
+    with pytest.raises(UnlearnError, match=r"EveryTokenTrainer.compute_loss gives the dummy row that replaces a "
+                                           r"deleted sample a gradient"):
+        trace_recording(EveryTokenTrainer)(model=tiny(qtok), args=train_args(tmp_path), train_dataset=qdata,
+                                           data_collator=QACollator.from_tokenizer(qtok))
+    with pytest.raises(UnlearnError, match="packing_strategy='wrapped' cuts rows across packed sequences"):
+        trace_recording(SFTTrainer)(model=model(tok), args=sft_config(tmp_path, packing=True,
+                                                                      packing_strategy="wrapped"), **kw)
     with pytest.raises(UnlearnError, match="packing=True"):
         trace_recording(SFTTrainer)(model=model(tok), args=sft_config(tmp_path, packing=True, padding_free=True), **kw)
     assert not (tmp_path / "trace").exists()

@@ -343,7 +343,7 @@ class TraceRecordingMixin:
         self._trace_resume = None
         self._trace_optimizer_source = self._optimizer_source()
         self.add_callback(_TraceCallback(self))
-        self._trace_dropped, self._trace_trainer = [], {}
+        self._trace_dropped, self._trace_trainer, self._trace_probed = [], {}, False
         if not self._is_replay:
             self._trace_trainer = self._trace_trainer_spec()
             self._trace_dropped = self._dropped_rows(raw_ids)
@@ -515,6 +515,9 @@ class TraceRecordingMixin:
                 f"the data collator ({name}) gives the dummy row that replaces a deleted sample a label "
                 f"(dummy_token_id={self.dummy_token_id}): a deleted slot would not have weight 0; add a `labels` column "
                 "(-100 on ignored tokens) or pass dummy_token_id= a token the collator masks (its pad token)")
+        if not self._trace_probed:
+            self._trace_probed = True  # once, at construction: a forward and backward pass on two rows
+            self._check_dummy_has_no_influence({k: v for k, v in template.items() if k != self.id_column})
         if self.neftune_noise_alpha is not None:
             notes.append(f"NEFTune (alpha {self.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
                          "microbatch's recorded seed")
@@ -529,6 +532,48 @@ class TraceRecordingMixin:
                                + ". Fix this, or pass trace_allow_hazards=True to record anyway (inspect and verify "
                                "will then list what their verdicts do not cover)")
         return served, hazards, notes
+
+    def _check_dummy_has_no_influence(self, row: dict) -> None:
+        """A trainer with its own ``compute_loss`` must give a deleted slot's dummy row no weight: the loss's gradient
+        with respect to the dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term
+        on every token regardless of the labels would fail). The stock loss is covered by the labels check."""
+        cls = recorded_trainer_class(type(self))
+        if cls.compute_loss is Trainer.compute_loss:
+            return
+        dummy = dummy_row(row, len(row["input_ids"]), self.dummy_token_id, self.id_column)
+        batch = self._prepare_inputs(self.data_collator([dict(row), dummy]))
+        model = self.model
+        seen = {}
+
+        def capture(module, args, output):  # a leaf in place of the embeddings: its gradient is the dummy's weight
+            seen["embeds"] = output.detach().requires_grad_(True)
+            return seen["embeds"]
+
+        handle = model.get_input_embeddings().register_forward_hook(capture)
+        training = model.training
+        import copy
+
+        saved = copy.deepcopy(getattr(self, "_metrics", None))  # SFTTrainer logs metrics in compute_loss: not ours
+        try:
+            model.eval()  # no dropout: the probe's answer does not depend on a draw
+            with seeded(0):
+                loss = self.compute_loss(model, batch, num_items_in_batch=torch.tensor(1.0, device=self.args.device))
+                loss.backward()
+        except Exception as e:  # noqa: BLE001 - the user's loss failed on a real row and a dummy
+            raise UnlearnError(f"{cls.__qualname__}.compute_loss fails on a microbatch of a training row and the dummy "
+                               f"row that replaces a deleted sample: {e}") from None
+        finally:
+            handle.remove()
+            model.zero_grad(set_to_none=True)
+            model.train(training)
+            if saved is not None:
+                self._metrics = saved
+        grad, n = seen["embeds"].grad, len(row["input_ids"])
+        part = None if grad is None else grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
+        if part is not None and bool((part != 0).any()):
+            raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
+                               "gradient (a term on tokens whose labels are -100?): a deleted slot would not have "
+                               "weight 0, so a replay would not delete it; weight every term by the labels")
 
     def _check_optimizer_rebuildable(self) -> None:
         if self._trace_optimizer_source != "custom":
