@@ -394,3 +394,22 @@ def test_padding_free_packs_each_microbatch_and_a_deleted_row_leaves_the_other_d
     assert keep.sum() > 0 and torch.equal(lp_a, lp_b)  # every other document: the same per-token loss, bit for bit
     start = sum(len(r["input_ids"]) for r in rows[:gone])
     assert not torch.equal(la[start:start + 4], lb[start:start + 4])  # while the deleted row's own tokens did change
+
+
+def test_publishing_scans_the_trainer_arguments_but_not_sftconfig_settings(tmp_path):
+    """The Hub's provenance check scans header values the trace code does not write for forget ids: SFTConfig's own
+    fields (max_length=128, ...) are trl's settings, not ids; the trainer's own constructor arguments are the user's
+    values and are scanned, numbers included."""
+    from hf_unlearn.hub.leaks import IdScanner
+    from hf_unlearn.hub.provenance import _header
+
+    tok, data = prompt_completion()
+    record_sft(tmp_path / "rec", tok, data, max_steps=1)
+    path = tmp_path / "rec" / "trace" / "header.json"
+    header = json.loads(path.read_text())
+    assert header["training_args"]["max_length"] == 128
+    assert _header(path, "header.json", IdScanner([128])) == []
+    header["trainer"]["kwargs"] = {"alpha": 128}
+    path.write_text(json.dumps(header))
+    hits = _header(path, "header.json", IdScanner([128]))
+    assert hits and all("trainer.kwargs" in str(h) for h in hits)
