@@ -299,6 +299,7 @@ def test_what_a_replay_cannot_rebuild_is_refused_at_construction(tmp_path):
     assert not (tmp_path / "trace").exists()
 
 
+@pytest.mark.slow  # a fresh `hf-unlearn forget` process (imports, replay and oracle): about a minute of CPU
 def test_cli_forget_and_trace_commands_rebuild_the_sft_trainer_from_the_run(tmp_path, capsys):
     """`hf-unlearn forget RUN` (a fresh process: the trainer is rebuilt from the run alone), the receipts, and
     `trace inspect/redact/replay/oracle/verify` for an SFTTrainer run; inspect names the trainer class."""
