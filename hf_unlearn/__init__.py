@@ -92,6 +92,10 @@ _LAZY: dict[str, str] = {
     "MuseResult": "hf_unlearn.eval.muse",
     "evaluate_quantized": "hf_unlearn.eval.quantized",
     "quantize_model": "hf_unlearn.eval.quantized",
+    "evaluate_robustness": "hf_unlearn.eval.robustness",
+    "RobustnessResult": "hf_unlearn.eval.robustness",
+    "training_preset": "hf_unlearn.presets",
+    "evaluation_preset": "hf_unlearn.presets",
     "UnlearningEvalCallback": "hf_unlearn.eval.callback",
     "UnlearningStoppingCallback": "hf_unlearn.eval.stopping",
 

@@ -65,6 +65,9 @@ class ForgetConfig:
     max_steps: int = field(default=-1, metadata={"help": "approximate: step budget (default: num_train_epochs)"})
     batch_size: int = field(default=4, metadata={"help": "approximate: forget (and retain) rows per step (default 4)"})
     max_length: int = field(default=256, metadata={"help": "approximate: tokens per QA pair (default 256)"})
+    preset: str | None = field(default=None, metadata={
+        "help": "approximate: 'open-unlearning' = OpenUnlearning's budget, conventions and method defaults "
+                "(hf_unlearn.presets); options set away from their defaults win"})
     lora: bool = field(default=False, metadata={"help": "approximate: train a LoRA adapter, merged into the saved model"})
     lora_r: int = field(default=8, metadata={"help": "approximate: LoRA rank (default 8)"})
     seed: int = field(default=0, metadata={"help": "seed for training and the retain sample (default 0)"})
@@ -308,6 +311,9 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
                        max_new_tokens=config.max_new_tokens)
         if config.eval_rows < 0 or (config.max_retain_rows is not None and config.max_retain_rows < 0):
             raise UnlearnError("--eval-rows and --max-retain-rows must be >= 0")
+        from .presets import check_preset
+
+        check_preset(config.preset)
         method_args = _method_args(spec, config.method_args)
         from .validation import check_model_source
 
@@ -578,6 +584,22 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
 
 
 # -- approximate unlearning ------------------------------------------------------------------------------------
+def _preset_values(config: ForgetConfig, spec, n_forget_rows: int) -> dict:
+    """The budget keywords: ``config``'s, with ``config.preset``'s values where an option is left at its default."""
+    from .presets import training_preset
+
+    own = {"num_train_epochs": "num_train_epochs", "learning_rate": "learning_rate",
+           "per_device_train_batch_size": "batch_size", "max_length": "max_length"}
+    defaults = {f.name: f.default for f in fields(ForgetConfig)}
+    values = {key: getattr(config, name) for key, name in own.items()}
+    if config.preset not in (None, "hf-unlearn"):  # the preset's value where an option is left at its default
+        values = {key: value for key, value in values.items() if value != defaults[own[key]]}
+    values = {**values, **training_preset(config.preset, spec.name, n_forget_rows, fixed=spec.preset,
+                                          overrides=values)}
+    values["per_device_eval_batch_size"] = values["per_device_train_batch_size"]
+    return values
+
+
 def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetReceipt:
     from .eval.qa import evaluate_qa
     from .hub.mixin import write_model_card
@@ -588,13 +610,11 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
     forget_rows, retain_rows = plan["forget_rows"], plan["retain_rows"]
     model_dir = out / "model"
     try:
-        args = spec.make_config(
-            output_dir=str(model_dir), max_steps=config.max_steps, num_train_epochs=config.num_train_epochs,
-            learning_rate=config.learning_rate, per_device_train_batch_size=config.batch_size,
-            per_device_eval_batch_size=config.batch_size, max_length=config.max_length, seed=config.seed,
-            save_strategy="no", report_to=[], logging_steps=10, disable_tqdm=not config.progress,
-            dataloader_pin_memory=has_cuda(),
-            id_column=config.id_column, **plan["method_args"])
+        args = spec.make_config(**{
+            **_preset_values(config, spec, len(forget_rows)),
+            **dict(output_dir=str(model_dir), max_steps=config.max_steps, seed=config.seed, save_strategy="no",
+                   report_to=[], logging_steps=10, disable_tqdm=not config.progress, dataloader_pin_memory=has_cuda(),
+                   id_column=config.id_column), **plan["method_args"]})
     except (TypeError, ValueError) as e:
         raise UnlearnError(f"{spec.name}: {str(e).splitlines()[0]}") from None
     t = time.perf_counter()

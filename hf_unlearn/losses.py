@@ -81,12 +81,25 @@ def simnpo_loss(avg_logps: torch.Tensor, beta: float, gamma: float = 0.0) -> tor
     return -(2.0 / beta) * F.logsigmoid(beta * (-avg_logps - gamma)).mean()
 
 
-def kl_retain_loss(policy_logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+KL_POSITIONS = ("answer", "all")
+
+
+def kl_retain_loss(policy_logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor,
+                   positions: str = "answer") -> torch.Tensor:
     """``KL(p_0 || p_theta)`` over the full vocabulary, averaged over the answer tokens of the batch.
 
     ``p_0`` is the reference (original) model; the forward direction keeps the policy from dropping mass anywhere
-    the original model put it.
+    the original model put it. ``positions="all"`` is OpenUnlearning's convention: the sum over every position of the
+    batch (prompt, padding and the last position included, unshifted) divided by ``batch * seq``
+    (``kl_div(..., reduction="batchmean")`` on the flattened logits).
     """
+    if positions not in KL_POSITIONS:
+        raise ValueError(f"positions must be one of {', '.join(KL_POSITIONS)}, got {positions!r}")
+    if positions == "all":
+        logp = torch.log_softmax(policy_logits.float(), dim=-1)
+        logq = torch.log_softmax(ref_logits.float(), dim=-1)
+        kl = (logq.exp() * (logq - logp)).sum(-1)
+        return kl.sum() / kl.numel()
     policy, _, mask = shift_for_causal_lm(policy_logits, labels)
     ref = ref_logits[:, :-1]
     logp = torch.log_softmax(policy.float(), dim=-1)
@@ -101,29 +114,40 @@ def answer_token_mask(labels: torch.Tensor) -> torch.Tensor:
     return labels != IGNORE_INDEX
 
 
-def masked_mse(hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+MSE_REDUCTIONS = ("row_mean", "open_unlearning")
+
+
+def masked_mse(hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduction: str = "row_mean") -> torch.Tensor:
     """Per row, the mean over masked positions of the mean squared difference over the hidden dimension; then the
-    mean over rows that have a masked position (OpenUnlearning's RMU reduction: every row weighs the same).
+    mean over rows that have a masked position (every row weighs the same, as OpenUnlearning's RMU intends).
 
     ``hidden`` ``[batch, seq, dim]``; ``target`` broadcastable to it (a ``[dim]`` control vector or frozen
-    activations); ``mask`` ``[batch, seq]``.
+    activations); ``mask`` ``[batch, seq]``. ``reduction="open_unlearning"`` reproduces OpenUnlearning's code: its
+    per-row sums ``S [b]`` divided by the counts ``n [b, 1]`` broadcast to ``[b, b]``, whose mean is
+    ``mean(S) * mean(1/n)``: the per-row mean at batch size 1 only, NaN or inf when a row has no masked position.
     """
+    if reduction not in MSE_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(MSE_REDUCTIONS)}, got {reduction!r}")
     sq = (hidden.float() - target.float()).pow(2).mean(-1)
     mask = mask.to(sq.dtype)
     count = mask.sum(-1)
+    if reduction == "open_unlearning":
+        return ((sq * mask).sum(-1) / count.unsqueeze(-1)).mean()
     per_row = (sq * mask).sum(-1) / count.clamp(min=1)
     rows = (count > 0).to(sq.dtype)
     return (per_row * rows).sum() / rows.sum().clamp(min=1)
 
 
-def rmu_forget_loss(hidden: torch.Tensor, control: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def rmu_forget_loss(hidden: torch.Tensor, control: torch.Tensor, mask: torch.Tensor,
+                    reduction: str = "row_mean") -> torch.Tensor:
     """RMU (Li et al., 2024) forget term: push layer activations on forget text towards ``control = c * u``."""
-    return masked_mse(hidden, control, mask)
+    return masked_mse(hidden, control, mask, reduction)
 
 
-def rmu_retain_loss(hidden: torch.Tensor, ref_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def rmu_retain_loss(hidden: torch.Tensor, ref_hidden: torch.Tensor, mask: torch.Tensor,
+                    reduction: str = "row_mean") -> torch.Tensor:
     """RMU retain term: keep layer activations on retain text equal to the frozen model's."""
-    return masked_mse(hidden, ref_hidden, mask)
+    return masked_mse(hidden, ref_hidden, mask, reduction)
 
 
 # ----------------------------------------------------------------------------------------------------------------

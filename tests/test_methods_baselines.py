@@ -75,7 +75,7 @@ def test_rmu_steers_answer_tokens_only(tmp_path):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     seen = {}
 
-    def rmu_forget_loss(hidden, control, mask):
+    def rmu_forget_loss(hidden, control, mask, reduction="row_mean"):
         seen["mask"] = mask
         return hidden.sum() * 0
 

@@ -11,16 +11,34 @@ from typing import Sequence
 from ..errors import UnlearnError
 
 
+def make_probe(c: float = 1.0):
+    """The probe every function here fits: standardised features, L2 logistic regression (scikit-learn)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000))
+
+
+def transfer_accuracy(train_features, train_labels: Sequence[int], test_features, test_labels: Sequence[int],
+                      c: float = 1.0) -> float:
+    """Accuracy on ``test_*`` of a probe fitted on ``train_*`` (``[rows, hidden]`` each): does what a probe learns on
+    one set of rows read the same label on others?"""
+    import numpy as np
+
+    if len(set(train_labels)) < 2:
+        raise UnlearnError("a probe needs at least two distinct labels to train on")
+    probe = make_probe(c).fit(np.asarray(train_features, dtype=np.float64), np.asarray(train_labels))
+    return float(probe.score(np.asarray(test_features, dtype=np.float64), np.asarray(test_labels)))
+
+
 def probe_accuracy(features, labels: Sequence[int], folds: int = 4, seed: int = 0, c: float = 1.0) -> float:
     """Cross-validated accuracy of a standardised L2 logistic-regression probe on ``[n_rows, hidden]`` features.
 
     Stratified ``folds``-fold CV, lowered to the size of the rarest class (at least 2); 1.0 is perfect recovery.
     """
     import numpy as np
-    from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import StratifiedKFold, cross_val_score
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
 
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels)
@@ -32,7 +50,7 @@ def probe_accuracy(features, labels: Sequence[int], folds: int = 4, seed: int = 
     k = min(folds, int(counts.min()))
     if k < 2:
         raise UnlearnError(f"every label needs at least 2 rows for cross-validation (counts: {counts.tolist()})")
-    probe = make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000))
+    probe = make_probe(c)
     cv = StratifiedKFold(n_splits=k, shuffle=True, random_state=seed)
     return float(cross_val_score(probe, x, y, cv=cv).mean())
 

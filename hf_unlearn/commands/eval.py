@@ -1,4 +1,5 @@
-"""`hf-unlearn eval ...`: TOFU, the retain-only TOFU reference, MUSE-News, quantised re-evaluation, trade-off plots."""
+"""`hf-unlearn eval ...`: TOFU, the retain-only TOFU reference, MUSE-News, quantised re-evaluation, robustness
+attacks, trade-off plots."""
 
 from __future__ import annotations
 
@@ -46,6 +47,34 @@ def register(parser) -> None:
     p.add_argument("--max-length", type=int, default=None, help="max tokens per scored sequence")
     p.set_defaults(func=run_quantized)
 
+    p = sub.add_parser("robustness", help="relearning, quantisation, paraphrase and probe attacks on an unlearned model")
+    p.add_argument("model", help="the unlearned model: Hub id, local folder or .gguf file")
+    p.add_argument("--original", default=None, help="the model before unlearning (the baseline of the recovery "
+                                                     "fraction)")
+    p.add_argument("--reference", default=None,
+                   help="a model attacked the same way: a retain-only model or the exact deletion of the same rows")
+    p.add_argument("--reference-name", default="reference", help="its name in the table (default reference)")
+    p.add_argument("--out", default="eval_results", help="output folder (default eval_results)")
+    p.add_argument("--forget-split", default="forget10", choices=("forget01", "forget05", "forget10"))
+    p.add_argument("--forget-ids", default=None, help="TOFU ids of the forgotten rows: 3600-3639,3700 or a file")
+    p.add_argument("--relearn-ids", default=None, help="forget rows to relearn on (default: a seeded half)")
+    p.add_argument("--retain-ids", default=None,
+                   help="rows every model kept, for the truth probe (default: retain_perturbed minus the forget ids)")
+    p.add_argument("--tofu", default=None, help="local TOFU folder (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)")
+    p.add_argument("--max-items", type=int, default=None, help="only the first N forget (and holdout) rows")
+    p.add_argument("--steps", default="0,10,25,50", help="relearning steps measured (default 0,10,25,50)")
+    p.add_argument("--lr", type=float, default=1e-5, help="relearning learning rate (default 1e-5)")
+    p.add_argument("--relearn-batch-size", type=int, default=4, help="rows per relearning step (default 4)")
+    p.add_argument("--bits", default="4,8", help="quantisation widths re-evaluated, 'none' to skip (default 4,8)")
+    p.add_argument("--attacks", default=",".join(("relearning", "quantization", "paraphrase", "probe")),
+                   help="comma list of attacks (default all: relearning,quantization,paraphrase,probe)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-length", type=int, default=None, help="tokens per QA pair (default 512)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_robustness)
+
     p = sub.add_parser("plot-tradeoff", help="plot a forget metric against model utility across result files")
     p.add_argument("results", nargs="+", help="tofu_results.json files, in checkpoint order (LABEL=PATH allowed)")
     p.add_argument("--x", default="forget_truth_ratio", help="summary key on the x axis (default forget_truth_ratio)")
@@ -59,6 +88,10 @@ def _common(p, out_default: str) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-items", type=int, default=None, help="evaluate only the first N items of every set")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--preset", choices=("hf-unlearn", "open-unlearning"), default=None,
+                   help="evaluation conventions: open-unlearning = OpenUnlearning's (zlib on the decoded answer "
+                        "tokens, Min-k%%++ variance floor 1e-6, privleak texts cut at 2048; see hf_unlearn.presets); "
+                        "explicit options win")
     p.add_argument("--mia-attacks", default=None,
                    help="comma list of membership-inference attacks (default all: loss,zlib,min_k,min_k_plus_plus,"
                         "gradnorm,reference; leaving out gradnorm saves one backward per forget/holdout item)")
@@ -78,7 +111,7 @@ def _tofu_options(p) -> None:
 def _muse_options(p) -> None:
     _common(p, "eval_results")
     p.add_argument("--muse", default=None, help="local MUSE-News folder (default: $HF_UNLEARN_DATA_DIR/muse_news)")
-    p.add_argument("--max-length", type=int, default=1024, help="tokens of each privleak text scored")
+    p.add_argument("--max-length", type=int, default=None, help="tokens of each privleak text scored (default 2048)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="last tokens of each verbmem prompt kept")
     p.add_argument("--verbmem-max-new-tokens", type=int, default=128)
     p.add_argument("--knowmem-max-new-tokens", type=int, default=32)
@@ -119,8 +152,19 @@ def parse_ids(spec: str | None) -> list[int] | None:
     return ids
 
 
+def _preset(args, benchmark: str) -> dict:
+    """The preset's evaluation keywords, minus those the user gave explicitly (``--max-length``)."""
+    from ..presets import evaluation_preset
+
+    values = evaluation_preset(getattr(args, "preset", None), benchmark)
+    if getattr(args, "max_length", None) is not None:
+        values["max_length"] = args.max_length
+    return values
+
+
 def _tofu_kwargs(args) -> dict:
     return dict(
+        **_preset(args, "tofu"),
         forget_split=args.forget_split,
         tofu_path=args.tofu,
         forget_ids=parse_ids(args.forget_ids),
@@ -223,7 +267,7 @@ def run_muse(args) -> int:
     model, tok = _load(args.model)
     result = evaluate_muse_news(
         model, tok, muse_path=args.muse, reference=args.reference, batch_size=args.batch_size,
-        max_items=args.max_items, max_length=args.max_length, max_prompt_tokens=args.max_prompt_tokens,
+        max_items=args.max_items, **_preset(args, "muse_news"), max_prompt_tokens=args.max_prompt_tokens,
         verbmem_max_new_tokens=args.verbmem_max_new_tokens,
         knowmem_max_new_tokens=args.knowmem_max_new_tokens, knowmem_examples=examples,
         mia_attacks=attacks, progress=not args.quiet,
@@ -239,16 +283,62 @@ def run_quantized(args) -> int:
     model, tok = _load(args.model)
     if args.benchmark == "tofu":
         kwargs = _tofu_kwargs(args)
-        if args.max_length:
-            kwargs["max_length"] = args.max_length
     else:
         kwargs = dict(muse_path=args.muse, batch_size=args.batch_size, max_items=args.max_items,
-                      mia_attacks=attacks, progress=not args.quiet)
-        if args.max_length:
-            kwargs["max_length"] = args.max_length
+                      mia_attacks=attacks, progress=not args.quiet, **_preset(args, "muse_news"))
     comparison = evaluate_quantized(model, tok, bits=args.bits, quant_type=args.quant_type,
                                     benchmark=args.benchmark.replace("-", "_"), reference=args.reference, **kwargs)
     _write(comparison, Path(args.out), "quantized_results")
+    return 0
+
+
+def _int_list(spec: str, what: str) -> list[int]:
+    from ..errors import UnlearnError
+
+    if spec.strip().lower() == "none":
+        return []
+    try:
+        return [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise UnlearnError(f"{what} must be a comma list of integers, got {spec!r}") from None
+
+
+def run_robustness(args) -> int:
+    import importlib.util
+
+    from ..errors import UnlearnError
+    from ..eval.robustness import ATTACKS, evaluate_robustness, tofu_robustness_rows
+    from ..models import load_model
+
+    steps, bits = _int_list(args.steps, "--steps"), _int_list(args.bits, "--bits")
+    attacks = [a.strip() for a in args.attacks.split(",") if a.strip()]
+    unknown = [a for a in attacks if a not in ATTACKS]
+    if unknown:
+        raise UnlearnError(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
+    if not bits:
+        attacks = [a for a in attacks if a != "quantization"]
+    max_length = args.max_length or 512
+    sets = tofu_robustness_rows(args.forget_split, args.tofu, parse_ids(args.forget_ids), parse_ids(args.retain_ids),
+                                max_items=args.max_items)  # data problems fail before models load
+    model, tok = _load(args.model)
+    original = load_model(args.original) if args.original else None
+    reference = load_model(args.reference) if args.reference else None
+    result = evaluate_robustness(
+        model, tok, sets["forget"], original=original, reference=reference, reference_name=args.reference_name,
+        holdout_rows=sets["holdout"], probe_rows=sets["retain"], relearn_ids=parse_ids(args.relearn_ids), steps=steps or [0], learning_rate=args.lr,
+        relearn_batch_size=args.relearn_batch_size, bits=bits, attacks=attacks, seed=args.seed,
+        use_chat_template={"auto": None, "yes": True, "no": False}[args.chat_template], max_length=max_length,
+        batch_size=args.batch_size, progress=not args.quiet)
+    out = Path(args.out)
+    _write(result, out, "robustness_results")
+    if "relearning" not in attacks:
+        return 0
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed; skipped recovery.png", file=sys.stderr)
+        return 0
+    from ..eval.plots import plot_recovery_curves
+
+    print(f"wrote {plot_recovery_curves(result, out / 'recovery.png')}", file=sys.stderr)
     return 0
 
 

@@ -14,6 +14,8 @@ from . import add_subcommands
 # hf_unlearn.eval.stopping.TARGET_METRICS, written out so that `hf-unlearn --help` imports no torch (a test keeps
 # the two lists equal)
 TARGET_METRIC_NAMES = ("violation_rate", "forget_probability", "truth_ratio")
+# the command's own budget, used where neither an option nor --preset sets a value
+CLI_BUDGET = {"num_train_epochs": 5.0, "learning_rate": 1e-5, "per_device_train_batch_size": 4, "max_length": 256}
 
 
 def register(parser) -> None:
@@ -30,10 +32,14 @@ def register(parser) -> None:
         p.add_argument("--lora", action="store_true", help="train a LoRA adapter (merged into the saved model)")
         p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
         p.add_argument("--max-steps", type=int, default=-1, help="step budget (default: --epochs)")
-        p.add_argument("--epochs", type=float, default=5.0, help="epoch budget over the forget set (default 5)")
-        p.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
-        p.add_argument("--batch-size", type=int, default=4, help="forget (and retain) rows per step (default 4)")
-        p.add_argument("--max-length", type=int, default=256, help="tokens per QA pair (default 256)")
+        p.add_argument("--epochs", type=float, default=None, help="epoch budget over the forget set (default 5)")
+        p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-5)")
+        p.add_argument("--batch-size", type=int, default=None, help="forget (and retain) rows per step (default 4)")
+        p.add_argument("--max-length", type=int, default=None, help="tokens per QA pair (default 256)")
+        p.add_argument("--preset", choices=("hf-unlearn", "open-unlearning"), default=None,
+                       help="open-unlearning: OpenUnlearning's budget (10 epochs, batch 8 x 4 accumulation, one "
+                            "warm-up epoch, weight decay 0.01, 512 tokens), its KL-over-all-positions convention and "
+                            "its method defaults (see hf_unlearn.presets); options given explicitly win")
         p.add_argument("--forget-ids", default=None,
                        help="unlearn only these rows of the forget split: an id file, e.g. the easy/hard/random "
                             "sets of `hf-unlearn analyze stratify` (typed .jsonl/.json, or one id a line)")
@@ -96,6 +102,7 @@ def run(args) -> int:
     from ..methods.base import UnlearningTrainer
     from ..methods.registry import get_method
     from ..models import load_model, load_tokenizer
+    from ..presets import training_preset
     from ..utils import activation_checkpointing_kwargs, atomic_write_text, has_cuda
 
     spec = get_method(args.method)
@@ -109,15 +116,22 @@ def run(args) -> int:
     for option in spec.options:
         options[option.field] = getattr(args, option.field)
     options = {k: v for k, v in options.items() if v is not None}
-    config = spec.make_config(
-        output_dir=args.out, max_steps=args.max_steps, num_train_epochs=args.epochs, learning_rate=args.lr,
-        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
-        max_length=args.max_length, seed=args.seed, save_strategy="no", report_to=[], logging_steps=10,
-        disable_tqdm=False, dataloader_pin_memory=has_cuda(), **activation_checkpointing_kwargs(args.gradient_checkpointing),
-        **options,
-    )
-    # the config is checked first (bad options fail before anything heavy loads)
+    budget = {"num_train_epochs": args.epochs, "learning_rate": args.lr, "per_device_train_batch_size": args.batch_size,
+              "max_length": args.max_length}
+    budget = {k: v for k, v in budget.items() if v is not None}
+
+    def make_config(n_forget_rows=None):
+        values = {**CLI_BUDGET, **training_preset(args.preset, args.method, n_forget_rows, fixed=spec.preset,
+                                                  overrides={**budget, **options})}
+        values.setdefault("per_device_eval_batch_size", values["per_device_train_batch_size"])
+        return spec.make_config(
+            output_dir=args.out, max_steps=args.max_steps, seed=args.seed, save_strategy="no", report_to=[],
+            logging_steps=10, disable_tqdm=False, dataloader_pin_memory=has_cuda(),
+            **activation_checkpointing_kwargs(args.gradient_checkpointing), **values)
+
+    make_config()  # the config is checked first (bad options fail before anything heavy loads)
     forget, retain = load_tofu_splits(args, retain_split)
+    config = make_config(len(forget))  # the preset's warm-up epoch needs the number of forget rows
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model)
     peft_config = None

@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import UnlearnError
 
 IGNORE_INDEX = -100
+VARIANCE_FLOOR = 1e-12  # Min-k%++; OpenUnlearning floors at 1e-6 (hf_unlearn.presets.CONVENTIONS says why not here)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -57,12 +58,16 @@ class TokenStats:
         return TokenStats(self.logprobs[:-1], self.correct[:-1], self.zscores[:-1])
 
 
-def token_statistics(logits, labels, ignore_index: int = IGNORE_INDEX) -> list[TokenStats]:
+def token_statistics(logits, labels, ignore_index: int = IGNORE_INDEX,
+                     variance_floor: float = VARIANCE_FLOOR) -> list[TokenStats]:
     """Per-sequence :class:`TokenStats` from causal-LM ``logits [B, T, V]`` and ``labels [B, T]`` (unshifted).
 
     Works on any padding side: only label positions count. Min-k%++ uses ``(log p(x_t) - mu_t) / sigma_t`` with the
-    mean and standard deviation of ``log p(.)`` under the model's own next-token distribution (Zhang et al., 2024).
+    mean and standard deviation of ``log p(.)`` under the model's own next-token distribution (Zhang et al., 2024);
+    the variance is floored at ``variance_floor`` (OpenUnlearning: 1e-6).
     """
+    if not variance_floor > 0:
+        raise UnlearnError(f"variance_floor must be > 0, got {variance_floor}")
     import torch
 
     logits = logits[:, :-1].float()
@@ -74,7 +79,7 @@ def token_statistics(logits, labels, ignore_index: int = IGNORE_INDEX) -> list[T
     correct = logits.argmax(-1) == safe
     p = logp.exp()
     mu = (p * logp).sum(-1)
-    var = ((p * logp.square()).sum(-1) - mu.square()).clamp_min(1e-12)
+    var = ((p * logp.square()).sum(-1) - mu.square()).clamp_min(variance_floor)
     z = (tok - mu) / var.sqrt()
     out = []
     for i in range(labels.shape[0]):

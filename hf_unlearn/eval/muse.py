@@ -110,13 +110,14 @@ def evaluate_muse_news(
     reference=None,
     batch_size: int = 4,
     max_items: int | None = None,
-    max_length: int = 1024,
+    max_length: int = 2048,
     max_prompt_tokens: int = 1024,
     verbmem_max_new_tokens: int = 128,
     knowmem_max_new_tokens: int = 32,
     knowmem_examples=None,
     mia_k: float = 0.4,
     mia_attacks=None,
+    variance_floor: float = M.VARIANCE_FLOOR,
     progress: bool = True,
 ) -> MuseResult:
     """Evaluate ``model`` on MUSE-News (see the module docstring). ``reference``: the retain-only model's
@@ -125,7 +126,8 @@ def evaluate_muse_news(
     ``knowmem_examples``: None (zero-shot), ``"muse"`` (MUSE's own in-context examples, ``knowmem/forget_qa_icl`` and
     ``knowmem/retain_qa_icl`` from the MUSE folder or the Hub), a list of ``{"question", "answer"}`` dicts for both
     sets, or ``{"forget": [...], "retain": [...]}``. ``mia_attacks``: a subset of ``metrics.MIA_ATTACKS`` (default
-    all; ``"gradnorm"`` costs one backward per privleak text).
+    all; ``"gradnorm"`` costs one backward per privleak text). ``max_length``: tokens of each privleak text scored
+    (2048, as OpenUnlearning). ``variance_floor``: the Min-k%++ variance floor (OpenUnlearning: 1e-6).
     """
     from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
 
@@ -144,6 +146,9 @@ def evaluate_muse_news(
                 f"the MUSE reference used max_length={ref_meta.get('max_length')}, mia_k={ref_meta.get('mia_k')}; "
                 f"this evaluation uses {max_length}, {mia_k}: use the same settings"
             )
+        if ref_meta.get("variance_floor", 1e-12) != variance_floor:
+            raise UnlearnError(f"the MUSE reference used variance_floor={ref_meta.get('variance_floor', 1e-12)} and this "
+                               f"evaluation {variance_floor}: use the same Min-k%++ convention (the same --preset)")
     verbmem = _rows("verbmem", "forget", muse_path, max_items)
     knowmem = {s: _rows("knowmem", f"{s}_qa", muse_path, max_items) for s in ("forget", "retain2")}
     shots = _knowmem_examples(knowmem_examples, muse_path)
@@ -205,7 +210,7 @@ def evaluate_muse_news(
             raise UnlearnError(f"MUSE privleak text id {r['id']} has fewer than 2 tokens")
         encodings.append({"input_ids": ids, "labels": [M.IGNORE_INDEX] + ids[1:]})
     stats = score_sequences(model, encodings, pad_id=pad_token_id(tokenizer), batch_size=batch_size,
-                            desc="MUSE privleak", progress=progress)
+                            desc="MUSE privleak", progress=progress, variance_floor=variance_floor)
     eos = tokenizer.eos_token_id
     norms = (gradient_norms(model, [{**e, "labels": M.labels_without_final_eos(e["labels"], eos)} for e in encodings],
                             desc="MUSE gradient norms", progress=progress)
@@ -233,6 +238,7 @@ def evaluate_muse_news(
         "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
         "tokenizer_fingerprint": fingerprint,
         "max_length": max_length,
+        "variance_floor": variance_floor,
         "max_prompt_tokens": max_prompt_tokens,
         "verbmem_max_new_tokens": verbmem_max_new_tokens,
         "knowmem_max_new_tokens": knowmem_max_new_tokens,

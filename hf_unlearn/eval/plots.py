@@ -1,4 +1,4 @@
-"""Plots people would rather look at than read: truth-ratio histograms and the forget/utility trade-off.
+"""Plots people would rather look at than read: truth-ratio histograms, the forget/utility trade-off, recovery curves.
 
 matplotlib is imported inside each function (with the non-interactive Agg backend), never at package import.
 """
@@ -83,6 +83,41 @@ def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | 
     ax.set(xlabel=x, ylabel=y, title="forget / utility trade-off")
     if x == "forget_quality":
         ax.set_xscale("log")
+    return _save(fig, path)
+
+
+def plot_recovery_curves(results, path: str | os.PathLike = "recovery.png") -> Path:
+    """Relearning curves of :class:`~hf_unlearn.eval.robustness.RobustnessResult` objects (or JSON paths): the
+    recovery fraction per step of every attacked model (left; only where the result has an original model to measure
+    it against) and the held-out forget probability (right, which stays readable when unlearning removed little and
+    the fraction's denominator is small). ``results``: one result, or ``{label: result}`` (several methods)."""
+    from .robustness import RobustnessResult
+
+    plt = _pyplot()
+    if not isinstance(results, Mapping):
+        results = {"": results}
+    series = []
+    for label, r in results.items():
+        r = r if isinstance(r, RobustnessResult) else RobustnessResult.from_json(r)
+        steps = r.summary.get("steps") or []
+        if not steps:
+            raise UnlearnError(f"result {label or 'given'!r} has no relearning curve")
+        for name, m in r.summary["models"].items():
+            if m.get("relearning") and name != "original":
+                tag = (label if name == "model" else f"{label} {name}").strip() or name
+                series.append((tag, steps, m["relearning"], name == "model"))
+    with_recovery = any(points[0].get("recovery") is not None for _, _, points, _ in series)
+    fig, axes = plt.subplots(1, 2 if with_recovery else 1, figsize=(11 if with_recovery else 6, 4), squeeze=False)
+    panels = [("recovery", "recovery fraction")] if with_recovery else []
+    panels.append(("probability", "held-out forget probability"))
+    for ax, (key, ylabel) in zip(axes[0], panels):
+        for tag, steps, points, main in series:
+            ax.plot(steps, [p.get(key) for p in points], "o-" if main else "s--", label=tag, alpha=0.85)
+        ax.set(xlabel="relearning steps on the other half of the forget rows", ylabel=ylabel)
+        if key == "probability":
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle("relearning attack")
     return _save(fig, path)
 
 

@@ -15,6 +15,7 @@ development machine) and needs a compiler; torchao was not tried.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from typing import Any
@@ -91,6 +92,23 @@ def quantize_model(model, bits: int = 4, *, quant_type: str | None = None, skip_
     return qmodel
 
 
+@contextlib.contextmanager
+def quiet_int8():
+    """Silence bitsandbytes' per-call "inputs will be cast" notice of its int8 matmul (a warning or a log record,
+    depending on the version)."""
+    import logging
+
+    log = logging.getLogger("bitsandbytes.autograd._functions")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
+            yield
+    finally:
+        log.setLevel(level)
+
+
 class QuantizedComparison(EvalResult):
     """``summary``: ``{metric: {"before", "after", "delta"}}`` for every numeric metric of the two results."""
 
@@ -137,8 +155,7 @@ def evaluate_quantized(model, tokenizer, *, bits: int = 4, quant_type: str | Non
     qmodel = quantize_model(model, bits, quant_type=quant_type)
     if before is None:
         before = evaluate(model, tokenizer, **eval_kwargs)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")  # int8 matmul's per-call notice
+    with quiet_int8():
         from .metrics import check_mia_attacks
 
         attacks = [a for a in check_mia_attacks(eval_kwargs.get("mia_attacks")) if a != "gradnorm"]

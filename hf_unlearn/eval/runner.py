@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 
 from ..errors import UnlearnError
-from .metrics import IGNORE_INDEX, TokenStats, token_statistics
+from .metrics import IGNORE_INDEX, VARIANCE_FLOOR, TokenStats, token_statistics
 
 
 def _device(model):
@@ -44,8 +44,10 @@ def score_sequences(
     batch_size: int = 16,
     desc: str = "scoring",
     progress: bool = True,
+    variance_floor: float = VARIANCE_FLOOR,
 ) -> list[TokenStats]:
-    """Teacher-forced :class:`TokenStats` for each ``{"input_ids", "labels"}`` encoding (labels -100 = not scored)."""
+    """Teacher-forced :class:`TokenStats` for each ``{"input_ids", "labels"}`` encoding (labels -100 = not scored);
+    ``variance_floor``: see :func:`~hf_unlearn.eval.metrics.token_statistics`."""
     import torch
     from tqdm.auto import tqdm
 
@@ -69,7 +71,8 @@ def score_sequences(
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
                 labels = labels.to(device)
                 for row, i in enumerate(idx):  # row by row: the full-vocabulary temporaries stay one sequence big
-                    results[i] = token_statistics(logits[row:row + 1], labels[row:row + 1])[0]
+                    results[i] = token_statistics(logits[row:row + 1], labels[row:row + 1],
+                                                  variance_floor=variance_floor)[0]
     finally:
         model.train(was_training)
     return results  # type: ignore[return-value]

@@ -86,6 +86,10 @@ class TofuResult(EvalResult):
                 f"the reference used chat_template={theirs.get('chat_template')} but this evaluation uses "
                 f"{mine.get('chat_template')}; use the same prompt format for both"
             )
+        for key, old in (("zlib_text", "answer"), ("variance_floor", 1e-12)):  # results written before the option
+            if theirs.get(key, old) != mine.get(key, old):
+                raise UnlearnError(f"the reference used {key}={theirs.get(key, old)!r} but this evaluation uses "
+                                   f"{mine.get(key, old)!r}; evaluate both with the same conventions (the same --preset)")
         if sorted(theirs.get("forget_ids", [])) != sorted(mine.get("forget_ids", [])):
             raise UnlearnError(
                 f"the reference was evaluated on {len(theirs.get('forget_ids', []))} forget items and this evaluation "
@@ -138,6 +142,7 @@ def _qa(row: dict, perturbed: dict | None) -> dict:
     if perturbed is not None:
         item["paraphrased_answer"] = perturbed.get("paraphrased_answer", row["answer"])
         item["perturbed_answer"] = list(perturbed["perturbed_answer"])
+        item["paraphrased_question"] = perturbed.get("paraphrased_question")  # for the robustness evaluation
     return item
 
 
@@ -218,6 +223,15 @@ def _load_reference(reference) -> TofuResult | None:
     raise UnlearnError(f"reference must be a TofuResult or the path to its JSON, got {type(reference).__name__}")
 
 
+ZLIB_TEXTS = ("answer", "decoded")
+
+
+def decoded_answer(tokenizer, labels) -> str:
+    """The scored tokens (``labels != -100``) decoded without special tokens: the text OpenUnlearning's zlib attack
+    compresses."""
+    return tokenizer.decode([t for t in labels if t != M.IGNORE_INDEX], skip_special_tokens=True)
+
+
 def resolve_chat_template(tokenizer, use_chat_template: bool | None) -> bool:
     from ..data.tokenize import has_chat_template
 
@@ -252,6 +266,8 @@ def evaluate_tofu(
     max_length: int = 512,
     mia_k: float = 0.4,
     mia_attacks: Iterable[str] | None = None,
+    zlib_text: str = "answer",
+    variance_floor: float = M.VARIANCE_FLOOR,
     progress: bool = True,
 ) -> TofuResult:
     """Evaluate ``model`` on TOFU; see the module docstring for the sets and :class:`TofuResult` for the keys.
@@ -268,11 +284,16 @@ def evaluate_tofu(
         mia_attacks: the membership-inference attacks to report (default all of ``metrics.MIA_ATTACKS``); leaving out
             ``"gradnorm"`` saves one backward pass per forget and holdout item; ``"reference"`` needs ``reference``
             (or is computed later by :meth:`TofuResult.with_reference`).
+        zlib_text: what the zlib attack compresses: ``"answer"`` (the raw answer text) or ``"decoded"`` (the scored
+            answer tokens decoded without special tokens, OpenUnlearning's convention).
+        variance_floor: the Min-k%++ variance floor (OpenUnlearning: 1e-6; ``hf_unlearn.presets`` says why 1e-12).
     """
     from ..data.tokenize import encode_qa
     from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
 
     attacks = M.check_mia_attacks(mia_attacks)
+    if zlib_text not in ZLIB_TEXTS:
+        raise UnlearnError(f"zlib_text must be one of {', '.join(ZLIB_TEXTS)}, got {zlib_text!r}")
     chat = resolve_chat_template(tokenizer, use_chat_template)
     ref = _load_reference(reference)
     sets = tofu_sets(forget_split, tofu_path, forget_ids, retain_ids, max_items)
@@ -290,6 +311,8 @@ def evaluate_tofu(
         "max_length": max_length,
         "mia_k": mia_k,
         "mia_attacks": list(attacks),
+        "zlib_text": zlib_text,
+        "variance_floor": variance_floor,
         "answer_scoring": "ES, EM, Min-k%, Min-k%++ and gradnorm score answers without their final EOS",
         "items": {k: len(v) for k, v in sets.items()},
         "notes": [],
@@ -314,7 +337,7 @@ def evaluate_tofu(
     pad = pad_token_id(tokenizer)
     started = time.perf_counter()
     stats = score_sequences(model, encodings, pad_id=pad, batch_size=batch_size, desc="TOFU scoring",
-                            progress=progress)
+                            progress=progress, variance_floor=variance_floor)
 
     records = {name: [dict(set=name, id=it["id"], question=it["question"], answer=it["answer"], perturbed_nlls=[])
                       for it in items] for name, items in sets.items()}
@@ -327,7 +350,8 @@ def evaluate_tofu(
             rec["mean_nll"] = st.mean_nll
             rec["exact_memorization"] = M.exact_memorization(body.correct)
             rec["extraction_strength"] = M.extraction_strength(body.correct)
-            rec["mia"] = M.mia_scores(st, rec["answer"], mia_k, body=body)
+            text = rec["answer"] if zlib_text == "answer" else decoded_answer(tokenizer, enc["labels"])
+            rec["mia"] = M.mia_scores(st, text, mia_k, body=body)
             if name in ("forget", "holdout"):
                 answers.append((rec, {**enc, "labels": M.labels_without_final_eos(enc["labels"], eos)}))
         elif kind == "paraphrased":

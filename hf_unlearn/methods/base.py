@@ -76,6 +76,12 @@ class UnlearningConfig(TrainingArguments):
     )
     lambda_forget: float = field(default=1.0, metadata={"help": "Weight of the forget term."})
     lambda_retain: float = field(default=1.0, metadata={"help": "Weight of the retain term."})
+    kl_positions: str = field(
+        default="answer",
+        metadata={"help": "Positions the 'kl' retain term averages over: 'answer' (the retain answers' tokens) or "
+                          "'all' (every position, prompt and padding included: OpenUnlearning's convention).",
+                  "choices": ["answer", "all"]},
+    )
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Set dropout to 0 in the model and the reference model (dropout layers and attention "
@@ -104,6 +110,8 @@ class UnlearningConfig(TrainingArguments):
         super().__post_init__()
         if self.retain_loss not in RETAIN_LOSSES:
             raise UnlearnError(f"retain_loss must be one of {', '.join(RETAIN_LOSSES)}, got {self.retain_loss!r}")
+        if self.kl_positions not in ("answer", "all"):
+            raise UnlearnError(f"kl_positions must be 'answer' or 'all', got {self.kl_positions!r}")
         if self.lambda_forget < 0 or self.lambda_retain < 0:
             raise UnlearnError("lambda_forget and lambda_retain must be >= 0")
         if self.max_length < 2:
@@ -482,7 +490,7 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         if self.args.retain_loss == "ce":
             return nll_loss(retain_out.logits, retain["labels"])
         ref_logits = self.reference_outputs(retain).logits
-        return kl_retain_loss(retain_out.logits, ref_logits, retain["labels"])
+        return kl_retain_loss(retain_out.logits, ref_logits, retain["labels"], self.args.kl_positions)
 
     def combine(self, forget_loss: torch.Tensor, retain_loss: torch.Tensor | None, metrics: dict[str, Any]) -> torch.Tensor:
         """``lambda_forget * forget + lambda_retain * retain``; records both terms as metrics."""

@@ -177,11 +177,14 @@ class SimNPOTrainer(UnlearningTrainer):
 class RMUConfig(UnlearningConfig):
     """Representation Misdirection for Unlearning: steer one layer's activations on forget answers to a random vector.
 
-    Both terms are averaged over **answer tokens** (labels != -100), as OpenUnlearning does: per row the mean over its
-    answer tokens of the mean squared difference over the hidden dimension, then the mean over rows. Trained weights
-    (full fine-tuning): the MLPs (gate/up/down projections) of ``update_layers``, by default the steered layer and the
-    two below it (WMDP's RMU trains only their ``down_proj``; OpenUnlearning's TOFU config trains every parameter);
-    with ``peft_config=`` the adapter trains instead.
+    Both terms are averaged over **answer tokens** (labels != -100): per row the mean over its answer tokens of the
+    mean squared difference over the hidden dimension, then the mean over rows. OpenUnlearning intends the same mean,
+    but its code computes it right only at batch size 1 (``loss_reduction="open_unlearning"`` reproduces it). Trained
+    weights (full fine-tuning): the MLPs (gate/up/down projections) of ``update_layers``, by default the steered layer
+    and the two below it (WMDP's RMU trains only their ``down_proj``); ``trainable_parameters="all"`` trains every
+    parameter, as OpenUnlearning's TOFU config does; with ``peft_config=`` the adapter trains instead. Defaults
+    differ from OpenUnlearning's (layer 7, steering 2, retain weight 1): ``hf_unlearn.presets`` lists why, and
+    ``training_preset("open-unlearning", "rmu")`` sets them.
     """
 
     layer_id: int | None = field(
@@ -192,11 +195,29 @@ class RMUConfig(UnlearningConfig):
         metadata={"help": "Layers whose MLP weights train (full fine-tuning only); None = layer_id-2..layer_id."},
     )
     steering_coeff: float = field(default=6.5, metadata={"help": "Norm c of the control vector c*u."})
+    trainable_parameters: str = field(
+        default="mlp",
+        metadata={"help": "'mlp' (the MLPs of update_layers, as WMDP) or 'all' (every parameter, OpenUnlearning's "
+                          "TOFU config); full fine-tuning only.", "choices": ["mlp", "all"]},
+    )
+    loss_reduction: str = field(
+        default="row_mean",
+        metadata={"help": "'row_mean' (per row, the mean over its answer tokens; then over rows) or "
+                          "'open_unlearning' (OpenUnlearning's broadcast mean(S) * mean(1/n), equal at batch size 1).",
+                  "choices": ["row_mean", "open_unlearning"]},
+    )
     retain_loss: str = field(
         default="ce",
         metadata={"help": "Unused by RMU (its retain term matches the frozen model's activations); 'none' drops it."},
     )
     lambda_retain: float = field(default=100.0, metadata={"help": "Weight of the activation-matching retain term."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.trainable_parameters not in ("mlp", "all"):
+            raise UnlearnError(f"trainable_parameters must be 'mlp' or 'all', got {self.trainable_parameters!r}")
+        if self.loss_reduction not in ("row_mean", "open_unlearning"):
+            raise UnlearnError(f"loss_reduction must be 'row_mean' or 'open_unlearning', got {self.loss_reduction!r}")
 
 
 class RMUTrainer(UnlearningTrainer):
@@ -228,7 +249,9 @@ class RMUTrainer(UnlearningTrainer):
         if not 0 <= layer < n_layers:
             raise UnlearnError(f"layer_id must be in [0, {n_layers - 1}] for this model, got {layer}")
         self.layer_id = layer
-        if not self.is_peft:
+        if not self.is_peft and self.args.trainable_parameters == "all":
+            self.update_layers = "all"
+        elif not self.is_peft:
             layers = self.args.update_layers or [i for i in range(layer - 2, layer + 1) if i >= 0]
             if any(not 0 <= i < n_layers for i in layers):
                 raise UnlearnError(f"update_layers must be in [0, {n_layers - 1}], got {layers}")
@@ -250,11 +273,14 @@ class RMUTrainer(UnlearningTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         retain = self.retain_batch()
         outputs, retain_out = self.joint_forward(model, inputs, retain, output_hidden_states=True)
-        forget = rmu_forget_loss(self._hidden(outputs), self.control_vector, answer_token_mask(inputs["labels"]))
+        reduction = self.args.loss_reduction
+        forget = rmu_forget_loss(self._hidden(outputs), self.control_vector, answer_token_mask(inputs["labels"]),
+                                 reduction)
         retain_loss = None
         if retain is not None:
             ref_hidden = self._hidden(self.reference_outputs(retain, output_hidden_states=True))
-            retain_loss = rmu_retain_loss(self._hidden(retain_out), ref_hidden, answer_token_mask(retain["labels"]))
+            retain_loss = rmu_retain_loss(self._hidden(retain_out), ref_hidden, answer_token_mask(retain["labels"]),
+                                          reduction)
         loss = self.combine(forget, retain_loss, {})
         return (loss, outputs) if return_outputs else loss
 
@@ -262,6 +288,6 @@ class RMUTrainer(UnlearningTrainer):
         hp = super().method_hyperparameters()
         hp["layer_id"] = self.layer_id
         if not self.is_peft:
-            hp["update_layers"] = list(self.update_layers)
+            hp["update_layers"] = self.update_layers if self.update_layers == "all" else list(self.update_layers)
         hp.pop("retain_loss", None)
         return hp

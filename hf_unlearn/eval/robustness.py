@@ -1,0 +1,451 @@
+"""Robustness of unlearning as one evaluation: does the forgotten knowledge come back?
+
+Four attacks on the unlearned model, each also run on an optional reference (a retain-only model, or the exact
+deletion of the same rows) so that a number is read against what a model that never learned the rows does:
+
+* **relearning** (Lynch et al., 2024; Hu et al., 2025): fine-tune a *copy* for ``k`` steps (default 0, 10, 25, 50)
+  on one half of the forget rows (a seeded split, or the rows you name) and measure the answer probability of the
+  other half. The **recovery fraction** at ``k`` is ``(p_k - p_0) / (p_before - p_0)``: the share of what unlearning
+  removed that ``k`` steps on *other* rows bring back (``p_before``: the model before unlearning, ``original=``; for
+  the reference, its own ``p_0``). A model that only hid the knowledge recovers it from related rows; one that never
+  had it (exact deletion) can only learn what the relearned rows teach.
+* **quantisation** (Zhang et al., 2024): the same metrics on bitsandbytes 4-bit and 8-bit copies
+  (:func:`hf_unlearn.eval.quantized.quantize_model`, its CPU backend included).
+* **paraphrased questions**: TOFU's ``paraphrased_question`` instead of the question (forgetting that holds only for
+  the trained wording is shallow).
+* **linear probe**: per layer, a cross-validated logistic-regression probe on the mean hidden state of the forget
+  answers against holdout answers (:func:`hf_unlearn.analysis.probes.probe_by_layer`): above the reference's accuracy
+  means the forget rows are still recognisable in the representations; and a **truth probe**: fitted on the hidden
+  states of true vs perturbed answers of rows every model kept (``probe_rows``), scored on the forget rows' true vs
+  perturbed answers (TOFU's ``perturbed_answer``): above the reference means the forgotten answers are still told
+  apart from false ones inside the model.
+
+The evaluated models are never modified (relearning and quantisation work on copies, scoring runs in eval mode and
+restores the training flag), and the result is a function of the models, the rows and ``seed``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from ..errors import UnlearnError
+from . import metrics as M
+from .result import EvalResult, fmt
+
+DEFAULT_STEPS = (0, 10, 25, 50)
+DEFAULT_BITS = (4, 8)
+ATTACKS = ("relearning", "quantization", "paraphrase", "probe")
+
+
+def recovery_fraction(after_relearning: float, after_unlearning: float, before: float | None) -> float | None:
+    """``(after relearning - after unlearning) / (before - after unlearning)``; None without a ``before`` value or
+    when unlearning removed nothing (the denominator is not positive)."""
+    if before is None or after_relearning is None or after_unlearning is None or before - after_unlearning <= 0:
+        return None
+    return float((after_relearning - after_unlearning) / (before - after_unlearning))
+
+
+def split_relearn_rows(rows: Sequence[dict], relearn_ids: Iterable | None = None,
+                       seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """``(relearned rows, evaluated rows)``: the rows with ``relearn_ids``, or a seeded half (the larger half
+    evaluated). Both sides must be non-empty."""
+    from ..methods.base import independent_generator
+
+    rows = list(rows)
+    if len(rows) < 2:
+        raise UnlearnError(f"the relearning attack needs at least 2 forget rows (one to relearn, one to measure), "
+                           f"got {len(rows)}")
+    if relearn_ids is not None:
+        wanted = {str(i) for i in relearn_ids}
+        unknown = wanted - {str(r["id"]) for r in rows}
+        if unknown:
+            raise UnlearnError(f"relearn ids {sorted(unknown)[:5]} are not forget rows; name rows of the forget set")
+        relearn = [r for r in rows if str(r["id"]) in wanted]
+    else:
+        import torch
+
+        perm = torch.randperm(len(rows), generator=independent_generator(seed, "relearn-split")).tolist()
+        relearn = [rows[i] for i in sorted(perm[: len(rows) // 2])]
+    chosen = {id(r) for r in relearn}
+    evaluated = [r for r in rows if id(r) not in chosen]
+    if not relearn or not evaluated:
+        raise UnlearnError("the relearn rows must leave at least one forget row to measure; name fewer rows")
+    return relearn, evaluated
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measurements
+
+
+def _encode(tokenizer, rows, chat: bool, max_length: int, question_key: str = "question") -> list[dict]:
+    from ..data.tokenize import encode_qa
+
+    out = []
+    for r in rows:
+        try:
+            out.append(encode_qa(tokenizer, r[question_key], r["answer"], max_length, chat))
+        except UnlearnError as e:
+            raise UnlearnError(f"forget row {r['id']}: {e}") from None
+    return out
+
+
+def answer_metrics(model, tokenizer, encodings: Sequence[dict], *, batch_size: int = 16) -> dict[str, float]:
+    """Mean answer probability (``exp(-mean NLL)``), exact memorisation and extraction strength (answers without their
+    final EOS for the last two, as :func:`~hf_unlearn.eval.tofu.evaluate_tofu` scores them)."""
+    from .runner import pad_token_id, score_sequences
+
+    stats = score_sequences(model, encodings, pad_id=pad_token_id(tokenizer), batch_size=batch_size, progress=False)
+    eos = tokenizer.eos_token_id
+    bodies = [M.drop_final_eos(st, enc["labels"], eos) for st, enc in zip(stats, encodings)]
+    return {"probability": M.nanmean([M.probability(st.mean_nll) for st in stats]),
+            "exact_memorization": M.nanmean([M.exact_memorization(b.correct) for b in bodies]),
+            "extraction_strength": M.nanmean([M.extraction_strength(b.correct) for b in bodies])}
+
+
+def _check_relearning(steps, learning_rate: float, batch_size: int) -> list[int]:
+    steps = sorted({int(k) for k in steps})
+    if not steps or steps[0] < 0:
+        raise UnlearnError(f"relearning steps must be >= 0, got {steps}")
+    if learning_rate <= 0 or batch_size < 1:
+        raise UnlearnError("the relearning learning rate must be > 0 and its batch size >= 1")
+    return steps
+
+
+def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Sequence[dict], *,
+                     steps: Sequence[int] = DEFAULT_STEPS, learning_rate: float = 1e-5, batch_size: int = 4,
+                     seed: int = 0, batch_size_eval: int = 16, progress: bool = True,
+                     desc: str = "relearning") -> list[dict[str, float]]:
+    """Answer metrics of ``evaluated`` after ``k`` AdamW steps on ``relearn`` (tokenised encodings), for each ``k``.
+
+    The steps train a deep copy of ``model`` (``model`` itself is untouched), one run up to ``max(steps)`` with the
+    metrics taken on the way, on batches of a seeded order that cycles through ``relearn``; the global torch RNG is
+    seeded inside a fork, so dropout is reproducible and the caller's RNG state is left as it was. A plain loop
+    instead of a ``Trainer``: it measures between steps and writes no files.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..data.collators import QACollator
+    from ..methods.base import independent_generator
+
+    steps = _check_relearning(steps, learning_rate, batch_size)
+    collate = QACollator.from_tokenizer(tokenizer)
+    attacked = copy.deepcopy(model)
+    device = next(attacked.parameters()).device
+    params = [p for p in attacked.parameters() if p.is_floating_point()]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    gen = independent_generator(seed, "relearn-order")
+    order: list[int] = []
+    curve = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        bar = tqdm(total=steps[-1], desc=desc, disable=not progress, leave=False)
+        for k in range(steps[-1] + 1):
+            if k in steps:
+                curve.append({"step": k, **answer_metrics(attacked, tokenizer, evaluated, batch_size=batch_size_eval)})
+            if k == steps[-1]:
+                break
+            picked = []
+            while len(picked) < min(batch_size, len(relearn)):
+                if not order:
+                    order = torch.randperm(len(relearn), generator=gen).tolist()
+                picked.append(order.pop(0))
+            batch = collate([{key: relearn[i][key] for key in ("input_ids", "attention_mask", "labels")}
+                             for i in picked])
+            attacked.train()
+            loss = attacked(**{key: v.to(device) for key, v in batch.items()}).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update(1)
+        bar.close()
+    del attacked, optimizer
+    return curve
+
+
+def answer_hidden_states(model, encodings: Sequence[dict], pad_id: int, batch_size: int = 16):
+    """``[layers + 1, rows, hidden]``: per layer (0 = embeddings), the mean hidden state over each row's answer tokens."""
+    import numpy as np
+    import torch
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    rows = []
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(encodings), batch_size):
+                chunk = encodings[start:start + batch_size]
+                length = max(len(e["input_ids"]) for e in chunk)
+                ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+                mask = torch.zeros((len(chunk), length), dtype=torch.long)
+                answer = torch.zeros((len(chunk), length), dtype=torch.bool)
+                for i, e in enumerate(chunk):
+                    n = len(e["input_ids"])
+                    ids[i, :n] = torch.tensor(e["input_ids"])
+                    mask[i, :n] = 1
+                    answer[i, :n] = torch.tensor(e["labels"]) != M.IGNORE_INDEX
+                out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+                weights = answer.to(device).float().unsqueeze(-1)
+                layers = [(h.float() * weights).sum(1) / weights.sum(1).clamp(min=1) for h in out.hidden_states]
+                rows.append(torch.stack(layers).cpu().numpy())
+    finally:
+        model.train(was_training)
+    return np.concatenate(rows, axis=1)
+
+
+def probe_scores(model, forget_enc, holdout_enc, pad_id: int, seed: int = 0) -> dict[str, Any]:
+    """Per-layer cross-validated probe accuracy separating forget from holdout answers, its maximum, and chance."""
+    from ..analysis.probes import majority_baseline, probe_by_layer
+
+    states = answer_hidden_states(model, list(forget_enc) + list(holdout_enc), pad_id)
+    labels = [1] * len(forget_enc) + [0] * len(holdout_enc)
+    by_layer = probe_by_layer(states, labels, seed=seed)
+    return {"by_layer": by_layer, "max": max(by_layer), "chance": majority_baseline(labels)}
+
+
+def truth_probe_scores(model, train: tuple[Sequence[dict], Sequence[dict]], test: tuple[Sequence[dict], Sequence[dict]],
+                       pad_id: int) -> dict[str, Any]:
+    """Per layer, a probe fitted on the mean answer hidden states of true vs perturbed answers of ``train`` (rows the
+    models kept) and scored on ``test`` (the forget rows): can the hidden states still tell a forgotten answer from a
+    false one? ``train``/``test``: (true-answer encodings, perturbed-answer encodings)."""
+    from ..analysis.probes import transfer_accuracy
+
+    n_train, n_test = len(train[0]) + len(train[1]), len(test[0]) + len(test[1])
+    states = answer_hidden_states(model, [*train[0], *train[1], *test[0], *test[1]], pad_id)
+    y_train = [1] * len(train[0]) + [0] * len(train[1])
+    y_test = [1] * len(test[0]) + [0] * len(test[1])
+    by_layer = [transfer_accuracy(layer[:n_train], y_train, layer[n_train:n_train + n_test], y_test)
+                for layer in states]
+    return {"by_layer": by_layer, "max": max(by_layer), "chance": 0.5}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the evaluation
+
+
+class RobustnessResult(EvalResult):
+    """``summary``: ``{"steps", "models": {name: {...}}}``; per model ``relearning`` (one dict per step: probability,
+    exact memorisation, extraction strength, ``recovery``), ``quantization`` (``{bits: metrics + recovery}``),
+    ``paraphrase`` (metrics on the paraphrased questions and on the originals), ``probe`` and ``truth_probe``
+    (per-layer accuracy, max, chance) and ``forget`` (the metrics on every forget row, the baseline of quantisation). Names: ``model``,
+    ``original`` (before unlearning: the recovery baseline) and the reference's name."""
+
+    kind = "robustness"
+
+    def curves(self) -> dict[str, list[float | None]]:
+        """Recovery fraction per relearning step for each attacked model (None where undefined)."""
+        return {name: [p.get("recovery") for p in m["relearning"]] for name, m in self.summary["models"].items()
+                if m.get("relearning") and name != "original"}
+
+    def to_markdown(self) -> str:
+        models = self.summary["models"]
+        names = list(models)
+        lines = [f"## Robustness ({self.meta.get('model', 'model')}; forget probability, recovery fraction in "
+                 f"brackets)", "", "| attack | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+
+        def cell(m: dict | None) -> str:
+            if not m:
+                return "n/a"
+            rec = m.get("recovery")
+            return fmt(m.get("probability")) + (f" ({fmt(rec, 3)})" if rec is not None else "")
+
+        lines.append("| no attack (all forget rows) | " + " | ".join(cell(models[n].get("forget")) for n in names) + " |")
+        for i, k in enumerate(self.summary.get("steps", [])):
+            row = [cell(models[n]["evaluated_half"] if n == "original" else
+                        (models[n].get("relearning") or [None] * (i + 1))[i]) for n in names]
+            lines.append(f"| relearning, {k} steps (held-out half) | " + " | ".join(row) + " |")
+        for bits in self.meta.get("bits", []):
+            row = [cell((models[n].get("quantization") or {}).get(str(bits))) for n in names]
+            lines.append(f"| {bits}-bit quantisation | " + " | ".join(row) + " |")
+        if any(models[n].get("paraphrase") for n in names):
+            lines.append("| paraphrased questions | " + " | ".join(cell(models[n].get("paraphrase")) for n in names) + " |")
+        if any(models[n].get("probe") for n in names):
+            row = [fmt((models[n].get("probe") or {}).get("max")) for n in names]
+            lines.append("| linear probe, best layer accuracy (forget vs holdout) | " + " | ".join(row) + " |")
+        if any(models[n].get("truth_probe") for n in names):
+            row = [fmt((models[n].get("truth_probe") or {}).get("max")) for n in names]
+            lines.append("| truth probe, best layer accuracy (forget answers vs perturbed) | " + " | ".join(row) + " |")
+        notes = self.meta.get("notes") or []
+        if notes:
+            lines += [""] + [f"- {n}" for n in notes]
+        return "\n".join(lines) + "\n"
+
+
+def _truth_pairs(tokenizer, rows, chat: bool, max_length: int) -> tuple[list[dict], list[dict]]:
+    """(true-answer, first perturbed-answer) encodings of the rows that have a ``perturbed_answer``."""
+    rows = [r for r in rows if r.get("perturbed_answer")]
+    false = [{**r, "answer": r["perturbed_answer"][0]} for r in rows]
+    return _encode(tokenizer, rows, chat, max_length), _encode(tokenizer, false, chat, max_length)
+
+
+def _rows(rows) -> list[dict]:
+    if rows is None:
+        return []
+    if hasattr(rows, "to_list"):
+        rows = rows.to_list()
+    rows = [dict(r) for r in rows]
+    for r in rows:
+        missing = [k for k in ("id", "question", "answer") if k not in r]
+        if missing:
+            raise UnlearnError(f"robustness rows need id, question and answer; a row lacks {', '.join(missing)}")
+    return rows
+
+
+def evaluate_robustness(
+    model,
+    tokenizer,
+    forget_rows,
+    *,
+    original=None,
+    reference=None,
+    reference_name: str = "reference",
+    holdout_rows=None,
+    probe_rows=None,
+    relearn_ids: Iterable | None = None,
+    steps: Sequence[int] = DEFAULT_STEPS,
+    learning_rate: float = 1e-5,
+    relearn_batch_size: int = 4,
+    bits: Sequence[int] = DEFAULT_BITS,
+    attacks: Iterable[str] = ATTACKS,
+    seed: int = 0,
+    use_chat_template: bool | None = None,
+    max_length: int = 512,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> RobustnessResult:
+    """Run the relearning, quantisation, paraphrase and probe attacks on ``model`` (and ``reference``).
+
+    Args:
+        forget_rows: the forgotten rows (dicts or a ``datasets.Dataset`` with ``id``, ``question``, ``answer`` and,
+            for the paraphrase attack, ``paraphrased_question``; :func:`tofu_robustness_rows` builds them for TOFU).
+        original: the model before unlearning (the recovery baseline ``p_before``); without it recovery is None.
+        reference: a retain-only model or the exact deletion of the same rows, attacked the same way.
+        holdout_rows: rows none of the models trained on, for the membership probe (same keys); without them none.
+        probe_rows: rows every model trained on and kept (retain rows) with ``perturbed_answer``, for the truth
+            probe (fitted on them, scored on the forget rows that have a ``perturbed_answer``); without them none.
+        relearn_ids: the forget rows to relearn on (default: a seeded half); the others are measured.
+        steps: relearning steps at which to measure (0 = before relearning).
+        bits: quantisation widths (4 = NF4, 8 = LLM.int8) to re-evaluate; needs bitsandbytes.
+        attacks: a subset of :data:`ATTACKS`.
+    """
+    from .tofu import resolve_chat_template
+
+    attacks = tuple(attacks)
+    unknown = [a for a in attacks if a not in ATTACKS]
+    if unknown:
+        raise UnlearnError(f"unknown robustness attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
+    bits = [int(b) for b in bits] if "quantization" in attacks else []
+    if any(b not in (4, 8) for b in bits):
+        raise UnlearnError(f"quantisation bits must be 4 or 8, got {bits}")
+    if "relearning" in attacks:
+        _check_relearning(steps, learning_rate, relearn_batch_size)
+    chat = resolve_chat_template(tokenizer, use_chat_template)
+    rows, holdout = _rows(forget_rows), _rows(holdout_rows)
+    relearn_rows, evaluated_rows = split_relearn_rows(rows, relearn_ids, seed)
+    notes: list[str] = []
+    if bits:
+        from .quantized import _bnb
+
+        _bnb()  # a clear error before any model pass
+    if "probe" in attacks and not holdout:
+        notes.append("no holdout rows: the probe attack was skipped")
+    para_rows = [r for r in rows if r.get("paraphrased_question")]
+    if "paraphrase" in attacks and len(para_rows) < len(rows):
+        notes.append(f"{len(rows) - len(para_rows)} of {len(rows)} forget rows have no paraphrased_question; the "
+                     f"paraphrase attack uses the other {len(para_rows)}")
+
+    enc_all = _encode(tokenizer, rows, chat, max_length)
+    enc_relearn = _encode(tokenizer, relearn_rows, chat, max_length)
+    enc_eval = _encode(tokenizer, evaluated_rows, chat, max_length)
+    enc_para = _encode(tokenizer, para_rows, chat, max_length, "paraphrased_question") if para_rows else []
+    enc_para_orig = _encode(tokenizer, para_rows, chat, max_length) if para_rows else []
+    enc_hold = _encode(tokenizer, holdout, chat, max_length) if holdout else []
+    truth_train = _truth_pairs(tokenizer, _rows(probe_rows), chat, max_length)
+    truth_test = _truth_pairs(tokenizer, rows, chat, max_length)
+    use_truth = "probe" in attacks and bool(truth_train[0]) and bool(truth_test[0])
+    if "probe" in attacks and probe_rows is not None and not use_truth:
+        notes.append("the truth probe needs perturbed_answer on probe rows and forget rows; skipped")
+    from .runner import pad_token_id
+
+    pad = pad_token_id(tokenizer)
+
+    models: dict[str, Any] = {"model": model}
+    if reference is not None:
+        if reference_name in ("model", "original"):
+            raise UnlearnError("reference_name must not be 'model' or 'original'")
+        models[reference_name] = reference
+    out: dict[str, dict[str, Any]] = {}
+    if original is not None:
+        out["original"] = {"forget": answer_metrics(original, tokenizer, enc_all, batch_size=batch_size),
+                           "evaluated_half": answer_metrics(original, tokenizer, enc_eval, batch_size=batch_size)}
+        if enc_para:
+            out["original"]["paraphrase"] = answer_metrics(original, tokenizer, enc_para, batch_size=batch_size)
+    before_all = out.get("original", {}).get("forget", {}).get("probability")
+    before_half = out.get("original", {}).get("evaluated_half", {}).get("probability")
+    for name, m in models.items():
+        res: dict[str, Any] = {"forget": answer_metrics(m, tokenizer, enc_all, batch_size=batch_size)}
+        p0 = res["forget"]["probability"]
+        if "relearning" in attacks:
+            curve = relearning_curve(m, tokenizer, enc_relearn, enc_eval, steps=steps, learning_rate=learning_rate,
+                                     batch_size=relearn_batch_size, seed=seed, batch_size_eval=batch_size,
+                                     progress=progress, desc=f"relearning {name}")
+            for point in curve:
+                point["recovery"] = recovery_fraction(point["probability"], curve[0]["probability"], before_half)
+            res["relearning"] = curve
+        if bits:
+            from .quantized import quantize_model, quiet_int8
+
+            res["quantization"] = {}
+            for b in bits:
+                q = quantize_model(m, b)
+                with quiet_int8():
+                    metrics = answer_metrics(q, tokenizer, enc_all, batch_size=batch_size)
+                metrics["recovery"] = recovery_fraction(metrics["probability"], p0, before_all)
+                res["quantization"][str(b)] = metrics
+                del q
+        if "paraphrase" in attacks and enc_para:
+            para = answer_metrics(m, tokenizer, enc_para, batch_size=batch_size)
+            para["original_question_probability"] = answer_metrics(m, tokenizer, enc_para_orig,
+                                                                   batch_size=batch_size)["probability"]
+            res["paraphrase"] = para
+        if "probe" in attacks and enc_hold:
+            res["probe"] = probe_scores(m, enc_all, enc_hold, pad, seed=seed)
+        if use_truth:
+            res["truth_probe"] = truth_probe_scores(m, truth_train, truth_test, pad)
+        out[name] = res
+    if "probe" in attacks and enc_hold and original is not None:
+        out["original"]["probe"] = probe_scores(original, enc_all, enc_hold, pad, seed=seed)
+    if use_truth and original is not None:
+        out["original"]["truth_probe"] = truth_probe_scores(original, truth_train, truth_test, pad)
+
+    summary = {"steps": sorted({int(k) for k in steps}) if "relearning" in attacks else [], "models": out}
+    meta = {
+        "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
+        "reference_name": reference_name if reference is not None else None,
+        "forget_ids": [r["id"] for r in rows], "relearn_ids": [r["id"] for r in relearn_rows],
+        "evaluated_ids": [r["id"] for r in evaluated_rows], "holdout_ids": [r["id"] for r in holdout],
+        "attacks": list(attacks), "bits": bits, "seed": seed, "learning_rate": learning_rate,
+        "relearn_batch_size": relearn_batch_size, "max_length": max_length, "chat_template": chat,
+        "recovery": "(after relearning - after unlearning) / (before - after unlearning), on the evaluated half; "
+                    "'before' is the original model",
+        "notes": notes,
+    }
+    return RobustnessResult(summary=summary, per_item=[], meta=meta)
+
+
+def tofu_robustness_rows(forget_split: str = "forget10", tofu_path: str | os.PathLike | None = None,
+                         forget_ids: Iterable[int] | None = None, retain_ids: Iterable[int] | None = None,
+                         max_items: int | Mapping[str, int] | None = None) -> dict[str, list[dict]]:
+    """``{"forget", "holdout", "retain"}`` rows of TOFU for :func:`evaluate_robustness` (``forget_rows``,
+    ``holdout_rows``, ``probe_rows``), with ``paraphrased_question`` and ``perturbed_answer`` where TOFU has them (ids
+    0-399 and 3600-3999). ``retain``: ``retain_ids``, else ``retain_perturbed`` minus the forget ids."""
+    from .tofu import tofu_sets
+
+    sets = tofu_sets(forget_split, tofu_path, forget_ids=forget_ids, retain_ids=retain_ids, max_items=max_items)
+    return {"forget": sets["forget"], "holdout": sets["holdout"], "retain": sets["retain"]}
