@@ -1,4 +1,5 @@
-# One command each: `make demo` and `make test` install what is missing, then run.
+# One command each: `make demo` and `make test` install what is missing, then run (an editable install from this
+# checkout whose pyproject.toml is unchanged is not redone: tools/installed_here.py).
 PYTHON ?= python3
 SHARED ?= $(abspath ../shared)
 TORCH_VERSION ?= 2.13.0
@@ -11,10 +12,11 @@ export TOKENIZERS_PARALLELISM = false
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' else 1)" 2>/dev/null \
 		|| $(PYTHON) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install -q -e ".[all]"
+	@$(PYTHON) tools/installed_here.py . || $(PYTHON) -m pip install -q -e ".[all]"   # already editable from here: skip (~30 s)
 
 install-dev: install
-	$(PYTHON) -m pip install -q -e ".[dev]"
+	@($(PYTHON) tools/installed_here.py . && $(PYTHON) -c "import pytest, pytest_timeout, ruff" 2>/dev/null) \
+		|| $(PYTHON) -m pip install -q -e ".[dev]"
 
 demo: install   # offline, no data folder needed (the TOFU rows ship in the package); runnable again in place
 	hf-unlearn demo

@@ -73,10 +73,11 @@ def bench_recording(tok, data, hidden, repeats, tmp):
 
 
 def bench_size(run):
+    from hf_unlearn.trace.checkpoints import checkpoint_bytes
     from hf_unlearn.trace.run import list_checkpoints
 
     cps = list_checkpoints(run)
-    ck = (cps[max(cps)] / "state.pt").stat().st_size
+    ck = checkpoint_bytes(cps[max(cps)], with_frozen=True)
     wal, man = (run / "wal.bin").stat().st_size, (run / "manifest.bin").stat().st_size
     plan = (run / "plan.jsonl").stat().st_size
     print(f"provenance size: WAL {wal} B + manifest {man} B = {wal + man} B; one checkpoint (model + optimizer) "

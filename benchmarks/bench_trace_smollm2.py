@@ -104,7 +104,9 @@ def main():
 
         trace = tmp / f"trace-{a.repeats - 1}" / "trace"
         run_ = open_run(trace)
-        ck = (run_.final_checkpoint() / "state.pt").stat().st_size
+        from hf_unlearn.trace.checkpoints import checkpoint_bytes
+
+        ck = checkpoint_bytes(run_.final_checkpoint(), with_frozen=True)
         wal, man = (trace / "wal.bin").stat().st_size, (trace / "manifest.bin").stat().st_size
         plan = (trace / "plan.jsonl").stat().st_size
         print(f"\nprovenance: WAL {wal} B + manifest {man} B = {100 * (wal + man) / ck:.5f}% of one checkpoint "

@@ -96,6 +96,33 @@ OUTPUT_OPTIONS = ("out", "output_dir")
 NO_TORCH = {("hub", "serve")}  # commands that never touch torch: no thread set-up (keeps them fast to start)
 
 
+def _chosen_actions(parser: argparse.ArgumentParser, args) -> list[argparse.Action]:
+    """The options of the command that was parsed (the group's and the subcommand's)."""
+    actions = []
+    while parser is not None:
+        actions += parser._actions
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        parser = sub.choices.get(getattr(args, sub.dest, None)) if sub is not None else None
+    return actions
+
+
+def check_numeric_options(parser: argparse.ArgumentParser, args) -> None:
+    """Every numeric option the user gave (a value other than its default) in the range
+    :data:`hf_unlearn.validation.OPTION_RANGES` gives it, else one :class:`UnlearnError` line."""
+    from .validation import range_error
+
+    for action in _chosen_actions(parser, args):
+        if action.type not in (int, float) or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value == action.default:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            error = range_error(action.option_strings[0], action.dest, item)
+            if error is not None:
+                raise error
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import UnlearnError
     from .runtime import prepare_environment, quiet_optional_backends
@@ -114,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                    if isinstance(getattr(args, name, None), str) and not os.path.exists(getattr(args, name))]
     debug = bool(os.environ.get("HF_UNLEARN_DEBUG"))
     try:
+        check_numeric_options(parser, args)  # before anything heavy (torch) loads, for every command
+        if getattr(args, "precheck", None) is not None:  # a command's own cheap checks (names, files), likewise
+            args.precheck(args)
         if (args.group, getattr(args, "command", None)) not in NO_TORCH:
             from .runtime import configure_threads
 

@@ -167,7 +167,8 @@ class ForgetReceipt:
         if self.mode == EXACT:
             c = ev["cost"]
             rows.append(("replay cost", f"from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of "
-                                        f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%)"))
+                                        f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%), minimum "
+                                        f"{c.get('minimum_steps')}"))
             rows.append(("redaction", f"store {ev['redaction']['rows_before']} -> {ev['redaction']['rows_after']} rows; "
                                       f"{ev['redaction']['id_check']}"))
             rows.append(("exact deletion", self.verdict))
@@ -265,7 +266,7 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
 # -- validation ------------------------------------------------------------------------------------------------
 def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> dict:
-    from .validation import check_new_output, check_positive, check_repo_id, is_trace_run, load_request_ids
+    from .validation import check_new_output, check_options, check_repo_id, is_trace_run, load_request_ids
 
     request = load_request_ids(ids)
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -306,11 +307,10 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         from .methods.registry import get_method
 
         spec = get_method(method)
-        check_positive(learning_rate=config.learning_rate, num_train_epochs=config.num_train_epochs,
-                       batch_size=config.batch_size, max_length=config.max_length, lora_r=config.lora_r,
-                       max_new_tokens=config.max_new_tokens)
-        if config.eval_rows < 0 or (config.max_retain_rows is not None and config.max_retain_rows < 0):
-            raise UnlearnError("--eval-rows and --max-retain-rows must be >= 0")
+        check_options(learning_rate=config.learning_rate, num_train_epochs=config.num_train_epochs,
+                      max_steps=config.max_steps, batch_size=config.batch_size, max_length=config.max_length,
+                      lora_r=config.lora_r, max_new_tokens=config.max_new_tokens, eval_rows=config.eval_rows,
+                      max_retain_rows=config.max_retain_rows)
         from .presets import check_preset
 
         check_preset(config.preset)
@@ -503,11 +503,13 @@ def with_replay_progress(trainer_cls, desc: str, enabled: bool):
 def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> ForgetReceipt:
     from .hub.mixin import write_model_card
     from .hub.publish import hashed_files
+    from .trace.fidelity import fidelity_statement
     from .trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
     from .trace.store import redact_store
     from .trace.tags import tag
     from .trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
     from .trace.verification import verify
+    from .validation import TOKENIZER_FILES
 
     run, ids, cost, timings = plan["run"], plan["ids"], plan["cost"], {}
     if tokenizer is None and config.tokenizer_path is not None:
@@ -519,6 +521,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
         f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
         f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
+    from .trace.replay import describe_cost
+
+    for line in describe_cost(cost):  # the minimum (T - s), the steps replayed and their ratio, before any compute
+        log(line)
     for hazard in plan["hazards"]:
         log(f"HAZARD (recorded with the run): {hazard}")
     t = time.perf_counter()
@@ -553,9 +559,12 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     replay.save_model(str(model_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
-    else:
-        log("note: no tokenizer given, so the model folder holds none (a recorded run does not keep one); pass "
-            "--tokenizer (tokenizer= from Python) to save it with the model")
+    elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
+        kept = run.path / "collator"
+        where = (f"the run keeps its collator's tokenizer in {kept}: pass --tokenizer {kept}" if
+                 any((kept / f).is_file() for f in TOKENIZER_FILES) else "pass --tokenizer")
+        log(f"note: no tokenizer given, so the model folder holds none; {where} (tokenizer= from Python) to save it "
+            "with the model")
     saved_files = hashed_files(model_dir)  # config, tokenizer, ... as saved: the receipt checks them
     card_info = replay.unlearning_card_info()
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
@@ -570,7 +579,12 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         # VERIFIED needs the states bit-identical AND the two folders a replay and an oracle of this run and request
         "verified": None if report is None else bool(report["verified"]),
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
+        "fidelity": fidelity_statement(run.header),
     }
+    log(f"fidelity: {evidence['fidelity']}")
+    if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
+        evidence["kept_model"] = run.header["kept_model"]
+        log(f"kept model: {run.header['kept_model']['why']}")
     if report is not None:
         evidence["oracle"] = {"output": str(out / "oracle"), "roots": report["roots"],
                               "identical": bool(report["identical"]),
@@ -794,8 +808,9 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_verify_") as cache:  # a fresh download, not a cached copy
         report = verify_on_hub(config.repo, result.tag, token=config.token, endpoint=config.endpoint,
                                cache_dir=cache, expect_root=result.state_dict_root or result.params_root,
-                               expect_commit=result.commit, expect_files_root=result.files_root or None)
-        # anchored: weights, config/tokenizer files and commit checked against the push's own record
+                               expect_commit=result.commit, expect_files_root=result.files_root or None,
+                               expect_card_sha256=result.card_sha256 or None)
+        # anchored: weights, config/tokenizer files, card and commit checked against the push's own record
     return result, report
 
 

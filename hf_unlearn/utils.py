@@ -7,12 +7,37 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a torn write."""
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux), else set and restored."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode(private: bool = False) -> int:
+    """The mode a new file gets: what ``open()`` would give it (0666 minus the umask), or owner-only (0600) for a
+    private file (raw ids, keys)."""
+    return 0o600 if private else 0o666 & ~current_umask()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a torn write.
+
+    The file's mode is what a plain ``open()`` would give it (the umask is honoured: a serving account or a
+    colleague can read the weights, cards and receipts), except for ``private`` files (see :func:`file_mode`),
+    which are owner-only from the first byte."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
     try:
+        os.fchmod(fd, file_mode(private))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -24,8 +49,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str, *, private: bool = False) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), private=private)
 
 
 def activation_checkpointing_kwargs(enabled: bool) -> dict:

@@ -67,6 +67,11 @@ def check_model_source(name_or_path: str | os.PathLike, what: str = "model") -> 
                                "--ids FILE --out OUT` deletes from it, `hf-unlearn trace inspect` describes it")
         wanted = MODEL_FILES + (TOKENIZER_FILES if what == "tokenizer" else ())
         if not any((path / f).is_file() for f in wanted) and not any(path.glob("*.gguf")):
+            runs = sorted(os.path.join(name, d.name) for d in path.iterdir() if d.is_dir() and is_trace_run(d))
+            if runs:  # runs/ft given for runs/ft/trace: say where the run is
+                raise UnlearnError(f"{what} folder {name!r} holds no {what}, but {runs[0]!r} is a recorded run (a "
+                                   f"trace folder): pass `{runs[0]}` for exact deletion (`hf-unlearn forget "
+                                   f"{runs[0]} --ids FILE --out OUT`)")
             raise UnlearnError(f"{what} folder {name!r} holds no {what} (no {' / '.join(wanted)} and no .gguf file); "
                                "save one with save_pretrained() or pass another folder")
         if what == "model" and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
@@ -167,16 +172,21 @@ def _in_hf_cache(repo_id: str) -> bool:
 
 
 # -- ids and options -------------------------------------------------------------------------------------------
+def check_ids_file(ids: str | os.PathLike) -> Path:
+    """The id file of a deletion request, which must exist (checked before anything heavy loads)."""
+    path = Path(ids)
+    if not path.is_file():
+        raise UnlearnError(f"the id file {os.fspath(ids)!r} does not exist; write one id per line "
+                           "(ids.jsonl: 3600 or \"abc-1\" per line)")
+    return path
+
+
 def load_request_ids(ids) -> list:
     """The ids of a deletion request: a file (typed JSON Lines, JSON list, or one per line) or an iterable of ids."""
     from .data.ids import read_ids
 
     if isinstance(ids, (str, os.PathLike)):
-        path = Path(ids)
-        if not path.is_file():
-            raise UnlearnError(f"the id file {os.fspath(ids)!r} does not exist; write one id per line "
-                               "(ids.jsonl: 3600 or \"abc-1\" per line)")
-        return read_ids(path)
+        return read_ids(check_ids_file(ids))
     try:
         values = list(dict.fromkeys(ids))
     except TypeError:
@@ -194,6 +204,81 @@ def check_positive(**options) -> None:
     for name, value in options.items():
         if value is not None and not value > 0:
             raise UnlearnError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Range:
+    """Where a numeric option's value may lie: ``low < value`` (``low <= value`` unless ``low_open``), likewise
+    ``high``; ``unset`` is the value that means "not given" (``max_steps=-1``: train by epochs)."""
+
+    low: float | None = 0
+    high: float | None = None
+    low_open: bool = True
+    high_open: bool = False
+    unset: float | None = None
+    hint: str = ""
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return "a finite number"
+
+    def holds(self, value) -> bool:
+        import math
+
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        high_ok = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return low_ok and high_ok
+
+
+POSITIVE = Range()
+NON_NEGATIVE = Range(low_open=False)
+FRACTION = Range(0, 1, low_open=False)  # [0, 1]
+PROBABILITY = Range(0, 1, high_open=True)  # (0, 1)
+# Every numeric option of every command, by its destination name (the same name means the same thing in every
+# command): an option not listed must be > 0. The one list the CLI (before anything heavy loads) and the Python
+# entry points (check_options) read.
+OPTION_RANGES: dict[str, Range] = {
+    "max_steps": Range(unset=-1, hint="leave it out to train for the epoch count"),
+    "seed": NON_NEGATIVE, "eval_rows": NON_NEGATIVE, "max_retain_rows": NON_NEGATIVE, "layer_id": NON_NEGATIVE,
+    "skip_first": NON_NEGATIVE, "lambda_forget": NON_NEGATIVE, "lambda_retain": NON_NEGATIVE, "gamma": NON_NEGATIVE,
+    "stop_target": Range(None), "retain_loss_eps": NON_NEGATIVE, "retain_tolerance": NON_NEGATIVE,
+    "power_iters": NON_NEGATIVE, "oversample": NON_NEGATIVE, "beta1": NON_NEGATIVE, "beta2": NON_NEGATIVE,
+    "steering_coeff": NON_NEGATIVE, "train_last_layers": POSITIVE,
+    "dual_warmup_ratio": FRACTION, "alpha": FRACTION, "validation_fraction": Range(0, 1, low_open=False,
+                                                                                   high_open=True),
+    "fraction": PROBABILITY, "rho": PROBABILITY, "hoeffding_delta": PROBABILITY,
+    "energy": Range(0, 1), "retain_energy": Range(0, 1),
+    "scale": Range(None), "port": Range(0, 65535, low_open=False),
+}
+
+
+def option_range(name: str) -> Range:
+    return OPTION_RANGES.get(name, POSITIVE)
+
+
+def range_error(flag: str, name: str, value) -> UnlearnError | None:
+    """The one-line error for ``value`` of option ``flag`` (destination ``name``) out of its range, else None."""
+    rule = option_range(name)
+    if value is None or isinstance(value, bool) or value == rule.unset or rule.holds(value):
+        return None
+    hint = f" ({rule.hint})" if rule.hint else ""
+    return UnlearnError(f"{flag} must be {rule.describe()}{hint}, got {value}")
+
+
+def check_options(**values) -> None:
+    """``check_options(max_steps=0, learning_rate=1e-5)``: each value (None: not given) in its range from
+    :data:`OPTION_RANGES`, refused in one line naming the option as the CLI spells it."""
+    for name, value in values.items():
+        error = range_error("--" + name.replace("_", "-"), name, value)
+        if error is not None:
+            raise error
 
 
 def check_repo_id(repo_id: str | None) -> None:
@@ -226,6 +311,10 @@ def check_new_output(path: str | os.PathLike, *, overwrite_marker: str | None = 
             if marker_check is not None:
                 marker_check(p / overwrite_marker)
             return p
+        if overwrite and overwrite_marker:  # replacing was asked for (or is the command's way): this is not ours
+            raise UnlearnError(f"output folder {os.fspath(path)!r} exists, is not empty and is not an earlier output "
+                               f"of this command (it holds no {overwrite_marker}); only such an output is replaced: "
+                               "choose a new folder")
         hint = " (or --overwrite to replace an earlier output of the same command)" if overwrite_marker else ""
         raise UnlearnError(f"output folder {os.fspath(path)!r} exists and is not empty; choose a new folder{hint}")
     return p

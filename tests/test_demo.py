@@ -79,7 +79,8 @@ def test_demo_runs_again_in_the_same_folder_and_refuses_foreign_ones(small_demo,
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("keep me")
     assert main([*args, "--out", str(foreign)]) == 1
-    assert "exists and is not empty" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not an earlier output of this command" in err and "--overwrite" not in err  # the demo has none
     assert (foreign / "thesis.tex").read_text() == "keep me"
     (foreign / "demo_summary.json").write_text('{"my": "notes"}')  # a file of the marker's name, not a demo's
     assert main([*args, "--out", str(foreign)]) == 1

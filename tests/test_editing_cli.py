@@ -65,6 +65,18 @@ def test_qr_erase_cli_saves_a_plain_model_report_and_card(task_folder, tiny_llam
     assert "QR-Erase" in card and "3960" not in card
 
 
+def test_qr_erase_on_a_base_folder_without_tokenizer_files_needs_none(task_folder, tiny_llama_dir, tmp_path, capsys):
+    """The edit works on weights only: a base folder holding no tokenizer files is edited (it used to fail with
+    transformers' "Couldn't instantiate the backend tokenizer"), and a tokenizer is copied only when present."""
+    base = tmp_path / "weights-only"
+    shutil.copytree(tiny_llama_dir, base, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    out = tmp_path / "edited"
+    assert main(["edit", "qr-erase", str(base), "--task-matrices", str(task_folder), "--out", str(out),
+                 "--rank", "2", "--top-k-layers", "1", "--device", "cpu"]) == 0
+    assert "holds no tokenizer files" in capsys.readouterr().out
+    assert (out / "model.safetensors").is_file() and not list(out.glob("tokenizer*"))
+
+
 def test_another_base_is_refused_and_nothing_is_written(task_folder, tmp_path, capsys, gpt2_tokenizer):
     from hf_unlearn.models import build_tiny_model
 

@@ -34,17 +34,114 @@ def _one_line_error(proc) -> str:
     (["forget", "{tmp}/run", "--ids", "{tmp}/missing.jsonl", "--out", "{tmp}/o"], "id file"),
     (["unlearn", "masc", "org/model", "--out", "{tmp}/o", "--max-forget-rows", "2"], "HF_HUB_OFFLINE"),
     (["hub", "push", "{tmp}/no-model", "--repo", "a/b"], ""),
+    (["forget", "{tmp}/ft", "--ids", "{tmp}/ids.jsonl", "--out", "{tmp}/o"], "ft/trace' is a recorded run"),
+    (["demo", "--out", "{tmp}/busy"], "is not an earlier output of this command"),
 ])
 def test_cli_errors_are_one_line_and_leave_no_folder(argv, expect, tmp_path, capsys):
     from hf_unlearn.cli import main
 
     (tmp_path / "ids.jsonl").write_text("3600\n")
     (tmp_path / "run").mkdir()
+    (tmp_path / "ft" / "trace").mkdir(parents=True)  # runs/ft given where runs/ft/trace is meant
+    for name in ("header.json", "plan.jsonl", "wal.bin"):
+        (tmp_path / "ft" / "trace" / name).write_text("")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
     assert main([a.format(tmp=tmp_path) for a in argv]) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("hf-unlearn: error: ") and expect in lines[0], err
+    assert "--overwrite" not in lines[0] or argv[0] == "forget"  # the demo has no such option to suggest
+    assert not (tmp_path / "o").exists() and (tmp_path / "busy" / "notes.txt").is_file()
+
+
+FAST_FAIL = r"""
+import json, sys
+from hf_unlearn.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    out.append([main(argv), "torch" in sys.modules])
+print(json.dumps(out))
+"""
+
+
+def test_bad_options_fail_in_one_line_before_torch_is_imported(tmp_path):
+    """A typo in --method, a missing id file and every numeric option out of range are refused before torch is
+    imported (it costs about 2 s), each in one line; --max-steps 0 used to save the input unchanged as 'ok'."""
+    (tmp_path / "ids.jsonl").write_text("3600\n")
+    forget = ["forget", str(tmp_path), "--out", str(tmp_path / "o")]
+    cases = [
+        (forget + ["--ids", str(tmp_path / "ids.jsonl"), "--method", "mascc"], "unknown --method 'mascc'"),
+        (forget + ["--ids", str(tmp_path / "missing.jsonl")], "the id file"),
+        (forget + ["--ids", str(tmp_path / "ids.jsonl"), "--max-steps", "0"], "--max-steps must be > 0"),
+        (forget + ["--ids", str(tmp_path / "ids.jsonl"), "--max-steps", "-5"], "--max-steps must be > 0"),
+        (forget + ["--ids", str(tmp_path / "ids.jsonl"), "--lr", "-1"], "--learning-rate must be > 0"),
+        (forget + ["--ids", str(tmp_path / "ids.jsonl"), "--eval-rows", "-1"], "--eval-rows must be >= 0"),
+        (["unlearn", "masc", str(tmp_path), "--out", str(tmp_path / "o"), "--rho", "1.5"], "--rho must be in (0, 1)"),
+        (["unlearn", "npo", str(tmp_path), "--out", str(tmp_path / "o"), "--epochs", "nan"], "--epochs must be > 0"),
+        (["edit", "qr-erase", str(tmp_path), "--task-matrices", str(tmp_path), "--out", str(tmp_path / "o"),
+          "--energy", "1.5"], "--energy must be in (0, 1]"),
+        (["hub", "serve", "--root", str(tmp_path), "--token", "t", "--port", "70000"], "--port must be in [0, 65535]"),
+    ]
+    proc = subprocess.run([sys.executable, "-c", FAST_FAIL, json.dumps([argv for argv, _ in cases])],
+                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == len(cases), proc.stderr
+    for (argv, expect), (rc, torch_loaded), line in zip(cases, results, lines):
+        assert rc == 1 and not torch_loaded, (argv, rc, torch_loaded)
+        assert line.startswith("hf-unlearn: error: ") and expect in line, (argv, line)
     assert not (tmp_path / "o").exists()
+
+
+def test_every_numeric_option_default_lies_in_its_range():
+    """The one table of ranges (validation.OPTION_RANGES, > 0 for an option it does not list) admits every
+    option's own default: a wrong entry would refuse a command run as documented."""
+    from hf_unlearn.cli import build_parser
+    from hf_unlearn.validation import range_error
+
+    checked = 0
+    stack = [build_parser()]
+    while stack:
+        parser = stack.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += list(action.choices.values())
+            elif action.type in (int, float) and action.default is not None:
+                assert range_error(action.option_strings[0], action.dest, action.default) is None, action
+                checked += 1
+    assert checked > 100
+
+
+def test_files_honour_the_umask_and_only_private_files_are_owner_only(tmp_path):
+    """mkstemp made every atomically written file 0600 (weights' cards, receipts, hub_pushes.jsonl): a colleague or
+    a serving account got "Permission denied". Now a file gets what open() gives it; raw ids and keys stay 0600."""
+    import stat
+
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.hub.publish import save_card_info
+    from hf_unlearn.utils import atomic_write_text
+
+    def mode(path):
+        return stat.S_IMODE(path.stat().st_mode)
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "README.md", "card")
+        assert mode(tmp_path / "README.md") == 0o644
+        save_card_info(tmp_path, {"method": "MASC", "hyperparameters": {}, "forget_ids": [3600], "citation": "",
+                                  "paper": ""})
+        assert mode(tmp_path / "unlearning_info.json") == 0o600  # raw forget ids
+        write_ids(tmp_path / "ids.jsonl", [3600])
+        assert mode(tmp_path / "ids.jsonl") == 0o600
+        atomic_write_text(tmp_path / "key", "k", private=True)
+        assert mode(tmp_path / "key") == 0o600
+        os.umask(0o027)
+        atomic_write_text(tmp_path / "receipt.json", "{}")
+        assert mode(tmp_path / "receipt.json") == 0o640
+    finally:
+        os.umask(old)
 
 
 def test_a_fresh_process_prints_one_line_and_no_library_noise(tmp_path):
@@ -226,3 +323,29 @@ def test_the_embedded_subset_ships_in_the_package():
     patterns = ast.literal_eval(line)
     for name in ("data/tofu_subset/tofu_10_authors.jsonl", "data/tofu_subset/LICENSE"):
         assert any(fnmatch.fnmatch(name, p) for p in patterns), name
+
+
+def test_make_skips_the_reinstall_when_this_checkout_is_already_installed_editable(tmp_path):
+    """`make demo` ran `pip install -e .[all]` on every run (about 30 s); tools/installed_here.py lets it skip that
+    when the package is installed editable from this checkout and pyproject.toml has not changed since."""
+    site, checkout = tmp_path / "site", tmp_path / "checkout"
+    dist = site / "hf_unlearn-0.1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hf_unlearn\nVersion: 0.1.0\n")
+    checkout.mkdir()
+    (checkout / "pyproject.toml").write_text("[project]\n")
+
+    def installed_here(url: str, editable: bool = True) -> int:
+        (dist / "direct_url.json").write_text(json.dumps({"url": url, "dir_info": {"editable": editable}}))
+        os.utime(dist, (2e9, 2e9))
+        return subprocess.run([sys.executable, str(ROOT / "tools" / "installed_here.py"), str(checkout)],
+                              env={**os.environ, "PYTHONPATH": str(site)}).returncode
+
+    os.utime(checkout / "pyproject.toml", (1e9, 1e9))  # unchanged since the install
+    assert installed_here(checkout.as_uri()) == 0
+    assert installed_here((tmp_path / "elsewhere").as_uri()) == 1  # installed from another checkout
+    assert installed_here(checkout.as_uri(), editable=False) == 1  # a copy: code changes need a reinstall
+    os.utime(checkout / "pyproject.toml", (3e9, 3e9))  # dependencies may have changed
+    assert installed_here(checkout.as_uri()) == 1
+    dry = subprocess.run(["make", "-n", "install", "install-dev"], capture_output=True, text=True, cwd=str(ROOT))
+    assert dry.stdout.count("tools/installed_here.py . ") == 2 and "|| python3 -m pip install" in dry.stdout

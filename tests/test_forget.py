@@ -362,6 +362,8 @@ def test_hazards_recorded_with_the_run_reach_the_receipt(tmp_path, monkeypatch):
     ("missing_model", "does not exist"),
     ("empty_request", "holds no ids"),
     ("lr", "must be > 0"),
+    ("max_steps", "--max-steps must be > 0"),
+    ("negative_max_steps", "--max-steps must be > 0"),
     ("tokenizer_for_approximate", "--tokenizer is for exact deletion"),
     ("missing_tokenizer", "tokenizer .* does not exist"),
 ])
@@ -395,6 +397,8 @@ def test_bad_input_is_refused_before_any_compute(case, match, tmp_path, tiny_lla
         ids = tmp_path / "empty.jsonl"
     elif case == "lr":
         opts["learning_rate"] = 0.0
+    elif case in ("max_steps", "negative_max_steps"):  # 0 saved the input unchanged as "ok"; -5 meant epochs
+        opts["max_steps"] = 0 if case == "max_steps" else -5
     elif case == "tokenizer_for_approximate":
         opts["tokenizer_path"] = str(tiny_llama_dir)
     elif case == "missing_tokenizer":
@@ -424,8 +428,9 @@ def test_output_folder_rules(tmp_path, tiny_llama_dir):
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(UnlearnError, match="exists and is not empty"):
         forget(tiny_llama_dir, [3600], busy, data="tofu")
-    with pytest.raises(UnlearnError, match="exists and is not empty"):  # --overwrite replaces only our own outputs
-        forget(tiny_llama_dir, [3600], busy, data="tofu", overwrite=True)
+    with pytest.raises(UnlearnError, match="is not an earlier output of this command") as refused:
+        forget(tiny_llama_dir, [3600], busy, data="tofu", overwrite=True)  # replaces only our own outputs
+    assert "(or --overwrite" not in str(refused.value)  # it was passed: the message must not suggest it
     assert (busy / "notes.txt").read_text() == "mine"
 
 

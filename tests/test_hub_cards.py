@@ -398,16 +398,18 @@ def test_expected_values_include_the_pushed_files_root_and_a_forged_record_is_re
             "files_root": files_root(hashes), "file_hashes": hashes}
     older = {**push, "tag": "deletion-0002", "commit": "2" * 40}
     del older["file_hashes"]  # a record from before file hashes were logged: the root alone
+    push["card_sha256"] = "c" * 64  # newer records hold the card's hash
     out = tmp_path / "out"
     out.mkdir()
     (out / "hub_pushes.jsonl").write_text(json.dumps(push) + "\n" + json.dumps(older) + "\n")
     assert expected_from(out, "org/m", "deletion-0001") == {
         "expect_root": "s1", "expect_commit": "1" * 40, "expect_files_root": files_root(hashes),
-        "expect_file_hashes": hashes}
+        "expect_file_hashes": hashes, "expect_card_sha256": "c" * 64}
     assert expected_from(out, "org/m", "deletion-0002") == {
         "expect_root": "s1", "expect_commit": "2" * 40, "expect_files_root": files_root(hashes)}
     for forged, match in [({**push, "file_hashes": {**hashes, "config.json": "c" * 64}}, "not those of its files_root"),
                           ({**push, "files_root": "not-a-root"}, "malformed files_root"),
+                          ({**push, "card_sha256": "README"}, "malformed card_sha256"),
                           ({**push, "file_hashes": ["config.json"]}, "not those of its files_root")]:
         (out / "hub_pushes.jsonl").write_text(json.dumps(forged) + "\n")
         with pytest.raises(UnlearnError, match=match):
@@ -439,7 +441,9 @@ def test_verify_names_the_non_weight_files_that_differ_from_the_record(tmp_path)
     assert weights_only.ok and weights_only.weights_anchored and not weights_only.anchored
     assert "Not proven: that config.json, the tokenizer files" in weights_only.statement
     pinned = VerifyReport(source="org/m", checked=3, loaded="LlamaForCausalLM", expect_root="r" * 64,
-                          expect_files_root="f" * 64)
+                          expect_files_root="f" * 64)  # the card is outside the files root: not anchored, said so
+    assert not pinned.anchored and "Not proven: that the model card" in pinned.statement
+    pinned.expect_card_sha256 = "c" * 64
     assert pinned.anchored and "Not proven" not in pinned.statement
     nothing = VerifyReport(source="org/m", checked=3, loaded="LlamaForCausalLM")
     assert not nothing.anchored and "Not proven: that these are the weights, config and tokenizer" in nothing.statement

@@ -114,7 +114,7 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     assert manifest["params"] == state_hashes(load_file(saved_model / "model.safetensors")).params
     assert manifest["params_root"] in card and "provenance/plan.jsonl" in card
     assert set(manifest["file_hashes"]) == set(files) - {"README.md", "state_hashes.json", ".gitattributes",
-                                                         "model.safetensors"}
+                                                         "model.safetensors"} | {"/safetensors-metadata/model.safetensors"}
     request = json.loads(read(hub, "org/tiny", first, "forget_request.json"))
     assert request["count"] == len(FORGET) and not find_raw_ids(request, FORGET)
     # one key: the card's tags are the run's deletion-log tags (the run's key tags both)
@@ -123,7 +123,8 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
 
     proc = client.cli("verify", "org/tiny", "--revision", "deletion-0001")  # fresh cache
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"OK: Proven: the {len(manifest['params'])} tensors and {len(manifest['file_hashes'])} other files" \
+    other = [n for n in manifest["file_hashes"] if not n.startswith("/safetensors-metadata/")]  # files, not headers
+    assert f"OK: Proven: the {len(manifest['params'])} tensors and {len(other)} other files" \
         in proc.stdout and "Not proven" in proc.stdout
 
     # a second deletion request: new weights and a larger forget set -> its own commit and the next tag
@@ -277,7 +278,31 @@ SMUGGLED = {  # case: (what is smuggled, where the refusal must point)
     "thousands separator": ({"kwargs": {"commit_message": "drop row 3,615"}}, "commit_message (number 3,615)"),
     "branch name": ({"kwargs": {"revision": "forget-3611"}}, "branch (number 3611)"),
     "file name": ({"rename": ["model.safetensors", "model-3610.safetensors"]}, "file name model-3610.safetensors"),
+    # what an honest user still published before (issue 26): numbers in every published text
+    "a file the card template includes": ({"template": '{% include "notes.md" %}\n',
+                                           "includes": {"notes.md": "Deleted rows 3600 and 3601.\n"}},
+                                          "template notes.md (number 3600)"),
+    "chat template comment": ({"files": {"chat_template.jinja": "{# unlearned sample 3601 #}"
+                                         "{% for m in messages %}{{ m['content'] }}{% endfor %}"}},
+                              "chat_template.jinja (number 3601)"),
+    "chat template in tokenizer_config": ({"tokenizer_config": {"chat_template": "{{ 'rows 3604 gone' }}"}},
+                                          "tokenizer_config.json:chat_template (number 3604)"),
+    "tokenizer added token": ({"added_tokens": ["<forget_3602>"]}, "tokenizer.json:added_tokens (number 3602)"),
+    "config id2label": ({"config": {"id2label": {"0": "row 3603", "1": "kept"}, "label2id": {"row 3603": 0, "kept": 1}}},
+                        "config.json:id2label[0] (number 3603)"),
+    "thousands separator, dot": ({"kwargs": {"commit_message": "drop row 3.616"}}, "commit_message (number 3.616)"),
+    "thousands separator, space": ({"kwargs": {"commit_message": "drop row 3 617"}}, "commit_message (number 3 617)"),
+    "thousands separator, no-break space": ({"kwargs": {"commit_message": "drop row 3\u00a0618"}},
+                                            "commit_message (number 3 618)"),
+    "string id, dot separator": ({"info": {"extra": {"note": "dropped tofu.author.7"}}}, "extra.note (id"),
+    "string id, slash separator": ({"info": {"paper": "https://x.org/tofu/author/7"}}, "paper (id"),
 }
+# a normal push with small forget ids (0-63) and ordinary files: a default id2label, a chat template whose code
+# holds small numbers, a numbered block of reserved tokens; it must publish (no false refusal)
+ORDINARY = {"config": {"id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1}},
+            "files": {"chat_template.jinja": "{% for m in messages %}{% if loop.index0 == 0 %}<|system|>{% endif %}"
+                                             "{{ m['content'][0:2] }}{% endfor %}"},
+            "added_tokens": [f"<extra_id_{i}>" for i in range(4)]}
 
 SMUGGLE_SCRIPT = r"""
 import json, sys
@@ -325,27 +350,45 @@ def smuggled(tmp_path_factory, saved_model):
     (tmp / "secret.txt").write_text("the server machine's private file")
     try:
         cases = {}
+        def source_for(n, case):
+            if not any(k in case for k in ("config", "metadata", "tokenizer_config", "rename", "files",
+                                           "added_tokens")):
+                return saved_model
+            source = tmp / f"src{n}"
+            shutil.copytree(saved_model, source)
+            for file, extra in (("config.json", case.get("config")),
+                                ("tokenizer_config.json", case.get("tokenizer_config"))):
+                if extra:
+                    data = json.loads((source / file).read_text())
+                    (source / file).write_text(json.dumps({**data, **extra}))
+            if case.get("added_tokens"):
+                data = json.loads((source / "tokenizer.json").read_text())
+                data["added_tokens"] += [{"id": 50257 + k, "content": t, "single_word": False, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "special": True}
+                                         for k, t in enumerate(case["added_tokens"])]
+                (source / "tokenizer.json").write_text(json.dumps(data))
+            for file, text in case.get("files", {}).items():
+                (source / file).write_text(text)
+            if case.get("metadata"):
+                save_file(load_file(source / "model.safetensors"), source / "model.safetensors",
+                          metadata=case["metadata"])
+            if case.get("rename"):
+                (source / case["rename"][0]).rename(source / case["rename"][1])
+            return source
+
         for n, (name, (case, _)) in enumerate(SMUGGLED.items()):
-            source = saved_model
-            if any(k in case for k in ("config", "metadata", "tokenizer_config", "rename")):
-                source = tmp / f"src{n}"
-                shutil.copytree(saved_model, source)
-                for file, extra in (("config.json", case.get("config")),
-                                    ("tokenizer_config.json", case.get("tokenizer_config"))):
-                    if extra:
-                        data = json.loads((source / file).read_text())
-                        (source / file).write_text(json.dumps({**data, **extra}))
-                if case.get("metadata"):
-                    save_file(load_file(source / "model.safetensors"), source / "model.safetensors",
-                              metadata=case["metadata"])
-                if case.get("rename"):
-                    (source / case["rename"][0]).rename(source / case["rename"][1])
             kwargs = dict(case.get("kwargs", {}))
             if case.get("template"):
-                (tmp / f"template{n}.md").write_text(case["template"])
-                kwargs["template"] = str(tmp / f"template{n}.md")
-            cases[name] = {"source": str(source), "repo": case.get("repo", f"org/case-{n}"), "kwargs": kwargs,
-                           "info": case.get("info", {})}
+                folder = tmp / f"template{n}"
+                folder.mkdir()
+                for file, text in {"card.md": case["template"], **case.get("includes", {})}.items():
+                    (folder / file).write_text(text)
+                kwargs["template"] = str(folder / "card.md")
+            cases[name] = {"source": str(source_for(n, case)), "repo": case.get("repo", f"org/case-{n}"),
+                           "kwargs": kwargs, "info": case.get("info", {})}
+        cases["control, small ids, ordinary files"] = {
+            "source": str(source_for(len(SMUGGLED), ORDINARY)), "repo": "org/small-ids",
+            "info": {"forget_ids": list(range(64)), "hyperparameters": {"beta": 0.5}}}
         cases["control"] = {"source": str(saved_model), "repo": "org/control", "kwargs": {"deletion": True}}
         cases["control with an allowance"] = {
             "source": str(saved_model), "repo": "org/allowed", "info": {"hyperparameters": {"max_steps": 3600}},
@@ -377,6 +420,7 @@ def test_a_push_that_would_carry_a_forget_id_is_refused_before_anything_is_creat
 def test_the_same_pushes_without_the_ids_publish_and_the_server_stays_in_its_root(smuggled):
     results, _, server = smuggled
     assert results["control"].startswith("PUBLISHED") and results["control with an allowance"].startswith("PUBLISHED")
+    assert results["control, small ids, ordinary files"].startswith("PUBLISHED"), results["control, small ids, ordinary files"]
     card = read(server, "org/allowed", "main", "README.md").decode()
     assert "| max_steps | 3600 |" in card  # the allowed number, in its field
     assert results["server: traversal oid"].startswith("400") and results["server: traversal download"] != "SERVED"
@@ -574,6 +618,18 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     _tamper(hub, tmp_path, "t-no-config", lambda f: (f / "config.json").unlink(), rewrite_manifest=True)
     _tamper(hub, tmp_path, "t-extra-file", lambda f: (f / "modeling_extra.py").write_text("x = 1\n"),
             rewrite_manifest=False)
+
+    def card(folder):  # issue 26: the card's claims rewritten; weights, config and tokenizer untouched
+        text = (folder / "README.md").read_text().replace("MASC", "NPO")
+        (folder / "README.md").write_text(text + "\nThis model forgot nothing.\n")
+
+    def metadata(folder):  # issue 26: free text in the weights file's header; every tensor unchanged
+        save_file(load_file(folder / "model.safetensors"), folder / "model.safetensors",
+                  metadata={"format": "pt", "note": "this model forgot nothing"})
+
+    _tamper(hub, tmp_path, "t-card", card, rewrite_manifest=False)
+    _tamper(hub, tmp_path, "t-metadata", metadata, rewrite_manifest=False)
+    _tamper(hub, tmp_path, "t-metadata-rewritten", metadata, rewrite_manifest=True)
     cases = {
         "main": ["main", None, None],
         "anchored": ["deletion-0001", root, commit],
@@ -598,6 +654,14 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
         "extra file, expect files root": ["t-extra-file", root, None, {"expect_files_root": files,
                                                                         "expect_file_hashes": pushed["file_hashes"]}],
         "anchored by roots": ["deletion-0001", root, None, {"expect_files_root": files}],
+        "anchored by roots and card": ["deletion-0001", root, None, {"expect_files_root": files,
+                                                                     "expect_card_sha256": pushed["card_sha256"]}],
+        "card rewritten, expect roots": ["t-card", root, None, {"expect_files_root": files}],
+        "card rewritten, record": ["t-card", None, None, str(saved_model)],
+        "metadata changed": ["t-metadata", None, None],
+        "metadata and manifest rewritten, expect roots": ["t-metadata-rewritten", root, None,
+                                                          {"expect_files_root": files,
+                                                           "expect_file_hashes": pushed["file_hashes"]}],
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT), **client.env()}
     proc = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
@@ -644,9 +708,25 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     assert named["problems"][0].endswith(": changed: config.json"), named["problems"]
     extra = out["extra file, expect files root"]["problems"]
     assert any(p.endswith("not pushed by the publisher: modeling_extra.py") for p in extra), extra
+    # weights and files pinned, the card not: ok, but `anchored` excludes nothing silently: it is false, and the
+    # statement says the card is not proven; a rewritten card ("This model forgot nothing.") is then caught only by
+    # the card's own hash (or the commit)
     by_roots = out["anchored by roots"]
-    assert by_roots["ok"] and by_roots["anchored"] and f"expected files root {files}" in by_roots["statement"]
-    assert "Not proven" not in by_roots["statement"]
+    assert by_roots["ok"] and not by_roots["anchored"] and f"expected files root {files}" in by_roots["statement"]
+    assert "Not proven: that the model card" in by_roots["statement"]
+    full = out["anchored by roots and card"]
+    assert full["ok"] and full["anchored"] and "Not proven" not in full["statement"]
+    rewritten = out["card rewritten, expect roots"]
+    assert rewritten["ok"] and not rewritten["anchored"] and "Not proven: that the model card" in rewritten["statement"]
+    by_record = out["card rewritten, record"]  # hub_pushes.jsonl holds the card's SHA-256
+    assert not by_record["ok"] and not by_record["anchored"]
+    assert any("the model card (README.md" in p and "not the one pushed" in p for p in by_record["problems"]), \
+        by_record["problems"]
+    # safetensors header metadata is covered: by the manifest, and by the files root when the manifest is rewritten
+    assert out["metadata changed"]["problems"] == ["the header metadata of model.safetensors differs from the manifest"]
+    meta = out["metadata and manifest rewritten, expect roots"]
+    assert not meta["ok"] and any("changed: /safetensors-metadata/model.safetensors" in p for p in meta["problems"]), \
+        meta["problems"]
 
     proc = client.cli("verify", "org/v", "--revision", "deletion-0001", "--expect-from", saved_model)
     assert proc.returncode == 0 and f"expected root {root}" in proc.stdout, proc.stderr[-3000:]

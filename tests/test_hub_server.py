@@ -548,3 +548,115 @@ def test_odd_methods_queries_and_ranges_get_clear_answers(server):
     assert answers["bytes=1-2"][0] == 206 and answers["bytes=1-2"][2] == b"23"
     assert answers["bytes=5-2"][0] == answers["bytes=99-"][0] == 416
     assert answers["bytes=abc"][2] == answers["bytes=0-99999999999999999999"][2] == b"12345"
+
+
+# -- issue 26: every route's cost bounded, objects opened before headers, idle connections closed ---------------
+CPU_BUDGET_S = 5.0  # generous and fixed: today's code spent 62 s (paths-info) and 16.6 s a call (repo info)
+
+
+def _public_repo(server, repo, files: dict[str, bytes]):
+    server.store.create_repo("model", repo, private=False, author="alice")
+    server.store.apply_commit("model", repo, "main", message="files", description="", author="alice",
+                              operations=[("file", p, data) for p, data in files.items()])
+
+
+def _cpu(fn):
+    """CPU seconds this process (the server threads and the client) spent in ``fn``, and its result."""
+    import time
+
+    start = time.process_time()
+    result = fn()
+    return time.process_time() - start, result
+
+
+def test_paths_info_on_2000_files_with_a_1_mib_body_costs_a_bounded_cpu_time(server):
+    from urllib.parse import quote
+
+    _public_repo(server, "org/many", {f"dir{i % 40}/file{i}.txt": b"x" for i in range(2000)})
+    names = [f"dir{i % 40}/missing-{i:06d}" for i in range(60_000)] + ["dir3", "dir7/file7.txt"]
+    body = "&".join("paths=" + quote(n) for n in names).encode()
+    assert len(body) > 1 << 20
+    spent, (status, _, data) = _cpu(lambda: call(server, "POST", "/api/models/org/many/paths-info/main", raw=body,
+                                                 token=None, headers={"Content-Type": "application/x-www-form-urlencoded"}))
+    assert status == 200
+    assert {i["path"]: i["type"] for i in json.loads(data)} == {"dir3": "directory", "dir7/file7.txt": "file"}
+    print(f"paths-info: {spent:.2f} s of CPU")
+    assert spent < CPU_BUDGET_S, f"paths-info took {spent:.1f} s of CPU"
+
+
+def test_repo_info_parses_a_card_once_and_refuses_oversized_metadata(server, monkeypatch):
+    import hf_unlearn.hub.server as server_module
+
+    big = "---\ntags:\n" + "".join(f"- tag-number-{i}\n" for i in range(52_000)) + "---\n# card\n"  # legal, ~1 MiB
+    assert 900_000 < len(big) < server_module.MAX_CARD_BYTES
+    _public_repo(server, "org/bigcard", {"README.md": big.encode()})
+    spent, replies = _cpu(lambda: [call(server, "GET", "/api/models/org/bigcard", token=None) for _ in range(5)])
+    assert all(status == 200 and json.loads(body)["cardData"] == {} for status, _, body in replies)
+    print(f"5 repo-info calls: {spent:.2f} s of CPU")
+    assert spent < CPU_BUDGET_S, f"5 repo-info calls took {spent:.1f} s of CPU"
+    status, _, body = call(server, "POST", "/api/validate-yaml", {"content": big})
+    assert status == 400 and "larger than" in json.loads(body)["errors"][0]["message"]
+
+    parsed = []
+    real = server_module._front_matter
+    monkeypatch.setattr(server_module, "_front_matter", lambda text: parsed.append(1) or real(text))
+    card = "---\nlicense: mit\ntags:\n" + "".join(f"- t{i}\n" for i in range(3000)) + "---\n"  # under the cap
+    _public_repo(server, "org/card", {"README.md": card.encode()})
+    for _ in range(10):
+        status, _, body = call(server, "GET", "/api/models/org/card", token=None)
+        assert status == 200 and json.loads(body)["cardData"]["license"] == "mit"
+    assert len(parsed) == 1  # parsed once, then served from the cache (by blob id: a new card is a new blob)
+
+
+def test_a_missing_or_unreadable_object_is_an_error_before_any_header(server):
+    import shutil
+
+    _public_repo(server, "org/broken", {"gone.txt": b"gone", "dir.txt": b"a directory now", "short.txt": b"0123456789"})
+    _, files = server.store.files("model", "org/broken", "main")
+    path = {name: server.store._object_path("blobs", files[name].oid) for name in files}
+    path["gone.txt"].unlink()
+    path["dir.txt"].unlink()
+    path["dir.txt"].mkdir()
+    path["short.txt"].write_bytes(b"0123")
+    for name, expected in (("gone.txt", 404), ("dir.txt", 500), ("short.txt", 500)):
+        status, headers, body = call(server, "GET", f"/org/broken/resolve/main/{name}", token=None)
+        assert status == expected and headers.get("Content-Type") == "application/json", (name, status, body)
+        assert "stored object" in json.loads(body)["error"]
+    shutil.rmtree(path["dir.txt"])
+    assert call(server, "GET", "/api/whoami-v2")[0] == 200  # still serving
+
+
+def test_idle_connections_are_closed_and_connections_are_capped(tmp_path):
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    srv = HubServer(tmp_path / "hub", {TOKEN: "alice"}, read_timeout=0.5).start()
+    u = urlsplit(srv.url)
+    try:
+        with socket.create_connection((u.hostname, u.port), timeout=30) as idle:
+            assert idle.recv(100) == b""  # closed by the server: no thread waits for ever on a silent client
+        with socket.create_connection((u.hostname, u.port), timeout=30) as stalled:
+            stalled.sendall(b"GET /api/whoami-v2 HTTP/1.1\r\nHost: x\r\n")  # headers that never end
+            assert stalled.recv(100) == b""
+    finally:
+        srv.stop()
+    srv = HubServer(tmp_path / "hub", {TOKEN: "alice"}, max_connections=2).start()
+    u = urlsplit(srv.url)
+    try:
+        held = [socket.create_connection((u.hostname, u.port), timeout=30) for _ in range(2)]
+        for s in held:
+            s.sendall(b"GET /api/whoami-v2 HTTP/1.1\r\n")  # a request that never ends holds its connection
+        with socket.create_connection((u.hostname, u.port), timeout=30) as third:
+            assert third.recv(1000).startswith(b"HTTP/1.1 503")
+        for s in held:
+            s.close()
+        for _ in range(100):  # the slots come back once the held connections are gone
+            status = raw_request(srv, b"GET /api/whoami-v2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                      b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n")[:12]
+            if status == b"HTTP/1.1 200":
+                break
+            time.sleep(0.1)
+        assert status == b"HTTP/1.1 200"
+    finally:
+        srv.stop()

@@ -47,15 +47,19 @@ def train_args(out, **kw):
 
 
 def record(tok, data, out, dropout: float = 0.0, every: int = 2, trace_key: bytes | None = None, model=None,
-           data_collator=None, trainer_kwargs: dict | None = None, **kw):
-    """Record a run of ``model`` (default: the tiny Llama) into ``out/trace``; ``kw`` are TrainingArguments."""
+           data_collator=None, trainer_kwargs: dict | None = None, retention: str = "even", **kw):
+    """Record a run of ``model`` (default: the tiny Llama) into ``out/trace``; ``kw`` are TrainingArguments.
+
+    Checkpoints every ``every`` steps, all kept (``retention="even"``: the tests name start steps; the library's
+    default is geometric retention, tested in test_trace_checkpoints)."""
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer
 
     trainer = TraceRecordingTrainer(model=model if model is not None else tiny(tok, dropout),
                                     args=train_args(out, **kw), train_dataset=data,
                                     data_collator=data_collator or QACollator.from_tokenizer(tok),
-                                    trace_checkpoint_steps=every, trace_key=trace_key, **(trainer_kwargs or {}))
+                                    trace_checkpoint_steps=every, trace_key=trace_key,
+                                    trace_checkpoint_retention=retention, **(trainer_kwargs or {}))
     trainer.train()
     return trainer
 

@@ -74,6 +74,7 @@ def test_truncated_wal_tail(tmp_path):
     header["sealed"] = False
     (crashed / "header.json").write_text(json.dumps(header))
     (crashed / "header.json.sha256").unlink()
+    (crashed / "progress.json").unlink()  # as a run recorded before progress.json: no proof that step 6 ran
     with pytest.warns(UserWarning) as caught:
         run = open_run(crashed)
     messages = " ".join(str(w.message) for w in caught)
@@ -81,6 +82,9 @@ def test_truncated_wal_tail(tmp_path):
     # 14 whole records = 7 segments; step 6 was logged, but nothing after it proves it completed: replays stop there
     assert "optimizer step 6 was logged but never completed" in messages and "replays stop at step 6" in messages
     assert len(run.plan) == 12 and run.plan[-1].end and run.total_steps == 6
+    (crashed / "progress.json").write_text(json.dumps({"completed_step": 6}))  # the recorder saw step 6's update
+    with pytest.warns(UserWarning, match="stopped after optimizer step 6 completed"):
+        assert open_run(crashed).total_steps == 7
 
 
 def test_plan_and_wal_disagree(tmp_path, capsys):

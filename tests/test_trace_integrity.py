@@ -10,7 +10,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from .test_trace_common import copy_run, delete, get_recorded, ids_at_step
 
@@ -111,16 +110,21 @@ def test_sealed_run_needs_every_checkpoint_sidecar(tmp_path, capsys):
 
 
 def test_checkpoint_checked_against_its_hashes(tmp_path, capsys):
-    """A tensor changed in state.pt (hashes.json untouched): inspect --deep names it, a replay from it refuses."""
+    """A tensor changed in model.safetensors (hashes.json untouched): inspect --deep names it, a replay from it
+    refuses."""
     recorded = get_recorded()
+    from safetensors.torch import load_file, save_file
+
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import RedactedReplayTrainer, open_run, redact_store
+    from hf_unlearn.trace.run import load_checkpoint
 
     run_dir = copy_run(recorded, tmp_path / "run")
-    ck_file = run_dir / "checkpoints" / "step-00000006" / "state.pt"
-    state = torch.load(ck_file, weights_only=True)
-    state["model"]["model.norm.weight"][0] += 1e-3
-    torch.save(state, ck_file)
+    ck_file = run_dir / "checkpoints" / "step-00000006" / "model.safetensors"
+    tensors = load_file(ck_file)
+    tensors["model.norm.weight"][0] += 1e-3
+    save_file(tensors, ck_file)
+    state = load_checkpoint(ck_file.parent, verify=False)
     assert _cli("trace", "inspect", run_dir) == 0  # the cheap check reads hashes.json's sidecar only ...
     capsys.readouterr()
     assert _cli("trace", "inspect", run_dir, "--deep") == 1  # ... the deep one reads every state
@@ -135,7 +139,13 @@ def test_checkpoint_checked_against_its_hashes(tmp_path, capsys):
 
     (ck_file.parent / "hashes.json").write_text(json.dumps(checkpoint_hashes(state)))
     assert _cli("trace", "inspect", run_dir) == 1
-    assert "checkpoint step 6: hashes.json does not match its SHA-256 sidecar" in capsys.readouterr().out
+    assert "checkpoint step 6 is not this run's: its parameter root" in capsys.readouterr().out
+    # ... and its sidecar rewritten as well: the run's checkpoint index still holds the recorded roots
+    from hf_unlearn.trace.run import write_sidecar
+
+    write_sidecar(ck_file.parent / "hashes.json")
+    assert _cli("trace", "inspect", run_dir) == 1
+    assert "checkpoint step 6 is not this run's: its parameter root" in capsys.readouterr().out
 
 
 def test_verify_checks_what_it_compares(tmp_path, capsys):

@@ -137,6 +137,19 @@ def _edit_device(name: str):
     return device
 
 
+def _base_tokenizer(base, load_tokenizer):
+    """The base model's tokenizer, to save beside the edited weights; None for a local folder that holds none
+    (the edit works on weights only and never needs one)."""
+    from pathlib import Path
+
+    from ..validation import TOKENIZER_FILES
+
+    folder = Path(base)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    return load_tokenizer(base)
+
+
 def run_qr_erase(args) -> int:
     import os
     import shutil
@@ -160,14 +173,18 @@ def run_qr_erase(args) -> int:
     out, partial = _staging(args.out)
     try:
         model = load_model(args.base, dtype=getattr(torch, args.dtype)).to(device)
-        tokenizer = load_tokenizer(args.base)
+        tokenizer = _base_tokenizer(args.base, load_tokenizer)
         forget = args.task_matrices or args.forget_adapter or args.forget_model
         retain = args.retain_adapter or args.retain_model
         print(f"== {config.method} edit of {args.base}: forget task {forget}"
               + (f", retain task {retain}" if retain else ""), flush=True)
         model, report = qr_erase(model, forget, retain, config, forget_ids=forget_ids)
         model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
+        else:
+            print(f"note: {args.base} holds no tokenizer files, so the edited model is saved without one (the edit "
+                  "never needs one)", flush=True)
         report.save(partial)
         write_model_card(partial, report.unlearning_card_info(),
                          base_model=args.base if "/" in str(args.base) and not os.path.exists(args.base) else None)

@@ -71,7 +71,8 @@ def register(parser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-length", type=int, default=None, help="tokens per QA pair (default 512)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto")
+    p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
+                   help="prompt with the tokenizer's chat template (auto: when it has one)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_robustness)
 

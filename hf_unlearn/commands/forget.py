@@ -62,7 +62,20 @@ def register(parser) -> None:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
             parser.add_argument(flag, *ALIASES.get(f.name, ()), type=base, default=f.default, dest=f.name,
                                 help=_help(ForgetConfig, f.name))
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, precheck=precheck)
+
+
+def precheck(args) -> None:
+    """What can be refused before torch loads (about 2 s): a method name that does not exist, a missing id file."""
+    from ..deletion import EXACT
+    from ..errors import UnlearnError
+    from ..methods.registry import method_names
+    from ..validation import check_ids_file
+
+    names = [EXACT, *method_names()]
+    if args.method is not None and args.method not in names:
+        raise UnlearnError(f"unknown --method {args.method!r}; choose from {', '.join(names)}")
+    check_ids_file(args.ids)
 
 
 def _help(cls, name: str) -> str:

@@ -45,9 +45,12 @@ def register(parser) -> None:
     v.add_argument("--expect-files-root", metavar="ROOT",
                    help="config, tokenizer and every other non-weight file must hash to ROOT (files_root in "
                         "hub_pushes.jsonl); --expect-root alone does not pin them")
-    v.add_argument("--expect-from", metavar="RECORD", help="take --expect-root, --expect-files-root and "
-                                                           "--expect-commit from your own record: "
-                                                           "OUT/hub_pushes.jsonl (all three), a run's "
+    v.add_argument("--expect-card-sha256", metavar="SHA256",
+                   help="the model card (README.md: method, claims, text) must be the one pushed (card_sha256 in "
+                        "hub_pushes.jsonl); the card is outside the files root")
+    v.add_argument("--expect-from", metavar="RECORD", help="take --expect-root, --expect-files-root, "
+                                                           "--expect-card-sha256 and --expect-commit from your own "
+                                                           "record: OUT/hub_pushes.jsonl (all four), a run's "
                                                            "deletion_log.jsonl or a replay's verification.json "
                                                            "(the root only), or the folder holding it")
     v.add_argument("--no-load", action="store_true", help="do not load the model (verify then fails: loading is "
@@ -65,6 +68,10 @@ def register(parser) -> None:
     s.add_argument("--token", action="append", required=True, metavar="T", help="accepted access token (repeatable)")
     s.add_argument("--user", default="user", help="user name the tokens belong to")
     s.add_argument("--max-body-mb", type=int, default=256, help="largest commit body accepted (MiB)")
+    s.add_argument("--read-timeout", type=float, default=60.0,
+                   help="close a connection idle (or stalled mid-request) this many seconds (default %(default)s)")
+    s.add_argument("--max-connections", type=int, default=64,
+                   help="connections served at once, one thread each; more get 503 (default %(default)s)")
     s.add_argument("--verbose", action="store_true", help="log every request")
     s.set_defaults(func=_serve)
 
@@ -118,7 +125,7 @@ def _verify(args) -> int:
     from ..hub.verify import expected_from, verify_on_hub
 
     expect = {"expect_root": args.expect_root, "expect_commit": args.expect_commit,
-              "expect_files_root": args.expect_files_root}
+              "expect_files_root": args.expect_files_root, "expect_card_sha256": args.expect_card_sha256}
     if args.expect_from:
         found = expected_from(args.expect_from, args.repo, args.revision)
         hashes = found.pop("expect_file_hashes", None)  # names the differing files; no option of its own
@@ -145,7 +152,8 @@ def _serve(args) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG, format="%(message)s")
     server = HubServer(args.root, {t: args.user for t in args.token}, host=args.host, port=args.port,
-                       max_body_bytes=args.max_body_mb * 1024 * 1024)
+                       max_body_bytes=args.max_body_mb * 1024 * 1024, read_timeout=args.read_timeout,
+                       max_connections=args.max_connections)
     print(f"hf-unlearn hub serving {args.root} at {server.url}", flush=True)
     print(f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1", flush=True)
     try:

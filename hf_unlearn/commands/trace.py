@@ -113,6 +113,13 @@ def inspect_cmd(args) -> int:
     print(f"model {header['model']['class']} ({header['model']['num_parameters']:,} params), optimizer "
           f"{header['optimizer']['class']}, torch {header['versions'].get('torch')}, "
           f"transformers {header['versions'].get('transformers')}")
+    if header.get("checkpoint_retention"):
+        from ..trace.retention import describe
+
+        print(f"checkpoints: {describe(header['checkpoint_retention'])}")
+    from ..trace.fidelity import fidelity_statement
+
+    print(f"fidelity: {fidelity_statement(header)}")
     for h in rep.hazards:
         print(f"HAZARD: {h}")
     for n in header.get("notes", []):
@@ -137,8 +144,10 @@ def cost_cmd(args) -> int:
     already = f" ({c['already_deleted']} deleted by an earlier request)" if c["already_deleted"] else ""
     print(f"{c['forget_ids']} id(s){already} in {c['slots_deleted']} slot(s), {c['affected_steps']} affected optimizer "
           f"step(s) (first: {c['first_affected_step']}), {c['segments_emptied']} segment(s) emptied")
-    print(f"suffix replay from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of {c['total_steps']} "
-          f"steps ({100 * c['fraction_replayed']:.1f}% of the run)")
+    from ..trace.replay import describe_cost
+
+    for line in describe_cost(c):
+        print(line)
     return 0
 
 
@@ -177,7 +186,19 @@ def replay_cmd(args) -> int:
         return 0
     print(f"replayed {s['segments_replayed']} of {s['total_steps']} steps from checkpoint step {s['start_step']} "
           f"({s['optimizer_steps_taken']} optimizer steps taken); output run: {args.out}")
+    _print_fidelity(trainer)
     return 0
+
+
+def _print_fidelity(trainer) -> None:
+    from ..trace.fidelity import fidelity_statement
+
+    header = {**trainer.run.header, "fidelity": {**(trainer.run.header.get("fidelity") or {}),
+                                                 "checkpoints_matched": trainer.replay_stats["checkpoints_matched"]}}
+    print(f"fidelity: {fidelity_statement(header)}")
+    kept = trainer.run.header.get("kept_model")
+    if kept:
+        print(f"kept model: {kept['why']}")
 
 
 def oracle_cmd(args) -> int:
@@ -202,6 +223,7 @@ def oracle_cmd(args) -> int:
         return 0
     print(f"oracle: full replay of {trainer.replay_stats['total_steps']} steps "
           f"({trainer.replay_stats['optimizer_steps_taken']} optimizer steps taken); output: {args.out}")
+    _print_fidelity(trainer)
     if args.baselines:
         out = Path(args.out) / "baselines"
         save_state(filter_counterfactual(run, forget, data_collator=collator), out / "filter.pt")
@@ -232,6 +254,7 @@ def verify_cmd(args) -> int:
         print(f"baseline {name:7s} vs oracle: {b['params_mismatched_elements']:,} of {b['params_elements']:,} parameter "
               f"elements differ, L2 distance {b['params_l2']:.6g}")
     prov = report["provenance"]
+    print(f"fidelity: {report['fidelity']}")
     for h in prov["hazards"]:
         print(f"HAZARD (not covered by this verdict): {h}")
     if report["verified"]:

@@ -70,7 +70,7 @@ def write_ids(path: str | Path, ids: Iterable[SampleId]) -> Path:
     from ..utils import atomic_write_text
 
     ids = [_typed(i, "write_ids") for i in ids]
-    atomic_write_text(path, "".join(json.dumps(i) + "\n" for i in ids))
+    atomic_write_text(path, "".join(json.dumps(i) + "\n" for i in ids), private=True)  # raw ids: owner-only
     return Path(path)
 
 

@@ -210,8 +210,6 @@ def render_model_card(
     # a known licence identifier's numbers are versions, not ids ("apache-2.0" with forget id 2); anything else is
     # scanned in full
     hits += scanner.scan({"license": license}, "", numbers=not is_license_identifier(license))
-    if template is not None:
-        hits += scanner.scan_text(template.read_text(encoding="utf-8", errors="replace"), f"template {template.name}")
     scanner.refuse(hits, "the model card")
 
     exact = info["extra"].get("exact_deletion") or None
@@ -241,7 +239,8 @@ def render_model_card(
         datasets=datasets or None, tags=tags, model_name=model_name,
         eval_results=eval_results or None, hf_unlearn=summary,
     )
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(search), undefined=jinja2.StrictUndefined,
+    loaded: dict[str, str] = {}
+    env = jinja2.Environment(loader=_recording_loader(search, loaded), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["cell"] = lambda v: (json.dumps(v) if not isinstance(v, str) else v).replace("|", "\\|")
     try:
@@ -255,11 +254,35 @@ def render_model_card(
         )
     except jinja2.TemplateError as e:
         raise UnlearnError(f"model card template {name} failed to render: {e}") from None
-    # every value above was scanned; the rendered text is checked once more for string ids (the template's own
-    # numbers, versions and hashes are the library's, so numbers are matched on the inputs, not here)
-    scanner.refuse(scanner.scan_text(text, "rendered model card", numbers=False), "the model card")
+    # every value above was scanned; so is every template file the rendering read that is not the library's own
+    # (the template, what it includes, extends or imports), numbers included; the rendered text is checked once
+    # more for string ids (its numbers are the scanned values', the library's versions and hashes, and the ones
+    # the templates' text holds)
+    hits = [h for filename, source in loaded.items() if not _is_library_template(filename)
+            for h in scanner.scan_template(source, f"template {Path(filename).name}")]
+    hits += scanner.scan_text(text, "rendered model card", numbers=False)
+    scanner.refuse(hits, "the model card")
     check_card_metadata(text)
     return text
+
+
+def _recording_loader(search: list[str], loaded: dict[str, str]):
+    """A loader over ``search`` that keeps in ``loaded`` the source of every template file it reads (what an
+    ``{% include %}``, ``{% extends %}`` or ``{% import %}`` reads too)."""
+    import jinja2
+
+    files = jinja2.FileSystemLoader(search)
+
+    def load(name):
+        source, filename, uptodate = files.get_source(None, name)
+        loaded[filename] = source
+        return source, filename, uptodate
+
+    return jinja2.FunctionLoader(load)
+
+
+def _is_library_template(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(TEMPLATES_DIR)
 
 
 def check_card_metadata(text: str) -> dict:

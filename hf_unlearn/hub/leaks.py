@@ -8,16 +8,20 @@ every value and text a push sends. What counts as a hit:
   not glued to letters or digits and not the fractional part of a decimal (``"rows 3600 and 3601"``,
   ``"3600,3601"``, ``"row-3600"``, ``"id_3600"``, ``"0003"`` = 3, ``"3.6e3"``), and every range whose span contains
   an id (``"3960-3963"``, ``"3950..3970"``, ``"3950 to 3970"``);
-* a number written with thousands separators (``"3,600"``, ``"3_600"``) or an ordinal/plural suffix
-  (``"3600th"``, ``"3600s"``);
+* a number written with thousands separators (``"3,600"``, ``"3_600"``, ``"3.600"``, ``"3 600"``, a no-break
+  or thin space) or an ordinal/plural suffix (``"3600th"``, ``"3600s"``);
 * a **string id** (``"piqa-17"``) as a whole word, case-insensitively, in the text as written and URL-decoded
-  (``piqa%2D17``), its separators interchangeable (``piqa_17``, ``PIQA 17``); a digit-only string id
-  (``"3600"``) is matched as a number too;
+  (``piqa%2D17``), its separators interchangeable (``piqa_17``, ``PIQA 17``, ``piqa/17``, ``alice.smith`` for
+  ``alice-smith``); a digit-only string id (``"3600"``) is matched as a number too;
+* in a **Jinja template** (a card template and what it includes, a chat template): the text, the comments and
+  the string literals, numbers included; the numbers of the template's code (``messages[0]``, ``loop.index0 == 1``)
+  are code, not data, and only string ids are matched there;
 * dict **keys** are text like any other (``{"3600": ...}``, ``{"forgetIds": [3600]}``).
 
 Not detected (documented, not guessed at): ids glued to letters (``row3600``), transformed ids (hashed without
-the key, base64, hex, digits spelled out or split), and numbers inside files the scanner is told carry no sample
-ids (tokenizer vocabularies, tensor names' layer indices: see :mod:`hf_unlearn.hub.publish`).
+the key, base64, hex, digits spelled out or split, computed by a template: ``{{ 3599 + 1 }}``), and numbers inside
+files the scanner is told carry no sample ids (tokenizer vocabularies, tensor names' layer indices: see
+:mod:`hf_unlearn.hub.publish`).
 
 A number that merely equals an id (``max_steps: 3600`` with forget id 3600) is published only when the caller
 says so for that field: ``not_ids={"hyperparameters.max_steps": 3600}`` (or ``True`` for any number in the field;
@@ -39,8 +43,10 @@ from ..errors import UnlearnError
 
 _END = r"(?:st|nd|rd|th|s)?(?![0-9a-z])"  # a number ends at a non-alphanumeric, or an ordinal/plural suffix
 _WHOLE = re.compile(rf"(?<![0-9a-z])(?<!\d\.)(\d{{1,40}}){_END}")
-_GROUPED = re.compile(rf"(?<![0-9a-z])(?<![\d.,_'])(\d{{1,3}}(?:[,_']\d{{3}})+){_END}")  # 3,600  3_600  3'600
-_SEPARATOR = re.compile(r"[-_\s]+")
+# 3,600  3_600  3'600  3.600  3 600 (and a no-break or thin space, which NFKC makes a space): one separator
+# throughout, a first group without a leading zero, not a version or a decimal (3.600.1, 0.125)
+_GROUPED = re.compile(rf"(?<![0-9a-z])(?<!\d[.,_' ])([1-9]\d{{0,2}}([,_'. ])\d{{3}}(?:\2\d{{3}})*)(?!\.\d){_END}")
+_SEPARATOR = re.compile(r"[-_\s./]+")  # what may stand between the parts of a string id: piqa-17, piqa/17, a.smith
 _EXP = re.compile(r"(?<![0-9a-z])(?<!\d\.)(\d{1,20}(?:\.\d{1,20})?e[+-]?\d{1,3})(?![0-9a-z])")
 _RANGE = re.compile(r"(?<![0-9a-z])(?<!\d\.)(\d{1,40})(?:\s*(?:-|–|—|\.\.\.?|~)\s*|\s+(?:to|through|thru|until)\s+)"
                     r"(\d{1,40})(?![0-9a-z])")
@@ -96,10 +102,10 @@ def _decoded_forms(text: str) -> list[str]:
 
 
 def _word_pattern(word: str) -> str:
-    """A string id as a pattern whose separators (``-``, ``_``, spaces) match any of them: ``piqa-17`` also
-    finds ``piqa_17`` and ``PIQA 17``."""
+    """A string id as a pattern whose separators (``-``, ``_``, spaces, ``.``, ``/``) match any of them:
+    ``piqa-17`` also finds ``piqa_17``, ``PIQA 17`` and ``piqa/17``."""
     parts = [re.escape(p) for p in _SEPARATOR.split(word)]
-    return r"[-_\s]+".join(parts) if all(parts) else re.escape(word)
+    return _SEPARATOR.pattern.join(parts) if all(parts) else re.escape(word)
 
 
 def field_of(path: str) -> str:
@@ -167,6 +173,18 @@ class IdScanner:
                 if inside is not None:
                     hits.append(Hit(field, f"range {lo}-{hi} holds {inside}", inside))
         return self._allowed_out(list(dict.fromkeys(hits)))
+
+    def scan_template(self, source: str, field: str) -> list[Hit]:
+        """Hits in a Jinja template's source: its text, comments and string literals with numbers, its code for
+        string ids only (an index or a comparison is code). A source Jinja cannot lex is scanned as plain text."""
+        import jinja2
+
+        try:
+            tokens = list(jinja2.Environment().lex(source))
+        except jinja2.TemplateSyntaxError:
+            return self.scan_text(source, field)
+        texts = "\n".join(value for _, kind, value in tokens if kind in ("data", "comment", "string", "raw"))
+        return list(dict.fromkeys(self.scan_text(texts, field) + self.scan_text(source, field, numbers=False)))
 
     def scan(self, value: Any, field: str, *, numbers: bool = True) -> list[Hit]:
         """Hits anywhere in a nested value (dict keys are scanned as text)."""

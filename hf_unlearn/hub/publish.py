@@ -83,6 +83,7 @@ class PushResult:
     skipped_provenance: dict[str, str] = field(default_factory=dict)
     card: str = ""
     file_hashes: dict[str, str] = field(default_factory=dict)  # SHA-256 of every non-weight file (files_root's)
+    card_sha256: str = ""  # of the card as pushed (outside files_root: the card states that root)
 
     @property
     def verify_command(self) -> str:
@@ -90,6 +91,7 @@ class PushResult:
         tokenizer files, commit)."""
         rev = f" --revision {self.tag}" if self.tag else ""
         files = f" --expect-files-root {self.files_root}" if self.files_root else ""
+        files += f" --expect-card-sha256 {self.card_sha256}" if self.card_sha256 else ""
         return (f"hf-unlearn hub verify {self.repo_id}{rev} --expect-commit {self.commit} "
                 f"--expect-root {self.state_dict_root or self.params_root}{files}")
 
@@ -102,7 +104,7 @@ def save_card_info(output_dir: str | os.PathLike, card_info: Mapping[str, Any]) 
     """
     info = normalize_card_info(card_info)
     path = Path(output_dir) / CARD_INFO_FILE
-    atomic_write_text(path, json.dumps(info, indent=1, default=_jsonable))
+    atomic_write_text(path, json.dumps(info, indent=1, default=_jsonable), private=True)  # raw ids
     return path
 
 
@@ -149,10 +151,15 @@ def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[st
     return hashes, layout
 
 
+METADATA_KEY = "/safetensors-metadata/"  # + shard name: never a relative file path, so never a file's key
+
+
 def hashed_files(folder: Path) -> dict[str, str]:
     """SHA-256 of every file of a repository folder that the manifest covers by file: all but the card, the
     manifest and the weights hashed per tensor (top-level ``*.safetensors``; an adapter's or a subfolder's
-    safetensors file is hashed here like any other file, so it cannot sit in a revision unchecked)."""
+    safetensors file is hashed here like any other file, so it cannot sit in a revision unchecked), and of the
+    header metadata of each per-tensor hashed weights file (``/safetensors-metadata/<name>``: free text that the
+    tensor hashes do not cover)."""
     folder = Path(folder)
     tensors = {p.name for p in safetensors_files(folder)}
     out = {}
@@ -160,7 +167,18 @@ def hashed_files(folder: Path) -> dict[str, str]:
         rel = p.relative_to(folder).as_posix()
         if p.is_file() and rel not in NOT_HASHED and rel not in tensors:
             out[rel] = file_sha256(p)
+    for name in sorted(tensors):
+        out[METADATA_KEY + name] = safetensors_metadata_sha256(folder / name)
     return out
+
+
+def safetensors_metadata_sha256(path: Path) -> str:
+    """SHA-256 of a safetensors file's header metadata (``{}`` when it has none), as canonical JSON."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    return hashlib.sha256(json.dumps(metadata, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
 
 
 def files_root(file_hashes: Mapping[str, str]) -> str:
@@ -218,8 +236,9 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
     file_hashes = hashed_files(folder)
     manifest = hashes.to_dict()
     manifest.update(
-        scope="tensors saved in this repository's *.safetensors files (tied duplicates are saved once) and the "
-              "SHA-256 of every other file except README.md and this manifest",
+        scope="tensors saved in this repository's *.safetensors files (tied duplicates are saved once), their "
+              "header metadata (file_hashes['/safetensors-metadata/NAME']) and the SHA-256 of every other file "
+              "except README.md and this manifest",
         files=layout, not_saved=sorted((set(state_dict_names or ()) | set(ties)) - set(params)),
         tied=dict(sorted(ties.items())), state_dict_root=root_hash(full),
         file_hashes=file_hashes, files_root=files_root(file_hashes),
@@ -356,8 +375,11 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
     """Forget ids in the staged files (the card, manifest and forget request are checked where they are made).
 
     Config files: numbers under the fields the config class defines are configuration (layer counts, token ids),
-    every other value is matched. Tokenizer files: token ids and the learned vocabulary and merges are not sample
-    ids, every other string is matched. Safetensors: the header metadata is matched; tensor names for string ids.
+    every other value is matched, and so are the label names of ``id2label``/``label2id``. Tokenizer files: token
+    ids and the learned vocabulary and merges are not sample ids; added and special tokens are matched numbers
+    included (a block of reserved tokens numbered 0..n-1 or 1..n is numbered by position), every other string for
+    string ids. Chat templates: text, comments and string literals numbers included. Safetensors: the header
+    metadata is matched; tensor names for string ids.
     """
     hits: list[Hit] = []
     for path in sorted(p for p in staging.iterdir() if p.is_file()):
@@ -371,18 +393,18 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
         elif name in ("config.json", "generation_config.json"):
             hits += scan_config(_load_json(path), name, scanner, generation=name == "generation_config.json")
         elif name == "tokenizer.json":
-            data = _load_json(path)
-            if isinstance(data, dict) and isinstance(data.get("model"), dict):
-                data = {**data, "model": {k: v for k, v in data["model"].items() if k not in ("vocab", "merges")}}
-            hits += scanner.scan(data, name, numbers=False)
+            hits += _scan_tokenizer_json(_load_json(path), name, scanner)
         elif name == "tokenizer_config.json":
+            hits += _scan_tokenizer_config(_load_json(path), name, scanner)
+        elif name in ("special_tokens_map.json", "added_tokens.json"):
+            hits += scan_tokens(_token_texts(_load_json(path)), name, scanner)
+        elif name == "chat_template.jinja":
+            hits += scanner.scan_template(path.read_text(encoding="utf-8", errors="replace"), name)
+        elif name == "chat_template.json":
             data = _load_json(path)
-            for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
-                numbers = key not in _TOKENIZER_NUMBERS and key != "chat_template"
-                hits += scanner.scan_text(str(key), f"{name}:{key} (key)")
-                hits += scanner.scan(value, f"{name}:{key}", numbers=numbers)
-        elif name in ("special_tokens_map.json", "added_tokens.json", "chat_template.json", "chat_template.jinja"):
-            hits += scanner.scan_text(path.read_text(encoding="utf-8", errors="replace"), name, numbers=False)
+            hits += _scan_chat_template(data.get("chat_template") if isinstance(data, dict) else data, name,
+                                        scanner)
+            hits += scanner.scan(data, name, numbers=False)
         elif name in ("vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model"):
             continue  # the tokenizer's learned vocabulary: not written from the training data's ids
         else:
@@ -390,10 +412,82 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
     return hits
 
 
+_NUMBERED = re.compile(r"^(\D*)(\d+)(\D*)$")
+
+
+def scan_tokens(tokens: list[str], field: str, scanner: IdScanner) -> list[Hit]:
+    """Forget ids in added/special token texts (``<forget_3600>``), numbers included, except the numbers of a
+    block of reserved tokens that differ only by a number running 0..n-1 or 1..n (``<extra_id_0>``...,
+    ``<|reserved_special_token_0|>``...): those number positions in the block."""
+    families: dict[tuple[str, str], set[int]] = {}
+    for token in tokens:
+        if m := _NUMBERED.match(token):
+            families.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    blocks = {k for k, nums in families.items()
+              if len(nums) > 1 and (nums == set(range(len(nums))) or nums == set(range(1, len(nums) + 1)))}
+    hits: list[Hit] = []
+    for token in dict.fromkeys(tokens):
+        m = _NUMBERED.match(token)
+        hits += scanner.scan_text(token, field, numbers=not (m and (m.group(1), m.group(3)) in blocks))
+    return hits
+
+
+def _token_texts(value) -> list[str]:
+    """Every token text in a special-tokens map, an added-tokens file (its keys) or a list of AddedToken dicts."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        if isinstance(value.get("content"), str):
+            return [value["content"]]
+        out = []
+        for k, v in value.items():
+            out += [str(k)] if isinstance(v, int) and not isinstance(v, bool) else _token_texts(v)  # token -> id
+        return out
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _token_texts(v)]
+    return []
+
+
+def _scan_chat_template(template, field: str, scanner: IdScanner) -> list[Hit]:
+    """A chat template is one Jinja source or a list of ``{"name", "template"}``."""
+    if isinstance(template, str):
+        return scanner.scan_template(template, field)
+    if isinstance(template, list):
+        return [h for t in template if isinstance(t, Mapping) for h in
+                scanner.scan_template(str(t.get("template", "")), f"{field}:{t.get('name', '')}")]
+    return []
+
+
+def _scan_tokenizer_json(data, name: str, scanner: IdScanner) -> list[Hit]:
+    if not isinstance(data, dict):
+        return scanner.scan(data, name, numbers=False)
+    rest = {k: v for k, v in data.items() if k != "added_tokens"}
+    if isinstance(rest.get("model"), dict):
+        rest["model"] = {k: v for k, v in rest["model"].items() if k not in ("vocab", "merges")}
+    return (scan_tokens(_token_texts(data.get("added_tokens") or []), f"{name}:added_tokens", scanner)
+            + scanner.scan(rest, name, numbers=False))
+
+
+def _scan_tokenizer_config(data, name: str, scanner: IdScanner) -> list[Hit]:
+    hits: list[Hit] = []
+    for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
+        where = f"{name}:{key}"
+        hits += scanner.scan_text(str(key), f"{where} (key)")
+        if key == "chat_template":
+            hits += _scan_chat_template(value, where, scanner)
+        elif key in ("added_tokens_decoder", "additional_special_tokens", "extra_special_tokens") \
+                or key.endswith("_token"):
+            hits += scan_tokens(_token_texts(value), where, scanner)  # token ids (the decoder's keys) are not
+        else:
+            hits += scanner.scan(value, where, numbers=key not in _TOKENIZER_NUMBERS)
+    return hits
+
+
 def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -> list[Hit]:
     """Forget ids in a model (or generation) config: the fields the config class defines hold configuration, so
-    their numbers and label names are not matched (``pad_token_id``, ``id2label``), only string ids and the path
-    in ``_name_or_path``; every field the class does not define is matched in full."""
+    their numbers are not matched (``pad_token_id``), only string ids and the path in ``_name_or_path``; the label
+    names of ``id2label``/``label2id`` are matched numbers included; every field the class does not define is
+    matched in full."""
     known = _known_config_keys(data, generation) if isinstance(data, dict) else set()
     hits: list[Hit] = []
     for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
@@ -403,10 +497,31 @@ def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -
         hits += scanner.scan_text(str(key), where + " (key)")
         if key == "_name_or_path":
             hits += scanner.scan_strings(value, where)
+        elif key in ("id2label", "label2id") and isinstance(value, Mapping) \
+                and all(isinstance(v, (int, str)) for v in value.values()):
+            hits += _scan_labels(value if key == "id2label" else {v: k for k, v in value.items()}, where, scanner)
         elif key in known:
             hits += scanner.scan(value, where, numbers=False)
         else:
             hits += scanner.scan(value, where)
+    return hits
+
+
+def _scan_labels(id2label: Mapping, where: str, scanner: IdScanner) -> list[Hit]:
+    """Class labels: transformers' default entries (``3: "LABEL_3"``) are its own and the indices 0..n-1 are the
+    classes' positions; any other index and every other label name is matched numbers included."""
+    try:
+        indices = sorted(int(i) for i in id2label)
+    except (TypeError, ValueError):
+        indices = []
+    positional = indices == list(range(len(id2label)))
+    hits: list[Hit] = []
+    for index, label in id2label.items():
+        if str(label) == f"LABEL_{index}":
+            continue
+        hits += scanner.scan(label, f"{where}[{index}]")
+        if not positional:
+            hits += scanner.scan_text(str(index), f"{where}[{index}]")
     return hits
 
 
@@ -528,7 +643,8 @@ def push_unlearned(
     result = PushResult(repo_id=repo_id, commit=commit, url=f"{api.endpoint}/{repo_id}", tag=tag, files=files,
                         params_root=manifest["params_root"], root=manifest["root"],
                         state_dict_root=manifest["state_dict_root"], files_root=manifest["files_root"],
-                        skipped_provenance=skipped, card=card, file_hashes=dict(manifest["file_hashes"]))
+                        skipped_provenance=skipped, card=card, file_hashes=dict(manifest["file_hashes"]),
+                        card_sha256=hashlib.sha256(card.encode("utf-8")).hexdigest())
     local_dir = local_dir if local_dir is not None else (None if hasattr(source, "save_pretrained") else source)
     if local_dir is not None:
         _record_locally(Path(local_dir), result, key_fingerprint(key))
@@ -559,7 +675,7 @@ def _record_locally(folder: Path, result: PushResult, fingerprint: str) -> None:
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repo_id": result.repo_id,
              "commit": result.commit, "tag": result.tag, "params_root": result.params_root,
              "state_dict_root": result.state_dict_root, "files_root": result.files_root,
-             "file_hashes": result.file_hashes, "key_fingerprint": fingerprint}
+             "file_hashes": result.file_hashes, "card_sha256": result.card_sha256, "key_fingerprint": fingerprint}
     atomic_write_text(log, old + json.dumps(entry, sort_keys=True) + "\n")
 
 

@@ -20,15 +20,17 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import secrets
 import socket
 import threading
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from .store import GITATTRIBUTES, OID_RE, RepoStore, StoreError, clean_path
+from .store import GITATTRIBUTES, OID_RE, PathTree, RepoStore, StoreError, clean_path
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,12 @@ LFS_SIZE_THRESHOLD = 10 * 1024 * 1024
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a commit's NDJSON (inline files are below the LFS threshold, base64-encoded)
 MAX_JSON_BYTES = 16 * 1024 * 1024  # every other JSON body
 MAX_LFS_BYTES = 1 << 40
-MAX_CARD_BYTES = 1024 * 1024  # YAML front matter parsed for validate-yaml and repo info
+MAX_CARD_BYTES = 1024 * 1024  # a card read for its metadata (validate-yaml, repo info)
+MAX_CARD_METADATA_BYTES = 64 * 1024  # its YAML front matter: a real card's is a few KB; parsing costs CPU
+MAX_YAML_DEPTH = 64  # nesting levels of card metadata (a card needs a handful)
+CARD_CACHE_ENTRIES = 256  # parsed card metadata kept per server, by blob id (content-addressed: never stale)
+READ_TIMEOUT_S = 60.0  # an idle or stalled connection is closed after this long without a byte
+MAX_CONNECTIONS = 64  # connections served at once (one thread each); more are answered 503 and closed
 LFS_SUFFIXES = tuple(line.split()[0][1:] for line in GITATTRIBUTES.decode().splitlines())
 FAULT_POINTS = ("commit", "lfs-upload", "tag")
 _T = r"(models|datasets|spaces)"
@@ -96,7 +103,8 @@ class HubServer:
     """
 
     def __init__(self, root, tokens: dict[str, str] | str, host: str = "127.0.0.1", port: int = 0, *,
-                 max_body_bytes: int = MAX_BODY_BYTES, max_lfs_bytes: int = MAX_LFS_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, max_lfs_bytes: int = MAX_LFS_BYTES,
+                 read_timeout: float = READ_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
         self.store = RepoStore(root)
         self.max_body_bytes, self.max_lfs_bytes = int(max_body_bytes), int(max_lfs_bytes)
         self.tokens = {tokens: "user"} if isinstance(tokens, str) else dict(tokens)
@@ -105,9 +113,10 @@ class HubServer:
         self._secret = secrets.token_bytes(32)
         self._faults: dict[str, int] = {}
         self._faults_lock = threading.Lock()
-        handler = type("Handler", (_Handler,), {"hub": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self._cards: OrderedDict[str, dict] = OrderedDict()
+        self._cards_lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"hub": self, "timeout": float(read_timeout)})
+        self.httpd = _BoundedHTTPServer((host, port), handler, int(max_connections))
         self._thread: threading.Thread | None = None
 
     @property
@@ -158,6 +167,65 @@ class HubServer:
     def _sign(self, oid: str, size: int) -> str:
         return hmac.new(self._secret, f"{oid}:{size}".encode(), hashlib.sha256).hexdigest()
 
+    def card_metadata(self, entry) -> dict:
+        """The parsed YAML metadata of the card stored as ``entry`` ({} for none, an oversized or hostile one),
+        parsed once per blob: every anonymous repo-info call (``snapshot_download`` makes one per reader) would
+        otherwise parse it again."""
+        with self._cards_lock:
+            if entry.oid in self._cards:
+                self._cards.move_to_end(entry.oid)
+                return self._cards[entry.oid]
+        meta: dict = {}
+        if entry.size <= MAX_CARD_BYTES:
+            with self.store.open_entry(entry) as f:
+                text = f.read().decode("utf-8", "replace")
+            try:
+                parsed = _front_matter(text)
+                meta = parsed if isinstance(parsed, dict) else {}
+            except Exception:  # an invalid or hostile card (YAML aliases, oversized) is served as "no card data"
+                pass
+        with self._cards_lock:
+            self._cards[entry.oid] = meta
+            while len(self._cards) > CARD_CACHE_ENTRIES:
+                self._cards.popitem(last=False)
+        return meta
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer serving at most ``max_connections`` connections at once (one thread each): a further
+    connection is answered ``503`` and closed at once instead of taking another thread."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            try:
+                body = b'{"error": "too many open connections, retry"}'
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                                % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -191,6 +259,12 @@ class _Handler(BaseHTTPRequestHandler):
     do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
 
     def _dispatch(self, method: str) -> None:
+        try:
+            self._route(method)
+        except (TimeoutError, ConnectionError):  # a stalled or vanished client, even while it is being answered
+            self.close_connection = True
+
+    def _route(self, method: str) -> None:
         split = urlsplit(self.path)
         self.query = {k: v[-1] for k, v in parse_qs(split.query).items()}
         path = split.path
@@ -202,6 +276,8 @@ class _Handler(BaseHTTPRequestHandler):
                         getattr(self, name)(*[unquote(g) if g is not None else None for g in m.groups()])
                         return
             raise StoreError(404, f"no route for {method} {path}")
+        except (TimeoutError, ConnectionError):
+            raise
         except _Abort:
             self.close_connection = True
             try:
@@ -409,15 +485,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _card_data(self, rtype, repo_id, files) -> dict:
         entry = files.get("README.md")
-        if entry is None or entry.size > MAX_CARD_BYTES:
-            return {}
-        with self.hub.store.open_entry(entry) as f:
-            text = f.read().decode("utf-8", "replace")
-        try:
-            meta = _front_matter(text)
-        except Exception:  # an invalid or hostile card (YAML aliases) is served as "no card data"
-            return {}
-        return meta if isinstance(meta, dict) else {}
+        return {} if entry is None else self.hub.card_metadata(entry)
 
     def tree(self, rtypes, ns, name, revision, subpath):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
@@ -454,12 +522,13 @@ class _Handler(BaseHTTPRequestHandler):
         except (UnicodeDecodeError, ValueError):
             raise StoreError(400, "paths-info expects a form-encoded body (paths=...)") from None
         _, files = self.hub.store.files(rtype, repo_id, revision)
+        tree = PathTree(files)  # built once: each path is then looked up in its own length, not against every file
         items = []
         for path in dict.fromkeys(form.get("paths", [])):
             path = clean_path(path.strip("/"))
             if path in files:
                 items.append(files[path].tree_item())
-            elif any(p.startswith(path + "/") for p in files):
+            elif tree.is_folder(path):
                 items.append({"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0,
                               "path": path})
         self._json(items)
@@ -652,6 +721,32 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             status = 206
         length = max(0, end - start + 1)
+        f = self._open_object(entry, path)  # before any header: a missing object is an error, not a 200
+        try:
+            self._send_object(f, entry, sha, path, status, start, end, length)
+        finally:
+            f.close()
+
+    def _open_object(self, entry, path: str):
+        """The stored object of ``entry``, opened and checked to hold ``entry.size`` bytes: 404 when it is
+        missing, 500 when it cannot be read or has another size (a damaged store)."""
+        try:
+            f = self.hub.store.open_entry(entry)
+        except FileNotFoundError:
+            raise StoreError(404, f"the stored object of {path} is missing from this server's store",
+                             "EntryNotFound") from None
+        except OSError as e:
+            raise StoreError(500, f"the stored object of {path} cannot be read ({type(e).__name__})") from None
+        try:
+            size = os.fstat(f.fileno()).st_size
+        except OSError:
+            size = -1
+        if size != entry.size:
+            f.close()
+            raise StoreError(500, f"the stored object of {path} holds {size} bytes, not {entry.size}")
+        return f
+
+    def _send_object(self, f, entry, sha: str, path: str, status: int, start: int, end: int, length: int) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(length))
@@ -667,15 +762,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
-        with self.hub.store.open_entry(entry) as f:
+        try:
             f.seek(start)
             left = length
             while left > 0:
                 chunk = f.read(min(left, 1 << 20))
                 if not chunk:
-                    break
+                    raise OSError("object shorter than announced")
                 self.wfile.write(chunk)
                 left -= len(chunk)
+        except OSError:  # headers are out: the only honest answer left is to cut the response short
+            logger.exception("reading the stored object of %s failed mid-response", path)
+            raise _Abort() from None
 
 
 _ROUTES = [(m, re.compile(p), n) for m, p, n in [
@@ -703,25 +801,33 @@ _ROUTES = [(m, re.compile(p), n) for m, p, n in [
 def _front_matter(text: str):
     """The parsed YAML block at the top of a card (None if there is none).
 
-    Parsed with a safe loader that refuses aliases: card metadata never needs them, and a few hundred bytes of
-    nested aliases expand to gigabytes (a "billion laughs" document). Raises ``yaml.YAMLError``.
+    Bounded before it is built: at most ``MAX_CARD_METADATA_BYTES``, no aliases (card metadata never needs them,
+    and a few hundred bytes of nested aliases expand to gigabytes: a "billion laughs" document), at most
+    ``MAX_YAML_DEPTH`` levels; the event stream is checked first, then the document built with the safe loader
+    (libyaml's when PyYAML has it). Raises ``yaml.YAMLError``.
     """
     import yaml
-
-    class NoAliasLoader(yaml.SafeLoader):
-        def compose_node(self, parent, index):
-            if self.check_event(yaml.AliasEvent):
-                raise yaml.composer.ComposerError(None, None, "YAML aliases are not allowed in card metadata",
-                                                  self.peek_event().start_mark)
-            return super().compose_node(parent, index)
 
     if len(text) > 4 * MAX_CARD_BYTES:
         raise yaml.YAMLError(f"card larger than {4 * MAX_CARD_BYTES} characters")
     m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
-    try:
-        return yaml.load(m.group(1), Loader=NoAliasLoader) if m else None
-    except RecursionError:  # PyYAML composes nested collections recursively: a few KB of "[" exhaust the stack
-        raise yaml.YAMLError("card metadata is nested too deeply (more levels than a card ever needs)") from None
+    if not m:
+        return None
+    block = m.group(1)
+    if len(block.encode("utf-8", "replace")) > MAX_CARD_METADATA_BYTES:
+        raise yaml.YAMLError(f"card metadata larger than {MAX_CARD_METADATA_BYTES} bytes (a card needs a few KB)")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth = 0
+    for event in yaml.parse(block, Loader=loader):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError("YAML aliases are not allowed in card metadata")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise yaml.YAMLError("card metadata is nested too deeply (more levels than a card ever needs)")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.load(block, Loader=loader)
 
 
 def validate_card_metadata(content: str) -> tuple[list[str], list[str]]:

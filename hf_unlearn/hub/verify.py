@@ -17,10 +17,14 @@ What ``verify`` proves, and what it cannot:
   card to match, and the weights still hash to the root. The report then says so (``anchored`` is False,
   ``weights_anchored`` True).
 * With ``expect_files_root`` (``hub_pushes.jsonl`` records it for every push): every file but the weights, the card
-  and the manifest hashes to that root, as the publisher pushed them. With ``expect_file_hashes`` as well (newer
-  push records hold them) a mismatch names the files that differ.
+  and the manifest hashes to that root, as the publisher pushed them, and so does the header metadata of each
+  weights file (manifests written before it was covered say so). With ``expect_file_hashes`` as well (newer push
+  records hold them) a mismatch names the files that differ.
+* With ``expect_card_sha256`` (``hub_pushes.jsonl`` records it): the model card (``README.md``: the method, the
+  claims, every sentence) is the one pushed. The card is outside the files root (it states that root), so without
+  this or ``expect_commit`` a writer can rewrite the card ("This model forgot nothing.") and ``anchored`` is False.
 * With ``expect_commit``: the revision checked is exactly that commit (a tag or branch that was moved fails); a
-  commit id covers the content of every file, config and tokenizer included.
+  commit id covers the content of every file, config, tokenizer and card included.
 
 ``expected_from(record, repo_id, revision)`` reads all of these from the publisher's records.
 """
@@ -34,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
-from .publish import MANIFEST_FILE, files_root, hash_safetensors, hashed_files
+from ..trace.run import file_sha256
+from .publish import MANIFEST_FILE, METADATA_KEY, files_root, hash_safetensors, hashed_files
 
 
 @dataclass
@@ -56,6 +61,9 @@ class VerifyReport:
     expect_root: str | None = None
     expect_commit: str | None = None
     expect_files_root: str | None = None
+    expect_card_sha256: str | None = None
+    card_sha256: str = ""  # of the revision's README.md
+    metadata_covered: bool = True  # False for manifests written before safetensors header metadata was hashed
 
     @property
     def ok(self) -> bool:
@@ -74,12 +82,19 @@ class VerifyReport:
         return self.ok and bool(self.expect_files_root or self.expect_commit)
 
     @property
+    def card_anchored(self) -> bool:
+        """``ok``, and the model card (method, claims, text) was checked against a value from outside the
+        repository (``expect_card_sha256``, or ``expect_commit``)."""
+        return self.ok and bool(self.expect_card_sha256 or self.expect_commit)
+
+    @property
     def anchored(self) -> bool:
-        """True when everything the model is built from was checked against values the repository's writer cannot
-        rewrite: the weights (``expect_root``) and the config, tokenizer and other files (``expect_files_root`` or
-        ``expect_commit``). ``expect_root`` alone gives ``weights_anchored`` but not ``anchored``: a writer can
-        change ``config.json`` (``hidden_act``) and rewrite manifest and card to match."""
-        return self.weights_anchored and self.files_anchored
+        """True when everything published was checked against values the repository's writer cannot rewrite: the
+        weights (``expect_root``), the config, tokenizer and other files (``expect_files_root`` or
+        ``expect_commit``) and the model card (``expect_card_sha256`` or ``expect_commit``). ``expect_root`` alone
+        gives ``weights_anchored`` only: a writer can change ``config.json`` (``hidden_act``) and rewrite manifest
+        and card to match; without the card pinned, the card's method and claims can be rewritten."""
+        return self.weights_anchored and self.files_anchored and self.card_anchored
 
     @property
     def statement(self) -> str:
@@ -95,9 +110,14 @@ class VerifyReport:
         if self.expect_files_root:
             text += (f" The config, tokenizer and other non-weight files ({self.files_checked} files) hash to the "
                      f"expected files root {self.expect_files_root}, given from outside the repository.")
+        if self.expect_card_sha256:
+            text += " The model card is the one pushed (its SHA-256 was given from outside the repository)."
         if self.expect_commit:
             text += (f" The revision is the expected commit {self.expect_commit} (a commit id covers every file, "
-                     "config and tokenizer included).")
+                     "config, tokenizer and model card included).")
+        if not self.metadata_covered and not self.expect_commit:
+            text += (" Not covered: the safetensors header metadata (the manifest predates it being hashed; only "
+                     "--expect-commit pins it).")
         if not self.expect_root and not self.files_anchored:
             text += (" Not proven: that these are the weights, config and tokenizer files the publisher produced; "
                      "whoever can write the repository can replace weights, other files, manifest and card "
@@ -113,6 +133,11 @@ class VerifyReport:
                      "and rewrite manifest and card to match, which changes what the model computes. Pass "
                      "--expect-files-root or --expect-commit (--expect-from takes both from hub_pushes.jsonl) for "
                      "that.")
+        if self.weights_anchored and self.files_anchored and not self.card_anchored:
+            text += (" Not proven: that the model card (README.md: the method, the claims and every sentence) is "
+                     "the publisher's: it is outside the files root, and whoever can write the repository can "
+                     "rewrite it; `anchored` is false. Pass --expect-card-sha256 or --expect-commit (--expect-from "
+                     "takes them from hub_pushes.jsonl) for that.")
         return text
 
     def summary(self) -> str:
@@ -135,7 +160,7 @@ class VerifyReport:
 def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commit: str | None = None,
                   expect_root: str | None = None, expect_commit: str | None = None,
                   expect_files_root: str | None = None, expect_file_hashes: dict[str, str] | None = None,
-                  load: bool = True) -> VerifyReport:
+                  expect_card_sha256: str | None = None, load: bool = True) -> VerifyReport:
     """Verify a downloaded (or local) repository folder (see the module docstring for what is checked).
 
     ``expect_files_root`` (and optionally ``expect_file_hashes``, the per-file SHA-256 it is the root of) pins
@@ -154,7 +179,8 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
                                f"{expect_files_root}: the record is inconsistent; pass only the files root")
         expect_files_root = derived
     report = VerifyReport(source=source or str(folder), commit=commit, expect_root=expect_root or None,
-                          expect_commit=expect_commit or None, expect_files_root=expect_files_root or None)
+                          expect_commit=expect_commit or None, expect_files_root=expect_files_root or None,
+                          expect_card_sha256=expect_card_sha256 or None)
     if expect_commit and commit != expect_commit:
         report.problems.append(f"the revision is commit {commit}, not the expected commit {expect_commit}")
     manifest_path = folder / MANIFEST_FILE
@@ -183,6 +209,10 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
         report.problems.append(_files_differ(present, expect_files_root, expect_file_hashes, report.files_root))
 
     card = folder / "README.md"
+    report.card_sha256 = file_sha256(card) if card.is_file() else ""
+    if expect_card_sha256 and report.card_sha256 != expect_card_sha256:
+        report.problems.append(f"the model card (README.md, SHA-256 {report.card_sha256 or 'missing'}) is not the "
+                               f"one pushed ({expect_card_sha256}): its method or claims may have been rewritten")
     try:
         meta = _front_matter(card.read_text(encoding="utf-8")) if card.is_file() else None
     except Exception as e:
@@ -222,13 +252,20 @@ def _check_files(folder: Path, manifest: dict, report: VerifyReport) -> dict[str
     Returns the SHA-256 of each such file present."""
     listed = manifest.get("file_hashes")
     present = hashed_files(folder)
+    if isinstance(listed, dict) and not any(k.startswith(METADATA_KEY) for k in listed):
+        # written before the header metadata was hashed: checked as then, and the report says it is not covered
+        present = {k: v for k, v in present.items() if not k.startswith(METADATA_KEY)}
+        report.metadata_covered = False
     if not isinstance(listed, dict):
         report.problems.append(f"the manifest lists no file hashes (published before hf_unlearn covered files): "
                                f"{', '.join(sorted(present)) or 'no file'} cannot be checked")
         return present
-    report.files_checked = len(set(present) & set(listed))
+    report.files_checked = len({n for n in set(present) & set(listed) if not n.startswith(METADATA_KEY)})
     for name in sorted(set(present) | set(listed)):
-        if name not in listed:
+        if name.startswith(METADATA_KEY):
+            if present.get(name) != listed.get(name):
+                report.problems.append(f"the header metadata of {name[len(METADATA_KEY):]} differs from the manifest")
+        elif name not in listed:
             report.problems.append(f"file not covered by the manifest: {name}")
         elif name not in present:
             report.problems.append(f"file listed in the manifest but missing: {name}")
@@ -304,9 +341,10 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
       run ended in, which is what its model publishes);
     * ``verification.json`` (a replay checked by ``trace verify``): the replay's parameter root.
 
-    Returns ``{"expect_root": ..., "expect_commit": ..., "expect_files_root": ..., "expect_file_hashes": ...}``:
-    the commit, the files root (config, tokenizer and every other non-weight file) and the per-file hashes only
-    from ``hub_pushes.jsonl``, each where the push recorded it (older records lack the file hashes).
+    Returns ``{"expect_root": ..., "expect_commit": ..., "expect_files_root": ..., "expect_file_hashes": ...,
+    "expect_card_sha256": ...}``: the commit, the files root (config, tokenizer and every other non-weight file),
+    the per-file hashes and the card's SHA-256 only from ``hub_pushes.jsonl``, each where the push recorded it
+    (older records lack the file hashes and the card's hash).
     """
     from .publish import PUSH_LOG_FILE
 
@@ -345,6 +383,11 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
             raise UnlearnError(f"{path}: the push of {repo_id} records a malformed files_root {str(fr)[:80]!r}")
         if fr:
             out["expect_files_root"] = fr
+        card = entry.get("card_sha256")
+        if card is not None and not (isinstance(card, str) and re.fullmatch(r"[0-9a-f]{64}", card)):
+            raise UnlearnError(f"{path}: the push of {repo_id} records a malformed card_sha256 {str(card)[:80]!r}")
+        if card:
+            out["expect_card_sha256"] = card
         if hashes is not None:
             if not (fr and isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())
                     and files_root(hashes) == fr):
@@ -367,7 +410,7 @@ def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | Non
                   endpoint: str | None = None, cache_dir: str | os.PathLike | None = None,
                   expect_root: str | None = None, expect_commit: str | None = None,
                   expect_files_root: str | None = None, expect_file_hashes: dict[str, str] | None = None,
-                  load: bool = True) -> VerifyReport:
+                  expect_card_sha256: str | None = None, load: bool = True) -> VerifyReport:
     """Download ``repo_id`` at ``revision`` (every file) and verify it with :func:`verify_folder`.
 
     ``expect_root`` / ``expect_files_root`` / ``expect_commit`` come from the publisher's own records
@@ -390,5 +433,6 @@ def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | Non
     if not any(Path(folder).glob("*.safetensors")):
         raise UnlearnError(f"{label} holds no safetensors weights")
     return verify_folder(folder, source=label, commit=commit, expect_root=expect_root, expect_commit=expect_commit,
-                         expect_files_root=expect_files_root, expect_file_hashes=expect_file_hashes, load=load)
+                         expect_files_root=expect_files_root, expect_file_hashes=expect_file_hashes,
+                         expect_card_sha256=expect_card_sha256, load=load)
 

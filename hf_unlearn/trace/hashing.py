@@ -148,15 +148,17 @@ def state_hashes(model_or_state_dict, optimizer=None) -> StateHashes:
     return StateHashes(params=params, optimizer=opt)
 
 
-def checkpoint_hashes(state: Mapping[str, Any]) -> dict[str, Any]:
+def checkpoint_hashes(state: Mapping[str, Any], known: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``hashes.json`` of a checkpoint dict (``model``, ``optimizer``, ``param_names``, ``tied``, ``step``).
 
     Per-tensor hashes and roots of the parameters (each tied tensor once, under its first name) and of the
     optimizer state (named by parameter), plus ``meta_sha256`` over everything else a replay loads from the
     checkpoint (the step, the tie map, the parameter names and the optimizer's param-group hyperparameters).
     Recomputing it from a loaded checkpoint and comparing checks the checkpoint against what was saved.
+    ``known`` gives hashes already computed (frozen tensors, hashed once when they were saved).
     """
-    params = {n: tensor_hash(n, t) for n, t in state["model"].items()}
+    known = known or {}
+    params = {n: known[n] if n in known else tensor_hash(n, t) for n, t in state["model"].items()}
     opt = {n: tensor_hash(n, t) for n, t in optimizer_tensors(state["optimizer"], state.get("param_names")).items()}
     meta = {"step": state.get("step"), "tied": state.get("tied", {}), "param_names": state.get("param_names"),
             "param_groups": state["optimizer"].get("param_groups", [])}

@@ -37,9 +37,12 @@ from transformers import Trainer, TrainerCallback
 from ..data.collators import IdCarryingCollator, _importable_name, collator_spec, rebuild_collator
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .checkpoints import INDEX_FORMAT, CheckpointIndex, FrozenTensors
+from .fidelity import device_info, prepare_cuda_determinism
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
-from .run import FORMAT, SEALED_FILES, save_checkpoint, write_sidecar
+from .retention import default_every, is_due
+from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, save_checkpoint, write_sidecar
 from .tags import ids_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
@@ -59,6 +62,21 @@ def microbatch_seed(base: int, step: int, j: int) -> int:
 def rank_seed(seed: int, rank: int) -> int:
     """The seed process ``rank`` uses for a microbatch whose recorded seed is ``seed`` (rank 0: the seed itself)."""
     return seed if rank == 0 else _hashed_seed(f"{seed}:rank{rank}")
+
+
+@contextmanager
+def _rng_kept():
+    """Run a block (a nested Trainer seeds everything) and give the caller its Python, numpy and torch RNGs back."""
+    import random
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 @contextmanager
@@ -212,12 +230,15 @@ def build_optimizer(spec: dict, model, param_names: list[str]):
 
 
 class TraceWriter:
-    """Appends plan lines, WAL records and manifest slots; saves checkpoints; seals the run with sidecars."""
+    """Appends plan lines, WAL records and manifest slots; saves checkpoints (each bound to the run by the
+    checkpoint index, frozen tensors saved once); seals the run with sidecars."""
 
     def __init__(self, run_dir: Path, key: bytes):
         self.run = Path(run_dir)
         self.key = key
         self._plan = self._wal = self._manifest = None
+        self.index: CheckpointIndex | None = None
+        self.frozen = FrozenTensors(self.run)
 
     def open(self, header: dict, resume_step: int | None = None) -> None:
         """Start the files; on resume keep only entries of steps before ``resume_step``."""
@@ -243,11 +264,22 @@ class TraceWriter:
         else:
             for f in (plan_f, wal_f, man_f):
                 f.write_bytes(b"")
+            (self.run / PROGRESS_FILE).unlink(missing_ok=True)
+        self._open_index(header, resume_step)
         self.write_header(header)
         self._plan, self._wal, self._manifest = open(plan_f, "a"), open(wal_f, "ab"), open(man_f, "ab")
 
+    def mark_completed(self, step: int) -> None:
+        """Note that optimizer step ``step`` ran (``progress.json``), so a crash report names the right step."""
+        atomic_write_text(self.run / PROGRESS_FILE, json.dumps({"completed_step": step}))
+
     def write_header(self, header: dict) -> None:
         atomic_write_text(self.run / "header.json", json.dumps(header, indent=1, sort_keys=True))
+
+    def reseal_header(self, header: dict) -> None:
+        """Rewrite a sealed run's header (the self-check's outcome) with its sidecar."""
+        self.write_header(header)
+        write_sidecar(self.run / "header.json")
 
     def append(self, entries: list[PlanEntry]) -> None:
         """Write one segment ahead of running it (plan line, WAL record, manifest slots per microbatch)."""
@@ -260,8 +292,26 @@ class TraceWriter:
         for f in (self._plan, self._manifest, self._wal):
             f.flush()
 
+    def _open_index(self, header: dict, resume_step: int | None) -> None:
+        from .checkpoints import INDEX_NAME, _entry, list_checkpoints
+
+        header["checkpoint_index"] = INDEX_FORMAT
+        if resume_step is not None and (self.run / "checkpoints" / INDEX_NAME).exists():
+            self.index = CheckpointIndex.load(self.run, header["run_id"], self.key)
+            self.index.thin([s for s in self.index.entries if s <= resume_step])
+            return
+        self.index = CheckpointIndex(self.run, header["run_id"], self.key, header.get("checkpoint_retention"))
+        if resume_step is not None:  # a run recorded before the index: bind the checkpoints it has
+            for step, d in list_checkpoints(self.run).items():
+                self.index.adopt(step, _entry(d))
+        self.index.save()
+
     def save_checkpoint(self, step: int, model, optimizer) -> Path:
-        return save_checkpoint(self.run, step, model, optimizer)
+        if not self.frozen.exists and (self.frozen.dir / "hashes.json").exists():
+            self.frozen.adopt_matching(model)  # a resumed recording: its frozen tensors were saved before
+        d = save_checkpoint(self.run, step, model, optimizer, frozen=self.frozen)
+        self.index.add(step)
+        return d
 
     def close(self) -> None:
         for f in (self._plan, self._wal, self._manifest):
@@ -289,6 +339,12 @@ class _TraceCallback(TrainerCallback):
         # state.epoch is fractional after a resume mid-epoch (1.5 is still epoch 1) and exact at epoch ends
         self.trainer._trace_epoch = int(math.floor((state.epoch or 0) + 1e-9))
 
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the optimizer step ran: a crash from here on (logging, saving, evaluation, a callback) leaves a completed step
+        writer = self.trainer._trace_writer
+        if writer is not None:
+            writer.mark_completed(state.global_step)
+
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._trace_finish()
 
@@ -302,9 +358,20 @@ class TraceRecordingMixin:
 
     Args (beyond the trainer's own):
         trace_dir: folder of the recorded run (see :mod:`hf_unlearn.trace.run` for its layout).
-        trace_checkpoint_steps: save model + optimizer state every N optimizer steps (default: about 10
-            checkpoints over the run). Suffix replays start from the latest checkpoint before the first
-            affected step, so more checkpoints mean cheaper late deletions.
+        trace_checkpoint_steps: the dense checkpoint spacing K: model + optimizer state is written every K
+            optimizer steps (default: T // 32 with geometric retention, ceil(T / 10) with even retention, T the
+            planned number of steps). Suffix replays start from the latest kept checkpoint before the first
+            affected step.
+        trace_checkpoint_retention: ``"geometric"`` (default): the dense checkpoints are thinned while training
+            so that a deletion whose first affected step is s replays at most 2 (T - s) + K steps, with about
+            log2(T / K) + 1 checkpoints kept (:mod:`hf_unlearn.trace.retention`); ``"even"``: all kept.
+        trace_checkpoint_budget: bytes the kept checkpoints may take (frozen tensors counted once); geometric
+            retention then keeps fewer, with a larger replay bound (logged, written to the run and printed by
+            ``inspect`` and ``cost``). Refused, at the first checkpoint after step 0 (its size sets the count),
+            when two checkpoints (step 0 and the end) do not fit.
+        trace_frozen_source: the model folder (``from_pretrained``) the frozen weights came from: frozen tensors
+            found there bit for bit are referenced, not copied into the run (checked by their hashes at every
+            load; moving or editing the folder makes the run refuse to load). Default: saved once in the run.
         trace_key: the HMAC key for id tags (bytes), kept in ``trace_dir/private/hmac.key``; default: the
             library's one key (:mod:`hf_unlearn.hub.keys`), so cards and deletion logs carry matching tags.
         id_column: the dataset column with the stable sample id (int or str; the collator never sees it).
@@ -313,6 +380,10 @@ class TraceRecordingMixin:
         trace_allow_hazards: record even if the run has hazards a replay cannot reproduce (a random collator,
             fp16 loss scaling, ...). They are written to the header and printed by ``inspect`` and ``verify``,
             whose verdicts then do not cover them. Default: refuse at construction.
+        trace_self_check: when ``train()`` ends, replay the first checkpoint interval with the replay engine and
+            compare it with the recorded checkpoint; the outcome is sealed into the run (``header.json``
+            ``fidelity``) and a run the engine does not reproduce gets every replay and verdict refused (see
+            :mod:`hf_unlearn.trace.fidelity`). Costs about 1/number-of-checkpoints of the run. Default: on.
     """
 
     _is_replay = False
@@ -320,13 +391,30 @@ class TraceRecordingMixin:
 
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
-                 trace_allow_hazards: bool = False, **kwargs):
+                 trace_allow_hazards: bool = False, trace_self_check: bool = True,
+                 trace_checkpoint_retention: str = "geometric",
+                 trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
+                 **kwargs):
+        from .retention import MODES
+
+        if trace_checkpoint_retention not in MODES:
+            raise UnlearnError(f"trace_checkpoint_retention must be one of {MODES}, not {trace_checkpoint_retention!r}")
+        for name, value in (("trace_checkpoint_steps", trace_checkpoint_steps),
+                            ("trace_checkpoint_budget", trace_checkpoint_budget)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UnlearnError(f"{name} must be a positive int (or None for the default), not {value!r}")
         self._trace_arguments = {} if self._is_replay else _bound_arguments(super().__init__, args, kwargs)
         raw = self._trace_arguments.get("train_dataset")
         raw_ids = list(raw[id_column]) if id_column in getattr(raw, "column_names", ()) else None
+        # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
+        prepare_cuda_determinism(self._trace_arguments.get("args", kwargs.get("args")))
         super().__init__(*args, **kwargs)
+        self.trace_self_check = trace_self_check
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
         self.trace_checkpoint_steps = trace_checkpoint_steps
+        self.trace_checkpoint_retention = trace_checkpoint_retention
+        self.trace_checkpoint_budget = trace_checkpoint_budget
+        self.trace_frozen_source = trace_frozen_source
         self.id_column = id_column
         self.dummy_token_id = dummy_token_id if dummy_token_id is not None else self._default_dummy_token()
         self.trace_allow_hazards = trace_allow_hazards
@@ -342,7 +430,8 @@ class TraceRecordingMixin:
         self._trace_groups = None
         self._trace_resume = None
         self._trace_optimizer_source = self._optimizer_source()
-        self.add_callback(_TraceCallback(self))
+        # first, so a user callback that fails right after an optimizer step cannot hide that the step completed
+        self.callback_handler.callbacks.insert(0, _TraceCallback(self))
         self._trace_dropped, self._trace_trainer, self._trace_probed = [], {}, False
         if not self._is_replay:
             self._trace_trainer = self._trace_trainer_spec()
@@ -507,7 +596,7 @@ class TraceRecordingMixin:
         if args.fp16:
             hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
                            "may scale (and skip) steps differently; use bf16 or fp32")
-        if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled() and not args.use_cpu:
+        if args.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
             hazards.append("CUDA without torch.use_deterministic_algorithms(True): kernels may not be bit-reproducible")
         template = served[0]
         if dummy_has_weight(collator, dummy_row(template, 4, self.dummy_token_id, self.id_column)):
@@ -620,8 +709,31 @@ class TraceRecordingMixin:
             raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
                                "(or resume_from_checkpoint)")
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        self._trace_self_check()
+        return output
+
+    def _trace_self_check(self) -> None:
+        """Prove the replay engine on this run (its first checkpoint interval) and seal the outcome into it."""
+        header = self._trace_header
+        if self._is_replay or not header.get("sealed") or not self.accelerator.is_main_process:
+            return
+        fid = header.setdefault("fidelity", {})
+        if fid.get("recording"):  # decided when sealing (a buffer changed during training)
+            return
+        if not self.trace_self_check:
+            fid["recording"] = {"checked": False, "why": "trace_self_check=False"}
+        elif self.accelerator.num_processes > 1:
+            fid["recording"] = {"checked": False, "why": "the self-check runs in one-process runs; the checkpoints each "
+                                "replay passes check data-parallel runs"}
+        else:
+            from .fidelity import self_check
+
+            collator = None if header["collator"].get("rebuildable") else self.data_collator
+            with _rng_kept():
+                fid["recording"] = self_check(self.trace_dir, data_collator=collator)
+        TraceWriter(self.trace_dir, b"").reseal_header(header)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -630,9 +742,9 @@ class TraceRecordingMixin:
         if not self._trace_started:
             self._trace_start()
         step = self.state.global_step
-        if self._trace_writer is not None and step % self._trace_every == 0 and step not in self._trace_saved:
-            self._trace_writer.save_checkpoint(step, self.accelerator.unwrap_model(self.model), self.optimizer)
-            self._trace_saved.add(step)
+        if self._trace_writer is not None and step not in self._trace_saved and is_due(
+                step, self._trace_total, self._trace_every, self.trace_checkpoint_retention):
+            self._trace_checkpoint(step)
         ids, digests = [], []
         for batch in batch_samples:
             if self.id_column not in batch:
@@ -724,7 +836,9 @@ class TraceRecordingMixin:
         resume_step = self.state.global_step if self._trace_resume else None
         self._trace_key = recording_key(run, self._trace_key_arg)
         max_steps = max(self.state.max_steps, 1)
-        self._trace_every = self.trace_checkpoint_steps or max(1, -(-max_steps // 10))
+        self._trace_total = max_steps
+        self._trace_every = self.trace_checkpoint_steps or default_every(max_steps, self.trace_checkpoint_retention)
+        self._trace_factor = 2
         store = run / "private" / "store"
         fingerprint = store_sha256(store) if store.exists() else save_store(served, store)
         index = id_index(served, self.id_column)
@@ -741,7 +855,11 @@ class TraceRecordingMixin:
         header["key_fingerprint"] = key_fingerprint(self._trace_key)
         self._trace_header = header
         self._save_model_files(run)
+        from .fidelity import save_buffers
+
+        header["model"]["layout"] = save_buffers(self.accelerator.unwrap_model(self.model), run)
         self._trace_writer = TraceWriter(run, self._trace_key)
+        self._trace_writer.frozen.source = self.trace_frozen_source
         self._trace_writer.open(header, resume_step=resume_step)
         self._trace_saved = {int(d.name.split("-")[1]) for d in (run / "checkpoints").glob("step-*")}
         self._trace_mb = 0
@@ -769,12 +887,97 @@ class TraceRecordingMixin:
             return
         step = self.state.global_step
         if step not in self._trace_saved:
-            self._trace_writer.save_checkpoint(step, self.accelerator.unwrap_model(self.model), self.optimizer)
-            self._trace_saved.add(step)
+            self._trace_checkpoint(step, final=True)
+        else:
+            self._trace_thin(step, final=True)
         self._trace_header.update(optimizer_steps=step, microbatches=self._trace_mb, finished=time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        kept = self._kept_model()
+        if kept:
+            self._trace_header["kept_model"] = kept
+        if not self._is_replay:
+            from .fidelity import changed_buffers
+
+            changed = changed_buffers(self.accelerator.unwrap_model(self.model), self.trace_dir)
+            if changed:
+                self._trace_header["fidelity"] = {"recording": {
+                    "checked": True, "reproduced": False, "steps": [0, step],
+                    "why": f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do "
+                           "not carry it, so replays cannot follow it)"}}
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
+
+    def _trace_checkpoint(self, step: int, final: bool = False) -> None:
+        self._trace_writer.save_checkpoint(step, self.accelerator.unwrap_model(self.model), self.optimizer)
+        self._trace_saved.add(step)
+        if step > 0 and self.trace_checkpoint_budget and self.trace_checkpoint_retention == "geometric" \
+                and "max_kept" not in self._trace_header["checkpoint_retention"]:
+            self._trace_fit_budget(step)  # the first checkpoint with optimizer state sets the size of each
+        self._trace_thin(step, final)
+
+    def _trace_fit_budget(self, step: int) -> None:
+        """Pick the retention factor whose kept set fits ``trace_checkpoint_budget`` (sizes from ``step``'s files)."""
+        import logging
+
+        from .checkpoints import FROZEN_DIR, checkpoint_bytes, checkpoint_dir
+        from .retention import describe, factor_for_budget
+
+        each = checkpoint_bytes(checkpoint_dir(self.trace_dir, step))
+        frozen_dir = self.trace_dir / "checkpoints" / FROZEN_DIR
+        frozen = sum(f.stat().st_size for f in frozen_dir.iterdir()) if frozen_dir.exists() else 0
+        budget = self.trace_checkpoint_budget
+        fits = max(0, budget - frozen) // each
+        factor = factor_for_budget(self._trace_total, self._trace_every, fits)
+        if factor is None:
+            raise UnlearnError(f"trace_checkpoint_budget={budget} bytes holds {fits} checkpoint(s) of {each} bytes "
+                               f"(+ {frozen} bytes of frozen tensors once); a run needs at least 2 (step 0 and the "
+                               f"end): raise it to at least {2 * each + frozen}, or drop it")
+        self._trace_factor = factor
+        retention = self._trace_header["checkpoint_retention"]
+        retention.update(factor=factor, budget=budget, max_kept=int(fits))
+        self._trace_writer.index.retention = retention
+        if factor != 2:
+            logging.getLogger(__name__).warning(
+                "trace_checkpoint_budget=%d keeps at most %d checkpoints: %s (2 x (T - s) + K without the budget)",
+                budget, fits, describe(retention))
+
+    def _trace_thin(self, step: int, final: bool = False) -> None:
+        """Drop the checkpoints retention no longer needs (crash-safe: see CheckpointIndex.thin)."""
+        from .retention import final_keep, thin
+
+        index, mode = self._trace_writer.index, self.trace_checkpoint_retention
+        have = sorted(index.entries)
+        if 0 not in have or step not in have:
+            return  # a run resumed without its step-0 checkpoint: keep everything
+        if final:
+            keep = final_keep(step, have, self._trace_every, self._trace_factor, mode)
+        else:
+            keep = thin(step, have, self._trace_total, self._trace_every, self._trace_factor, mode)
+            cap = self._trace_header["checkpoint_retention"].get("max_kept")
+            if cap and len(keep) > cap:  # while training, the bound for an early stop gives way to the budget
+                from .retention import dense_steps, geometric_keep
+
+                planned = set(geometric_keep(self._trace_total, dense_steps(self._trace_total, self._trace_every),
+                                             self._trace_every, self._trace_factor))
+                extra = [c for c in keep if c not in planned and c not in (0, step)]
+                keep = sorted(set(keep) - set(extra[:len(keep) - cap]))
+        index.thin(keep)
+        if final:
+            index.retention = {**(index.retention or {}), "kept": sorted(index.entries)}
+            self._trace_header["checkpoint_retention"] = index.retention
+            index.save()
+
+    def _kept_model(self) -> dict | None:
+        """With ``load_best_model_at_end`` the user keeps the best checkpoint's model, not the last step's: its step."""
+        state = self.state
+        if self._is_replay or not self.args.load_best_model_at_end or not state.best_model_checkpoint:
+            return None
+        best = state.best_global_step
+        if best is None:
+            best = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
+        return {"step": int(best), "recorded_steps": state.global_step, "metric": self.args.metric_for_best_model,
+                "why": "load_best_model_at_end: the Trainer loaded the best checkpoint, so the kept model is the state "
+                       f"after {best} of {state.global_step} optimizer steps; deletions replay up to it"}
 
     def _trace_header_dict(self, served, fingerprint: str, hazards: list[str], notes: list[str]) -> dict:
         args = self.args
@@ -813,6 +1016,7 @@ class TraceRecordingMixin:
                       "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),
                       "attn_implementation": getattr(config, "_attn_implementation", None),
                       "num_parameters": sum(p.numel() for p in model.parameters()),
+                      "frozen_parameters": frozen_parameters(model),
                       "peft": {"adapter_name": peft["name"], "type": str(peft["config"].peft_type)} if peft else None,
                       "config": config.to_dict() if config is not None else None},
             "optimizer": optimizer,
@@ -823,6 +1027,8 @@ class TraceRecordingMixin:
                             "cudnn_deterministic": torch.backends.cudnn.deterministic,
                             "cudnn_benchmark": torch.backends.cudnn.benchmark,
                             "dataloader_num_workers": args.dataloader_num_workers, "device": str(args.device),
+                            "device_info": device_info(args.device),
+                            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                             "dropout": dropout_settings(model), "neftune_noise_alpha": args.neftune_noise_alpha,
                             "per_microbatch_reseeding": True},
             "hazards": hazards,
@@ -836,6 +1042,9 @@ class TraceRecordingMixin:
                         "dropped_tags": sorted(tag(self._trace_key, i) for i in self._trace_dropped)},
             "dummy_token_id": self.dummy_token_id,
             "checkpoint_steps": self._trace_every,
+            "checkpoint_retention": {"mode": self.trace_checkpoint_retention, "every": self._trace_every,
+                                     "factor": self._trace_factor, "planned_steps": self._trace_total,
+                                     "budget": self.trace_checkpoint_budget},
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_grad_norm": args.max_grad_norm,
             "world_size": self.accelerator.num_processes,
@@ -896,6 +1105,11 @@ def trace_recording(trainer_cls):
     return type(f"TraceRecording{trainer_cls.__name__}", (TraceRecordingMixin, trainer_cls),
                 {"__module__": __name__, "__doc__": f"{trainer_cls.__qualname__} recording a replayable trace.",
                  "_trace_machinery": True})
+
+
+def frozen_parameters(model) -> list[str]:
+    """Names of the parameters that do not train (``requires_grad=False``): a replay freezes the same ones."""
+    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
 
 def peft_and_base(model) -> tuple[dict | None, object]:

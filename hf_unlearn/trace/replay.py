@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import time
 import uuid
@@ -34,6 +33,7 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
+from .fidelity import check_against_checkpoint, check_device, fidelity_statement, refusal, restore_layout
 from .hashing import batch_digest
 from .plan import PlanEntry
 from .recording import (
@@ -67,6 +67,9 @@ REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "w
                "adam_beta2", "adam_epsilon", "learning_rate", "label_smoothing_factor", "bf16", "fp16", "tf32",
                "average_tokens_across_devices", "gradient_checkpointing", "gradient_checkpointing_kwargs",
                "torch_compile", "use_liger_kernel", "seed")
+# what a recorded run did besides training that a replay does not do (it would need an eval set, or write checkpoints)
+NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False,
+                "do_eval": False}
 # config keys that say where a model came from, not what it computes
 _VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                     "_attn_implementation_autoset", "use_cache"}
@@ -90,9 +93,10 @@ def forget_tags(run: TraceRun, forget_ids) -> set[str]:
     key = run.key
     tags = {i: tag(key, i) for i in forget_ids}
     in_plan = {s for e in run.plan for s in e.slots if s}
+    served = {s for e in run.served_plan for s in e.slots if s} if run.served_plan else in_plan
     deleted_before = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
     deleted_before |= never_trained_tags(run)
-    unknown = [i for i, t in tags.items() if t not in in_plan and t not in deleted_before]
+    unknown = [i for i, t in tags.items() if t not in served and t not in deleted_before]
     if unknown:
         raise UnlearnError(f"{len(unknown)} id(s) to forget never appear in the recorded plan of {run.path}: "
                            f"{unknown[:20]}{' ...' if len(unknown) > 20 else ''}; check the forget list")
@@ -123,10 +127,17 @@ def emptied_steps(plan: list[PlanEntry], tags: set[str]) -> list[int]:
 
 
 def replay_cost(run: TraceRun, forget_ids) -> dict:
-    """Where a suffix replay starts and how much of the run it re-executes (0 steps: nothing left to replay)."""
-    run = run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)
+    """Where a suffix replay starts and how much of the run it re-executes (0 steps: nothing left to replay).
+
+    ``minimum_steps`` is the physical limit of a trace-preserving deletion (``T - s``, ``s`` the first affected
+    step); ``steps_to_replay / minimum_steps`` is what the kept checkpoints cost on top of it, and ``bound_steps``
+    the most the run's retention rule allows (``factor * (T - s) + K``; None for runs without one). In a
+    multi-epoch run the ids' first occurrence (its epoch) sets the start; every later occurrence is replayed too.
+    """
+    run = (run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)).kept()
     tags = forget_tags(run, forget_ids)
-    affected = sorted({e.step for e in run.plan if tags & set(e.slots)})
+    hits = [e for e in run.plan if tags & set(e.slots)]
+    affected = sorted({e.step for e in hits})
     total = run.total_steps
     cps = sorted(run.checkpoints())
     first = affected[0] if affected else total
@@ -136,6 +147,12 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
     n_ids = len(set(forget_ids))
     dropped = never_trained_tags(run)
     never = sum(tag(run.key, i) in dropped for i in set(forget_ids))
+    retention = run.header.get("checkpoint_retention") or {}
+    minimum = total - first
+    bound = None
+    if retention.get("mode") == "geometric" and affected:
+        bound = retention.get("factor", 2) * minimum + retention.get("every", 0)
+    epochs = sorted({e.epoch for e in hits if e.epoch is not None})
     return {
         "forget_ids": n_ids,
         "already_deleted": n_ids - len(tags) - never,
@@ -145,11 +162,33 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
         "first_affected_step": affected[0] if affected else None,
         "start_checkpoint": start,
         "steps_to_replay": total - start,
+        "minimum_steps": minimum,
+        "ratio_to_minimum": (total - start) / minimum if minimum else None,
+        "bound_steps": bound,
+        "epochs": epochs,
+        "first_epoch": epochs[0] if epochs else None,
         "total_steps": total,
         "fraction_replayed": (total - start) / total if total else 0.0,
         "segments_emptied": len(emptied_steps(run.plan, tags)),
         "world_size": run.header.get("world_size", 1),
+        **({"kept_step": total} if run.served_plan else {}),
     }
+
+
+def describe_cost(cost: dict) -> list[str]:
+    """The cost estimate as the lines ``trace cost`` and ``forget`` print before any compute."""
+    if cost["first_affected_step"] is None:
+        return [f"nothing to replay: the {cost['forget_ids']} id(s) were deleted by an earlier request"]
+    ratio = cost["ratio_to_minimum"]
+    lines = [f"suffix replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
+             f"{cost['total_steps']} steps ({100 * cost['fraction_replayed']:.1f}% of the run); the minimum is "
+             f"{cost['minimum_steps']} steps (T - s, first affected step s = {cost['first_affected_step']}), ratio "
+             + (f"{ratio:.2f}" if ratio is not None else "n/a")
+             + (f" (the run's retention bound: at most {cost['bound_steps']:g} steps)" if cost["bound_steps"] else "")]
+    if len(cost["epochs"]) > 1:
+        lines.append(f"the ids occur in epochs {cost['epochs']}: their first occurrence (epoch {cost['first_epoch']}, "
+                     f"step {cost['first_affected_step']}) sets the start; the later ones are replayed with it")
+    return lines
 
 
 def training_args_from_header(header: dict, output_dir, **overrides) -> TrainingArguments:
@@ -165,12 +204,20 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
               and k not in ("logging_dir", "deepspeed", "fsdp_config", "accelerator_config", "report_to", "run_name",
                             "resume_from_checkpoint", "output_dir", "fsdp", "parallelism_config")}
     kwargs = {k: v for k, v in kwargs.items() if not (isinstance(v, str) and v.startswith("<") and v.endswith(">"))}
-    kwargs.update(output_dir=str(output_dir), report_to=[], save_strategy="no", disable_tqdm=True,
-                  use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()))
+    kwargs.update(output_dir=str(output_dir), report_to=[], disable_tqdm=True,
+                  use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()), **NOT_REPLAYED)
     if config_cls is not TrainingArguments:
         kwargs.update({k: v for k, v in CONSTRUCTION_ONLY.items() if k in names})
     kwargs.update(overrides)
     return config_cls(**kwargs)
+
+
+def without_evaluation(args: TrainingArguments) -> TrainingArguments:
+    """``args`` with evaluation, checkpoint saving and best-model loading off (a replay only re-executes the plan;
+    evaluating does not change the trace, and the kept model's step is a recorded control)."""
+    if all(getattr(args, k) == v for k, v in NOT_REPLAYED.items()):
+        return args
+    return dataclasses.replace(args, **NOT_REPLAYED)
 
 
 def _check_args(args: TrainingArguments, header: dict) -> None:
@@ -207,6 +254,10 @@ def model_from_run(run: TraceRun):
 
         adapter = PeftConfig.from_pretrained(str(run.path / "model" / "adapter"))
         model = get_peft_model(model, adapter, adapter_name=info["peft"]["adapter_name"])
+    if info.get("frozen_parameters") is not None:  # the same parameters frozen as in the recorded run
+        frozen = set(info["frozen_parameters"])
+        for name, p in model.named_parameters(remove_duplicate=False):
+            p.requires_grad_(name not in frozen)
     return model
 
 
@@ -231,6 +282,10 @@ def _check_model(model, header: dict) -> None:
     keys = [k for k in sorted(set(given) | set(recorded)) if k not in _VOLATILE_CONFIG and given.get(k) != recorded.get(k)]
     if keys:
         problems.append("config " + ", ".join(f"{k}={given.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys[:4]))
+    from .recording import frozen_parameters
+
+    if info.get("frozen_parameters") is not None and frozen_parameters(model) != info["frozen_parameters"]:
+        problems.append("other frozen parameters (requires_grad) than the recorded run's")
     if problems:
         raise UnlearnError("the model passed to the replay is not the recorded one: " + "; ".join(problems)
                            + " (omit model= to rebuild it from the trace)")
@@ -269,13 +324,20 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         return obj
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
-                 model=None, args=None, data_collator=None, **kwargs):
+                 model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
+                 **kwargs):
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
+        why = None if _self_check else refusal(header)
+        if why:
+            raise UnlearnError(f"{self.run.path}: {why}; exact deletion cannot be proven on this run, refusing before "
+                               "any compute (record it again with the cause fixed)")
+        self.run = self.run.kept() if stop_step is None else self.run.cut(stop_step)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if self.out_dir is not None and self.out_dir.exists() and any(self.out_dir.iterdir()):
             raise UnlearnError(f"{self.out_dir} exists and is not empty; choose a new output folder")
         created = self.out_dir is not None and not self.out_dir.exists()
+        self._out_created = created
         try:
             self._setup(header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs)
         except BaseException:
@@ -292,8 +354,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.filter_rows = filter_rows
         if model is None:
             model = model_from_run(self.run)
+            restore_layout(model, self.run.path, header)
         else:
             _check_model(model, header)
+            restore_layout(model, self.run.path, header, given=True)
         self._scratch = None
         if args is None:
             if self.out_dir is None:  # nothing is written, but Trainer wants an output_dir: not inside the run
@@ -303,6 +367,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             args = training_args_from_header(header, self.out_dir or self._scratch)
         else:
             _check_args(args, header)
+            args = without_evaluation(args)
         if data_collator is None:
             from ..data.collators import rebuild_collator
 
@@ -322,6 +387,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                          dummy_token_id=header.get("dummy_token_id", 0), **self._recorded_trainer_arguments(), **kwargs)
         self.data_collator = data_collator
         self._check_processes()
+        check_device(header, self.args.device)
         if self.store_policy == "redacted" and self.forget_ids:
             stored = set(self.store[self.id_column])
             present = [i for i in self.forget_ids if i in stored]
@@ -337,9 +403,17 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.start_step = self._start_step()
         self._check_rows()
         cps = self.run.checkpoints()
+        self._recorded_checkpoints = cps
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
         self._start_state = load_checkpoint(cps[self.start_step], verify=True)
+        held = self.model.state_dict()
+        for name, t in full_model_state(self._start_state).items():
+            if name in held and held[name].dtype != t.dtype:
+                raise UnlearnError(f"the replay model holds {name} as {held[name].dtype}, checkpoint step "
+                                   f"{self.start_step} as {t.dtype}: the model's dtype layout is not the recorded one")
+        affected = [e.step for e in self.run.plan if self.forget_tag_set & set(e.slots)]
+        self.first_affected_step = min(affected) if affected else self.run.total_steps
         if not self.filter_rows:
             self._check_batches()
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
@@ -468,10 +542,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             neftune = activate_neftune(self.model, self.neftune_noise_alpha, self.accelerator)
         main = self.accelerator.is_main_process
         writer = self._open_output(start) if self.out_dir is not None and not self.filter_rows and main else None
-        every = run.header.get("checkpoint_steps", 1)
+        saves = set(run.checkpoints())  # the output keeps the checkpoints its parent kept
         model.train()
         model.zero_grad()
         replayed = stepped = 0
+        self.checkpoints_matched = []
         try:
             for seg in run.segments():
                 step = seg[0].step
@@ -479,13 +554,23 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                     if writer:
                         writer.append(seg)
                     continue
-                if writer and step % every == 0 and step != start:
-                    writer.save_checkpoint(step, self.model, self.optimizer)
+                saved = None
+                if writer and step in saves and step != start:
+                    saved = writer.save_checkpoint(step, self.model, self.optimizer)
+                self._check_fidelity(step, saved)
                 if writer:
                     writer.append([self._output_entry(e) for e in seg])
                 replayed += 1
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
+            saved = None
+            if writer and run.total_steps > start:
+                saved = writer.save_checkpoint(run.total_steps, self.model, self.optimizer)
+            self._check_fidelity(run.total_steps, saved)
+        except BaseException:
+            if writer:
+                self._discard_output(writer)
+            raise
         finally:
             if neftune is not None:
                 from transformers.integrations.neftune import deactivate_neftune
@@ -493,10 +578,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 deactivate_neftune(self.model, neftune, self.accelerator)
         final = capture_state(self.model, self.optimizer, run.total_steps, clone=True)
         self.replay_stats = {"start_step": start, "segments_replayed": replayed, "optimizer_steps_taken": stepped,
-                             "total_steps": run.total_steps, "nothing_to_replay": replayed == 0}
+                             "total_steps": run.total_steps, "nothing_to_replay": replayed == 0,
+                             "checkpoints_matched": list(self.checkpoints_matched)}
         if writer:
-            if run.total_steps > start:
-                writer.save_checkpoint(run.total_steps, self.model, self.optimizer)
             self._finish_output(writer)
         self.accelerator.wait_for_everyone()
         if self._scratch is not None:
@@ -516,6 +600,29 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                                        every_n_layers=every_n_layers, offload=offload)
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None)
+
+    def _check_fidelity(self, step: int, saved: Path | None) -> None:
+        """At a recorded checkpoint before the first affected step, the state must be the recorded one (else stop)."""
+        recorded = self._recorded_checkpoints.get(step)
+        if recorded is None or step == self.start_step or step > self.first_affected_step:
+            return
+        if saved is not None:
+            actual = json.loads((saved / "hashes.json").read_text())
+        else:
+            from .hashing import checkpoint_hashes
+
+            actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step))
+        check_against_checkpoint(self.run.path, step, recorded, actual, who=f"the {self.mode}")
+        self.checkpoints_matched.append(step)
+
+    def _discard_output(self, writer: TraceWriter) -> None:
+        """A replay stopped part way leaves no half-written output run."""
+        writer.close()
+        if self._out_created:
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+        else:
+            for p in self.out_dir.iterdir():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
 
     def _output_entry(self, e: PlanEntry) -> PlanEntry:
         """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
@@ -616,18 +723,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for folder in ("model", "collator", PROCESSING_CLASS_DIR):
             if (src / folder).exists():
                 shutil.copytree(src / folder, out / folder)
-        for step, d in self.run.checkpoints().items():
-            if step <= start:
-                dst = checkpoint_dir(out, step)
-                dst.mkdir(parents=True)
-                for f in d.iterdir():
-                    try:
-                        os.link(f, dst / f.name)
-                    except OSError:
-                        shutil.copy2(f, dst / f.name)
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))
+        header.update(optimizer_steps=self.run.total_steps, microbatches=len(self.run.plan))
         header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
                       origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
                       parent={"run": str(src), "run_id": self.run.header.get("run_id"), "start_step": start,
@@ -640,6 +739,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             header["dataset"].update(store_sha256=store_sha256(out / "private" / "store"), rows=len(self.store))
         writer = TraceWriter(out, self.run.key)
         writer.open(header)
+        from .checkpoints import link_checkpoints
+
+        link_checkpoints(src, writer, [s for s in self.run.checkpoints() if s <= start], self.model,
+                         self._start_state.get("frozen", []))
         self._out_header = header
         return writer
 
@@ -659,6 +762,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             "optimizer_root": hashes["optimizer_root"],
             "parent_run": self.run.path.name,
         }
+        header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"]}
+        entry["fidelity"] = fidelity_statement(header)
         if stats["nothing_to_replay"]:
             entry["note"] = ("nothing to replay: no slot of the requested ids is left in the plan (deleted by an "
                              "earlier request); the state is the parent's final state")

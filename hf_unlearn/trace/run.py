@@ -3,15 +3,15 @@
 ```
 RUN/header.json  plan.jsonl  wal.bin  manifest.bin  deletion_log.jsonl   (publishable: keyed tags only)
 RUN/*.sha256                                                               (sidecars, written when sealed)
-RUN/checkpoints/step-00000040/{state.pt, hashes.json, hashes.json.sha256} (model + optimizer state)
+RUN/checkpoints/step-00000040/, frozen/, index.json                     (see hf_unlearn.trace.checkpoints)
 RUN/model/config.json [adapter/]                                           (to rebuild the model)
 RUN/collator/                                                              (the collator's tokenizer, if any)
 RUN/private/{store/, hmac.key}   (never publish; hmac.key only in runs with their own key, see tags.run_key)
 ```
 
 A checkpoint's ``hashes.json`` holds the SHA-256 of every tensor (tied tensors once) and of everything else the
-checkpoint holds; it is the checkpoint's integrity record (its own sidecar guards it) and is checked against the
-loaded state whenever a checkpoint is used. Sidecars are plain SHA-256: they catch damage and edits that did not
+checkpoint holds; it is checked against the loaded state whenever a checkpoint is used, and bound to the run by
+``checkpoints/index.json`` (:mod:`hf_unlearn.trace.checkpoints`). Sidecars are plain SHA-256: they catch damage and edits that did not
 also rewrite the sidecar, not an editor who rewrites both.
 """
 
@@ -28,6 +28,17 @@ import numpy as np
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .checkpoints import (  # noqa: F401 - re-exported: the checkpoint functions lived here
+    capture_state,
+    check_checkpoint_state,
+    checkpoint_dir,
+    full_model_state,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    tied_aliases,
+)
+from .checkpoints import check_checkpoints as checkpoint_report
 from .plan import PlanEntry, read_plan, segments
 from .tags import ids_digest
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, read_manifest, read_wal
@@ -39,12 +50,10 @@ HEADER_KEYS = frozenset({
     "format", "run_id", "origin_run_id", "parent", "created", "finished", "sealed", "key_fingerprint", "model",
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
-    "distributed_type", "optimizer_steps", "microbatches", "trainer"})
+    "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention", "fidelity",
+    "kept_model", "trainer"})
 SEALED_FILES = ("header.json", "plan.jsonl", "wal.bin", "manifest.bin")
-
-
-def checkpoint_dir(run: Path, step: int) -> Path:
-    return Path(run) / "checkpoints" / f"step-{step:08d}"
+PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
 
 
 def file_sha256(path: Path) -> str:
@@ -65,101 +74,6 @@ def check_sidecar(path: Path) -> bool | None:
     if not side.exists():
         return None
     return side.read_text().split()[0] == file_sha256(path)
-
-
-def list_checkpoints(run: Path) -> dict[int, Path]:
-    """Complete checkpoints (state and its hashes.json) by optimizer step."""
-    out = {}
-    for d in sorted((Path(run) / "checkpoints").glob("step-*")):
-        if (d / "state.pt").exists() and (d / "hashes.json").exists():
-            out[int(d.name.split("-")[1])] = d
-    return out
-
-
-def tied_aliases(state_dict) -> dict[str, str]:
-    """``alias -> first name`` for state-dict entries that are one tensor (a tied embedding and LM head)."""
-    first: dict = {}
-    tied = {}
-    for name, t in state_dict.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-               str(t.device))
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
-    return tied
-
-
-def capture_state(model, optimizer, step: int, clone: bool = False) -> dict:
-    """A checkpoint dict: model tensors (each tied tensor once), the tie map, optimizer state, parameter names."""
-    from .hashing import optimizer_param_names
-
-    sd = model.state_dict()
-    tied = tied_aliases(sd)
-    tensors = {k: v.detach().to("cpu") for k, v in sd.items() if k not in tied}
-    osd = optimizer.state_dict()
-    if clone:
-        import copy
-
-        tensors = {k: v.clone() for k, v in tensors.items()}
-        osd = copy.deepcopy(osd)
-    return {"step": step, "model": tensors, "tied": tied, "optimizer": osd,
-            "param_names": optimizer_param_names(model, optimizer)}
-
-
-def full_model_state(state: dict) -> dict:
-    """The checkpoint's model tensors with the tied aliases restored, for ``model.load_state_dict``."""
-    return {**state["model"], **{alias: state["model"][name] for alias, name in state.get("tied", {}).items()}}
-
-
-def save_checkpoint(run: Path, step: int, model, optimizer) -> Path:
-    """Write ``checkpoints/step-N/``: ``state.pt`` (atomically), then ``hashes.json`` and its sidecar."""
-    import os
-
-    import torch
-
-    from .hashing import checkpoint_hashes
-
-    d = checkpoint_dir(run, step)
-    d.mkdir(parents=True, exist_ok=True)
-    state = capture_state(model, optimizer, step)
-    tmp = d / "state.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, d / "state.pt")
-    atomic_write_text(d / "hashes.json", json.dumps(checkpoint_hashes(state), indent=1, sort_keys=True))
-    write_sidecar(d / "hashes.json")
-    return d
-
-
-def load_checkpoint(path: Path, verify: bool = True) -> dict:
-    """Load ``state.pt``; with ``verify`` recompute its hashes and refuse it unless they equal ``hashes.json``."""
-    import torch
-
-    path = Path(path)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    if verify:
-        check_checkpoint_state(path, state)
-    return state
-
-
-def check_checkpoint_state(path: Path, state: dict) -> None:
-    from .hashing import checkpoint_hashes
-
-    path = Path(path)
-    recorded_file = path / "hashes.json"
-    if not recorded_file.exists():
-        raise UnlearnError(f"checkpoint {path} has no hashes.json: it cannot be checked, refusing to use it")
-    if check_sidecar(recorded_file) is False:
-        raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
-    recorded = json.loads(recorded_file.read_text())
-    actual = checkpoint_hashes(state)
-    bad = [n for part in ("params", "optimizer") for n in sorted(set(recorded[part]) | set(actual[part]))
-           if recorded[part].get(n) != actual[part].get(n)]
-    if recorded.get("meta_sha256") != actual["meta_sha256"]:
-        bad.append("step/tie map/parameter names/optimizer hyperparameters")
-    if bad:
-        raise UnlearnError(f"checkpoint {path} does not match its hashes.json (it differs in {', '.join(bad[:3])}"
-                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
 
 
 @dataclass
@@ -184,6 +98,7 @@ class TraceRun:
     header: dict
     plan: list[PlanEntry]
     report: Report
+    served_plan: list[PlanEntry] | None = None
 
     @property
     def key(self) -> bytes:
@@ -217,6 +132,20 @@ class TraceRun:
         steps = set(steps)
         by_tag = {tag(self.key, i): i for i in load_store(self.store_path)[self.id_column]}
         return [by_tag[s] for e in self.plan if e.step in steps for s in e.slots if s]
+
+    def cut(self, end_step: int) -> TraceRun:
+        """This run as if it had stopped before optimizer step ``end_step`` (its plan cut there; ``served_plan``
+        keeps the whole plan, so ids served only later are known, not unknown)."""
+        import dataclasses
+
+        return dataclasses.replace(self, plan=[e for e in self.plan if e.step < end_step],
+                                   served_plan=self.served_plan or self.plan)
+
+    def kept(self) -> TraceRun:
+        """The run up to the model its user kept: with ``load_best_model_at_end`` the recorded best step, a control of
+        the run like its length (the header's ``kept_model``); otherwise the run itself."""
+        step = (self.header.get("kept_model") or {}).get("step")
+        return self.cut(step) if step is not None and step < self.total_steps else self
 
     def final_checkpoint(self) -> Path:
         cps = self.checkpoints()
@@ -317,33 +246,21 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     while plan and not plan[-1].end:
         plan.pop()
 
-    cps = list_checkpoints(path)
-    for d in sorted((path / "checkpoints").glob("step-*")):
-        step = int(d.name.split("-")[1])
-        if step in cps:
-            continue
-        missing = [f for f in ("state.pt", "hashes.json") if not (d / f).exists()]
-        (rep.errors if sealed else rep.warnings).append(
-            f"checkpoint step {step} is incomplete (no {' and no '.join(missing)})"
-            + ("" if sealed else ": it is not used"))
-    for step, d in cps.items():
-        if not check_checkpoints:
-            break
-        ok = check_sidecar(d / "hashes.json")
-        if ok is False:
-            rep.errors.append(f"checkpoint step {step}: hashes.json does not match its SHA-256 sidecar")
-        elif ok is None:
-            (rep.errors if sealed else rep.warnings).append(
-                f"checkpoint step {step} has no hashes.json.sha256 sidecar" + (" in a sealed run" if sealed else ""))
-        if deep and ok is not False:
-            try:
-                check_checkpoint_state(d, load_checkpoint(d, verify=False))
-            except UnlearnError as e:
-                rep.errors.append(str(e))
+    total = header.get("optimizer_steps") if sealed else None
+    cps, ck_errors, ck_warnings = checkpoint_report(path, header, key, sealed,
+                                                    total or (plan[-1].step + 1 if plan else 0),
+                                                    check_sidecars=check_checkpoints, deep=deep)
+    rep.errors += ck_errors
+    rep.warnings += ck_warnings
     if not sealed and plan:
         # The WAL is written before a step runs: the last logged step completed only if something follows it.
         last = plan[-1].step
-        if last + 1 not in cps:
+        done = _completed_step(path)
+        if last + 1 not in cps and done is not None and done >= last:
+            rep.warnings.append(f"the run stopped after optimizer step {last} completed, before step {last + 1} was "
+                                f"logged (a crash in logging, saving, evaluation or a callback): replays end after step "
+                                f"{last}")
+        elif last + 1 not in cps:
             rep.warnings.append(f"optimizer step {last} was logged but never completed (the run stopped during or "
                                 f"right after it, before any later record or checkpoint): replays stop at step {last}")
             plan = [e for e in plan if e.step < last]
@@ -375,6 +292,14 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "trainer": (header.get("trainer") or {}).get("class", "transformers.trainer:Trainer"),
     }
     return rep, header, plan
+
+
+def _completed_step(path: Path) -> int | None:
+    f = Path(path) / PROGRESS_FILE
+    try:
+        return int(json.loads(f.read_text())["completed_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def open_run(path: str | Path, strict: bool = True, check_checkpoints: bool = True) -> TraceRun:

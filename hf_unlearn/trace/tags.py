@@ -65,8 +65,7 @@ def load_or_create_key(path: str | os.PathLike, key: bytes | None = None) -> byt
     key = key if key is not None else secrets.token_bytes(KEY_BYTES)
     from ..utils import atomic_write_bytes
 
-    atomic_write_bytes(path, key)
-    os.chmod(path, 0o600)
+    atomic_write_bytes(path, key, private=True)
     return key
 
 

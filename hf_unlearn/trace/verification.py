@@ -77,7 +77,7 @@ def load_state(path) -> dict:
     path = Path(path)
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
-    if (path / "state.pt").exists():
+    if (path / "state.pt").exists() or (path / "checkpoint.json").exists():
         return load_checkpoint(path)
     if not path.exists():
         raise UnlearnError(f"{path} does not exist: pass a replay/oracle output folder, a checkpoint folder or a .pt file")
@@ -126,8 +126,15 @@ def check_provenance(replay_out, oracle_out) -> dict:
                             f"{len(b - a)} only in the oracle)")
         if replay.get("optimizer_steps") != oracle.get("optimizer_steps"):
             problems.append("the replay and the oracle end at different optimizer steps")
+    from .fidelity import fidelity_statement, refusal
+
+    for role, header in headers.items():
+        why = refusal(header)
+        if why:
+            problems.append(f"the {role}'s run: {why}")
     hazards = sorted({h for h in (headers.get("replay") or {}).get("hazards", [])})
-    return {"checked": len(headers) == 2, "problems": problems, "hazards": hazards,
+    fidelity = {role: fidelity_statement(header) for role, header in headers.items()}
+    return {"checked": len(headers) == 2, "problems": problems, "hazards": hazards, "fidelity": fidelity,
             "deleted_ids": len(deleted_tags(replay_out)) if "replay" in headers else None,
             }
 
@@ -142,6 +149,8 @@ def verify(replay_out, oracle_out) -> dict:
     report = compare_states(load_state(replay_out), oracle)
     report["provenance"] = check_provenance(replay_out, oracle_out)
     report["verified"] = report["identical"] and not report["provenance"]["problems"]
+    fidelity = report["provenance"].get("fidelity", {})
+    report["fidelity"] = fidelity.get("oracle") or fidelity.get("replay") or "no run folders: fidelity not checked"
     baselines = {}
     for f in sorted(Path(oracle_out).glob("baselines/*.pt")):
         cmp = compare_states(load_state(f), oracle)

@@ -1,0 +1,683 @@
+"""A recorded run's checkpoints: what is saved, how each is bound to its run, how it is loaded and checked.
+
+```
+RUN/checkpoints/step-00000040/  model.safetensors  optimizer.safetensors  checkpoint.json  hashes.json(.sha256)
+RUN/checkpoints/frozen/         model.safetensors  hashes.json   (tensors that do not train, saved once)
+RUN/checkpoints/index.json      every kept checkpoint's roots, MAC'd with the run key: the checkpoints' binding
+```
+
+* **What trains is checkpointed.** Parameters with ``requires_grad=False`` (a PEFT base, frozen layers) are saved
+  once in ``frozen/``; a checkpoint references them as long as they are the same tensor, unmodified (same storage,
+  same in-place version counter), and saves any that changed. A loaded checkpoint is the full state again.
+* **Safetensors.** Model tensors and the optimizer state (flattened to ``state.<index>.<key>``, with a small JSON
+  index in ``checkpoint.json`` of its param groups and non-tensor entries) are safetensors files: safe to open,
+  memory-mappable, written from the live tensors without a copy and verified one tensor at a time.
+* **Bound to the run.** ``hashes.json`` holds the SHA-256 of every tensor (frozen ones included) and the parameter
+  and optimizer roots; as a checkpoint is saved its roots and the hash of its ``hashes.json`` go into
+  ``index.json``, whose MAC (HMAC-SHA256 under the run key, over the run id and every entry) an editor without the
+  key cannot recompute. A checkpoint folder copied from another run carries its own consistent ``hashes.json`` but
+  not this run's roots: refused, named. A checkpoint the index lists and the disk lacks is reported.
+
+Runs recorded before this format (``step-N/state.pt``, no index) still load; their checkpoints are checked
+against their own ``hashes.json`` only, and against the header's cadence for missing ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import UnlearnError
+from ..utils import atomic_write_text
+
+CHECKPOINT_FORMAT = "hf_unlearn.checkpoint.v2"
+INDEX_FORMAT = "hf_unlearn.checkpoint_index.v1"
+INDEX_NAME = "index.json"
+FROZEN_DIR = "frozen"
+TRASH_PREFIX = ".thinned-"  # a checkpoint being deleted is renamed first: a crash leaves no half-deleted step-N
+
+
+def checkpoint_dir(run: Path, step: int) -> Path:
+    return Path(run) / "checkpoints" / f"step-{step:08d}"
+
+
+def _step_of(d: Path) -> int:
+    return int(d.name.split("-")[1])
+
+
+def is_complete(d: Path) -> bool:
+    """A checkpoint folder whose state and ``hashes.json`` are all there (either format)."""
+    d = Path(d)
+    state = (d / "state.pt").exists() or all((d / f).exists() for f in (
+        "checkpoint.json", "model.safetensors", "optimizer.safetensors"))
+    return state and (d / "hashes.json").exists()
+
+
+def list_checkpoints(run: Path) -> dict[int, Path]:
+    """Complete checkpoints by optimizer step: those the run's index lists (all of them in runs without one)."""
+    run = Path(run)
+    listed = read_index_steps(run)
+    out = {}
+    for d in sorted((run / "checkpoints").glob("step-*")):
+        if is_complete(d) and (listed is None or _step_of(d) in listed):
+            out[_step_of(d)] = d
+    return out
+
+
+# ---- capture ----------------------------------------------------------------------------------------------
+def tied_aliases(state_dict) -> dict[str, str]:
+    """``alias -> first name`` for state-dict entries that are one tensor (a tied embedding and LM head)."""
+    first: dict = {}
+    tied = {}
+    for name, t in state_dict.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+               str(t.device))
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
+def capture_state(model, optimizer, step: int, clone: bool = False) -> dict:
+    """A checkpoint dict: model tensors (each tied tensor once), the tie map, optimizer state, parameter names."""
+    from .hashing import optimizer_param_names
+
+    sd = model.state_dict()
+    tied = tied_aliases(sd)
+    tensors = {k: v.detach().to("cpu") for k, v in sd.items() if k not in tied}
+    osd = optimizer.state_dict()
+    if clone:
+        import copy
+
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        osd = copy.deepcopy(osd)
+    return {"step": step, "model": tensors, "tied": tied, "optimizer": osd,
+            "param_names": optimizer_param_names(model, optimizer)}
+
+
+def full_model_state(state: dict) -> dict:
+    """The checkpoint's model tensors with the tied aliases restored, for ``model.load_state_dict``."""
+    return {**state["model"], **{alias: state["model"][name] for alias, name in state.get("tied", {}).items()}}
+
+
+# ---- frozen tensors, saved once ----------------------------------------------------------------------------
+def _stamp(t) -> tuple:
+    """Identity and in-place version of a tensor: equal stamps mean the tensor was not replaced nor modified."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version)
+
+
+class FrozenTensors:
+    """The run's parameters that do not train, saved once in ``checkpoints/frozen/`` and referenced afterwards."""
+
+    def __init__(self, run: Path):
+        self.dir = Path(run) / "checkpoints" / FROZEN_DIR
+        self.source = None  # a model folder to reference frozen tensors in (trace_frozen_source)
+        self.hashes: dict[str, str] = {}
+        self._stamps: dict[str, tuple] = {}
+        self._params: dict = {}
+
+    def unchanged(self, model) -> set[str]:
+        """Names of the frozen store's tensors that ``model`` still holds unmodified."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        return {n for n, s in self._stamps.items() if n in params and _stamp(params[n]) == s}
+
+    def save(self, model, tensors: dict, source: str | os.PathLike | None = None) -> None:
+        """Save the tensors among ``tensors`` that are parameters with ``requires_grad=False`` (once).
+
+        With ``source`` (the model folder the frozen weights were loaded from), a frozen tensor whose dtype, shape
+        and bytes equal a tensor of that folder's safetensors files is referenced there instead of copied; the
+        checkpoints' hashes (which cover frozen tensors too) are checked against it at every load.
+        """
+        from .hashing import root_hash, tensor_hash
+
+        params = dict(model.named_parameters(remove_duplicate=False))
+        frozen = {n: t for n, t in tensors.items() if n in params and not params[n].requires_grad}
+        if not frozen:
+            return
+        refs = _match_source(frozen, source) if source is not None else {}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _save_safetensors({n: t for n, t in frozen.items() if n not in refs}, self.dir / "model.safetensors")
+        self.hashes = {n: tensor_hash(n, t) for n, t in frozen.items()}
+        record = {"params": self.hashes, "root": root_hash(self.hashes)}
+        if refs:
+            record["source"] = {"path": str(Path(source).resolve()), "tensors": refs}
+        atomic_write_text(self.dir / "hashes.json", json.dumps(record, indent=1, sort_keys=True))
+        self._stamps = {n: _stamp(params[n]) for n in frozen}
+
+    def adopt(self, model, names) -> None:
+        """Take over an existing frozen store (a replay's output links its parent's) for the tensors ``names``
+        that ``model`` was just loaded with from it."""
+        if not (self.dir / "hashes.json").exists():
+            return
+        self.hashes = json.loads((self.dir / "hashes.json").read_text())["params"]
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self._stamps = {n: _stamp(params[n]) for n in names if n in params and n in self.hashes}
+
+    def adopt_matching(self, model) -> None:
+        """Take over the saved frozen tensors that ``model`` holds with the same hashes (a resumed recording)."""
+        from .hashing import tensor_hash
+
+        self.hashes = json.loads((self.dir / "hashes.json").read_text())["params"]
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self._stamps = {n: _stamp(params[n]) for n, h in self.hashes.items()
+                        if n in params and not params[n].requires_grad and tensor_hash(n, params[n]) == h}
+
+    @property
+    def exists(self) -> bool:
+        return bool(self._stamps)
+
+
+def _content_digest(t) -> str:
+    from .hashing import tensor_hash
+
+    return tensor_hash("", t)  # dtype, shape and bytes, without the name
+
+
+def _match_source(frozen: dict, source) -> dict[str, list[str]]:
+    """``frozen name -> [file, key]`` for the frozen tensors a model folder's safetensors files hold bit for bit."""
+    from safetensors import safe_open
+
+    files = sorted(Path(source).glob("*.safetensors"))
+    if not files:
+        raise UnlearnError(f"trace_frozen_source={source!s} holds no .safetensors files: pass the model folder the "
+                           "frozen weights were loaded from (from_pretrained), or leave it out to save them in the run")
+    wanted: dict[str, list[str]] = {}
+    for n, t in frozen.items():
+        wanted.setdefault(_content_digest(t), []).append(n)
+    refs = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                for n in wanted.pop(_content_digest(h.get_tensor(key)), []):
+                    refs[n] = [f.name, key]
+    return refs
+
+
+def load_frozen(run: Path, names) -> dict:
+    """The frozen tensors ``names`` (from the run's frozen store, or the model folder it references)."""
+    from safetensors import safe_open
+
+    folder = Path(run) / "checkpoints" / FROZEN_DIR
+    if not (folder / "hashes.json").exists():
+        raise UnlearnError(f"{folder} is missing: the run's checkpoints reference frozen tensors saved there")
+    source = json.loads((folder / "hashes.json").read_text()).get("source") or {"tensors": {}}
+    where: dict[Path, list[tuple[str, str]]] = {}
+    for n in names:
+        if n in source["tensors"]:
+            file, key = source["tensors"][n]
+            where.setdefault(Path(source["path"]) / file, []).append((n, key))
+        else:
+            where.setdefault(folder / "model.safetensors", []).append((n, n))
+    out = {}
+    for path, items in where.items():
+        if not path.exists():
+            raise UnlearnError(f"{path} is missing: the run's checkpoints reference frozen tensors there (restore it)")
+        with safe_open(str(path), framework="pt") as h:
+            keys = set(h.keys())
+            for n, key in items:
+                if key not in keys:
+                    raise UnlearnError(f"{path} lacks the frozen tensor {key!r} a checkpoint references")
+                out[n] = h.get_tensor(key)
+    return out
+
+
+# ---- save / load -----------------------------------------------------------------------------------------
+def _save_safetensors(tensors: dict, path: Path) -> None:
+    """Write a safetensors file atomically (safetensors writes from the tensors' memory, no copy)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _json_groups(groups: list[dict]) -> tuple[list[dict], dict] | None:
+    """Param groups without their parameter lists as JSON, plus which values were tuples (None: not JSON)."""
+    out, tuples = [], {}
+    for i, g in enumerate(groups):
+        out.append(dict(g))
+        tuples[str(i)] = [k for k, v in g.items() if isinstance(v, tuple)]
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError):
+        return None
+    return out, tuples
+
+
+def _flatten_optimizer(osd: dict) -> tuple[dict, dict] | None:
+    """``optimizer.state_dict()`` as safetensors tensors and a JSON index (None if it is not that simple)."""
+    import torch
+
+    tensors, scalars = {}, {}
+    for idx, entries in osd.get("state", {}).items():
+        for k, v in entries.items():
+            if torch.is_tensor(v):
+                tensors[f"state.{idx}.{k}"] = v.detach().to("cpu")
+            else:
+                scalars.setdefault(str(idx), {})[k] = v
+    groups = _json_groups(osd.get("param_groups", []))
+    try:
+        json.dumps(scalars)
+    except (TypeError, ValueError):
+        return None
+    if groups is None or any(not isinstance(i, int) for i in osd.get("state", {})):
+        return None
+    return tensors, {"param_groups": groups[0], "tuples": groups[1], "scalars": scalars,
+                     "indices": sorted(osd.get("state", {}))}
+
+
+def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensors | None = None) -> Path:
+    """Write ``checkpoints/step-N/`` (safetensors; frozen tensors referenced), then ``hashes.json`` and its sidecar.
+
+    ``hashes.json`` is written last: a folder without it is an incomplete checkpoint, never used.
+    """
+    from .hashing import checkpoint_hashes
+    from .run import write_sidecar
+
+    d = checkpoint_dir(run, step)
+    d.mkdir(parents=True, exist_ok=True)
+    state = capture_state(model, optimizer, step)
+    if frozen is not None and not frozen.exists and not (frozen.dir / "hashes.json").exists():
+        frozen.save(model, state["model"], source=frozen.source)
+    referenced = frozen.unchanged(model) & set(state["model"]) if frozen is not None else set()
+    flat = _flatten_optimizer(state["optimizer"])
+    try:
+        if flat is None:
+            raise ValueError("optimizer state is not flat tensors and JSON")
+        stored = {n: t for n, t in state["model"].items() if n not in referenced}
+        _save_safetensors(stored, d / "model.safetensors")
+        _save_safetensors(flat[0], d / "optimizer.safetensors")
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "tied": state["tied"], "param_names": state["param_names"],
+                "frozen": sorted(referenced), "optimizer": flat[1]}
+        atomic_write_text(d / "checkpoint.json", json.dumps(meta, indent=1, sort_keys=True))
+    except ValueError:  # an optimizer (or tensor layout) safetensors cannot hold: the whole state with torch.save
+        import torch
+
+        for f in ("model.safetensors", "optimizer.safetensors", "checkpoint.json"):
+            (d / f).unlink(missing_ok=True)
+        torch.save(state, d / "state.pt.tmp")
+        os.replace(d / "state.pt.tmp", d / "state.pt")
+    known = {n: frozen.hashes[n] for n in referenced} if referenced else None
+    atomic_write_text(d / "hashes.json", json.dumps(checkpoint_hashes(state, known=known), indent=1, sort_keys=True))
+    write_sidecar(d / "hashes.json")
+    return d
+
+
+def _load_v2(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    meta = json.loads((path / "checkpoint.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise UnlearnError(f"{path}/checkpoint.json has format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    model = load_file(path / "model.safetensors")
+    if meta.get("frozen"):
+        model.update(load_frozen(path.parent.parent, meta["frozen"]))
+    flat = load_file(path / "optimizer.safetensors")
+    opt = meta["optimizer"]
+    state: dict = {}
+    for idx in opt["indices"]:
+        entries = {k.split(".", 2)[2]: v for k, v in flat.items() if k.split(".", 2)[1] == str(idx)}
+        entries.update(opt["scalars"].get(str(idx), {}))
+        state[idx] = entries
+    groups = []
+    for i, g in enumerate(opt["param_groups"]):
+        tuples = set(opt["tuples"].get(str(i), []))
+        groups.append({k: tuple(v) if k in tuples else v for k, v in g.items()})
+    return {"step": meta["step"], "model": model, "tied": meta["tied"], "param_names": meta["param_names"],
+            "optimizer": {"state": state, "param_groups": groups}, "frozen": meta.get("frozen", [])}
+
+
+def load_checkpoint(path: Path, verify: bool = True) -> dict:
+    """Load a checkpoint (either format); with ``verify`` recompute its hashes and refuse it unless they equal
+    ``hashes.json``, and that ``hashes.json`` is the one the run's index recorded for this step."""
+    path = Path(path)
+    if (path / "state.pt").exists():
+        import torch
+
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    elif (path / "checkpoint.json").exists():
+        state = _load_v2(path)
+    else:
+        raise UnlearnError(f"{path} holds no checkpoint (no checkpoint.json or state.pt)")
+    if verify:
+        check_binding(path)
+        check_checkpoint_state(path, state)
+    return state
+
+
+def check_checkpoint_state(path: Path, state: dict) -> None:
+    from .hashing import checkpoint_hashes
+    from .run import check_sidecar
+
+    path = Path(path)
+    recorded_file = path / "hashes.json"
+    if not recorded_file.exists():
+        raise UnlearnError(f"checkpoint {path} has no hashes.json: it cannot be checked, refusing to use it")
+    if check_sidecar(recorded_file) is False:
+        raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
+    recorded = json.loads(recorded_file.read_text())
+    actual = checkpoint_hashes(state)
+    bad = [n for part in ("params", "optimizer") for n in sorted(set(recorded[part]) | set(actual[part]))
+           if recorded[part].get(n) != actual[part].get(n)]
+    if recorded.get("meta_sha256") != actual["meta_sha256"]:
+        bad.append("step/tie map/parameter names/optimizer hyperparameters")
+    if bad:
+        raise UnlearnError(f"checkpoint {path} does not match its hashes.json (it differs in {', '.join(bad[:3])}"
+                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
+
+
+def verify_checkpoint_files(path: Path) -> None:
+    """Check a checkpoint against its ``hashes.json`` reading one tensor at a time (memory: the largest tensor).
+
+    Old ``state.pt`` checkpoints are loaded whole (pickles cannot be read piecewise).
+    """
+    from safetensors import safe_open
+
+    from .hashing import tensor_hash
+
+    path = Path(path)
+    if (path / "state.pt").exists() or not (path / "checkpoint.json").exists():
+        check_checkpoint_state(path, load_checkpoint(path, verify=False))
+        return
+    check_binding(path)
+    recorded = json.loads((path / "hashes.json").read_text())
+    meta = json.loads((path / "checkpoint.json").read_text())
+    bad = []
+    seen = set()
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for n in f.keys():
+            seen.add(n)
+            if tensor_hash(n, f.get_tensor(n)) != recorded["params"].get(n):
+                bad.append(n)
+    for n in meta.get("frozen", []):  # one at a time (from the run's frozen store or the model folder)
+        seen.add(n)
+        if tensor_hash(n, load_frozen(path.parent.parent, [n])[n]) != recorded["params"].get(n):
+            bad.append(n)
+    bad += sorted(set(recorded["params"]) - seen)
+    names = meta["param_names"]
+    opt = meta["optimizer"]
+    order = [i for g in opt["param_groups"] for i in g["params"]]
+    by_idx = {idx: names[pos] for pos, idx in enumerate(order) if pos < len(names)}
+    seen_opt = set()
+    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
+        for k in f.keys():
+            _, idx, key = k.split(".", 2)
+            name = f"{by_idx.get(int(idx), idx)}.{key}"
+            seen_opt.add(name)
+            if tensor_hash(name, f.get_tensor(k)) != recorded["optimizer"].get(name):
+                bad.append(name)
+    import torch
+
+    for idx, entries in opt["scalars"].items():
+        for key, value in entries.items():
+            name = f"{by_idx.get(int(idx), idx)}.{key}"
+            seen_opt.add(name)
+            if tensor_hash(name, torch.tensor(float(value), dtype=torch.float64)) != recorded["optimizer"].get(name):
+                bad.append(name)
+    bad += sorted(set(recorded["optimizer"]) - seen_opt)
+    if bad:
+        raise UnlearnError(f"checkpoint {path} does not match its hashes.json (it differs in {', '.join(bad[:3])}"
+                           f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
+
+
+def checkpoint_bytes(d: Path, with_frozen: bool = False) -> int:
+    """Bytes of a checkpoint folder; ``with_frozen``: plus the frozen store it references (the full state's size)."""
+    d = Path(d)
+    size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    frozen = d.parent / FROZEN_DIR
+    if with_frozen and (d / "checkpoint.json").exists() and json.loads((d / "checkpoint.json").read_text())["frozen"]:
+        size += sum(f.stat().st_size for f in frozen.iterdir() if f.is_file())
+    return size
+
+
+# ---- the index: every kept checkpoint's roots, bound to the run ------------------------------------------
+def _entry(d: Path) -> dict:
+    from .run import file_sha256
+
+    h = json.loads((Path(d) / "hashes.json").read_text())
+    return {"params_root": h["params_root"], "optimizer_root": h["optimizer_root"],
+            "meta_sha256": h.get("meta_sha256"), "hashes_sha256": file_sha256(Path(d) / "hashes.json")}
+
+
+def _mac(key: bytes, body: dict) -> str:
+    payload = json.dumps({k: body.get(k) for k in ("format", "run_id", "checkpoints", "frozen", "retention")},
+                         sort_keys=True).encode()
+    return hmac.new(key, b"hf_unlearn.checkpoint_index\0" + payload, hashlib.sha256).hexdigest()
+
+
+class CheckpointIndex:
+    """``checkpoints/index.json``: the roots of every kept checkpoint as it was saved, MAC'd under the run key."""
+
+    def __init__(self, run: Path, run_id: str, key: bytes, retention: dict | None = None):
+        self.run, self.run_id, self.key = Path(run), run_id, key
+        self.entries: dict[int, dict] = {}
+        self.frozen: dict | None = None
+        self.retention = retention
+
+    @property
+    def path(self) -> Path:
+        return self.run / "checkpoints" / INDEX_NAME
+
+    def add(self, step: int) -> None:
+        """Record the checkpoint just saved at ``step`` (and the frozen store, the first time)."""
+        self.entries[step] = _entry(checkpoint_dir(self.run, step))
+        if self.frozen is None:
+            self.frozen = _frozen_entry(self.run)
+        self.save()
+
+    def adopt(self, step: int, entry: dict) -> None:
+        self.entries[step] = dict(entry)
+
+    def save(self) -> None:
+        body = {"format": INDEX_FORMAT, "run_id": self.run_id, "retention": self.retention, "frozen": self.frozen,
+                "checkpoints": {str(s): self.entries[s] for s in sorted(self.entries)}}
+        body["mac"] = _mac(self.key, body)
+        atomic_write_text(self.path, json.dumps(body, indent=1, sort_keys=True))
+
+    @classmethod
+    def load(cls, run: Path, run_id: str, key: bytes) -> CheckpointIndex:
+        """The run's index (to extend it on resume); refused if its MAC or run id is not this run's."""
+        data = json.loads((Path(run) / "checkpoints" / INDEX_NAME).read_text())
+        if data.get("run_id") != run_id or not hmac.compare_digest(data.get("mac", ""), _mac(key, data)):
+            raise UnlearnError(f"{run}/checkpoints/{INDEX_NAME} is not this run's checkpoint index (its MAC or run id "
+                               "does not match); it was edited or copied from another run")
+        index = cls(run, run_id, key, data.get("retention"))
+        index.entries = {int(s): e for s, e in data["checkpoints"].items()}
+        index.frozen = data.get("frozen")
+        return index
+
+    def thin(self, keep) -> list[int]:
+        """Delete every checkpoint not in ``keep``, crash-safely: the index drops it first (atomically), then the
+        folder is renamed out of ``step-*`` and removed. A crash at any point leaves a run that checks clean."""
+        drop = sorted(s for s in self.entries if s not in set(keep))
+        if not drop:
+            return []
+        for s in drop:
+            del self.entries[s]
+        self.save()
+        for s in drop:
+            remove_checkpoint_dir(checkpoint_dir(self.run, s))
+        return drop
+
+
+def _frozen_entry(run: Path) -> dict | None:
+    from .run import file_sha256
+
+    f = Path(run) / "checkpoints" / FROZEN_DIR / "hashes.json"
+    return {"root": json.loads(f.read_text())["root"], "hashes_sha256": file_sha256(f)} if f.exists() else None
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
+def link_checkpoints(src: Path, writer, steps, model, frozen_names) -> None:
+    """Start a replay's output run with its parent's checkpoints at ``steps`` (hard links, index entries adopted)
+    and its frozen tensors (``model`` was just loaded with ``frozen_names`` from them)."""
+    src = Path(src)
+    index = read_index(src)
+    for step in steps:
+        d = checkpoint_dir(src, step)
+        _link_tree(d, checkpoint_dir(writer.run, step))
+        writer.index.adopt(step, index["checkpoints"][str(step)] if index else _entry(d))
+    if (src / "checkpoints" / FROZEN_DIR).exists():
+        _link_tree(src / "checkpoints" / FROZEN_DIR, writer.frozen.dir)
+        writer.frozen.adopt(model, frozen_names)
+        writer.index.frozen = _frozen_entry(writer.run)
+    writer.index.save()
+
+
+def remove_checkpoint_dir(d: Path) -> None:
+    """Rename to ``.thinned-step-N`` (atomic), then delete: no half-deleted folder ever looks like a checkpoint."""
+    d = Path(d)
+    if not d.exists():
+        return
+    trash = d.with_name(TRASH_PREFIX + d.name)
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.replace(d, trash)
+    shutil.rmtree(trash)
+
+
+def read_index_steps(run: Path) -> set[int] | None:
+    f = Path(run) / "checkpoints" / INDEX_NAME
+    if not f.exists():
+        return None
+    try:
+        return {int(s) for s in json.loads(f.read_text()).get("checkpoints", {})}
+    except (ValueError, AttributeError):
+        return set()
+
+
+def read_index(run: Path) -> dict | None:
+    f = Path(run) / "checkpoints" / INDEX_NAME
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def check_binding(path: Path, index: dict | None = None) -> None:
+    """Refuse a checkpoint folder whose ``hashes.json`` is not the one the run's index recorded for its step."""
+    path = Path(path)
+    run = path.parent.parent
+    index = index if index is not None else read_index(run)
+    if index is None or not path.name.startswith("step-"):
+        return
+    step = _step_of(path)
+    entry = index.get("checkpoints", {}).get(str(step))
+    if entry is None:
+        raise UnlearnError(f"checkpoint step {step} ({path}) is not in the run's checkpoint index: it is not one "
+                           "this run saved (or a thinning removed it); refusing to use it")
+    problem = binding_problem(path, entry)
+    if problem:
+        raise UnlearnError(problem)
+
+
+def binding_problem(d: Path, entry: dict) -> str | None:
+    """Why the checkpoint folder ``d`` is not the one recorded as ``entry`` (None if it is)."""
+    try:
+        actual = _entry(d)
+    except (OSError, ValueError, KeyError) as e:
+        return f"checkpoint step {_step_of(d)}: its hashes.json cannot be read ({e})"
+    for part, what in (("params_root", "parameter"), ("optimizer_root", "optimizer")):
+        if actual[part] != entry.get(part):
+            return (f"checkpoint step {_step_of(d)} is not this run's: its {what} root {actual[part][:16]}... differs "
+                    f"from the root the run recorded when it saved that checkpoint ({str(entry.get(part))[:16]}...); "
+                    "the folder was replaced (copied from another run?): restore the run's own checkpoint")
+    if actual["hashes_sha256"] != entry.get("hashes_sha256") or actual["meta_sha256"] != entry.get("meta_sha256"):
+        return (f"checkpoint step {_step_of(d)}: its hashes.json is not the one the run recorded (same roots, other "
+                "contents): it was edited; restore the run's own checkpoint")
+    return None
+
+
+def check_checkpoints(run: Path, header: dict, key: bytes | None, sealed: bool, total_steps: int,
+                      check_sidecars: bool = True, deep: bool = False) -> tuple[dict[int, Path], list[str], list[str]]:
+    """Every check of a run's checkpoints: complete, bound to the run (index roots and MAC), none missing that the
+    index (or, in runs without one, the header's cadence) says exists; ``deep`` also checks every tensor.
+
+    Returns (usable checkpoints by step, errors, warnings).
+    """
+    from .run import check_sidecar
+
+    run = Path(run)
+    errors, warns = [], []
+    severe = errors if sealed else warns
+    index = read_index(run)
+    cps = list_checkpoints(run)
+    on_disk = {_step_of(d): d for d in sorted((run / "checkpoints").glob("step-*"))}
+    for d in sorted((run / "checkpoints").glob(TRASH_PREFIX + "step-*")):
+        warns.append(f"{d.name} is left from an interrupted checkpoint thinning (not a checkpoint; safe to delete)")
+    if index is None:
+        if header.get("checkpoint_index"):
+            errors.append(f"checkpoints/{INDEX_NAME} is missing: the run recorded its checkpoints' roots there, so its "
+                          "checkpoints cannot be bound to it")
+            return {}, errors, warns
+        warns.append("this run has no checkpoint index (recorded by an older hf_unlearn): its checkpoints are checked "
+                     "against their own hashes.json only, not bound to the run by roots")
+        every = header.get("checkpoint_steps")
+        if every and total_steps:
+            start = (header.get("parent") or {}).get("start_step")
+            expected = sorted(s for s in {0, total_steps, *range(0, total_steps, int(every))}
+                              if start is None or s > start or s == 0 and 0 in on_disk)
+            missing = [s for s in expected if s not in cps and (sealed or s < total_steps)]
+            if missing:
+                severe.append(f"checkpoint step(s) {missing} are missing: the header's cadence (every {every} steps) "
+                              "says the run saved them")
+        for s, d in on_disk.items():
+            if not is_complete(d):
+                severe.append(f"checkpoint step {s} is incomplete" + ("" if sealed else ": it is not used"))
+    else:
+        if key is not None and not hmac.compare_digest(str(index.get("mac", "")), _mac(key, index)):
+            errors.append(f"checkpoints/{INDEX_NAME} does not verify under the run key: edited after it was written")
+        elif key is None:
+            warns.append(f"checkpoints/{INDEX_NAME}'s MAC was not checked (the run key is not available here)")
+        if index.get("run_id") != header.get("run_id"):
+            errors.append(f"checkpoints/{INDEX_NAME} belongs to run {index.get('run_id')}, not to this run "
+                          f"({header.get('run_id')}): copied from another run")
+        listed = {int(s): e for s, e in index.get("checkpoints", {}).items()}
+        for s, entry in sorted(listed.items()):
+            d = on_disk.get(s)
+            if d is None or not is_complete(d):
+                severe.append(f"checkpoint step {s} is listed in the run's checkpoint index but "
+                              + ("missing" if d is None else "incomplete") + ": it was deleted or moved")
+                continue
+            problem = binding_problem(d, entry)
+            if problem:
+                errors.append(problem)
+                cps.pop(s, None)  # reported; not checked further
+        for s in sorted(set(on_disk) - set(listed)):
+            warns.append(f"checkpoint folder step {s} is not in the run's checkpoint index (an interrupted save or "
+                         "thinning left it, or it was added): it is not used")
+        frozen = run / "checkpoints" / FROZEN_DIR / "hashes.json"
+        if index.get("frozen"):
+            from .run import file_sha256
+
+            if not frozen.exists():
+                errors.append("checkpoints/frozen/ is missing: the run's checkpoints reference the frozen tensors "
+                              "saved there")
+            elif file_sha256(frozen) != index["frozen"].get("hashes_sha256"):
+                errors.append("checkpoints/frozen/hashes.json is not the one the run recorded: the frozen tensors were "
+                              "replaced (copied from another run?)")
+    for step, d in cps.items():
+        if not check_sidecars:
+            break
+        ok = check_sidecar(d / "hashes.json")
+        if ok is False:
+            errors.append(f"checkpoint step {step}: hashes.json does not match its SHA-256 sidecar")
+        elif ok is None:
+            severe.append(f"checkpoint step {step} has no hashes.json.sha256 sidecar" + (" in a sealed run" if sealed
+                                                                                          else ""))
+        if deep and ok is not False:
+            try:
+                verify_checkpoint_files(d)
+            except UnlearnError as e:
+                errors.append(str(e))
+    return cps, errors, warns

@@ -1,0 +1,275 @@
+"""Engine fidelity as evidence: the replay engine proves, on the recorded run itself, that it reproduces it.
+
+A verdict compares a replay with the oracle; both come from one engine, so they can agree while neither
+reproduces what was trained (a cast buffer the checkpoints do not carry, a loss the engine does not run). Three
+things close that gap:
+
+* **the model's layout**: the dtype of every parameter and buffer, and the values of the non-persistent buffers
+  (rotary ``inv_freq``, ...) that ``state_dict`` checkpoints leave out, are recorded when training starts
+  (``model/buffers.safetensors``) and restored on every rebuilt model, so ``model.bfloat16()`` replays exactly;
+* **checkpoints passed**: every replay compares its state with each recorded checkpoint it reaches before the
+  first affected step and stops at the first mismatch, naming the step and the tensor;
+* **the recording's self-check**: when ``train()`` ends the recorder replays its first checkpoint interval with
+  the replay engine and compares it with the recorded checkpoint; the outcome is sealed into ``header.json``
+  (``fidelity``). A run the engine does not reproduce is refused by every replay and by ``verify``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import UnlearnError
+
+BUFFERS_FILE = "model/buffers.safetensors"
+
+
+class FidelityError(UnlearnError):
+    """The replay engine's state differs from a recorded checkpoint of the run it replays."""
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _non_persistent_buffers(model) -> dict[str, torch.Tensor]:
+    """Every buffer ``state_dict`` leaves out, under each name it is reachable by."""
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            buf = module._buffers.get(name)
+            if buf is not None:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def model_layout(model) -> dict:
+    """The dtype of every parameter and buffer that differs from the first parameter's, and the non-persistent
+    buffer names; what :func:`restore_layout` needs besides a checkpoint. Refuses a buffer it could not restore."""
+    default = _dtype_name(next(model.parameters()))
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    buffers = _non_persistent_buffers(model)
+    for name, buf in buffers.items():
+        if buf.layout != torch.strided or buf.device.type == "meta":
+            raise UnlearnError(f"the model's non-persistent buffer {name!r} is {buf.layout} on {buf.device}: a replay "
+                               "cannot restore it (checkpoints do not carry it); make it a plain dense tensor")
+    return {"default": default, "tensors": {n: _dtype_name(t) for n, t in tensors.items() if _dtype_name(t) != default},
+            "buffers": sorted(buffers)}
+
+
+def save_buffers(model, run: Path) -> dict:
+    """Write the non-persistent buffers to ``run/model/buffers.safetensors``; return the layout with its digest."""
+    from safetensors.torch import save_file
+
+    from .run import file_sha256
+
+    layout = model_layout(model)
+    path = Path(run) / BUFFERS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {n: b.detach().to("cpu").clone().contiguous() for n, b in _non_persistent_buffers(model).items()}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+    layout["buffers_sha256"] = file_sha256(path)
+    return layout
+
+
+def changed_buffers(model, run: Path) -> list[str]:
+    """Non-persistent buffers whose values differ from those recorded when training started (a dynamic RoPE)."""
+    from safetensors.torch import load_file
+
+    path = Path(run) / BUFFERS_FILE
+    if not path.is_file():
+        return []
+    saved = load_file(str(path))
+    now = _non_persistent_buffers(model)
+    return [n for n in sorted(set(saved) | set(now))
+            if n not in saved or n not in now or not torch.equal(saved[n], now[n].detach().to("cpu"))]
+
+
+def restore_layout(model, run, header: dict, given: bool = False) -> None:
+    """Give a rebuilt model the recorded dtypes and non-persistent buffers (runs recorded before this: nothing).
+
+    With ``given`` (a model the caller passed), a dtype that differs is refused, naming the tensor, instead of cast.
+    """
+    from .run import file_sha256
+
+    layout = (header.get("model") or {}).get("layout")
+    if not layout:
+        return
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    for name, t in tensors.items():
+        want = layout["tensors"].get(name, layout["default"])
+        if _dtype_name(t) == want:
+            continue
+        if given:
+            raise UnlearnError(f"the model passed to the replay holds {name} as {_dtype_name(t)}, the run trained it as "
+                               f"{want}: cast it as the recording did (or omit model= to rebuild it from the trace)")
+        _set_tensor(model, name, t.detach().to(getattr(torch, want)))
+    if not layout.get("buffers"):
+        return
+    path = Path(run) / BUFFERS_FILE
+    if not path.is_file() or file_sha256(path) != layout.get("buffers_sha256"):
+        raise UnlearnError(f"{path} is missing or does not match the digest in header.json: the model's non-persistent "
+                           "buffers cannot be restored")
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path))
+    have = _non_persistent_buffers(model)
+    missing = [n for n in layout["buffers"] if n not in have]
+    if missing:
+        raise UnlearnError(f"the replay model has no buffer {missing[0]!r} that the recorded model's forward read")
+    with torch.no_grad():
+        for name in layout["buffers"]:
+            have[name].copy_(saved[name].to(have[name].device))
+
+
+def _set_tensor(model, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if leaf in module._parameters:
+        module._parameters[leaf].data = value
+    else:
+        module._buffers[leaf] = value
+
+
+# ---- checkpoints passed ---------------------------------------------------------------------------------------
+def first_difference(recorded: dict, actual: dict) -> tuple[str | None, int]:
+    """The first tensor (in the state's own order) whose hash differs between two ``hashes.json`` dicts, and how
+    many differ; ``(None, 0)`` when they agree.
+
+    Tensors only (parameters, moments, step counts): the param groups' learning rate in ``meta_sha256`` is the
+    scheduler's value for the next step, which a replay writes from the plan when it runs that step.
+    """
+    diffs = []
+    for part, what in (("params", "parameter"), ("optimizer", "optimizer state")):
+        a, b = recorded.get(part, {}), actual.get(part, {})
+        diffs += [f"{what} {n}" for n in list(b) + [n for n in a if n not in b] if a.get(n) != b.get(n)]
+    return (diffs[0] if diffs else None), len(diffs)
+
+
+def check_against_checkpoint(run_path: Path, step: int, checkpoint: Path, actual: dict, who: str = "the replay") -> None:
+    """Refuse (:class:`FidelityError`) unless ``actual`` (a ``hashes.json`` dict) equals the recorded checkpoint's."""
+    from .run import check_sidecar
+
+    recorded_file = Path(checkpoint) / "hashes.json"
+    if check_sidecar(recorded_file) is False:
+        raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
+    recorded = json.loads(recorded_file.read_text())
+    what, n = first_difference(recorded, actual)
+    if what is not None:
+        raise FidelityError(
+            f"the replay engine does not reproduce the recorded run {run_path}: at checkpoint step {step}, before any "
+            f"deleted sample, {who}'s state differs from the recorded checkpoint in {what} (first of {n}); stopped, "
+            "a deletion from this engine would not be this run's counterfactual")
+
+
+# ---- the recording's self-check ----------------------------------------------------------------------------
+def self_check(run_path: Path, data_collator=None) -> dict:
+    """Replay the run's first checkpoint interval with the replay engine and compare it with the recorded checkpoint.
+
+    Returns the ``fidelity`` entry the recorder seals into the header.
+    """
+    import time
+
+    from .replay import ReplayTrainer
+    from .run import open_run
+
+    started, wall = time.process_time(), time.perf_counter()
+    run = open_run(run_path)
+    cps = sorted(run.checkpoints())
+    later = [c for c in cps if c > 0]
+    if 0 not in cps or not later:
+        return {"checked": False, "why": "the run has no step-0 checkpoint and a later one to compare with"}
+    until = later[0]
+    try:
+        ReplayTrainer(run, start="full", stop_step=until, data_collator=data_collator, _self_check=True).train()
+        result = {"checked": True, "reproduced": True, "steps": [0, until]}
+    except FidelityError as e:
+        result = {"checked": True, "reproduced": False, "steps": [0, until], "why": str(e)}
+    except UnlearnError as e:
+        result = {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
+    result.update(cpu_seconds=round(time.process_time() - started, 3), wall_seconds=round(time.perf_counter() - wall, 3))
+    return result
+
+
+def fidelity_statement(header: dict) -> str:
+    """One sentence on the engine-fidelity evidence a run carries (for verify, inspect and receipts)."""
+    fid = header.get("fidelity")
+    if not fid:
+        return "no fidelity evidence recorded (a run recorded before the self-check existed): only the checkpoints a " \
+               "replay passes check the engine"
+    rec = fid.get("recording", fid)
+    if rec.get("checked") and rec.get("reproduced"):
+        text = f"engine reproduced recorded steps {rec['steps'][0]}..{rec['steps'][1]} (the recording's self-check)"
+    elif rec.get("checked"):
+        text = f"ENGINE DID NOT REPRODUCE the recorded run: {rec.get('why')}"
+    else:
+        text = f"the recording's self-check did not run ({rec.get('why')})"
+    passed = fid.get("checkpoints_matched")
+    if passed:
+        text += f"; this replay matched the recorded checkpoints at steps {', '.join(map(str, passed))}"
+    return text
+
+
+def refusal(header: dict) -> str | None:
+    """Why verdicts on this run are refused (its engine did not reproduce it), or None."""
+    rec = (header.get("fidelity") or {}).get("recording") or {}
+    if rec.get("checked") and not rec.get("reproduced"):
+        return f"the recording's self-check found the replay engine does not reproduce this run ({rec.get('why')})"
+    return None
+
+
+# ---- CUDA: deterministic kernels, and the device a run can be replayed on -----------------------------------
+CUDA_LINES = ("os.environ['CUBLAS_WORKSPACE_CONFIG'] = ':4096:8'  # before torch touches the GPU",
+              "torch.use_deterministic_algorithms(True)")
+
+
+def prepare_cuda_determinism(args) -> bool:
+    """On CUDA, turn on deterministic algorithms and the cuBLAS workspace setting they need; True if on CUDA.
+
+    cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it creates its first handle, so once CUDA is initialised it may be
+    too late to set it: then refuse with the two lines to add at the top of the script.
+    """
+    import os
+
+    if not torch.cuda.is_available() or (args is not None and getattr(args, "use_cpu", False)):
+        return False
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        if torch.cuda.is_initialized():
+            raise UnlearnError("exact deletion on CUDA needs deterministic kernels and CUDA is already initialised, too "
+                               "late to set cuBLAS's workspace; add at the top of the script: "
+                               + "  ".join(CUDA_LINES))
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if not torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(True)
+    return True
+
+
+def device_info(device) -> dict:
+    """What decides which kernels run: the device type and, on CUDA, its name, capability and CUDA/cuDNN versions."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"type": device.type}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"type": "cuda", "name": torch.cuda.get_device_name(index),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(index))),
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+
+
+def check_device(header: dict, device) -> None:
+    """Refuse a replay on another device, GPU model or CUDA/cuDNN version than the run's (runs recorded before
+    this record no device: not checked)."""
+    recorded = (header.get("determinism") or {}).get("device_info")
+    if not recorded:
+        return
+    here = device_info(device)
+    diff = [f"{k} {here.get(k)!r} (recorded {recorded.get(k)!r})" for k in ("type", "name", "capability", "cuda", "cudnn")
+            if recorded.get(k) != here.get(k)]
+    if diff:
+        raise UnlearnError("this replay runs on other hardware than the recorded run: " + ", ".join(diff)
+                           + "; kernels differ, so it would not reproduce the run: replay on the recorded device")
