@@ -383,7 +383,7 @@ def test_padding_free_packs_each_microbatch_and_a_deleted_row_leaves_the_other_d
     assert a["input_ids"].shape[0] == 1 and (a["position_ids"] == 0).sum() == len(rows)  # one packed sequence
     assert torch.equal(a["position_ids"], b["position_ids"]) and torch.equal(a["labels"], b["labels"])
     lm = model(tok)
-    lm.load_state_dict(full_model_state(load_checkpoint(run.checkpoints()[2])))
+    lm.load_state_dict(full_model_state(load_checkpoint(run.final_checkpoint())))
     with torch.no_grad():
         la, lb = (torch.log_softmax(lm(input_ids=x["input_ids"], position_ids=x["position_ids"],
                                              use_cache=False).logits[0, :-1], -1)  # as SFTTrainer calls it
