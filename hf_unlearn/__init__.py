@@ -103,6 +103,9 @@ _LAZY: dict[str, str] = {
     "forget": "hf_unlearn.deletion",
     "ForgetConfig": "hf_unlearn.deletion",
     "ForgetReceipt": "hf_unlearn.deletion",
+    # --- a stream of requests: the deletion service ---
+    "DeletionLedger": "hf_unlearn.deletion",
+    "verify_receipt": "hf_unlearn.deletion",
     # --- closed-form editing (QR-Erase) ---
     "qr_erase": "hf_unlearn.editing.qr_erase",
     "QREraseConfig": "hf_unlearn.editing.qr_erase",

@@ -1,7 +1,7 @@
 """Keyed id tags: what published trace files say instead of raw sample ids.
 
 A tag is the first 8 bytes of HMAC-SHA256(key, canonical id). The key is the library's one key
-(:mod:`hf_unlearn.hub.keys`: the same key tags model cards, so a card's tags match a deletion log's), and the
+(:mod:`hf_unlearn.keys`: the same key tags model cards, so a card's tags match a deletion log's), and the
 run's header records its fingerprint. Without it nobody can test whether a given id was in a plan, a WAL or
 the deletion log, while the key holder can map ids to slots exactly. Runs recorded before the one key (or with
 ``trace_key=``) keep their own key in ``private/hmac.key`` and go on using it: their sealed plan, WAL and
@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import secrets
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..keys import load_or_create_key  # noqa: F401  (re-exported: it lived here)
 
 TAG_BYTES = 8
 KEY_BYTES = 32
@@ -52,30 +52,13 @@ def ids_digest(key: bytes, tags: list[str | None]) -> int:
     return int.from_bytes(h.digest()[:8], "little")
 
 
-def load_or_create_key(path: str | os.PathLike, key: bytes | None = None) -> bytes:
-    """Read the run's HMAC key from ``path``; create it (random, or ``key``) if it does not exist yet."""
-    from ..hub.keys import read_key_file
-
-    path = Path(path)
-    if path.exists():
-        existing = read_key_file(path)  # refused if group/others may read it
-        if key is not None and key != existing:
-            raise UnlearnError(f"{path} holds a different HMAC key than the one passed; use a fresh trace_dir")
-        return existing
-    key = key if key is not None else secrets.token_bytes(KEY_BYTES)
-    from ..utils import atomic_write_bytes
-
-    atomic_write_bytes(path, key, private=True)
-    return key
-
-
 RUN_KEY = ("private", "hmac.key")  # a run's own key: runs recorded before the one key, or with trace_key=
 
 
 def recording_key(run_dir: str | os.PathLike, key: bytes | None = None) -> bytes:
     """The key a recording tags ids with: ``key`` if given (kept as the run's own key), the run's own key when
     resuming a run that has one, else the library's one key (created on first use)."""
-    from ..hub.keys import load_key
+    from ..keys import load_key
 
     own = Path(run_dir).joinpath(*RUN_KEY)
     if key is not None or own.exists():
@@ -91,7 +74,7 @@ def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required:
     otherwise, with ``required=False``, a key that cannot be found gives None (integrity checks then skip the
     keyed digests).
     """
-    from ..hub.keys import find_key, key_fingerprint, read_key_file
+    from ..keys import find_key, key_fingerprint, read_key_file
 
     run_dir = Path(run_dir)
     if header is None and (run_dir / "header.json").is_file():
@@ -117,3 +100,13 @@ def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required:
         raise UnlearnError(f"{own} is missing and the run records no key fingerprint: the run's HMAC key is needed "
                            "to map ids to slots (it never leaves the machine that recorded the run)")
     return key
+
+
+def keyed_tag(sample_id, key: bytes) -> str:
+    """The keyed tag of one sample id (ids 7 and "7" get different tags); the same as a trace's slot tag."""
+    return tag(key, sample_id)
+
+
+def keyed_tags(sample_ids, key: bytes) -> list[str]:
+    """Sorted keyed tags of ``sample_ids`` (sorting hides the order the ids came in)."""
+    return sorted({tag(key, i) for i in sample_ids})

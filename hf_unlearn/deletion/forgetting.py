@@ -1,7 +1,7 @@
 """One call from a deletion request to published proof: ``hf_unlearn.forget(model_or_run, ids, ...)``.
 
-(The module is ``deletion``, not ``forget``: a submodule named ``forget`` would replace the function
-``hf_unlearn.forget`` on the package as soon as it was imported.)
+(The module is ``forgetting``, not ``forget``: a submodule named ``forget`` would replace the function
+``hf_unlearn.deletion.forget`` on the package as soon as it was imported.)
 
 * A **recorded run** (the ``trace_dir`` of a ``TraceRecordingTrainer``) gets an exact deletion: the replay cost, a
   redacted store without the rows, a suffix replay from it, optionally the trace oracle with a bit-for-bit check.
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import UnlearnError
+from ..errors import UnlearnError
 
 RECEIPT_FILE = "receipt.json"
 RECEIPT_FORMAT = "hf_unlearn.forget_receipt.v1"
@@ -238,7 +238,7 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
         raise UnlearnError("pass either config= or keyword options (and output_dir), not both")
     log = log or (lambda msg: print(msg, flush=True))
     plan = _validate(model_or_run, ids, config, data_collator)  # every check that costs no compute, before any
-    from .validation import output_folder
+    from ..validation import output_folder
 
     started = time.perf_counter()
     publish_error = None
@@ -266,7 +266,7 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
 # -- validation ------------------------------------------------------------------------------------------------
 def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> dict:
-    from .validation import check_new_output, check_options, check_repo_id, is_trace_run, load_request_ids
+    from ..validation import check_new_output, check_options, check_repo_id, is_trace_run, load_request_ids
 
     request = load_request_ids(ids)
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -285,7 +285,7 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         if method != EXACT:
             raise UnlearnError("--tokenizer is for exact deletion (a recorded run holds no tokenizer); an approximate "
                                "method saves the model's own")
-        from .validation import check_model_source
+        from ..validation import check_model_source
 
         check_model_source(config.tokenizer_path, "tokenizer")
     if (config.collator is not None or data_collator is not None) and method != EXACT:
@@ -304,18 +304,18 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         if run:
             raise UnlearnError(f"{source!r} is a recorded run: it gets an exact deletion (--method exact, the default "
                                f"for runs); for {method!r}, pass the model folder instead")
-        from .methods.registry import get_method
+        from ..methods.registry import get_method
 
         spec = get_method(method)
         check_options(learning_rate=config.learning_rate, num_train_epochs=config.num_train_epochs,
                       max_steps=config.max_steps, batch_size=config.batch_size, max_length=config.max_length,
                       lora_r=config.lora_r, max_new_tokens=config.max_new_tokens, eval_rows=config.eval_rows,
                       max_retain_rows=config.max_retain_rows)
-        from .presets import check_preset
+        from ..presets import check_preset
 
         check_preset(config.preset)
         method_args = _method_args(spec, config.method_args)
-        from .validation import check_model_source
+        from ..validation import check_model_source
 
         check_model_source(source)
         forget_rows, retain_rows = _split_data(config, request)
@@ -327,10 +327,10 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
 
 
 def _validate_run(source: str, request: list) -> dict:
-    from .data.ids import check_id_types
-    from .trace.replay import replay_cost
-    from .trace.run import open_run
-    from .trace.store import load_store
+    from ..data.ids import check_id_types
+    from ..trace.replay import replay_cost
+    from ..trace.run import open_run
+    from ..trace.store import load_store
 
     run = open_run(source)
     world = run.header.get("world_size", 1)
@@ -342,7 +342,7 @@ def _validate_run(source: str, request: list) -> dict:
     stored = load_store(run.store_path)[run.id_column]
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed
-    from .trace.trainers import recorded_trainer
+    from ..trace.trainers import recorded_trainer
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
     return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", []))}
@@ -356,7 +356,7 @@ def _run_collator(run, reference: str | None, given):
             raise UnlearnError(f"data_collator= must be a callable collator, not a {type(given).__name__}")
         return given
     if reference is not None:
-        from .data.collators import load_collator
+        from ..data.collators import load_collator
 
         return load_collator(reference)
     spec = run.header.get("collator") or {}
@@ -396,12 +396,12 @@ def parse_method_args(pairs: Iterable[str] | None) -> dict[str, str]:
 
 def load_rows(data: str | None, tofu_path: str | None = None):
     """The dataset the ids refer to (see ``ForgetConfig.data``)."""
-    from .data.embedded import load_embedded_tofu
+    from ..data.embedded import load_embedded_tofu
 
     if hasattr(data, "column_names") and hasattr(data, "select"):  # a datasets.Dataset (Python API)
         return data
     if data in (None, "tofu"):
-        from .data import load_tofu
+        from ..data import load_tofu
 
         return load_tofu("full", tofu_path)
     if data == "tofu-subset":
@@ -431,7 +431,7 @@ def load_rows(data: str | None, tofu_path: str | None = None):
 
 def _split_data(config: ForgetConfig, request: list):
     """(forget rows, retain rows): the rows with the request's ids, and a seeded sample of the others."""
-    from .data.ids import check_id_types
+    from ..data.ids import check_id_types
 
     rows = load_rows(config.data, config.tofu_path)
     column = config.id_column
@@ -464,8 +464,8 @@ def _check_hub_access(config: ForgetConfig) -> None:
     """Before any compute: the Hub answers and takes the token (a publish that fails after training wastes it)."""
     from huggingface_hub import HfApi, constants
 
-    from .hub.publish import hub_error
-    from .validation import hub_unreachable
+    from ..hub.publish import hub_error
+    from ..validation import hub_unreachable
 
     endpoint = config.endpoint or constants.ENDPOINT
     if constants.HF_HUB_OFFLINE:
@@ -501,19 +501,19 @@ def with_replay_progress(trainer_cls, desc: str, enabled: bool):
 
 
 def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> ForgetReceipt:
-    from .hub.mixin import write_model_card
-    from .hub.publish import hashed_files
-    from .trace.fidelity import fidelity_statement
-    from .trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
-    from .trace.store import redact_store
-    from .trace.tags import tag
-    from .trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
-    from .trace.verification import verify
-    from .validation import TOKENIZER_FILES
+    from ..hub.mixin import write_model_card
+    from ..hub.publish import hashed_files
+    from ..trace.fidelity import fidelity_statement
+    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
+    from ..trace.store import redact_store
+    from ..trace.tags import tag
+    from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
+    from ..trace.verification import verify
+    from ..validation import TOKENIZER_FILES
 
     run, ids, cost, timings = plan["run"], plan["ids"], plan["cost"], {}
     if tokenizer is None and config.tokenizer_path is not None:
-        from .models import load_tokenizer
+        from ..models import load_tokenizer
 
         tokenizer = load_tokenizer(config.tokenizer_path)
     if tokenizer is None and (run.path / PROCESSING_CLASS_DIR).is_dir():  # a TRL run keeps its tokenizer
@@ -521,7 +521,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
         f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
         f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
-    from .trace.replay import describe_cost
+    from ..trace.replay import describe_cost
 
     for line in describe_cost(cost):  # the minimum (T - s), the steps replayed and their ratio, before any compute
         log(line)
@@ -600,7 +600,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
 # -- approximate unlearning ------------------------------------------------------------------------------------
 def _preset_values(config: ForgetConfig, spec, n_forget_rows: int) -> dict:
     """The budget keywords: ``config``'s, with ``config.preset``'s values where an option is left at its default."""
-    from .presets import training_preset
+    from ..presets import training_preset
 
     own = {"num_train_epochs": "num_train_epochs", "learning_rate": "learning_rate",
            "per_device_train_batch_size": "batch_size", "max_length": "max_length"}
@@ -615,10 +615,10 @@ def _preset_values(config: ForgetConfig, spec, n_forget_rows: int) -> dict:
 
 
 def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetReceipt:
-    from .eval.qa import evaluate_qa
-    from .hub.mixin import write_model_card
-    from .models import load_model, load_tokenizer
-    from .utils import has_cuda
+    from ..eval.qa import evaluate_qa
+    from ..hub.mixin import write_model_card
+    from ..models import load_model, load_tokenizer
+    from ..utils import has_cuda
 
     spec, timings = plan["spec"], {}
     forget_rows, retain_rows = plan["forget_rows"], plan["retain_rows"]
@@ -688,7 +688,7 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
 
 
 def _hub_id(source: str) -> str | None:
-    from .validation import looks_like_hub_id
+    from ..validation import looks_like_hub_id
 
     return source if looks_like_hub_id(source) and not os.path.exists(source) else None
 
@@ -699,10 +699,10 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     """``state_hashes``: ``params_root`` is the root of the saved safetensors (what the Hub manifest and ``hub verify``
     check; tied duplicates once); for an exact deletion ``trace_params_root`` and ``optimizer_root`` are the replayed
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
-    from . import __version__
-    from .hub.cards import forget_request
-    from .hub.keys import load_key
-    from .hub.publish import build_manifest
+    from .. import __version__
+    from ..hub.cards import forget_request
+    from ..hub.publish import build_manifest
+    from ..keys import load_key
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
     if plan["mode"] == EXACT and trace_params_root not in (manifest["params_root"], manifest["state_dict_root"]):
@@ -711,7 +711,7 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
                            f"are not the replayed state (root {str(trace_params_root)[:16]}...) the evidence is about; "
                            "nothing was kept")
     if saved_files is not None:
-        from .hub.publish import CARD_INFO_FILE
+        from ..hub.publish import CARD_INFO_FILE
 
         now = {k: v for k, v in manifest["file_hashes"].items() if k != CARD_INFO_FILE}  # the card's info file is new
         changed = sorted(k for k in now.keys() | saved_files.keys() if now.get(k) != saved_files.get(k))
@@ -730,7 +730,7 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
 
 
 def _versions() -> dict:
-    from .hub.cards import library_versions
+    from ..hub.cards import library_versions
 
     return {k: v for k, v in library_versions().items() if k in ("torch", "transformers")}
 
@@ -795,8 +795,8 @@ def _library_progress(enabled: bool):
 def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Path):
     import tempfile
 
-    from .hub.publish import load_card_info, push_unlearned
-    from .hub.verify import verify_on_hub
+    from ..hub.publish import load_card_info, push_unlearned
+    from ..hub.verify import verify_on_hub
 
     card_info = load_card_info(model_dir)
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
@@ -829,7 +829,7 @@ def _own_settings(card_info: dict) -> dict:
     out = {path: int(v) for path, v in values.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()}
     # its own evaluation before/after: a ROUGE-L of 0.0 or a probability of 1.0 is not forget id 0 or 1
-    from .hub.leaks import own_numbers
+    from ..hub.leaks import own_numbers
 
     out.update(own_numbers(card_info.get("evaluation") or {}, "evaluation"))
     out.update(own_numbers(extra.get("evaluation_before") or {}, "extra.evaluation_before"))
@@ -854,7 +854,7 @@ def _provenance_view(run: Path, dest: Path) -> Path:
 
 def _write_receipt(receipt: ForgetReceipt, ids: list, out: Path) -> None:
     """Write ``receipt.json`` atomically, after checking it carries no raw id (it is built from tags only)."""
-    from .utils import atomic_write_text
+    from ..utils import atomic_write_text
 
     text = json.dumps(receipt.to_dict(), indent=1, default=str)
     leaked = [i for i in ids if isinstance(i, str) and json.dumps(i) in text]

@@ -1,0 +1,436 @@
+"""Serving the requests of a ledger: exact deletion in batches, an approximate hot path, a planner and a policy.
+
+* :func:`serve_exact` takes every pending request, deletes their union with one :func:`forget` call on the current
+  exact run (the recorded run, or the last batch's replay: a run without every row deleted so far), so one
+  redaction and one suffix replay from the checkpoint before the earliest affected step serve them all. It writes
+  a signed receipt per request (naming the batch and its own tags) and a batch receipt. The batch's request set is
+  fixed by its ``batch_start`` record: a request added meanwhile waits for the next batch, and a batch cut off
+  (kill -9) is redone from scratch by the next serve, with the same requests, and recorded once.
+* :func:`serve_approximate` runs a registered approximate method (MASC by default) on the model served now for
+  the requests nothing has served yet, and writes provisional receipts that say they will be superseded.
+* :func:`plan` prices the pending set with ``replay_cost``; :func:`serve_due` applies a :class:`Policy`.
+
+Only one serve runs at a time per ledger (a second one says so and does nothing: safe from cron).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ..errors import UnlearnError
+from .ledger import APPROXIMATE, PENDING, DeletionLedger, iso, parse_time, utc_now
+from .receipts import BATCH_RECEIPT_FORMAT, REQUEST_RECEIPT_FORMAT, sign_receipt, write_receipt
+
+RECEIPTS_DIR = "receipts"
+
+
+class ServeBusy(UnlearnError):
+    """Another serve holds the ledger's serve lock."""
+
+
+@contextlib.contextmanager
+def serving(ledger: DeletionLedger):
+    """The serve lock: one serve per ledger at a time; a second one is refused at once (not queued)."""
+    from filelock import FileLock, Timeout
+
+    ledger.path.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(ledger.path / ".serve.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ServeBusy(f"another `requests serve` is running on {ledger.path}; nothing was done") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _union(ledger: DeletionLedger, request_ids: list[str]) -> list:
+    ids = ledger.private_ids(request_ids)
+    return list(dict.fromkeys(i for rid in request_ids for i in ids[rid]))
+
+
+def _rel(ledger: DeletionLedger, path: Path) -> str:
+    return os.path.relpath(Path(path).resolve(), ledger.path.resolve())
+
+
+def _fresh(folder: Path) -> Path:
+    """An output folder of an interrupted attempt (no ledger record points at it) is removed before the redo."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _request_part(ledger: DeletionLedger, req) -> dict:
+    from ..keys import key_fingerprint
+
+    return {"id": req.id, "tags": req.tags, "count": len(req.tags), "received": req.received,
+            "deadline": req.deadline, "ref_tag": req.ref_tag, "key_fingerprint": key_fingerprint(ledger.tag_key)}
+
+
+def _ref(record: dict) -> dict:
+    return {"seq": record["seq"], "sha256": record["sha256"]}
+
+
+def _published(receipt) -> dict | None:
+    p = receipt.published
+    if not p:
+        return None
+    return {k: p.get(k) for k in ("repo", "tag", "commit", "verify_ok", "verify_summary", "error") if k in p}
+
+
+@dataclass
+class BatchResult:
+    """What one serve did: the batch (or provisional run) name, its requests, receipts and the forget receipt."""
+
+    name: str
+    kind: str
+    requests: list[str]
+    receipts: dict[str, Path]
+    batch_receipt: Path | None
+    forget_receipt: object
+    resumed: bool = False
+    publish_error: str | None = None
+
+
+# -- exact --------------------------------------------------------------------------------------------------------
+def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, data_collator=None,
+                **options) -> BatchResult | None:
+    """One exact batch over every pending request (None when nothing is pending). ``options`` are
+    :class:`~hf_unlearn.deletion.ForgetConfig` fields for the exact path: ``oracle``, ``tokenizer_path``,
+    ``collator``, ``repo`` (and the Hub options), ``progress``."""
+    from .forgetting import forget
+
+    log = log or (lambda m: print(m, flush=True))
+    now = parse_time(now, "--now")
+    with serving(ledger):
+        with ledger.lock():
+            start = ledger.unfinished_batch()
+            resumed = start is not None
+            if start is None:
+                pending = ledger.pending()
+                if not pending:
+                    return None
+                name = f"batch-{1 + sum(r['type'] == 'batch_start' for r in ledger.records()):04d}"
+                start = ledger.append("batch_start", batch=name, requests=[r.id for r in pending],
+                                      run=_rel(ledger, ledger.current_run()), time=iso(now))
+        name, request_ids = start["batch"], start["requests"]
+        if resumed:
+            log(f"{name} was interrupted: serving it again with the same {len(request_ids)} request(s)")
+        out = _fresh(ledger.path / "batches" / name)
+        run = Path(os.path.normpath(ledger.path / start["run"]))
+        ids = _still_present(run, _union(ledger, request_ids))
+        log(f"{name}: exact deletion of {len(ids)} id(s) for {len(request_ids)} request(s) "
+            f"({', '.join(request_ids)}) from {run}")
+        publish_error = None
+        try:
+            receipt = forget(run, ids, out, tokenizer=tokenizer, data_collator=data_collator, log=log,
+                             method="exact", **options)
+        except UnlearnError as e:
+            from .forgetting import RECEIPT_FILE
+
+            if not (out / RECEIPT_FILE).is_file() or not options.get("repo"):
+                raise UnlearnError(f"{name} failed: {e}; it stays recorded as started, and the next `requests "
+                                   "serve --exact` runs it again") from None
+            publish_error = str(e)  # the deletion is done and saved: record it, then report the failed push
+            receipt = _reload_forget_receipt(out)
+        result = _record_batch(ledger, start, receipt, out, now)
+    result.resumed, result.publish_error = resumed, publish_error
+    if publish_error:
+        raise UnlearnError(f"{name} is done and recorded (receipts in {ledger.path / RECEIPTS_DIR}); {publish_error}")
+    return result
+
+
+def _still_present(run: Path, ids: list) -> list:
+    """The ids an earlier batch has not deleted yet (a request may repeat an id that is gone already); all of them
+    when every one is gone (forget then records a deletion that replays nothing)."""
+    from ..trace.replay import already_deleted
+    from ..trace.run import open_run
+
+    gone = set(already_deleted(open_run(run, check_checkpoints=False), ids))
+    return [i for i in ids if i not in gone] or ids
+
+
+def _reload_forget_receipt(out: Path):
+    from .forgetting import ForgetReceipt, load_receipt
+
+    data = load_receipt(out)
+    names = {f.name for f in fields(ForgetReceipt)}
+    return ForgetReceipt(**{k: v for k, v in data.items() if k in names})
+
+
+def _record_batch(ledger: DeletionLedger, start: dict, receipt, out: Path, now) -> BatchResult:
+    from .forgetting import RECEIPT_FILE
+
+    name, request_ids = start["batch"], start["requests"]
+    opening = ledger.records()[0]
+    by_id = {r.id: r for r in ledger.requests()}
+    folder = ledger.path / RECEIPTS_DIR
+    common = {"ledger": {"id": opening["ledger"], "run_id": opening["run_id"]}, "kind": "exact",
+              "state_hashes": receipt.state_hashes, "verified": receipt.evidence.get("verified"),
+              "model": _rel(ledger, out / "model"), "published": _published(receipt), "created": iso(now)}
+    forget_file = out / RECEIPT_FILE
+    import hashlib
+
+    batch_body = {**common, "format": BATCH_RECEIPT_FORMAT, "ledger_records": {"batch_start": _ref(start)},
+                  "batch": {"name": name, "requests": request_ids,
+                            "tags": sorted({t for rid in request_ids for t in by_id[rid].tags})},
+                  "forget_receipt": {"path": _rel(ledger, forget_file),
+                                     "sha256": hashlib.sha256(forget_file.read_bytes()).hexdigest()},
+                  "cost": receipt.evidence.get("cost"),
+                  "guarantee": f"{receipt.guarantee}. One replay served {len(request_ids)} request(s)."}
+    batch_path = folder / f"{name}.json"
+    batch_sha = write_receipt(batch_path, sign_receipt(batch_body, ledger.signing_key))
+    receipts, paths = {}, {}
+    for rid in request_ids:
+        req = by_id[rid]
+        body = {**common, "format": REQUEST_RECEIPT_FORMAT, "request": _request_part(ledger, req),
+                "ledger_records": {"request": {"seq": req.seq, "sha256": req.sha256}, "batch_start": _ref(start)},
+                "batch": {"name": name, "requests": request_ids, "receipt": _rel(ledger, batch_path),
+                          "receipt_sha256": batch_sha},
+                "supersedes": list(req.provisional),
+                "guarantee": (f"{receipt.guarantee}. Served in {name} with {len(request_ids) - 1} other request(s); "
+                              "this exact model comes from the recorded run, not from an approximately unlearned "
+                              "one" + (", and supersedes the provisional model(s) of " + ", ".join(req.provisional)
+                                       if req.provisional else "") + ".")}
+        path = folder / f"{rid}.exact.json"
+        receipts[rid] = {"path": _rel(ledger, path), "sha256": write_receipt(path, sign_receipt(body,
+                                                                                              ledger.signing_key))}
+        paths[rid] = path
+    published = _published(receipt)
+    ledger.append("batch_done", batch=name, requests=request_ids, run=_rel(ledger, out / "replay"),
+                  model=_rel(ledger, out / "model"), receipts=receipts, batch_receipt=batch_sha,
+                  params_root=receipt.state_hashes["params_root"], verified=receipt.evidence.get("verified"),
+                  steps_replayed=(receipt.evidence.get("replay") or {}).get("segments_replayed"),
+                  published=published, time=iso(now))
+    return BatchResult(name=name, kind="exact", requests=request_ids, receipts=paths, batch_receipt=batch_path,
+                       forget_receipt=receipt)
+
+
+# -- approximate --------------------------------------------------------------------------------------------------
+def serve_approximate(ledger: DeletionLedger, *, method: str = "masc", model=None, data=None, now=None, log=None,
+                      **options) -> BatchResult | None:
+    """The hot path: an approximate method on the model served now, for the requests nothing has served yet (None
+    when there are none). ``model``: default the ledger's served model (last exact batch or provisional model);
+    ``data``: the rows the ids name (default the current exact run's token store). ``options`` are
+    :class:`~hf_unlearn.deletion.ForgetConfig` fields of the approximate path."""
+    from ..trace.run import open_run
+    from .forgetting import forget
+
+    log = log or (lambda m: print(m, flush=True))
+    now = parse_time(now, "--now")
+    with serving(ledger):
+        todo = [r for r in ledger.pending() if r.state == PENDING]
+        if not todo:
+            return None
+        source = model if model is not None else ledger.served_model()
+        if source is None:
+            raise UnlearnError("no model is served yet from this ledger: pass --model (the model you serve now, e.g. "
+                               "the recorded run's trained model with its tokenizer)")
+        if data is None:
+            data = str(open_run(ledger.current_run(), check_checkpoints=False).store_path)
+        request_ids = [r.id for r in todo]
+        ids = _union(ledger, request_ids)
+        name = f"approx-{1 + sum(r['type'] == 'approximate' for r in ledger.records()):04d}"
+        out = _fresh(ledger.path / "provisional" / name)
+        log(f"{name}: {method} on {source} for {len(ids)} id(s) of {len(request_ids)} request(s) (provisional)")
+        receipt = forget(source, ids, out, method=method, data=data, log=log, **options)
+        opening = ledger.records()[0]
+        folder = ledger.path / RECEIPTS_DIR
+        receipts, paths = {}, {}
+        for req in todo:
+            body = {"format": REQUEST_RECEIPT_FORMAT, "kind": "approximate", "provisional": True,
+                    "ledger": {"id": opening["ledger"], "run_id": opening["run_id"]},
+                    "request": _request_part(ledger, req),
+                    "ledger_records": {"request": {"seq": req.seq, "sha256": req.sha256}},
+                    "batch": {"name": name, "requests": request_ids}, "method": method,
+                    "model": _rel(ledger, out / "model"), "state_hashes": receipt.state_hashes,
+                    "evaluation": {"before": receipt.evidence.get("before"), "after": receipt.evidence.get("after")},
+                    "guarantee": (f"provisional: {receipt.guarantee}. It will be superseded by an exact deletion "
+                                  f"from the recorded run (`hf-unlearn requests serve --exact`), due by "
+                                  f"{req.deadline}."),
+                    "created": iso(now)}
+            path = folder / f"{req.id}.{name}.json"
+            receipts[req.id] = {"path": _rel(ledger, path),
+                                "sha256": write_receipt(path, sign_receipt(body, ledger.signing_key))}
+            paths[req.id] = path
+        ledger.append("approximate", name=name, requests=request_ids, method=method, model=_rel(ledger, out / "model"),
+                      receipts=receipts, params_root=receipt.state_hashes["params_root"], time=iso(now))
+    return BatchResult(name=name, kind="approximate", requests=request_ids, receipts=paths, batch_receipt=None,
+                       forget_receipt=receipt)
+
+
+# -- planning and policy ------------------------------------------------------------------------------------------
+def plan(ledger: DeletionLedger, now=None) -> dict:
+    """The replay cost of the pending set: one batch now, each request alone, and waiting for the earliest
+    deadline (``replay_cost`` on the current exact run; nothing is computed)."""
+    from ..trace.replay import replay_cost
+    from ..trace.run import open_run
+
+    now = parse_time(now, "--now")
+    pending = ledger.pending()
+    if not pending:
+        return {"pending": 0}
+    run = open_run(ledger.current_run(), check_checkpoints=False)
+    ids = ledger.private_ids([r.id for r in pending])
+    union = list(dict.fromkeys(i for r in pending for i in ids[r.id]))
+    batch = replay_cost(run, union)
+    alone = {r.id: replay_cost(run, ids[r.id])["steps_to_replay"] for r in pending}
+    first = min(pending, key=lambda r: r.deadline)
+    return {"pending": len(pending), "total_steps": batch["total_steps"], "batch_now": batch["steps_to_replay"],
+            "batch_start_checkpoint": batch["start_checkpoint"], "each_alone": alone,
+            "each_alone_total": sum(alone.values()), "earliest_deadline": first.deadline,
+            "earliest_deadline_request": first.id, "days_to_earliest_deadline": round(first.days_left(now), 2),
+            "wait_until_deadline": batch["steps_to_replay"],
+            "oldest_days": round(max(r.age_days(now) for r in pending), 2)}
+
+
+def format_plan(p: dict) -> str:
+    if not p.get("pending"):
+        return "nothing pending"
+    lines = [f"{p['pending']} pending request(s) on a run of {p['total_steps']} steps:",
+             f"  one batch now          {p['batch_now']} replayed steps (from checkpoint step "
+             f"{p['batch_start_checkpoint']})",
+             f"  each request alone     {p['each_alone_total']} replayed steps ("
+             + ", ".join(f"{k}: {v}" for k, v in p["each_alone"].items()) + ")",
+             f"  wait until {p['earliest_deadline']} ({p['days_to_earliest_deadline']:.1f} days, "
+             f"{p['earliest_deadline_request']}'s deadline): one batch of at least {p['wait_until_deadline']} steps "
+             "for these, shared with every request that arrives before then (a new request only moves the start "
+             "earlier if its rows are earlier)"]
+    return "\n".join(lines)
+
+
+@dataclass
+class Policy:
+    """When ``requests serve --due`` runs an exact batch (a JSON or TOML file holds these fields)."""
+
+    max_wait_days: float = 21.0  # serve once the oldest pending request has waited this long
+    max_replay_steps: int | None = None  # ... or at once when a batch now replays at most this many steps
+    approximate_first: bool = False  # run the approximate hot path on new requests before they wait
+    approximate_method: str = "masc"
+    oracle: bool = False
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None) -> Policy:
+        if path is None:
+            return cls()
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise UnlearnError(f"cannot read the policy {p}: {e.strerror or e}") from None
+        try:
+            if p.suffix == ".toml":
+                import tomllib
+
+                data = tomllib.loads(text)
+            else:
+                data = json.loads(text)
+        except ValueError as e:
+            raise UnlearnError(f"the policy {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UnlearnError(f"the policy {p} has unknown field(s) {', '.join(unknown)}; its fields are "
+                               f"{', '.join(sorted(known))}")
+        policy = cls(**data)
+        if not (isinstance(policy.max_wait_days, (int, float)) and policy.max_wait_days >= 0):
+            raise UnlearnError(f"max_wait_days must be a number >= 0, got {policy.max_wait_days!r}")
+        if policy.max_replay_steps is not None and not (isinstance(policy.max_replay_steps, int)
+                                                        and policy.max_replay_steps >= 0):
+            raise UnlearnError(f"max_replay_steps must be an integer >= 0, got {policy.max_replay_steps!r}")
+        return policy
+
+
+def due_reasons(ledger: DeletionLedger, policy: Policy, now=None) -> list[str]:
+    """Why an exact batch is due now (empty: not due)."""
+    now = parse_time(now, "--now")
+    unfinished = ledger.unfinished_batch()
+    if unfinished is not None:
+        return [f"{unfinished['batch']} was interrupted and must be completed"]
+    pending = ledger.pending()
+    if not pending:
+        return []
+    reasons = []
+    oldest = max(pending, key=lambda r: r.age_days(now))
+    if oldest.age_days(now) >= policy.max_wait_days:
+        reasons.append(f"{oldest.id} has waited {oldest.age_days(now):.1f} days (max_wait_days "
+                       f"{policy.max_wait_days:g})")
+    soonest = min(pending, key=lambda r: r.days_left(now))
+    if soonest.days_left(now) <= 0:
+        reasons.append(f"{soonest.id} is past its deadline {soonest.deadline}")
+    if policy.max_replay_steps is not None:
+        steps = plan(ledger, now)["batch_now"]
+        if steps <= policy.max_replay_steps:
+            reasons.append(f"a batch now replays {steps} steps (max_replay_steps {policy.max_replay_steps})")
+    return reasons
+
+
+def serve_due(ledger: DeletionLedger, policy: Policy, *, now=None, log=None, model=None,
+              approximate_options: dict | None = None, **exact_options) -> dict:
+    """Apply the policy once (what cron runs): maybe the approximate hot path, maybe one exact batch; returns
+    ``{"approximate": BatchResult|None, "exact": BatchResult|None, "reasons": [...], "message": str}``."""
+    log = log or (lambda m: print(m, flush=True))
+    now = parse_time(now, "--now")
+    out = {"approximate": None, "exact": None, "reasons": [], "message": ""}
+    if policy.approximate_first and any(r.state == PENDING for r in ledger.pending()):
+        out["approximate"] = serve_approximate(ledger, method=policy.approximate_method, model=model, now=now, log=log,
+                                               **(approximate_options or {}))
+    out["reasons"] = due_reasons(ledger, policy, now)
+    if not out["reasons"]:
+        pending = ledger.pending()
+        if not pending:
+            out["message"] = "nothing due: no pending request"
+        else:
+            oldest = max(pending, key=lambda r: r.age_days(now))
+            due_on = parse_time(oldest.received) + _days(policy.max_wait_days)
+            out["message"] = (f"nothing due: {len(pending)} pending request(s), the oldest ({oldest.id}) "
+                              f"{oldest.age_days(now):.1f} days old; due by max_wait_days on {iso(due_on)}")
+        return out
+    log("due: " + "; ".join(out["reasons"]))
+    out["exact"] = serve_exact(ledger, now=now, log=log, oracle=exact_options.pop("oracle", policy.oracle),
+                               **exact_options)
+    out["message"] = f"served {out['exact'].name} ({len(out['exact'].requests)} request(s))"
+    return out
+
+
+def _days(n: float):
+    import datetime as dt
+
+    return dt.timedelta(days=n)
+
+
+def request_rows(ledger: DeletionLedger, now=None) -> list[dict]:
+    """``requests list``: one row per request (tags only)."""
+    now = parse_time(now, "--now")
+    rows = []
+    for r in ledger.requests():
+        rows.append({"request": r.id, "state": r.state + (f" ({r.running} running or interrupted)" if r.running
+                                                          else ""),
+                     "ids": len(r.tags), "received": r.received, "age_days": round(r.age_days(now), 1),
+                     "deadline": r.deadline, "days_left": round(r.days_left(now), 1),
+                     "overdue": r.state != "exact" and r.days_left(now) < 0, "batch": r.batch,
+                     "provisional": r.provisional})
+    return rows
+
+
+def status(ledger: DeletionLedger, now=None) -> dict:
+    """``requests status``: counts per state, overdue requests, the next deadline, an interrupted batch."""
+    now = parse_time(now, "--now")
+    rows = request_rows(ledger, now)
+    waiting = [r for r in rows if not r["state"].startswith("exact")]
+    unfinished = ledger.unfinished_batch()
+    return {"ledger": str(ledger.path), "requests": len(rows),
+            "pending": sum(r["state"].startswith(PENDING) for r in rows),
+            "approximate": sum(r["state"].startswith(APPROXIMATE) for r in rows),
+            "exact": sum(r["state"] == "exact" for r in rows), "overdue": [r["request"] for r in rows if r["overdue"]],
+            "next_deadline": min((r["deadline"] for r in waiting), default=None),
+            "interrupted_batch": unfinished["batch"] if unfinished else None,
+            "served_model": str(ledger.served_model()) if ledger.served_model() else None,
+            "records": len(ledger.records()), "now": iso(now or utc_now())}
