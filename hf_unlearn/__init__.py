@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
 
     # --- trace (exact deletion) ---
     "TraceRecordingTrainer": "hf_unlearn.trace.recording",
+    "trace_recording": "hf_unlearn.trace.recording",
     "RedactedReplayTrainer": "hf_unlearn.trace.replay",
     "OracleReplayTrainer": "hf_unlearn.trace.replay",
     "redact_store": "hf_unlearn.trace.store",

@@ -21,6 +21,7 @@ ACCELERATE_CPU = ROOT / "examples" / "accelerate" / "cpu_2proc.yaml"
 # processes under `accelerate launch` (two: DDP over gloo, recording and replay included)
 RUNS = {
     "trace_deletion.py": (["--rows", "24", "--max-length", "64"], 2),
+    "trace_sft.py": (["--rows", "24", "--max-length", "64"], 2),
     "unlearn_tofu.py": (["--method", "grad_diff", "--max-steps", "2"], 2),
     "masc_tofu.py": (["--lora"], 2),
     "random_label_forgetting.py": (["--rows", "32", "--epochs", "1"], 2),
@@ -92,7 +93,7 @@ def test_example_runs(name, launcher, tmp_path):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", script, *args]
     proc = _run(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    expected = {"trace_deletion.py": "bit for bit: True", "unlearn_tofu.py": "grad_diff: 2 steps",
+    expected = {"trace_deletion.py": "bit for bit: True", "trace_sft.py": "VERIFIED: the SFTTrainer replay", "unlearn_tofu.py": "grad_diff: 2 steps",
                 "masc_tofu.py": "stopped at step", "random_label_forgetting.py": "unseen rows: accuracy",
                 "publish.py": "OK:", "qr_erase.py": "answer loss forget", "cud.py": "hard   set (CUD"}.get(name)
     if expected is None:

@@ -107,6 +107,9 @@ def inspect_cmd(args) -> int:
           f"store rows {s['store_rows']}, deletion requests {s['deletion_requests']}")
     print(f"checkpoints at steps {s['checkpoints']} ({'states checked against hashes.json' if s['checkpoints_deep_checked'] else 'hashes.json sidecars checked; --deep checks the states'}); "
           f"WAL {s['wal_bytes']} B, manifest {s['manifest_bytes']} B; {s['world_size']} process(es)")
+    print(f"trainer {s['trainer']}" + (f" (config {header['trainer']['config_class']}"
+                                       f"{', arguments ' + json.dumps(header['trainer']['kwargs']) if header['trainer'].get('kwargs') else ''})"
+                                       if header.get("trainer") else ""))
     print(f"model {header['model']['class']} ({header['model']['num_parameters']:,} params), optimizer "
           f"{header['optimizer']['class']}, torch {header['versions'].get('torch')}, "
           f"transformers {header['versions'].get('transformers')}")

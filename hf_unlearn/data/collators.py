@@ -171,13 +171,9 @@ def rebuild_collator(spec: dict | None, save_dir=None, model=None):
     kwargs = {}
     for k, v in spec["kwargs"].items():
         if isinstance(v, dict) and SAVED_ARGUMENT in v:
-            from transformers import AutoProcessor, AutoTokenizer
+            from ..trace.trainers import load_processing_class
 
-            path = Path(save_dir) / v[SAVED_ARGUMENT]
-            try:
-                v = AutoTokenizer.from_pretrained(str(path))
-            except Exception:  # a processor rather than a tokenizer
-                v = AutoProcessor.from_pretrained(str(path))
+            v = load_processing_class(Path(save_dir) / v[SAVED_ARGUMENT])
         elif isinstance(v, dict) and MODEL_ARGUMENT in v:
             v = model
         kwargs[k] = v

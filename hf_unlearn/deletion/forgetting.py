@@ -342,6 +342,9 @@ def _validate_run(source: str, request: list) -> dict:
     stored = load_store(run.store_path)[run.id_column]
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed
+    from ..trace.trainers import recorded_trainer
+
+    recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
     return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", [])),
             "controls": {"status": run.report.summary.get("controls"), "notes": list(run.report.notes)}}
 
@@ -502,8 +505,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..hub.mixin import write_model_card
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
-    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer
+    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
     from ..trace.store import redact_store
+    from ..trace.tags import tag
+    from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
     from ..trace.verification import verify
     from ..validation import TOKENIZER_FILES
 
@@ -512,6 +517,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         from ..models import load_tokenizer
 
         tokenizer = load_tokenizer(config.tokenizer_path)
+    if tokenizer is None and (run.path / PROCESSING_CLASS_DIR).is_dir():  # a TRL run keeps its tokenizer
+        tokenizer = load_processing_class(run.path / PROCESSING_CLASS_DIR)
     log(f"exact deletion of {len(ids)} id(s) from the recorded run {plan['source']}: {cost['slots_deleted']} slot(s) "
         f"in {cost['affected_steps']} of {cost['total_steps']} steps; suffix replay from checkpoint step "
         f"{cost['start_checkpoint']} ({100 * cost['fraction_replayed']:.0f}% of the run)")
@@ -524,7 +531,9 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     for note in plan["controls"]["notes"]:
         log(f"note: {note}")
     t = time.perf_counter()
-    redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column)
+    never_trained = never_trained_tags(run)  # rows the trainer dropped before training: absent from the store
+    redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column,
+                             already_deleted=[i for i in ids if tag(run.key, i) in never_trained])
     timings["redact_s"] = time.perf_counter() - t
     log(f"redacted store: {redaction['rows_before']} -> {redaction['rows_after']} rows; "
         f"{redaction['checks']['id_column_scanned']}")

@@ -163,9 +163,14 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     for key, value in header.items():
         if key not in HEADER_KEYS:
             hits += scanner.scan(value, field + key)
+    trainer = header.get("trainer")
+    if isinstance(trainer, dict):  # the user's own constructor arguments: scanned, numbers included
+        hits += scanner.scan(trainer.get("kwargs"), field + "trainer.kwargs")
     args = header.get("training_args")
     if isinstance(args, dict):
-        standard = {f.name for f in dataclasses.fields(TrainingArguments)}
+        from ..trace.trainers import library_config_fields
+
+        standard = {f.name for f in dataclasses.fields(TrainingArguments)} | library_config_fields(header)
         for key, value in args.items():
             if key not in standard:
                 hits += scanner.scan(value, f"{field}training_args.{key}")

@@ -1,6 +1,6 @@
 """Exact deletion by trace-preserving replay.
 
-Record a run with :class:`TraceRecordingTrainer`; honour a deletion request with :func:`redact_store` and
+Record a run with :class:`TraceRecordingTrainer` (or ``trace_recording(SFTTrainer)``, any Trainer subclass); honour a deletion request with :func:`redact_store` and
 :class:`RedactedReplayTrainer`; check it against :class:`OracleReplayTrainer` with :func:`verify`.
 Names resolve lazily so ``import hf_unlearn.trace`` stays light.
 """
@@ -11,6 +11,8 @@ import importlib
 
 _NAMES = {
     "TraceRecordingTrainer": "recording",
+    "TraceRecordingMixin": "recording",
+    "trace_recording": "recording",
     "ReplayTrainer": "replay",
     "RedactedReplayTrainer": "replay",
     "OracleReplayTrainer": "replay",

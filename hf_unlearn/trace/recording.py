@@ -16,6 +16,7 @@ could not (see :meth:`TraceRecordingTrainer.trace_preflight`). During training i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -360,10 +361,14 @@ class _TraceCallback(TrainerCallback):
         self.trainer._trace_finish()
 
 
-class TraceRecordingTrainer(Trainer):
-    """``Trainer`` that records a replayable trace of the run in ``trace_dir`` (default ``output_dir/trace``).
+class TraceRecordingMixin:
+    """Records a replayable trace of the run in ``trace_dir`` (default ``output_dir/trace``); put it first among
+    the bases of any ``Trainer`` subclass (:func:`trace_recording` does it for you, e.g. for ``trl.SFTTrainer``).
 
-    Args (beyond ``Trainer``'s):
+    The trainer class, its config class and its extra constructor arguments are recorded, so replays rebuild the
+    same trainer and run its own ``compute_loss``; a class a replay could not import is refused at construction.
+
+    Args (beyond the trainer's own):
         trace_dir: folder of the recorded run (see :mod:`hf_unlearn.trace.run` for its layout).
         trace_checkpoint_steps: the dense checkpoint spacing K: model + optimizer state is written every K
             optimizer steps (default: T // 32 with geometric retention, ceil(T / 10) with even retention, T the
@@ -394,6 +399,7 @@ class TraceRecordingTrainer(Trainer):
     """
 
     _is_replay = False
+    _trace_machinery = True  # not the user's trainer: skipped when the recorded trainer class is looked up
 
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
@@ -409,8 +415,11 @@ class TraceRecordingTrainer(Trainer):
                             ("trace_checkpoint_budget", trace_checkpoint_budget)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UnlearnError(f"{name} must be a positive int (or None for the default), not {value!r}")
+        self._trace_arguments = {} if self._is_replay else _bound_arguments(super().__init__, args, kwargs)
+        raw = self._trace_arguments.get("train_dataset")
+        raw_ids = list(raw[id_column]) if id_column in getattr(raw, "column_names", ()) else None
         # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
-        prepare_cuda_determinism(kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None))
+        prepare_cuda_determinism(self._trace_arguments.get("args", kwargs.get("args")))
         super().__init__(*args, **kwargs)
         self.trace_self_check = trace_self_check
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
@@ -435,12 +444,56 @@ class TraceRecordingTrainer(Trainer):
         self._trace_optimizer_source = self._optimizer_source()
         # first, so a user callback that fails right after an optimizer step cannot hide that the step completed
         self.callback_handler.callbacks.insert(0, _TraceCallback(self))
+        self._trace_dropped, self._trace_trainer, self._trace_probed = [], {}, False
         if not self._is_replay:
+            self._trace_trainer = self._trace_trainer_spec()
+            self._trace_dropped = self._dropped_rows(raw_ids)
             self._trace_check_parallelism()
             if self.train_dataset is not None:
                 self.trace_preflight()
 
     # ---- what a replay can reproduce, checked up front ----------------------------------------------------
+    def _trace_trainer_spec(self) -> dict:
+        """The recorded trainer class, config class and extra arguments (refused here if a replay cannot rebuild
+        them)."""
+        from .trainers import trainer_spec
+
+        cls = recorded_trainer_class(type(self))
+        spec = trainer_spec(cls, self.args, self._trace_arguments)
+        if getattr(self.args, "packing", False):
+            strategy = getattr(self.args, "packing_strategy", None)
+            if strategy == "wrapped":
+                why = ("packing_strategy='wrapped' cuts rows across packed sequences and lets their tokens attend to "
+                       "each other, so 'the run without row X' is not defined")
+            else:
+                why = (f"packing_strategy={strategy!r} packs several rows into one dataset row and drops the id "
+                       "column, so the trace cannot say which rows a packed sequence holds (not supported yet)")
+            raise UnlearnError(f"{cls.__qualname__} with packing=True cannot be recorded for exact deletion: {why}; "
+                               "use padding_free=True without packing (the same padding-free kernels: each microbatch "
+                               "is packed into one sequence with position ids, rows stay the deletion unit)")
+        return spec
+
+    def _dropped_rows(self, raw_ids: list | None) -> list:
+        """Ids of the rows the trainer's own dataset preparation dropped (e.g. SFTTrainer's fully masked rows after
+        truncation): never trained on, recorded in the header so a request for them is answered, not lost."""
+        dataset = self.train_dataset
+        if raw_ids is None or dataset is None or dataset is self._trace_arguments.get("train_dataset"):
+            return []
+        columns = getattr(dataset, "column_names", None) or []
+        if self.id_column not in columns:
+            raise UnlearnError(f"{type(self).__qualname__}'s dataset preparation dropped the {self.id_column!r} column: "
+                               "every training row needs its stable sample id")
+        kept = set(dataset[self.id_column])
+        dropped = [i for i in raw_ids if i not in kept]
+        if dropped:
+            import warnings
+
+            warnings.warn(f"{recorded_trainer_class(type(self)).__qualname__}'s dataset preparation dropped "
+                          f"{len(dropped)} row(s) (e.g. ids {dropped[:5]}): they are never trained on; the run "
+                          "records them, and a deletion request for them is answered 'never trained on'",
+                          stacklevel=3)
+        return dropped
+
     def _default_dummy_token(self) -> int:
         collator = self.data_collator
         for owner in (collator, getattr(collator, "tokenizer", None), self.processing_class):
@@ -543,17 +596,15 @@ class TraceRecordingTrainer(Trainer):
         if served.format.get("type") == "custom":
             hazards.append("train_dataset has an on-the-fly transform (set_transform/with_transform): the store holds "
                            "the untransformed rows")
-        if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
+        stock_loss = recorded_trainer_class(type(self)).compute_loss is Trainer.compute_loss
+        if stock_loss and not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
             hazards.append("the model does not accept num_items_in_batch: the loss is a per-microbatch mean, so "
                            "deleting a row re-weights the other rows of its microbatch")
-        custom_loss = [f"{type(self).__qualname__}.{n}" for n in ("compute_loss", "training_step")
-                       if getattr(type(self), n) is not getattr(TraceRecordingTrainer, n)]
-        if self.compute_loss_func is not None:
-            custom_loss.append(f"compute_loss_func={getattr(self.compute_loss_func, '__qualname__', 'custom')}")
-        if custom_loss:
-            hazards.append(f"a custom loss ({', '.join(custom_loss)}): replays and the oracle compute Trainer's own "
-                           "loss, so they would agree with each other on a loss this run did not train on; record "
-                           "with the stock loss, or allow the hazard and give the replays the same loss yourself")
+        if self.compute_loss_func is not None and not isinstance(self.compute_loss_func, str):
+            name = getattr(self.compute_loss_func, "__qualname__", "custom")
+            hazards.append(f"a custom loss (compute_loss_func={name}): a function argument is not recorded, so "
+                           "replays and the oracle would agree with each other on a loss this run did not train on; "
+                           "subclass the trainer and override compute_loss in an importable module instead")
         if args.fp16:
             hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
                            "may scale (and skip) steps differently; use bf16 or fp32")
@@ -565,6 +616,9 @@ class TraceRecordingTrainer(Trainer):
                 f"the data collator ({name}) gives the dummy row that replaces a deleted sample a label "
                 f"(dummy_token_id={self.dummy_token_id}): a deleted slot would not have weight 0; add a `labels` column "
                 "(-100 on ignored tokens) or pass dummy_token_id= a token the collator masks (its pad token)")
+        if not self._trace_probed:
+            self._trace_probed = True  # once, at construction: a forward and backward pass on two rows
+            self._check_dummy_has_no_influence({k: v for k, v in template.items() if k != self.id_column})
         if self.neftune_noise_alpha is not None:
             notes.append(f"NEFTune (alpha {self.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
                          "microbatch's recorded seed")
@@ -579,6 +633,48 @@ class TraceRecordingTrainer(Trainer):
                                + ". Fix this, or pass trace_allow_hazards=True to record anyway (inspect and verify "
                                "will then list what their verdicts do not cover)")
         return served, hazards, notes
+
+    def _check_dummy_has_no_influence(self, row: dict) -> None:
+        """A trainer with its own ``compute_loss`` must give a deleted slot's dummy row no weight: the loss's gradient
+        with respect to the dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term
+        on every token regardless of the labels would fail). The stock loss is covered by the labels check."""
+        cls = recorded_trainer_class(type(self))
+        if cls.compute_loss is Trainer.compute_loss:
+            return
+        dummy = dummy_row(row, len(row["input_ids"]), self.dummy_token_id, self.id_column)
+        batch = self._prepare_inputs(self.data_collator([dict(row), dummy]))
+        model = self.model
+        seen = {}
+
+        def capture(module, args, output):  # a leaf in place of the embeddings: its gradient is the dummy's weight
+            seen["embeds"] = output.detach().requires_grad_(True)
+            return seen["embeds"]
+
+        handle = model.get_input_embeddings().register_forward_hook(capture)
+        training = model.training
+        import copy
+
+        saved = copy.deepcopy(getattr(self, "_metrics", None))  # SFTTrainer logs metrics in compute_loss: not ours
+        try:
+            model.eval()  # no dropout: the probe's answer does not depend on a draw
+            with seeded(0):
+                loss = self.compute_loss(model, batch, num_items_in_batch=torch.tensor(1.0, device=self.args.device))
+                loss.backward()
+        except Exception as e:  # noqa: BLE001 - the user's loss failed on a real row and a dummy
+            raise UnlearnError(f"{cls.__qualname__}.compute_loss fails on a microbatch of a training row and the dummy "
+                               f"row that replaces a deleted sample: {e}") from None
+        finally:
+            handle.remove()
+            model.zero_grad(set_to_none=True)
+            model.train(training)
+            if saved is not None:
+                self._metrics = saved
+        grad, n = seen["embeds"].grad, len(row["input_ids"])
+        part = None if grad is None else grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
+        if part is not None and bool((part != 0).any()):
+            raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
+                               "gradient (a term on tokens whose labels are -100?): a deleted slot would not have "
+                               "weight 0, so a replay would not delete it; weight every term by the labels")
 
     def _check_optimizer_rebuildable(self) -> None:
         if self._trace_optimizer_source != "custom":
@@ -786,13 +882,18 @@ class TraceRecordingTrainer(Trainer):
             self._trace_mb = len(read_plan(run))
 
     def _save_model_files(self, run: Path) -> None:
+        from .trainers import DEFAULT_TRAINER, PROCESSING_CLASS_DIR
+
         model = self.accelerator.unwrap_model(self.model)
         peft, base = peft_and_base(model)
-        if (run / "model").exists():
-            shutil.rmtree(run / "model")
+        for folder in ("model", PROCESSING_CLASS_DIR):
+            if (run / folder).exists():
+                shutil.rmtree(run / folder)
         base.config.save_pretrained(run / "model")
         if peft:
             peft["config"].save_pretrained(str(run / "model" / "adapter"))
+        if self._trace_trainer["class"] != DEFAULT_TRAINER and self.processing_class is not None:
+            self.processing_class.save_pretrained(str(run / PROCESSING_CLASS_DIR))  # the rebuilt trainer takes it
 
     def _trace_finish(self) -> None:
         if self._trace_writer is None:
@@ -950,6 +1051,8 @@ class TraceRecordingTrainer(Trainer):
                         "id_type": "str" if "string" in str(served.features[self.id_column].dtype) else "int",
                         "store_sha256": fingerprint},
             "collator": spec,
+            "trainer": {**self._trace_trainer, "dropped_rows": len(self._trace_dropped),
+                        "dropped_tags": sorted(tag(self._trace_key, i) for i in self._trace_dropped)},
             "dummy_token_id": self.dummy_token_id,
             "checkpoint_steps": self._trace_every,
             "checkpoint_retention": {"mode": self.trace_checkpoint_retention, "every": self._trace_every,
@@ -960,6 +1063,61 @@ class TraceRecordingTrainer(Trainer):
             "world_size": self.accelerator.num_processes,
             "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
         }
+
+
+class TraceRecordingTrainer(TraceRecordingMixin, Trainer):
+    """``transformers.Trainer`` with :class:`TraceRecordingMixin`: swap the class in a training script."""
+
+    _trace_machinery = True
+
+
+def _bound_arguments(init, args: tuple, kwargs: dict) -> dict:
+    """The trainer constructor's arguments by name (its ``**kwargs`` flattened in)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(init)
+        bound = sig.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    out = {}
+    for name, value in bound.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif sig.parameters[name].kind is not inspect.Parameter.VAR_POSITIONAL:
+            out[name] = value
+    return out
+
+
+def _adds_behaviour(cls) -> bool:
+    """Whether a class defines anything of its own (a method, an attribute), beyond combining its bases."""
+    return any(not (k.startswith("__") and k.endswith("__")) or k == "__init__" for k in vars(cls))
+
+
+def recorded_trainer_class(cls):
+    """The trainer class a replay rebuilds: ``cls`` without the trace machinery (the mixin, the classes made by
+    :func:`trace_recording`, replays) and without subclasses that only combine their bases."""
+    for c in cls.__mro__:
+        if "_trace_machinery" in vars(c) or not _adds_behaviour(c):
+            continue
+        return c
+    return Trainer
+
+
+@functools.cache
+def trace_recording(trainer_cls):
+    """The recording version of any ``Trainer`` subclass, TRL style: ``trace_recording(SFTTrainer)(model=...,
+    args=SFTConfig(...), train_dataset=ds, processing_class=tok)`` records exactly what ``SFTTrainer`` would train.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise UnlearnError(f"trace_recording() takes a transformers.Trainer subclass, not {trainer_cls!r}")
+    if issubclass(trainer_cls, TraceRecordingMixin):
+        return trainer_cls
+    if trainer_cls is Trainer:
+        return TraceRecordingTrainer
+    return type(f"TraceRecording{trainer_cls.__name__}", (TraceRecordingMixin, trainer_cls),
+                {"__module__": __name__, "__doc__": f"{trainer_cls.__qualname__} recording a replayable trace.",
+                 "_trace_machinery": True})
 
 
 def frozen_parameters(model) -> list[str]:

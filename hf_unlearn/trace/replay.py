@@ -95,6 +95,7 @@ def forget_tags(run: TraceRun, forget_ids) -> set[str]:
     in_plan = {s for e in run.plan for s in e.slots if s}
     served = {s for e in run.served_plan for s in e.slots if s} if run.served_plan else in_plan
     deleted_before = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
+    deleted_before |= never_trained_tags(run)
     unknown = [i for i, t in tags.items() if t not in served and t not in deleted_before]
     if unknown:
         raise UnlearnError(f"{len(unknown)} id(s) to forget never appear in the recorded plan of {run.path}: "
@@ -102,9 +103,17 @@ def forget_tags(run: TraceRun, forget_ids) -> set[str]:
     return set(tags.values()) & in_plan
 
 
+def never_trained_tags(run: TraceRun) -> set[str]:
+    """Tags of the rows the trainer's own dataset preparation dropped (SFTTrainer: fully masked after truncation):
+    given to the trainer, never in the store or the plan."""
+    return set((run.header.get("trainer") or {}).get("dropped_tags", []))
+
+
 def already_deleted(run: TraceRun, forget_ids) -> list:
-    """The ids among ``forget_ids`` that an earlier request already deleted (the run's deletion log has their tags)."""
+    """The ids among ``forget_ids`` that are absent from the store: an earlier request deleted them (the run's
+    deletion log has their tags) or the trainer dropped them before training (:func:`never_trained_tags`)."""
     logged = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
+    logged |= never_trained_tags(run)
     key = run.key
     return [i for i in dict.fromkeys(forget_ids) if tag(key, i) in logged]
 
@@ -136,6 +145,8 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
     if start is None:
         raise UnlearnError(f"{run.path} has no checkpoint at or before step {first}; cannot replay")
     n_ids = len(set(forget_ids))
+    dropped = never_trained_tags(run)
+    never = sum(tag(run.key, i) in dropped for i in set(forget_ids))
     retention = run.header.get("checkpoint_retention") or {}
     minimum = total - first
     bound = None
@@ -144,7 +155,8 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
     epochs = sorted({e.epoch for e in hits if e.epoch is not None})
     return {
         "forget_ids": n_ids,
-        "already_deleted": n_ids - len(tags),
+        "already_deleted": n_ids - len(tags) - never,
+        "never_trained": never,
         "slots_deleted": sum(s in tags for e in run.plan for s in e.slots),
         "affected_steps": len(affected),
         "first_affected_step": affected[0] if affected else None,
@@ -180,8 +192,13 @@ def describe_cost(cost: dict) -> list[str]:
 
 
 def training_args_from_header(header: dict, output_dir, **overrides) -> TrainingArguments:
-    """Rebuild the run's TrainingArguments (the optimizer, clipping and loss settings the replay must share)."""
-    names = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    """Rebuild the run's config (TrainingArguments, or its recorded subclass such as SFTConfig): the optimizer,
+    clipping and loss settings the replay must share; fields that only prepare data are set as
+    :data:`~hf_unlearn.trace.trainers.CONSTRUCTION_ONLY` says (the store holds the prepared rows)."""
+    from .trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
+
+    config_cls = recorded_trainer(header)[1]
+    names = config_fields(config_cls)
     recorded = header["training_args"]
     kwargs = {k: v for k, v in recorded.items() if k in names and not k.endswith("_token") and "hub" not in k
               and k not in ("logging_dir", "deepspeed", "fsdp_config", "accelerator_config", "report_to", "run_name",
@@ -189,8 +206,10 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
     kwargs = {k: v for k, v in kwargs.items() if not (isinstance(v, str) and v.startswith("<") and v.endswith(">"))}
     kwargs.update(output_dir=str(output_dir), report_to=[], disable_tqdm=True,
                   use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()), **NOT_REPLAYED)
+    if config_cls is not TrainingArguments:
+        kwargs.update({k: v for k, v in CONSTRUCTION_ONLY.items() if k in names})
     kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
+    return config_cls(**kwargs)
 
 
 def without_evaluation(args: TrainingArguments) -> TrainingArguments:
@@ -202,8 +221,12 @@ def without_evaluation(args: TrainingArguments) -> TrainingArguments:
 
 
 def _check_args(args: TrainingArguments, header: dict) -> None:
+    from .trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
+
     recorded, given = header["training_args"], args.to_dict()
-    diff = [f"{k} ({_jsonable(given.get(k))!r} vs recorded {recorded.get(k)!r})" for k in REPLAY_ARGS
+    # the config subclass's own fields (SFTConfig: loss_type, padding_free, ...) count like REPLAY_ARGS
+    own = sorted(config_fields(recorded_trainer(header)[1]) - config_fields(TrainingArguments) - set(CONSTRUCTION_ONLY))
+    diff = [f"{k} ({_jsonable(given.get(k))!r} vs recorded {recorded.get(k)!r})" for k in (*REPLAY_ARGS, *own)
             if k in recorded and _jsonable(given.get(k)) != recorded.get(k)]
     if diff:
         raise UnlearnError(f"the replay's TrainingArguments differ from the recorded run's in {', '.join(diff)}: a "
@@ -291,11 +314,19 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     mode = "replay"
     store_policy = "any"  # RedactedReplayTrainer: a redaction of the run's store; the oracle: the run's own store
     _is_replay = True
+    _trace_machinery = True
+
+    def __new__(cls, run=None, *args, **kwargs):
+        # the replay runs the recorded trainer's own compute_loss: compose this class with the run's trainer class
+        opened = run if isinstance(run, TraceRun) else open_run(kwargs.get("run", run))
+        obj = super().__new__(replay_class(cls, opened.header))
+        obj._opened_run = opened
+        return obj
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
                  **kwargs):
-        self.run = run if isinstance(run, TraceRun) else open_run(run)
+        self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         why = None if _self_check else refusal(header)
         if why:
@@ -341,11 +372,6 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             from ..data.collators import rebuild_collator
 
             data_collator = rebuild_collator(header.get("collator"), self.run.path / "collator", model=model)
-        super().__init__(model=model, args=args, data_collator=data_collator,
-                         trace_dir=self.out_dir or self._scratch or self.run.path / "_unused", id_column=self.run.id_column,
-                         dummy_token_id=header.get("dummy_token_id", 0), **kwargs)
-        self._check_processes()
-        check_device(header, self.args.device)
         self.store_path = Path(store) if store is not None else self.run.store_path
         all_tags = {tag(self.run.key, i) for i in self.forget_ids}
         self.store_kind = check_store_binding(self.store_path, header["dataset"].get("store_sha256"), self.run.key,
@@ -354,6 +380,14 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             raise UnlearnError("the oracle reads the run's original store (the counterfactual of the recorded rows), "
                                f"not the redacted store {self.store_path}")
         self.store = load_store(self.store_path)
+        # SFTTrainer builds its own padding-free collator and refuses another: the rebuilt one is set after it
+        padding_free = bool(getattr(args, "padding_free", False))
+        super().__init__(model=model, args=args, data_collator=None if padding_free else data_collator,
+                         trace_dir=self.out_dir or self._scratch or self.run.path / "_unused", id_column=self.run.id_column,
+                         dummy_token_id=header.get("dummy_token_id", 0), **self._recorded_trainer_arguments(), **kwargs)
+        self.data_collator = data_collator
+        self._check_processes()
+        check_device(header, self.args.device)
         if self.store_policy == "redacted" and self.forget_ids:
             stored = set(self.store[self.id_column])
             present = [i for i in self.forget_ids if i in stored]
@@ -385,6 +419,19 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
 
     # ---- set-up -------------------------------------------------------------------------------------------
+    def _recorded_trainer_arguments(self) -> dict:
+        """What the run's own trainer class takes beyond model/args/collator: its recorded arguments, the store as
+        its (already prepared) train_dataset and the saved tokenizer. Nothing for a plain ``Trainer`` run."""
+        from .trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
+
+        header = self.run.header
+        if is_default(header):
+            return {}
+        out = {**header["trainer"].get("kwargs", {}), "train_dataset": self.store}
+        if (self.run.path / PROCESSING_CLASS_DIR).is_dir():
+            out["processing_class"] = load_processing_class(self.run.path / PROCESSING_CLASS_DIR)
+        return out
+
     def _check_processes(self) -> None:
         self._trace_check_parallelism()
         recorded, world = self.run.header.get("world_size", 1), self.accelerator.num_processes
@@ -493,6 +540,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.model_wrapped = model
         self.optimizer.load_state_dict(ck["optimizer"])
         self.accelerator.gradient_state._set_sync_gradients(True)
+        self._enable_activation_checkpointing()
         neftune = None
         if self.neftune_noise_alpha is not None:
             from transformers.integrations.neftune import activate_neftune
@@ -544,6 +592,20 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
         return final
+
+    def _enable_activation_checkpointing(self) -> None:
+        """As ``Trainer.train`` does: the recorded run's backward recomputed its activations (SFTConfig's default)."""
+        args = self.args
+        if not getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)):
+            return
+        gc_kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+                         or {})
+        every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs or None,
+                                                       every_n_layers=every_n_layers, offload=offload)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None)
 
     def _check_fidelity(self, step: int, saved: Path | None) -> None:
         """At a recorded checkpoint before the first affected step, the state must be the recorded one (else stop)."""
@@ -609,7 +671,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             sync = i == len(work) - 1 or world == 1
             context = contextlib.nullcontext if sync else functools.partial(self.accelerator.no_sync, model=model)
             with context(), seeded(rank_seed(e.seed, rank)):
-                Trainer.training_step(self, model, batch, num_items)
+                self.training_step(model, batch, num_items)  # the recorded trainer's own step and compute_loss
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
         self.optimizer.step()
@@ -662,7 +724,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         (out / "private").mkdir(exist_ok=True)
         if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
             shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
-        for folder in ("model", "collator"):
+        from .trainers import PROCESSING_CLASS_DIR
+
+        for folder in ("model", "collator", PROCESSING_CLASS_DIR):
             if (src / folder).exists():
                 shutil.copytree(src / folder, out / folder)
         if (src / "deletion_log.jsonl").exists():
@@ -711,6 +775,27 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                              "earlier request); the state is the parent's final state")
         append_deletion_log(self.out_dir, entry)
         writer.seal(header)
+
+
+def replay_class(cls, header: dict):
+    """``cls`` (a replay class) composed with the run's recorded trainer class, so ``compute_loss``,
+    ``training_step`` and whatever else the recorded trainer overrides run in the replay; ``cls`` itself for a
+    plain ``Trainer`` run."""
+    from .recording import trace_recording
+    from .trainers import is_default, recorded_trainer
+
+    if is_default(header):
+        return cls
+    return _composed(cls, trace_recording(recorded_trainer(header)[0]))
+
+
+@functools.cache
+def _composed(replay_cls, traced):
+    if issubclass(replay_cls, traced):
+        return replay_cls
+    return type(replay_cls.__name__, (replay_cls, traced), {"__module__": replay_cls.__module__,
+                                                            "__qualname__": replay_cls.__qualname__,
+                                                            "_trace_machinery": True})
 
 
 class RedactedReplayTrainer(ReplayTrainer):

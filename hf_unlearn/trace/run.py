@@ -63,7 +63,7 @@ HEADER_KEYS = frozenset({
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
     "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention", "fidelity",
-    "kept_model", "controls_mac"})
+    "kept_model", "controls_mac", "trainer"})
 SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
 PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
 # The header fields that decide the replayed state (or what a verdict covers): the keyed seal covers them. A field
@@ -71,7 +71,7 @@ PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written aft
 KEYED_HEADER_KEYS = ("format", "run_id", "origin_run_id", "parent", "key_fingerprint", "model", "optimizer",
                      "training_args", "dataset", "collator", "dummy_token_id", "gradient_accumulation_steps",
                      "max_grad_norm", "world_size", "optimizer_steps", "microbatches", "hazards", "sealed",
-                     "fidelity", "kept_model")
+                     "fidelity", "kept_model", "trainer", "checkpoint_index")
 UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
                     "of a seed, learning rate, step, flag or normaliser in both the plan and the WAL, with their CRCs "
                     "and sidecars rewritten, is not detected (the ids are keyed); record the run again for keyed "
@@ -339,6 +339,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "plan_bytes": pfile.stat().st_size,
         "manifest_bytes": (path / "manifest.bin").stat().st_size if (path / "manifest.bin").exists() else 0,
         "deletion_requests": len(read_deletion_log(path)),
+        "trainer": (header.get("trainer") or {}).get("class", "transformers.trainer:Trainer"),
     }
     return rep, header, plan
 

@@ -1,0 +1,141 @@
+"""Which trainer class a run used, and how replays rebuild it (``trl.SFTTrainer``, a user's own ``compute_loss``).
+
+A replay must run the loss that trained, so the recording saves the trainer class, its config class (a
+``TrainingArguments`` subclass such as ``SFTConfig``) and the constructor arguments the trainer took beyond
+``Trainer``'s own, all as importable names and JSON. A replay imports them and builds the same trainer, whose own
+``compute_loss`` and ``training_step`` then run every replayed microbatch. What cannot be imported and rebuilt is
+refused when the recording trainer is constructed (see :func:`trainer_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from ..errors import UnlearnError
+
+# Constructor arguments a replay supplies itself or that only shape what the recording already saved: the model
+# (rebuilt from model/, adapter included, so ``peft_config`` is in it), the config, the collator (collator/), the
+# datasets (the token store holds the prepared rows, so ``formatting_func`` has done its work), the tokenizer
+# (processing_class/), the optimizer (recorded separately) and what only evaluates or logs.
+HANDLED_ARGUMENTS = frozenset({
+    "model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class", "tokenizer", "model_init",
+    "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics",
+    "peft_config", "formatting_func", "compute_loss_func"})
+# Config fields that only act while the trainer prepares its dataset or loads its model and tokenizer; a replay
+# gets the prepared rows, the saved model and the saved tokenizer, so it sets them to these values.
+CONSTRUCTION_ONLY = {"dataset_kwargs": {"skip_prepare_dataset": True}, "chat_template_path": None, "eos_token": None,
+                     "model_init_kwargs": None, "dataset_num_proc": None, "assistant_only_loss": False}
+# The pip extra that installs a recorded trainer's package.
+EXTRAS = {"trl": "hf_unlearn[trl]"}
+DEFAULT_TRAINER = "transformers.trainer:Trainer"
+PROCESSING_CLASS_DIR = "processing_class"  # the run's tokenizer/processor, saved for trainers that take one
+DEFAULT_CONFIG = "transformers.training_args:TrainingArguments"
+
+
+def importable_name(obj) -> str | None:
+    """``module:qualname`` of a class a replay can import back as the very same object, else None."""
+    from ..utils import import_object
+
+    module, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not qual or "<" in qual or module == "__main__":
+        return None
+    name = f"{module}:{qual}"
+    try:
+        return name if import_object(name) is obj else None
+    except Exception:  # noqa: BLE001 - not importable as named
+        return None
+
+
+def _not_importable(cls, what: str) -> str:
+    where = ("in __main__ (the script itself)" if cls.__module__ == "__main__" else
+             "inside a function" if "<locals>" in cls.__qualname__ else f"as {cls.__module__}:{cls.__qualname__}")
+    return (f"the {what} {cls.__qualname__} is defined {where}, so a replay cannot import it and rebuild the trainer "
+            "that ran this loss; define it at the top level of an importable module (e.g. my_trainers.py)")
+
+
+def trainer_spec(trainer_cls, config, arguments: dict) -> dict:
+    """What a replay needs to rebuild ``trainer_cls(args=config, **arguments)``; raises what it could not rebuild.
+
+    ``arguments`` are the constructor arguments the trainer was given (bound to its signature). Those in
+    :data:`HANDLED_ARGUMENTS` are rebuilt from the run's other files; every other one must be JSON.
+    """
+    name = importable_name(trainer_cls)
+    if name is None:
+        raise UnlearnError(_not_importable(trainer_cls, "trainer class"))
+    config_name = importable_name(type(config))
+    if config_name is None:
+        raise UnlearnError(_not_importable(type(config), "config class"))
+    kwargs = {}
+    for key, value in arguments.items():
+        if key in HANDLED_ARGUMENTS or value is None:
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise UnlearnError(f"{trainer_cls.__qualname__}({key}={type(value).__name__}) cannot be recorded: a replay "
+                               "rebuilds the trainer from JSON arguments; pass it as a JSON value or a config "
+                               "field") from None
+        kwargs[key] = value
+    return {"class": name, "config_class": config_name, "kwargs": kwargs, "package": name.split(".")[0]}
+
+
+def _import(name: str, what: str):
+    from ..utils import import_object
+
+    package = name.split(".")[0]
+    try:
+        return import_object(name)
+    except ImportError as e:
+        extra = EXTRAS.get(package)
+        how = f"pip install '{extra}'" if extra else f"install the package that provides {name.split(':')[0]}"
+        raise UnlearnError(f"the run was recorded with the {what} {name}, which cannot be imported here ({e}): "
+                           f"{how}") from None
+    except AttributeError:
+        raise UnlearnError(f"the run was recorded with the {what} {name}, which the installed "
+                           f"{package} does not define (renamed or removed?)") from None
+
+
+def recorded_trainer(header: dict):
+    """The trainer class and config class a run was recorded with (``Trainer`` and ``TrainingArguments`` for runs
+    recorded before the class was saved)."""
+    from transformers import Trainer, TrainingArguments
+
+    spec = header.get("trainer") or {}
+    cls = _import(spec.get("class", DEFAULT_TRAINER), "trainer class")
+    config = _import(spec.get("config_class", DEFAULT_CONFIG), "config class")
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise UnlearnError(f"the run's trainer class {spec.get('class')} is not a transformers.Trainer subclass")
+    if not (isinstance(config, type) and issubclass(config, TrainingArguments)):
+        raise UnlearnError(f"the run's config class {spec.get('config_class')} is not a TrainingArguments subclass")
+    return cls, config
+
+
+def is_default(header: dict) -> bool:
+    return (header.get("trainer") or {}).get("class", DEFAULT_TRAINER) == DEFAULT_TRAINER
+
+
+def config_fields(config_cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(config_cls) if f.init}
+
+
+def library_config_fields(header: dict) -> set[str]:
+    """The fields of the run's config class when a library we ship an extra for defines it (SFTConfig): settings,
+    not user data. A user's own config subclass gives none (its values are the user's)."""
+    name = (header.get("trainer") or {}).get("config_class", DEFAULT_CONFIG)
+    if name.split(".")[0] not in EXTRAS:
+        return set()
+    try:
+        return config_fields(_import(name, "config class"))
+    except UnlearnError:
+        return set()
+
+
+def load_processing_class(path):
+    """The tokenizer (or processor) a recording saved with :meth:`save_pretrained`."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - a processor rather than a tokenizer
+        return AutoProcessor.from_pretrained(str(path))

@@ -1,0 +1,29 @@
+"""Trainer subclasses with their own loss, importable (replays rebuild them by name); no tests here."""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+
+class L2Trainer(Trainer):
+    """A user's Trainer with its own loss: the token loss plus ``l2`` times the squared norm of the trained weights,
+    and a JSON constructor argument a replay must get back."""
+
+    def __init__(self, *args, l2: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.l2 = l2
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = loss + self.l2 * sum(p.pow(2).sum() for p in model.parameters() if p.requires_grad)
+        return (loss, outputs) if return_outputs else loss
+
+
+class EveryTokenTrainer(Trainer):
+    """A loss with a term on every token, labels or not (a penalty on the hidden states): a deleted slot's dummy
+    row would carry weight, so recording it is refused."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, {**inputs, "output_hidden_states": True}, True, num_items_in_batch)
+        loss = loss + 1e-3 * outputs.hidden_states[1].mean()  # the residual stream after the first layer
+        return (loss, outputs) if return_outputs else loss
