@@ -17,7 +17,7 @@ import torch
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import copy_run, delete, get_recorded, get_trace_data, ids_at_step, record
+from .test_trace_common import copy_run, delete, get_recorded, get_trace_data, ids_at_step, record, write_sealed_header
 
 
 def _cli(*args):
@@ -109,7 +109,6 @@ def test_missing_checkpoint_is_reported(tmp_path, capsys, step):
 def _as_old_format(run: Path) -> Path:
     """Rewrite a run as runs were recorded before the index: ``state.pt`` checkpoints, no index, no header key."""
     from hf_unlearn.trace.checkpoints import load_checkpoint
-    from hf_unlearn.trace.run import write_sidecar
 
     for d in sorted((run / "checkpoints").glob("step-*")):
         state = load_checkpoint(d)
@@ -121,9 +120,24 @@ def _as_old_format(run: Path) -> Path:
     (run / "checkpoints" / "index.json").unlink()
     header = json.loads((run / "header.json").read_text())
     header.pop("checkpoint_index")
+    write_sealed_header(run, header)  # the key holder's rewrite: without the key, dropping the index is refused
+    return run
+
+
+def test_dropping_the_index_without_the_key_is_refused(tmp_path, capsys):
+    """The header's checkpoint-index entry is under the keyed seal: a run rewritten to look older than the index
+    (index removed, header edited, sidecar recomputed, no key) is refused (the note it also prints does not save it)."""
+    from hf_unlearn.trace.run import write_sidecar
+
+    run = copy_run(get_recorded(), tmp_path / "run")
+    (run / "checkpoints" / "index.json").unlink()
+    header = json.loads((run / "header.json").read_text())
+    header.pop("checkpoint_index")
     (run / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
     write_sidecar(run / "header.json")
-    return run
+    assert _cli("trace", "inspect", run) == 1
+    out = capsys.readouterr().out
+    assert "controls_mac does not match the run key" in out and "integrity: FAILED" in out
 
 
 def test_old_format_run_replays_with_a_note_and_cadence_checked(tmp_path, capsys):
