@@ -252,7 +252,7 @@ OPTION_RANGES: dict[str, Range] = {
     "stop_target": Range(None), "retain_loss_eps": NON_NEGATIVE, "retain_tolerance": NON_NEGATIVE,
     "power_iters": NON_NEGATIVE, "oversample": NON_NEGATIVE, "beta1": NON_NEGATIVE, "beta2": NON_NEGATIVE,
     "steering_coeff": NON_NEGATIVE, "train_last_layers": POSITIVE,
-    "dual_warmup_ratio": FRACTION, "alpha": FRACTION, "validation_fraction": Range(0, 1, low_open=False,
+    "dual_warmup_ratio": FRACTION, "alpha": PROBABILITY, "validation_fraction": Range(0, 1, low_open=False,
                                                                                    high_open=True),
     "fraction": PROBABILITY, "rho": PROBABILITY, "hoeffding_delta": PROBABILITY,
     "energy": Range(0, 1), "retain_energy": Range(0, 1),

@@ -81,6 +81,7 @@ def test_relearning_recovers_gradient_ascent_far_more_than_exact_deletion(models
     assert sorted(result.meta["relearn_ids"] + result.meta["evaluated_ids"]) == FORGET_IDS
 
 
+@pytest.mark.slow  # every attack three times (~1 min): the default suite keeps the other robustness tests
 def test_attacks_never_modify_the_models_and_are_deterministic(models, rows, tmp_path):
     tok, finetuned, ascent, exact = models
     before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in
