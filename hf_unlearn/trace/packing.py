@@ -135,18 +135,31 @@ def write_map(run: Path, entries: list) -> dict:
     return {"map": MAP_FILE, "map_sha256": hashlib.sha256(body).hexdigest()}
 
 
-def load_map(run) -> dict:
-    """Row tag -> ``[[document tag or None, start, length], ...]`` of a packed run, checked against the sealed header."""
-    info = run.header["dataset"]["packing"]
-    f = run.path / info.get("map", MAP_FILE)
+def _map_bytes(path, header: dict) -> bytes:
+    info = header["dataset"]["packing"]
+    f = Path(path) / info.get("map", MAP_FILE)
     try:
         body = f.read_bytes()
     except OSError:
-        raise UnlearnError(f"{run.path} is a packed run without its document map {f.name}; refusing") from None
+        raise UnlearnError(f"{path} is a packed run without its document map {f.name}; refusing") from None
     if hashlib.sha256(body).hexdigest() != info.get("map_sha256"):
         raise UnlearnError(f"{f} is not the document map the run sealed (its SHA-256 differs from the header's): "
                            "which packed rows and spans hold which documents cannot be trusted; refusing")
-    return {row: frags for row, frags in json.loads(body)}
+    return body
+
+
+def load_map(run) -> dict:
+    """Row tag -> ``[[document tag or None, start, length], ...]`` of a packed run, checked against the sealed header."""
+    return {row: frags for row, frags in json.loads(_map_bytes(run.path, run.header))}
+
+
+def map_status(path, header: dict) -> str:
+    """What ``trace inspect`` says about a packed run's document map."""
+    try:
+        _map_bytes(path, header)
+    except UnlearnError as e:
+        return f"DOCUMENT MAP REFUSED: {e}"
+    return f"document map {MAP_FILE} matches the sealed header"
 
 
 def document_tags(doc_map: dict) -> set[str]:

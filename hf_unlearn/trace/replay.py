@@ -35,6 +35,16 @@ from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
 from .fidelity import check_against_checkpoint, check_device, fidelity_statement, refusal, restore_layout
 from .hashing import batch_digest
+from .packing import (
+    check_redacted_row,
+    deleted_spans,
+    document_ids,
+    document_tags,
+    emptied_rows,
+    is_packed,
+    load_map,
+    with_dummies,
+)
 from .plan import PlanEntry
 from .recording import (
     TraceRecordingTrainer,
@@ -56,16 +66,6 @@ from .run import (
     load_checkpoint,
     open_run,
     read_deletion_log,
-)
-from .packing import (
-    check_redacted_row,
-    deleted_spans,
-    document_ids,
-    document_tags,
-    emptied_rows,
-    is_packed,
-    load_map,
-    with_dummies,
 )
 from .store import check_store_binding, id_index, load_store, store_sha256
 from .tags import tag
