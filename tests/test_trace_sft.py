@@ -657,7 +657,7 @@ def test_packing_forget_cli_and_trace_inspect_on_a_packed_run(packed, tmp_path, 
                  "--oracle"]) == 0, capsys.readouterr().err
     receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert receipt["evidence"]["verified"] is True
-    capsys.readouterr()
+    assert "packing: the documents sit in 1 packed row slot(s), which stay" in capsys.readouterr().out
     assert main(["trace", "inspect", str(packed.run_dir)]) == 0
     assert f"packing bfd (max_length 128): 32 documents, 32 fragments in {len(packed.store)} packed rows; document " \
            "map packing.json matches the sealed header" in capsys.readouterr().out
@@ -694,3 +694,20 @@ def test_packing_bfd_split_a_document_split_across_packed_rows_is_deleted_from_e
         assert redacted[n]["packed_ids"][k] is None and redacted[n]["input_ids"][a:b] == [dummy] * (b - a)
         assert redacted[n]["labels"][a:b] == [-100] * (b - a)
     assert doc not in {d for docs in redacted["packed_ids"] for d in docs}
+
+
+def test_packing_a_second_request_on_the_replayed_run_equals_one_oracle_of_both(packed, tmp_path):
+    """Request 2 deletes the other document of the same packed row, from request 1's output run (its store already
+    holds request 1's dummies, its map marks them): the row is left with no weight, and the result is the oracle of
+    both requests on the original run, VERIFIED."""
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, replay_cost, verify
+
+    first = open_run(packed.tmp / "replay")
+    assert first.header["dataset"]["packing"]["map_sha256"] != packed.run.header["dataset"]["packing"]["map_sha256"]
+    second = [d for d in packed.store[packed.row]["packed_ids"] if d not in packed.forget]
+    cost = replay_cost(first, second)
+    assert cost["packed_rows_touched"] == 1 and cost["already_deleted"] == 0
+    redact_store(first.store_path, second, tmp_path / "s2", first.key)
+    RedactedReplayTrainer(first, tmp_path / "s2", second, tmp_path / "r2").train()
+    OracleReplayTrainer(packed.run, packed.forget + second, out_dir=tmp_path / "oracle").train()
+    assert verify(tmp_path / "r2", tmp_path / "oracle")["verified"]

@@ -80,6 +80,9 @@ REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "w
 # what a recorded run did besides training that a replay does not do (it would need an eval set, or write checkpoints)
 NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False,
                 "do_eval": False}
+# the naive baselines drop or re-batch whole store rows; a packed row holds several documents
+PACKED_BASELINE = ("the {name} baseline drops whole rows, and a packed run's rows hold several documents, so it is not "
+                   "defined for packing=True runs; compare the replay with the oracle (trace oracle, trace verify)")
 # config keys that say where a model came from, not what it computes
 _VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                     "_attn_implementation_autoset", "use_cache"}
@@ -204,6 +207,9 @@ def describe_cost(cost: dict) -> list[str]:
              f"{cost['minimum_steps']} steps (T - s, first affected step s = {cost['first_affected_step']}), ratio "
              + (f"{ratio:.2f}" if ratio is not None else "n/a")
              + (f" (the run's retention bound: at most {cost['bound_steps']:g} steps)" if cost["bound_steps"] else "")]
+    if cost.get("packed_rows_touched"):
+        lines.append(f"packing: the documents sit in {cost['packed_rows_touched']} packed row slot(s), which stay; "
+                     "their fragments become dummy tokens of the same length (the other documents are unchanged)")
     if len(cost["epochs"]) > 1:
         lines.append(f"the ids occur in epochs {cost['epochs']}: their first occurrence (epoch {cost['first_epoch']}, "
                      f"step {cost['first_affected_step']}) sets the start; the later ones are replayed with it")
@@ -367,6 +373,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             raise
 
     def _setup(self, header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs) -> None:
+        if filter_rows and is_packed(header):
+            raise UnlearnError(PACKED_BASELINE.format(name="filter"))
         self.forget_ids = list(dict.fromkeys(forget_ids))
         self.forget_tag_set = forget_tags(self.run, self.forget_ids) if self.forget_ids else set()
         self.start_mode = start
@@ -890,6 +898,8 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
     from ..data.collators import rebuild_collator
 
     run = run if isinstance(run, TraceRun) else open_run(run)
+    if is_packed(run.header):
+        raise UnlearnError(PACKED_BASELINE.format(name="repack"))
     _check_types(run, list(forget_ids))
     store = load_store(run.store_path)
     forget = set(forget_ids)
