@@ -114,6 +114,21 @@ def state_of(trainer) -> dict:
                          clone=True)
 
 
+def recorded_normalisers(run):
+    """A plain SFTTrainer whose one change is the loss normaliser: the run's recorded num_items_in_batch."""
+    from trl import SFTTrainer
+
+    norms = {e.step: (e.norm, e.norm_dtype) for e in run.plan}
+
+    class RecordedNormalisers(SFTTrainer):
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+            norm, dtype = norms[self.state.global_step]
+            return batches, torch.tensor(norm, dtype=getattr(torch, dtype), device=device)
+
+    return RecordedNormalisers
+
+
 def test_sft_prompt_completion_replay_equals_oracle_equals_a_plain_sftrainer_counterfactual(tmp_path):
     """Prompt-completion data (completion-only loss), int ids, Llama: the recording equals a plain SFTTrainer run bit
     for bit; replay == oracle; and the oracle equals an SFTTrainer run built without the replay engine, with the
@@ -142,14 +157,7 @@ def test_sft_prompt_completion_replay_equals_oracle_equals_a_plain_sftrainer_cou
     assert report["verified"], report["provenance"]
     assert type(replay).__mro__.index(SFTTrainer) and replay.compute_loss.__func__ is SFTTrainer.compute_loss
 
-    norms = {e.step: (e.norm, e.norm_dtype) for e in run.plan}
-
-    class RecordedNormalisers(SFTTrainer):  # the counterfactual's one change: the recorded num_items_in_batch
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-            norm, dtype = norms[self.state.global_step]
-            return batches, torch.tensor(norm, dtype=getattr(torch, dtype), device=device)
-
+    RecordedNormalisers = recorded_normalisers(run)  # the counterfactual's one change: the recorded normalisers
     prepared = recorder.train_dataset
     masked = prepared.map(lambda r: {"labels": [-100] * len(r["labels"]) if r["id"] in forget else r["labels"]})
     counterfactual = RecordedNormalisers(
@@ -511,7 +519,6 @@ def test_packing_the_other_documents_per_token_losses_are_the_oracles_and_the_de
     microbatch's bit for bit (same position ids: no document attends to another), the deleted document has no
     labelled token left. And the oracle equals a plain SFTTrainer run on the packed rows with that document's
     tokens replaced by dummies by hand and the recorded normalisers (no replay engine)."""
-    from trl import SFTTrainer
 
     from hf_unlearn.data.collators import rebuild_collator
     from hf_unlearn.trace import compare_states
@@ -546,14 +553,7 @@ def test_packing_the_other_documents_per_token_losses_are_the_oracles_and_the_de
     assert (recorded["labels"][0, offset + a:offset + b] != -100).any()
     assert (ours["labels"][0, offset + a:offset + b] == -100).all()  # the deleted document: no loss left
 
-    norms = {e.step: (e.norm, e.norm_dtype) for e in run.plan}
-
-    class RecordedNormalisers(SFTTrainer):
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-            norm, dtype = norms[self.state.global_step]
-            return batches, torch.tensor(norm, dtype=getattr(torch, dtype), device=device)
-
+    RecordedNormalisers = recorded_normalisers(run)
     dummy = run.header["dummy_token_id"]
 
     def by_hand(r):
