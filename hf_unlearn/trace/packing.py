@@ -176,9 +176,10 @@ def deleted_spans(doc_map: dict, doc_tags: set[str]) -> dict[str, list[int]]:
     return out
 
 
-def emptied_rows(doc_map: dict, spans: dict[str, list[int]]) -> set[str]:
-    """Rows all of whose fragments are deleted: no weight left (a microbatch of only those takes no step)."""
-    return {row for row, hit in spans.items() if len(hit) == len(doc_map[row])}
+def emptied_rows(doc_map: dict, doc_tags: set[str]) -> set[str]:
+    """Rows all of whose fragments are deleted (now or by an earlier request): no weight left (a microbatch of only
+    those takes no step)."""
+    return {row for row, frags in doc_map.items() if all(d is None or d in doc_tags for d, _, _ in frags)}
 
 
 def with_dummies(row: dict, hit: list[int], dummy_token_id: int) -> dict:

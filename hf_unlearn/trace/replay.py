@@ -156,7 +156,7 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
     if is_packed(run.header):  # the packed rows that hold a fragment of a deleted document
         doc_map = load_map(run)
         spans = deleted_spans(doc_map, tags)
-        hit_rows, gone = set(spans), emptied_rows(doc_map, spans)
+        hit_rows, gone = set(spans), emptied_rows(doc_map, tags)
     hits = [e for e in run.plan if (tags | hit_rows) & set(e.slots)]
     affected = sorted({e.step for e in hits})
     total = run.total_steps
@@ -428,7 +428,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if is_packed(header):
             self._packing_map = load_map(self.run)
             self._spans = deleted_spans(self._packing_map, self.forget_tag_set)
-            self._emptied = emptied_rows(self._packing_map, self._spans)
+            self._emptied = emptied_rows(self._packing_map, self.forget_tag_set)
             self._check_packed_rows()
         if dummy_has_weight(self.data_collator, dummy_row(self._template, 4, self.dummy_token_id, self.id_column)):
             raise UnlearnError("the collator gives a deleted slot's dummy row a label: deleted slots would not have "
