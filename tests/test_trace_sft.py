@@ -114,6 +114,21 @@ def state_of(trainer) -> dict:
                          clone=True)
 
 
+def recorded_normalisers(run):
+    """A plain SFTTrainer whose one change is the loss normaliser: the run's recorded num_items_in_batch."""
+    from trl import SFTTrainer
+
+    norms = {e.step: (e.norm, e.norm_dtype) for e in run.plan}
+
+    class RecordedNormalisers(SFTTrainer):
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+            norm, dtype = norms[self.state.global_step]
+            return batches, torch.tensor(norm, dtype=getattr(torch, dtype), device=device)
+
+    return RecordedNormalisers
+
+
 def test_sft_prompt_completion_replay_equals_oracle_equals_a_plain_sftrainer_counterfactual(tmp_path):
     """Prompt-completion data (completion-only loss), int ids, Llama: the recording equals a plain SFTTrainer run bit
     for bit; replay == oracle; and the oracle equals an SFTTrainer run built without the replay engine, with the
@@ -142,14 +157,7 @@ def test_sft_prompt_completion_replay_equals_oracle_equals_a_plain_sftrainer_cou
     assert report["verified"], report["provenance"]
     assert type(replay).__mro__.index(SFTTrainer) and replay.compute_loss.__func__ is SFTTrainer.compute_loss
 
-    norms = {e.step: (e.norm, e.norm_dtype) for e in run.plan}
-
-    class RecordedNormalisers(SFTTrainer):  # the counterfactual's one change: the recorded num_items_in_batch
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-            norm, dtype = norms[self.state.global_step]
-            return batches, torch.tensor(norm, dtype=getattr(torch, dtype), device=device)
-
+    RecordedNormalisers = recorded_normalisers(run)  # the counterfactual's one change: the recorded normalisers
     prepared = recorder.train_dataset
     masked = prepared.map(lambda r: {"labels": [-100] * len(r["labels"]) if r["id"] in forget else r["labels"]})
     counterfactual = RecordedNormalisers(
@@ -244,7 +252,7 @@ def test_a_user_trainer_with_its_own_loss_in_an_importable_module(tmp_path):
 
 def test_what_a_replay_cannot_rebuild_is_refused_at_construction(tmp_path):
     """A trainer class or config class defined in a function, a non-JSON constructor argument, a loss that gives a
-    deleted slot's dummy row weight, and packing are refused when the recording trainer is constructed, each naming
+    deleted slot's dummy row weight, and wrapped packing are refused when the recording trainer is constructed, each naming
     what is wrong."""
     from trl import SFTConfig, SFTTrainer
 
@@ -291,11 +299,12 @@ def test_what_a_replay_cannot_rebuild_is_refused_at_construction(tmp_path):
                                            r"deleted sample a gradient"):
         trace_recording(EveryTokenTrainer)(model=tiny(qtok), args=train_args(tmp_path), train_dataset=qdata,
                                            data_collator=QACollator.from_tokenizer(qtok))
-    with pytest.raises(UnlearnError, match="packing_strategy='wrapped' cuts rows across packed sequences"):
-        trace_recording(SFTTrainer)(model=model(tok), args=sft_config(tmp_path, packing=True,
-                                                                      packing_strategy="wrapped"), **kw)
-    with pytest.raises(UnlearnError, match="packing=True"):
-        trace_recording(SFTTrainer)(model=model(tok), args=sft_config(tmp_path, packing=True, padding_free=True), **kw)
+    for padding_free in (False, True):  # wrapped packing: documents cut and attending across each other
+        with pytest.raises(UnlearnError, match=r"SFTTrainer with packing=True cannot be recorded for exact deletion: "
+                                               r"packing_strategy='wrapped' cuts documents .* use "
+                                               r"packing_strategy='bfd' \(or 'bfd_split'\)"):
+            trace_recording(SFTTrainer)(model=model(tok), args=sft_config(
+                tmp_path, packing=True, packing_strategy="wrapped", padding_free=padding_free), **kw)
     assert not (tmp_path / "trace").exists()
 
 
@@ -414,3 +423,291 @@ def test_publishing_scans_the_trainer_arguments_but_not_sftconfig_settings(tmp_p
     path.write_text(json.dumps(header))
     hits = _header(path, "header.json", IdScanner([128]))
     assert hits and all("trainer.kwargs" in str(h) for h in hits)
+
+
+# ---- packing=True (bfd / bfd_split): a deleted document becomes dummy tokens inside its packed row ----------------
+PACKED = dict(packing=True, max_length=128, per_device_train_batch_size=2)
+
+
+def _touched_row(run, store, step: int):
+    """A packed row of optimizer step ``step`` holding at least two documents: (its store index, its documents)."""
+    from hf_unlearn.trace.tags import tag
+
+    index = {tag(run.key, i): n for n, i in enumerate(store["id"])}
+    for e in run.plan:
+        for s in e.slots:
+            if e.step == step and len(store[index[s]]["packed_ids"]) > 1:
+                return index[s], store[index[s]]["packed_ids"]
+    raise AssertionError(f"no packed row with two documents at step {step}")
+
+
+def _span(row, k):
+    start = sum(row["seq_lengths"][:k])
+    return start, start + row["seq_lengths"][k]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """One packed (bfd) recording, Llama, int ids; one late deletion of a document that shares its packed row."""
+    from types import SimpleNamespace
+
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.store import load_store
+
+    tmp = tmp_path_factory.mktemp("packed")
+    tok, data = prompt_completion()
+    recorder = record_sft(tmp / "rec", tok, data, **PACKED)
+    run_dir = tmp / "rec" / "trace"
+    run = open_run(run_dir)
+    store = load_store(run.store_path)
+    n, docs = _touched_row(run, store, step=3)
+    forget = [docs[-1]]
+    replay, oracle, report = delete_and_verify(run_dir, forget, tmp)
+    return SimpleNamespace(tmp=tmp, tok=tok, data=data, recorder=recorder, run_dir=run_dir, run=run, store=store,
+                           row=n, forget=forget, replay=replay, oracle=oracle, report=report)
+
+
+def test_packing_bfd_packs_as_sftrainer_does_and_a_deleted_document_becomes_dummies_of_the_same_length(packed):
+    """The recorded store is SFTTrainer's own packing (input_ids, labels, seq_lengths) and the recording equals a
+    plain packed SFTTrainer run bit for bit; every document is in the sealed map; a late deletion of a document
+    that shares its packed row: replay == oracle VERIFIED, the redacted store keeps the row with that document's
+    tokens replaced by dummies (labels ignored, lengths unchanged), the other document untouched."""
+    from trl import SFTTrainer
+
+    from hf_unlearn.trace import compare_states, replay_cost
+    from hf_unlearn.trace.packing import load_map
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.store import load_store, read_receipt
+    from hf_unlearn.trace.tags import tag
+
+    run, store = packed.run, packed.store
+    info = run.header["dataset"]["packing"]
+    assert info["strategy"] == "bfd" and info["documents"] == 32 and info["packed_rows"] == len(store) < 32
+    assert run.header["dataset"]["id_type"] == "int"
+    doc_map = load_map(run)
+    assert sorted(d for frags in doc_map.values() for d, _, _ in frags) == sorted(tag(run.key, i)
+                                                                                  for i in packed.data["id"])
+    plain = SFTTrainer(model=model(packed.tok), args=sft_config(packed.tmp / "plain", **PACKED),
+                       train_dataset=packed.data, processing_class=packed.tok)
+    for column in ("input_ids", "labels", "seq_lengths"):
+        assert store[column] == plain.train_dataset[column]
+    plain.train()
+    assert compare_states(state_of(plain), load_checkpoint(run.final_checkpoint()))["identical"]
+
+    assert packed.report["verified"], packed.report["provenance"]
+    cost = replay_cost(run, packed.forget)
+    assert cost["packed_rows_touched"] == 1 and cost["first_affected_step"] == 3 and cost["slots_deleted"] == 0
+    redacted = load_store(packed.tmp / "store")
+    receipt = read_receipt(packed.tmp / "store")
+    assert len(redacted) == len(store) and receipt["packing"] == {"fragments_replaced": 1, "packed_rows_touched": 1}
+    before, after = store[packed.row], redacted[packed.row]
+    k = before["packed_ids"].index(packed.forget[0])
+    a, b = _span(before, k)
+    dummy = run.header["dummy_token_id"]
+    assert after["packed_ids"][k] is None and after["seq_lengths"] == before["seq_lengths"]
+    assert after["input_ids"][a:b] == [dummy] * (b - a) and after["labels"][a:b] == [-100] * (b - a)
+    assert before["input_ids"][a:b] != after["input_ids"][a:b]  # physically gone from the redacted store
+    keep = [i for i in range(len(before["input_ids"])) if not a <= i < b]
+    assert [after["input_ids"][i] for i in keep] == [before["input_ids"][i] for i in keep]
+    assert [after["labels"][i] for i in keep] == [before["labels"][i] for i in keep]
+    assert packed.forget[0] not in {d for docs in redacted["packed_ids"] for d in docs}
+
+
+def test_packing_the_other_documents_per_token_losses_are_the_oracles_and_the_deleted_ones_are_gone(packed):
+    """The microbatch holding the deleted document: the replay (redacted store) and the oracle (original store)
+    collate the same tensors; at fixed weights every other document's per-token loss equals the recorded
+    microbatch's bit for bit (same position ids: no document attends to another), the deleted document has no
+    labelled token left. And the oracle equals a plain SFTTrainer run on the packed rows with that document's
+    tokens replaced by dummies by hand and the recorded normalisers (no replay engine)."""
+
+    from hf_unlearn.data.collators import rebuild_collator
+    from hf_unlearn.trace import compare_states
+    from hf_unlearn.trace.run import full_model_state, load_checkpoint
+    from hf_unlearn.trace.tags import tag
+    from hf_unlearn.trace.verification import load_state
+
+    run, store, replay, oracle = packed.run, packed.store, packed.replay, packed.oracle
+    row_tag = tag(run.key, store["id"][packed.row])
+    entry = next(e for e in run.plan if row_tag in e.slots)
+    ours, theirs = (t._collate(*t._rows(entry, keep_dummies=True)) for t in (replay, oracle))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours if torch.is_tensor(ours[k]))
+    index = {tag(run.key, i): n for n, i in enumerate(store["id"])}
+    recorded = rebuild_collator(run.header["collator"], run.path / "collator")(
+        [{k: v for k, v in store[index[s]].items() if k not in ("id", "packed_ids")} for s in entry.slots])
+    assert torch.equal(recorded["position_ids"], ours["position_ids"])
+    lm = model(packed.tok)
+    lm.load_state_dict(full_model_state(load_checkpoint(run.final_checkpoint())))
+
+    def token_losses(batch):
+        with torch.no_grad():
+            logits = lm(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], reduction="none",
+                                                 ignore_index=-100)
+
+    mine, before = token_losses(ours), token_losses(recorded)
+    kept = ours["labels"][0, 1:] != -100
+    assert kept.sum() > 0 and torch.equal(mine[kept], before[kept])  # every other document: bit for bit
+    offset = sum(len(store[index[s]]["input_ids"]) for s in entry.slots[:entry.slots.index(row_tag)])
+    row = store[packed.row]
+    a, b = _span(row, row["packed_ids"].index(packed.forget[0]))
+    assert (recorded["labels"][0, offset + a:offset + b] != -100).any()
+    assert (ours["labels"][0, offset + a:offset + b] == -100).all()  # the deleted document: no loss left
+
+    RecordedNormalisers = recorded_normalisers(run)
+    dummy = run.header["dummy_token_id"]
+
+    def by_hand(r):
+        if packed.forget[0] not in r["packed_ids"]:
+            return {}
+        a, b = _span(r, r["packed_ids"].index(packed.forget[0]))
+        return {"input_ids": r["input_ids"][:a] + [dummy] * (b - a) + r["input_ids"][b:],
+                "labels": r["labels"][:a] + [-100] * (b - a) + r["labels"][b:]}
+
+    counterfactual = RecordedNormalisers(
+        model=model(packed.tok), args=sft_config(packed.tmp / "cf", dataset_kwargs={"skip_prepare_dataset": True},
+                                                 **PACKED),
+        train_dataset=packed.recorder.train_dataset.map(by_hand), processing_class=packed.tok)
+    counterfactual.train()
+    assert compare_states(state_of(counterfactual), load_state(packed.tmp / "oracle"))["identical"]
+
+
+def _resigned(store, out, key, store_dir) -> None:
+    """Save ``store`` at ``out`` with the receipt of ``store_dir`` re-signed under the run key for it (what a faulty
+    redactor holding the key would write)."""
+    import shutil
+
+    from hf_unlearn.trace.store import RECEIPT_NAME, read_receipt, receipt_mac, save_store
+
+    receipt = dict(read_receipt(store_dir), store_sha256=save_store(store, out))
+    receipt["mac"] = receipt_mac(key, receipt)
+    (out / RECEIPT_NAME).write_text(json.dumps(receipt))
+    shutil.copy(store_dir / "packing.json", out)
+
+
+def test_packing_a_smuggled_document_or_an_edited_document_map_is_refused_not_verified(packed, tmp_path):
+    """Attacks on the packed deletion, each refused before any compute (so no VERIFIED can follow): the deleted
+    document's tokens put back into its packed row of the redacted store, or its id put back, with the receipt
+    re-signed under the run key; another packed row's tokens changed; the store edited after redaction; the
+    document map edited (a document moved to another fragment), with or without the header's seal."""
+    import shutil
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer
+    from hf_unlearn.trace.store import load_store
+    from hf_unlearn.trace.tags import tag
+
+    run, n = packed.run, packed.row
+    redacted_dir = packed.tmp / "store"
+    redacted = load_store(redacted_dir)
+    original = packed.store[n]
+
+    def attack(name, change, match):
+        out = tmp_path / name
+        forged = redacted.map(lambda r, i: change(dict(r), i), with_indices=True, keep_in_memory=True)
+        _resigned(forged, out, run.key, redacted_dir)
+        with pytest.raises(UnlearnError, match=match):
+            RedactedReplayTrainer(run, out, packed.forget, tmp_path / f"{name}-replay")
+        assert not (tmp_path / f"{name}-replay").exists()
+
+    attack("tokens", lambda r, i: dict(r, input_ids=original["input_ids"], labels=original["labels"]) if i == n else r,
+           "still holds tokens, labels or the id of a deleted document")
+    attack("id", lambda r, i: dict(r, packed_ids=original["packed_ids"]) if i == n else r,
+           "still holds 1 id")
+    row_tag = tag(run.key, packed.store["id"][n])
+    untouched = next(e for e in run.plan if e.step == 3 and row_tag not in e.slots)  # replayed, not changed
+    other = packed.store["id"].index(next(i for i in packed.store["id"] if tag(run.key, i) == untouched.slots[0]))
+    attack("other-row", lambda r, i: dict(r, input_ids=[r["input_ids"][0] + 1] + r["input_ids"][1:]) if i == other
+           else r, "does not collate to the batch the run recorded")
+    edited = tmp_path / "edited"
+    shutil.copytree(redacted_dir, edited)
+    forged = redacted.map(lambda r, i: dict(r, input_ids=original["input_ids"]) if i == n else r, keep_in_memory=True,
+                          with_indices=True)
+    shutil.rmtree(edited)
+    forged.save_to_disk(str(edited))
+    shutil.copy(redacted_dir / "redaction_receipt.json", edited)
+    with pytest.raises(UnlearnError, match="changed after redaction"):
+        RedactedReplayTrainer(run, edited, packed.forget, tmp_path / "edited-replay")
+
+    copy = tmp_path / "run"
+    shutil.copytree(packed.run_dir, copy)
+    doc_map = json.loads((copy / "packing.json").read_text())
+    row = next(r for r in doc_map if len(r[1]) > 1)
+    row[1][0][0], row[1][1][0] = row[1][1][0], row[1][0][0]  # two documents swap fragments
+    (copy / "packing.json").write_text(json.dumps(doc_map, separators=(",", ":")))
+    with pytest.raises(UnlearnError, match="not the document map the run sealed"):
+        OracleReplayTrainer(copy, packed.forget, out_dir=tmp_path / "o")
+    import hashlib
+
+    header = json.loads((copy / "header.json").read_text())
+    header["dataset"]["packing"]["map_sha256"] = hashlib.sha256((copy / "packing.json").read_bytes()).hexdigest()
+    (copy / "header.json").write_text(json.dumps(header))
+    with pytest.raises(UnlearnError, match="integrity check"):
+        OracleReplayTrainer(copy, packed.forget, out_dir=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_packing_forget_cli_and_trace_inspect_on_a_packed_run(packed, tmp_path, capsys):
+    """`hf-unlearn forget RUN --oracle` (in process: the CLI's forget()) deletes an early document of a packed run,
+    receipt VERIFIED; `trace inspect` describes the packing and checks the document map."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+
+    ids = write_ids(tmp_path / "f.jsonl", packed.run.ids_at_steps([0])[:1])
+    assert main(["forget", str(packed.run_dir), "--ids", str(ids), "--out", str(tmp_path / "out"), "--no-progress",
+                 "--oracle"]) == 0, capsys.readouterr().err
+    receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert receipt["evidence"]["verified"] is True
+    assert "packing: the documents sit in 1 packed row slot(s), which stay" in capsys.readouterr().out
+    assert main(["trace", "inspect", str(packed.run_dir)]) == 0
+    assert f"packing bfd (max_length 128): 32 documents, 32 fragments in {len(packed.store)} packed rows; document " \
+           "map packing.json matches the sealed header" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a second packed recording (about 20 s of CPU)
+def test_packing_bfd_split_a_document_split_across_packed_rows_is_deleted_from_every_one(tmp_path):
+    """packing_strategy='bfd_split', GPT-2, string ids: documents longer than max_length are split into fragments
+    in several packed rows; deleting one finds every packed row and fragment it occupies; replay == oracle."""
+    from hf_unlearn.trace import open_run, replay_cost
+    from hf_unlearn.trace.store import load_store
+
+    tok, data = prompt_completion(string_ids=True)
+    record_sft(tmp_path / "rec", tok, data, family="gpt2", packing=True, packing_strategy="bfd_split", max_length=32,
+               per_device_train_batch_size=2, max_steps=3)
+    run = open_run(tmp_path / "rec" / "trace")
+    store = load_store(run.store_path)
+    rows_of = {}
+    for n, docs in enumerate(store["packed_ids"]):
+        for d in docs:
+            rows_of.setdefault(d, []).append(n)
+    doc = next(d for d in run.ids_at_steps([2]) if len(rows_of[d]) > 1)
+    assert isinstance(doc, str) and run.header["dataset"]["id_type"] == "str"
+    from hf_unlearn.trace.tags import tag
+
+    cost = replay_cost(run, [doc])
+    row_tags = {tag(run.key, store["id"][n]) for n in rows_of[doc]}
+    assert cost["packed_rows_touched"] == sum(s in row_tags for e in run.plan for s in e.slots) >= 1
+    assert delete_and_verify(tmp_path / "rec" / "trace", [doc], tmp_path)[2]["verified"]
+    redacted, dummy = load_store(tmp_path / "store"), run.header["dummy_token_id"]
+    for n in rows_of[doc]:  # every fragment of the document, in every packed row it occupies
+        k = store[n]["packed_ids"].index(doc)
+        a, b = _span(store[n], k)
+        assert redacted[n]["packed_ids"][k] is None and redacted[n]["input_ids"][a:b] == [dummy] * (b - a)
+        assert redacted[n]["labels"][a:b] == [-100] * (b - a)
+    assert doc not in {d for docs in redacted["packed_ids"] for d in docs}
+
+
+def test_packing_a_second_request_on_the_replayed_run_equals_one_oracle_of_both(packed, tmp_path):
+    """Request 2 deletes the other document of the same packed row, from request 1's output run (its store already
+    holds request 1's dummies, its map marks them): the row is left with no weight, and the result is the oracle of
+    both requests on the original run, VERIFIED."""
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, replay_cost, verify
+
+    first = open_run(packed.tmp / "replay")
+    assert first.header["dataset"]["packing"]["map_sha256"] != packed.run.header["dataset"]["packing"]["map_sha256"]
+    second = [d for d in packed.store[packed.row]["packed_ids"] if d not in packed.forget]
+    cost = replay_cost(first, second)
+    assert cost["packed_rows_touched"] == 1 and cost["already_deleted"] == 0
+    redact_store(first.store_path, second, tmp_path / "s2", first.key)
+    RedactedReplayTrainer(first, tmp_path / "s2", second, tmp_path / "r2").train()
+    OracleReplayTrainer(packed.run, packed.forget + second, out_dir=tmp_path / "oracle").train()
+    assert verify(tmp_path / "r2", tmp_path / "oracle")["verified"]

@@ -110,6 +110,12 @@ def inspect_cmd(args) -> int:
     print(f"trainer {s['trainer']}" + (f" (config {header['trainer']['config_class']}"
                                        f"{', arguments ' + json.dumps(header['trainer']['kwargs']) if header['trainer'].get('kwargs') else ''})"
                                        if header.get("trainer") else ""))
+    packing = (header.get("dataset") or {}).get("packing")
+    if packing:
+        from ..trace.packing import map_status
+
+        print(f"packing {packing['strategy']} (max_length {packing['max_length']}): {packing['documents']} documents, "
+              f"{packing['fragments']} fragments in {packing['packed_rows']} packed rows; {map_status(args.run, header)}")
     print(f"model {header['model']['class']} ({header['model']['num_parameters']:,} params), optimizer "
           f"{header['optimizer']['class']}, torch {header['versions'].get('torch')}, "
           f"transformers {header['versions'].get('transformers')}")

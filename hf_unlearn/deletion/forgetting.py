@@ -339,7 +339,9 @@ def _validate_run(source: str, request: list) -> dict:
                            f"forget (one process) does not run; use the trace commands under the same launch: "
                            f"`accelerate launch --multi_gpu --num_processes {world} -m hf_unlearn.cli trace replay "
                            "...` (README, exact deletion)")
-    stored = load_store(run.store_path)[run.id_column]
+    from ..trace.packing import document_ids
+
+    stored = document_ids(load_store(run.store_path), run.id_column)  # a packed run: its documents' ids
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed
     from ..trace.trainers import recorded_trainer

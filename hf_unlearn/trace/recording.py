@@ -124,6 +124,8 @@ def dummy_row(template: dict, length: int, dummy_token_id: int, id_column: str) 
             row[k] = [1] * length
         elif k == "labels":
             row[k] = [IGNORE_INDEX] * length
+        elif k == "seq_lengths":  # a packed row's document lengths (position ids): one document
+            row[k] = [length]
         elif isinstance(v, list):
             row[k] = [0] * length
         else:
@@ -420,6 +422,7 @@ class TraceRecordingMixin:
         raw_ids = list(raw[id_column]) if id_column in getattr(raw, "column_names", ()) else None
         # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
         prepare_cuda_determinism(self._trace_arguments.get("args", kwargs.get("args")))
+        self._trace_id_column = id_column  # SFTTrainer prepares (and packs) its dataset inside its constructor
         super().__init__(*args, **kwargs)
         self.trace_self_check = trace_self_check
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
@@ -460,17 +463,11 @@ class TraceRecordingMixin:
 
         cls = recorded_trainer_class(type(self))
         spec = trainer_spec(cls, self.args, self._trace_arguments)
-        if getattr(self.args, "packing", False):
-            strategy = getattr(self.args, "packing_strategy", None)
-            if strategy == "wrapped":
-                why = ("packing_strategy='wrapped' cuts rows across packed sequences and lets their tokens attend to "
-                       "each other, so 'the run without row X' is not defined")
-            else:
-                why = (f"packing_strategy={strategy!r} packs several rows into one dataset row and drops the id "
-                       "column, so the trace cannot say which rows a packed sequence holds (not supported yet)")
-            raise UnlearnError(f"{cls.__qualname__} with packing=True cannot be recorded for exact deletion: {why}; "
-                               "use padding_free=True without packing (the same padding-free kernels: each microbatch "
-                               "is packed into one sequence with position ids, rows stay the deletion unit)")
+        from .packing import packing_refusal
+
+        why = packing_refusal(self.args)
+        if why:
+            raise UnlearnError(f"{cls.__qualname__} with packing=True cannot be recorded for exact deletion: {why}")
         return spec
 
     def _dropped_rows(self, raw_ids: list | None) -> list:
@@ -483,7 +480,9 @@ class TraceRecordingMixin:
         if self.id_column not in columns:
             raise UnlearnError(f"{type(self).__qualname__}'s dataset preparation dropped the {self.id_column!r} column: "
                                "every training row needs its stable sample id")
-        kept = set(dataset[self.id_column])
+        from .packing import document_ids
+
+        kept = set(document_ids(dataset, self.id_column))
         dropped = [i for i in raw_ids if i not in kept]
         if dropped:
             import warnings
@@ -532,16 +531,28 @@ class TraceRecordingMixin:
         """The rows the dataloader serves: unused columns removed as ``Trainer`` does, the id column kept."""
         if not self.args.remove_unused_columns:
             return dataset
+        from .packing import PACKED_IDS
+
         self._set_signature_columns_if_needed()
         cols = self._signature_columns
-        added = self.id_column not in cols
-        if added:
-            cols.append(self.id_column)
+        added = [c for c in (self.id_column, PACKED_IDS) if c not in cols]
+        cols.extend(added)
         try:
             return super()._remove_unused_columns(dataset, description="training")
         finally:
-            if added:
-                cols.remove(self.id_column)
+            for c in added:
+                cols.remove(c)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name, *rest, **kw):
+        """SFTTrainer's dataset preparation; when it packs the training rows (bfd / bfd_split), with the document
+        map a deletion needs (:func:`hf_unlearn.trace.packing.pack_with_documents`)."""
+        from .packing import SUPPORTED, pack_with_documents
+
+        prepare = super()._prepare_dataset
+        if self._is_replay or not packing or dataset_name != "train" or args.packing_strategy not in SUPPORTED:
+            return prepare(dataset, processing_class, args, packing, formatting_func, dataset_name, *rest, **kw)
+        return pack_with_documents(lambda *a: prepare(*a, *rest, **kw), dataset, processing_class, args,
+                                   formatting_func, dataset_name, self._trace_id_column)
 
     def _remove_unused_columns(self, dataset, description=None):
         if not self._is_replay and str(description).lower() == "training":
@@ -854,6 +865,10 @@ class TraceRecordingMixin:
         self._trace_factor = 2
         store = run / "private" / "store"
         fingerprint = store_sha256(store) if store.exists() else save_store(served, store)
+        from .packing import PACKED_IDS, save_store_info
+
+        if PACKED_IDS in served.column_names:
+            save_store_info(store, self.dummy_token_id)
         index = id_index(served, self.id_column)
         lengths = [len(x) for x in served["input_ids"]]
         self._trace_lens = {i: lengths[n] for i, n in index.items()}
@@ -861,6 +876,7 @@ class TraceRecordingMixin:
         if resume_step and (run / "header.json").exists():
             previous = json.loads((run / "header.json").read_text())
         header = self._trace_header_dict(served, fingerprint, hazards, notes)
+        self._trace_packing(served, header)
         header["run_id"] = previous.get("run_id", header["run_id"])
         header["origin_run_id"] = header["run_id"]
         from ..hub.keys import key_fingerprint
@@ -880,6 +896,19 @@ class TraceRecordingMixin:
             from .plan import read_plan
 
             self._trace_mb = len(read_plan(run))
+
+    def _trace_packing(self, served, header: dict) -> None:
+        """A packed run: write the public document map and describe it in the header (under the keyed seal)."""
+        from .packing import PACKED_IDS, document_map, write_map
+
+        if PACKED_IDS not in served.column_names:
+            return
+        docs = [d for row in served[PACKED_IDS] for d in row]
+        dataset = header["dataset"]
+        dataset["id_type"] = "str" if isinstance(docs[0], str) else "int"  # the documents' ids, which requests name
+        dataset["packing"] = {"strategy": self.args.packing_strategy, "max_length": self.args.max_length,
+                              "documents": len(set(docs)), "fragments": len(docs), "packed_rows": len(served),
+                              **write_map(self.trace_dir, document_map(served, self._trace_key, self.id_column))}
 
     def _save_model_files(self, run: Path) -> None:
         from .trainers import DEFAULT_TRAINER, PROCESSING_CLASS_DIR

@@ -35,6 +35,16 @@ from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
 from .fidelity import check_against_checkpoint, check_device, fidelity_statement, refusal, restore_layout
 from .hashing import batch_digest
+from .packing import (
+    check_redacted_row,
+    deleted_spans,
+    document_ids,
+    document_tags,
+    emptied_rows,
+    is_packed,
+    load_map,
+    with_dummies,
+)
 from .plan import PlanEntry
 from .recording import (
     TraceRecordingTrainer,
@@ -70,6 +80,9 @@ REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "w
 # what a recorded run did besides training that a replay does not do (it would need an eval set, or write checkpoints)
 NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False,
                 "do_eval": False}
+# the naive baselines drop or re-batch whole store rows; a packed row holds several documents
+PACKED_BASELINE = ("the {name} baseline drops whole rows, and a packed run's rows hold several documents, so it is not "
+                   "defined for packing=True runs; compare the replay with the oracle (trace oracle, trace verify)")
 # config keys that say where a model came from, not what it computes
 _VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
                     "_attn_implementation_autoset", "use_cache"}
@@ -92,8 +105,11 @@ def forget_tags(run: TraceRun, forget_ids) -> set[str]:
     _check_types(run, forget_ids)
     key = run.key
     tags = {i: tag(key, i) for i in forget_ids}
-    in_plan = {s for e in run.plan for s in e.slots if s}
-    served = {s for e in run.served_plan for s in e.slots if s} if run.served_plan else in_plan
+    if is_packed(run.header):  # a packed run's plan slots are packed rows: the documents are in its map
+        in_plan = served = document_tags(load_map(run))
+    else:
+        in_plan = {s for e in run.plan for s in e.slots if s}
+        served = {s for e in run.served_plan for s in e.slots if s} if run.served_plan else in_plan
     deleted_before = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
     deleted_before |= never_trained_tags(run)
     unknown = [i for i, t in tags.items() if t not in served and t not in deleted_before]
@@ -136,7 +152,12 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
     """
     run = (run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)).kept()
     tags = forget_tags(run, forget_ids)
-    hits = [e for e in run.plan if tags & set(e.slots)]
+    hit_rows, gone = set(), tags
+    if is_packed(run.header):  # the packed rows that hold a fragment of a deleted document
+        doc_map = load_map(run)
+        spans = deleted_spans(doc_map, tags)
+        hit_rows, gone = set(spans), emptied_rows(doc_map, tags)
+    hits = [e for e in run.plan if (tags | hit_rows) & set(e.slots)]
     affected = sorted({e.step for e in hits})
     total = run.total_steps
     cps = sorted(run.checkpoints())
@@ -158,6 +179,7 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
         "already_deleted": n_ids - len(tags) - never,
         "never_trained": never,
         "slots_deleted": sum(s in tags for e in run.plan for s in e.slots),
+        **({"packed_rows_touched": sum(s in hit_rows for e in run.plan for s in e.slots)} if hit_rows else {}),
         "affected_steps": len(affected),
         "first_affected_step": affected[0] if affected else None,
         "start_checkpoint": start,
@@ -169,7 +191,7 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
         "first_epoch": epochs[0] if epochs else None,
         "total_steps": total,
         "fraction_replayed": (total - start) / total if total else 0.0,
-        "segments_emptied": len(emptied_steps(run.plan, tags)),
+        "segments_emptied": len(emptied_steps(run.plan, gone)),
         "world_size": run.header.get("world_size", 1),
         **({"kept_step": total} if run.served_plan else {}),
     }
@@ -185,6 +207,9 @@ def describe_cost(cost: dict) -> list[str]:
              f"{cost['minimum_steps']} steps (T - s, first affected step s = {cost['first_affected_step']}), ratio "
              + (f"{ratio:.2f}" if ratio is not None else "n/a")
              + (f" (the run's retention bound: at most {cost['bound_steps']:g} steps)" if cost["bound_steps"] else "")]
+    if cost.get("packed_rows_touched"):
+        lines.append(f"packing: the documents sit in {cost['packed_rows_touched']} packed row slot(s), which stay; "
+                     "their fragments become dummy tokens of the same length (the other documents are unchanged)")
     if len(cost["epochs"]) > 1:
         lines.append(f"the ids occur in epochs {cost['epochs']}: their first occurrence (epoch {cost['first_epoch']}, "
                      f"step {cost['first_affected_step']}) sets the start; the later ones are replayed with it")
@@ -348,6 +373,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             raise
 
     def _setup(self, header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs) -> None:
+        if filter_rows and is_packed(header):
+            raise UnlearnError(PACKED_BASELINE.format(name="filter"))
         self.forget_ids = list(dict.fromkeys(forget_ids))
         self.forget_tag_set = forget_tags(self.run, self.forget_ids) if self.forget_ids else set()
         self.start_mode = start
@@ -381,7 +408,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                f"not the redacted store {self.store_path}")
         self.store = load_store(self.store_path)
         # SFTTrainer builds its own padding-free collator and refuses another: the rebuilt one is set after it
-        padding_free = bool(getattr(args, "padding_free", False))
+        padding_free = bool(getattr(args, "padding_free", False)) or bool(getattr(args, "packing", False))
         super().__init__(model=model, args=args, data_collator=None if padding_free else data_collator,
                          trace_dir=self.out_dir or self._scratch or self.run.path / "_unused", id_column=self.run.id_column,
                          dummy_token_id=header.get("dummy_token_id", 0), **self._recorded_trainer_arguments(), **kwargs)
@@ -389,7 +416,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._check_processes()
         check_device(header, self.args.device)
         if self.store_policy == "redacted" and self.forget_ids:
-            stored = set(self.store[self.id_column])
+            stored = set(document_ids(self.store, self.id_column))
             present = [i for i in self.forget_ids if i in stored]
             if present:
                 raise UnlearnError(f"the store {self.store_path} still holds {len(present)} id(s) to forget (e.g. "
@@ -397,6 +424,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                    "redacted store")
         self._tag_index = {tag(self.run.key, i): n for i, n in id_index(self.store, self.id_column).items()}
         self._template = {k: v for k, v in self.store[0].items() if k != self.id_column}
+        self._spans, self._emptied = {}, set()  # packed rows: deleted fragments; rows left without weight
+        if is_packed(header):
+            self._packing_map = load_map(self.run)
+            self._spans = deleted_spans(self._packing_map, self.forget_tag_set)
+            self._emptied = emptied_rows(self._packing_map, self.forget_tag_set)
+            self._check_packed_rows()
         if dummy_has_weight(self.data_collator, dummy_row(self._template, 4, self.dummy_token_id, self.id_column)):
             raise UnlearnError("the collator gives a deleted slot's dummy row a label: deleted slots would not have "
                                "weight 0 (pass the collator the run was recorded with)")
@@ -412,7 +445,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if name in held and held[name].dtype != t.dtype:
                 raise UnlearnError(f"the replay model holds {name} as {held[name].dtype}, checkpoint step "
                                    f"{self.start_step} as {t.dtype}: the model's dtype layout is not the recorded one")
-        affected = [e.step for e in self.run.plan if self.forget_tag_set & set(e.slots)]
+        affected = [e.step for e in self.run.plan if self._hit(e)]
         self.first_affected_step = min(affected) if affected else self.run.total_steps
         if not self.filter_rows:
             self._check_batches()
@@ -470,11 +503,31 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             raise UnlearnError(f"the store {self.store_path} is missing {len(missing)} retained row(s) the plan needs "
                                f"(e.g. {missing[0]}); it must be the run's store minus the deleted rows only")
 
+    def _hit(self, e: PlanEntry) -> bool:
+        """Whether the deletion changes microbatch ``e`` (a deleted row, or a packed row holding a deleted document)."""
+        return any(s in self.forget_tag_set or s in self._spans for s in e.slots)
+
+    def _weighted(self, s) -> bool:
+        return s is not None and s not in self.forget_tag_set and s not in self._emptied
+
+    def _check_packed_rows(self) -> None:
+        """A packed row holding a deleted document: in a redacted store, only dummies where that document was (its
+        fragments as the sealed map records them); in the original store, the map's fragments."""
+        redacted = self.store_kind == "redacted"
+        rows = sorted(self._spans)
+        for s in rows:
+            if s not in self._tag_index:
+                continue  # reported by _check_rows when the replay needs it
+            row = self.store[self._tag_index[s]]
+            frags = self._packing_map[s]
+            check_redacted_row(row, self._spans[s] if redacted else [], frags, self.dummy_token_id,
+                               f"packed row {s} of the store {self.store_path}")
+
     def _check_batches(self) -> None:
         """Every microbatch the replay runs unchanged must collate to the batch the run recorded (before compute)."""
         world, key = self.accelerator.num_processes, self.run.key
         for e in self.run.plan:
-            if e.step < self.start_step or not e.batch or any(s in self.forget_tag_set for s in e.slots):
+            if e.step < self.start_step or not e.batch or self._hit(e):
                 continue
             for r in range(world):
                 feats, dummy_pos = self._rows(e, keep_dummies=True, rank=r)
@@ -504,6 +557,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if len(row["input_ids"]) != n:
                 raise UnlearnError(f"store row for slot tag {s} has {len(row['input_ids'])} tokens, the plan recorded "
                                    f"{n}: the store is not the one the run read")
+            if s in self._spans:  # a packed row: its deleted documents become dummies of the same length
+                row = with_dummies(row, self._spans[s], self.dummy_token_id)
             feats.append(row)
         return feats, dummy_pos
 
@@ -632,7 +687,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
     def _output_entry(self, e: PlanEntry) -> PlanEntry:
         """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
-        if not any(s in self.forget_tag_set for s in e.slots):
+        if not self._hit(e):
             return e
         batch = e.batch
         if batch:
@@ -649,7 +704,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         work = []
         for e in seg:
-            if not any(s is not None and s not in self.forget_tag_set for s in e.slots):
+            if not any(self._weighted(s) for s in e.slots):
                 continue
             feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank)
             work.append((e, self._collate(feats, dummy_pos)))
@@ -743,6 +798,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             shutil.copytree(self.store_path, out / "private" / "store",
                             ignore=shutil.ignore_patterns("cache-*", "*.sha256"))
             header["dataset"].update(store_sha256=store_sha256(out / "private" / "store"), rows=len(self.store))
+        if is_packed(header):  # the output's map: the deleted documents' fragments are dummies now
+            gone = {row: {k for k in hit} for row, hit in self._spans.items()}
+            entries = [[row, [[None if k in gone.get(row, ()) else d, a, n] for k, (d, a, n) in enumerate(frags)]]
+                       for row, frags in self._packing_map.items()]
+            from .packing import write_map
+
+            header["dataset"]["packing"].update(write_map(out, entries))
         writer = TraceWriter(out, self.run.key)
         writer.open(header)
         from .checkpoints import link_checkpoints
@@ -836,6 +898,8 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
     from ..data.collators import rebuild_collator
 
     run = run if isinstance(run, TraceRun) else open_run(run)
+    if is_packed(run.header):
+        raise UnlearnError(PACKED_BASELINE.format(name="repack"))
     _check_types(run, list(forget_ids))
     store = load_store(run.store_path)
     forget = set(forget_ids)

@@ -154,12 +154,19 @@ class TraceRun:
         return self.plan[-1].step + 1 if self.plan else 0
 
     def ids_at_steps(self, steps) -> list:
-        """Raw ids of the slots of the given optimizer steps (maps tags back through the store and the key)."""
+        """Raw ids of the slots of the given optimizer steps (maps tags back through the store and the key; a packed
+        run's documents)."""
+        from .packing import PACKED_IDS
         from .store import load_store
         from .tags import tag
 
         steps = set(steps)
-        by_tag = {tag(self.key, i): i for i in load_store(self.store_path)[self.id_column]}
+        store = load_store(self.store_path)
+        if PACKED_IDS in store.column_names:  # a packed run: the documents of the packed rows, in order
+            docs = {tag(self.key, i): [d for d in ds if d is not None]
+                    for i, ds in zip(store[self.id_column], store[PACKED_IDS])}
+            return [d for e in self.plan if e.step in steps for s in e.slots if s for d in docs[s]]
+        by_tag = {tag(self.key, i): i for i in store[self.id_column]}
         return [by_tag[s] for e in self.plan if e.step in steps for s in e.slots if s]
 
     def cut(self, end_step: int) -> TraceRun:

@@ -138,31 +138,43 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UnlearnError(f"{out} exists and is not empty; choose a new folder for the redacted store")
+    from .packing import PACKED_IDS, document_ids
+
     store = load_store(source)
-    index = id_index(store, id_column)
+    id_index(store, id_column)
+    packed = PACKED_IDS in store.column_names  # rows of several documents (SFTConfig(packing=True))
+    index = {i: n for n, i in enumerate(document_ids(store, id_column))}
     forget = list(dict.fromkeys(forget_ids))
     if not forget:
         raise UnlearnError("the forget list is empty")
     from ..data.ids import check_id_types
 
-    check_id_types(forget, store[id_column][:1], what="the store")
+    check_id_types(forget, list(index)[:1], what="the store")
     absent_ok = set(already_deleted)
     unknown = [i for i in forget if i not in index and i not in absent_ok]
     if unknown:
         raise UnlearnError(f"{len(unknown)} id(s) to forget are not in the store: {unknown[:20]}"
                            f"{' ...' if len(unknown) > 20 else ''}; check the forget list")
-    drop = {index[i] for i in forget if i in index}
-    keep = [n for n in range(len(store)) if n not in drop]
-    deleted_digests = {_row_digest(store[n], id_column) for n in sorted(drop)}
-    redacted = store.select(keep, keep_in_memory=True).flatten_indices(keep_in_memory=True)
+    packing = None
+    if packed:
+        from .packing import redact_packed_rows
+
+        redacted, replaced, touched, dummy = redact_packed_rows(store, forget, id_column, Path(source))
+        drop, deleted_digests = set(), set()
+        packing = {"fragments_replaced": replaced, "packed_rows_touched": touched, "dummy_token_id": dummy}
+    else:
+        drop = {index[i] for i in forget if i in index}
+        keep = [n for n in range(len(store)) if n not in drop]
+        deleted_digests = {_row_digest(store[n], id_column) for n in sorted(drop)}
+        redacted = store.select(keep, keep_in_memory=True).flatten_indices(keep_in_memory=True)
     try:
-        receipt = _write_and_check(store, redacted, source, out, forget, deleted_digests, key, id_column)
+        receipt = _write_and_check(store, redacted, source, out, forget, deleted_digests, key, id_column, packing)
     except BaseException:
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
         raise
-    receipt["already_absent"] = len(forget) - len(drop)
+    receipt["already_absent"] = len([i for i in forget if i not in index]) if packing else len(forget) - len(drop)
     receipt["mac"] = receipt_mac(key, receipt)
     from ..utils import atomic_write_text
 
@@ -171,13 +183,17 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
 
 
 def _write_and_check(store, redacted, source, out: Path, forget: list, deleted_digests: set, key: bytes,
-                     id_column: str) -> dict:
+                     id_column: str, packing: dict | None = None) -> dict:
+    from .packing import document_ids, save_store_info
+
     fingerprint = save_store(redacted, out)
+    if packing:
+        save_store_info(out, packing["dummy_token_id"])
 
     # Read back what was written, as a stranger would, and check.
     written = load_store(out)
     forget_set = set(forget)
-    present = [i for i in written[id_column] if i in forget_set]
+    present = [i for i in [*written[id_column], *document_ids(written, id_column)] if i in forget_set]
     content_matches = sum(_row_digest(r, id_column) in deleted_digests for r in written)
     src_files = {f.resolve() for f in arrow_files(source)}
     shared_files = [f.name for f in arrow_files(out) if f.resolve() in src_files]
@@ -201,4 +217,12 @@ def _write_and_check(store, redacted, source, out: Path, forget: list, deleted_d
         },
         "content_duplicates": content_matches,
     }
+    if packing:  # packed rows stay: the deleted documents' fragments hold dummy tokens now
+        receipt["checks"]["id_column_scanned"] = (f"all {len(written)} packed rows of the new store read back (row ids "
+                                                  f"and document ids); 0 of {len(forget)} deleted ids present")
+        receipt["checks"]["content_scanned"] = (
+            f"{packing['fragments_replaced']} fragment(s) of the deleted documents in {packing['packed_rows_touched']} "
+            f"packed row(s) replaced by dummy token {packing['dummy_token_id']} (labels ignored), lengths and "
+            "position ids unchanged")
+        receipt["packing"] = {k: v for k, v in packing.items() if k != "dummy_token_id"}
     return receipt
