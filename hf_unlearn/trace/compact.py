@@ -38,13 +38,13 @@ import numpy as np
 
 from ..errors import UnlearnError
 from .plan import COMPACT_FILE, PlanEntry
-from .tags import NULL_TAG, TAG_BYTES, _mac, record_digest
+from .tags import NULL_TAG, TAG_BYTES, _mac, record_digester
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord
 
 MAGIC = b"HFUSEAL1"
 FORMAT = "hf_unlearn.provenance.v1"
 BLOCK_SEGMENTS = 256  # segments per chained controls MAC
-BATCH_GROUP_MIN = 4  # microbatches (whole segments) per batch MAC
+BATCH_GROUP_MIN = 16  # microbatches (whole segments) per batch MAC
 BATCH_MAC_BYTES = 4
 _COLUMNS = ("seg_n", "seg_step", "seg_accum", "seg_epoch", "lr", "norm_kind", "norm_dtype", "norm_int", "norm_f64", "mb_slots",
             "seeds", "lens", "tags", "order", "block_macs", "batch_macs")
@@ -165,15 +165,27 @@ def batch_mac(key: bytes, entries: list[PlanEntry]) -> bytes:
     return h.digest()[:BATCH_MAC_BYTES]
 
 
+_CONTROL_FIELDS = tuple(f.name for f in dataclasses.fields(PlanEntry) if f.name != "batch")
+
+
+def _controls_line(e: PlanEntry) -> str:
+    """One entry's controls as sorted-key JSON, every field but the batch digests (plan.canonical_controls less
+    ``batch``: the batch MACs cover those)."""
+    d = {f: getattr(e, f) for f in _CONTROL_FIELDS}
+    for optional in ("group_lrs", "ranks", "extra"):
+        if not d[optional]:
+            d.pop(optional)
+    return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+
 def controls_chain(key: bytes, run_id: str, entries: list[PlanEntry], segs) -> list[bytes]:
     """The chained block MACs over the entries' canonical controls (without batch digests: those have their own)."""
-    from .plan import canonical_controls
     from .tags import controls_chain_start
 
     previous, out = controls_chain_start(key, run_id), []
     for s, t in block_ranges(len(segs)):
-        chunk = [dataclasses.replace(e, batch=None) for e in entries[segs[s][0]:segs[t - 1][1]]]
-        previous = block_mac(key, previous, canonical_controls(chunk))
+        chunk = entries[segs[s][0]:segs[t - 1][1]]
+        previous = block_mac(key, previous, "\n".join(map(_controls_line, chunk)).encode())
         out.append(previous)
     return out
 
@@ -190,8 +202,9 @@ def _sampler_claim(entries: list[PlanEntry], bases) -> tuple[list, list[int], di
         return None
     first = by_epoch[0]
     named = [s for s in first if s is not None]
-    if not first or len(set(named)) != len(named) or any(s is not None and s not in set(named)
-                                                         for ep in by_epoch for s in by_epoch[ep]):
+    known = set(named)
+    if not first or len(known) != len(named) or any(s is not None and s not in known
+                                                    for ep in by_epoch for s in by_epoch[ep]):
         return None
     n = len(first)
     for base in bases:
@@ -256,8 +269,8 @@ def encode(entries: list[PlanEntry], key: bytes, run_id: str, seed_base: int | N
     if claim is not None:
         table, epoch_seeds, perms = claim
         meta["order"] = {"rule": "seedable_sampler", "rows": len(table), "epoch_seeds": epoch_seeds}
-        row_of = np.concatenate([perms[ep][:sum(len(e.slots) for e in entries if e.epoch == ep)]
-                                 for ep in range(len(epoch_seeds))]).astype(np.int64)
+        served = np.bincount([e.epoch for e in entries for _ in e.slots], minlength=len(epoch_seeds))
+        row_of = np.concatenate([perms[ep][:served[ep]] for ep in range(len(epoch_seeds))]).astype(np.int64)
         cols["order"] = b""
     else:
         table, index = [], {}
@@ -420,6 +433,7 @@ def _decode(meta: dict, cols: dict[str, bytes], key: bytes | None) -> CompactRun
     group_lrs, extra, ranks = exc.get("group_lrs", {}), exc.get("extra", {}), exc.get("ranks", {})
     dtypes = meta["norm_dtypes"]
     entries, records, pos, mb = [], [], 0, 0
+    digester = record_digester(key) if key is not None else None
     for k in range(n_seg):
         step, kind, norm = steps[k], kinds[k], None
         dtype = None if dcodes[k] == 0 else dtypes[dcodes[k] - 1]
@@ -445,7 +459,7 @@ def _decode(meta: dict, cols: dict[str, bytes], key: bytes | None) -> CompactRun
                           group_lrs=group_lrs.get(str(k)), ranks=ranks.get(str(mb)),
                           extra=extra.get(str(k), {}) if j == 0 else {})
             flags = (FLAG_ACCUM_END if end else 0) | (FLAG_DUMMY if None in slots else 0)
-            digest = record_digest(key, slots, seed, lr32, step, count, flags) if key is not None else 0
+            digest = digester(slots, seed, lr32, step, count, flags) if digester is not None else 0
             entries.append(e)
             records.append(WalRecord(digest, seed, lr32, step, count, flags))
             pos += count
@@ -545,10 +559,10 @@ def compact_run(run_dir: str | Path, batch_macs: dict | None = None) -> dict:
     bases = [s for s in (det.get("data_seed"), det.get("seed"), seed) if isinstance(s, int)]
     data = encode(plan, key, header["run_id"], seed_base=seed if isinstance(seed, int) else None,
                   sampler_seeds=tuple(bases), batch_macs=batch_macs)
-    decoded = decode(data, key)
+    decoded = decode(data)  # the WAL digests were checked against these very records by check_run above
     from .wal import read_manifest, read_wal
 
-    wal = read_wal(run / "wal.bin").records
+    wal = [dataclasses.replace(r, digest=0) for r in read_wal(run / "wal.bin").records]
     if decoded.entries != [dataclasses.replace(e, batch=None) for e in plan] or decoded.records != wal or \
             decoded.manifest != read_manifest(run / "manifest.bin") or forged_blocks(key, header["run_id"], decoded):
         raise UnlearnError(f"internal: {run}'s compact provenance does not decode to its records; the run is left "
