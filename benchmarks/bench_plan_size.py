@@ -67,8 +67,37 @@ def synthetic_segments(microbatches: int, slots: int, accum: int, rows: int, see
         mb, step = mb + n, step + 1
 
 
-def measure(a, rows: int, tmp: Path) -> dict:
+def measure(a, rows: int, tmp: Path, recorded: bool) -> dict:
+    """Encode the synthetic plan (decoded again and compared, block MACs checked); with ``recorded`` also write it
+    through the recorder, seal, check, compact with ``compact_run`` and check the compacted run (slow at 1e6)."""
+    import dataclasses
+
+    from hf_unlearn.trace.compact import decode, encode, forged_blocks
+
+    key, run_id = b"k" * 32, f"bench-{rows}"
+    t = time.perf_counter()
+    entries = [e for seg in synthetic_segments(a.microbatches, a.slots, a.accum, rows) for e in seg]
+    gen_s = time.perf_counter() - t
+    t = time.perf_counter()
+    data = encode(entries, key, run_id, seed_base=0, sampler_seeds=(0,))
+    encode_s = time.perf_counter() - t
+    t = time.perf_counter()
+    decoded = decode(data)
+    assert decoded.entries == [dataclasses.replace(e, batch=None) for e in entries]
+    assert not forged_blocks(key, run_id, decoded)
+    decode_s = time.perf_counter() - t
+    out = {"rows": rows, "bytes": len(data), "meta": decoded.meta, "json": 0, "sizes": None,
+           "times": f"generate {gen_s:.0f} s, encode {encode_s:.0f} s, decode + compare + MAC check {decode_s:.0f} s"}
+    if rows == a.rows[0]:
+        out["json"] = sum(len(e.to_line()) for e in entries)
+    if recorded:
+        out.update(record_and_compact(a, rows, tmp, entries, data))
+    return out
+
+
+def record_and_compact(a, rows: int, tmp: Path, entries, expected: bytes) -> dict:
     from hf_unlearn.trace.compact import compact_run
+    from hf_unlearn.trace.plan import segments
     from hf_unlearn.trace.recording import TraceWriter
     from hf_unlearn.trace.run import FORMAT, check_run
     from hf_unlearn.trace.tags import recording_key
@@ -79,26 +108,16 @@ def measure(a, rows: int, tmp: Path) -> dict:
     header = {"run_id": f"bench-{rows}", "format": FORMAT, "dataset": {}, "determinism": {"seed": 0},
               "training_args": {"seed": 0}}
     writer.open(header)
-    json_bytes = 0
-    t = time.perf_counter()
-    for seg in synthetic_segments(a.microbatches, a.slots, a.accum, rows):
+    for seg in segments(entries):
         writer.append(seg)
-        if rows == a.rows[0]:
-            json_bytes += sum(len(e.to_line()) for e in seg)
     writer.seal(header)
-    write_s = time.perf_counter() - t
-    rep, _, _ = check_run(run, key=key, check_checkpoints=False)
-    assert rep.ok and rep.summary["controls"] == "keyed", rep.errors
     sizes = {n: (run / n).stat().st_size for n in ("plan.bin", "wal.bin", "manifest.bin")}
-    t = time.perf_counter()
-    info = compact_run(run)
-    compact_s = time.perf_counter() - t
-    t = time.perf_counter()
+    compact_run(run)  # checks the recorded run (CRCs, MACs, digests) first
+    assert (run / "provenance.bin").read_bytes() == expected  # the recorder's files compact to what encode wrote
     rep, _, plan = check_run(run, key=key, check_checkpoints=False)
-    check_s = time.perf_counter() - t
     assert rep.ok and rep.summary["controls"] == "keyed" and len(plan) == a.microbatches, rep.errors
-    return {"rows": rows, "sizes": sizes, "compact": info, "json": json_bytes, "write_s": write_s,
-            "compact_s": compact_s, "check_s": check_s}
+    shutil.rmtree(run, ignore_errors=True)
+    return {"sizes": sizes}
 
 
 def main(argv=None):
@@ -110,6 +129,9 @@ def main(argv=None):
     p.add_argument("--tmp", default=None, help="scratch folder (default: a temporary one, removed)")
     p.add_argument("--rows", default="10000,100000,300000,1000000",
                    help="distinct rows N (comma-separated; the run is microbatches * slots / N epochs)")
+    p.add_argument("--recorded", action="store_true",
+                   help="also write each plan through the recorder (plan.bin, wal.bin, manifest.bin), compact it with "
+                        "compact_run and check both layouts (about 10x slower)")
     a = p.parse_args(argv)
     a.rows = [int(x) for x in a.rows.split(",")]
     tmp = Path(a.tmp or tempfile.mkdtemp(prefix="bench_plan_"))
@@ -117,21 +139,24 @@ def main(argv=None):
     print(f"{a.microbatches:,} microbatches of {a.slots} rows, accumulation {a.accum} "
           f"({-(-a.microbatches // a.accum):,} optimizer steps); one checkpoint {a.checkpoint_mb:,.0f} MB; "
           f"0.2% = {0.002 * ck / 1e6:.2f} MB = {0.002 * ck / a.microbatches:.2f} B/microbatch")
-    print(f"{'rows N':>9s} {'epochs':>7s} | {'plan.bin':>9s} {'wal.bin':>9s} {'manifest':>9s} {'recorded':>9s} "
-          f"{'% ckpt':>7s} | {'compact':>9s} {'B/mb':>6s} {'% ckpt':>7s} {'bound 8N/mb':>9s} | target | claims")
+    if not a.recorded:
+        print("(--recorded also writes each plan in the recorded layout, plan.bin + wal.bin + manifest.bin, and compacts "
+              "that with compact_run)")
+    print(f"{'rows N':>9s} {'epochs':>7s} | {'compact':>9s} {'B/mb':>6s} {'% ckpt':>7s} {'8N/mb':>7s} | 0.2% target | "
+          f"claims")
     for rows in a.rows:
-        r = measure(a, rows, tmp)
-        recorded = sum(r["sizes"].values())
-        c = r["compact"]
-        mb = a.microbatches
-        print(f"{rows:9,d} {mb * a.slots / rows:7.1f} | " + " ".join(f"{v / mb:7.2f} B" for v in r["sizes"].values())
-              + f" {recorded / mb:7.2f} B {100 * recorded / ck:6.3f}% | {c['bytes'] / 1e6:6.2f} MB {c['bytes'] / mb:6.2f} "
-              f"{100 * c['bytes'] / ck:6.3f}% {8 * rows / mb:7.2f} B | {'met' if c['bytes'] <= 0.002 * ck else 'NOT met'}"
-              f" | order {c['order']}, seeds {c['seeds']}, lengths {c['lens']} "
-              f"(write {r['write_s']:.0f} s, compact {r['compact_s']:.0f} s, check {r['check_s']:.0f} s)", flush=True)
+        r = measure(a, rows, tmp, a.recorded)
+        mb, meta = a.microbatches, r["meta"]
+        print(f"{rows:9,d} {mb * a.slots / rows:7.1f} | {r['bytes'] / 1e6:6.2f} MB {r['bytes'] / mb:6.2f} "
+              f"{100 * r['bytes'] / ck:6.3f}% {8 * rows / mb:5.2f} B | {'met' if r['bytes'] <= 0.002 * ck else 'NOT met':11s}"
+              f" | order {meta['order']['rule']}, seeds {meta['seeds']['rule']}, lengths {meta['lens']} ({r['times']})",
+              flush=True)
+        if r["sizes"]:
+            total = sum(r["sizes"].values())
+            print(f"{'':9s} recorded: " + ", ".join(f"{n} {v / mb:.2f} B" for n, v in r["sizes"].items())
+                  + f" = {total / mb:.2f} B/microbatch ({100 * total / ck:.3f}%); compact_run's file == the encoder's")
         if r["json"]:
             print(f"{'':9s} the same plan as plan.jsonl: {r['json'] / mb:.0f} B/microbatch")
-        shutil.rmtree(tmp / f"run-{rows}", ignore_errors=True)
     if a.tmp is None:
         shutil.rmtree(tmp, ignore_errors=True)
 

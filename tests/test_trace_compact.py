@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_trace_common import copy_run, get_trace_data, ids_at_step, record
+from .test_trace_common import copy_run, get_trace_data, ids_at_step, record, to_legacy_format
 
 
 def _cli(*args):
@@ -245,3 +245,7 @@ def test_a_compacted_run_checks_its_batches_and_refuses_what_it_cannot_compact(c
     with pytest.raises(UnlearnError, match="is not sealed"):
         compact_run(unsealed)
     assert (unsealed / "plan.bin").exists() and not (unsealed / "provenance.bin").exists()
+    legacy = to_legacy_format(copy_run(_recorded(), tmp_path / "legacy"))  # plan.jsonl: no keyed MACs to fold
+    with pytest.raises(UnlearnError, match="unkeyed controls .*stays in its recorded format"):
+        compact_run(legacy)
+    assert (legacy / "plan.jsonl").exists() and not (legacy / "provenance.bin").exists()

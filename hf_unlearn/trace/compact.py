@@ -492,8 +492,7 @@ def read_compact(path: str | Path, key: bytes | None = None) -> CompactRun:
 def texts(path: str | Path) -> dict:
     """The free texts a provenance.bin holds (param-group settings, dtype names), for the Hub's id scan; also
     checks that it decodes (raises :class:`CompactError`)."""
-    meta, cols = _unpack(Path(path).read_bytes())
-    decode(Path(path).read_bytes())
+    meta = decode(Path(path).read_bytes()).meta
     return {"extra": (meta.get("exceptions") or {}).get("extra", {}), "norm_dtypes": meta.get("norm_dtypes", []),
             "run_id": meta.get("run_id")}
 
