@@ -432,7 +432,9 @@ def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | Non
     if not seal_ok:
         rep.errors.append("header.json's controls_mac does not match the run key: the header's training arguments, "
                           "optimizer, model, dataset, step counts, hazards or fidelity evidence were changed, or the "
-                          "plan was cut, after the run was sealed")
+                          "plan was cut, after the run was sealed"
+                          + (f" (or {COMPACT_FILE} was rewritten and its SHA-256 in the header with it)"
+                             if isinstance(pscan, CompactRun) else ""))
     return "keyed" if not forged and seal_ok else "keyed, FAILED"
 
 
