@@ -1,14 +1,19 @@
 """Provenance size of a long run: plan + WAL + manifest against one checkpoint (issue #24 item 4).
 
     PYTHONPATH=. python benchmarks/bench_plan_size.py [--microbatches 1000000] [--slots 4] [--accum 4]
-        [--checkpoint-mb 1615]
+        [--rows 10000,100000,300000,1000000] [--checkpoint-mb 1615]
 
-Writes a synthetic plan of that many microbatches through the recorder's own writer (``TraceWriter``: plan.bin
-frames, WAL records, manifest tags, one segment at a time as training appends them), then reads it back and checks
-it (every frame's CRC and keyed MAC, and the first segments against the generator). Prints the bytes per
-microbatch of each file, the total as a share of one checkpoint (SmolLM2-135M with AdamW: 1,615 MB, measured by
-``bench_trace_smollm2.py``), the same plan as JSON lines (the format before it) for comparison, and the longest run
-that stays within 0.2% of the checkpoint.
+For each dataset size N in ``--rows`` (side by side in one run), writes a synthetic run of that many microbatches
+through the recorder's own writer (``TraceWriter``: plan.bin frames, WAL records, manifest tags, one segment at a
+time as training appends them) the way ``Trainer`` serves it: every epoch in the order accelerate's
+``SeedableRandomSampler`` draws (``torch.randperm(N)`` seeded with ``seed + epoch``), so a run of M microbatches of
+S rows is M * S / N epochs; per-row token lengths and label counts (the normaliser is the segment's label count),
+the learning rate of transformers' linear schedule with warmup, the recorder's seeds, one keyed batch digest per
+microbatch. It seals the run, checks it (every frame's CRC and keyed MAC), compacts it
+(:func:`hf_unlearn.trace.compact.compact_run`, the same as ``hf-unlearn trace compact``), checks the compacted run
+again (decoding, block MACs, keyed seal) and prints, for both layouts, the bytes per microbatch and the share of one
+checkpoint (SmolLM2-135M with AdamW: 1,615 MB, measured by ``bench_trace_smollm2.py``), with the lower bound of
+any provenance that keeps one 8-byte tag per distinct row (8 N bytes).
 """
 
 from __future__ import annotations
@@ -21,23 +26,98 @@ import time
 from pathlib import Path
 
 
-def synthetic_segments(microbatches: int, slots: int, accum: int, seed: int = 0):
-    """Segments as a recorder writes them: keyed 8-byte tags, TOFU-like lengths, a decaying lr, integer normalisers."""
+def synthetic_segments(microbatches: int, slots: int, accum: int, rows: int, seed: int = 0):
+    """Segments as a recorder writes them for ``rows`` distinct rows served by the seedable sampler, epoch after
+    epoch: keyed 8-byte tags, TOFU-like per-row lengths and label counts, transformers' linear schedule."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    from hf_unlearn.trace.compact import sampler_order
     from hf_unlearn.trace.plan import PlanEntry
     from hf_unlearn.trace.recording import microbatch_seed
 
     rng = random.Random(seed)
-    steps = -(-microbatches // accum)
-    mb = 0
-    for step in range(steps):
-        n = min(accum, microbatches - mb)
-        lr = 3e-3 * (1 - step / steps)
-        lens = [[rng.randrange(20, 129) for _ in range(slots)] for _ in range(n)]
-        norm = float(sum(sum(x) for x in lens) - 10 * n * slots)
-        yield [PlanEntry(mb=mb + j, step=step, j=j, end=j == n - 1, seed=microbatch_seed(0, step, j), lr=lr,
-                         norm=norm, norm_dtype="int64", accum=n, slots=[rng.randbytes(8).hex() for _ in range(slots)],
-                         lens=lens[j], epoch=0, batch=[rng.randbytes(8).hex()]) for j in range(n)]
-        mb += n
+    tags = [rng.randbytes(8).hex() for _ in range(rows)]
+    lens = [rng.randrange(20, 129) for _ in range(rows)]
+    labels = [n - rng.randrange(5, min(40, n)) for n in lens]
+    steps = -(-microbatches // accum)  # about: segments cut by an epoch's end add a few
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    sched = get_linear_schedule_with_warmup(opt, steps // 50, steps)
+    mb = epoch = pos = 0
+    order = sampler_order(rows, seed).tolist()
+    step = 0
+    while mb < microbatches:
+        lr = opt.param_groups[0]["lr"]
+        if pos == rows:  # as Trainer does, a segment ends with its epoch (the epoch's last one may be short)
+            epoch, pos = epoch + 1, 0
+            order = sampler_order(rows, seed + epoch).tolist()
+        seg_rows = []
+        while len(seg_rows) < min(accum, microbatches - mb) and pos < rows:
+            take = order[pos:pos + slots]
+            pos += len(take)
+            seg_rows.append(take)
+        n = len(seg_rows)
+        norm = float(sum(labels[r] for take in seg_rows for r in take))
+        yield [PlanEntry(mb=mb + j, step=step, j=j, end=j == n - 1, seed=microbatch_seed(seed, step, j), lr=lr,
+                         norm=norm, norm_dtype="int64", accum=n, slots=[tags[r] for r in take],
+                         lens=[lens[r] for r in take], epoch=epoch, batch=[rng.randbytes(8).hex()])
+               for j, take in enumerate(seg_rows)]
+        opt.step()
+        sched.step()
+        mb, step = mb + n, step + 1
+
+
+def measure(a, rows: int, tmp: Path, recorded: bool) -> dict:
+    """Encode the synthetic plan (decoded again and compared, block MACs checked); with ``recorded`` also write it
+    through the recorder, seal, check, compact with ``compact_run`` and check the compacted run (slow at 1e6)."""
+    import dataclasses
+
+    from hf_unlearn.trace.compact import decode, encode, forged_blocks
+
+    key, run_id = b"k" * 32, f"bench-{rows}"
+    t = time.perf_counter()
+    entries = [e for seg in synthetic_segments(a.microbatches, a.slots, a.accum, rows) for e in seg]
+    gen_s = time.perf_counter() - t
+    t = time.perf_counter()
+    data = encode(entries, key, run_id, seed_base=0, sampler_seeds=(0,))
+    encode_s = time.perf_counter() - t
+    t = time.perf_counter()
+    decoded = decode(data)
+    assert decoded.entries == [dataclasses.replace(e, batch=None) for e in entries]
+    assert not forged_blocks(key, run_id, decoded)
+    decode_s = time.perf_counter() - t
+    out = {"rows": rows, "bytes": len(data), "meta": decoded.meta, "json": 0, "sizes": None,
+           "times": f"generate {gen_s:.0f} s, encode {encode_s:.0f} s, decode + compare + MAC check {decode_s:.0f} s"}
+    if rows == a.rows[0]:
+        out["json"] = sum(len(e.to_line()) for e in entries)
+    if recorded:
+        out.update(record_and_compact(a, rows, tmp, entries, data))
+    return out
+
+
+def record_and_compact(a, rows: int, tmp: Path, entries, expected: bytes) -> dict:
+    from hf_unlearn.trace.compact import compact_run
+    from hf_unlearn.trace.plan import segments
+    from hf_unlearn.trace.recording import TraceWriter
+    from hf_unlearn.trace.run import FORMAT, check_run
+    from hf_unlearn.trace.tags import recording_key
+
+    run = tmp / f"run-{rows}"
+    key = recording_key(run, b"k" * 32)
+    writer = TraceWriter(run, key)
+    header = {"run_id": f"bench-{rows}", "format": FORMAT, "dataset": {}, "determinism": {"seed": 0},
+              "training_args": {"seed": 0}}
+    writer.open(header)
+    for seg in segments(entries):
+        writer.append(seg)
+    writer.seal(header)
+    sizes = {n: (run / n).stat().st_size for n in ("plan.bin", "wal.bin", "manifest.bin")}
+    compact_run(run)  # checks the recorded run (CRCs, MACs, digests) first
+    assert (run / "provenance.bin").read_bytes() == expected  # the recorder's files compact to what encode wrote
+    rep, _, plan = check_run(run, key=key, check_checkpoints=False)
+    assert rep.ok and rep.summary["controls"] == "keyed" and len(plan) == a.microbatches, rep.errors
+    shutil.rmtree(run, ignore_errors=True)
+    return {"sizes": sizes}
 
 
 def main(argv=None):
@@ -47,65 +127,36 @@ def main(argv=None):
     p.add_argument("--accum", type=int, default=4, help="gradient_accumulation_steps")
     p.add_argument("--checkpoint-mb", type=float, default=1615.0, help="one checkpoint (model + optimizer), MB")
     p.add_argument("--tmp", default=None, help="scratch folder (default: a temporary one, removed)")
+    p.add_argument("--rows", default="10000,100000,300000,1000000",
+                   help="distinct rows N (comma-separated; the run is microbatches * slots / N epochs)")
+    p.add_argument("--recorded", action="store_true",
+                   help="also write each plan through the recorder (plan.bin, wal.bin, manifest.bin), compact it with "
+                        "compact_run and check both layouts (about 10x slower)")
     a = p.parse_args(argv)
-
-    from hf_unlearn.trace.plan import read_compact_plan, segment_entries
-    from hf_unlearn.trace.recording import TraceWriter
-    from hf_unlearn.trace.run import FORMAT, check_run
-    from hf_unlearn.trace.wal import read_manifest, read_wal
-
+    a.rows = [int(x) for x in a.rows.split(",")]
     tmp = Path(a.tmp or tempfile.mkdtemp(prefix="bench_plan_"))
-    run = tmp / "run"
-    key = b"k" * 32
-    writer = TraceWriter(run, key)
-    header = {"run_id": "bench", "format": FORMAT, "dataset": {}}
-    writer.open(header)
-    json_bytes = 0
-    t = time.perf_counter()
-    for seg in synthetic_segments(a.microbatches, a.slots, a.accum):
-        writer.append(seg)
-        json_bytes += sum(len(e.to_line()) for e in seg)
-    writer.seal(header)
-    write_s = time.perf_counter() - t
-
-    t = time.perf_counter()
-    scan = read_compact_plan(run / "plan.bin")
-    records = read_wal(run / "wal.bin").records
-    manifest = read_manifest(run / "manifest.bin")
-    read_s = time.perf_counter() - t
-    assert scan.damaged_at is None and not scan.tail_bytes and len(records) == a.microbatches
-    expected = synthetic_segments(a.microbatches, a.slots, a.accum)
-    pos = mb = 0
-    for seg in scan.segments[:1000]:  # the first segments read back as written
-        want = next(expected)
-        heads = []
-        for e in want:
-            heads.append((mb, records[mb].step, records[mb].seed, manifest[pos:pos + len(e.slots)]))
-            mb, pos = mb + 1, pos + len(e.slots)
-        assert segment_entries(seg, heads) == want
-    t = time.perf_counter()
-    rep, _, _ = check_run(run, key=key, check_checkpoints=False)
-    check_s = time.perf_counter() - t
-    assert rep.ok and rep.summary["controls"] == "keyed", rep.errors
-
-    sizes = {n: (run / n).stat().st_size for n in ("plan.bin", "wal.bin", "manifest.bin")}
-    total = sum(sizes.values())
     ck = a.checkpoint_mb * 1e6
     print(f"{a.microbatches:,} microbatches of {a.slots} rows, accumulation {a.accum} "
-          f"({-(-a.microbatches // a.accum):,} optimizer steps); one checkpoint {a.checkpoint_mb:,.0f} MB")
-    for name, size in sizes.items():
-        print(f"  {name:12s} {size / 1e6:9.2f} MB  {size / a.microbatches:6.2f} B/microbatch  {100 * size / ck:7.4f}%")
-    print(f"  {'total':12s} {total / 1e6:9.2f} MB  {total / a.microbatches:6.2f} B/microbatch  {100 * total / ck:7.4f}% "
-          f"of one checkpoint (target 0.2%)")
-    print(f"  the same plan as plan.jsonl: {json_bytes / 1e6:.1f} MB ({json_bytes / a.microbatches:.0f} B/microbatch): "
-          f"plan.bin is {json_bytes / sizes['plan.bin']:.1f}x smaller; total with plan.jsonl "
-          f"{100 * (json_bytes + total - sizes['plan.bin']) / ck:.3f}%")
-    per = total / a.microbatches
-    print(f"  within 0.2% of the checkpoint up to {int(0.002 * ck / per):,} microbatches (plan.jsonl: "
-          f"{int(0.002 * ck / ((json_bytes + total - sizes['plan.bin']) / a.microbatches)):,}); WAL + manifest alone "
-          f"(fixed: 32 B per record + 8 B per row) up to {int(0.002 * ck / ((sizes['wal.bin'] + sizes['manifest.bin']) / a.microbatches)):,}")
-    print(f"  write {write_s:.1f} s ({1e6 * write_s / a.microbatches:.1f} us/microbatch, HMACs included), read "
-          f"{read_s:.1f} s, full check (CRCs, MACs, cross-checks) {check_s:.1f} s")
+          f"({-(-a.microbatches // a.accum):,} optimizer steps); one checkpoint {a.checkpoint_mb:,.0f} MB; "
+          f"0.2% = {0.002 * ck / 1e6:.2f} MB = {0.002 * ck / a.microbatches:.2f} B/microbatch")
+    if not a.recorded:
+        print("(--recorded also writes each plan in the recorded layout, plan.bin + wal.bin + manifest.bin, and compacts "
+              "that with compact_run)")
+    print(f"{'rows N':>9s} {'epochs':>7s} | {'compact':>9s} {'B/mb':>6s} {'% ckpt':>7s} {'8N/mb':>7s} | 0.2% target | "
+          f"claims")
+    for rows in a.rows:
+        r = measure(a, rows, tmp, a.recorded)
+        mb, meta = a.microbatches, r["meta"]
+        print(f"{rows:9,d} {mb * a.slots / rows:7.1f} | {r['bytes'] / 1e6:6.2f} MB {r['bytes'] / mb:6.2f} "
+              f"{100 * r['bytes'] / ck:6.3f}% {8 * rows / mb:5.2f} B | {'met' if r['bytes'] <= 0.002 * ck else 'NOT met':11s}"
+              f" | order {meta['order']['rule']}, seeds {meta['seeds']['rule']}, lengths {meta['lens']} ({r['times']})",
+              flush=True)
+        if r["sizes"]:
+            total = sum(r["sizes"].values())
+            print(f"{'':9s} recorded: " + ", ".join(f"{n} {v / mb:.2f} B" for n, v in r["sizes"].items())
+                  + f" = {total / mb:.2f} B/microbatch ({100 * total / ck:.3f}%); compact_run's file == the encoder's")
+        if r["json"]:
+            print(f"{'':9s} the same plan as plan.jsonl: {r['json'] / mb:.0f} B/microbatch")
     if a.tmp is None:
         shutil.rmtree(tmp, ignore_errors=True)
 

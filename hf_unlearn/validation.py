@@ -33,10 +33,11 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def is_trace_run(path: str | os.PathLike) -> bool:
-    """A folder written by ``TraceRecordingTrainer`` (or a replay): header, plan and WAL."""
+    """A folder written by ``TraceRecordingTrainer`` (or a replay): header, plan and WAL (or, compacted, the one
+    ``provenance.bin`` that holds them)."""
     p = Path(path)
-    return p.is_dir() and all((p / f).is_file() for f in ("header.json", "wal.bin")) and \
-        any((p / f).is_file() for f in ("plan.bin", "plan.jsonl"))
+    return p.is_dir() and (p / "header.json").is_file() and ((p / "provenance.bin").is_file() or (
+        (p / "wal.bin").is_file() and any((p / f).is_file() for f in ("plan.bin", "plan.jsonl"))))
 
 
 @dataclass(frozen=True)

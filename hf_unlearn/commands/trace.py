@@ -23,6 +23,11 @@ def register(parser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=inspect_cmd)
 
+    p = sub.add_parser("compact", help="replace a sealed run's plan.bin, wal.bin and manifest.bin by one compact "
+                                       "provenance.bin (same records; see the README's exact-deletion section)")
+    p.add_argument("run")
+    p.set_defaults(func=compact_cmd)
+
     p = sub.add_parser("cost", help="where a suffix replay starts and how much of the run it re-executes")
     p.add_argument("run")
     p.add_argument("--forget", required=True, help=FORGET_HELP)
@@ -106,7 +111,8 @@ def inspect_cmd(args) -> int:
           f"{s['microbatches']} microbatches, {s['slots']} slots ({s['dummy_slots']} dummy), "
           f"store rows {s['store_rows']}, deletion requests {s['deletion_requests']}")
     print(f"checkpoints at steps {s['checkpoints']} ({'states checked against hashes.json' if s['checkpoints_deep_checked'] else 'hashes.json sidecars checked; --deep checks the states'}); "
-          f"WAL {s['wal_bytes']} B, manifest {s['manifest_bytes']} B; {s['world_size']} process(es)")
+          + (f"plan, WAL and manifest compacted into {s['plan_file']} ({s['plan_bytes']} B)" if s.get("compact")
+             else f"WAL {s['wal_bytes']} B, manifest {s['manifest_bytes']} B") + f"; {s['world_size']} process(es)")
     print(f"trainer {s['trainer']}" + (f" (config {header['trainer']['config_class']}"
                                        f"{', arguments ' + json.dumps(header['trainer']['kwargs']) if header['trainer'].get('kwargs') else ''})"
                                        if header.get("trainer") else ""))
@@ -137,6 +143,17 @@ def inspect_cmd(args) -> int:
         print(f"ERROR: {e}")
     print("integrity: OK" if rep.ok else f"integrity: FAILED ({len(rep.errors)} error(s))")
     return 0 if rep.ok else 1
+
+
+def compact_cmd(args) -> int:
+    from ..trace.compact import compact_run
+
+    info = compact_run(args.run)
+    before = sum(info["replaced_bytes"].values())
+    print(f"{args.run}: {' + '.join(f'{n} {b:,} B' for n, b in info['replaced_bytes'].items())} = {before:,} B -> "
+          f"{info['file']} {info['bytes']:,} B ({before / max(1, info['bytes']):.1f}x smaller; order: {info['order']}, "
+          f"seeds: {info['seeds']}, lengths: {info['lens']})")
+    return 0
 
 
 def cost_cmd(args) -> int:

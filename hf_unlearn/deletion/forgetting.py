@@ -842,7 +842,8 @@ def _own_settings(card_info: dict) -> dict:
     return out  # the trainer declares the rest of its own numbers (MASC: every number its stop_reason quotes)
 
 
-PROVENANCE_FILES = ("header.json", "plan.bin", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl", "verification.json")
+PROVENANCE_FILES = ("header.json", "plan.bin", "plan.jsonl", "wal.bin", "manifest.bin", "provenance.bin", "deletion_log.jsonl",
+                    "verification.json")
 
 
 def _provenance_view(run: Path, dest: Path) -> Path:

@@ -1,7 +1,7 @@
 """``--trace`` provenance: an allowlist of the files the trace code writes, each checked against its schema.
 
 Published from a recorded run (or a replay's output, which is a run too): ``header.json``, ``plan.bin`` (or
-a run's older ``plan.jsonl``), ``wal.bin``, ``manifest.bin``, ``deletion_log.jsonl``, ``verification.json``, their ``.sha256`` sidecars and the
+a run's older ``plan.jsonl``), ``wal.bin``, ``manifest.bin`` (or, compacted, the one ``provenance.bin``), ``deletion_log.jsonl``, ``verification.json``, their ``.sha256`` sidecars and the
 run's ``model/config.json``. Nothing else leaves: not ``private/`` (the key, the token store), not checkpoints, and
 not whatever else happens to sit in the folder (a ``forget.json`` of raw ids): those are listed as kept local.
 
@@ -134,6 +134,23 @@ def _plan_bin(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     return hits
 
 
+def _provenance_bin(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
+    """A compacted run's plan, WAL and manifest: it must decode (xz checks, columns, sampler claims); it holds keyed
+    tags and numbers only, and the free texts a scheduler or a dtype name put there are scanned."""
+    from ..trace.compact import CompactError, texts
+
+    try:
+        found = texts(path)
+    except CompactError as e:
+        _fail(name, str(e))
+    hits: list[Hit] = []
+    for k, extra in found["extra"].items():
+        hits += scanner.scan(extra, f"{PREFIX}/{name}:segment {k}.extra")
+    hits += scanner.scan(found["norm_dtypes"], f"{PREFIX}/{name}:norm_dtypes", numbers=False)
+    hits += scanner.scan(found["run_id"], f"{PREFIX}/{name}:run_id", numbers=False)
+    return hits
+
+
 def _deletion_log(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     return [h for n, r in enumerate(_jsonl(path, name)) for h in _values(_DELETION_LOG, r, name, f"line {n + 1}",
                                                                           scanner)]
@@ -209,6 +226,7 @@ def _manifest(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 CHECKERS: dict[str, Callable[[Path, str, IdScanner], list[Hit]]] = {
     "header.json": _header, "plan.bin": _plan_bin, "plan.jsonl": _plan, "wal.bin": _wal, "manifest.bin": _manifest,
+    "provenance.bin": _provenance_bin,
     "deletion_log.jsonl": _deletion_log, "verification.json": _verification, "model/config.json": _model_config,
 }
 

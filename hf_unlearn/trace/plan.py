@@ -39,6 +39,7 @@ from ..errors import UnlearnError
 
 PLAN_FILE = "plan.bin"
 LEGACY_PLAN_FILE = "plan.jsonl"  # runs recorded before keyed controls
+COMPACT_FILE = "provenance.bin"  # a compacted sealed run: plan, WAL and manifest in one file (trace.compact)
 MAGIC = b"HFUPLAN1"
 
 
@@ -90,6 +91,10 @@ def read_plan(path: str | Path) -> list[PlanEntry]:
     """The plan of a run folder (``plan.bin`` joined with the WAL and manifest, or a legacy ``plan.jsonl``), or of a
     ``plan.jsonl`` file. Unchecked: :func:`hf_unlearn.trace.run.check_run` checks it; cut to whole records."""
     path = Path(path)
+    if path.is_dir() and plan_file(path).name == COMPACT_FILE:
+        from .compact import read_compact
+
+        return read_compact(path / COMPACT_FILE).entries
     if path.is_dir() and (path / PLAN_FILE).exists():
         from .wal import read_manifest, read_wal
 
@@ -100,8 +105,11 @@ def read_plan(path: str | Path) -> list[PlanEntry]:
 
 
 def plan_file(run: str | Path) -> Path:
-    """The run's plan file: ``plan.bin``, or ``plan.jsonl`` for a run recorded before keyed controls."""
+    """The run's plan file: ``plan.bin``, ``plan.jsonl`` for a run recorded before keyed controls, or
+    ``provenance.bin`` for a compacted run (which holds the WAL and the manifest too)."""
     run = Path(run)
+    if (run / COMPACT_FILE).exists() and not (run / PLAN_FILE).exists():
+        return run / COMPACT_FILE
     return run / LEGACY_PLAN_FILE if (run / LEGACY_PLAN_FILE).exists() and not (run / PLAN_FILE).exists() \
         else run / PLAN_FILE
 

@@ -245,11 +245,17 @@ class TraceWriter:
     def open(self, header: dict, resume_step: int | None = None) -> None:
         """Start the files; on resume keep only entries of steps before ``resume_step`` (a run recorded with a
         ``plan.jsonl`` continues in ``plan.bin``, its kept entries keyed afresh)."""
-        from .plan import LEGACY_PLAN_FILE, PLAN_FILE, CompactPlanWriter, has_plan, read_plan
+        from .plan import COMPACT_FILE, LEGACY_PLAN_FILE, PLAN_FILE, CompactPlanWriter, has_plan, read_plan
         from .wal import RECORD_SIZE
 
         self.run.mkdir(parents=True, exist_ok=True)
-        for name in SEALED_FILES + (LEGACY_PLAN_FILE, "deletion_log.jsonl"):
+        if (self.run / COMPACT_FILE).exists():
+            if resume_step is not None:
+                raise UnlearnError(f"{self.run} is a compacted sealed run ({COMPACT_FILE}): it cannot be resumed; "
+                                   "record into a new trace_dir")
+            (self.run / COMPACT_FILE).unlink()
+        header.pop("provenance", None)  # append-only files from here on (a replay copies its parent's header)
+        for name in SEALED_FILES + (LEGACY_PLAN_FILE, COMPACT_FILE, "deletion_log.jsonl"):
             side = self.run / f"{name}.sha256"
             if side.exists():
                 side.unlink()
@@ -283,11 +289,17 @@ class TraceWriter:
 
     def reseal_header(self, header: dict) -> None:
         """Rewrite a sealed run's header (the self-check's outcome) with its sidecar and its keyed controls seal."""
-        from .plan import PLAN_FILE, read_compact_plan
+        from .plan import COMPACT_FILE, PLAN_FILE, read_compact_plan
 
-        segs = read_compact_plan(self.run / PLAN_FILE).segments
-        if segs:
-            header["controls_mac"] = controls_seal(self.key, segs[-1].mac, header)
+        if header.get("provenance"):  # a compacted run: its last block MAC
+            from .compact import read_compact
+
+            last = read_compact(self.run / COMPACT_FILE).last_mac
+        else:
+            segs = read_compact_plan(self.run / PLAN_FILE).segments
+            last = segs[-1].mac if segs else None
+        if last:
+            header["controls_mac"] = controls_seal(self.key, last, header)
         self.write_header(header)
         write_sidecar(self.run / "header.json")
 

@@ -526,6 +526,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _check_batches(self) -> None:
         """Every microbatch the replay runs unchanged must collate to the batch the run recorded (before compute)."""
         world, key = self.accelerator.num_processes, self.run.key
+        if self.run.compact:
+            return self._check_batch_groups(world, key)
         for e in self.run.plan:
             if e.step < self.start_step or not e.batch or self._hit(e):
                 continue
@@ -537,6 +539,29 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                         f"microbatch {e.mb} (optimizer step {e.step}) does not collate to the batch the run recorded: "
                         "the collator, or the rows of the store, differ from the recording's; pass the collator the "
                         "run was recorded with (data_collator= / --collator)")
+
+    def _batch_digests(self, e: PlanEntry, world: int) -> list[str]:
+        return [keyed_batch_digest(self.run.key, batch_digest(self._collate(*self._rows(e, True, rank=r))))
+                for r in range(world)]
+
+    def _check_batch_groups(self, world: int, key: bytes) -> None:
+        """A compacted run keeps one keyed MAC per group of whole segments (trace.compact): every group the replay
+        runs unchanged is rebuilt and checked (groups holding a deleted row cannot be, and are skipped)."""
+        from .compact import batch_mac
+
+        plan, self._rebuilt_batches = self.run.plan, {}
+        for a, b, mac in self.run.batch_groups():
+            group = plan[a:b]
+            if mac is None or len(group) != b - a or group[0].step < self.start_step or \
+                    any(self._hit(e) for e in group):
+                continue
+            rebuilt = [dataclasses.replace(e, batch=self._batch_digests(e, world)) for e in group]
+            if batch_mac(key, rebuilt) != mac:
+                raise UnlearnError(
+                    f"microbatches {a}-{b - 1} (optimizer steps {group[0].step}-{group[-1].step}) do not collate to the "
+                    "batches the run recorded: the collator, or the rows of the store, differ from the recording's; "
+                    "pass the collator the run was recorded with (data_collator= / --collator)")
+            self._rebuilt_batches.update((e.mb, e.batch) for e in rebuilt)
 
     def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0) -> tuple[list[dict], list[int]]:
         lo, hi = e.rank_slots(rank, self.accelerator.num_processes)
@@ -687,12 +712,15 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
     def _output_entry(self, e: PlanEntry) -> PlanEntry:
         """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
-        if not self._hit(e):
+        changed = self._hit(e)
+        if not changed and (e.batch or not self.run.compact):
             return e
         batch = e.batch
-        if batch:
-            batch = [keyed_batch_digest(self.run.key, batch_digest(self._collate(*self._rows(e, True, rank=r))))
-                     for r in range(len(batch))]
+        if not changed:  # a compacted parent has batch MACs, not digests: the output records the digests again
+            batch = getattr(self, "_rebuilt_batches", {}).get(e.mb) or self._batch_digests(
+                e, self.accelerator.num_processes)
+        elif batch or self.run.compact:
+            batch = self._batch_digests(e, len(batch) if batch else self.accelerator.num_processes)
         return dataclasses.replace(e, slots=[None if s in self.forget_tag_set else s for s in e.slots], batch=batch)
 
     def _run_segment(self, model, seg: list[PlanEntry]) -> int:
@@ -837,6 +865,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                              "earlier request); the state is the parent's final state")
         append_deletion_log(self.out_dir, entry)
         writer.seal(header)
+        if self.run.compact:  # the output of a compacted run is compacted the same way
+            from .compact import compact_run
+
+            first = next((e.mb for e in self.run.plan if e.step >= self.start_step), len(self.run.plan))
+            compact_run(self.out_dir, {(a, b): mac for a, b, mac in self.run.batch_groups()
+                                       if mac is not None and b <= first})
 
 
 def replay_class(cls, header: dict):

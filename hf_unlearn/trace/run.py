@@ -43,6 +43,7 @@ from .checkpoints import (  # noqa: F401 - re-exported: the checkpoint functions
 )
 from .checkpoints import check_checkpoints as checkpoint_report
 from .plan import (
+    COMPACT_FILE,
     PLAN_FILE,
     PlanEntry,
     canonical_controls,
@@ -63,7 +64,7 @@ HEADER_KEYS = frozenset({
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
     "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention", "fidelity",
-    "kept_model", "controls_mac", "trainer"})
+    "kept_model", "controls_mac", "trainer", "provenance"})
 SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
 PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
 # The header fields that decide the replayed state (or what a verdict covers): the keyed seal covers them. A field
@@ -72,6 +73,9 @@ KEYED_HEADER_KEYS = ("format", "run_id", "origin_run_id", "parent", "key_fingerp
                      "training_args", "dataset", "collator", "dummy_token_id", "gradient_accumulation_steps",
                      "max_grad_norm", "world_size", "optimizer_steps", "microbatches", "hazards", "sealed",
                      "fidelity", "kept_model", "trainer", "checkpoint_index")
+# Sealed only when present (a run sealed before them keeps its seal): ``provenance`` names a compacted run's
+# provenance.bin and its SHA-256 (hf_unlearn.trace.compact), so the seal binds that file byte for byte.
+OPTIONAL_KEYED_HEADER_KEYS = ("provenance",)
 UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
                     "of a seed, learning rate, step, flag or normaliser in both the plan and the WAL, with their CRCs "
                     "and sidecars rewritten, is not detected (the ids are keyed); record the run again for keyed "
@@ -80,7 +84,9 @@ UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan
 
 def controls_seal(key: bytes, last_mac: bytes, header: dict) -> str:
     """The header's ``controls_mac``: the run key over the last segment MAC and :data:`KEYED_HEADER_KEYS`."""
-    fields = json.loads(json.dumps({k: header.get(k) for k in KEYED_HEADER_KEYS}, default=str))
+    fields = {k: header.get(k) for k in KEYED_HEADER_KEYS}
+    fields.update({k: header[k] for k in OPTIONAL_KEYED_HEADER_KEYS if k in header})
+    fields = json.loads(json.dumps(fields, default=str))
     return seal_mac(key, last_mac, json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
 
 
@@ -146,6 +152,18 @@ class TraceRun:
     def segments(self) -> list[list[PlanEntry]]:
         return segments(self.plan)
 
+    @property
+    def compact(self) -> bool:
+        """True for a compacted run (``provenance.bin``): its plan entries carry no batch digests, the batch MACs of
+        :meth:`batch_groups` check the collated batches instead."""
+        return bool(self.header.get("provenance"))
+
+    def batch_groups(self) -> list[tuple[int, int, bytes | None]]:
+        """A compacted run's keyed batch MACs: ``(first microbatch, stop, MAC or None)`` (see trace.compact)."""
+        from .compact import read_compact
+
+        return read_compact(self.path / COMPACT_FILE).batch_groups if self.compact else []
+
     def checkpoints(self) -> dict[int, Path]:
         return list_checkpoints(self.path)
 
@@ -210,8 +228,10 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
                            + ("; it was recorded by an older hf_unlearn: record the run again" if older else ""))
     rep.hazards = list(header.get("hazards", []))
     sealed = bool(header.get("sealed"))
-    pfile = plan_file(path)
-    for name in SEALED_FILES[:1] + (pfile.name,) + SEALED_FILES[2:] + ("deletion_log.jsonl",):
+    compact = bool(header.get("provenance"))
+    pfile = path / COMPACT_FILE if compact else plan_file(path)
+    names = ("header.json", COMPACT_FILE) if compact else SEALED_FILES[:1] + (pfile.name,) + SEALED_FILES[2:]
+    for name in names + ("deletion_log.jsonl",):
         f = path / name
         if not f.exists():
             if name not in ("deletion_log.jsonl",):
@@ -225,9 +245,28 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     if rep.errors and any("missing" in e and e.split()[0] in (pfile.name, "wal.bin") for e in rep.errors):
         return rep, header, []
 
-    scan = read_wal(path / "wal.bin")
-    manifest = read_manifest(path / "manifest.bin") if (path / "manifest.bin").exists() else []
-    if pfile.name == PLAN_FILE:
+    if not compact:
+        scan = read_wal(path / "wal.bin")
+        manifest = read_manifest(path / "manifest.bin") if (path / "manifest.bin").exists() else []
+    if compact:
+        from .compact import CompactError, read_compact
+        from .wal import WalScan
+
+        if file_sha256(pfile) != (header.get("provenance") or {}).get("sha256"):
+            rep.errors.append(f"{COMPACT_FILE} does not match the SHA-256 in header.json's provenance entry: modified "
+                              "after the run was compacted")
+        try:
+            pscan = read_compact(pfile)  # WAL digests read as 0: the block MACs cover what they did
+        except CompactError as e:
+            rep.errors.append(f"{COMPACT_FILE} is refused: {e}")
+            return rep, header, []
+        plan, manifest = pscan.entries, pscan.manifest
+        scan, planned = WalScan(pscan.records, [], 0), len(pscan.entries)
+        leftover = [n for n in SEALED_FILES[1:] if (path / n).exists()]
+        if leftover:
+            rep.warnings.append(f"{', '.join(leftover)} are left over from an interrupted compaction (the run reads "
+                                f"{COMPACT_FILE}); `hf-unlearn trace compact {path}` removes them")
+    elif pfile.name == PLAN_FILE:
         pscan = read_compact_plan(pfile)
         plan, planned = join_plan(pscan.segments, scan.records, manifest)
         _check_plan_frames(pscan, planned, rep, sealed)
@@ -282,7 +321,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             bad.append(f"step {e.step} inside the segment of step {plan[i - 1].step}")
         if key is not None and pscan is None and r.digest != ids_digest(key, e.slots):
             bad.append("ids digest (the slots' ids differ)")
-        elif key is not None and pscan is not None and r.digest != record_digest(key, e.slots, r.seed, r.lr, r.step,
+        elif key is not None and pscan is not None and not compact and r.digest != record_digest(key, e.slots, r.seed, r.lr, r.step,
                                                                                  r.length, r.flags):
             bad.append("keyed record digest (the slots' ids or the record's controls differ)")
         if manifest[pos:pos + len(e.slots)] != e.slots:
@@ -341,10 +380,11 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "checkpoints": sorted(cps),
         "checkpoints_deep_checked": bool(deep and check_checkpoints),
         "store_rows": header["dataset"].get("rows"),
-        "wal_bytes": (path / "wal.bin").stat().st_size,
+        "wal_bytes": (path / "wal.bin").stat().st_size if not compact else 0,
         "plan_file": pfile.name,
         "plan_bytes": pfile.stat().st_size,
         "manifest_bytes": (path / "manifest.bin").stat().st_size if (path / "manifest.bin").exists() else 0,
+        "compact": compact,
         "deletion_requests": len(read_deletion_log(path)),
         "trainer": (header.get("trainer") or {}).get("class", "transformers.trainer:Trainer"),
     }
@@ -374,11 +414,15 @@ def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | Non
     if key is None:
         rep.notes.append("the run's controls are keyed but were not checked: the run key is not available here")
         return "keyed, not checked (no key)"
+    from .compact import CompactRun, forged_blocks
     from .tags import controls_chain_start
 
-    previous, mb = controls_chain_start(key, header.get("run_id", "")), 0
-    forged = []
-    for k, seg in enumerate(pscan.segments):
+    if isinstance(pscan, CompactRun):
+        forged, previous = forged_blocks(key, header.get("run_id", ""), pscan), pscan.last_mac
+    else:
+        previous, forged = controls_chain_start(key, header.get("run_id", "")), []
+    mb = 0
+    for k, seg in enumerate(pscan.segments if not isinstance(pscan, CompactRun) else ()):
         entries = plan[mb:mb + len(seg.lens)]
         mb += len(seg.lens)
         if len(entries) < len(seg.lens):
@@ -395,7 +439,9 @@ def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | Non
     if not seal_ok:
         rep.errors.append("header.json's controls_mac does not match the run key: the header's training arguments, "
                           "optimizer, model, dataset, step counts, hazards or fidelity evidence were changed, or the "
-                          "plan was cut, after the run was sealed")
+                          "plan was cut, after the run was sealed"
+                          + (f" (or {COMPACT_FILE} was rewritten and its SHA-256 in the header with it)"
+                             if isinstance(pscan, CompactRun) else ""))
     return "keyed" if not forged and seal_ok else "keyed, FAILED"
 
 

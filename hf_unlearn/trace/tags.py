@@ -127,18 +127,27 @@ def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
+def record_digester(key: bytes):
+    """:func:`record_digest` for many records under one key (the keyed state is set up once, then copied)."""
+    import struct
+
+    base = hmac.new(key, b"hf_unlearn.wal_record.v2", hashlib.sha256)
+
+    def digest(tags: list[str | None], seed: int, lr32: float, step: int, length: int, flags: int) -> int:
+        h = base.copy()
+        for t in tags:
+            h.update(bytes.fromhex(t) if t else NULL_TAG)
+        h.update(struct.pack("<QfIHH", seed, lr32, step, length, flags))
+        return int.from_bytes(h.digest()[:8], "little")
+
+    return digest
+
+
 def record_digest(key: bytes, tags: list[str | None], seed: int, lr32: float, step: int, length: int,
                   flags: int) -> int:
     """The WAL record digest of runs with keyed controls: the ids digest's slots and the record's own controls under
     the key (so a WAL edited alone, or a run rewritten in the older unkeyed format, fails the check)."""
-    import struct
-
-    controls = struct.pack("<QfIHH", seed, lr32, step, length, flags)
-    h = hmac.new(key, b"hf_unlearn.wal_record.v2", hashlib.sha256)
-    for t in tags:
-        h.update(bytes.fromhex(t) if t else NULL_TAG)
-    h.update(controls)
-    return int.from_bytes(h.digest()[:8], "little")
+    return record_digester(key)(tags, seed, lr32, step, length, flags)
 
 
 def controls_chain_start(key: bytes, run_id: str) -> bytes:

@@ -7,6 +7,9 @@ record's own controls under the run key) in runs with a ``plan.bin``, and
 :func:`~hf_unlearn.trace.tags.ids_digest` (the slot tags only) in runs recorded with a ``plan.jsonl``. The id
 manifest lists every slot's 8-byte tag in WAL order (zeros = dummy slot).
 
+A compacted run (:mod:`hf_unlearn.trace.compact`) has neither file: :func:`read_wal` and :func:`read_manifest`
+decode its ``provenance.bin`` instead (WAL digests read as 0 there: the key holder recomputes them).
+
 A tail shorter than one record is what a crash mid-write leaves; :func:`read_wal` reports it and the readers
 decide (an unsealed run is recovered to its last whole record, a sealed one is refused).
 """
@@ -54,7 +57,21 @@ class WalScan:
     tail_bytes: int
 
 
+def _compacted(path: Path):
+    """The decoded provenance.bin of a compacted run, when ``path`` is its (removed) wal.bin or manifest.bin."""
+    from .plan import COMPACT_FILE
+
+    if not path.exists() and (path.parent / COMPACT_FILE).exists():
+        from .compact import read_compact
+
+        return read_compact(path.parent / COMPACT_FILE)
+    return None
+
+
 def read_wal(path: str | Path) -> WalScan:
+    compact = _compacted(Path(path))
+    if compact is not None:
+        return WalScan(compact.records, [], 0)
     data = Path(path).read_bytes()
     whole = len(data) // RECORD_SIZE
     records, bad = [], []
@@ -72,6 +89,9 @@ def manifest_bytes(tags: list[str | None]) -> bytes:
 
 
 def read_manifest(path: str | Path) -> list[str | None]:
+    compact = _compacted(Path(path))
+    if compact is not None:
+        return compact.manifest
     data = Path(path).read_bytes()
     out = []
     for i in range(0, len(data) - len(data) % TAG_BYTES, TAG_BYTES):
