@@ -178,7 +178,8 @@ def fake_run(folder, key=KEY, ids=(3600, 3601, 3602, 3603)):
     (folder / "manifest.bin").write_bytes(manifest_bytes(entry.slots))
     (folder / "deletion_log.jsonl").write_text(json.dumps({
         "time": "2025-01-15T10:00:00Z", "request": 1, "mode": "replay", "forget_tags": tags[:2], "start_step": 0,
-        "steps_replayed": 1, "params_root": "a" * 64, "optimizer_root": "b" * 64, "parent_run": "trace"}) + "\n")
+        "steps_replayed": 1, "params_root": "a" * 64, "optimizer_root": "b" * 64, "parent_run": "trace",
+        "fidelity": "engine reproduced recorded steps 0..3601 (the recording's self-check)"}) + "\n")
     for name in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin", "deletion_log.jsonl"):
         write_sidecar(folder / name)
     (folder / "model").mkdir()

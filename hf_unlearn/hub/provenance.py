@@ -111,7 +111,7 @@ def _plan(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 _DELETION_LOG = {"time": "time", "request": "number", "mode": "words", "forget_tags": "tags", "start_step": "number",
                  "steps_replayed": "number", "params_root": "hex", "optimizer_root": "hex", "parent_run": "text",
-                 "note": "words"}
+                 "note": "words", "fidelity": "words"}  # fidelity: the library's sentence (steps, not ids)
 _VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems": "text", "oracle": "text", "params_mismatched_elements": "number",
                  "optimizer_mismatched_elements": "number",
                  "roots": {"a": {"params": "hex", "optimizer": "hex"}, "b": {"params": "hex", "optimizer": "hex"}}}
