@@ -33,7 +33,14 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
-from .fidelity import check_against_checkpoint, check_device, fidelity_statement, refusal, restore_layout
+from .fidelity import (
+    check_against_checkpoint,
+    check_against_state,
+    check_device,
+    fidelity_statement,
+    refusal,
+    restore_layout,
+)
 from .hashing import batch_digest
 from .plan import PlanEntry
 from .recording import (
@@ -312,6 +319,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     """
 
     mode = "replay"
+    _fidelity_reference: dict = {}  # step -> hashes the replay must reach (set by the recording's self-check only)
     store_policy = "any"  # RedactedReplayTrainer: a redaction of the run's store; the oracle: the run's own store
     _is_replay = True
     _trace_machinery = True
@@ -610,7 +618,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _check_fidelity(self, step: int, saved: Path | None) -> None:
         """At a recorded checkpoint before the first affected step, the state must be the recorded one (else stop)."""
         recorded = self._recorded_checkpoints.get(step)
-        if recorded is None or step == self.start_step or step > self.first_affected_step:
+        reference = self._fidelity_reference.get(step)  # the recorder's in-memory state hashes (its self-check)
+        if (recorded is None and reference is None) or step == self.start_step or step > self.first_affected_step:
             return
         if saved is not None:
             actual = json.loads((saved / "hashes.json").read_text())
@@ -618,8 +627,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             from .hashing import checkpoint_hashes
 
             actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step))
-        check_against_checkpoint(self.run.path, step, recorded, actual, who=f"the {self.mode}")
-        self.checkpoints_matched.append(step)
+        if reference is not None:
+            check_against_state(self.run.path, step, reference, actual, who=f"the {self.mode}",
+                                where=f"step {step} (the recording's own state, hashed in memory as it trained)")
+        if recorded is not None:
+            check_against_checkpoint(self.run.path, step, recorded, actual, who=f"the {self.mode}")
+            self.checkpoints_matched.append(step)
 
     def _discard_output(self, writer: TraceWriter) -> None:
         """A replay stopped part way leaves no half-written output run."""
