@@ -198,6 +198,8 @@ def main():
                 times[kind].append((wall, cpu))
                 if kind in causes:
                     causes[kind].append(meter.take())
+                    print("    " + "; ".join(f"{label.split(' (')[0]} {v:.1f}" for label, v in causes[kind][-1].items()),
+                          flush=True)
                 check = f"  self-check {fid.get('steps')} reproduced={fid.get('reproduced')}" if fid else ""
                 print(f"repeat {r} {kind:13s} wall {wall:7.1f} s  CPU {cpu:7.1f} s{check}", flush=True)
                 if not (kind == "trace" and r == a.repeats - 1):
@@ -215,6 +217,13 @@ def main():
                     line += (f"  ratio {statistics.median(xs) / statistics.median([y[i] for y in times[ref]]):.3f}"
                              f" (per repeat {', '.join(f'{q:.3f}' for q in per)})")
                 print(line)
+        if "trace" in causes and ref in times:  # the self-check's own cost, measured in the same runs, taken out
+            base_cpu = [y[1] for y in times[ref]]
+            off = [t[1] - c.get(CAUSES[0][0], 0.0) - c.get(CAUSES[1][0], 0.0)
+                   for t, c in zip(times["trace"], causes["trace"])]
+            print(f"  CPU  trace minus its self-check {stats(off)} s  ratio "
+                  f"{statistics.median(off) / statistics.median(base_cpu):.3f} (per repeat "
+                  f"{', '.join(f'{x / y:.3f}' for x, y in zip(off, base_cpu))})")
         for k, runs in causes.items():
             print(f"\nwhere {k}'s CPU time goes (exclusive seconds, median [min-max] of {len(runs)}):")
             labels = [c[0] for c in CAUSES if any(c[0] in r_ for r_ in runs)]
