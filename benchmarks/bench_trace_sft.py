@@ -2,7 +2,7 @@
 where it goes, and a late deletion (suffix replay) against the oracle.
 
     PYTHONPATH=. python benchmarks/bench_trace_sft.py [--steps 32] [--every 8] [--repeats 3] [--padding-free]
-                                                      [--profile] [--skip-deletion]
+                                                      [--profile] [--skip-deletion] [--checkpoint-costs]
 
 Three configurations alternate (order rotated per repeat; median and range of the repeats reported, ratios side by
 side): a plain ``SFTTrainer`` saving a resumable checkpoint every ``--every`` steps (model + optimizer + scheduler +
@@ -108,6 +108,60 @@ def stats(xs: list[float]) -> str:
     return f"{statistics.median(xs):7.1f} [{min(xs):.1f}-{max(xs):.1f}]"
 
 
+def checkpoint_costs(model_path: str, out: Path, repeats: int = 3) -> None:
+    """CPU seconds of one checkpoint, on their own: the trace's at step 0 and after a step (and their hashing), what a
+    ``Trainer`` checkpoint writes, and building the model with and without its random initialisation."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.initialization import no_init_weights
+
+    from hf_unlearn import load_model
+    from hf_unlearn.trace.checkpoints import FrozenTensors, capture_state, save_checkpoint
+    from hf_unlearn.trace.hashing import checkpoint_hashes
+
+    model = load_model(model_path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def cpu(label, f):
+        xs = []
+        for i in range(repeats):
+            c = time.process_time()
+            f(i)
+            xs.append(time.process_time() - c)
+        print(f"  {label:66s} {stats(xs)}", flush=True)
+
+    def trace_checkpoint(step):
+        return lambda i: save_checkpoint(out / f"s{step}-{i}", step, model, opt, frozen=FrozenTensors(out / f"s{step}-{i}"))
+
+    def trainer_checkpoint(i):
+        d = out / f"trainer-{i}"
+        d.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+                  str(d / "model.safetensors"))
+        torch.save(opt.state_dict(), d / "optimizer.pt")
+
+    def build(skip):
+        def f(i):
+            if skip:
+                with no_init_weights():
+                    type(model)._from_config(model.config, dtype=torch.float32).tie_weights()
+            else:
+                type(model)._from_config(model.config, dtype=torch.float32)
+        return f
+
+    print(f"one checkpoint on its own (CPU s, median [min-max] of {repeats}):")
+    cpu("trace checkpoint at step 0 (model only, no optimizer state yet)", trace_checkpoint(0))
+    cpu("  of which SHA-256 of every tensor", lambda i: checkpoint_hashes(capture_state(model, opt, 0)))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    cpu("trace checkpoint after a step (model + AdamW moments)", trace_checkpoint(1))
+    cpu("  of which SHA-256 of every tensor", lambda i: checkpoint_hashes(capture_state(model, opt, 1)))
+    cpu("Trainer-style checkpoint (safetensors model + torch.save optimizer)", trainer_checkpoint)
+    cpu("model built from its config, random initialisation", build(False))
+    cpu("model built from its config, initialisation skipped (replays)", build(True))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=32)
@@ -121,7 +175,18 @@ def main():
     p.add_argument("--profile", action="store_true", help="one recording under cProfile, top 40 by own time")
     p.add_argument("--skip-deletion", action="store_true", help="no late deletion / oracle at the end")
     p.add_argument("--arms", default="sft+ckpt,trace,trace-nocheck")
+    p.add_argument("--checkpoint-costs", action="store_true", help="only time one checkpoint's parts on their own")
     a = p.parse_args()
+    if a.checkpoint_costs:
+        out = Path(tempfile.mkdtemp(prefix="bench_sft_ckpt_", dir=a.tmp))
+        try:
+            import torch
+
+            torch.set_num_threads(a.threads)
+            checkpoint_costs(a.model, out)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        return
     import datasets
     import torch
 
