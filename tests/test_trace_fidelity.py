@@ -90,7 +90,7 @@ def test_cast_models_replay_exactly_and_equal_an_independent_counterfactual(tmp_
     run = tmp_path / "rec" / "trace"
     header = json.loads((run / "header.json").read_text())
     assert header["fidelity"]["recording"] == {**header["fidelity"]["recording"], "checked": True, "reproduced": True,
-                                               "steps": [0, 2]}
+                                               "steps": [0, 1]}
     assert header["model"]["layout"]["buffers"]  # the rotary buffers were recorded
     for when, step in (("early", 0), ("late", 3)):
         forget = open_run(run).ids_at_steps([step])[:1]
@@ -101,7 +101,7 @@ def test_cast_models_replay_exactly_and_equal_an_independent_counterfactual(tmp_
                                                     tmp_path / when / "plain", **kw)
         differ = [n for n, t in oracle["model"].items() if not torch.equal(t, counterfactual[n])]
         assert not differ, (when, differ[:3])
-        assert "engine reproduced recorded steps 0..2" in report["fidelity"]
+        assert "engine reproduced recorded steps 0..1" in report["fidelity"]
 
 
 def test_engine_that_does_not_reproduce_the_run_is_refused(tmp_path, monkeypatch, capsys):
@@ -115,13 +115,15 @@ def test_engine_that_does_not_reproduce_the_run_is_refused(tmp_path, monkeypatch
 
     tok, data = get_trace_data()
     monkeypatch.setattr(replay_module, "restore_layout", lambda *a, **k: None)  # the engine before this change
-    record(tok, data.select(range(8)), tmp_path / "rec", model=_cast_model("mistral", "bfloat16()", tok), every=1,
+    record(tok, data.select(range(8)), tmp_path / "rec", model=_cast_model("mistral", "bfloat16()", tok), every=2,
            max_steps=2, gradient_accumulation_steps=1)
     monkeypatch.undo()
     run = tmp_path / "rec" / "trace"
+    assert sorted(open_run(run).checkpoints()) == [0, 2]  # no checkpoint file at step 1: compared in memory
     rec = json.loads((run / "header.json").read_text())["fidelity"]["recording"]
-    assert rec["checked"] and not rec["reproduced"] and rec["steps"] == [0, 1]
-    assert re.search(r"checkpoint step 1, .* in (parameter|optimizer state) model\.\S+ \(first of \d+\)", rec["why"])
+    assert rec["checked"] and not rec["reproduced"] and rec["steps"] == [0, 1] and "in memory" in rec["against"]
+    assert re.search(r"at step 1 \(the recording's own state, hashed in memory.* in (parameter|optimizer state) "
+                     r"model\.\S+ \(first of \d+\)", rec["why"])
     forget = open_run(run).ids_at_steps([0])[:1]
     with pytest.raises(UnlearnError, match="does not reproduce this run.*refusing before any compute"):
         OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle")
@@ -130,9 +132,18 @@ def test_engine_that_does_not_reproduce_the_run_is_refused(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["trace", "oracle", str(run), "--forget", str(ids), "--out", str(tmp_path / "o2")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not reproduce" in err[0] and "checkpoint step 1" in err[0]
+    assert len(err) == 1 and "does not reproduce" in err[0] and "at step 1 " in err[0]
     main(["trace", "inspect", str(run)])
     assert "ENGINE DID NOT REPRODUCE" in capsys.readouterr().out
+    # the failed outcome forged into a pass (sidecar rewritten, no run key): the keyed seal refuses the run
+    from hf_unlearn.trace.run import write_sidecar
+
+    header = json.loads((run / "header.json").read_text())
+    header["fidelity"]["recording"].update(reproduced=True, why=None)
+    (run / "header.json").write_text(json.dumps(header))
+    write_sidecar(run / "header.json")
+    with pytest.raises(UnlearnError, match="controls_mac does not match the run key"):
+        OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle3")
 
 
 def test_verify_refuses_a_run_whose_engine_did_not_reproduce_it(tmp_path, capsys):
@@ -198,13 +209,19 @@ def test_self_check_is_sealed_stated_and_can_be_turned_off(tmp_path, capsys):
 
     run = get_recorded()
     header = open_run(run).header
-    assert header["fidelity"]["recording"]["reproduced"] and header["fidelity"]["recording"]["steps"] == [0, 2]
+    assert header["fidelity"]["recording"]["reproduced"] and header["fidelity"]["recording"]["steps"] == [0, 1]
     assert main(["trace", "inspect", str(run)]) == 0
-    assert "fidelity: engine reproduced recorded steps 0..2" in capsys.readouterr().out
+    assert "fidelity: engine reproduced recorded steps 0..1" in capsys.readouterr().out
     tok, data = get_trace_data()
     record(tok, data.select(range(8)), tmp_path, every=1, max_steps=2, trainer_kwargs={"trace_self_check": False})
     rec = open_run(tmp_path / "trace").header["fidelity"]["recording"]
     assert rec == {"checked": False, "why": "trace_self_check=False"}
+    # an int N: steps 0..N (a run of N steps: up to its final checkpoint)
+    record(tok, data.select(range(8)), tmp_path / "n", every=4, max_steps=2, trainer_kwargs={"trace_self_check": 2})
+    rec = open_run(tmp_path / "n" / "trace").header["fidelity"]["recording"]
+    assert rec["reproduced"] and rec["steps"] == [0, 2], rec
+    with pytest.raises(UnlearnError, match="trace_self_check must be a positive int"):
+        record(tok, data.select(range(8)), tmp_path / "bad", trainer_kwargs={"trace_self_check": 0})
 
 
 def test_oracle_records_the_checkpoints_it_matched(tmp_path):
@@ -278,7 +295,7 @@ def test_a_run_that_evaluated_replays_to_the_model_the_user_kept(tmp_path, capsy
     assert main(["trace", "oracle", str(run), "--forget", str(ids), "--out", str(tmp_path / "oracle")]) == 0
     out = capsys.readouterr().out
     assert "kept model: load_best_model_at_end" in out and "after 1 of 3 optimizer steps" in out
-    assert "fidelity: engine reproduced recorded steps 0..2" in out
+    assert "fidelity: engine reproduced recorded steps 0..1" in out
     assert open_run(tmp_path / "oracle").total_steps == 1
 
 

@@ -9,9 +9,10 @@ things close that gap:
   (``model/buffers.safetensors``) and restored on every rebuilt model, so ``model.bfloat16()`` replays exactly;
 * **checkpoints passed**: every replay compares its state with each recorded checkpoint it reaches before the
   first affected step and stops at the first mismatch, naming the step and the tensor;
-* **the recording's self-check**: when ``train()`` ends the recorder replays its first checkpoint interval with
-  the replay engine and compares it with the recorded checkpoint; the outcome is sealed into ``header.json``
-  (``fidelity``). A run the engine does not reproduce is refused by every replay and by ``verify``.
+* **the recording's self-check**: while training the recorder hashes its own state after the first optimizer step
+  (in memory, no extra file); when ``train()`` ends it replays that step from the step-0 checkpoint with the replay
+  engine (model rebuilt from the trace) and compares; the outcome is sealed into ``header.json`` (``fidelity``). A
+  run the engine does not reproduce is refused by every replay and by ``verify``.
 """
 
 from __future__ import annotations
@@ -159,20 +160,38 @@ def check_against_checkpoint(run_path: Path, step: int, checkpoint: Path, actual
     recorded_file = Path(checkpoint) / "hashes.json"
     if check_sidecar(recorded_file) is False:
         raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
-    recorded = json.loads(recorded_file.read_text())
+    check_against_state(run_path, step, json.loads(recorded_file.read_text()), actual, who)
+
+
+def check_against_state(run_path: Path, step: int, recorded: dict, actual: dict, who: str = "the replay",
+                        where: str | None = None) -> None:
+    """Refuse (:class:`FidelityError`) unless two ``hashes.json`` dicts agree (``where``: what ``recorded`` is)."""
     what, n = first_difference(recorded, actual)
     if what is not None:
         raise FidelityError(
-            f"the replay engine does not reproduce the recorded run {run_path}: at checkpoint step {step}, before any "
-            f"deleted sample, {who}'s state differs from the recorded checkpoint in {what} (first of {n}); stopped, "
-            "a deletion from this engine would not be this run's counterfactual")
+            f"the replay engine does not reproduce the recorded run {run_path}: at {where or f'checkpoint step {step}'}"
+            f", before any deleted sample, {who}'s state differs from the recorded {'state' if where else 'checkpoint'} "
+            f"in {what} (first of {n}); "
+            "stopped, a deletion from this engine would not be this run's counterfactual")
 
 
 # ---- the recording's self-check ----------------------------------------------------------------------------
-def self_check(run_path: Path, data_collator=None) -> dict:
-    """Replay the run's first checkpoint interval with the replay engine and compare it with the recorded checkpoint.
+SELF_CHECK_STEPS = 1  # trace_self_check=True: the first optimizer step (every microbatch, the clip, the update)
 
-    Returns the ``fidelity`` entry the recorder seals into the header.
+
+def in_memory_reference(step: int, hashes: dict) -> dict:
+    """What the recorder keeps for its self-check: the state hashes after optimizer step ``step``, taken in memory
+    while training (no checkpoint file)."""
+    return {"step": step, "hashes": hashes}
+
+
+def self_check(run_path: Path, data_collator=None, reference: dict | None = None) -> dict:
+    """Replay the run's first step(s) with the replay engine and compare the state with the recording's.
+
+    ``reference`` (:func:`in_memory_reference`): the recorder's own state after step N, hashed in memory while it
+    trained; the replay runs steps 0..N from the step-0 checkpoint and must reach those hashes (and every recorded
+    checkpoint it passes). Without one (a resumed recording past step N) the first checkpoint interval is replayed
+    and compared with the recorded checkpoint. Returns the ``fidelity`` entry the recorder seals into the header.
     """
     import time
 
@@ -183,14 +202,21 @@ def self_check(run_path: Path, data_collator=None) -> dict:
     run = open_run(run_path)
     cps = sorted(run.checkpoints())
     later = [c for c in cps if c > 0]
-    if 0 not in cps or not later:
-        return {"checked": False, "why": "the run has no step-0 checkpoint and a later one to compare with"}
-    until = later[0]
+    if 0 not in cps or not (later or reference):
+        return {"checked": False, "why": "the run has no step-0 checkpoint and a later state to compare with"}
+    until = reference["step"] if reference else later[0]
+    against = {"against": "the recording's state hashed in memory at that step" if reference else
+               "the recorded checkpoint"}
+    if reference:
+        against["roots"] = {k: reference["hashes"].get(k) for k in ("params_root", "optimizer_root")}
     try:
-        ReplayTrainer(run, start="full", stop_step=until, data_collator=data_collator, _self_check=True).train()
-        result = {"checked": True, "reproduced": True, "steps": [0, until]}
+        trainer = ReplayTrainer(run, start="full", stop_step=until, data_collator=data_collator, _self_check=True)
+        if reference:
+            trainer._fidelity_reference = {until: reference["hashes"]}
+        trainer.train()
+        result = {"checked": True, "reproduced": True, "steps": [0, until], **against}
     except FidelityError as e:
-        result = {"checked": True, "reproduced": False, "steps": [0, until], "why": str(e)}
+        result = {"checked": True, "reproduced": False, "steps": [0, until], **against, "why": str(e)}
     except UnlearnError as e:
         result = {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
     result.update(cpu_seconds=round(time.process_time() - started, 3), wall_seconds=round(time.perf_counter() - wall, 3))

@@ -406,10 +406,13 @@ class TraceRecordingMixin:
         trace_allow_hazards: record even if the run has hazards a replay cannot reproduce (a random collator,
             fp16 loss scaling, ...). They are written to the header and printed by ``inspect`` and ``verify``,
             whose verdicts then do not cover them. Default: refuse at construction.
-        trace_self_check: when ``train()`` ends, replay the first checkpoint interval with the replay engine and
-            compare it with the recorded checkpoint; the outcome is sealed into the run (``header.json``
-            ``fidelity``) and a run the engine does not reproduce gets every replay and verdict refused (see
-            :mod:`hf_unlearn.trace.fidelity`). Costs about 1/number-of-checkpoints of the run. Default: on.
+        trace_self_check: the recorder hashes its own state (parameters and optimizer state) after the first
+            optimizer step, in memory; when ``train()`` ends it replays that step from the step-0 checkpoint with
+            the replay engine (model, collator and optimizer rebuilt from the trace) and compares. The outcome is
+            sealed into the run (``header.json`` ``fidelity``) and a run the engine does not reproduce gets every
+            replay and verdict refused (see :mod:`hf_unlearn.trace.fidelity`). An int N checks the first N steps
+            (and every recorded checkpoint among them). Costs about one optimizer step, a model rebuild and two
+            state hashes. Default: on (``True``: N = 1); ``False``: off.
     """
 
     _is_replay = False
@@ -417,7 +420,7 @@ class TraceRecordingMixin:
 
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
-                 trace_allow_hazards: bool = False, trace_self_check: bool = True,
+                 trace_allow_hazards: bool = False, trace_self_check: bool | int = True,
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
                  **kwargs):
@@ -426,7 +429,8 @@ class TraceRecordingMixin:
         if trace_checkpoint_retention not in MODES:
             raise UnlearnError(f"trace_checkpoint_retention must be one of {MODES}, not {trace_checkpoint_retention!r}")
         for name, value in (("trace_checkpoint_steps", trace_checkpoint_steps),
-                            ("trace_checkpoint_budget", trace_checkpoint_budget)):
+                            ("trace_checkpoint_budget", trace_checkpoint_budget),
+                            ("trace_self_check", None if isinstance(trace_self_check, bool) else trace_self_check)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UnlearnError(f"{name} must be a positive int (or None for the default), not {value!r}")
         self._trace_arguments = {} if self._is_replay else _bound_arguments(super().__init__, args, kwargs)
@@ -437,6 +441,7 @@ class TraceRecordingMixin:
         self._trace_id_column = id_column  # SFTTrainer prepares (and packs) its dataset inside its constructor
         super().__init__(*args, **kwargs)
         self.trace_self_check = trace_self_check
+        self._trace_check_ref: dict | None = None  # the state hashes the self-check must reproduce (in memory)
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
         self.trace_checkpoint_steps = trace_checkpoint_steps
         self.trace_checkpoint_retention = trace_checkpoint_retention
@@ -750,6 +755,28 @@ class TraceRecordingMixin:
         self._trace_self_check()
         return output
 
+    def _self_check_steps(self) -> int | None:
+        """N of the self-check (steps 0..N reproduced), None when it does not run (off, a replay, data parallel)."""
+        if self._is_replay or not self.trace_self_check or self.accelerator.num_processes > 1:
+            return None
+        from .fidelity import SELF_CHECK_STEPS
+
+        return SELF_CHECK_STEPS if self.trace_self_check is True else int(self.trace_self_check)
+
+    def _trace_keep_reference(self, step: int) -> None:
+        """Keep the state hashes after ``step`` optimizer steps for the self-check: the checkpoint's just written
+        at that step, else hashed from the live state now (no file: the self-check compares in memory)."""
+        from .checkpoints import capture_state, checkpoint_dir
+        from .fidelity import in_memory_reference
+        from .hashing import checkpoint_hashes
+
+        if step in self._trace_saved:
+            hashes = json.loads((checkpoint_dir(self.trace_dir, step) / "hashes.json").read_text())
+        else:
+            model = self.accelerator.unwrap_model(self.model)
+            hashes = checkpoint_hashes(capture_state(model, self.optimizer, step))
+        self._trace_check_ref = in_memory_reference(step, hashes)
+
     def _trace_self_check(self) -> None:
         """Prove the replay engine on this run (its first checkpoint interval) and seal the outcome into it."""
         header = self._trace_header
@@ -768,7 +795,8 @@ class TraceRecordingMixin:
 
             collator = None if header["collator"].get("rebuildable") else self.data_collator
             with _rng_kept():
-                fid["recording"] = self_check(self.trace_dir, data_collator=collator)
+                fid["recording"] = self_check(self.trace_dir, data_collator=collator, reference=self._trace_check_ref)
+            self._trace_check_ref = None
         TraceWriter(self.trace_dir, self._trace_key).reseal_header(header)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -781,6 +809,8 @@ class TraceRecordingMixin:
         if self._trace_writer is not None and step not in self._trace_saved and is_due(
                 step, self._trace_total, self._trace_every, self.trace_checkpoint_retention):
             self._trace_checkpoint(step)
+        if self._trace_writer is not None and step == self._self_check_steps():
+            self._trace_keep_reference(step)
         ids, digests = [], []
         for batch in batch_samples:
             if self.id_column not in batch:
@@ -944,6 +974,9 @@ class TraceRecordingMixin:
             self._trace_checkpoint(step, final=True)
         else:
             self._trace_thin(step, final=True)
+        wanted = self._self_check_steps()
+        if wanted and 0 < step <= wanted and self._trace_check_ref is None:
+            self._trace_keep_reference(step)  # a run no longer than the self-check: up to its final checkpoint
         self._trace_header.update(optimizer_steps=step, microbatches=self._trace_mb, finished=time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         kept = self._kept_model()

@@ -33,7 +33,14 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
-from .fidelity import check_against_checkpoint, check_device, fidelity_statement, refusal, restore_layout
+from .fidelity import (
+    check_against_checkpoint,
+    check_against_state,
+    check_device,
+    fidelity_statement,
+    refusal,
+    restore_layout,
+)
 from .hashing import batch_digest
 from .packing import (
     check_redacted_row,
@@ -258,9 +265,17 @@ def _check_args(args: TrainingArguments, header: dict) -> None:
                            "replay must run the recorded arithmetic (omit args= to rebuild them from the trace)")
 
 
-def model_from_run(run: TraceRun):
-    """The run's model (its class, dtype, attention implementation and PEFT adapter) with fresh weights."""
+def model_from_run(run: TraceRun, weights_follow: bool = False):
+    """The run's model (its class, dtype, attention implementation and PEFT adapter) with fresh weights.
+
+    ``weights_follow``: the caller loads a whole checkpoint into it (strictly) and restores the recorded layout, so
+    when the run recorded its non-persistent buffers (every tensor is then overwritten) the random initialisation
+    is skipped (seconds of CPU at 135M parameters; the weights are tied as ``init_weights`` would have).
+    """
+    import contextlib
+
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     from ..utils import import_object
 
@@ -273,7 +288,11 @@ def model_from_run(run: TraceRun):
     kwargs = {"dtype": getattr(torch, info.get("dtype") or "float32")}
     if info.get("attn_implementation"):
         kwargs["attn_implementation"] = info["attn_implementation"]
-    model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, **kwargs)
+    skip_init = weights_follow and (info.get("layout") or {}).get("buffers") is not None
+    with no_init_weights() if skip_init else contextlib.nullcontext():
+        model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, **kwargs)
+    if skip_init:
+        model.tie_weights()  # no_init_weights skips init_weights, which ties
     if info.get("peft"):
         from peft import PeftConfig, get_peft_model
 
@@ -337,6 +356,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     """
 
     mode = "replay"
+    _fidelity_reference: dict = {}  # step -> hashes the replay must reach (set by the recording's self-check only)
     store_policy = "any"  # RedactedReplayTrainer: a redaction of the run's store; the oracle: the run's own store
     _is_replay = True
     _trace_machinery = True
@@ -380,7 +400,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.start_mode = start
         self.filter_rows = filter_rows
         if model is None:
-            model = model_from_run(self.run)
+            model = model_from_run(self.run, weights_follow=True)  # train() loads the start checkpoint (strict)
             restore_layout(model, self.run.path, header)
         else:
             _check_model(model, header)
@@ -690,7 +710,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _check_fidelity(self, step: int, saved: Path | None) -> None:
         """At a recorded checkpoint before the first affected step, the state must be the recorded one (else stop)."""
         recorded = self._recorded_checkpoints.get(step)
-        if recorded is None or step == self.start_step or step > self.first_affected_step:
+        reference = self._fidelity_reference.get(step)  # the recorder's in-memory state hashes (its self-check)
+        if (recorded is None and reference is None) or step == self.start_step or step > self.first_affected_step:
             return
         if saved is not None:
             actual = json.loads((saved / "hashes.json").read_text())
@@ -698,8 +719,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             from .hashing import checkpoint_hashes
 
             actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step))
-        check_against_checkpoint(self.run.path, step, recorded, actual, who=f"the {self.mode}")
-        self.checkpoints_matched.append(step)
+        if reference is not None:
+            check_against_state(self.run.path, step, reference, actual, who=f"the {self.mode}",
+                                where=f"step {step} (the recording's own state, hashed in memory as it trained)")
+        if recorded is not None:
+            check_against_checkpoint(self.run.path, step, recorded, actual, who=f"the {self.mode}")
+            self.checkpoints_matched.append(step)
 
     def _discard_output(self, writer: TraceWriter) -> None:
         """A replay stopped part way leaves no half-written output run."""
