@@ -15,14 +15,16 @@ install:
 	@$(PYTHON) tools/installed_here.py . || $(PYTHON) -m pip install -q -e ".[all]"   # already editable from here: skip (~30 s)
 
 install-dev: install
-	@($(PYTHON) tools/installed_here.py . && $(PYTHON) -c "import pytest, pytest_timeout, ruff" 2>/dev/null) \
+	@($(PYTHON) tools/installed_here.py . && $(PYTHON) -c "import pytest, pytest_timeout, xdist, ruff" 2>/dev/null) \
 		|| $(PYTHON) -m pip install -q -e ".[dev]"
 
 demo: install   # offline, no data folder needed (the TOFU rows ship in the package); runnable again in place
 	hf-unlearn demo
 
+# two workers (pytest-xdist), one per core of CI's machine; TEST_WORKERS=0 runs in this process
+TEST_WORKERS ?= 2
 test: install-dev
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist load
 
 test-slow: install-dev
 	$(PYTHON) -m pytest -m slow

@@ -22,6 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
+# pytest-xdist (`make test` runs two workers on CI's two cores): one torch thread per worker, not two each
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 # keyed id tags: a throwaway key per test session, never the user's ~/.cache/hf_unlearn key
 os.environ.setdefault("HF_UNLEARN_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="hfu-key-"), "id_tag.key"))
 
