@@ -42,3 +42,18 @@ def test_benchmark_outputs_default_outside_the_repository():
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         for default in re.findall(r'add_argument\("--out", default=([^,)]+)', script.read_text()):
             assert default == "None" or default.startswith("bench_output_dir("), (script.name, default)
+
+
+def test_checkpoint_benchmark_takes_the_real_model_options():
+    """bench_checkpoints.py's SmolLM2 mode (the figures in benchmarks/README.md) parses as documented; a deletion
+    name it does not know is refused before any model is loaded."""
+    import pytest
+
+    bench = _load("bench_checkpoints")
+    a = bench.parse_args(["--model", "m", "--kinds", "lora", "--lora-r", "16", "--steps", "200", "--seq-len", "32",
+                          "--replay", "late,middle,early", "--even", "rule"])
+    assert (a.kinds, a.lora_r, a.steps, a.seq_len, a.replay, a.even) == ("lora", 16, 200, 32,
+                                                                          ["late", "middle", "early"], "rule")
+    assert bench.parse_args([]).seq_len == 64 and bench.parse_args([]).replay == []  # the tiny default mode
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--replay", "last"])
