@@ -42,16 +42,13 @@ def main():
     p.add_argument("--tmp", default=None, help="scratch folder (checkpoints: ~1.6 GB each at 135M parameters)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a shared 2-core machine: 1)")
     a = p.parse_args()
-    import datasets
-    import torch
 
-    torch.set_num_threads(a.threads)
-    import transformers
+    from hf_unlearn.runtime import quiet_benchmark
+
+    quiet_benchmark(a.threads)
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
     from hf_unlearn import (
         OracleReplayTrainer,
         RedactedReplayTrainer,

@@ -187,16 +187,14 @@ def main():
         finally:
             shutil.rmtree(out, ignore_errors=True)
         return
-    import datasets
     import torch
 
-    torch.set_num_threads(a.threads)
-    import transformers
+    from hf_unlearn.runtime import quiet_benchmark
+
+    quiet_benchmark(a.threads)
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
     from hf_unlearn import (
         OracleReplayTrainer,
         RedactedReplayTrainer,

@@ -92,6 +92,17 @@ def quiet_optional_backends() -> None:
         _DropMessage("Failed to load CPU gemm_4bit_forward"))
 
 
+def quiet_benchmark(threads: int) -> None:
+    """A benchmark process: ``threads`` torch threads, and transformers' and datasets' info and progress output off,
+    so the ratios it prints are the only output and both arms of a comparison run under the same settings."""
+    import datasets
+    import transformers
+
+    configure_threads(threads)
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+
 def bench_output_dir(name: str) -> str:
     """Where a benchmark writes by default: ``$HF_UNLEARN_BENCH_DIR/name``, else ``~/.cache/hf_unlearn/bench/name``.
 
