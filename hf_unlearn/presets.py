@@ -24,6 +24,8 @@ from typing import Any
 from .errors import UnlearnError
 
 PRESETS = ("hf-unlearn", "open-unlearning")
+# the budget of `hf-unlearn unlearn` and `hf-unlearn forget` where neither an option nor a preset sets a value
+COMMAND_BUDGET = {"num_train_epochs": 5.0, "learning_rate": 1e-5, "per_device_train_batch_size": 4, "max_length": 256}
 OPEN_UNLEARNING_COMMIT = "d3d7cf9"
 
 
@@ -62,6 +64,22 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention("zlib compressed text", "evaluate_tofu(zlib_text=)", "answer", "decoded", "kept",
                "the raw answer is the text itself, independent of the tokenizer's round trip (the sizes differ on "
                "177 of 400 TOFU answers, by up to 3.5%); MUSE privleak already compresses the scored tokens"),
+    Convention("MUSE privleak start token", "evaluate_muse_news(max_length=)",
+               "max_length text tokens after the start token", "max_length text tokens after the start token",
+               "aligned", "the start token (BOS) is not part of the text; counting it kept one text token fewer than "
+               "OpenUnlearning for tokenizers that add one"),
+    Convention("extraction strength with no suffix predicted", "evaluate_tofu(es_no_match=)", "zero", "one_over_n",
+               "kept", "0 says nothing was extracted; OpenUnlearning's loop (for k in range(n)) stops at k = n - 1 "
+               "and scores 1/n, the same as an answer whose last token alone is predicted (retrain model: 0 here, "
+               "0.033 there)"),
+    Convention("MUSE verbmem generation length", "evaluate_muse_news(verbmem_stop=)", "ground_truth", "eos",
+               "kept", "cut at the ground truth's length a verbatim reproduction scores ROUGE-L F1 1.0; with 128 "
+               "tokens cut only at EOS what the model writes past the ground truth (95-124 tokens) lowers precision"),
+    Convention("prompt format", "evaluate_tofu(prompt_format=)", "hf-unlearn", "open-unlearning", "kept",
+               "the format every hf_unlearn model is trained with (the user turn alone, answer tokenised on its own); "
+               "OpenUnlearning's system prompt, Llama-3 date string and Llama-2 [INST] wrapper follow its model "
+               "configs, and its plain 'Answer: ' never scores the first answer token (the trailing space is a "
+               "token of its own in the prompt and merges into that token in the full text)"),
     Convention("training budget", "training_preset(preset=)", "5 epochs, batch 4, no warm-up, no weight decay",
                "10 epochs, batch 8 x 4 accumulation, 1 warm-up epoch, weight decay 0.01", "kept",
                "the command-line budget predates the preset and every recorded result uses it"),
@@ -78,8 +96,10 @@ _OU_METHODS: dict[str, dict[str, Any]] = {
     "rmu": {"layer_id": 7, "steering_coeff": 2.0, "lambda_retain": 1.0, "lambda_forget": 1.0,
             "trainable_parameters": "all", "loss_reduction": "open_unlearning"},
 }
-_OU_EVALUATION = {"tofu": {"max_length": 512, "zlib_text": "decoded", "variance_floor": 1e-6},
-                  "muse_news": {"max_length": 2048, "variance_floor": 1e-6}}
+_OU_EVALUATION = {"tofu": {"max_length": 512, "zlib_text": "decoded", "variance_floor": 1e-6,
+                           "es_no_match": "one_over_n", "prompt_format": "open-unlearning"},
+                  "muse_news": {"max_length": 2048, "variance_floor": 1e-6, "verbmem_stop": "eos"},
+                  "robustness": {"max_length": 512, "es_no_match": "one_over_n", "prompt_format": "open-unlearning"}}
 
 
 def check_preset(preset: str | None) -> str | None:
@@ -117,7 +137,9 @@ def training_preset(preset: str | None, method: str, n_forget_rows: int | None =
 
 
 def evaluation_preset(preset: str | None, benchmark: str) -> dict[str, Any]:
-    """Keyword arguments of ``preset`` for ``evaluate_tofu`` (``tofu``) or ``evaluate_muse_news`` (``muse_news``)."""
+    """Keyword arguments of ``preset`` for ``evaluate_tofu`` (``tofu``), ``evaluate_muse_news`` (``muse_news``) or
+    ``evaluate_robustness`` (``robustness``). ``prompt_format="open-unlearning"`` is resolved per model family from
+    the tokenizer (:meth:`hf_unlearn.data.prompts.PromptFormat.open_unlearning`)."""
     if benchmark not in _OU_EVALUATION:
         raise UnlearnError(f"unknown benchmark {benchmark!r}; choose one of {', '.join(_OU_EVALUATION)}")
     if check_preset(preset) in (None, "hf-unlearn"):

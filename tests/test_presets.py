@@ -94,8 +94,13 @@ def test_open_unlearning_preset_values():
     assert training_preset("open-unlearning", "npo")["retain_loss"] == "ce"  # OpenUnlearning's NPO is NPO+RT
     assert "retain_loss" not in training_preset("open-unlearning", "npo_klr", fixed={"retain_loss": "kl"})
     assert training_preset(None, "npo") == {} == training_preset("hf-unlearn", "npo")
-    assert evaluation_preset("open-unlearning", "muse_news") == {"max_length": 2048, "variance_floor": 1e-6}
-    assert evaluation_preset("open-unlearning", "tofu")["zlib_text"] == "decoded"
+    assert evaluation_preset("open-unlearning", "muse_news") == {"max_length": 2048, "variance_floor": 1e-6,
+                                                                 "verbmem_stop": "eos"}
+    tofu = evaluation_preset("open-unlearning", "tofu")
+    assert (tofu["zlib_text"], tofu["es_no_match"], tofu["prompt_format"]) == ("decoded", "one_over_n",
+                                                                              "open-unlearning")
+    assert evaluation_preset("open-unlearning", "robustness") == {"max_length": 512, "es_no_match": "one_over_n",
+                                                                  "prompt_format": "open-unlearning"}
     with pytest.raises(UnlearnError, match="unknown preset"):
         training_preset("openunlearning", "npo")
     # every value is a real config field of the method
@@ -160,13 +165,17 @@ def test_readme_remaining_differences_name_real_options_and_every_convention():
     assert "1024" not in section  # the privleak length is 2048 everywhere
 
 
-def test_forget_preset_keeps_options_set_away_from_their_defaults():
+def test_forget_preset_keeps_every_option_given_explicitly():
     from hf_unlearn.deletion import ForgetConfig, _preset_values
     from hf_unlearn.methods.registry import get_method
 
     ou = _preset_values(ForgetConfig(output_dir="x", preset="open-unlearning", batch_size=2), get_method("rmu"), 40)
     assert ou["per_device_train_batch_size"] == 2 and ou["num_train_epochs"] == 10.0 and ou["layer_id"] == 7
     assert ou["warmup_steps"] == 40 // (2 * 4)  # one epoch at the batch actually used
+    # given explicitly and equal to the command's default: still given, so it wins over the preset's 10 epochs
+    five = _preset_values(ForgetConfig(output_dir="x", preset="open-unlearning", num_train_epochs=5.0, batch_size=4),
+                          get_method("npo"), 40)
+    assert (five["num_train_epochs"], five["per_device_train_batch_size"], five["max_length"]) == (5.0, 4, 512)
     plain = _preset_values(ForgetConfig(output_dir="x"), get_method("rmu"), 40)
     assert plain == {"num_train_epochs": 5.0, "learning_rate": 1e-5, "per_device_train_batch_size": 4,
                      "max_length": 256, "per_device_eval_batch_size": 4}
@@ -185,7 +194,39 @@ def test_eval_commands_pass_the_preset_and_explicit_options_win():
     assert (tofu["zlib_text"], tofu["variance_floor"], tofu["max_length"]) == ("decoded", 1e-6, 512)
     assert "zlib_text" not in _tofu_kwargs(parser.parse_args(["eval", "tofu", "m"]))
     muse = parser.parse_args(["eval", "muse-news", "m", "--preset", "open-unlearning", "--max-length", "1024"])
-    assert _preset(muse, "muse_news") == {"max_length": 1024, "variance_floor": 1e-6}
+    assert _preset(muse, "muse_news") == {"max_length": 1024, "variance_floor": 1e-6, "verbmem_stop": "eos"}
+    muse = parser.parse_args(["eval", "muse-news", "m", "--preset", "open-unlearning", "--verbmem-stop", "ground_truth"])
+    assert _preset(muse, "muse_news")["verbmem_stop"] == "ground_truth"  # the default, given: it wins
     assert _preset(parser.parse_args(["eval", "muse-news", "m"]), "muse_news") == {}  # evaluate_muse_news: 2048
     quantized = parser.parse_args(["eval", "quantized", "m", "--preset", "open-unlearning"])
     assert _tofu_kwargs(quantized)["zlib_text"] == "decoded"
+    given = _tofu_kwargs(parser.parse_args(["eval", "tofu", "m", "--preset", "open-unlearning", "--es-no-match", "zero",
+                                            "--prompt-format", "hf-unlearn"]))
+    assert (given["es_no_match"], given["prompt_format"], given["zlib_text"]) == ("zero", "hf-unlearn", "decoded")
+    # eval robustness takes --preset, as the README says
+    robust = parser.parse_args(["eval", "robustness", "m", "--preset", "open-unlearning", "--max-length", "256"])
+    assert _preset(robust, "robustness") == {"max_length": 256, "es_no_match": "one_over_n",
+                                             "prompt_format": "open-unlearning"}
+    assert _preset(parser.parse_args(["eval", "robustness", "m"]), "robustness") == {}
+
+
+def test_forget_command_preset_with_explicit_default_epochs(tmp_path):
+    """`hf-unlearn forget --preset open-unlearning --epochs 5` parses to 5 given epochs (not 'unset'), and the
+    parsed config resolves to 5 epochs; without --epochs the preset's 10."""
+    from hf_unlearn.cli import build_parser
+    from hf_unlearn.deletion import ForgetConfig, _preset_values
+    from hf_unlearn.methods.registry import get_method
+
+    parser = build_parser()
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("3600\n")
+
+    def epochs(*extra):
+        args = parser.parse_args(["forget", "m", "--ids", str(ids), "--out", str(tmp_path / "o"), "--preset",
+                                  "open-unlearning", *extra])
+        values = {f: getattr(args, f) for f in ForgetConfig.__dataclass_fields__ if hasattr(args, f)}
+        values["method_args"] = {}
+        return _preset_values(ForgetConfig(**values), get_method("npo"), 40)["num_train_epochs"]
+
+    assert epochs("--epochs", "5") == 5.0
+    assert epochs() == 10.0

@@ -8,6 +8,13 @@ from pathlib import Path
 
 from . import add_subcommands
 
+# written out so that `hf-unlearn --help` imports no torch (tests/test_eval_conventions.py keeps them equal to
+# hf_unlearn.data.prompts.PROMPT_FORMATS, eval.metrics.ES_NO_MATCH, eval.muse.VERBMEM_STOPS, eval.robustness.ATTACKS)
+PROMPT_FORMATS = ("hf-unlearn", "open-unlearning")
+ES_NO_MATCH = ("zero", "one_over_n")
+VERBMEM_STOPS = ("ground_truth", "eos")
+ATTACKS = ("relearning", "in_context", "quantization", "paraphrase", "probe")
+
 
 def register(parser) -> None:
     sub = add_subcommands(parser)
@@ -66,13 +73,24 @@ def register(parser) -> None:
     p.add_argument("--lr", type=float, default=1e-5, help="relearning learning rate (default 1e-5)")
     p.add_argument("--relearn-batch-size", type=int, default=4, help="rows per relearning step (default 4)")
     p.add_argument("--bits", default="4,8", help="quantisation widths re-evaluated, 'none' to skip (default 4,8)")
-    p.add_argument("--attacks", default=",".join(("relearning", "quantization", "paraphrase", "probe")),
-                   help="comma list of attacks (default all: relearning,quantization,paraphrase,probe)")
+    p.add_argument("--attacks", default=",".join(ATTACKS),
+                   help=f"comma list of attacks (default all: {','.join(ATTACKS)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-length", type=int, default=None, help="tokens per QA pair (default 512)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
                    help="prompt with the tokenizer's chat template (auto: when it has one)")
+    p.add_argument("--relearn-on", choices=("half", "paraphrased", "same-authors"), default="half",
+                   help="what relearning trains on: half (a seeded half of the forget rows, the other half measured; "
+                        "default), paraphrased (the forget rows' paraphrased questions and answers) or same-authors "
+                        "(the other, kept questions of the forgotten rows' TOFU authors); the last two measure every "
+                        "forget row")
+    p.add_argument("--in-context-rows", type=int, default=4,
+                   help="forget QA pairs put in the prompt by the in_context attack (default 4)")
+    p.add_argument("--recovery-min-removed", type=float, default=None,
+                   help="no recovery fraction when unlearning lowered the answer probability by less (default 0.01)")
+    _preset_option(p)
+    _format_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_robustness)
 
@@ -89,13 +107,27 @@ def _common(p, out_default: str) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-items", type=int, default=None, help="evaluate only the first N items of every set")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--preset", choices=("hf-unlearn", "open-unlearning"), default=None,
-                   help="evaluation conventions: open-unlearning = OpenUnlearning's (zlib on the decoded answer "
-                        "tokens, Min-k%%++ variance floor 1e-6, privleak texts cut at 2048; see hf_unlearn.presets); "
-                        "explicit options win")
+    _preset_option(p)
     p.add_argument("--mia-attacks", default=None,
                    help="comma list of membership-inference attacks (default all: loss,zlib,min_k,min_k_plus_plus,"
                         "gradnorm,reference; leaving out gradnorm saves one backward per forget/holdout item)")
+
+
+def _preset_option(p) -> None:
+    p.add_argument("--preset", choices=("hf-unlearn", "open-unlearning"), default=None,
+                   help="evaluation conventions: open-unlearning = OpenUnlearning's (zlib on the decoded answer "
+                        "tokens, Min-k%%++ variance floor 1e-6, privleak texts cut at 2048, extraction strength 1/n "
+                        "when nothing is extracted, MUSE verbmem cut at EOS only, its prompt format for the model "
+                        "family; see hf_unlearn.presets); options given explicitly win")
+
+
+def _format_options(p) -> None:
+    p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=None,
+                   help="hf-unlearn (the format hf_unlearn trains with; default) or open-unlearning (OpenUnlearning's "
+                        "per model family: system prompt, Llama-3 date string, Llama-2 [INST], 'Answer: ')")
+    p.add_argument("--es-no-match", choices=ES_NO_MATCH, default=None,
+                   help="extraction strength of an answer with no predicted suffix: zero (default) or one_over_n "
+                        "(OpenUnlearning)")
 
 
 def _tofu_options(p) -> None:
@@ -107,6 +139,7 @@ def _tofu_options(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
                    help="prompt with the tokenizer's chat template (auto: when it has one)")
+    _format_options(p)
 
 
 def _muse_options(p) -> None:
@@ -115,6 +148,9 @@ def _muse_options(p) -> None:
     p.add_argument("--max-length", type=int, default=None, help="tokens of each privleak text scored (default 2048)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="last tokens of each verbmem prompt kept")
     p.add_argument("--verbmem-max-new-tokens", type=int, default=128)
+    p.add_argument("--verbmem-stop", choices=VERBMEM_STOPS, default=None,
+                   help="cut each verbmem generation at the ground truth's length (ground_truth; default) or only at "
+                        "EOS (eos, OpenUnlearning)")
     p.add_argument("--knowmem-max-new-tokens", type=int, default=32)
     p.add_argument("--knowmem-examples", default=None,
                    help="few-shot knowmem: 'muse' (MUSE's forget_qa_icl/retain_qa_icl) or a JSON file of "
@@ -153,13 +189,21 @@ def parse_ids(spec: str | None) -> list[int] | None:
     return ids
 
 
+# the options a preset sets, per benchmark; their parser default is None, so a value given explicitly (even one equal
+# to the documented default) is told from one not given, and wins
+PRESET_OPTIONS = {"tofu": ("max_length", "es_no_match", "prompt_format"),
+                  "muse_news": ("max_length", "verbmem_stop"),
+                  "robustness": ("max_length", "es_no_match", "prompt_format")}
+
+
 def _preset(args, benchmark: str) -> dict:
-    """The preset's evaluation keywords, minus those the user gave explicitly (``--max-length``)."""
+    """The preset's evaluation keywords with the options given explicitly on top."""
     from ..presets import evaluation_preset
 
     values = evaluation_preset(getattr(args, "preset", None), benchmark)
-    if getattr(args, "max_length", None) is not None:
-        values["max_length"] = args.max_length
+    for key in PRESET_OPTIONS[benchmark]:
+        if getattr(args, key, None) is not None:
+            values[key] = getattr(args, key)
     return values
 
 
@@ -318,9 +362,15 @@ def run_robustness(args) -> int:
         raise UnlearnError(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
     if not bits:
         attacks = [a for a in attacks if a != "quantization"]
-    max_length = args.max_length or 512
+    conventions = {"max_length": 512, **_preset(args, "robustness")}
+    if args.recovery_min_removed is not None:
+        conventions["recovery_min_removed"] = args.recovery_min_removed
     sets = tofu_robustness_rows(args.forget_split, args.tofu, parse_ids(args.forget_ids), parse_ids(args.retain_ids),
                                 max_items=args.max_items)  # data problems fail before models load
+    relearn_rows = {"half": None, "paraphrased": "paraphrased", "same-authors": sets["same_authors"]}[args.relearn_on]
+    if args.relearn_on == "same-authors" and not relearn_rows:
+        raise UnlearnError("--relearn-on same-authors: the forgotten authors have no kept questions (every question "
+                           "of theirs is forgotten); name fewer --forget-ids or use --relearn-on half/paraphrased")
     model, tok = _load(args.model)
     original = load_model(args.original) if args.original else None
     reference = load_model(args.reference) if args.reference else None
@@ -328,8 +378,8 @@ def run_robustness(args) -> int:
         model, tok, sets["forget"], original=original, reference=reference, reference_name=args.reference_name,
         holdout_rows=sets["holdout"], probe_rows=sets["retain"], relearn_ids=parse_ids(args.relearn_ids), steps=steps or [0], learning_rate=args.lr,
         relearn_batch_size=args.relearn_batch_size, bits=bits, attacks=attacks, seed=args.seed,
-        use_chat_template={"auto": None, "yes": True, "no": False}[args.chat_template], max_length=max_length,
-        batch_size=args.batch_size, progress=not args.quiet)
+        use_chat_template={"auto": None, "yes": True, "no": False}[args.chat_template], batch_size=args.batch_size,
+        relearn_rows=relearn_rows, in_context_rows=args.in_context_rows, progress=not args.quiet, **conventions)
     out = Path(args.out)
     _write(result, out, "robustness_results")
     if "relearning" not in attacks:

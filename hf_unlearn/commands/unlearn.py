@@ -14,8 +14,6 @@ from . import add_subcommands
 # hf_unlearn.eval.stopping.TARGET_METRICS, written out so that `hf-unlearn --help` imports no torch (a test keeps
 # the two lists equal)
 TARGET_METRIC_NAMES = ("violation_rate", "forget_probability", "truth_ratio")
-# the command's own budget, used where neither an option nor --preset sets a value
-CLI_BUDGET = {"num_train_epochs": 5.0, "learning_rate": 1e-5, "per_device_train_batch_size": 4, "max_length": 256}
 
 
 def register(parser) -> None:
@@ -102,7 +100,7 @@ def run(args) -> int:
     from ..methods.base import UnlearningTrainer
     from ..methods.registry import get_method
     from ..models import load_model, load_tokenizer
-    from ..presets import training_preset
+    from ..presets import COMMAND_BUDGET, training_preset
     from ..utils import activation_checkpointing_kwargs, atomic_write_text, has_cuda
 
     spec = get_method(args.method)
@@ -121,7 +119,7 @@ def run(args) -> int:
     budget = {k: v for k, v in budget.items() if v is not None}
 
     def make_config(n_forget_rows=None):
-        values = {**CLI_BUDGET, **training_preset(args.preset, args.method, n_forget_rows, fixed=spec.preset,
+        values = {**COMMAND_BUDGET, **training_preset(args.preset, args.method, n_forget_rows, fixed=spec.preset,
                                                   overrides={**budget, **options})}
         values.setdefault("per_device_eval_batch_size", values["per_device_train_batch_size"])
         return spec.make_config(

@@ -1,6 +1,7 @@
 """Question/answer tokenisation for causal LMs with prompt-masked labels.
 
-The prompt is the chat template's user turn (when the tokenizer has a template) or ``"Question: ...\\nAnswer:"``;
+The prompt is the chat template's user turn (when the tokenizer has a template) or ``"Question: ...\\nAnswer:"``, or
+any :class:`~hf_unlearn.data.prompts.PromptFormat` (OpenUnlearning's per model family);
 labels are ``-100`` on the prompt so the loss and every metric see only answer tokens. The ``id`` column is kept.
 """
 
@@ -9,29 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnlearnError
+from .prompts import IGNORE_INDEX, PromptFormat, has_chat_template, prompt_format
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "PLAIN_PROMPT", "PromptFormat", "encode_qa", "format_prompt", "has_chat_template", "tokenize_qa"]
+
 PLAIN_PROMPT = "Question: {question}\nAnswer:"
 
 
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+def format_prompt(tokenizer, question: str, use_chat_template=None) -> str:
+    """The prompt text the model is trained and evaluated with (generation starts right after it).
 
-
-def format_prompt(tokenizer, question: str, use_chat_template: bool | None = None) -> str:
-    """The prompt text the model is trained and evaluated with (generation starts right after it)."""
-    if use_chat_template is None:
-        use_chat_template = has_chat_template(tokenizer)
-    if use_chat_template:
-        if not has_chat_template(tokenizer):
-            raise UnlearnError(
-                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-                "pass use_chat_template=False (plain 'Question: ... Answer:' prompts)"
-            )
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
-    return PLAIN_PROMPT.format(question=question)
+    ``use_chat_template``: None (the tokenizer's template when it has one), a bool, or a
+    :class:`~hf_unlearn.data.prompts.PromptFormat`."""
+    return prompt_format(use_chat_template, tokenizer).prompt_text(tokenizer, question)
 
 
 def encode_qa(
@@ -39,30 +30,13 @@ def encode_qa(
     question: str,
     answer: str,
     max_length: int = 256,
-    use_chat_template: bool | None = None,
+    use_chat_template=None,
 ) -> dict[str, list[int]]:
-    """Token ids and labels of one QA pair; raises if truncation leaves no answer token."""
-    prompt = format_prompt(tokenizer, question, use_chat_template)
-    chat = use_chat_template if use_chat_template is not None else has_chat_template(tokenizer)
-    # the chat template already carries BOS-like markers; plain prompts get the tokenizer's special tokens
-    prompt_ids = tokenizer(prompt, add_special_tokens=not chat)["input_ids"]
-    answer_text = answer if chat else " " + answer
-    answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        answer_ids = answer_ids + [tokenizer.eos_token_id]
-    room = max_length - len(prompt_ids)
-    if room <= 0 or not answer_ids:
-        raise UnlearnError(
-            f"the answer is empty after truncation to max_length={max_length} (prompt has {len(prompt_ids)} tokens); "
-            "raise max_length"
-        )
-    answer_ids = answer_ids[:room]
-    input_ids = prompt_ids + answer_ids
-    return {
-        "input_ids": input_ids,
-        "attention_mask": [1] * len(input_ids),
-        "labels": [IGNORE_INDEX] * len(prompt_ids) + answer_ids,
-    }
+    """Token ids and labels of one QA pair; raises if truncation leaves no answer token.
+
+    ``use_chat_template``: None (the tokenizer's template when it has one), a bool, or a
+    :class:`~hf_unlearn.data.prompts.PromptFormat` (e.g. ``PromptFormat.open_unlearning(tokenizer)``)."""
+    return prompt_format(use_chat_template, tokenizer).encode(tokenizer, question, answer, max_length)
 
 
 def tokenize_qa(

@@ -59,15 +59,19 @@ class ForgetConfig:
     oracle: bool = field(default=False, metadata={
         "help": "exact: also run the trace oracle (a full replay from step 0 on the original store) and check the "
                 "replay against it bit for bit"})
-    learning_rate: float = field(default=1e-5, metadata={"help": "approximate: learning rate (default 1e-5)"})
-    num_train_epochs: float = field(default=5.0, metadata={
-        "help": "approximate: epoch budget over the forget rows (a cap for methods that stop themselves; default 5)"})
+    learning_rate: float | None = field(default=None, metadata={
+        "help": "approximate: learning rate (default 1e-5, also with the preset)"})
+    num_train_epochs: float | None = field(default=None, metadata={
+        "help": "approximate: epoch budget over the forget rows (a cap for methods that stop themselves; default 5, "
+                "10 with --preset open-unlearning)"})
     max_steps: int = field(default=-1, metadata={"help": "approximate: step budget (default: num_train_epochs)"})
-    batch_size: int = field(default=4, metadata={"help": "approximate: forget (and retain) rows per step (default 4)"})
-    max_length: int = field(default=256, metadata={"help": "approximate: tokens per QA pair (default 256)"})
+    batch_size: int | None = field(default=None, metadata={
+        "help": "approximate: forget (and retain) rows per step (default 4, 8 with --preset open-unlearning)"})
+    max_length: int | None = field(default=None, metadata={
+        "help": "approximate: tokens per QA pair (default 256, 512 with --preset open-unlearning)"})
     preset: str | None = field(default=None, metadata={
         "help": "approximate: 'open-unlearning' = OpenUnlearning's budget, conventions and method defaults "
-                "(hf_unlearn.presets); options set away from their defaults win"})
+                "(hf_unlearn.presets); options given explicitly win, also when equal to the default"})
     lora: bool = field(default=False, metadata={"help": "approximate: train a LoRA adapter, merged into the saved model"})
     lora_r: int = field(default=8, metadata={"help": "approximate: LoRA rank (default 8)"})
     seed: int = field(default=0, metadata={"help": "seed for training and the retain sample (default 0)"})
@@ -605,17 +609,15 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
 
 # -- approximate unlearning ------------------------------------------------------------------------------------
 def _preset_values(config: ForgetConfig, spec, n_forget_rows: int) -> dict:
-    """The budget keywords: ``config``'s, with ``config.preset``'s values where an option is left at its default."""
-    from ..presets import training_preset
+    """The budget keywords: the options ``config`` sets (not None) over ``config.preset``'s values over the command's
+    own budget (:data:`hf_unlearn.presets.COMMAND_BUDGET`)."""
+    from ..presets import COMMAND_BUDGET, training_preset
 
     own = {"num_train_epochs": "num_train_epochs", "learning_rate": "learning_rate",
            "per_device_train_batch_size": "batch_size", "max_length": "max_length"}
-    defaults = {f.name: f.default for f in fields(ForgetConfig)}
-    values = {key: getattr(config, name) for key, name in own.items()}
-    if config.preset not in (None, "hf-unlearn"):  # the preset's value where an option is left at its default
-        values = {key: value for key, value in values.items() if value != defaults[own[key]]}
-    values = {**values, **training_preset(config.preset, spec.name, n_forget_rows, fixed=spec.preset,
-                                          overrides=values)}
+    given = {key: getattr(config, name) for key, name in own.items() if getattr(config, name) is not None}
+    values = {**COMMAND_BUDGET, **training_preset(config.preset, spec.name, n_forget_rows, fixed=spec.preset,
+                                                  overrides=given)}
     values["per_device_eval_batch_size"] = values["per_device_train_batch_size"]
     return values
 
@@ -655,7 +657,7 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
         sets = {"forget": forget_rows.select(range(min(config.eval_rows, len(forget_rows)))).to_list(),
                 "retain": retain_rows.select(range(min(config.eval_rows, len(retain_rows)))).to_list()}
     before = after = {}
-    eval_kw = dict(max_length=config.max_length, max_new_tokens=config.max_new_tokens, progress=config.progress)
+    eval_kw = dict(max_length=args.max_length, max_new_tokens=config.max_new_tokens, progress=config.progress)
     if sets:
         t = time.perf_counter()
         before = evaluate_qa(model, tokenizer, sets, **eval_kw)

@@ -228,17 +228,32 @@ def exact_memorization(correct: Sequence[bool]) -> float:
     return float(c.mean())
 
 
-def extraction_strength(correct: Sequence[bool]) -> float:
+ES_NO_MATCH = ("zero", "one_over_n")
+
+
+def check_es_no_match(es_no_match: str) -> str:
+    if es_no_match not in ES_NO_MATCH:
+        raise UnlearnError(f"es_no_match must be one of {', '.join(ES_NO_MATCH)}, got {es_no_match!r}")
+    return es_no_match
+
+
+def extraction_strength(correct: Sequence[bool], no_match: str = "zero") -> float:
     """``1 - k/n`` for the shortest prefix ``k`` after which every remaining answer token is predicted exactly.
 
     1 means the whole answer is reproduced from the question alone, 0 means not even the last token is.
+    ``no_match="one_over_n"`` is OpenUnlearning's loop (``for k in range(n)``, which ends at ``k = n - 1`` when no
+    suffix matches): ``k`` is at most ``n - 1``, so an answer with nothing extracted scores ``1/n``, the same as one
+    whose last token alone is predicted.
     """
+    check_es_no_match(no_match)
     c = np.asarray(correct, dtype=bool)
     n = c.size
     if n == 0:
         raise UnlearnError("extraction strength needs at least one answer token")
     wrong = np.flatnonzero(~c)
     k = 0 if wrong.size == 0 else int(wrong[-1]) + 1
+    if no_match == "one_over_n":
+        k = min(k, n - 1)
     return float(1.0 - k / n)
 
 

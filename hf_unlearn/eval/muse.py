@@ -1,13 +1,16 @@
 """MUSE-News evaluation (Shi et al., 2024): verbatim memorisation, knowledge memorisation, privacy leakage.
 
-* verbmem: greedy continuation of each ``verbmem/forget`` prompt (its last ``max_prompt_tokens`` tokens), as many new
-  tokens as the ground truth has (at most ``verbmem_max_new_tokens``); ROUGE-L F1 against the ground truth;
+* verbmem: greedy continuation of each ``verbmem/forget`` prompt (its last ``max_prompt_tokens`` tokens); with
+  ``verbmem_stop="ground_truth"`` (default) as many new tokens as the ground truth has (at most
+  ``verbmem_max_new_tokens``), with ``"eos"`` (OpenUnlearning's) ``verbmem_max_new_tokens`` (128) cut only at EOS;
+  ROUGE-L F1 against the ground truth;
 * knowmem: ``Question: ...\\nAnswer:`` prompts on ``knowmem/forget_qa`` and ``knowmem/retain2_qa``; zero-shot (the
   answer cut at its first line break) or, with ``knowmem_examples``, few-shot as MUSE and OpenUnlearning run it (the
   in-context QA pairs first, each ``Question: q\\nAnswer: a`` and a blank line; the answer cut at the first blank
   line or ``Question``); ROUGE-L F1 (recall also reported);
 * privleak: Min-k% (and LOSS, zlib, Min-k%++, gradient norm, reference-model) scores of ``privleak/forget`` vs
-  ``privleak/holdout`` texts (first ``max_length`` tokens), AUC, and privleak against a retain-only reference's AUC
+  ``privleak/holdout`` texts (first ``max_length`` tokens after the tokenizer's start token, as OpenUnlearning keeps
+  them), AUC, and privleak against a retain-only reference's AUC
   (the reference attack needs the reference's :class:`MuseResult`, which holds its per-text losses).
 """
 
@@ -23,6 +26,7 @@ from .result import EvalResult, fmt
 KNOWMEM_PROMPT = "Question: {question}\nAnswer:"
 KNOWMEM_EXAMPLE = "Question: {question}\nAnswer: {answer}\n\n"
 KNOWMEM_FEW_SHOT_STOPS = ("\n\n", "\nQuestion", "Question:")
+VERBMEM_STOPS = ("ground_truth", "eos")
 KNOWMEM_ICL_SPLITS = {"forget": "forget_qa_icl", "retain2": "retain_qa_icl"}  # MUSE's in-context examples
 
 
@@ -93,6 +97,19 @@ def _knowmem_examples(examples, muse_path) -> dict[str, list[dict]]:
     return out
 
 
+def privleak_encoding(tokenizer, text: str, max_length: int, item_id=None) -> dict[str, list[int]]:
+    """Ids and labels of one privleak text as OpenUnlearning's ``preprocess_pretraining_instance`` keeps them: the
+    tokenizer's start tokens (what it adds to an empty string: BOS for Llama, none for GPT-2) and then the first
+    ``max_length`` text tokens; the first position is never a target."""
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    start = len(tokenizer("", add_special_tokens=True)["input_ids"])
+    ids = ids[:start + max_length]
+    if len(ids) < 2:
+        raise UnlearnError(f"MUSE privleak text id {item_id} has fewer than 2 tokens")
+    keep = max(start, 1)
+    return {"input_ids": ids, "labels": [M.IGNORE_INDEX] * keep + ids[keep:]}
+
+
 def cut_knowmem_answer(generation: str, few_shot: bool) -> str:
     """The answer part of a knowmem generation: up to the first line break (zero-shot), or up to the first blank
     line / ``Question`` (few-shot, OpenUnlearning's stop strings)."""
@@ -118,6 +135,7 @@ def evaluate_muse_news(
     mia_k: float = 0.4,
     mia_attacks=None,
     variance_floor: float = M.VARIANCE_FLOOR,
+    verbmem_stop: str = "ground_truth",
     progress: bool = True,
 ) -> MuseResult:
     """Evaluate ``model`` on MUSE-News (see the module docstring). ``reference``: the retain-only model's
@@ -127,11 +145,17 @@ def evaluate_muse_news(
     ``knowmem/retain_qa_icl`` from the MUSE folder or the Hub), a list of ``{"question", "answer"}`` dicts for both
     sets, or ``{"forget": [...], "retain": [...]}``. ``mia_attacks``: a subset of ``metrics.MIA_ATTACKS`` (default
     all; ``"gradnorm"`` costs one backward per privleak text). ``max_length``: tokens of each privleak text scored
-    (2048, as OpenUnlearning). ``variance_floor``: the Min-k%++ variance floor (OpenUnlearning: 1e-6).
+    (2048, as OpenUnlearning), counted after the start token a tokenizer adds. ``variance_floor``: the Min-k%++
+    variance floor (OpenUnlearning: 1e-6). ``verbmem_stop``: ``"ground_truth"`` cuts each verbmem generation at the
+    ground truth's length in tokens (a verbatim reproduction scores 1.0); ``"eos"`` generates
+    ``verbmem_max_new_tokens`` and cuts only at EOS (OpenUnlearning; what the model writes past the ground truth
+    counts against ROUGE-L precision).
     """
     from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
 
     attacks = M.check_mia_attacks(mia_attacks)
+    if verbmem_stop not in VERBMEM_STOPS:
+        raise UnlearnError(f"verbmem_stop must be one of {', '.join(VERBMEM_STOPS)}, got {verbmem_stop!r}")
 
     if isinstance(reference, (str, os.PathLike)):
         reference = MuseResult.from_json(reference)
@@ -168,12 +192,14 @@ def evaluate_muse_news(
     for r in verbmem:
         ids = tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-max_prompt_tokens:]
         prompts.append(ids)
-        budgets.append(min(verbmem_max_new_tokens, len(tokenizer(r["gt"], add_special_tokens=False)["input_ids"])))
+        gt_tokens = len(tokenizer(r["gt"], add_special_tokens=False)["input_ids"])
+        budgets.append(verbmem_max_new_tokens if verbmem_stop == "eos" else min(verbmem_max_new_tokens, gt_tokens))
     gens = generate_texts(model, tokenizer, prompts, max_new_tokens=max(budgets), batch_size=batch_size,
                           desc="MUSE verbmem", progress=progress)
     scores = []
     for r, g, budget in zip(verbmem, gens, budgets):
-        g = tokenizer.decode(tokenizer(g, add_special_tokens=False)["input_ids"][:budget])
+        if verbmem_stop == "ground_truth":
+            g = tokenizer.decode(tokenizer(g, add_special_tokens=False)["input_ids"][:budget])
         f1 = M.rouge_l_f1(g, r["gt"])
         scores.append(f1)
         per_item.append({"set": "verbmem", "id": r["id"], "generation": g, "rouge_l_f1": f1})
@@ -203,12 +229,7 @@ def evaluate_muse_news(
 
     # privacy leakage
     texts = [(s, r) for s, rows in priv.items() for r in rows]
-    encodings = []
-    for _, r in texts:
-        ids = tokenizer(r["text"], add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
-        if len(ids) < 2:
-            raise UnlearnError(f"MUSE privleak text id {r['id']} has fewer than 2 tokens")
-        encodings.append({"input_ids": ids, "labels": [M.IGNORE_INDEX] + ids[1:]})
+    encodings = [privleak_encoding(tokenizer, r["text"], max_length, r["id"]) for _, r in texts]
     stats = score_sequences(model, encodings, pad_id=pad_token_id(tokenizer), batch_size=batch_size,
                             desc="MUSE privleak", progress=progress, variance_floor=variance_floor)
     eos = tokenizer.eos_token_id
@@ -239,6 +260,7 @@ def evaluate_muse_news(
         "tokenizer_fingerprint": fingerprint,
         "max_length": max_length,
         "variance_floor": variance_floor,
+        "verbmem_stop": verbmem_stop,
         "max_prompt_tokens": max_prompt_tokens,
         "verbmem_max_new_tokens": verbmem_max_new_tokens,
         "knowmem_max_new_tokens": knowmem_max_new_tokens,

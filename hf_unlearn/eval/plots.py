@@ -89,8 +89,9 @@ def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | 
 def plot_recovery_curves(results, path: str | os.PathLike = "recovery.png") -> Path:
     """Relearning curves of :class:`~hf_unlearn.eval.robustness.RobustnessResult` objects (or JSON paths): the
     recovery fraction per step of every attacked model (left; only where the result has an original model to measure
-    it against) and the held-out forget probability (right, which stays readable when unlearning removed little and
-    the fraction's denominator is small). ``results``: one result, or ``{label: result}`` (several methods)."""
+    it against; a model whose unlearning removed less than the threshold has no fraction and is marked in the
+    legend with the reason) and the held-out forget probability (right, which stays readable when unlearning removed
+    little). ``results``: one result, or ``{label: result}`` (several methods)."""
     from .robustness import RobustnessResult
 
     plt = _pyplot()
@@ -106,12 +107,17 @@ def plot_recovery_curves(results, path: str | os.PathLike = "recovery.png") -> P
             if m.get("relearning") and name != "original":
                 tag = (label if name == "model" else f"{label} {name}").strip() or name
                 series.append((tag, steps, m["relearning"], name == "model"))
-    with_recovery = any(points[0].get("recovery") is not None for _, _, points, _ in series)
+    with_recovery = any(p.get("recovery") is not None or p.get("removed") is not None
+                        for _, _, points, _ in series for p in points)
     fig, axes = plt.subplots(1, 2 if with_recovery else 1, figsize=(11 if with_recovery else 6, 4), squeeze=False)
     panels = [("recovery", "recovery fraction")] if with_recovery else []
     panels.append(("probability", "held-out forget probability"))
     for ax, (key, ylabel) in zip(axes[0], panels):
         for tag, steps, points, main in series:
+            note = points[0].get("recovery_note") if key == "recovery" else None
+            if note and all(p.get(key) is None for p in points):  # below the threshold: marked, not drawn
+                ax.plot([], [], "x", label=f"{tag}: not computed ({note})")
+                continue
             ax.plot(steps, [p.get(key) for p in points], "o-" if main else "s--", label=tag, alpha=0.85)
         ax.set(xlabel="relearning steps on the other half of the forget rows", ylabel=ylabel)
         if key == "probability":

@@ -36,16 +36,34 @@ from . import metrics as M
 from .result import EvalResult, fmt
 
 DEFAULT_STEPS = (0, 10, 25, 50)
+RECOVERY_MIN_REMOVED = 0.01  # answer probability unlearning must remove for a recovery fraction to be reported
+RELEARN_SOURCES = ("half", "paraphrased")
+IN_CONTEXT_ROWS = 4
+TOFU_QUESTIONS_PER_AUTHOR = 20
 DEFAULT_BITS = (4, 8)
-ATTACKS = ("relearning", "quantization", "paraphrase", "probe")
+ATTACKS = ("relearning", "in_context", "quantization", "paraphrase", "probe")
 
 
-def recovery_fraction(after_relearning: float, after_unlearning: float, before: float | None) -> float | None:
+def recovery_fraction(after_relearning: float, after_unlearning: float, before: float | None,
+                      min_removed: float = RECOVERY_MIN_REMOVED) -> float | None:
     """``(after relearning - after unlearning) / (before - after unlearning)``; None without a ``before`` value or
-    when unlearning removed nothing (the denominator is not positive)."""
-    if before is None or after_relearning is None or after_unlearning is None or before - after_unlearning <= 0:
-        return None
-    return float((after_relearning - after_unlearning) / (before - after_unlearning))
+    when unlearning moved the metric by less than ``min_removed`` (the denominator): a fraction of almost nothing
+    is unbounded noise (0.98, 0.99999, 1.0 would give -1999)."""
+    return recovery(after_relearning, after_unlearning, before, min_removed)["recovery"]
+
+
+def recovery(after_relearning: float | None, after_unlearning: float | None, before: float | None,
+             min_removed: float = RECOVERY_MIN_REMOVED) -> dict[str, Any]:
+    """``{"recovery", "removed", "recovery_note"}``: the recovery fraction with its denominator ``removed`` (what
+    unlearning took away, ``before - after unlearning``), and why the fraction is None when it is."""
+    if before is None or after_relearning is None or after_unlearning is None:
+        return {"recovery": None, "removed": None, "recovery_note": "no model before unlearning (original=)"}
+    removed = float(before - after_unlearning)
+    if not removed >= min_removed:
+        return {"recovery": None, "removed": removed,
+                "recovery_note": f"unlearning removed {removed:.2g} < {min_removed:g}"}
+    return {"recovery": float((after_relearning - after_unlearning) / removed), "removed": removed,
+            "recovery_note": None}
 
 
 def split_relearn_rows(rows: Sequence[dict], relearn_ids: Iterable | None = None,
@@ -76,6 +94,50 @@ def split_relearn_rows(rows: Sequence[dict], relearn_ids: Iterable | None = None
     return relearn, evaluated
 
 
+def related_relearn_rows(rows: Sequence[dict], relearn_rows=None, relearn_ids: Iterable | None = None,
+                         seed: int = 0) -> tuple[str, list[dict], list[dict]]:
+    """``(relearn_on, relearned rows, measured rows)`` for :func:`evaluate_robustness`'s ``relearn_rows``: None = a
+    seeded half of ``rows`` (:func:`split_relearn_rows`); ``"paraphrased"`` = every row's paraphrased question and
+    answer, all rows measured; rows = those rows, all forget rows measured (rows sharing an id with a forget row are
+    refused: that is the forget data itself)."""
+    if relearn_rows is None:
+        relearn, evaluated = split_relearn_rows(rows, relearn_ids, seed)
+        return "half", relearn, evaluated
+    if relearn_ids is not None:
+        raise UnlearnError("relearn_ids picks forget rows to relearn on; it does not go with relearn_rows")
+    if isinstance(relearn_rows, str):
+        if relearn_rows != "paraphrased":
+            raise UnlearnError(f"relearn_rows must be None, 'paraphrased' or rows, got {relearn_rows!r}")
+        usable = [r for r in rows if r.get("paraphrased_question") and r.get("paraphrased_answer")]
+        if not usable:
+            raise UnlearnError("relearn_rows='paraphrased' needs paraphrased_question and paraphrased_answer on the "
+                               "forget rows (TOFU has them for ids 0-399 and 3600-3999)")
+        return "paraphrased", [{**r, "question": r["paraphrased_question"], "answer": r["paraphrased_answer"]}
+                               for r in usable], list(rows)
+    related = _rows(relearn_rows)
+    overlap = {str(r["id"]) for r in related} & {str(r["id"]) for r in rows}
+    if overlap:
+        raise UnlearnError(f"relearn_rows share ids with the forget rows ({sorted(overlap)[:5]}); relearning on "
+                           "related data means rows that are not forgotten")
+    if not related:
+        raise UnlearnError("relearn_rows is empty; pass related rows to relearn on")
+    return "given rows", related, list(rows)
+
+
+def in_context_prefix(rows: Sequence[dict], n: int, seed: int = 0, lead: str = "Question: ") -> str:
+    """The in-context attack's prefix to a measured question: ``n`` of ``rows`` (a seeded choice, in row order) as
+    ``Question: q\\nAnswer: a`` blocks separated by a blank line, ending in ``Question: `` (the measured question
+    follows). ``lead``: what the prompt format already puts before the question (a plain prompt's ``Question: ``) is
+    not repeated."""
+    import torch
+
+    from ..methods.base import independent_generator
+
+    order = torch.randperm(len(rows), generator=independent_generator(seed, "in-context")).tolist()[:n]
+    blocks = [f"{rows[i]['question']}\nAnswer: {rows[i]['answer']}\n\nQuestion: " for i in sorted(order)]
+    return ("" if lead == "Question: " else "Question: ") + "".join(blocks)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # measurements
 
@@ -92,7 +154,8 @@ def _encode(tokenizer, rows, chat: bool, max_length: int, question_key: str = "q
     return out
 
 
-def answer_metrics(model, tokenizer, encodings: Sequence[dict], *, batch_size: int = 16) -> dict[str, float]:
+def answer_metrics(model, tokenizer, encodings: Sequence[dict], *, batch_size: int = 16,
+                   es_no_match: str = "zero") -> dict[str, float]:
     """Mean answer probability (``exp(-mean NLL)``), exact memorisation and extraction strength (answers without their
     final EOS for the last two, as :func:`~hf_unlearn.eval.tofu.evaluate_tofu` scores them)."""
     from .runner import pad_token_id, score_sequences
@@ -102,7 +165,7 @@ def answer_metrics(model, tokenizer, encodings: Sequence[dict], *, batch_size: i
     bodies = [M.drop_final_eos(st, enc["labels"], eos) for st, enc in zip(stats, encodings)]
     return {"probability": M.nanmean([M.probability(st.mean_nll) for st in stats]),
             "exact_memorization": M.nanmean([M.exact_memorization(b.correct) for b in bodies]),
-            "extraction_strength": M.nanmean([M.extraction_strength(b.correct) for b in bodies])}
+            "extraction_strength": M.nanmean([M.extraction_strength(b.correct, es_no_match) for b in bodies])}
 
 
 def _check_relearning(steps, learning_rate: float, batch_size: int) -> list[int]:
@@ -117,7 +180,7 @@ def _check_relearning(steps, learning_rate: float, batch_size: int) -> list[int]
 def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Sequence[dict], *,
                      steps: Sequence[int] = DEFAULT_STEPS, learning_rate: float = 1e-5, batch_size: int = 4,
                      seed: int = 0, batch_size_eval: int = 16, progress: bool = True,
-                     desc: str = "relearning") -> list[dict[str, float]]:
+                     desc: str = "relearning", es_no_match: str = "zero") -> list[dict[str, float]]:
     """Answer metrics of ``evaluated`` after ``k`` AdamW steps on ``relearn`` (tokenised encodings), for each ``k``.
 
     The steps train a deep copy of ``model`` (``model`` itself is untouched), one run up to ``max(steps)`` with the
@@ -147,7 +210,8 @@ def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Seque
         bar = tqdm(total=steps[-1], desc=desc, disable=not progress, leave=False)
         for k in range(steps[-1] + 1):
             if k in steps:
-                curve.append({"step": k, **answer_metrics(attacked, tokenizer, evaluated, batch_size=batch_size_eval)})
+                curve.append({"step": k, **answer_metrics(attacked, tokenizer, evaluated, batch_size=batch_size_eval,
+                                                          es_no_match=es_no_match)})
             if k == steps[-1]:
                 break
             picked = []
@@ -246,20 +310,30 @@ class RobustnessResult(EvalResult):
     def to_markdown(self) -> str:
         models = self.summary["models"]
         names = list(models)
-        lines = [f"## Robustness ({self.meta.get('model', 'model')}; forget probability, recovery fraction in "
-                 f"brackets)", "", "| attack | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        lines = [f"## Robustness ({self.meta.get('model', 'model')}; forget probability, in brackets the recovery "
+                 f"fraction of what unlearning removed)", "", "| attack | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
 
         def cell(m: dict | None) -> str:
             if not m:
                 return "n/a"
-            rec = m.get("recovery")
-            return fmt(m.get("probability")) + (f" ({fmt(rec, 3)})" if rec is not None else "")
+            rec, note = m.get("recovery"), m.get("recovery_note")
+            if rec is not None:
+                return f"{fmt(m.get('probability'))} ({fmt(rec, 3)} of {fmt(m.get('removed'), 3)})"
+            if note and m.get("removed") is not None:
+                return f"{fmt(m.get('probability'))} (not computed: {note})"
+            return fmt(m.get("probability"))
 
         lines.append("| no attack (all forget rows) | " + " | ".join(cell(models[n].get("forget")) for n in names) + " |")
         for i, k in enumerate(self.summary.get("steps", [])):
             row = [cell(models[n]["evaluated_half"] if n == "original" else
                         (models[n].get("relearning") or [None] * (i + 1))[i]) for n in names]
-            lines.append(f"| relearning, {k} steps (held-out half) | " + " | ".join(row) + " |")
+            what = {"half": "held-out half", "paraphrased": "on paraphrases; all forget rows",
+                    "given rows": "on related rows; all forget rows"}[self.meta.get("relearn_on", "half")]
+            lines.append(f"| relearning, {k} steps ({what}) | " + " | ".join(row) + " |")
+        if any(models[n].get("in_context") for n in names):
+            row = [cell(models[n].get("in_context")) for n in names]
+            lines.append(f"| in-context, {self.meta.get('in_context_rows')} forget QA pairs in the prompt | "
+                         + " | ".join(row) + " |")
         for bits in self.meta.get("bits", []):
             row = [cell((models[n].get("quantization") or {}).get(str(bits))) for n in names]
             lines.append(f"| {bits}-bit quantisation | " + " | ".join(row) + " |")
@@ -317,6 +391,11 @@ def evaluate_robustness(
     use_chat_template: bool | None = None,
     max_length: int = 512,
     batch_size: int = 16,
+    relearn_rows=None,
+    in_context_rows: int = IN_CONTEXT_ROWS,
+    recovery_min_removed: float = RECOVERY_MIN_REMOVED,
+    es_no_match: str = "zero",
+    prompt_format=None,
     progress: bool = True,
 ) -> RobustnessResult:
     """Run the relearning, quantisation, paraphrase and probe attacks on ``model`` (and ``reference``).
@@ -333,8 +412,18 @@ def evaluate_robustness(
         steps: relearning steps at which to measure (0 = before relearning).
         bits: quantisation widths (4 = NF4, 8 = LLM.int8) to re-evaluate; needs bitsandbytes.
         attacks: a subset of :data:`ATTACKS`.
+        relearn_rows: what the relearning attack trains on: None (a seeded half of the forget rows, or
+            ``relearn_ids``; the other half is measured), ``"paraphrased"`` (every forget row's
+            ``paraphrased_question`` and ``paraphrased_answer``: the same facts in other words; every forget row is
+            measured) or rows of related but different data (e.g. the other questions of the same authors; every
+            forget row is measured).
+        in_context_rows: the ``in_context`` attack puts this many relearn rows (question and answer) in the prompt
+            before each measured question: the forget facts given to the model instead of trained into it.
+        recovery_min_removed: below this change of the answer probability by unlearning (``before - after``), the
+            recovery fraction is not computed (None, with the reason in ``recovery_note``).
+        es_no_match, prompt_format: as for :func:`~hf_unlearn.eval.tofu.evaluate_tofu`.
     """
-    from .tofu import resolve_chat_template
+    from .tofu import resolve_prompt_format
 
     attacks = tuple(attacks)
     unknown = [a for a in attacks if a not in ATTACKS]
@@ -345,9 +434,12 @@ def evaluate_robustness(
         raise UnlearnError(f"quantisation bits must be 4 or 8, got {bits}")
     if "relearning" in attacks:
         _check_relearning(steps, learning_rate, relearn_batch_size)
-    chat = resolve_chat_template(tokenizer, use_chat_template)
+    M.check_es_no_match(es_no_match)
+    if in_context_rows < 1:
+        raise UnlearnError(f"in_context_rows must be >= 1, got {in_context_rows}")
+    chat = resolve_prompt_format(tokenizer, use_chat_template, prompt_format)
     rows, holdout = _rows(forget_rows), _rows(holdout_rows)
-    relearn_rows, evaluated_rows = split_relearn_rows(rows, relearn_ids, seed)
+    relearn_on, relearned, evaluated_rows = related_relearn_rows(rows, relearn_rows, relearn_ids, seed)
     notes: list[str] = []
     if bits:
         from .quantized import _bnb
@@ -361,8 +453,12 @@ def evaluate_robustness(
                      f"paraphrase attack uses the other {len(para_rows)}")
 
     enc_all = _encode(tokenizer, rows, chat, max_length)
-    enc_relearn = _encode(tokenizer, relearn_rows, chat, max_length)
+    enc_relearn = _encode(tokenizer, relearned, chat, max_length)
     enc_eval = _encode(tokenizer, evaluated_rows, chat, max_length)
+    context = in_context_prefix(relearned, in_context_rows, seed, "" if chat.chat_template else chat.user_start)
+    enc_icl = (_encode(tokenizer, [{**r, "question": context + r["question"]} for r in evaluated_rows], chat,
+                       max_length + len(tokenizer(context, add_special_tokens=False)["input_ids"]))
+               if "in_context" in attacks else [])
     enc_para = _encode(tokenizer, para_rows, chat, max_length, "paraphrased_question") if para_rows else []
     enc_para_orig = _encode(tokenizer, para_rows, chat, max_length) if para_rows else []
     enc_hold = _encode(tokenizer, holdout, chat, max_length) if holdout else []
@@ -382,22 +478,36 @@ def evaluate_robustness(
         models[reference_name] = reference
     out: dict[str, dict[str, Any]] = {}
     if original is not None:
-        out["original"] = {"forget": answer_metrics(original, tokenizer, enc_all, batch_size=batch_size),
-                           "evaluated_half": answer_metrics(original, tokenizer, enc_eval, batch_size=batch_size)}
+        def base(encodings):
+            return answer_metrics(original, tokenizer, encodings, batch_size=batch_size, es_no_match=es_no_match)
+
+        out["original"] = {"forget": base(enc_all), "evaluated_half": base(enc_eval)}
         if enc_para:
-            out["original"]["paraphrase"] = answer_metrics(original, tokenizer, enc_para, batch_size=batch_size)
+            out["original"]["paraphrase"] = base(enc_para)
     before_all = out.get("original", {}).get("forget", {}).get("probability")
     before_half = out.get("original", {}).get("evaluated_half", {}).get("probability")
+
+    def metrics_of(m, encodings):
+        return answer_metrics(m, tokenizer, encodings, batch_size=batch_size, es_no_match=es_no_match)
+
+    def recovered(value, after_unlearning, before):
+        return recovery(value, after_unlearning, before, recovery_min_removed)
+
     for name, m in models.items():
-        res: dict[str, Any] = {"forget": answer_metrics(m, tokenizer, enc_all, batch_size=batch_size)}
+        res: dict[str, Any] = {"forget": metrics_of(m, enc_all)}
         p0 = res["forget"]["probability"]
         if "relearning" in attacks:
             curve = relearning_curve(m, tokenizer, enc_relearn, enc_eval, steps=steps, learning_rate=learning_rate,
                                      batch_size=relearn_batch_size, seed=seed, batch_size_eval=batch_size,
-                                     progress=progress, desc=f"relearning {name}")
+                                     progress=progress, desc=f"relearning {name}", es_no_match=es_no_match)
             for point in curve:
-                point["recovery"] = recovery_fraction(point["probability"], curve[0]["probability"], before_half)
+                point.update(recovered(point["probability"], curve[0]["probability"], before_half))
             res["relearning"] = curve
+        if "in_context" in attacks:
+            icl = metrics_of(m, enc_icl)
+            icl["without_context_probability"] = metrics_of(m, enc_eval)["probability"]
+            icl.update(recovered(icl["probability"], icl["without_context_probability"], before_half))
+            res["in_context"] = icl
         if bits:
             from .quantized import quantize_model, quiet_int8
 
@@ -405,14 +515,13 @@ def evaluate_robustness(
             for b in bits:
                 q = quantize_model(m, b)
                 with quiet_int8():
-                    metrics = answer_metrics(q, tokenizer, enc_all, batch_size=batch_size)
-                metrics["recovery"] = recovery_fraction(metrics["probability"], p0, before_all)
+                    metrics = metrics_of(q, enc_all)
+                metrics.update(recovered(metrics["probability"], p0, before_all))
                 res["quantization"][str(b)] = metrics
                 del q
         if "paraphrase" in attacks and enc_para:
-            para = answer_metrics(m, tokenizer, enc_para, batch_size=batch_size)
-            para["original_question_probability"] = answer_metrics(m, tokenizer, enc_para_orig,
-                                                                   batch_size=batch_size)["probability"]
+            para = metrics_of(m, enc_para)
+            para["original_question_probability"] = metrics_of(m, enc_para_orig)["probability"]
             res["paraphrase"] = para
         if "probe" in attacks and enc_hold:
             res["probe"] = probe_scores(m, enc_all, enc_hold, pad, seed=seed)
@@ -428,11 +537,13 @@ def evaluate_robustness(
     meta = {
         "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
         "reference_name": reference_name if reference is not None else None,
-        "forget_ids": [r["id"] for r in rows], "relearn_ids": [r["id"] for r in relearn_rows],
+        "forget_ids": [r["id"] for r in rows], "relearn_ids": [r["id"] for r in relearned], "relearn_on": relearn_on,
+        "in_context_rows": min(in_context_rows, len(relearned)), "recovery_min_removed": recovery_min_removed,
+        "es_no_match": es_no_match, "prompt_format": chat.to_dict(),
         "evaluated_ids": [r["id"] for r in evaluated_rows], "holdout_ids": [r["id"] for r in holdout],
         "attacks": list(attacks), "bits": bits, "seed": seed, "learning_rate": learning_rate,
-        "relearn_batch_size": relearn_batch_size, "max_length": max_length, "chat_template": chat,
-        "recovery": "(after relearning - after unlearning) / (before - after unlearning), on the evaluated half; "
+        "relearn_batch_size": relearn_batch_size, "max_length": max_length, "chat_template": chat.chat_template,
+        "recovery": "(after relearning - after unlearning) / (before - after unlearning), on the measured rows; "
                     "'before' is the original model",
         "notes": notes,
     }
@@ -442,10 +553,19 @@ def evaluate_robustness(
 def tofu_robustness_rows(forget_split: str = "forget10", tofu_path: str | os.PathLike | None = None,
                          forget_ids: Iterable[int] | None = None, retain_ids: Iterable[int] | None = None,
                          max_items: int | Mapping[str, int] | None = None) -> dict[str, list[dict]]:
-    """``{"forget", "holdout", "retain"}`` rows of TOFU for :func:`evaluate_robustness` (``forget_rows``,
-    ``holdout_rows``, ``probe_rows``), with ``paraphrased_question`` and ``perturbed_answer`` where TOFU has them (ids
-    0-399 and 3600-3999). ``retain``: ``retain_ids``, else ``retain_perturbed`` minus the forget ids."""
+    """``{"forget", "holdout", "retain", "same_authors"}`` rows of TOFU for :func:`evaluate_robustness`
+    (``forget_rows``, ``holdout_rows``, ``probe_rows``, ``relearn_rows``), with ``paraphrased_question``,
+    ``paraphrased_answer`` and ``perturbed_answer`` where TOFU has them (ids 0-399 and 3600-3999). ``retain``:
+    ``retain_ids``, else ``retain_perturbed`` minus the forget ids. ``same_authors``: the questions of the forgotten
+    rows' authors (TOFU's 20 consecutive ids per author) that are not forgotten, related data to relearn on (empty
+    when every question of those authors is forgotten)."""
+    from ..data.tofu import load_tofu
     from .tofu import tofu_sets
 
     sets = tofu_sets(forget_split, tofu_path, forget_ids=forget_ids, retain_ids=retain_ids, max_items=max_items)
-    return {"forget": sets["forget"], "holdout": sets["holdout"], "retain": sets["retain"]}
+    forgotten = {int(r["id"]) for r in sets["forget"]}
+    authors = {i // TOFU_QUESTIONS_PER_AUTHOR for i in forgotten}
+    same = [{"id": int(r["id"]), "question": r["question"], "answer": r["answer"]}
+            for r in load_tofu("full", tofu_path).to_list()
+            if int(r["id"]) // TOFU_QUESTIONS_PER_AUTHOR in authors and int(r["id"]) not in forgotten]
+    return {"forget": sets["forget"], "holdout": sets["holdout"], "retain": sets["retain"], "same_authors": same}

@@ -86,7 +86,8 @@ class TofuResult(EvalResult):
                 f"the reference used chat_template={theirs.get('chat_template')} but this evaluation uses "
                 f"{mine.get('chat_template')}; use the same prompt format for both"
             )
-        for key, old in (("zlib_text", "answer"), ("variance_floor", 1e-12)):  # results written before the option
+        for key, old in (("zlib_text", "answer"), ("variance_floor", 1e-12), ("es_no_match", "zero"),
+                         ("prompt_format", _default_format(mine.get("chat_template")))):  # written before the option
             if theirs.get(key, old) != mine.get(key, old):
                 raise UnlearnError(f"the reference used {key}={theirs.get(key, old)!r} but this evaluation uses "
                                    f"{mine.get(key, old)!r}; evaluate both with the same conventions (the same --preset)")
@@ -125,6 +126,13 @@ class TofuResult(EvalResult):
 
 # ----------------------------------------------------------------------------------------------------------------
 # data
+
+
+def _default_format(chat) -> dict:
+    """The prompt format of a result written before ``prompt_format`` was recorded (hf_unlearn's)."""
+    from ..data.prompts import PromptFormat
+
+    return PromptFormat(chat_template=chat).to_dict()
 
 
 def _load(config: str, tofu_path, why: str) -> list[dict]:
@@ -233,21 +241,29 @@ def decoded_answer(tokenizer, labels) -> str:
 
 
 def resolve_chat_template(tokenizer, use_chat_template: bool | None) -> bool:
-    from ..data.tokenize import has_chat_template
-
-    if use_chat_template and not has_chat_template(tokenizer):
-        raise UnlearnError(
-            f"a chat template was asked for but tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has none; "
-            "use plain prompts (use_chat_template=False / --chat-template no) or a tokenizer with a template"
-        )
-    return has_chat_template(tokenizer) if use_chat_template is None else bool(use_chat_template)
+    return bool(resolve_prompt_format(tokenizer, use_chat_template).chat_template)
 
 
-def prompt_ids(tokenizer, question: str, chat: bool) -> list[int]:
-    """Token ids of the prompt exactly as :func:`hf_unlearn.data.tokenize.encode_qa` builds it."""
-    from ..data.tokenize import format_prompt
+def resolve_prompt_format(tokenizer, use_chat_template: bool | None = None, prompt_format=None):
+    """The :class:`~hf_unlearn.data.prompts.PromptFormat` an evaluation uses: ``prompt_format`` (None /
+    ``"hf-unlearn"``, ``"open-unlearning"`` = OpenUnlearning's for the tokenizer's model family, a PromptFormat)
+    with ``use_chat_template`` on top when given, resolved for ``tokenizer``."""
+    from dataclasses import replace
 
-    return tokenizer(format_prompt(tokenizer, question, chat), add_special_tokens=not chat)["input_ids"]
+    from ..data.prompts import prompt_format as as_format
+
+    fmt = as_format(prompt_format, tokenizer)
+    if use_chat_template is not None:
+        fmt = replace(fmt, chat_template=bool(use_chat_template))
+    return fmt.resolve(tokenizer)
+
+
+def prompt_ids(tokenizer, question: str, chat) -> list[int]:
+    """Token ids of the prompt exactly as :func:`hf_unlearn.data.tokenize.encode_qa` builds it (``chat``: a bool or a
+    :class:`~hf_unlearn.data.prompts.PromptFormat`)."""
+    from ..data.prompts import prompt_format as as_format
+
+    return as_format(chat, tokenizer).prompt_ids(tokenizer, question)
 
 
 def evaluate_tofu(
@@ -268,6 +284,8 @@ def evaluate_tofu(
     mia_attacks: Iterable[str] | None = None,
     zlib_text: str = "answer",
     variance_floor: float = M.VARIANCE_FLOOR,
+    es_no_match: str = "zero",
+    prompt_format=None,
     progress: bool = True,
 ) -> TofuResult:
     """Evaluate ``model`` on TOFU; see the module docstring for the sets and :class:`TofuResult` for the keys.
@@ -287,6 +305,12 @@ def evaluate_tofu(
         zlib_text: what the zlib attack compresses: ``"answer"`` (the raw answer text) or ``"decoded"`` (the scored
             answer tokens decoded without special tokens, OpenUnlearning's convention).
         variance_floor: the Min-k%++ variance floor (OpenUnlearning: 1e-6; ``hf_unlearn.presets`` says why 1e-12).
+        es_no_match: extraction strength of an answer none of whose suffixes is predicted: ``"zero"`` or
+            ``"one_over_n"`` (OpenUnlearning's; see :func:`~hf_unlearn.eval.metrics.extraction_strength`).
+        prompt_format: how questions are prompted (:class:`~hf_unlearn.data.prompts.PromptFormat`): None /
+            ``"hf-unlearn"`` (the format hf_unlearn trains with), ``"open-unlearning"`` (OpenUnlearning's for the
+            tokenizer's model family: system prompt, Llama-3 date string, Llama-2 ``[INST]``, ``Answer: ``), or a
+            PromptFormat; ``use_chat_template`` overrides its ``chat_template``.
     """
     from ..data.tokenize import encode_qa
     from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
@@ -294,7 +318,8 @@ def evaluate_tofu(
     attacks = M.check_mia_attacks(mia_attacks)
     if zlib_text not in ZLIB_TEXTS:
         raise UnlearnError(f"zlib_text must be one of {', '.join(ZLIB_TEXTS)}, got {zlib_text!r}")
-    chat = resolve_chat_template(tokenizer, use_chat_template)
+    M.check_es_no_match(es_no_match)
+    chat = resolve_prompt_format(tokenizer, use_chat_template, prompt_format)
     ref = _load_reference(reference)
     sets = tofu_sets(forget_split, tofu_path, forget_ids, retain_ids, max_items)
     meta: dict[str, Any] = {
@@ -306,13 +331,15 @@ def evaluate_tofu(
         "forget_ids": [it["id"] for it in sets["forget"]],
         "retain_ids": [it["id"] for it in sets["retain"]],
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-        "chat_template": chat,
+        "chat_template": chat.chat_template,
+        "prompt_format": chat.to_dict(),
         "max_new_tokens": max_new_tokens,
         "max_length": max_length,
         "mia_k": mia_k,
         "mia_attacks": list(attacks),
         "zlib_text": zlib_text,
         "variance_floor": variance_floor,
+        "es_no_match": es_no_match,
         "answer_scoring": "ES, EM, Min-k%, Min-k%++ and gradnorm score answers without their final EOS",
         "items": {k: len(v) for k, v in sets.items()},
         "notes": [],
@@ -349,7 +376,7 @@ def evaluate_tofu(
             body = M.drop_final_eos(st, enc["labels"], eos)  # the answer without its EOS, as OpenUnlearning scores it
             rec["mean_nll"] = st.mean_nll
             rec["exact_memorization"] = M.exact_memorization(body.correct)
-            rec["extraction_strength"] = M.extraction_strength(body.correct)
+            rec["extraction_strength"] = M.extraction_strength(body.correct, es_no_match)
             text = rec["answer"] if zlib_text == "answer" else decoded_answer(tokenizer, enc["labels"])
             rec["mia"] = M.mia_scores(st, text, mia_k, body=body)
             if name in ("forget", "holdout"):
