@@ -135,6 +135,7 @@ def test_relearn_rows_named_and_bad_input():
 
 
 def test_recovery_fraction():
+    # below the threshold (unlearning removed less than 0.01): not computed; test_eval_conventions pins the reason
     assert recovery_fraction(0.5, 0.1, 0.9) == pytest.approx(0.5)
     assert recovery_fraction(0.1, 0.1, 0.9) == 0.0
     assert recovery_fraction(0.5, 0.1, None) is None
@@ -162,3 +163,35 @@ def test_cli_writes_table_json_and_plot(models, tmp_path, capsys):
 
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ascent").state_dict()
     assert all(torch.equal(saved[k], v) for k, v in ascent_after.items())  # the folder's model is untouched
+
+
+def test_relearning_on_related_rows_and_in_context(models, rows):
+    """Relearning on the paraphrases or on the forgotten authors' kept questions measures every forget row; the
+    in-context attack's probability is the answer probability with the relearn rows written into the prompt."""
+    from hf_unlearn.data.tokenize import encode_qa
+    from hf_unlearn.eval.robustness import answer_metrics, in_context_prefix, recovery
+
+    tok, finetuned, ascent, exact = models
+    assert [r["id"] for r in rows["same_authors"]] == list(range(30, 40))  # author 1's questions not forgotten
+    for relearn_rows, on in (("paraphrased", "paraphrased"), (rows["same_authors"], "given rows")):
+        result = _relearn(models, rows, relearn_rows=relearn_rows)
+        assert result.meta["relearn_on"] == on and result.meta["evaluated_ids"] == FORGET_IDS
+        curve = result.summary["models"]["model"]["relearning"]
+        assert curve[0]["probability"] == pytest.approx(result.summary["models"]["model"]["forget"]["probability"])
+        assert curve[-1]["probability"] != curve[0]["probability"]
+    with pytest.raises(UnlearnError, match="share ids"):
+        _relearn(models, rows, relearn_rows=rows["forget"][:2])
+
+    result = evaluate_robustness(ascent, tok, rows["forget"], original=finetuned, attacks=["in_context"], seed=0,
+                                 in_context_rows=2, max_length=MAX_LENGTH, progress=False)
+    relearned = [r for r in rows["forget"] if r["id"] in result.meta["relearn_ids"]]
+    measured = [r for r in rows["forget"] if r["id"] in result.meta["evaluated_ids"]]
+    context = in_context_prefix(relearned, 2, seed=0)
+    assert context.count("\nAnswer: ") == 2 and context.endswith("\n\nQuestion: ") and context[:9] != "Question:"
+    direct = answer_metrics(ascent, tok, [encode_qa(tok, context + r["question"], r["answer"], 512) for r in measured])
+    icl = result.summary["models"]["model"]["in_context"]
+    assert icl["probability"] == pytest.approx(direct["probability"])
+    without = answer_metrics(ascent, tok, [encode_qa(tok, r["question"], r["answer"], MAX_LENGTH) for r in measured])
+    before = answer_metrics(finetuned, tok, [encode_qa(tok, r["question"], r["answer"], MAX_LENGTH) for r in measured])
+    expected = recovery(direct["probability"], without["probability"], before["probability"])
+    assert icl["recovery"] == pytest.approx(expected["recovery"]) and icl["removed"] == pytest.approx(expected["removed"])
