@@ -9,6 +9,12 @@ lr chosen there (MASC 3e-3 stopping itself at violation rate <= 0.2, NPO 3e-3, G
 Every model is attacked with the same seed, so the relearned half and the measured half are the same rows for all.
 
     python benchmarks/bench_robustness.py [--out DIR] [--methods masc:3e-3,npo:3e-3,grad_diff:1e-3,rmu:3e-3]
+        [--relearn-on half,paraphrased] [--conventions-method grad_diff]
+
+``--relearn-on``: the relearning sources compared (``half``: the other half of the forget rows, today's; ``paraphrased``:
+TOFU's paraphrased questions and answers of every forget row, measured on every forget row). ``--conventions-method``:
+the unlearned model whose TOFU metrics are computed under hf_unlearn's defaults, under ``--preset open-unlearning`` and
+with each convention of the preset alone (``none`` skips it).
 
 Writes OUT/bench_robustness.json, .md and recovery.png.
 """
@@ -49,7 +55,39 @@ def parse_args(argv=None):
     p.add_argument("--bits", default="4,8")
     p.add_argument("--seed", type=int, default=0, help="unlearning and attack seed")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--relearn-on", default="half", help="comma list of relearning sources: half, paraphrased")
+    p.add_argument("--in-context-rows", type=int, default=4)
+    p.add_argument("--conventions-method", default="none",
+                   help="method whose TOFU metrics are compared under the default and the preset (none: skip)")
+    p.add_argument("--conventions-max-new-tokens", type=int, default=64)
     return p.parse_args(argv)
+
+
+def conventions_table(model, tok, forget_ids, retain_ids, max_new_tokens: int) -> tuple[str, dict]:
+    """TOFU metrics of ``model`` under hf_unlearn's defaults, under the open-unlearning preset, and with each of the
+    preset's conventions alone; a markdown table (metric rows, one column per setting) and the raw summaries."""
+    from hf_unlearn.eval.tofu import evaluate_tofu
+    from hf_unlearn.presets import evaluation_preset
+
+    preset = evaluation_preset("open-unlearning", "tofu")
+    settings = {"default": {}, "open-unlearning preset": preset}
+    settings.update({f"only {k}={v}": {k: v} for k, v in preset.items() if k != "max_length"})  # 512 either way
+    common = dict(forget_ids=forget_ids, retain_ids=retain_ids, max_new_tokens=max_new_tokens, progress=False,
+                  mia_attacks=["loss", "zlib", "min_k", "min_k_plus_plus"])
+    summaries = {}
+    for name, kw in settings.items():
+        started = time.process_time()
+        summaries[name] = evaluate_tofu(model, tok, **common, **kw).summary
+        print(f"conventions: {name} in {time.process_time() - started:.0f} s CPU", flush=True)
+    keys = ["model_utility", "forget_probability", "forget_rouge_l", "forget_truth_ratio", "forget_extraction_strength",
+            "forget_exact_memorization", "retain_probability", "retain_rouge_l", "retain_extraction_strength",
+            "mia_loss_auc", "mia_zlib_auc", "mia_min_k_auc", "mia_min_k_plus_plus_auc"]
+    names = list(settings)
+    lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join("n/a" if summaries[n].get(k) is None else f"{summaries[n][k]:.4g}"
+                                               for n in names) + " |")
+    return "\n".join(lines) + "\n", summaries
 
 
 def prepare(args):
@@ -124,20 +162,29 @@ def main(argv=None) -> int:
     bits = [int(b) for b in args.bits.split(",") if b.strip()]
     rows = sets["forget"]
     attack = dict(original=finetuned, holdout_rows=sets["holdout"], probe_rows=sets["retain"], steps=steps, learning_rate=args.relearn_lr, bits=bits,
-                  seed=args.seed, max_length=args.max_length, progress=False)
-    results, runs = {}, {}
-    started = time.process_time()
-    results["exact deletion"] = evaluate_robustness(exact, tok, rows, **attack)
-    runs["exact deletion"] = {"attack_cpu_s": time.process_time() - started}
+                  seed=args.seed, max_length=args.max_length, progress=False, in_context_rows=args.in_context_rows)
+    sources = [s.strip() for s in args.relearn_on.split(",") if s.strip()]
+    results, related, runs, conventions = {}, {}, {}, None
+
+    def attack_all(key, model):
+        started = time.process_time()
+        results[key] = evaluate_robustness(model, tok, rows, **attack)
+        for source in sources[1:]:  # the other relearning sources: the relearning attack alone
+            related[(key, source)] = evaluate_robustness(model, tok, rows, **{**attack, "attacks": ["relearning"]},
+                                                         relearn_rows=None if source == "half" else source)
+        runs[key] = {**runs.get(key, {}), "attack_cpu_s": time.process_time() - started}
+
+    attack_all("exact deletion", exact)
     for spec in args.methods.split(","):
         name, _, lr = spec.partition(":")
         model, label, steps_run, cpu = unlearn(name, float(lr), args, finetuned, tok, forget, retain)
-        started = time.process_time()
         key = f"{label} lr {float(lr):g}"
-        results[key] = evaluate_robustness(model, tok, rows, **attack)
-        runs[key] = {"unlearning_steps": steps_run, "unlearning_cpu_s": cpu,
-                     "attack_cpu_s": time.process_time() - started}
+        runs[key] = {"unlearning_steps": steps_run, "unlearning_cpu_s": cpu}
+        attack_all(key, model)
         print(f"{key}: {steps_run} steps, recovery {results[key].curves()['model']}", flush=True)
+        if name == args.conventions_method:
+            conventions = conventions_table(model, tok, forget_ids, list(retain["id"]),
+                                            args.conventions_max_new_tokens)
 
     header = ["model", "forget prob."] + [f"recovery @{k}" for k in steps] + \
         [f"recovery @{steps[-1]} / exact's", f"held-out prob. @{steps[-1]} / exact's"] + \
@@ -168,9 +215,26 @@ def main(argv=None) -> int:
                  f"{orig.get('probe', {}).get('max', float('nan')):.3g}, truth probe "
                  f"{orig.get('truth_probe', {}).get('max', float('nan')):.3g}")
     table = "\n".join(lines) + "\n"
+    if related:
+        head = ["model", "relearned on"] + [f"recovery @{k}" for k in steps] + [f"held-out prob. @{steps[-1]}",
+                                                                              "in-context prob. (recovery)"]
+        rel = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for key, r in results.items():
+            m = r.summary["models"]["model"]
+            icl = m.get("in_context") or {}
+            for source, res in [(sources[0], r)] + [(s, related[(key, s)]) for s in sources[1:]]:
+                curve = res.summary["models"]["model"]["relearning"]
+                rel.append("| " + " | ".join([key, source] + [f(p["recovery"]) for p in curve] + [
+                    f(curve[-1]["probability"]),
+                    f"{f(icl.get('probability'))} ({f(icl.get('recovery'))})" if source == sources[0] else ""]) + " |")
+        table += "\n" + "\n".join(rel) + "\n"
+    if conventions:
+        table += f"\nTOFU metrics of {args.conventions_method} under each convention:\n\n" + conventions[0]
     print(table)
     out = Path(args.out)
-    payload = {"args": vars(args), "runs": runs, "results": {k: r.to_dict() for k, r in results.items()}}
+    payload = {"args": vars(args), "runs": runs, "results": {k: r.to_dict() for k, r in results.items()},
+               "related": {f"{k} | {s}": r.to_dict() for (k, s), r in related.items()},
+               "conventions": conventions[1] if conventions else None}
     (out / "bench_robustness.json").write_text(json.dumps(payload, indent=1) + "\n")
     (out / "bench_robustness.md").write_text(table)
     print(f"wrote {plot_recovery_curves(results, out / 'recovery.png')}")
