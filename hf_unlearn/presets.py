@@ -88,7 +88,7 @@ CONVENTIONS: tuple[Convention, ...] = (
 # OpenUnlearning's configs/trainer/finetune.yaml with configs/experiment/unlearn/tofu/default.yaml on one device
 _OU_TRAINING = {"num_train_epochs": 10.0, "learning_rate": 1e-5, "weight_decay": 0.01,
                 "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "max_length": 512,
-                "kl_positions": "all"}
+                "kl_positions": "all", "prompt_format": "open-unlearning"}
 _OU_METHODS: dict[str, dict[str, Any]] = {
     # OpenUnlearning's NPO is NPO with an NLL retain term (our npo_rt); its SimNPO default is the simnpo_tofu setting
     "npo": {"retain_loss": "ce"},

@@ -302,3 +302,24 @@ def test_cli_choices_match_the_library():
 
     assert (cli.PROMPT_FORMATS, cli.ES_NO_MATCH, cli.VERBMEM_STOPS, cli.ATTACKS) == (
         PROMPT_FORMATS, M.ES_NO_MATCH, VERBMEM_STOPS, ATTACKS)
+
+
+def test_training_tokenises_raw_rows_with_the_configured_prompt_format():
+    """UnlearningConfig(prompt_format="open-unlearning") (set by training_preset) tokenises raw QA rows exactly as
+    encode_qa with OpenUnlearning's format does; the default keeps hf_unlearn's."""
+    from datasets import Dataset
+
+    from hf_unlearn.methods.baselines import GradAscentConfig, GradAscentTrainer
+    from hf_unlearn.models import build_tiny_model, load_tokenizer
+
+    tok = load_tokenizer(TOKENIZERS / "gpt2")
+    rows = Dataset.from_list([{"id": 1, "question": Q, "answer": A}, {"id": 2, "question": "Why?", "answer": "So."}])
+    for fmt, expected in (("open-unlearning", PromptFormat.open_unlearning(tok)), ("hf-unlearn", PromptFormat())):
+        config = GradAscentConfig(output_dir="unused", report_to=[], max_length=64, prompt_format=fmt, use_cpu=True)
+        trainer = GradAscentTrainer(model=build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2),
+                                    args=config, forget_dataset=rows, processing_class=tok)
+        for row, r in zip(trainer.train_dataset, rows):
+            enc = encode_qa(tok, r["question"], r["answer"], 64, expected)
+            assert row["input_ids"] == enc["input_ids"] and row["labels"] == enc["labels"]
+    with pytest.raises(UnlearnError, match="prompt_format"):
+        GradAscentConfig(output_dir="unused", report_to=[], prompt_format="llama")

@@ -90,7 +90,8 @@ def test_open_unlearning_preset_values():
     assert ou == {"num_train_epochs": 10.0, "learning_rate": 1e-5, "weight_decay": 0.01, "per_device_train_batch_size": 8,
                   "gradient_accumulation_steps": 4, "max_length": 512, "kl_positions": "all", "layer_id": 7,
                   "steering_coeff": 2.0, "lambda_retain": 1.0, "lambda_forget": 1.0, "trainable_parameters": "all",
-                  "loss_reduction": "open_unlearning", "warmup_steps": 12}  # 1 epoch: 400 // (8 * 4)
+                  "loss_reduction": "open_unlearning", "warmup_steps": 12,  # 1 epoch: 400 // (8 * 4)
+                  "prompt_format": "open-unlearning"}
     assert training_preset("open-unlearning", "npo")["retain_loss"] == "ce"  # OpenUnlearning's NPO is NPO+RT
     assert "retain_loss" not in training_preset("open-unlearning", "npo_klr", fixed={"retain_loss": "kl"})
     assert training_preset(None, "npo") == {} == training_preset("hf-unlearn", "npo")
@@ -110,6 +111,7 @@ def test_open_unlearning_preset_values():
         config = get_method(method).make_config(output_dir="unused", report_to=[],
                                                 **training_preset("open-unlearning", method, 40))
         assert config.kl_positions == "all" and config.gradient_accumulation_steps == 4 and config.warmup_steps == 1
+        assert config.prompt_format == "open-unlearning"
 
 
 def test_cli_preset_runs_with_open_unlearnings_budget(tmp_path):
@@ -128,6 +130,7 @@ def test_cli_preset_runs_with_open_unlearnings_budget(tmp_path):
     hp = json.loads((out / "unlearning.json").read_text())["hyperparameters"]
     assert hp["per_device_train_batch_size"] == 2  # the explicit option wins over the preset's 8
     assert hp["gradient_accumulation_steps"] == 4 and hp["weight_decay"] == 0.01 and hp["retain_loss"] == "ce"
+    assert hp["prompt_format"] == "open-unlearning"  # trained with OpenUnlearning's prompts, as its configs do
 
 
 def _remaining_differences() -> str:

@@ -657,7 +657,10 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
         sets = {"forget": forget_rows.select(range(min(config.eval_rows, len(forget_rows)))).to_list(),
                 "retain": retain_rows.select(range(min(config.eval_rows, len(retain_rows)))).to_list()}
     before = after = {}
-    eval_kw = dict(max_length=args.max_length, max_new_tokens=config.max_new_tokens, progress=config.progress)
+    from ..data.prompts import prompt_format
+
+    eval_kw = dict(max_length=args.max_length, max_new_tokens=config.max_new_tokens, progress=config.progress,
+                   use_chat_template=prompt_format(args.prompt_format, tokenizer))  # the format it trains with
     if sets:
         t = time.perf_counter()
         before = evaluate_qa(model, tokenizer, sets, **eval_kw)

@@ -23,11 +23,13 @@ def _rouge_available() -> bool:
 
 def evaluate_qa(model, tokenizer, sets: Mapping[str, Sequence[dict]], *, max_length: int = 256,
                 max_new_tokens: int = 64, batch_size: int = 16, generate: bool = True,
-                use_chat_template: bool | None = None, progress: bool = True) -> dict[str, dict]:
+                use_chat_template=None, progress: bool = True) -> dict[str, dict]:
     """``{set: {"items", "answer_loss", "probability", "rouge_l"}}`` for each named list of rows.
 
     Rows are raw QA (``question``, ``answer``) or tokenised (``input_ids``, ``labels``; no ROUGE-L then).
     ``rouge_l`` is None when ``generate`` is off, the rows are tokenised, or rouge_score is not installed.
+    ``use_chat_template``: None (the tokenizer's template when it has one), a bool or a
+    :class:`~hf_unlearn.data.prompts.PromptFormat` (the format the model was trained with).
     """
     from ..data.tokenize import encode_qa, has_chat_template
     from . import metrics as M

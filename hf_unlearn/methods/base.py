@@ -36,6 +36,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from ..data.collators import QACollator
+from ..data.prompts import prompt_format
 from ..data.tokenize import IGNORE_INDEX, tokenize_qa
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
@@ -62,6 +63,14 @@ class UnlearningConfig(TrainingArguments):
         metadata={"help": "Maximum tokens per QA pair when the trainer tokenises raw question/answer rows."},
     )
     id_column: str = field(default="id", metadata={"help": "Column holding each row's stable sample id."})
+    prompt_format: str = field(
+        default="hf-unlearn",
+        metadata={"help": "How raw question/answer rows become tokens: 'hf-unlearn' (the chat template's user turn or "
+                          "'Question: ...\\nAnswer:', the answer tokenised on its own) or 'open-unlearning' "
+                          "(OpenUnlearning's per model family: hf_unlearn.data.prompts.PromptFormat.open_unlearning). "
+                          "Evaluate with the format the model was trained with.",
+                  "choices": ["hf-unlearn", "open-unlearning"]},
+    )
     retain_batch_size: int | None = field(
         default=None,
         metadata={"help": "Retain rows per device per microbatch; None = per_device_train_batch_size."},
@@ -112,6 +121,8 @@ class UnlearningConfig(TrainingArguments):
             raise UnlearnError(f"retain_loss must be one of {', '.join(RETAIN_LOSSES)}, got {self.retain_loss!r}")
         if self.kl_positions not in ("answer", "all"):
             raise UnlearnError(f"kl_positions must be 'answer' or 'all', got {self.kl_positions!r}")
+        if self.prompt_format not in ("hf-unlearn", "open-unlearning"):
+            raise UnlearnError(f"prompt_format must be 'hf-unlearn' or 'open-unlearning', got {self.prompt_format!r}")
         if self.lambda_forget < 0 or self.lambda_retain < 0:
             raise UnlearnError("lambda_forget and lambda_retain must be >= 0")
         if self.max_length < 2:
@@ -378,7 +389,8 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
                 )
             if tokenizer is None:
                 raise UnlearnError(f"the {name} set holds raw question/answer rows: pass processing_class= (the tokenizer)")
-            dataset = tokenize_qa(dataset, tokenizer, max_length=args.max_length, id_column=args.id_column)
+            dataset = tokenize_qa(dataset, tokenizer, max_length=args.max_length, id_column=args.id_column,
+                                  use_chat_template=prompt_format(args.prompt_format, tokenizer))
         elif "labels" not in columns:
             raise UnlearnError(f"the {name} set has input_ids but no labels; tokenise it with hf_unlearn.tokenize_qa")
         ids = dataset[args.id_column]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..data.collators import QACollator
+from ..data.prompts import prompt_format
 from ..data.tokenize import IGNORE_INDEX, encode_qa, has_chat_template
 from ..errors import UnlearnError
 from ..losses import dpo_loss, nll_loss, sequence_logprob
@@ -86,7 +87,7 @@ def _alternate_encoding(tokenizer, row: dict, text: str, args: PreferenceConfig)
     """``input_ids``/``attention_mask``/``labels`` of the row's prompt followed by ``text`` (what ``encode_qa``
     builds for raw rows; tokenised rows keep their own prompt tokens)."""
     if "question" in row:
-        return encode_qa(tokenizer, row["question"], text, args.max_length)
+        return encode_qa(tokenizer, row["question"], text, args.max_length, prompt_format(args.prompt_format, tokenizer))
     labels = list(row["labels"])
     start = next((i for i, t in enumerate(labels) if t != IGNORE_INDEX), len(labels))
     prompt = list(row["input_ids"])[:start]
@@ -128,7 +129,8 @@ def with_alternate_answers(dataset, tokenizer, args: PreferenceConfig):
         if not isinstance(text, str) or not text.strip():
             raise UnlearnError(f"forget row id {row[args.id_column]!r} has an empty alternate answer")
         try:
-            out = encode_qa(tokenizer, row["question"], row["answer"], args.max_length) if raw else {}
+            out = (encode_qa(tokenizer, row["question"], row["answer"], args.max_length,
+                             prompt_format(args.prompt_format, tokenizer)) if raw else {})
             alt = _alternate_encoding(tokenizer, row, text, args)
         except UnlearnError as e:
             raise UnlearnError(f"forget row id {row[args.id_column]!r}: {e}") from None
