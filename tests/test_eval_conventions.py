@@ -323,3 +323,26 @@ def test_training_tokenises_raw_rows_with_the_configured_prompt_format():
             assert row["input_ids"] == enc["input_ids"] and row["labels"] == enc["labels"]
     with pytest.raises(UnlearnError, match="prompt_format"):
         GradAscentConfig(output_dir="unused", report_to=[], prompt_format="llama")
+
+
+def test_tofu_reference_trains_with_the_format_it_is_evaluated_with(monkeypatch, tmp_path):
+    import hf_unlearn.data
+    from hf_unlearn.eval.reference import train_retain_reference
+    from hf_unlearn.models import load_tokenizer
+
+    tok = load_tokenizer(TOKENIZERS / "gpt2")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(dataset, tokenizer, max_length=256, use_chat_template=None, **kw):
+        seen.append(use_chat_template)
+        raise Stop
+
+    monkeypatch.setattr(hf_unlearn.data, "tokenize_qa", spy)
+    for fmt in ("open-unlearning", None):
+        with pytest.raises(Stop):
+            train_retain_reference(None, tok, forget_split="forget01", output_dir=tmp_path, tofu_path=TOFU_DIR,
+                                   prompt_format=fmt, progress=False)
+    assert seen == [PromptFormat.open_unlearning(tok), PromptFormat(chat_template=False)]

@@ -298,6 +298,7 @@ def run_tofu_reference(args) -> int:
                              seed=args.seed)
     train_retain_reference(model, tok, forget_split=args.forget_split, output_dir=out / "model", tofu_path=args.tofu,
                            recipe=recipe, use_chat_template=kwargs["use_chat_template"],
+                           prompt_format=kwargs.get("prompt_format"),
                            train_ids=parse_ids(args.train_ids), forget_ids=kwargs["forget_ids"], progress=not args.quiet)
     result = evaluate_tofu(model, tok, **kwargs)
     result.meta["reference_recipe"] = vars(recipe)

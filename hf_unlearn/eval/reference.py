@@ -26,22 +26,23 @@ class ReferenceRecipe:
 
 def train_retain_reference(model, tokenizer, *, forget_split: str = "forget10", output_dir: str | os.PathLike,
                            tofu_path=None, recipe: ReferenceRecipe | None = None, use_chat_template: bool | None = None,
-                           train_ids=None, forget_ids=None, progress: bool = True):
+                           train_ids=None, forget_ids=None, prompt_format=None, progress: bool = True):
     """Fine-tune ``model`` in place on ``retainNN`` (the complement of ``forget_split``) and save it to
     ``output_dir``; returns the model. ``recipe.max_train_rows`` takes a seeded subset for quick runs.
 
     ``train_ids`` (rows of ``full``) replaces ``retainNN`` for experiments on a TOFU subset (e.g. 18 of 20 authors);
-    it may not contain any of ``forget_ids``, or the reference would not be retain-only.
+    it may not contain any of ``forget_ids``, or the reference would not be retain-only. ``prompt_format``: as for
+    :func:`~hf_unlearn.eval.tofu.evaluate_tofu` (train the reference with the format it is evaluated with).
     """
     from transformers import Trainer, TrainingArguments
 
     from ..data import QACollator, load_tofu, tokenize_qa
-    from .tofu import FORGET_SPLITS, resolve_chat_template
+    from .tofu import FORGET_SPLITS, resolve_prompt_format
 
     recipe = recipe or ReferenceRecipe()
     if forget_split not in FORGET_SPLITS:
         raise UnlearnError(f"unknown forget split {forget_split!r}; choose one of {', '.join(FORGET_SPLITS)}")
-    chat = resolve_chat_template(tokenizer, use_chat_template)
+    chat = resolve_prompt_format(tokenizer, use_chat_template, prompt_format)
     if train_ids is None:
         retain = load_tofu(f"retain{100 - int(forget_split[-2:])}", tofu_path)
         if forget_ids is not None and set(forget_ids) & set(retain["id"]):
