@@ -220,6 +220,19 @@ def test_privleak_keeps_max_length_text_tokens_after_the_start_token():
     assert enc["input_ids"] == body[:16] and enc["labels"] == [-100] + body[1:16]
 
 
+def test_a_muse_reference_from_before_the_start_token_fix_is_refused():
+    from transformers import AutoTokenizer
+
+    from hf_unlearn.eval.muse import MuseResult, evaluate_muse_news
+    from hf_unlearn.eval.runner import tokenizer_fingerprint
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZERS / "gpt2", add_bos_token=True)
+    old = MuseResult({"mia_min_k_auc": 0.6}, [], {"tokenizer_fingerprint": tokenizer_fingerprint(tok),
+                                                  "max_length": 2048, "mia_k": 0.4})
+    with pytest.raises(UnlearnError, match="after the start token"):
+        evaluate_muse_news(None, tok, reference=old, muse_path=MUSE_DIR, progress=False)
+
+
 def test_verbmem_eos_only_generates_the_full_budget():
     from hf_unlearn.eval.muse import evaluate_muse_news
     from hf_unlearn.eval.runner import generate_texts

@@ -166,6 +166,8 @@ def test_readme_remaining_differences_name_real_options_and_every_convention():
     for convention in CONVENTIONS:
         assert f"`{convention.option}`" in section, f"README's list misses {convention.name} ({convention.option})"
     assert "1024" not in section  # the privleak length is 2048 everywhere
+    for option in ("evaluate_tofu(es_no_match=)", "evaluate_muse_news(verbmem_stop=)", "evaluate_tofu(prompt_format=)"):
+        assert option in {c.option for c in CONVENTIONS} and f"`{option}`" in section  # issue #34's entries
 
 
 def test_forget_preset_keeps_every_option_given_explicitly():

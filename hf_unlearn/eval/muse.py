@@ -170,6 +170,9 @@ def evaluate_muse_news(
                 f"the MUSE reference used max_length={ref_meta.get('max_length')}, mia_k={ref_meta.get('mia_k')}; "
                 f"this evaluation uses {max_length}, {mia_k}: use the same settings"
             )
+        if len(tokenizer("", add_special_tokens=True)["input_ids"]) and not ref_meta.get("privleak_after_start_token"):
+            raise UnlearnError("the MUSE reference was evaluated before privleak counted max_length after the start "
+                               "token (one text token fewer with this tokenizer); evaluate the reference again")
         if ref_meta.get("variance_floor", 1e-12) != variance_floor:
             raise UnlearnError(f"the MUSE reference used variance_floor={ref_meta.get('variance_floor', 1e-12)} and this "
                                f"evaluation {variance_floor}: use the same Min-k%++ convention (the same --preset)")
@@ -259,6 +262,7 @@ def evaluate_muse_news(
         "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
         "tokenizer_fingerprint": fingerprint,
         "max_length": max_length,
+        "privleak_after_start_token": True,
         "variance_floor": variance_floor,
         "verbmem_stop": verbmem_stop,
         "max_prompt_tokens": max_prompt_tokens,
