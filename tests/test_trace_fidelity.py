@@ -132,8 +132,8 @@ def test_engine_that_does_not_reproduce_the_run_is_refused(tmp_path, monkeypatch
     assert sorted(open_run(run).checkpoints()) == [0, 2]  # no checkpoint file at step 1: compared in memory
     rec = json.loads((run / "header.json").read_text())["fidelity"]["recording"]
     assert rec["checked"] and not rec["reproduced"] and rec["steps"] == [0, 1] and "in memory" in rec["against"]
-    assert re.search(r"at step 1 \(the recording's own state, hashed in memory.* in (parameter|optimizer state) "
-                     r"model\.\S+ \(first of \d+\)", rec["why"])
+    # the per-step fingerprints (issue #31) catch it at the first step, before the in-memory hashes of step 1
+    assert re.search(r"at optimizer step 0: the replay's state after the optimizer step", rec["why"]), rec["why"]
     forget = open_run(run).ids_at_steps([0])[:1]
     with pytest.raises(UnlearnError, match="does not reproduce this run.*refusing before any compute"):
         OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle")
@@ -142,7 +142,7 @@ def test_engine_that_does_not_reproduce_the_run_is_refused(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["trace", "oracle", str(run), "--forget", str(ids), "--out", str(tmp_path / "o2")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not reproduce" in err[0] and "at step 1 " in err[0]
+    assert len(err) == 1 and "does not reproduce" in err[0] and "at optimizer step 0" in err[0]
     main(["trace", "inspect", str(run)])
     assert "ENGINE DID NOT REPRODUCE" in capsys.readouterr().out
     # the failed outcome forged into a pass (sidecar rewritten, no run key): the keyed seal refuses the run

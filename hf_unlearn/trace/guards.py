@@ -270,13 +270,13 @@ def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: b
         return  # a step that took no optimizer step (every slot deleted)
     what = None
     if recorded.get("lr") != actual.get("lr"):
-        what = (f"the learning rates optimizer.step() used ({actual.get('lr') or 'the plan'}s vs recorded "
-                f"{recorded.get('lr') or 'the plan'}s)")
+        what = (f"learning rates at optimizer.step() ({actual.get('lr') or 'the plan’s'} vs recorded "
+                f"{recorded.get('lr') or 'the plan’s'})")
     elif recorded.get("c") != actual.get("c"):
-        what = ("the program controls as optimizer.step() ran (param-group settings, trainable parameters, module "
+        what = ("program controls as optimizer.step() ran (param-group settings, trainable parameters, module "
                 "modes or attributes, config)")
     elif state and recorded.get("s") != actual.get("s"):
-        what = "the state after the optimizer step (sampled parameter and optimizer-state values)"
+        what = "state after the optimizer step (sampled parameter and optimizer-state values)"
     if what:
         raise FidelityError(f"the replay engine does not reproduce the recorded run at optimizer step {step}: {who}'s "
                             f"{what} differ from the recording's per-step fingerprint; stopped, a deletion from this "
