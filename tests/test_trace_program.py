@@ -156,7 +156,7 @@ def test_a_callback_a_replay_cannot_run_is_refused_naming_it_and_the_step(tmp_pa
     late = opened.ids_at_steps([5])[:1]  # served after checkpoint 4, which holds every change... unless the edits go on
     ids = write_ids(tmp_path / "late.jsonl", late)
     capsys.readouterr()
-    assert main(["forget", str(run), "--forget", str(ids), "--oracle", "--out", str(tmp_path / "cli")]) != 0
+    assert main(["forget", str(run), "--ids", str(ids), "--oracle", "--no-progress", "--out", str(tmp_path / "cli")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the oracle cannot delete these ids" in err[0] and local.__name__ in err[0]
     redact_store(opened.store_path, late, tmp_path / "store", opened.key)
