@@ -312,15 +312,19 @@ def describe_program_change(change: dict) -> str:
 def program_refusal(run, start_step: int) -> str | None:
     """Why a replay from ``start_step`` cannot reproduce the run (a program change at or after it), or None."""
     changes = program_changes(run.served_plan or run.plan, run.header)
-    late = [c for c in changes if start_step <= c["step"] < run.total_steps]
+    late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
     if not late:
         return None
     return (f"the run changed outside its record {describe_program_change(late[0])}"
             + (f" (and at {len(late) - 1} later step(s), the last {late[-1]['step']})" if len(late) > 1 else "")
-            + f"; a replay from step {start_step} would pass it without the change, so its result is not the "
-            f"counterfactual of the run that trained: a deletion needs a kept checkpoint after step {late[-1]['step']} "
-            "(only deletions of rows served after it), or record the run again with the callback importable, "
-            "its attributes JSON and its events among those replays run")
+            + (f"; a replay from step {start_step} would run without it (no checkpoint holds a trainable set or a "
+               "module attribute), so its result is not the counterfactual of the run that trained"
+               if late[0].get("persistent") else
+               f"; a replay from step {start_step} would pass it without the change, so its result is not the "
+               f"counterfactual of the run that trained: a deletion needs a kept checkpoint after step "
+               f"{late[-1]['step']} (only deletions of rows served after it)")
+            + "; or record the run again with the callback importable, its attributes JSON and its events among "
+            "those replays run")
 
 
 def guard_coverage(plan, header: dict, total: int | None = None) -> str | None:
@@ -340,6 +344,15 @@ def guard_coverage(plan, header: dict, total: int | None = None) -> str | None:
 
 
 # ---- the recording's live guard -------------------------------------------------------------------------------
+def _persistence(before: Snapshot, after: Snapshot, what: str) -> dict:
+    """A change of the trainable set, a module attribute or the config stays in the model, and no checkpoint holds
+    it (a replay rebuilds the model as it was when training started): no replay start after it helps."""
+    if describe_controls_change(before.controls, after.controls, modes=False) == what and \
+            not what.startswith(("param group", "the optimizer")):
+        return {"persistent": True}
+    return {}
+
+
 class ProgramGuard:
     """Watches a recording: compares the live state and controls at the points the module docstring names, keeps
     each step's fingerprint and every program change until the recorder writes them into the plan."""
@@ -368,7 +381,7 @@ class ProgramGuard:
         if self.ref is not None:
             what = describe_change(self.ref, now)
             if what:
-                self.pending.append({"step": step, "what": what})
+                self.pending.append({"step": step, "what": what, **_persistence(self.ref, now, what)})
         self.ref = now
 
     def between_steps(self, step: int, lrs: list[float]) -> None:
@@ -397,11 +410,12 @@ class ProgramGuard:
         spec = self.watched[id(callback)]
         before = self._snapshot(grads=True)
         result = call()
-        what = describe_change(before, self._snapshot(grads=True))
+        after = self._snapshot(grads=True)
+        what = describe_change(before, after)
         if what:
             if not spec["replayable"]:
                 self.pending.append({"step": self.step, "what": what, "by": f"{type(callback).__qualname__}.{event} "
-                                     f"({spec['why']})"})
+                                     f"({spec['why']})", **_persistence(before, after, what)})
             self.ref = self._snapshot()
         return result
 

@@ -116,7 +116,7 @@ def check_provenance(replay_out, oracle_out) -> dict:
         if uncovered:
             problems.append(f"{path}: {uncovered}")
         start = (header.get("parent") or {}).get("start_step", 0)
-        late = [c for c in program_changes(plan, header) if c["step"] >= start]
+        late = [c for c in program_changes(plan, header) if c["step"] >= start or c.get("persistent")]
         if late:
             from .guards import describe_program_change
 
