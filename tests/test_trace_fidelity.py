@@ -44,16 +44,21 @@ def _cast_model(family: str, cast: str, tok):
     return model
 
 
-def independent_counterfactual(tok, data, model, run_dir, forget, out, stop_at=None, **kw):
-    """A plain ``Trainer`` run (no replay engine): the deleted rows' labels all -100, the recorded loss normalisers;
-    with ``stop_at`` it stops after that many optimizer steps (the model a user kept)."""
+def independent_counterfactual(tok, data, model, run_dir, forget, out, stop_at=None, callbacks=(), **kw):
+    """A plain ``Trainer`` run (no replay engine): the deleted rows' labels all -100, the recorded loss normalisers
+    and microbatch seeds (dropout draws), the same ``callbacks``; with ``stop_at`` it stops after that many optimizer
+    steps (the model a user kept)."""
+    from collections import deque
+
     from transformers import Trainer, TrainerCallback
 
     from hf_unlearn.data import QACollator
     from hf_unlearn.demo import _DropIds
     from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.recording import seeded
 
-    norms = {e.step: (e.norm, e.norm_dtype) for e in read_plan(run_dir)}
+    plan = read_plan(run_dir)
+    norms = {e.step: (e.norm, e.norm_dtype) for e in plan}
     forget = set(forget)
     masked = data.map(lambda r: {"labels": [-100] * len(r["labels"])} if r["id"] in forget else {})
 
@@ -63,13 +68,18 @@ def independent_counterfactual(tok, data, model, run_dir, forget, out, stop_at=N
             if batches:
                 value, dtype = norms[self.state.global_step]
                 num = torch.tensor(value, dtype=getattr(torch, dtype), device=device)
+                self._seeds = deque(e.seed for e in plan if e.step == self.state.global_step)
             return batches, num
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            with seeded(self._seeds.popleft()):
+                return super().training_step(model, inputs, num_items_in_batch)
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = stop_at is not None and state.global_step >= stop_at
 
-    RecordedNormalisers(model=model, args=train_args(out, **kw), train_dataset=masked, callbacks=[Stop()],
+    RecordedNormalisers(model=model, args=train_args(out, **kw), train_dataset=masked, callbacks=[Stop(), *callbacks],
                         data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
     return model.state_dict()
 
@@ -122,8 +132,8 @@ def test_engine_that_does_not_reproduce_the_run_is_refused(tmp_path, monkeypatch
     assert sorted(open_run(run).checkpoints()) == [0, 2]  # no checkpoint file at step 1: compared in memory
     rec = json.loads((run / "header.json").read_text())["fidelity"]["recording"]
     assert rec["checked"] and not rec["reproduced"] and rec["steps"] == [0, 1] and "in memory" in rec["against"]
-    assert re.search(r"at step 1 \(the recording's own state, hashed in memory.* in (parameter|optimizer state) "
-                     r"model\.\S+ \(first of \d+\)", rec["why"])
+    # the per-step fingerprints (issue #31) catch it at the first step, before the in-memory hashes of step 1
+    assert re.search(r"at optimizer step 0: the replay's state after the optimizer step", rec["why"]), rec["why"]
     forget = open_run(run).ids_at_steps([0])[:1]
     with pytest.raises(UnlearnError, match="does not reproduce this run.*refusing before any compute"):
         OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle")
@@ -132,7 +142,7 @@ def test_engine_that_does_not_reproduce_the_run_is_refused(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["trace", "oracle", str(run), "--forget", str(ids), "--out", str(tmp_path / "o2")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not reproduce" in err[0] and "at step 1 " in err[0]
+    assert len(err) == 1 and "does not reproduce" in err[0] and "at optimizer step 0" in err[0]
     main(["trace", "inspect", str(run)])
     assert "ENGINE DID NOT REPRODUCE" in capsys.readouterr().out
     # the failed outcome forged into a pass (sidecar rewritten, no run key): the keyed seal refuses the run

@@ -302,7 +302,7 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
             what = "does not exist" if not os.path.exists(source) else "is not a recorded run"
             raise UnlearnError(f"exact deletion needs a recorded run (the trace_dir of a TraceRecordingTrainer); "
                                f"{source!r} {what}; pass --method masc (or another method) for a model")
-        plan.update(mode=EXACT, **_validate_run(source, request))
+        plan.update(mode=EXACT, **_validate_run(source, request, oracle=config.oracle))
         plan["data_collator"] = _run_collator(plan["run"], config.collator, data_collator)
     else:
         if run:
@@ -330,7 +330,7 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
     return plan
 
 
-def _validate_run(source: str, request: list) -> dict:
+def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     from ..data.ids import check_id_types
     from ..trace.replay import replay_cost
     from ..trace.run import open_run
@@ -348,6 +348,12 @@ def _validate_run(source: str, request: list) -> dict:
     stored = document_ids(load_store(run.store_path), run.id_column)  # a packed run: its documents' ids
     check_id_types(request, stored[:1000], f"the run {source}")
     cost = replay_cost(run, request)  # unknown ids are an error here, listed
+    from ..trace.guards import ProgramChangedError, program_refusal
+
+    for start, who in ((cost["start_checkpoint"], "the replay"), *(((0, "the oracle"),) if oracle else ())):
+        why = program_refusal(run.kept(), start) if cost["first_affected_step"] is not None else None
+        if why:  # before any compute: a replay from there would not be the counterfactual of the run that trained
+            raise ProgramChangedError(f"{source}: {who} cannot delete these ids: {why}")
     from ..trace.trainers import recorded_trainer
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
@@ -589,7 +595,9 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         "verified": None if report is None else bool(report["verified"]),
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
         "controls": plan["controls"],  # keyed (seeds, lrs, steps, ... under the run key) or unkeyed (an older run)
-        "fidelity": fidelity_statement(run.header),
+        # what the engine was shown to reproduce: the recording's self-check and guards, and this replay's own
+        # checkpoints and per-step fingerprints (the oracle's are in evidence.oracle)
+        "fidelity": fidelity_statement(json.loads((out / "replay" / "header.json").read_text())),
     }
     log(f"fidelity: {evidence['fidelity']}")
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
@@ -602,7 +610,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                               "params_mismatched_elements": report["params"]["mismatched_elements"],
                               "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"],
                               "params_elements": report["params"]["elements"],
-                              "optimizer_elements": report["optimizer"]["elements"]}
+                              "optimizer_elements": report["optimizer"]["elements"],
+                              "fidelity": report["provenance"]["fidelity"].get("oracle")}
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
                     trace_params_root=exact.get("params_root"), saved_files=saved_files)
 

@@ -236,9 +236,22 @@ def fidelity_statement(header: dict) -> str:
         text = f"ENGINE DID NOT REPRODUCE the recorded run: {rec.get('why')}"
     else:
         text = f"the recording's self-check did not run ({rec.get('why')})"
+    guards = fid.get("guards")
+    if guards:
+        callbacks = [c["class"].rsplit(":", 1)[-1] for c in (header.get("trainer") or {}).get("callbacks") or []]
+        text += ("; the recording's per-step guards checked every optimizer step (learning rates at optimizer.step(), "
+                 "trainable set, module modes and attributes, in-place edits of parameters, buffers and optimizer "
+                 "state)" + (f", callbacks replayed: {', '.join(callbacks)}" if callbacks else ""))
+    else:
+        text += "; NO per-step guards (steps after the self-check are not proven to be the recorded program)"
     passed = fid.get("checkpoints_matched")
     if passed:
         text += f"; this replay matched the recorded checkpoints at steps {', '.join(map(str, passed))}"
+    matched = fid.get("fingerprints_matched") or {}
+    if matched.get("state") or matched.get("controls"):
+        parts = [f"{what} at steps {r[0]}..{r[1]}" for what, r in (("state", matched.get("state")),
+                                                                  ("controls", matched.get("controls"))) if r]
+        text += f"; its per-step fingerprints matched the recording's: {', '.join(parts)}"
     return text
 
 

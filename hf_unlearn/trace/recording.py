@@ -358,6 +358,8 @@ class TraceWriter:
 
 
 class _TraceCallback(TrainerCallback):
+    _trace_observer = True  # the library's own: not part of the user's program
+
     def __init__(self, trainer):
         self.trainer = trainer
 
@@ -413,6 +415,11 @@ class TraceRecordingMixin:
             replay and verdict refused (see :mod:`hf_unlearn.trace.fidelity`). An int N checks the first N steps
             (and every recorded checkpoint among them). Costs about one optimizer step, a model rebuild and two
             state hashes. Default: on (``True``: N = 1); ``False``: off.
+        trace_guards: check the training program at every optimizer step (:mod:`hf_unlearn.trace.guards`): the
+            learning rate each param group holds when ``optimizer.step()`` runs, the trainable set, every module's
+            mode and plain attributes, and in-place edits of parameters, buffers and optimizer state; a change no
+            recorded callback made marks the run (step, cause), and each step's fingerprint goes into the plan so
+            replays check themselves step by step. Default: on; ``False`` leaves deletions of the run unverifiable.
     """
 
     _is_replay = False
@@ -423,7 +430,7 @@ class TraceRecordingMixin:
                  trace_allow_hazards: bool = False, trace_self_check: bool | int = True,
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
-                 **kwargs):
+                 trace_guards: bool = True, **kwargs):
         from .retention import MODES
 
         if trace_checkpoint_retention not in MODES:
@@ -441,6 +448,9 @@ class TraceRecordingMixin:
         self._trace_id_column = id_column  # SFTTrainer prepares (and packs) its dataset inside its constructor
         super().__init__(*args, **kwargs)
         self.trace_self_check = trace_self_check
+        self.trace_guards = trace_guards
+        self._trace_guard = None  # the live program guard while recording (hf_unlearn.trace.guards)
+        self._trace_program_callbacks: list = []  # the user's callbacks a replay runs again, in order
         self._trace_check_ref: dict | None = None  # the state hashes the self-check must reproduce (in memory)
         self.trace_dir = Path(trace_dir) if trace_dir is not None else Path(self.args.output_dir) / "trace"
         self.trace_checkpoint_steps = trace_checkpoint_steps
@@ -464,6 +474,8 @@ class TraceRecordingMixin:
         self._trace_optimizer_source = self._optimizer_source()
         # first, so a user callback that fails right after an optimizer step cannot hide that the step completed
         self.callback_handler.callbacks.insert(0, _TraceCallback(self))
+        if not self._is_replay:
+            self.callback_handler.call_event = self._guarded_call_event
         self._trace_dropped, self._trace_trainer, self._trace_probed = [], {}, False
         if not self._is_replay:
             self._trace_trainer = self._trace_trainer_spec()
@@ -806,6 +818,9 @@ class TraceRecordingMixin:
         if not self._trace_started:
             self._trace_start()
         step = self.state.global_step
+        if self._trace_guard is not None:
+            lr0, group_lrs = self._lr_record()
+            self._trace_guard.between_steps(step, group_lrs or [lr0] * len(self.optimizer.param_groups))
         if self._trace_writer is not None and step not in self._trace_saved and is_due(
                 step, self._trace_total, self._trace_every, self.trace_checkpoint_retention):
             self._trace_checkpoint(step)
@@ -865,6 +880,9 @@ class TraceRecordingMixin:
         if groups != self._trace_groups:
             extra = {"groups": groups}
             self._trace_groups = groups
+        if self._trace_guard is not None and step > 0:
+            extra.update(self._trace_guard.flush(step - 1))  # step - 1's fingerprint and program changes
+        extra.update(self._trace_callback_extra(step))
         if torch.is_tensor(num_items):
             norm, norm_dtype = float(num_items.item()), str(num_items.dtype).removeprefix("torch.")
         elif num_items is None:
@@ -924,6 +942,7 @@ class TraceRecordingMixin:
         from ..hub.keys import key_fingerprint
 
         header["key_fingerprint"] = key_fingerprint(self._trace_key)
+        header["trainer"].update(self._trace_callbacks())
         self._trace_header = header
         self._save_model_files(run)
         from .fidelity import save_buffers
@@ -938,6 +957,65 @@ class TraceRecordingMixin:
             from .plan import read_plan
 
             self._trace_mb = len(read_plan(run))
+        self._trace_cb_states = None
+        if self.trace_guards:
+            from .guards import ProgramGuard
+
+            watched = {id(cb): spec for cb, spec in self._trace_watched}
+            self._trace_guard = ProgramGuard(self.accelerator.unwrap_model(self.model), self.optimizer, watched)
+
+    def _trace_callbacks(self) -> dict:
+        """Sort the callbacks (hf_unlearn.trace.guards): observers; the user's program callbacks a replay runs again
+        (``callbacks`` in the header: class and events); those it cannot (``watched_callbacks``, with why)."""
+        from .guards import callback_spec, is_observer
+
+        self._trace_watched, recorded, watched = [], [], []
+        for cb in self.callback_handler.callbacks:
+            if is_observer(cb):
+                continue
+            spec = callback_spec(cb)
+            self._trace_watched.append((cb, spec))
+            if spec["replayable"]:
+                recorded.append({"class": spec["class"], "events": spec["events"]})
+            else:
+                watched.append({"class": spec["class"], "why": spec["why"]})
+        self._trace_program_callbacks = [cb for cb, spec in self._trace_watched if spec["replayable"]]
+        return {"callbacks": recorded, "watched_callbacks": watched}
+
+    def _trace_callback_extra(self, step: int) -> dict:
+        """The recorded callbacks' attributes when they changed (a suffix replay restores them with the checkpoint)."""
+        from .guards import callback_attributes
+
+        if not self._trace_program_callbacks:
+            return {}
+        try:
+            states = [callback_attributes(cb) for cb in self._trace_program_callbacks]
+        except ValueError as e:
+            if self._trace_guard is not None:
+                self._trace_guard.pending.append({"step": step, "what": f"a recorded callback's attributes: {e}",
+                                                  "by": "a recorded callback"})
+            return {}
+        if states == self._trace_cb_states:
+            return {}
+        self._trace_cb_states = states
+        return {"callbacks": states}
+
+    def _guarded_call_event(self, event, args, state, control, **kwargs):
+        """transformers' CallbackHandler.call_event, with each watched callback's event run inside the guard."""
+        handler, guard = self.callback_handler, self._trace_guard
+        for cb in handler.callbacks:
+            def call(cb=cb, control=control):
+                return getattr(cb, event)(args, state, control, model=handler.model,
+                                          processing_class=handler.processing_class, optimizer=handler.optimizer,
+                                          lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
+                                          eval_dataloader=handler.eval_dataloader, **kwargs)
+            if guard is not None and id(cb) in guard.watched and event in guard.watched[id(cb)]["events"]:
+                result = guard.around(cb, event, call)
+            else:
+                result = call()
+            if result is not None:
+                control = result
+        return control
 
     def _trace_packing(self, served, header: dict) -> None:
         """A packed run: write the public document map and describe it in the header (under the keyed seal)."""
@@ -970,6 +1048,10 @@ class TraceRecordingMixin:
         if self._trace_writer is None:
             return
         step = self.state.global_step
+        guard, self._trace_guard = self._trace_guard, None
+        if guard is not None:  # after the last step: its fingerprint, and a change since (in the final checkpoint)
+            guard.between_steps(step, [])
+            guard.close()
         if step not in self._trace_saved:
             self._trace_checkpoint(step, final=True)
         else:
@@ -991,6 +1073,11 @@ class TraceRecordingMixin:
                     "checked": True, "reproduced": False, "steps": [0, step],
                     "why": f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do "
                            "not carry it, so replays cannot follow it)"}}
+        if guard is not None and step > 0:
+            self._trace_header.setdefault("fidelity", {})["guards"] = {
+                "final": {"step": step - 1, **guard.flush(step - 1)},
+                "checks": "per optimizer step: param-group settings at optimizer.step(), trainable set, module modes "
+                          "and attributes, config, in-place edits of parameters, buffers and optimizer state"}
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
 

@@ -41,6 +41,7 @@ from .fidelity import (
     refusal,
     restore_layout,
 )
+from .guards import VOLATILE_CONFIG
 from .hashing import batch_digest
 from .packing import (
     check_redacted_row,
@@ -91,8 +92,7 @@ NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_a
 PACKED_BASELINE = ("the {name} baseline drops whole rows, and a packed run's rows hold several documents, so it is not "
                    "defined for packing=True runs; compare the replay with the oracle (trace oracle, trace verify)")
 # config keys that say where a model came from, not what it computes
-_VOLATILE_CONFIG = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
-                    "_attn_implementation_autoset", "use_cache"}
+_VOLATILE_CONFIG = VOLATILE_CONFIG
 
 
 # ---- planning ----------------------------------------------------------------------------------------------
@@ -373,6 +373,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                  **kwargs):
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
+        self._self_check = _self_check
         why = None if _self_check else refusal(header)
         if why:
             raise UnlearnError(f"{self.run.path}: {why}; exact deletion cannot be proven on this run, refusing before "
@@ -467,11 +468,46 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                    f"{self.start_step} as {t.dtype}: the model's dtype layout is not the recorded one")
         affected = [e.step for e in self.run.plan if self._hit(e)]
         self.first_affected_step = min(affected) if affected else self.run.total_steps
+        self._setup_program()
         if not self.filter_rows:
             self._check_batches()
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
 
     # ---- set-up -------------------------------------------------------------------------------------------
+    def _setup_program(self) -> None:
+        """The program a replay runs besides the plan (hf_unlearn.trace.guards): refused up front when the run
+        changed outside its record at or after the start; the recorded callbacks rebuilt with their attributes at
+        the start step; the recording's per-step fingerprints to compare with."""
+        from .guards import ProgramChangedError, program_refusal, rebuild_callback, recorded_fingerprints
+
+        full = self.run.served_plan or self.run.plan
+        if not self._self_check and not self.filter_rows:  # the self-check finds it by its fingerprints instead
+            why = program_refusal(self.run, self.start_step)
+            if why:
+                raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
+        self._recorded_fps = recorded_fingerprints(full, self.run.header)
+        self._step_fps: dict[int, dict] = {}
+        self._fps_matched = {"state": [], "controls": []}
+        specs = (self.run.header.get("trainer") or {}).get("callbacks") or []
+        states = None
+        for e in self.run.plan:
+            if e.j == 0 and e.step <= self.start_step and "callbacks" in e.extra:
+                states = e.extra["callbacks"]
+        if specs and (states is None or len(states) != len(specs)):
+            raise UnlearnError(f"{self.run.path} records {len(specs)} callback(s) a replay runs again but not their "
+                               f"attributes at step {self.start_step}: the plan is not the one the recording wrote")
+        self._program_callbacks = [rebuild_callback(spec, st) for spec, st in zip(specs, states or [])]
+        self._out_cb_states = states
+
+    def _event(self, event: str) -> None:
+        """Run a recorded callback event as the recording's Trainer did at this point of the step."""
+        if self._program_callbacks:
+            from .guards import run_event
+
+            run_event(self._program_callbacks, event, self.args, self.state, self.control, model=self.model,
+                      processing_class=self.processing_class, optimizer=self.optimizer, lr_scheduler=None,
+                      train_dataloader=None, eval_dataloader=None)
+
     def _recorded_trainer_arguments(self) -> dict:
         """What the run's own trainer class takes beyond model/args/collator: its recorded arguments, the store as
         its (already prepared) train_dataset and the saved tokenizer. Nothing for a plain ``Trainer`` run."""
@@ -669,6 +705,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 replayed += 1
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
+                self._check_step_fingerprint(step)
             saved = None
             if writer and run.total_steps > start:
                 saved = writer.save_checkpoint(run.total_steps, self.model, self.optimizer)
@@ -685,7 +722,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         final = capture_state(self.model, self.optimizer, run.total_steps, clone=True)
         self.replay_stats = {"start_step": start, "segments_replayed": replayed, "optimizer_steps_taken": stepped,
                              "total_steps": run.total_steps, "nothing_to_replay": replayed == 0,
-                             "checkpoints_matched": list(self.checkpoints_matched)}
+                             "checkpoints_matched": list(self.checkpoints_matched),
+                             "fingerprints_matched": step_ranges(self._fps_matched)}
         if writer:
             self._finish_output(writer)
         self.accelerator.wait_for_everyone()
@@ -706,6 +744,20 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                                        every_n_layers=every_n_layers, offload=offload)
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None)
+
+    def _check_step_fingerprint(self, step: int) -> None:
+        """Compare this replay's fingerprint of ``step`` with the recording's: the controls at every step (a deletion
+        does not change them), the state before the first affected step."""
+        from .guards import compare_fingerprint
+
+        recorded, actual = self._recorded_fps.get(step), self._step_fps.get(step)
+        if self.filter_rows or recorded is None or actual is None or "c" not in actual or "c" not in recorded:
+            return
+        state = step < self.first_affected_step
+        compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
+        self._fps_matched["controls"].append(step)
+        if state:
+            self._fps_matched["state"].append(step)
 
     def _check_fidelity(self, step: int, saved: Path | None) -> None:
         """At a recorded checkpoint before the first affected step, the state must be the recorded one (else stop)."""
@@ -738,6 +790,17 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _output_entry(self, e: PlanEntry) -> PlanEntry:
         """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
         changed = self._hit(e)
+        if e.j == 0 and e.step > self.start_step:  # this replay's own fingerprint of the step before, its callbacks
+            extra = {k: v for k, v in e.extra.items() if k not in ("fp", "changed", "callbacks")}
+            if self._step_fps.get(e.step - 1) is not None:
+                extra["fp"] = self._step_fps[e.step - 1]
+            if self._program_callbacks:
+                from .guards import callback_attributes
+
+                states = [callback_attributes(cb) for cb in self._program_callbacks]
+                if states != self._out_cb_states:
+                    extra["callbacks"] = self._out_cb_states = states
+            e = dataclasses.replace(e, extra=extra)
         if not changed and (e.batch or not self.run.compact):
             return e
         batch = e.batch
@@ -761,7 +824,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 continue
             feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank)
             work.append((e, self._collate(feats, dummy_pos)))
-        if not work:
+        step = seg[0].step
+        self.state.global_step = step
+        if not work:  # no optimizer step: the recorded callbacks still see the step begin and end
+            self._event("on_step_begin")
+            self.state.global_step = step + 1
+            self._event("on_step_end")
+            self._step_fps[step] = {"none": "no optimizer step (every slot deleted)"}
             return 0
         if self.filter_rows:
             num_items = self._get_num_items_in_batch([b for _, b in work], self.args.device)
@@ -772,6 +841,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             g["lr"] = value
         for g, settings in zip(self.optimizer.param_groups, seg[0].extra.get("groups", [])):
             g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in settings.items()})
+        self._event("on_step_begin")
         for i, (e, batch) in enumerate(work):
             if not self.filter_rows:
                 num_items = self._normaliser(e)
@@ -780,10 +850,21 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             context = contextlib.nullcontext if sync else functools.partial(self.accelerator.no_sync, model=model)
             with context(), seeded(rank_seed(e.seed, rank)):
                 self.training_step(model, batch, num_items)  # the recorded trainer's own step and compute_loss
+            if i < len(work) - 1:
+                self._event("on_substep_end")
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
+        self._event("on_pre_optimizer_step")
+        from .guards import plan_lrs, program_controls, sample_values, state_tensors, step_fingerprint
+
+        controls = program_controls(self.model, self.optimizer)
         self.optimizer.step()
+        self._step_fps[step] = step_fingerprint(controls, sample_values(state_tensors(self.model, self.optimizer)),
+                                                plan_lrs(seg[0], len(self.optimizer.param_groups)))
+        self._event("on_optimizer_step")
         model.zero_grad()
+        self.state.global_step = step + 1
+        self._event("on_step_end")
         return 1
 
     def unlearning_card_info(self) -> dict:
@@ -883,7 +964,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             "optimizer_root": hashes["optimizer_root"],
             "parent_run": self.run.path.name,
         }
-        header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"]}
+        header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"],
+                              "fingerprints_matched": stats["fingerprints_matched"]}
+        last = self.run.total_steps - 1
+        if header["fidelity"].get("guards") and last in self._step_fps:  # the last step's fingerprint is this replay's
+            header["fidelity"]["guards"] = {**header["fidelity"]["guards"], "final": {"step": last,
+                                                                                       "fp": self._step_fps[last]}}
         entry["fidelity"] = fidelity_statement(header)
         if stats["nothing_to_replay"]:
             entry["note"] = ("nothing to replay: no slot of the requested ids is left in the plan (deleted by an "
@@ -896,6 +982,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             first = next((e.mb for e in self.run.plan if e.step >= self.start_step), len(self.run.plan))
             compact_run(self.out_dir, {(a, b): mac for a, b, mac in self.run.batch_groups()
                                        if mac is not None and b <= first})
+
+
+def step_ranges(matched: dict) -> dict:
+    """``{"state": [first, last], "controls": [first, last]}`` of the steps whose fingerprints matched (None: none)."""
+    return {k: [min(v), max(v)] if v else None for k, v in matched.items()}
 
 
 def replay_class(cls, header: dict):

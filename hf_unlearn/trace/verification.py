@@ -108,8 +108,20 @@ def check_provenance(replay_out, oracle_out) -> dict:
         if not (path / "header.json").is_file():
             problems.append(f"{path} is not a run folder (no header.json): where its state came from is not checked")
             continue
-        rep, header, _ = check_run(path, key=run_key(path, required=False), check_checkpoints=True)
+        rep, header, plan = check_run(path, key=run_key(path, required=False), check_checkpoints=True)
         problems += [f"{path}: {e}" for e in rep.errors]
+        from .guards import guard_coverage, program_changes
+
+        uncovered = guard_coverage(plan, header)
+        if uncovered:
+            problems.append(f"{path}: {uncovered}")
+        start = (header.get("parent") or {}).get("start_step", 0)
+        late = [c for c in program_changes(plan, header) if c["step"] >= start or c.get("persistent")]
+        if late:
+            from .guards import describe_program_change
+
+            problems.append(f"{path}: the run changed outside its record {describe_program_change(late[0])}, in the "
+                            f"range the {role} replayed (from step {start})")
         notes += [f"{path}: {n}" for n in rep.notes]
         controls[role] = rep.summary.get("controls")
         headers[role] = header

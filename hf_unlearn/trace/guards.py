@@ -1,0 +1,431 @@
+"""Per-step program guards: everything that decides a recorded state is in the record and replayed, or refused.
+
+A replay re-executes the recorded plan. What the plan does not hold (a callback that raises the learning rate at
+step 3, freezes a layer, edits the weights under ``no_grad`` or sets every dropout ``p`` to 0; a user's own code
+doing the same) would be silently dropped, and a deletion VERIFIED against an oracle that is not the counterfactual
+of the run the user trained. So the recording closes the program:
+
+* **callbacks** are sorted when training starts. transformers' own (printer, progress, logging and integration
+  callbacks, ``EarlyStoppingCallback``, whose stop is a recorded control: the run's length and kept model) and the
+  library's are observers. Any other callback is part of the program: an importable class whose attributes are JSON
+  and which overrides only the events a replay runs (:data:`REPLAYED_EVENTS`, plus the set-up events whose effects
+  the step-0 checkpoint holds) is **recorded** (its class in the header, its attributes whenever they change in the
+  plan, both under the run key) and **run again** by replays and the oracle at the same points of every step. Any
+  other is **watched**: the first thing it changes marks the run, naming it, the event and the step.
+* **a live guard**, in memory and O(number of tensors): the storage and version counter of every parameter, buffer,
+  gradient and optimizer-state tensor (an in-place edit of any element through the tensor), a strided sample of
+  their values (an edit through ``.data``), every param group's settings (the learning rate ``optimizer.step()``
+  uses, not only the scheduler's), the trainable set, every module's ``training`` flag and plain attributes
+  (dropout ``p``, ...) and the model config. Compared around each watched callback's events, when a step's batches
+  are fetched, and right before ``optimizer.step()``. A change no recorded callback made is a **program change**:
+  written to the plan (keyed) with its step; a replay that would pass the step (start at or before it) is refused
+  before any compute (:class:`ProgramChangedError`).
+* **per-step fingerprints**: for every optimizer step, a digest of the program controls as ``optimizer.step()``
+  runs (learning rates, trainable set, modes, attributes) and of the sampled state right after it, written to the
+  plan (keyed). Every replay and the oracle compute the same fingerprint at the same points and compare: the
+  controls at every step they replay (a deletion does not change them), the state at every step before the first
+  affected one. A mismatch stops the replay, naming the step and what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import NamedTuple
+
+import torch
+
+from .fidelity import FidelityError
+
+# the events a replay runs, at the points of a step where Trainer runs them
+REPLAYED_EVENTS = ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
+# events whose effects the step-0 checkpoint holds (before the first step) or that run after the run is sealed
+SETUP_EVENTS = ("on_init_end", "on_train_begin", "on_train_end")
+SAMPLES = 16  # sampled values per tensor
+PLAIN = (bool, int, float, str, type(None))
+# config keys that say where a model came from, not what it computes
+VOLATILE_CONFIG = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
+                             "_attn_implementation_autoset", "use_cache"})
+VOLATILE_ATTRIBUTES = frozenset({"name_or_path"})  # a PreTrainedModel's: where it was loaded from
+
+
+class ProgramChangedError(FidelityError):
+    """The run changed outside its record (a callback or code the replay does not run) in the range a replay needs."""
+
+
+# ---- callbacks ---------------------------------------------------------------------------------------------
+def is_observer(callback) -> bool:
+    """transformers' own callbacks and the library's: they log, print, report or stop (a recorded control)."""
+    return (type(callback).__module__ or "").startswith("transformers.") or getattr(callback, "_trace_observer", False)
+
+
+def overridden_events(callback) -> list[str]:
+    from transformers import TrainerCallback
+
+    return sorted(name for name in vars(TrainerCallback) if name.startswith("on_")
+                  and getattr(type(callback), name) is not getattr(TrainerCallback, name))
+
+
+def callback_attributes(callback) -> dict:
+    """The callback's attributes as JSON; raises ValueError when they are not JSON (or do not survive it)."""
+    state = vars(callback)
+    try:
+        text = json.dumps(state, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"its attributes are not JSON ({e})") from None
+    if json.loads(text) != state:
+        raise ValueError("its attributes do not survive JSON (tuples or non-string keys)")
+    return json.loads(text)
+
+
+def callback_spec(callback) -> dict:
+    """How a replay runs ``callback`` again: ``{"class", "events", "replayable"}`` and ``why`` when it cannot."""
+    from .trainers import importable_name
+
+    cls = type(callback)
+    name = importable_name(cls)
+    events = overridden_events(callback)
+    spec = {"class": name or f"{cls.__module__}:{cls.__qualname__}", "events": events}
+    why = None
+    other = [e for e in events if e not in REPLAYED_EVENTS + SETUP_EVENTS]
+    if name is None:
+        why = "it is defined in __main__ or inside a function, so a replay cannot import it"
+    elif other:
+        why = f"it overrides {', '.join(other)}, which replays do not run (they run {', '.join(REPLAYED_EVENTS)})"
+    else:
+        try:
+            callback_attributes(callback)
+        except ValueError as e:
+            why = str(e)
+    return {**spec, "replayable": why is None, **({"why": why} if why else {})}
+
+
+def rebuild_callback(spec: dict, attributes: dict):
+    """The recorded callback with the recorded attributes (its constructor is not run: the attributes are its state)."""
+    import copy
+
+    from .trainers import _import
+
+    cls = _import(spec["class"], "callback class")
+    obj = cls.__new__(cls)
+    obj.__dict__.update(copy.deepcopy(attributes))
+    return obj
+
+
+def run_event(callbacks, event: str, args, state, control, **kwargs) -> None:
+    """Call ``event`` on each callback as transformers' CallbackHandler does."""
+    for cb in callbacks:
+        result = getattr(cb, event)(args, state, control, **kwargs)
+        if result is not None:
+            control = result
+
+
+# ---- state and controls ------------------------------------------------------------------------------------
+def _plain(value):
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, PLAIN) else type(value).__name__
+
+
+def program_controls(model, optimizer) -> dict:
+    """What decides a step besides the data and the state: every param group's settings (learning rate included),
+    the trainable parameters, every module's ``training`` flag and plain public attributes, and the model config."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    groups = [{k: _plain(v) for k, v in g.items() if k not in ("params", "initial_lr")} for g in inner.param_groups]
+    trainable = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    modules = {name: {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, PLAIN)
+                      and k not in VOLATILE_ATTRIBUTES} for name, m in model.named_modules()}
+    config = getattr(model, "config", None)
+    config = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
+              if k not in VOLATILE_CONFIG}
+    return {"groups": groups, "trainable": trainable, "modules": modules, "config": config}
+
+
+def controls_digest(controls: dict) -> str:
+    return hashlib.sha256(json.dumps(controls, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def describe_controls_change(before: dict, after: dict, modes: bool = True) -> str | None:
+    """The first difference between two :func:`program_controls` dicts, in words (None when they agree).
+
+    ``modes=False`` leaves the ``training`` flags out: between steps they say where evaluation left the model
+    (``training_step`` sets them again), so they count as the forward used them (in the step fingerprint)."""
+    for i, (a, b) in enumerate(zip(before["groups"], after["groups"])):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return f"param group {i}'s {k} {a.get(k)!r} -> {b.get(k)!r}"
+    if len(before["groups"]) != len(after["groups"]):
+        return f"the optimizer's param groups {len(before['groups'])} -> {len(after['groups'])}"
+    a, b = set(before["trainable"]), set(after["trainable"])
+    if a != b:
+        name = sorted(a ^ b)[0]
+        return f"requires_grad of {name} {name in a} -> {name in b} ({len(a ^ b)} parameter(s))"
+    for name in before["modules"]:
+        x, y = before["modules"][name], after["modules"].get(name, {})
+        for k in sorted(set(x) | set(y)):
+            if x.get(k) != y.get(k) and (modes or k != "training"):
+                return f"{name or '(the model)'}.{k} {x.get(k)!r} -> {y.get(k)!r}"
+    if set(before["modules"]) != set(after["modules"]):
+        return f"the model's modules ({len(before['modules'])} -> {len(after['modules'])})"
+    for k in sorted(set(before["config"]) | set(after["config"])):
+        if before["config"].get(k) != after["config"].get(k):
+            return f"config.{k} {before['config'].get(k)!r} -> {after['config'].get(k)!r}"
+    return None
+
+
+def state_tensors(model, optimizer, grads: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Parameters, buffers (and gradients) of the model and the optimizer's state tensors, named."""
+    out = []
+    for n, p in model.named_parameters():
+        out.append((n, p))
+        if grads and p.grad is not None:
+            out.append((f"{n} (gradient)", p.grad))
+    out += [(n, b) for n, b in model.named_buffers()]
+    if optimizer is not None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for g in inner.param_groups:
+            for p in g["params"]:
+                st = inner.state.get(p, {})
+                for k, v in sorted(st.items()):  # a loaded state dict may hold the keys in another order
+                    if torch.is_tensor(v):
+                        out.append((f"optimizer state {k} of {names.get(id(p), '?')}", v))
+    return out
+
+
+def sample_values(tensors) -> dict:
+    """A strided sample of every tensor's values, concatenated per dtype."""
+    groups: dict = {}
+    for _, t in tensors:
+        flat = t.detach().reshape(-1)
+        groups.setdefault(t.dtype, []).append(flat[::max(1, flat.numel() // SAMPLES)][:SAMPLES])
+    return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
+
+
+def sample_digest(samples: dict) -> str:
+    h = hashlib.sha256()
+    for dtype in sorted(samples, key=str):
+        h.update(str(dtype).encode())
+        h.update(samples[dtype].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Snapshot(NamedTuple):
+    storage: dict  # name -> (data_ptr, version)
+    samples: dict
+    controls: dict
+
+
+def snapshot(model, optimizer, grads: bool = False, buffers: bool = True) -> Snapshot:
+    tensors = state_tensors(model, optimizer, grads)
+    if not buffers:
+        names = {n for n, _ in model.named_buffers()}
+        tensors = [(n, t) for n, t in tensors if n not in names]
+    return Snapshot({n: (t.data_ptr(), t._version) for n, t in tensors}, sample_values(tensors),
+                    program_controls(model, optimizer))
+
+
+def describe_change(before: Snapshot, after: Snapshot) -> str | None:
+    """The first difference between two snapshots, in words (None when they agree; ``training`` flags aside)."""
+    what = describe_controls_change(before.controls, after.controls, modes=False)
+    if what:
+        return what
+    for name, (ptr, version) in before.storage.items():
+        now = after.storage.get(name)
+        if now is not None and now[0] != ptr:
+            return f"{name} was replaced (new storage)"
+        if now is not None and now[1] != version:
+            return f"{name} was edited in place"
+    new = [n for n in after.storage if n not in before.storage and "(gradient)" not in n]
+    if new:
+        return f"{new[0]} appeared"
+    for dtype, values in before.samples.items():
+        now = after.samples.get(dtype)
+        if now is None or now.shape != values.shape or not torch.equal(now, values):
+            return f"the values of the {str(dtype).removeprefix('torch.')} tensors changed (an edit through .data)"
+    return None
+
+
+def step_fingerprint(controls: dict, samples: dict, plan_lrs: list[float]) -> dict:
+    """What the plan keeps of optimizer step s: the controls digest as ``optimizer.step()`` ran (and the learning
+    rates when they are not the plan's), and the sampled state right after it."""
+    fp = {"c": controls_digest(controls), "s": sample_digest(samples)}
+    lrs = [g.get("lr") for g in controls["groups"]]
+    if lrs != plan_lrs:
+        fp["lr"] = lrs
+    return fp
+
+
+def plan_lrs(entry, groups: int) -> list[float]:
+    """The learning rates the plan records for a segment, one per param group."""
+    return list(entry.group_lrs) if entry.group_lrs else [entry.lr] * groups
+
+
+def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: bool, who: str) -> None:
+    """Refuse (:class:`FidelityError`) when a replay's fingerprint of ``step`` differs from the recorded one
+    (``state``: compare the sampled state too, i.e. the step is before the first affected one)."""
+    if actual is None or "c" not in recorded or "c" not in actual:
+        return  # a step that took no optimizer step (every slot deleted)
+    what = None
+    if recorded.get("lr") != actual.get("lr"):
+        what = (f"learning rates at optimizer.step() ({actual.get('lr') or 'the plan’s'} vs recorded "
+                f"{recorded.get('lr') or 'the plan’s'})")
+    elif recorded.get("c") != actual.get("c"):
+        what = ("program controls as optimizer.step() ran (param-group settings, trainable parameters, module "
+                "modes or attributes, config)")
+    elif state and recorded.get("s") != actual.get("s"):
+        what = "state after the optimizer step (sampled parameter and optimizer-state values)"
+    if what:
+        raise FidelityError(f"the replay engine does not reproduce the recorded run at optimizer step {step}: {who}'s "
+                            f"{what} differ from the recording's per-step fingerprint; stopped, a deletion from this "
+                            "engine would not be this run's counterfactual")
+
+
+# ---- what the record says -----------------------------------------------------------------------------------
+def _final(header: dict) -> dict:
+    return ((header.get("fidelity") or {}).get("guards") or {}).get("final") or {}
+
+
+def recorded_fingerprints(plan, header: dict) -> dict[int, dict]:
+    """Step -> the recording's fingerprint of that step (the plan keeps step s's in step s + 1's first entry, the
+    header the last step's). ``plan``: the whole plan (a run cut at its kept step keeps it as ``served_plan``)."""
+    out = {e.step - 1: e.extra["fp"] for e in plan if e.j == 0 and "fp" in e.extra}
+    final = _final(header)
+    if final.get("fp") is not None:
+        out[final["step"]] = final["fp"]
+    return out
+
+
+def program_changes(plan, header: dict) -> list[dict]:
+    """Every change the recording found outside its record: ``{"step", "what", "by"}``, in step order."""
+    out = [c for e in plan if e.j == 0 for c in e.extra.get("changed", [])] + _final(header).get("changed", [])
+    return sorted(out, key=lambda c: c["step"])
+
+
+def describe_program_change(change: dict) -> str:
+    by = f" by {change['by']}" if change.get("by") else " by code outside the recorded callbacks"
+    return f"at optimizer step {change['step']}{by}: {change['what']}"
+
+
+def program_refusal(run, start_step: int) -> str | None:
+    """Why a replay from ``start_step`` cannot reproduce the run (a program change at or after it), or None."""
+    changes = program_changes(run.served_plan or run.plan, run.header)
+    late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
+    if not late:
+        return None
+    return (f"the run changed outside its record {describe_program_change(late[0])}"
+            + (f" (and at {len(late) - 1} later step(s), the last {late[-1]['step']})" if len(late) > 1 else "")
+            + (f"; a replay from step {start_step} would run without it (no checkpoint holds a trainable set or a "
+               "module attribute), so its result is not the counterfactual of the run that trained"
+               if late[0].get("persistent") else
+               f"; a replay from step {start_step} would pass it without the change, so its result is not the "
+               f"counterfactual of the run that trained: a deletion needs a kept checkpoint after step "
+               f"{late[-1]['step']} (only deletions of rows served after it)")
+            + "; or record the run again with the callback importable, its attributes JSON and its events among "
+            "those replays run")
+
+
+def guard_coverage(plan, header: dict, total: int | None = None) -> str | None:
+    """What the recording's per-step guards did not cover of steps ``0..total - 1`` (None when they covered every
+    one); ``plan``: the whole plan."""
+    guards = (header.get("fidelity") or {}).get("guards")
+    total = (plan[-1].step + 1 if plan else 0) if total is None else total
+    if not guards:
+        return ("the recording ran no per-step guards (trace_guards=False, or recorded before them): that nothing "
+                "outside the record changed the run after the self-check's steps is not proven")
+    missing = sorted(set(range(total)) - set(recorded_fingerprints(plan, header)))
+    if missing:
+        return (f"the recording's per-step guards did not cover optimizer step(s) {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''} (a resumed recording?): that nothing outside the record changed "
+                "the run there is not proven")
+    return None
+
+
+# ---- the recording's live guard -------------------------------------------------------------------------------
+def _persistence(before: Snapshot, after: Snapshot, what: str) -> dict:
+    """A change of the trainable set, a module attribute or the config stays in the model, and no checkpoint holds
+    it (a replay rebuilds the model as it was when training started): no replay start after it helps."""
+    if describe_controls_change(before.controls, after.controls, modes=False) == what and \
+            not what.startswith(("param group", "the optimizer")):
+        return {"persistent": True}
+    return {}
+
+
+class ProgramGuard:
+    """Watches a recording: compares the live state and controls at the points the module docstring names, keeps
+    each step's fingerprint and every program change until the recorder writes them into the plan."""
+
+    def __init__(self, model, optimizer, watched: dict):
+        self.model, self.optimizer = model, optimizer
+        self.watched = watched  # id(callback) -> its callback_spec (recorded or watched)
+        self.step = 0
+        self.ref: Snapshot | None = None
+        self.controls: dict | None = None
+        self.fps: dict[int, dict] = {}
+        self.pending: list[dict] = []
+        self.plan_lrs: list[float] | None = None
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._hooks = [inner.register_step_pre_hook(lambda *a: self.before_step()),
+                       inner.register_step_post_hook(lambda *a: self.after_step())]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _snapshot(self, grads: bool = False) -> Snapshot:
+        return snapshot(self.model, self.optimizer, grads=grads)
+
+    def _compare(self, now: Snapshot, step: int) -> None:
+        if self.ref is not None:
+            what = describe_change(self.ref, now)
+            if what:
+                self.pending.append({"step": step, "what": what, **_persistence(self.ref, now, what)})
+        self.ref = now
+
+    def between_steps(self, step: int, lrs: list[float]) -> None:
+        """When step ``step``'s batches are fetched (before its checkpoint): a change since the last step is step
+        ``step - 1``'s (the checkpoint at ``step`` holds it). The param groups' settings are the scheduler's here
+        and the plan records them, so they are the reference ``optimizer.step()`` is compared with."""
+        now = self._snapshot()
+        if self.ref is not None:
+            self.ref = self.ref._replace(controls={**self.ref.controls, "groups": now.controls["groups"]})
+        self._compare(now, step - 1)
+        self.step, self.plan_lrs = step, lrs
+
+    def before_step(self) -> None:
+        now = self._snapshot()
+        self._compare(now, self.step)
+        self.controls = now.controls
+
+    def after_step(self) -> None:
+        now = self._snapshot()
+        if self.controls is not None:
+            self.fps[self.step] = step_fingerprint(self.controls, now.samples, self.plan_lrs or [])
+        self.ref = now
+
+    def around(self, callback, event: str, call):
+        """Run one watched callback's event; a change it makes is the program's if it is recorded, else a change."""
+        spec = self.watched[id(callback)]
+        before = self._snapshot(grads=True)
+        result = call()
+        after = self._snapshot(grads=True)
+        what = describe_change(before, after)
+        if what:
+            if not spec["replayable"]:
+                self.pending.append({"step": self.step, "what": what, "by": f"{type(callback).__qualname__}.{event} "
+                                     f"({spec['why']})", **_persistence(before, after, what)})
+            self.ref = self._snapshot()
+        return result
+
+    def flush(self, step: int) -> dict:
+        """Step ``step``'s fingerprint and the changes found up to it, for the plan (or the header's final entry)."""
+        out = {}
+        if step in self.fps:
+            out["fp"] = self.fps.pop(step)
+        changed = [c for c in self.pending if c["step"] <= step]
+        if changed:
+            out["changed"] = changed
+            self.pending = [c for c in self.pending if c["step"] > step]
+        return out
