@@ -96,3 +96,17 @@ def test_benchmark_figures_are_on_the_pages(site):
             shown[target.name] = page
     for name in ("trace_replay_cost.png", "checkpoint_storage.png", "requests_batching.png", "robustness_tiny.png"):
         assert name in shown, f"{name} is not shown on any benchmark page"
+
+
+def test_readme_links_lead_to_files():
+    """README.md and benchmarks/README.md are outside the site (mkdocs does not check them): their relative links must
+    name files that exist."""
+    broken = []
+    for readme in (ROOT / "README.md", ROOT / "benchmarks" / "README.md"):
+        for target in re.findall(r"\]\(([^)\s]+)\)", readme.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            path = (readme.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{readme.relative_to(ROOT)}: {target}")
+    assert broken == []
