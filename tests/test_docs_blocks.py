@@ -25,8 +25,8 @@ from . import snippets as sn
 from .conftest import ROOT
 
 DOCS = ROOT / "docs"
-PAGE = re.compile(r"<!--\s*docs-test:\s*page\s+(.*?)\s*-->")
-ANY_DIRECTIVE = re.compile(r"<!--\s*(?:docs|readme)-test:\s*(\S+)")
+PAGE = re.compile(r"^<!--\s*docs-test:\s*page\s+(.*?)\s*-->\s*$", re.M)  # on a line of its own
+ANY_DIRECTIVE = re.compile(r"^<!--\s*(?:docs|readme)-test:\s*(\S+)", re.M)
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if p.name != "README_MAP.md")
 
 
@@ -133,3 +133,4 @@ def test_the_directive_parser():
     assert directive("quickstart.md") == ("empty-folder", None)
     assert directive("service.md") == ("after", "quickstart.md")
     assert directive("exact-deletion.md") == ("checkout", None)
+    assert directive("development.md") == ("checkout", None)  # it names the directives inline: not one itself
