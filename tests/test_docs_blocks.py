@@ -7,7 +7,9 @@ comment before the page's first block; the block markers are those of ``tests/sn
 - ``<!-- docs-test: page empty-folder -->``: an empty folder with nothing beside it (the quickstart: what a reader
   has after ``pip install``);
 - ``<!-- docs-test: page after PAGE.md -->``: the folder starts as PAGE's does once its blocks have run (PAGE's blocks
-  run there first), so a page that continues another says so and is tested that way.
+  run there first), so a page that continues another says so and is tested that way;
+- ``<!-- docs-test: page skip REASON -->``: no block of the page runs, each is reported as skipped with REASON (the
+  benchmark pages: their blocks are the commands that produced the recorded figures, minutes to hours each).
 
 A block marked ``standalone`` runs alone in a new empty folder. Running the blocks trains small models (minutes on
 2 cores): ``pytest -m slow``, like the README's. The fast suite checks the directives and every ``hf-unlearn``
@@ -31,7 +33,7 @@ PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if p.n
 
 
 def directive(page: str) -> tuple[str, str | None]:
-    """``("checkout", None)``, ``("empty-folder", None)`` or ``("after", "other.md")`` for a page."""
+    """``("checkout", None)``, ``("empty-folder", None)``, ``("after", "other.md")`` or ``("skip", REASON)``."""
     text = (DOCS / page).read_text()
     found = PAGE.findall(text)
     if not found:
@@ -41,6 +43,8 @@ def directive(page: str) -> tuple[str, str | None]:
         return "empty-folder", None
     if len(words) == 2 and words[0] == "after":
         return "after", words[1]
+    if len(words) >= 2 and words[0] == "skip":
+        return "skip", " ".join(words[1:])
     raise ValueError(f"docs/{page}: unknown page directive {found[0]!r}")
 
 
@@ -96,6 +100,9 @@ CASES = [pytest.param(page, s, id=f"{page}:{s.id}") for page in PAGES for s in _
 @pytest.mark.slow
 @pytest.mark.parametrize("page,snippet", CASES)
 def test_docs_block_runs_as_written(page: str, snippet: sn.Snippet, page_folders, tmp_path):
+    kind, reason = directive(page)
+    if kind == "skip":
+        pytest.skip(f"docs/{page}: {reason}")
     if snippet.mark == "skip":
         pytest.skip(f"docs/{page} line {snippet.line}: {snippet.reason}")
     work = tmp_path if snippet.mark == "standalone" else page_folders(page)
@@ -112,6 +119,7 @@ def test_page_directives_are_understood_and_name_real_pages():
         kind, other = directive(page)
         if kind == "after":
             assert other in PAGES, f"docs/{page}: `after {other}` names no page"
+            assert directive(other)[0] != "skip", f"docs/{page}: continues {other}, whose blocks do not run"
             assert directive(other)[0] != "after" or directive(other)[1] != page, f"docs/{page}: a cycle"
 
 
@@ -134,3 +142,6 @@ def test_the_directive_parser():
     assert directive("service.md") == ("after", "quickstart.md")
     assert directive("exact-deletion.md") == ("checkout", None)
     assert directive("development.md") == ("checkout", None)  # it names the directives inline: not one itself
+    for page in PAGES:  # a block of a benchmark page runs a benchmark (minutes to hours): never in the tests
+        if page.startswith("benchmarks/") and _blocks(page):
+            assert directive(page)[0] == "skip", f"docs/{page} has runnable blocks and no `page skip` directive"
