@@ -110,3 +110,15 @@ def test_readme_links_lead_to_files():
             if not path.exists():
                 broken.append(f"{readme.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def test_sphinx_roles_in_docstrings_become_links_to_rendered_objects_or_code():
+    spec = importlib.util.spec_from_file_location("docs_sphinx_roles", ROOT / "docs" / "hooks" / "sphinx_roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    convert = module.SphinxRoles()._convert
+    assert convert("see :func:`forget`.") == "see [`forget`][hf_unlearn.deletion.forget]."
+    assert convert(":class:`~hf_unlearn.TraceRecordingTrainer`") == \
+        "[`TraceRecordingTrainer`][hf_unlearn.trace.recording.TraceRecordingTrainer]"
+    assert convert("raises :class:`UnlearnError`") == "raises `UnlearnError`"  # not on the API page: code, no link
+    assert convert(":mod:`hf_unlearn.keys`") == "`hf_unlearn.keys`"
