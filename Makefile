@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 export HF_UNLEARN_DATA_DIR ?= $(SHARED)/data
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-dev demo test test-slow bench lint clean
+.PHONY: install install-dev demo test test-slow docs docs-serve bench lint clean
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel.
 install:
@@ -15,7 +15,7 @@ install:
 	@$(PYTHON) tools/installed_here.py . || $(PYTHON) -m pip install -q -e ".[all]"   # already editable from here: skip (~30 s)
 
 install-dev: install
-	@($(PYTHON) tools/installed_here.py . && $(PYTHON) -c "import pytest, pytest_timeout, xdist, ruff" 2>/dev/null) \
+	@($(PYTHON) tools/installed_here.py . && $(PYTHON) -c "import pytest, pytest_timeout, xdist, ruff, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null) \
 		|| $(PYTHON) -m pip install -q -e ".[dev]"
 
 demo: install   # offline, no data folder needed (the TOFU rows ship in the package); runnable again in place
@@ -28,6 +28,16 @@ test: install-dev
 
 test-slow: install-dev
 	$(PYTHON) -m pytest -m slow
+
+# the documentation site, offline, from this checkout's files only; strict: a broken link, a page missing from the nav or
+# a docstring reference that does not resolve fails (tests/test_docs.py builds it the same way in `make test`)
+docs:
+	@$(PYTHON) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(PYTHON) -m mkdocs build --strict --site-dir build/docs
+	@echo "open build/docs/index.html"
+
+docs-serve: docs
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(PYTHON) -m mkdocs serve
 
 bench: install-dev
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_trace.py   # the quick one; see benchmarks/README.md for the others

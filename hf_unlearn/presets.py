@@ -2,8 +2,8 @@
 budgets, method defaults and evaluation conventions, so that numbers can be compared with published ones.
 
 :data:`CONVENTIONS` is the one list of the places where hf_unlearn's defaults differ from OpenUnlearning's: each entry
-names the option that selects either behaviour, both values and why the default is what it is. The README's
-"Remaining differences" list is checked against it (tests/test_presets.py).
+names the option that selects either behaviour, both values and why the default is what it is. The
+"Remaining differences" list of docs/evaluation.md is checked against it (tests/test_presets.py).
 
 Python::
 
@@ -31,7 +31,7 @@ OPEN_UNLEARNING_COMMIT = "d3d7cf9"
 
 @dataclass(frozen=True)
 class Convention:
-    """One difference from OpenUnlearning: ``option`` (``object(param=)`` as the README names it) selects it."""
+    """One difference from OpenUnlearning: ``option`` (``object(param=)`` as docs/evaluation.md names it) selects it."""
 
     name: str
     option: str

@@ -1,4 +1,4 @@
-"""examples/: one runnable example per trainer and editor, each with `python` and `accelerate launch`, all in the README.
+"""examples/: one runnable example per trainer and editor, each with `python` and `accelerate launch`, all in docs/examples.md.
 
 The fast checks read the files; ``pytest -m slow`` runs every example both ways (2 processes where supported).
 """
@@ -35,13 +35,13 @@ def _docstring(path) -> str:
     return ast.get_docstring(ast.parse(path.read_text())) or ""
 
 
-def test_every_example_documents_python_and_accelerate_and_is_in_the_readme():
-    readme = (ROOT / "README.md").read_text()
+def test_every_example_documents_python_and_accelerate_and_is_in_the_docs():
+    readme = (ROOT / "docs" / "examples.md").read_text()
     for path in EXAMPLES:
         doc = _docstring(path)
         assert re.search(rf"python examples/{path.name}", doc), f"{path.name}: no `python examples/...` line"
         assert re.search(rf"accelerate launch .*examples/{path.name}", doc), f"{path.name}: no `accelerate launch` line"
-        assert f"`examples/{path.name}`" in readme, f"{path.name} is not listed in the README's Examples table"
+        assert f"`examples/{path.name}`" in readme, f"{path.name} is not listed in docs/examples.md's table"
 
 
 def test_every_trainer_has_an_example():

@@ -1,5 +1,5 @@
 """The OpenUnlearning conventions: each option reproduces OpenUnlearning's value on hand-computed tensors, the
-``open-unlearning`` preset sets them, and the README's "Remaining differences" list names only options that exist."""
+``open-unlearning`` preset sets them, and the evaluation page's "Remaining differences" list names only options that exist."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hf_unlearn.errors import UnlearnError
 from hf_unlearn.losses import kl_retain_loss, masked_mse
 from hf_unlearn.presets import CONVENTIONS, evaluation_preset, training_preset
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+EVALUATION_PAGE = Path(__file__).resolve().parents[1] / "docs" / "evaluation.md"
 
 
 def test_kl_retain_over_answer_tokens_or_every_position():
@@ -134,7 +134,7 @@ def test_cli_preset_runs_with_open_unlearnings_budget(tmp_path):
 
 
 def _remaining_differences() -> str:
-    text = README.read_text(encoding="utf-8")
+    text = EVALUATION_PAGE.read_text(encoding="utf-8")
     start = text.index("Remaining differences from OpenUnlearning")
     return text[start:text.index("\n\n", start)]
 
@@ -151,7 +151,7 @@ def _resolve(name: str):
     for module in (hf_unlearn, metrics, muse, tofu, baselines, base, presets):
         if hasattr(module, name):
             return getattr(module, name)
-    raise AssertionError(f"README names {name}, which hf_unlearn does not have")
+    raise AssertionError(f"docs/evaluation.md names {name}, which hf_unlearn does not have")
 
 
 def test_readme_remaining_differences_name_real_options_and_every_convention():
@@ -162,9 +162,9 @@ def test_readme_remaining_differences_name_real_options_and_every_convention():
         target = _resolve(obj)
         fields = getattr(target, "__dataclass_fields__", None)
         params = fields if fields is not None else inspect.signature(target).parameters
-        assert param in params, f"README names {obj}({param}=), which does not exist"
+        assert param in params, f"docs/evaluation.md names {obj}({param}=), which does not exist"
     for convention in CONVENTIONS:
-        assert f"`{convention.option}`" in section, f"README's list misses {convention.name} ({convention.option})"
+        assert f"`{convention.option}`" in section, f"docs/evaluation.md's list misses {convention.name} ({convention.option})"
     assert "1024" not in section  # the privleak length is 2048 everywhere
     for option in ("evaluate_tofu(es_no_match=)", "evaluate_muse_news(verbmem_stop=)", "evaluate_tofu(prompt_format=)"):
         assert option in {c.option for c in CONVENTIONS} and f"`{option}`" in section  # issue #34's entries

@@ -1,7 +1,7 @@
 """The one list of approximate-unlearning methods: name -> trainer, config, help and command-line options.
 
-`hf-unlearn unlearn`, the benchmarks, the `forget` command and the README's method table all read this list, so a
-method is added in one place (plus its trainer, config and loss). Classes are named by import path: reading the
+`hf-unlearn unlearn`, the benchmarks, the `forget` command and the method table of docs/approximate.md all read this
+list, so a method is added in one place (plus its trainer, config and loss). Classes are named by import path: reading the
 registry imports neither torch nor transformers, which keeps `hf-unlearn --help` instant.
 """
 
