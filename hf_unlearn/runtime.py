@@ -3,7 +3,7 @@
 Why threads: torch runs one OpenMP thread per core, and OpenMP threads that reach a barrier spin before they sleep.
 When other processes hold the cores, a spinning thread burns the time slice its partner needs, and every parallel
 region waits for the slowest thread: on a 2-core machine at a background load of about 14 the demo's fine-tune ran
-10-16x slower with torch's default than with one thread (benchmarks/README.md, ``bench_threads.py``). So, unless the user chose:
+10-16x slower with torch's default than with one thread (docs/benchmarks/threads.md, ``bench_threads.py``). So, unless the user chose:
 
 * ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads sleep at once), set before torch is imported;
 * threads = the cores the other processes leave free (``cores - load average``, at least 1, at most torch's choice).

@@ -24,7 +24,7 @@ def register(parser) -> None:
     p.set_defaults(func=inspect_cmd)
 
     p = sub.add_parser("compact", help="replace a sealed run's plan.bin, wal.bin and manifest.bin by one compact "
-                                       "provenance.bin (same records; see the README's exact-deletion section)")
+                                       "provenance.bin (same records; see docs/exact-deletion.md, Compacting a sealed run)")
     p.add_argument("run")
     p.set_defaults(func=compact_cmd)
 

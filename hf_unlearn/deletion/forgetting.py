@@ -342,7 +342,7 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
         raise UnlearnError(f"{source} was recorded by {world} processes and replays only at that world size, which "
                            f"forget (one process) does not run; use the trace commands under the same launch: "
                            f"`accelerate launch --multi_gpu --num_processes {world} -m hf_unlearn.cli trace replay "
-                           "...` (README, exact deletion)")
+                           "...` (docs/exact-deletion.md, Delete)")
     from ..trace.packing import document_ids
 
     stored = document_ids(load_store(run.store_path), run.id_column)  # a packed run: its documents' ids
