@@ -166,6 +166,15 @@ def main(argv: list[str] | None = None) -> int:
             msg = _first_line(e)
         print(f"hf-unlearn: error: {msg}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:  # an undeclared or uninstalled dependency: what to install, in one line
+        _cleanup(new_outputs)
+        if debug:
+            raise
+        from .requirements import missing_dependency_message
+
+        msg = missing_dependency_message(e.name) if e.name else _first_line(e)
+        print(f"hf-unlearn: error: {msg}", file=sys.stderr)
+        return 1
     except Exception as e:  # anything else is still one line (a bug to report, or a library's own error)
         _cleanup(new_outputs)
         if debug:
