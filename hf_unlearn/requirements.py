@@ -8,7 +8,7 @@ module comes from one), and the test that every third-party module the package i
 from __future__ import annotations
 
 import re
-from importlib.metadata import PackageNotFoundError, requires
+from importlib.metadata import PackageNotFoundError, requires, version
 
 from packaging.requirements import Requirement
 
@@ -69,3 +69,36 @@ def missing_dependency_message(module: str, package: str = PACKAGE) -> str:
                 f"pip install -U {package}  (or pip install {dist})")
     extra = min(declared - {"all", "dev"} or declared, key=len)
     return f"this command needs '{dist}', from the extra [{extra}]: pip install '{package}[{extra}]'"
+
+
+def unmet_requirements(extras: tuple[str, ...] = (), package: str = PACKAGE) -> list[str]:
+    """The requirements of ``package[extras]`` (core included, the package's own extras expanded) that no installed
+    distribution satisfies: ``[]`` when ``pip install package[extras]`` would install nothing new."""
+    try:
+        lines = requires(package) or []
+    except PackageNotFoundError:
+        return [package]
+    wanted, todo, unmet = {""}, list(extras), []
+    while todo:
+        extra = todo.pop()
+        if extra in wanted:
+            continue
+        wanted.add(extra)
+        for line in lines:
+            req = Requirement(line)
+            if normalize(req.name) == normalize(package) and req.marker is not None and req.marker.evaluate({"extra": extra}):
+                todo.extend(req.extras)
+    for line in lines:
+        req = Requirement(line)
+        if normalize(req.name) == normalize(package):
+            continue
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in wanted):
+            continue
+        try:
+            installed = version(req.name)
+        except PackageNotFoundError:
+            unmet.append(str(req))
+            continue
+        if req.specifier and not req.specifier.contains(installed, prereleases=True):
+            unmet.append(f"{req} (installed: {installed})")
+    return unmet
