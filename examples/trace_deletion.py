@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
 from transformers import DataCollatorForSeq2Seq, TrainingArguments
 
 from hf_unlearn import (
@@ -35,6 +33,7 @@ from hf_unlearn import (
 )
 from hf_unlearn.data.embedded import load_embedded_tofu
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
+from hf_unlearn.runtime import init_processes
 from hf_unlearn.trace import open_run
 
 
@@ -49,8 +48,8 @@ def main() -> None:
     parser.add_argument("--out", default="trace_example")
     args = parser.parse_args()
     out = Path(args.out)
-    cpu = not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)  # several processes on a CPU talk over gloo
+    state = init_processes()  # several processes on a CPU talk over gloo; each prints "process R of N"
+    cpu = state.device.type == "cpu"
 
     if args.tofu is None and args.rows <= 200:
         rows = load_embedded_tofu().select(range(args.rows))

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from hf_unlearn import OracleReplayTrainer, RedactedReplayTrainer, load_tofu, redact_store, replay_cost, trace_recording
 from hf_unlearn.data.embedded import load_embedded_tofu
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
+from hf_unlearn.runtime import init_processes
 from hf_unlearn.trace import open_run, verify
 
 
@@ -37,8 +36,8 @@ def main() -> None:
     parser.add_argument("--out", default="trace_sft_example")
     args = parser.parse_args()
     out = Path(args.out)
-    cpu = not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)  # several processes on a CPU talk over gloo
+    state = init_processes()  # several processes on a CPU talk over gloo; each prints "process R of N"
+    cpu = state.device.type == "cpu"
 
     rows = (load_embedded_tofu() if args.tofu is None and args.rows <= 200 else load_tofu("full", args.tofu))
     rows = rows.select(range(args.rows))
