@@ -33,11 +33,13 @@ def main() -> None:
     parser.add_argument("--tofu", default=None, help="TOFU folder (default: the embedded subset for up to 200 rows)")
     parser.add_argument("--rows", type=int, default=64, help="TOFU rows to fine-tune on")
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--out", default="trace_sft_example")
+    parser.add_argument("--out", default=None, help="output folder (default trace_sft_example; trace_sft_example_2proc for 2 processes, "
+                                                    "so the README's python and accelerate commands do not collide)")
     args = parser.parse_args()
-    out = Path(args.out)
     state = init_processes()  # several processes on a CPU talk over gloo; each prints "process R of N"
     cpu = state.device.type == "cpu"
+    n = state.num_processes
+    out = Path(args.out or ("trace_sft_example" if n == 1 else f"trace_sft_example_{n}proc"))
 
     rows = (load_embedded_tofu() if args.tofu is None and args.rows <= 200 else load_tofu("full", args.tofu))
     rows = rows.select(range(args.rows))

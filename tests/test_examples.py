@@ -102,7 +102,8 @@ def test_example_runs(name, launcher, tmp_path):
     if name in RECORDING_EXAMPLES:  # and the recording's own header agrees
         from hf_unlearn.trace import open_run
 
-        header = open_run(tmp_path / RECORDING_EXAMPLES[name] / "trace").header
+        base = RECORDING_EXAMPLES[name]  # the default --out; with 2 processes BASE_2proc (no collision)
+        header = open_run(tmp_path / (base if world == 1 else f"{base}_2proc") / "trace").header
         assert header["world_size"] == world, header["world_size"]
         assert header["distributed_type"] == ("MULTI_CPU" if world == 2 else "NO"), header["distributed_type"]
     if expected is None:
