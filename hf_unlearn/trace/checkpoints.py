@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import UnlearnError
-from ..utils import atomic_write_text
+from ..utils import atomic_write_text, weights_follow_umask
 
 CHECKPOINT_FORMAT = "hf_unlearn.checkpoint.v2"
 INDEX_FORMAT = "hf_unlearn.checkpoint_index.v1"
@@ -233,6 +233,7 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
 
     tmp = path.with_name(path.name + ".tmp")
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
+    weights_follow_umask(tmp)
     os.replace(tmp, path)
 
 
