@@ -130,5 +130,7 @@ def init_processes(announce: bool = True):
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     state = PartialState(cpu=cpu)
     if announce:
-        print(f"process {state.process_index} of {state.num_processes} ({state.distributed_type.value})", flush=True)
+        # one write (print's separate "\n" lets two processes' lines run together in a shared pipe)
+        sys.stdout.write(f"process {state.process_index} of {state.num_processes} ({state.distributed_type.value})\n")
+        sys.stdout.flush()
     return state

@@ -116,7 +116,7 @@ def test_example_runs(name, launcher, tmp_path):
 def processes_that_ran(stdout: str) -> set[tuple[int, int]]:
     """(rank, world size) of every ``process R of N (TYPE)`` line (hf_unlearn.runtime.init_processes prints one per
     process)."""
-    return {(int(r), int(n)) for r, n in re.findall(r"^process (\d+) of (\d+) \(", stdout, re.M)}
+    return {(int(r), int(n)) for r, n in re.findall(r"process (\d+) of (\d+) \(", stdout)}
 
 
 TWO_PROCESS_EXAMPLES = [name for name, (_, procs) in RUNS.items() if procs == 2]
@@ -147,5 +147,5 @@ def test_cpu_2proc_config_starts_two_processes_that_join_over_gloo(tmp_path):
                  str(tmp_path / "probe.py")], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert processes_that_ran(proc.stdout) == {(0, 2), (1, 2)}, proc.stdout
-    trainers = set(re.findall(r"^trainer: rank (\d) of (\d) \((\w+)\)", proc.stdout, re.M))
+    trainers = set(re.findall(r"trainer: rank (\d) of (\d) \((\w+)\)", proc.stdout))
     assert trainers == {("0", "2", "MULTI_CPU"), ("1", "2", "MULTI_CPU")}, proc.stdout
