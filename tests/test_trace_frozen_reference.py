@@ -134,7 +134,7 @@ def test_a_gguf_base_is_referenced_by_the_file_and_its_deterministic_dequantisat
 
     tok = load_tokenizer(SMOLLM2_DIR)
     model = lora(load_model(SMOLLM2_DIR))
-    data = tokenize_qa(load_embedded_tofu().select(range(8)), tok, max_length=32)
+    data = tokenize_qa(load_embedded_tofu().select(range(8)), tok, max_length=96)
     TraceRecordingTrainer(model=model, args=train_args(tmp_path / "rec", max_steps=2, per_device_train_batch_size=2),
                           train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
                           trace_checkpoint_steps=1, trace_self_check=False).train()
@@ -142,5 +142,20 @@ def test_a_gguf_base_is_referenced_by_the_file_and_its_deterministic_dequantisat
     rec = frozen_record(run)
     assert rec["source"]["kind"] == "gguf" and set(rec["source"]["files"]) == {next(SMOLLM2_DIR.glob("*.gguf")).name}
     assert set(rec["source"]["tensors"]) == set(rec["params"]) and stored_frozen_tensors(run) == []
+    from hf_unlearn.trace import base_source
+
+    base_source._LIVE.clear()  # the recording process's own tensors: forgotten, so the file is de-quantised again
+    base_source._dequantized.cache_clear()
     for step in sorted((run / "checkpoints").glob("step-*")):
         verify_checkpoint_files(step)  # every frozen tensor de-quantised again, hash for hash
+    changed = tmp_path / "changed.gguf"  # the same check refuses another file in its place
+    shutil.copy(rec["source"]["path"] + "/" + next(iter(rec["source"]["files"])), changed)
+    with open(changed, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    rec["source"]["path"] = str(tmp_path)
+    rec["source"]["files"] = {"changed.gguf": rec["source"]["files"][next(iter(rec["source"]["files"]))]}
+    with pytest.raises(UnlearnError, match="changed.gguf has changed since the run was recorded"):
+        base_source.check_files(rec["source"])

@@ -14,7 +14,7 @@ a file has moved or changed; the tensors' own SHA-256, recorded in each checkpoi
 GGUF: the tensors are the de-quantised ones, so a reference is the GGUF file (its SHA-256) plus the
 de-quantisation, which is deterministic (same file, same transformers/gguf code, same dtype: the same bits; the
 tests check it, and the per-tensor hashes check it again at every load). A tensor is referenced only if it is still
-the one loading produced: same storage, no in-place change since (its stamp is taken when the model is loaded).
+the one loading produced: the same tensor object (or its ``copy.deepcopy``), not changed in place since.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 
-GGUF_MARK = "_hf_unlearn_gguf_source"  # set on a model by load_model(...gguf): {"path", "dtype", "stamps"}
+GGUF_MARK = "_hf_unlearn_gguf_source"  # set on a model by load_model(...gguf): a GGUFOrigin
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
 
 
@@ -36,10 +36,34 @@ def stamp(t) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version)
 
 
+class GGUFOrigin:
+    """Attached to a model :func:`hf_unlearn.load_model` de-quantised from a GGUF file: the file, the dtype, and the
+    parameters as loading produced them (the tensor objects and their in-place versions). ``copy.deepcopy`` of the
+    model carries it over to the copy's parameters (dropping any changed in place before the copy)."""
+
+    def __init__(self, path: str, dtype: str, params: dict):
+        self.path, self.dtype, self.params = path, dtype, params  # name -> (tensor, _version)
+
+    def unchanged(self, key: str, tensor) -> bool:
+        held = self.params.get(key)
+        return held is not None and held[0] is tensor and tensor._version == held[1]
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        params = {}
+        for key, (t, version) in self.params.items():
+            if t._version != version:
+                continue
+            twin = copy.deepcopy(t, memo)  # the copied model's own parameter (memo: one copy per tensor)
+            params[key] = (twin, twin._version)
+        return GGUFOrigin(self.path, self.dtype, params)
+
+
 def mark_gguf(model, path: str | os.PathLike, dtype) -> None:
     """Remember that ``model`` was de-quantised from the GGUF file ``path`` (and its parameters as loaded)."""
-    setattr(model, GGUF_MARK, {"path": str(Path(path).resolve()), "dtype": str(dtype).replace("torch.", ""),
-                               "stamps": {n: stamp(p) for n, p in model.named_parameters(remove_duplicate=False)}})
+    setattr(model, GGUF_MARK, GGUFOrigin(str(Path(path).resolve()), str(dtype).replace("torch.", ""),
+                                         {n: (p, p._version) for n, p in model.named_parameters(remove_duplicate=False)}))
 
 
 def base_key(name: str) -> str:
@@ -58,8 +82,8 @@ def loaded_from(model) -> dict | None:
     from, or None (built from a config, or loaded from somewhere with nothing to reference)."""
     base = _base_model(model)
     gguf = getattr(base, GGUF_MARK, None) or getattr(model, GGUF_MARK, None)
-    if gguf is not None and Path(gguf["path"]).is_file():
-        return {"kind": "gguf", "path": gguf["path"], "dtype": gguf["dtype"]}
+    if gguf is not None and Path(gguf.path).is_file():
+        return {"kind": "gguf", "path": gguf.path, "dtype": gguf.dtype}
     name = getattr(getattr(base, "config", None), "_name_or_path", "") or ""
     if not name:
         return None
@@ -91,12 +115,10 @@ def match(frozen: dict, model, source: dict) -> dict[str, list[str]]:
     """``frozen name -> [file, key]`` for the frozen tensors that ``source`` holds bit for bit (safetensors: the
     bytes compared; GGUF: the tensor is still the one loading produced)."""
     if source["kind"] == "gguf":
-        base = _base_model(model)
-        stamps = (getattr(base, GGUF_MARK, None) or getattr(model, GGUF_MARK))["stamps"]
+        origin = getattr(_base_model(model), GGUF_MARK, None) or getattr(model, GGUF_MARK)
         params = dict(model.named_parameters(remove_duplicate=False))
         file = Path(source["path"]).name
-        return {n: [file, base_key(n)] for n in frozen
-                if n in params and stamps.get(base_key(n)) == stamp(params[n])}
+        return {n: [file, base_key(n)] for n in frozen if n in params and origin.unchanged(base_key(n), params[n])}
     import torch
     from safetensors import safe_open
 
@@ -147,9 +169,24 @@ def check_files(source: dict) -> None:
                                f"expected): the run's frozen base weights are {what}that file as it was; restore it")
 
 
+_LIVE: dict[tuple[str, str, str], dict] = {}  # (GGUF path, dtype, SHA-256) -> tensors of a model loaded from it
+
+
+def remember_live(source: dict, model, refs: dict) -> None:
+    """The recording process already holds the de-quantised tensors it references: its own replays (the
+    end-of-recording self-check) read them from memory instead of de-quantising the file again. Other processes
+    de-quantise; either way each tensor's recorded SHA-256 is checked when a checkpoint is verified."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    file, = {f for f, _ in refs.values()}
+    key = (str(Path(source["path"]) / file), source["dtype"], source["files"][file]["sha256"])
+    _LIVE.setdefault(key, {}).update({k: params[n].detach() for n, (_, k) in refs.items()})
+
+
 @functools.lru_cache(maxsize=2)
 def _dequantized(path: str, dtype: str, sha256: str) -> dict:
     """The state dict of the GGUF file at ``path``, de-quantised as load_model does (``sha256`` keys the cache)."""
+    if (path, dtype, sha256) in _LIVE:
+        return _LIVE[(path, dtype, sha256)]
     import torch
 
     from ..models import load_model

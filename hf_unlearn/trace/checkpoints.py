@@ -153,6 +153,8 @@ class FrozenTensors:
         record = {"params": self.hashes, "root": root_hash(self.hashes)}
         if refs:
             record["source"] = base_source.describe(where, refs)
+            if where["kind"] == "gguf":
+                base_source.remember_live(record["source"], model, refs)
         atomic_write_text(self.dir / "hashes.json", json.dumps(record, indent=1, sort_keys=True))
         self._stamps = {n: base_source.stamp(params[n]) for n in frozen}
 
