@@ -120,6 +120,7 @@ def test_a_frozen_tensor_changed_after_loading_is_stored_not_referenced(tmp_path
     assert len(frozen_record(run)["source"]["tensors"]) == len(frozen_record(run)["params"]) - 1
 
 
+@pytest.mark.slow  # SmolLM2-135M de-quantised twice and trained two steps: minutes on 2 cores (`pytest -m slow`)
 @pytest.mark.skipif(not any(SMOLLM2_DIR.glob("*.gguf")), reason=f"no GGUF file in {SMOLLM2_DIR}")
 def test_a_gguf_base_is_referenced_by_the_file_and_its_deterministic_dequantisation(tmp_path):
     """A base de-quantised from GGUF: the run references the .gguf (its SHA-256); loading a checkpoint
