@@ -38,4 +38,4 @@ lint: install-dev
 	$(PYTHON) -m ruff check hf_unlearn tests examples benchmarks
 
 clean:
-	rm -rf build dist *.egg-info demo_output .pytest_cache trace_example unlearn_tofu_output masc_tofu_output random_label_output
+	rm -rf build dist *.egg-info demo_output .pytest_cache trace_example trace_example_*proc trace_sft_example trace_sft_example_*proc unlearn_tofu_output masc_tofu_output random_label_output
