@@ -6,20 +6,22 @@ TORCH_VERSION ?= 2.13.0
 export HF_UNLEARN_DATA_DIR ?= $(SHARED)/data
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-dev demo test test-slow docs docs-serve bench lint clean
+.PHONY: torch install install-dev demo test test-slow docs docs-serve bench lint clean
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel.
-install:
+torch:
 	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' else 1)" 2>/dev/null \
 		|| $(PYTHON) -m pip install -q "torch==$(TORCH_VERSION)"
-	@$(PYTHON) tools/installed_here.py . || $(PYTHON) -m pip install -q -e ".[all]"   # already editable from here: skip (~30 s)
 
-install-dev: install
-	@($(PYTHON) tools/installed_here.py . && $(PYTHON) -c "import pytest, pytest_timeout, xdist, ruff, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null) \
-		|| $(PYTHON) -m pip install -q -e ".[dev]"
+# Each installs once: skipped when already editable from here with every requirement of its extras (~30 s saved)
+install: torch
+	@$(PYTHON) tools/installed_here.py . all || $(PYTHON) -m pip install -q -e ".[all]"
+
+install-dev: torch
+	@$(PYTHON) tools/installed_here.py . dev || $(PYTHON) -m pip install -q -e ".[dev]"
 
 demo: install   # offline, no data folder needed (the TOFU rows ship in the package); runnable again in place
-	hf-unlearn demo
+	$(PYTHON) -m hf_unlearn demo
 
 # two workers (pytest-xdist), one per core of CI's machine; TEST_WORKERS=0 runs in this process
 TEST_WORKERS ?= 2
@@ -46,4 +48,4 @@ lint: install-dev
 	$(PYTHON) -m ruff check hf_unlearn tests examples benchmarks
 
 clean:
-	rm -rf build dist *.egg-info demo_output .pytest_cache trace_example unlearn_tofu_output masc_tofu_output random_label_output
+	rm -rf build dist *.egg-info demo_output .pytest_cache trace_example trace_example_*proc trace_sft_example trace_sft_example_*proc unlearn_tofu_output masc_tofu_output random_label_output

@@ -2,7 +2,7 @@
 where it goes, and a late deletion (suffix replay) against the oracle.
 
     PYTHONPATH=. python benchmarks/bench_trace_sft.py [--steps 32] [--every 8] [--repeats 3] [--padding-free]
-                                                      [--profile] [--skip-deletion] [--checkpoint-costs]
+                                                      [--profile] [--skip-deletion] [--checkpoint-costs] [--lora R]
 
 Three configurations alternate (order rotated per repeat; median and range of the repeats reported, ratios side by
 side): a plain ``SFTTrainer`` saving a resumable checkpoint every ``--every`` steps (model + optimizer + scheduler +
@@ -175,6 +175,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="one recording under cProfile, top 40 by own time")
     p.add_argument("--skip-deletion", action="store_true", help="no late deletion / oracle at the end")
     p.add_argument("--arms", default="sft+ckpt,trace,trace-nocheck")
+    p.add_argument("--lora", type=int, default=0, help="train a LoRA of this rank on q/v (0: full fine-tune); the "
+                                                       "base is referenced where it was loaded from, by default")
     p.add_argument("--checkpoint-costs", action="store_true", help="only time one checkpoint's parts on their own")
     a = p.parse_args()
     if a.checkpoint_costs:
@@ -223,6 +225,11 @@ def main():
                              max_length=None if a.padding_free else a.rows_tokens, padding_free=a.padding_free,
                              save_strategy="steps" if checkpoints else "no", save_steps=a.every)
             model = copy.deepcopy(base)
+            if a.lora:
+                from peft import LoraConfig, get_peft_model
+
+                model = get_peft_model(model, LoraConfig(r=a.lora, lora_alpha=2 * a.lora, task_type="CAUSAL_LM",
+                                                         target_modules=["q_proj", "v_proj"]))
             t, c = time.perf_counter(), time.process_time()  # dataset preparation included, as a user sees it
             if kind.startswith("trace"):
                 trainer = trace_recording(SFTTrainer)(model=model, args=args, train_dataset=data, processing_class=tok,
@@ -251,6 +258,7 @@ def main():
 
         kinds = a.arms.split(",")
         times = {k: [] for k in kinds}
+        kept = {k: [] for k in kinds}  # bytes the run leaves on disk (checkpoints; the trace folder)
         causes = {k: [] for k in kinds if k.startswith("trace")}
         meter = Breakdown()
         for r in range(a.repeats):
@@ -259,6 +267,7 @@ def main():
                 meter.take()
                 wall, cpu, fid = run(kind, out)
                 times[kind].append((wall, cpu))
+                kept[kind].append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and not f.is_symlink()))
                 if kind in causes:
                     causes[kind].append(meter.take())
                     print("    " + "; ".join(f"{label.split(' (')[0]} {v:.1f}" for label, v in causes[kind][-1].items()),
@@ -280,6 +289,12 @@ def main():
                     line += (f"  ratio {statistics.median(xs) / statistics.median([y[i] for y in times[ref]]):.3f}"
                              f" (per repeat {', '.join(f'{q:.3f}' for q in per)})")
                 print(line)
+        if ref in kept:
+            print(f"bytes kept on disk (median of {a.repeats}; a plain run's checkpoints, a recording's trace folder):")
+            for k in kinds:
+                med = statistics.median(kept[k])
+                print(f"  {k:13s} {med:14,.0f} B" + (f"  ratio {med / statistics.median(kept[ref]):.3f}"
+                                                     if k != ref else ""))
         if "trace" in causes and ref in times:  # the self-check's own cost, measured in the same runs, taken out
             base_cpu = [y[1] for y in times[ref]]
             off = [t[1] - c.get(CAUSES[0][0], 0.0) - c.get(CAUSES[1][0], 0.0)

@@ -18,6 +18,7 @@ import argparse
 from hf_unlearn import MASCConfig, MASCTrainer, load_model, load_tofu, load_tokenizer
 from hf_unlearn.data.embedded import author_ids
 from hf_unlearn.demo import tiny_tofu_model
+from hf_unlearn.runtime import init_processes
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--validation-fraction", type=float, default=0.1,
                    help="forget rows held out from training; the stopping rule certifies them (0: the trained rows)")
     args = p.parse_args()
+    init_processes()  # every process prints "process R of N" (2 of them under cpu_2proc.yaml)
 
     if args.model is None:
         model, tokenizer, rows = tiny_tofu_model(authors=3)

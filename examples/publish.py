@@ -59,6 +59,9 @@ def main():
     from hf_unlearn.data import QACollator
     from hf_unlearn.hub import UnlearningHubMixin, verify_on_hub
     from hf_unlearn.models import build_tiny_model
+    from hf_unlearn.runtime import init_processes
+
+    init_processes()  # every process prints "process R of N" (2 of them under cpu_2proc.yaml)
 
     class ToyGradientAscent(UnlearningHubMixin, Trainer):
         """Gradient ascent on the forget set: the smallest unlearning trainer that honours the card contract."""

@@ -17,11 +17,10 @@ import argparse
 import shutil
 from pathlib import Path
 
-from accelerate import PartialState
-
 from hf_unlearn import load_tofu, make_task_matrices, qr_erase, tokenize_qa
 from hf_unlearn.data.embedded import EMBEDDED_TOFU_AUTHORS, load_embedded_tofu
 from hf_unlearn.demo import DemoConfig, fine_tune, load_demo_model, mean_answer_loss
+from hf_unlearn.runtime import init_processes
 
 
 def main() -> None:
@@ -35,7 +34,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=2.0)
     p.add_argument("--out", default="qr_erase_output")
     args = p.parse_args()
-    state = PartialState()
+    state = init_processes()  # every process prints "process R of N"
     tiny = args.model is None
 
     if args.tofu is None and args.authors <= EMBEDDED_TOFU_AUTHORS:

@@ -27,6 +27,7 @@ from hf_unlearn import (
     load_tokenizer,
 )
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer
+from hf_unlearn.runtime import init_processes
 
 
 def main() -> None:
@@ -38,6 +39,7 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=3.0, help="fine-tuning and forgetting epochs (default 3)")
     p.add_argument("--out", default="random_label_output", help="output folder (default random_label_output)")
     args = p.parse_args()
+    init_processes()  # every process prints "process R of N" (2 of them under cpu_2proc.yaml)
     if args.data is None and "HF_UNLEARN_DATA_DIR" not in os.environ and os.path.isdir("../shared/data/tasks"):
         args.data = "../shared/data/tasks"
 

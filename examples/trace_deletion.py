@@ -2,7 +2,7 @@
 
     python examples/trace_deletion.py                                   # tiny Llama on 64 TOFU rows, ~1 minute
     accelerate launch examples/trace_deletion.py                        # same, through accelerate (one process)
-    accelerate launch --multi_gpu --num_processes 2 examples/trace_deletion.py --out trace_example_dp   # data parallel
+    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/trace_deletion.py   # 2 processes (DDP)
     python examples/trace_deletion.py --model ../shared/models/SmolLM2-135M-Instruct --rows 16 --max-length 96
 
 Rows come from the TOFU subset shipped with hf_unlearn (or --tofu DIR / $HF_UNLEARN_DATA_DIR/tofu for more than 200).
@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
 from transformers import DataCollatorForSeq2Seq, TrainingArguments
 
 from hf_unlearn import (
@@ -35,6 +33,7 @@ from hf_unlearn import (
 )
 from hf_unlearn.data.embedded import load_embedded_tofu
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
+from hf_unlearn.runtime import init_processes
 from hf_unlearn.trace import open_run
 
 
@@ -46,11 +45,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="TOFU rows to fine-tune on")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--epochs", type=float, default=1)
-    parser.add_argument("--out", default="trace_example")
+    parser.add_argument("--out", default=None, help="output folder (default trace_example; trace_example_2proc for 2 processes, "
+                                                    "so the README's python and accelerate commands do not collide)")
     args = parser.parse_args()
-    out = Path(args.out)
-    cpu = not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)  # several processes on a CPU talk over gloo
+    state = init_processes()  # several processes on a CPU talk over gloo; each prints "process R of N"
+    cpu = state.device.type == "cpu"
+    n = state.num_processes
+    out = Path(args.out or ("trace_example" if n == 1 else f"trace_example_{n}proc"))
 
     if args.tofu is None and args.rows <= 200:
         rows = load_embedded_tofu().select(range(args.rows))

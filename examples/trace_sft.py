@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from accelerate import PartialState
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from hf_unlearn import OracleReplayTrainer, RedactedReplayTrainer, load_tofu, redact_store, replay_cost, trace_recording
 from hf_unlearn.data.embedded import load_embedded_tofu
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
+from hf_unlearn.runtime import init_processes
 from hf_unlearn.trace import open_run, verify
 
 
@@ -34,11 +33,13 @@ def main() -> None:
     parser.add_argument("--tofu", default=None, help="TOFU folder (default: the embedded subset for up to 200 rows)")
     parser.add_argument("--rows", type=int, default=64, help="TOFU rows to fine-tune on")
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--out", default="trace_sft_example")
+    parser.add_argument("--out", default=None, help="output folder (default trace_sft_example; trace_sft_example_2proc for 2 processes, "
+                                                    "so the README's python and accelerate commands do not collide)")
     args = parser.parse_args()
-    out = Path(args.out)
-    cpu = not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)  # several processes on a CPU talk over gloo
+    state = init_processes()  # several processes on a CPU talk over gloo; each prints "process R of N"
+    cpu = state.device.type == "cpu"
+    n = state.num_processes
+    out = Path(args.out or ("trace_sft_example" if n == 1 else f"trace_sft_example_{n}proc"))
 
     rows = (load_embedded_tofu() if args.tofu is None and args.rows <= 200 else load_tofu("full", args.tofu))
     rows = rows.select(range(args.rows))

@@ -20,6 +20,7 @@ from hf_unlearn import load_model, load_tofu, load_tokenizer
 from hf_unlearn.data.embedded import author_ids
 from hf_unlearn.demo import mean_answer_loss, tiny_tofu_model
 from hf_unlearn.methods.registry import METHODS, get_method
+from hf_unlearn.runtime import init_processes
 from hf_unlearn.utils import has_cuda
 
 
@@ -33,6 +34,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 tiny model, 1e-5 otherwise)")
     p.add_argument("--out", default="unlearn_tofu_output", help="output folder (default unlearn_tofu_output)")
     args = p.parse_args()
+    init_processes()  # every process prints "process R of N" (2 of them under cpu_2proc.yaml)
 
     if args.model is None:
         model, tokenizer, rows = tiny_tofu_model(authors=3)

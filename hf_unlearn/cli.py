@@ -77,16 +77,41 @@ def _fill_help(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> N
                 break
 
 
+START_HERE = """\
+where to start:
+  hf-unlearn demo          the whole pipeline offline in minutes (no data, no network): run this first
+
+with your own training script (exact deletion):
+  1. record   swap one line: TraceRecordingTrainer instead of Trainer (trace_recording(SFTTrainer) for TRL);
+              the run is written to trace_dir (default OUTPUT_DIR/trace)
+  2. forget   hf-unlearn forget RUN --ids FILE --out OUT --oracle    (replays without the rows, proved bit for bit)
+  3. publish  add --repo ORG/NAME to the forget command, or: hf-unlearn hub push OUT/model --repo ORG/NAME --deletion
+
+without a recorded run: hf-unlearn forget MODEL --ids FILE --data DATA --out OUT --method masc (approximate)
+"""
+
+# what a group's --help adds below its commands: the order they are used in
+GROUP_EPILOG = {
+    "requests": "order: `requests add RUN --ids FILE` first (records a request in the run's ledger), then `requests "
+                "serve RUN --exact` (or --approximate, --due) honours the pending ones; list/status/plan show them, "
+                "verify checks a receipt",
+    "trace": "order: inspect, cost (what a deletion re-executes), redact, replay, oracle, verify; `hf-unlearn forget "
+             "RUN --ids FILE --out OUT` runs redact+replay(+oracle with --oracle) in one command; compact is "
+             "housekeeping for a sealed run",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-unlearn",
         description="Machine unlearning for language models, the Hugging Face way.",
+        epilog=START_HERE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"hf_unlearn {__version__}")
     sub = parser.add_subparsers(dest="group", metavar="COMMAND")
     for group, help_text in GROUPS.items():
         module = importlib.import_module(f"hf_unlearn.commands.{group}")
-        group_parser = sub.add_parser(group, help=help_text, description=help_text)
+        group_parser = sub.add_parser(group, help=help_text, description=help_text, epilog=GROUP_EPILOG.get(group))
         group_parser.set_defaults(func=None, _parser=group_parser)
         module.register(group_parser)
     _fill_help(parser)
@@ -164,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
             msg = f"{e.strerror or e}: {e.filename}"
         else:
             msg = _first_line(e)
+        print(f"hf-unlearn: error: {msg}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as e:  # an undeclared or uninstalled dependency: what to install, in one line
+        _cleanup(new_outputs)
+        if debug:
+            raise
+        from .requirements import missing_dependency_message
+
+        msg = missing_dependency_message(e.name) if e.name else _first_line(e)
         print(f"hf-unlearn: error: {msg}", file=sys.stderr)
         return 1
     except Exception as e:  # anything else is still one line (a bug to report, or a library's own error)

@@ -80,8 +80,11 @@ def load_model(name_or_path: str | os.PathLike, gguf_file: str | None = None, dt
     name, gguf = _split_gguf(name_or_path, gguf_file)
     try:
         if gguf:
-            model = AutoModelForCausalLM.from_pretrained(name, gguf_file=gguf, dtype=dtype, **kwargs)
-            return _plain_copy(model)
+            model = _plain_copy(AutoModelForCausalLM.from_pretrained(name, gguf_file=gguf, dtype=dtype, **kwargs))
+            from .trace.base_source import mark_gguf
+
+            mark_gguf(model, Path(name) / gguf, dtype)  # a LoRA recording references these tensors in the file
+            return model
         if _is_adapter_folder(name):
             return _merged_adapter(name, dtype, kwargs)
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)

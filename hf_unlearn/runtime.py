@@ -111,3 +111,26 @@ def bench_output_dir(name: str) -> str:
     root = os.environ.get("HF_UNLEARN_BENCH_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hf_unlearn",
                                                                     "bench")
     return os.path.join(root, name)
+
+
+def init_processes(announce: bool = True):
+    """The processes of this launch, joined: ``accelerate.PartialState`` over gloo on CPUs, NCCL on GPUs.
+
+    A launch of several processes on a machine without CUDA (``torchrun --nproc_per_node 2``, or ``accelerate launch
+    --config_file examples/accelerate/cpu_2proc.yaml``, which starts them through torchrun) sets
+    ``ACCELERATE_USE_CPU=true`` unless the user set it: ``TrainingArguments`` and ``Accelerator`` read it, and
+    without it each process would train alone (``DistributedType.NO``, world size 1) on the same rows.
+    With ``announce``, every process prints ``process RANK of WORLD_SIZE (TYPE)``: the processes that really ran.
+    """
+    import torch
+    from accelerate import PartialState
+
+    cpu = not torch.cuda.is_available()
+    if cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    state = PartialState(cpu=cpu)
+    if announce:
+        # one write (print's separate "\n" lets two processes' lines run together in a shared pipe)
+        sys.stdout.write(f"process {state.process_index} of {state.num_processes} ({state.distributed_type.value})\n")
+        sys.stdout.flush()
+    return state

@@ -27,6 +27,30 @@ def file_mode(private: bool = False) -> int:
     return 0o600 if private else 0o666 & ~current_umask()
 
 
+def weights_follow_umask(path: str | os.PathLike) -> None:
+    """Give the ``.safetensors`` files at ``path`` (a file, or every one under a folder) the mode ``open()`` would.
+
+    safetensors (0.8) creates its files 0600 whatever the umask, so weights written by ``save_pretrained``,
+    ``Trainer.save_model`` or ``save_file`` were unreadable to a colleague or a serving account although cards and
+    receipts beside them were not. Weights are never private (raw ids and keys are, and are not safetensors)."""
+    path = Path(path)
+    files = [path] if path.is_file() else path.rglob("*.safetensors") if path.is_dir() else []
+    mode = file_mode()
+    for f in files:  # (a file named directly is weights whatever its name: save_file's "x.tmp" before the rename)
+        if not f.is_symlink() and (f.stat().st_mode & 0o777) != mode:
+            os.chmod(f, mode)
+
+
+class WeightsFollowUmask:
+    """Mix into a ``transformers.Trainer``: ``save_model`` and checkpoints write weights at the umask's mode."""
+
+    _trace_machinery = True  # library plumbing, not a trainer a replay rebuilds (trace.recording.recorded_trainer_class)
+
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        weights_follow_umask(output_dir if output_dir is not None else self.args.output_dir)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = False) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a torn write.
 

@@ -38,3 +38,38 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("hf-unlearn: error:")]
     assert len(lines) == 1 and "full.jsonl" in lines[0]
+
+
+def _help(capsys, *args) -> str:
+    with pytest.raises(SystemExit):
+        main([*args, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_says_where_to_start(capsys):
+    """`hf-unlearn --help` names the first command (the demo) and the record -> forget -> publish path."""
+    text = _help(capsys)
+    assert "hf-unlearn demo" in text and "TraceRecordingTrainer instead of Trainer" in text
+    record, forget, publish = (text.index(s) for s in ("1. record", "2. forget", "3. publish"))
+    assert record < forget < publish and "hf-unlearn forget RUN --ids FILE --out OUT --oracle" in text
+    assert "hub push OUT/model --repo ORG/NAME" in text
+
+
+def test_group_help_gives_the_order_of_use(capsys):
+    requests = _help(capsys, "requests")
+    assert requests.index("`requests add") < requests.index("`requests serve")
+    trace = _help(capsys, "trace")
+    listed = [line.split()[0] for line in trace.splitlines() if line[:4] == "    " and line[4:5] != " "
+              and line.split()[0] in {"inspect", "cost", "redact", "replay", "oracle", "verify", "compact"}]
+    assert listed == ["inspect", "cost", "redact", "replay", "oracle", "verify", "compact"], listed
+
+
+def test_hub_push_on_a_recorded_run_says_what_to_push(tmp_path, capsys):
+    """It asked for a card-info file; it now says the folder is a run and gives the command that publishes one."""
+    from .test_trace_common import get_recorded
+
+    run = str(get_recorded())
+    assert main(["hub", "push", run, "--repo", "org/m"]) == 1
+    err = capsys.readouterr().err
+    assert "is a recorded run (a trace), not a model folder" in err and f"hf-unlearn forget {run}" in err, err
+    assert "card-info" not in err and err.count("\n") == 1

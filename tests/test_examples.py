@@ -96,8 +96,56 @@ def test_example_runs(name, launcher, tmp_path):
     expected = {"trace_deletion.py": "bit for bit: True", "trace_sft.py": "VERIFIED: the SFTTrainer replay", "unlearn_tofu.py": "grad_diff: 2 steps",
                 "masc_tofu.py": "stopped at step", "random_label_forgetting.py": "unseen rows: accuracy",
                 "publish.py": "OK:", "qr_erase.py": "answer loss forget", "cud.py": "hard   set (CUD"}.get(name)
+    world = 2 if launcher == "accelerate" else 1
+    if name in TWO_PROCESS_EXAMPLES:  # every process says who it is: as many distinct ranks as the world size
+        assert processes_that_ran(proc.stdout) == {(rank, world) for rank in range(world)}, proc.stdout[-3000:]
+    if name in RECORDING_EXAMPLES:  # and the recording's own header agrees
+        from hf_unlearn.trace import open_run
+
+        base = RECORDING_EXAMPLES[name]  # the default --out; with 2 processes BASE_2proc (no collision)
+        header = open_run(tmp_path / (base if world == 1 else f"{base}_2proc") / "trace").header
+        assert header["world_size"] == world, header["world_size"]
+        assert header["distributed_type"] == ("MULTI_CPU" if world == 2 else "NO"), header["distributed_type"]
     if expected is None:
         return
     assert expected in proc.stdout, proc.stdout[-3000:]
     if launcher == "accelerate" and procs == 2:
         assert proc.stdout.count(expected) == 1  # printed by the main process only
+
+
+def processes_that_ran(stdout: str) -> set[tuple[int, int]]:
+    """(rank, world size) of every ``process R of N (TYPE)`` line (hf_unlearn.runtime.init_processes prints one per
+    process)."""
+    return {(int(r), int(n)) for r, n in re.findall(r"process (\d+) of (\d+) \(", stdout)}
+
+
+TWO_PROCESS_EXAMPLES = [name for name, (_, procs) in RUNS.items() if procs == 2]
+RECORDING_EXAMPLES = {"trace_deletion.py": "trace_example", "trace_sft.py": "trace_sft_example"}  # default --out
+
+
+def test_every_data_parallel_example_announces_its_processes():
+    """The slow runs above can check the ranks only if each data-parallel example calls init_processes."""
+    for name in TWO_PROCESS_EXAMPLES:
+        assert "init_processes()" in (ROOT / "examples" / name).read_text(), name
+
+
+_WORLD_PROBE = """
+from transformers import TrainingArguments
+from hf_unlearn.runtime import init_processes
+state = init_processes()
+args = TrainingArguments(output_dir="probe_out", report_to=[])  # what every example's trainer builds
+print(f"trainer: rank {args.process_index} of {args.world_size} ({args.distributed_state.distributed_type.value})")
+"""
+
+
+def test_cpu_2proc_config_starts_two_processes_that_join_over_gloo(tmp_path):
+    """`accelerate launch --config_file examples/accelerate/cpu_2proc.yaml` on a machine without CUDA: two
+    processes, ranks 0 and 1, world size 2 in the processes' own state and in TrainingArguments (accelerate 1.x's
+    MULTI_CPU started one process: DistributedType.NO, world size 1)."""
+    (tmp_path / "probe.py").write_text(_WORLD_PROBE)
+    proc = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU),
+                 str(tmp_path / "probe.py")], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert processes_that_ran(proc.stdout) == {(0, 2), (1, 2)}, proc.stdout
+    trainers = set(re.findall(r"trainer: rank (\d) of (\d) \((\w+)\)", proc.stdout))
+    assert trainers == {("0", "2", "MULTI_CPU"), ("1", "2", "MULTI_CPU")}, proc.stdout

@@ -349,3 +349,29 @@ def test_make_skips_the_reinstall_when_this_checkout_is_already_installed_editab
     assert installed_here(checkout.as_uri()) == 1
     dry = subprocess.run(["make", "-n", "install", "install-dev"], capture_output=True, text=True, cwd=str(ROOT))
     assert dry.stdout.count("tools/installed_here.py . ") == 2 and "|| python3 -m pip install" in dry.stdout
+    # an extra's requirement that is not installed (make demo, then make test): that extra installs, the core not
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hf_unlearn\nVersion: 0.1.0\n"
+                                   "Requires-Dist: hf-unlearn-no-such-dist>=1; extra == \"dev\"\n")
+    os.utime(checkout / "pyproject.toml", (1e9, 1e9))
+
+    def here(*extras: str) -> int:
+        return subprocess.run([sys.executable, str(ROOT / "tools" / "installed_here.py"), str(checkout), *extras],
+                              env={**os.environ, "PYTHONPATH": str(site)}).returncode
+
+    assert installed_here(checkout.as_uri()) == 0 and here("all") == 0 and here("dev") == 1
+
+
+def test_ci_builds_a_new_environment_and_runs_the_readme_test_command_in_it():
+    """.ci/run never reuses the Python it starts from: a new venv in a folder it creates, torch pinned first, the
+    project from its own files, then `make test` with that venv's Python for the install and the run alike."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in script and 'mktemp -d' in script and '-m venv "$VENV"' in script
+    assert script.index('pip install -q "torch==$TORCH_VERSION"') < script.index('pip install -q -e ".[dev]"')
+    assert 'make test PYTHON="$PY"' in script
+    readme = (ROOT / "README.md").read_text()
+    assert "make test     # " in readme  # the README's test command is the one CI runs
+    dry = subprocess.run(["make", "-n", "test", "PYTHON=/ci/venv/bin/python"], capture_output=True, text=True,
+                         cwd=str(ROOT)).stdout
+    commands = [line for line in dry.splitlines() if "pip install" in line or "pytest" in line]
+    assert len(commands) == 3 and all(line.lstrip("@").startswith("/ci/venv/bin/python") or
+                                      "|| /ci/venv/bin/python -m pip" in line for line in commands), dry

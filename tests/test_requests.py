@@ -373,3 +373,12 @@ def test_repo_pushes_one_tag_per_batch_and_a_failed_push_keeps_the_deletion(tmp_
     done = ledger.last("batch_done")
     assert done["batch"] == "batch-0002" and done["published"]["error"]
     assert (ledger.path / "batches" / "batch-0002" / "model" / "model.safetensors").is_file()
+
+
+def test_a_ledger_path_that_is_a_file_is_named_in_one_line(tmp_path, capsys):
+    """--ledger FILE used to fail deep inside with "[Errno 17] File exists"."""
+    (tmp_path / "ledger.jsonl").write_text("")
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(f"{ids_at_step(get_recorded(), 3)[0]}\n")
+    code, out = cli(capsys, "requests", "add", get_recorded(), "--ledger", tmp_path / "ledger.jsonl", "--ids", ids)
+    assert code == 1 and "is a file: the ledger is a folder" in out and "File exists" not in out, out

@@ -350,7 +350,7 @@ def test_checkpoint_budget_caps_what_is_kept_and_says_what_it_costs(tmp_path, ca
 
 def test_frozen_base_referenced_in_its_model_folder(tmp_path):
     """With trace_frozen_source, a LoRA run stores no copy of the base: its tensors are referenced in the model
-    folder by their hashes; replay == oracle; an edited base is refused at load, naming the tensor."""
+    folder by their hashes; replay == oracle; an edited base is refused at load, naming the file."""
     from peft import LoraConfig, get_peft_model
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -380,8 +380,8 @@ def test_frozen_base_referenced_in_its_model_folder(tmp_path):
     name = sorted(tensors)[0]
     tensors[name].view(-1)[0] += 1.0
     save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(UnlearnError, match="does not match its hashes.json"):
-        load_checkpoint(cps[4])
+    with pytest.raises(UnlearnError, match="model.safetensors has changed since the run was recorded"):
+        load_checkpoint(cps[4])  # the file's recorded SHA-256 refuses it before any tensor is read
 
 
 def test_cost_names_minimum_ratio_and_first_epoch(tmp_path, capsys):

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import UnlearnError
+from ..utils import weights_follow_umask
 
 # model_type -> the module layout it shares
 SUPPORTED_FAMILIES: dict[str, str] = {
@@ -944,6 +945,7 @@ class CircuitSet:
         meta = self.meta()
         with atomic_folder(out, marker="circuits.json") as tmp:
             save_file({"scores": self.scores.contiguous()}, str(tmp / "scores.safetensors"))
+            weights_follow_umask(tmp / "scores.safetensors")
             meta["scores_sha256"] = _sha256_file(tmp / "scores.safetensors")
             lines = []
             for sid, circuit, stats, loss in zip(self.ids, self.circuits, self.statistics(), self.clean_loss):

@@ -9,6 +9,7 @@ only data.
 
 from __future__ import annotations
 
+from ..utils import weights_follow_umask
 from . import add_subcommands
 
 
@@ -180,6 +181,7 @@ def run_qr_erase(args) -> int:
               + (f", retain task {retain}" if retain else ""), flush=True)
         model, report = qr_erase(model, forget, retain, config, forget_ids=forget_ids)
         model.save_pretrained(partial)
+        weights_follow_umask(partial)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
         else:

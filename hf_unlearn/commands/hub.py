@@ -89,6 +89,22 @@ def _common(p) -> None:
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
 
 
+def _refuse_a_run_folder(folder: str) -> None:
+    """`hub push` on a recorded run (or a forget output) asked for a card-info file: say what to push instead."""
+    from pathlib import Path
+
+    from ..errors import UnlearnError
+    from ..validation import is_trace_run
+
+    if is_trace_run(folder):
+        raise UnlearnError(f"{folder} is a recorded run (a trace), not a model folder: `hf-unlearn forget {folder} "
+                           "--ids FILE --out OUT --repo ORG/NAME` deletes, proves and publishes in one command; or "
+                           "push the model folder of a finished deletion (OUT/model)")
+    if (Path(folder) / "receipt.json").is_file() and (Path(folder) / "model").is_dir():
+        raise UnlearnError(f"{folder} is the output of `hf-unlearn forget`: push its model folder, "
+                           f"{Path(folder) / 'model'}")
+
+
 def _push(args) -> int:
     from ..errors import UnlearnError
     from ..hub.leaks import parse_not_ids
@@ -96,6 +112,7 @@ def _push(args) -> int:
 
     if args.revision and args.deletion:
         raise UnlearnError("pass either --revision TAG or --deletion, not both")
+    _refuse_a_run_folder(args.output_dir)
     if args.card_info:
         try:
             with open(args.card_info, encoding="utf-8") as f:

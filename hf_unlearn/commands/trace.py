@@ -23,11 +23,6 @@ def register(parser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=inspect_cmd)
 
-    p = sub.add_parser("compact", help="replace a sealed run's plan.bin, wal.bin and manifest.bin by one compact "
-                                       "provenance.bin (same records; see docs/exact-deletion.md, Compacting a sealed run)")
-    p.add_argument("run")
-    p.set_defaults(func=compact_cmd)
-
     p = sub.add_parser("cost", help="where a suffix replay starts and how much of the run it re-executes")
     p.add_argument("run")
     p.add_argument("--forget", required=True, help=FORGET_HELP)
@@ -65,6 +60,12 @@ def register(parser) -> None:
     p.add_argument("oracle", help="oracle output")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=verify_cmd)
+
+    # housekeeping last: the deletion steps above are what a newcomer looks for
+    p = sub.add_parser("compact", help="replace a sealed run's plan.bin, wal.bin and manifest.bin by one compact "
+                                       "provenance.bin (same records; see docs/exact-deletion.md, Compacting a sealed run)")
+    p.add_argument("run")
+    p.set_defaults(func=compact_cmd)
 
 
 def read_forget_file(path) -> list:

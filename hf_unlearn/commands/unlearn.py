@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from ..utils import weights_follow_umask
 from . import add_subcommands
 
 # hf_unlearn.eval.stopping.TARGET_METRICS, written out so that `hf-unlearn --help` imports no torch (a test keeps
@@ -163,6 +164,7 @@ def run(args) -> int:
     if trainer.is_peft:
         model = model.merge_and_unload()
     model.save_pretrained(out)
+    weights_follow_umask(out)
     tokenizer.save_pretrained(out)
     info = trainer.unlearning_card_info()
     info.pop("forget_ids")  # raw ids stay local; the Hub card code publishes keyed tags only

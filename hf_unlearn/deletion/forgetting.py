@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..utils import weights_follow_umask
 
 RECEIPT_FILE = "receipt.json"
 RECEIPT_FORMAT = "hf_unlearn.forget_receipt.v1"
@@ -689,6 +690,7 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
         after = evaluate_qa(unlearned, tokenizer, sets, **eval_kw)
         timings["eval_after_s"] = time.perf_counter() - t
     unlearned.save_pretrained(model_dir)
+    weights_follow_umask(model_dir)
     tokenizer.save_pretrained(model_dir)
     card_info = trainer.unlearning_card_info()
     extra = card_info.setdefault("extra", {})

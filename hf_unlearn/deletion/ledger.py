@@ -116,6 +116,9 @@ class DeletionLedger:
         if not is_trace_run(os.fspath(self.run)):
             raise UnlearnError(f"{self.run} is not a recorded run (the trace_dir of a TraceRecordingTrainer)")
         self.path = Path(path) if path is not None else self.run / LEDGER_DIR
+        if self.path.exists() and not self.path.is_dir():
+            raise UnlearnError(f"--ledger {self.path} is a file: the ledger is a folder (ledger.jsonl, receipts/, "
+                               "private/); give a folder that does not exist yet or an existing ledger")
         if not deadline_days > 0:
             raise UnlearnError(f"--deadline-days must be > 0, got {deadline_days}")
         self.deadline_days = deadline_days

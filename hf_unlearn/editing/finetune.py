@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..utils import weights_follow_umask
 from .task_matrices import TASK_MANIFEST, TaskFolder, read_task_folder
 
 
@@ -63,6 +64,7 @@ def fine_tune_task(model, tokenizer, dataset, output_dir, *, lora: bool = True, 
                       data_collator=_DropIds(QACollator.from_tokenizer(tokenizer)))
     trainer.train()
     trainer.save_model(str(output_dir))
+    weights_follow_umask(output_dir)
     if trainer.is_world_process_zero():
         shutil.rmtree(Path(output_dir) / "_trainer", ignore_errors=True)
         if not lora:

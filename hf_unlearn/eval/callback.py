@@ -21,6 +21,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from ..errors import UnlearnError
+from ..utils import weights_follow_umask
 
 logger = logging.get_logger(__name__)
 
@@ -137,6 +138,7 @@ class UnlearningEvalCallback(TrainerCallback, ExportableState):
         out = Path(args.output_dir) / self.best_dir
         unwrapped = getattr(model, "module", model)
         unwrapped.save_pretrained(out)
+        weights_follow_umask(out)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(out)
         result.to_json(out / "unlearning_eval.json")

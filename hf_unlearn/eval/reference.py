@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import UnlearnError
+from ..utils import weights_follow_umask
 
 
 @dataclass
@@ -81,6 +82,7 @@ def train_retain_reference(model, tokenizer, *, forget_split: str = "forget10", 
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=QACollator.from_tokenizer(tokenizer))
     trainer.train()
     model.save_pretrained(output_dir)
+    weights_follow_umask(output_dir)
     tokenizer.save_pretrained(output_dir)
     model.eval()
     return model

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..utils import atomic_write_text
+from ..utils import WeightsFollowUmask, atomic_write_text
 from .cards import render_model_card
 from .publish import PushResult, build_manifest, peft_settings, push_unlearned, safetensors_files, save_card_info
 
@@ -53,7 +53,7 @@ def write_model_card(output_dir: str | os.PathLike, card_info: Mapping[str, Any]
     return card
 
 
-class UnlearningHubMixin:
+class UnlearningHubMixin(WeightsFollowUmask):
     """Mix into a ``transformers.Trainer`` subclass that implements ``unlearning_card_info()``."""
 
     def unlearning_card_info(self) -> dict[str, Any]:  # pragma: no cover - the contract, implemented by trainers

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import UnlearnError
 from ..trace.run import file_sha256
-from ..utils import atomic_write_text
+from ..utils import atomic_write_text, weights_follow_umask
 from .cards import card_scanner, checked_card_info, forget_request, hub_model_id, normalize_card_info, render_model_card
 from .leaks import Hit, IdScanner
 
@@ -303,6 +303,7 @@ def stage_files(source, staging: Path, tokenizer=None) -> tuple[list[str], dict[
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         _drop_adapter_files(staging)
+        weights_follow_umask(staging)
         return list(model.state_dict().keys()), adapter
     src = Path(source)
     if not src.is_dir():
@@ -322,6 +323,7 @@ def stage_files(source, staging: Path, tokenizer=None) -> tuple[list[str], dict[
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
     _drop_adapter_files(staging)
+    weights_follow_umask(staging)
     return names or [], adapter
 
 

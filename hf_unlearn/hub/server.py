@@ -805,6 +805,10 @@ def _front_matter(text: str):
     and a few hundred bytes of nested aliases expand to gigabytes: a "billion laughs" document), at most
     ``MAX_YAML_DEPTH`` levels; the event stream is checked first, then the document built with the safe loader
     (libyaml's when PyYAML has it). Raises ``yaml.YAMLError``.
+
+    The event pass uses PyYAML's pure-Python parser: libyaml (0.2.5+) stops deep flow collections with its own
+    "exceeded maximum nesting depth" while scanning ahead, before this check sees the events, so which message a
+    user got depended on the PyYAML build. 64 KB of metadata parse in about a second at most.
     """
     import yaml
 
@@ -816,9 +820,8 @@ def _front_matter(text: str):
     block = m.group(1)
     if len(block.encode("utf-8", "replace")) > MAX_CARD_METADATA_BYTES:
         raise yaml.YAMLError(f"card metadata larger than {MAX_CARD_METADATA_BYTES} bytes (a card needs a few KB)")
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     depth = 0
-    for event in yaml.parse(block, Loader=loader):
+    for event in yaml.parse(block, Loader=yaml.SafeLoader):
         if isinstance(event, yaml.AliasEvent):
             raise yaml.YAMLError("YAML aliases are not allowed in card metadata")
         if isinstance(event, yaml.CollectionStartEvent):
@@ -827,7 +830,7 @@ def _front_matter(text: str):
                 raise yaml.YAMLError("card metadata is nested too deeply (more levels than a card ever needs)")
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
-    return yaml.load(block, Loader=loader)
+    return yaml.load(block, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def validate_card_metadata(content: str) -> tuple[list[str], list[str]]:
@@ -837,7 +840,7 @@ def validate_card_metadata(content: str) -> tuple[list[str], list[str]]:
     try:
         meta = _front_matter(content)
     except yaml.YAMLError as e:
-        return [f"YAML metadata is not valid YAML: {e}"], []
+        return [f"YAML metadata is not valid YAML: {' '.join(str(e).split())}"], []  # one line, whatever PyYAML says
     if meta is None:
         return [], ["Empty or missing yaml metadata in repo card"]
     if not isinstance(meta, dict):

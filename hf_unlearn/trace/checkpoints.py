@@ -32,7 +32,9 @@ import shutil
 from pathlib import Path
 
 from ..errors import UnlearnError
-from ..utils import atomic_write_text
+from ..utils import atomic_write_text, weights_follow_umask
+from .base_source import load as load_referenced
+from .base_source import stamp
 
 CHECKPOINT_FORMAT = "hf_unlearn.checkpoint.v2"
 INDEX_FORMAT = "hf_unlearn.checkpoint_index.v1"
@@ -105,18 +107,15 @@ def full_model_state(state: dict) -> dict:
     return {**state["model"], **{alias: state["model"][name] for alias, name in state.get("tied", {}).items()}}
 
 
-# ---- frozen tensors, saved once ----------------------------------------------------------------------------
-def _stamp(t) -> tuple:
-    """Identity and in-place version of a tensor: equal stamps mean the tensor was not replaced nor modified."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version)
-
-
+# ---- frozen tensors, referenced where they were loaded from, else saved once ---------------------------------
 class FrozenTensors:
-    """The run's parameters that do not train, saved once in ``checkpoints/frozen/`` and referenced afterwards."""
+    """The run's parameters that do not train: referenced in the model folder, Hugging Face cache snapshot or GGUF
+    file they were loaded from (:mod:`hf_unlearn.trace.base_source`), else saved once in ``checkpoints/frozen/``;
+    checkpoints reference them afterwards."""
 
     def __init__(self, run: Path):
         self.dir = Path(run) / "checkpoints" / FROZEN_DIR
-        self.source = None  # a model folder to reference frozen tensors in (trace_frozen_source)
+        self.source = None  # a model folder to reference frozen tensors in (trace_frozen_source); default: found
         self.hashes: dict[str, str] = {}
         self._stamps: dict[str, tuple] = {}
         self._params: dict = {}
@@ -124,30 +123,40 @@ class FrozenTensors:
     def unchanged(self, model) -> set[str]:
         """Names of the frozen store's tensors that ``model`` still holds unmodified."""
         params = dict(model.named_parameters(remove_duplicate=False))
-        return {n for n, s in self._stamps.items() if n in params and _stamp(params[n]) == s}
+        return {n for n, s in self._stamps.items() if n in params and stamp(params[n]) == s}
 
     def save(self, model, tensors: dict, source: str | os.PathLike | None = None) -> None:
         """Save the tensors among ``tensors`` that are parameters with ``requires_grad=False`` (once).
 
         With ``source`` (the model folder the frozen weights were loaded from), a frozen tensor whose dtype, shape
-        and bytes equal a tensor of that folder's safetensors files is referenced there instead of copied; the
-        checkpoints' hashes (which cover frozen tensors too) are checked against it at every load.
+        and bytes equal a tensor of that folder's safetensors files is referenced there instead of copied. Without
+        it, the folder, cache snapshot or GGUF file the model was loaded from (``base_source.loaded_from``) is
+        referenced the same way; nothing to reference: saved. The referenced files' SHA-256 and the checkpoints'
+        per-tensor hashes (frozen tensors included) are checked at every load.
         """
+        from . import base_source
         from .hashing import root_hash, tensor_hash
 
         params = dict(model.named_parameters(remove_duplicate=False))
         frozen = {n: t for n, t in tensors.items() if n in params and not params[n].requires_grad}
         if not frozen:
             return
-        refs = _match_source(frozen, source) if source is not None else {}
+        if source is not None:
+            where = {"kind": "safetensors", "path": str(Path(source).resolve()), "revision": None}
+            refs = _match_source(frozen, source)
+        else:
+            where = base_source.loaded_from(model)
+            refs = base_source.match(frozen, model, where) if where is not None else {}
         self.dir.mkdir(parents=True, exist_ok=True)
         _save_safetensors({n: t for n, t in frozen.items() if n not in refs}, self.dir / "model.safetensors")
         self.hashes = {n: tensor_hash(n, t) for n, t in frozen.items()}
         record = {"params": self.hashes, "root": root_hash(self.hashes)}
         if refs:
-            record["source"] = {"path": str(Path(source).resolve()), "tensors": refs}
+            record["source"] = base_source.describe(where, refs)
+            if where["kind"] == "gguf":
+                base_source.remember_live(record["source"], model, refs)
         atomic_write_text(self.dir / "hashes.json", json.dumps(record, indent=1, sort_keys=True))
-        self._stamps = {n: _stamp(params[n]) for n in frozen}
+        self._stamps = {n: base_source.stamp(params[n]) for n in frozen}
 
     def adopt(self, model, names) -> None:
         """Take over an existing frozen store (a replay's output links its parent's) for the tensors ``names``
@@ -156,7 +165,7 @@ class FrozenTensors:
             return
         self.hashes = json.loads((self.dir / "hashes.json").read_text())["params"]
         params = dict(model.named_parameters(remove_duplicate=False))
-        self._stamps = {n: _stamp(params[n]) for n in names if n in params and n in self.hashes}
+        self._stamps = {n: stamp(params[n]) for n in names if n in params and n in self.hashes}
 
     def adopt_matching(self, model) -> None:
         """Take over the saved frozen tensors that ``model`` holds with the same hashes (a resumed recording)."""
@@ -164,7 +173,7 @@ class FrozenTensors:
 
         self.hashes = json.loads((self.dir / "hashes.json").read_text())["params"]
         params = dict(model.named_parameters(remove_duplicate=False))
-        self._stamps = {n: _stamp(params[n]) for n, h in self.hashes.items()
+        self._stamps = {n: stamp(params[n]) for n, h in self.hashes.items()
                         if n in params and not params[n].requires_grad and tensor_hash(n, params[n]) == h}
 
     @property
@@ -207,13 +216,17 @@ def load_frozen(run: Path, names) -> dict:
         raise UnlearnError(f"{folder} is missing: the run's checkpoints reference frozen tensors saved there")
     source = json.loads((folder / "hashes.json").read_text()).get("source") or {"tensors": {}}
     where: dict[Path, list[tuple[str, str]]] = {}
+    referenced = []
     for n in names:
         if n in source["tensors"]:
             file, key = source["tensors"][n]
-            where.setdefault(Path(source["path"]) / file, []).append((n, key))
+            if "kind" in source:  # recorded with the files' SHA-256: checked, GGUF de-quantised (base_source)
+                referenced.append((n, file, key))
+            else:
+                where.setdefault(Path(source["path"]) / file, []).append((n, key))
         else:
             where.setdefault(folder / "model.safetensors", []).append((n, n))
-    out = {}
+    out = load_referenced(source, referenced) if referenced else {}
     for path, items in where.items():
         if not path.exists():
             raise UnlearnError(f"{path} is missing: the run's checkpoints reference frozen tensors there (restore it)")
@@ -233,6 +246,7 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
 
     tmp = path.with_name(path.name + ".tmp")
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
+    weights_follow_umask(tmp)
     os.replace(tmp, path)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UnlearnError
+from ..utils import weights_follow_umask
 
 BUFFERS_FILE = "model/buffers.safetensors"
 
@@ -73,6 +74,7 @@ def save_buffers(model, run: Path) -> dict:
     tensors = {n: b.detach().to("cpu").clone().contiguous() for n, b in _non_persistent_buffers(model).items()}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
+    weights_follow_umask(tmp)
     tmp.replace(path)
     layout["buffers_sha256"] = file_sha256(path)
     return layout

@@ -36,7 +36,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..data.collators import IdCarryingCollator, _importable_name, collator_spec, rebuild_collator
 from ..errors import UnlearnError
-from ..utils import atomic_write_text
+from ..utils import WeightsFollowUmask, atomic_write_text
 from .checkpoints import INDEX_FORMAT, CheckpointIndex, FrozenTensors
 from .fidelity import device_info, prepare_cuda_determinism
 from .hashing import batch_digest, optimizer_param_names
@@ -377,7 +377,7 @@ class _TraceCallback(TrainerCallback):
         self.trainer._trace_finish()
 
 
-class TraceRecordingMixin:
+class TraceRecordingMixin(WeightsFollowUmask):
     """Records a replayable trace of the run in ``trace_dir`` (default ``output_dir/trace``); put it first among
     the bases of any ``Trainer`` subclass (:func:`trace_recording` does it for you, e.g. for ``trl.SFTTrainer``).
 

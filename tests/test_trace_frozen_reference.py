@@ -1,0 +1,162 @@
+"""A LoRA (any partly frozen) recording references its frozen tensors where the base was loaded from, by default:
+a local folder, the Hugging Face cache, or the GGUF file load_model de-quantised. File, revision and SHA-256 are
+recorded, checked on every load, and a moved or changed base is refused in one line. Only what there is nothing to
+reference for (a model built from a config) is stored in the run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hf_unlearn.errors import UnlearnError
+
+from .conftest import SMOLLM2_DIR
+from .test_trace_common import delete, get_trace_data, ids_at_step, record, tiny
+
+LORA = {"r": 2, "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(**LORA))
+
+
+def frozen_record(run: Path) -> dict:
+    return json.loads((run / "checkpoints" / "frozen" / "hashes.json").read_text())
+
+
+def stored_frozen_tensors(run: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(run / "checkpoints" / "frozen" / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """A LoRA recording (8 steps) on a base loaded with from_pretrained from a local folder, no option passed."""
+    from transformers import AutoModelForCausalLM
+
+    tok, data = get_trace_data()
+    work = tmp_path_factory.mktemp("frozen_ref")
+    tiny(tok).save_pretrained(work / "base")
+    model = lora(AutoModelForCausalLM.from_pretrained(work / "base"))
+    record(tok, data, work / "rec", model=model)
+    return work / "rec" / "trace", work / "base"
+
+
+def test_a_lora_recording_references_its_base_by_default_and_stores_no_frozen_bytes(folder_run):
+    run, base = folder_run
+    rec = frozen_record(run)
+    assert rec["params"] and set(rec["source"]["tensors"]) == set(rec["params"])  # every frozen tensor referenced
+    assert stored_frozen_tensors(run) == []  # none copied into the run
+    source = rec["source"]
+    assert source["kind"] == "safetensors" and Path(source["path"]) == base.resolve()
+    import hashlib
+
+    digest = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest()
+    assert source["files"] == {"model.safetensors": {"size": (base / "model.safetensors").stat().st_size,
+                                                     "sha256": digest}}
+    frozen_bytes = (base / "model.safetensors").stat().st_size
+    assert sum(f.stat().st_size for f in run.rglob("*") if f.is_file()) < frozen_bytes  # the run: the LoRA only
+
+
+def test_the_referenced_run_replays_bit_for_bit(folder_run, tmp_path):
+    run, _ = folder_run
+    _, report = delete(run, ids_at_step(run, 6)[:2], tmp_path)
+    assert report["verified"], report
+
+
+def test_a_moved_or_changed_base_is_refused_in_one_line(folder_run, tmp_path):
+    from hf_unlearn.trace.checkpoints import load_checkpoint
+
+    run, base = folder_run
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    moved = base.with_name("base-moved")
+    base.rename(moved)
+    try:
+        with pytest.raises(UnlearnError, match=r"model\.safetensors is missing: the run references its frozen base"):
+            load_checkpoint(step)
+    finally:
+        moved.rename(base)
+    saved = base / "model.safetensors.orig"
+    shutil.copy2(base / "model.safetensors", saved)
+    try:
+        data = bytearray((base / "model.safetensors").read_bytes())
+        data[-1] ^= 1  # one bit of one frozen tensor
+        (base / "model.safetensors").write_bytes(bytes(data))
+        with pytest.raises(UnlearnError, match="has changed since the run was recorded") as e:
+            load_checkpoint(step)
+        assert "\n" not in str(e.value)
+    finally:
+        shutil.move(saved, base / "model.safetensors")
+    assert load_checkpoint(step)["model"]  # restored: loads again
+
+
+def test_a_model_built_from_a_config_stores_its_frozen_tensors(tmp_path):
+    tok, data = get_trace_data()
+    record(tok, data, tmp_path / "rec", model=lora(tiny(tok)), max_steps=2)
+    run = tmp_path / "rec" / "trace"
+    rec = frozen_record(run)
+    assert "source" not in rec and sorted(stored_frozen_tensors(run)) == sorted(rec["params"])
+
+
+def test_a_frozen_tensor_changed_after_loading_is_stored_not_referenced(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok, data = get_trace_data()
+    tiny(tok).save_pretrained(tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        loaded.model.layers[0].mlp.up_proj.weight.mul_(0.5)  # no longer what the folder holds
+    record(tok, data, tmp_path / "rec", model=lora(loaded), max_steps=2)
+    run = tmp_path / "rec" / "trace"
+    assert stored_frozen_tensors(run) == ["base_model.model.model.layers.0.mlp.up_proj.weight"]
+    assert len(frozen_record(run)["source"]["tensors"]) == len(frozen_record(run)["params"]) - 1
+
+
+@pytest.mark.slow  # SmolLM2-135M de-quantised twice and trained two steps: minutes on 2 cores (`pytest -m slow`)
+@pytest.mark.skipif(not any(SMOLLM2_DIR.glob("*.gguf")), reason=f"no GGUF file in {SMOLLM2_DIR}")
+def test_a_gguf_base_is_referenced_by_the_file_and_its_deterministic_dequantisation(tmp_path):
+    """A base de-quantised from GGUF: the run references the .gguf (its SHA-256); loading a checkpoint
+    de-quantises it again and the tensors' recorded hashes hold (de-quantisation is deterministic)."""
+    from hf_unlearn import load_model, load_tokenizer, tokenize_qa
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.data.embedded import load_embedded_tofu
+    from hf_unlearn.trace import TraceRecordingTrainer
+    from hf_unlearn.trace.checkpoints import verify_checkpoint_files
+
+    from .test_trace_common import train_args
+
+    tok = load_tokenizer(SMOLLM2_DIR)
+    model = lora(load_model(SMOLLM2_DIR))
+    data = tokenize_qa(load_embedded_tofu().select(range(8)), tok, max_length=96)
+    TraceRecordingTrainer(model=model, args=train_args(tmp_path / "rec", max_steps=2, per_device_train_batch_size=2),
+                          train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                          trace_checkpoint_steps=1, trace_self_check=False).train()
+    run = tmp_path / "rec" / "trace"
+    rec = frozen_record(run)
+    assert rec["source"]["kind"] == "gguf" and set(rec["source"]["files"]) == {next(SMOLLM2_DIR.glob("*.gguf")).name}
+    assert set(rec["source"]["tensors"]) == set(rec["params"]) and stored_frozen_tensors(run) == []
+    from hf_unlearn.trace import base_source
+
+    base_source._LIVE.clear()  # the recording process's own tensors: forgotten, so the file is de-quantised again
+    base_source._dequantized.cache_clear()
+    for step in sorted((run / "checkpoints").glob("step-*")):
+        verify_checkpoint_files(step)  # every frozen tensor de-quantised again, hash for hash
+    changed = tmp_path / "changed.gguf"  # the same check refuses another file in its place
+    shutil.copy(rec["source"]["path"] + "/" + next(iter(rec["source"]["files"])), changed)
+    with open(changed, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    rec["source"]["path"] = str(tmp_path)
+    rec["source"]["files"] = {"changed.gguf": rec["source"]["files"][next(iter(rec["source"]["files"]))]}
+    with pytest.raises(UnlearnError, match="changed.gguf has changed since the run was recorded"):
+        base_source.check_files(rec["source"])
