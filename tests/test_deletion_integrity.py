@@ -446,3 +446,36 @@ def test_purge_erases_the_served_rows_everywhere_the_service_keeps_them(tmp_path
     assert not any(set(gone) & ids for ids in _stores(ledger.path, run).values())
     assert purge(ledger, log=lambda m: None).record is None  # nothing left: nothing recorded
     assert [r["type"] for r in ledger.records()].count("purge") == 2
+
+
+def test_forget_repo_never_takes_a_deleted_row_back(tmp_path):
+    """`forget RUN --repo` twice from the original recorded run would publish deletion-0002 without the first
+    deletion's rows: refused before compute, naming deletion-0001; starting from the first output is accepted."""
+    from huggingface_hub import hf_hub_download
+
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.demo import local_hub
+    from hf_unlearn.hub.verify import expected_from
+
+    run = get_recorded()
+    tok, _ = get_trace_data()
+    first_ids, second_ids = ids_at_step(run, 7)[:2], ids_at_step(run, 6)[:1]
+    with local_hub(tmp_path / "hub") as (server, token):
+        hub = {"repo": "org/tiny", "endpoint": server.url, "token": token, "tokenizer": tok, "progress": False,
+               "log": lambda m: None}
+        forget(run, first_ids, tmp_path / "first", **hub)
+        with pytest.raises(UnlearnError, match="deletion-0001 already published a deletion of 2 id.*start from its "
+                                               "output.*nothing was done"):
+            forget(run, second_ids, tmp_path / "again", **hub)
+        assert not (tmp_path / "again").exists()  # refused before any compute
+        named = tmp_path / f"forget-{second_ids[0]}"
+        with pytest.raises(UnlearnError, match="named after the ids it deletes") as e:
+            forget(tmp_path / "first" / "replay", second_ids, named, **hub)
+        assert "--not-id" not in str(e.value) and not named.exists()
+        second = forget(tmp_path / "first" / "replay", second_ids, tmp_path / "second", **hub)
+        assert second.published["tag"] == "deletion-0002" and second.published["verify_ok"]
+        card = hf_hub_download("org/tiny", "README.md", revision="deletion-0002", endpoint=server.url, token=token,
+                               cache_dir=tmp_path / "cache")
+        assert str(tmp_path) not in open(card).read()  # no local path in anything published
+        assert expected_from(tmp_path / "second", "org/tiny", "deletion-0002")["expect_commit"] == \
+            second.published["commit"]  # --expect-from OUT: the forget output folder itself

@@ -334,7 +334,7 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
 
     ``record`` is one of (or a folder holding one of, looked for in this order):
 
-    * ``hub_pushes.jsonl`` (next to the pushed weights): the push of ``repo_id`` whose tag or commit is
+    * ``hub_pushes.jsonl`` (next to the pushed weights; in ``OUT/model`` for a ``forget`` output folder): the push of ``repo_id`` whose tag or commit is
       ``revision`` (without a revision, or for a branch name, the latest push of ``repo_id``): its state-dict
       root and commit;
     * ``deletion_log.jsonl`` (a trace run or replay output): the last request's ``params_root`` (the state the
@@ -350,7 +350,8 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
 
     path = Path(record)
     if path.is_dir():
-        found = [path / n for n in (PUSH_LOG_FILE, "deletion_log.jsonl", "verification.json") if (path / n).is_file()]
+        names = (PUSH_LOG_FILE, f"model/{PUSH_LOG_FILE}", "deletion_log.jsonl", "verification.json")  # model/: forget's OUT
+        found = [path / n for n in names if (path / n).is_file()]
         if not found:
             raise UnlearnError(f"{path} holds no {PUSH_LOG_FILE}, deletion_log.jsonl or verification.json to take "
                                "the expected root from")
