@@ -282,6 +282,11 @@ SMUGGLED = {  # case: (what is smuggled, where the refusal must point)
     "a file the card template includes": ({"template": '{% include "notes.md" %}\n',
                                            "includes": {"notes.md": "Deleted rows 3600 and 3601.\n"}},
                                           "template notes.md (number 3600)"),
+    # numbers in a card template's code render too (issue 33): a list, a macro default
+    "card template code": ({"template": "{% set ids = [3600, 3601] %}Removed {{ ids | length }} rows.\n"},
+                           "template card.md (code) (number 3600)"),
+    "card template macro default": ({"template": "{% macro row(n=3_605) %}{{ n }}{% endmacro %}{{ row() }}\n"},
+                                    "template card.md (code) (number 3605)"),
     "chat template comment": ({"files": {"chat_template.jinja": "{# unlearned sample 3601 #}"
                                          "{% for m in messages %}{{ m['content'] }}{% endfor %}"}},
                               "chat_template.jinja (number 3601)"),

@@ -259,7 +259,7 @@ def render_model_card(
     # more for string ids (its numbers are the scanned values', the library's versions and hashes, and the ones
     # the templates' text holds)
     hits = [h for filename, source in loaded.items() if not _is_library_template(filename)
-            for h in scanner.scan_template(source, f"template {Path(filename).name}")]
+            for h in scanner.scan_template(source, f"template {Path(filename).name}", code_numbers=True)]
     hits += scanner.scan_text(text, "rendered model card", numbers=False)
     scanner.refuse(hits, "the model card")
     check_card_metadata(text)
