@@ -153,6 +153,18 @@ def test_a_crash_between_a_record_and_its_head_is_visible_and_recovered_only_whe
     assert code == 0 and "re-signed the head over record(s) 5..5 (request)" in out, out
     assert [r.id for r in ledger.requests()] == ["r-0001", "r-0002", "r-0003", "r-0004"]
     assert cli(capsys, "requests", "recover", *common)[1].startswith("nothing to recover")
+    # a whole new ledger an attacker wrote and signed with their own key, without a head (as if the first append
+    # crashed): recover does not re-sign it with ours
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from hf_unlearn.deletion import DeletionLedger
+
+    fake = DeletionLedger(get_recorded(), tmp_path / "fake", signing_key=Ed25519PrivateKey.generate())
+    fake.add(ids_at_step(run, 1)[:1])
+    (fake.path / "head.json").unlink()
+    with pytest.raises(UnlearnError, match="not this machine's"):
+        ledger_at(fake.path).recover()
+    assert not (fake.path / "head.json").exists()
 
 
 @pytest.mark.slow

@@ -393,8 +393,14 @@ class DeletionLedger:
             if result.problem is not None and not (result.head is None and len(records) <= 3):
                 raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
             if result.head is None:  # the very first append (opening [+ key] + its record) crashed before the head
+                from ..keys import public_key_fingerprint
+
                 if result.problem and "no signed head" not in result.problem:
                     raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
+                if public_key_fingerprint(self.signing_key.public_key()) not in result.keys:
+                    raise UnlearnError(f"cannot recover the ledger {self.path}: it has no signed head and its "
+                                       f"records are signed with key(s) {', '.join(result.keys) or 'none'}, not "
+                                       "this machine's")
                 result.tail = records
             if not result.tail:
                 return None
