@@ -115,35 +115,42 @@ def test_a_copied_or_truncated_record_and_a_reused_number_are_refused(tmp_path, 
     assert [r.id for r in ledger.requests()] == ["r-0001", "r-0002", "r-0003"]
 
 
-RECORD_ONE_THEN_DIE = """
+DIE_AT = """
 import os, sys
-from hf_unlearn.deletion import DeletionLedger, ledger as mod
+from hf_unlearn.deletion import DeletionLedger, ledger as mod, service
+run, folder, what, point, arg = sys.argv[1:6]
 real = os.replace
-def replace(src, dst, *a, **k):
-    if str(dst).endswith("head.json") and sys.argv[4] in open(os.path.join(sys.argv[2], "ledger.jsonl")).read() \\
-            .splitlines()[-1]:
-        os._exit(137)  # killed after the record, before its head
+def replace(src, dst, *a, **k):  # killed after the record of that kind, before its head
+    last = open(os.path.join(folder, "ledger.jsonl")).read().splitlines()[-1]
+    if str(dst).endswith("head.json") and point.startswith("head:") and f'"type":"{point[5:]}"' in last:
+        os._exit(137)
     return real(src, dst, *a, **k)
 mod.os.replace = replace
-ledger = DeletionLedger(sys.argv[1], sys.argv[2])
-if sys.argv[3] == "add":
-    ledger.add([int(sys.argv[5])], received="2026-11-02")
+def die(*a, **k):
+    os._exit(137)
+if point == "receipts":  # the replay is done, no receipt written yet
+    service.write_receipt = die
+if point == "bundles":  # batch_done and its head are written, the bundles not
+    service.write_bundle = die
+ledger = DeletionLedger(run, folder)
+if what == "add":
+    ledger.add([int(arg)], received="2026-11-02")
 else:
-    ledger.serve_exact(tokenizer_path=sys.argv[5], progress=False)
+    ledger.serve_exact(tokenizer_path=arg, progress=False)
 """
 
 
-def _die_after(tmp_path, ledger, what: str, kind: str, arg) -> None:
+def _die_at(ledger, what: str, point: str, arg) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", RECORD_ONE_THEN_DIE, str(get_recorded()), str(ledger.path), what,
-                           f'"type":"{kind}"', str(arg)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", DIE_AT, str(get_recorded()), str(ledger.path), what, point,
+                           str(arg)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 137, proc.stderr[-2000:]
 
 
 def test_a_crash_between_a_record_and_its_head_is_visible_and_recovered_only_when_it_is_ours(tmp_path, capsys):
     ledger = three_requests(tmp_path)
     run = get_recorded()
-    _die_after(tmp_path, ledger, "add", "request", ids_at_step(run, 5)[0])
+    _die_at(ledger, "add", "head:request", ids_at_step(run, 5)[0])
     common = [get_recorded(), "--ledger", ledger.path]
     code, out = cli(capsys, "requests", "status", *common)
     assert code == 1 and "record(s) 5..5 are not covered by the signed head" in out and "requests recover" in out
@@ -168,29 +175,45 @@ def test_a_crash_between_a_record_and_its_head_is_visible_and_recovered_only_whe
 
 
 @pytest.mark.slow
-def test_kill_between_batch_done_and_the_head_then_recover_and_every_receipt_verifies(tmp_path, capsys):
+@pytest.mark.parametrize("point", ["head:batch_start", "receipts", "head:batch_done", "bundles"])
+def test_kill_9_at_every_write_of_a_batch_then_recover_and_serve_completes_it_once(tmp_path, capsys, point):
     from hf_unlearn.deletion import verify_receipt
+    from hf_unlearn.deletion.receipts import write_bundle
 
     ledger = ledger_at(tmp_path / "ledger")
     ledger.add(ids_at_step(get_recorded(), 6)[:1])
     tok, _ = get_trace_data()
     tok.save_pretrained(tmp_path / "tok")
-    _die_after(tmp_path, ledger, "serve", "batch_done", tmp_path / "tok")
+    _die_at(ledger, "serve", point, tmp_path / "tok")
     receipt = ledger.path / "receipts" / "r-0001.exact.json"
-    assert not verify_receipt(receipt, public_key()).ok  # the serving record is not under the signed head yet
-    code, out = cli(capsys, "requests", "status", get_recorded(), "--ledger", ledger.path)
-    assert code == 1 and "(batch_done)" not in out and "not covered by the signed head" in out
-    # a tail whose receipt was swapped is not what serve writes: refused
-    original = receipt.read_bytes()
-    body = json.loads(original)
-    body["request"]["count"] += 1
-    receipt.write_text(json.dumps(body))
-    with pytest.raises(UnlearnError, match="lists a receipt for r-0001 that is missing or differs"):
-        ledger.recover()
-    receipt.write_bytes(original)
-    ledger.recover()
+    common = [get_recorded(), "--ledger", ledger.path]
+    code, out = cli(capsys, "requests", "status", *common)
+    interrupted = out.split("interrupted_batch", 1)[-1].splitlines()[0].strip() if "interrupted_batch" in out else ""
+    if point == "bundles":  # batch_done and its head are in: consistent (bundles are made again on demand)
+        assert code == 0 and interrupted == "None", out
+    elif point == "receipts":  # started, not done: status says so and exits 1
+        assert code == 1 and interrupted == "batch-0001", out
+    if point.startswith("head:"):  # a tail: every command refuses, naming it, until recover
+        assert code == 1
+        assert "not covered by the signed head" in out
+        if point == "head:batch_done":
+            assert not verify_receipt(receipt, public_key()).ok  # its serving record is not under the head yet
+            # a tail whose receipt was altered is not what serve writes: refused
+            original = receipt.read_text()
+            body = json.loads(original)
+            body["request"]["count"] += 1
+            receipt.write_text(json.dumps(body))
+            with pytest.raises(UnlearnError, match="lists a receipt for r-0001 that is missing or differs"):
+                ledger.recover()
+            receipt.write_text(original)
+        assert cli(capsys, "requests", "recover", *common)[0] == 0
+    result = ledger.serve_exact(tokenizer=tok, **QUIET)
+    assert (result is None) == (point in ("head:batch_done", "bundles"))
+    kinds = [r["type"] for r in ledger.records()]
+    assert kinds.count("batch_start") == 1 and kinds.count("batch_done") == 1  # served once
+    assert [r.state for r in ledger.requests()] == ["exact"]
     assert verify_receipt(receipt, public_key(), model=ledger.served_model()).ok
-    assert [r.state for r in ledger.requests()] == ["exact"] and ledger.serve_exact(**QUIET) is None
+    assert verify_receipt(write_bundle(ledger, receipt, tmp_path / "b.json"), public_key()).ok
 
 
 def test_appends_are_all_or_nothing(tmp_path, monkeypatch):
@@ -449,15 +472,18 @@ def test_purge_erases_the_served_rows_everywhere_the_service_keeps_them(tmp_path
     assert report.ok and "via batch-0001 -> batch-0002" in report.summary(), report.summary()
     # what later deletions need is kept: a third request is served (with the oracle) after the purge
     ledger.add(later, received="2026-11-03")
-    third = ledger.serve_exact(tokenizer=tok, oracle=True, **QUIET)
-    assert third.forget_receipt.evidence["verified"] is True
+    from hf_unlearn.deletion import Policy
+
+    due = ledger.serve_due(Policy(max_wait_days=0, oracle=True, purge_after_batch=True), tokenizer=tok, **QUIET)
+    assert due["exact"].forget_receipt.evidence["verified"] is True and "; purged " in due["message"]
+    assert {"batches/batch-0002/replay", "batches/batch-0002/model"} <= {r["path"] for r in due["purge"].removed}
     # a copy left behind (a purge that crashed midway, or an insider's re-planted store) is found again and removed
     shutil.copytree(stash, ledger.path / "batches" / "batch-0001" / "store")
     result = purge(ledger, log=lambda m: None)
-    assert {"batches/batch-0001/store", "batches/batch-0002/replay"} <= {r["path"] for r in result.removed}
+    assert [r["path"] for r in result.removed] == ["batches/batch-0001/store"]
     assert not any(set(gone) & ids for ids in _stores(ledger.path, run).values())
     assert purge(ledger, log=lambda m: None).record is None  # nothing left: nothing recorded
-    assert [r["type"] for r in ledger.records()].count("purge") == 2
+    assert [r["type"] for r in ledger.records()].count("purge") == 3
 
 
 def test_forget_repo_never_takes_a_deleted_row_back(tmp_path):

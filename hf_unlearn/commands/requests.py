@@ -49,7 +49,7 @@ def register(parser) -> None:
     mode.add_argument("--due", action="store_true", help="serve what the policy says is due; else say so and exit 0")
     p.add_argument("--policy", default=None, metavar="FILE",
                    help="--due: JSON or TOML with max_wait_days, max_replay_steps, approximate_first, "
-                        "approximate_method, oracle (default: max_wait_days 21)")
+                        "approximate_method, oracle, purge_after_batch (default: max_wait_days 21)")
     p.add_argument("--oracle", action="store_true", help="exact: also run the oracle and check bit for bit")
     p.add_argument("--tokenizer", dest="tokenizer_path", default=None,
                    help="exact: tokenizer saved with the model (a recorded run holds none)")
@@ -211,6 +211,8 @@ def serve_cmd(args) -> int:
                 _print_result(out["approximate"])
             if out["exact"] is not None:
                 _print_result(out["exact"])
+            if out.get("purge") is not None:
+                print(out["purge"].summary())
             print(out["message"])
             return 0
         if args.exact:

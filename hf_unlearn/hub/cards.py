@@ -282,7 +282,7 @@ def _recording_loader(search: list[str], loaded: dict[str, str]):
 
 
 def _is_library_template(filename: str) -> bool:
-    return Path(filename).resolve().is_relative_to(TEMPLATES_DIR)
+    return Path(filename).resolve().is_relative_to(TEMPLATES_DIR.resolve())  # (a checkout links model_cards/)
 
 
 def check_card_metadata(text: str) -> dict:
