@@ -9,7 +9,8 @@ naming 1-3 rows drawn from the whole run. A cron job runs ``serve --due`` once a
 every exact batch runs the oracle, and every receipt is checked with the public key alone (signature, chain to the
 ledger, the model's state-hash root). Prints, side by side, the optimizer steps replayed by the batches (executed)
 against serving each request alone (``replay_cost`` of each request, computed by the planner, not executed), and the
-days from each request to its exact deletion.
+days from each request to its exact deletion, then the disk the service keeps (ledger, batches and the recorded
+run, hard links counted once) before and after ``requests purge``, per served request.
 """
 
 from __future__ import annotations
@@ -100,11 +101,23 @@ def simulate(args, run: Path, out: Path) -> dict:
     from hf_unlearn.keys import load_signing_key
 
     public = load_signing_key().public_key()
-    receipts = sorted((ledger.path / "receipts").glob("*.json"))
+    receipts = sorted(p for p in (ledger.path / "receipts").glob("*.json")
+                      if not p.name.endswith((".bundle.json", ".ack.json")))
     verified = {}
     for path in receipts:
         body = json.loads(path.read_text())
         verified[path.name] = verify_receipt(path, public, model=ledger.path / body["model"]).ok
+    bundles = sorted((ledger.path / "receipts").glob("*.bundle.json"))
+    bundles_ok = sum(verify_receipt(path, public).ok for path in bundles)  # each alone: receipt, records, head
+    # erasure: the disk the service keeps before and after `requests purge`, per served request
+    from hf_unlearn.deletion.erasure import purge
+
+    kept_before = disk_bytes(ledger.path, run)
+    purged = purge(ledger, log=lambda m: None)
+    kept_after = disk_bytes(ledger.path, run)
+    current = ledger.served_model()  # every old exact receipt still checks against the current model
+    after_purge_ok = sum(verify_receipt(path, public, model=current).ok for path in receipts
+                         if json.loads(path.read_text()).get("kind") == "exact")
     executed_alone = None
     if args.execute_one_by_one:  # the baseline for real: each request its own exact deletion, in arrival order
         alone_ledger = DeletionLedger(run, out / "ledger-one-by-one", deadline_days=args.deadline_days)
@@ -126,7 +139,26 @@ def simulate(args, run: Path, out: Path) -> dict:
             "days_to_exact": {"min": min(delays), "mean": sum(delays) / len(delays), "max": max(delays)},
             "delays": delays, "arrival_days": [(a - start).total_seconds() / 86400 for a in arrivals],
             "late_or_unserved": late, "receipts": len(receipts), "receipts_verified": sum(verified.values()),
-            "serve_seconds": serve_s, "max_wait_days": args.max_wait_days, "deadline_days": args.deadline_days}
+            "serve_seconds": serve_s, "max_wait_days": args.max_wait_days, "deadline_days": args.deadline_days,
+            "bundles": len(bundles), "bundles_verified": bundles_ok,
+            "disk_kept_bytes": {"before_purge": kept_before, "after_purge": kept_after,
+                                "per_served_request_before": kept_before / max(len(delays), 1),
+                                "per_served_request_after": kept_after / max(len(delays), 1),
+                                "purged_paths": len(purged.removed)},
+            "exact_receipts_verified_against_current_model_after_purge": after_purge_ok}
+
+
+def disk_bytes(*folders: Path) -> int:
+    """Bytes on disk under the folders, a hard-linked file once (replays share their clean prefix by links)."""
+    seen, total = set(), 0
+    for folder in folders:
+        for p in folder.rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                st = p.stat()
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
+    return total
 
 
 def plot(res: dict, path: Path) -> None:
@@ -182,6 +214,13 @@ def main(argv=None) -> int:
     print(f"  receipts verified with the public key (signature, ledger chain, model root): "
           f"{res['receipts_verified']} of {res['receipts']}; every batch oracle-verified: "
           f"{all(b['verified'] for b in res['batches'])}")
+    k = res["disk_kept_bytes"]
+    print(f"  receipt bundles verified alone: {res['bundles_verified']} of {res['bundles']}")
+    print(f"  disk the service keeps (ledger + run, hard links once): {k['before_purge'] / 2**20:.1f} MiB before "
+          f"`requests purge`, {k['after_purge'] / 2**20:.1f} MiB after ({k['purged_paths']} paths removed); per "
+          f"served request {k['per_served_request_before'] / 2**20:.2f} -> {k['per_served_request_after'] / 2**20:.2f} "
+          f"MiB; exact receipts verified against the current model after the purge: "
+          f"{res['exact_receipts_verified_against_current_model_after_purge']}")
     plot(res, Path(args.plot) if args.plot else out / "requests.png")
     return 0
 

@@ -250,3 +250,53 @@ def signature_ok(public_key, message: bytes, signature_hex: str) -> bool:
     except (InvalidSignature, ValueError, TypeError):
         return False
     return True
+
+
+def public_key_hex(public_key) -> str:
+    """The raw 32 bytes of an Ed25519 public key, hex: how a ledger names its signing key inside its own records."""
+    from cryptography.hazmat.primitives import serialization
+
+    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def public_key_from_hex(value: str):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        return Ed25519PublicKey.from_public_bytes(bytes.fromhex(value))
+    except (ValueError, TypeError):
+        raise UnlearnError(f"{value!r} is not a raw Ed25519 public key (64 hex characters)") from None
+
+
+def archived_signing_key_path(fingerprint: str, path: str | os.PathLike | None = None) -> Path:
+    current = Path(path) if path is not None else default_signing_key_path()
+    return current.with_name(f"{current.stem}.{fingerprint}{current.suffix or '.pem'}")
+
+
+def find_signing_key(fingerprint: str):
+    """The Ed25519 private key with this public fingerprint: the current one, else one archived by
+    :func:`rotate_signing_key`; None if neither."""
+    current = load_signing_key(create=False) if default_signing_key_path().exists() else None
+    if current is not None and public_key_fingerprint(current.public_key()) == fingerprint:
+        return current
+    archived = archived_signing_key_path(fingerprint)
+    if archived.exists():
+        key = load_signing_key(archived, create=False)
+        if public_key_fingerprint(key.public_key()) == fingerprint:
+            return key
+    return None
+
+
+def rotate_signing_key(path: str | os.PathLike | None = None) -> tuple[str, str, Path]:
+    """Archive the signing key as ``signing_ed25519.<fingerprint>.pem`` and create a new one; returns (old, new
+    fingerprint, archive). A ledger signed with the old key hands over to the new one with a ``key`` record signed by
+    the old key at its next append, so signatures made before stay verifiable with either public key."""
+    path = Path(path) if path is not None else default_signing_key_path()
+    old = load_signing_key(path, create=False)
+    old_fp = public_key_fingerprint(old.public_key())
+    archive = archived_signing_key_path(old_fp, path)
+    if not write_key_file(archive, read_key_file(path)) and read_key_file(archive) != read_key_file(path):
+        raise UnlearnError(f"{archive} exists and holds another key; move it away first")
+    path.unlink()
+    new = load_signing_key(path, create=True)
+    return old_fp, public_key_fingerprint(new.public_key()), archive

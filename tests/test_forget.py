@@ -493,7 +493,8 @@ def test_forget_publishes_and_verifies_on_a_local_hub(tmp_path, exact_receipt):
 
         verify_mod.verify_on_hub = verify_the_wrong_revision
         try:
-            other = forget(run, ids_at_step(run, 6)[:1], tmp_path / "out2", tokenizer=tok, repo="org/tiny",
+            other = forget(tmp_path / "out" / "replay", ids_at_step(run, 6)[:1], tmp_path / "out2", tokenizer=tok,
+                           repo="org/tiny",
                            endpoint=server.url, token=token, progress=False, log=lambda m: None)
         finally:
             verify_mod.verify_on_hub = real_verify

@@ -444,7 +444,9 @@ def test_verify_names_the_non_weight_files_that_differ_from_the_record(tmp_path)
     pinned = VerifyReport(source="org/m", checked=3, loaded="LlamaForCausalLM", expect_root="r" * 64,
                           expect_files_root="f" * 64)  # the card is outside the files root: not anchored, said so
     assert not pinned.anchored and "Not proven: that the model card" in pinned.statement
-    pinned.expect_card_sha256 = "c" * 64
+    pinned.expect_card_sha256 = "c" * 64  # weights, files and card pinned, not .gitattributes and the manifest
+    assert not pinned.anchored and "Not proven: that .gitattributes and state_hashes.json" in pinned.statement
+    pinned.expect_commit = "a" * 40  # a commit covers every published byte
     assert pinned.anchored and "Not proven" not in pinned.statement
     nothing = VerifyReport(source="org/m", checked=3, loaded="LlamaForCausalLM")
     assert not nothing.anchored and "Not proven: that these are the weights, config and tokenizer" in nothing.statement

@@ -282,6 +282,11 @@ SMUGGLED = {  # case: (what is smuggled, where the refusal must point)
     "a file the card template includes": ({"template": '{% include "notes.md" %}\n',
                                            "includes": {"notes.md": "Deleted rows 3600 and 3601.\n"}},
                                           "template notes.md (number 3600)"),
+    # numbers in a card template's code render too (issue 33): a list, a macro default
+    "card template code": ({"template": "{% set ids = [3600, 3601] %}Removed {{ ids | length }} rows.\n"},
+                           "template card.md (code) (number 3600)"),
+    "card template macro default": ({"template": "{% macro row(n=3_605) %}{{ n }}{% endmacro %}{{ row() }}\n"},
+                                    "template card.md (code) (number 3605)"),
     "chat template comment": ({"files": {"chat_template.jinja": "{# unlearned sample 3601 #}"
                                          "{% for m in messages %}{{ m['content'] }}{% endfor %}"}},
                               "chat_template.jinja (number 3601)"),
@@ -537,7 +542,7 @@ for name, (revision, root, commit, *extra) in json.loads(sys.argv[1]).items():
         expect = expected_from(extra[0], "org/v", revision)
     r = verify_on_hub("org/v", revision, **expect)
     out[name] = {"ok": r.ok, "anchored": r.anchored, "weights_anchored": r.weights_anchored,
-                 "statement": r.statement, "problems": r.problems, "mismatched": r.mismatched, "loaded": r.loaded}
+                 "unpinned": r.unpinned, "statement": r.statement, "problems": r.problems, "mismatched": r.mismatched, "loaded": r.loaded}
 print(json.dumps(out))
 """
 
@@ -714,8 +719,10 @@ def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(clie
     by_roots = out["anchored by roots"]
     assert by_roots["ok"] and not by_roots["anchored"] and f"expected files root {files}" in by_roots["statement"]
     assert "Not proven: that the model card" in by_roots["statement"]
-    full = out["anchored by roots and card"]
-    assert full["ok"] and full["anchored"] and "Not proven" not in full["statement"]
+    full = out["anchored by roots and card"]  # no commit pin: .gitattributes and the manifest are not covered
+    assert full["ok"] and not full["anchored"] and full["unpinned"] == [".gitattributes", "state_hashes.json"]
+    assert full["statement"].count("Not proven") == 1 and "Not proven: that .gitattributes and state_hashes.json" \
+        in full["statement"]
     rewritten = out["card rewritten, expect roots"]
     assert rewritten["ok"] and not rewritten["anchored"] and "Not proven: that the model card" in rewritten["statement"]
     by_record = out["card rewritten, record"]  # hub_pushes.jsonl holds the card's SHA-256

@@ -660,3 +660,41 @@ def test_idle_connections_are_closed_and_connections_are_capped(tmp_path):
         assert status == b"HTTP/1.1 200"
     finally:
         srv.stop()
+
+
+def test_a_slow_client_cannot_hold_a_slot_past_the_header_deadline(tmp_path):
+    """Connections that send one header line every so often (each read well inside the read timeout) are cut at
+    the per-request header deadline, so every slot taken that way comes back and an honest request is answered."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    srv = HubServer(tmp_path / "hub", {TOKEN: "alice"}, max_connections=3, header_deadline=1.0).start()
+    u = urlsplit(srv.url)
+    try:
+        slow = [socket.create_connection((u.hostname, u.port), timeout=30) for _ in range(3)]
+        for s in slow:
+            s.sendall(b"GET /api/whoami-v2 HTTP/1.1\r\n")
+        start = time.monotonic()
+        closed = set()
+        while time.monotonic() - start < 10 and len(closed) < len(slow):
+            for n, s in enumerate(slow):
+                if n in closed:
+                    continue
+                try:
+                    s.sendall(b"X-Slow: 1\r\n")  # a header line every 0.2 s: no single read ever times out
+                except OSError:
+                    closed.add(n)
+            time.sleep(0.2)
+        assert len(closed) == len(slow) and time.monotonic() - start < 5  # cut near the 1 s deadline, not 60 s
+        for s in slow:
+            s.close()
+        for _ in range(50):
+            status = raw_request(srv, b"GET /api/whoami-v2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                      b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n")[:12]
+            if status == b"HTTP/1.1 200":
+                break
+            time.sleep(0.1)
+        assert status == b"HTTP/1.1 200"
+    finally:
+        srv.stop()

@@ -153,7 +153,7 @@ def test_verify_cannot_be_fooled(served, tmp_path):
     assert check(sign_receipt(forged, other)) == {"signature": False}
     # signed by another key and checked with that key: the ledger head (signed by the issuer) and chain refuse it
     result = check(sign_receipt(forged, other), key=other.public_key())
-    assert result["signature"] and not result["ledger head"] and not result["ledger chain"]
+    assert result["signature"] and not result["ledger head"] and not result.get("ledger chain", False)
     # a genuine receipt of another ledger (same run, same key) is not in this one
     foreign = ledger_at(tmp_path / "other")
     foreign.add(ids_at_step(get_recorded(), 3)[:1])
@@ -162,8 +162,13 @@ def test_verify_cannot_be_fooled(served, tmp_path):
     result = check(sign_receipt(foreign_receipt, ledger.signing_key), ledger=foreign.path)
     assert result["signature"] and result["ledger head"] and not result["ledger chain"]
     assert check(original, ledger=foreign.path)["ledger id"] is False
-    # a swapped model: batch-0002's weights for a batch-0001 receipt
-    assert check(original, model=ledger.path / "batches" / "batch-0002" / "model")["model"] is False
+    # a swapped model: batch-0001's weights (which still hold r-0004's row) for batch-0002's receipt
+    later = copy / "receipts" / "r-0004.exact.json"
+    report = verify_receipt(later, pub, model=ledger.path / "batches" / "batch-0001" / "model")
+    assert not report.ok and {n: ok for n, ok, _ in report.checks}["model"] is False
+    # ... while batch-0002's model also excludes r-0002's rows (it deletes from batch-0001's replay): it passes, saying so
+    report = verify_receipt(receipt, pub, model=ledger.path / "batches" / "batch-0002" / "model")
+    assert report.ok and "via batch-0001 -> batch-0002" in report.summary(), report.summary()
     # an edited ledger record is named
     receipt.write_text(json.dumps(original))
     assert verify_receipt(receipt, pub).ok

@@ -72,6 +72,9 @@ def register(parser) -> None:
                    help="close a connection idle (or stalled mid-request) this many seconds (default %(default)s)")
     s.add_argument("--max-connections", type=int, default=64,
                    help="connections served at once, one thread each; more get 503 (default %(default)s)")
+    s.add_argument("--header-deadline", type=float, default=15.0,
+                   help="seconds a request's line and headers may take to arrive (a client sending a header line now "
+                        "and then cannot hold a connection past it; default 15)")
     s.add_argument("--verbose", action="store_true", help="log every request")
     s.set_defaults(func=_serve)
 
@@ -170,7 +173,7 @@ def _serve(args) -> int:
         logging.basicConfig(level=logging.DEBUG, format="%(message)s")
     server = HubServer(args.root, {t: args.user for t in args.token}, host=args.host, port=args.port,
                        max_body_bytes=args.max_body_mb * 1024 * 1024, read_timeout=args.read_timeout,
-                       max_connections=args.max_connections)
+                       max_connections=args.max_connections, header_deadline=args.header_deadline)
     print(f"hf-unlearn hub serving {args.root} at {server.url}", flush=True)
     print(f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1", flush=True)
     try:

@@ -1,6 +1,7 @@
 """`hf-unlearn requests ...`: the deletion service of a recorded run (:class:`hf_unlearn.deletion.DeletionLedger`).
 
-add / list / status / plan / serve (--exact, --approximate, --due) / verify / public-key.
+add / list / status / plan / serve (--exact, --approximate, --due) / purge / recover / bundle / verify / public-key /
+rotate-key.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def register(parser) -> None:
     mode.add_argument("--due", action="store_true", help="serve what the policy says is due; else say so and exit 0")
     p.add_argument("--policy", default=None, metavar="FILE",
                    help="--due: JSON or TOML with max_wait_days, max_replay_steps, approximate_first, "
-                        "approximate_method, oracle (default: max_wait_days 21)")
+                        "approximate_method, oracle, purge_after_batch (default: max_wait_days 21)")
     p.add_argument("--oracle", action="store_true", help="exact: also run the oracle and check bit for bit")
     p.add_argument("--tokenizer", dest="tokenizer_path", default=None,
                    help="exact: tokenizer saved with the model (a recorded run holds none)")
@@ -67,12 +68,38 @@ def register(parser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.set_defaults(func=serve_cmd)
 
-    p = sub.add_parser("verify", help="check a receipt with the public key alone: signature, chain to the ledger, "
-                                      "and (with --model) the state-hash root")
-    p.add_argument("receipt", help="a receipt written by `requests serve` (LEDGER/receipts/*.json)")
+    p = sub.add_parser("purge", help="erase the served rows from every store and run the service keeps, and the "
+                                     "runs and models it no longer needs (a signed purge record lists them)")
+    _common(p)
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    p.set_defaults(func=purge_cmd)
+
+    p = sub.add_parser("recover", help="re-sign the head over a tail an interrupted serve or add left (only if it is "
+                                       "exactly what they write; anything else is refused)")
+    _common(p)
+    p.set_defaults(func=recover_cmd)
+
+    p = sub.add_parser("bundle", help="write a receipt bundle (the receipt, the ledger records it depends on and the "
+                                      "signed head) that a third party verifies with the public key alone")
+    _common(p)
+    p.add_argument("receipt", help="a receipt (LEDGER/receipts/*.json)")
+    p.add_argument("--out", default=None, dest="bundle_out", metavar="FILE",
+                   help="where (default: next to the receipt, *.bundle.json)")
+    p.set_defaults(func=bundle_cmd)
+
+    p = sub.add_parser("rotate-key", help="archive this machine's signing key and create a new one; each ledger "
+                                          "hands over to it (a key record signed by the old key) at its next append")
+    p.set_defaults(func=rotate_key_cmd)
+
+    p = sub.add_parser("verify", help="check a receipt or a receipt bundle with the public key alone: signature, "
+                                      "chain under the signed head, the request and its kind, and (with --model) "
+                                      "that the model excludes its rows")
+    p.add_argument("receipt", help="a receipt bundle (*.bundle.json: needs nothing else) or a receipt written by "
+                                   "`requests serve` (LEDGER/receipts/*.json, checked against its ledger)")
     p.add_argument("--public-key", required=True, metavar="KEY", help="the issuer's Ed25519 public key (PEM file)")
-    p.add_argument("--ledger", default=None, help="the ledger folder (default: the receipt's ../)")
-    p.add_argument("--model", default=None, help="a model folder: check its weights are the receipt's")
+    p.add_argument("--ledger", default=None, help="the ledger folder (default: the receipt's ../; not for a bundle)")
+    p.add_argument("--model", default=None, help="a model folder: its weights are the receipt's, or a later exact "
+                                                 "model of the same ledger that also excludes the request's rows")
     p.set_defaults(func=verify_cmd)
 
     p = sub.add_parser("public-key", help="print (or write) the public half of this machine's signing key")
@@ -94,7 +121,8 @@ def _ledger(args, **kw):
 def add_cmd(args) -> int:
     kw = {} if args.deadline_days is None else {"deadline_days": args.deadline_days}
     req = _ledger(args, **kw).add(args.ids, ref=args.ref, received=args.received)
-    print(f"{req.id}: {len(req.tags)} id(s) recorded (keyed tags), received {req.received}, deadline {req.deadline}")
+    print(f"{req.id}: {len(req.tags)} id(s) recorded (keyed tags), received {req.received}, deadline {req.deadline}; "
+          f"signed acknowledgement receipts/{req.id}.ack.json (bundle: receipts/{req.id}.ack.bundle.json)")
     return 0
 
 
@@ -122,7 +150,38 @@ def status_cmd(args) -> int:
     else:
         for k, v in s.items():
             print(f"  {k:18} {v}")
-    return 1 if s["overdue"] else 0
+    return 1 if s["overdue"] or s["interrupted_batch"] else 0
+
+
+def purge_cmd(args) -> int:
+    from ..deletion.erasure import purge
+
+    result = purge(_ledger(args), log=lambda m: None, dry_run=args.dry_run)
+    print(("dry run: " if args.dry_run else "") + result.summary())
+    return 0
+
+
+def recover_cmd(args) -> int:
+    head = _ledger(args).recover(log=print)
+    print("nothing to recover: the signed head covers every record" if head is None else
+          f"the head now covers record {head['seq']}")
+    return 0
+
+
+def bundle_cmd(args) -> int:
+    from ..deletion.receipts import write_bundle
+
+    print(f"bundle written to {write_bundle(_ledger(args), args.receipt, args.bundle_out)}")
+    return 0
+
+
+def rotate_key_cmd(args) -> int:
+    from ..keys import rotate_signing_key
+
+    old, new, archive = rotate_signing_key()
+    print(f"signing key {old} archived as {archive}; the new key is {new}. Each ledger hands over at its next "
+          "append; publish the new public key (`hf-unlearn requests public-key`) beside the old one")
+    return 0
 
 
 def plan_cmd(args) -> int:
@@ -152,6 +211,8 @@ def serve_cmd(args) -> int:
                 _print_result(out["approximate"])
             if out["exact"] is not None:
                 _print_result(out["exact"])
+            if out.get("purge") is not None:
+                print(out["purge"].summary())
             print(out["message"])
             return 0
         if args.exact:

@@ -327,8 +327,90 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         plan.update(mode="approximate", spec=spec, method_args=method_args, forget_rows=forget_rows,
                     retain_rows=retain_rows)
     if config.repo:
+        _check_output_name(config, request)
         _check_hub_access(config)
+        _check_earlier_deletions(config, plan)
     return plan
+
+
+def _check_output_name(config: ForgetConfig, request: list) -> None:
+    """Before any compute: an output folder named after the ids (``forget-3600-3601``) is refused when publishing.
+    Nothing published carries a local path, but such a name travels with every log line, receipt and copy."""
+    from ..hub.leaks import IdScanner
+
+    hits = IdScanner(request).scan_text(Path(config.output_dir).name, "output folder name")
+    if hits:
+        raise UnlearnError(f"the output folder {Path(config.output_dir).name!r} is named after the ids it deletes "
+                           f"({hits[0].what}); choose a name without them (e.g. deletion-0001); nothing was done")
+
+
+def _deleted_in_source(plan: dict, key: bytes) -> set[str]:
+    """Keyed tags (library key) of the ids the source no longer holds: an exact source run's deletion log (when the
+    run tags with the library key), or the ``forget_request.json`` of a model folder published by a deletion."""
+    from ..keys import key_fingerprint
+
+    tags: set[str] = set()
+    if plan["mode"] == EXACT:
+        from ..trace.run import read_deletion_log
+
+        run = plan["run"]
+        if key_fingerprint(run.key) == key_fingerprint(key):
+            tags |= {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
+        return tags
+    request = Path(plan["source"]) / "forget_request.json"
+    if request.is_file():
+        try:
+            data = json.loads(request.read_text())
+        except (OSError, json.JSONDecodeError):
+            return tags
+        if data.get("key_fingerprint") == key_fingerprint(key):
+            tags |= set(data.get("tags") or [])
+    return tags
+
+
+def _check_earlier_deletions(config: ForgetConfig, plan: dict) -> None:
+    """Before any compute: every deletion already published to ``--repo`` (its ``deletion-NNNN`` tags) must be
+    contained in this one (the request's ids plus those the source has already lost), else this push would put
+    the earlier deletion's rows back into the published model."""
+    import tempfile
+
+    from huggingface_hub import HfApi, hf_hub_download
+
+    from ..hub.cards import forget_request
+    from ..hub.publish import DELETION_TAG, FORGET_REQUEST_FILE, hub_error
+    from ..keys import load_key
+
+    api = HfApi(endpoint=config.endpoint, token=config.token)
+    try:
+        refs = api.list_repo_refs(config.repo)
+    except Exception as e:  # a repository that does not exist yet has no earlier deletion
+        if getattr(getattr(e, "response", None), "status_code", None) == 404 or "404" in str(e):
+            return
+        raise hub_error(e, f"--repo {config.repo}") from None
+    earlier = sorted((t.name for t in refs.tags if DELETION_TAG.match(t.name)), key=lambda n: int(n.split("-")[1]))
+    if not earlier:
+        return
+    key = load_key()
+    ours = set(forget_request(plan["ids"], key)["tags"]) | _deleted_in_source(plan, key)
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_earlier_") as cache:
+        for tag in earlier:
+            try:
+                path = hf_hub_download(config.repo, FORGET_REQUEST_FILE, revision=tag, token=config.token,
+                                       endpoint=config.endpoint, cache_dir=cache)
+                request = json.loads(Path(path).read_text())
+            except Exception as e:
+                raise UnlearnError(f"--repo {config.repo}: cannot read {tag}'s {FORGET_REQUEST_FILE} ({e}); without it "
+                                   "this deletion cannot be shown to keep the earlier one's rows out") from None
+            if request.get("key_fingerprint") != forget_request([], key)["key_fingerprint"]:
+                raise UnlearnError(f"--repo {config.repo}: {tag} was published with another id-tagging key "
+                                   f"({request.get('key_fingerprint')}); this deletion cannot be shown to include it")
+            missing = set(request.get("tags") or []) - ours
+            if missing:
+                raise UnlearnError(
+                    f"--repo {config.repo}: {tag} already published a deletion of {len(missing)} id(s) that this one "
+                    f"neither deletes nor starts without, so they would be back in the published model; start from "
+                    f"its output (the earlier forget's OUT/replay for a recorded run, or OUT/model), add its ids to "
+                    "this request, or serve the requests from one ledger (`hf-unlearn requests`); nothing was done")
 
 
 def _validate_run(source: str, request: list, oracle: bool = False) -> dict:

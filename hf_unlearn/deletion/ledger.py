@@ -20,33 +20,27 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import hashlib
 import json
+import math
 import os
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
+from .chain import GENESIS, ChainCheck, canonical, check_chain, head_body, record_hash, sign_head, sign_record
 
-LEDGER_FORMAT = "hf_unlearn.request_ledger.v1"
+LEDGER_FORMAT = "hf_unlearn.request_ledger.v1"  # v1 and v2 read alike; a v2 opening names its key (public_key)
 HEAD_FORMAT = "hf_unlearn.ledger_head.v1"
 LEDGER_DIR = "requests"
 RECORDS_FILE = "ledger.jsonl"
 PRIVATE_FILE = ("private", "ids.jsonl")
 HEAD_FILE = "head.json"
 DEFAULT_DEADLINE_DAYS = 30
-GENESIS = "0" * 64
+MAX_DEADLINE_DAYS = 3650
+CLOCK_SKEW = dt.timedelta(minutes=5)
 PENDING, APPROXIMATE, EXACT = "pending", "approximate", "exact"
-
-
-def canonical(record: dict) -> bytes:
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def record_hash(record: dict) -> str:
-    """SHA-256 of a record without its own ``sha256`` field: the checksum and the next record's ``prev``."""
-    return hashlib.sha256(canonical({k: v for k, v in record.items() if k != "sha256"})).hexdigest()
 
 
 def utc_now() -> dt.datetime:
@@ -119,9 +113,7 @@ class DeletionLedger:
         if self.path.exists() and not self.path.is_dir():
             raise UnlearnError(f"--ledger {self.path} is a file: the ledger is a folder (ledger.jsonl, receipts/, "
                                "private/); give a folder that does not exist yet or an existing ledger")
-        if not deadline_days > 0:
-            raise UnlearnError(f"--deadline-days must be > 0, got {deadline_days}")
-        self.deadline_days = deadline_days
+        self.deadline_days = check_deadline_days(deadline_days)
         self._signing_key = signing_key
 
     # -- keys ---------------------------------------------------------------------------------------------------
@@ -147,12 +139,39 @@ class DeletionLedger:
     def _read(self) -> tuple[list[dict], int | None]:
         return read_records(self.path)
 
-    def records(self) -> list[dict]:
-        """Every acknowledged record, checked (checksums, chain, the private part's tags)."""
-        records, _ = self._read()
-        if records:
-            self._check_binding(records[0])
+    def check(self, records: list[dict] | None = None) -> ChainCheck:
+        """The chain checked against the signed head and this machine's signing key (what every command does
+        first); ``records`` already read, or read now."""
+        from ..keys import find_signing_key, public_key_fingerprint
+
+        if records is None:
+            records = self._read()[0]
+        anchor = self.signing_key.public_key()
+        last = (records[-1].get("signature") or {}).get("key") if records else None
+        if last is not None and last != public_key_fingerprint(anchor) and records[-1].get("type") != "key":
+            old = find_signing_key(last)  # rotated here: the archived key we hold vouches until the hand-over
+            anchor = old.public_key() if old is not None else anchor
+        return check_chain(records, read_head(self.path), anchor)
+
+    def checked(self, records: list[dict]) -> list[dict]:
+        """``records`` if the signed head and every record's signature vouch for them, else one line naming the first
+        record they do not cover (and how to recover from an interrupted append)."""
+        if not records:
+            return records
+        result = self.check(records)
+        if result.problem is not None:
+            raise UnlearnError(f"the ledger {self.path} cannot be trusted: {result.problem}; nothing was done")
+        if result.tail:
+            raise UnlearnError(f"the ledger {self.path}: {result.tail_problem()}; nothing was done. `hf-unlearn "
+                               "requests recover` re-signs the head if the tail is exactly what an interrupted serve or "
+                               "add writes, and refuses anything else")
+        self._check_binding(records[0])
+        fold(records)  # request numbers used once, batches started before done, ...
         return records
+
+    def records(self) -> list[dict]:
+        """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head."""
+        return self.checked(self._read()[0])
 
     def _check_binding(self, opening: dict) -> None:
         header = json.loads((self.run / "header.json").read_text())
@@ -168,27 +187,7 @@ class DeletionLedger:
 
     def requests(self) -> list[Request]:
         """Every request with its state folded from the records after it."""
-        out: dict[str, Request] = {}
-        for r in self.records():
-            kind = r["type"]
-            if kind == "request":
-                out[r["request"]] = Request(id=r["request"], tags=r["tags"], received=r["received"],
-                                            deadline=r["deadline"], ref_tag=r.get("ref_tag"), seq=r["seq"],
-                                            sha256=r["sha256"])
-            elif kind == "approximate":
-                for rid in r["requests"]:
-                    req = out[rid]
-                    req.provisional.append(r["receipts"][rid]["path"])
-                    if req.state == PENDING:
-                        req.state = APPROXIMATE
-            elif kind == "batch_start":
-                for rid in r["requests"]:
-                    out[rid].running = r["batch"]
-            elif kind == "batch_done":
-                for rid in r["requests"]:
-                    req = out[rid]
-                    req.state, req.batch, req.served, req.running = EXACT, r["batch"], r["time"], None
-        return list(out.values())
+        return list(fold(self.records()).values())
 
     def pending(self) -> list[Request]:
         """Requests without an exact deletion yet (pending or approximately served)."""
@@ -265,95 +264,204 @@ class DeletionLedger:
                                "stuck?") from None
 
     def append(self, kind: str, private: dict | None = None, **fields) -> dict:
-        """Append one record (and, first, its private part); the caller may hold :meth:`lock` already."""
+        """Append one record (with, first, its private part), all or nothing: the new head is prepared first (an
+        unwritable folder fails before anything is recorded), a failed append of the record takes its private line
+        back, and a crash after the record is written leaves a signed tail that :meth:`recover` re-signs. The
+        caller may hold :meth:`lock` already."""
         with self.lock():
             records, torn = self._read()
             if torn is not None:  # an append cut off by a crash: never acknowledged, so cut it off
                 with open(self.records_path, "r+b") as f:
                     f.truncate(torn)
                     os.fsync(f.fileno())
+            self.checked(records)
+            new = []
             if not records and kind != "open":
-                records = [self._append_record(records, self._opening())]
-            elif records:
-                self._check_binding(records[0])
-            if private is not None:
-                self._append_private(private)
-            record = self._append_record(records, {"type": kind, **fields})
-            self._write_head(record, records[0]["ledger"])
-            return record
+                new.append(self._record(records + new, self._opening()))
+            new.extend(self._rotation(records + new))
+            new.append(self._record(records + new, {"type": kind, **fields}))
+            ledger = (records or new)[0]["ledger"]
+            self._commit(new, ledger, private)
+            records.extend(new)
+            return new[-1]
 
     def _opening(self) -> dict:
-        from ..keys import key_fingerprint, public_key_fingerprint
+        from ..keys import key_fingerprint, public_key_fingerprint, public_key_hex
 
         header = json.loads((self.run / "header.json").read_text())
+        public = self.signing_key.public_key()
         return {"type": "open", "format": LEDGER_FORMAT, "ledger": uuid.uuid4().hex, "run_id": header.get("run_id"),
                 "origin_run_id": header.get("origin_run_id", header.get("run_id")),
                 "key_fingerprint": key_fingerprint(self.tag_key), "deadline_days": self.deadline_days,
-                "signing_key": public_key_fingerprint(self.signing_key.public_key())}
+                "signing_key": public_key_fingerprint(public), "public_key": public_key_hex(public)}
 
-    def _append_record(self, records: list[dict], fields: dict) -> dict:
+    def _rotation(self, records: list[dict]) -> list[dict]:
+        """A ``key`` record when this machine's signing key is not the one the ledger's last record is signed with
+        (``hf_unlearn.keys.rotate_signing_key``): signed by the old key (found in its archive), naming the new one."""
+        from ..keys import find_signing_key, public_key_fingerprint, public_key_hex
+
+        if not records or not records[0].get("public_key"):
+            return []
+        now = public_key_fingerprint(self.signing_key.public_key())
+        last = (records[-1].get("signature") or {}).get("key")
+        if records[-1].get("type") == "key":
+            last = public_key_fingerprint(_public_key(records[-1]["public_key"]))
+        if last == now or last is None:
+            return []
+        old = find_signing_key(last)
+        if old is None:
+            raise UnlearnError(f"the ledger {self.path} is signed with key {last}, and this machine's signing key is "
+                               f"{now}; restore the old key (or its archive signing_ed25519.{last}.pem) so it can "
+                               "hand over to the new one")
+        record = {"type": "key", "previous_fingerprint": last, "previous_public_key": public_key_hex(
+            old.public_key()), "fingerprint": now, "public_key": public_key_hex(self.signing_key.public_key())}
+        return [self._record(records, record, key=old)]
+
+    def _record(self, records: list[dict], fields: dict, key=None) -> dict:
         record = {**fields, "seq": len(records) + 1, "prev": records[-1]["sha256"] if records else GENESIS,
                   "time": fields.get("time") or iso(utc_now())}
         record["sha256"] = record_hash(record)
-        new = not self.records_path.exists()
-        fd = os.open(self.records_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # the umask decides the rest
-        try:
-            os.write(fd, canonical(record) + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if new:
-            _fsync_dir(self.path)
-        records.append(record)
+        record["signature"] = sign_record(record, key or self.signing_key)
         return record
 
-    def _append_private(self, entry: dict) -> None:
+    def _commit(self, new: list[dict], ledger: str, private: dict | None) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        head = sign_head(head_body(ledger, new[-1]), self.signing_key)
+        try:
+            fd, tmp_head = tempfile.mkstemp(dir=self.path, prefix=".head.", suffix=".tmp")  # unwritable folder: here
+        except OSError as e:
+            raise UnlearnError(f"cannot write to the ledger folder {self.path}: {e.strerror or e}; nothing was "
+                               "recorded") from None
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(head, indent=1) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            undo_private = self._append_private(private) if private is not None else None
+            created = not self.records_path.exists()
+            try:
+                _append_bytes(self.records_path, b"".join(canonical(r) + b"\n" for r in new), 0o644)
+            except BaseException:
+                if undo_private is not None:
+                    undo_private()
+                raise
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_head)
+            raise UnlearnError(f"cannot append to the ledger {self.path}: {e.strerror or e}; nothing was "
+                               "recorded") from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_head)
+            raise
+        try:
+            if created:
+                _fsync_dir(self.path)
+            os.replace(tmp_head, self.path / HEAD_FILE)  # a crash before this: a signed tail, see recover()
+            _fsync_dir(self.path)
+        except OSError as e:
+            raise UnlearnError(f"record {new[-1]['seq']} was appended to {self.path} but its head could not be "
+                               f"signed ({e.strerror or e}); `hf-unlearn requests recover` re-signs it") from None
+        finally:
+            if os.path.exists(tmp_head):
+                os.unlink(tmp_head)
+
+    def _append_private(self, entry: dict):
+        """Append the private line; returns the function that takes it back."""
         folder = self.path / PRIVATE_FILE[0]
         folder.mkdir(mode=0o700, exist_ok=True)
         os.chmod(folder, 0o700)
         path = folder / PRIVATE_FILE[1]
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # raw ids: owner only, whatever the umask
-            os.write(fd, json.dumps(entry, sort_keys=True).encode() + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        size = path.stat().st_size if path.exists() else 0
+        _append_bytes(path, json.dumps(entry, sort_keys=True).encode() + b"\n", 0o600, private=True)
 
-    def _write_head(self, record: dict, ledger: str) -> None:
-        from ..keys import public_key_fingerprint, sign
-        from ..utils import atomic_write_text
+        def undo():
+            with open(path, "r+b") as f:
+                f.truncate(size)
+                os.fsync(f.fileno())
+        return undo
 
-        head = {"format": HEAD_FORMAT, "ledger": ledger, "seq": record["seq"],
-                "sha256": record["sha256"], "time": record["time"]}
-        head["signature"] = {"algorithm": "ed25519", "value": sign(self.signing_key, canonical(head)),
-                             "public_key": public_key_fingerprint(self.signing_key.public_key())}
-        atomic_write_text(self.path / HEAD_FILE, json.dumps(head, indent=1) + "\n")
+    def recover(self, log=None) -> dict | None:
+        """Re-sign the head over a tail left by an interrupted append, only if every tail record is exactly what this
+        library writes: signed with the ledger's key (no one without the key can write that), of a kind it appends,
+        and, for a serving record, every receipt it lists present and hashing to what it records. Returns the new
+        head (None: nothing to recover); anything else is refused, naming the first record."""
+        from .receipts import read_receipt, receipt_sha256
+
+        log = log or (lambda m: None)
+        with self.lock():
+            records, _ = self._read()
+            result = self.check(records)
+            if result.problem is not None and not (result.head is None and len(records) <= 3):
+                raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
+            if result.head is None:  # the very first append (opening [+ key] + its record) crashed before the head
+                from ..keys import public_key_fingerprint
+
+                if result.problem and "no signed head" not in result.problem:
+                    raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
+                if public_key_fingerprint(self.signing_key.public_key()) not in result.keys:
+                    raise UnlearnError(f"cannot recover the ledger {self.path}: it has no signed head and its "
+                                       f"records are signed with key(s) {', '.join(result.keys) or 'none'}, not "
+                                       "this machine's")
+                result.tail = records
+            if not result.tail:
+                return None
+            for r in result.tail:
+                if r.get("type") not in APPENDED:
+                    raise UnlearnError(f"cannot recover: record {r['seq']} is of type {r.get('type')!r}, which this "
+                                       "library does not append")
+                for rid, entry in (r.get("receipts") or {}).items():
+                    path = self.path / entry.get("path", "")
+                    try:
+                        ok = receipt_sha256(read_receipt(path)) == entry.get("sha256")
+                    except UnlearnError:
+                        ok = False
+                    if not ok:
+                        raise UnlearnError(f"cannot recover: record {r['seq']} ({r['type']}) lists a receipt for "
+                                           f"{rid} that is missing or differs ({entry.get('path')})")
+            fold(records)
+            self._check_binding(records[0])
+            head = sign_head(head_body(records[0]["ledger"], records[-1]), self.signing_key)
+            from ..utils import atomic_write_text
+
+            atomic_write_text(self.path / HEAD_FILE, json.dumps(head, indent=1) + "\n")
+            log(f"re-signed the head over record(s) {result.tail[0]['seq']}..{records[-1]['seq']} "
+                f"({', '.join(r['type'] for r in result.tail)}): an interrupted append of this library")
+            return head
 
     def add(self, ids, ref: str | None = None, received=None, deadline_days: float | None = None) -> Request:
         """Append a deletion request; the ids are checked against the run first (unknown or wrongly typed ids are
-        refused, naming them). Returns the request as recorded."""
+        refused, naming them). Returns the request as recorded; a signed acknowledgement is written to
+        ``receipts/r-NNNN.ack.json`` (:func:`hf_unlearn.deletion.receipts.acknowledge`)."""
         from ..trace.tags import keyed_tags, tag
         from ..validation import load_request_ids
         from .forgetting import _validate_run
 
         received_at = parse_time(received, "--received")
-        days = self.deadline_days if deadline_days is None else deadline_days
-        if not days > 0:
-            raise UnlearnError(f"--deadline-days must be > 0, got {days}")
+        if received_at > utc_now() + CLOCK_SKEW:
+            raise UnlearnError(f"--received {iso(received_at)} is in the future (now {iso(utc_now())}); give the date "
+                               "the request was received")
+        days = check_deadline_days(self.deadline_days if deadline_days is None else deadline_days)
+        if ref is not None and not isinstance(ref, str):
+            raise UnlearnError(f"ref must be a string (a ticket reference), not {type(ref).__name__}")
         ids = load_request_ids(ids)
         _validate_run(os.fspath(self.current_run() if self.records_path.exists() else self.run), ids)
         key = self.tag_key
+        _check_writable(self.path / "receipts")  # the acknowledgement goes there: fail before recording, not after
         with self.lock():
-            number = 1 + sum(1 for r in self._read()[0] if r["type"] == "request")
+            number = 1 + sum(1 for r in self.checked(self._read()[0]) if r["type"] == "request")
             rid = f"r-{number:04d}"
             record = self.append(
                 "request", private={"request": rid, "ids": ids, "ref": ref}, request=rid,
                 tags=keyed_tags(ids, key), count=len(ids), received=iso(received_at),
                 deadline=iso(received_at + dt.timedelta(days=days)),
                 ref_tag=tag(key, ref) if ref is not None else None)
-        return next(r for r in self.requests() if r.seq == record["seq"])
+        request = next(r for r in self.requests() if r.seq == record["seq"])
+        from .receipts import acknowledge
 
+        acknowledge(self, request)
+        return request
 
     # -- serving (hf_unlearn.deletion.service) ---------------------------------------------------------------------
     def serve_exact(self, **options):
@@ -421,6 +529,115 @@ def read_records(folder: str | os.PathLike) -> tuple[list[dict], int | None]:
         raise UnlearnError(f"{path} is not an hf_unlearn request ledger")
     return records, torn
 
+
+
+def read_head(folder: str | os.PathLike) -> dict | None:
+    try:
+        head = json.loads((Path(folder) / HEAD_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return head if isinstance(head, dict) else {}
+
+
+APPENDED = ("open", "key", "request", "batch_start", "batch_done", "approximate", "purge")
+
+
+def fold(records: list[dict]) -> dict[str, Request]:
+    """Every request with its state folded from the records after it; a record that contradicts the ones before
+    it (a request number used twice, a batch done that was never started or is done twice, a served request that
+    does not exist) is refused, naming it."""
+    out: dict[str, Request] = {}
+    started: dict[str, dict] = {}
+    done: set[str] = set()
+
+    def bad(r, why):
+        return UnlearnError(f"record {r['seq']} ({r['type']}) {why}: the ledger was edited; restore it from a backup")
+
+    for r in records:
+        kind = r.get("type")
+        if kind not in APPENDED:
+            raise bad(r, "is of a type this library does not write")
+        if kind == "open" and r["seq"] != 1 or kind != "open" and r["seq"] == 1:
+            raise bad(r, "is out of place (the opening record is record 1, and only it)")
+        for rid in r.get("requests") or []:
+            if rid not in out:
+                raise bad(r, f"names request {rid}, which no earlier record adds")
+        if kind == "request":
+            if r["request"] in out:
+                raise bad(r, f"adds request {r['request']} a second time")
+            out[r["request"]] = Request(id=r["request"], tags=r["tags"], received=r["received"],
+                                        deadline=r["deadline"], ref_tag=r.get("ref_tag"), seq=r["seq"],
+                                        sha256=r["sha256"])
+        elif kind == "approximate":
+            for rid in r["requests"]:
+                req = out[rid]
+                req.provisional.append(r["receipts"][rid]["path"])
+                if req.state == PENDING:
+                    req.state = APPROXIMATE
+        elif kind == "batch_start":
+            if r["batch"] in started:
+                raise bad(r, f"starts {r['batch']} a second time")
+            started[r["batch"]] = r
+            for rid in r["requests"]:
+                out[rid].running = r["batch"]
+        elif kind == "batch_done":
+            start = started.get(r["batch"])
+            if start is None or r["batch"] in done or start["requests"] != r["requests"]:
+                raise bad(r, f"records {r['batch']} as done, which was not started with these requests or is done "
+                             "already")
+            done.add(r["batch"])
+            for rid in r["requests"]:
+                req = out[rid]
+                req.state, req.batch, req.served, req.running = EXACT, r["batch"], r["time"], None
+    return out
+
+
+def check_deadline_days(days) -> float:
+    if isinstance(days, bool) or not isinstance(days, (int, float)) or not math.isfinite(days) \
+            or not 0 < days <= MAX_DEADLINE_DAYS:
+        raise UnlearnError(f"--deadline-days must be a number of days > 0 and <= {MAX_DEADLINE_DAYS}, got {days!r}")
+    return float(days)
+
+
+def _public_key(value: str):
+    from ..keys import public_key_from_hex
+
+    return public_key_from_hex(value)
+
+
+def _umask() -> int:
+    from ..utils import current_umask
+
+    return current_umask()
+
+
+def _append_bytes(path: Path, data: bytes, mode: int, private: bool = False) -> None:
+    """One ``write`` of ``data`` at the end of ``path`` (created with ``mode``), fsync'd; a short write is undone."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    try:
+        if private:
+            os.fchmod(fd, 0o600)  # raw ids: owner only, whatever the umask
+        size = os.fstat(fd).st_size
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(f"short write to {path}")
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UnlearnError(f"cannot write to {folder}: {e.strerror or e}; nothing was recorded") from None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -24,9 +24,10 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from .ledger import APPROXIMATE, PENDING, DeletionLedger, iso, parse_time, utc_now
-from .receipts import BATCH_RECEIPT_FORMAT, REQUEST_RECEIPT_FORMAT, sign_receipt, write_receipt
+from .receipts import BATCH_RECEIPT_FORMAT, REQUEST_RECEIPT_FORMAT, sign_receipt, write_bundle, write_receipt
 
 RECEIPTS_DIR = "receipts"
+CARD_INFO_DIR = ("private", "card_info")  # each served model's unlearning_info.json (raw forget ids), owner-only
 
 
 class ServeBusy(UnlearnError):
@@ -140,11 +141,31 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
                                    "serve --exact` runs it again") from None
             publish_error = str(e)  # the deletion is done and saved: record it, then report the failed push
             receipt = _reload_forget_receipt(out)
+        _keep_card_info_private(ledger, out / "model", name)
         result = _record_batch(ledger, start, receipt, out, now)
     result.resumed, result.publish_error = resumed, publish_error
     if publish_error:
         raise UnlearnError(f"{name} is done and recorded (receipts in {ledger.path / RECEIPTS_DIR}); {publish_error}")
     return result
+
+
+def _keep_card_info_private(ledger: DeletionLedger, model: Path, name: str) -> None:
+    """Move the model folder's ``unlearning_info.json`` (the card's facts, with the raw forget ids the publisher
+    scans for) into the ledger's owner-only ``private/card_info/NAME.json``: no raw id outside ``private/``. Publish
+    later with ``hf-unlearn hub push MODEL --card-info LEDGER/private/card_info/NAME.json``."""
+    from ..hub.publish import CARD_INFO_FILE
+
+    source = model / CARD_INFO_FILE
+    if not source.is_file():
+        return
+    folder = ledger.path.joinpath(*CARD_INFO_DIR)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(folder.parent, 0o700)
+    os.chmod(folder, 0o700)
+    from ..utils import atomic_write_bytes
+
+    atomic_write_bytes(folder / f"{name}.json", source.read_bytes(), private=True)
+    source.unlink()
 
 
 def _still_present(run: Path, ids: list) -> list:
@@ -203,12 +224,13 @@ def _record_batch(ledger: DeletionLedger, start: dict, receipt, out: Path, now) 
         receipts[rid] = {"path": _rel(ledger, path), "sha256": write_receipt(path, sign_receipt(body,
                                                                                               ledger.signing_key))}
         paths[rid] = path
-    published = _published(receipt)
     ledger.append("batch_done", batch=name, requests=request_ids, run=_rel(ledger, out / "replay"),
                   model=_rel(ledger, out / "model"), receipts=receipts, batch_receipt=batch_sha,
                   params_root=receipt.state_hashes["params_root"], verified=receipt.evidence.get("verified"),
                   steps_replayed=(receipt.evidence.get("replay") or {}).get("segments_replayed"),
-                  published=published, time=iso(now))
+                  published=_published(receipt), time=iso(now))
+    for path in [*paths.values(), batch_path]:
+        write_bundle(ledger, path)
     return BatchResult(name=name, kind="exact", requests=request_ids, receipts=paths, batch_receipt=batch_path,
                        forget_receipt=receipt)
 
@@ -241,6 +263,7 @@ def serve_approximate(ledger: DeletionLedger, *, method: str = "masc", model=Non
         out = _fresh(ledger.path / "provisional" / name)
         log(f"{name}: {method} on {source} for {len(ids)} id(s) of {len(request_ids)} request(s) (provisional)")
         receipt = forget(source, ids, out, method=method, data=data, log=log, **options)
+        _keep_card_info_private(ledger, out / "model", name)
         opening = ledger.records()[0]
         folder = ledger.path / RECEIPTS_DIR
         receipts, paths = {}, {}
@@ -262,6 +285,8 @@ def serve_approximate(ledger: DeletionLedger, *, method: str = "masc", model=Non
             paths[req.id] = path
         ledger.append("approximate", name=name, requests=request_ids, method=method, model=_rel(ledger, out / "model"),
                       receipts=receipts, params_root=receipt.state_hashes["params_root"], time=iso(now))
+        for path in paths.values():
+            write_bundle(ledger, path)
     return BatchResult(name=name, kind="approximate", requests=request_ids, receipts=paths, batch_receipt=None,
                        forget_receipt=receipt)
 
@@ -315,6 +340,7 @@ class Policy:
     approximate_first: bool = False  # run the approximate hot path on new requests before they wait
     approximate_method: str = "masc"
     oracle: bool = False
+    purge_after_batch: bool = False  # run `requests purge` after each exact batch (erase what it no longer needs)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None) -> Policy:
@@ -334,18 +360,44 @@ class Policy:
                 data = json.loads(text)
         except ValueError as e:
             raise UnlearnError(f"the policy {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+        return cls.from_dict(data, where=f"the policy {p}")
+
+    @classmethod
+    def from_dict(cls, data, where: str = "the policy") -> Policy:
+        """A policy from a mapping, every field type-checked (``"no"`` is not ``false``, ``true`` is not 1)."""
+
+        if not isinstance(data, dict):
+            raise UnlearnError(f"{where} must be a JSON object (TOML table) of fields, not a {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise UnlearnError(f"the policy {p} has unknown field(s) {', '.join(unknown)}; its fields are "
+            raise UnlearnError(f"{where} has unknown field(s) {', '.join(unknown)}; its fields are "
                                f"{', '.join(sorted(known))}")
-        policy = cls(**data)
-        if not (isinstance(policy.max_wait_days, (int, float)) and policy.max_wait_days >= 0):
-            raise UnlearnError(f"max_wait_days must be a number >= 0, got {policy.max_wait_days!r}")
-        if policy.max_replay_steps is not None and not (isinstance(policy.max_replay_steps, int)
-                                                        and policy.max_replay_steps >= 0):
-            raise UnlearnError(f"max_replay_steps must be an integer >= 0, got {policy.max_replay_steps!r}")
-        return policy
+
+        try:
+            return cls(**data)
+        except UnlearnError as e:
+            raise UnlearnError(f"{where}: {e}") from None
+
+    def __post_init__(self) -> None:
+        import math
+
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in ("approximate_first", "oracle", "purge_after_batch"):
+            if not isinstance(getattr(self, name), bool):
+                raise UnlearnError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not (number(self.max_wait_days) and self.max_wait_days >= 0):
+            raise UnlearnError(f"max_wait_days must be a number >= 0, got {self.max_wait_days!r}")
+        steps = self.max_replay_steps
+        if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+            raise UnlearnError(f"max_replay_steps must be an integer >= 0 (or null), got {steps!r}")
+        from ..methods.registry import get_method
+
+        if not isinstance(self.approximate_method, str):
+            raise UnlearnError(f"approximate_method must be a method name, got {self.approximate_method!r}")
+        get_method(self.approximate_method)
 
 
 def due_reasons(ledger: DeletionLedger, policy: Policy, now=None) -> list[str]:
@@ -397,6 +449,11 @@ def serve_due(ledger: DeletionLedger, policy: Policy, *, now=None, log=None, mod
     out["exact"] = serve_exact(ledger, now=now, log=log, oracle=exact_options.pop("oracle", policy.oracle),
                                **exact_options)
     out["message"] = f"served {out['exact'].name} ({len(out['exact'].requests)} request(s))"
+    if policy.purge_after_batch:
+        from .erasure import purge
+
+        out["purge"] = purge(ledger, log=log)
+        out["message"] += f"; purged {out['purge'].summary_line()}"
     return out
 
 

@@ -259,7 +259,7 @@ def render_model_card(
     # more for string ids (its numbers are the scanned values', the library's versions and hashes, and the ones
     # the templates' text holds)
     hits = [h for filename, source in loaded.items() if not _is_library_template(filename)
-            for h in scanner.scan_template(source, f"template {Path(filename).name}")]
+            for h in scanner.scan_template(source, f"template {Path(filename).name}", code_numbers=True)]
     hits += scanner.scan_text(text, "rendered model card", numbers=False)
     scanner.refuse(hits, "the model card")
     check_card_metadata(text)
@@ -282,7 +282,7 @@ def _recording_loader(search: list[str], loaded: dict[str, str]):
 
 
 def _is_library_template(filename: str) -> bool:
-    return Path(filename).resolve().is_relative_to(TEMPLATES_DIR)
+    return Path(filename).resolve().is_relative_to(TEMPLATES_DIR.resolve())  # (a checkout links model_cards/)
 
 
 def check_card_metadata(text: str) -> dict:

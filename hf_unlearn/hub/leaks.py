@@ -174,9 +174,11 @@ class IdScanner:
                     hits.append(Hit(field, f"range {lo}-{hi} holds {inside}", inside))
         return self._allowed_out(list(dict.fromkeys(hits)))
 
-    def scan_template(self, source: str, field: str) -> list[Hit]:
+    def scan_template(self, source: str, field: str, *, code_numbers: bool = False) -> list[Hit]:
         """Hits in a Jinja template's source: its text, comments and string literals with numbers, its code for
-        string ids only (an index or a comparison is code). A source Jinja cannot lex is scanned as plain text."""
+        string ids (an index or a comparison is code), and with ``code_numbers`` its code's number literals too (a
+        card template renders ``{% set ids = [3600, 3601] %}``: one whose code holds a number that is a forget id is
+        refused; allow one with ``not_ids``). A source Jinja cannot lex is scanned as plain text."""
         import jinja2
 
         try:
@@ -184,7 +186,11 @@ class IdScanner:
         except jinja2.TemplateSyntaxError:
             return self.scan_text(source, field)
         texts = "\n".join(value for _, kind, value in tokens if kind in ("data", "comment", "string", "raw"))
-        return list(dict.fromkeys(self.scan_text(texts, field) + self.scan_text(source, field, numbers=False)))
+        code = [Hit(f"{field} (code)", f"number {int(v)}", int(v)) for _, kind, value in tokens
+                if code_numbers and kind in ("integer", "float") and (v := _literal(value)) is not None and v.is_integer()
+                and abs(int(v)) in self.numbers]
+        return list(dict.fromkeys(self._allowed_out(code) + self.scan_text(texts, field)
+                                  + self.scan_text(source, field, numbers=False)))
 
     def scan(self, value: Any, field: str, *, numbers: bool = True) -> list[Hit]:
         """Hits anywhere in a nested value (dict keys are scanned as text)."""
@@ -273,6 +279,17 @@ class IdScanner:
                       f"(CLI: {flags})")
         raise UnlearnError(f"refusing to publish: {what} would carry forget ids at {shown}. Nothing was sent to the "
                            f"Hub{advice or '. Remove the ids (publish keyed tags instead)'}")
+
+
+def _literal(value) -> float | None:
+    """A Jinja number token's value (``3_600``, ``0x10`` and ``1e3`` included), None if it is not a number."""
+    try:
+        return float(int(str(value).replace("_", ""), 0))
+    except ValueError:
+        try:
+            return float(str(value).replace("_", ""))
+        except ValueError:
+            return None
 
 
 def _is_enum(value) -> bool:

@@ -44,6 +44,8 @@ MAX_YAML_DEPTH = 64  # nesting levels of card metadata (a card needs a handful)
 CARD_CACHE_ENTRIES = 256  # parsed card metadata kept per server, by blob id (content-addressed: never stale)
 READ_TIMEOUT_S = 60.0  # an idle or stalled connection is closed after this long without a byte
 MAX_CONNECTIONS = 64  # connections served at once (one thread each); more are answered 503 and closed
+HEADER_DEADLINE_S = 15.0  # a request's line and headers must arrive within this (a byte every few seconds is no way
+# to hold a slot: the read timeout is per read); an idle keep-alive connection is closed after it too
 LFS_SUFFIXES = tuple(line.split()[0][1:] for line in GITATTRIBUTES.decode().splitlines())
 FAULT_POINTS = ("commit", "lfs-upload", "tag")
 _T = r"(models|datasets|spaces)"
@@ -104,7 +106,8 @@ class HubServer:
 
     def __init__(self, root, tokens: dict[str, str] | str, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = MAX_BODY_BYTES, max_lfs_bytes: int = MAX_LFS_BYTES,
-                 read_timeout: float = READ_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
+                 read_timeout: float = READ_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 header_deadline: float = HEADER_DEADLINE_S):
         self.store = RepoStore(root)
         self.max_body_bytes, self.max_lfs_bytes = int(max_body_bytes), int(max_lfs_bytes)
         self.tokens = {tokens: "user"} if isinstance(tokens, str) else dict(tokens)
@@ -115,7 +118,8 @@ class HubServer:
         self._faults_lock = threading.Lock()
         self._cards: OrderedDict[str, dict] = OrderedDict()
         self._cards_lock = threading.Lock()
-        handler = type("Handler", (_Handler,), {"hub": self, "timeout": float(read_timeout)})
+        handler = type("Handler", (_Handler,), {"hub": self, "timeout": float(read_timeout),
+                                                "header_deadline": float(header_deadline)})
         self.httpd = _BoundedHTTPServer((host, port), handler, int(max_connections))
         self._thread: threading.Thread | None = None
 
@@ -232,7 +236,36 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "hf-unlearn-hub/1"
     hub: HubServer
 
+    header_deadline: float = HEADER_DEADLINE_S
+
     # -- plumbing ------------------------------------------------------------------------------------------
+    def handle_one_request(self):
+        """One request, whose line and headers must arrive within ``header_deadline`` seconds of the wait for it:
+        past that the connection is shut (a slow client cannot hold a slot by sending a header line now and then)."""
+        self._body_consumed = False
+        timer = threading.Timer(self.header_deadline, self._expire)
+        timer.daemon = True
+        self._deadline_timer = timer
+        timer.start()
+        try:
+            super().handle_one_request()
+        finally:
+            timer.cancel()
+
+    def parse_request(self):
+        ok = super().parse_request()  # the request line and every header are in: the deadline has done its job
+        timer = getattr(self, "_deadline_timer", None)
+        if timer is not None:
+            timer.cancel()
+        return ok
+
+    def _expire(self) -> None:
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def log_message(self, fmt, *args):  # quiet unless the logger is set to DEBUG
         logger.debug("%s %s", self.address_string(), fmt % args)
 
@@ -362,10 +395,6 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self):
         super().setup()
         self._body_consumed = False
-
-    def handle_one_request(self):
-        self._body_consumed = False
-        super().handle_one_request()
 
     def _body(self, limit: int | None = None) -> bytes:
         return b"".join(self._body_chunks(limit))

@@ -94,7 +94,14 @@ class VerifyReport:
         ``expect_commit``) and the model card (``expect_card_sha256`` or ``expect_commit``). ``expect_root`` alone
         gives ``weights_anchored`` only: a writer can change ``config.json`` (``hidden_act``) and rewrite manifest
         and card to match; without the card pinned, the card's method and claims can be rewritten."""
-        return self.weights_anchored and self.files_anchored and self.card_anchored
+        return self.weights_anchored and self.files_anchored and self.card_anchored and not self.unpinned
+
+    @property
+    def unpinned(self) -> list[str]:
+        """Published files no value from outside the repository covers: ``.gitattributes`` and the manifest
+        (``state_hashes.json``) are outside the weights root, the files root and the card's hash; only a commit pin
+        (``expect_commit``) covers them (a writer could rewrite ``.gitattributes`` or add fields to the manifest)."""
+        return [] if self.expect_commit else [".gitattributes", "state_hashes.json"]
 
     @property
     def statement(self) -> str:
@@ -138,6 +145,11 @@ class VerifyReport:
                      "the publisher's: it is outside the files root, and whoever can write the repository can "
                      "rewrite it; `anchored` is false. Pass --expect-card-sha256 or --expect-commit (--expect-from "
                      "takes them from hub_pushes.jsonl) for that.")
+        if self.weights_anchored and self.files_anchored and self.card_anchored and self.unpinned:
+            text += (f" Not proven: that {' and '.join(self.unpinned)} are the publisher's: they are outside every "
+                     "root and hash given, and whoever can write the repository can rewrite .gitattributes or add "
+                     "fields to the manifest; `anchored` is false. Pass --expect-commit (--expect-from takes it "
+                     "from hub_pushes.jsonl): a commit id covers every published byte.")
         return text
 
     def summary(self) -> str:
@@ -154,7 +166,7 @@ class VerifyReport:
         from dataclasses import asdict
 
         return {**asdict(self), "ok": self.ok, "anchored": self.anchored, "weights_anchored": self.weights_anchored,
-                "files_anchored": self.files_anchored, "statement": self.statement}
+                "files_anchored": self.files_anchored, "unpinned": self.unpinned, "statement": self.statement}
 
 
 def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commit: str | None = None,
@@ -334,7 +346,7 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
 
     ``record`` is one of (or a folder holding one of, looked for in this order):
 
-    * ``hub_pushes.jsonl`` (next to the pushed weights): the push of ``repo_id`` whose tag or commit is
+    * ``hub_pushes.jsonl`` (next to the pushed weights; in ``OUT/model`` for a ``forget`` output folder): the push of ``repo_id`` whose tag or commit is
       ``revision`` (without a revision, or for a branch name, the latest push of ``repo_id``): its state-dict
       root and commit;
     * ``deletion_log.jsonl`` (a trace run or replay output): the last request's ``params_root`` (the state the
@@ -350,7 +362,8 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
 
     path = Path(record)
     if path.is_dir():
-        found = [path / n for n in (PUSH_LOG_FILE, "deletion_log.jsonl", "verification.json") if (path / n).is_file()]
+        names = (PUSH_LOG_FILE, f"model/{PUSH_LOG_FILE}", "deletion_log.jsonl", "verification.json")  # model/: forget's OUT
+        found = [path / n for n in names if (path / n).is_file()]
         if not found:
             raise UnlearnError(f"{path} holds no {PUSH_LOG_FILE}, deletion_log.jsonl or verification.json to take "
                                "the expected root from")

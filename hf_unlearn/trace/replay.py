@@ -901,9 +901,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         return {"exact_deletion": {
             "params_root": hashes["params_root"], "optimizer_root": hashes["optimizer_root"],
             "verified": verified,
-            "verification": (f"bit-identical to the oracle run {verdict['oracle']!r}" if verified
+            # no local path: the card is published (the folder names only)
+            "verification": (f"bit-identical to the oracle run {Path(str(verdict['oracle'])).name!r}" if verified
                              else "differs from the oracle" if verdict and not verdict.get("identical")
-                             else f"not verified: run `hf-unlearn trace verify {self.out_dir} ORACLE`"),
+                             else "not verified: run `hf-unlearn trace verify REPLAY ORACLE` on this replay "
+                                  f"({self.out_dir.name})"),
         }}
 
     # ---- output run ---------------------------------------------------------------------------------------
