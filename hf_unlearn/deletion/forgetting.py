@@ -508,6 +508,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
+    from ..trace.stack import stack_statement
     from ..trace.store import redact_store
     from ..trace.tags import tag
     from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
@@ -586,8 +587,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         "hazards": plan["hazards"],  # what the recording could not pin down (random collator, CUDA kernels, ...)
         "controls": plan["controls"],  # keyed (seeds, lrs, steps, ... under the run key) or unkeyed (an older run)
         "fidelity": fidelity_statement(run.header),
+        "numeric_stack": stack_statement(run.header),  # threads, CPU capability, versions the replays ran with
     }
     log(f"fidelity: {evidence['fidelity']}")
+    log(f"numeric stack: {evidence['numeric_stack']}")
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
         evidence["kept_model"] = run.header["kept_model"]
         log(f"kept model: {run.header['kept_model']['why']}")

@@ -43,6 +43,7 @@ from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
 from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
+from .stack import numeric_stack
 from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
@@ -918,6 +919,12 @@ class TraceRecordingMixin:
         if resume_step and (run / "header.json").exists():
             previous = json.loads((run / "header.json").read_text())
         header = self._trace_header_dict(served, fingerprint, hazards, notes)
+        from .stack import stack_change
+
+        changed = stack_change(previous.get("numeric_stack"), header["numeric_stack"])
+        if changed:  # the steps before the resume ran on another stack than the one every replay uses
+            header["hazards"].append(f"the run was resumed at step {resume_step} with another numeric stack than its "
+                                     f"earlier steps ({changed}): replays run every step with the resumed one")
         self._trace_packing(served, header)
         header["run_id"] = previous.get("run_id", header["run_id"])
         header["origin_run_id"] = header["run_id"]
@@ -979,6 +986,14 @@ class TraceRecordingMixin:
             self._trace_keep_reference(step)  # a run no longer than the self-check: up to its final checkpoint
         self._trace_header.update(optimizer_steps=step, microbatches=self._trace_mb, finished=time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        if not self._is_replay:
+            from .stack import stack_change
+
+            changed = stack_change(self._trace_header.get("numeric_stack"), numeric_stack(self.args.device))
+            if changed:
+                self._trace_header["hazards"].append(
+                    f"the numeric stack changed while training ({changed}): replays run with the one recorded when "
+                    "training started (set threads and deterministic settings before train())")
         kept = self._kept_model()
         if kept:
             self._trace_header["kept_model"] = kept
@@ -1109,6 +1124,7 @@ class TraceRecordingMixin:
             "optimizer": optimizer,
             "training_args": {k: _jsonable(v) for k, v in args.to_dict().items()},
             "versions": _versions(),
+            "numeric_stack": numeric_stack(args.device),
             "determinism": {"seed": args.seed, "data_seed": args.data_seed, "full_determinism": args.full_determinism,
                             "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                             "cudnn_deterministic": torch.backends.cudnn.deterministic,

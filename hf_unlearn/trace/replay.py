@@ -74,6 +74,7 @@ from .run import (
     open_run,
     read_deletion_log,
 )
+from .stack import check_stack, pinned_stack
 from .store import check_store_binding, id_index, load_store, store_sha256
 from .tags import tag
 
@@ -435,6 +436,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.data_collator = data_collator
         self._check_processes()
         check_device(header, self.args.device)
+        check_stack(header, self.args.device)  # versions and CPU dispatch: refused here; threads: set by train()
         if self.store_policy == "redacted" and self.forget_ids:
             stored = set(document_ids(self.store, self.id_column))
             present = [i for i in self.forget_ids if i in stored]
@@ -631,7 +633,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
-        """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict."""
+        """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict. It runs with
+        the recorded thread count and deterministic settings (:mod:`hf_unlearn.trace.stack`)."""
+        with pinned_stack(self.run.header):
+            return self._replay()
+
+    def _replay(self):
         run, start = self.run, self.start_step
         ck = self._start_state
         self.model.load_state_dict(full_model_state(ck))
