@@ -33,6 +33,7 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
+from .dummies import DummyInfluenceError, dummy_influence_message, dummy_positions, watch_dummy_gradient
 from .fidelity import (
     check_against_checkpoint,
     check_against_state,
@@ -447,9 +448,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._tag_index = {tag(self.run.key, i): n for i, n in id_index(self.store, self.id_column).items()}
         self._template = {k: v for k, v in self.store[0].items() if k != self.id_column}
         self._spans, self._emptied = {}, set()  # packed rows: deleted fragments; rows left without weight
+        self._dummy_spans = {}  # packed rows: every fragment that is a dummy (deleted now or before)
         if is_packed(header):
             self._packing_map = load_map(self.run)
             self._spans = deleted_spans(self._packing_map, self.forget_tag_set)
+            self._dummy_spans = {row: hit for row, frags in self._packing_map.items()
+                                 if (hit := [k for k, (d, _, _) in enumerate(frags) if d is None or d in self.forget_tag_set])}
             self._emptied = emptied_rows(self._packing_map, self.forget_tag_set)
             self._check_packed_rows()
         if dummy_has_weight(self.data_collator, dummy_row(self._template, 4, self.dummy_token_id, self.id_column)):
@@ -585,7 +589,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                     "pass the collator the run was recorded with (data_collator= / --collator)")
             self._rebuilt_batches.update((e.mb, e.batch) for e in rebuilt)
 
-    def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0) -> tuple[list[dict], list[int]]:
+    def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0,
+              dummy_token: int | None = None) -> tuple[list[dict], list[int]]:
+        """The microbatch's rows for process ``rank``, deleted slots as dummies (``dummy_token``: another token in
+        every dummy's place, deleted before included, to locate them, see :func:`~hf_unlearn.trace.dummies.dummy_positions`)."""
+        token = self.dummy_token_id if dummy_token is None else dummy_token
+        spans = self._spans if dummy_token is None else self._dummy_spans
         lo, hi = e.rank_slots(rank, self.accelerator.num_processes)
         slots = e.slots[lo:hi]
         kept = [s for s in slots if s is not None and s not in self.forget_tag_set]
@@ -598,16 +607,39 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if s is None or s in self.forget_tag_set:
                 if keep_dummies:
                     dummy_pos.append(len(feats))
-                    feats.append(dummy_row(self._template, n, self.dummy_token_id, self.id_column))
+                    feats.append(dummy_row(self._template, n, token, self.id_column))
                 continue
             row = dict(zip(names, next(fetched)))
             if len(row["input_ids"]) != n:
                 raise UnlearnError(f"store row for slot tag {s} has {len(row['input_ids'])} tokens, the plan recorded "
                                    f"{n}: the store is not the one the run read")
-            if s in self._spans:  # a packed row: its deleted documents become dummies of the same length
-                row = with_dummies(row, self._spans[s], self.dummy_token_id)
+            if s in spans:  # a packed row: its deleted documents become dummies of the same length
+                row = with_dummies(row, spans[s], token)
             feats.append(row)
         return feats, dummy_pos
+
+    def _dummy_mask(self, e: PlanEntry, rank: int, batch: dict) -> torch.Tensor | None:
+        """Where this process's dummies sit in ``batch`` (None unless some process's part of the microbatch holds a
+        dummy, decided from the plan so every process checks the same microbatches)."""
+        if self.filter_rows or not any(s is None or s in self.forget_tag_set or s in self._dummy_spans for s in e.slots):
+            return None
+        marked = self.data_collator(self._rows(e, keep_dummies=True, rank=rank, dummy_token=self.dummy_token_id + 1)[0])
+        mask = dummy_positions(batch, marked)
+        return mask.to(self.args.device)
+
+    def _check_dummy_gradient(self, e: PlanEntry, watch, loss) -> None:
+        """Stop at the first microbatch whose dummies got a non-zero gradient (all processes agree on the verdict)."""
+        flag = watch.flag
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag.to(torch.float32), reduction="sum") > 0
+        if bool(flag):
+            from .trainers import recorded_trainer
+
+            owner = f"{recorded_trainer(self.run.header)[0].__qualname__}.compute_loss"
+            if self.compute_loss_func is not None:
+                owner = f"compute_loss_func {getattr(self.compute_loss_func, '__qualname__', self.compute_loss_func)}"
+            raise DummyInfluenceError(f"{self.run.path}: " + dummy_influence_message(owner, e.step, e.mb, loss,
+                                                                                     float(watch.largest)))
 
     def _collate(self, feats: list[dict], dummy_pos: list[int]) -> dict:
         batch = self.data_collator(feats)
@@ -674,6 +706,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 if writer:
                     writer.append([self._output_entry(e) for e in seg])
                 replayed += 1
+                self.state.global_step = step  # as in the recording while it ran this step (a loss may read it)
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
             saved = None
@@ -767,11 +800,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if not any(self._weighted(s) for s in e.slots):
                 continue
             feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank)
-            work.append((e, self._collate(feats, dummy_pos)))
+            batch = self._collate(feats, dummy_pos)
+            work.append((e, batch, self._dummy_mask(e, rank, batch)))
         if not work:
             return 0
         if self.filter_rows:
-            num_items = self._get_num_items_in_batch([b for _, b in work], self.args.device)
+            num_items = self._get_num_items_in_batch([b for _, b, _ in work], self.args.device)
             self.current_gradient_accumulation_steps = len(work)
         lr = seg[0].lr
         lrs = seg[0].group_lrs or [lr] * len(self.optimizer.param_groups)
@@ -779,14 +813,16 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             g["lr"] = value
         for g, settings in zip(self.optimizer.param_groups, seg[0].extra.get("groups", [])):
             g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in settings.items()})
-        for i, (e, batch) in enumerate(work):
+        for i, (e, batch, mask) in enumerate(work):
             if not self.filter_rows:
                 num_items = self._normaliser(e)
                 self.current_gradient_accumulation_steps = e.accum
             sync = i == len(work) - 1 or world == 1
             context = contextlib.nullcontext if sync else functools.partial(self.accelerator.no_sync, model=model)
-            with context(), seeded(rank_seed(e.seed, rank)):
-                self.training_step(model, batch, num_items)  # the recorded trainer's own step and compute_loss
+            with context(), seeded(rank_seed(e.seed, rank)), watch_dummy_gradient(self.model, mask) as watch:
+                loss = self.training_step(model, batch, num_items)  # the recorded trainer's own step and compute_loss
+            if watch is not None:
+                self._check_dummy_gradient(e, watch, loss)
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
         self.optimizer.step()
