@@ -77,7 +77,14 @@ def watch_dummy_gradient(model, mask: torch.Tensor | None):
 
 
 def dummy_influence_message(loss_owner: str, step: int, mb: int, loss, largest: float) -> str:
+    import math
+
     value = float(loss.detach().float().mean()) if torch.is_tensor(loss) else loss
+    if not math.isfinite(largest):
+        return (f"the dummy that fills a deleted slot received a non-finite gradient ({largest}) at optimizer step "
+                f"{step}, microbatch {mb} (loss {value:.6g}): the replayed model or loss holds NaN or infinity there "
+                "(the run's hazards name where the recording became non-finite), so no deletion can be proven from "
+                "this step on; stopped before the optimizer step")
     return (f"the dummy that fills a deleted slot received a non-zero gradient (largest |gradient| {largest:.3g} at its "
             f"input embeddings) at optimizer step {step}, microbatch {mb} (loss {value:.6g}): {loss_owner} gives tokens "
             "whose labels are -100 a weight (a term over every token, e.g. one that grows with the step), so this "
