@@ -106,12 +106,18 @@ def test_the_check_locates_dummies_whatever_the_padding_side(tmp_path):
     run = open_run(tmp_path / "rec" / "trace")
     forget = run.ids_at_steps([1])[:1]
     replay = ReplayTrainer(run, forget_ids=forget, start="full")
+    from hf_unlearn.trace.dummies import dummy_positions
+
     e = next(e for e in run.plan if e.step == 1)
-    feats, dummy_pos = replay._rows(e, keep_dummies=True)
+    assert replay._holds_dummy(e) and not replay._holds_dummy(next(x for x in run.plan if x.step == 0))
+    marked = []
+    feats, dummy_pos = replay._rows(e, keep_dummies=True, marked=marked)
+    masks = []
     for side in ("right", "left"):
-        replay.data_collator = QACollator.from_tokenizer(tok, padding_side=side)
-        batch = replay._collate(feats, dummy_pos)
-        mask = replay._dummy_mask(e, 0, batch)
+        collator = QACollator.from_tokenizer(tok, padding_side=side)
+        batch = collator(feats)
+        mask = dummy_positions(batch, collator(marked))
         assert int(mask.sum()) == len(feats[dummy_pos[0]]["input_ids"])
         assert bool(mask[dummy_pos[0]].any()) and not bool(mask[[i for i in range(len(feats)) if i not in dummy_pos]].any())
-    assert torch.equal(mask, replay._dummy_mask(e, 0, batch))
+        masks.append(mask)
+    assert not torch.equal(masks[0], masks[1])  # the dummy's tokens sit elsewhere with left padding: found both ways

@@ -590,11 +590,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             self._rebuilt_batches.update((e.mb, e.batch) for e in rebuilt)
 
     def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0,
-              dummy_token: int | None = None) -> tuple[list[dict], list[int]]:
-        """The microbatch's rows for process ``rank``, deleted slots as dummies (``dummy_token``: another token in
-        every dummy's place, deleted before included, to locate them, see :func:`~hf_unlearn.trace.dummies.dummy_positions`)."""
-        token = self.dummy_token_id if dummy_token is None else dummy_token
-        spans = self._spans if dummy_token is None else self._dummy_spans
+              marked: list | None = None) -> tuple[list[dict], list[int]]:
+        """The microbatch's rows for process ``rank``, deleted slots as dummies. ``marked``, a list, receives the same
+        rows with another token in every dummy's place (deleted before included), which locates the dummies in the
+        collated batch (:func:`~hf_unlearn.trace.dummies.dummy_positions`) without reading the store again."""
         lo, hi = e.rank_slots(rank, self.accelerator.num_processes)
         slots = e.slots[lo:hi]
         kept = [s for s in slots if s is not None and s not in self.forget_tag_set]
@@ -603,29 +602,30 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         names = [k for k in columns if k != self.id_column]
         fetched = iter(zip(*(columns[k] for k in names)))
         feats, dummy_pos = [], []
+        marker = self.dummy_token_id + 1
         for s, n in zip(slots, e.lens[lo:hi]):
             if s is None or s in self.forget_tag_set:
                 if keep_dummies:
                     dummy_pos.append(len(feats))
-                    feats.append(dummy_row(self._template, n, token, self.id_column))
+                    feats.append(dummy_row(self._template, n, self.dummy_token_id, self.id_column))
+                    if marked is not None:
+                        marked.append(dummy_row(self._template, n, marker, self.id_column))
                 continue
             row = dict(zip(names, next(fetched)))
             if len(row["input_ids"]) != n:
                 raise UnlearnError(f"store row for slot tag {s} has {len(row['input_ids'])} tokens, the plan recorded "
                                    f"{n}: the store is not the one the run read")
-            if s in spans:  # a packed row: its deleted documents become dummies of the same length
-                row = with_dummies(row, spans[s], token)
+            if marked is not None:  # a copy: a collator may assign into its features
+                marked.append(with_dummies(row, self._dummy_spans[s], marker) if s in self._dummy_spans else dict(row))
+            if s in self._spans:  # a packed row: its deleted documents become dummies of the same length
+                row = with_dummies(row, self._spans[s], self.dummy_token_id)
             feats.append(row)
         return feats, dummy_pos
 
-    def _dummy_mask(self, e: PlanEntry, rank: int, batch: dict) -> torch.Tensor | None:
-        """Where this process's dummies sit in ``batch`` (None unless some process's part of the microbatch holds a
-        dummy, decided from the plan so every process checks the same microbatches)."""
-        if self.filter_rows or not any(s is None or s in self.forget_tag_set or s in self._dummy_spans for s in e.slots):
-            return None
-        marked = self.data_collator(self._rows(e, keep_dummies=True, rank=rank, dummy_token=self.dummy_token_id + 1)[0])
-        mask = dummy_positions(batch, marked)
-        return mask.to(self.args.device)
+    def _holds_dummy(self, e: PlanEntry) -> bool:
+        """Whether some process's part of microbatch ``e`` holds a dummy (from the plan: every process agrees)."""
+        return not self.filter_rows and any(s is None or s in self.forget_tag_set or s in self._dummy_spans
+                                            for s in e.slots)
 
     def _check_dummy_gradient(self, e: PlanEntry, watch, loss) -> None:
         """Stop at the first microbatch whose dummies got a non-zero gradient (all processes agree on the verdict)."""
@@ -799,9 +799,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for e in seg:
             if not any(self._weighted(s) for s in e.slots):
                 continue
-            feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank)
+            marked = [] if self._holds_dummy(e) else None
+            feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank, marked=marked)
             batch = self._collate(feats, dummy_pos)
-            work.append((e, batch, self._dummy_mask(e, rank, batch)))
+            mask = None if marked is None else dummy_positions(batch, self.data_collator(marked)).to(self.args.device)
+            work.append((e, batch, mask))
         if not work:
             return 0
         if self.filter_rows:
