@@ -137,6 +137,9 @@ def inspect_cmd(args) -> int:
     from ..trace.fidelity import fidelity_statement
 
     print(f"fidelity: {fidelity_statement(header)}")
+    from ..trace.stack import stack_statement
+
+    print(f"numeric stack: {stack_statement(header)}")
     for h in rep.hazards:
         print(f"HAZARD: {h}")
     for n in header.get("notes", []) + rep.notes:

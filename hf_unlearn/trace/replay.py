@@ -1024,7 +1024,8 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
         optimizers = (build_optimizer(spec["rebuild"], model, start["param_names"]), None)
     trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator, optimizers=optimizers)
     trainer.remove_callback(PrinterCallback)  # a baseline, not a user's training: no metrics dict on stdout
-    trainer.train()
+    with pinned_stack(run.header):  # the run's threads: the baseline's distance is not the thread count's
+        trainer.train()
     return capture_state(model, trainer.optimizer, trainer.state.global_step, clone=True)
 
 

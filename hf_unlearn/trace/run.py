@@ -425,10 +425,9 @@ def _check_model_files(path: Path, header: dict, rep: Report) -> None:
         from .fidelity import BUFFERS_FILE
 
         f = path / BUFFERS_FILE
-        if not f.is_file():
-            rep.errors.append(f"{BUFFERS_FILE} is missing: the model's non-persistent buffers cannot be restored")
-        elif file_sha256(f) != layout.get("buffers_sha256"):
-            rep.errors.append(f"{BUFFERS_FILE} is damaged or replaced (its SHA-256 is not the one in header.json)")
+        if not f.is_file() or file_sha256(f) != layout.get("buffers_sha256"):  # the words restore_layout uses
+            rep.errors.append(f"{BUFFERS_FILE} is missing or does not match the digest in header.json: the model's "
+                              "non-persistent buffers cannot be restored")
 
 
 def _check_plan_frames(pscan, planned: int, rep: Report, sealed: bool) -> None:

@@ -128,7 +128,7 @@ def stack_statement(header: dict) -> str:
         return (f"the run records no numeric stack (recorded before hf_unlearn pinned it): replays run with this "
                 f"process's {torch.get_num_threads()} torch thread(s) and settings, which the run cannot confirm; only "
                 "the recorded checkpoints a replay passes check them (record the run again to pin them)")
-    return (f"replayed with the recorded numeric stack: {recorded['threads']} torch thread(s), CPU capability "
+    return (f"replays run with the recorded numeric stack: {recorded['threads']} torch thread(s), CPU capability "
             f"{recorded.get('cpu_capability')}, torch {recorded.get('torch')}"
             + (f", CUDA {recorded['cuda']}" if recorded.get("cuda") else "")
             + (f", oneDNN {recorded['onednn']}" if recorded.get("onednn") else "")
