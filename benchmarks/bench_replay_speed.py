@@ -1,7 +1,11 @@
 """Replay at training speed (issue #24 item 6): CPU time of a replayed optimizer step against a recorded one.
 
     PYTHONPATH=. python benchmarks/bench_replay_speed.py [--model tiny|PATH] [--steps 40] [--repeats 3]
-        [--batch 8] [--accum 2] [--max-length 128] [--profile]
+        [--batch 8] [--accum 2] [--max-length 128] [--profile] [--dummy-every-microbatch]
+
+``--dummy-every-microbatch`` deletes one row of every microbatch instead of one row of step 0, so every replayed
+microbatch holds a dummy and runs the dummy-gradient check (issue #31: a second collation to locate the dummies, a
+hook on the input embeddings' output, one read of the flag): the check's worst case.
 
 Each repeat records a run with ``TraceRecordingTrainer`` (checkpoints only at step 0 and the end), then replays all
 of it the way a deletion does (``ReplayTrainer`` from step 0 with one row of step 0 deleted, writing its output
@@ -41,6 +45,8 @@ def main(argv=None):
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--dummy-every-microbatch", action="store_true",
+                   help="delete one row of every microbatch (every replayed microbatch runs the dummy-gradient check)")
     p.add_argument("--tmp", default=None, help="scratch folder (default: a temporary one, removed)")
     a = p.parse_args(argv)
 
@@ -89,6 +95,10 @@ def main(argv=None):
             self.ticks.append(time.process_time())  # successive starts: one whole step of the replay loop
             return super()._run_segment(model, seg)
 
+        def _check_dummy_gradient(self, e, watch, loss):
+            checked.append(e.mb)
+            return super()._check_dummy_gradient(e, watch, loss)
+
     tmp = Path(tempfile.mkdtemp(prefix="bench_replay_", dir=a.tmp))
     results = []
     try:
@@ -107,6 +117,12 @@ def main(argv=None):
             rec_total = time.process_time() - c
             run = open_run(out / "trace")
             forget = run.ids_at_steps([0])[:1]
+            if a.dummy_every_microbatch:  # the first row of each microbatch (plan order)
+                ids, forget = iter(run.ids_at_steps(range(run.total_steps))), []
+                for e in run.plan:
+                    chunk = [next(ids) for _ in e.slots]
+                    forget.append(chunk[0])
+            checked = []
             c = time.process_time()
             replay = TimedReplay(run, forget_ids=forget, start="full", out_dir=tmp / f"replay{r}")
             checks = time.process_time() - c
@@ -129,8 +145,9 @@ def main(argv=None):
                    "rec_mean": statistics.mean(rec_steps), "rep_mean": statistics.mean(rep_steps),
                    "checks": checks, "rec_fixed": rec_total - sum(rec_steps) - (clock.ticks[1] - clock.ticks[0]),
                    "replay_total": end - c}
+            row["checked"] = len(checked)
             results.append(row)
-            print(f"repeat {r}: recorded step {1e3 * row['rec_median']:.2f} ms (mean {1e3 * row['rec_mean']:.2f}), "
+            print(f"repeat {r}: {len(checked)} of {len(run.plan)} microbatches checked for the dummies' gradient; recorded step {1e3 * row['rec_median']:.2f} ms (mean {1e3 * row['rec_mean']:.2f}), "
                   f"replayed step {1e3 * row['rep_median']:.2f} ms (mean {1e3 * row['rep_mean']:.2f}): ratio "
                   f"{row['rep_median'] / row['rec_median']:.3f} median, {row['rep_mean'] / row['rec_mean']:.3f} mean; "
                   f"replay checks before compute {row['checks']:.2f} s, recorder set-up and sealing "

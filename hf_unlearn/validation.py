@@ -36,8 +36,14 @@ def is_trace_run(path: str | os.PathLike) -> bool:
     """A folder written by ``TraceRecordingTrainer`` (or a replay): header, plan and WAL (or, compacted, the one
     ``provenance.bin`` that holds them)."""
     p = Path(path)
-    return p.is_dir() and (p / "header.json").is_file() and ((p / "provenance.bin").is_file() or (
-        (p / "wal.bin").is_file() and any((p / f).is_file() for f in ("plan.bin", "plan.jsonl"))))
+    if not (p.is_dir() and (p / "header.json").is_file()):
+        return False
+    if any((p / f).is_file() for f in ("provenance.bin", "wal.bin", "plan.bin", "plan.jsonl", "manifest.bin")):
+        return True  # a run, maybe broken: opening it names what is missing or damaged
+    try:  # a run whose trace files are all gone still says what it is
+        return b"hf_unlearn.trace." in (p / "header.json").read_bytes()[:1 << 20]
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,11 @@ def inspect_cmd(args) -> int:
                           "hazards": rep.hazards, "notes": header.get("notes", []) + rep.notes}, indent=1))
         return 0 if rep.ok else 1
     s = rep.summary
+    if "run" not in s:  # a file the rest depends on is missing or refused: say which, one line each
+        for e in rep.errors:
+            print(f"ERROR: {e}")
+        print(f"integrity: FAILED ({len(rep.errors)} error(s)): {args.run} cannot be read further")
+        return 1
     print(f"run {s['run']}: {'sealed' if s['sealed'] else 'NOT sealed'}, {s['optimizer_steps']} optimizer steps, "
           f"{s['microbatches']} microbatches, {s['slots']} slots ({s['dummy_slots']} dummy), "
           f"store rows {s['store_rows']}, deletion requests {s['deletion_requests']}")
@@ -133,6 +138,9 @@ def inspect_cmd(args) -> int:
     from ..trace.fidelity import fidelity_statement
 
     print(f"fidelity: {fidelity_statement(header)}")
+    from ..trace.stack import stack_statement
+
+    print(f"numeric stack: {stack_statement(header)}")
     for h in rep.hazards:
         print(f"HAZARD: {h}")
     for n in header.get("notes", []) + rep.notes:

@@ -601,6 +601,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
+    from ..trace.stack import stack_statement
     from ..trace.store import redact_store
     from ..trace.tags import tag
     from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
@@ -681,8 +682,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         # what the engine was shown to reproduce: the recording's self-check and guards, and this replay's own
         # checkpoints and per-step fingerprints (the oracle's are in evidence.oracle)
         "fidelity": fidelity_statement(json.loads((out / "replay" / "header.json").read_text())),
+        "numeric_stack": stack_statement(run.header),  # threads, CPU capability, versions the replays ran with
     }
     log(f"fidelity: {evidence['fidelity']}")
+    log(f"numeric stack: {evidence['numeric_stack']}")
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
         evidence["kept_model"] = run.header["kept_model"]
         log(f"kept model: {run.header['kept_model']['why']}")

@@ -188,17 +188,24 @@ def files_root(file_hashes: Mapping[str, str]) -> str:
     return h.hexdigest()
 
 
-def tied_names(folder: str | os.PathLike) -> dict[str, str]:
-    """State-dict names that share a tensor with another (saved) name: {duplicate: saved name}, from the model
-    built on the meta device (no weights loaded). An architecture transformers cannot build gives {}."""
+def _meta_model(folder: str | os.PathLike):
+    """The folder's model built on the meta device (no weights), or None when transformers cannot build it."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except Exception:
+        return None
+
+
+def tied_names(folder: str | os.PathLike, model=None) -> dict[str, str]:
+    """State-dict names that share a tensor with another (saved) name: {duplicate: saved name}, from the model
+    built on the meta device (no weights loaded). An architecture transformers cannot build gives {}."""
+    model = model if model is not None else _meta_model(folder)
+    if model is None:
         return {}
     first: dict[int, str] = {}
     out = {}
@@ -207,6 +214,34 @@ def tied_names(folder: str | os.PathLike) -> dict[str, str]:
             out[name] = first[id(param)]
         else:
             first[id(param)] = name
+    return out
+
+
+def renamed_on_save(folder: str | os.PathLike, model=None) -> dict[str, str]:
+    """{saved name: state-dict name} for the tensors ``save_pretrained`` writes under another name than the model
+    holds them (transformers' weight conversion, e.g. GPT-NeoX's ``lm_head.weight`` saved as ``embed_out.weight``,
+    renamed back by ``from_pretrained``). {} when transformers renames nothing (or has no such mapping)."""
+    model = model if model is not None else _meta_model(folder)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: saved names are the state-dict names
+        return {}
+    if model is None:
+        return {}
+    state = model.state_dict()
+    try:
+        saved = revert_weight_conversion(model, dict(state))
+    except Exception:
+        return {}
+    by_id: dict[int, list[str]] = {}
+    for name, t in state.items():
+        by_id.setdefault(id(t), []).append(name)
+    out = {}
+    for name, t in saved.items():
+        if name not in state:  # a tied tensor keeps one of its own names; a renamed one gets a new name
+            held = [n for n in by_id.get(id(t), []) if n not in saved]
+            if held:
+                out[name] = held[0]
     return out
 
 
@@ -226,12 +261,21 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
     if not params:
         raise UnlearnError(f"no safetensors weights in {folder}; save the model with save_pretrained() "
                            "(safetensors is the default) before publishing")
-    ties = {dup: src for dup, src in tied_names(folder).items() if src in params and dup not in params}
-    full = dict(params)
-    for dup, src in ties.items():  # the tied name's tensor is the saved tensor's bytes under another name
-        shard = next(f for f, names in layout.items() if src in names)
+    model = _meta_model(folder)
+    renamed = {saved: held for saved, held in renamed_on_save(folder, model).items() if saved in params}
+    as_held = {renamed.get(n, n): n for n in params}  # state-dict name -> saved name
+    ties = {dup: src for dup, src in tied_names(folder, model).items() if src in as_held and dup not in as_held}
+    full = {n: h for n, h in params.items() if n not in renamed}
+
+    def rehash(name: str, saved_name: str) -> str:  # the saved tensor's bytes under the name the model holds it
+        shard = next(f for f, names in layout.items() if saved_name in names)
         with safe_open(str(folder / shard), framework="pt") as f:
-            full[dup] = tensor_hash(dup, f.get_tensor(src))
+            return tensor_hash(name, f.get_tensor(saved_name))
+
+    for saved_name, held in renamed.items():
+        full[held] = rehash(held, saved_name)
+    for dup, src in ties.items():  # the tied name's tensor is the saved tensor's bytes under another name
+        full[dup] = rehash(dup, as_held[src])
     hashes = StateHashes(params=params, optimizer_root=optimizer_root or "")
     file_hashes = hashed_files(folder)
     manifest = hashes.to_dict()
@@ -239,8 +283,9 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
         scope="tensors saved in this repository's *.safetensors files (tied duplicates are saved once), their "
               "header metadata (file_hashes['/safetensors-metadata/NAME']) and the SHA-256 of every other file "
               "except README.md and this manifest",
-        files=layout, not_saved=sorted((set(state_dict_names or ()) | set(ties)) - set(params)),
+        files=layout, not_saved=sorted((set(state_dict_names or ()) | set(ties)) - set(params) - set(renamed.values())),
         tied=dict(sorted(ties.items())), state_dict_root=root_hash(full),
+        **({"renamed": dict(sorted(renamed.items()))} if renamed else {}),
         file_hashes=file_hashes, files_root=files_root(file_hashes),
     )
     return manifest

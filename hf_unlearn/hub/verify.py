@@ -330,9 +330,11 @@ def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
     loaded = state_hashes(model)
     report.state_dict_root = loaded.params_root
     params = manifest.get("params") or {}
-    differ = sorted(n for n in params if n in loaded.params and loaded.params[n] != params[n])
-    absent = sorted(n for n in params if n not in loaded.params)
-    extra = sorted(set(loaded.params) - set(params) - set(manifest.get("not_saved") or []))
+    renamed = manifest.get("renamed") or {}  # saved under another name than the model holds (GPT-NeoX's embed_out):
+    held = {renamed.get(n, n): n for n in params}  # their bytes are checked by the state_dict_root below
+    differ = sorted(n for n in params if n not in renamed and n in loaded.params and loaded.params[n] != params[n])
+    absent = sorted(saved for name, saved in held.items() if name not in loaded.params)
+    extra = sorted(set(loaded.params) - set(held) - set(manifest.get("not_saved") or []))
     if differ or absent or extra:
         report.problems.append(f"the loaded model is not the hashed tensors: differs {differ[:5]}, not loaded "
                                f"{absent[:5]}, not in the manifest {extra[:5]}")

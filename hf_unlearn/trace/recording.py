@@ -43,6 +43,7 @@ from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
 from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
+from .stack import numeric_stack
 from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
@@ -161,6 +162,32 @@ def _versions() -> dict:
     return out
 
 
+def dynamic_rope(config) -> str | None:
+    """The rope type of a config whose rotary frequencies follow the sequence length (``dynamic``, ``longrope``),
+    or None. Their ``inv_freq`` buffers change with the longest sequence seen so far: history no checkpoint holds."""
+    found = []
+
+    def walk(value):
+        if isinstance(value, dict):
+            kind = value.get("rope_type", value.get("type"))
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                found.append(kind)
+            for v in value.values():
+                walk(v)
+
+    for name in ("rope_parameters", "rope_scaling"):
+        walk(getattr(config, name, None))
+    return found[0] if found else None
+
+
+def first_non_finite(model) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity, or None."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            return name
+    return None
+
+
 def dropout_settings(model) -> dict:
     """Every non-zero dropout probability of the model: config fields (``*dropout*``, GPT-2's ``*_pdrop``) and
     ``nn.Dropout`` modules."""
@@ -275,10 +302,19 @@ class TraceWriter:
                 f.write_bytes(b"")
             (self.run / PROGRESS_FILE).unlink(missing_ok=True)
         self._open_index(header, resume_step)
+        if resume_step is not None:
+            self._drop_unbound_checkpoints()
         self.write_header(header)
         self._plan = CompactPlanWriter(self.run / PLAN_FILE, self.key, header["run_id"], kept)
         (self.run / LEGACY_PLAN_FILE).unlink(missing_ok=True)
         self._wal, self._manifest = open(wal_f, "ab"), open(man_f, "ab")
+
+    def _drop_unbound_checkpoints(self) -> None:
+        """On resume: a checkpoint folder the index does not list is a save cut short (a kill while writing it, or
+        before the index took it); remove it so the resumed run writes that checkpoint again."""
+        for d in (self.run / "checkpoints").glob("step-*"):
+            if int(d.name.split("-")[1]) not in self.index.entries:
+                shutil.rmtree(d)
 
     def mark_completed(self, step: int) -> None:
         """Note that optimizer step ``step`` ran (``progress.json``), so a crash report names the right step."""
@@ -471,6 +507,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_lens: dict = {}
         self._trace_groups = None
         self._trace_resume = None
+        self._trace_non_finite: str | None = None  # the first NaN/inf loss or state while recording
         self._trace_optimizer_source = self._optimizer_source()
         # first, so a user callback that fails right after an optimizer step cannot hide that the step completed
         self.callback_handler.callbacks.insert(0, _TraceCallback(self))
@@ -662,6 +699,12 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self.neftune_noise_alpha is not None:
             notes.append(f"NEFTune (alpha {self.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
                          "microbatch's recorded seed")
+        rope = dynamic_rope(getattr(peft_and_base(self.accelerator.unwrap_model(self.model))[1], "config", None))
+        if rope:
+            hazards.append(f"the model's rotary embedding is {rope!r} (rope_scaling / rope_parameters): its inv_freq "
+                           "buffers change with the longest sequence seen so far, which no checkpoint holds, so a "
+                           "replay from a checkpoint computes other positions and a mid-run deletion never verifies; "
+                           "use a static rope type (default, linear, yarn, llama3)")
         if dropout_settings(self.accelerator.unwrap_model(self.model)):
             notes.append("dropout is active: reproduced by per-microbatch reseeding")
         if args.max_grad_norm and args.max_grad_norm > 0:
@@ -855,7 +898,23 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if not self._trace_seeds:
             return super().training_step(model, inputs, num_items_in_batch)
         with seeded(self._trace_seeds.popleft()):
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        if not self._is_replay and self._trace_non_finite is None and torch.is_tensor(loss) \
+                and not bool(torch.isfinite(loss).all()):  # Trainer itself syncs on the loss each microbatch
+            self._trace_non_finite_hazard(f"the loss was not finite ({float(loss.detach().float().mean())}) at "
+                                          f"optimizer step {self.state.global_step}")
+        return loss
+
+    def _trace_non_finite_hazard(self, what: str) -> None:
+        """A NaN or infinity while recording: a hazard of the run, named with its step (sealed into the header)."""
+        import warnings
+
+        self._trace_non_finite = what
+        hazard = (f"{what}: the run trained on non-finite numbers from there on (an fp16 overflow, a learning rate "
+                  "too high?); a deletion replays them, and its verdict says nothing about a usable model")
+        if "hazards" in self._trace_header:  # the main process's header (sealed when training ends)
+            self._trace_header["hazards"].append(hazard)
+        warnings.warn(f"{self.trace_dir}: {hazard}", stacklevel=3)
 
     def _finalize_training(self, *args, **kwargs):
         # Seal before the Trainer may load the best checkpoint (load_best_model_at_end): the trace's final
@@ -936,6 +995,12 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if resume_step and (run / "header.json").exists():
             previous = json.loads((run / "header.json").read_text())
         header = self._trace_header_dict(served, fingerprint, hazards, notes)
+        from .stack import stack_change
+
+        changed = stack_change(previous.get("numeric_stack"), header["numeric_stack"])
+        if changed:  # the steps before the resume ran on another stack than the one every replay uses
+            header["hazards"].append(f"the run was resumed at step {resume_step} with another numeric stack than its "
+                                     f"earlier steps ({changed}): replays run every step with the resumed one")
         self._trace_packing(served, header)
         header["run_id"] = previous.get("run_id", header["run_id"])
         header["origin_run_id"] = header["run_id"]
@@ -951,7 +1016,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_writer = TraceWriter(run, self._trace_key)
         self._trace_writer.frozen.source = self.trace_frozen_source
         self._trace_writer.open(header, resume_step=resume_step)
-        self._trace_saved = {int(d.name.split("-")[1]) for d in (run / "checkpoints").glob("step-*")}
+        self._trace_saved = set(self._trace_writer.index.entries)  # bound to the run; a save cut short is redone
         self._trace_mb = 0
         if resume_step:
             from .plan import read_plan
@@ -1061,6 +1126,14 @@ class TraceRecordingMixin(WeightsFollowUmask):
             self._trace_keep_reference(step)  # a run no longer than the self-check: up to its final checkpoint
         self._trace_header.update(optimizer_steps=step, microbatches=self._trace_mb, finished=time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        if not self._is_replay:
+            from .stack import stack_change
+
+            changed = stack_change(self._trace_header.get("numeric_stack"), numeric_stack(self.args.device))
+            if changed:
+                self._trace_header["hazards"].append(
+                    f"the numeric stack changed while training ({changed}): replays run with the one recorded when "
+                    "training started (set threads and deterministic settings before train())")
         kept = self._kept_model()
         if kept:
             self._trace_header["kept_model"] = kept
@@ -1082,7 +1155,13 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_writer = None
 
     def _trace_checkpoint(self, step: int, final: bool = False) -> None:
-        self._trace_writer.save_checkpoint(step, self.accelerator.unwrap_model(self.model), self.optimizer)
+        model = self.accelerator.unwrap_model(self.model)
+        if not self._is_replay and self._trace_non_finite is None:
+            bad = first_non_finite(model)
+            if bad:
+                self._trace_non_finite_hazard(f"parameter {bad} holds a NaN or infinity at the checkpoint after "
+                                              f"{step} optimizer steps")
+        self._trace_writer.save_checkpoint(step, model, self.optimizer)
         self._trace_saved.add(step)
         if step > 0 and self.trace_checkpoint_budget and self.trace_checkpoint_retention == "geometric" \
                 and "max_kept" not in self._trace_header["checkpoint_retention"]:
@@ -1196,6 +1275,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             "optimizer": optimizer,
             "training_args": {k: _jsonable(v) for k, v in args.to_dict().items()},
             "versions": _versions(),
+            "numeric_stack": numeric_stack(args.device),
             "determinism": {"seed": args.seed, "data_seed": args.data_seed, "full_determinism": args.full_determinism,
                             "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                             "cudnn_deterministic": torch.backends.cudnn.deterministic,

@@ -33,6 +33,7 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
+from .dummies import DummyInfluenceError, dummy_influence_message, dummy_positions, watch_dummy_gradient
 from .fidelity import (
     check_against_checkpoint,
     check_against_state,
@@ -75,6 +76,7 @@ from .run import (
     open_run,
     read_deletion_log,
 )
+from .stack import check_stack, pinned_stack
 from .store import check_store_binding, id_index, load_store, store_sha256
 from .tags import tag
 
@@ -436,6 +438,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.data_collator = data_collator
         self._check_processes()
         check_device(header, self.args.device)
+        check_stack(header, self.args.device)  # versions and CPU dispatch: refused here; threads: set by train()
         if self.store_policy == "redacted" and self.forget_ids:
             stored = set(document_ids(self.store, self.id_column))
             present = [i for i in self.forget_ids if i in stored]
@@ -446,9 +449,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._tag_index = {tag(self.run.key, i): n for i, n in id_index(self.store, self.id_column).items()}
         self._template = {k: v for k, v in self.store[0].items() if k != self.id_column}
         self._spans, self._emptied = {}, set()  # packed rows: deleted fragments; rows left without weight
+        self._dummy_spans = {}  # packed rows: every fragment that is a dummy (deleted now or before)
         if is_packed(header):
             self._packing_map = load_map(self.run)
             self._spans = deleted_spans(self._packing_map, self.forget_tag_set)
+            self._dummy_spans = {row: hit for row, frags in self._packing_map.items()
+                                 if (hit := [k for k, (d, _, _) in enumerate(frags) if d is None or d in self.forget_tag_set])}
             self._emptied = emptied_rows(self._packing_map, self.forget_tag_set)
             self._check_packed_rows()
         if dummy_has_weight(self.data_collator, dummy_row(self._template, 4, self.dummy_token_id, self.id_column)):
@@ -619,7 +625,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                     "pass the collator the run was recorded with (data_collator= / --collator)")
             self._rebuilt_batches.update((e.mb, e.batch) for e in rebuilt)
 
-    def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0) -> tuple[list[dict], list[int]]:
+    def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0,
+              marked: list | None = None) -> tuple[list[dict], list[int]]:
+        """The microbatch's rows for process ``rank``, deleted slots as dummies. ``marked``, a list, receives the same
+        rows with another token in every dummy's place (deleted before included), which locates the dummies in the
+        collated batch (:func:`~hf_unlearn.trace.dummies.dummy_positions`) without reading the store again."""
         lo, hi = e.rank_slots(rank, self.accelerator.num_processes)
         slots = e.slots[lo:hi]
         kept = [s for s in slots if s is not None and s not in self.forget_tag_set]
@@ -628,20 +638,44 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         names = [k for k in columns if k != self.id_column]
         fetched = iter(zip(*(columns[k] for k in names)))
         feats, dummy_pos = [], []
+        marker = self.dummy_token_id + 1
         for s, n in zip(slots, e.lens[lo:hi]):
             if s is None or s in self.forget_tag_set:
                 if keep_dummies:
                     dummy_pos.append(len(feats))
                     feats.append(dummy_row(self._template, n, self.dummy_token_id, self.id_column))
+                    if marked is not None:
+                        marked.append(dummy_row(self._template, n, marker, self.id_column))
                 continue
             row = dict(zip(names, next(fetched)))
             if len(row["input_ids"]) != n:
                 raise UnlearnError(f"store row for slot tag {s} has {len(row['input_ids'])} tokens, the plan recorded "
                                    f"{n}: the store is not the one the run read")
+            if marked is not None:  # a copy: a collator may assign into its features
+                marked.append(with_dummies(row, self._dummy_spans[s], marker) if s in self._dummy_spans else dict(row))
             if s in self._spans:  # a packed row: its deleted documents become dummies of the same length
                 row = with_dummies(row, self._spans[s], self.dummy_token_id)
             feats.append(row)
         return feats, dummy_pos
+
+    def _holds_dummy(self, e: PlanEntry) -> bool:
+        """Whether some process's part of microbatch ``e`` holds a dummy (from the plan: every process agrees)."""
+        return not self.filter_rows and any(s is None or s in self.forget_tag_set or s in self._dummy_spans
+                                            for s in e.slots)
+
+    def _check_dummy_gradient(self, e: PlanEntry, watch, loss) -> None:
+        """Stop at the first microbatch whose dummies got a non-zero gradient (all processes agree on the verdict)."""
+        flag = watch.flag
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag.to(torch.float32), reduction="sum") > 0
+        if bool(flag):
+            from .trainers import recorded_trainer
+
+            owner = f"{recorded_trainer(self.run.header)[0].__qualname__}.compute_loss"
+            if self.compute_loss_func is not None:
+                owner = f"compute_loss_func {getattr(self.compute_loss_func, '__qualname__', self.compute_loss_func)}"
+            raise DummyInfluenceError(f"{self.run.path}: " + dummy_influence_message(owner, e.step, e.mb, loss,
+                                                                                     float(watch.largest)))
 
     def _collate(self, feats: list[dict], dummy_pos: list[int]) -> dict:
         batch = self.data_collator(feats)
@@ -667,7 +701,12 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
-        """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict."""
+        """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict. It runs with
+        the recorded thread count and deterministic settings (:mod:`hf_unlearn.trace.stack`)."""
+        with pinned_stack(self.run.header):
+            return self._replay()
+
+    def _replay(self):
         run, start = self.run, self.start_step
         ck = self._start_state
         self.model.load_state_dict(full_model_state(ck))
@@ -703,6 +742,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 if writer:
                     writer.append([self._output_entry(e) for e in seg])
                 replayed += 1
+                self.state.global_step = step  # as in the recording while it ran this step (a loss may read it)
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
                 self._check_step_fingerprint(step)
@@ -822,8 +862,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for e in seg:
             if not any(self._weighted(s) for s in e.slots):
                 continue
-            feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank)
-            work.append((e, self._collate(feats, dummy_pos)))
+            marked = [] if self._holds_dummy(e) else None
+            feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank, marked=marked)
+            batch = self._collate(feats, dummy_pos)
+            mask = None if marked is None else dummy_positions(batch, self.data_collator(marked)).to(self.args.device)
+            work.append((e, batch, mask))
         step = seg[0].step
         self.state.global_step = step
         if not work:  # no optimizer step: the recorded callbacks still see the step begin and end
@@ -833,7 +876,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             self._step_fps[step] = {"none": "no optimizer step (every slot deleted)"}
             return 0
         if self.filter_rows:
-            num_items = self._get_num_items_in_batch([b for _, b in work], self.args.device)
+            num_items = self._get_num_items_in_batch([b for _, b, _ in work], self.args.device)
             self.current_gradient_accumulation_steps = len(work)
         lr = seg[0].lr
         lrs = seg[0].group_lrs or [lr] * len(self.optimizer.param_groups)
@@ -842,14 +885,16 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for g, settings in zip(self.optimizer.param_groups, seg[0].extra.get("groups", [])):
             g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v) for k, v in settings.items()})
         self._event("on_step_begin")
-        for i, (e, batch) in enumerate(work):
+        for i, (e, batch, mask) in enumerate(work):
             if not self.filter_rows:
                 num_items = self._normaliser(e)
                 self.current_gradient_accumulation_steps = e.accum
             sync = i == len(work) - 1 or world == 1
             context = contextlib.nullcontext if sync else functools.partial(self.accelerator.no_sync, model=model)
-            with context(), seeded(rank_seed(e.seed, rank)):
-                self.training_step(model, batch, num_items)  # the recorded trainer's own step and compute_loss
+            with context(), seeded(rank_seed(e.seed, rank)), watch_dummy_gradient(self.model, mask) as watch:
+                loss = self.training_step(model, batch, num_items)  # the recorded trainer's own step and compute_loss
+            if watch is not None:
+                self._check_dummy_gradient(e, watch, loss)
             if i < len(work) - 1:
                 self._event("on_substep_end")
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
@@ -1072,7 +1117,8 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
         optimizers = (build_optimizer(spec["rebuild"], model, start["param_names"]), None)
     trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator, optimizers=optimizers)
     trainer.remove_callback(PrinterCallback)  # a baseline, not a user's training: no metrics dict on stdout
-    trainer.train()
+    with pinned_stack(run.header):  # the run's threads: the baseline's distance is not the thread count's
+        trainer.train()
     return capture_state(model, trainer.optimizer, trainer.state.global_step, clone=True)
 
 

@@ -64,7 +64,7 @@ HEADER_KEYS = frozenset({
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
     "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention", "fidelity",
-    "kept_model", "controls_mac", "trainer", "provenance"})
+    "kept_model", "controls_mac", "trainer", "provenance", "numeric_stack"})
 SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
 PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
 # The header fields that decide the replayed state (or what a verdict covers): the keyed seal covers them. A field
@@ -75,7 +75,8 @@ KEYED_HEADER_KEYS = ("format", "run_id", "origin_run_id", "parent", "key_fingerp
                      "fidelity", "kept_model", "trainer", "checkpoint_index")
 # Sealed only when present (a run sealed before them keeps its seal): ``provenance`` names a compacted run's
 # provenance.bin and its SHA-256 (hf_unlearn.trace.compact), so the seal binds that file byte for byte.
-OPTIONAL_KEYED_HEADER_KEYS = ("provenance",)
+# ``numeric_stack`` (hf_unlearn.trace.stack): threads, CPU capability, versions and deterministic settings.
+OPTIONAL_KEYED_HEADER_KEYS = ("provenance", "numeric_stack")
 UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
                     "of a seed, learning rate, step, flag or normaliser in both the plan and the WAL, with their CRCs "
                     "and sidecars rewritten, is not detected (the ids are keyed); record the run again for keyed "
@@ -209,6 +210,20 @@ class TraceRun:
         return cps[self.total_steps]
 
 
+def read_header(path: str | Path) -> dict:
+    """A run's ``header.json``; a damaged one is named in one line (never a JSON parser's traceback)."""
+    f = Path(path) / "header.json"
+    try:
+        header = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnlearnError(f"{f} is damaged (it does not read as JSON: {e}); the run cannot be used: restore it from "
+                           "a copy") from None
+    if not isinstance(header, dict):
+        raise UnlearnError(f"{f} is damaged (a JSON {type(header).__name__}, not a run's header); the run cannot be "
+                           "used: restore it from a copy")
+    return header
+
+
 def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: bool = True,
               deep: bool = False) -> tuple[Report, dict, list]:
     """Check every file of a run: sidecars, WAL CRCs, torn tail, plan/WAL/manifest agreement, checkpoints, store.
@@ -221,7 +236,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     rep = Report()
     if not (path / "header.json").exists():
         raise UnlearnError(f"{path} is not a recorded run (no header.json); pass the trace_dir of a TraceRecordingTrainer")
-    header = json.loads((path / "header.json").read_text())
+    header = read_header(path)
     if header.get("format") != FORMAT:
         older = str(header.get("format", "")).startswith("hf_unlearn.trace.")
         raise UnlearnError(f"{path}/header.json has format {header.get('format')!r}, expected {FORMAT!r}"
@@ -242,7 +257,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             rep.errors.append(f"{name} does not match its SHA-256 sidecar ({name}.sha256): modified after the run was sealed")
         elif ok is None and sealed:
             rep.errors.append(f"{name}.sha256 is missing from a sealed run")
-    if rep.errors and any("missing" in e and e.split()[0] in (pfile.name, "wal.bin") for e in rep.errors):
+    if rep.errors and any("missing" in e and e.split()[0] in (pfile.name, "wal.bin", "manifest.bin") for e in rep.errors):
         return rep, header, []
 
     if not compact:
@@ -360,6 +375,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
             plan = [e for e in plan if e.step < last]
     if 0 not in cps and not header.get("parent"):
         rep.warnings.append("there is no step-0 checkpoint: full replays (the oracle) are impossible")
+    _check_model_files(path, header, rep)
     store = path / "private" / "store"
     if store.exists():
         from .store import store_sha256
@@ -389,6 +405,29 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         "trainer": (header.get("trainer") or {}).get("class", "transformers.trainer:Trainer"),
     }
     return rep, header, plan
+
+
+def _check_model_files(path: Path, header: dict, rep: Report) -> None:
+    """The files a replay rebuilds the model from: ``model/config.json``, the adapter's config, the recorded
+    non-persistent buffers (their digest is in the sealed header)."""
+    model = header.get("model") or {}
+    config = path / "model" / "config.json"
+    try:
+        json.loads(config.read_text())
+    except OSError:
+        rep.errors.append("model/config.json is missing: replays cannot rebuild the model")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        rep.errors.append("model/config.json is damaged (it does not read as JSON): replays cannot rebuild the model")
+    if model.get("peft") and not (path / "model" / "adapter" / "adapter_config.json").is_file():
+        rep.errors.append("model/adapter/adapter_config.json is missing: replays cannot rebuild the PEFT adapter")
+    layout = model.get("layout") or {}
+    if layout.get("buffers"):
+        from .fidelity import BUFFERS_FILE
+
+        f = path / BUFFERS_FILE
+        if not f.is_file() or file_sha256(f) != layout.get("buffers_sha256"):  # the words restore_layout uses
+            rep.errors.append(f"{BUFFERS_FILE} is missing or does not match the digest in header.json: the model's "
+                              "non-persistent buffers cannot be restored")
 
 
 def _check_plan_frames(pscan, planned: int, rep: Report, sealed: bool) -> None:

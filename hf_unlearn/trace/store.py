@@ -48,6 +48,9 @@ def load_store(path: str | Path):
     from datasets import load_from_disk
 
     path = Path(path)
+    if not path.exists():
+        raise UnlearnError(f"the token store {path} is missing (moved or deleted); pass the store with --store / "
+                           "store=, or restore it")
     if not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
         raise UnlearnError(f"{path} is not a token store (no datasets state.json); pass the folder `trace redact` wrote")
     return load_from_disk(str(path), keep_in_memory=False)

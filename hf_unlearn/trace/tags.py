@@ -78,9 +78,9 @@ def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required:
 
     run_dir = Path(run_dir)
     if header is None and (run_dir / "header.json").is_file():
-        import json
+        from .run import read_header
 
-        header = json.loads((run_dir / "header.json").read_text())
+        header = read_header(run_dir)
     fingerprint = (header or {}).get("key_fingerprint")
     own = run_dir.joinpath(*RUN_KEY)
     if own.exists():

@@ -1,0 +1,102 @@
+"""``hf-unlearn forget RUN --oracle`` end to end on every architecture the tests build, tied and untied heads (issue
+#31): GPT-NeoX saves its untied ``lm_head`` as ``embed_out``, which made the receipt's internal check refuse every
+Pythia deletion after printing VERIFIED."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .test_trace_common import get_trace_data, record
+
+
+def _model(name: str, tok, tmp_path):
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    from hf_unlearn.models import build_tiny_model
+
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    if name in ("llama", "gpt2", "gpt_neox"):
+        return build_tiny_model(name, tok, hidden_size=32, num_layers=2, num_heads=2)
+    if name == "gpt_neox-tied":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(**common, tie_word_embeddings=True))
+    if name == "pythia-from_pretrained":  # a Pythia-style checkpoint on disk (embed_out.weight), loaded as users do
+        GPTNeoXForCausalLM(GPTNeoXConfig(**common, rotary_pct=0.25, use_parallel_residual=True,
+                                         tie_word_embeddings=False)).save_pretrained(tmp_path / "pythia")
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "pythia")
+    if name == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, num_key_value_heads=1))
+    if name == "qwen2-untied":
+        return Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=1, tie_word_embeddings=False))
+    return Gemma3ForCausalLM(Gemma3TextConfig(**common, num_key_value_heads=1, head_dim=16, sliding_window=8))
+
+
+FAST = ["gpt_neox", "pythia-from_pretrained", "llama"]
+SLOW = ["gpt_neox-tied", "gpt2", "mistral", "qwen2-untied", "gemma3"]
+
+
+@pytest.mark.parametrize("name", FAST + [pytest.param(n, marks=pytest.mark.slow) for n in SLOW])
+def test_cli_forget_saves_the_verified_state_on_every_architecture(tmp_path, name, capsys):
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    tok, data = get_trace_data()
+    record(tok, data.select(range(8)), tmp_path / "rec", model=_model(name, tok, tmp_path), every=1, max_steps=2,
+           gradient_accumulation_steps=1)
+    run = tmp_path / "rec" / "trace"
+    write_ids(tmp_path / "ids.jsonl", open_run(run).ids_at_steps([1])[:1])
+    code = main(["forget", str(run), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "out"), "--oracle",
+                 "--no-progress"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert "VERIFIED bit-identical" in out.out
+    receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert receipt["ok"] and receipt["evidence"]["verified"] is True
+    # what from_pretrained loads from OUT/model is the replayed state, tensor for tensor, under the model's own names
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model").state_dict()
+    replayed = load_checkpoint(open_run(tmp_path / "out" / "replay").final_checkpoint())
+    state = {**replayed["model"], **{dup: replayed["model"][src] for dup, src in replayed.get("tied", {}).items()}}
+    assert set(loaded) == set(state)
+    assert all(torch.equal(loaded[n], state[n]) for n in state)
+    manifest = build_manifest(tmp_path / "out" / "model")
+    assert receipt["state_hashes"]["trace_params_root"] in (manifest["params_root"], manifest["state_dict_root"])
+    if name.startswith(("gpt_neox", "pythia")) and "tied" not in name:
+        assert manifest["renamed"] == {"embed_out.weight": "lm_head.weight"}  # saved under the checkpoint name
+
+
+def test_hub_verify_loads_a_renamed_head_without_a_problem(tmp_path):
+    """The published manifest of a GPT-NeoX model names embed_out.weight; loading gives lm_head.weight: the load
+    check maps the name and still checks the bytes (through the state-dict root)."""
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.hub.verify import VerifyReport, _check_loads
+
+    tok, _ = get_trace_data()
+    model = _model("gpt_neox", tok, tmp_path)
+    model.save_pretrained(tmp_path / "m")
+    manifest = build_manifest(tmp_path / "m")
+    report = VerifyReport(source=str(tmp_path / "m"))
+    _check_loads(tmp_path / "m", manifest, report)
+    assert report.problems == [] and report.state_dict_root == manifest["state_dict_root"]
+    forged = {**manifest, "state_dict_root": "0" * 64}
+    report = VerifyReport(source=str(tmp_path / "m"))
+    _check_loads(tmp_path / "m", forged, report)
+    assert any("state_dict_root" in p for p in report.problems)

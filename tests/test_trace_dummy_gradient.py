@@ -1,0 +1,123 @@
+"""The dummy's zero influence is evidence on every replayed microbatch (issue #31): a loss whose term on every token
+grows with the step passes the construction probe (step 0) and gave a VERIFIED deletion in which the dummy row had
+trained the model. Replays and the oracle now check the dummies' gradient on every microbatch that holds one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_unlearn.trace.dummies import DummyInfluenceError
+
+from .test_trace_common import delete, get_trace_data, record
+from .trace_dummy_trainers import GrowingEveryTokenTrainer
+
+KW = dict(gradient_accumulation_steps=1, max_steps=4)
+
+
+def _model(family: str, tok):
+    from hf_unlearn.models import build_tiny_model
+
+    return build_tiny_model(family, tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+
+
+def _record_growing(tmp_path, family: str):
+    from hf_unlearn.trace import trace_recording
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    from hf_unlearn.data import QACollator
+
+    trainer = trace_recording(GrowingEveryTokenTrainer)(
+        model=_model(family, tok), args=_args(tmp_path / "rec"), train_dataset=data,
+        data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=1, trace_checkpoint_retention="even")
+    trainer.train()  # the construction probe (global step 0) found no gradient on the dummy: recorded
+    return tok, data, tmp_path / "rec" / "trace"
+
+
+def _args(out):
+    from .test_trace_common import train_args
+
+    return train_args(out, **KW)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
+def test_a_loss_that_weights_the_dummy_later_is_refused_at_that_microbatch(tmp_path, family, monkeypatch):
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store
+    from hf_unlearn.trace import replay as replay_module
+
+    tok, data, run = _record_growing(tmp_path, family)
+    header = json.loads((run / "header.json").read_text())
+    assert header["fidelity"]["recording"]["reproduced"] and not header["hazards"]
+    opened = open_run(run)
+    early, late = opened.ids_at_steps([0])[:1], opened.ids_at_steps([2])[:1]
+    # step 0: the term is 0 * ..., the dummy has exactly zero gradient: a deletion there replays and verifies
+    _, report = delete(run, early, tmp_path / "early")
+    assert report["verified"]
+    # a late deletion: the replay (suffix from checkpoint 2) stops at step 2's microbatch, before its optimizer step
+    redact_store(opened.store_path, late, tmp_path / "late" / "store", opened.key)
+    replay = RedactedReplayTrainer(run, tmp_path / "late" / "store", late, tmp_path / "late" / "replay")
+    mb = next(e.mb for e in opened.plan if e.step == 2)
+    with pytest.raises(DummyInfluenceError, match=rf"at optimizer step 2, microbatch {mb} \(loss [0-9.]+\): "
+                                                  r"GrowingEveryTokenTrainer.compute_loss gives tokens"):
+        replay.train()
+    assert not (tmp_path / "late" / "replay").exists()  # no half-written output run
+    # the oracle (a full replay from step 0) of both rows passes step 0's dummy and stops at the first one with weight
+    with pytest.raises(DummyInfluenceError, match="at optimizer step 2"):
+        OracleReplayTrainer(run, early + late).train()
+    # without the check, the same late deletion would be VERIFIED: the check is what refuses it
+    monkeypatch.setattr(replay_module, "watch_dummy_gradient", lambda model, mask: _NoWatch())
+    _, report = delete(run, late, tmp_path / "unchecked")
+    assert report["verified"]
+
+
+class _NoWatch:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_cli_forget_names_the_step_and_the_loss(tmp_path, capsys):
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    _, _, run = _record_growing(tmp_path, "gpt_neox")
+    write_ids(tmp_path / "ids.jsonl", open_run(run).ids_at_steps([3])[:1])
+    code = main(["forget", str(run), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "out"), "--oracle",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "non-zero gradient" in err and "at optimizer step 3" in err and "(loss " in err
+    assert "VERIFIED" not in err and not (tmp_path / "out").exists()
+
+
+def test_the_check_locates_dummies_whatever_the_padding_side(tmp_path):
+    """Left padding puts the dummy's tokens elsewhere in the collated batch: located by collating twice, so a labels-
+    weighted loss is never refused and the mask covers exactly the dummy row's tokens."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import ReplayTrainer, open_run
+
+    tok, data = get_trace_data()
+    record(tok, data.select(range(8)), tmp_path / "rec", every=1, max_steps=2, gradient_accumulation_steps=1)
+    run = open_run(tmp_path / "rec" / "trace")
+    forget = run.ids_at_steps([1])[:1]
+    replay = ReplayTrainer(run, forget_ids=forget, start="full")
+    from hf_unlearn.trace.dummies import dummy_positions
+
+    e = next(e for e in run.plan if e.step == 1)
+    assert replay._holds_dummy(e) and not replay._holds_dummy(next(x for x in run.plan if x.step == 0))
+    marked = []
+    feats, dummy_pos = replay._rows(e, keep_dummies=True, marked=marked)
+    masks = []
+    for side in ("right", "left"):
+        collator = QACollator.from_tokenizer(tok, padding_side=side)
+        batch = collator(feats)
+        mask = dummy_positions(batch, collator(marked))
+        assert int(mask.sum()) == len(feats[dummy_pos[0]]["input_ids"])
+        assert bool(mask[dummy_pos[0]].any()) and not bool(mask[[i for i in range(len(feats)) if i not in dummy_pos]].any())
+        masks.append(mask)
+    assert not torch.equal(masks[0], masks[1])  # the dummy's tokens sit elsewhere with left padding: found both ways
