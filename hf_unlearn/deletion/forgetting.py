@@ -368,6 +368,31 @@ def _deleted_in_source(plan: dict, key: bytes) -> set[str]:
     return tags
 
 
+def _source_params_root(plan: dict) -> str | None:
+    """The weights root of a model folder given as the source (computed from its safetensors files, not read from
+    its manifest), or None for a recorded run, a Hub id or a folder without safetensors weights."""
+    from ..hub.publish import hash_safetensors, safetensors_files
+    from ..trace.hashing import StateHashes
+
+    source = Path(str(plan.get("source", "")))
+    if plan["mode"] == EXACT or not source.is_dir() or not safetensors_files(source):
+        return None
+    return StateHashes(params=hash_safetensors(source)[0]).params_root
+
+
+def _published_params_root(config: ForgetConfig, tag: str, cache: str) -> str | None:
+    from huggingface_hub import hf_hub_download
+
+    from ..hub.publish import MANIFEST_FILE
+
+    try:
+        path = hf_hub_download(config.repo, MANIFEST_FILE, revision=tag, token=config.token,
+                               endpoint=config.endpoint, cache_dir=cache)
+        return json.loads(Path(path).read_text()).get("params_root")
+    except Exception:  # no manifest there: this tag cannot vouch for the source
+        return None
+
+
 def _check_earlier_deletions(config: ForgetConfig, plan: dict) -> None:
     """Before any compute: every deletion already published to ``--repo`` (its ``deletion-NNNN`` tags) must be
     contained in this one (the request's ids plus those the source has already lost), else this push would put
@@ -393,6 +418,12 @@ def _check_earlier_deletions(config: ForgetConfig, plan: dict) -> None:
     key = load_key()
     ours = set(forget_request(plan["ids"], key)["tags"]) | _deleted_in_source(plan, key)
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_earlier_") as cache:
+        root = _source_params_root(plan)
+        if root is not None:  # the source is one of the published deletions: it and every one before it are inside
+            for k in range(len(earlier) - 1, -1, -1):  # (each push checked this against the tags before it)
+                if _published_params_root(config, earlier[k], cache) == root:
+                    earlier = earlier[k + 1:]
+                    break
         for tag in earlier:
             try:
                 path = hf_hub_download(config.repo, FORGET_REQUEST_FILE, revision=tag, token=config.token,
