@@ -882,7 +882,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             "forget_ids": list(self.forget_ids),
             "citation": "",
             "paper": "",
-            "extra": {**counts, "parent_run": self.run.path.name, **self._exact_deletion_evidence()},
+            # the parent by its run id: a local folder name is the user's file system, never published
+            "extra": {**counts, "parent_run_id": self.run.header.get("run_id"), **self._exact_deletion_evidence()},
             # a run of 500 steps is not sample id 500: declared to the Hub's forget-id scanner by exact value
             "not_ids": {**own_numbers(hyperparameters, "hyperparameters"), **own_numbers(counts, "extra")},
         }
@@ -901,9 +902,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         return {"exact_deletion": {
             "params_root": hashes["params_root"], "optimizer_root": hashes["optimizer_root"],
             "verified": verified,
-            "verification": (f"bit-identical to the oracle run {verdict['oracle']!r}" if verified
+            # published in the card: no local path or folder name (they are the user's, and may hold anything)
+            "verification": ("bit-identical to the trace oracle" if verified
                              else "differs from the oracle" if verdict and not verdict.get("identical")
-                             else f"not verified: run `hf-unlearn trace verify {self.out_dir} ORACLE`"),
+                             else "not verified: run `hf-unlearn trace verify REPLAY_DIR ORACLE_DIR` on this "
+                                  "replay's output folder and a trace oracle's"),
         }}
 
     # ---- output run ---------------------------------------------------------------------------------------
@@ -924,7 +927,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         header.update(optimizer_steps=self.run.total_steps, microbatches=len(self.run.plan))
         header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
                       origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
-                      parent={"run": str(src), "run_id": self.run.header.get("run_id"), "start_step": start,
+                      parent={"run_id": self.run.header.get("run_id"), "start_step": start,  # no local path
                               "mode": self.mode, "controls": self.run.report.summary.get("controls")})
         if self.mode == "oracle":
             header["dataset"]["store_sha256"] = None
@@ -962,7 +965,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             "steps_replayed": stats["segments_replayed"],
             "params_root": hashes["params_root"],
             "optimizer_root": hashes["optimizer_root"],
-            "parent_run": self.run.path.name,
+            "parent_run_id": self.run.header.get("run_id"),  # published: the run id, not the local folder name
         }
         header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"],
                               "fingerprints_matched": stats["fingerprints_matched"]}
