@@ -77,6 +77,20 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, private: bool = Fal
     atomic_write_bytes(path, text.encode("utf-8"), private=private)
 
 
+LOCAL_PATH = "<local path>"  # what a published record holds where this machine had a path
+
+
+def withhold_local_path(value):
+    """``value``, unless it is a place on this machine (an absolute path, or a file or folder that exists here):
+    then :data:`LOCAL_PATH`. A record that may be published keeps a Hub id (``org/model``) and loses the user's
+    folder layout."""
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        text = os.path.expanduser(str(value))
+        if os.path.isabs(text) or os.path.exists(text):
+            return LOCAL_PATH
+    return value
+
+
 def activation_checkpointing_kwargs(enabled: bool) -> dict:
     """The ``TrainingArguments`` keyword for activation (gradient) checkpointing under the installed transformers.
 

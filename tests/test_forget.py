@@ -11,7 +11,7 @@ import pytest
 from hf_unlearn.errors import UnlearnError
 
 from .conftest import run_cli
-from .test_trace_common import get_recorded, get_trace_data, ids_at_step
+from .test_trace_common import copy_run, get_recorded, get_trace_data, ids_at_step
 
 STRING_IDS = [f"author-{a}-q{q}" for a in range(3) for q in range(20)]
 
@@ -94,8 +94,13 @@ def test_receipt_carries_keyed_tags_not_raw_ids(exact_receipt):
     from hf_unlearn.hub.keys import keyed_tags, load_key
 
     receipt, ids, out = exact_receipt
-    data = json.loads((out / "receipt.json").read_text())
-    assert data["request"]["tags"] == keyed_tags(ids, load_key())
+    # the receipt is local and names the user's folders (source, output, model, evidence), whose names may hold any
+    # number (pytest's basetemp pytest-43 and forget id 43): the folders are replaced before looking for raw ids
+    text = (out / "receipt.json").read_text()
+    for folder, name in ((out, "OUT"), (get_recorded(), "RUN")):
+        text = text.replace(json.dumps(str(folder))[1:-1], name)
+    data = json.loads(text)
+    assert data["request"]["tags"] == keyed_tags(ids, load_key()) and data["output_dir"] == "OUT"
     assert find_raw_ids(data, ids, "receipt") == []
     assert not any(isinstance(v, list) and len(set(v) & set(ids)) >= 2 for v in _walk(data))
 
@@ -503,6 +508,99 @@ def test_forget_publishes_and_verifies_on_a_local_hub(tmp_path, exact_receipt):
         assert "FAILED" in other.summary_table()
     saved = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert saved["published"]["commit"] == p["commit"]
+
+
+def _published(server, repo: str, tag: str) -> dict[str, bytes]:
+    _, files = server.store.files("model", repo, tag)
+    out = {}
+    for name, entry in files.items():
+        with server.store.open_entry(entry) as f:
+            out[name] = f.read()
+    return out
+
+
+def test_folders_named_like_a_forget_id_are_neither_published_nor_refused(tmp_path):
+    """A folder is the user's machine, not the model: no published file names one, so a folder whose name holds a
+    forget id as a number (pytest's ``pytest-27``, a run folder named after the person) neither leaks through the
+    card or the provenance nor makes the id scanner refuse the deletion. (The card's verification hint used to hold
+    the replay's path, the provenance header the run's path and output_dir, the deletion log the run's folder name,
+    verification.json the oracle's.)"""
+    from hf_unlearn import forget
+    from hf_unlearn.demo import local_hub
+
+    run = get_recorded()
+    ids = ids_at_step(run, 6)[:2]
+    n = ids[0]
+    tok, _ = get_trace_data()
+    base = tmp_path / f"pytest-{n}"
+    mine = copy_run(run, base / f"person-{n}")  # a run folder literally named after the person's id
+    local = forget(mine, ids, base / "out", tokenizer=tok, progress=False, log=lambda m: None)
+    card = (base / "out" / "model" / "README.md").read_text()
+    assert local.ok and "not verified: run `hf-unlearn trace verify" in card
+    assert str(tmp_path) not in card and f"-{n}" not in card
+
+    with local_hub(tmp_path / "hub") as (server, token):
+        receipt = forget(mine, ids, base / f"out-{n}", oracle=True, tokenizer=tok, repo="org/tiny",
+                         endpoint=server.url, token=token, progress=False, log=lambda m: None)
+        assert receipt.ok and receipt.evidence["verified"] is True
+        published = _published(server, "org/tiny", receipt.published["tag"])
+    assert {"README.md", "provenance/header.json", "provenance/deletion_log.jsonl",
+            "provenance/verification.json"} <= set(published)
+    for name, data in published.items():
+        if not name.endswith(".safetensors"):
+            for local_name in (str(tmp_path), str(run.parent), f"-{n}", "person"):
+                assert local_name.encode() not in data, (name, local_name)
+    header = json.loads(published["provenance/header.json"])
+    assert header["training_args"]["output_dir"] == "<local path>" and set(header["parent"]) >= {"run_id"}
+    assert "run" not in header["parent"]
+    log = json.loads(published["provenance/deletion_log.jsonl"].splitlines()[-1])
+    assert log["parent_run_id"] == header["parent"]["run_id"] and "parent_run" not in log
+    verdict = json.loads(published["provenance/verification.json"])
+    assert verdict["verified"] and len(verdict["oracle_run_id"]) == 32 and "oracle" not in verdict
+    assert "bit-identical to the trace oracle" in published["README.md"].decode()
+
+
+def test_a_forget_id_in_a_text_that_is_published_is_still_refused(tmp_path):
+    """The other side of the test above: what the user chose and is published (a run name, a dataset id), and the
+    paths and folder names that runs recorded before they were withheld, are still scanned for the forget ids."""
+    from hf_unlearn import forget
+    from hf_unlearn.hub.leaks import IdScanner
+    from hf_unlearn.hub.provenance import select_provenance
+    from hf_unlearn.trace.run import write_sidecar
+
+    from .test_trace_common import write_sealed_header
+
+    run = get_recorded()
+    ids = ids_at_step(run, 6)[:2]
+    n = ids[0]
+    tok, _ = get_trace_data()
+    with pytest.raises(UnlearnError, match=rf"refusing to publish.*number {n}"):  # a dataset id on the card
+        forget(run, ids, tmp_path / "refused", tokenizer=tok, datasets=[f"org/person-{n}"], progress=False,
+               log=lambda m: None)
+    assert not (tmp_path / "refused").exists()
+
+    receipt = forget(run, ids, tmp_path / "out", tokenizer=tok, progress=False, log=lambda m: None)
+    replay = tmp_path / "out" / "replay"
+    scanner = IdScanner(ids)
+    assert select_provenance(replay, scanner)[2] == []
+    # a run name the user gave (TrainingArguments.run_name) is recorded and published: scanned, numbers included;
+    # so is the path and run folder name an older run recorded (sealed with the run's key, as it was written)
+    header = json.loads((replay / "header.json").read_text())
+    header["training_args"]["run_name"] = f"person-{n}"
+    header["parent"]["run"] = f"/home/me/runs/person-{n}/trace"
+    write_sealed_header(replay, header)
+    lines = (replay / "deletion_log.jsonl").read_text().splitlines()
+    entry = json.loads(lines[-1])
+    entry["parent_run"] = f"person-{n}"
+    (replay / "deletion_log.jsonl").write_text("\n".join([*lines[:-1], json.dumps(entry)]) + "\n")
+    write_sidecar(replay / "deletion_log.jsonl")
+    (replay / "verification.json").write_text(json.dumps({"identical": True, "verified": True, "oracle": f"oracle-{n}",
+                                                          "provenance_problems": []}))
+    publish, _, hits = select_provenance(replay, scanner)
+    found = {h.field for h in hits}
+    assert found == {"provenance/header.json:training_args.run_name", "provenance/header.json:parent.run",
+                     "provenance/deletion_log.jsonl:parent_run", "provenance/verification.json:oracle"}, found
+    assert receipt.ok and {"header.json", "deletion_log.jsonl", "verification.json"} <= set(publish)
 
 
 def test_cli_forget_prints_a_summary_and_exits_by_the_verdict(tmp_path):

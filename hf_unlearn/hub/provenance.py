@@ -9,7 +9,9 @@ Every allowlisted file is checked before anything is sent: plan lines hold keyed
 null) in the fields of :class:`hf_unlearn.trace.plan.PlanEntry`; ``plan.bin`` is whole frames with valid CRCs that
 decode (it holds no ids: the manifest has the tags; its free texts are scanned); the WAL is whole 32-byte records with valid CRCs
 and the manifest whole 8-byte tags; the deletion log's tags are tags and its roots digests; sidecars are a digest
-and a name. Every text the user could have chosen (paths, run and oracle names, unknown fields) is scanned for the
+and a name. The trace code writes no path of the user's machine into these files (a path field holds
+``<local path>``, a parent run and an oracle are named by their run ids); every text the user could have chosen
+(a run name, a Hub id, unknown fields, and the paths and folder names that older runs recorded) is scanned for the
 forget ids; numbers that the schema says are configuration (hidden sizes, steps, seeds, token ids such as
 ``pad_token_id``) are not ids and are not matched. A file that fails refuses the whole push, naming file and field.
 """
@@ -109,10 +111,12 @@ def _plan(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     return hits
 
 
+# parent_run / oracle: the local folder names that runs recorded before the run ids replaced them (still scanned)
 _DELETION_LOG = {"time": "time", "request": "number", "mode": "words", "forget_tags": "tags", "start_step": "number",
-                 "steps_replayed": "number", "params_root": "hex", "optimizer_root": "hex", "parent_run": "text",
-                 "note": "words", "fidelity": "words"}  # fidelity: the library's sentence (steps, not ids)
-_VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems": "text", "oracle": "text", "params_mismatched_elements": "number",
+                 "steps_replayed": "number", "params_root": "hex", "optimizer_root": "hex", "parent_run_id": "hex",
+                 "parent_run": "text", "note": "words", "fidelity": "words"}  # fidelity: the library's sentence
+_VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems": "text", "oracle_run_id": "hex",
+                 "oracle": "text", "params_mismatched_elements": "number",
                  "optimizer_mismatched_elements": "number",
                  "roots": {"a": {"params": "hex", "optimizer": "hex"}, "b": {"params": "hex", "optimizer": "hex"}}}
 

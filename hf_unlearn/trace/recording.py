@@ -97,6 +97,25 @@ def _jsonable(value):
         return repr(value)
 
 
+# TrainingArguments fields that hold a place on the user's machine, and fields (here and in a model config) that
+# hold a Hub id or a local path: a replay never reads them (training_args_from_header), and the header is published
+# with the run's provenance, so the local paths are withheld
+PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config")
+HUB_ID_OR_PATH = ("chat_template_path", "_name_or_path")
+
+
+def _without_local_paths(record: dict) -> dict:
+    """``record`` with the local paths in :data:`PATH_ARGS` and :data:`HUB_ID_OR_PATH` withheld (see
+    :func:`hf_unlearn.utils.withhold_local_path`): the header carries no folder layout of the user's machine."""
+    from ..utils import LOCAL_PATH, withhold_local_path
+
+    out = dict(record)
+    for k in (*PATH_ARGS, *HUB_ID_OR_PATH):
+        if isinstance(out.get(k), str) and out[k]:
+            out[k] = LOCAL_PATH if k in PATH_ARGS else withhold_local_path(out[k])
+    return out
+
+
 def _plain_id(value):
     """A sample id as a plain int or str (tensors and numpy scalars from custom datasets included)."""
     if hasattr(value, "item") and not isinstance(value, str):
@@ -1271,9 +1290,10 @@ class TraceRecordingMixin(WeightsFollowUmask):
                       "num_parameters": sum(p.numel() for p in model.parameters()),
                       "frozen_parameters": frozen_parameters(model),
                       "peft": {"adapter_name": peft["name"], "type": str(peft["config"].peft_type)} if peft else None,
-                      "config": config.to_dict() if config is not None else None},
+                      "config": _without_local_paths(config.to_dict()) if config is not None
+                      else None},
             "optimizer": optimizer,
-            "training_args": {k: _jsonable(v) for k, v in args.to_dict().items()},
+            "training_args": _without_local_paths({k: _jsonable(v) for k, v in args.to_dict().items()}),
             "versions": _versions(),
             "numeric_stack": numeric_stack(args.device),
             "determinism": {"seed": args.seed, "data_seed": args.data_seed, "full_determinism": args.full_determinism,

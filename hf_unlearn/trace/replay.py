@@ -927,7 +927,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             "forget_ids": list(self.forget_ids),
             "citation": "",
             "paper": "",
-            "extra": {**counts, "parent_run": self.run.path.name, **self._exact_deletion_evidence()},
+            # the parent by its run id: a local folder name is the user's file system, never published
+            "extra": {**counts, "parent_run_id": self.run.header.get("run_id"), **self._exact_deletion_evidence()},
             # a run of 500 steps is not sample id 500: declared to the Hub's forget-id scanner by exact value
             "not_ids": {**own_numbers(hyperparameters, "hyperparameters"), **own_numbers(counts, "extra")},
         }
@@ -946,11 +947,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         return {"exact_deletion": {
             "params_root": hashes["params_root"], "optimizer_root": hashes["optimizer_root"],
             "verified": verified,
-            # no local path: the card is published (the folder names only)
-            "verification": (f"bit-identical to the oracle run {Path(str(verdict['oracle'])).name!r}" if verified
+            # published in the card: no local path or folder name (they are the user's, and may hold anything)
+            "verification": ("bit-identical to the trace oracle" if verified
                              else "differs from the oracle" if verdict and not verdict.get("identical")
-                             else "not verified: run `hf-unlearn trace verify REPLAY ORACLE` on this replay "
-                                  f"({self.out_dir.name})"),
+                             else "not verified: run `hf-unlearn trace verify REPLAY_DIR ORACLE_DIR` on this "
+                                  "replay's output folder and a trace oracle's"),
         }}
 
     # ---- output run ---------------------------------------------------------------------------------------
@@ -971,7 +972,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         header.update(optimizer_steps=self.run.total_steps, microbatches=len(self.run.plan))
         header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
                       origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
-                      parent={"run": str(src), "run_id": self.run.header.get("run_id"), "start_step": start,
+                      parent={"run_id": self.run.header.get("run_id"), "start_step": start,  # no local path
                               "mode": self.mode, "controls": self.run.report.summary.get("controls")})
         if self.mode == "oracle":
             header["dataset"]["store_sha256"] = None
@@ -1009,7 +1010,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             "steps_replayed": stats["segments_replayed"],
             "params_root": hashes["params_root"],
             "optimizer_root": hashes["optimizer_root"],
-            "parent_run": self.run.path.name,
+            "parent_run_id": self.run.header.get("run_id"),  # published: the run id, not the local folder name
         }
         header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"],
                               "fingerprints_matched": stats["fingerprints_matched"]}

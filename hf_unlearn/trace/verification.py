@@ -180,7 +180,9 @@ def verify(replay_out, oracle_out) -> dict:
 
 
 def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> None:
-    """Keep the verdict next to the replay (``verification.json``) so its model card can state it."""
+    """Keep the verdict next to the replay (``verification.json``) so its model card can state it. The file is
+    published with the run's provenance: the oracle is named by its run id and the folders in the problems by
+    their role, never by their local paths or names."""
     import json
 
     header = replay_out / "header.json"
@@ -189,11 +191,29 @@ def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> No
 
     from ..utils import atomic_write_text
 
-    summary = {"identical": report["identical"], "verified": report["verified"], "oracle": oracle_out.name,
-               "roots": report["roots"], "provenance_problems": report["provenance"]["problems"],
+    oracle_header = oracle_out / "header.json"
+    oracle_id = json.loads(oracle_header.read_text()).get("run_id") if oracle_header.is_file() else None
+    roles = {replay_out: "the replay folder", oracle_out: "the oracle folder"}
+    summary = {"identical": report["identical"], "verified": report["verified"], "oracle_run_id": oracle_id,
+               "roots": report["roots"],
+               "provenance_problems": [_without_folders(p, roles) for p in report["provenance"]["problems"]],
                "params_mismatched_elements": report["params"]["mismatched_elements"],
                "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"]}
     atomic_write_text(replay_out / "verification.json", json.dumps(summary, indent=1))
+
+
+def _without_folders(text: str, names: dict) -> str:
+    """``text`` with the folders of ``names`` (``{path: what to say instead}``) replaced: their absolute forms
+    anywhere, a relative form where the text starts with it (a problem names its folder first)."""
+    import os
+
+    for path, name in names.items():
+        given, absolute = str(path), str(Path(path).resolve())
+        for form in sorted({absolute, given if os.path.isabs(given) else absolute}, key=len, reverse=True):
+            text = text.replace(form, name)
+        if text.startswith(given) and text[len(given):len(given) + 1] in (":", " ", ""):
+            text = name + text[len(given):]
+    return text
 
 
 verify_replay = verify  # the top-level name: ``hf_unlearn.verify_replay(replay_out, oracle_out)``
