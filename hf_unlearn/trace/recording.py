@@ -943,7 +943,15 @@ class TraceRecordingMixin:
 
         header["key_fingerprint"] = key_fingerprint(self._trace_key)
         header["trainer"].update(self._trace_callbacks())
+        before = (previous.get("trainer") or {}).get("callbacks")
+        if before is not None and before != header["trainer"]["callbacks"]:  # a replay runs one set over the run
+            names = [[c["class"].rsplit(":", 1)[-1] for c in cbs] for cbs in (before, header["trainer"]["callbacks"])]
+            raise UnlearnError(f"{run} was recorded with the replayed callbacks {names[0] or 'none'} and is resumed "
+                               f"with {names[1] or 'none'}: a replay runs one set of callbacks over the whole run; "
+                               "resume with the same callbacks (same classes, same order)")
         self._trace_header = header
+        if resume_step:
+            self._check_resumed_state(resume_step)
         self._save_model_files(run)
         from .fidelity import save_buffers
 
@@ -963,6 +971,24 @@ class TraceRecordingMixin:
 
             watched = {id(cb): spec for cb, spec in self._trace_watched}
             self._trace_guard = ProgramGuard(self.accelerator.unwrap_model(self.model), self.optimizer, watched)
+            self._trace_guard.start()
+
+    def _check_resumed_state(self, step: int) -> None:
+        """The state a resume loaded (the Trainer's checkpoint) must be the recorded checkpoint at that step when
+        the trace holds one: an edited or foreign checkpoint would continue a run the plan does not describe."""
+        from .checkpoints import capture_state, checkpoint_dir
+        from .hashing import checkpoint_hashes
+
+        saved = checkpoint_dir(self.trace_dir, step) / "hashes.json"
+        if not saved.is_file():
+            return  # no recorded checkpoint at the resume step: the guards' missing fingerprint says so (verify)
+        recorded = json.loads(saved.read_text())
+        now = checkpoint_hashes(capture_state(self.accelerator.unwrap_model(self.model), self.optimizer, step))
+        for part in ("params_root", "optimizer_root"):
+            if now.get(part) != recorded.get(part):
+                raise UnlearnError(f"the state resumed from {self._trace_resume} at step {step} is not the recorded "
+                                   f"checkpoint {saved.parent} ({part.split('_')[0]} differ): the trace cannot "
+                                   "continue from it; resume from the checkpoint the run saved at that step")
 
     def _trace_callbacks(self) -> dict:
         """Sort the callbacks (hf_unlearn.trace.guards): observers; the user's program callbacks a replay runs again
@@ -1003,14 +1029,20 @@ class TraceRecordingMixin:
     def _guarded_call_event(self, event, args, state, control, **kwargs):
         """transformers' CallbackHandler.call_event, with each watched callback's event run inside the guard."""
         handler, guard = self.callback_handler, self._trace_guard
+        from .guards import StateView
+
         for cb in handler.callbacks:
-            def call(cb=cb, control=control):
-                return getattr(cb, event)(args, state, control, model=handler.model,
+            spec = guard.watched.get(id(cb)) if guard is not None else None
+            # a recorded callback sees the state through a view that notes reads of fields replays do not set
+            view = StateView(state) if spec is not None and spec["replayable"] else None
+
+            def call(cb=cb, control=control, seen=view or state):
+                return getattr(cb, event)(args, seen, control, model=handler.model,
                                           processing_class=handler.processing_class, optimizer=handler.optimizer,
                                           lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
                                           eval_dataloader=handler.eval_dataloader, **kwargs)
-            if guard is not None and id(cb) in guard.watched and event in guard.watched[id(cb)]["events"]:
-                result = guard.around(cb, event, call)
+            if spec is not None and event in spec["events"]:
+                result = guard.around(cb, event, call, state_view=view)
             else:
                 result = call()
             if result is not None:
