@@ -12,16 +12,19 @@ of the run the user trained. So the recording closes the program:
   the step-0 checkpoint holds) is **recorded** (its class in the header, its attributes whenever they change in the
   plan, both under the run key) and **run again** by replays and the oracle at the same points of every step. Any
   other is **watched**: the first thing it changes marks the run, naming it, the event and the step.
-* **a live guard**, in memory and O(number of tensors): the storage and version counter of every parameter, buffer,
-  gradient and optimizer-state tensor (an in-place edit of any element through the tensor), a strided sample of
-  their values (an edit through ``.data``), every param group's settings (the learning rate ``optimizer.step()``
-  uses, not only the scheduler's), the trainable set, every module's ``training`` flag and plain attributes
-  (dropout ``p``, ...) and the model config. Compared around each watched callback's events, when a step's batches
-  are fetched, and right before ``optimizer.step()``. A change no recorded callback made is a **program change**:
+* **a live guard**, in memory: the storage and version counter of every parameter, buffer, gradient and
+  optimizer-state tensor (an in-place edit through the tensor), an exact checksum of every such tensor's bytes
+  (:func:`tensor_checksums`: an edit of any element through ``.data``, which bumps no version counter), every param
+  group's settings (the learning rate ``optimizer.step()`` uses, not only the scheduler's), the trainable set, every
+  module's ``training`` flag and plain attributes (dropout ``p``, ...), the model config, the user's hooks
+  (:func:`program_hooks`) and the process-wide numeric settings. Exact checks right before and after
+  ``optimizer.step()`` and around each non-observer callback's events; a cheap one (no checksums) when a step's
+  batches are fetched. Observers are decided by where their code lives (:func:`is_observer`), and a recorded
+  callback reads the ``TrainerState`` through a :class:`StateView` (a field replays do not set refuses the run). A change no recorded callback made is a **program change**:
   written to the plan (keyed) with its step; a replay that would pass the step (start at or before it) is refused
   before any compute (:class:`ProgramChangedError`).
 * **per-step fingerprints**: for every optimizer step, a digest of the program controls as ``optimizer.step()``
-  runs (learning rates, trainable set, modes, attributes) and of the sampled state right after it, written to the
+  runs (learning rates, trainable set, modes, attributes, hooks) and the exact digest of the state right after it, written to the
   plan (keyed). Every replay and the oracle compute the same fingerprint at the same points and compare: the
   controls at every step they replay (a deletion does not change them), the state at every step before the first
   affected one. A mismatch stops the replay, naming the step and what differs.
@@ -433,7 +436,7 @@ def plan_lrs(entry, groups: int) -> list[float]:
 
 def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: bool, who: str) -> None:
     """Refuse (:class:`FidelityError`) when a replay's fingerprint of ``step`` differs from the recorded one
-    (``state``: compare the sampled state too, i.e. the step is before the first affected one)."""
+    (``state``: compare the state digest too, i.e. the step is before the first affected one)."""
     if actual is None or "c" not in recorded or "c" not in actual:
         return  # a step that took no optimizer step (every slot deleted)
     what = None
