@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from hf_unlearn.errors import UnlearnError
 
@@ -146,9 +146,9 @@ def test_a_forward_hook_added_mid_run_is_refused(tmp_path):
     _assert_refused(tmp_path, run, "changed outside its record at optimizer step 3")
 
 
-# ---- 3. a recorded callback that reads state a replay does not set identically -----------------------------------
+# ---- 3. code that reads state a replay must set identically ------------------------------------------------------
 class ShrinkByEpoch(TrainerCallback):
-    """Importable, JSON attributes: recorded. Decides from ``state.epoch`` (which a replay does not reproduce)."""
+    """Importable, JSON attributes: recorded. Decides from ``state.epoch`` (which replays set as the recording's)."""
 
     def __init__(self):
         self.threshold = 0.4
@@ -160,9 +160,56 @@ class ShrinkByEpoch(TrainerCallback):
                     p.mul_(0.99)
 
 
+class ShrinkByLogs(ShrinkByEpoch):
+    """Decides from ``state.log_history`` (the losses: replays do not reproduce it)."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if len(state.log_history) >= 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.99)
+
+
 def test_a_recorded_callback_reading_state_a_replay_does_not_set_is_refused(tmp_path):
-    _, _, run = _record(tmp_path, [ShrinkByEpoch()])
-    _assert_refused(tmp_path, run, "state.epoch")
+    _, _, run = _record(tmp_path, [ShrinkByLogs()], logging_steps=2)
+    _assert_refused(tmp_path, run, "state.log_history")
+
+
+@pytest.mark.slow
+def test_a_recorded_callback_reading_the_epoch_replays_exactly(tmp_path):
+    """state.epoch is in the plan: a callback that decides from it is replayed as it ran (VERIFIED, and the oracle
+    equals a plain Trainer with the same callback)."""
+    tok, data, run = _record(tmp_path, [ShrinkByEpoch()])
+    _assert_verified_and_counterfactual(tmp_path, tok, data, run, [ShrinkByEpoch()])
+
+
+class EpochScaledLoss(Trainer):
+    """A user's trainer whose loss grows with ``self.state.epoch`` (a curriculum); the replay runs this class."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        scale = 1.0 + 20.0 * max(0.0, (self.state.epoch or 0.0) - 0.5)  # from step 3 on: past the self-check
+        return (out[0] * scale, out[1]) if return_outputs else out * scale
+
+
+@pytest.mark.slow
+def test_a_compute_loss_reading_the_epoch_replays_exactly(tmp_path):
+    """An early deletion is VERIFIED and a full replay reproduces the recorded final state bit for bit (before
+    state.epoch was in the plan, the replay saw None from step 3 on: the deletion was VERIFIED against another
+    model)."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import trace_recording
+
+    from .test_trace_common import replays_the_recording, train_args
+
+    tok, data = get_trace_data()
+    trace_recording(EpochScaledLoss)(model=_model(tok), args=train_args(tmp_path / "rec", **KW),
+                                     train_dataset=data.select(range(24)), data_collator=QACollator.from_tokenizer(tok),
+                                     trace_checkpoint_steps=2).train()
+    run = tmp_path / "rec" / "trace"
+    kind, report, _ = _outcome(tmp_path, run, 0)
+    assert kind == "verified", report
+    assert replays_the_recording(run)
 
 
 # ---- 4. the window between a crash and a resume ------------------------------------------------------------------

@@ -47,7 +47,7 @@ REPLAYED_EVENTS = ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "
 SETUP_EVENTS = ("on_init_end", "on_train_begin", "on_train_end")
 SAMPLES = 16  # sampled values per tensor (the cheap check; the exact checksums run at optimizer.step())
 # the TrainerState fields a replay sets as the recording's Trainer did (a recorded callback may read only these)
-REPRODUCED_STATE = frozenset({"global_step", "max_steps", "is_world_process_zero", "is_local_process_zero"})
+REPRODUCED_STATE = frozenset({"global_step", "max_steps", "epoch", "is_world_process_zero", "is_local_process_zero"})
 PLAIN = (bool, int, float, str, type(None))
 # config keys that say where a model came from, not what it computes
 VOLATILE_CONFIG = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",

@@ -883,6 +883,8 @@ class TraceRecordingMixin:
         if self._trace_guard is not None and step > 0:
             extra.update(self._trace_guard.flush(step - 1))  # step - 1's fingerprint and program changes
         extra.update(self._trace_callback_extra(step))
+        if self._trace_guard is not None:  # what callbacks and compute_loss read of state.epoch during this step
+            extra["ep"] = self.state.epoch
         if torch.is_tensor(num_items):
             norm, norm_dtype = float(num_items.item()), str(num_items.dtype).removeprefix("torch.")
         elif num_items is None:
@@ -1107,7 +1109,7 @@ class TraceRecordingMixin:
                            "not carry it, so replays cannot follow it)"}}
         if guard is not None and step > 0:
             self._trace_header.setdefault("fidelity", {})["guards"] = {
-                "final": {"step": step - 1, **guard.flush(step - 1)},
+                "final": {"step": step - 1, **guard.flush(step - 1), "ep": self.state.epoch},
                 "checks": "per optimizer step: param-group settings at optimizer.step(), trainable set, module modes "
                           "and attributes, config, in-place edits of parameters, buffers and optimizer state"}
         self._trace_writer.seal(self._trace_header)

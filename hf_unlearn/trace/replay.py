@@ -486,6 +486,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if why:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
+        # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
+        self._epochs = {e.step: e.extra["ep"] for e in full if e.j == 0 and "ep" in e.extra}
+        final = ((self.run.header.get("fidelity") or {}).get("guards") or {}).get("final") or {}
+        if "ep" in final:
+            self._epochs[final["step"] + 1] = final["ep"]
         planned = (self.run.header.get("checkpoint_retention") or {}).get("planned_steps")
         self.state.max_steps = planned or self.run.total_steps  # as the recording's TrainerState held it
         self._step_fps: dict[int, dict] = {}
@@ -830,9 +835,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             work.append((e, self._collate(feats, dummy_pos)))
         step = seg[0].step
         self.state.global_step = step
+        self.state.epoch = self._epochs.get(step, self.state.epoch)  # as the recording's Trainer held it
         if not work:  # no optimizer step: the recorded callbacks still see the step begin and end
             self._event("on_step_begin")
             self.state.global_step = step + 1
+            self.state.epoch = self._epochs.get(step + 1, self.state.epoch)
             self._event("on_step_end")
             self._step_fps[step] = {"none": "no optimizer step (every slot deleted)"}
             return 0
@@ -868,6 +875,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._event("on_optimizer_step")
         model.zero_grad()
         self.state.global_step = step + 1
+        self.state.epoch = self._epochs.get(step + 1, self.state.epoch)
         self._event("on_step_end")
         return 1
 
