@@ -285,8 +285,8 @@ class GroupSetting(TrainerCallback):
                 g[self.key] = self.value
 
 
-@pytest.mark.parametrize("key,value", [("weight_decay", 0.5), pytest.param("betas", (0.5, 0.9),
-                                                                            marks=pytest.mark.slow)])
+@pytest.mark.slow  # caught before the exact checksums too (param-group settings are controls)
+@pytest.mark.parametrize("key,value", [("weight_decay", 0.5), ("betas", (0.5, 0.9))])
 def test_a_param_group_setting_change_is_refused(tmp_path, key, value):
     cls = type("LocalGroupSetting", (GroupSetting,), {"key": key, "value": value})
     _, _, run = _record(tmp_path, [cls()])
@@ -394,3 +394,30 @@ def test_a_resume_from_an_edited_checkpoint_is_refused_or_not_verified(tmp_path,
     assert kind != "verified", what
     if kind == "not verified":
         assert any("did not cover optimizer step(s) [3]" in p for p in what["provenance"]["problems"])
+
+
+def test_exact_checksums_see_one_element_and_a_swap_on_both_paths():
+    """The CPU path (xxh3 of the bytes) and the accelerator path (weighted row and column sums of the bits, run here
+    on the CPU) change with any one element and with a swap of two elements, for every dtype the state holds."""
+    from hf_unlearn.trace.guards import device_checksum, tensor_checksums
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+        x = (torch.randn(3 * 4096 + 7) > 0).to(dtype) if dtype is torch.bool else torch.randn(3 * 4096 + 7).to(dtype)
+        edits = []
+        one = x.clone()
+        one.view(-1)[4097] = ~one[4097] if dtype is torch.bool else one[4097] + 1
+        edits.append(one)
+        i, j = 5, 4096 * 2 + 9  # different rows and columns of the (n / 4096, 4096) view
+        while torch.equal(x[i], x[j]):
+            j += 1
+        swap = x.clone()
+        swap[[i, j]] = x[[j, i]]
+        edits.append(swap)
+        tail = x.clone()
+        tail[-1] = ~tail[-1] if dtype is torch.bool else tail[-1] + 1
+        edits.append(tail)
+        base, dev = tensor_checksums([("x", x)])["x"], int(device_checksum(x))
+        for edited in edits:
+            assert tensor_checksums([("x", edited)])["x"] != base, dtype
+            assert int(device_checksum(edited)) != dev, dtype
+    assert int(device_checksum(torch.tensor(3.0))) != int(device_checksum(torch.tensor(3.5)))
