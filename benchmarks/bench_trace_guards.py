@@ -39,9 +39,9 @@ def _record(args, tok, data, guards: bool) -> tuple[float, float]:
     from hf_unlearn.trace import TraceRecordingTrainer
 
     if args.smollm2:
-        from transformers import AutoModelForCausalLM
+        from hf_unlearn.models import load_model
 
-        model = AutoModelForCausalLM.from_pretrained(args.smollm2)
+        model = load_model(args.smollm2)  # a folder with config and weights, or with one .gguf
     else:
         model = build_tiny_model(args.family, tok, hidden_size=args.hidden, num_layers=args.layers, num_heads=4)
     out = Path(tempfile.mkdtemp(prefix="bench_guards_"))
@@ -67,9 +67,9 @@ def _micro(args, tok, data) -> None:
     from hf_unlearn.trace.guards import snapshot
 
     if args.smollm2:
-        from transformers import AutoModelForCausalLM
+        from hf_unlearn.models import load_model
 
-        model = AutoModelForCausalLM.from_pretrained(args.smollm2)
+        model = load_model(args.smollm2)  # a folder with config and weights, or with one .gguf
     else:
         model = build_tiny_model(args.family, tok, hidden_size=args.hidden, num_layers=args.layers, num_heads=4)
     collate = QACollator.from_tokenizer(tok)

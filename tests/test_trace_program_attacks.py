@@ -421,3 +421,22 @@ def test_exact_checksums_see_one_element_and_a_swap_on_both_paths():
             assert tensor_checksums([("x", edited)])["x"] != base, dtype
             assert int(device_checksum(edited)) != dev, dtype
     assert int(device_checksum(torch.tensor(3.0))) != int(device_checksum(torch.tensor(3.5)))
+
+
+def test_a_model_class_patched_in_the_recording_process_only_is_refused(tmp_path):
+    """``LlamaMLP.forward`` replaced by a wrapper (a kernel library or a user's monkeypatch) in the recording process
+    (its self-check, in the same process, reproduces); the deletion runs where the patch is gone: the replay's
+    controls (which function each module class runs) differ from the recording's at step 0, and the replay stops."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+
+    def patched(self, x):
+        return original(self, x) * 1.01
+
+    modeling_llama.LlamaMLP.forward = patched
+    try:
+        _, _, run = _record(tmp_path, [], gradient_accumulation_steps=2)
+    finally:
+        modeling_llama.LlamaMLP.forward = original
+    _assert_refused(tmp_path, run, "functions module classes run as forward")

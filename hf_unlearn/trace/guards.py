@@ -186,7 +186,19 @@ def program_controls(model, optimizer) -> dict:
     config = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
               if k not in VOLATILE_CONFIG}
     return {"groups": groups, "trainable": trainable, "modules": modules, "config": config,
-            "hooks": program_hooks(model), "numerics": numeric_settings()}
+            "hooks": program_hooks(model), "code": forward_code(model), "numerics": numeric_settings()}
+
+
+def forward_code(model) -> list[str]:
+    """Which function each module class runs as ``forward`` (``module:qualname``): a class patched in the recording
+    process (a kernel library, a user's monkeypatch) and not in a replay's, or the other way round, differs here."""
+    out = set()
+    for m in model.modules():
+        fn = getattr(type(m), "forward", None)
+        fn = getattr(fn, "__func__", fn)
+        out.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
+                f"{getattr(fn, '__qualname__', type(fn).__qualname__)}")
+    return sorted(out)
 
 
 # packages whose hooks are the frameworks' own (NEFTune, gradient checkpointing, accelerate's device and precision
@@ -277,6 +289,9 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
         added, removed = sorted(set(b) - set(a)), sorted(set(a) - set(b))
         return (f"a hook a replay does not run was {'registered' if added else 'removed'}: "
                 f"{(added or removed)[0]}")
+    a, b = before.get("code", []), after.get("code", [])
+    if a != b:
+        return f"a module class's forward was replaced: {sorted(set(b) - set(a) or set(a) - set(b))[0]}"
     x, y = before.get("numerics", {}), after.get("numerics", {})
     for k in sorted(set(x) | set(y)):
         if x.get(k) != y.get(k):
@@ -445,7 +460,8 @@ def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: b
                 f"{recorded.get('lr') or 'the plan’s'})")
     elif recorded.get("c") != actual.get("c"):
         what = ("program controls as optimizer.step() ran (param-group settings, trainable parameters, module "
-                "modes or attributes, config, hooks the replay does not run)")
+                "modes or attributes, config, hooks the replay does not run, the functions module classes run as "
+                "forward)")
     elif state and recorded.get("s") != actual.get("s"):
         what = "state after the optimizer step (exact digest of parameters, buffers and optimizer state)"
     if what:
