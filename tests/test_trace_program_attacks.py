@@ -220,11 +220,12 @@ class ShrinkEveryStep(TrainerCallback):
                 p.mul_(0.95)
 
 
-class StopAfter5(TrainerCallback):
-    """Stands for a crash: training stops after step 5 (the Trainer's checkpoint-4 survives)."""
-
+class _StopAfter5(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         control.should_training_stop = state.global_step == 5
+
+
+StopAfter5 = _local(_StopAfter5)  # stands for a crash (checkpoint-4 survives); watched, so not a replayed callback
 
 
 def _resumable(tmp_path, retention: str = "geometric"):

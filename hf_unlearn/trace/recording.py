@@ -884,7 +884,7 @@ class TraceRecordingMixin:
             extra.update(self._trace_guard.flush(step - 1))  # step - 1's fingerprint and program changes
         extra.update(self._trace_callback_extra(step))
         if self._trace_guard is not None:  # what callbacks and compute_loss read of state.epoch during this step
-            extra["ep"] = self.state.epoch
+            extra["ep"] = _epoch_text(self.state.epoch)  # exact, and not a number an id scan could take for an id
         if torch.is_tensor(num_items):
             norm, norm_dtype = float(num_items.item()), str(num_items.dtype).removeprefix("torch.")
         elif num_items is None:
@@ -1109,7 +1109,7 @@ class TraceRecordingMixin:
                            "not carry it, so replays cannot follow it)"}}
         if guard is not None and step > 0:
             self._trace_header.setdefault("fidelity", {})["guards"] = {
-                "final": {"step": step - 1, **guard.flush(step - 1), "ep": self.state.epoch},
+                "final": {"step": step - 1, **guard.flush(step - 1), "ep": _epoch_text(self.state.epoch)},
                 "checks": "per optimizer step: param-group settings at optimizer.step(), trainable set, module modes "
                           "and attributes, config, in-place edits of parameters, buffers and optimizer state"}
         self._trace_writer.seal(self._trace_header)
@@ -1287,6 +1287,10 @@ def _bound_arguments(init, args: tuple, kwargs: dict) -> dict:
 def _adds_behaviour(cls) -> bool:
     """Whether a class defines anything of its own (a method, an attribute), beyond combining its bases."""
     return any(not (k.startswith("__") and k.endswith("__")) or k == "__init__" for k in vars(cls))
+
+
+def _epoch_text(epoch) -> str | None:
+    return None if epoch is None else float(epoch).hex()
 
 
 def recorded_trainer_class(cls):

@@ -487,10 +487,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
         # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
-        self._epochs = {e.step: e.extra["ep"] for e in full if e.j == 0 and "ep" in e.extra}
+        def epoch(text):
+            return None if text is None else float.fromhex(text)
+
+        self._epochs = {e.step: epoch(e.extra["ep"]) for e in full if e.j == 0 and "ep" in e.extra}
         final = ((self.run.header.get("fidelity") or {}).get("guards") or {}).get("final") or {}
         if "ep" in final:
-            self._epochs[final["step"] + 1] = final["ep"]
+            self._epochs[final["step"] + 1] = epoch(final["ep"])
         planned = (self.run.header.get("checkpoint_retention") or {}).get("planned_steps")
         self.state.max_steps = planned or self.run.total_steps  # as the recording's TrainerState held it
         self._step_fps: dict[int, dict] = {}
