@@ -960,6 +960,8 @@ class TraceRecordingMixin:
         header["model"]["layout"] = save_buffers(self.accelerator.unwrap_model(self.model), run)
         self._trace_writer = TraceWriter(run, self._trace_key)
         self._trace_writer.frozen.source = self.trace_frozen_source
+        if self.trace_guards:  # said from the start, so a run that crashes still says its steps were guarded
+            header.setdefault("fidelity", {})["guards"] = {"checks": GUARD_CHECKS}
         self._trace_writer.open(header, resume_step=resume_step)
         self._trace_saved = {int(d.name.split("-")[1]) for d in (run / "checkpoints").glob("step-*")}
         self._trace_mb = 0
@@ -1110,8 +1112,7 @@ class TraceRecordingMixin:
         if guard is not None and step > 0:
             self._trace_header.setdefault("fidelity", {})["guards"] = {
                 "final": {"step": step - 1, **guard.flush(step - 1), "ep": _epoch_text(self.state.epoch)},
-                "checks": "per optimizer step: param-group settings at optimizer.step(), trainable set, module modes "
-                          "and attributes, config, in-place edits of parameters, buffers and optimizer state"}
+                "checks": GUARD_CHECKS}
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
 
@@ -1287,6 +1288,11 @@ def _bound_arguments(init, args: tuple, kwargs: dict) -> dict:
 def _adds_behaviour(cls) -> bool:
     """Whether a class defines anything of its own (a method, an attribute), beyond combining its bases."""
     return any(not (k.startswith("__") and k.endswith("__")) or k == "__init__" for k in vars(cls))
+
+
+GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
+                "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
+                "parameters, buffers and optimizer state")
 
 
 def _epoch_text(epoch) -> str | None:
