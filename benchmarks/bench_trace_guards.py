@@ -3,10 +3,16 @@
 
     PYTHONPATH=. python benchmarks/bench_trace_guards.py [--family llama] [--hidden 256] [--layers 4] [--steps 32]
                                                          [--every 8] [--repeats 3] [--threads 1] [--smollm2 DIR]
+                                                         [--micro N]
 
 The two arms alternate (order swapped every repeat) and the ratio guards-on / guards-off is printed per repeat and
 as the median; CPU time (user + system of this process) is the steadier measure on a shared machine, wall time is
 shown too. ``--smollm2 DIR`` records the full fine-tune of a local SmolLM2-135M folder instead of a tiny model.
+
+``--micro N`` measures what the guards add to one optimizer step without recording (steadier on a busy machine):
+N alternating repeats of a training step (two microbatches of 4 rows forward and backward, AdamW) and of the
+guards' work per step (one cheap snapshot when the batches are fetched, two exact ones around ``optimizer.step()``:
+checksums of every parameter, buffer and optimizer-state tensor), CPU time of each, and the ratio.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ def _record(args, tok, data, guards: bool) -> tuple[float, float]:
     from hf_unlearn.trace import TraceRecordingTrainer
 
     if args.smollm2:
-        from transformers import AutoModelForCausalLM
+        from hf_unlearn.models import load_model
 
-        model = AutoModelForCausalLM.from_pretrained(args.smollm2)
+        model = load_model(args.smollm2)  # a folder with config and weights, or with one .gguf
     else:
         model = build_tiny_model(args.family, tok, hidden_size=args.hidden, num_layers=args.layers, num_heads=4)
     out = Path(tempfile.mkdtemp(prefix="bench_guards_"))
@@ -53,6 +59,51 @@ def _record(args, tok, data, guards: bool) -> tuple[float, float]:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def _micro(args, tok, data) -> None:
+    import torch
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.models import build_tiny_model
+    from hf_unlearn.trace.guards import snapshot
+
+    if args.smollm2:
+        from hf_unlearn.models import load_model
+
+        model = load_model(args.smollm2)  # a folder with config and weights, or with one .gguf
+    else:
+        model = build_tiny_model(args.family, tok, hidden_size=args.hidden, num_layers=args.layers, num_heads=4)
+    collate = QACollator.from_tokenizer(tok)
+    rows = [{k: v for k, v in r.items() if k != "id"} for r in data.select(range(8))]
+    batches = [collate(rows[:4]), collate(rows[4:])]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+
+    def step():
+        for b in batches:
+            model(**b).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def guards():
+        snapshot(model, optimizer)
+        snapshot(model, optimizer, exact=True)
+        snapshot(model, optimizer, exact=True)
+
+    step()  # the optimizer state exists from here
+    times = {"step": [], "guards": []}
+    for r in range(args.micro):
+        for name, fn in ((("step", step), ("guards", guards)) if r % 2 == 0 else (("guards", guards), ("step", step))):
+            cpu = time.process_time()
+            fn()
+            times[name].append(time.process_time() - cpu)
+    s, g = statistics.median(times["step"]), statistics.median(times["guards"])
+    tensors = sum(p.numel() for p in model.parameters())
+    what = "SmolLM2-135M" if args.smollm2 else f"{args.family} hidden {args.hidden} x {args.layers} layers"
+    print(f"{what} ({tensors / 1e6:.1f}M parameters), {args.micro} repeats: training step {s * 1e3:.1f} ms CPU, "
+          f"guards per step {g * 1e3:.1f} ms CPU (1 cheap + 2 exact snapshots): step with guards / without "
+          f"{(s + g) / s:.3f}x")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="llama")
@@ -63,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smollm2", default=None, help="a local SmolLM2-135M folder (full fine-tune)")
+    p.add_argument("--micro", type=int, default=0, help="measure the guards' work per step, N repeats (no recording)")
     args = p.parse_args(argv)
     from hf_unlearn.runtime import quiet_benchmark
 
@@ -74,6 +126,9 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.smollm2) if args.smollm2 else build_tiny_tokenizer(
         [r["question"] + " " + r["answer"] for r in rows], vocab_size=1024)
     data = tokenize_qa(rows, tok, max_length=128)
+    if args.micro:
+        _micro(args, tok, data)
+        return 0
     ratios = {"cpu": [], "wall": []}
     for r in range(args.repeats):
         times = {}

@@ -226,4 +226,4 @@ def test_crash_mid_step(tmp_path, capsys):
         warnings.simplefilter("ignore")
         forget = open_run(run).ids_at_steps([4])[:1]
         replay, report = delete(run, forget, tmp_path / "deletion")
-    assert report["verified"] and replay.state.global_step == 5
+    assert report["verified"] and replay.state.global_step == 5, report["provenance"]["problems"]

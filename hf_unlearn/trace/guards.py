@@ -12,16 +12,19 @@ of the run the user trained. So the recording closes the program:
   the step-0 checkpoint holds) is **recorded** (its class in the header, its attributes whenever they change in the
   plan, both under the run key) and **run again** by replays and the oracle at the same points of every step. Any
   other is **watched**: the first thing it changes marks the run, naming it, the event and the step.
-* **a live guard**, in memory and O(number of tensors): the storage and version counter of every parameter, buffer,
-  gradient and optimizer-state tensor (an in-place edit of any element through the tensor), a strided sample of
-  their values (an edit through ``.data``), every param group's settings (the learning rate ``optimizer.step()``
-  uses, not only the scheduler's), the trainable set, every module's ``training`` flag and plain attributes
-  (dropout ``p``, ...) and the model config. Compared around each watched callback's events, when a step's batches
-  are fetched, and right before ``optimizer.step()``. A change no recorded callback made is a **program change**:
+* **a live guard**, in memory: the storage and version counter of every parameter, buffer, gradient and
+  optimizer-state tensor (an in-place edit through the tensor), an exact checksum of every such tensor's bytes
+  (:func:`tensor_checksums`: an edit of any element through ``.data``, which bumps no version counter), every param
+  group's settings (the learning rate ``optimizer.step()`` uses, not only the scheduler's), the trainable set, every
+  module's ``training`` flag and plain attributes (dropout ``p``, ...), the model config, the user's hooks
+  (:func:`program_hooks`) and the process-wide numeric settings. Exact checks right before and after
+  ``optimizer.step()`` and around each non-observer callback's events; a cheap one (no checksums) when a step's
+  batches are fetched. Observers are decided by where their code lives (:func:`is_observer`), and a recorded
+  callback reads the ``TrainerState`` through a :class:`StateView` (a field replays do not set refuses the run). A change no recorded callback made is a **program change**:
   written to the plan (keyed) with its step; a replay that would pass the step (start at or before it) is refused
   before any compute (:class:`ProgramChangedError`).
 * **per-step fingerprints**: for every optimizer step, a digest of the program controls as ``optimizer.step()``
-  runs (learning rates, trainable set, modes, attributes) and of the sampled state right after it, written to the
+  runs (learning rates, trainable set, modes, attributes, hooks) and the exact digest of the state right after it, written to the
   plan (keyed). Every replay and the oracle compute the same fingerprint at the same points and compare: the
   controls at every step they replay (a deletion does not change them), the state at every step before the first
   affected one. A mismatch stops the replay, naming the step and what differs.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import NamedTuple
 
 import torch
@@ -41,7 +45,9 @@ from .fidelity import FidelityError
 REPLAYED_EVENTS = ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
 # events whose effects the step-0 checkpoint holds (before the first step) or that run after the run is sealed
 SETUP_EVENTS = ("on_init_end", "on_train_begin", "on_train_end")
-SAMPLES = 16  # sampled values per tensor
+SAMPLES = 16  # sampled values per tensor (the cheap check; the exact checksums run at optimizer.step())
+# the TrainerState fields a replay sets as the recording's Trainer did (a recorded callback may read only these)
+REPRODUCED_STATE = frozenset({"global_step", "max_steps", "epoch", "is_world_process_zero", "is_local_process_zero"})
 PLAIN = (bool, int, float, str, type(None))
 # config keys that say where a model came from, not what it computes
 VOLATILE_CONFIG = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
@@ -55,8 +61,30 @@ class ProgramChangedError(FidelityError):
 
 # ---- callbacks ---------------------------------------------------------------------------------------------
 def is_observer(callback) -> bool:
-    """transformers' own callbacks and the library's: they log, print, report or stop (a recorded control)."""
-    return (type(callback).__module__ or "").startswith("transformers.") or getattr(callback, "_trace_observer", False)
+    """transformers' own callbacks and the library's: they log, print, report or stop (a recorded control).
+
+    Decided by where the code of every event the class overrides lives (transformers' or this library's package
+    files), not by the names a class can set for itself: a user's callback that sets ``__module__ =
+    "transformers.x"`` or ``_trace_observer = True`` is still the user's (watched, or recorded)."""
+    cls = type(callback)
+    module = cls.__module__ or ""
+    if not (module.startswith("transformers.") or (module.startswith("hf_unlearn.")
+                                                    and getattr(cls, "_trace_observer", False))):
+        return False
+    homes = _observer_homes()
+    for name in overridden_events(callback):
+        code = getattr(getattr(cls, name), "__code__", None)
+        if code is None or not os.path.abspath(code.co_filename).startswith(homes):
+            return False
+    return True
+
+
+def _observer_homes() -> tuple[str, ...]:
+    import transformers
+
+    import hf_unlearn
+
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (transformers, hf_unlearn))
 
 
 def overridden_events(callback) -> list[str]:
@@ -112,6 +140,23 @@ def rebuild_callback(spec: dict, attributes: dict):
     return obj
 
 
+class StateView:
+    """A recorded callback's view of the ``TrainerState``: reads of fields a replay does not reproduce are noted
+    (the recording refuses the run's replays), writes go through."""
+
+    def __init__(self, state):
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "unreproduced", set())
+
+    def __getattr__(self, name):
+        if name not in REPRODUCED_STATE and not name.startswith("__"):
+            self.unreproduced.add(name)
+        return getattr(self._state, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._state, name, value)
+
+
 def run_event(callbacks, event: str, args, state, control, **kwargs) -> None:
     """Call ``event`` on each callback as transformers' CallbackHandler does."""
     for cb in callbacks:
@@ -140,11 +185,78 @@ def program_controls(model, optimizer) -> dict:
     config = getattr(model, "config", None)
     config = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
               if k not in VOLATILE_CONFIG}
-    return {"groups": groups, "trainable": trainable, "modules": modules, "config": config}
+    return {"groups": groups, "trainable": trainable, "modules": modules, "config": config,
+            "hooks": program_hooks(model), "code": forward_code(model), "numerics": numeric_settings()}
+
+
+def forward_code(model) -> list[str]:
+    """Which function each module class runs as ``forward`` (``module:qualname``): a class patched in the recording
+    process (a kernel library, a user's monkeypatch) and not in a replay's, or the other way round, differs here."""
+    out = set()
+    for m in model.modules():
+        fn = getattr(type(m), "forward", None)
+        fn = getattr(fn, "__func__", fn)
+        out.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
+                f"{getattr(fn, '__qualname__', type(fn).__qualname__)}")
+    return sorted(out)
+
+
+# packages whose hooks are the frameworks' own (NEFTune, gradient checkpointing, accelerate's device and precision
+# wrappers, this library's checks): a replay sets them up the same way from the recorded arguments
+FRAMEWORK_HOOKS = ("hf_unlearn.", "transformers.", "accelerate.", "peft.", "trl.", "torch.")
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hook_name(fn) -> str | None:
+    """``module:qualname`` of a hook function, None when it is a framework's own."""
+    while hasattr(fn, "func") or hasattr(fn, "__func__"):  # functools.partial, bound methods
+        fn = getattr(fn, "func", None) or fn.__func__
+    module = getattr(fn, "__module__", None) or type(fn).__module__ or "?"
+    if module.startswith(FRAMEWORK_HOOKS):
+        return None
+    return f"{module}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def program_hooks(model) -> list[str]:
+    """The user's hooks, which a replay does not run (it rebuilds the model from files): forward and backward hooks
+    of every module (and torch's global module hooks), a replaced ``forward``, and gradient hooks of every
+    parameter (``register_hook``, ``register_post_accumulate_grad_hook``). Framework hooks are left out."""
+    from torch.nn.modules import module as torch_module
+
+    found = []
+    for attr in MODULE_HOOKS:
+        for fn in (getattr(torch_module, f"_global{attr}", None) or {}).values():
+            found.append(("torch.nn (global)", attr, fn))
+    for name, m in model.named_modules():
+        for attr in MODULE_HOOKS:
+            found += [(name or "(the model)", attr, fn) for fn in (getattr(m, attr, None) or {}).values()]
+        if "forward" in vars(m):
+            found.append((name or "(the model)", "forward", vars(m)["forward"]))
+    for name, p in model.named_parameters():
+        for attr in TENSOR_HOOKS:
+            found += [(name, attr, fn) for fn in (getattr(p, attr, None) or {}).values()]
+    return sorted(f"{where}.{attr.strip('_')}: {n}" for where, attr, fn in found if (n := _hook_name(fn)))
+
+
+def numeric_settings() -> dict:
+    """Process-wide torch settings that change the numbers (thread count, deterministic algorithms, TF32, matmul
+    precision, cuDNN/oneDNN switches, default dtype): a change during the recording is a program change. (Whether
+    a replay runs with the recorded values is the numeric stack's record, not compared here.)"""
+    b = torch.backends
+    return {"threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "matmul_precision": torch.get_float32_matmul_precision(), "default_dtype": str(torch.get_default_dtype()),
+            "cuda_matmul_tf32": b.cuda.matmul.allow_tf32, "cudnn": [b.cudnn.enabled, b.cudnn.deterministic,
+                                                                     b.cudnn.benchmark, b.cudnn.allow_tf32],
+            "reduced_precision": [b.cuda.matmul.allow_fp16_reduced_precision_reduction,
+                                  b.cuda.matmul.allow_bf16_reduced_precision_reduction],
+            "mkldnn": b.mkldnn.enabled}
 
 
 def controls_digest(controls: dict) -> str:
-    return hashlib.sha256(json.dumps(controls, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """What a replay must reproduce of the controls (the numeric settings are compared only within the recording)."""
+    kept = {k: v for k, v in controls.items() if k != "numerics"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def describe_controls_change(before: dict, after: dict, modes: bool = True) -> str | None:
@@ -172,6 +284,18 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
     for k in sorted(set(before["config"]) | set(after["config"])):
         if before["config"].get(k) != after["config"].get(k):
             return f"config.{k} {before['config'].get(k)!r} -> {after['config'].get(k)!r}"
+    a, b = before.get("hooks", []), after.get("hooks", [])
+    if a != b:
+        added, removed = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+        return (f"a hook a replay does not run was {'registered' if added else 'removed'}: "
+                f"{(added or removed)[0]}")
+    a, b = before.get("code", []), after.get("code", [])
+    if a != b:
+        return f"a module class's forward was replaced: {sorted(set(b) - set(a) or set(a) - set(b))[0]}"
+    x, y = before.get("numerics", {}), after.get("numerics", {})
+    for k in sorted(set(x) | set(y)):
+        if x.get(k) != y.get(k):
+            return f"torch's {k} setting {x.get(k)!r} -> {y.get(k)!r} (process-wide numerics)"
     return None
 
 
@@ -204,27 +328,84 @@ def sample_values(tensors) -> dict:
     return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
 
 
-def sample_digest(samples: dict) -> str:
-    h = hashlib.sha256()
-    for dtype in sorted(samples, key=str):
-        h.update(str(dtype).encode())
-        h.update(samples[dtype].cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_COLUMNS = 4096
+_MIX = (0x5851F42D4C957F2D, 0x14057B7EF767814F)  # odd 63-bit multipliers: position weights mod 2**64
+
+
+def tensor_checksums(tensors) -> dict[str, int]:
+    """An exact 64-bit checksum of every tensor's raw bytes, by name: any edit of any element changes it (an edit
+    through ``.data`` included, which no version counter sees).
+
+    On the CPU, xxh3 over the bytes (about the cost of reading them once). On an accelerator, integer sums of the
+    bits over rows and columns of a ``(n / 4096, 4096)`` view, each weighted by its position, computed on the device
+    and read back once for all tensors: a changed element changes its row's and its column's sums, a swap of two
+    different elements too; only an edit built to keep every row and column sum (a deliberate rectangle of equal and
+    opposite changes) escapes it."""
+    import xxhash
+
+    out, pending = {}, []
+    for name, t in tensors:
+        flat = t.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if flat.device.type == "cpu":
+            out[name] = xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy()) if flat.numel() else 0
+        else:
+            pending.append((name, device_checksum(flat)))
+    if pending:
+        values = torch.stack([v for _, v in pending]).cpu().tolist()
+        out.update({name: v for (name, _), v in zip(pending, values)})
+    return out
+
+
+def device_checksum(flat: torch.Tensor) -> torch.Tensor:
+    """Position-weighted row and column sums of a flat tensor's bits (int64 wrapping arithmetic), a 0-d tensor on
+    its device (see :func:`tensor_checksums`)."""
+    flat = flat.reshape(-1)
+    bits = flat.view(_INTS.get(flat.element_size(), torch.uint8))
+    n = bits.numel()
+    rows = n // _COLUMNS
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    if rows:
+        head = bits[: rows * _COLUMNS].view(rows, _COLUMNS)
+        total = total + (head.sum(1, dtype=torch.int64) * _weights(rows, 0, flat.device)).sum()
+        total = total + (head.sum(0, dtype=torch.int64) * _weights(_COLUMNS, 1, flat.device)).sum()
+    tail = bits[rows * _COLUMNS:]
+    if tail.numel():
+        total = total + (tail.to(torch.int64) * _weights(tail.numel(), 1, flat.device)).sum()
+    return total + n
+
+
+def _weights(n: int, which: int, device) -> torch.Tensor:
+    return (torch.arange(1, n + 1, dtype=torch.int64, device=device) * _MIX[which]) | 1
+
+
+def state_digest(model, optimizer) -> str:
+    """The exact digest of the state after an optimizer step (parameters, buffers, optimizer state), for the
+    per-step fingerprints: the recording and every replay compute it at the same point."""
+    return exact_digest(tensor_checksums(state_tensors(model, optimizer)))
+
+
+def exact_digest(sums: dict) -> str:
+    return hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:16]
 
 
 class Snapshot(NamedTuple):
     storage: dict  # name -> (data_ptr, version)
     samples: dict
     controls: dict
+    exact: dict | None = None  # name -> exact checksum (tensor_checksums), when taken
 
 
-def snapshot(model, optimizer, grads: bool = False, buffers: bool = True) -> Snapshot:
+def snapshot(model, optimizer, grads: bool = False, buffers: bool = True, exact: bool = False) -> Snapshot:
     tensors = state_tensors(model, optimizer, grads)
     if not buffers:
         names = {n for n, _ in model.named_buffers()}
         tensors = [(n, t) for n, t in tensors if n not in names]
-    return Snapshot({n: (t.data_ptr(), t._version) for n, t in tensors}, sample_values(tensors),
-                    program_controls(model, optimizer))
+    kept = [(n, t) for n, t in tensors if not n.endswith("(gradient)")]  # the same set at every point
+    return Snapshot({n: (t.data_ptr(), t._version) for n, t in tensors}, sample_values(kept),
+                    program_controls(model, optimizer), tensor_checksums(tensors) if exact else None)
 
 
 def describe_change(before: Snapshot, after: Snapshot) -> str | None:
@@ -241,6 +422,11 @@ def describe_change(before: Snapshot, after: Snapshot) -> str | None:
     new = [n for n in after.storage if n not in before.storage and "(gradient)" not in n]
     if new:
         return f"{new[0]} appeared"
+    if before.exact is not None and after.exact is not None:
+        for name, value in before.exact.items():
+            if name in after.exact and after.exact[name] != value:
+                return f"the values of {name} changed (an edit through .data, which bumps no version counter)"
+        return None
     for dtype, values in before.samples.items():
         now = after.samples.get(dtype)
         if now is None or now.shape != values.shape or not torch.equal(now, values):
@@ -248,10 +434,10 @@ def describe_change(before: Snapshot, after: Snapshot) -> str | None:
     return None
 
 
-def step_fingerprint(controls: dict, samples: dict, plan_lrs: list[float]) -> dict:
+def step_fingerprint(controls: dict, state: str, plan_lrs: list[float]) -> dict:
     """What the plan keeps of optimizer step s: the controls digest as ``optimizer.step()`` ran (and the learning
-    rates when they are not the plan's), and the sampled state right after it."""
-    fp = {"c": controls_digest(controls), "s": sample_digest(samples)}
+    rates when they are not the plan's), and the exact digest of the state right after it (:func:`state_digest`)."""
+    fp = {"c": controls_digest(controls), "s": state}
     lrs = [g.get("lr") for g in controls["groups"]]
     if lrs != plan_lrs:
         fp["lr"] = lrs
@@ -265,7 +451,7 @@ def plan_lrs(entry, groups: int) -> list[float]:
 
 def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: bool, who: str) -> None:
     """Refuse (:class:`FidelityError`) when a replay's fingerprint of ``step`` differs from the recorded one
-    (``state``: compare the sampled state too, i.e. the step is before the first affected one)."""
+    (``state``: compare the state digest too, i.e. the step is before the first affected one)."""
     if actual is None or "c" not in recorded or "c" not in actual:
         return  # a step that took no optimizer step (every slot deleted)
     what = None
@@ -274,9 +460,10 @@ def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: b
                 f"{recorded.get('lr') or 'the plan’s'})")
     elif recorded.get("c") != actual.get("c"):
         what = ("program controls as optimizer.step() ran (param-group settings, trainable parameters, module "
-                "modes or attributes, config)")
+                "modes or attributes, config, hooks the replay does not run, the functions module classes run as "
+                "forward)")
     elif state and recorded.get("s") != actual.get("s"):
-        what = "state after the optimizer step (sampled parameter and optimizer-state values)"
+        what = "state after the optimizer step (exact digest of parameters, buffers and optimizer state)"
     if what:
         raise FidelityError(f"the replay engine does not reproduce the recorded run at optimizer step {step}: {who}'s "
                             f"{what} differ from the recording's per-step fingerprint; stopped, a deletion from this "
@@ -374,49 +561,71 @@ class ProgramGuard:
         for h in self._hooks:
             h.remove()
 
-    def _snapshot(self, grads: bool = False) -> Snapshot:
-        return snapshot(self.model, self.optimizer, grads=grads)
+    def _snapshot(self, grads: bool = False, exact: bool = False) -> Snapshot:
+        return snapshot(self.model, self.optimizer, grads=grads, exact=exact)
 
-    def _compare(self, now: Snapshot, step: int) -> None:
-        if self.ref is not None:
-            what = describe_change(self.ref, now)
-            if what:
-                self.pending.append({"step": step, "what": what, **_persistence(self.ref, now, what)})
-        self.ref = now
+    def _compare(self, now: Snapshot, step: int) -> bool:
+        what = describe_change(self.ref, now) if self.ref is not None else None
+        if what:
+            self.pending.append({"step": step, "what": what, **_persistence(self.ref, now, what)})
+        return bool(what)
+
+    def start(self) -> None:
+        """Before the first step: a user hook already registered is code a replay does not run."""
+        hooks = program_hooks(self.model)
+        if hooks:
+            self.pending.append({"step": 0, "what": f"a hook a replay does not run is registered: {hooks[0]}"
+                                 + (f" (and {len(hooks) - 1} more)" if len(hooks) > 1 else ""), "persistent": True})
 
     def between_steps(self, step: int, lrs: list[float]) -> None:
         """When step ``step``'s batches are fetched (before its checkpoint): a change since the last step is step
         ``step - 1``'s (the checkpoint at ``step`` holds it). The param groups' settings are the scheduler's here
-        and the plan records them, so they are the reference ``optimizer.step()`` is compared with."""
-        now = self._snapshot()
+        and the plan records them, so they are the reference ``optimizer.step()`` is compared with. A cheap check
+        (storage, version counters, sampled values, controls); the exact one runs at ``optimizer.step()``."""
+        now = self._snapshot(exact=self.ref is None)  # the first reference is exact
         if self.ref is not None:
             self.ref = self.ref._replace(controls={**self.ref.controls, "groups": now.controls["groups"]})
-        self._compare(now, step - 1)
+        if self._compare(now, step - 1):
+            now = self._snapshot(exact=True)  # the change is step - 1's: the exact reference from here
+        elif self.ref is not None:
+            now = now._replace(exact=self.ref.exact)
+        self.ref = now
         self.step, self.plan_lrs = step, lrs
 
     def before_step(self) -> None:
-        now = self._snapshot()
+        now = self._snapshot(exact=True)
         self._compare(now, self.step)
+        self.ref = now
         self.controls = now.controls
 
     def after_step(self) -> None:
-        now = self._snapshot()
+        now = self._snapshot(exact=True)
         if self.controls is not None:
-            self.fps[self.step] = step_fingerprint(self.controls, now.samples, self.plan_lrs or [])
+            self.fps[self.step] = step_fingerprint(self.controls, exact_digest(now.exact), self.plan_lrs or [])
         self.ref = now
 
-    def around(self, callback, event: str, call):
-        """Run one watched callback's event; a change it makes is the program's if it is recorded, else a change."""
+    def around(self, callback, event: str, call, state_view=None):
+        """Run one watched callback's event; a change it makes is the program's if it is recorded, else a change
+        (exact checksums before and after, gradients included); a change before it, since the last check, is code
+        outside the recorded callbacks (an observer's event, a hook). ``state_view``: the recorded callback's
+        :class:`StateView`, whose reads of fields a replay does not set refuse the run's replays."""
         spec = self.watched[id(callback)]
-        before = self._snapshot(grads=True)
+        before = self._snapshot(grads=True, exact=True)
+        if self.ref is not None:  # the scheduler sets the param groups between steps: the plan records them
+            self.ref = self.ref._replace(controls={**self.ref.controls, "groups": before.controls["groups"]})
+            self._compare(before, self.step)
         result = call()
-        after = self._snapshot(grads=True)
+        after = self._snapshot(grads=True, exact=True)
         what = describe_change(before, after)
-        if what:
-            if not spec["replayable"]:
-                self.pending.append({"step": self.step, "what": what, "by": f"{type(callback).__qualname__}.{event} "
-                                     f"({spec['why']})", **_persistence(before, after, what)})
-            self.ref = self._snapshot()
+        if what and not spec["replayable"]:
+            self.pending.append({"step": self.step, "what": what, "by": f"{type(callback).__qualname__}.{event} "
+                                 f"({spec['why']})", **_persistence(before, after, what)})
+        read = sorted(state_view.unreproduced) if state_view is not None else []
+        if read:
+            self.pending.append({"step": self.step, "by": f"{type(callback).__qualname__}.{event}", "persistent": True,
+                                 "what": f"it read state.{read[0]}, which replays do not reproduce (they set "
+                                         f"{', '.join(sorted(REPRODUCED_STATE))})"})
+        self.ref = after
         return result
 
     def flush(self, step: int) -> dict:

@@ -961,6 +961,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self._trace_guard is not None and step > 0:
             extra.update(self._trace_guard.flush(step - 1))  # step - 1's fingerprint and program changes
         extra.update(self._trace_callback_extra(step))
+        if self._trace_guard is not None:  # what callbacks and compute_loss read of state.epoch during this step
+            extra["ep"] = _epoch_text(self.state.epoch)  # exact, and not a number an id scan could take for an id
         if torch.is_tensor(num_items):
             norm, norm_dtype = float(num_items.item()), str(num_items.dtype).removeprefix("torch.")
         elif num_items is None:
@@ -1027,13 +1029,23 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
         header["key_fingerprint"] = key_fingerprint(self._trace_key)
         header["trainer"].update(self._trace_callbacks())
+        before = (previous.get("trainer") or {}).get("callbacks")
+        if before is not None and before != header["trainer"]["callbacks"]:  # a replay runs one set over the run
+            names = [[c["class"].rsplit(":", 1)[-1] for c in cbs] for cbs in (before, header["trainer"]["callbacks"])]
+            raise UnlearnError(f"{run} was recorded with the replayed callbacks {names[0] or 'none'} and is resumed "
+                               f"with {names[1] or 'none'}: a replay runs one set of callbacks over the whole run; "
+                               "resume with the same callbacks (same classes, same order)")
         self._trace_header = header
+        if resume_step:
+            self._check_resumed_state(resume_step)
         self._save_model_files(run)
         from .fidelity import save_buffers
 
         header["model"]["layout"] = save_buffers(self.accelerator.unwrap_model(self.model), run)
         self._trace_writer = TraceWriter(run, self._trace_key)
         self._trace_writer.frozen.source = self.trace_frozen_source
+        if self.trace_guards:  # said from the start, so a run that crashes still says its steps were guarded
+            header.setdefault("fidelity", {})["guards"] = {"checks": GUARD_CHECKS}
         self._trace_writer.open(header, resume_step=resume_step)
         self._trace_saved = set(self._trace_writer.index.entries)  # bound to the run; a save cut short is redone
         self._trace_mb = 0
@@ -1047,6 +1059,24 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
             watched = {id(cb): spec for cb, spec in self._trace_watched}
             self._trace_guard = ProgramGuard(self.accelerator.unwrap_model(self.model), self.optimizer, watched)
+            self._trace_guard.start()
+
+    def _check_resumed_state(self, step: int) -> None:
+        """The state a resume loaded (the Trainer's checkpoint) must be the recorded checkpoint at that step when
+        the trace holds one: an edited or foreign checkpoint would continue a run the plan does not describe."""
+        from .checkpoints import capture_state, checkpoint_dir
+        from .hashing import checkpoint_hashes
+
+        saved = checkpoint_dir(self.trace_dir, step) / "hashes.json"
+        if not saved.is_file():
+            return  # no recorded checkpoint at the resume step: the guards' missing fingerprint says so (verify)
+        recorded = json.loads(saved.read_text())
+        now = checkpoint_hashes(capture_state(self.accelerator.unwrap_model(self.model), self.optimizer, step))
+        for part in ("params_root", "optimizer_root"):
+            if now.get(part) != recorded.get(part):
+                raise UnlearnError(f"the state resumed from {self._trace_resume} at step {step} is not the recorded "
+                                   f"checkpoint {saved.parent} ({part.split('_')[0]} differ): the trace cannot "
+                                   "continue from it; resume from the checkpoint the run saved at that step")
 
     def _trace_callbacks(self) -> dict:
         """Sort the callbacks (hf_unlearn.trace.guards): observers; the user's program callbacks a replay runs again
@@ -1087,14 +1117,20 @@ class TraceRecordingMixin(WeightsFollowUmask):
     def _guarded_call_event(self, event, args, state, control, **kwargs):
         """transformers' CallbackHandler.call_event, with each watched callback's event run inside the guard."""
         handler, guard = self.callback_handler, self._trace_guard
+        from .guards import StateView
+
         for cb in handler.callbacks:
-            def call(cb=cb, control=control):
-                return getattr(cb, event)(args, state, control, model=handler.model,
+            spec = guard.watched.get(id(cb)) if guard is not None else None
+            # a recorded callback sees the state through a view that notes reads of fields replays do not set
+            view = StateView(state) if spec is not None and spec["replayable"] else None
+
+            def call(cb=cb, control=control, seen=view or state):
+                return getattr(cb, event)(args, seen, control, model=handler.model,
                                           processing_class=handler.processing_class, optimizer=handler.optimizer,
                                           lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
                                           eval_dataloader=handler.eval_dataloader, **kwargs)
-            if guard is not None and id(cb) in guard.watched and event in guard.watched[id(cb)]["events"]:
-                result = guard.around(cb, event, call)
+            if spec is not None and event in spec["events"]:
+                result = guard.around(cb, event, call, state_view=view)
             else:
                 result = call()
             if result is not None:
@@ -1167,9 +1203,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
                            "not carry it, so replays cannot follow it)"}}
         if guard is not None and step > 0:
             self._trace_header.setdefault("fidelity", {})["guards"] = {
-                "final": {"step": step - 1, **guard.flush(step - 1)},
-                "checks": "per optimizer step: param-group settings at optimizer.step(), trainable set, module modes "
-                          "and attributes, config, in-place edits of parameters, buffers and optimizer state"}
+                "final": {"step": step - 1, **guard.flush(step - 1), "ep": _epoch_text(self.state.epoch)},
+                "checks": GUARD_CHECKS}
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
 
@@ -1353,6 +1388,15 @@ def _bound_arguments(init, args: tuple, kwargs: dict) -> dict:
 def _adds_behaviour(cls) -> bool:
     """Whether a class defines anything of its own (a method, an attribute), beyond combining its bases."""
     return any(not (k.startswith("__") and k.endswith("__")) or k == "__init__" for k in vars(cls))
+
+
+GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
+                "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
+                "parameters, buffers and optimizer state")
+
+
+def _epoch_text(epoch) -> str | None:
+    return None if epoch is None else float(epoch).hex()
 
 
 def recorded_trainer_class(cls):

@@ -492,6 +492,16 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if why:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
+        # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
+        def epoch(text):
+            return None if text is None else float.fromhex(text)
+
+        self._epochs = {e.step: epoch(e.extra["ep"]) for e in full if e.j == 0 and "ep" in e.extra}
+        final = ((self.run.header.get("fidelity") or {}).get("guards") or {}).get("final") or {}
+        if "ep" in final:
+            self._epochs[final["step"] + 1] = epoch(final["ep"])
+        planned = (self.run.header.get("checkpoint_retention") or {}).get("planned_steps")
+        self.state.max_steps = planned or self.run.total_steps  # as the recording's TrainerState held it
         self._step_fps: dict[int, dict] = {}
         self._fps_matched = {"state": [], "controls": []}
         specs = (self.run.header.get("trainer") or {}).get("callbacks") or []
@@ -832,7 +842,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         changed = self._hit(e)
         if e.j == 0 and e.step > self.start_step:  # this replay's own fingerprint of the step before, its callbacks
             extra = {k: v for k, v in e.extra.items() if k not in ("fp", "changed", "callbacks")}
-            if self._step_fps.get(e.step - 1) is not None:
+            # only where the recording's guards covered the step: a gap (a crash before a resume) stays a gap, so
+            # verify does not read this replay's own fingerprints as the recording's evidence
+            if self._step_fps.get(e.step - 1) is not None and e.step - 1 in self._recorded_fps:
                 extra["fp"] = self._step_fps[e.step - 1]
             if self._program_callbacks:
                 from .guards import callback_attributes
@@ -869,9 +881,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             work.append((e, batch, mask))
         step = seg[0].step
         self.state.global_step = step
+        self.state.epoch = self._epochs.get(step, self.state.epoch)  # as the recording's Trainer held it
         if not work:  # no optimizer step: the recorded callbacks still see the step begin and end
             self._event("on_step_begin")
             self.state.global_step = step + 1
+            self.state.epoch = self._epochs.get(step + 1, self.state.epoch)
             self._event("on_step_end")
             self._step_fps[step] = {"none": "no optimizer step (every slot deleted)"}
             return 0
@@ -900,15 +914,16 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
         self._event("on_pre_optimizer_step")
-        from .guards import plan_lrs, program_controls, sample_values, state_tensors, step_fingerprint
+        from .guards import plan_lrs, program_controls, state_digest, step_fingerprint
 
         controls = program_controls(self.model, self.optimizer)
         self.optimizer.step()
-        self._step_fps[step] = step_fingerprint(controls, sample_values(state_tensors(self.model, self.optimizer)),
+        self._step_fps[step] = step_fingerprint(controls, state_digest(self.model, self.optimizer),
                                                 plan_lrs(seg[0], len(self.optimizer.param_groups)))
         self._event("on_optimizer_step")
         model.zero_grad()
         self.state.global_step = step + 1
+        self.state.epoch = self._epochs.get(step + 1, self.state.epoch)
         self._event("on_step_end")
         return 1
 
@@ -1015,7 +1030,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"],
                               "fingerprints_matched": stats["fingerprints_matched"]}
         last = self.run.total_steps - 1
-        if header["fidelity"].get("guards") and last in self._step_fps:  # the last step's fingerprint is this replay's
+        if header["fidelity"].get("guards") and last in self._step_fps and last in self._recorded_fps:  # the last step's fingerprint is this replay's
             header["fidelity"]["guards"] = {**header["fidelity"]["guards"], "final": {"step": last,
                                                                                        "fp": self._step_fps[last]}}
         entry["fidelity"] = fidelity_statement(header)

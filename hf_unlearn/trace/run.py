@@ -372,6 +372,7 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         elif last + 1 not in cps:
             rep.warnings.append(f"optimizer step {last} was logged but never completed (the run stopped during or "
                                 f"right after it, before any later record or checkpoint): replays stop at step {last}")
+            _keep_guard_record(header, plan, last)
             plan = [e for e in plan if e.step < last]
     if 0 not in cps and not header.get("parent"):
         rep.warnings.append("there is no step-0 checkpoint: full replays (the oracle) are impossible")
@@ -521,3 +522,15 @@ def append_deletion_log(path: str | Path, entry: dict) -> None:
 
     atomic_write_bytes(f, old + line.encode() + b"\n")
     write_sidecar(f)
+
+
+def _keep_guard_record(header: dict, plan: list, last: int) -> None:
+    """A crashed run's never-completed step ``last`` is cut from its plan, but its first (keyed) entry holds the
+    guards' record of step ``last - 1`` (its fingerprint, a program change): kept, in memory, as the header's final
+    guard entry (what a sealed run writes there)."""
+    guards = (header.get("fidelity") or {}).get("guards")
+    extra = next((e.extra for e in plan if e.step == last and e.j == 0), {})
+    if guards is None or guards.get("final") or "fp" not in extra:
+        return
+    guards["final"] = {"step": last - 1, "fp": extra["fp"], **({"changed": extra["changed"]} if "changed" in extra
+                                                              else {}), **({"ep": extra["ep"]} if "ep" in extra else {})}
