@@ -348,7 +348,10 @@ def test_make_skips_the_reinstall_when_this_checkout_is_already_installed_editab
     assert installed_here(checkout.as_uri(), editable=False) == 1  # a copy: code changes need a reinstall
     os.utime(checkout / "pyproject.toml", (3e9, 3e9))  # dependencies may have changed
     assert installed_here(checkout.as_uri()) == 1
-    dry = subprocess.run(["make", "-n", "install", "install-dev"], capture_output=True, text=True, cwd=str(ROOT))
+    clean = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # `make test
+    # PYTHON=...` (CI's) passes its PYTHON to every make below it: this checks the default
+    dry = subprocess.run(["make", "-n", "install", "install-dev"], capture_output=True, text=True, cwd=str(ROOT),
+                         env=clean)
     assert dry.stdout.count("tools/installed_here.py . ") == 2 and "|| python3 -m pip install" in dry.stdout
     # an extra's requirement that is not installed (make demo, then make test): that extra installs, the core not
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hf_unlearn\nVersion: 0.1.0\n"

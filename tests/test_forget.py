@@ -540,7 +540,12 @@ def test_folders_named_like_a_forget_id_are_neither_published_nor_refused(tmp_pa
     assert str(tmp_path) not in card and f"-{n}" not in card
 
     with local_hub(tmp_path / "hub") as (server, token):
-        receipt = forget(mine, ids, base / f"out-{n}", oracle=True, tokenizer=tok, repo="org/tiny",
+        # the one folder name still refused when publishing: the output's own, named after the ids it deletes
+        with pytest.raises(UnlearnError, match="is named after the ids it deletes"):
+            forget(mine, ids, base / f"out-{n}", oracle=True, tokenizer=tok, repo="org/tiny",
+                   endpoint=server.url, token=token, progress=False, log=lambda m: None)
+        assert not (base / f"out-{n}").exists()
+        receipt = forget(mine, ids, base / "published", oracle=True, tokenizer=tok, repo="org/tiny",
                          endpoint=server.url, token=token, progress=False, log=lambda m: None)
         assert receipt.ok and receipt.evidence["verified"] is True
         published = _published(server, "org/tiny", receipt.published["tag"])

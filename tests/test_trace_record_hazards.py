@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_unlearn.errors import UnlearnError
 
@@ -55,19 +56,15 @@ def test_a_dynamic_rope_is_refused_at_construction_with_the_reason(tmp_path, fam
     TraceRecordingTrainer(model=_with_rope(family, tok, {"rope_type": "linear", "factor": 2.0}), **kw)
 
 
-class _Diverge:
-    """A run that trains to NaN: after optimizer step 2 a weight holds an infinity (an fp16 overflow would)."""
+class Diverge(TrainerCallback):
+    """A run that trains to NaN: after optimizer step 2 a weight holds an infinity (an fp16 overflow would). At the
+    top level of this module with no attributes, so it is a recorded callback: replays run it again (a callback the
+    replay could not run would make the run not deletable, which is a different refusal)."""
 
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class Diverge(TrainerCallback):
-            def on_step_end(self, args, state, control, model=None, **kwargs):
-                if state.global_step == 2:
-                    with torch.no_grad():
-                        next(p for p in model.parameters() if p.dim() == 2)[0, 0] = float("inf")
-
-        return Diverge()
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 2:
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.dim() == 2)[0, 0] = float("inf")
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
@@ -84,7 +81,7 @@ def test_a_non_finite_loss_or_state_is_a_hazard_named_with_its_step(tmp_path, fa
     model = build_tiny_model(family, tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
     with pytest.warns(UserWarning, match="NaN or infinity|loss was not finite"):
         record(tok, data.select(range(24)), tmp_path / "rec", model=model, every=every, max_steps=5,
-               gradient_accumulation_steps=1, trainer_kwargs={"callbacks": [_Diverge()]})
+               gradient_accumulation_steps=1, trainer_kwargs={"callbacks": [Diverge()]})
     run = tmp_path / "rec" / "trace"
     hazards = json.loads((run / "header.json").read_text())["hazards"]
     expected = "at the checkpoint after 2 optimizer steps" if every == 1 else "at optimizer step 2"

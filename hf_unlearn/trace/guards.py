@@ -408,6 +408,12 @@ def snapshot(model, optimizer, grads: bool = False, buffers: bool = True, exact:
                     program_controls(model, optimizer), tensor_checksums(tensors) if exact else None)
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: a NaN a run trained to is unchanged when its bits are (``torch.equal`` says NaN != NaN,
+    which made every step after a divergence look like an edit through ``.data``)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def describe_change(before: Snapshot, after: Snapshot) -> str | None:
     """The first difference between two snapshots, in words (None when they agree; ``training`` flags aside)."""
     what = describe_controls_change(before.controls, after.controls, modes=False)
@@ -429,7 +435,7 @@ def describe_change(before: Snapshot, after: Snapshot) -> str | None:
         return None
     for dtype, values in before.samples.items():
         now = after.samples.get(dtype)
-        if now is None or now.shape != values.shape or not torch.equal(now, values):
+        if now is None or now.shape != values.shape or not _same_bits(now, values):
             return f"the values of the {str(dtype).removeprefix('torch.')} tensors changed (an edit through .data)"
     return None
 
