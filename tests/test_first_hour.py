@@ -348,8 +348,8 @@ def test_make_skips_the_reinstall_when_this_checkout_is_already_installed_editab
     assert installed_here(checkout.as_uri(), editable=False) == 1  # a copy: code changes need a reinstall
     os.utime(checkout / "pyproject.toml", (3e9, 3e9))  # dependencies may have changed
     assert installed_here(checkout.as_uri()) == 1
-    clean = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # `make test
-    # PYTHON=...` (CI's) passes its PYTHON to every make below it: this checks the default
+    clean = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHON")}
+    # `make test PYTHON=...` (CI's) passes its PYTHON to every process below it: this checks the default
     dry = subprocess.run(["make", "-n", "install", "install-dev"], capture_output=True, text=True, cwd=str(ROOT),
                          env=clean)
     assert dry.stdout.count("tools/installed_here.py . ") == 2 and "|| python3 -m pip install" in dry.stdout
