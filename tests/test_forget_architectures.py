@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from .test_trace_common import get_trace_data, record
+from .test_trace_common import get_trace_data, record, tiny_config_kwargs
 
 
 def _model(name: str, tok, tmp_path):
@@ -27,8 +27,7 @@ def _model(name: str, tok, tmp_path):
 
     from hf_unlearn.models import build_tiny_model
 
-    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    common = tiny_config_kwargs(tok)
     torch.manual_seed(0)
     if name in ("llama", "gpt2", "gpt_neox"):
         return build_tiny_model(name, tok, hidden_size=32, num_layers=2, num_heads=2)

@@ -36,6 +36,12 @@ def tiny(tok, dropout: float = 0.0):
     return build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2, dropout=dropout, seed=0)
 
 
+def tiny_config_kwargs(tok) -> dict:
+    """The config fields every hand-built tiny model of the trace tests shares (hidden 32, 2 layers, 2 heads)."""
+    return dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+
+
 def train_args(out, **kw):
     from transformers import TrainingArguments
 

@@ -13,7 +13,7 @@ import torch
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import delete, get_recorded, get_trace_data, record, train_args
+from .test_trace_common import delete, get_recorded, get_trace_data, record, tiny_config_kwargs, train_args
 
 
 def _cast_model(family: str, cast: str, tok):
@@ -29,8 +29,7 @@ def _cast_model(family: str, cast: str, tok):
         Qwen2ForCausalLM,
     )
 
-    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    common = tiny_config_kwargs(tok)
     torch.manual_seed(0)
     if family == "gpt_neox":
         model = GPTNeoXForCausalLM(GPTNeoXConfig(**common, rotary_pct=0.5))

@@ -20,7 +20,6 @@ the one loading produced: the same tensor object (or its ``copy.deepcopy``), not
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -143,11 +142,10 @@ def describe(source: dict, refs: dict) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The run's own file hash, once per file version (size and mtime) and process: a base is read in GBs."""
+    from .run import file_sha256 as sha256
+
+    return sha256(Path(path))
 
 
 def file_sha256(path: Path) -> str:
