@@ -222,6 +222,16 @@ class PreferenceTraceMixin:
         return {} if ref is None else {"ref_model": ref}
 
 
+def check_trainer_class(cls) -> None:
+    """Refuse, before any compute, a recording class a replay cannot follow (see :func:`refuse_online`), or a DPO
+    trainer recorded without :class:`PreferenceTraceMixin` (a hand-made ``TraceRecordingMixin`` subclass)."""
+    refuse_online(cls)
+    if is_dpo(cls) and not issubclass(cls, PreferenceTraceMixin):
+        raise UnlearnError(f"record {cls.__qualname__} with trace_recording(DPOTrainer), which adds the deleted "
+                           "pair's dummy and the reference model's record (a hand-made TraceRecordingMixin subclass "
+                           "does not)")
+
+
 def preference_mixins(trainer_cls) -> tuple:
     """The mixins :func:`~hf_unlearn.trace.trace_recording` puts before ``TraceRecordingMixin`` for ``trainer_cls``
     (refusing, before any compute, trainers that generate their own data)."""

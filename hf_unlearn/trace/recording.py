@@ -486,8 +486,10 @@ class TraceRecordingMixin(WeightsFollowUmask):
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
                  trace_guards: bool = True, **kwargs):
+        from .preference import check_trainer_class
         from .retention import MODES
 
+        check_trainer_class(type(self))  # trainers that generate their data; DPO without its pair dummies
         if trace_checkpoint_retention not in MODES:
             raise UnlearnError(f"trace_checkpoint_retention must be one of {MODES}, not {trace_checkpoint_retention!r}")
         for name, value in (("trace_checkpoint_steps", trace_checkpoint_steps),
@@ -547,12 +549,6 @@ class TraceRecordingMixin(WeightsFollowUmask):
         from .trainers import trainer_spec
 
         cls = recorded_trainer_class(type(self))
-        from .preference import PreferenceTraceMixin, is_dpo, refuse_online
-
-        refuse_online(cls)
-        if is_dpo(cls) and not isinstance(self, PreferenceTraceMixin):
-            raise UnlearnError(f"record {cls.__qualname__} with trace_recording({cls.__qualname__}), which adds the "
-                               "deleted pair's dummy and the reference model's record")
         spec = trainer_spec(cls, self.args, self._trace_arguments)
         from .packing import packing_refusal
 
