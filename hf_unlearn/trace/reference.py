@@ -173,3 +173,14 @@ def load_reference_model(run, override=None):
     _check_files(folder, source.get("files") or {}, what)
     return _load(folder, record)
 
+
+
+def describe_record(record: dict) -> str:
+    """One line for ``trace inspect``: the reference model's kind, root and source."""
+    kind = {"adapter_disabled": "the policy with its PEFT adapter disabled (the frozen base the checkpoints hold)",
+            "initial": "the policy's own folder, loaded again by DPOTrainer (ref_model=None)",
+            "model": "a model given as ref_model"}[record["kind"]]
+    source = record.get("source") or {}
+    where = {"folder": f"referenced in its folder ({len(source.get('files', {}))} files, size and SHA-256 checked at "
+                       "every load)", "stored": f"stored in the run's {REFERENCE_DIR}/"}.get(source.get("kind"), "")
+    return f"DPO reference model: {kind}, params root {record['params_root'][:16]}" + (f"; {where}" if where else "")

@@ -986,6 +986,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))
+        from .preference import replaced_reference
+
+        replaced_reference(self, header, out)  # DPO given ref_model= (a pipeline stage's new parent): recorded as such
         header.update(optimizer_steps=self.run.total_steps, microbatches=len(self.run.plan))
         header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
                       origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
