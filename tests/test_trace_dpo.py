@@ -148,7 +148,8 @@ def test_dpo_ref_none_replay_equals_oracle_equals_a_plain_dpotrainer_counterfact
 
 def test_dpo_a_changed_reference_folder_is_refused_never_verified(tmp_path, capsys):
     """The reference is bound by its files' SHA-256 and its params root: a reference folder rewritten after the
-    recording (other weights) is refused by the oracle and the replay before any compute."""
+    recording (other weights) is refused by the oracle before any compute; the repack baseline (Trainer's own loss) is
+    refused for a DPO run before the oracle runs; inspect prints the reference."""
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import OracleReplayTrainer, open_run
     from hf_unlearn.trace.reference import load_reference_model
@@ -160,13 +161,17 @@ def test_dpo_a_changed_reference_folder_is_refused_never_verified(tmp_path, caps
     assert load_reference_model(run) is not None
     from hf_unlearn.models import build_tiny_model
 
-    build_tiny_model("gpt2", tok, hidden_size=32, num_layers=2, num_heads=2, seed=7).save_pretrained(base)
     forget = run.ids_at_steps([1])[:1]
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+
+    ids = str(write_ids(tmp_path / "f.jsonl", forget))
+    assert main(["trace", "oracle", str(run.path), "--forget", ids, "--out", str(tmp_path / "b"), "--baselines"]) != 0
+    assert "not defined for DPO runs" in capsys.readouterr().err and not (tmp_path / "b").exists()  # before compute
+    build_tiny_model("gpt2", tok, hidden_size=32, num_layers=2, num_heads=2, seed=7).save_pretrained(base)
     with pytest.raises(UnlearnError, match="model.safetensors has changed since the run was recorded"):
         OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle")
     assert not (tmp_path / "oracle").exists()
-    from hf_unlearn.cli import main
-
     assert main(["trace", "inspect", str(run.path)]) == 0  # inspect reads the header, not the reference's files
     assert "DPO reference model: the policy's own folder" in capsys.readouterr().out
 

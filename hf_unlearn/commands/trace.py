@@ -254,6 +254,11 @@ def oracle_cmd(args) -> int:
             from ..errors import UnlearnError
 
             raise UnlearnError("--baselines runs in one process: run `trace oracle --baselines` without accelerate launch")
+        if run.header.get("reference_model"):  # a DPO run: refused before the oracle's compute, not after
+            from ..errors import UnlearnError
+            from ..trace.replay import PAIRS_BASELINE
+
+            raise UnlearnError(PAIRS_BASELINE)
     trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator)
     trainer.train()
     if not trainer.accelerator.is_main_process:

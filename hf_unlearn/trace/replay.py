@@ -91,6 +91,8 @@ NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_a
 # the naive baselines drop or re-batch whole store rows; a packed row holds several documents
 PACKED_BASELINE = ("the {name} baseline drops whole rows, and a packed run's rows hold several documents, so it is not "
                    "defined for packing=True runs; compare the replay with the oracle (trace oracle, trace verify)")
+PAIRS_BASELINE = ("the repack baseline retrains with Trainer's own loss, which is not DPO's (pairs, a reference model): "
+                  "it is not defined for DPO runs; compare the replay with the oracle (trace oracle without --baselines)")
 # config keys that say where a model came from, not what it computes
 _VOLATILE_CONFIG = VOLATILE_CONFIG
 
@@ -1118,6 +1120,8 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
     run = run if isinstance(run, TraceRun) else open_run(run)
     if is_packed(run.header):
         raise UnlearnError(PACKED_BASELINE.format(name="repack"))
+    if run.header.get("reference_model"):
+        raise UnlearnError(PAIRS_BASELINE)
     _check_types(run, list(forget_ids))
     store = load_store(run.store_path)
     forget = set(forget_ids)
