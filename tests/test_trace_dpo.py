@@ -178,8 +178,9 @@ def test_dpo_a_changed_reference_folder_is_refused_never_verified(tmp_path, caps
 
 def test_dpo_refuses_what_it_cannot_replay_and_online_trainers_before_any_compute(tmp_path):
     """Loss types whose deleted pair would change other pairs' computation (aot, aot_unpaired, sft), a reference
-    precomputed into the dataset or synced with the policy, a DPO recording without the pair dummies, and trainers
-    that generate their own data (GRPO, RLOO, online DPO): each refused by name, before training."""
+    precomputed into the dataset or synced with the policy, a PeftModel whose adapter TRL copies as the reference, a
+    DPO recording without the pair dummies, and trainers that generate their own data (GRPO, RLOO, online DPO): each
+    refused by name, before training."""
     import trl
     from trl import DPOTrainer
 
@@ -195,6 +196,13 @@ def test_dpo_refuses_what_it_cannot_replay_and_online_trainers_before_any_comput
         with pytest.raises(UnlearnError, match=match):
             record_dpo(tmp_path / "rec", tok, data, tmp_path / "base", **option)
     assert not (tmp_path / "rec" / "trace").exists()
+
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(saved_model(tmp_path / "base", tok), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(UnlearnError, match=r"it has 2 adapters \(\['default', 'ref'\]\)"):  # TRL's copy as reference
+        trace_recording(DPOTrainer)(model=adapted, args=dpo_config(tmp_path / "rec"), train_dataset=data,
+                                    processing_class=tok)
 
     class ByHand(TraceRecordingMixin, DPOTrainer):
         pass
