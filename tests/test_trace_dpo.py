@@ -290,6 +290,8 @@ def test_dpo_explicit_reference_a_recorded_runs_output_folder_or_stored_in_the_r
     ref = run.header["reference_model"]
     assert ref["kind"] == "model" and ref["source"]["kind"] == "folder"
     assert ref["params_root"] == reference_root(ref_model) != reference_root(saved_model(tmp_path / "base", tok))
+    first_run = open_run(tmp_path / "first" / "trace")  # the lineage link: the first run's output, by its weights
+    assert ref["params_root"] == json.loads((first_run.final_checkpoint() / "hashes.json").read_text())["params_root"]
     assert reference_root(load_reference_model(run)) == ref["params_root"]
     forget = run.ids_at_steps([1])[:1]
     assert forget_and_verify(run.path, forget, tmp_path / "a")[2]["verified"]
