@@ -141,6 +141,9 @@ def test_dpo_ref_none_replay_equals_oracle_equals_a_plain_dpotrainer_counterfact
     assert report["verified"], report["provenance"]
     assert report["optimizer"]["identical"] and report["params"]["identical"]
     assert replay.compute_loss.__func__ is DPOTrainer.compute_loss and replay.ref_model is not None
+    from hf_unlearn.trace.reference import load_reference_model, reference_root
+
+    assert reference_root(load_reference_model(tmp_path / "replay")) == ref["params_root"]  # a next request's reference
     cf = counterfactual(tmp_path, tok, data, base, forget)
     assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
     assert not compare_states(state_of(plain), load_state(tmp_path / "oracle"))["identical"]  # the deletion changed it
