@@ -118,9 +118,9 @@ def test_dpo_ref_none_replay_equals_oracle_equals_a_plain_dpotrainer_counterfact
     from hf_unlearn.trace.run import load_checkpoint
     from hf_unlearn.trace.verification import load_state
 
-    tok, data = pairs()
+    tok, data = pairs(n=12)
     base = tmp_path / "base"
-    record_dpo(tmp_path / "rec", tok, data, base)
+    record_dpo(tmp_path / "rec", tok, data, base, max_steps=3)
     run_dir = tmp_path / "rec" / "trace"
     run = open_run(run_dir)
     header = run.header
@@ -131,12 +131,12 @@ def test_dpo_ref_none_replay_equals_oracle_equals_a_plain_dpotrainer_counterfact
     assert str(tmp_path) not in json.dumps(header)  # the reference folder's path stays in private/
     assert {len(e.slots) for e in run.plan} == {2} and {e.accum for e in run.plan} == {2}  # the whole normaliser
 
-    plain = DPOTrainer(model=saved_model(base, tok), args=dpo_config(tmp_path / "plain"), train_dataset=data,
+    plain = DPOTrainer(model=saved_model(base, tok), args=dpo_config(tmp_path / "plain", max_steps=3), train_dataset=data,
                        processing_class=tok)
     plain.train()
     assert compare_states(state_of(plain), load_checkpoint(run.final_checkpoint()))["identical"]
 
-    forget = run.ids_at_steps([0])[:1] + run.ids_at_steps([3])[-1:]
+    forget = run.ids_at_steps([0])[:1] + run.ids_at_steps([2])[-1:]
     replay, oracle, report = forget_and_verify(run_dir, forget, tmp_path)
     assert report["verified"], report["provenance"]
     assert report["optimizer"]["identical"] and report["params"]["identical"]
@@ -144,7 +144,7 @@ def test_dpo_ref_none_replay_equals_oracle_equals_a_plain_dpotrainer_counterfact
     from hf_unlearn.trace.reference import load_reference_model, reference_root
 
     assert reference_root(load_reference_model(tmp_path / "replay")) == ref["params_root"]  # a next request's reference
-    cf = counterfactual(tmp_path, tok, data, base, forget)
+    cf = counterfactual(tmp_path, tok, data, base, forget, max_steps=3)
     assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
     assert not compare_states(state_of(plain), load_state(tmp_path / "oracle"))["identical"]  # the deletion changed it
 
