@@ -1,0 +1,170 @@
+"""Run by every process of ``torchrun --nproc_per_node 2`` (CPU, gloo) in the FSDP2 trace tests.
+
+    torchrun --nproc_per_node 2 tests/trace_fsdp.py OUT ARCH RESHARD PRECISION STEPS
+
+Records an FSDP2 ``Trainer`` run (``fsdp_config={"fsdp_version": 2, "reshard_after_forward": RESHARD}``, mixed
+precision PRECISION: ``no`` or ``bf16``) with TraceRecordingTrainer through the test-only CPU stand-in
+(:mod:`tests.fsdp_cpu`), checks its parameters are DTensor shards, then for each deletion step in STEPS (comma
+separated: the optimizer step whose first row is deleted) honours the deletion with the CLI's replay and oracle (both
+under this launch), and builds the engine-free counterfactual: the same FSDP2 ``Trainer`` run with the deleted rows'
+labels -100 and the recorded normalisers and seeds. It tries a replay with another sharding.
+Process 0 writes what happened to OUT/result.json for the test to check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def fsdp_args(out, reshard: bool, precision: str, **kw):
+    from tests.test_trace_common import train_args
+
+    return train_args(out, per_device_train_batch_size=2, max_steps=4, fsdp=True, bf16=precision == "bf16",
+                      fsdp_config={"fsdp_version": 2, "reshard_after_forward": reshard}, **kw)
+
+
+def build_model(arch: str, tok):
+    from hf_unlearn.models import build_tiny_model
+
+    return build_tiny_model(arch, tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+
+
+def full_state(model) -> dict:
+    """The full logical model state, gathered by torch.distributed.checkpoint (not by the library's code)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def counterfactual(tok, data, model, run_dir, forget, out, reshard, precision) -> dict:
+    """A plain FSDP2 ``Trainer`` run (no replay engine): the deleted rows' labels -100, the recorded loss normalisers
+    and per-process microbatch seeds. Returns the full state (on process 0)."""
+    from collections import deque
+
+    import torch
+    from transformers import Trainer
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.recording import rank_seed, seeded
+
+    plan = read_plan(run_dir)
+    norms = {e.step: (e.norm, e.norm_dtype) for e in plan}
+    forget = set(forget)
+    masked = data.map(lambda r: {"labels": [-100] * len(r["labels"])} if r["id"] in forget else {})
+
+    class RecordedNormalisers(Trainer):
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, num = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if batches:
+                value, dtype = norms[self.state.global_step]
+                num = torch.tensor(value, dtype=getattr(torch, dtype), device=device)
+                rank = self.accelerator.process_index
+                self._seeds = deque(rank_seed(e.seed, rank) for e in plan if e.step == self.state.global_step)
+            return batches, num
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            with seeded(self._seeds.popleft()):
+                return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer = RecordedNormalisers(model=model, args=fsdp_args(out, reshard, precision), train_dataset=masked,
+                                  data_collator=_DropIds(QACollator.from_tokenizer(tok)))
+    trainer.train()
+    return full_state(trainer.model)
+
+
+def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) -> None:
+    import torch
+    from transformers import TrainerCallback
+
+    from hf_unlearn.cli import main as cli
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.runtime import init_processes
+    from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer, open_run, redact_store
+    from hf_unlearn.trace.hashing import root_hash, tensor_hash
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.verification import verify
+    from tests import fsdp_cpu
+    from tests.test_trace_common import get_trace_data
+
+    fsdp_cpu.enable()
+    torch.set_num_threads(1)
+    state = init_processes(announce=False)
+    tok, data = get_trace_data()
+    data = data.select(range(32))
+    trace = out / "trace"
+    sharded = []
+
+    class Sharded(TrainerCallback):  # during training, not after: the model the optimizer steps is the sharded one
+        def on_step_end(self, args, st, control, model=None, **kwargs):
+            sharded.append(fsdp_cpu.assert_sharded(model))
+
+    trainer = TraceRecordingTrainer(model=build_model(arch, tok), args=fsdp_args(out / "ft", reshard, precision),
+                                    train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                    trace_dir=trace, trace_checkpoint_steps=1, callbacks=[Sharded()])
+    assert trainer.is_fsdp_enabled
+    trainer.train()
+    gathered = full_state(trainer.model)  # torch's own gather of the recorded final state
+    state.wait_for_everyone()
+    run = open_run(trace)
+    result = {"sharded_params_per_step": sharded, "header_world_size": run.header["world_size"],
+              "sharding": run.header.get("sharding"), "kept": sorted(run.checkpoints()),
+              "retention": run.header["checkpoint_retention"], "deletions": []}
+    if state.is_main_process:
+        final = json.loads((run.final_checkpoint() / "hashes.json").read_text())
+        names = list(final["params"])
+        result["root_is_unsharded_root"] = root_hash({n: tensor_hash(n, gathered[n]) for n in names}) == \
+            final["params_root"]
+    recorded = load_checkpoint(run.final_checkpoint())["model"]
+    for step in steps:
+        d = out / f"delete-{step}"
+        forget = run.ids_at_steps([step])[:1]
+        if state.is_main_process:
+            d.mkdir()
+            write_ids(d / "forget.jsonl", forget)
+            redact_store(run.store_path, forget, d / "store", run.key)  # a one-process command
+        state.wait_for_everyone()
+        f = str(d / "forget.jsonl")
+        codes = [cli(["trace", "replay", str(trace), "--store", str(d / "store"), "--forget", f, "--out",
+                      str(d / "replay")]),
+                 cli(["trace", "oracle", str(trace), "--forget", f, "--out", str(d / "oracle")])]
+        cf = counterfactual(tok, data, build_model(arch, tok), trace, forget, d / "cf", reshard, precision)
+        state.wait_for_everyone()
+        if state.is_main_process:
+            report = verify(d / "replay", d / "oracle")
+            oracle = load_checkpoint(open_run(d / "oracle").final_checkpoint())
+            model = {**oracle["model"], **{a: oracle["model"][n] for a, n in oracle["tied"].items()}}
+            same = sorted(model) == sorted(cf) and all(torch.equal(model[n].view(torch.uint8).reshape(-1),
+                                                                   cf[n].contiguous().view(torch.uint8).reshape(-1))
+                                                       for n in model)
+            replay_header = open_run(d / "replay").header
+            result["deletions"].append({
+                "step": step, "codes": codes, "verified": report["verified"], "elements": report["params"]["elements"],
+                "start_step": json.loads((d / "replay" / "deletion_log.jsonl").read_text().splitlines()[-1])[
+                    "start_step"],
+                "counterfactual_equals_oracle": same, "replay_sharding": replay_header.get("sharding"),
+                "oracle_differs_from_recording": not all(torch.equal(oracle["model"][n], recorded[n])
+                                                         for n in oracle["model"]),
+            })
+    refused = {}
+    try:  # another sharding: reshard_after_forward flipped
+        ReplayTrainer(trace, start="full", args=fsdp_args(out / "other", not reshard, precision))
+    except UnlearnError as e:
+        refused["other_sharding"] = str(e)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        result["refused"] = refused
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4], [int(s) for s in sys.argv[5].split(",")])
