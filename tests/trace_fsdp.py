@@ -13,6 +13,7 @@ Process 0 writes what happened to OUT/result.json for the test to check.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 import warnings
@@ -20,6 +21,7 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+DUMP_AFTER_S = 600
 
 
 def fsdp_args(out, reshard: bool, precision: str, **kw):
@@ -96,6 +98,7 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
     from tests import fsdp_cpu
     from tests.test_trace_common import get_trace_data
 
+    faulthandler.dump_traceback_later(DUMP_AFTER_S, exit=True)  # a hung collective says where, then the test fails
     fsdp_cpu.enable()
     torch.set_num_threads(1)
     state = init_processes(announce=False)

@@ -545,7 +545,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if recorded != world:
             launch = "python (one process)" if recorded == 1 else f"accelerate launch --num_processes {recorded}"
             raise UnlearnError(f"the run was recorded with {recorded} process(es) and this replay has {world}: a replay "
-                               f"must run at the recorded world size (run it with {launch}); other world sizes, FSDP "
+                               f"must run at the recorded world size (run it with {launch}); other world sizes, FSDP1 "
                                "and DeepSpeed are not supported")
         check_replay(self.run.header, self)  # FSDP2: the recorded sharding (hf_unlearn.trace.sharding)
         if self.filter_rows and world > 1:

@@ -107,7 +107,8 @@ def engine_spec(trainer) -> dict | None:
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None
     plugin = dict(trainer.args.fsdp_plugin_args or {})
-    version = int(plugin.get("fsdp_version", getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)))
+    live = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    version = int(plugin.get("fsdp_version", getattr(live, "fsdp_version", 1)))
     spec = {"engine": ENGINE if version == 2 else "fsdp1", "world_size": trainer.accelerator.num_processes,
             "mixed_precision": str(trainer.accelerator.state.mixed_precision)}
     spec.update({k: _plain(plugin.get(k)) for k in COMPARED if k not in spec})
