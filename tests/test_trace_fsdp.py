@@ -53,6 +53,7 @@ def check(result: dict, reshard: bool, precision: str) -> None:
         assert d["counterfactual_equals_oracle"]  # a plain FSDP2 Trainer, labels -100, the recorded normalisers
         assert d["oracle_differs_from_recording"]  # the deletion changed the state
         assert d["replay_sharding"] == sharding
+        assert d["saved_model_is_replay"]  # `trace replay --save-model`: one save_pretrained folder, full tensors
     assert "reshard_after_forward" in result["refused"]["other_sharding"]
 
 

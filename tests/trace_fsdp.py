@@ -148,7 +148,7 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
         state.wait_for_everyone()
         f = str(d / "forget.jsonl")
         codes = [cli(["trace", "replay", str(trace), "--store", str(d / "store"), "--forget", f, "--out",
-                      str(d / "replay")]),
+                      str(d / "replay"), "--save-model", str(d / "model")]),
                  cli(["trace", "oracle", str(trace), "--forget", f, "--out", str(d / "oracle")])]
         cf = counterfactual(tok, data, build_model(arch, tok), trace, forget, d / "cf", reshard, precision)
         state.wait_for_everyone()
@@ -160,11 +160,14 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
                                                                    cf[n].contiguous().view(torch.uint8).reshape(-1))
                                                        for n in model)
             replay_header = open_run(d / "replay").header
+            saved = type(build_model(arch, tok)).from_pretrained(d / "model").state_dict()  # one consolidated folder
+            final = load_checkpoint(open_run(d / "replay").final_checkpoint())["model"]
             result["deletions"].append({
                 "step": step, "codes": codes, "verified": report["verified"], "elements": report["params"]["elements"],
                 "start_step": json.loads((d / "replay" / "deletion_log.jsonl").read_text().splitlines()[-1])[
                     "start_step"],
-                "counterfactual_equals_oracle": same, "replay_sharding": replay_header.get("sharding"),
+                "counterfactual_equals_oracle": same,
+                "saved_model_is_replay": all(torch.equal(saved[n], t) for n, t in final.items()), "replay_sharding": replay_header.get("sharding"),
                 "oracle_differs_from_recording": not all(torch.equal(oracle["model"][n], recorded[n])
                                                          for n in oracle["model"]),
             })

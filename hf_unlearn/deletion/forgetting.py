@@ -456,7 +456,8 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
         raise UnlearnError(f"{source} was recorded by {world} processes and replays only at that world size, which "
                            f"forget (one process) does not run; use the trace commands under the same launch: "
                            f"`accelerate launch --multi_gpu --num_processes {world} -m hf_unlearn.cli trace replay "
-                           "...` (docs/exact-deletion.md, Delete)")
+                           "... --save-model DIR` (torchrun --nproc_per_node works too, an FSDP2 run's as well; "
+                           "docs/scale.md)")
     from ..trace.packing import document_ids
 
     stored = document_ids(load_store(run.store_path), run.id_column)  # a packed run: its documents' ids

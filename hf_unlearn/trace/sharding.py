@@ -183,3 +183,14 @@ def require_sharded(model) -> None:
     plain = [n for n, p in model.named_parameters() if not is_sharded(p)]
     if plain:
         raise UnlearnError(f"the run is recorded as FSDP2 but {plain[0]} is not sharded (not a DTensor)")
+
+
+def save_consolidated(run, state: dict, out) -> None:
+    """Save a replay's final state (full tensors, as every checkpoint holds them) as one ``save_pretrained`` folder:
+    the run's model rebuilt in this process, the state loaded strictly, saved (safetensors) for publishing."""
+    from .checkpoints import full_model_state
+    from .replay import model_from_run
+
+    model = model_from_run(run, weights_follow=True)
+    model.load_state_dict(full_model_state(state), strict=True)
+    model.save_pretrained(str(out))
