@@ -35,12 +35,17 @@ def enable() -> None:
 
 
 def assert_sharded(model) -> int:
-    """Every parameter of ``model`` is an FSDP2 DTensor sharded over the processes; returns how many there are."""
+    """Every parameter of ``model`` is an FSDP2 DTensor sharded on dim 0 over the processes, this process holding its
+    chunk (the whole tensor at world size 1); returns how many there are."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
+    world = dist.get_world_size()
     params = list(model.named_parameters())
     for name, p in params:
         assert isinstance(p, DTensor), f"{name} is not sharded ({type(p).__name__})"
-        assert p.placements == (Shard(0),), f"{name} has placements {p.placements}"
-        assert p.to_local().shape[0] < p.shape[0] or p.shape[0] == 1, f"{name}: the local shard is the whole tensor"
+        assert p.placements == (Shard(0),) and p.device_mesh.size() == world, f"{name}: {p.placements}"
+        rows = -(-p.shape[0] // world)  # torch.chunk's rows per process
+        assert p.to_local().shape[0] == min(rows, max(0, p.shape[0] - dist.get_rank() * rows)), \
+            f"{name}: the local shard is not this process's dim-0 chunk"
     return len(params)

@@ -8,7 +8,6 @@ parameter is a DTensor shard at every optimizer step. One configuration runs in 
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
@@ -16,23 +15,10 @@ import pytest
 from hf_unlearn.errors import UnlearnError
 
 
-def launch(tmp_path, arch: str, reshard: bool, precision: str, steps: str = "0,3") -> dict:
-    import os
-    import socket
-    import subprocess
-    import sys
+def launch(tmp_path, arch: str, reshard: bool, precision: str) -> dict:
+    from .trace_fsdp import launch as run
 
-    from .conftest import ROOT
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(ROOT / "tests" / "trace_fsdp.py"), str(tmp_path), arch, "1" if reshard else "0", precision, steps]
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp_path / "result.json").read_text())
+    return run(tmp_path, arch, reshard, precision)
 
 
 def check(result: dict, reshard: bool, precision: str) -> None:

@@ -1,6 +1,7 @@
 """Run by every process of ``torchrun --nproc_per_node 2`` (CPU, gloo) in the FSDP2 trace tests.
 
     torchrun --nproc_per_node 2 tests/trace_fsdp.py OUT ARCH RESHARD PRECISION STEPS
+    (or launch(...) from Python: tests/test_trace_fsdp.py, benchmarks/device_suite.py --fsdp on GPUs)
 
 Records an FSDP2 ``Trainer`` run (``fsdp_config={"fsdp_version": 2, "reshard_after_forward": RESHARD}``, mixed
 precision PRECISION: ``no`` or ``bf16``) with TraceRecordingTrainer through the test-only CPU stand-in
@@ -22,13 +23,37 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DUMP_AFTER_S = 600
+DEVICE_ENV = "HF_UNLEARN_FSDP_TEST_DEVICE"  # cpu (gloo, the CPU stand-in) or cuda (benchmarks/device_suite.py --fsdp)
 
 
 def fsdp_args(out, reshard: bool, precision: str, **kw):
+    import os
+
     from tests.test_trace_common import train_args
 
     return train_args(out, per_device_train_batch_size=2, max_steps=4, fsdp=True, bf16=precision == "bf16",
-                      fsdp_config={"fsdp_version": 2, "reshard_after_forward": reshard}, **kw)
+                      fsdp_config={"fsdp_version": 2, "reshard_after_forward": reshard},
+                      use_cpu=os.environ.get(DEVICE_ENV, "cpu") == "cpu", **kw)
+
+
+def launch(out: Path, arch: str, reshard: bool, precision: str, steps: str = "0,3", processes: int = 2,
+           device: str = "cpu", timeout: int = 900) -> dict:
+    """Run this script under ``torchrun --nproc_per_node PROCESSES`` (a free port) and return its result.json."""
+    import os
+    import socket
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", DEVICE_ENV: device,
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # CUDA: set before the processes initialise it
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+           str(port), str(Path(__file__).resolve()), str(out), arch, "1" if reshard else "0", precision, steps]
+    proc = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((Path(out) / "result.json").read_text())
 
 
 def build_model(arch: str, tok):
