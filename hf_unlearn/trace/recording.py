@@ -823,6 +823,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_started = False
         from .plan import has_plan
 
+        if resume_from_checkpoint and self.is_fsdp_enabled and not self._is_replay:
+            raise UnlearnError("resuming an FSDP2 recording is not supported (its processes would disagree on the "
+                               "checkpoints already written); record the run again into a new trace_dir")
         if not resume_from_checkpoint and has_plan(self.trace_dir):
             raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
                                "(or resume_from_checkpoint)")

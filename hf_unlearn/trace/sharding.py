@@ -62,10 +62,12 @@ def full_tensors(tensors: dict) -> dict:
 
 
 def full_optimizer_state(osd: dict) -> dict:
-    """An optimizer ``state_dict()`` with every DTensor state replaced by its full tensor, by parameter index then key
-    (sorted), the same order on every process (a collective)."""
-    state = {i: {k: full(v) for k, v in sorted(st.items())} for i, st in sorted(osd["state"].items())}
-    return {**osd, "state": state}
+    """An optimizer ``state_dict()`` with every DTensor state replaced by its full tensor (a collective: every
+    process holds the same parameter indices and keys, so they gather in the same order); unchanged when nothing in
+    it is sharded."""
+    if not any(is_sharded(v) for st in osd["state"].values() for v in st.values()):
+        return osd
+    return {**osd, "state": {i: {k: full(v) for k, v in st.items()} for i, st in osd["state"].items()}}
 
 
 def model_is_sharded(model) -> bool:
