@@ -61,6 +61,16 @@ def test_fsdp2_configurations(tmp_path, arch, reshard, precision):
     check(launch(tmp_path, arch, reshard, precision), reshard, precision)
 
 
+@pytest.mark.slow
+def test_an_edit_on_another_process_changes_the_gathered_step_digest(tmp_path):
+    """The per-step digest covers every process's shards: a hook on process 1 only (unseen by the main process's
+    guard) that edits its shard after step 1 makes every process of the replay refuse at step 1."""
+    from .trace_fsdp import launch as run
+
+    refused = run(tmp_path, "llama", True, "no", steps="attack")["refused"]
+    assert len(refused) == 2 and all(r and "optimizer step 1" in r for r in refused), refused
+
+
 def _trainer(fsdp_version=None, deepspeed=False, world=2):
     """What hf_unlearn.trace.sharding reads of a Trainer (FSDP1 and DeepSpeed do not build on CPU)."""
     args = types.SimpleNamespace(fsdp_plugin_args=None if fsdp_version is None else {"fsdp_version": fsdp_version},

@@ -207,5 +207,53 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
         (out / "result.json").write_text(json.dumps(result))
 
 
+def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
+    """A hook on process 1 only edits its shard of one parameter after optimizer step 1 (code a replay does not run,
+    which the main process's guard cannot see): the per-step digest, gathered from every process, must differ from
+    the replay's at step 1 on every process (so all of them refuse, none waits in a collective)."""
+    import torch
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.runtime import init_processes
+    from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer
+    from hf_unlearn.trace.fidelity import FidelityError
+    from tests import fsdp_cpu
+    from tests.test_trace_common import get_trace_data
+
+    faulthandler.dump_traceback_later(DUMP_AFTER_S, exit=True)
+    fsdp_cpu.enable()
+    torch.set_num_threads(1)
+    state = init_processes(announce=False)
+    tok, data = get_trace_data()
+    trainer = TraceRecordingTrainer(model=build_model(arch, tok), args=fsdp_args(out / "ft", reshard, precision),
+                                    train_dataset=data.select(range(32)), data_collator=QACollator.from_tokenizer(tok),
+                                    trace_dir=out / "trace", trace_checkpoint_steps=4)
+    steps = []
+
+    def edit(optimizer, args, kwargs):
+        steps.append(len(steps))
+        if state.process_index == 1 and len(steps) == 2:  # after optimizer step 1
+            with torch.no_grad():
+                next(trainer.model.parameters()).to_local().add_(1e-3)
+
+    trainer.create_optimizer()  # the Trainer keeps it (FSDP2 prepares the model and this optimizer together)
+    trainer.optimizer.register_step_post_hook(edit)
+    trainer.train()
+    state.wait_for_everyone()
+    try:
+        ReplayTrainer(out / "trace", start="full").train()
+        refused = None
+    except FidelityError as e:
+        refused = str(e)
+    from accelerate.utils import gather_object
+
+    everyone = gather_object([refused])
+    if state.is_main_process:
+        (out / "result.json").write_text(json.dumps({"refused": everyone}))
+
+
 if __name__ == "__main__":
+    if sys.argv[5] == "attack":
+        attack(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4])
+        sys.exit(0)
     main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4], [int(s) for s in sys.argv[5].split(",")])
