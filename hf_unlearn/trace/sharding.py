@@ -162,6 +162,13 @@ def replay_arguments(header: dict) -> dict:
     sharding = header.get("sharding")
     if not sharding:
         return {}
+    import os
+
+    world, launched = sharding["world_size"], int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched != world:  # before TrainingArguments refuses fsdp outside a distributed launch
+        raise UnlearnError(f"the run was recorded with {world} process(es) (FSDP2) and this replay has {launched}: a "
+                           f"replay must run at the recorded world size and sharding (run it with torchrun "
+                           f"--nproc_per_node {world})")
     return {"fsdp": True, "fsdp_config": dict(sharding["fsdp_config"])}
 
 
