@@ -196,6 +196,18 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
                 "oracle_differs_from_recording": not all(torch.equal(oracle["model"][n], recorded[n])
                                                          for n in oracle["model"]),
             })
+    # `forget` under this launch (the Python API of `torchrun ... -m hf_unlearn.cli forget RUN`): the late deletion
+    from hf_unlearn.deletion import forget as forget_request
+
+    ids = run.ids_at_steps([steps[-1]])[:1]
+    receipt = forget_request(str(trace), ids, out / "forget", oracle=True, progress=False, log=lambda line: None)
+    if state.is_main_process:
+        saved = type(build_model(arch, tok)).from_pretrained(out / "forget" / "model").state_dict()
+        oracle = load_checkpoint(open_run(out / "forget" / "oracle").final_checkpoint())["model"]
+        result["forget"] = {"ok": receipt.ok, "verified": receipt.evidence.get("verified"),
+                            "model_is_oracle": all(torch.equal(saved[n], t) for n, t in oracle.items())}
+    else:
+        assert receipt is None  # the main process writes and returns the receipt
     refused = {}
     try:  # another sharding: reshard_after_forward flipped
         ReplayTrainer(trace, start="full", args=fsdp_args(out / "other", not reshard, precision))
