@@ -18,6 +18,10 @@ the full logical tensors a sharded state is checkpointed, hashed and verified ov
   (``DTensor.to_local()``) after each optimizer step and the checksums of all processes, in rank order, make the
   digest (:func:`all_shards`): it covers the whole state, every process of a replay computes the same one, and it is
   compared at the recorded world size and sharding (which a replay enforces).
+* **Published model:** :func:`save_consolidated` writes a replay's final full state as one ``save_pretrained`` folder
+  (``trace replay --save-model``, ``forget`` under the run's launch).
+* **Not done:** checkpoints are not sharded on disk (the main process holds the full state while writing one);
+  resuming an FSDP2 recording is refused; the end-of-recording self-check does not run at world size > 1.
 """
 
 from __future__ import annotations
@@ -185,13 +189,6 @@ def load_optimizer_state(optimizer, osd: dict) -> None:
                         if is_sharded(p) and torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape) else v)
                     for k, v in st.items()}
     optimizer.load_state_dict({**osd, "state": state})
-
-
-def require_sharded(model) -> None:
-    """Refuse a model that FSDP2 should have sharded and did not (every parameter a DTensor)."""
-    plain = [n for n, p in model.named_parameters() if not is_sharded(p)]
-    if plain:
-        raise UnlearnError(f"the run is recorded as FSDP2 but {plain[0]} is not sharded (not a DTensor)")
 
 
 def save_consolidated(run, state: dict, out) -> None:
