@@ -154,7 +154,7 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
     gathered = full_state(trainer.model)  # torch's own gather of the recorded final state
     state.wait_for_everyone()
     run = open_run(trace)
-    result = {"sharded_params_per_step": sharded, "header_world_size": run.header["world_size"],
+    result = {"sharded_params_per_step": sharded, "model_class": run.header["model"]["class"], "header_world_size": run.header["world_size"],
               "sharding": run.header.get("sharding"), "kept": sorted(run.checkpoints()),
               "retention": run.header["checkpoint_retention"], "deletions": []}
     if state.is_main_process:

@@ -43,7 +43,7 @@ from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
 from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
-from .sharding import engine_spec
+from .sharding import engine_spec, unsharded_class
 from .stack import numeric_stack
 from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
@@ -802,7 +802,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
     def _check_model_rebuildable(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
         peft, base = peft_and_base(model)
-        if getattr(base, "config", None) is None or _importable_name(type(base)) is None:
+        if getattr(base, "config", None) is None or _importable_name(unsharded_class(type(base))) is None:
             raise UnlearnError(f"a replay must rebuild the model and cannot: {type(base).__qualname__} is not an "
                                "importable transformers model with a config (pass model= to replays otherwise)")
         if peft and peft.get("why"):
@@ -1350,7 +1350,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             "run_id": uuid.uuid4().hex,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "sealed": False,
-            "model": {"class": type(base).__name__, "module": type(base).__module__,
+            "model": {"class": unsharded_class(type(base)).__name__, "module": unsharded_class(type(base)).__module__,
                       "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),
                       "attn_implementation": getattr(config, "_attn_implementation", None),
                       "num_parameters": sum(p.numel() for p in model.parameters()),

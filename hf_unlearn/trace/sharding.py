@@ -105,6 +105,16 @@ class ShardPeerDigest:
         self._hook.remove()
 
 
+def unsharded_class(cls: type) -> type:
+    """The model class FSDP2's ``fully_shard`` subclassed (``FSDPLlamaForCausalLM`` -> ``LlamaForCausalLM``), else
+    ``cls``: what the header records and a replay rebuilds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not issubclass(cls, FSDPModule):
+        return cls
+    return next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule))
+
+
 def engine_spec(trainer) -> dict | None:
     """The sharding of ``trainer``'s run (None without FSDP): what the header records and a replay must match.
 
