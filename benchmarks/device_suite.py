@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/device_suite.py            # CUDA: SmolLM2-135M, 30 steps, fp32 and bf16 autocast
     PYTHONPATH=. python benchmarks/device_suite.py --tiny     # CPU: a tiny Llama, 4 steps (the slow tests run this)
+    PYTHONPATH=. python benchmarks/device_suite.py --fsdp     # FSDP2 under torchrun, world size = the GPUs lent
 
 1. **Exact deletion on the device**, per precision (fp32; ``bf16=True`` autocast on an fp32 model): record
    ``--steps`` optimizer steps with ``TraceRecordingTrainer`` at the default checkpoint cadence (it turns on
@@ -11,6 +12,13 @@
    self-check as a fraction of the recording's wall and CPU time.
 2. **The issue-#16 MASC fair benchmark** on the same model (``benchmarks/bench_methods.py``, one learning rate, one
    seed, MASC against grad_diff; ``--skip-masc`` leaves it out).
+
+3. **FSDP2** (``--fsdp``, issue #36), instead of 1 and 2: ``tests/trace_fsdp.py`` under ``torchrun`` with one process
+   per GPU (more than one GPU: world size N; one GPU: world size 1, FSDP2's code path with a single shard, said as
+   such), per precision (fp32; bf16 mixed precision): a tiny Llama's FSDP2 run recorded, one row of the first and one
+   of the last step deleted, each replay verified against the oracle and the oracle against the engine-free FSDP2
+   counterfactual (labels -100, the recorded normalisers), the final root against the unsharded root, another
+   sharding refused. ``--fsdp --tiny`` runs it on 2 CPU processes (gloo, the tests' CPU stand-in).
 
 Exit status 0 iff every self-check reproduced its interval and every deletion was VERIFIED. ``--out`` keeps the runs and the MASC table (default: a temporary
 folder, removed).
@@ -43,8 +51,37 @@ def parse_args(argv=None):
     p.add_argument("--skip-masc", action="store_true")
     p.add_argument("--record-only", action="store_true", help="record only (measure the self-check), no deletions")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    p.add_argument("--fsdp", action="store_true", help="the FSDP2 check under torchrun (one process per GPU; --tiny: "
+                                                       "2 CPU processes)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
+
+
+def fsdp_suite(a, tmp: Path) -> bool:
+    """The FSDP2 check (issue #36) per precision; prints one line each, True iff everything held."""
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    from tests.trace_fsdp import launch
+
+    processes = 2 if a.device == "cpu" else torch.cuda.device_count()
+    where = (f"world size {processes} on {processes} {torch.cuda.get_device_name(0)} GPUs" if a.device == "cuda"
+             and processes > 1 else f"world size 1 on one {torch.cuda.get_device_name(0)} (FSDP2's code path, a "
+             "single shard: not a sharded run)" if a.device == "cuda" else "world size 2 on CPU processes (gloo, the "
+             "tests' CPU stand-in)")
+    ok = True
+    for precision in a.precisions.split(","):
+        r = launch(tmp / f"fsdp-{precision}", "llama", True, "bf16" if precision == "bf16" else "no",
+                   processes=processes, device=a.device)
+        good = r["root_is_unsharded_root"] and all(d["verified"] and d["counterfactual_equals_oracle"]
+                                                   for d in r["deletions"]) and "other_sharding" in r["refused"]
+        ok = ok and good
+        print(f"FSDP2 {precision}, {where}: " + "; ".join(
+            f"step {d['step']} {'VERIFIED' if d['verified'] else 'NOT VERIFIED'}, counterfactual "
+            f"{'equal' if d['counterfactual_equals_oracle'] else 'DIFFERS'}" for d in r["deletions"])
+            + f"; root {'= unsharded root' if r['root_is_unsharded_root'] else 'DIFFERS from the unsharded root'}",
+            flush=True)
+    return ok
 
 
 def load(a):
@@ -142,6 +179,8 @@ def main(argv=None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     ok = True
     try:
+        if a.fsdp:
+            return 0 if fsdp_suite(a, tmp) else 1
         tok, base, data = load(a)
         results = []
         for precision in a.precisions.split(","):

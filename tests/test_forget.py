@@ -686,8 +686,9 @@ def test_a_run_whose_collator_the_trace_cannot_rebuild_is_refused_up_front_then_
 
 
 def test_data_parallel_runs_and_multi_process_launches_are_refused_before_any_compute(tmp_path, monkeypatch):
-    """forget runs in one process; a run recorded by 2 processes replays only at 2 (the trace commands do that under
-    the same launch), so forget names that way before it redacts anything."""
+    """A run recorded by 2 processes replays only at 2: forget in one process names the launch to run it under, and
+    a launch of 2 processes refuses a one-process run and an approximate method, before it redacts anything (forget
+    under the run's own launch: tests/test_trace_fsdp.py)."""
     from hf_unlearn import forget
 
     from .test_trace_common import copy_run, write_sealed_header
@@ -697,10 +698,14 @@ def test_data_parallel_runs_and_multi_process_launches_are_refused_before_any_co
     header["world_size"] = 2  # as a 2-process recording writes it (sealed under the run key, as such a run has it)
     write_sealed_header(run, header)
     ids = ids_at_step(run, 6)[:1]
-    with pytest.raises(UnlearnError, match=r"recorded by 2 processes.*--num_processes 2 -m hf_unlearn.cli trace replay"):
+    with pytest.raises(UnlearnError, match=r"recorded by 2 processes.*this launch has 1.*--nproc_per_node 2 -m "
+                                           r"hf_unlearn.cli forget"):
         forget(run, ids, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UnlearnError, match="forget runs in one process"):
+    with pytest.raises(UnlearnError, match=r"recorded by 1 processes.*this launch has 2"):
         forget(get_recorded(), ids, tmp_path / "out2", progress=False)
     assert not (tmp_path / "out2").exists()
+    with pytest.raises(UnlearnError, match="forget runs an approximate method in one process"):
+        forget(tmp_path / "some-model", ids, tmp_path / "out3", method="npo", progress=False)
+    assert not (tmp_path / "out3").exists()

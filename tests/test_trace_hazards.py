@@ -172,9 +172,9 @@ def test_parallel_setups_a_replay_cannot_reproduce_are_refused(tmp_path, monkeyp
     tok, data = get_trace_data()
     trainer = TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path), train_dataset=data,
                                     data_collator=QACollator.from_tokenizer(tok))
-    for attr, name in (("is_fsdp_enabled", "FSDP"), ("is_deepspeed_enabled", "DeepSpeed")):
+    for attr, name in (("is_fsdp_enabled", "an FSDP1"), ("is_deepspeed_enabled", "a DeepSpeed")):  # FSDP2: #36
         monkeypatch.setattr(trainer, attr, True)
-        with pytest.raises(UnlearnError, match=f"cannot replay a {name} run.*supported: one process"):
+        with pytest.raises(UnlearnError, match=f"cannot replay {name} run.*supported: one process"):
             trainer._trace_check_parallelism()
         monkeypatch.setattr(trainer, attr, False)
     with monkeypatch.context() as m:

@@ -216,5 +216,5 @@ def test_data_parallel_record_replay_oracle_under_accelerate_launch(tmp_path):
     assert all(n == 2 for n in result["batch_digests"])
     assert "recorded with 1 process(es) and this replay has 2" in result["refused_single_process_run"]
     with pytest.raises(UnlearnError, match=r"recorded with 2 process\(es\) and this replay has 1.*accelerate launch "
-                                           r"--num_processes 2.*FSDP and DeepSpeed are not supported"):
+                                           r"--num_processes 2.*FSDP1 and DeepSpeed are not supported"):
         ReplayTrainer(tmp_path / "trace", start="full")

@@ -88,6 +88,8 @@ def run(args) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ForgetConfig) if hasattr(args, f.name)}
     values["method_args"] = parse_method_args(args.method_args)
     receipt = forget(args.model_or_run, args.ids, config=ForgetConfig(**values))
+    if receipt is None:  # a process other than the main one of a multi-process launch: the main one reports
+        return 0
     print("\n== summary")
     print(receipt.summary_table())
     print(f"receipt: {receipt.output_dir}/receipt.json")

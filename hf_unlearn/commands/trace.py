@@ -43,6 +43,9 @@ def register(parser) -> None:
     p.add_argument("--out", required=True, help="output folder: a recorded run with the final state")
     p.add_argument("--full", action="store_true", help="replay from step 0 instead of the latest usable checkpoint")
     p.add_argument("--collator", default=None, help=COLLATOR_HELP)
+    p.add_argument("--save-model", default=None, metavar="DIR",
+                   help="also save the replayed model as one save_pretrained folder (a sharded FSDP2 run's too: "
+                        "written by the main process from the full tensors)")
     p.set_defaults(func=replay_cmd)
 
     p = sub.add_parser("oracle", help="the counterfactual from the original store (deleted slots as weight-0 dummies)")
@@ -213,10 +216,15 @@ def replay_cmd(args) -> int:
     _quiet()
     trainer = RedactedReplayTrainer(args.run, args.store, read_forget_file(args.forget), args.out,
                                     start="full" if args.full else "suffix", data_collator=_collator(args))
-    trainer.train()
+    final = trainer.train()
     s = trainer.replay_stats
     if not trainer.accelerator.is_main_process:
         return 0
+    if args.save_model:
+        from ..trace.sharding import save_consolidated
+
+        save_consolidated(trainer.run, final, args.save_model)
+        print(f"model saved (save_pretrained, one folder): {args.save_model}")
     if s["nothing_to_replay"]:
         print(f"nothing to replay: the ids' slots were deleted by an earlier request; output run {args.out} is sealed "
               "with the parent's final state and a deletion-log entry")

@@ -230,6 +230,10 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
         data_collator: exact deletion only: the run's collator, when the trace cannot rebuild it (the standard
             ``transformers`` collators and ``QACollator`` are rebuilt; a run recorded with another one says so).
         log: where progress lines go (default ``print``).
+
+    A run recorded by N processes (DDP or FSDP2) is deleted under a launch of N processes (``torchrun
+    --nproc_per_node N -m hf_unlearn.cli forget ...``): every process replays its share, the main process writes the
+    store, the model (one ``save_pretrained`` folder) and the receipt and returns it; the others return None.
     """
     if config is None:
         known = {f.name for f in fields(ForgetConfig)}
@@ -243,6 +247,14 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
         raise UnlearnError("pass either config= or keyword options (and output_dir), not both")
     log = log or (lambda msg: print(msg, flush=True))
     plan = _validate(model_or_run, ids, config, data_collator)  # every check that costs no compute, before any
+    if _launched() > 1:  # a run recorded by N processes, under its launch: the others replay, the main one writes
+        from ..runtime import init_processes
+
+        plan["processes"] = init_processes(announce=False)
+        plan["processes"].wait_for_everyone()  # every process validated before the main one writes
+        if not plan["processes"].is_main_process:
+            _exact_peer(plan, config)
+            return None
     from ..validation import output_folder
 
     started = time.perf_counter()
@@ -274,11 +286,13 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
     from ..validation import check_new_output, check_options, check_repo_id, is_trace_run, load_request_ids
 
     request = load_request_ids(ids)
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if launched > 1:
-        raise UnlearnError(f"forget runs in one process (this launch has {launched}): run `hf-unlearn forget` "
-                           "without accelerate launch; a data-parallel recorded run is replayed with `hf-unlearn "
-                           "trace replay` under its own launch")
+    launched = _launched()
+    if launched > 1 and not is_trace_run(os.fspath(model_or_run)):
+        raise UnlearnError(f"forget runs an approximate method in one process (this launch has {launched}): run "
+                           "`hf-unlearn forget` without accelerate launch or torchrun")
+    if launched > 1 and config.repo:
+        raise UnlearnError("forget publishes from one process: under a launch of several processes leave --repo out "
+                           "and push afterwards (`hf-unlearn hub push OUT/model --deletion --trace OUT/replay`)")
     check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite,
                      marker_check=_check_earlier_receipt)
     check_repo_id(config.repo)
@@ -452,11 +466,11 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
 
     run = open_run(source)
     world = run.header.get("world_size", 1)
-    if world != 1:
-        raise UnlearnError(f"{source} was recorded by {world} processes and replays only at that world size, which "
-                           f"forget (one process) does not run; use the trace commands under the same launch: "
-                           f"`accelerate launch --multi_gpu --num_processes {world} -m hf_unlearn.cli trace replay "
-                           "...` (docs/exact-deletion.md, Delete)")
+    if world != _launched():
+        raise UnlearnError(f"{source} was recorded by {world} processes and replays only at that world size; this "
+                           f"launch has {_launched()}: run forget under the run's own launch, `torchrun "
+                           f"--nproc_per_node {world} -m hf_unlearn.cli forget ...` (or accelerate launch "
+                           f"--multi_gpu --num_processes {world}; DDP and FSDP2 runs alike, docs/scale.md)")
     from ..trace.packing import document_ids
 
     stored = document_ids(load_store(run.store_path), run.id_column)  # a packed run: its documents' ids
@@ -662,12 +676,14 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column,
                              already_deleted=[i for i in ids if tag(run.key, i) in never_trained])
     timings["redact_s"] = time.perf_counter() - t
+    if plan.get("processes") is not None:
+        plan["processes"].wait_for_everyone()  # the other processes replay from the redacted store from here
     log(f"redacted store: {redaction['rows_before']} -> {redaction['rows_after']} rows; "
         f"{redaction['checks']['id_column_scanned']}")
     t = time.perf_counter()
     replay = with_replay_progress(RedactedReplayTrainer, "replay (redacted store)", config.progress)(
         run, out / "store", ids, out / "replay", data_collator=plan["data_collator"])
-    replay.train()
+    final = replay.train()
     timings["replay_s"] = time.perf_counter() - t
     stats = replay.replay_stats
     log(f"replayed {stats['segments_replayed']} of {stats['total_steps']} steps from step {stats['start_step']} "
@@ -686,7 +702,12 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                f"bit-identical, but NOT VERIFIED: {'; '.join(report['provenance']['problems'])}"
                if report["identical"] else "NOT identical"))
     model_dir = out / "model"
-    replay.save_model(str(model_dir))
+    if plan.get("processes") is not None:  # a run of several processes (an FSDP2 run's shards): one folder
+        from ..trace.sharding import save_consolidated
+
+        save_consolidated(run, final, model_dir)
+    else:
+        replay.save_model(str(model_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
     elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
@@ -731,6 +752,23 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                               "fidelity": report["provenance"]["fidelity"].get("oracle")}
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
                     trace_params_root=exact.get("params_root"), saved_files=saved_files)
+
+
+def _launched() -> int:
+    """The processes of this launch (``WORLD_SIZE``, 1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def _exact_peer(plan: dict, config: ForgetConfig) -> None:
+    """A process other than the main one of a multi-process exact deletion: it replays its share of the run (and of
+    the oracle) with the main process, which writes everything (store, model, card, receipt)."""
+    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer
+
+    out, run, ids = Path(config.output_dir), plan["run"], plan["ids"]
+    plan["processes"].wait_for_everyone()  # the main process redacted the store
+    RedactedReplayTrainer(run, out / "store", ids, out / "replay", data_collator=plan["data_collator"]).train()
+    if config.oracle:
+        OracleReplayTrainer(run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"]).train()
 
 
 # -- approximate unlearning ------------------------------------------------------------------------------------

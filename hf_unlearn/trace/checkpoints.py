@@ -88,11 +88,13 @@ def tied_aliases(state_dict) -> dict[str, str]:
 def capture_state(model, optimizer, step: int, clone: bool = False) -> dict:
     """A checkpoint dict: model tensors (each tied tensor once), the tie map, optimizer state, parameter names."""
     from .hashing import optimizer_param_names
+    from .sharding import full_optimizer_state, full_tensors, local
 
     sd = model.state_dict()
-    tied = tied_aliases(sd)
-    tensors = {k: v.detach().to("cpu") for k, v in sd.items() if k not in tied}
-    osd = optimizer.state_dict()
+    tied = tied_aliases({k: local(v) for k, v in sd.items()})
+    # sharded (FSDP2): the full logical tensors, gathered on every process (the checkpoint is the unsharded state)
+    tensors = {k: v.detach().to("cpu") for k, v in full_tensors({k: v for k, v in sd.items() if k not in tied}).items()}
+    osd = full_optimizer_state(optimizer.state_dict())
     if clone:
         import copy
 
@@ -285,17 +287,19 @@ def _flatten_optimizer(osd: dict) -> tuple[dict, dict] | None:
                      "indices": sorted(osd.get("state", {}))}
 
 
-def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensors | None = None) -> Path:
+def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensors | None = None,
+                    state: dict | None = None) -> Path:
     """Write ``checkpoints/step-N/`` (safetensors; frozen tensors referenced), then ``hashes.json`` and its sidecar.
 
-    ``hashes.json`` is written last: a folder without it is an incomplete checkpoint, never used.
+    ``hashes.json`` is written last: a folder without it is an incomplete checkpoint, never used. ``state``: the
+    :func:`capture_state` already taken (a sharded run gathers it on every process, the main process writes it).
     """
     from .hashing import checkpoint_hashes
     from .run import write_sidecar
 
     d = checkpoint_dir(run, step)
     d.mkdir(parents=True, exist_ok=True)
-    state = capture_state(model, optimizer, step)
+    state = state if state is not None else capture_state(model, optimizer, step)
     if frozen is not None and not frozen.exists and not (frozen.dir / "hashes.json").exists():
         frozen.save(model, state["model"], source=frozen.source)
     referenced = frozen.unchanged(model) & set(state["model"]) if frozen is not None else set()

@@ -300,7 +300,15 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
 
 
 def state_tensors(model, optimizer, grads: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """Parameters, buffers (and gradients) of the model and the optimizer's state tensors, named."""
+    """Parameters, buffers (and gradients) of the model and the optimizer's state tensors, named (under FSDP2, this
+    process's shards: :mod:`hf_unlearn.trace.sharding`)."""
+    out = _own_state_tensors(model, optimizer, grads)
+    from .sharding import local
+
+    return [(n, local(t)) for n, t in out]
+
+
+def _own_state_tensors(model, optimizer, grads: bool) -> list[tuple[str, torch.Tensor]]:
     out = []
     for n, p in model.named_parameters():
         out.append((n, p))
@@ -383,8 +391,11 @@ def _weights(n: int, which: int, device) -> torch.Tensor:
 
 def state_digest(model, optimizer) -> str:
     """The exact digest of the state after an optimizer step (parameters, buffers, optimizer state), for the
-    per-step fingerprints: the recording and every replay compute it at the same point."""
-    return exact_digest(tensor_checksums(state_tensors(model, optimizer)))
+    per-step fingerprints: the recording and every replay compute it at the same point. Under FSDP2 it covers every
+    process's shards (:func:`hf_unlearn.trace.sharding.all_shards`: every process must call it)."""
+    from .sharding import all_shards
+
+    return exact_digest(all_shards(tensor_checksums(state_tensors(model, optimizer)), model))
 
 
 def exact_digest(sums: dict) -> str:
@@ -606,8 +617,11 @@ class ProgramGuard:
 
     def after_step(self) -> None:
         now = self._snapshot(exact=True)
+        from .sharding import all_shards
+
+        sums = all_shards(now.exact, self.model)  # FSDP2: with every process's shards (they join in, see sharding)
         if self.controls is not None:
-            self.fps[self.step] = step_fingerprint(self.controls, exact_digest(now.exact), self.plan_lrs or [])
+            self.fps[self.step] = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [])
         self.ref = now
 
     def around(self, callback, event: str, call, state_view=None):

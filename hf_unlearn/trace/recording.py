@@ -43,6 +43,7 @@ from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
 from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
+from .sharding import engine_spec, unsharded_class
 from .stack import numeric_stack
 from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
@@ -201,8 +202,10 @@ def dynamic_rope(config) -> str | None:
 
 def first_non_finite(model) -> str | None:
     """The name of the first parameter holding a NaN or an infinity, or None."""
+    from .sharding import local
+
     for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+        if p.is_floating_point() and not bool(torch.isfinite(local(p)).all()):  # FSDP2: this process's shard
             return name
     return None
 
@@ -385,10 +388,10 @@ class TraceWriter:
                 self.index.adopt(step, _entry(d))
         self.index.save()
 
-    def save_checkpoint(self, step: int, model, optimizer) -> Path:
+    def save_checkpoint(self, step: int, model, optimizer, state: dict | None = None) -> Path:
         if not self.frozen.exists and (self.frozen.dir / "hashes.json").exists():
             self.frozen.adopt_matching(model)  # a resumed recording: its frozen tensors were saved before
-        d = save_checkpoint(self.run, step, model, optimizer, frozen=self.frozen)
+        d = save_checkpoint(self.run, step, model, optimizer, frozen=self.frozen, state=state)
         self.index.add(step)
         return d
 
@@ -595,13 +598,13 @@ class TraceRecordingMixin(WeightsFollowUmask):
         return "args"
 
     def _trace_check_parallelism(self) -> None:
-        """Only single-process and DDP-style data parallel runs are replayable; refuse the rest here."""
-        supported = ("supported: one process, or data parallel with `accelerate launch --multi_gpu "
-                     "--num_processes N` (DDP); replays run at the recorded number of processes")
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            name = "FSDP" if self.is_fsdp_enabled else "DeepSpeed"
-            raise UnlearnError(f"exact deletion cannot replay a {name} run (sharded optimizer state, its own "
-                               f"reduction order); {supported}")
+        """Only single-process, DDP-style data parallel and FSDP2 runs are replayable; refuse the rest here."""
+        from .sharding import SUPPORTED as supported
+        from .sharding import refusal
+
+        why = refusal(self)  # FSDP1, DeepSpeed (hf_unlearn.trace.sharding)
+        if why:
+            raise UnlearnError(why)
         if self.args.n_gpu > 1:
             raise UnlearnError(f"exact deletion cannot replay torch.nn.DataParallel over {self.args.n_gpu} GPUs in one "
                                f"process; {supported}")
@@ -820,7 +823,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
     def _check_model_rebuildable(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
         peft, base = peft_and_base(model)
-        if getattr(base, "config", None) is None or _importable_name(type(base)) is None:
+        if getattr(base, "config", None) is None or _importable_name(unsharded_class(type(base))) is None:
             raise UnlearnError(f"a replay must rebuild the model and cannot: {type(base).__qualname__} is not an "
                                "importable transformers model with a config (pass model= to replays otherwise)")
         if peft and peft.get("why"):
@@ -841,6 +844,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_started = False
         from .plan import has_plan
 
+        if resume_from_checkpoint and self.is_fsdp_enabled and not self._is_replay:
+            raise UnlearnError("resuming an FSDP2 recording is not supported (its processes would disagree on the "
+                               "checkpoints already written); record the run again into a new trace_dir")
         if not resume_from_checkpoint and has_plan(self.trace_dir):
             raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
                                "(or resume_from_checkpoint)")
@@ -904,7 +910,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self._trace_guard is not None:
             lr0, group_lrs = self._lr_record()
             self._trace_guard.between_steps(step, group_lrs or [lr0] * len(self.optimizer.param_groups))
-        if self._trace_writer is not None and step not in self._trace_saved and is_due(
+        if (self._trace_writer is not None or self._trace_shard_peer()) and step not in self._trace_saved and is_due(
                 step, self._trace_total, self._trace_every, self.trace_checkpoint_retention):
             self._trace_checkpoint(step)
         if self._trace_writer is not None and step == self._self_check_steps():
@@ -1013,6 +1019,15 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_header_seed = self.args.seed
         self._trace_groups = None
         if not self.accelerator.is_main_process:
+            if self.is_fsdp_enabled:  # a shard peer: it takes part in gathering each checkpoint the main one writes
+                self._trace_total = max(self.state.max_steps, 1)
+                self._trace_every = self.trace_checkpoint_steps or default_every(self._trace_total,
+                                                                                 self.trace_checkpoint_retention)
+                self._trace_saved = set()
+                if self.trace_guards:
+                    from .sharding import ShardPeerDigest
+
+                    self._trace_peer_digest = ShardPeerDigest(self.accelerator.unwrap_model(self.model), self.optimizer)
             return
         from .store import id_index, save_store, store_sha256
 
@@ -1185,8 +1200,18 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self._trace_trainer["class"] != DEFAULT_TRAINER and self.processing_class is not None:
             self.processing_class.save_pretrained(str(run / PROCESSING_CLASS_DIR))  # the rebuilt trainer takes it
 
+    def _trace_shard_peer(self) -> bool:
+        """A process other than the main one of a sharded (FSDP2) recording: it gathers each checkpoint with it."""
+        return self._trace_started and self.is_fsdp_enabled and not self.accelerator.is_main_process \
+            and not self._is_replay
+
     def _trace_finish(self) -> None:
         if self._trace_writer is None:
+            if self._trace_shard_peer() and self.state.global_step not in self._trace_saved:
+                self._trace_checkpoint(self.state.global_step, final=True)
+            if getattr(self, "_trace_peer_digest", None) is not None:
+                self._trace_peer_digest.close()
+                self._trace_peer_digest = None
             return
         step = self.state.global_step
         guard, self._trace_guard = self._trace_guard, None
@@ -1231,6 +1256,12 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _trace_checkpoint(self, step: int, final: bool = False) -> None:
         model = self.accelerator.unwrap_model(self.model)
+        if self._trace_writer is None:  # a shard peer: its part of the gather of the full tensors, nothing written
+            from .checkpoints import capture_state
+
+            capture_state(model, self.optimizer, step)
+            self._trace_saved.add(step)
+            return
         if not self._is_replay and self._trace_non_finite is None:
             bad = first_non_finite(model)
             if bad:
@@ -1340,7 +1371,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             "run_id": uuid.uuid4().hex,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "sealed": False,
-            "model": {"class": type(base).__name__, "module": type(base).__module__,
+            "model": {"class": unsharded_class(type(base)).__name__, "module": unsharded_class(type(base)).__module__,
                       "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),
                       "attn_implementation": getattr(config, "_attn_implementation", None),
                       "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -1379,6 +1410,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             "max_grad_norm": args.max_grad_norm,
             "world_size": self.accelerator.num_processes,
             "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
+            "sharding": engine_spec(self),  # FSDP2: the sharding a replay must run (hf_unlearn.trace.sharding)
         }
 
 

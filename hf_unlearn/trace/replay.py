@@ -74,6 +74,7 @@ from .run import (
     open_run,
     read_deletion_log,
 )
+from .sharding import check_replay, load_optimizer_state, replay_arguments
 from .stack import check_stack, pinned_stack
 from .store import check_store_binding, id_index, load_store, store_sha256
 from .tags import tag
@@ -242,6 +243,7 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
                   use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()), **NOT_REPLAYED)
     if config_cls is not TrainingArguments:
         kwargs.update({k: v for k, v in CONSTRUCTION_ONLY.items() if k in names})
+    kwargs.update(replay_arguments(header))  # an FSDP2 run: its recorded fsdp_config (hf_unlearn.trace.sharding)
     kwargs.update(overrides)
     return config_cls(**kwargs)
 
@@ -544,8 +546,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if recorded != world:
             launch = "python (one process)" if recorded == 1 else f"accelerate launch --num_processes {recorded}"
             raise UnlearnError(f"the run was recorded with {recorded} process(es) and this replay has {world}: a replay "
-                               f"must run at the recorded world size (run it with {launch}); other world sizes, FSDP "
+                               f"must run at the recorded world size (run it with {launch}); other world sizes, FSDP1 "
                                "and DeepSpeed are not supported")
+        check_replay(self.run.header, self)  # FSDP2: the recorded sharding (hf_unlearn.trace.sharding)
         if self.filter_rows and world > 1:
             raise UnlearnError("the naive filter baseline runs in one process only")
 
@@ -724,7 +727,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self.create_optimizer()
         model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         self.model_wrapped = model
-        self.optimizer.load_state_dict(ck["optimizer"])
+        load_optimizer_state(self.optimizer, ck["optimizer"])  # its parameters' shards under FSDP2
         self.accelerator.gradient_state._set_sync_gradients(True)
         self._enable_activation_checkpointing()
         neftune = None
@@ -739,6 +742,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         model.zero_grad()
         replayed = stepped = 0
         self.checkpoints_matched = []
+        self._gathered_hashes = {}
         try:
             for seg in run.segments():
                 step = seg[0].step
@@ -746,9 +750,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                     if writer:
                         writer.append(seg)
                     continue
-                saved = None
-                if writer and step in saves and step != start:
-                    saved = writer.save_checkpoint(step, self.model, self.optimizer)
+                saved = self._save_state(writer, step) if step in saves and step != start else None
                 self._check_fidelity(step, saved)
                 if writer:
                     writer.append([self._output_entry(e) for e in seg])
@@ -757,9 +759,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
                 self._check_step_fingerprint(step)
-            saved = None
-            if writer and run.total_steps > start:
-                saved = writer.save_checkpoint(run.total_steps, self.model, self.optimizer)
+            saved = self._save_state(writer, run.total_steps) if run.total_steps > start else None
             self._check_fidelity(run.total_steps, saved)
         except BaseException:
             if writer:
@@ -781,6 +781,19 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
         return final
+
+    def _save_state(self, writer: TraceWriter | None, step: int) -> Path | None:
+        """The output run's checkpoint at ``step`` (the main process writes it). A sharded run's is gathered on every
+        process: the others keep its hashes for :meth:`_check_fidelity` (one gather, the same on every process)."""
+        if not self.run.header.get("sharding"):
+            return writer.save_checkpoint(step, self.model, self.optimizer) if writer else None
+        state = capture_state(self.model, self.optimizer, step)
+        if writer:
+            return writer.save_checkpoint(step, self.model, self.optimizer, state=state)
+        from .hashing import checkpoint_hashes
+
+        self._gathered_hashes[step] = checkpoint_hashes(state)
+        return None
 
     def _enable_activation_checkpointing(self) -> None:
         """As ``Trainer.train`` does: the recorded run's backward recomputed its activations (SFTConfig's default)."""
@@ -818,6 +831,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             return
         if saved is not None:
             actual = json.loads((saved / "hashes.json").read_text())
+        elif step in self._gathered_hashes:  # a sharded run's, gathered by _save_state
+            actual = self._gathered_hashes.pop(step)
         else:
             from .hashing import checkpoint_hashes
 

@@ -1,0 +1,212 @@
+"""Sharded training engines in a recorded run: which are exact (FSDP2), which are refused (FSDP1, DeepSpeed), and
+the full logical tensors a sharded state is checkpointed, hashed and verified over.
+
+* **FSDP2** (``torch.distributed.fsdp.fully_shard``, ``fsdp_config={"fsdp_version": 2}``) records and replays at
+  its recorded world size and sharding: every parameter is a ``DTensor`` sharded on dim 0 over the processes, and
+  so is the optimizer state of each. A checkpoint holds the *full logical tensors* (each gathered from its shards,
+  one tensor at a time, on every process; the main process writes them), so its state hashes, its roots and
+  ``trace verify`` do not depend on how the run was sharded: the root of an FSDP2 run's checkpoint is the root of the
+  same state held unsharded.
+* **Recorded** in the header as ``sharding`` (engine, world size, ``reshard_after_forward``, mixed precision,
+  wrapping, the ``fsdp_config``); a replay rebuilds the same ``fsdp_config`` and refuses another world size or
+  sharding, naming what differs, before any compute.
+* **Refused:** FSDP1 (flat parameters whose padding and flattening order is its own, and its own sharded optimizer
+  state: a replay would need FSDP1's flat-parameter layout recorded and rebuilt) and DeepSpeed (ZeRO partitions the
+  optimizer state and gradients in its own buckets and reduction order, with its own loss scaler: a replay would
+  need DeepSpeed's engine state in the checkpoints and its bucketing reproduced).
+* **Per-step fingerprints** (:mod:`hf_unlearn.trace.guards`): every process checksums its own shards
+  (``DTensor.to_local()``) after each optimizer step and the checksums of all processes, in rank order, make the
+  digest (:func:`all_shards`): it covers the whole state, every process of a replay computes the same one, and it is
+  compared at the recorded world size and sharding (which a replay enforces).
+* **Published model:** :func:`save_consolidated` writes a replay's final full state as one ``save_pretrained`` folder
+  (``trace replay --save-model``, ``forget`` under the run's launch).
+* **Not done:** checkpoints are not sharded on disk (the main process holds the full state while writing one);
+  resuming an FSDP2 recording is refused; the end-of-recording self-check does not run at world size > 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnlearnError
+
+ENGINE = "fsdp2"
+SUPPORTED = ("supported: one process, data parallel with `accelerate launch --multi_gpu --num_processes N` (DDP), or "
+             "FSDP2 (fsdp_config={'fsdp_version': 2}); replays run at the recorded number of processes and sharding")
+REFUSED = {
+    "FSDP1": "FSDP1 flattens and pads parameters into flat shards with its own sharded optimizer state; a replay would "
+             "need that flat-parameter layout recorded and rebuilt: use fsdp_config={'fsdp_version': 2}",
+    "DeepSpeed": "ZeRO partitions gradients and optimizer state in its own buckets, reduction order and loss scaler; "
+                 "a replay would need DeepSpeed's engine state checkpointed and its bucketing reproduced",
+}
+# what a replay must share with the recording (a difference is named before any compute)
+COMPARED = ("engine", "world_size", "reshard_after_forward", "mixed_precision", "auto_wrap_policy",
+            "transformer_cls_names_to_wrap", "min_num_params", "cpu_offload", "activation_checkpointing")
+
+
+def is_sharded(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t):
+    """This process's shard of ``t`` (``t`` itself when it is not a DTensor)."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def full(t):
+    """The full logical tensor of ``t`` (gathered from every process: a collective, every process must call it)."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def full_tensors(tensors: dict) -> dict:
+    """``tensors`` with every DTensor replaced by its full logical tensor, in the dict's order (a collective)."""
+    return {k: full(v) for k, v in tensors.items()}
+
+
+def full_optimizer_state(osd: dict) -> dict:
+    """An optimizer ``state_dict()`` with every DTensor state replaced by its full tensor (a collective: every
+    process holds the same parameter indices and keys, so they gather in the same order); unchanged when nothing in
+    it is sharded."""
+    if not any(is_sharded(v) for st in osd["state"].values() for v in st.values()):
+        return osd
+    return {**osd, "state": {i: {k: full(v) for k, v in st.items()} for i, st in osd["state"].items()}}
+
+
+def model_is_sharded(model) -> bool:
+    return any(is_sharded(p) for p in model.parameters())
+
+
+def all_shards(sums: dict, model) -> dict:
+    """Per-tensor checksums of this process's shards -> ``name -> [checksum of rank 0, rank 1, ...]`` (an
+    all-gather: every process calls it at the same point); unchanged for a model that is not sharded."""
+    if not model_is_sharded(model):
+        return sums
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sums)
+    return {name: [g[name] for g in gathered] for name in sums}
+
+
+class ShardPeerDigest:
+    """On a process other than the main one of a sharded recording: joins the main process's per-step digest
+    (:func:`all_shards`) after every optimizer step (the main process's guard gathers the checksums then)."""
+
+    def __init__(self, model, optimizer):
+        from .guards import state_tensors, tensor_checksums
+
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._hook = inner.register_step_post_hook(
+            lambda *a: all_shards(tensor_checksums(state_tensors(model, optimizer)), model))
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def unsharded_class(cls: type) -> type:
+    """The model class FSDP2's ``fully_shard`` subclassed (``FSDPLlamaForCausalLM`` -> ``LlamaForCausalLM``), else
+    ``cls``: what the header records and a replay rebuilds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not issubclass(cls, FSDPModule):
+        return cls
+    return next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule))
+
+
+def engine_spec(trainer) -> dict | None:
+    """The sharding of ``trainer``'s run (None without FSDP): what the header records and a replay must match.
+
+    Taken from the FSDP plugin's arguments as the ``TrainingArguments`` give them (the plugin object rewrites some of
+    its fields when it wraps the model) and the accelerator's mixed precision."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    plugin = dict(trainer.args.fsdp_plugin_args or {})
+    live = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    version = int(plugin.get("fsdp_version", getattr(live, "fsdp_version", 1)))
+    spec = {"engine": ENGINE if version == 2 else "fsdp1", "world_size": trainer.accelerator.num_processes,
+            "mixed_precision": str(trainer.accelerator.state.mixed_precision)}
+    spec.update({k: _plain(plugin.get(k)) for k in COMPARED if k not in spec})
+    spec["cpu_offload"] = bool(spec["cpu_offload"])
+    spec["activation_checkpointing"] = bool(spec["activation_checkpointing"])
+    spec["fsdp_config"] = {k: _plain(v) for k, v in (trainer.args.fsdp_config or {}).items()}
+    spec["checkpoints"] = "full logical tensors (gathered from the shards), hashed as the unsharded state"
+    return spec
+
+
+def _plain(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, torch.dtype):
+        return str(v).removeprefix("torch.")
+    return str(v)
+
+
+def refusal(trainer) -> str | None:
+    """Why ``trainer``'s engine cannot be recorded or replayed (None: one process, DDP or FSDP2)."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return f"exact deletion cannot replay a DeepSpeed run: {REFUSED['DeepSpeed']}; {SUPPORTED}"
+    spec = engine_spec(trainer)
+    if spec is not None and spec["engine"] != ENGINE:
+        return f"exact deletion cannot replay an FSDP1 run: {REFUSED['FSDP1']}; {SUPPORTED}"
+    return None
+
+
+def check_replay(header: dict, trainer) -> None:
+    """Refuse a replay whose sharding is not the recorded one, naming what differs (before any compute)."""
+    recorded, live = header.get("sharding"), engine_spec(trainer)
+    if recorded is None and live is None:
+        return
+    if recorded is None or live is None:
+        what = "an FSDP2 run" if recorded else "an unsharded run"
+        now = "without FSDP" if recorded else f"with {live['engine']}"
+        raise UnlearnError(f"the run is {what} and this replay runs {now}: a replay must run the recorded sharding "
+                           "(omit args= so the replay rebuilds the recorded fsdp_config)")
+    diff = [f"{k} ({live.get(k)!r} vs recorded {recorded.get(k)!r})" for k in COMPARED if live.get(k) != recorded.get(k)]
+    if diff:
+        raise UnlearnError(f"the replay's sharding differs from the recorded run's in {', '.join(diff)}: a replay "
+                           "must run at the recorded world size and sharding")
+
+
+def replay_arguments(header: dict) -> dict:
+    """The TrainingArguments a replay of a sharded run adds: the recorded ``fsdp`` and ``fsdp_config``."""
+    sharding = header.get("sharding")
+    if not sharding:
+        return {}
+    import os
+
+    world, launched = sharding["world_size"], int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched != world:  # before TrainingArguments refuses fsdp outside a distributed launch
+        raise UnlearnError(f"the run was recorded with {world} process(es) (FSDP2) and this replay has {launched}: a "
+                           f"replay must run at the recorded world size and sharding (run it with torchrun "
+                           f"--nproc_per_node {world})")
+    return {"fsdp": True, "fsdp_config": dict(sharding["fsdp_config"])}
+
+
+def load_optimizer_state(optimizer, osd: dict) -> None:
+    """Load a checkpoint's (full-tensor) optimizer state into an optimizer over sharded parameters: each state tensor
+    shaped like its parameter becomes a DTensor with the parameter's mesh and placements (this process's shard)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, st in osd["state"].items():
+        p = params[int(i)]
+        state[i] = {k: (distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                        if is_sharded(p) and torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape) else v)
+                    for k, v in st.items()}
+    optimizer.load_state_dict({**osd, "state": state})
+
+
+def save_consolidated(run, state: dict, out) -> None:
+    """Save a replay's final state (full tensors, as every checkpoint holds them) as one ``save_pretrained`` folder:
+    the run's model rebuilt in this process, the state loaded strictly, saved (safetensors) for publishing."""
+    from .checkpoints import full_model_state
+    from .replay import model_from_run
+
+    model = model_from_run(run, weights_follow=True)
+    model.load_state_dict(full_model_state(state), strict=True)
+    model.save_pretrained(str(out))

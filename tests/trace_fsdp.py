@@ -1,0 +1,271 @@
+"""Run by every process of ``torchrun --nproc_per_node 2`` (CPU, gloo) in the FSDP2 trace tests.
+
+    torchrun --nproc_per_node 2 tests/trace_fsdp.py OUT ARCH RESHARD PRECISION STEPS
+    (or launch(...) from Python: tests/test_trace_fsdp.py, benchmarks/device_suite.py --fsdp on GPUs)
+
+Records an FSDP2 ``Trainer`` run (``fsdp_config={"fsdp_version": 2, "reshard_after_forward": RESHARD}``, mixed
+precision PRECISION: ``no`` or ``bf16``) with TraceRecordingTrainer through the test-only CPU stand-in
+(:mod:`tests.fsdp_cpu`), checks its parameters are DTensor shards, then for each deletion step in STEPS (comma
+separated: the optimizer step whose first row is deleted) honours the deletion with the CLI's replay and oracle (both
+under this launch), and builds the engine-free counterfactual: the same FSDP2 ``Trainer`` run with the deleted rows'
+labels -100 and the recorded normalisers and seeds. It tries a replay with another sharding.
+Process 0 writes what happened to OUT/result.json for the test to check.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+DUMP_AFTER_S = 600
+DEVICE_ENV = "HF_UNLEARN_FSDP_TEST_DEVICE"  # cpu (gloo, the CPU stand-in) or cuda (benchmarks/device_suite.py --fsdp)
+
+
+def fsdp_args(out, reshard: bool, precision: str, **kw):
+    import os
+
+    from tests.test_trace_common import train_args
+
+    return train_args(out, per_device_train_batch_size=2, max_steps=4, fsdp=True, bf16=precision == "bf16",
+                      fsdp_config={"fsdp_version": 2, "reshard_after_forward": reshard},
+                      use_cpu=os.environ.get(DEVICE_ENV, "cpu") == "cpu", **kw)
+
+
+def launch(out: Path, arch: str, reshard: bool, precision: str, steps: str = "0,3", processes: int = 2,
+           device: str = "cpu", timeout: int = 900) -> dict:
+    """Run this script under ``torchrun --nproc_per_node PROCESSES`` (a free port) and return its result.json."""
+    import os
+    import socket
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", DEVICE_ENV: device,
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # CUDA: set before the processes initialise it
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+           str(port), str(Path(__file__).resolve()), str(out), arch, "1" if reshard else "0", precision, steps]
+    proc = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((Path(out) / "result.json").read_text())
+
+
+def build_model(arch: str, tok):
+    """A tiny model: ``build_tiny_model``'s families, or ``qwen2`` from its config (as test_trace_fidelity builds it)."""
+    import torch
+
+    from hf_unlearn.models import build_tiny_model
+
+    if arch == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from tests.test_trace_common import tiny_config_kwargs
+
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(Qwen2Config(**tiny_config_kwargs(tok), num_key_value_heads=1))
+    return build_tiny_model(arch, tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+
+
+def full_state(model) -> dict:
+    """The full logical model state, gathered by torch.distributed.checkpoint (not by the library's code)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def counterfactual(tok, data, model, run_dir, forget, out, reshard, precision) -> dict:
+    """A plain FSDP2 ``Trainer`` run (no replay engine): the deleted rows' labels -100, the recorded loss normalisers
+    and per-process microbatch seeds. Returns the full state (on process 0)."""
+    from collections import deque
+
+    import torch
+    from transformers import Trainer
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.recording import rank_seed, seeded
+
+    plan = read_plan(run_dir)
+    norms = {e.step: (e.norm, e.norm_dtype) for e in plan}
+    forget = set(forget)
+    masked = data.map(lambda r: {"labels": [-100] * len(r["labels"])} if r["id"] in forget else {})
+
+    class RecordedNormalisers(Trainer):
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, num = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if batches:
+                value, dtype = norms[self.state.global_step]
+                num = torch.tensor(value, dtype=getattr(torch, dtype), device=device)
+                rank = self.accelerator.process_index
+                self._seeds = deque(rank_seed(e.seed, rank) for e in plan if e.step == self.state.global_step)
+            return batches, num
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            with seeded(self._seeds.popleft()):
+                return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer = RecordedNormalisers(model=model, args=fsdp_args(out, reshard, precision), train_dataset=masked,
+                                  data_collator=_DropIds(QACollator.from_tokenizer(tok)))
+    trainer.train()
+    return full_state(trainer.model)
+
+
+def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) -> None:
+    import torch
+    from transformers import TrainerCallback
+
+    from hf_unlearn.cli import main as cli
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.runtime import init_processes
+    from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer, open_run, redact_store
+    from hf_unlearn.trace.hashing import root_hash, tensor_hash
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.verification import verify
+    from tests import fsdp_cpu
+    from tests.test_trace_common import get_trace_data
+
+    faulthandler.dump_traceback_later(DUMP_AFTER_S, exit=True)  # a hung collective says where, then the test fails
+    fsdp_cpu.enable()
+    torch.set_num_threads(1)
+    state = init_processes(announce=False)
+    tok, data = get_trace_data()
+    data = data.select(range(32))
+    trace = out / "trace"
+    sharded = []
+
+    class Sharded(TrainerCallback):  # during training, not after: the model the optimizer steps is the sharded one
+        def on_step_end(self, args, st, control, model=None, **kwargs):
+            sharded.append(fsdp_cpu.assert_sharded(model))
+
+    trainer = TraceRecordingTrainer(model=build_model(arch, tok), args=fsdp_args(out / "ft", reshard, precision),
+                                    train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                    trace_dir=trace, trace_checkpoint_steps=1, callbacks=[Sharded()])
+    assert trainer.is_fsdp_enabled
+    trainer.train()
+    gathered = full_state(trainer.model)  # torch's own gather of the recorded final state
+    state.wait_for_everyone()
+    run = open_run(trace)
+    result = {"sharded_params_per_step": sharded, "model_class": run.header["model"]["class"], "header_world_size": run.header["world_size"],
+              "sharding": run.header.get("sharding"), "kept": sorted(run.checkpoints()),
+              "retention": run.header["checkpoint_retention"], "deletions": []}
+    if state.is_main_process:
+        final = json.loads((run.final_checkpoint() / "hashes.json").read_text())
+        names = list(final["params"])
+        result["root_is_unsharded_root"] = root_hash({n: tensor_hash(n, gathered[n]) for n in names}) == \
+            final["params_root"]
+    recorded = load_checkpoint(run.final_checkpoint())["model"]
+    for step in steps:
+        d = out / f"delete-{step}"
+        forget = run.ids_at_steps([step])[:1]
+        if state.is_main_process:
+            d.mkdir()
+            write_ids(d / "forget.jsonl", forget)
+            redact_store(run.store_path, forget, d / "store", run.key)  # a one-process command
+        state.wait_for_everyone()
+        f = str(d / "forget.jsonl")
+        codes = [cli(["trace", "replay", str(trace), "--store", str(d / "store"), "--forget", f, "--out",
+                      str(d / "replay"), "--save-model", str(d / "model")]),
+                 cli(["trace", "oracle", str(trace), "--forget", f, "--out", str(d / "oracle")])]
+        cf = counterfactual(tok, data, build_model(arch, tok), trace, forget, d / "cf", reshard, precision)
+        state.wait_for_everyone()
+        if state.is_main_process:
+            report = verify(d / "replay", d / "oracle")
+            oracle = load_checkpoint(open_run(d / "oracle").final_checkpoint())
+            model = {**oracle["model"], **{a: oracle["model"][n] for a, n in oracle["tied"].items()}}
+            same = sorted(model) == sorted(cf) and all(torch.equal(model[n].view(torch.uint8).reshape(-1),
+                                                                   cf[n].contiguous().view(torch.uint8).reshape(-1))
+                                                       for n in model)
+            replay_header = open_run(d / "replay").header
+            saved = type(build_model(arch, tok)).from_pretrained(d / "model").state_dict()  # one consolidated folder
+            final = load_checkpoint(open_run(d / "replay").final_checkpoint())["model"]
+            result["deletions"].append({
+                "step": step, "codes": codes, "verified": report["verified"], "elements": report["params"]["elements"],
+                "start_step": json.loads((d / "replay" / "deletion_log.jsonl").read_text().splitlines()[-1])[
+                    "start_step"],
+                "counterfactual_equals_oracle": same,
+                "saved_model_is_replay": all(torch.equal(saved[n], t) for n, t in final.items()), "replay_sharding": replay_header.get("sharding"),
+                "oracle_differs_from_recording": not all(torch.equal(oracle["model"][n], recorded[n])
+                                                         for n in oracle["model"]),
+            })
+    # `forget` under this launch (the Python API of `torchrun ... -m hf_unlearn.cli forget RUN`): the late deletion
+    from hf_unlearn.deletion import forget as forget_request
+
+    ids = run.ids_at_steps([steps[-1]])[:1]
+    receipt = forget_request(str(trace), ids, out / "forget", oracle=True, progress=False, log=lambda line: None)
+    if state.is_main_process:
+        saved = type(build_model(arch, tok)).from_pretrained(out / "forget" / "model").state_dict()
+        oracle = load_checkpoint(open_run(out / "forget" / "oracle").final_checkpoint())["model"]
+        result["forget"] = {"ok": receipt.ok, "verified": receipt.evidence.get("verified"),
+                            "model_is_oracle": all(torch.equal(saved[n], t) for n, t in oracle.items())}
+    else:
+        assert receipt is None  # the main process writes and returns the receipt
+    refused = {}
+    try:  # another sharding: reshard_after_forward flipped
+        ReplayTrainer(trace, start="full", args=fsdp_args(out / "other", not reshard, precision))
+    except UnlearnError as e:
+        refused["other_sharding"] = str(e)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        result["refused"] = refused
+        (out / "result.json").write_text(json.dumps(result))
+
+
+def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
+    """A hook on process 1 only edits its shard of one parameter after optimizer step 1 (code a replay does not run,
+    which the main process's guard cannot see): the per-step digest, gathered from every process, must differ from
+    the replay's at step 1 on every process (so all of them refuse, none waits in a collective)."""
+    import torch
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.runtime import init_processes
+    from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer
+    from hf_unlearn.trace.fidelity import FidelityError
+    from tests import fsdp_cpu
+    from tests.test_trace_common import get_trace_data
+
+    faulthandler.dump_traceback_later(DUMP_AFTER_S, exit=True)
+    fsdp_cpu.enable()
+    torch.set_num_threads(1)
+    state = init_processes(announce=False)
+    tok, data = get_trace_data()
+    trainer = TraceRecordingTrainer(model=build_model(arch, tok), args=fsdp_args(out / "ft", reshard, precision),
+                                    train_dataset=data.select(range(32)), data_collator=QACollator.from_tokenizer(tok),
+                                    trace_dir=out / "trace", trace_checkpoint_steps=4)
+    steps = []
+
+    def edit(optimizer, args, kwargs):
+        steps.append(len(steps))
+        if state.process_index == 1 and len(steps) == 2:  # after optimizer step 1
+            with torch.no_grad():
+                next(trainer.model.parameters()).to_local().add_(1e-3)
+
+    trainer.create_optimizer()  # the Trainer keeps it (FSDP2 prepares the model and this optimizer together)
+    trainer.optimizer.register_step_post_hook(edit)
+    trainer.train()
+    state.wait_for_everyone()
+    try:
+        ReplayTrainer(out / "trace", start="full").train()
+        refused = None
+    except FidelityError as e:
+        refused = str(e)
+    from accelerate.utils import gather_object
+
+    everyone = gather_object([refused])
+    if state.is_main_process:
+        (out / "result.json").write_text(json.dumps({"refused": everyone}))
+
+
+if __name__ == "__main__":
+    if sys.argv[5] == "attack":
+        attack(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4])
+        sys.exit(0)
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4], [int(s) for s in sys.argv[5].split(",")])
