@@ -475,6 +475,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
             mode and plain attributes, and in-place edits of parameters, buffers and optimizer state; a change no
             recorded callback made marks the run (step, cause), and each step's fingerprint goes into the plan so
             replays check themselves step by step. Default: on; ``False`` leaves deletions of the run unverifiable.
+        trace_parent: the recorded run (or ``forget`` output folder) whose output the model is, when it cannot be
+            found from where the model was loaded (:mod:`hf_unlearn.trace.lineage`); checked: refused when that
+            run's output weights are not the model's. Found or not, the starting weights' root is recorded.
     """
 
     _is_replay = False
@@ -485,7 +488,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
                  trace_allow_hazards: bool = False, trace_self_check: bool | int = True,
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
-                 trace_guards: bool = True, **kwargs):
+                 trace_guards: bool = True, trace_parent: str | os.PathLike | None = None, **kwargs):
         from .retention import MODES
 
         if trace_checkpoint_retention not in MODES:
@@ -512,6 +515,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self.trace_checkpoint_retention = trace_checkpoint_retention
         self.trace_checkpoint_budget = trace_checkpoint_budget
         self.trace_frozen_source = trace_frozen_source
+        self.trace_parent = trace_parent
         self.id_column = id_column
         self.dummy_token_id = dummy_token_id if dummy_token_id is not None else self._default_dummy_token()
         self.trace_allow_hazards = trace_allow_hazards
@@ -1035,6 +1039,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"{run} was recorded with the replayed callbacks {names[0] or 'none'} and is resumed "
                                f"with {names[1] or 'none'}: a replay runs one set of callbacks over the whole run; "
                                "resume with the same callbacks (same classes, same order)")
+        if not self._is_replay:  # the model it starts from: a recorded run's output, or an external base
+            from .lineage import record_lineage
+
+            header["lineage"] = previous.get("lineage") or record_lineage(
+                self.accelerator.unwrap_model(self.model), run, self.trace_parent)
         self._trace_header = header
         if resume_step:
             self._check_resumed_state(resume_step)
