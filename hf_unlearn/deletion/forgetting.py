@@ -128,6 +128,12 @@ class ForgetReceipt:
             hazards = self.evidence.get("hazards") or []
             caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
                       "not reproduce what the original training computed") if hazards else ""
+            if verified is True and self.evidence.get("pipeline"):
+                return ("exact through the pipeline: each stage from the first one holding a row replayed with the rows' "
+                        "loss contributions set to zero (a store without them), every later stage replayed from step 0 "
+                        "from the new parent's output with its recorded controls, each stage bit-identical to its "
+                        "oracle (the oracle of each stage starting from the oracle of the stage before; same replay "
+                        "engine)" + caveat)
             if verified is True:
                 return ("exact: the recorded run with the rows' loss contributions set to zero, replayed from a store "
                         "without them, bit-identical to the oracle (a full replay from step 0 on the original store: "

@@ -221,7 +221,9 @@ def parent_path(run) -> Path | None:
 
 
 def lineage_of(run) -> dict:
-    return run.header.get("lineage") or {}
+    """A run's (or a header dict's) recorded lineage, ``{}`` for a run recorded before lineage."""
+    header = run if isinstance(run, dict) else run.header
+    return header.get("lineage") or {}
 
 
 def parent_run_id(run) -> str | None:
@@ -320,7 +322,7 @@ def _ordered(runs) -> list:
 
 
 def describe(run) -> str:
-    """One line on where a run started from (``trace inspect``)."""
+    """One line on where a run (or a header dict) started from (``trace inspect``, ``trace lineage``)."""
     lin = lineage_of(run)
     if not lin:
         return "not recorded (the run was recorded before lineage)"
