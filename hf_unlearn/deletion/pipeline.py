@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..trace.lineage import open_quietly
 
 
 # ---- before any compute ----------------------------------------------------------------------------------------
@@ -50,14 +51,9 @@ def stage_ids(run, ids) -> list:
 def open_pipeline(sources) -> list:
     """The stages' runs, in training order: the runs given (checked to be a pipeline), or, for one run, the pipeline
     found from its recorded parents."""
-    import warnings
-
     from ..trace.lineage import check_pipeline, find_pipeline
-    from ..trace.run import open_run
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        runs = [open_run(s) for s in sources]
+    runs = [open_quietly(s) for s in sources]
     if len(runs) == 1:
         runs = find_pipeline(runs[0])
     check_pipeline(runs)
@@ -163,9 +159,8 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
 def _parent_of(folder: Path) -> tuple[dict, dict]:
     """``(start_parent, weights)`` for a stage starting from the output of the replayed run in ``folder``."""
     from ..trace.lineage import output_weights, weights_root
-    from ..trace.run import open_run
 
-    run = open_run(folder)
+    run = open_quietly(folder)
     weights = output_weights(run)
     parent = {"run_id": run.header["run_id"], "origin_run_id": run.header.get("origin_run_id"),
               "output_root": weights_root(weights), "via": "pipeline", "steps": run.kept().total_steps,
@@ -230,7 +225,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
         entry.update(replayed=True, why=s["why"], start_step=stats["start_step"],
                      steps_replayed=stats["segments_replayed"],
                      replay={"output": str(d / "replay"), "run_id": _run_id(d / "replay"),
-                             "output_root": output_root(_open(d / "replay")),
+                             "output_root": output_root(open_quietly(d / "replay")),
                              "fidelity": fidelity_statement(json.loads((d / "replay" / "header.json").read_text()))})
         log(f"stage {k}: replayed {stats['segments_replayed']} of {stats['total_steps']} steps from step "
             f"{stats['start_step']} in {timings[f'stage_{k}_replay_s']:.0f} s")
@@ -247,7 +242,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
             ok = bool(report["verified"])
             verified.append(ok)
             entry["oracle"] = {"output": str(d / "oracle"), "run_id": _run_id(d / "oracle"),
-                               "output_root": output_root(_open(d / "oracle")), "identical": bool(report["identical"]),
+                               "output_root": output_root(open_quietly(d / "oracle")), "identical": bool(report["identical"]),
                                "verified": ok, "problems": list(report["provenance"]["problems"]),
                                "params_mismatched_elements": report["params"]["mismatched_elements"],
                                "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"]}
@@ -263,29 +258,27 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     if not tokenizer and (runs[-1].path / PROCESSING_CLASS_DIR).is_dir():
         tokenizer = load_processing_class(runs[-1].path / PROCESSING_CLASS_DIR)
     model_dir = out / "model"
-    replay.save_model(str(model_dir))
+    exact = {}
+    if (runs[-1].header.get("model") or {}).get("peft"):  # what is published: the adapter merged into its base
+        from ..trace.lineage import output_model, weights_root
+
+        merged = output_model(open_quietly(prev_replay))
+        merged.save_pretrained(str(model_dir))
+        exact["params_root"] = weights_root(merged.state_dict())
+    else:
+        replay.save_model(str(model_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
     saved_files = hashed_files(model_dir)
     card_info = replay.unlearning_card_info()
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
                      not_ids=_own_settings(card_info))
-    exact = card_info["extra"].get("exact_deletion", {})
+    exact = {**card_info["extra"].get("exact_deletion", {}), **exact}
     evidence = {"pipeline": stages, "pipeline_cost": {k: v for k, v in cost.items() if k != "stages"},
                 "verified": None if not config.oracle else all(verified), "hazards": plan["hazards"],
                 "controls": plan["controls"]}
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
                     trace_params_root=exact.get("params_root"), saved_files=saved_files)
-
-
-def _open(folder):
-    import warnings
-
-    from ..trace.run import open_run
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return open_run(folder)
 
 
 def _run_id(folder: Path) -> str:
@@ -329,7 +322,7 @@ def verify_pipeline(out) -> dict:
         if not report["verified"]:
             problems.append(f"{name}: replay vs oracle " + ("bit-identical but not proven: " + "; ".join(
                 report["provenance"]["problems"][:2]) if report["identical"] else "NOT identical"))
-        runs = {role: _open(f) for role, f in folders.items()}
+        runs = {role: open_quietly(f) for role, f in folders.items()}
         for role, run in runs.items():
             if run.header.get("origin_run_id") != st.get("origin_run_id"):
                 problems.append(f"{name}: the {role} is of recorded run {run.header.get('origin_run_id')}, not the "
@@ -365,7 +358,8 @@ def verify_pipeline(out) -> dict:
         from ..trace.lineage import output_checkpoint
 
         hashes = json.loads((output_checkpoint(last) / "hashes.json").read_text())
-        if hashes["params_root"] != final:
+        merged = output_root(last) if (last.header.get("model") or {}).get("peft") else None
+        if final not in (hashes["params_root"], merged):
             problems.append("the receipt's final state root is not the last stage's replayed state")
     from ..hub.publish import build_manifest
 

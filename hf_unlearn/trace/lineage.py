@@ -32,7 +32,7 @@ from .hashing import root_hash, tensor_hash
 
 PRIVATE_FILE = Path("private") / "lineage.json"
 RECEIPT = "receipt.json"
-_ADAPTER = re.compile(r"(^|\.)(lora_[A-Za-z_]+|modules_to_save|original_module)(\.|$)")
+ADAPTER = re.compile(r"(^|\.)(lora_[A-Za-z_]+|modules_to_save|original_module)(\.|$)")
 
 
 # ---- the weights a run starts from and ends with ----------------------------------------------------------------
@@ -40,7 +40,7 @@ def weights_hashes(state: dict) -> dict[str, str]:
     """Per-tensor hashes of a model's base weights, named as the plain model names them (adapters left out)."""
     out = {}
     for name, t in state.items():
-        if _ADAPTER.search(name):
+        if ADAPTER.search(name):
             continue
         key = base_key(name)
         out[key] = tensor_hash(key, t)
@@ -54,7 +54,7 @@ def weights_root(state: dict) -> str:
 
 def base_weights(state: dict) -> dict:
     """``{plain name: tensor}`` of a (PEFT) model state, adapters left out."""
-    return {base_key(n): t for n, t in state.items() if not _ADAPTER.search(n)}
+    return {base_key(n): t for n, t in state.items() if not ADAPTER.search(n)}
 
 
 def output_checkpoint(run) -> Path:
@@ -67,24 +67,28 @@ def output_checkpoint(run) -> Path:
     return cps[kept.total_steps]
 
 
-def output_weights(run) -> dict:
-    """The base weights a run produced: its kept checkpoint's model, a PEFT adapter merged into its base (with the
-    recorded numeric stack, as ``merge_and_unload`` does in the training script)."""
+def output_model(run, state: dict | None = None):
+    """A PEFT run's output as a plain model: its kept checkpoint (or ``state``) loaded and the adapter merged into the
+    base with the recorded numeric stack, as ``merge_and_unload`` does in the training script."""
     from .checkpoints import full_model_state, load_checkpoint
-
-    state = full_model_state(load_checkpoint(output_checkpoint(run)))
-    if not (run.header.get("model") or {}).get("peft"):
-        return base_weights(state)
     from .fidelity import restore_layout
     from .replay import model_from_run
     from .stack import pinned_stack
 
     model = model_from_run(run, weights_follow=True)
     restore_layout(model, run.path, run.header)
-    model.load_state_dict(state)
+    model.load_state_dict(state if state is not None else full_model_state(load_checkpoint(output_checkpoint(run))))
     with pinned_stack(run.header):
-        merged = model.merge_and_unload()
-    return dict(merged.state_dict())
+        return model.merge_and_unload()
+
+
+def output_weights(run) -> dict:
+    """The base weights a run produced: its kept checkpoint's model (a PEFT adapter merged into its base)."""
+    from .checkpoints import full_model_state, load_checkpoint
+
+    if (run.header.get("model") or {}).get("peft"):
+        return dict(output_model(run).state_dict())
+    return base_weights(full_model_state(load_checkpoint(output_checkpoint(run))))
 
 
 def output_root(run) -> str:
@@ -92,10 +96,10 @@ def output_root(run) -> str:
 
 
 # ---- finding a parent -------------------------------------------------------------------------------------------
-def _open(path):
-    from .run import open_run
-
+def open_quietly(path):
     import warnings
+
+    from .run import open_run
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -189,7 +193,7 @@ def record_lineage(model, run_dir, hint=None) -> dict:
             candidates.append((*resolved, False))
     for folder, via, declared in candidates:
         try:
-            run = _open(folder)
+            run = open_quietly(folder)
             root = output_root(run)
         except UnlearnError as e:
             if declared:
@@ -235,7 +239,7 @@ def parent_run_id(run) -> str | None:
 def find_pipeline(last) -> list:
     """The stages of the pipeline ending with run ``last`` (a folder or opened run), first stage first, found from
     each run's recorded parent folder (``private/lineage.json``)."""
-    run = last if hasattr(last, "header") else _open(last)
+    run = last if hasattr(last, "header") else open_quietly(last)
     stages = [run]
     seen = {run.header["run_id"]}
     while parent_run_id(stages[0]):
@@ -246,7 +250,7 @@ def find_pipeline(last) -> list:
             raise UnlearnError(f"{stages[0].path} starts from recorded run {want} whose folder "
                                f"{folder or '(not recorded)'} is missing: a stage of the pipeline is missing; pass "
                                f"every stage's run in order")
-        parent = _open(folder)
+        parent = open_quietly(folder)
         if parent.header["run_id"] != want or want in seen:
             raise UnlearnError(f"{folder} (recorded as the parent of {stages[0].path}) is run "
                                f"{parent.header['run_id']}, not {want}: the parent folder was replaced; pass every "

@@ -489,14 +489,14 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         """A pipeline stage whose parent changed: its step-0 state with the base weights replaced by the new parent's
         output (``start_weights``, plain names; adapter tensors and the optimizer's step-0 state stay as recorded).
         Every tensor must be there with the recorded shape and dtype."""
-        from .lineage import _ADAPTER, weights_root
         from .base_source import base_key
+        from .lineage import ADAPTER, weights_root
 
         if self.start_step != 0:
             raise UnlearnError("a replay from a new parent's weights starts at step 0 (start='full')")
         given, model = self._start_weights, dict(self._start_state["model"])
         for name, t in model.items():
-            if _ADAPTER.search(name):
+            if ADAPTER.search(name):
                 continue
             new = given.get(base_key(name))
             if new is None or tuple(new.shape) != tuple(t.shape) or new.dtype != t.dtype:
