@@ -14,3 +14,28 @@ class GrowingEveryTokenTrainer(Trainer):
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
         loss = loss + 0.05 * self.state.global_step * (outputs.logits ** 2).mean()
         return (loss, outputs) if return_outputs else loss
+
+
+try:
+    from trl import DPOTrainer
+except ImportError:  # pragma: no cover - trl is an extra
+    DPOTrainer = None
+
+if DPOTrainer is not None:
+    class EveryTokenDPOTrainer(DPOTrainer):
+        """DPO's loss ``+ 1e-3 * ((input embeddings - 1) ** 2).mean()`` over every token from the start: the recorder's
+        construction probe refuses it."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss + 1e-3 * ((model.get_input_embeddings()(inputs["input_ids"]) - 1) ** 2).mean()
+
+    class GrowingEveryTokenDPOTrainer(DPOTrainer):
+        """DPO's loss ``+ 1e-3 * state.global_step * ((input embeddings - 1) ** 2).mean()`` over every token of both rows of
+        every pair, completion or not: zero at step 0 (the construction probe passes), from step 1 on a deleted pair's
+        dummy has weight."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            embeds = model.get_input_embeddings()(inputs["input_ids"])
+            return loss + 1e-3 * self.state.global_step * ((embeds - 1) ** 2).mean()  # the pad embedding is 0

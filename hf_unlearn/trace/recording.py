@@ -489,8 +489,10 @@ class TraceRecordingMixin(WeightsFollowUmask):
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
                  trace_guards: bool = True, trace_parent: str | os.PathLike | None = None, **kwargs):
+        from .preference import check_trainer_class
         from .retention import MODES
 
+        check_trainer_class(type(self))  # trainers that generate their data; DPO without its pair dummies
         if trace_checkpoint_retention not in MODES:
             raise UnlearnError(f"trace_checkpoint_retention must be one of {MODES}, not {trace_checkpoint_retention!r}")
         for name, value in (("trace_checkpoint_steps", trace_checkpoint_steps),
@@ -648,6 +650,25 @@ class TraceRecordingMixin(WeightsFollowUmask):
             return self._trace_served(dataset)
         return super()._remove_unused_columns(dataset, description=description)
 
+    # ---- what a slot's row and its dummy are (hf_unlearn.trace.preference overrides these for DPO's pairs) -----
+    _trace_token_column = "input_ids"
+
+    def _trace_row_lengths(self, served) -> list[int]:
+        return [len(x) for x in served["input_ids"]]
+
+    def _trace_row_length(self, row: dict) -> int:
+        return len(row["input_ids"])
+
+    def _trace_dummy_row(self, template: dict, length: int, token: int) -> dict:
+        return dummy_row(template, length, token, self.id_column)
+
+    def _trace_dummy_has_weight(self, collator, row: dict) -> bool:
+        return dummy_has_weight(collator, row)
+
+    def _trace_replay_arguments(self, run, given: dict) -> dict:
+        """Constructor arguments a replay of ``run`` adds for the recorded trainer (DPO: its reference model)."""
+        return {}
+
     def trace_preflight(self) -> tuple:
         """Check that a replay can reproduce this run; return ``(served rows, hazards, notes)``.
 
@@ -667,8 +688,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self.id_column not in served.column_names:
             raise UnlearnError(f"train_dataset has no {self.id_column!r} column; add stable sample ids "
                                "(hf_unlearn.tokenize_qa keeps TOFU's `id`), or pass id_column=")
-        if "input_ids" not in served.column_names:
-            raise UnlearnError("train_dataset has no `input_ids` column: the trace stores token rows")
+        if self._trace_token_column not in served.column_names:
+            raise UnlearnError(f"train_dataset has no `{self._trace_token_column}` column: the trace stores token rows")
         id_type = served.features[self.id_column]
         if getattr(id_type, "dtype", None) not in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                                                      "uint64", "string", "large_string"):
@@ -711,7 +732,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if args.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
             hazards.append("CUDA without torch.use_deterministic_algorithms(True): kernels may not be bit-reproducible")
         template = served[0]
-        if dummy_has_weight(collator, dummy_row(template, 4, self.dummy_token_id, self.id_column)):
+        if self._trace_dummy_has_weight(collator, self._trace_dummy_row(template, 4, self.dummy_token_id)):
             raise UnlearnError(
                 f"the data collator ({name}) gives the dummy row that replaces a deleted sample a label "
                 f"(dummy_token_id={self.dummy_token_id}): a deleted slot would not have weight 0; add a `labels` column "
@@ -1014,7 +1035,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if PACKED_IDS in served.column_names:
             save_store_info(store, self.dummy_token_id)
         index = id_index(served, self.id_column)
-        lengths = [len(x) for x in served["input_ids"]]
+        lengths = self._trace_row_lengths(served)
         self._trace_lens = {i: lengths[n] for i, n in index.items()}
         previous = {}
         if resume_step and (run / "header.json").exists():
@@ -1427,9 +1448,12 @@ def trace_recording(trainer_cls):
         raise UnlearnError(f"trace_recording() takes a transformers.Trainer subclass, not {trainer_cls!r}")
     if issubclass(trainer_cls, TraceRecordingMixin):
         return trainer_cls
+    from .preference import preference_mixins
+
+    extra = preference_mixins(trainer_cls)  # refuses trainers that generate their own data
     if trainer_cls is Trainer:
         return TraceRecordingTrainer
-    return type(f"TraceRecording{trainer_cls.__name__}", (TraceRecordingMixin, trainer_cls),
+    return type(f"TraceRecording{trainer_cls.__name__}", (*extra, TraceRecordingMixin, trainer_cls),
                 {"__module__": __name__, "__doc__": f"{trainer_cls.__qualname__} recording a replayable trace.",
                  "_trace_machinery": True})
 

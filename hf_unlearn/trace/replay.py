@@ -60,8 +60,6 @@ from .recording import (
     TraceWriter,
     _jsonable,
     build_optimizer,
-    dummy_has_weight,
-    dummy_row,
     keyed_batch_digest,
     rank_seed,
     seeded,
@@ -435,7 +433,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         padding_free = bool(getattr(args, "padding_free", False)) or bool(getattr(args, "packing", False))
         super().__init__(model=model, args=args, data_collator=None if padding_free else data_collator,
                          trace_dir=self.out_dir or self._scratch or self.run.path / "_unused", id_column=self.run.id_column,
-                         dummy_token_id=header.get("dummy_token_id", 0), **self._recorded_trainer_arguments(), **kwargs)
+                         dummy_token_id=header.get("dummy_token_id", 0),
+                         **self._recorded_trainer_arguments(), **self._trace_replay_arguments(self.run, kwargs), **kwargs)
         self.data_collator = data_collator
         self._check_processes()
         check_device(header, self.args.device)
@@ -458,7 +457,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                  if (hit := [k for k, (d, _, _) in enumerate(frags) if d is None or d in self.forget_tag_set])}
             self._emptied = emptied_rows(self._packing_map, self.forget_tag_set)
             self._check_packed_rows()
-        if dummy_has_weight(self.data_collator, dummy_row(self._template, 4, self.dummy_token_id, self.id_column)):
+        if self._trace_dummy_has_weight(self.data_collator, self._trace_dummy_row(self._template, 4, self.dummy_token_id)):
             raise UnlearnError("the collator gives a deleted slot's dummy row a label: deleted slots would not have "
                                "weight 0 (pass the collator the run was recorded with)")
         self.start_step = self._start_step()
@@ -685,13 +684,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if s is None or s in self.forget_tag_set:
                 if keep_dummies:
                     dummy_pos.append(len(feats))
-                    feats.append(dummy_row(self._template, n, self.dummy_token_id, self.id_column))
+                    feats.append(self._trace_dummy_row(self._template, n, self.dummy_token_id))
                     if marked is not None:
-                        marked.append(dummy_row(self._template, n, marker, self.id_column))
+                        marked.append(self._trace_dummy_row(self._template, n, marker))
                 continue
             row = dict(zip(names, next(fetched)))
-            if len(row["input_ids"]) != n:
-                raise UnlearnError(f"store row for slot tag {s} has {len(row['input_ids'])} tokens, the plan recorded "
+            if self._trace_row_length(row) != n:
+                raise UnlearnError(f"store row for slot tag {s} has {self._trace_row_length(row)} tokens, the plan recorded "
                                    f"{n}: the store is not the one the run read")
             if marked is not None:  # a copy: a collator may assign into its features
                 marked.append(with_dummies(row, self._dummy_spans[s], marker) if s in self._dummy_spans else dict(row))
@@ -1010,11 +1009,14 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         (out / "private").mkdir(exist_ok=True)
         if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
             shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
+        from .reference import PRIVATE_SOURCE, REFERENCE_DIR
         from .trainers import PROCESSING_CLASS_DIR
 
-        for folder in ("model", "collator", PROCESSING_CLASS_DIR):
+        for folder in ("model", "collator", PROCESSING_CLASS_DIR, REFERENCE_DIR):  # a DPO run's reference goes along
             if (src / folder).exists():
                 shutil.copytree(src / folder, out / folder)
+        if src.joinpath(*PRIVATE_SOURCE).exists():
+            shutil.copy2(src.joinpath(*PRIVATE_SOURCE), out.joinpath(*PRIVATE_SOURCE))
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))

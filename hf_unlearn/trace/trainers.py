@@ -21,7 +21,8 @@ from ..errors import UnlearnError
 HANDLED_ARGUMENTS = frozenset({
     "model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class", "tokenizer", "model_init",
     "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics",
-    "peft_config", "formatting_func", "compute_loss_func"})
+    "peft_config", "formatting_func", "compute_loss_func",
+    "ref_model"})  # DPO: the reference is bound by its weights (header reference_model, hf_unlearn.trace.reference)
 # Config fields that only act while the trainer prepares its dataset or loads its model and tokenizer; a replay
 # gets the prepared rows, the saved model and the saved tokenizer, so it sets them to these values.
 CONSTRUCTION_ONLY = {"dataset_kwargs": {"skip_prepare_dataset": True}, "chat_template_path": None, "eos_token": None,

@@ -1,0 +1,239 @@
+"""Exact deletion for TRL's ``DPOTrainer``: the deleted pair's dummy, the loss types whose dummy has weight 0, and
+what a recording refuses (see :mod:`hf_unlearn.trace.reference` for the reference model).
+
+``trace_recording(DPOTrainer)`` records a DPO run like any other: the store holds DPOTrainer's prepared rows
+(``prompt_ids``, ``chosen_ids``, ``rejected_ids`` and the id), one slot per preference pair. A deleted pair's slot is
+filled by a **prompt-only dummy pair**: ``prompt_ids`` = ``n`` dummy tokens, ``chosen_ids`` = ``rejected_ids`` = ``[]``,
+where ``n`` is the longer of the pair's two sequences (prompt + chosen, prompt + rejected). ``DataCollatorForPreference``
+turns it into a chosen row and a rejected row of ``n`` tokens each whose ``completion_mask`` is all zero, so
+
+* its labels are all ``-100``: TRL's fused LM head fills the log-probabilities of unlabelled positions with exactly 0
+  through ``masked_fill`` (whose gradient there is exactly 0), so the pair's policy and reference log-probabilities are
+  the constant 0, every score of the pair is a constant, and its per-pair loss has a gradient that is *structurally*
+  zero (zeros multiplied through, no cancellation of two non-zero terms);
+* no row is longer than the pair it replaces, so the collated batch keeps its shape and every other pair's
+  computation is unchanged (each row attends only to itself);
+* it keeps its slot: the per-microbatch mean over pairs divides by the same number of pairs (the recorded slots), and
+  ``Trainer`` divides by the recorded accumulation steps. DPO's loss ignores ``num_items_in_batch``, so these two
+  are the run's whole normaliser.
+
+This holds for every loss type whose per-pair loss is a function of that pair's log-probabilities alone and is
+averaged over pairs (:data:`PER_PAIR_LOSS_TYPES`). The others are refused by name (:data:`REFUSED_LOSS_TYPES`), as are
+options that tie pairs or steps together. The probe at construction and the per-microbatch check of every replay
+(:mod:`hf_unlearn.trace.dummies`) stop on any dummy that gets a gradient.
+
+Online trainers that generate (GRPO, RLOO, PPO, online DPO, ...) are refused before any compute: see
+:func:`refuse_online`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..errors import UnlearnError
+from .dummies import DummyGradientWatch, dummy_positions
+
+# Per-pair losses averaged over the microbatch's pairs: a prompt-only dummy pair contributes a constant (all its
+# log-probabilities are 0, so chosen and rejected scores, their difference and any per-pair length normalisation are
+# constants) and keeps its place in the mean's denominator.
+PER_PAIR_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+                       "apo_down", "discopop", "sigmoid_norm")
+REFUSED_LOSS_TYPES = {
+    "aot": "it sorts the log-ratio differences of all pairs in the microbatch and pairs them by rank, so a deleted pair's "
+           "dummy changes which pairs every other pair is compared with",
+    "aot_unpaired": "it sorts chosen and rejected log-ratios across the microbatch and pairs them by rank, so a deleted "
+                    "pair's dummy changes every other pair's partner",
+    "sft": "its NLL is a mean over every chosen completion token of the microbatch, so deleting a pair changes the "
+           "weight of every other pair's tokens (a normaliser the slots do not fix)",
+}
+# DPOConfig settings a replay cannot reproduce, with the reason (checked on the config before any compute)
+REFUSED_OPTIONS = {
+    "precompute_ref_log_probs": "the reference log-probabilities are computed into the dataset in batches when the "
+                                "trainer is built; a replay with another reference (a pipeline stage) would use stale "
+                                "ones; leave it False (the reference forward runs in each step)",
+    "sync_ref_model": "the reference is mixed with the policy during training (TR-DPO), a state no checkpoint holds",
+}
+# Trainers that train on completions sampled from the model being trained (class names, TRL and TRL experimental).
+ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "NashMDTrainer", "XPOTrainer",
+                   "GKDTrainer", "AsyncGRPOTrainer", "GOLDTrainer", "MiniLLMTrainer")
+DPO_TRAINER = "DPOTrainer"
+STORE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def refuse_online(trainer_cls) -> None:
+    """Refuse, before any compute, a trainer that generates its own training data from the model being trained."""
+    names = {c.__name__ for c in getattr(trainer_cls, "__mro__", ())}
+    found = next((n for n in ONLINE_TRAINERS if n in names), None)
+    if found:
+        raise UnlearnError(
+            f"{trainer_cls.__qualname__} ({found}) cannot be recorded for exact deletion: it trains on completions it "
+            "samples from the model being trained, so each step's data depends on the weights every earlier step "
+            "produced; deleting a prompt changes those weights and hence every completion sampled after it (for every "
+            "other prompt too), so the recorded plan is not the plan of the run without that prompt and no fixed-plan "
+            "replay can reproduce it. Record offline trainers (SFTTrainer, DPOTrainer on a fixed preference dataset)")
+
+
+def is_dpo(trainer_cls) -> bool:
+    """Whether ``trainer_cls`` is TRL's ``DPOTrainer`` or a subclass of it."""
+    return any(c.__name__ == DPO_TRAINER and c.__module__.startswith("trl.") for c in getattr(trainer_cls, "__mro__", ()))
+
+
+def dpo_refusal(args) -> str | None:
+    """Why a replay cannot reproduce a DPO run with this ``DPOConfig`` (one line), or None."""
+    loss_types = list(getattr(args, "loss_type", None) or ["sigmoid"])
+    for loss_type in loss_types:
+        if loss_type in REFUSED_LOSS_TYPES:
+            return f"loss_type={loss_type!r}: {REFUSED_LOSS_TYPES[loss_type]}"
+        if loss_type not in PER_PAIR_LOSS_TYPES:
+            return (f"loss_type={loss_type!r} is not one whose deleted pair is known to have weight 0 "
+                    f"(supported: {', '.join(PER_PAIR_LOSS_TYPES)})")
+    for option, why in REFUSED_OPTIONS.items():
+        if getattr(args, option, False):
+            return f"{option}=True: {why}"
+    return None
+
+
+def pair_length(row: dict) -> int:
+    """The slot length of a preference pair: its longer sequence (prompt + chosen or prompt + rejected)."""
+    prompt = len(row["prompt_ids"])
+    return prompt + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+
+
+def dummy_pair(template: dict, length: int, dummy_token_id: int, id_column: str) -> dict:
+    """The prompt-only pair that fills a deleted slot: ``length`` dummy prompt tokens, no chosen nor rejected token."""
+    row = {}
+    for k, v in template.items():
+        if k == id_column:
+            continue
+        if k == "prompt_ids":
+            row[k] = [dummy_token_id] * length
+        elif isinstance(v, list):
+            row[k] = []
+        else:
+            row[k] = type(v)() if v is not None else None
+    return row
+
+
+def dummy_pair_has_weight(collator, row: dict) -> bool:
+    """True unless the collator gives the dummy pair no completion token (weight exactly 0)."""
+    mask = collator([dict(row)]).get("completion_mask")
+    return mask is None or bool(torch.as_tensor(mask).any())
+
+
+class PreferenceTraceMixin:
+    """The DPO parts of a recording (and of replays composed with it): put before :class:`TraceRecordingMixin` by
+    :func:`hf_unlearn.trace.trace_recording` for ``trl.DPOTrainer`` and its subclasses."""
+
+    _trace_machinery = True
+    _trace_token_column = "prompt_ids"
+
+    def __init__(self, *args, **kwargs):
+        from .recording import _bound_arguments
+
+        cls = type(self)
+        base = next(c for c in cls.__mro__ if c.__name__ == DPO_TRAINER)
+        bound = _bound_arguments(base.__init__, args, kwargs)
+        config = bound.get("args")
+        why = dpo_refusal(config) if config is not None else None
+        if why and not self._is_replay:
+            raise UnlearnError(f"{base.__qualname__} cannot be recorded for exact deletion: {why}")
+        super().__init__(*args, **kwargs)
+        if getattr(self, "aux_loss_enabled", False) and not self._is_replay:
+            raise UnlearnError(f"{base.__qualname__} cannot be recorded for exact deletion: the MoE router's "
+                               "load-balancing loss is computed over every token of the microbatch, a deleted pair's "
+                               "dummy included; set router_aux_loss_coef=0")
+        if not self._is_replay:
+            from .reference import describe_reference
+
+            self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None)
+
+    # ---- DPOTrainer's dataset preparation -----------------------------------------------------------------
+    def _prepare_dataset(self, dataset, *args, **kwargs):
+        from .recording import TraceRecordingMixin
+
+        if self._is_replay:  # the store holds DPOTrainer's prepared rows
+            return dataset
+        return super(TraceRecordingMixin, self)._prepare_dataset(dataset, *args, **kwargs)
+
+    # ---- the dummy pair (hooks of TraceRecordingMixin and the replays) -------------------------------------
+    def _trace_row_lengths(self, served) -> list[int]:
+        return [p + max(c, r) for p, c, r in zip(*([len(x) for x in served[k]] for k in STORE_COLUMNS))]
+
+    def _trace_row_length(self, row: dict) -> int:
+        return pair_length(row)
+
+    def _trace_dummy_row(self, template: dict, length: int, token: int) -> dict:
+        return dummy_pair(template, length, token, self.id_column)
+
+    def _trace_dummy_has_weight(self, collator, row: dict) -> bool:
+        return dummy_pair_has_weight(collator, row)
+
+    def _check_dummy_has_no_influence(self, row: dict) -> None:
+        """DPOTrainer's loss on a real pair beside a deleted slot's dummy pair: the gradient at the dummy's input
+        embeddings (both of its rows) must be exactly zero. Once, at construction, at the initial weights."""
+        name = type(self).__mro__[0].__qualname__
+        dummy = dummy_pair(row, pair_length(row), self.dummy_token_id, self.id_column)
+        marked = dummy_pair(row, pair_length(row), self.dummy_token_id + 1, self.id_column)
+        collated = self.data_collator([dict(row), dummy])
+        mask = dummy_positions(collated, self.data_collator([dict(row), marked]))
+        batch = self._prepare_inputs(collated)
+        model, training = self.model, self.model.training
+        saved = copy.deepcopy(getattr(self, "_metrics", None))  # DPOTrainer logs metrics in compute_loss: not ours
+        tokens = getattr(self, "_total_train_tokens", None)
+        try:
+            model.eval()
+            with DummyGradientWatch(model, mask.to(self.args.device)) as watch:
+                loss = self.compute_loss(model, batch)
+                loss.backward()
+        except UnlearnError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the loss failed on a real pair and a dummy pair
+            raise UnlearnError(f"{name}.compute_loss fails on a microbatch of a training pair and the dummy pair that "
+                               f"replaces a deleted pair: {e}") from None
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.train(training)
+            if saved is not None:
+                self._metrics = saved
+            if tokens is not None:
+                self._total_train_tokens = tokens
+        if bool(watch.flag):
+            raise UnlearnError(f"{name}.compute_loss gives the dummy pair that replaces a deleted pair a gradient "
+                               f"(largest |gradient| {float(watch.largest):.3g} at its input embeddings): a deleted "
+                               "pair would not have weight 0; weight every term by the completion mask")
+
+    # ---- the reference model --------------------------------------------------------------------------------
+    def _trace_header_dict(self, served, fingerprint, hazards, notes) -> dict:
+        from .reference import save_reference
+
+        header = super()._trace_header_dict(served, fingerprint, hazards, notes)
+        header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
+        header["dataset"]["pairs"] = True
+        return header
+
+    def _trace_replay_arguments(self, run, given: dict) -> dict:
+        from .reference import load_reference_model
+
+        if "ref_model" in given:  # the caller's reference (a pipeline stage's new parent): see load_reference_model
+            return {}
+        ref = load_reference_model(run)
+        return {} if ref is None else {"ref_model": ref}
+
+
+def check_trainer_class(cls) -> None:
+    """Refuse, before any compute, a recording class a replay cannot follow (see :func:`refuse_online`), or a DPO
+    trainer recorded without :class:`PreferenceTraceMixin` (a hand-made ``TraceRecordingMixin`` subclass)."""
+    refuse_online(cls)
+    if is_dpo(cls) and not issubclass(cls, PreferenceTraceMixin):
+        raise UnlearnError(f"record {cls.__qualname__} with trace_recording(DPOTrainer), which adds the deleted "
+                           "pair's dummy and the reference model's record (a hand-made TraceRecordingMixin subclass "
+                           "does not)")
+
+
+def preference_mixins(trainer_cls) -> tuple:
+    """The mixins :func:`~hf_unlearn.trace.trace_recording` puts before ``TraceRecordingMixin`` for ``trainer_cls``
+    (refusing, before any compute, trainers that generate their own data)."""
+    refuse_online(trainer_cls)
+    return (PreferenceTraceMixin,) if is_dpo(trainer_cls) else ()

@@ -1,0 +1,175 @@
+"""The reference model of a preference run (``trl.DPOTrainer``): bound to the run by its weights, loaded by every
+replay and oracle through one function, :func:`load_reference_model`.
+
+The run's header holds ``reference_model``:
+
+* ``{"kind": "adapter_disabled", "params_root": ...}``: ``ref_model=None`` with a PEFT adapter; TRL's reference is the
+  policy with its adapter disabled, i.e. the frozen base weights, which the run's checkpoints hold. Nothing to load.
+* ``{"kind": "initial" | "model", "params_root": ..., "class", "dtype", "attn_implementation", "source": {...}}``:
+  ``ref_model=None`` without an adapter (TRL loads the policy's ``name_or_path`` again: "initial") or a reference
+  model given explicitly ("model", e.g. the ``save_pretrained`` folder of an earlier recorded run). ``params_root`` is
+  the state-hash root (:mod:`hf_unlearn.trace.hashing`) of the reference TRL actually holds. ``source`` says where a
+  replay loads it: ``{"kind": "folder", "revision", "files": {name: {size, sha256}}}`` when the folder it was loaded
+  from (a local folder or a Hugging Face cache snapshot, found as :mod:`hf_unlearn.trace.base_source` finds a base)
+  still holds exactly those weights, the folder's path kept in ``private/reference.json`` (a local path is never in
+  the header); else ``{"kind": "stored", "files": ...}``: its weights saved once in the run's ``reference/`` folder.
+
+Loading checks every file's size and SHA-256 first and the loaded model's params root after: a changed or swapped
+reference is refused in one line before any compute. ``override`` replaces the reference (a pipeline stage whose
+reference is the new parent): the caller vouches for it, and its root is returned with it by :func:`reference_root`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UnlearnError
+
+REFERENCE_DIR = "reference"  # the reference's weights, when no folder on disk holds them
+PRIVATE_SOURCE = ("private", "reference.json")  # the local folder a referenced reference is loaded from
+KEY = "reference_model"
+
+
+def reference_root(model) -> str:
+    """The params root (state hashes) of a reference model (unwrapped; a PEFT model: its base weights)."""
+    from .base_source import base_key
+    from .hashing import state_hashes
+
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        state = {base_key(n): t for n, t in model.state_dict().items() if "lora_" not in n}
+        return state_hashes(state).params_root
+    return state_hashes(model).params_root
+
+
+def describe_reference(trainer, given: bool) -> dict:
+    """What the recording binds as the reference of ``trainer`` (a DPOTrainer just built), in memory."""
+    ref = trainer.ref_model
+    if ref is None:
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        return {"kind": "adapter_disabled", "params_root": reference_root(policy)}
+    ref = trainer.accelerator.unwrap_model(ref)
+    from .base_source import loaded_from
+
+    source = loaded_from(ref)
+    return {"kind": "model" if given else "initial", "params_root": reference_root(ref), "class": type(ref).__name__,
+            "module": type(ref).__module__, "dtype": str(next(ref.parameters()).dtype).removeprefix("torch."),
+            "attn_implementation": getattr(ref.config, "_attn_implementation", None),
+            "_model": ref, "_folder": source["path"] if source and source["kind"] == "safetensors" else None,
+            "_revision": source.get("revision") if source else None}
+
+
+def _folder_files(folder: Path) -> dict:
+    from .base_source import file_sha256
+
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
+    return {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
+
+
+def save_reference(desc: dict, run_dir) -> dict:
+    """The header record of ``desc`` (:func:`describe_reference`); the reference's weights are referenced in their
+    folder when it holds them bit for bit, else saved in ``run_dir/reference``."""
+    record = {k: v for k, v in desc.items() if not k.startswith("_")}
+    if desc["kind"] == "adapter_disabled":
+        return record
+    run_dir = Path(run_dir)
+    folder = desc.get("_folder")
+    if folder is not None and _load(Path(folder), record, check=False) is not None:
+        private = run_dir.joinpath(*PRIVATE_SOURCE)
+        private.parent.mkdir(parents=True, exist_ok=True)
+        from ..utils import atomic_write_text
+
+        atomic_write_text(private, json.dumps({"path": str(Path(folder).resolve())}))
+        record["source"] = {"kind": "folder", "revision": desc.get("_revision"), "files": _folder_files(Path(folder))}
+        return record
+    target = run_dir / REFERENCE_DIR
+    desc["_model"].save_pretrained(str(target))
+    record["source"] = {"kind": "stored", "files": _folder_files(target)}
+    return record
+
+
+def _from_folder(folder: Path, record: dict):
+    """The model in ``folder`` loaded as the recorded reference was (class, dtype, attention), whatever its weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..utils import import_object
+
+    try:
+        cls = import_object(f"{record['module']}:{record['class']}")
+    except (ImportError, AttributeError, KeyError):
+        cls = AutoModelForCausalLM
+    kwargs = {"dtype": getattr(torch, record.get("dtype") or "float32")}
+    if record.get("attn_implementation"):
+        kwargs["attn_implementation"] = record["attn_implementation"]
+    return cls.from_pretrained(str(folder), **kwargs)
+
+
+def _load(folder: Path, record: dict, check: bool = True):
+    """The recorded reference from ``folder``; a model whose params root differs is refused (None if not ``check``)."""
+    model = _from_folder(folder, record)
+    root = reference_root(model)
+    if root == record["params_root"]:
+        return model
+    if check:
+        raise UnlearnError(f"the reference model in {folder} is not the one the run was trained against (params root "
+                           f"{root[:12]}..., recorded {record['params_root'][:12]}...); restore it")
+    return None
+
+
+def _check_files(folder: Path, files: dict, what: str) -> None:
+    from .base_source import file_sha256
+
+    for name, rec in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise UnlearnError(f"{path} is missing: the run's DPO reference model ({what}) is that file; put it back "
+                               "to replay the run")
+        if path.stat().st_size != rec["size"] or file_sha256(path) != rec["sha256"]:
+            raise UnlearnError(f"{path} has changed since the run was recorded (SHA-256 {rec['sha256'][:12]}... "
+                               f"expected): the run's DPO reference model ({what}) is that file as it was; restore it")
+
+
+def reference_folder(run) -> Path | None:
+    """Where the run's reference is loaded from (None: ``adapter_disabled``, or not a preference run)."""
+    record = run.header.get(KEY)
+    if not record or record["kind"] == "adapter_disabled":
+        return None
+    source = record.get("source") or {}
+    if source.get("kind") == "stored":
+        return Path(run.path) / REFERENCE_DIR
+    private = Path(run.path).joinpath(*PRIVATE_SOURCE)
+    if not private.is_file():
+        raise UnlearnError(f"{run.path} references its DPO reference model in a local folder but has no "
+                           f"{'/'.join(PRIVATE_SOURCE)} naming it: pass the reference folder as override=")
+    return Path(json.loads(private.read_text())["path"])
+
+
+def load_reference_model(run, override=None):
+    """The reference model a replay or oracle of ``run`` (a :class:`~hf_unlearn.trace.run.TraceRun` or a folder) must
+    use, checked against the run (files' size and SHA-256, then the params root); None when the run has none to load
+    (not a preference run, or ``adapter_disabled``: TRL disables the adapter).
+
+    ``override``: a model (used as given) or a ``save_pretrained`` folder (loaded with the recorded class, dtype and
+    attention) that replaces the recorded reference, e.g. a pipeline stage's new parent.
+    """
+    from .run import TraceRun, open_run
+
+    run = run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)
+    record = run.header.get(KEY)
+    if override is not None:
+        if not isinstance(override, (str, Path)):
+            return override
+        if not record or record["kind"] == "adapter_disabled":
+            raise UnlearnError(f"{run.path} has no reference model to replace with {override} (its reference is the "
+                               "policy with its adapter disabled)")
+        return _from_folder(Path(override), record)
+    folder = reference_folder(run)
+    if folder is None:
+        return None
+    source = record["source"]
+    what = "saved in the run" if source["kind"] == "stored" else "the folder it was loaded from" + (
+        f" (revision {source['revision']})" if source.get("revision") else "")
+    _check_files(folder, source.get("files") or {}, what)
+    return _load(folder, record)
+
