@@ -242,3 +242,50 @@ def test_pipeline_verdict_attacked(tmp_path):
     assert not report["verified"]
     assert any("stage 2" in p and ("swapped parent" in p or "not the receipt's" in p) for p in report["problems"])
     assert main(["trace", "verify", str(swapped)]) == 1
+
+
+def test_sft_then_dpo_with_the_sft_model_as_reference_deletes_through_both_stages(tmp_path):
+    """SFT (plain Trainer) on rows 0..15, then trl.DPOTrainer from its saved model with ref_model=None (TRL reloads
+    the SFT model: the reference is the parent) on pairs of rows 0..15. One id in both stages: deleted in each; the
+    DPO stage is replayed from the new SFT output with the new SFT output as its reference. Replay == oracle == a
+    plain Trainer then a plain DPOTrainer (deleted rows' labels -100, deleted pairs without completion tokens)."""
+    pytest.importorskip("trl")
+    from trl import DPOTrainer
+
+    from hf_unlearn.data import tokenize_qa
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+    from hf_unlearn.trace import trace_recording
+
+    from .test_trace_dpo import counterfactual, dpo_config, pairs, saved_model
+    from .test_trace_sft import _rows_and_tokenizer
+
+    rows, tok = _rows_and_tokenizer()
+    sft_data = tokenize_qa(rows.select(range(16)), tok, max_length=128)
+    _, dpo_data = pairs(n=16)
+    t1 = record(tok, sft_data, tmp_path / "sft", model=saved_model(tmp_path / "base", tok), **KW)
+    t1.save_model(str(tmp_path / "sft"))
+    dpo = trace_recording(DPOTrainer)(model=_from(tmp_path / "sft"), args=dpo_config(tmp_path / "dpo"),
+                                      train_dataset=dpo_data, processing_class=tok, trace_checkpoint_steps=2,
+                                      trace_checkpoint_retention="even")
+    dpo.train()
+    s1, s2 = tmp_path / "sft" / "trace", tmp_path / "dpo" / "trace"
+    h2 = json.loads((s2 / "header.json").read_text())
+    assert h2["lineage"]["parent"]["run_id"] == json.loads((s1 / "header.json").read_text())["run_id"]
+    assert h2["reference_model"]["params_root"] == h2["lineage"]["start_root"]  # the reference is the parent
+    first = ids_at_step(s1, 1)[:1]  # an early SFT row, also a DPO pair
+    ids = first + [i for i in ids_at_step(s2, 0) if i not in first][:1]
+    receipt = forget(str(s2), ids, tmp_path / "out", oracle=True, progress=False)  # the lineage found from DPO
+    assert receipt.ok and receipt.evidence["verified"] is True
+    st = receipt.evidence["pipeline"]
+    assert [s["ids"] for s in st] == [2, 2] and st[1]["reference_replaced"] and st[1]["start_step"] == 0
+    assert verify_pipeline(tmp_path / "out")["verified"]
+    # the engine-free chain: a plain Trainer, then a plain DPOTrainer started from (and referencing) its output
+    m1 = saved_model(tmp_path / "base", tok)
+    cf1 = independent_counterfactual(tok, sft_data, m1, s1, ids, tmp_path / "cf1", **KW)
+    assert not _same(_final(tmp_path / "out" / "stage-1" / "oracle"), cf1)
+    m1.save_pretrained(tmp_path / "cf1-model")
+    cf2 = counterfactual(tmp_path, tok, dpo_data, tmp_path / "cf1-model", ids)
+    for role in ("replay", "oracle"):
+        assert not _same(_final(tmp_path / "out" / "stage-2" / role), cf2["model"]), role
+    assert _same(_final(tmp_path / "out" / "stage-2" / "replay"), _final(s2))  # and the deletion changed DPO's output

@@ -156,16 +156,27 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
 
 
 # ---- the deletion ----------------------------------------------------------------------------------------------
-def _parent_of(folder: Path) -> tuple[dict, dict]:
-    """``(start_parent, weights)`` for a stage starting from the output of the replayed run in ``folder``."""
-    from ..trace.lineage import output_weights, weights_root
+def _start_from(stage, folder: Path) -> dict:
+    """The replay arguments of ``stage`` starting from the output of the replayed run in ``folder``: its weights, the
+    parent's record and, for a DPO stage whose reference was its parent, the new parent's model as the reference
+    (:func:`hf_unlearn.trace.reference.load_reference_model` with ``override``)."""
+    from ..trace.lineage import output_model, output_weights, reference_is_parent, weights_root
 
     run = open_quietly(folder)
     weights = output_weights(run)
     parent = {"run_id": run.header["run_id"], "origin_run_id": run.header.get("origin_run_id"),
               "output_root": weights_root(weights), "via": "pipeline", "steps": run.kept().total_steps,
               "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
-    return parent, weights
+    kw = dict(start_weights=weights, start_parent=parent)
+    if reference_is_parent(stage):
+        from ..trace.reference import load_reference_model, reference_root
+
+        ref = load_reference_model(stage, override=output_model(run))
+        if reference_root(ref) != parent["output_root"]:
+            raise UnlearnError(f"{stage.path}: the new parent's model as the DPO reference has another root than its "
+                               "output weights; refusing")
+        kw["ref_model"] = ref
+    return kw
 
 
 def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
@@ -173,7 +184,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     from ..hub.mixin import write_model_card
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
-    from ..trace.lineage import lineage_of, output_root
+    from ..trace.lineage import lineage_of, output_root, parent_path
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
     from ..trace.store import redact_store
     from ..trace.tags import tag
@@ -213,13 +224,14 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
                                   "store_sha256": red["store_sha256"], "id_check": red["checks"]["id_column_scanned"]}
         kw = {}
         if prev_replay is not None:
-            parent, weights = _parent_of(prev_replay)
-            kw = dict(start="full", start_weights=weights, start_parent=parent)
-            entry["new_start_root"] = parent["output_root"]
+            kw = dict(start="full", **_start_from(run, prev_replay))
+            entry["new_start_root"] = kw["start_parent"]["output_root"]
+            entry["reference_replaced"] = "ref_model" in kw
         log(f"stage {k}: {s['why']}")
         replay = with_replay_progress(RedactedReplayTrainer, f"stage {k} replay", config.progress)(
             run, store, ids, d / "replay", data_collator=s["collator"], **kw)
         replay.train()
+        _remember_parent(d / "replay", prev_replay if prev_replay is not None else parent_path(run))
         timings[f"stage_{k}_replay_s"] = time.perf_counter() - t
         stats = replay.replay_stats
         entry.update(replayed=True, why=s["why"], start_step=stats["start_step"],
@@ -231,10 +243,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
             f"{stats['start_step']} in {timings[f'stage_{k}_replay_s']:.0f} s")
         if config.oracle:
             t = time.perf_counter()
-            okw = {}
-            if prev_oracle is not None:
-                parent, weights = _parent_of(prev_oracle)
-                okw = dict(start_weights=weights, start_parent=parent)
+            okw = _start_from(run, prev_oracle) if prev_oracle is not None else {}
             with_replay_progress(OracleReplayTrainer, f"stage {k} oracle", config.progress)(
                 run, ids, out_dir=d / "oracle", data_collator=s["collator"], **okw).train()
             report = verify(d / "replay", d / "oracle")
@@ -279,6 +288,16 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
                 "controls": plan["controls"]}
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
                     trace_params_root=exact.get("params_root"), saved_files=saved_files)
+
+
+def _remember_parent(folder: Path, parent) -> None:
+    """A replayed stage's parent folder, kept where the recording keeps it (``private/lineage.json``): a later request
+    finds the pipeline from the replayed last stage."""
+    from ..trace.lineage import PRIVATE_FILE
+    from ..utils import atomic_write_text
+
+    if parent is not None:
+        atomic_write_text(Path(folder) / PRIVATE_FILE, json.dumps({"parent_path": str(Path(parent).resolve())}, indent=1))
 
 
 def _run_id(folder: Path) -> str:

@@ -68,8 +68,9 @@ def output_checkpoint(run) -> Path:
 
 
 def output_model(run, state: dict | None = None):
-    """A PEFT run's output as a plain model: its kept checkpoint (or ``state``) loaded and the adapter merged into the
-    base with the recorded numeric stack, as ``merge_and_unload`` does in the training script."""
+    """A run's output as a plain model: its kept checkpoint (or ``state``) loaded into the recorded architecture, a
+    PEFT adapter merged into the base with the recorded numeric stack, as ``merge_and_unload`` does in the training
+    script."""
     from .checkpoints import full_model_state, load_checkpoint
     from .fidelity import restore_layout
     from .replay import model_from_run
@@ -78,6 +79,8 @@ def output_model(run, state: dict | None = None):
     model = model_from_run(run, weights_follow=True)
     restore_layout(model, run.path, run.header)
     model.load_state_dict(state if state is not None else full_model_state(load_checkpoint(output_checkpoint(run))))
+    if not (run.header.get("model") or {}).get("peft"):
+        return model
     with pinned_stack(run.header):
         return model.merge_and_unload()
 
@@ -89,6 +92,14 @@ def output_weights(run) -> dict:
     if (run.header.get("model") or {}).get("peft"):
         return dict(output_model(run).state_dict())
     return base_weights(full_model_state(load_checkpoint(output_checkpoint(run))))
+
+
+def reference_is_parent(run) -> bool:
+    """A preference stage (DPO) whose reference model was its parent's output (``ref_model=None`` reloading the
+    policy's folder, or the parent's output given as ``ref_model``): a new parent replaces the reference too. A
+    reference that is the policy with its adapter disabled follows the base by itself."""
+    ref = run.header.get("reference_model") or {}
+    return ref.get("kind") in ("initial", "model") and ref.get("params_root") == lineage_of(run).get("start_root")
 
 
 def output_root(run) -> str:
