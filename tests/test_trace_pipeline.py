@@ -148,7 +148,8 @@ def test_lineage_is_recorded_from_the_weights_and_a_declared_parent_is_checked(t
     h1, h2 = (json.loads((r / "header.json").read_text()) for r in (s1, s2))
     assert h1["lineage"]["parent"] is None and h1["lineage"]["external"] == {"source": "memory"}
     assert h2["lineage"]["parent"]["run_id"] == h1["run_id"]
-    assert h2["lineage"]["start_root"] == h2["lineage"]["parent"]["output_root"] == output_root(open_run(s1))
+    assert h2["lineage"]["start_root"] == h2["lineage"]["parent"]["output_root"] == output_root(open_run(s1)) \
+        == h1["lineage"]["output_root"]  # sealed when stage 1 finished, recomputed here from its final checkpoint
     assert str(s1.parent) not in (s2 / "header.json").read_text()  # the parent's folder is private
     tok, data = get_trace_data()
     with pytest.raises(UnlearnError, match="trace_parent=.*is not that run's output"):

@@ -94,6 +94,20 @@ def output_weights(run) -> dict:
     return base_weights(full_model_state(load_checkpoint(output_checkpoint(run))))
 
 
+def live_output_root(model, header: dict) -> str:
+    """:func:`output_root` of a run that just finished, from its model in memory (a PEFT adapter merged into a copy,
+    with the recorded numeric stack): sealed into the header's ``lineage.output_root`` so a later stage's recording
+    finds its parent without loading (or de-quantising) anything."""
+    if not (header.get("model") or {}).get("peft"):
+        return weights_root(model.state_dict())
+    import copy
+
+    from .stack import pinned_stack
+
+    with pinned_stack(header):
+        return weights_root(copy.deepcopy(model).merge_and_unload().state_dict())
+
+
 def reference_is_parent(run) -> bool:
     """A preference stage (DPO) whose reference model was its parent's output (``ref_model=None`` reloading the
     policy's folder, or the parent's output given as ``ref_model``): a new parent replaces the reference too. A
@@ -204,8 +218,9 @@ def record_lineage(model, run_dir, hint=None) -> dict:
             candidates.append((*resolved, False))
     for folder, via, declared in candidates:
         try:
-            run = open_quietly(folder)
-            root = output_root(run)
+            run = open_quietly(folder)  # its sealed output root (keyed with the controls), else computed
+            root = lineage_of(run).get("output_root") if not run.header.get("kept_model") else None
+            root = root or output_root(run)
         except UnlearnError as e:
             if declared:
                 raise UnlearnError(f"trace_parent={hint}: {e}") from None

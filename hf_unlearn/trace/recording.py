@@ -851,7 +851,12 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        self._trace_self_check()
+        try:
+            self._trace_self_check()
+        finally:  # the live tensors are the user's from now on (merge_and_unload edits them in place)
+            from .base_source import release_live
+
+            release_live()
         return output
 
     def _self_check_steps(self) -> int | None:
@@ -1222,6 +1227,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
         kept = self._kept_model()
         if kept:
             self._trace_header["kept_model"] = kept
+        if not self._is_replay and self._trace_header.get("lineage") and not kept:
+            from .lineage import live_output_root  # a later stage finds this run by it without loading a checkpoint
+
+            self._trace_header["lineage"]["output_root"] = live_output_root(self.accelerator.unwrap_model(self.model),
+                                                                           self._trace_header)
         if not self._is_replay:
             from .fidelity import changed_buffers
 

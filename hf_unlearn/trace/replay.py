@@ -1038,6 +1038,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             from .packing import write_map
 
             header["dataset"]["packing"].update(write_map(out, entries))
+        if header.get("lineage"):  # the recording's output root is not this replay's
+            header["lineage"].pop("output_root", None)
         if self._start_weights is not None:  # a new start: its own step-0 checkpoint (written by _replay)
             from .lineage import reference_is_parent
 
