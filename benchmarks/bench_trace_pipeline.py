@@ -7,7 +7,8 @@ stage from the new SFT output) against the oracle of the whole pipeline.
     PYTHONPATH=. python benchmarks/bench_trace_pipeline.py [--sft-steps 12] [--dpo-steps 8] [--repeats 2] [--dpo-lora]
 
 Per stage, a plain trainer (``SFTTrainer`` / ``DPOTrainer``, no checkpoints) and the recording one
-(``trace_recording(...)``, checkpoints every ``--every`` steps, geometric retention, self-check on) alternate
+(``trace_recording(...)``, checkpoints every ``--every`` / ``--dpo-every`` steps, geometric retention, self-check
+on) alternate
 (order rotated per repeat); CPU time (user + system of this process) of ``train()``, median over the repeats. The
 deletion is one id served at SFT step 1 (an early deletion, the expensive case): ``hf_unlearn.forget(DPO_RUN, ids,
 oracle=True)`` finds the pipeline from the DPO run's lineage; its per-stage replay and oracle times are printed.
@@ -40,7 +41,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sft-steps", type=int, default=12)
     p.add_argument("--dpo-steps", type=int, default=8)
-    p.add_argument("--every", type=int, default=4, help="trace_checkpoint_steps of both recordings")
+    p.add_argument("--every", type=int, default=4, help="trace_checkpoint_steps of the SFT recording")
+    p.add_argument("--dpo-every", type=int, default=0, help="trace_checkpoint_steps of the DPO recording (default: its "
+                                                             "length: step 0 and the end, the least a run keeps)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--lora", type=int, default=8, help="LoRA rank (q_proj, v_proj) of the SFT stage")
@@ -90,6 +93,7 @@ def main():
                              use_cpu=True, logging_steps=1000, disable_tqdm=True, dataset_num_proc=None)
 
         rec = dict(trace_checkpoint_steps=a.every)
+        dpo_rec = dict(trace_checkpoint_steps=a.dpo_every or a.dpo_steps)
         times: dict[str, list[float]] = {}
         merged_dir = out / "sft" / "merged"
         for r in range(a.repeats):
@@ -111,7 +115,7 @@ def main():
             for arm in arms:  # stage 2: DPO from the merged SFT model
                 name = f"dpo-{arm}-{r}"
                 cls = DPOTrainer if arm == "plain" else trace_recording(DPOTrainer)
-                kw = {} if arm == "plain" else dict(rec, trace_dir=out / ("dpo" if r == 0 else name) / "trace")
+                kw = {} if arm == "plain" else dict(dpo_rec, trace_dir=out / ("dpo" if r == 0 else name) / "trace")
                 t = cls(model=AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32),
                         args=dpo_config(name), train_dataset=pairs, processing_class=tok,
                         peft_config=lora() if a.dpo_lora else None, **kw)
