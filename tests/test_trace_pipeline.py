@@ -290,3 +290,20 @@ def test_sft_then_dpo_with_the_sft_model_as_reference_deletes_through_both_stage
     for role in ("replay", "oracle"):
         assert not _same(_final(tmp_path / "out" / "stage-2" / role), cf2["model"]), role
     assert _same(_final(tmp_path / "out" / "stage-2" / "replay"), _final(s2))  # and the deletion changed DPO's output
+
+
+def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path):
+    """After a pipeline deletion, the next request starts from the replayed last stage: the pipeline of replayed
+    stages is found from it (each remembers its parent folder), checked (run ids and roots) and deleted from again."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.deletion import forget
+
+    s1, s2 = shared_pipeline()
+    first = tmp_path / "first"
+    forget([str(s1), str(s2)], ids_at_step(s1, 3)[:1], first, oracle=True, progress=False)
+    later = ids_at_step(s1, 2)[:1] + ids_at_step(s2, 3)[:1]
+    receipt = forget(str(first / "stage-2" / "replay"), later, tmp_path / "second", oracle=True, progress=False)
+    assert receipt.evidence["verified"] is True
+    assert [s["origin_run_id"] for s in receipt.evidence["pipeline"]] == \
+        [json.loads((s / "header.json").read_text())["run_id"] for s in (s1, s2)]
+    assert main(["trace", "verify", str(tmp_path / "second")]) == 0

@@ -326,6 +326,9 @@ def verify_pipeline(out) -> dict:
         name = f"stage {k + 1}"
         if st.get("stage") != k + 1:
             problems.append(f"{name}: the receipt lists stage {st.get('stage')} here: the chain was reordered")
+        if k and st.get("parent_run_id") != stages[k - 1].get("run_id"):
+            problems.append(f"{name}: the receipt says it starts from run {st.get('parent_run_id')}, not stage {k}'s "
+                            f"run {stages[k - 1].get('run_id')}")
         if not st.get("replayed"):
             if any(prev.values()):
                 problems.append(f"{name}: not replayed although an earlier stage was: its start changed")

@@ -304,7 +304,7 @@ def check_pipeline(runs, check_roots: bool = True) -> list[dict]:
         if not lin:
             if k:
                 raise UnlearnError(f"{name} records no lineage (recorded before lineage was recorded): it cannot be "
-                                   "shown to start from stage {k}'s output; record it again")
+                                   f"shown to start from stage {k}'s output; record it again")
             stages.append({"run": run, "parent": None})
             continue
         pid = parent_run_id(run)

@@ -1015,6 +1015,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for folder in ("model", "collator", PROCESSING_CLASS_DIR, REFERENCE_DIR):  # a DPO run's reference goes along
             if (src / folder).exists():
                 shutil.copytree(src / folder, out / folder)
+        if (src / "private" / "lineage.json").exists() and self._start_weights is None:  # its parent stays the parent
+            shutil.copy2(src / "private" / "lineage.json", out / "private" / "lineage.json")
         if src.joinpath(*PRIVATE_SOURCE).exists():
             shutil.copy2(src.joinpath(*PRIVATE_SOURCE), out.joinpath(*PRIVATE_SOURCE))
         if (src / "deletion_log.jsonl").exists():
