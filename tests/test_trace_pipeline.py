@@ -307,3 +307,34 @@ def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path):
     assert [s["origin_run_id"] for s in receipt.evidence["pipeline"]] == \
         [json.loads((s / "header.json").read_text())["run_id"] for s in (s1, s2)]
     assert main(["trace", "verify", str(tmp_path / "second")]) == 0
+
+
+def test_the_deletion_service_serves_a_pipeline_from_a_ledger_over_its_last_run(tmp_path):
+    """A ledger over the pipeline's last run accepts ids of any stage (ids in no stage refused), prices the pending set
+    over every stage, serves it in one batch that replays each affected stage once, signs receipts that verify with the
+    public key and the served model, and the next batch deletes from the replayed pipeline."""
+    from hf_unlearn.deletion import DeletionLedger, verify_receipt
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+    from hf_unlearn.keys import load_signing_key
+
+    s1, s2 = shared_pipeline()
+    ledger = DeletionLedger(s2, tmp_path / "ledger")
+    with pytest.raises(UnlearnError, match="appear in no stage of the pipeline"):
+        ledger.add([10_000])
+    ledger.add(ids_at_step(s1, 2)[:1], received="2026-11-01")
+    ledger.add(ids_at_step(s2, 1)[:1], received="2026-11-01")
+    plan = ledger.plan(now="2026-11-02")
+    assert plan["total_steps"] == 8 and plan["batch_now"] == 2 + 4 and plan["batch_start_checkpoint"] == "2 of stage 1"
+    quiet = {"progress": False, "log": lambda m: None}
+    first = ledger.serve_exact(oracle=True, now="2026-11-02", **quiet)
+    out = tmp_path / "ledger" / "batches" / "batch-0001"
+    assert first.forget_receipt.evidence["verified"] is True and verify_pipeline(out)["verified"]
+    public = load_signing_key().public_key()
+    for path in [*first.receipts.values(), first.batch_receipt]:
+        assert verify_receipt(path, public, model=out / "model").ok
+    assert ledger.current_run() == (out / "stage-2" / "replay").resolve() or \
+        ledger.current_run() == out / "stage-2" / "replay"
+    ledger.add(ids_at_step(s1, 0)[:1], received="2026-11-03")
+    second = ledger.serve_exact(oracle=True, now="2026-11-04", **quiet)
+    assert second.forget_receipt.evidence["verified"] is True
+    assert [s["steps_replayed"] for s in second.forget_receipt.evidence["pipeline"]] == [4, 4]

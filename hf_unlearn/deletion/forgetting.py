@@ -373,6 +373,17 @@ def _has_run_parent(source: str) -> bool:
         else False
 
 
+def check_request(source, ids) -> None:
+    """The ids of a request checked against a recorded run, or against every stage of the pipeline a run ends (ids in
+    no stage refused, naming them); nothing is computed."""
+    if _has_run_parent(os.fspath(source)):
+        from .pipeline import open_pipeline, pipeline_cost
+
+        pipeline_cost(open_pipeline([os.fspath(source)]), ids)
+    else:
+        _validate_run(os.fspath(source), ids)
+
+
 def _validate_pipeline(sources: list[str], request: list, config: ForgetConfig, data_collator) -> dict:
     from ..validation import is_trace_run
     from .pipeline import validate_pipeline
