@@ -37,6 +37,36 @@ def cpu_of(fn) -> float:
     return time.process_time() - c
 
 
+def _print_breakdown(breakdown, what: str) -> None:
+    if breakdown is None:
+        return
+    spent = breakdown.take()
+    if spent:
+        print(f"  {what}, where the recording's own CPU time went (exclusive s): "
+              + "; ".join(f"{k} {v:.1f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.05),
+              flush=True)
+
+
+def lineage_costs(a) -> None:
+    """CPU seconds (median of 3) of lineage's two additions to a SmolLM2-135M LoRA recording, on their own."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.models import load_model
+    from hf_unlearn.trace.lineage import live_output_root, weights_root
+    from hf_unlearn.trace.stack import numeric_stack
+
+    model = get_peft_model(load_model(a.model, dtype=torch.float32),
+                           LoraConfig(r=a.lora, lora_alpha=2 * a.lora, target_modules=["q_proj", "v_proj"]))
+    header = {"model": {"peft": {"adapter_name": "default"}}, "numeric_stack": numeric_stack(torch.device("cpu"))}
+    for label, fn in (("start: weights root of the starting model (every base tensor, SHA-256)",
+                       lambda: weights_root(model.state_dict())),
+                      ("end: output root sealed in the header (LoRA merged into a copy, then hashed)",
+                       lambda: live_output_root(model, header))):
+        xs = sorted(cpu_of(fn) for _ in range(3))
+        print(f"  {label:80s} {xs[1]:5.2f} s CPU [{xs[0]:.2f}-{xs[2]:.2f}]", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sft-steps", type=int, default=12)
@@ -54,12 +84,21 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tmp", default=None)
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (printed)")
+    p.add_argument("--skip-deletion", action="store_true", help="only the recording overheads")
+    p.add_argument("--breakdown", action="store_true", help="count the recordings' CPU time by cause (the functions "
+                                                            "of bench_trace_sft.CAUSES and lineage's)")
+    p.add_argument("--lineage-costs", action="store_true", help="only time what lineage adds to a recording: hashing "
+                                                                "the starting weights, and the output root sealed at "
+                                                                "the end (a LoRA merged into a copy)")
     a = p.parse_args()
     import torch
 
     from hf_unlearn.runtime import quiet_benchmark
 
     quiet_benchmark(a.threads)
+    if a.lineage_costs:
+        lineage_costs(a)
+        return
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -92,6 +131,14 @@ def main():
                              learning_rate=1e-4, max_length=a.max_length, save_strategy="no", report_to=[], seed=0,
                              use_cpu=True, logging_steps=1000, disable_tqdm=True, dataset_num_proc=None)
 
+        breakdown = None
+        if a.breakdown:  # bench_trace_sft's exclusive CPU-time counters, plus lineage's two additions
+            import bench_trace_sft
+
+            bench_trace_sft.CAUSES += [
+                ("lineage: starting weights root + parent search", "hf_unlearn.trace.lineage", "record_lineage"),
+                ("lineage: output root sealed at the end", "hf_unlearn.trace.lineage", "live_output_root")]
+            breakdown = bench_trace_sft.Breakdown()
         rec = dict(trace_checkpoint_steps=a.every)
         dpo_rec = dict(trace_checkpoint_steps=a.dpo_every or a.dpo_steps)
         times: dict[str, list[float]] = {}
@@ -106,6 +153,7 @@ def main():
                 t = cls(model=copy.deepcopy(base), args=sft_config(name), train_dataset=sft_data,
                         processing_class=tok, peft_config=lora(), **kw)
                 times.setdefault(f"sft {arm}", []).append(cpu_of(t.train))
+                _print_breakdown(breakdown, f"sft {arm} repeat {r}")
                 if arm == "trace" and r == 0:  # stage 2 starts from this one: merged and saved
                     t.model.merge_and_unload().save_pretrained(merged_dir)
                     tok.save_pretrained(merged_dir)
@@ -120,6 +168,7 @@ def main():
                         args=dpo_config(name), train_dataset=pairs, processing_class=tok,
                         peft_config=lora() if a.dpo_lora else None, **kw)
                 times.setdefault(f"dpo {arm}", []).append(cpu_of(t.train))
+                _print_breakdown(breakdown, f"dpo {arm} repeat {r}")
                 print(f"  dpo {arm} repeat {r}: {times[f'dpo {arm}'][-1]:.1f} s CPU", flush=True)
         print(f"\nrecording overhead (CPU s of train(), median of {a.repeats}; SmolLM2-135M fp32, LoRA r={a.lora}, "
               f"{a.threads} thread(s)):")
@@ -127,6 +176,8 @@ def main():
             plain, trace = statistics.median(times[f"{stage} plain"]), statistics.median(times[f"{stage} trace"])
             print(f"  {stage.upper():3s} {steps:2d} steps: plain {plain:7.1f}  recorded {trace:7.1f}  "
                   f"ratio {trace / plain:.3f}x  (all: plain {times[f'{stage} plain']}, recorded {times[f'{stage} trace']})")
+        if a.skip_deletion:
+            return
         from hf_unlearn.trace import open_run
 
         dpo_run = open_run(out / "dpo" / "trace")

@@ -163,7 +163,9 @@ def _start_from(stage, folder: Path) -> dict:
     from ..trace.lineage import output_model, output_weights, reference_is_parent, weights_root
 
     run = open_quietly(folder)
-    weights = output_weights(run)
+    needs_model = (run.header.get("model") or {}).get("peft") or reference_is_parent(stage)
+    model = output_model(run) if needs_model else None  # built (and merged) once: the weights and the reference
+    weights = dict(model.state_dict()) if model is not None else output_weights(run)
     parent = {"run_id": run.header["run_id"], "origin_run_id": run.header.get("origin_run_id"),
               "output_root": weights_root(weights), "via": "pipeline", "steps": run.kept().total_steps,
               "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
@@ -171,7 +173,7 @@ def _start_from(stage, folder: Path) -> dict:
     if reference_is_parent(stage):
         from ..trace.reference import load_reference_model, reference_root
 
-        ref = load_reference_model(stage, override=output_model(run))
+        ref = load_reference_model(stage, override=model)
         if reference_root(ref) != parent["output_root"]:
             raise UnlearnError(f"{stage.path}: the new parent's model as the DPO reference has another root than its "
                                "output weights; refusing")
