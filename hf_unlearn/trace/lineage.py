@@ -2,7 +2,7 @@
 
 A run's **starting weights** are hashed when training starts (:func:`weights_root`: the state-hash root of the base
 model's tensors, named as the plain model names them: a PEFT wrapper's ``base_model.model.`` prefix and
-``.base_layer`` dropped, adapter tensors left out). Where the model was loaded from (``config._name_or_path``, the
+``.base_layer`` dropped, adapter tensors left out, each tied tensor once). Where the model was loaded from (``config._name_or_path``, the
 frozen base's folder) and an optional ``trace_parent=`` hint name candidate parents: a recorded run (its folder, the
 folder the user saved its model to next to or above its ``trace/``) or a ``forget`` output (``OUT/model`` with
 ``OUT/receipt.json``). A candidate is the parent only if its **output weights** (the final (kept) checkpoint's, a
@@ -36,20 +36,16 @@ ADAPTER = re.compile(r"(^|\.)(lora_[A-Za-z_]+|modules_to_save|original_module)(\
 
 
 # ---- the weights a run starts from and ends with ----------------------------------------------------------------
-def weights_hashes(state: dict) -> dict[str, str]:
-    """Per-tensor hashes of a model's base weights, named as the plain model names them (adapters left out)."""
-    out = {}
-    for name, t in state.items():
-        if ADAPTER.search(name):
-            continue
-        key = base_key(name)
-        out[key] = tensor_hash(key, t)
-    return out
-
-
 def weights_root(state: dict) -> str:
-    """One root over :func:`weights_hashes`: equal roots, the same base weights bit for bit."""
-    return root_hash(weights_hashes(state))
+    """The state-hash root of a model's base weights, named as the plain model names them (adapters left out), each
+    tied tensor once under its first name, as a checkpoint's ``hashes.json`` computes ``params_root``: a plain run's
+    output root is its final checkpoint's ``params_root``, and a DPO reference's root
+    (:func:`hf_unlearn.trace.reference.reference_root`) is comparable with it."""
+    from .checkpoints import tied_aliases
+
+    plain = base_weights(state)
+    tied = tied_aliases(plain)
+    return root_hash({n: tensor_hash(n, t) for n, t in plain.items() if n not in tied})
 
 
 def base_weights(state: dict) -> dict:
