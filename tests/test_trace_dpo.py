@@ -118,9 +118,9 @@ def test_dpo_ref_none_replay_equals_oracle_equals_a_plain_dpotrainer_counterfact
     from hf_unlearn.trace.run import load_checkpoint
     from hf_unlearn.trace.verification import load_state
 
-    tok, data = pairs()
+    tok, data = pairs(n=12)
     base = tmp_path / "base"
-    record_dpo(tmp_path / "rec", tok, data, base)
+    record_dpo(tmp_path / "rec", tok, data, base, max_steps=3)
     run_dir = tmp_path / "rec" / "trace"
     run = open_run(run_dir)
     header = run.header
@@ -131,24 +131,28 @@ def test_dpo_ref_none_replay_equals_oracle_equals_a_plain_dpotrainer_counterfact
     assert str(tmp_path) not in json.dumps(header)  # the reference folder's path stays in private/
     assert {len(e.slots) for e in run.plan} == {2} and {e.accum for e in run.plan} == {2}  # the whole normaliser
 
-    plain = DPOTrainer(model=saved_model(base, tok), args=dpo_config(tmp_path / "plain"), train_dataset=data,
+    plain = DPOTrainer(model=saved_model(base, tok), args=dpo_config(tmp_path / "plain", max_steps=3), train_dataset=data,
                        processing_class=tok)
     plain.train()
     assert compare_states(state_of(plain), load_checkpoint(run.final_checkpoint()))["identical"]
 
-    forget = run.ids_at_steps([0])[:1] + run.ids_at_steps([3])[-1:]
+    forget = run.ids_at_steps([0])[:1] + run.ids_at_steps([2])[-1:]
     replay, oracle, report = forget_and_verify(run_dir, forget, tmp_path)
     assert report["verified"], report["provenance"]
     assert report["optimizer"]["identical"] and report["params"]["identical"]
     assert replay.compute_loss.__func__ is DPOTrainer.compute_loss and replay.ref_model is not None
-    cf = counterfactual(tmp_path, tok, data, base, forget)
+    from hf_unlearn.trace.reference import load_reference_model, reference_root
+
+    assert reference_root(load_reference_model(tmp_path / "replay")) == ref["params_root"]  # a next request's reference
+    cf = counterfactual(tmp_path, tok, data, base, forget, max_steps=3)
     assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
     assert not compare_states(state_of(plain), load_state(tmp_path / "oracle"))["identical"]  # the deletion changed it
 
 
-def test_dpo_a_changed_reference_folder_is_refused_never_verified(tmp_path):
+def test_dpo_a_changed_reference_folder_is_refused_never_verified(tmp_path, capsys):
     """The reference is bound by its files' SHA-256 and its params root: a reference folder rewritten after the
-    recording (other weights) is refused by the oracle and the replay before any compute."""
+    recording (other weights) is refused by the oracle before any compute; the repack baseline (Trainer's own loss) is
+    refused for a DPO run before the oracle runs; inspect prints the reference."""
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import OracleReplayTrainer, open_run
     from hf_unlearn.trace.reference import load_reference_model
@@ -160,17 +164,26 @@ def test_dpo_a_changed_reference_folder_is_refused_never_verified(tmp_path):
     assert load_reference_model(run) is not None
     from hf_unlearn.models import build_tiny_model
 
-    build_tiny_model("gpt2", tok, hidden_size=32, num_layers=2, num_heads=2, seed=7).save_pretrained(base)
     forget = run.ids_at_steps([1])[:1]
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+
+    ids = str(write_ids(tmp_path / "f.jsonl", forget))
+    assert main(["trace", "oracle", str(run.path), "--forget", ids, "--out", str(tmp_path / "b"), "--baselines"]) != 0
+    assert "not defined for DPO runs" in capsys.readouterr().err and not (tmp_path / "b").exists()  # before compute
+    build_tiny_model("gpt2", tok, hidden_size=32, num_layers=2, num_heads=2, seed=7).save_pretrained(base)
     with pytest.raises(UnlearnError, match="model.safetensors has changed since the run was recorded"):
         OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle")
     assert not (tmp_path / "oracle").exists()
+    assert main(["trace", "inspect", str(run.path)]) == 0  # inspect reads the header, not the reference's files
+    assert "DPO reference model: the policy's own folder" in capsys.readouterr().out
 
 
 def test_dpo_refuses_what_it_cannot_replay_and_online_trainers_before_any_compute(tmp_path):
     """Loss types whose deleted pair would change other pairs' computation (aot, aot_unpaired, sft), a reference
-    precomputed into the dataset or synced with the policy, a DPO recording without the pair dummies, and trainers
-    that generate their own data (GRPO, RLOO, online DPO): each refused by name, before training."""
+    precomputed into the dataset or synced with the policy, a PeftModel whose adapter TRL copies as the reference, a
+    DPO recording without the pair dummies, and trainers that generate their own data (GRPO, RLOO, online DPO): each
+    refused by name, before training."""
     import trl
     from trl import DPOTrainer
 
@@ -186,6 +199,13 @@ def test_dpo_refuses_what_it_cannot_replay_and_online_trainers_before_any_comput
         with pytest.raises(UnlearnError, match=match):
             record_dpo(tmp_path / "rec", tok, data, tmp_path / "base", **option)
     assert not (tmp_path / "rec" / "trace").exists()
+
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(saved_model(tmp_path / "base", tok), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(UnlearnError, match=r"it has 2 adapters \(\['default', 'ref'\]\)"):  # TRL's copy as reference
+        trace_recording(DPOTrainer)(model=adapted, args=dpo_config(tmp_path / "rec"), train_dataset=data,
+                                    processing_class=tok)
 
     class ByHand(TraceRecordingMixin, DPOTrainer):
         pass
@@ -223,3 +243,133 @@ def test_dpo_a_loss_that_gives_the_dummy_pair_a_gradient_is_refused_or_stops_the
     with pytest.raises(DummyInfluenceError, match="optimizer step 1"):
         OracleReplayTrainer(run, run.ids_at_steps([1])[:1], out_dir=tmp_path / "oracle").train()
     assert not (tmp_path / "oracle").exists()
+
+
+@pytest.mark.slow  # a LoRA recording, replay, oracle and a plain counterfactual run (about 30 s of CPU)
+def test_dpo_lora_peft_config_reference_is_the_base_with_the_adapter_disabled(tmp_path):
+    """peft_config= LoRA, ref_model=None, GPT-2, string ids: TRL's reference is the policy with its adapter disabled
+    (the frozen base the checkpoints hold, nothing to load); replay == oracle == a plain DPOTrainer counterfactual."""
+    from peft import LoraConfig
+
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.reference import load_reference_model, reference_root
+    from hf_unlearn.trace.verification import load_state
+
+    tok, data = pairs(string_ids=True)
+    lora = dict(peft_config=LoraConfig(r=4, target_modules=["c_attn"]), learning_rate=1e-2)
+    recorder = record_dpo(tmp_path / "rec", tok, data, tmp_path / "base", family="gpt2", **lora)
+    run = open_run(tmp_path / "rec" / "trace")
+    ref = run.header["reference_model"]
+    assert ref["kind"] == "adapter_disabled" and run.header["model"]["peft"]
+    assert ref["params_root"] == reference_root(saved_model(tmp_path / "base", tok, "gpt2"))  # the base's weights
+    assert load_reference_model(run) is None and recorder.ref_model is None
+    forget = run.ids_at_steps([0])[-1:] + run.ids_at_steps([2])[:1]
+    assert isinstance(forget[0], str)
+    assert forget_and_verify(run.path, forget, tmp_path)[2]["verified"]
+    cf = counterfactual(tmp_path, tok, data, tmp_path / "base", forget, family="gpt2",
+                        peft_config=LoraConfig(r=4, target_modules=["c_attn"]), learning_rate=1e-2)
+    assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
+
+
+@pytest.mark.slow  # two DPO recordings, replays and oracles (about a minute of CPU)
+def test_dpo_explicit_reference_a_recorded_runs_output_folder_or_stored_in_the_run(tmp_path):
+    """ref_model= the save_pretrained folder of an earlier recorded run: referenced there by its files' SHA-256 and
+    its params root, replay == oracle; replay and oracle given another reference (load_reference_model(run, override=),
+    as a pipeline stage with a new parent) agree and their output runs record that reference; a reference changed in
+    memory after loading is stored in the run instead, and a tampered stored copy is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+    from hf_unlearn.trace.reference import REFERENCE_DIR, load_reference_model, reference_root
+
+    tok, data = pairs(n=8)
+    first = record_dpo(tmp_path / "first", tok, data, tmp_path / "base", max_steps=2)
+    first.save_model(str(tmp_path / "first" / "model"))
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path / "first" / "model")
+    record_dpo(tmp_path / "second", tok, data, tmp_path / "base", ref_model=ref_model, max_steps=2)
+    run = open_run(tmp_path / "second" / "trace")
+    ref = run.header["reference_model"]
+    assert ref["kind"] == "model" and ref["source"]["kind"] == "folder"
+    assert ref["params_root"] == reference_root(ref_model) != reference_root(saved_model(tmp_path / "base", tok))
+    first_run = open_run(tmp_path / "first" / "trace")  # the lineage link: the first run's output, by its weights
+    assert ref["params_root"] == json.loads((first_run.final_checkpoint() / "hashes.json").read_text())["params_root"]
+    assert reference_root(load_reference_model(run)) == ref["params_root"]
+    forget = run.ids_at_steps([1])[:1]
+    assert forget_and_verify(run.path, forget, tmp_path / "a")[2]["verified"]
+    assert load_reference_model(run, override=ref_model) is ref_model
+    new_parent = load_reference_model(run, override=tmp_path / "base")  # as a pipeline replays a later stage
+    assert reference_root(new_parent) != ref["params_root"]
+    early = run.ids_at_steps([0])[:1]  # from step 0: every step sees the new reference
+    redact_store(run.store_path, early, tmp_path / "o" / "store", run.key)
+    RedactedReplayTrainer(run, tmp_path / "o" / "store", early, tmp_path / "o" / "replay", ref_model=new_parent).train()
+    OracleReplayTrainer(run, early, out_dir=tmp_path / "o" / "oracle",
+                        ref_model=load_reference_model(run, override=tmp_path / "base")).train()
+    assert verify(tmp_path / "o" / "replay", tmp_path / "o" / "oracle")["verified"]
+    replayed = open_run(tmp_path / "o" / "replay")
+    assert replayed.header["reference_model"]["params_root"] == reference_root(new_parent)
+    assert replayed.header["reference_model"]["replaced_params_root"] == ref["params_root"]
+    assert reference_root(load_reference_model(replayed)) == reference_root(new_parent)  # a later request loads it
+
+    changed = AutoModelForCausalLM.from_pretrained(tmp_path / "first" / "model")
+    with torch.no_grad():
+        changed.model.norm.weight.mul_(1.5)  # changed after loading: no folder holds these weights
+    record_dpo(tmp_path / "third", tok, data, tmp_path / "base", ref_model=changed, max_steps=2)
+    run = open_run(tmp_path / "third" / "trace")
+    assert run.header["reference_model"]["source"]["kind"] == "stored"
+    assert (run.path / REFERENCE_DIR / "model.safetensors").is_file()
+    assert forget_and_verify(run.path, forget, tmp_path / "b")[2]["verified"]
+    from safetensors.torch import load_file, save_file
+
+    stored = run.path / REFERENCE_DIR / "model.safetensors"
+    tensors = load_file(stored)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    save_file(tensors, stored, metadata={"format": "pt"})
+    with pytest.raises(UnlearnError, match="has changed since the run was recorded"):
+        OracleReplayTrainer(run, forget, out_dir=tmp_path / "c")
+
+
+LOSS_OPTIONS = [dict(loss_type=["hinge"]), dict(loss_type=["ipo"]), dict(loss_type=["robust"], label_smoothing=0.1),
+                dict(loss_type=["exo_pair"], label_smoothing=1e-3), dict(loss_type=["nca_pair"]),
+                dict(loss_type=["bco_pair"]), dict(loss_type=["sppo_hard"]), dict(loss_type=["apo_zero"]),
+                dict(loss_type=["apo_down"]), dict(loss_type=["discopop"]), dict(loss_type=["sigmoid_norm"]),
+                dict(loss_type=["sigmoid", "hinge"], loss_weights=[1.0, 0.5]), dict(ld_alpha=0.5),
+                dict(f_divergence_type="js_divergence"), dict(f_divergence_type="forward_kl"),
+                dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5), dict(use_weighting=True)]
+
+
+@pytest.mark.slow  # 17 short recordings with a replay, an oracle and a counterfactual each (about 3 minutes of CPU)
+@pytest.mark.parametrize("options", LOSS_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_dpo_every_supported_loss_type_and_option_replays_exactly(tmp_path, options):
+    """Each per-pair loss type and option the docs list as exact: replay == oracle (VERIFIED) == a plain DPOTrainer
+    whose deleted pairs have no completion token, bit for bit."""
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.verification import load_state
+
+    tok, data = pairs(n=8)
+    record_dpo(tmp_path / "rec", tok, data, tmp_path / "base", max_steps=2, **options)
+    run = open_run(tmp_path / "rec" / "trace")
+    forget = run.ids_at_steps([1])[:1]
+    assert forget_and_verify(run.path, forget, tmp_path)[2]["verified"]
+    cf = counterfactual(tmp_path, tok, data, tmp_path / "base", forget, max_steps=2, **options)
+    assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
+
+
+@pytest.mark.slow  # a fresh `hf-unlearn forget` process (imports, replay and oracle): about a minute of CPU
+def test_cli_forget_oracle_on_a_dpo_run(tmp_path):
+    """`hf-unlearn forget RUN --ids FILE --oracle` (a fresh process: DPOTrainer and its reference rebuilt from the run
+    alone): VERIFIED receipt."""
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    from .conftest import run_cli
+
+    tok, data = pairs(string_ids=True, n=8)
+    record_dpo(tmp_path / "rec", tok, data, tmp_path / "base", max_steps=2)
+    run = tmp_path / "rec" / "trace"
+    forget = write_ids(tmp_path / "f.jsonl", open_run(run).ids_at_steps([0])[:1] + open_run(run).ids_at_steps([1])[-1:])
+    proc = run_cli("forget", run, "--ids", forget, "--out", tmp_path / "out", "--no-progress", "--oracle")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
+    assert receipt["evidence"]["verified"] is True

@@ -132,6 +132,10 @@ def inspect_cmd(args) -> int:
     print(f"trainer {s['trainer']}" + (f" (config {header['trainer']['config_class']}"
                                        f"{', arguments ' + json.dumps(header['trainer']['kwargs']) if header['trainer'].get('kwargs') else ''})"
                                        if header.get("trainer") else ""))
+    if header.get("reference_model"):  # a DPO run: what its reference is and where a replay loads it
+        from ..trace.reference import describe_record
+
+        print(describe_record(header["reference_model"]))
     packing = (header.get("dataset") or {}).get("packing")
     if packing:
         from ..trace.packing import map_status
@@ -304,6 +308,11 @@ def oracle_cmd(args) -> int:
             from ..errors import UnlearnError
 
             raise UnlearnError("--baselines runs in one process: run `trace oracle --baselines` without accelerate launch")
+        if run.header.get("reference_model"):  # a DPO run: refused before the oracle's compute, not after
+            from ..errors import UnlearnError
+            from ..trace.replay import PAIRS_BASELINE
+
+            raise UnlearnError(PAIRS_BASELINE)
     trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator)
     trainer.train()
     if not trainer.accelerator.is_main_process:

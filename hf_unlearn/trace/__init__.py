@@ -1,6 +1,6 @@
 """Exact deletion by trace-preserving replay.
 
-Record a run with :class:`TraceRecordingTrainer` (or ``trace_recording(SFTTrainer)``, any Trainer subclass); honour a deletion request with :func:`redact_store` and
+Record a run with :class:`TraceRecordingTrainer` (or ``trace_recording(SFTTrainer)``, ``trace_recording(DPOTrainer)``, any Trainer subclass); honour a deletion request with :func:`redact_store` and
 :class:`RedactedReplayTrainer`; check it against :class:`OracleReplayTrainer` with :func:`verify`.
 Names resolve lazily so ``import hf_unlearn.trace`` stays light.
 """

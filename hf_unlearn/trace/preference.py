@@ -148,6 +148,28 @@ class PreferenceTraceMixin:
             from .reference import describe_reference
 
             self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None)
+        elif getattr(self, "run", None) is not None:
+            self._drop_reference_adapter(self.run.header)
+            if getattr(self, "_trace_reference_replaced", False):  # recorded into the replay's output run
+                from .reference import describe_reference
+
+                self._trace_reference = describe_reference(self, given=True)
+
+    def _drop_reference_adapter(self, header: dict) -> None:
+        """A replay hands DPOTrainer the PEFT model rebuilt from the run, and DPOTrainer, given a PEFT model without a
+        reference, copies its adapter (here: the fresh one, before the checkpoint loads) into a "ref" adapter. The
+        recording built the adapter from ``peft_config``, whose reference is the adapter disabled: remove the copy and
+        restore the recorded trainable set."""
+        model = self.accelerator.unwrap_model(self.model)
+        record = header.get("reference_model") or {}
+        if record.get("kind") != "adapter_disabled" or "ref" not in (getattr(model, "peft_config", None) or {}):
+            return
+        model.delete_adapter("ref")
+        frozen = header["model"].get("frozen_parameters")
+        if frozen is not None:
+            frozen = set(frozen)
+            for name, p in model.named_parameters(remove_duplicate=False):
+                p.requires_grad_(name not in frozen)
 
     # ---- DPOTrainer's dataset preparation -----------------------------------------------------------------
     def _prepare_dataset(self, dataset, *args, **kwargs):
@@ -217,6 +239,7 @@ class PreferenceTraceMixin:
         from .reference import load_reference_model
 
         if "ref_model" in given:  # the caller's reference (a pipeline stage's new parent): see load_reference_model
+            self._trace_reference_replaced = True
             return {}
         ref = load_reference_model(run)
         return {} if ref is None else {"ref_model": ref}
@@ -230,6 +253,23 @@ def check_trainer_class(cls) -> None:
         raise UnlearnError(f"record {cls.__qualname__} with trace_recording(DPOTrainer), which adds the deleted "
                            "pair's dummy and the reference model's record (a hand-made TraceRecordingMixin subclass "
                            "does not)")
+
+
+def replaced_reference(trainer, header: dict, out_dir) -> None:
+    """A replay given ``ref_model=`` (a reference other than the recorded one): its output run records that reference
+    (by weights and source, as a recording does) and the one it replaced, so a later request on it loads the right one."""
+    if not getattr(trainer, "_trace_reference_replaced", False):
+        return
+    import shutil
+    from pathlib import Path
+
+    from .reference import KEY, PRIVATE_SOURCE, REFERENCE_DIR, save_reference
+
+    out_dir = Path(out_dir)
+    shutil.rmtree(out_dir / REFERENCE_DIR, ignore_errors=True)
+    out_dir.joinpath(*PRIVATE_SOURCE).unlink(missing_ok=True)
+    before = (header.get(KEY) or {}).get("params_root")
+    header[KEY] = {**save_reference(trainer._trace_reference, out_dir), "replaced_params_root": before}
 
 
 def preference_mixins(trainer_cls) -> tuple:

@@ -32,14 +32,17 @@ KEY = "reference_model"
 
 
 def reference_root(model) -> str:
-    """The params root (state hashes) of a reference model (unwrapped; a PEFT model: its base weights)."""
+    """The params root of a reference model as a checkpoint's ``hashes.json`` computes it (each tied tensor once), so
+    it equals the final ``params_root`` of the recorded run whose output it is; a PEFT model: its base weights."""
     from .base_source import base_key
+    from .checkpoints import tied_aliases
     from .hashing import state_hashes
 
+    state = model.state_dict()
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        state = {base_key(n): t for n, t in model.state_dict().items() if "lora_" not in n}
-        return state_hashes(state).params_root
-    return state_hashes(model).params_root
+        state = {base_key(n): t for n, t in state.items() if "lora_" not in n}
+    tied = tied_aliases(state)
+    return state_hashes({n: t for n, t in state.items() if n not in tied}).params_root
 
 
 def describe_reference(trainer, given: bool) -> dict:
@@ -173,3 +176,14 @@ def load_reference_model(run, override=None):
     _check_files(folder, source.get("files") or {}, what)
     return _load(folder, record)
 
+
+
+def describe_record(record: dict) -> str:
+    """One line for ``trace inspect``: the reference model's kind, root and source."""
+    kind = {"adapter_disabled": "the policy with its PEFT adapter disabled (the frozen base the checkpoints hold)",
+            "initial": "the policy's own folder, loaded again by DPOTrainer (ref_model=None)",
+            "model": "a model given as ref_model"}[record["kind"]]
+    source = record.get("source") or {}
+    where = {"folder": f"referenced in its folder ({len(source.get('files', {}))} files, size and SHA-256 checked at "
+                       "every load)", "stored": f"stored in the run's {REFERENCE_DIR}/"}.get(source.get("kind"), "")
+    return f"DPO reference model: {kind}, params root {record['params_root'][:16]}" + (f"; {where}" if where else "")

@@ -91,6 +91,8 @@ NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_a
 # the naive baselines drop or re-batch whole store rows; a packed row holds several documents
 PACKED_BASELINE = ("the {name} baseline drops whole rows, and a packed run's rows hold several documents, so it is not "
                    "defined for packing=True runs; compare the replay with the oracle (trace oracle, trace verify)")
+PAIRS_BASELINE = ("the repack baseline retrains with Trainer's own loss, which is not DPO's (pairs, a reference model): "
+                  "it is not defined for DPO runs; compare the replay with the oracle (trace oracle without --baselines)")
 # config keys that say where a model came from, not what it computes
 _VOLATILE_CONFIG = VOLATILE_CONFIG
 
@@ -1022,6 +1024,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))
+        from .preference import replaced_reference
+
+        replaced_reference(self, header, out)  # DPO given ref_model= (a pipeline stage's new parent): recorded as such
         header.update(optimizer_steps=self.run.total_steps, microbatches=len(self.run.plan))
         header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
                       origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
@@ -1164,6 +1169,8 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
     run = run if isinstance(run, TraceRun) else open_run(run)
     if is_packed(run.header):
         raise UnlearnError(PACKED_BASELINE.format(name="repack"))
+    if run.header.get("reference_model"):
+        raise UnlearnError(PAIRS_BASELINE)
     _check_types(run, list(forget_ids))
     store = load_store(run.store_path)
     forget = set(forget_ids)
