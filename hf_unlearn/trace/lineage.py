@@ -75,10 +75,11 @@ def output_model(run, state: dict | None = None):
     model = model_from_run(run, weights_follow=True)
     restore_layout(model, run.path, run.header)
     model.load_state_dict(state if state is not None else full_model_state(load_checkpoint(output_checkpoint(run))))
-    if not (run.header.get("model") or {}).get("peft"):
-        return model
-    with pinned_stack(run.header):
-        return model.merge_and_unload()
+    if (run.header.get("model") or {}).get("peft"):
+        with pinned_stack(run.header):
+            model = model.merge_and_unload()
+    model.config._name_or_path = ""  # built in memory: no folder holds these weights (RUN/model has the config only)
+    return model
 
 
 def output_weights(run) -> dict:

@@ -1048,12 +1048,6 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if header.get("lineage"):  # the recording's output root is not this replay's
             header["lineage"].pop("output_root", None)
         if self._start_weights is not None:  # a new start: its own step-0 checkpoint (written by _replay)
-            from .lineage import reference_is_parent
-
-            if reference_is_parent(self.run):  # a DPO stage: its reference was the parent, now the new parent
-                header["reference_model"] = {**header["reference_model"], "params_root": self._start_root,
-                                             "source": {"kind": "parent", "run_id": (self._start_parent or {}).get(
-                                                 "run_id")}}
             header["lineage"] = {"start_root": self._start_root,
                                  "parent": {"kind": "run", **(self._start_parent or {})},
                                  "recorded": self.run.header.get("lineage")}
