@@ -292,21 +292,29 @@ def test_sft_then_dpo_with_the_sft_model_as_reference_deletes_through_both_stage
     assert _same(_final(tmp_path / "out" / "stage-2" / "replay"), _final(s2))  # and the deletion changed DPO's output
 
 
-def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path):
+def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path, capsys):
     """After a pipeline deletion, the next request starts from the replayed last stage: the pipeline of replayed
     stages is found from it (each remembers its parent folder), checked (run ids and roots) and deleted from again."""
     from hf_unlearn.cli import main
     from hf_unlearn.deletion import forget
 
+    from hf_unlearn.data.ids import write_ids
+
     s1, s2 = shared_pipeline()
     first = tmp_path / "first"
-    forget([str(s1), str(s2)], ids_at_step(s1, 3)[:1], first, oracle=True, progress=False)
+    write_ids(tmp_path / "ids.jsonl", ids_at_step(s1, 3)[:1])
+    assert main(["trace", "cost", str(s1), str(s2), "--forget", str(tmp_path / "ids.jsonl")]) == 0
+    assert main(["forget", str(s1), str(s2), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(first), "--oracle",
+                 "--no-progress"]) == 0  # the command over the stages, in training order
     later = ids_at_step(s1, 2)[:1] + ids_at_step(s2, 3)[:1]
     receipt = forget(str(first / "stage-2" / "replay"), later, tmp_path / "second", oracle=True, progress=False)
     assert receipt.evidence["verified"] is True
     assert [s["origin_run_id"] for s in receipt.evidence["pipeline"]] == \
         [json.loads((s / "header.json").read_text())["run_id"] for s in (s1, s2)]
     assert main(["trace", "verify", str(tmp_path / "second")]) == 0
+    out = capsys.readouterr().out
+    assert "a deletion in stage 1 replays every later stage in full (4 steps of 1 stage(s))" in out
+    assert "stage 2: replay == oracle VERIFIED, starts from stage 1's replayed output" in out
 
 
 def test_the_deletion_service_serves_a_pipeline_from_a_ledger_over_its_last_run(tmp_path):
