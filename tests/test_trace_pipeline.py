@@ -296,9 +296,8 @@ def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path, capsys):
     """After a pipeline deletion, the next request starts from the replayed last stage: the pipeline of replayed
     stages is found from it (each remembers its parent folder), checked (run ids and roots) and deleted from again."""
     from hf_unlearn.cli import main
-    from hf_unlearn.deletion import forget
-
     from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.deletion import forget
 
     s1, s2 = shared_pipeline()
     first = tmp_path / "first"
