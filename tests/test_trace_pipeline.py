@@ -316,6 +316,7 @@ def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path, capsys):
     assert "stage 2: replay == oracle VERIFIED, starts from stage 1's replayed output" in out
 
 
+@pytest.mark.slow  # two batches with their oracles: about 40 s
 def test_the_deletion_service_serves_a_pipeline_from_a_ledger_over_its_last_run(tmp_path):
     """A ledger over the pipeline's last run accepts ids of any stage (ids in no stage refused), prices the pending set
     over every stage, serves it in one batch that replays each affected stage once, signs receipts that verify with the
