@@ -22,6 +22,7 @@ ACCELERATE_CPU = ROOT / "examples" / "accelerate" / "cpu_2proc.yaml"
 RUNS = {
     "trace_deletion.py": (["--rows", "24", "--max-length", "64"], 2),
     "trace_sft.py": (["--rows", "24", "--max-length", "64"], 2),
+    "trace_pipeline.py": (["--rows", "16", "--max-length", "64"], 1),  # forget replays a pipeline in one process
     "unlearn_tofu.py": (["--method", "grad_diff", "--max-steps", "2"], 2),
     "masc_tofu.py": (["--lora"], 2),
     "random_label_forgetting.py": (["--rows", "32", "--epochs", "1"], 2),
@@ -93,7 +94,8 @@ def test_example_runs(name, launcher, tmp_path):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", script, *args]
     proc = _run(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    expected = {"trace_deletion.py": "bit for bit: True", "trace_sft.py": "VERIFIED: the SFTTrainer replay", "unlearn_tofu.py": "grad_diff: 2 steps",
+    expected = {"trace_deletion.py": "bit for bit: True", "trace_sft.py": "VERIFIED: the SFTTrainer replay",
+                "trace_pipeline.py": "VERIFIED: 2 id(s) deleted from the SFT run and the DPO run", "unlearn_tofu.py": "grad_diff: 2 steps",
                 "masc_tofu.py": "stopped at step", "random_label_forgetting.py": "unseen rows: accuracy",
                 "publish.py": "OK:", "qr_erase.py": "answer loss forget", "cud.py": "hard   set (CUD"}.get(name)
     world = 2 if launcher == "accelerate" else 1

@@ -11,6 +11,7 @@ import typing
 
 EPILOG = """examples:
   hf-unlearn forget runs/ft/trace --ids request.jsonl --out deletion-1 --oracle --tokenizer ./my-model  # exact
+  hf-unlearn forget runs/sft/trace runs/dpo/trace --ids request.jsonl --out deletion-2 --oracle  # a pipeline
   hf-unlearn forget ./my-model --ids request.jsonl --out forgot --method npo --data tofu
   hf-unlearn forget ./my-model --ids request.jsonl --out forgot --repo org/my-model   # + push and hub verify
 
@@ -32,9 +33,10 @@ def register(parser) -> None:
     from ..methods.registry import method_names
 
     parser.epilog = EPILOG.format(methods=", ".join(method_names()))
-    parser.add_argument("model_or_run", metavar="MODEL_OR_RUN",
+    parser.add_argument("model_or_run", metavar="MODEL_OR_RUN", nargs="+",
                         help="a recorded run (trace folder: exact deletion) or a model: local folder, .gguf file or "
-                             "Hub id")
+                             "Hub id; several recorded runs: a training pipeline's stages in training order (one run "
+                             "that starts from another recorded run's output brings its pipeline along)")
     parser.add_argument("--ids", required=True, metavar="FILE",
                         help="the deletion request: ids.jsonl (one JSON id per line: 3600 or \"abc-1\"), a JSON list "
                              "or one id per line")
@@ -87,7 +89,8 @@ def run(args) -> int:
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ForgetConfig) if hasattr(args, f.name)}
     values["method_args"] = parse_method_args(args.method_args)
-    receipt = forget(args.model_or_run, args.ids, config=ForgetConfig(**values))
+    sources = args.model_or_run if len(args.model_or_run) > 1 else args.model_or_run[0]
+    receipt = forget(sources, args.ids, config=ForgetConfig(**values))
     if receipt is None:  # a process other than the main one of a multi-process launch: the main one reports
         return 0
     print("\n== summary")

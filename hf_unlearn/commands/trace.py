@@ -23,8 +23,17 @@ def register(parser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=inspect_cmd)
 
-    p = sub.add_parser("cost", help="where a suffix replay starts and how much of the run it re-executes")
-    p.add_argument("run")
+    p = sub.add_parser("lineage", help="the pipeline a run belongs to, in training order: stage, run id, trainer, "
+                                       "parent, rows, steps")
+    p.add_argument("run", nargs="+", help="the pipeline's runs in training order, or only its last run (the earlier "
+                                          "stages are found from the recorded parents)")
+    p.add_argument("--json", action="store_true", help="print the stages as JSON")
+    p.set_defaults(func=lineage_cmd)
+
+    p = sub.add_parser("cost", help="where a suffix replay starts and how much of the run it re-executes (for a "
+                                    "pipeline: every stage, added up)")
+    p.add_argument("run", nargs="+", help="a recorded run; several: a pipeline's runs in training order (one run "
+                                          "that starts from another recorded run's output is costed as its pipeline)")
     p.add_argument("--forget", required=True, help=FORGET_HELP)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cost_cmd)
@@ -59,8 +68,9 @@ def register(parser) -> None:
 
     p = sub.add_parser("verify", help="exit 0 iff OUT and ORACLE are a replay and an oracle of one run for the same ids "
                                       "and their params AND optimizer state are bit-identical")
-    p.add_argument("out", help="replay output (run folder, checkpoint folder or .pt file)")
-    p.add_argument("oracle", help="oracle output")
+    p.add_argument("out", help="replay output (run folder, checkpoint folder or .pt file), or the output folder of a "
+                               "pipeline deletion (`forget RUN_1 RUN_2 ... --oracle`): its whole chain is checked")
+    p.add_argument("oracle", nargs="?", default=None, help="oracle output (not for a pipeline deletion's folder)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=verify_cmd)
 
@@ -142,6 +152,10 @@ def inspect_cmd(args) -> int:
         from ..trace.retention import describe
 
         print(f"checkpoints: {describe(header['checkpoint_retention'])}")
+    from ..trace.lineage import describe as describe_lineage
+
+    print(f"lineage: {describe_lineage(header)}" + ("; `hf-unlearn trace lineage RUN` lists the pipeline"
+                                                   if (header.get("lineage") or {}).get("parent") else ""))
     from ..trace.fidelity import fidelity_statement
 
     print(f"fidelity: {fidelity_statement(header)}")
@@ -172,12 +186,52 @@ def compact_cmd(args) -> int:
     return 0
 
 
+def lineage_cmd(args) -> int:
+    from ..deletion.pipeline import open_pipeline
+    from ..trace.lineage import describe, lineage_of
+
+    _quiet()
+    runs = open_pipeline(args.run)
+    rows = []
+    for k, run in enumerate(runs):
+        parent = (lineage_of(run).get("parent") or {}).get("run_id")
+        rows.append({"stage": k + 1, "run": str(run.path), "run_id": run.header["run_id"],
+                     "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer"),
+                     "parent": parent, "rows": run.header["dataset"].get("rows"), "steps": run.kept().total_steps,
+                     "start": describe(run)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        print(f"stage {r['stage']}: {r['run']} run {r['run_id']} {r['trainer'].rsplit(':', 1)[-1]}, parent "
+              f"{r['parent'] or 'external base'}, {r['rows']} rows, {r['steps']} steps")
+        print(f"  {r['start']}")
+    print(f"pipeline: {len(rows)} stage(s), each starting from the previous stage's output (weights roots checked)")
+    return 0
+
+
+def _pipeline_given(runs: list[str]) -> bool:
+    from ..deletion.forgetting import _has_run_parent
+
+    return len(runs) > 1 or _has_run_parent(runs[0])
+
+
 def cost_cmd(args) -> int:
     from ..trace.replay import replay_cost
     from ..trace.run import open_run
 
     _quiet()
-    c = replay_cost(open_run(args.run, check_checkpoints=False), read_forget_file(args.forget))
+    if _pipeline_given(args.run):
+        from ..deletion.pipeline import describe_pipeline_cost, open_pipeline, pipeline_cost
+
+        c = pipeline_cost(open_pipeline(args.run), read_forget_file(args.forget))
+        if args.json:
+            print(json.dumps(c, indent=1, default=str))
+            return 0
+        for line in describe_pipeline_cost(c):
+            print(line)
+        return 0
+    c = replay_cost(open_run(args.run[0], check_checkpoints=False), read_forget_file(args.forget))
     if args.json:
         print(json.dumps(c, indent=1))
         return 0
@@ -289,6 +343,8 @@ def verify_cmd(args) -> int:
     from ..trace.verification import verify
 
     _quiet()
+    if args.oracle is None:
+        return _verify_pipeline(args)
     report = verify(args.out, args.oracle)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -318,4 +374,24 @@ def verify_cmd(args) -> int:
         return 1
     print("NOT IDENTICAL: the replay differs from the oracle"
           + (f" (also: {'; '.join(prov['problems'])})" if prov["problems"] else ""), file=sys.stderr)
+    return 1
+
+
+def _verify_pipeline(args) -> int:
+    from ..deletion.pipeline import verify_pipeline
+
+    report = verify_pipeline(args.out)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0 if report["verified"] else 1
+    for line in report["stages"]:
+        print(line)
+    if report["verified"]:
+        print("VERIFIED: every replayed stage is bit-identical to its oracle, each stage's replay and oracle start "
+              "from the previous stage's (run ids and weights roots recomputed), and the model folder is the last "
+              "stage's replayed state")
+        return 0
+    for p in report["problems"]:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    print("NOT VERIFIED: the pipeline deletion's chain does not hold", file=sys.stderr)
     return 1

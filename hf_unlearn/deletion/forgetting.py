@@ -128,6 +128,12 @@ class ForgetReceipt:
             hazards = self.evidence.get("hazards") or []
             caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
                       "not reproduce what the original training computed") if hazards else ""
+            if verified is True and self.evidence.get("pipeline"):
+                return ("exact through the pipeline: each stage from the first one holding a row replayed with the rows' "
+                        "loss contributions set to zero (a store without them), every later stage replayed from step 0 "
+                        "from the new parent's output with its recorded controls, each stage bit-identical to its "
+                        "oracle (the oracle of each stage starting from the oracle of the stage before; same replay "
+                        "engine)" + caveat)
             if verified is True:
                 return ("exact: the recorded run with the rows' loss contributions set to zero, replayed from a store "
                         "without them, bit-identical to the oracle (a full replay from step 0 on the original store: "
@@ -169,7 +175,18 @@ class ForgetReceipt:
         """(stage, outcome) rows for the closing table."""
         rows = [("request", f"{self.request['count']} id(s) as keyed tags (key {self.request['key_fingerprint']})")]
         ev = self.evidence
-        if self.mode == EXACT:
+        if self.mode == EXACT and ev.get("pipeline"):
+            pc = ev["pipeline_cost"]
+            rows.append(("replay cost", f"{pc['total_steps_replayed']} of {pc['pipeline_steps']} pipeline steps "
+                                        f"({100 * pc['fraction_replayed']:.0f}%), from stage {pc['first_affected_stage']}"))
+            for st in ev["pipeline"]:
+                rows.append((f"stage {st['stage']}", (f"replayed {st['steps_replayed']} of {st['total_steps']} steps "
+                             f"from step {st['start_step']}" + (f"; {st['oracle']['params_mismatched_elements']} "
+                                                               "parameter elements differ from its oracle"
+                                                               if st.get("oracle") else ""))
+                             if st["replayed"] else f"unchanged: {st['why']}"))
+            rows.append(("exact deletion", self.verdict))
+        elif self.mode == EXACT:
             c = ev["cost"]
             rows.append(("replay cost", f"from checkpoint step {c['start_checkpoint']}: {c['steps_to_replay']} of "
                                         f"{c['total_steps']} steps ({100 * c['fraction_replayed']:.0f}%), minimum "
@@ -262,7 +279,11 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
     with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite,
                        marker_check=_check_earlier_receipt) as out, \
             _library_progress(config.progress):
-        if plan["mode"] == EXACT:
+        if plan.get("pipeline"):
+            from .pipeline import run_pipeline
+
+            receipt = run_pipeline(plan, config, out, tokenizer, log)
+        elif plan["mode"] == EXACT:
             receipt = _exact(plan, config, out, tokenizer, log)
         else:
             receipt = _approximate(plan, config, out, log)
@@ -296,6 +317,11 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
     check_new_output(config.output_dir, overwrite_marker=RECEIPT_FILE, overwrite=config.overwrite,
                      marker_check=_check_earlier_receipt)
     check_repo_id(config.repo)
+    sources = [os.fspath(s) for s in model_or_run] if isinstance(model_or_run, (list, tuple)) else None
+    if sources is not None and len(sources) == 1:
+        model_or_run, sources = sources[0], None
+    if sources is not None or _has_run_parent(os.fspath(model_or_run)):
+        return _validate_pipeline(sources or [os.fspath(model_or_run)], request, config, data_collator)
     source = os.fspath(model_or_run)
     run = is_trace_run(source)
     method = config.method or (EXACT if run else DEFAULT_APPROXIMATE)
@@ -340,6 +366,52 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         forget_rows, retain_rows = _split_data(config, request)
         plan.update(mode="approximate", spec=spec, method_args=method_args, forget_rows=forget_rows,
                     retain_rows=retain_rows)
+    if config.repo:
+        _check_output_name(config, request)
+        _check_hub_access(config)
+        _check_earlier_deletions(config, plan)
+    return plan
+
+
+def _has_run_parent(source: str) -> bool:
+    """A recorded run that starts from another recorded run's output (a pipeline stage; its lineage is replayed)."""
+    from ..validation import is_trace_run
+
+    if not is_trace_run(source):
+        return False
+    try:
+        header = json.loads((Path(source) / "header.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return ((header.get("lineage") or {}).get("parent") or {}).get("kind") == "run" if isinstance(header, dict) \
+        else False
+
+
+def check_request(source, ids) -> None:
+    """The ids of a request checked against a recorded run, or against every stage of the pipeline a run ends (ids in
+    no stage refused, naming them); nothing is computed."""
+    if _has_run_parent(os.fspath(source)):
+        from .pipeline import open_pipeline, pipeline_cost
+
+        pipeline_cost(open_pipeline([os.fspath(source)]), ids)
+    else:
+        _validate_run(os.fspath(source), ids)
+
+
+def _validate_pipeline(sources: list[str], request: list, config: ForgetConfig, data_collator) -> dict:
+    from ..validation import is_trace_run
+    from .pipeline import validate_pipeline
+
+    if config.method not in (None, EXACT):
+        raise UnlearnError(f"several recorded runs (a pipeline) get an exact deletion; --method {config.method} takes "
+                           "one model")
+    for s in sources:
+        if not is_trace_run(s):
+            raise UnlearnError(f"{s!r} is not a recorded run: a pipeline deletion takes the stages' recorded runs "
+                               "(trace folders), in training order")
+    plan = {"ids": request, "source": sources[-1], "method": EXACT, "pipeline": True,
+            **validate_pipeline(sources, request, oracle=config.oracle, collator=config.collator,
+                                data_collator=data_collator)}
     if config.repo:
         _check_output_name(config, request)
         _check_hub_access(config)
@@ -976,7 +1048,8 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
 
     card_info = load_card_info(model_dir)
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
-        trace_dir = _provenance_view(out / "replay", Path(tmp) / "trace") if plan["mode"] == EXACT else None
+        trace_dir = _provenance_view(Path(plan.get("last_replay") or out / "replay"), Path(tmp) / "trace") \
+            if plan["mode"] == EXACT else None
         result = push_unlearned(model_dir, config.repo, card_info=card_info, deletion=True,
                                 private=config.private or None, token=config.token, endpoint=config.endpoint,
                                 base_model=config.base_model, datasets=config.datasets, trace_dir=trace_dir,

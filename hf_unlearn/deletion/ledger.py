@@ -436,7 +436,7 @@ class DeletionLedger:
         ``receipts/r-NNNN.ack.json`` (:func:`hf_unlearn.deletion.receipts.acknowledge`)."""
         from ..trace.tags import keyed_tags, tag
         from ..validation import load_request_ids
-        from .forgetting import _validate_run
+        from .forgetting import check_request
 
         received_at = parse_time(received, "--received")
         if received_at > utc_now() + CLOCK_SKEW:
@@ -446,7 +446,7 @@ class DeletionLedger:
         if ref is not None and not isinstance(ref, str):
             raise UnlearnError(f"ref must be a string (a ticket reference), not {type(ref).__name__}")
         ids = load_request_ids(ids)
-        _validate_run(os.fspath(self.current_run() if self.records_path.exists() else self.run), ids)
+        check_request(self.current_run() if self.records_path.exists() else self.run, ids)  # a pipeline: every stage
         key = self.tag_key
         _check_writable(self.path / "receipts")  # the acknowledgement goes there: fail before recording, not after
         with self.lock():

@@ -173,7 +173,17 @@ def _still_present(run: Path, ids: list) -> list:
     when every one is gone (forget then records a deletion that replays nothing)."""
     from ..trace.replay import already_deleted
     from ..trace.run import open_run
+    from .forgetting import _has_run_parent
 
+    if _has_run_parent(os.fspath(run)):  # a pipeline's last run: an id is gone when every stage holding it deleted it
+        from .pipeline import open_pipeline, stage_ids
+
+        present = set()
+        for stage in open_pipeline([run]):
+            held = stage_ids(stage, ids)
+            gone = set(already_deleted(stage, held))
+            present |= {i for i in held if i not in gone}
+        return [i for i in ids if i in present] or ids
     gone = set(already_deleted(open_run(run, check_checkpoints=False), ids))
     return [i for i in ids if i not in gone] or ids
 
@@ -204,7 +214,7 @@ def _record_batch(ledger: DeletionLedger, start: dict, receipt, out: Path, now) 
                             "tags": sorted({t for rid in request_ids for t in by_id[rid].tags})},
                   "forget_receipt": {"path": _rel(ledger, forget_file),
                                      "sha256": hashlib.sha256(forget_file.read_bytes()).hexdigest()},
-                  "cost": receipt.evidence.get("cost"),
+                  "cost": receipt.evidence.get("cost") or receipt.evidence.get("pipeline_cost"),
                   "guarantee": f"{receipt.guarantee}. One replay served {len(request_ids)} request(s)."}
     batch_path = folder / f"{name}.json"
     batch_sha = write_receipt(batch_path, sign_receipt(batch_body, ledger.signing_key))
@@ -224,10 +234,14 @@ def _record_batch(ledger: DeletionLedger, start: dict, receipt, out: Path, now) 
         receipts[rid] = {"path": _rel(ledger, path), "sha256": write_receipt(path, sign_receipt(body,
                                                                                               ledger.signing_key))}
         paths[rid] = path
-    ledger.append("batch_done", batch=name, requests=request_ids, run=_rel(ledger, out / "replay"),
+    stages = receipt.evidence.get("pipeline")  # a pipeline: the next batch deletes from the replayed last stage
+    replay = Path(stages[-1]["replay"]["output"]) if stages else out / "replay"
+    steps = sum(s.get("steps_replayed") or 0 for s in stages) if stages else \
+        (receipt.evidence.get("replay") or {}).get("segments_replayed")
+    ledger.append("batch_done", batch=name, requests=request_ids, run=_rel(ledger, replay),
                   model=_rel(ledger, out / "model"), receipts=receipts, batch_receipt=batch_sha,
                   params_root=receipt.state_hashes["params_root"], verified=receipt.evidence.get("verified"),
-                  steps_replayed=(receipt.evidence.get("replay") or {}).get("segments_replayed"),
+                  steps_replayed=steps,
                   published=_published(receipt), time=iso(now))
     for path in [*paths.values(), batch_path]:
         write_bundle(ledger, path)
@@ -302,11 +316,28 @@ def plan(ledger: DeletionLedger, now=None) -> dict:
     pending = ledger.pending()
     if not pending:
         return {"pending": 0}
-    run = open_run(ledger.current_run(), check_checkpoints=False)
     ids = ledger.private_ids([r.id for r in pending])
     union = list(dict.fromkeys(i for r in pending for i in ids[r.id]))
-    batch = replay_cost(run, union)
-    alone = {r.id: replay_cost(run, ids[r.id])["steps_to_replay"] for r in pending}
+    from .forgetting import _has_run_parent
+
+    if _has_run_parent(os.fspath(ledger.current_run())):  # a pipeline's last run: every stage, added up
+        from .pipeline import open_pipeline, pipeline_cost
+
+        runs = open_pipeline([ledger.current_run()])
+
+        def cost(request_ids):
+            c = pipeline_cost(runs, request_ids)
+            first = next((s for s in c["stages"] if s["replayed"]), None)
+            return {"total_steps": c["pipeline_steps"], "steps_to_replay": c["total_steps_replayed"],
+                    "start_checkpoint": None if first is None else f"{first['start_checkpoint']} of stage "
+                                                                    f"{first['stage']}"}
+    else:
+        run = open_run(ledger.current_run(), check_checkpoints=False)
+
+        def cost(request_ids):
+            return replay_cost(run, request_ids)
+    batch = cost(union)
+    alone = {r.id: cost(ids[r.id])["steps_to_replay"] for r in pending}
     first = min(pending, key=lambda r: r.deadline)
     return {"pending": len(pending), "total_steps": batch["total_steps"], "batch_now": batch["steps_to_replay"],
             "batch_start_checkpoint": batch["start_checkpoint"], "each_alone": alone,

@@ -180,6 +180,15 @@ def remember_live(source: dict, model, refs: dict) -> None:
     _LIVE.setdefault(key, {}).update({k: params[n].detach() for n, (_, k) in refs.items()})
 
 
+def release_live() -> None:
+    """Forget the live tensors :func:`remember_live` kept (called when a recording's ``train()`` returns): the model
+    is the user's again and may be edited in place (``merge_and_unload`` adds a LoRA into the very base tensors), so a
+    later load in this process de-quantises the file instead of reading them."""
+    if _LIVE:
+        _LIVE.clear()
+        _dequantized.cache_clear()
+
+
 @functools.lru_cache(maxsize=2)
 def _dequantized(path: str, dtype: str, sha256: str) -> dict:
     """The state dict of the GGUF file at ``path``, de-quantised as load_model does (``sha256`` keys the cache)."""

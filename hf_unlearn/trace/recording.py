@@ -478,6 +478,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
             mode and plain attributes, and in-place edits of parameters, buffers and optimizer state; a change no
             recorded callback made marks the run (step, cause), and each step's fingerprint goes into the plan so
             replays check themselves step by step. Default: on; ``False`` leaves deletions of the run unverifiable.
+        trace_parent: the recorded run (or ``forget`` output folder) whose output the model is, when it cannot be
+            found from where the model was loaded (:mod:`hf_unlearn.trace.lineage`); checked: refused when that
+            run's output weights are not the model's. Found or not, the starting weights' root is recorded.
     """
 
     _is_replay = False
@@ -488,7 +491,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
                  trace_allow_hazards: bool = False, trace_self_check: bool | int = True,
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
-                 trace_guards: bool = True, **kwargs):
+                 trace_guards: bool = True, trace_parent: str | os.PathLike | None = None, **kwargs):
         from .preference import check_trainer_class
         from .retention import MODES
 
@@ -517,6 +520,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self.trace_checkpoint_retention = trace_checkpoint_retention
         self.trace_checkpoint_budget = trace_checkpoint_budget
         self.trace_frozen_source = trace_frozen_source
+        self.trace_parent = trace_parent
         self.id_column = id_column
         self.dummy_token_id = dummy_token_id if dummy_token_id is not None else self._default_dummy_token()
         self.trace_allow_hazards = trace_allow_hazards
@@ -853,7 +857,12 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        self._trace_self_check()
+        try:
+            self._trace_self_check()
+        finally:  # the live tensors are the user's from now on (merge_and_unload edits them in place)
+            from .base_source import release_live
+
+            release_live()
         return output
 
     def _self_check_steps(self) -> int | None:
@@ -1071,6 +1080,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"{run} was recorded with the replayed callbacks {names[0] or 'none'} and is resumed "
                                f"with {names[1] or 'none'}: a replay runs one set of callbacks over the whole run; "
                                "resume with the same callbacks (same classes, same order)")
+        if not self._is_replay:  # the model it starts from: a recorded run's output, or an external base
+            from .lineage import record_lineage
+
+            header["lineage"] = previous.get("lineage") or record_lineage(
+                self.accelerator.unwrap_model(self.model), run, self.trace_parent)
         self._trace_header = header
         if resume_step:
             self._check_resumed_state(resume_step)
@@ -1238,6 +1252,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
         kept = self._kept_model()
         if kept:
             self._trace_header["kept_model"] = kept
+        if not self._is_replay and self._trace_header.get("lineage") and not kept:
+            from .lineage import live_output_root  # a later stage finds this run by it without loading a checkpoint
+
+            self._trace_header["lineage"]["output_root"] = live_output_root(self.accelerator.unwrap_model(self.model),
+                                                                           self._trace_header)
         if not self._is_replay:
             from .fidelity import changed_buffers
 

@@ -374,7 +374,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
-                 **kwargs):
+                 start_weights: dict | None = None, start_parent: dict | None = None, **kwargs):
+        self._start_weights, self._start_parent = start_weights, start_parent
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         self._self_check = _self_check
@@ -470,6 +471,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
         self._start_state = load_checkpoint(cps[self.start_step], verify=True)
+        if self._start_weights is not None:
+            self._start_from_parent()
         held = self.model.state_dict()
         for name, t in full_model_state(self._start_state).items():
             if name in held and held[name].dtype != t.dtype:
@@ -477,12 +480,41 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                    f"{self.start_step} as {t.dtype}: the model's dtype layout is not the recorded one")
         affected = [e.step for e in self.run.plan if self._hit(e)]
         self.first_affected_step = min(affected) if affected else self.run.total_steps
+        if self._start_weights is not None:  # another start: no recorded state after step 0 holds any more
+            self.first_affected_step = 0
         self._setup_program()
         if not self.filter_rows:
             self._check_batches()
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
 
     # ---- set-up -------------------------------------------------------------------------------------------
+    def _start_from_parent(self) -> None:
+        """A pipeline stage whose parent changed: its step-0 state with the base weights replaced by the new parent's
+        output (``start_weights``, plain names; adapter tensors and the optimizer's step-0 state stay as recorded).
+        Every tensor must be there with the recorded shape and dtype."""
+        from .base_source import base_key
+        from .lineage import ADAPTER, weights_root
+
+        if self.start_step != 0:
+            raise UnlearnError("a replay from a new parent's weights starts at step 0 (start='full')")
+        given, model = self._start_weights, dict(self._start_state["model"])
+        for name, t in model.items():
+            if ADAPTER.search(name):
+                continue
+            new = given.get(base_key(name))
+            if new is None or tuple(new.shape) != tuple(t.shape) or new.dtype != t.dtype:
+                what = "lacks it" if new is None else f"holds {tuple(new.shape)} {new.dtype}"
+                raise UnlearnError(f"{self.run.path}: the new parent's output cannot be this stage's start: its "
+                                   f"{base_key(name)} {what}, the stage started from {tuple(t.shape)} {t.dtype}")
+            model[name] = new.detach().to("cpu").clone()
+        self._start_state = {**self._start_state, "model": model, "frozen": []}
+        full = full_model_state(self._start_state)
+        self._start_root = weights_root(full)
+        expected = (self._start_parent or {}).get("output_root")
+        if expected is not None and expected != self._start_root:
+            raise UnlearnError(f"{self.run.path}: the start weights (root {self._start_root[:16]}...) are not the new "
+                               f"parent's output (root {expected[:16]}...)")
+
     def _setup_program(self) -> None:
         """The program a replay runs besides the plan (hf_unlearn.trace.guards): refused up front when the run
         changed outside its record at or after the start; the recorded callbacks rebuilt with their attributes at
@@ -738,6 +770,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         main = self.accelerator.is_main_process
         writer = self._open_output(start) if self.out_dir is not None and not self.filter_rows and main else None
         saves = set(run.checkpoints())  # the output keeps the checkpoints its parent kept
+        if writer and self._start_weights is not None:
+            writer.save_checkpoint(start, self.model, self.optimizer)
         model.train()
         model.zero_grad()
         replayed = stepped = 0
@@ -998,6 +1032,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         for folder in ("model", "collator", PROCESSING_CLASS_DIR, REFERENCE_DIR):  # a DPO run's reference goes along
             if (src / folder).exists():
                 shutil.copytree(src / folder, out / folder)
+        if (src / "private" / "lineage.json").exists() and self._start_weights is None:  # its parent stays the parent
+            shutil.copy2(src / "private" / "lineage.json", out / "private" / "lineage.json")
         if src.joinpath(*PRIVATE_SOURCE).exists():
             shutil.copy2(src.joinpath(*PRIVATE_SOURCE), out.joinpath(*PRIVATE_SOURCE))
         if (src / "deletion_log.jsonl").exists():
@@ -1024,12 +1060,19 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             from .packing import write_map
 
             header["dataset"]["packing"].update(write_map(out, entries))
+        if header.get("lineage"):  # the recording's output root is not this replay's
+            header["lineage"].pop("output_root", None)
+        if self._start_weights is not None:  # a new start: its own step-0 checkpoint (written by _replay)
+            header["lineage"] = {"start_root": self._start_root,
+                                 "parent": {"kind": "run", **(self._start_parent or {})},
+                                 "recorded": self.run.header.get("lineage")}
         writer = TraceWriter(out, self.run.key)
         writer.open(header)
         from .checkpoints import link_checkpoints
 
-        link_checkpoints(src, writer, [s for s in self.run.checkpoints() if s <= start], self.model,
-                         self._start_state.get("frozen", []))
+        if self._start_weights is None:  # else the frozen base changed too: saved with the new step-0 checkpoint
+            link_checkpoints(src, writer, [s for s in self.run.checkpoints() if s <= start], self.model,
+                             self._start_state.get("frozen", []))
         self._out_header = header
         return writer
 

@@ -1,0 +1,393 @@
+"""One deletion request through a training pipeline (SFT, then a second fine-tune, DPO, a LoRA on the result, ...).
+
+The stages are recorded runs, each starting from the previous one's output (:mod:`hf_unlearn.trace.lineage`
+records and checks that). A row deleted from stage k changes stage k's output, hence the start of every later stage,
+so :func:`run_pipeline`:
+
+* deletes nothing before the first stage that holds an id of the request (those stages are unchanged);
+* replays the first affected stage from its latest usable checkpoint, from a store without the rows (as ``forget``
+  does for one run);
+* replays every later stage **from step 0, from the new parent's output** (no checkpoint of it is valid any more),
+  with its own recorded controls (slots, seeds, learning rates, accumulation, normalisers, the optimizer built as
+  recorded) and its own ids of the request deleted; a LoRA stage's frozen base is the new parent's output;
+* with ``oracle``: the oracle of the first affected stage is its full replay from step 0 on the original store, and
+  the oracle of each later stage starts from the oracle of the stage before; each stage's replay is compared with its
+  oracle bit for bit (:func:`hf_unlearn.trace.verification.verify`).
+
+``OUT/stage-K/{store,replay,oracle}`` hold each replayed stage; ``OUT/model`` the last stage's model; the receipt's
+``evidence.pipeline`` one entry per stage (run ids, start and output roots, replay == oracle). :func:`verify_pipeline`
+checks the chain again from the folders: each stage's replay and oracle start from the previous stage's replay and
+oracle output (by run id and weights root, recomputed), and each stage's replay equals its oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..errors import UnlearnError
+from ..trace.lineage import open_quietly
+
+
+# ---- before any compute ----------------------------------------------------------------------------------------
+def stage_ids(run, ids) -> list:
+    """The ids of ``ids`` that stage ``run`` served (or deleted before, or dropped before training)."""
+    from ..trace.packing import document_tags, is_packed, load_map
+    from ..trace.replay import never_trained_tags
+    from ..trace.run import read_deletion_log
+    from ..trace.tags import tag
+
+    if is_packed(run.header):
+        known = set(document_tags(load_map(run)))
+    else:
+        known = {s for e in (run.served_plan or run.plan) for s in e.slots if s}
+    known |= {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
+    known |= never_trained_tags(run)
+    key = run.key
+    return [i for i in ids if tag(key, i) in known]
+
+
+def open_pipeline(sources) -> list:
+    """The stages' runs, in training order: the runs given (checked to be a pipeline), or, for one run, the pipeline
+    found from its recorded parents."""
+    from ..trace.lineage import check_pipeline, find_pipeline
+
+    runs = [open_quietly(s) for s in sources]
+    if len(runs) == 1:
+        runs = find_pipeline(runs[0])
+    check_pipeline(runs)
+    return runs
+
+
+def pipeline_cost(runs, ids) -> dict:
+    """Per stage: its ids, and what a deletion replays (the first affected stage from a checkpoint, every later one in
+    full); ``total_steps_replayed`` against ``pipeline_steps`` (the oracle of the whole pipeline replays all of them).
+    An id in no stage is an error (listed)."""
+    from ..trace.replay import replay_cost
+
+    per = [stage_ids(r, ids) for r in runs]
+    seen = {i for p in per for i in p}
+    unknown = [i for i in dict.fromkeys(ids) if i not in seen]
+    if unknown:
+        raise UnlearnError(f"{len(unknown)} id(s) to forget appear in no stage of the pipeline "
+                           f"({', '.join(str(r.path) for r in runs)}): {unknown[:20]}"
+                           f"{' ...' if len(unknown) > 20 else ''}; check the forget list")
+    stages, first = [], None
+    for k, (run, sids) in enumerate(zip(runs, per)):
+        total = run.kept().total_steps
+        entry = {"stage": k + 1, "run": str(run.path), "run_id": run.header["run_id"], "ids": len(sids),
+                 "total_steps": total,
+                 "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
+        if first is None:
+            cost = replay_cost(run, sids) if sids else None
+            if cost is None or cost["first_affected_step"] is None:
+                entry.update(replayed=False, steps_to_replay=0, why="no id of the request in this stage (unchanged)"
+                             if not sids else "its ids were deleted before (unchanged)")
+            else:
+                first = k
+                entry.update(replayed=True, start_checkpoint=cost["start_checkpoint"],
+                             steps_to_replay=cost["steps_to_replay"], cost=cost,
+                             why=f"first affected stage: suffix replay from checkpoint step {cost['start_checkpoint']}")
+        else:
+            entry.update(replayed=True, start_checkpoint=0, steps_to_replay=total,
+                         why=f"its start changed (stage {first + 1}'s deletion changes every later stage's parent): "
+                             f"replayed in full from the new parent"
+                             + (f", its own {len(sids)} id(s) deleted" if sids else ""))
+            if sids:
+                entry["cost"] = replay_cost(run, sids)
+        entry["ids_list"] = sids
+        stages.append(entry)
+    replayed = sum(s["steps_to_replay"] for s in stages)
+    total = sum(s["total_steps"] for s in stages)
+    return {"stages": stages, "first_affected_stage": None if first is None else first + 1,
+            "total_steps_replayed": replayed, "pipeline_steps": total,
+            "fraction_replayed": replayed / total if total else 0.0}
+
+
+def describe_pipeline_cost(cost: dict) -> list[str]:
+    lines = []
+    for s in cost["stages"]:
+        lines.append(f"stage {s['stage']} ({s['trainer'].rsplit(':', 1)[-1]}, {s['total_steps']} steps, "
+                     f"{s['ids']} id(s)): " + (f"replays {s['steps_to_replay']} step(s): {s['why']}" if s["replayed"]
+                                               else f"not replayed: {s['why']}"))
+    first = cost["first_affected_stage"]
+    if first is None:
+        lines.append("nothing to replay: no stage holds a row of the request any more")
+        return lines
+    later = [s for s in cost["stages"] if s["stage"] > first]
+    lines.append(f"pipeline: {cost['total_steps_replayed']} of {cost['pipeline_steps']} steps replayed "
+                 f"({100 * cost['fraction_replayed']:.1f}%)"
+                 + (f"; a deletion in stage {first} replays every later stage in full "
+                    f"({sum(s['total_steps'] for s in later)} steps of {len(later)} stage(s))" if later else "")
+                 + "; --oracle adds a full replay of every stage from the first affected one "
+                 f"({sum(s['total_steps'] for s in cost['stages'] if s['stage'] >= first)} steps)")
+    return lines
+
+
+def validate_pipeline(sources, request, oracle: bool = False, collator=None, data_collator=None) -> dict:
+    """Every check that costs no training, before any: the pipeline, the ids, each replayed stage's program and
+    trainer, world size and collator."""
+    from ..trace.guards import ProgramChangedError, program_refusal
+    from ..trace.trainers import recorded_trainer
+    from .forgetting import EXACT, _run_collator
+
+    runs = open_pipeline(sources)
+    cost = pipeline_cost(runs, request)
+    for s, run in zip(cost["stages"], runs):
+        if not s["replayed"]:
+            continue
+        where = f"stage {s['stage']} ({run.path})"
+        world = run.header.get("world_size", 1)
+        if world != 1:
+            raise UnlearnError(f"{where} was recorded by {world} processes; forget replays one-process runs only")
+        start = s["start_checkpoint"]
+        for st, who in ((start, "the replay"), *(((0, "the oracle"),) if oracle else ())):
+            why = program_refusal(run.kept(), st)
+            if why:
+                raise ProgramChangedError(f"{where}: {who} cannot run: {why}")
+        recorded_trainer(run.header)
+        s["collator"] = _run_collator(run, collator, data_collator)
+    hazards = [f"stage {s['stage']}: {h}" for s, r in zip(cost["stages"], runs) for h in r.header.get("hazards", [])]
+    return {"mode": EXACT, "runs": runs, "run": runs[-1], "pipeline_cost": cost, "hazards": hazards,
+            "controls": {"status": "; ".join(f"stage {k + 1}: {r.report.summary.get('controls')}"
+                                             for k, r in enumerate(runs)),
+                         "notes": [n for r in runs for n in r.report.notes]}}
+
+
+# ---- the deletion ----------------------------------------------------------------------------------------------
+def _start_from(stage, folder: Path) -> dict:
+    """The replay arguments of ``stage`` starting from the output of the replayed run in ``folder``: its weights, the
+    parent's record and, for a DPO stage whose reference was its parent, the new parent's model as the reference
+    (:func:`hf_unlearn.trace.reference.load_reference_model` with ``override``)."""
+    from ..trace.lineage import output_model, output_weights, reference_is_parent, weights_root
+
+    run = open_quietly(folder)
+    needs_model = (run.header.get("model") or {}).get("peft") or reference_is_parent(stage)
+    model = output_model(run) if needs_model else None  # built (and merged) once: the weights and the reference
+    weights = dict(model.state_dict()) if model is not None else output_weights(run)
+    parent = {"run_id": run.header["run_id"], "origin_run_id": run.header.get("origin_run_id"),
+              "output_root": weights_root(weights), "via": "pipeline", "steps": run.kept().total_steps,
+              "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
+    kw = dict(start_weights=weights, start_parent=parent)
+    if reference_is_parent(stage):
+        from ..trace.reference import load_reference_model, reference_root
+
+        ref = load_reference_model(stage, override=model)
+        if reference_root(ref) != parent["output_root"]:
+            raise UnlearnError(f"{stage.path}: the new parent's model as the DPO reference has another root than its "
+                               "output weights; refusing")
+        kw["ref_model"] = ref
+    return kw
+
+
+def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
+    """Replay the affected stages in order (see the module docstring); returns the receipt."""
+    from ..hub.mixin import write_model_card
+    from ..hub.publish import hashed_files
+    from ..trace.fidelity import fidelity_statement
+    from ..trace.lineage import lineage_of, output_root, parent_path
+    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
+    from ..trace.store import redact_store
+    from ..trace.tags import tag
+    from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
+    from ..trace.verification import verify
+    from .forgetting import _own_settings, _receipt, with_replay_progress
+
+    runs, cost, timings = plan["runs"], plan["pipeline_cost"], {}
+    log(f"exact deletion of {len(plan['ids'])} id(s) from a pipeline of {len(runs)} recorded run(s):")
+    for line in describe_pipeline_cost(cost):
+        log("  " + line)
+    for hazard in plan["hazards"]:
+        log(f"HAZARD (recorded with the run): {hazard}")
+    prev_replay = prev_oracle = None
+    stages, replay, verified = [], None, []
+    for s, run in zip(cost["stages"], runs):
+        k = s["stage"]
+        entry = {"stage": k, "run_id": run.header["run_id"], "origin_run_id": run.header.get("origin_run_id"),
+                 "trainer": s["trainer"], "ids": s["ids"], "total_steps": s["total_steps"],
+                 "start_root": lineage_of(run).get("start_root"), "parent_run_id": (lineage_of(run).get("parent")
+                                                                                      or {}).get("run_id")}
+        if not s["replayed"]:
+            entry.update(replayed=False, why=s["why"], output_root=output_root(run))
+            stages.append(entry)
+            continue
+        d = out / f"stage-{k}"
+        d.mkdir(parents=True)
+        ids = s["ids_list"]
+        store = run.store_path
+        t = time.perf_counter()
+        if ids:
+            never = never_trained_tags(run)
+            red = redact_store(run.store_path, ids, d / "store", run.key, id_column=run.id_column,
+                               already_deleted=[i for i in ids if tag(run.key, i) in never])
+            store = d / "store"
+            entry["redaction"] = {"rows_before": red["rows_before"], "rows_after": red["rows_after"],
+                                  "store_sha256": red["store_sha256"], "id_check": red["checks"]["id_column_scanned"]}
+        kw = {}
+        if prev_replay is not None:
+            kw = dict(start="full", **_start_from(run, prev_replay))
+            entry["new_start_root"] = kw["start_parent"]["output_root"]
+            entry["reference_replaced"] = "ref_model" in kw
+        log(f"stage {k}: {s['why']}")
+        replay = with_replay_progress(RedactedReplayTrainer, f"stage {k} replay", config.progress)(
+            run, store, ids, d / "replay", data_collator=s["collator"], **kw)
+        replay.train()
+        _remember_parent(d / "replay", prev_replay if prev_replay is not None else parent_path(run))
+        timings[f"stage_{k}_replay_s"] = time.perf_counter() - t
+        stats = replay.replay_stats
+        entry.update(replayed=True, why=s["why"], start_step=stats["start_step"],
+                     steps_replayed=stats["segments_replayed"],
+                     replay={"output": str(d / "replay"), "run_id": _run_id(d / "replay"),
+                             "output_root": output_root(open_quietly(d / "replay")),
+                             "fidelity": fidelity_statement(json.loads((d / "replay" / "header.json").read_text()))})
+        log(f"stage {k}: replayed {stats['segments_replayed']} of {stats['total_steps']} steps from step "
+            f"{stats['start_step']} in {timings[f'stage_{k}_replay_s']:.0f} s")
+        if config.oracle:
+            t = time.perf_counter()
+            okw = _start_from(run, prev_oracle) if prev_oracle is not None else {}
+            with_replay_progress(OracleReplayTrainer, f"stage {k} oracle", config.progress)(
+                run, ids, out_dir=d / "oracle", data_collator=s["collator"], **okw).train()
+            report = verify(d / "replay", d / "oracle")
+            timings[f"stage_{k}_oracle_s"] = time.perf_counter() - t
+            ok = bool(report["verified"])
+            verified.append(ok)
+            entry["oracle"] = {"output": str(d / "oracle"), "run_id": _run_id(d / "oracle"),
+                               "output_root": output_root(open_quietly(d / "oracle")), "identical": bool(report["identical"]),
+                               "verified": ok, "problems": list(report["provenance"]["problems"]),
+                               "params_mismatched_elements": report["params"]["mismatched_elements"],
+                               "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"]}
+            log(f"stage {k}: replay vs oracle: " + ("VERIFIED bit-identical" if ok else
+                                                     "bit-identical, NOT VERIFIED" if report["identical"]
+                                                     else "NOT identical"))
+            prev_oracle = d / "oracle"
+        prev_replay = d / "replay"
+        stages.append(entry)
+    plan["last_replay"] = prev_replay
+    if replay is None:
+        raise UnlearnError("nothing to replay: every id of the request was deleted from the pipeline before")
+    if not tokenizer and (runs[-1].path / PROCESSING_CLASS_DIR).is_dir():
+        tokenizer = load_processing_class(runs[-1].path / PROCESSING_CLASS_DIR)
+    model_dir = out / "model"
+    exact = {}
+    if (runs[-1].header.get("model") or {}).get("peft"):  # what is published: the adapter merged into its base
+        from ..trace.lineage import output_model, weights_root
+
+        merged = output_model(open_quietly(prev_replay))
+        merged.save_pretrained(str(model_dir))
+        exact["params_root"] = weights_root(merged.state_dict())
+    else:
+        replay.save_model(str(model_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(model_dir)
+    saved_files = hashed_files(model_dir)
+    card_info = replay.unlearning_card_info()
+    write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
+                     not_ids=_own_settings(card_info))
+    exact = {**card_info["extra"].get("exact_deletion", {}), **exact}
+    evidence = {"pipeline": stages, "pipeline_cost": {k: v for k, v in cost.items() if k != "stages"},
+                "verified": None if not config.oracle else all(verified), "hazards": plan["hazards"],
+                "controls": plan["controls"]}
+    return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
+                    trace_params_root=exact.get("params_root"), saved_files=saved_files)
+
+
+def _remember_parent(folder: Path, parent) -> None:
+    """A replayed stage's parent folder, kept where the recording keeps it (``private/lineage.json``): a later request
+    finds the pipeline from the replayed last stage."""
+    from ..trace.lineage import PRIVATE_FILE
+    from ..utils import atomic_write_text
+
+    if parent is not None:
+        atomic_write_text(Path(folder) / PRIVATE_FILE, json.dumps({"parent_path": str(Path(parent).resolve())}, indent=1))
+
+
+def _run_id(folder: Path) -> str:
+    return json.loads((Path(folder) / "header.json").read_text())["run_id"]
+
+
+# ---- checking a pipeline deletion again --------------------------------------------------------------------------
+def verify_pipeline(out) -> dict:
+    """Check a pipeline deletion's output folder from its files: each replayed stage's replay equals its oracle
+    (bit for bit, provenance checked), each stage's replay and oracle start from the previous stage's replay and
+    oracle output (run id and weights root, recomputed from the checkpoints), the first replayed stage is a replay
+    of the receipt's run, the receipt's roots are the folders', and the model folder is the last replay's state.
+    Returns ``{"verified": bool, "problems": [...], "stages": [...]}``."""
+    from ..trace.lineage import lineage_of, output_root
+    from ..trace.verification import verify
+    from .forgetting import load_receipt
+
+    out = Path(out)
+    receipt = load_receipt(out)
+    stages = (receipt.get("evidence") or {}).get("pipeline")
+    if not stages:
+        raise UnlearnError(f"{out}/receipt.json is not a pipeline deletion's receipt (no evidence.pipeline)")
+    problems, lines = [], []
+    prev = {"replay": None, "oracle": None}
+    for k, st in enumerate(stages):
+        name = f"stage {k + 1}"
+        if st.get("stage") != k + 1:
+            problems.append(f"{name}: the receipt lists stage {st.get('stage')} here: the chain was reordered")
+        if k and st.get("parent_run_id") != stages[k - 1].get("run_id"):
+            problems.append(f"{name}: the receipt says it starts from run {st.get('parent_run_id')}, not stage {k}'s "
+                            f"run {stages[k - 1].get('run_id')}")
+        if not st.get("replayed"):
+            if any(prev.values()):
+                problems.append(f"{name}: not replayed although an earlier stage was: its start changed")
+            lines.append(f"{name}: unchanged ({st.get('why')})")
+            continue
+        d = out / f"stage-{k + 1}"
+        folders = {"replay": d / "replay", "oracle": d / "oracle"}
+        if not (folders["oracle"] / "header.json").is_file():
+            problems.append(f"{name}: no oracle output ({folders['oracle']}): the deletion was not checked against "
+                            "the oracle")
+            break
+        report = verify(folders["replay"], folders["oracle"])
+        if not report["verified"]:
+            problems.append(f"{name}: replay vs oracle " + ("bit-identical but not proven: " + "; ".join(
+                report["provenance"]["problems"][:2]) if report["identical"] else "NOT identical"))
+        runs = {role: open_quietly(f) for role, f in folders.items()}
+        for role, run in runs.items():
+            if run.header.get("origin_run_id") != st.get("origin_run_id"):
+                problems.append(f"{name}: the {role} is of recorded run {run.header.get('origin_run_id')}, not the "
+                                f"receipt's stage run {st.get('origin_run_id')}")
+            root = output_root(run)
+            if root != (st.get(role) or {}).get("output_root"):
+                problems.append(f"{name}: the {role}'s output root {root[:16]}... is not the receipt's "
+                                f"{str((st.get(role) or {}).get('output_root'))[:16]}...")
+            lin = lineage_of(run)
+            before = prev[role]
+            if before is None:
+                if (run.header.get("parent") or {}).get("mode") not in ("replay", "oracle"):
+                    problems.append(f"{name}: the {role} folder is not a replay output")
+                if lin.get("start_root") != st.get("start_root"):
+                    problems.append(f"{name}: the {role} starts from root {str(lin.get('start_root'))[:16]}..., not "
+                                    f"the recorded stage's start {str(st.get('start_root'))[:16]}...")
+                if k and lin.get("start_root") != stages[k - 1].get("output_root"):
+                    problems.append(f"{name}: the {role} does not start from stage {k}'s recorded output")
+            else:
+                parent = lin.get("parent") or {}
+                if parent.get("run_id") != before.header["run_id"]:
+                    problems.append(f"{name}: the {role} starts from run {parent.get('run_id')}, not from stage {k}'s "
+                                    f"{role} output (run {before.header['run_id']}): a swapped parent")
+                if lin.get("start_root") != output_root(before):
+                    problems.append(f"{name}: the {role} starts from root {str(lin.get('start_root'))[:16]}..., not "
+                                    f"stage {k}'s {role} output")
+        prev = runs
+        lines.append(f"{name}: replay == oracle {'VERIFIED' if report['verified'] else 'NOT verified'}"
+                     + (f", starts from stage {k}'s replayed output" if k and stages[k - 1].get("replayed") else ""))
+    last = prev.get("replay")
+    final = (receipt.get("state_hashes") or {}).get("trace_params_root")
+    if last is not None:
+        from ..trace.lineage import output_checkpoint
+
+        hashes = json.loads((output_checkpoint(last) / "hashes.json").read_text())
+        merged = output_root(last) if (last.header.get("model") or {}).get("peft") else None
+        if final not in (hashes["params_root"], merged):
+            problems.append("the receipt's final state root is not the last stage's replayed state")
+    from ..hub.publish import build_manifest
+
+    model_dir = out / "model"
+    if not model_dir.is_dir() or build_manifest(model_dir)["params_root"] != receipt["state_hashes"]["params_root"]:
+        problems.append(f"{model_dir} does not hold the receipt's model (weights root differs or folder missing)")
+    return {"verified": not problems, "problems": problems, "stages": lines}
