@@ -29,6 +29,7 @@ def check(result: dict, reshard: bool, precision: str) -> None:
     assert sharding["reshard_after_forward"] is reshard and sharding["mixed_precision"] == precision
     # the final checkpoint's parameter root is the root of the full state torch.distributed.checkpoint gathers
     assert result["root_is_unsharded_root"]
+    assert result["lineage"] == {"start_is_unsharded_root": True, "output_is_final_root": True}
     assert not result["model_class"].startswith("FSDP")  # the model class, not FSDP2's subclass of it
     # geometric retention (K=1 of 4 steps): step 0, the end and what the bound 2 (T - s) + K needs
     assert result["retention"]["mode"] == "geometric" and result["kept"] == result["retention"]["kept"]

@@ -162,6 +162,11 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
         names = list(final["params"])
         result["root_is_unsharded_root"] = root_hash({n: tensor_hash(n, gathered[n]) for n in names}) == \
             final["params_root"]
+        from hf_unlearn.trace.lineage import weights_root  # lineage over full logical tensors, as a next stage sees
+
+        lineage = run.header["lineage"]
+        result["lineage"] = {"start_is_unsharded_root": lineage["start_root"] == weights_root(
+            build_model(arch, tok).state_dict()), "output_is_final_root": lineage["output_root"] == final["params_root"]}
     recorded = load_checkpoint(run.final_checkpoint())["model"]
     for step in steps:
         d = out / f"delete-{step}"

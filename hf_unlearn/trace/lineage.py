@@ -42,10 +42,13 @@ def weights_root(state: dict) -> str:
     output root is its final checkpoint's ``params_root``, and a DPO reference's root
     (:func:`hf_unlearn.trace.reference.reference_root`) is comparable with it."""
     from .checkpoints import tied_aliases
+    from .sharding import full, local
 
     plain = base_weights(state)
-    tied = tied_aliases(plain)
-    return root_hash({n: tensor_hash(n, t) for n, t in plain.items() if n not in tied})
+    tied = tied_aliases({n: local(t) for n, t in plain.items()})
+    # an FSDP2 model's DTensors: each full logical tensor gathered (a collective every process joins) and hashed
+    # one at a time, so the root is the unsharded model's and no process holds the whole model
+    return root_hash({n: tensor_hash(n, full(t)) for n, t in plain.items() if n not in tied})
 
 
 def base_weights(state: dict) -> dict:

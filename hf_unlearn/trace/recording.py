@@ -1037,6 +1037,10 @@ class TraceRecordingMixin(WeightsFollowUmask):
                     from .sharding import ShardPeerDigest
 
                     self._trace_peer_digest = ShardPeerDigest(self.accelerator.unwrap_model(self.model), self.optimizer)
+                if not self._is_replay:  # the main process's lineage gathers each starting tensor: take part
+                    from .lineage import weights_root
+
+                    weights_root(self.accelerator.unwrap_model(self.model).state_dict())
             return
         from .store import id_index, save_store, store_sha256
 
@@ -1219,6 +1223,13 @@ class TraceRecordingMixin(WeightsFollowUmask):
         return self._trace_started and self.is_fsdp_enabled and not self.accelerator.is_main_process \
             and not self._is_replay
 
+    def _trace_final_params_root(self, step: int) -> str:
+        """A sharded run's output root: its final checkpoint's ``params_root`` (over the full logical tensors, as
+        :func:`~hf_unlearn.trace.lineage.weights_root` computes it), read instead of gathering the model again."""
+        from .checkpoints import checkpoint_dir
+
+        return json.loads((checkpoint_dir(self.trace_dir, step) / "hashes.json").read_text())["params_root"]
+
     def _trace_finish(self) -> None:
         if self._trace_writer is None:
             if self._trace_shard_peer() and self.state.global_step not in self._trace_saved:
@@ -1255,8 +1266,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if not self._is_replay and self._trace_header.get("lineage") and not kept:
             from .lineage import live_output_root  # a later stage finds this run by it without loading a checkpoint
 
-            self._trace_header["lineage"]["output_root"] = live_output_root(self.accelerator.unwrap_model(self.model),
-                                                                           self._trace_header)
+            self._trace_header["lineage"]["output_root"] = (
+                self._trace_final_params_root(step) if self.is_fsdp_enabled else
+                live_output_root(self.accelerator.unwrap_model(self.model), self._trace_header))
         if not self._is_replay:
             from .fidelity import changed_buffers
 
