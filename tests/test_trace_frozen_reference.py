@@ -160,3 +160,22 @@ def test_a_gguf_base_is_referenced_by_the_file_and_its_deterministic_dequantisat
     rec["source"]["files"] = {"changed.gguf": rec["source"]["files"][next(iter(rec["source"]["files"]))]}
     with pytest.raises(UnlearnError, match="changed.gguf has changed since the run was recorded"):
         base_source.check_files(rec["source"])
+
+
+def test_only_a_folder_from_pretrained_reads_counts_as_the_weights_source(tmp_path):
+    """A run's ``model/`` holds a config and ``buffers.safetensors``: a model whose ``_name_or_path`` points there was
+    not loaded from weights in it, so nothing is referenced (a reference would bind a file that holds no weights)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hf_unlearn.trace.base_source import loaded_from
+
+    model = tiny(get_trace_data()[0])
+    buffers_only = tmp_path / "model"
+    buffers_only.mkdir()
+    save_file({"rotary": torch.zeros(2)}, str(buffers_only / "buffers.safetensors"))
+    model.config._name_or_path = str(buffers_only)
+    assert loaded_from(model) is None
+    model.save_pretrained(tmp_path / "weights")
+    model.config._name_or_path = str(tmp_path / "weights")
+    assert loaded_from(model) == {"kind": "safetensors", "path": str((tmp_path / "weights").resolve()), "revision": None}

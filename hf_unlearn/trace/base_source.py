@@ -28,6 +28,7 @@ from ..errors import UnlearnError
 
 GGUF_MARK = "_hf_unlearn_gguf_source"  # set on a model by load_model(...gguf): a GGUFOrigin
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what from_pretrained reads, one or sharded
 
 
 def stamp(t) -> tuple:
@@ -87,9 +88,9 @@ def loaded_from(model) -> dict | None:
     if not name:
         return None
     folder = Path(name).expanduser()
-    if folder.is_dir():
+    if folder.is_dir():  # the files from_pretrained reads (a run's model/ holds only buffers.safetensors: not weights)
         return {"kind": "safetensors", "path": str(folder.resolve()), "revision": None} \
-            if any(folder.glob("*.safetensors")) else None
+            if any((folder / f).is_file() for f in WEIGHT_FILES) else None
     return _cache_snapshot(name, getattr(base.config, "_commit_hash", None))
 
 
@@ -99,7 +100,7 @@ def _cache_snapshot(repo_id: str, revision: str | None) -> dict | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - a dependency
         return None
-    for filename in ("model.safetensors", "model.safetensors.index.json"):
+    for filename in WEIGHT_FILES:
         try:
             found = try_to_load_from_cache(repo_id, filename, revision=revision)
         except Exception:  # noqa: BLE001 - not a repo id (a path that does not exist): nothing to reference
