@@ -1,0 +1,134 @@
+"""Attacks on the DPO verdict: ways a user (careless or not) could get VERIFIED for a DPO deletion whose output is not
+what a plain trl.DPOTrainer without the deleted pairs' contribution gives (docs/trl.md), each with its outcome.
+
+Each test names the attack, what happened before the fix (when it fooled the verdict) and what happens now.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from .test_trace_dpo import counterfactual, dpo_config, forget_and_verify, pairs, saved_model
+
+pytest.importorskip("trl")
+warnings.filterwarnings("ignore", message=".*not sealed.*")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from trl import DPOTrainer  # noqa: E402 - after the importorskip
+
+
+class TokenMeanDPOTrainer(DPOTrainer):
+    """A careless 'per-token' DPO: the loss divided by the microbatch's attention-mask tokens (times the pairs)."""
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        loss = super()._compute_loss(model, inputs, return_outputs)
+        return loss * inputs["completion_mask"].shape[0] / inputs["attention_mask"].sum()
+
+
+def recorder(out, tok, data, base, ref_model=None, callbacks=None, trainer_cls=None, **config):
+    """A DPO recording (not trained yet) with trainer arguments kept apart from the DPOConfig's."""
+    from trl import DPOTrainer
+
+    from hf_unlearn.trace import trace_recording
+
+    return trace_recording(trainer_cls or DPOTrainer)(
+        model=saved_model(base, tok), ref_model=ref_model, args=dpo_config(out, **{"max_steps": 2, **config}),
+        train_dataset=data, processing_class=tok, callbacks=callbacks, trace_checkpoint_steps=2,
+        trace_checkpoint_retention="even", trace_self_check=False)
+
+
+def test_a_reference_changed_in_memory_is_refused_before_training(tmp_path):
+    """Attack: ref_model= a model loaded from a folder whose rotary inv_freq (a non-persistent buffer: no params root
+    sees it) was halved in memory, or that carries a forward hook. Before: the run referenced the folder (same
+    params root), replays reloaded it unchanged, and a step-0 deletion printed VERIFIED while the oracle differed from
+    a plain DPOTrainer with the recorded reference. Now: the reference's log-probabilities on a probe
+    (forward_sha256) differ from a reload's, so the recording refuses when training starts, before any step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.errors import UnlearnError
+
+    tok, data = pairs(n=4)
+    base = tmp_path / "base"
+    saved_model(base, tok)
+    buffer = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        buffer.model.rotary_emb.inv_freq.mul_(0.5)
+    hooked = AutoModelForCausalLM.from_pretrained(base)
+    hooked.model.norm.register_forward_hook(lambda module, args, out: out * 1.5)
+    for i, ref in enumerate((buffer, hooked)):
+        trainer = recorder(tmp_path / f"rec{i}", tok, data, base, ref_model=ref)
+        with pytest.raises(UnlearnError, match="computes other log-probabilities than a reload of its weights"):
+            trainer.train()
+        assert trainer.state.global_step == 0 and not (tmp_path / f"rec{i}" / "trace" / "reference").exists()
+
+
+def test_a_reference_loaded_with_config_overrides_is_stored_and_replays_exactly(tmp_path):
+    """Attack: ref_model=from_pretrained(folder, rms_norm_eps=0.5): the folder's weights (same params root) but another
+    config. Before: the run referenced the folder and replays loaded its config, so replay == oracle (VERIFIED) on a
+    reference the run never trained against. Now: a reload of the folder does not give the recorded forward_sha256,
+    so the reference is stored in the run (config included): replay == oracle == a plain DPOTrainer with that
+    reference whose deleted pair has no completion token."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.verification import load_state
+
+    tok, data = pairs(n=8)
+    base = tmp_path / "base"
+    saved_model(base, tok)
+    ref = AutoModelForCausalLM.from_pretrained(base, rms_norm_eps=0.5)
+    recorder(tmp_path / "rec", tok, data, base, ref_model=ref).train()
+    run = open_run(tmp_path / "rec" / "trace")
+    record = run.header["reference_model"]
+    assert record["source"]["kind"] == "stored" and record["forward_sha256"]
+    forget = run.ids_at_steps([0])[:1]
+    assert forget_and_verify(run.path, forget, tmp_path)[2]["verified"]
+    cf = counterfactual(tmp_path, tok, data, base, forget, max_steps=2,
+                        ref_model=AutoModelForCausalLM.from_pretrained(base, rms_norm_eps=0.5))
+    assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
+
+
+def test_a_reference_edited_during_training_is_sealed_not_reproducible(tmp_path):
+    """Attack: a callback (not importable, so not replayed) scales the reference's final norm after the first optimizer
+    step, where the self-check (step 0..1) cannot see it, and the policy's guards do not watch the reference. Before:
+    replays loaded the unedited reference and printed VERIFIED. Now: the recorder recomputes the reference's probe
+    log-probabilities when training ends, finds them changed and seals the run as not reproducible: replays and the
+    oracle refuse before any compute."""
+    import torch
+    from transformers import TrainerCallback
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import OracleReplayTrainer, open_run
+
+    class EditReference(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                with torch.no_grad():
+                    trainer.ref_model.model.norm.weight.mul_(2.0)
+
+    tok, data = pairs(n=8)
+    trainer = recorder(tmp_path / "rec", tok, data, tmp_path / "base", callbacks=[EditReference()])
+    trainer.train()
+    run = open_run(tmp_path / "rec" / "trace")
+    assert "changed during training" in run.header["fidelity"]["recording"]["why"]
+    with pytest.raises(UnlearnError, match="DPO reference model changed during training"):
+        OracleReplayTrainer(run, run.ids_at_steps([1])[:1], out_dir=tmp_path / "oracle")
+    assert not (tmp_path / "oracle").exists()
+
+
+def test_a_loss_that_couples_the_pairs_of_a_microbatch_is_refused_at_construction(tmp_path):
+    """Attack: a DPOTrainer subclass whose loss is divided by the microbatch's attention-mask tokens. The dummy pair
+    gets no gradient (its tokens have no label), so the probe and the per-microbatch check passed; but the dummy's two
+    rows are both as long as the deleted pair's longer one, so the normaliser of every other pair differs from the
+    run without the pair's contribution. Before: recorded, replay == oracle VERIFIED, and the oracle differed from a
+    plain run of the subclass whose deleted pair has no completion token. Now: the probe also compares the real
+    pair's gradient beside the dummy with its gradient beside a real pair of the same shape, bit for bit; they
+    differ, and the recording is refused at construction."""
+    from hf_unlearn.errors import UnlearnError
+
+    tok, data = pairs(n=4)
+    with pytest.raises(UnlearnError, match="weights a pair by what the other pairs of its microbatch hold"):
+        recorder(tmp_path / "rec", tok, data, tmp_path / "base", trainer_cls=TokenMeanDPOTrainer)
