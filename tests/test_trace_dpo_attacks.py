@@ -27,14 +27,12 @@ class TokenMeanDPOTrainer(DPOTrainer):
         return loss * inputs["completion_mask"].shape[0] / inputs["attention_mask"].sum()
 
 
-def recorder(out, tok, data, base, ref_model=None, callbacks=None, trainer_cls=None, **config):
+def recorder(out, tok, data, base, ref_model=None, callbacks=None, trainer_cls=None, model=None, **config):
     """A DPO recording (not trained yet) with trainer arguments kept apart from the DPOConfig's."""
-    from trl import DPOTrainer
-
     from hf_unlearn.trace import trace_recording
 
     return trace_recording(trainer_cls or DPOTrainer)(
-        model=saved_model(base, tok), ref_model=ref_model, args=dpo_config(out, **{"max_steps": 2, **config}),
+        model=model or saved_model(base, tok), ref_model=ref_model, args=dpo_config(out, **{"max_steps": 2, **config}),
         train_dataset=data, processing_class=tok, callbacks=callbacks, trace_checkpoint_steps=2,
         trace_checkpoint_retention="even", trace_self_check=False)
 
@@ -65,6 +63,7 @@ def test_a_reference_changed_in_memory_is_refused_before_training(tmp_path):
         assert trainer.state.global_step == 0 and not (tmp_path / f"rec{i}" / "trace" / "reference").exists()
 
 
+@pytest.mark.slow  # a recording, replay, oracle and plain counterfactual (about 30 s of CPU)
 def test_a_reference_loaded_with_config_overrides_is_stored_and_replays_exactly(tmp_path):
     """Attack: ref_model=from_pretrained(folder, rms_norm_eps=0.5): the folder's weights (same params root) but another
     config. Before: the run referenced the folder and replays loaded its config, so replay == oracle (VERIFIED) on a
@@ -132,3 +131,63 @@ def test_a_loss_that_couples_the_pairs_of_a_microbatch_is_refused_at_constructio
     tok, data = pairs(n=4)
     with pytest.raises(UnlearnError, match="weights a pair by what the other pairs of its microbatch hold"):
         recorder(tmp_path / "rec", tok, data, tmp_path / "base", trainer_cls=TokenMeanDPOTrainer)
+
+
+@pytest.mark.slow  # a bf16 recording, replay, oracle and plain counterfactual (about 30 s of CPU)
+def test_bf16_and_a_step_whose_every_pair_is_deleted_replay_as_documented(tmp_path):
+    """Attack: a bf16 model (ref_model=None: TRL loads the reference in the policy's dtype) and a deletion of every
+    pair of step 0, so both of its microbatches are dummies only. The engine skips a step left without a weighted
+    pair (it keeps its boundary and learning rate but takes no optimizer step: AdamW's moments and step count stay
+    untouched), as for every recorded run (docs/exact-deletion.md); the DPO page said the oracle equals a plain
+    DPOTrainer whose deleted pairs have no completion token, which still steps AdamW on zero gradients (its step
+    count then differs), so that page's contract was wrong for this case. Outcome: replay == oracle VERIFIED == a plain
+    bf16 DPOTrainer whose deleted pairs have no completion token and which takes no optimizer step where every pair
+    is deleted (the page now says so); the plain run that does step differs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.verification import load_state
+
+    from .test_trace_dpo import MaskedPairs
+    from .test_trace_sft import state_of
+
+    tok, data = pairs(n=8)
+    base = tmp_path / "base"
+    saved_model(base, tok)
+
+    def bf16():
+        return AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+
+    recorder(tmp_path / "rec", tok, data, base, model=bf16()).train()
+    run = open_run(tmp_path / "rec" / "trace")
+    assert run.header["reference_model"]["dtype"] == "bfloat16"
+    forget = run.ids_at_steps([0])
+    assert len(forget) == 4  # two microbatches of two pairs: all dummies
+    assert forget_and_verify(run.path, forget, tmp_path)[2]["verified"]
+
+    def plain(skip: set):
+        class Counterfactual(DPOTrainer):
+            def _set_signature_columns_if_needed(self):
+                super()._set_signature_columns_if_needed()
+                self._signature_columns = [*self._signature_columns, "id"]
+
+            def create_optimizer(self, *args, **kwargs):
+                optimizer = super().create_optimizer(*args, **kwargs)
+                step = optimizer.step
+
+                def maybe_step(*a, **kw):  # no optimizer step where every pair is deleted
+                    return None if self.state.global_step in skip else step(*a, **kw)
+
+                optimizer.step = maybe_step
+                return optimizer
+
+        trainer = Counterfactual(model=bf16(), args=dpo_config(tmp_path / f"cf{len(skip)}", max_steps=2),
+                                 train_dataset=data, processing_class=tok)
+        trainer.data_collator = MaskedPairs(trainer.data_collator, forget)
+        trainer.train()
+        return state_of(trainer)
+
+    oracle = load_state(tmp_path / "oracle")
+    assert compare_states(plain({0}), oracle)["identical"]
+    assert not compare_states(plain(set()), oracle)["identical"]  # AdamW stepped on zero gradients at step 0
