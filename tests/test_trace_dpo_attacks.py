@@ -90,32 +90,47 @@ def test_a_reference_loaded_with_config_overrides_is_stored_and_replays_exactly(
     assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
 
 
-def test_a_reference_edited_during_training_is_sealed_not_reproducible(tmp_path):
-    """Attack: a callback (not importable, so not replayed) scales the reference's final norm after the first optimizer
-    step, where the self-check (step 0..1) cannot see it, and the policy's guards do not watch the reference. Before:
-    replays loaded the unedited reference and printed VERIFIED. Now: the recorder recomputes the reference's probe
-    log-probabilities when training ends, finds them changed and seals the run as not reproducible: replays and the
-    oracle refuse before any compute."""
+def test_a_reference_or_beta_edited_during_training_is_sealed_not_reproducible(tmp_path):
+    """Attack: a callback (not importable, so not replayed) scales the reference's final norm, or sets trainer.beta
+    (a beta schedule), after the first optimizer step, where the self-check (step 0..1) cannot see it; the policy's
+    guards watch neither. Before: replays loaded the unedited reference / rebuilt beta from the config, and a step-0
+    deletion printed VERIFIED (tried: "controls at steps 0..2" matched). Now: the recorder watches DPOTrainer's loss
+    settings (beta, label_smoothing, loss types and weights, ..., the reference object) at every microbatch and
+    recomputes the reference's probe log-probabilities when training ends; a change seals the run as not reproduced,
+    and replays and the oracle refuse it before any compute."""
     import torch
     from transformers import TrainerCallback
 
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import OracleReplayTrainer, open_run
 
-    class EditReference(TrainerCallback):
+    def edit_reference(trainer):
+        with torch.no_grad():
+            trainer.ref_model.model.norm.weight.mul_(2.0)
+
+    def beta_schedule(trainer):
+        trainer.beta = 5.0
+
+    class Edit(TrainerCallback):  # defined here: not importable, so not replayed
+        def __init__(self, edit):
+            self.edit, self.trainer = edit, None
+
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
-                with torch.no_grad():
-                    trainer.ref_model.model.norm.weight.mul_(2.0)
+                self.edit(self.trainer)
 
     tok, data = pairs(n=8)
-    trainer = recorder(tmp_path / "rec", tok, data, tmp_path / "base", callbacks=[EditReference()])
-    trainer.train()
-    run = open_run(tmp_path / "rec" / "trace")
-    assert "changed during training" in run.header["fidelity"]["recording"]["why"]
-    with pytest.raises(UnlearnError, match="DPO reference model changed during training"):
-        OracleReplayTrainer(run, run.ids_at_steps([1])[:1], out_dir=tmp_path / "oracle")
-    assert not (tmp_path / "oracle").exists()
+    for edit, why in ((edit_reference, "DPO reference model changed during training"),
+                      (beta_schedule, "DPOTrainer's beta changed during training .before optimizer step 1: 0.1 -> 5.0")):
+        out = tmp_path / edit.__name__
+        callback = Edit(edit)
+        callback.trainer = recorder(out, tok, data, tmp_path / "base", callbacks=[callback])
+        callback.trainer.train()
+        run = open_run(out / "trace")
+        assert run.header["fidelity"]["recording"]["reproduced"] is False
+        with pytest.raises(UnlearnError, match=why):
+            OracleReplayTrainer(run, run.ids_at_steps([0])[:1], out_dir=out / "oracle")
+        assert not (out / "oracle").exists()
 
 
 def test_a_loss_that_couples_the_pairs_of_a_microbatch_is_refused_at_construction(tmp_path):

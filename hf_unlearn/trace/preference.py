@@ -63,6 +63,22 @@ DPO_TRAINER = "DPOTrainer"
 STORE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
+# DPOTrainer attributes (and DPOConfig fields) its loss reads at every step: set from the config at construction, so a
+# replay rebuilds them from the recorded config. A callback that changes one while recording (a beta schedule, a
+# swapped reference) trains on a loss no replay runs: watched at every microbatch of a recording.
+LOSS_SETTINGS = ("beta", "label_smoothing", "loss_types", "loss_weights", "ld_alpha", "f_divergence_type",
+                 "f_alpha_divergence_coef", "use_weighting", "precompute_ref_logps", "aux_loss_enabled",
+                 "router_aux_loss_coef", "ref_model")
+
+
+def loss_settings(trainer) -> dict:
+    """What :data:`LOSS_SETTINGS` (and ``args.discopop_tau``) hold now; the reference by its object identity."""
+    out = {n: repr(getattr(trainer, n, None)) for n in LOSS_SETTINGS if n != "ref_model"}
+    out["ref_model"] = f"object {id(trainer.ref_model):#x}"
+    out["args.discopop_tau"] = repr(getattr(trainer.args, "discopop_tau", None))
+    return out
+
+
 def refuse_online(trainer_cls) -> None:
     """Refuse, before any compute, a trainer that generates its own training data from the model being trained."""
     names = {c.__name__ for c in getattr(trainer_cls, "__mro__", ())}
@@ -182,8 +198,22 @@ class PreferenceTraceMixin:
                                "buffer, attention implementation or hook): a replay with it would not be this run's "
                                "counterfactual; give the replay the reference the run was trained against")
 
+    def training_step(self, *args, **kwargs):
+        start = getattr(self, "_trace_loss_settings", None)
+        if start is not None and getattr(self, "_trace_loss_change", None) is None:
+            now = loss_settings(self)
+            changed = next((k for k in now if now[k] != start[k]), None)
+            if changed:
+                self._trace_loss_change = (
+                    f"DPOTrainer's {changed} changed during training (before optimizer step {self.state.global_step}: "
+                    f"{start[changed]} -> {now[changed]}; a callback?), so the run trained on a loss that no replay, "
+                    "which rebuilds the trainer from the recorded config, runs")
+        return super().training_step(*args, **kwargs)
+
     def _trace_changed_during_training(self) -> str | None:
-        """Why the recording's reference is not the one it recorded when training started, or None."""
+        """Why the recording's loss settings or reference are not those it recorded when training started, or None."""
+        if getattr(self, "_trace_loss_change", None):
+            return self._trace_loss_change
         want = (self._trace_header.get("reference_model") or {}).get("forward_sha256")
         if want and self._reference_fingerprint(self._trace_header) != want:
             return ("the DPO reference model changed during training (its log-probabilities on the probe are not those "
@@ -288,6 +318,8 @@ class PreferenceTraceMixin:
         header = super()._trace_header_dict(served, fingerprint, hazards, notes)
         if self._trace_reference["kind"] != "adapter_disabled":
             self._trace_reference["forward_sha256"] = self._reference_fingerprint(header)
+        if not self._is_replay:
+            self._trace_loss_settings, self._trace_loss_change = loss_settings(self), None
         header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
         header["dataset"]["pairs"] = True
         return header
