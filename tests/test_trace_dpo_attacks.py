@@ -148,6 +148,32 @@ def test_a_loss_that_couples_the_pairs_of_a_microbatch_is_refused_at_constructio
         recorder(tmp_path / "rec", tok, data, tmp_path / "base", trainer_cls=TokenMeanDPOTrainer)
 
 
+def test_a_recording_resumed_with_another_reference_is_refused(tmp_path):
+    """Attack: a DPO recording crashes after step 3 and is resumed from checkpoint-2 with ref_model= another model.
+    Before: the resumed header simply recorded the new reference, so every replay ran all steps against it although
+    steps 0-1 trained against the first. Now: refused when the resumed training starts, naming the reference; resumed
+    with the same reference (ref_model=None), the run completes."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.errors import UnlearnError
+
+    class Crash(TrainerCallback):  # defined here: not importable, so not replayed
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    tok, data = pairs(n=12)
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    recorder(tmp_path / "rec", tok, data, tmp_path / "base", callbacks=[Crash()], **kw).train()
+    checkpoint = str(tmp_path / "rec" / "checkpoint-2")
+    other = saved_model(tmp_path / "other", tok, seed=1)
+    resumed = recorder(tmp_path / "rec", tok, data, tmp_path / "base", ref_model=other, **kw)
+    with pytest.raises(UnlearnError, match="recorded against another DPO reference model than the one it is resumed"):
+        resumed.train(resume_from_checkpoint=checkpoint)
+    resumed = recorder(tmp_path / "rec", tok, data, tmp_path / "base", **kw)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 4
+
+
 @pytest.mark.slow  # a bf16 recording, replay, oracle and plain counterfactual (about 30 s of CPU)
 def test_bf16_and_a_step_whose_every_pair_is_deleted_replay_as_documented(tmp_path):
     """Attack: a bf16 model (ref_model=None: TRL loads the reference in the policy's dtype) and a deletion of every

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 
 import torch
 
@@ -318,11 +319,29 @@ class PreferenceTraceMixin:
         header = super()._trace_header_dict(served, fingerprint, hazards, notes)
         if self._trace_reference["kind"] != "adapter_disabled":
             self._trace_reference["forward_sha256"] = self._reference_fingerprint(header)
+        if getattr(self, "_trace_resume", None) and (self.trace_dir / "header.json").is_file():
+            self._check_resumed_reference(json.loads((self.trace_dir / "header.json").read_text()), header)
         if not self._is_replay:
             self._trace_loss_settings, self._trace_loss_change = loss_settings(self), None
         header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
         header["dataset"]["pairs"] = True
         return header
+
+    def _check_resumed_reference(self, previous: dict, header: dict) -> None:
+        """A resumed recording must train against the reference its earlier steps used (every replay uses one for the
+        whole run): its kind and params root, and its probe log-probabilities when the numeric stack is the same."""
+        from .stack import stack_change
+
+        before, now = previous.get("reference_model") or {}, self._trace_reference
+        fields = ["kind", "params_root"]
+        if not stack_change(previous.get("numeric_stack"), header.get("numeric_stack")):
+            fields.append("forward_sha256")
+        changed = next((f for f in fields if before.get(f) != now.get(f)), None)
+        if changed:
+            raise UnlearnError(f"{self.trace_dir} was recorded against another DPO reference model than the one it is "
+                               f"resumed with ({changed} {str(before.get(changed))[:16]}..., now "
+                               f"{str(now.get(changed))[:16]}...): a replay uses one reference for the whole run; "
+                               "resume with the reference the earlier steps trained against")
 
     def _trace_replay_arguments(self, run, given: dict) -> dict:
         from .reference import load_reference_model
