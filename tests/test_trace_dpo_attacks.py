@@ -63,13 +63,16 @@ def test_a_reference_changed_in_memory_is_refused_before_training(tmp_path):
         assert trainer.state.global_step == 0 and not (tmp_path / f"rec{i}" / "trace" / "reference").exists()
 
 
-@pytest.mark.slow  # a recording, replay, oracle and plain counterfactual (about 30 s of CPU)
-def test_a_reference_loaded_with_config_overrides_is_stored_and_replays_exactly(tmp_path):
-    """Attack: ref_model=from_pretrained(folder, rms_norm_eps=0.5): the folder's weights (same params root) but another
-    config. Before: the run referenced the folder and replays loaded its config, so replay == oracle (VERIFIED) on a
-    reference the run never trained against. Now: a reload of the folder does not give the recorded forward_sha256,
-    so the reference is stored in the run (config included): replay == oracle == a plain DPOTrainer with that
-    reference whose deleted pair has no completion token."""
+@pytest.mark.slow  # a recording, replay, oracle and plain counterfactual (about 30 s of CPU each)
+@pytest.mark.parametrize("how", ["ref_model", "model_init_kwargs"])
+def test_a_reference_loaded_with_config_overrides_is_stored_and_replays_exactly(tmp_path, how):
+    """Attack: a reference with the folder's weights (same params root) but another config: ref_model=
+    from_pretrained(folder, rms_norm_eps=0.5), or ref_model=None with DPOConfig(model_init_kwargs={"rms_norm_eps":
+    0.5}) (TRL warns the kwargs are ignored for an instantiated policy, yet loads its reference with them). Before:
+    the run referenced the folder and replays loaded its config, so replay == oracle (VERIFIED) on a reference the run
+    never trained against. Now: a reload of the folder does not give the recorded forward_sha256, so the reference is
+    stored in the run (config included): replay == oracle == a plain DPOTrainer with that reference whose deleted
+    pair has no completion token."""
     from transformers import AutoModelForCausalLM
 
     from hf_unlearn.trace import compare_states, open_run
@@ -78,15 +81,20 @@ def test_a_reference_loaded_with_config_overrides_is_stored_and_replays_exactly(
     tok, data = pairs(n=8)
     base = tmp_path / "base"
     saved_model(base, tok)
-    ref = AutoModelForCausalLM.from_pretrained(base, rms_norm_eps=0.5)
-    recorder(tmp_path / "rec", tok, data, base, ref_model=ref).train()
+
+    def given():
+        if how == "ref_model":
+            return dict(ref_model=AutoModelForCausalLM.from_pretrained(base, rms_norm_eps=0.5))
+        return dict(model_init_kwargs={"rms_norm_eps": 0.5})
+
+    recorder(tmp_path / "rec", tok, data, base, **given()).train()
     run = open_run(tmp_path / "rec" / "trace")
     record = run.header["reference_model"]
     assert record["source"]["kind"] == "stored" and record["forward_sha256"]
+    assert record["kind"] == ("model" if how == "ref_model" else "initial")
     forget = run.ids_at_steps([0])[:1]
     assert forget_and_verify(run.path, forget, tmp_path)[2]["verified"]
-    cf = counterfactual(tmp_path, tok, data, base, forget, max_steps=2,
-                        ref_model=AutoModelForCausalLM.from_pretrained(base, rms_norm_eps=0.5))
+    cf = counterfactual(tmp_path, tok, data, base, forget, max_steps=2, **given())
     assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
 
 
@@ -232,3 +240,31 @@ def test_bf16_and_a_step_whose_every_pair_is_deleted_replay_as_documented(tmp_pa
     oracle = load_state(tmp_path / "oracle")
     assert compare_states(plain({0}), oracle)["identical"]
     assert not compare_states(plain(set()), oracle)["identical"]  # AdamW stepped on zero gradients at step 0
+
+
+@pytest.mark.slow  # two processes (accelerate launch, gloo): a recording, replay, oracle and counterfactual (~1.5 min)
+def test_a_data_parallel_dpo_run_replays_exactly(tmp_path):
+    """Attack: DDP (2 CPU processes), ref_model=None, a pair deleted from step 0 (each process's microbatch is a
+    mean over its own pairs, the gradients averaged over processes). Outcome (before and after): replay == oracle
+    VERIFIED under the same launch, the reference bound by its probe log-probabilities recorded on the main process,
+    and the oracle equals a plain data-parallel DPOTrainer whose deleted pair has no completion token."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(port), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / "tests" / "trace_dpo_distributed.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {"verified": True, "world_size": 2, "reference": "initial", "forward_sha256": True,
+                      "oracle_equals_counterfactual": True}
