@@ -181,8 +181,8 @@ class PreferenceTraceMixin:
         from .reference import reference_fingerprint
         from .stack import pinned_stack
 
-        if self.ref_model is None:
-            return None
+        if self.ref_model is None or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return None  # sharded: its forward is collective, and the recorder's header is written by one process
         with pinned_stack(header):
             return reference_fingerprint(self.accelerator.unwrap_model(self.ref_model))
 
@@ -336,7 +336,7 @@ class PreferenceTraceMixin:
         fields = ["kind", "params_root"]
         if not stack_change(previous.get("numeric_stack"), header.get("numeric_stack")):
             fields.append("forward_sha256")
-        changed = next((f for f in fields if before.get(f) != now.get(f)), None)
+        changed = next((f for f in fields if f in before and before[f] != now.get(f)), None)  # (older runs: no sha)
         if changed:
             raise UnlearnError(f"{self.trace_dir} was recorded against another DPO reference model than the one it is "
                                f"resumed with ({changed} {str(before.get(changed))[:16]}..., now "
