@@ -147,7 +147,7 @@ def test_a_loss_that_couples_the_pairs_of_a_microbatch_is_refused_at_constructio
     rows are both as long as the deleted pair's longer one, so the normaliser of every other pair differs from the
     run without the pair's contribution. Before: recorded, replay == oracle VERIFIED, and the oracle differed from a
     plain run of the subclass whose deleted pair has no completion token. Now: the probe also compares the real
-    pair's gradient beside the dummy with its gradient beside a real pair of the same shape, bit for bit; they
+    pair's gradient beside the dummy with its gradient beside a real pair no longer than the dummy, bit for bit; they
     differ, and the recording is refused at construction."""
     from hf_unlearn.errors import UnlearnError
 

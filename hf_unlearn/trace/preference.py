@@ -262,9 +262,10 @@ class PreferenceTraceMixin:
     def _check_dummy_has_no_influence(self, row: dict) -> None:
         """DPOTrainer's loss on a real pair A beside a deleted slot's dummy pair D (A's own length): the gradient at
         D's input embeddings (both of its rows) must be exactly zero, and the gradient at A's must be bit for bit the
-        one A gets beside a real pair of the same shape (A again): a loss that couples the pairs of a microbatch (a
-        mean over all completion tokens, a count of non-empty pairs, a sort) re-weights A when its neighbour is
-        deleted, which no zero gradient at D shows. Once, at construction, at the initial weights."""
+        one A gets beside a real pair B no longer than D (A with one token of each completion: the padded width, so
+        A's own computation, is the same): a loss that couples the pairs of a microbatch (a mean over all completion
+        or attention tokens, a count of non-empty pairs, a sort) re-weights A when its neighbour is deleted, which no
+        zero gradient at D shows. Once, at construction, at the initial weights."""
         name = type(self).__mro__[0].__qualname__
         dummy = dummy_pair(row, pair_length(row), self.dummy_token_id, self.id_column)
         marked = dummy_pair(row, pair_length(row), self.dummy_token_id + 1, self.id_column)
@@ -276,7 +277,8 @@ class PreferenceTraceMixin:
             raise UnlearnError(f"{name}.compute_loss gives the dummy pair that replaces a deleted pair a gradient "
                                f"(largest |gradient| {float(watch.largest):.3g} at its input embeddings): a deleted "
                                "pair would not have weight 0; weight every term by the completion mask")
-        pair = self.data_collator([dict(row), dict(row)])
+        short = {**row, "chosen_ids": row["chosen_ids"][:1], "rejected_ids": row["rejected_ids"][:1]}
+        pair = self.data_collator([dict(row), short])
         if beside_dummy is not None and not torch.equal(beside_dummy, self._probe_gradient(pair, ~mask)):
             raise UnlearnError(f"{name}.compute_loss weights a pair by what the other pairs of its microbatch hold (its "
                                "gradient beside a deleted pair's dummy is not the one beside a real pair): deleting a "
