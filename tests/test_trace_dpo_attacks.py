@@ -186,9 +186,9 @@ def test_a_recording_resumed_with_another_reference_is_refused(tmp_path):
 def test_bf16_and_a_step_whose_every_pair_is_deleted_replay_as_documented(tmp_path):
     """Attack: a bf16 model (ref_model=None: TRL loads the reference in the policy's dtype) and a deletion of every
     pair of step 0, so both of its microbatches are dummies only, and of the first microbatch of step 1 (a step with
-    weighted pairs and a microbatch of dummies only, which the engine skips: zero gradient either way). The engine skips a step left without a weighted
-    pair (it keeps its boundary and learning rate but takes no optimizer step: AdamW's moments and step count stay
-    untouched), as for every recorded run (docs/exact-deletion.md); the DPO page said the oracle equals a plain
+    weighted pairs and a microbatch of dummies only, which the engine skips: zero gradient either way). The engine
+    skips a step left without a weighted pair (it keeps its boundary and learning rate but takes no optimizer step:
+    AdamW's moments and step count stay untouched), as for every recorded run (docs/exact-deletion.md); the DPO page said the oracle equals a plain
     DPOTrainer whose deleted pairs have no completion token, which still steps AdamW on zero gradients (its step
     count then differs), so that page's contract was wrong for this case. Outcome: replay == oracle VERIFIED == a plain
     bf16 DPOTrainer whose deleted pairs have no completion token and which takes no optimizer step where every pair
