@@ -317,6 +317,7 @@ class PreferenceTraceMixin:
     # ---- the reference model --------------------------------------------------------------------------------
     def _trace_header_dict(self, served, fingerprint, hazards, notes) -> dict:
         from .reference import save_reference
+        from .stack import pinned_stack
 
         header = super()._trace_header_dict(served, fingerprint, hazards, notes)
         if self._trace_reference["kind"] != "adapter_disabled":
@@ -325,7 +326,8 @@ class PreferenceTraceMixin:
             self._check_resumed_reference(json.loads((self.trace_dir / "header.json").read_text()), header)
         if not self._is_replay:
             self._trace_loss_settings, self._trace_loss_change = loss_settings(self), None
-        header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
+        with pinned_stack(header):  # a reload's probe is compared with the one computed under the run's stack
+            header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
         header["dataset"]["pairs"] = True
         return header
 
@@ -389,10 +391,13 @@ def replaced_reference(trainer, header: dict, out_dir) -> None:
     shutil.rmtree(out_dir / REFERENCE_DIR, ignore_errors=True)
     out_dir.joinpath(*PRIVATE_SOURCE).unlink(missing_ok=True)
     before = (header.get(KEY) or {}).get("params_root")
+    from .stack import pinned_stack
+
     desc = trainer._trace_reference
     if desc["kind"] != "adapter_disabled":
         desc["forward_sha256"] = trainer._reference_fingerprint(header)
-    header[KEY] = {**save_reference(desc, out_dir), "replaced_params_root": before}
+    with pinned_stack(header):  # a reload's probe is compared with the one computed under the run's stack
+        header[KEY] = {**save_reference(desc, out_dir), "replaced_params_root": before}
 
 
 def preference_mixins(trainer_cls) -> tuple:
