@@ -158,8 +158,9 @@ def test_a_loss_that_couples_the_pairs_of_a_microbatch_is_refused_at_constructio
 
 def test_a_recording_resumed_with_another_reference_is_refused(tmp_path):
     """Attack: a DPO recording crashes after step 3 and is resumed from checkpoint-2 with ref_model= another model.
-    Before: the resumed header simply recorded the new reference, so every replay ran all steps against it although
-    steps 0-1 trained against the first. Now: refused when the resumed training starts, naming the reference; resumed
+    Before: accepted; the resumed header recorded only the new reference, so every replay ran all steps against it
+    although steps 0-1 trained against the first (a step-0 deletion then did not verify: tried, no false VERIFIED,
+    but a run no replay reproduces, accepted silently). Now: refused when the resumed training starts, naming the reference; resumed
     with the same reference (ref_model=None), the run completes."""
     from transformers import TrainerCallback
 
