@@ -274,3 +274,26 @@ def test_a_data_parallel_dpo_run_replays_exactly(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result == {"verified": True, "world_size": 2, "reference": "initial", "forward_sha256": True,
                       "oracle_equals_counterfactual": True}
+
+
+@pytest.mark.slow  # a recording, replay, oracle and plain counterfactual per mode (about 30 s of CPU each)
+@pytest.mark.parametrize("mode", ["keep_end", "keep_start"])
+def test_truncation_that_cuts_the_prompt_padding_free_and_pad_to_multiple_of_replay_exactly(tmp_path, mode):
+    """Attack: DPOConfig options outside the supported table: max_length=20, shorter than most prompt + completion
+    rows (keep_end cuts the prompt away, keep_start the completion, and TRL drops the rows whose prompt alone fills
+    it), padding_free=True (TRL falls back to padding, in the replay as in the recording) and pad_to_multiple_of=8.
+    The dummy pair is truncated like the pair it replaces, so the padded width is the same. Outcome (before and
+    after): replay == oracle VERIFIED == a plain DPOTrainer whose deleted pairs have no completion token."""
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.verification import load_state
+
+    from .test_trace_dpo import record_dpo
+
+    tok, data = pairs(n=8)
+    opts = dict(max_length=20, truncation_mode=mode, padding_free=True, pad_to_multiple_of=8, max_steps=2)
+    record_dpo(tmp_path / "rec", tok, data, tmp_path / "base", **opts)
+    run = open_run(tmp_path / "rec" / "trace")
+    forget = run.ids_at_steps([0])[:1] + run.ids_at_steps([1])[-1:]
+    assert forget_and_verify(run.path, forget, tmp_path)[2]["verified"]
+    cf = counterfactual(tmp_path, tok, data, tmp_path / "base", forget, **opts)
+    assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]
