@@ -28,7 +28,9 @@ Online trainers that generate (GRPO, RLOO, PPO, online DPO, ...) are refused bef
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 
 import torch
 
@@ -60,6 +62,22 @@ ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer
                    "GKDTrainer", "AsyncGRPOTrainer", "GOLDTrainer", "MiniLLMTrainer")
 DPO_TRAINER = "DPOTrainer"
 STORE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+# DPOTrainer attributes (and DPOConfig fields) its loss reads at every step: set from the config at construction, so a
+# replay rebuilds them from the recorded config. A callback that changes one while recording (a beta schedule, a
+# swapped reference) trains on a loss no replay runs: watched at every microbatch of a recording.
+LOSS_SETTINGS = ("beta", "label_smoothing", "loss_types", "loss_weights", "ld_alpha", "f_divergence_type",
+                 "f_alpha_divergence_coef", "use_weighting", "precompute_ref_logps", "aux_loss_enabled",
+                 "router_aux_loss_coef", "ref_model")
+
+
+def loss_settings(trainer) -> dict:
+    """What :data:`LOSS_SETTINGS` (and ``args.discopop_tau``) hold now; the reference by its object identity."""
+    out = {n: repr(getattr(trainer, n, None)) for n in LOSS_SETTINGS if n != "ref_model"}
+    out["ref_model"] = f"object {id(trainer.ref_model):#x}"
+    out["args.discopop_tau"] = repr(getattr(trainer.args, "discopop_tau", None))
+    return out
 
 
 def refuse_online(trainer_cls) -> None:
@@ -154,6 +172,55 @@ class PreferenceTraceMixin:
                 from .reference import describe_reference
 
                 self._trace_reference = describe_reference(self, given=True)
+            else:
+                self._check_reference_computes_as_recorded(self.run.header)
+
+    def _reference_fingerprint(self, header: dict) -> str | None:
+        """:func:`~hf_unlearn.trace.reference.reference_fingerprint` of the reference this trainer holds, under the
+        run's numeric stack (None: no separate reference model)."""
+        from .reference import reference_fingerprint
+        from .stack import pinned_stack
+
+        if self.ref_model is None or self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return None  # sharded: its forward is collective, and the recorder's header is written by one process
+        with pinned_stack(header):
+            return reference_fingerprint(self.accelerator.unwrap_model(self.ref_model))
+
+    def _check_reference_computes_as_recorded(self, header: dict) -> None:
+        """A replay's reference must compute the recorded log-probabilities bit for bit (its weights were checked by
+        their root when loaded; this covers config, buffers, attributes and hooks): refused before any compute."""
+        from .reference import KEY
+
+        want = (header.get(KEY) or {}).get("forward_sha256")
+        got = self._reference_fingerprint(header) if want else None
+        if want and got != want:
+            raise UnlearnError("the DPO reference model this replay holds has the recorded weights but does not compute "
+                               "the recorded run's log-probabilities on the probe (another config, non-persistent "
+                               "buffer, attention implementation or hook): a replay with it would not be this run's "
+                               "counterfactual; give the replay the reference the run was trained against")
+
+    def training_step(self, *args, **kwargs):
+        start = getattr(self, "_trace_loss_settings", None)
+        if start is not None and getattr(self, "_trace_loss_change", None) is None:
+            now = loss_settings(self)
+            changed = next((k for k in now if now[k] != start[k]), None)
+            if changed:
+                self._trace_loss_change = (
+                    f"DPOTrainer's {changed} changed during training (before optimizer step {self.state.global_step}: "
+                    f"{start[changed]} -> {now[changed]}; a callback?), so the run trained on a loss that no replay, "
+                    "which rebuilds the trainer from the recorded config, runs")
+        return super().training_step(*args, **kwargs)
+
+    def _trace_changed_during_training(self) -> str | None:
+        """Why the recording's loss settings or reference are not those it recorded when training started, or None."""
+        if getattr(self, "_trace_loss_change", None):
+            return self._trace_loss_change
+        want = (self._trace_header.get("reference_model") or {}).get("forward_sha256")
+        if want and self._reference_fingerprint(self._trace_header) != want:
+            return ("the DPO reference model changed during training (its log-probabilities on the probe are not those "
+                    "recorded when training started: a callback or hook edited it?), so no replay can load the "
+                    "reference each step used")
+        return None
 
     def _drop_reference_adapter(self, header: dict) -> None:
         """A replay hands DPOTrainer the PEFT model rebuilt from the run, and DPOTrainer, given a PEFT model without a
@@ -193,21 +260,45 @@ class PreferenceTraceMixin:
         return dummy_pair_has_weight(collator, row)
 
     def _check_dummy_has_no_influence(self, row: dict) -> None:
-        """DPOTrainer's loss on a real pair beside a deleted slot's dummy pair: the gradient at the dummy's input
-        embeddings (both of its rows) must be exactly zero. Once, at construction, at the initial weights."""
+        """DPOTrainer's loss on a real pair A beside a deleted slot's dummy pair D (A's own length): the gradient at
+        D's input embeddings (both of its rows) must be exactly zero, and the gradient at A's must be bit for bit the
+        one A gets beside a real pair B no longer than D (A with one token of each completion: the padded width, so
+        A's own computation, is the same): a loss that couples the pairs of a microbatch (a mean over all completion
+        or attention tokens, a count of non-empty pairs, a sort) re-weights A when its neighbour is deleted, which no
+        zero gradient at D shows. Once, at construction, at the initial weights."""
         name = type(self).__mro__[0].__qualname__
         dummy = dummy_pair(row, pair_length(row), self.dummy_token_id, self.id_column)
         marked = dummy_pair(row, pair_length(row), self.dummy_token_id + 1, self.id_column)
         collated = self.data_collator([dict(row), dummy])
-        mask = dummy_positions(collated, self.data_collator([dict(row), marked]))
-        batch = self._prepare_inputs(collated)
+        mask = dummy_positions(collated, self.data_collator([dict(row), marked])).to(self.args.device)
+        watch = DummyGradientWatch(self.model, mask)
+        beside_dummy = self._probe_gradient(collated, ~mask, watch)
+        if bool(watch.flag):
+            raise UnlearnError(f"{name}.compute_loss gives the dummy pair that replaces a deleted pair a gradient "
+                               f"(largest |gradient| {float(watch.largest):.3g} at its input embeddings): a deleted "
+                               "pair would not have weight 0; weight every term by the completion mask")
+        short = {**row, "chosen_ids": row["chosen_ids"][:1], "rejected_ids": row["rejected_ids"][:1]}
+        pair = self.data_collator([dict(row), short])
+        if beside_dummy is not None and not torch.equal(beside_dummy, self._probe_gradient(pair, ~mask)):
+            raise UnlearnError(f"{name}.compute_loss weights a pair by what the other pairs of its microbatch hold (its "
+                               "gradient beside a deleted pair's dummy is not the one beside a real pair): deleting a "
+                               "pair would re-weight the others, so a replay is not the run without it; make the loss "
+                               "a mean over the microbatch's pairs of per-pair terms")
+
+    def _probe_gradient(self, collated: dict, keep: torch.Tensor, *watches):
+        """The gradient ``compute_loss`` gives the input embeddings at ``keep`` (eval mode, metrics untouched), with
+        ``watches`` (context managers on the model) active; None if none reaches them."""
+        name = type(self).__mro__[0].__qualname__
         model, training = self.model, self.model.training
         saved = copy.deepcopy(getattr(self, "_metrics", None))  # DPOTrainer logs metrics in compute_loss: not ours
         tokens = getattr(self, "_total_train_tokens", None)
+        seen = _EmbeddingGradient(model, keep)
         try:
             model.eval()
-            with DummyGradientWatch(model, mask.to(self.args.device)) as watch:
-                loss = self.compute_loss(model, batch)
+            with contextlib.ExitStack() as stack:
+                for w in (seen, *watches):
+                    stack.enter_context(w)
+                loss = self.compute_loss(model, self._prepare_inputs(collated))
                 loss.backward()
         except UnlearnError:
             raise
@@ -221,19 +312,40 @@ class PreferenceTraceMixin:
                 self._metrics = saved
             if tokens is not None:
                 self._total_train_tokens = tokens
-        if bool(watch.flag):
-            raise UnlearnError(f"{name}.compute_loss gives the dummy pair that replaces a deleted pair a gradient "
-                               f"(largest |gradient| {float(watch.largest):.3g} at its input embeddings): a deleted "
-                               "pair would not have weight 0; weight every term by the completion mask")
+        return seen.grad
 
     # ---- the reference model --------------------------------------------------------------------------------
     def _trace_header_dict(self, served, fingerprint, hazards, notes) -> dict:
         from .reference import save_reference
+        from .stack import pinned_stack
 
         header = super()._trace_header_dict(served, fingerprint, hazards, notes)
-        header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
+        if self._trace_reference["kind"] != "adapter_disabled":
+            self._trace_reference["forward_sha256"] = self._reference_fingerprint(header)
+        if getattr(self, "_trace_resume", None) and (self.trace_dir / "header.json").is_file():
+            self._check_resumed_reference(json.loads((self.trace_dir / "header.json").read_text()), header)
+        if not self._is_replay:
+            self._trace_loss_settings, self._trace_loss_change = loss_settings(self), None
+        with pinned_stack(header):  # a reload's probe is compared with the one computed under the run's stack
+            header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
         header["dataset"]["pairs"] = True
         return header
+
+    def _check_resumed_reference(self, previous: dict, header: dict) -> None:
+        """A resumed recording must train against the reference its earlier steps used (every replay uses one for the
+        whole run): its kind and params root, and its probe log-probabilities when the numeric stack is the same."""
+        from .stack import stack_change
+
+        before, now = previous.get("reference_model") or {}, self._trace_reference
+        fields = ["kind", "params_root"]
+        if not stack_change(previous.get("numeric_stack"), header.get("numeric_stack")):
+            fields.append("forward_sha256")
+        changed = next((f for f in fields if f in before and before[f] != now.get(f)), None)  # (older runs: no sha)
+        if changed:
+            raise UnlearnError(f"{self.trace_dir} was recorded against another DPO reference model than the one it is "
+                               f"resumed with ({changed} {str(before.get(changed))[:16]}..., now "
+                               f"{str(now.get(changed))[:16]}...): a replay uses one reference for the whole run; "
+                               "resume with the reference the earlier steps trained against")
 
     def _trace_replay_arguments(self, run, given: dict) -> dict:
         from .reference import load_reference_model
@@ -243,6 +355,16 @@ class PreferenceTraceMixin:
             return {}
         ref = load_reference_model(run)
         return {} if ref is None else {"ref_model": ref}
+
+
+class _EmbeddingGradient(DummyGradientWatch):
+    """While active, keeps the gradient that reaches the input embeddings' output at the positions of ``mask``."""
+
+    grad = None
+
+    def _seen(self, grad: torch.Tensor) -> None:
+        if grad.shape[:2] == self.mask.shape:
+            self.grad = grad[self.mask].detach().clone()
 
 
 def check_trainer_class(cls) -> None:
@@ -269,7 +391,13 @@ def replaced_reference(trainer, header: dict, out_dir) -> None:
     shutil.rmtree(out_dir / REFERENCE_DIR, ignore_errors=True)
     out_dir.joinpath(*PRIVATE_SOURCE).unlink(missing_ok=True)
     before = (header.get(KEY) or {}).get("params_root")
-    header[KEY] = {**save_reference(trainer._trace_reference, out_dir), "replaced_params_root": before}
+    from .stack import pinned_stack
+
+    desc = trainer._trace_reference
+    if desc["kind"] != "adapter_disabled":
+        desc["forward_sha256"] = trainer._reference_fingerprint(header)
+    with pinned_stack(header):  # a reload's probe is compared with the one computed under the run's stack
+        header[KEY] = {**save_reference(desc, out_dir), "replaced_params_root": before}
 
 
 def preference_mixins(trainer_cls) -> tuple:

@@ -672,6 +672,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
         """Constructor arguments a replay of ``run`` adds for the recorded trainer (DPO: its reference model)."""
         return {}
 
+    def _trace_changed_during_training(self) -> str | None:
+        """Why something a replay rebuilds from the run's record changed while training (DPO: the reference), or
+        None; checked when training ends and sealed into the run as not reproducible."""
+        return None
+
     def trace_preflight(self) -> tuple:
         """Check that a replay can reproduce this run; return ``(served rows, hazards, notes)``.
 
@@ -1273,11 +1278,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
             from .fidelity import changed_buffers
 
             changed = changed_buffers(self.accelerator.unwrap_model(self.model), self.trace_dir)
-            if changed:
+            why = (f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do not carry "
+                   "it, so replays cannot follow it)") if changed else self._trace_changed_during_training()
+            if why:
                 self._trace_header["fidelity"] = {"recording": {
-                    "checked": True, "reproduced": False, "steps": [0, step],
-                    "why": f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do "
-                           "not carry it, so replays cannot follow it)"}}
+                    "checked": True, "reproduced": False, "steps": [0, step], "why": why}}
         if guard is not None and step > 0:
             self._trace_header.setdefault("fidelity", {})["guards"] = {
                 "final": {"step": step - 1, **guard.flush(step - 1), "ep": _epoch_text(self.state.epoch)},

@@ -15,7 +15,14 @@ The run's header holds ``reference_model``:
   the header); else ``{"kind": "stored", "files": ...}``: its weights saved once in the run's ``reference/`` folder.
 
 Loading checks every file's size and SHA-256 first and the loaded model's params root after: a changed or swapped
-reference is refused in one line before any compute. ``override`` replaces the reference (a pipeline stage whose
+reference is refused in one line before any compute. The weights are not all a model computes with: its config
+(loaded with overrides), non-persistent buffers (rotary ``inv_freq``), module attributes and hooks can change in memory
+and no params root sees them. So the record also holds ``forward_sha256`` (:func:`reference_fingerprint`): the exact
+bits of the reference's log-probabilities on a fixed probe, through TRL's fused LM head as the loss calls it, computed
+when training starts under the recorded numeric stack. A folder is the source only when a reload of it gives those
+bits (else the reference is stored; one that no reload reproduces is refused), every replay recomputes them on the
+reference it loaded before any compute, and the recorder again when training ends (a reference changed during
+training is sealed into the run as not reproducible). ``override`` replaces the reference (a pipeline stage whose
 reference is the new parent): the caller vouches for it, and its root is returned with it by :func:`reference_root`.
 """
 
@@ -43,6 +50,48 @@ def reference_root(model) -> str:
         state = {base_key(n): t for n, t in state.items() if "lora_" not in n}
     tied = tied_aliases(state)
     return state_hashes({n: t for n, t in state.items() if n not in tied}).params_root
+
+
+PROBE_TOKENS = 16  # the fingerprint's probe: two rows of this many tokens
+
+
+def reference_fingerprint(model) -> str | None:
+    """SHA-256 of the exact log-probabilities ``model`` (a reference as DPOTrainer holds it: TRL's fused LM head
+    added) gives a fixed probe of two token rows, in eval mode, without gradient and without the autocast wrapper
+    Accelerate puts on a prepared model's forward (set by the run's recorded ``bf16``/``fp16``, not by the model);
+    None if the model has no fused LM head. Depends on the weights, config, buffers, module attributes, hooks and the
+    numeric stack."""
+    import hashlib
+
+    import torch
+
+    vocab = model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    ids = (torch.arange(2 * PROBE_TOKENS, device=device).reshape(2, PROBE_TOKENS) * 7 + 3) % vocab
+    training, wrapped = model.training, model.__dict__.get("forward")
+    original = model.__dict__.get("_original_forward")  # the forward under Accelerate's autocast wrapper
+    try:
+        model.eval()
+        if original is not None:
+            model.forward = original
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, fused_lm_head=True,
+                        use_cache=False).log_probs
+    except TypeError:  # no fused LM head: not a model DPOTrainer prepared
+        return None
+    finally:
+        if original is not None:
+            model.forward = wrapped
+        model.train(training)
+    return hashlib.sha256(out.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _with_fused_head(model):
+    """``model`` with TRL's fused LM head, as DPOTrainer adds it to a reference."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model)
+    return model
 
 
 def describe_reference(trainer, given: bool) -> dict:
@@ -77,7 +126,7 @@ def save_reference(desc: dict, run_dir) -> dict:
         return record
     run_dir = Path(run_dir)
     folder = desc.get("_folder")
-    if folder is not None and _load(Path(folder), record, check=False) is not None:
+    if folder is not None and _load(Path(folder), record, check=False, forward=True) is not None:
         private = run_dir.joinpath(*PRIVATE_SOURCE)
         private.parent.mkdir(parents=True, exist_ok=True)
         from ..utils import atomic_write_text
@@ -87,6 +136,14 @@ def save_reference(desc: dict, run_dir) -> dict:
         return record
     target = run_dir / REFERENCE_DIR
     desc["_model"].save_pretrained(str(target))
+    if _load(target, record, check=False, forward=True) is None:
+        import shutil
+
+        shutil.rmtree(target, ignore_errors=True)
+        raise UnlearnError("the DPO reference model computes other log-probabilities than a reload of its weights and "
+                           "config does (a non-persistent buffer such as rotary inv_freq, a module attribute or a hook "
+                           "changed in memory?): a replay could not rebuild it; pass ref_model= a model loaded from a "
+                           "folder and left unchanged")
     record["source"] = {"kind": "stored", "files": _folder_files(target)}
     return record
 
@@ -108,16 +165,20 @@ def _from_folder(folder: Path, record: dict):
     return cls.from_pretrained(str(folder), **kwargs)
 
 
-def _load(folder: Path, record: dict, check: bool = True):
-    """The recorded reference from ``folder``; a model whose params root differs is refused (None if not ``check``)."""
+def _load(folder: Path, record: dict, check: bool = True, forward: bool = False):
+    """The recorded reference from ``folder``; a model whose params root differs is refused (None if not ``check``).
+    With ``forward``, its :func:`reference_fingerprint` (TRL's fused head added) must be the recorded one too."""
     model = _from_folder(folder, record)
     root = reference_root(model)
-    if root == record["params_root"]:
-        return model
-    if check:
-        raise UnlearnError(f"the reference model in {folder} is not the one the run was trained against (params root "
-                           f"{root[:12]}..., recorded {record['params_root'][:12]}...); restore it")
-    return None
+    if root != record["params_root"]:
+        if check:
+            raise UnlearnError(f"the reference model in {folder} is not the one the run was trained against (params "
+                               f"root {root[:12]}..., recorded {record['params_root'][:12]}...); restore it")
+        return None
+    if forward and record.get("forward_sha256") and \
+            reference_fingerprint(_with_fused_head(model)) != record["forward_sha256"]:
+        return None
+    return model
 
 
 def _check_files(folder: Path, files: dict, what: str) -> None:
