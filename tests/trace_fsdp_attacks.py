@@ -1,0 +1,176 @@
+"""Attacks on the FSDP2 verdicts, run by every process of ``torchrun --nproc_per_node 2`` (CPU, gloo, the test-only
+CPU stand-in :mod:`tests.fsdp_cpu`), launched by ``tests/test_trace_fsdp_attacks.py`` through
+``tests.trace_fsdp.launch(..., script=THIS)``:
+
+    torchrun --nproc_per_node 2 tests/trace_fsdp_attacks.py OUT ARCH RESHARD PRECISION MODE
+
+MODE ``construction``: settings accelerate's environment makes (what ``accelerate launch --config_file`` exports)
+that the TrainingArguments do not say, FSDP1 built for real, and the same variables set to their defaults (accepted).
+MODE ``replay``: a clean FSDP2 run recorded, then replays that cannot reproduce it: launched with an
+``FSDP_IGNORED_MODULES`` environment (lm_head unsharded, its gradient never reduced across processes), given another
+run's checkpoint with the same shapes, and ``forget --repo`` under the launch; each outcome is written, and for the
+environment attack also whether the oracle equals the engine-free counterfactual. Process 0 writes OUT/result.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# accelerate's FSDP_* variables a config file exports, and what each attack sets
+ENVIRONMENT_ATTACKS = {
+    "offload_from_environment": {"FSDP_OFFLOAD_PARAMS": "true"},
+    "activation_checkpointing_from_environment": {"FSDP_ACTIVATION_CHECKPOINTING": "true"},
+    "ignored_modules_from_environment": {"FSDP_IGNORED_MODULES": "lm_head"},
+    "wrapping_from_environment": {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaMLP"},
+}
+DEFAULTS = {"FSDP_OFFLOAD_PARAMS": "false", "FSDP_ACTIVATION_CHECKPOINTING": "false", "FSDP_VERSION": "2",
+            "FSDP_RESHARD_AFTER_FORWARD": "true", "ACCELERATE_USE_FSDP": "true"}
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def outcome(fn) -> str:
+    """``accepted``, or the refusal's message."""
+    from hf_unlearn.errors import UnlearnError
+
+    try:
+        fn()
+        return "accepted"
+    except UnlearnError as e:
+        return f"refused: {e}"
+
+
+def setup():
+    import torch
+
+    from hf_unlearn.runtime import init_processes
+    from tests import fsdp_cpu
+    from tests.test_trace_common import get_trace_data
+
+    faulthandler.dump_traceback_later(600, exit=True)
+    fsdp_cpu.enable()
+    torch.set_num_threads(1)
+    tok, data = get_trace_data()
+    return init_processes(announce=False), tok, data.select(range(32))
+
+
+def construction(out: Path, arch: str, reshard: bool, precision: str) -> None:
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+    from tests.test_trace_common import train_args
+    from tests.trace_fsdp import build_model, fsdp_args
+
+    state, tok, data = setup()
+
+    def build(args):
+        return lambda: TraceRecordingTrainer(model=build_model(arch, tok), args=args, train_dataset=data,
+                                             data_collator=QACollator.from_tokenizer(tok), trace_dir=out / "t")
+
+    result = {}
+    for name, values in ENVIRONMENT_ATTACKS.items():
+        with environment(values):
+            result[name] = outcome(build(fsdp_args(out / name, reshard, precision)))
+    with environment({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}):  # a config file, no fsdp= argument
+        result["fsdp_from_environment_only"] = outcome(build(train_args(out / "env", per_device_train_batch_size=2,
+                                                                        max_steps=4)))
+    with environment(DEFAULTS):  # what accelerate launch exports for a default FSDP2 config: nothing differs
+        result["environment_at_defaults"] = outcome(build(fsdp_args(out / "defaults", reshard, precision)))
+    # FSDP1 for real (sync_module_states off: accelerate would look for a GPU to broadcast from)
+    result["fsdp1"] = outcome(build(train_args(out / "fsdp1", per_device_train_batch_size=2, max_steps=4, fsdp=True,
+                                               fsdp_config={"version": 1, "sync_module_states": False})))
+    result["clean"] = outcome(build(fsdp_args(out / "clean", reshard, precision)))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        (out / "result.json").write_text(json.dumps(result))
+
+
+def replay(out: Path, arch: str, reshard: bool, precision: str) -> None:
+    import shutil
+
+    import torch
+
+    from hf_unlearn.cli import main as cli
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.deletion import forget as forget_request
+    from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.verification import verify
+    from tests.trace_fsdp import build_model, counterfactual, fsdp_args
+
+    state, tok, data = setup()
+    result = {}
+    for name, seed in (("trace", 0), ("other", 1)):  # "other": the same shapes, another initialisation
+        torch.manual_seed(seed)
+        model = build_model(arch, tok)
+        if seed:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+        TraceRecordingTrainer(model=model, args=fsdp_args(out / f"ft-{name}", reshard, precision), train_dataset=data,
+                              data_collator=QACollator.from_tokenizer(tok), trace_dir=out / name,
+                              trace_checkpoint_steps=1).train()
+    state.wait_for_everyone()
+    run = open_run(out / "trace")
+    forget = run.ids_at_steps([3])[:1]  # the last step: a suffix replay from the checkpoint at step 3
+    if state.is_main_process:
+        write_ids(out / "forget.jsonl", forget)
+    state.wait_for_everyone()
+    f = str(out / "forget.jsonl")
+    # 1. the replay and the oracle launched with FSDP_IGNORED_MODULES (lm_head unsharded, its gradient unreduced)
+    with environment(ENVIRONMENT_ATTACKS["ignored_modules_from_environment"]):
+        codes = [cli(["trace", "replay", str(out / "trace"), "--forget", f, "--out", str(out / "replay")]),
+                 cli(["trace", "oracle", str(out / "trace"), "--forget", f, "--out", str(out / "oracle")])]
+    cf = counterfactual(tok, data, build_model(arch, tok), out / "trace", forget, out / "cf", reshard, precision)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        attack = {"codes": codes}
+        if codes == [0, 0]:
+            oracle = load_checkpoint(open_run(out / "oracle").final_checkpoint())
+            model = {**oracle["model"], **{a: oracle["model"][n] for a, n in oracle["tied"].items()}}
+            attack["verified"] = verify(out / "replay", out / "oracle")["verified"]
+            attack["counterfactual_equals_oracle"] = all(torch.equal(model[n], cf[n]) for n in model)
+        result["ignored_modules_at_replay"] = attack
+    # 2. the replay given another run's checkpoints (same shapes; hashes files and all)
+    other = open_run(out / "other").checkpoints()
+    if state.is_main_process:
+        shutil.copytree(run.path, out / "swapped")
+        for step, path in run.checkpoints().items():
+            target = out / "swapped" / path.relative_to(run.path)
+            shutil.rmtree(target)
+            shutil.copytree(other[step], target)
+    state.wait_for_everyone()
+    result["another_runs_checkpoints"] = outcome(lambda: ReplayTrainer(out / "swapped", start="full").train())
+    # 3. forget --repo under the launch
+    result["forget_repo_under_launch"] = outcome(lambda: forget_request(
+        str(out / "trace"), forget, out / "forget", oracle=True, repo="someone/model", progress=False,
+        log=lambda line: None))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    {"construction": construction, "replay": replay}[sys.argv[5]](
+        Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4])
