@@ -26,7 +26,9 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
     unset: CPU offload, activation checkpointing, ignored modules (parameters left unsharded, their gradients never
     reduced across processes), the wrapped classes; or turns FSDP on with no ``fsdp=`` at all. The run records and a
     replay rebuilds only the TrainingArguments' fsdp_config, so each is refused, naming the field and the variable;
-    the same variables at their defaults are accepted. FSDP1, built for real, is refused with what a replay needs."""
+    the same variables at their defaults are accepted. FSDP1, built for real, is refused with what a replay needs; so
+    are processes given different TrainingArguments (seed=rank: the header holds the main process's seed, from which
+    every process's microbatch seeds are replayed)."""
     result = launch(tmp_path, "construction")
     for field, variable in (("cpu_offload", "FSDP_OFFLOAD_PARAMS"),
                             ("activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING"),
@@ -36,6 +38,7 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
         assert message.startswith("refused:") and field in message and "fsdp_config" in message, message
     assert result["fsdp_from_environment_only"].startswith("refused: FSDP is turned on by accelerate's environment")
     assert "TrainingArguments(fsdp=True" in result["fsdp_from_environment_only"]
+    assert result["seed_per_process"].startswith("refused: the processes were given different TrainingArguments (seed)")
     assert result["fsdp1"].startswith("refused: exact deletion cannot replay an FSDP1 run")
     assert result["environment_at_defaults"] == "accepted" and result["clean"] == "accepted"
 

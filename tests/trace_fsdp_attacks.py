@@ -5,7 +5,8 @@ CPU stand-in :mod:`tests.fsdp_cpu`), launched by ``tests/test_trace_fsdp_attacks
     torchrun --nproc_per_node 2 tests/trace_fsdp_attacks.py OUT ARCH RESHARD PRECISION MODE
 
 MODE ``construction``: settings accelerate's environment makes (what ``accelerate launch --config_file`` exports)
-that the TrainingArguments do not say, FSDP1 built for real, and the same variables set to their defaults (accepted).
+that the TrainingArguments do not say, FSDP1 built for real, each process given its own seed, and the same variables
+set to their defaults (accepted).
 MODE ``replay``: a clean FSDP2 run recorded, then replays that cannot reproduce it: launched with an
 ``FSDP_IGNORED_MODULES`` environment (lm_head unsharded, its gradient never reduced across processes), given another
 run's checkpoint with the same shapes, and ``forget --repo`` under the launch; each outcome is written, and for the
@@ -91,6 +92,8 @@ def construction(out: Path, arch: str, reshard: bool, precision: str) -> None:
     for name, values in ENVIRONMENT_ATTACKS.items():
         with environment(values):
             result[name] = outcome(build(fsdp_args(out / name, reshard, precision)))
+    # each process its own seed (its microbatch seeds, under dropout its masks): the header holds the main one's
+    result["seed_per_process"] = outcome(build(fsdp_args(out / "seed", reshard, precision, seed=state.process_index)))
     with environment({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}):  # a config file, no fsdp= argument
         result["fsdp_from_environment_only"] = outcome(build(train_args(out / "env", per_device_train_batch_size=2,
                                                                         max_steps=4)))

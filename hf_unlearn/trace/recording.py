@@ -101,6 +101,8 @@ def _jsonable(value):
 # TrainingArguments fields that hold a place on the user's machine, and fields (here and in a model config) that
 # hold a Hub id or a local path: a replay never reads them (training_args_from_header), and the header is published
 # with the run's provenance, so the local paths are withheld
+# TrainingArguments that legitimately differ between the processes of one launch
+PROCESS_LOCAL_ARGS = frozenset({"local_rank", "output_dir", "logging_dir"})
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config")
 HUB_ID_OR_PATH = ("chat_template_path", "_name_or_path")
 
@@ -613,9 +615,25 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"{launched} processes were launched but training runs {self.accelerator.num_processes} "
                                "(they are not connected: on CPU set TrainingArguments(use_cpu=True) so they use gloo); "
                                "they would all write the same trace")
+        if self.accelerator.num_processes > 1:
+            self._trace_check_same_arguments()
         cfg = self.accelerator.dataloader_config
         if getattr(cfg, "split_batches", False) or getattr(cfg, "dispatch_batches", False):
             raise UnlearnError(f"exact deletion does not record split_batches/dispatch_batches dataloaders; {supported}")
+
+    def _trace_check_same_arguments(self) -> None:
+        """Every process must train with the main process's TrainingArguments (a collective): the header records the
+        main process's (its seed makes every process's microbatch seeds), so a process given its own (seed=rank, ...)
+        would train what no replay reproduces."""
+        from accelerate.utils import gather_object
+
+        mine = {k: _jsonable(v) for k, v in self.args.to_dict().items() if k not in PROCESS_LOCAL_ARGS}
+        everyone = gather_object([mine])
+        diff = sorted({k for other in everyone[1:] for k in set(mine) | set(other) if other.get(k) != everyone[0].get(k)})
+        if diff:
+            raise UnlearnError(f"the processes were given different TrainingArguments ({', '.join(diff)}): every "
+                               "process must train with the same ones (the run records the main process's); build them "
+                               "the same way on every process")
 
     def _trace_served(self, dataset):
         """The rows the dataloader serves: unused columns removed as ``Trainer`` does, the id column kept."""
