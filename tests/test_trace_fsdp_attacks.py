@@ -46,12 +46,50 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
 @pytest.mark.slow
 def test_replays_of_a_recorded_fsdp2_run_that_cannot_reproduce_it_are_refused(tmp_path):
     """A clean FSDP2 run, then: its replay and oracle launched with FSDP_IGNORED_MODULES=lm_head (lm_head unsharded,
-    its gradient not reduced: not the recorded arithmetic) are refused, not VERIFIED; a copy of the run given another
-    run's checkpoints (same shapes, their hashes files with them) is refused; ``forget --repo`` under the launch is
-    refused, naming the push command."""
+    its gradient not reduced: not the recorded arithmetic; before: accepted, then crashed in the optimizer step) or
+    with ACCELERATE_MIXED_PRECISION=bf16 are refused at construction; a copy of the run given another run's
+    checkpoints (same shapes, their hashes files with them) is refused; ``forget --repo`` under the launch is refused,
+    naming the push command; ``forget`` in one process is refused, naming torchrun."""
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.errors import UnlearnError
+
     result = launch(tmp_path, "replay")
-    assert result["ignored_modules_at_replay"]["codes"] == [2, 2] or all(
-        c != 0 for c in result["ignored_modules_at_replay"]["codes"]), result
-    assert "verified" not in result["ignored_modules_at_replay"]
+    ignored = result["ignored_modules_at_replay"]
+    assert all(c != 0 for c in ignored["codes"]) and ignored["replay"].startswith("refused:"), ignored
+    assert "ignored_modules ('lm_head', from FSDP_IGNORED_MODULES" in ignored["replay"]
+    assert "ACCELERATE_MIXED_PRECISION='bf16'" in result["bf16_from_environment_at_replay"]
     assert result["another_runs_checkpoints"].startswith("refused:"), result
+    assert "is not this run's" in result["another_runs_checkpoints"]
     assert result["forget_repo_under_launch"].startswith("refused: forget publishes from one process")
+    # and `forget` on the FSDP2 run in one process (no torchrun): refused, naming the launch
+    with pytest.raises(UnlearnError, match=r"recorded by 2 processes.*torchrun --nproc_per_node 2"):
+        forget(str(tmp_path / "trace"), ["x"], tmp_path / "forget-one", oracle=True, progress=False,
+               log=lambda line: None)
+
+
+@pytest.mark.parametrize("variable,value,match", [
+    ("ACCELERATE_MIXED_PRECISION", "bf16", r"accelerate runs mixed precision 'bf16' .* TrainingArguments say 'no'"),
+    ("ACCELERATE_DYNAMO_BACKEND", "inductor", r"accelerate compiles the model with INDUCTOR .* torch_compile=False")])
+def test_precision_or_compilation_only_the_launch_sets_is_refused(tmp_path, monkeypatch, variable, value, match):
+    """``accelerate launch --mixed_precision bf16`` (or ``--dynamo_backend``, or a config file saying so) exports a
+    variable accelerate obeys when the TrainingArguments say nothing; the run records, and a replay rebuilds, only
+    the TrainingArguments. Before: a fp32 run's early deletion replayed and oracled under ACCELERATE_MIXED_PRECISION=
+    bf16 (one process, no torchrun) was VERIFIED, its oracle not the fp32 one. Now the recording and the replay and
+    oracle are refused at construction, naming the variable."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import OracleReplayTrainer, ReplayTrainer, TraceRecordingTrainer
+
+    from .test_trace_common import get_recorded, get_trace_data, ids_at_step, tiny, train_args
+
+    run = get_recorded()  # fp32, no compilation
+    tok, data = get_trace_data()
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(UnlearnError, match=match) as refused:
+        TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path / "ft"), train_dataset=data,
+                              data_collator=QACollator.from_tokenizer(tok), trace_dir=tmp_path / "trace")
+    assert f"{variable}={value!r}" in str(refused.value)
+    with pytest.raises(UnlearnError, match=match):
+        ReplayTrainer(run, start="full")
+    with pytest.raises(UnlearnError, match=match):
+        OracleReplayTrainer(run, ids_at_step(run, 0)[:1], out_dir=tmp_path / "oracle")

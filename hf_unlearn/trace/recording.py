@@ -615,11 +615,34 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"{launched} processes were launched but training runs {self.accelerator.num_processes} "
                                "(they are not connected: on CPU set TrainingArguments(use_cpu=True) so they use gloo); "
                                "they would all write the same trace")
+        self._trace_check_launch_settings()
         if self.accelerator.num_processes > 1:
             self._trace_check_same_arguments()
         cfg = self.accelerator.dataloader_config
         if getattr(cfg, "split_batches", False) or getattr(cfg, "dispatch_batches", False):
             raise UnlearnError(f"exact deletion does not record split_batches/dispatch_batches dataloaders; {supported}")
+
+    def _trace_check_launch_settings(self) -> None:
+        """The mixed precision and compilation accelerate runs must be what the TrainingArguments say (bf16=/fp16=,
+        torch_compile=): the run records them and a replay rebuilds them, but accelerate takes
+        ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_BACKEND (what ``accelerate launch --mixed_precision /
+        --dynamo_backend`` or a config file exports) when they say nothing."""
+        args = self.args
+        backend = str(getattr(getattr(self.accelerator.state, "dynamo_plugin", None), "backend", "NO")).split(".")[-1]
+        if not args.torch_compile and backend.upper() != "NO":
+            raise UnlearnError(f"accelerate compiles the model with {backend} (ACCELERATE_DYNAMO_BACKEND="
+                               f"{os.environ.get('ACCELERATE_DYNAMO_BACKEND')!r} in the environment: accelerate launch "
+                               "--dynamo_backend or a config file) but the TrainingArguments say torch_compile=False, "
+                               "which is what the run records and a replay rebuilds: set torch_compile=True (and "
+                               "torch_compile_backend) in the TrainingArguments or launch with --dynamo_backend no")
+        said = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
+        live = str(self.accelerator.mixed_precision)
+        if live != said:
+            raise UnlearnError(f"accelerate runs mixed precision {live!r} (ACCELERATE_MIXED_PRECISION="
+                               f"{os.environ.get('ACCELERATE_MIXED_PRECISION')!r} in the environment: accelerate launch "
+                               f"--mixed_precision or a config file) but the TrainingArguments say {said!r} (bf16="
+                               f"{args.bf16}, fp16={args.fp16}), which is what the run records and a replay rebuilds: "
+                               "set bf16=/fp16= in the TrainingArguments or launch without that mixed precision")
 
     def _trace_check_same_arguments(self) -> None:
         """Every process must train with the main process's TrainingArguments (a collective): the header records the
