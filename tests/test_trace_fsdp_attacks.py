@@ -28,7 +28,8 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
     replay rebuilds only the TrainingArguments' fsdp_config, so each is refused, naming the field and the variable;
     the same variables at their defaults are accepted. FSDP1, built for real, is refused with what a replay needs; so
     are processes given different TrainingArguments (seed=rank: the header holds the main process's seed, from which
-    every process's microbatch seeds are replayed)."""
+    every process's microbatch seeds are replayed), another model config (dropout) or a buffer edited on process 1
+    only (FSDP2 never synchronises buffers; the header and the checkpoints hold the main process's)."""
     result = launch(tmp_path, "construction")
     for field, variable in (("cpu_offload", "FSDP_OFFLOAD_PARAMS"),
                             ("activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING"),
@@ -39,6 +40,10 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
     assert result["fsdp_from_environment_only"].startswith("refused: FSDP is turned on by accelerate's environment")
     assert "TrainingArguments(fsdp=True" in result["fsdp_from_environment_only"]
     assert result["seed_per_process"].startswith("refused: the processes were given different TrainingArguments (seed)")
+    assert result["model_config_per_process"].startswith("refused: the processes were given different model config (")
+    assert "attention_dropout" in result["model_config_per_process"]
+    assert result["buffer_per_process"].startswith(
+        "refused: the processes were given different buffers (model.rotary_emb.inv_freq)")
     assert result["fsdp1"].startswith("refused: exact deletion cannot replay an FSDP1 run")
     assert result["environment_at_defaults"] == "accepted" and result["clean"] == "accepted"
 
@@ -93,3 +98,14 @@ def test_precision_or_compilation_only_the_launch_sets_is_refused(tmp_path, monk
         ReplayTrainer(run, start="full")
     with pytest.raises(UnlearnError, match=match):
         OracleReplayTrainer(run, ids_at_step(run, 0)[:1], out_dir=tmp_path / "oracle")
+
+
+@pytest.mark.slow
+def test_a_buffer_edited_on_one_process_cannot_reach_a_verified_deletion(tmp_path):
+    """Before the processes' model descriptions were compared, an FSDP2 run whose process 1 alone trained with an
+    edited rotary buffer recorded, and its step-0 deletion (every replayed step affected: no fingerprint left to
+    compare) was VERIFIED while the oracle was not the counterfactual (the same rank-local run, labels -100); a full
+    replay without deletion was refused at step 0. Now the recording is refused at construction."""
+    result = launch(tmp_path, "rank_local")
+    assert result == {"recording": result["recording"]}, result  # nothing replayed, nothing VERIFIED
+    assert result["recording"].startswith("refused: the processes were given different buffers"), result

@@ -76,10 +76,61 @@ def setup():
     return init_processes(announce=False), tok, data.select(range(32))
 
 
+def rank_local_buffer(model, rank: int):
+    """``model`` with its rotary ``inv_freq`` buffer scaled on process 1 only (a rank-local edit)."""
+    import torch
+
+    if rank == 1:
+        with torch.no_grad():
+            dict(model.named_buffers())["model.rotary_emb.inv_freq"].mul_(1.01)
+    return model
+
+
+def rank_local(out: Path, arch: str, reshard: bool, precision: str) -> None:
+    """A run whose process 1 alone trains with an edited buffer, deleted at step 0 (nothing left to compare with the
+    recording): is the replay VERIFIED, and is its oracle the counterfactual (the same rank-local edit, labels -100)?"""
+    import torch
+
+    from hf_unlearn.cli import main as cli
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer, open_run, redact_store
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.verification import verify
+    from tests.trace_fsdp import build_model, counterfactual, fsdp_args
+
+    state, tok, data = setup()
+    result = {"recording": outcome(lambda: TraceRecordingTrainer(
+        model=rank_local_buffer(build_model(arch, tok), state.process_index), train_dataset=data,
+        args=fsdp_args(out / "ft", reshard, precision), data_collator=QACollator.from_tokenizer(tok),
+        trace_dir=out / "trace", trace_checkpoint_steps=1).train())}
+    if result["recording"] == "accepted":
+        run = open_run(out / "trace")
+        forget = run.ids_at_steps([0])[:1]
+        if state.is_main_process:
+            write_ids(out / "forget.jsonl", forget)
+            redact_store(run.store_path, forget, out / "store", run.key)
+        state.wait_for_everyone()
+        f = str(out / "forget.jsonl")
+        result["full_replay_without_deletion"] = outcome(lambda: ReplayTrainer(out / "trace", start="full").train())
+        result["codes"] = [cli(["trace", "replay", str(out / "trace"), "--store", str(out / "store"), "--forget", f,
+                                "--out", str(out / "replay")]),
+                           cli(["trace", "oracle", str(out / "trace"), "--forget", f, "--out", str(out / "oracle")])]
+        cf = counterfactual(tok, data, rank_local_buffer(build_model(arch, tok), state.process_index), out / "trace",
+                            forget, out / "cf", reshard, precision)
+        if state.is_main_process and result["codes"] == [0, 0]:
+            result["verified"] = verify(out / "replay", out / "oracle")["verified"]
+            oracle = load_checkpoint(open_run(out / "oracle").final_checkpoint())["model"]
+            result["counterfactual_equals_oracle"] = all(torch.equal(oracle[n], cf[n]) for n in oracle)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        (out / "result.json").write_text(json.dumps(result))
+
+
 def construction(out: Path, arch: str, reshard: bool, precision: str) -> None:
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer
-    from tests.test_trace_common import train_args
+    from tests.test_trace_common import tiny, train_args
     from tests.trace_fsdp import build_model, fsdp_args
 
     state, tok, data = setup()
@@ -94,6 +145,14 @@ def construction(out: Path, arch: str, reshard: bool, precision: str) -> None:
             result[name] = outcome(build(fsdp_args(out / name, reshard, precision)))
     # each process its own seed (its microbatch seeds, under dropout its masks): the header holds the main one's
     result["seed_per_process"] = outcome(build(fsdp_args(out / "seed", reshard, precision, seed=state.process_index)))
+    # process 1 alone builds its model otherwise (dropout) or edits a buffer (FSDP2 never synchronises buffers)
+    result["model_config_per_process"] = outcome(lambda: TraceRecordingTrainer(
+        model=tiny(tok, dropout=0.1 * state.process_index), args=fsdp_args(out / "cfg", reshard, precision),
+        train_dataset=data, data_collator=QACollator.from_tokenizer(tok), trace_dir=out / "t"))
+    result["buffer_per_process"] = outcome(lambda: TraceRecordingTrainer(
+        model=rank_local_buffer(build_model(arch, tok), state.process_index), train_dataset=data,
+        args=fsdp_args(out / "buf", reshard, precision), data_collator=QACollator.from_tokenizer(tok),
+        trace_dir=out / "t"))
     with environment({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}):  # a config file, no fsdp= argument
         result["fsdp_from_environment_only"] = outcome(build(train_args(out / "env", per_device_train_batch_size=2,
                                                                         max_steps=4)))
@@ -170,5 +229,5 @@ def replay(out: Path, arch: str, reshard: bool, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    {"construction": construction, "replay": replay}[sys.argv[5]](
+    {"construction": construction, "replay": replay, "rank_local": rank_local}[sys.argv[5]](
         Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4])

@@ -645,18 +645,35 @@ class TraceRecordingMixin(WeightsFollowUmask):
                                "set bf16=/fp16= in the TrainingArguments or launch without that mixed precision")
 
     def _trace_check_same_arguments(self) -> None:
-        """Every process must train with the main process's TrainingArguments (a collective): the header records the
-        main process's (its seed makes every process's microbatch seeds), so a process given its own (seed=rank, ...)
-        would train what no replay reproduces."""
+        """Every process must train with the main process's TrainingArguments and model description (a collective):
+        the header records the main process's (its seed makes every process's microbatch seeds, its model config and
+        buffers are what a replay rebuilds on every process), so a process given its own (seed=rank, another config,
+        a buffer edited on one process: FSDP2 leaves buffers unsynchronised) would train what no replay reproduces."""
         from accelerate.utils import gather_object
 
-        mine = {k: _jsonable(v) for k, v in self.args.to_dict().items() if k not in PROCESS_LOCAL_ARGS}
+        from .hashing import tensor_hash
+
+        base = peft_and_base(self.model)[1]
+        config = getattr(base, "config", None)
+        mine = {"TrainingArguments": {k: _jsonable(v) for k, v in self.args.to_dict().items()
+                                      if k not in PROCESS_LOCAL_ARGS},
+                "model config": {k: _jsonable(v) for k, v in (config.to_dict() if config is not None else {}).items()},
+                "model dtype": str(next(base.parameters()).dtype),
+                "frozen parameters": frozen_parameters(self.model),
+                "buffers": {n: tensor_hash(n, b) for n, b in self.model.named_buffers()}}
         everyone = gather_object([mine])
-        diff = sorted({k for other in everyone[1:] for k in set(mine) | set(other) if other.get(k) != everyone[0].get(k)})
+        diff = []
+        for what, main in everyone[0].items():
+            others = [o[what] for o in everyone[1:] if o[what] != main]
+            if others and isinstance(main, dict):  # name the fields
+                keys = sorted({k for o in others for k in set(main) | set(o) if o.get(k) != main.get(k)})
+                diff.append(f"{what} ({', '.join(keys)})")
+            elif others:
+                diff.append(what)
         if diff:
-            raise UnlearnError(f"the processes were given different TrainingArguments ({', '.join(diff)}): every "
-                               "process must train with the same ones (the run records the main process's); build them "
-                               "the same way on every process")
+            raise UnlearnError(f"the processes were given different {'; '.join(diff)}: every process must train with "
+                               "the same ones (the run records the main process's); build them the same way on every "
+                               "process")
 
     def _trace_served(self, dataset):
         """The rows the dataloader serves: unused columns removed as ``Trainer`` does, the id column kept."""
