@@ -29,7 +29,8 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
     the same variables at their defaults are accepted. FSDP1, built for real, is refused with what a replay needs; so
     are processes given different TrainingArguments (seed=rank: the header holds the main process's seed, from which
     every process's microbatch seeds are replayed), another model config (dropout) or a buffer edited on process 1
-    only (FSDP2 never synchronises buffers; the header and the checkpoints hold the main process's)."""
+    only (FSDP2 never synchronises buffers; the header and the checkpoints hold the main process's), and
+    average_tokens_across_devices=False (each process its own loss normaliser; the plan records one per step)."""
     result = launch(tmp_path, "construction")
     for field, variable in (("cpu_offload", "FSDP_OFFLOAD_PARAMS"),
                             ("activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING"),
@@ -40,6 +41,7 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
     assert result["fsdp_from_environment_only"].startswith("refused: FSDP is turned on by accelerate's environment")
     assert "TrainingArguments(fsdp=True" in result["fsdp_from_environment_only"]
     assert result["seed_per_process"].startswith("refused: the processes were given different TrainingArguments (seed)")
+    assert result["normaliser_per_process"].startswith("refused: average_tokens_across_devices=False")
     assert result["model_config_per_process"].startswith("refused: the processes were given different model config (")
     assert "attention_dropout" in result["model_config_per_process"]
     assert result["buffer_per_process"].startswith(
@@ -106,6 +108,6 @@ def test_a_buffer_edited_on_one_process_cannot_reach_a_verified_deletion(tmp_pat
     edited rotary buffer recorded, and its step-0 deletion (every replayed step affected: no fingerprint left to
     compare) was VERIFIED while the oracle was not the counterfactual (the same rank-local run, labels -100); a full
     replay without deletion was refused at step 0. Now the recording is refused at construction."""
-    result = launch(tmp_path, "rank_local")
+    result = launch(tmp_path, "rank_local:buffer")
     assert result == {"recording": result["recording"]}, result  # nothing replayed, nothing VERIFIED
     assert result["recording"].startswith("refused: the processes were given different buffers"), result

@@ -5,8 +5,9 @@ CPU stand-in :mod:`tests.fsdp_cpu`), launched by ``tests/test_trace_fsdp_attacks
     torchrun --nproc_per_node 2 tests/trace_fsdp_attacks.py OUT ARCH RESHARD PRECISION MODE
 
 MODE ``construction``: settings accelerate's environment makes (what ``accelerate launch --config_file`` exports)
-that the TrainingArguments do not say, FSDP1 built for real, each process given its own seed, and the same variables
-set to their defaults (accepted).
+that the TrainingArguments do not say, FSDP1 built for real, processes given their own seed, model config or buffer,
+average_tokens_across_devices=False, and the same variables set to their defaults (accepted).
+MODE ``rank_local:buffer`` / ``rank_local:normaliser``: see :func:`rank_local`.
 MODE ``replay``: a clean FSDP2 run recorded, then replays that cannot reproduce it: launched with an
 ``FSDP_IGNORED_MODULES`` environment (lm_head unsharded, its gradient never reduced across processes), given another
 run's checkpoint with the same shapes, bf16 autocast from ``ACCELERATE_MIXED_PRECISION``, and ``forget --repo``
@@ -86,9 +87,11 @@ def rank_local_buffer(model, rank: int):
     return model
 
 
-def rank_local(out: Path, arch: str, reshard: bool, precision: str) -> None:
-    """A run whose process 1 alone trains with an edited buffer, deleted at step 0 (nothing left to compare with the
-    recording): is the replay VERIFIED, and is its oracle the counterfactual (the same rank-local edit, labels -100)?"""
+def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str) -> None:
+    """A run whose processes differ in what the plan does not record, deleted at step 0 (nothing left to compare with
+    the recording): is the replay VERIFIED, and is its oracle the counterfactual (the same run, labels -100)?
+    ATTACK ``buffer``: process 1 alone edits a buffer; ``normaliser``: average_tokens_across_devices=False, so each
+    process divides its loss by its own token count (the plan records one normaliser per step)."""
     import torch
 
     from hf_unlearn.cli import main as cli
@@ -100,9 +103,11 @@ def rank_local(out: Path, arch: str, reshard: bool, precision: str) -> None:
     from tests.trace_fsdp import build_model, counterfactual, fsdp_args
 
     state, tok, data = setup()
+    rank = state.process_index if attack == "buffer" else 0
+    kw = {"average_tokens_across_devices": False} if attack == "normaliser" else {}
     result = {"recording": outcome(lambda: TraceRecordingTrainer(
-        model=rank_local_buffer(build_model(arch, tok), state.process_index), train_dataset=data,
-        args=fsdp_args(out / "ft", reshard, precision), data_collator=QACollator.from_tokenizer(tok),
+        model=rank_local_buffer(build_model(arch, tok), rank), train_dataset=data,
+        args=fsdp_args(out / "ft", reshard, precision, **kw), data_collator=QACollator.from_tokenizer(tok),
         trace_dir=out / "trace", trace_checkpoint_steps=1).train())}
     if result["recording"] == "accepted":
         run = open_run(out / "trace")
@@ -116,12 +121,15 @@ def rank_local(out: Path, arch: str, reshard: bool, precision: str) -> None:
         result["codes"] = [cli(["trace", "replay", str(out / "trace"), "--store", str(out / "store"), "--forget", f,
                                 "--out", str(out / "replay")]),
                            cli(["trace", "oracle", str(out / "trace"), "--forget", f, "--out", str(out / "oracle")])]
-        cf = counterfactual(tok, data, rank_local_buffer(build_model(arch, tok), state.process_index), out / "trace",
-                            forget, out / "cf", reshard, precision)
+        # (the normaliser attack has no counterfactual of this kind: process 1's own normalisers are not recorded;
+        # the full replay's refusal at step 0 shows the engine does not reproduce the recording)
+        cf = counterfactual(tok, data, rank_local_buffer(build_model(arch, tok), rank), out / "trace", forget,
+                            out / "cf", reshard, precision) if attack == "buffer" else None
         if state.is_main_process and result["codes"] == [0, 0]:
             result["verified"] = verify(out / "replay", out / "oracle")["verified"]
             oracle = load_checkpoint(open_run(out / "oracle").final_checkpoint())["model"]
-            result["counterfactual_equals_oracle"] = all(torch.equal(oracle[n], cf[n]) for n in oracle)
+            if cf is not None:
+                result["counterfactual_equals_oracle"] = all(torch.equal(oracle[n], cf[n]) for n in oracle)
     state.wait_for_everyone()
     if state.is_main_process:
         (out / "result.json").write_text(json.dumps(result))
@@ -145,6 +153,9 @@ def construction(out: Path, arch: str, reshard: bool, precision: str) -> None:
             result[name] = outcome(build(fsdp_args(out / name, reshard, precision)))
     # each process its own seed (its microbatch seeds, under dropout its masks): the header holds the main one's
     result["seed_per_process"] = outcome(build(fsdp_args(out / "seed", reshard, precision, seed=state.process_index)))
+    # each process divides its loss by its own token count (the plan records one normaliser per step)
+    result["normaliser_per_process"] = outcome(build(fsdp_args(out / "norm", reshard, precision,
+                                                               average_tokens_across_devices=False)))
     # process 1 alone builds its model otherwise (dropout) or edits a buffer (FSDP2 never synchronises buffers)
     result["model_config_per_process"] = outcome(lambda: TraceRecordingTrainer(
         model=tiny(tok, dropout=0.1 * state.process_index), args=fsdp_args(out / "cfg", reshard, precision),
@@ -229,5 +240,6 @@ def replay(out: Path, arch: str, reshard: bool, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    {"construction": construction, "replay": replay, "rank_local": rank_local}[sys.argv[5]](
-        Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4])
+    mode, _, attack = sys.argv[5].partition(":")  # rank_local:buffer, rank_local:normaliser
+    {"construction": construction, "replay": replay, "rank_local": rank_local}[mode](
+        Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4], *([attack] if attack else []))

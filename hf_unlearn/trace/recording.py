@@ -618,6 +618,10 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_check_launch_settings()
         if self.accelerator.num_processes > 1:
             self._trace_check_same_arguments()
+            if not self.args.average_tokens_across_devices:
+                raise UnlearnError("average_tokens_across_devices=False: each process would divide its loss by its "
+                                   "own token count, and the plan records one loss normaliser per step (the sum over "
+                                   "the processes): leave average_tokens_across_devices=True (the default)")
         cfg = self.accelerator.dataloader_config
         if getattr(cfg, "split_batches", False) or getattr(cfg, "dispatch_batches", False):
             raise UnlearnError(f"exact deletion does not record split_batches/dispatch_batches dataloaders; {supported}")
