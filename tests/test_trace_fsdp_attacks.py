@@ -28,7 +28,7 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
     replay rebuilds only the TrainingArguments' fsdp_config, so each is refused, naming the field and the variable;
     the same variables at their defaults are accepted. FSDP1, built for real, is refused with what a replay needs; so
     are processes given different TrainingArguments (seed=rank: the header holds the main process's seed, from which
-    every process's microbatch seeds are replayed), another model config (dropout) or a buffer edited on process 1
+    every process's microbatch seeds are replayed), another model config (dropout), another thread count, or a buffer edited on process 1
     only (FSDP2 never synchronises buffers; the header and the checkpoints hold the main process's), and
     average_tokens_across_devices=False (each process its own loss normaliser; the plan records one per step)."""
     result = launch(tmp_path, "construction")
@@ -41,6 +41,7 @@ def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_constru
     assert result["fsdp_from_environment_only"].startswith("refused: FSDP is turned on by accelerate's environment")
     assert "TrainingArguments(fsdp=True" in result["fsdp_from_environment_only"]
     assert result["seed_per_process"].startswith("refused: the processes were given different TrainingArguments (seed)")
+    assert result["threads_per_process"].startswith("refused: the processes were given different numeric stack (threads)")
     assert result["normaliser_per_process"].startswith("refused: average_tokens_across_devices=False")
     assert result["model_config_per_process"].startswith("refused: the processes were given different model config (")
     assert "attention_dropout" in result["model_config_per_process"]

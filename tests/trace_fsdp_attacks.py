@@ -136,6 +136,8 @@ def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str)
 
 
 def construction(out: Path, arch: str, reshard: bool, precision: str) -> None:
+    import torch
+
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer
     from tests.test_trace_common import tiny, train_args
@@ -164,6 +166,9 @@ def construction(out: Path, arch: str, reshard: bool, precision: str) -> None:
         model=rank_local_buffer(build_model(arch, tok), state.process_index), train_dataset=data,
         args=fsdp_args(out / "buf", reshard, precision), data_collator=QACollator.from_tokenizer(tok),
         trace_dir=out / "t"))
+    torch.set_num_threads(1 + state.process_index)  # process 1 alone computes with 2 threads
+    result["threads_per_process"] = outcome(build(fsdp_args(out / "threads", reshard, precision)))
+    torch.set_num_threads(1)
     with environment({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}):  # a config file, no fsdp= argument
         result["fsdp_from_environment_only"] = outcome(build(train_args(out / "env", per_device_train_batch_size=2,
                                                                         max_steps=4)))

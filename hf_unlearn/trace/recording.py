@@ -650,12 +650,14 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _trace_check_same_arguments(self) -> None:
         """Every process must train with the main process's TrainingArguments and model description (a collective):
-        the header records the main process's (its seed makes every process's microbatch seeds, its model config and
-        buffers are what a replay rebuilds on every process), so a process given its own (seed=rank, another config,
-        a buffer edited on one process: FSDP2 leaves buffers unsynchronised) would train what no replay reproduces."""
+        the header records the main process's (its seed makes every process's microbatch seeds, its model config,
+        buffers and numeric stack are what a replay rebuilds on every process), so a process given its own (seed=rank,
+        another config, a buffer edited on one process: FSDP2 leaves buffers unsynchronised, another thread count or
+        matmul precision) would train what no replay reproduces."""
         from accelerate.utils import gather_object
 
         from .hashing import tensor_hash
+        from .stack import numeric_stack
 
         base = peft_and_base(self.model)[1]
         config = getattr(base, "config", None)
@@ -664,7 +666,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
                 "model config": {k: _jsonable(v) for k, v in (config.to_dict() if config is not None else {}).items()},
                 "model dtype": str(next(base.parameters()).dtype),
                 "frozen parameters": frozen_parameters(self.model),
-                "buffers": {n: tensor_hash(n, b) for n, b in self.model.named_buffers()}}
+                "buffers": {n: tensor_hash(n, b) for n, b in self.model.named_buffers()},
+                "numeric stack": numeric_stack(self.args.device)}  # threads, kernels' switches: the header's are main's
         everyone = gather_object([mine])
         diff = []
         for what, main in everyone[0].items():
