@@ -104,11 +104,17 @@ def test_precision_or_compilation_only_the_launch_sets_is_refused(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_a_buffer_edited_on_one_process_cannot_reach_a_verified_deletion(tmp_path):
-    """Before the processes' model descriptions were compared, an FSDP2 run whose process 1 alone trained with an
-    edited rotary buffer recorded, and its step-0 deletion (every replayed step affected: no fingerprint left to
-    compare) was VERIFIED while the oracle was not the counterfactual (the same rank-local run, labels -100); a full
-    replay without deletion was refused at step 0. Now the recording is refused at construction."""
-    result = launch(tmp_path, "rank_local:buffer")
+@pytest.mark.parametrize("attack,refusal", [
+    ("buffer", "refused: the processes were given different buffers"),
+    ("callback", "refused: process(es) [1] would take optimizer step 1 with other optimizer settings than the main "
+                 "process (lr)")])
+def test_a_process_that_trains_otherwise_cannot_reach_a_verified_deletion(tmp_path, attack, refusal):
+    """Before these checks, an FSDP2 run whose process 1 alone trained otherwise (its rotary buffer edited; a callback
+    halving its learning rate each step) recorded, and its step-0 deletion (every replayed step affected: no
+    fingerprint left to compare) was VERIFIED while a full replay of the run was refused at step 0 (buffer; the
+    oracle also differed from the counterfactual with the same rank-local edit, labels -100) or step 1 (callback;
+    the learning rate is 0 at step 0). Now the recording is refused: at construction, or before that optimizer step on
+    every process."""
+    result = launch(tmp_path, f"rank_local:{attack}")
     assert result == {"recording": result["recording"]}, result  # nothing replayed, nothing VERIFIED
-    assert result["recording"].startswith("refused: the processes were given different buffers"), result
+    assert result["recording"].startswith(refusal), result

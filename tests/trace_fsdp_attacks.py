@@ -87,11 +87,30 @@ def rank_local_buffer(model, rank: int):
     return model
 
 
+def _callback_class():
+    from transformers import TrainerCallback
+
+    class HalveLearningRateOnProcess1(TrainerCallback):
+        """A callback that acts on process 1 only: it halves the learning rate there at every step's start."""
+
+        def __init__(self, rank: int):
+            self.rank = rank
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            if self.rank == 1:
+                for g in optimizer.param_groups:
+                    g["lr"] *= 0.5
+
+    return HalveLearningRateOnProcess1
+
+
 def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str) -> None:
     """A run whose processes differ in what the plan does not record, deleted at step 0 (nothing left to compare with
     the recording): is the replay VERIFIED, and is its oracle the counterfactual (the same run, labels -100)?
     ATTACK ``buffer``: process 1 alone edits a buffer; ``normaliser``: average_tokens_across_devices=False, so each
-    process divides its loss by its own token count (the plan records one normaliser per step)."""
+    process divides its loss by its own token count (the plan records one normaliser per step); ``callback``: a
+    callback halves the learning rate on process 1 only (the plan records the main process's)."""
+    HalveLearningRateOnProcess1 = _callback_class()
     import torch
 
     from hf_unlearn.cli import main as cli
@@ -107,6 +126,7 @@ def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str)
     kw = {"average_tokens_across_devices": False} if attack == "normaliser" else {}
     result = {"recording": outcome(lambda: TraceRecordingTrainer(
         model=rank_local_buffer(build_model(arch, tok), rank), train_dataset=data,
+        callbacks=[HalveLearningRateOnProcess1(state.process_index)] if attack == "callback" else [],
         args=fsdp_args(out / "ft", reshard, precision, **kw), data_collator=QACollator.from_tokenizer(tok),
         trace_dir=out / "trace", trace_checkpoint_steps=1).train())}
     if result["recording"] == "accepted":

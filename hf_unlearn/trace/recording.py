@@ -417,6 +417,33 @@ class TraceWriter:
             write_sidecar(self.run / "deletion_log.jsonl")
 
 
+class SameOptimizerSettings:
+    """Every process of a multi-process recording, before each optimizer step: the processes' optimizer settings
+    (each param group's learning rate, betas, weight decay, ...) must be equal (an all-gather). The plan records the
+    main process's, which a replay sets on every process; a process whose settings differ (a callback that changes
+    the learning rate on one process only) is refused at that step, on every process, before it steps."""
+
+    def __init__(self, optimizer, step):
+        self.step = step  # () -> the optimizer step about to be taken
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._hook = inner.register_step_pre_hook(lambda opt, *a: self.check(opt))
+
+    def check(self, optimizer) -> None:
+        from accelerate.utils import gather_object
+
+        mine = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        everyone = gather_object([mine])
+        differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differ:
+            keys = sorted({k for r in differ for g0, g in zip(everyone[0], everyone[r]) for k in g0 if g.get(k) != g0[k]})
+            raise UnlearnError(f"process(es) {differ} would take optimizer step {self.step()} with other optimizer "
+                               f"settings than the main process ({', '.join(keys) or 'param groups'}): the plan records "
+                               "the main process's for every process; change them the same way on every process")
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
 class _TraceCallback(TrainerCallback):
     _trace_observer = True  # the library's own: not part of the user's program
 
@@ -1083,6 +1110,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_started = True
         self._trace_header_seed = self.args.seed
         self._trace_groups = None
+        if self.accelerator.num_processes > 1 and not self._is_replay:
+            self._trace_same_settings = SameOptimizerSettings(self.optimizer, lambda: self.state.global_step)
         if not self.accelerator.is_main_process:
             if self.is_fsdp_enabled:  # a shard peer: it takes part in gathering each checkpoint the main one writes
                 self._trace_total = max(self.state.max_steps, 1)
@@ -1271,6 +1300,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
             and not self._is_replay
 
     def _trace_finish(self) -> None:
+        same, self._trace_same_settings = getattr(self, "_trace_same_settings", None), None
+        if same is not None:
+            same.close()
         if self._trace_writer is None:
             if self._trace_shard_peer() and self.state.global_step not in self._trace_saved:
                 self._trace_checkpoint(self.state.global_step, final=True)
