@@ -56,7 +56,9 @@ def test_replays_of_a_recorded_fsdp2_run_that_cannot_reproduce_it_are_refused(tm
     """A clean FSDP2 run, then: its replay and oracle launched with FSDP_IGNORED_MODULES=lm_head (lm_head unsharded,
     its gradient not reduced: not the recorded arithmetic; before: accepted, then crashed in the optimizer step) or
     with ACCELERATE_MIXED_PRECISION=bf16 are refused at construction; a copy of the run given another run's
-    checkpoints (same shapes, their hashes files with them) is refused; ``forget --repo`` under the launch is refused,
+    checkpoints (same shapes, their hashes files with them) is refused; an oracle whose process 1 alone is given
+    another id to forget is refused at construction (before: not checked; each process masks its own list);
+    ``forget --repo`` under the launch is refused,
     naming the push command; ``forget`` in one process is refused, naming torchrun."""
     from hf_unlearn.deletion import forget
     from hf_unlearn.errors import UnlearnError
@@ -68,6 +70,7 @@ def test_replays_of_a_recorded_fsdp2_run_that_cannot_reproduce_it_are_refused(tm
     assert "ACCELERATE_MIXED_PRECISION='bf16'" in result["bf16_from_environment_at_replay"]
     assert result["another_runs_checkpoints"].startswith("refused:"), result
     assert "is not this run's" in result["another_runs_checkpoints"]
+    assert result["forget_ids_per_process"].startswith("refused: the processes of this replay were given different ids")
     assert result["forget_repo_under_launch"].startswith("refused: forget publishes from one process")
     # and `forget` on the FSDP2 run in one process (no torchrun): refused, naming the launch
     with pytest.raises(UnlearnError, match=r"recorded by 2 processes.*torchrun --nproc_per_node 2"):

@@ -10,8 +10,8 @@ average_tokens_across_devices=False, and the same variables set to their default
 MODE ``rank_local:buffer`` / ``rank_local:normaliser``: see :func:`rank_local`.
 MODE ``replay``: a clean FSDP2 run recorded, then replays that cannot reproduce it: launched with an
 ``FSDP_IGNORED_MODULES`` environment (lm_head unsharded, its gradient never reduced across processes), given another
-run's checkpoint with the same shapes, bf16 autocast from ``ACCELERATE_MIXED_PRECISION``, and ``forget --repo``
-under the launch; each outcome is written. Process 0 writes OUT/result.json.
+run's checkpoint with the same shapes, bf16 autocast from ``ACCELERATE_MIXED_PRECISION``, processes given different
+ids to forget, and ``forget --repo`` under the launch; each outcome is written. Process 0 writes OUT/result.json.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def replay(out: Path, arch: str, reshard: bool, precision: str) -> None:
     from hf_unlearn.data import QACollator
     from hf_unlearn.data.ids import write_ids
     from hf_unlearn.deletion import forget as forget_request
-    from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer, open_run, redact_store
+    from hf_unlearn.trace import OracleReplayTrainer, ReplayTrainer, TraceRecordingTrainer, open_run, redact_store
     from tests.trace_fsdp import build_model, fsdp_args
 
     state, tok, data = setup()
@@ -255,7 +255,11 @@ def replay(out: Path, arch: str, reshard: bool, precision: str) -> None:
             shutil.copytree(other[step], target)
     state.wait_for_everyone()
     result["another_runs_checkpoints"] = outcome(lambda: ReplayTrainer(out / "swapped", start="full").train())
-    # 3. forget --repo under the launch
+    # 3. process 1 alone asked to forget another row (the Python API: each process passes its own list)
+    other_ids = run.ids_at_steps([2])[:1]
+    result["forget_ids_per_process"] = outcome(lambda: OracleReplayTrainer(
+        out / "trace", forget if state.is_main_process else other_ids, out_dir=out / "oracle-mixed"))
+    # 4. forget --repo under the launch
     result["forget_repo_under_launch"] = outcome(lambda: forget_request(
         str(out / "trace"), forget, out / "forget", oracle=True, repo="someone/model", progress=False,
         log=lambda line: None))

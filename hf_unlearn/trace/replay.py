@@ -551,6 +551,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         check_replay(self.run.header, self)  # FSDP2: the recorded sharding (hf_unlearn.trace.sharding)
         if self.filter_rows and world > 1:
             raise UnlearnError("the naive filter baseline runs in one process only")
+        if world > 1:  # every process deletes the same ids from the same start (each replays its own slots)
+            from accelerate.utils import gather_object
+
+            everyone = gather_object([(sorted(self.forget_tag_set), self.start_mode, self.store_kind)])
+            if any(theirs != everyone[0] for theirs in everyone[1:]):
+                raise UnlearnError("the processes of this replay were given different ids to forget, start or store: "
+                                   "every process must replay the same request (give them the same --forget file)")
 
     def _start_step(self) -> int:
         if self.start_mode == "full":
