@@ -102,7 +102,7 @@ def _jsonable(value):
 # hold a Hub id or a local path: a replay never reads them (training_args_from_header), and the header is published
 # with the run's provenance, so the local paths are withheld
 # TrainingArguments that legitimately differ between the processes of one launch
-PROCESS_LOCAL_ARGS = frozenset({"local_rank", "output_dir", "logging_dir"})
+PROCESS_LOCAL_ARGS = frozenset({"local_rank", "output_dir", "logging_dir", "run_name"})
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config")
 HUB_ID_OR_PATH = ("chat_template_path", "_name_or_path")
 
