@@ -178,13 +178,13 @@ def environment_refusal(trainer) -> str | None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     plugin = trainer.accelerator.state.fsdp_plugin
-    names = plugin.transformer_cls_names_to_wrap
-    live = {"cpu_offload": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
-            "activation_checkpointing": bool(plugin.activation_checkpointing),
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    live = {"cpu_offload": isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy),
+            "activation_checkpointing": bool(getattr(plugin, "activation_checkpointing", False)),
             "activation_checkpointing_offload": bool(getattr(plugin, "activation_checkpointing_offload", False)),
-            "ignored_modules": plugin.ignored_modules or None,
+            "ignored_modules": getattr(plugin, "ignored_modules", None) or None,
             "transformer_cls_names_to_wrap": ",".join(names) if isinstance(names, (list, tuple)) else names,
-            "min_num_params": int(plugin.min_num_params or 0)}
+            "min_num_params": int(getattr(plugin, "min_num_params", 0) or 0)}
     diff = [f"{k} ({live[k]!r}, from {var} in the environment)" for k, (var, default) in ENVIRONMENT.items()
             if live[k] != _plain(args.get(k, default))]
     if diff:
