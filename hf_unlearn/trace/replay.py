@@ -391,8 +391,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         try:
             self._setup(header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs)
         except BaseException:
-            if created and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
-                self.out_dir.rmdir()  # a refused replay leaves nothing behind (Trainer creates output_dir)
+            # a refused replay leaves nothing behind (Trainer creates output_dir); the other processes of a launch
+            # may remove it at the same moment, which must not replace the refusal with a FileNotFoundError
+            with contextlib.suppress(OSError):
+                if created and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
+                    self.out_dir.rmdir()
             if getattr(self, "_scratch", None) is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
             raise
