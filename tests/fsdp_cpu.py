@@ -7,8 +7,10 @@ data parallel, silently (``trainer.is_fsdp_enabled`` is False, every parameter a
 (``fully_shard``) itself runs on CPU with gloo, and so does accelerate's FSDP2 preparation once the state says FSDP.
 
 :func:`enable` wraps ``AcceleratorState.__init__`` so that, when an ``fsdp_plugin`` is given and the processes are
-``MULTI_CPU``, it does what accelerate does for GPUs (``distributed_type = FSDP``, ``fsdp_plugin`` kept) and nothing
-else. It is called by the test launch scripts only (``tests/trace_fsdp.py``); the library never patches accelerate.
+``MULTI_CPU``, it does what accelerate does for GPUs (``distributed_type = FSDP``, the plugin's mixed precision
+policy set from the accelerator's mixed precision, ``fsdp_plugin`` kept) and nothing else. It is called by the test
+launch scripts only (``tests/trace_fsdp.py``, ``tests/trace_fsdp_attacks.py``); the library never patches
+accelerate.
 :func:`assert_sharded` checks that the stand-in took effect (every parameter a DTensor).
 """
 
@@ -27,7 +29,9 @@ def enable() -> None:
     def __init__(self, *args, fsdp_plugin=None, **kwargs):
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP  # what accelerate does for MULTI_GPU
+            self.distributed_type = DistributedType.FSDP  # what accelerate does for MULTI_GPU, mixed precision too
+            if self._mixed_precision != "no":  # (bf16: FSDP2's MixedPrecisionPolicy, bf16 parameters and reduction)
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
 
     __init__._cpu_fsdp_stand_in = True

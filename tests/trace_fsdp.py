@@ -37,8 +37,9 @@ def fsdp_args(out, reshard: bool, precision: str, **kw):
 
 
 def launch(out: Path, arch: str, reshard: bool, precision: str, steps: str = "0,3", processes: int = 2,
-           device: str = "cpu", timeout: int = 900) -> dict:
-    """Run this script under ``torchrun --nproc_per_node PROCESSES`` (a free port) and return its result.json."""
+           device: str = "cpu", timeout: int = 900, script: Path | None = None) -> dict:
+    """Run this script (or ``script``, taking the same arguments: tests/trace_fsdp_attacks.py) under ``torchrun
+    --nproc_per_node PROCESSES`` (a free port) and return its result.json."""
     import os
     import socket
     import subprocess
@@ -50,7 +51,7 @@ def launch(out: Path, arch: str, reshard: bool, precision: str, steps: str = "0,
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", DEVICE_ENV: device,
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # CUDA: set before the processes initialise it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-           str(port), str(Path(__file__).resolve()), str(out), arch, "1" if reshard else "0", precision, steps]
+           str(port), str(script or Path(__file__).resolve()), str(out), arch, "1" if reshard else "0", precision, steps]
     proc = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((Path(out) / "result.json").read_text())

@@ -101,6 +101,8 @@ def _jsonable(value):
 # TrainingArguments fields that hold a place on the user's machine, and fields (here and in a model config) that
 # hold a Hub id or a local path: a replay never reads them (training_args_from_header), and the header is published
 # with the run's provenance, so the local paths are withheld
+# TrainingArguments that legitimately differ between the processes of one launch
+PROCESS_LOCAL_ARGS = frozenset({"local_rank", "output_dir", "logging_dir", "run_name"})
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config")
 HUB_ID_OR_PATH = ("chat_template_path", "_name_or_path")
 
@@ -415,6 +417,33 @@ class TraceWriter:
             write_sidecar(self.run / "deletion_log.jsonl")
 
 
+class SameOptimizerSettings:
+    """Every process of a multi-process recording, before each optimizer step: the processes' optimizer settings
+    (each param group's learning rate, betas, weight decay, ...) must be equal (an all-gather). The plan records the
+    main process's, which a replay sets on every process; a process whose settings differ (a callback that changes
+    the learning rate on one process only) is refused at that step, on every process, before it steps."""
+
+    def __init__(self, optimizer, step):
+        self.step = step  # () -> the optimizer step about to be taken
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._hook = inner.register_step_pre_hook(lambda opt, *a: self.check(opt))
+
+    def check(self, optimizer) -> None:
+        from accelerate.utils import gather_object
+
+        mine = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        everyone = gather_object([mine])
+        differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differ:
+            keys = sorted({k for r in differ for g0, g in zip(everyone[0], everyone[r]) for k in g0 if g.get(k) != g0[k]})
+            raise UnlearnError(f"process(es) {differ} would take optimizer step {self.step()} with other optimizer "
+                               f"settings than the main process ({', '.join(keys) or 'param groups'}): the plan records "
+                               "the main process's for every process; change them the same way on every process")
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
 class _TraceCallback(TrainerCallback):
     _trace_observer = True  # the library's own: not part of the user's program
 
@@ -617,9 +646,72 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"{launched} processes were launched but training runs {self.accelerator.num_processes} "
                                "(they are not connected: on CPU set TrainingArguments(use_cpu=True) so they use gloo); "
                                "they would all write the same trace")
+        self._trace_check_launch_settings()
+        if self.accelerator.num_processes > 1:
+            self._trace_check_same_arguments()
+            if not self.args.average_tokens_across_devices:
+                raise UnlearnError("average_tokens_across_devices=False: each process would divide its loss by its "
+                                   "own token count, and the plan records one loss normaliser per step (the sum over "
+                                   "the processes): leave average_tokens_across_devices=True (the default)")
         cfg = self.accelerator.dataloader_config
         if getattr(cfg, "split_batches", False) or getattr(cfg, "dispatch_batches", False):
             raise UnlearnError(f"exact deletion does not record split_batches/dispatch_batches dataloaders; {supported}")
+
+    def _trace_check_launch_settings(self) -> None:
+        """The mixed precision and compilation accelerate runs must be what the TrainingArguments say (bf16=/fp16=,
+        torch_compile=): the run records them and a replay rebuilds them, but accelerate takes
+        ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_BACKEND (what ``accelerate launch --mixed_precision /
+        --dynamo_backend`` or a config file exports) when they say nothing."""
+        args = self.args
+        backend = str(getattr(getattr(self.accelerator.state, "dynamo_plugin", None), "backend", "NO")).split(".")[-1]
+        if not args.torch_compile and backend.upper() != "NO":
+            raise UnlearnError(f"accelerate compiles the model with {backend} (ACCELERATE_DYNAMO_BACKEND="
+                               f"{os.environ.get('ACCELERATE_DYNAMO_BACKEND')!r} in the environment: accelerate launch "
+                               "--dynamo_backend or a config file) but the TrainingArguments say torch_compile=False, "
+                               "which is what the run records and a replay rebuilds: set torch_compile=True (and "
+                               "torch_compile_backend) in the TrainingArguments or launch with --dynamo_backend no")
+        said = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
+        live = str(self.accelerator.mixed_precision)
+        if live != said:
+            raise UnlearnError(f"accelerate runs mixed precision {live!r} (ACCELERATE_MIXED_PRECISION="
+                               f"{os.environ.get('ACCELERATE_MIXED_PRECISION')!r} in the environment: accelerate launch "
+                               f"--mixed_precision or a config file) but the TrainingArguments say {said!r} (bf16="
+                               f"{args.bf16}, fp16={args.fp16}), which is what the run records and a replay rebuilds: "
+                               "set bf16=/fp16= in the TrainingArguments or launch without that mixed precision")
+
+    def _trace_check_same_arguments(self) -> None:
+        """Every process must train with the main process's TrainingArguments and model description (a collective):
+        the header records the main process's (its seed makes every process's microbatch seeds, its model config,
+        buffers and numeric stack are what a replay rebuilds on every process), so a process given its own (seed=rank,
+        another config, a buffer edited on one process: FSDP2 leaves buffers unsynchronised, another thread count or
+        matmul precision) would train what no replay reproduces."""
+        from accelerate.utils import gather_object
+
+        from .hashing import tensor_hash
+        from .stack import numeric_stack
+
+        base = peft_and_base(self.model)[1]
+        config = getattr(base, "config", None)
+        mine = {"TrainingArguments": {k: _jsonable(v) for k, v in self.args.to_dict().items()
+                                      if k not in PROCESS_LOCAL_ARGS},
+                "model config": {k: _jsonable(v) for k, v in (config.to_dict() if config is not None else {}).items()},
+                "model dtype": str(next(base.parameters()).dtype),
+                "frozen parameters": frozen_parameters(self.model),
+                "buffers": {n: tensor_hash(n, b) for n, b in self.model.named_buffers()},
+                "numeric stack": numeric_stack(self.args.device)}  # threads, kernels' switches: the header's are main's
+        everyone = gather_object([mine])
+        diff = []
+        for what, main in everyone[0].items():
+            others = [o[what] for o in everyone[1:] if o[what] != main]
+            if others and isinstance(main, dict):  # name the fields
+                keys = sorted({k for o in others for k in set(main) | set(o) if o.get(k) != main.get(k)})
+                diff.append(f"{what} ({', '.join(keys)})")
+            elif others:
+                diff.append(what)
+        if diff:
+            raise UnlearnError(f"the processes were given different {'; '.join(diff)}: every process must train with "
+                               "the same ones (the run records the main process's); build them the same way on every "
+                               "process")
 
     def _trace_served(self, dataset):
         """The rows the dataloader serves: unused columns removed as ``Trainer`` does, the id column kept."""
@@ -1032,6 +1124,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_started = True
         self._trace_header_seed = self.args.seed
         self._trace_groups = None
+        if self.accelerator.num_processes > 1 and not self._is_replay:
+            self._trace_same_settings = SameOptimizerSettings(self.optimizer, lambda: self.state.global_step)
         if not self.accelerator.is_main_process:
             if self.is_fsdp_enabled:  # a shard peer: it takes part in gathering each checkpoint the main one writes
                 self._trace_total = max(self.state.max_steps, 1)
@@ -1236,6 +1330,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
         return json.loads((checkpoint_dir(self.trace_dir, step) / "hashes.json").read_text())["params_root"]
 
     def _trace_finish(self) -> None:
+        same, self._trace_same_settings = getattr(self, "_trace_same_settings", None), None
+        if same is not None:
+            same.close()
         if self._trace_writer is None:
             if self._trace_shard_peer() and self.state.global_step not in self._trace_saved:
                 self._trace_checkpoint(self.state.global_step, final=True)

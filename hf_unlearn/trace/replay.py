@@ -392,8 +392,11 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         try:
             self._setup(header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs)
         except BaseException:
-            if created and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
-                self.out_dir.rmdir()  # a refused replay leaves nothing behind (Trainer creates output_dir)
+            # a refused replay leaves nothing behind (Trainer creates output_dir); the other processes of a launch
+            # may remove it at the same moment, which must not replace the refusal with a FileNotFoundError
+            with contextlib.suppress(OSError):
+                if created and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
+                    self.out_dir.rmdir()
             if getattr(self, "_scratch", None) is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
             raise
@@ -583,6 +586,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         check_replay(self.run.header, self)  # FSDP2: the recorded sharding (hf_unlearn.trace.sharding)
         if self.filter_rows and world > 1:
             raise UnlearnError("the naive filter baseline runs in one process only")
+        if world > 1:  # every process deletes the same ids from the same start (each replays its own slots)
+            from accelerate.utils import gather_object
+
+            everyone = gather_object([(sorted(self.forget_tag_set), self.start_mode, self.store_kind)])
+            if any(theirs != everyone[0] for theirs in everyone[1:]):
+                raise UnlearnError("the processes of this replay were given different ids to forget, start or store: "
+                                   "every process must replay the same request (give them the same --forget file)")
 
     def _start_step(self) -> int:
         if self.start_mode == "full":

@@ -152,6 +152,44 @@ def refusal(trainer) -> str | None:
     spec = engine_spec(trainer)
     if spec is not None and spec["engine"] != ENGINE:
         return f"exact deletion cannot replay an FSDP1 run: {REFUSED['FSDP1']}; {SUPPORTED}"
+    return environment_refusal(trainer) if spec is not None else None
+
+
+# FSDP2 plugin fields accelerate fills from FSDP_* environment variables (what `accelerate launch --config_file`
+# exports) when the TrainingArguments leave them unset -> (environment variable, what the arguments imply)
+ENVIRONMENT = {"cpu_offload": ("FSDP_OFFLOAD_PARAMS", False),
+               "activation_checkpointing": ("FSDP_ACTIVATION_CHECKPOINTING", False),
+               "activation_checkpointing_offload": ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", False),
+               "ignored_modules": ("FSDP_IGNORED_MODULES", None),
+               "transformer_cls_names_to_wrap": ("FSDP_TRANSFORMER_CLS_TO_WRAP", None),
+               "min_num_params": ("FSDP_MIN_NUM_PARAMS", 0)}
+
+
+def environment_refusal(trainer) -> str | None:
+    """Why the live FSDP plugin is not what the ``TrainingArguments`` say (None when it is): the run records and a
+    replay rebuilds the arguments' ``fsdp_config``, so a setting only accelerate's environment made (FSDP turned on by
+    ``ACCELERATE_USE_FSDP``, or a field the arguments leave unset filled from ``FSDP_*``) would be neither recorded
+    nor reproduced. Checked at construction (recording and replay), before the model is wrapped."""
+    args = trainer.args.fsdp_plugin_args
+    if args is None:
+        return ("FSDP is turned on by accelerate's environment (ACCELERATE_USE_FSDP, e.g. accelerate launch "
+                "--config_file with an FSDP config), not by the TrainingArguments the run records and a replay "
+                "rebuilds: pass TrainingArguments(fsdp=True, fsdp_config={'version': 2, ...}) with the same settings")
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = trainer.accelerator.state.fsdp_plugin
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    live = {"cpu_offload": isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy),
+            "activation_checkpointing": bool(getattr(plugin, "activation_checkpointing", False)),
+            "activation_checkpointing_offload": bool(getattr(plugin, "activation_checkpointing_offload", False)),
+            "ignored_modules": getattr(plugin, "ignored_modules", None) or None,
+            "transformer_cls_names_to_wrap": ",".join(names) if isinstance(names, (list, tuple)) else names,
+            "min_num_params": int(getattr(plugin, "min_num_params", 0) or 0)}
+    diff = [f"{k} ({live[k]!r}, from {var} in the environment)" for k, (var, default) in ENVIRONMENT.items()
+            if live[k] != _plain(args.get(k, default))]
+    if diff:
+        return (f"the FSDP plugin runs {', '.join(diff)}, which the TrainingArguments' fsdp_config does not say: the "
+                "run records (and a replay rebuilds) only the fsdp_config; set it there or unset the variable")
     return None
 
 
