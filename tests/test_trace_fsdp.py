@@ -29,6 +29,15 @@ def check(result: dict, reshard: bool, precision: str) -> None:
     assert sharding["reshard_after_forward"] is reshard and sharding["mixed_precision"] == precision
     # the final checkpoint's parameter root is the root of the full state torch.distributed.checkpoint gathers
     assert result["root_is_unsharded_root"]
+    # sharded on disk: every process wrote its own files, about half the state each (never the full tensors)
+    for cp in result["checkpoint_files"].values():  # each loaded on one process: its hashes recomputed unsharded
+        assert {"model-rank0-of-2.safetensors", "model-rank1-of-2.safetensors", "optimizer-rank0-of-2.safetensors",
+                "optimizer-rank1-of-2.safetensors", "checkpoint.json", "hashes.json"} <= set(cp["files"]), cp
+        assert "model.safetensors" not in cp["files"] and set(cp["written"]) == {"0", "1"}
+        assert all(w < 0.6 * cp["full"] for w in cp["written"].values()), cp  # process 0 also writes the buffers
+        assert sum(cp["written"].values()) >= cp["full"]
+    # a flipped byte in process 1's shard file: refused by a full load, process 1's own load and the deep check
+    assert result["refused"]["tampered_shard"] and "model-rank1-of-2.safetensors" in result["refused"]["tampered_shard"]
     assert not result["model_class"].startswith("FSDP")  # the model class, not FSDP2's subclass of it
     # geometric retention (K=1 of 4 steps): step 0, the end and what the bound 2 (T - s) + K needs
     assert result["retention"]["mode"] == "geometric" and result["kept"] == result["retention"]["kept"]
@@ -40,6 +49,7 @@ def check(result: dict, reshard: bool, precision: str) -> None:
         assert d["counterfactual_equals_oracle"]  # a plain FSDP2 Trainer, labels -100, the recorded normalisers
         assert d["oracle_differs_from_recording"]  # the deletion changed the state
         assert d["replay_sharding"] == sharding
+        assert d["replay_checkpoints_sharded"]  # the output run's checkpoints: every process's shard files
         assert d["saved_model_is_replay"]  # `trace replay --save-model`: one save_pretrained folder, full tensors
     assert "reshard_after_forward" in result["refused"]["other_sharding"]
     # forget under the launch: the main process wrote a VERIFIED receipt and one save_pretrained folder

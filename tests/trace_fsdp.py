@@ -117,6 +117,51 @@ def counterfactual(tok, data, model, run_dir, forget, out, reshard, precision) -
     return full_state(trainer.model)
 
 
+def shard_files(run) -> dict:
+    """What each kept checkpoint holds on disk: its files, and per process the bytes of the model and optimizer
+    tensors it wrote against the full state's (from the loaded full checkpoint)."""
+    from safetensors import safe_open
+
+    from hf_unlearn.trace.run import load_checkpoint
+
+    out = {}
+    for step, d in run.checkpoints().items():
+        full = load_checkpoint(d)  # assembled from every process's shards, every hash checked
+        total = sum(t.nbytes for t in full["model"].values()) + sum(
+            v.nbytes for st in full["optimizer"]["state"].values() for v in st.values() if hasattr(v, "nbytes"))
+        written = {}
+        for f in sorted(d.glob("*-rank*.safetensors")):
+            rank = f.name.split("-rank")[1].split("-")[0]
+            with safe_open(str(f), framework="pt") as h:
+                written[rank] = written.get(rank, 0) + sum(h.get_tensor(k).nbytes for k in h.keys())
+        out[str(step)] = {"files": sorted(f.name for f in d.iterdir()), "written": written, "full": total}
+    return out
+
+
+def tamper(run) -> str | None:
+    """Flip one byte of process 1's model shard in a middle checkpoint: a load and a deep check must refuse it."""
+    import shutil
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace.checkpoints import verify_checkpoint_files
+    from hf_unlearn.trace.run import load_checkpoint
+
+    d = run.checkpoints()[sorted(run.checkpoints())[1]]
+    f = d / "model-rank1-of-2.safetensors"
+    shutil.copy2(f, f.with_name("kept"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    errors = []
+    for check in (lambda: load_checkpoint(d), lambda: load_checkpoint(d, rank=1), lambda: verify_checkpoint_files(d)):
+        try:
+            check()
+        except UnlearnError as e:
+            errors.append(str(e))
+    f.with_name("kept").replace(f)
+    return " | ".join(errors) if len(errors) == 3 else None
+
+
 def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) -> None:
     import torch
     from transformers import TrainerCallback
@@ -162,6 +207,7 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
         names = list(final["params"])
         result["root_is_unsharded_root"] = root_hash({n: tensor_hash(n, gathered[n]) for n in names}) == \
             final["params_root"]
+        result["checkpoint_files"] = shard_files(run)
     recorded = load_checkpoint(run.final_checkpoint())["model"]
     for step in steps:
         d = out / f"delete-{step}"
@@ -192,6 +238,8 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
                 "start_step": json.loads((d / "replay" / "deletion_log.jsonl").read_text().splitlines()[-1])[
                     "start_step"],
                 "counterfactual_equals_oracle": same,
+                "replay_checkpoints_sharded": all((c / "model-rank1-of-2.safetensors").exists() and not (
+                    c / "model.safetensors").exists() for c in open_run(d / "replay").checkpoints().values()),
                 "saved_model_is_replay": all(torch.equal(saved[n], t) for n, t in final.items()), "replay_sharding": replay_header.get("sharding"),
                 "oracle_differs_from_recording": not all(torch.equal(oracle["model"][n], recorded[n])
                                                          for n in oracle["model"]),
@@ -209,6 +257,8 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
     else:
         assert receipt is None  # the main process writes and returns the receipt
     refused = {}
+    if state.is_main_process:
+        refused["tampered_shard"] = tamper(run)
     try:  # another sharding: reshard_after_forward flipped
         ReplayTrainer(trace, start="full", args=fsdp_args(out / "other", not reshard, precision))
     except UnlearnError as e:

@@ -1019,7 +1019,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_header_seed = self.args.seed
         self._trace_groups = None
         if not self.accelerator.is_main_process:
-            if self.is_fsdp_enabled:  # a shard peer: it takes part in gathering each checkpoint the main one writes
+            if self.is_fsdp_enabled:  # a shard peer: it writes its shards of each checkpoint the main one indexes
                 self._trace_total = max(self.state.max_steps, 1)
                 self._trace_every = self.trace_checkpoint_steps or default_every(self._trace_total,
                                                                                  self.trace_checkpoint_retention)
@@ -1201,7 +1201,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             self.processing_class.save_pretrained(str(run / PROCESSING_CLASS_DIR))  # the rebuilt trainer takes it
 
     def _trace_shard_peer(self) -> bool:
-        """A process other than the main one of a sharded (FSDP2) recording: it gathers each checkpoint with it."""
+        """A process other than the main one of a sharded (FSDP2) recording: it writes its shards of each checkpoint."""
         return self._trace_started and self.is_fsdp_enabled and not self.accelerator.is_main_process \
             and not self._is_replay
 
@@ -1256,10 +1256,10 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _trace_checkpoint(self, step: int, final: bool = False) -> None:
         model = self.accelerator.unwrap_model(self.model)
-        if self._trace_writer is None:  # a shard peer: its part of the gather of the full tensors, nothing written
-            from .checkpoints import capture_state
+        if self._trace_writer is None:  # a shard peer: writes its shards (hf_unlearn.trace.shards), joins the hashes
+            from .shards import save
 
-            capture_state(model, self.optimizer, step)
+            save(self.trace_dir, step, model, self.optimizer)
             self._trace_saved.add(step)
             return
         if not self._is_replay and self._trace_non_finite is None:
