@@ -38,6 +38,9 @@ def check(result: dict, reshard: bool, precision: str) -> None:
         assert sum(cp["written"].values()) >= cp["full"]
     # a flipped byte in process 1's shard file: refused by a full load, process 1's own load and the deep check
     assert result["refused"]["tampered_shard"] and "model-rank1-of-2.safetensors" in result["refused"]["tampered_shard"]
+    # the end-of-recording self-check ran on both processes (FSDP2 replay of steps 0..N) and reproduced the run
+    assert result["self_check"]["checked"] and result["self_check"]["reproduced"], result["self_check"]
+    assert result["self_check"]["steps"][0] == 0 and result["self_check"]["steps"][1] > 0
     assert not result["model_class"].startswith("FSDP")  # the model class, not FSDP2's subclass of it
     # geometric retention (K=1 of 4 steps): step 0, the end and what the bound 2 (T - s) + K needs
     assert result["retention"]["mode"] == "geometric" and result["kept"] == result["retention"]["kept"]
@@ -81,8 +84,12 @@ def test_an_edit_on_another_process_changes_the_gathered_step_digest(tmp_path):
     guard) that edits its shard after step 1 makes every process of the replay refuse at step 1."""
     from .trace_fsdp import launch as run
 
-    refused = run(tmp_path, "llama", True, "no", steps="attack")["refused"]
+    result = run(tmp_path, "llama", True, "no", steps="attack")
+    refused = result["refused"]
     assert len(refused) == 2 and all(r and "optimizer step 1" in r for r in refused), refused
+    # the recording's own self-check (both processes replaying steps 0..N) does not reproduce it either
+    assert result["self_check"]["checked"] and not result["self_check"]["reproduced"], result["self_check"]
+    assert "optimizer step 1" in result["self_check"]["why"]
 
 
 def _trainer(fsdp_version=None, deepspeed=False, world=2):

@@ -201,7 +201,8 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
     run = open_run(trace)
     result = {"sharded_params_per_step": sharded, "model_class": run.header["model"]["class"], "header_world_size": run.header["world_size"],
               "sharding": run.header.get("sharding"), "kept": sorted(run.checkpoints()),
-              "retention": run.header["checkpoint_retention"], "deletions": []}
+              "retention": run.header["checkpoint_retention"], "deletions": [],
+              "self_check": run.header["fidelity"]["recording"]}
     if state.is_main_process:
         final = json.loads((run.final_checkpoint() / "hashes.json").read_text())
         names = list(final["params"])
@@ -289,7 +290,7 @@ def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
     tok, data = get_trace_data()
     trainer = TraceRecordingTrainer(model=build_model(arch, tok), args=fsdp_args(out / "ft", reshard, precision),
                                     train_dataset=data.select(range(32)), data_collator=QACollator.from_tokenizer(tok),
-                                    trace_dir=out / "trace", trace_checkpoint_steps=4)
+                                    trace_dir=out / "trace", trace_checkpoint_steps=4, trace_self_check=2)
     steps = []
 
     def edit(optimizer, args, kwargs):
@@ -311,7 +312,10 @@ def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
 
     everyone = gather_object([refused])
     if state.is_main_process:
-        (out / "result.json").write_text(json.dumps({"refused": everyone}))
+        from hf_unlearn.trace import open_run
+
+        (out / "result.json").write_text(json.dumps({"refused": everyone, "self_check": open_run(
+            out / "trace").header["fidelity"]["recording"]}))
 
 
 if __name__ == "__main__":
