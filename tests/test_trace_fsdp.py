@@ -81,7 +81,8 @@ def test_fsdp2_configurations(tmp_path, arch, reshard, precision):
 @pytest.mark.slow
 def test_an_edit_on_another_process_changes_the_gathered_step_digest(tmp_path):
     """The per-step digest covers every process's shards: a hook on process 1 only (unseen by the main process's
-    guard) that edits its shard after step 1 makes every process of the replay refuse at step 1."""
+    guard) that edits its shard after step 1 makes the recording's self-check (both processes replaying steps 0..2)
+    say not reproduced at step 1, and every process of a later replay refuse before any compute."""
     from .trace_fsdp import launch as run
 
     result = run(tmp_path, "llama", True, "no", steps="attack")

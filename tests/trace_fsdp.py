@@ -273,13 +273,15 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
 def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
     """A hook on process 1 only edits its shard of one parameter after optimizer step 1 (code a replay does not run,
     which the main process's guard cannot see): the per-step digest, gathered from every process, must differ from
-    the replay's at step 1 on every process (so all of them refuse, none waits in a collective)."""
+    the replay's at step 1 on every process (so all of them refuse, none waits in a collective). The recording's own
+    self-check (``trace_self_check=2``: both processes replay steps 0..2) finds it first, and every later replay is
+    refused before any compute, on every process."""
     import torch
 
     from hf_unlearn.data import QACollator
+    from hf_unlearn.errors import UnlearnError
     from hf_unlearn.runtime import init_processes
     from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer
-    from hf_unlearn.trace.fidelity import FidelityError
     from tests import fsdp_cpu
     from tests.test_trace_common import get_trace_data
 
@@ -306,7 +308,7 @@ def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
     try:
         ReplayTrainer(out / "trace", start="full").train()
         refused = None
-    except FidelityError as e:
+    except UnlearnError as e:  # the self-check's verdict, sealed in the header: refused before any compute
         refused = str(e)
     from accelerate.utils import gather_object
 

@@ -22,7 +22,7 @@ the full logical tensors a sharded state is checkpointed, hashed and verified ov
 * **Checkpoints are sharded on disk** (:mod:`hf_unlearn.trace.shards`): every process writes its own shards, the
   hashes are the full logical tensors' (gathered one tensor at a time), so no process holds the full state to write
   one.
-* **Not done:** resuming an FSDP2 recording is refused; the end-of-recording self-check does not run at world size > 1.
+* **Not done:** resuming an FSDP2 recording is refused.
 """
 
 from __future__ import annotations
