@@ -146,6 +146,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # one run key for both processes (importing the tests' helpers would give each process its own temporary one)
+    env.setdefault("HF_UNLEARN_KEY_FILE", str(scratch / "id_tag.key"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            __file__, "--model", a.model, "--steps", str(a.steps), "--every", str(a.every), "--repeats",
            str(a.repeats), "--max-length", str(a.max_length), "--out", str(scratch)]
