@@ -21,7 +21,7 @@ RUN/checkpoints/step-00000040/  model-rank0-of-2.safetensors      optimizer-rank
 * **Bound and checked as today.** ``hashes.json`` also holds the SHA-256 of every shard file and of
   ``checkpoint.json`` (each process hashes the files it wrote); the run's checkpoint index binds ``hashes.json``.
   Every load checks the files it reads against those hashes and recomputes the model's per-tensor hashes; a deep
-  check (``trace check --deep``) assembles every tensor, one at a time, and checks its hash.
+  check (``trace inspect --deep``) assembles every tensor, one at a time, and checks its hash.
 * **Loaded at the recorded world size.** A replay's processes each read the model's full tensors (a ``Trainer``
   builds the full model on every process before FSDP2 shards it) and only their own optimizer shards
   (:func:`hf_unlearn.trace.sharding.load_optimizer_state` makes DTensors of them); one process (``trace verify``,
