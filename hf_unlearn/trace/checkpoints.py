@@ -18,6 +18,9 @@ RUN/checkpoints/index.json      every kept checkpoint's roots, MAC'd with the ru
   key cannot recompute. A checkpoint folder copied from another run carries its own consistent ``hashes.json`` but
   not this run's roots: refused, named. A checkpoint the index lists and the disk lacks is reported.
 
+An FSDP2 run's checkpoints are sharded: every process writes its own ``model-rank{r}-of-{N}.safetensors`` and
+``optimizer-rank{r}-of-{N}.safetensors``, hashed as the full logical tensors (:mod:`hf_unlearn.trace.shards`).
+
 Runs recorded before this format (``step-N/state.pt``, no index) still load; their checkpoints are checked
 against their own ``hashes.json`` only, and against the header's cadence for missing ones.
 """
