@@ -7,7 +7,8 @@ It launches itself under ``torchrun --nproc_per_node 2``. FSDP2 on CPU needs the
 ``tests/fsdp_cpu.py`` (accelerate takes its FSDP branch only for GPU process groups); every parameter is checked to be
 a DTensor shard. Two configurations alternate (order rotated per repeat, the minimum of the repeats reported): a plain
 ``Trainer`` with ``fsdp_config={"fsdp_version": 2}`` and no checkpoints, and ``TraceRecordingTrainer`` with the same
-arguments and ``trace_checkpoint_steps=--every`` (its checkpoints gather the full tensors from the shards). Batch 2 per
+arguments and ``trace_checkpoint_steps=--every`` (sharded checkpoints: every process writes its shards; the
+recorded ``train()`` includes the end-of-recording self-check, a replay of step 0 on both processes). Batch 2 per
 process x accumulation 2 of TOFU rows, fp32. After the plain run, its model and optimizer state are saved with
 ``torch.distributed.checkpoint`` (sharded, one file per process): the bytes are compared with one recorded
 checkpoint that holds optimizer state.
@@ -114,6 +115,12 @@ def worker(a) -> None:
             if name == "recorded" and r == 0 and state.is_main_process:
                 d = checkpoint_dir(out / name / "trace", a.steps)
                 sizes["recorded_checkpoint_bytes"] = checkpoint_bytes(d)
+                sizes["recorded_files"] = len([f for f in d.iterdir() if f.is_file()])
+                per_rank = {}
+                for f in d.glob("*-rank*.safetensors"):  # what each process wrote (its shards)
+                    rank = f.name.split("-rank")[1].split("-")[0]
+                    per_rank[rank] = per_rank.get(rank, 0) + f.stat().st_size
+                sizes["recorded_bytes_per_process"] = per_rank
                 sizes["recorded_checkpoint_step"] = a.steps
                 sizes["params"] = sum(p.numel() for p in trainer.model.parameters())
             del trainer
@@ -139,6 +146,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # one run key for both processes (importing the tests' helpers would give each process its own temporary one)
+    env.setdefault("HF_UNLEARN_KEY_FILE", str(scratch / "id_tag.key"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            __file__, "--model", a.model, "--steps", str(a.steps), "--every", str(a.every), "--repeats",
            str(a.repeats), "--max-length", str(a.max_length), "--out", str(scratch)]
@@ -148,8 +157,9 @@ def main() -> None:
           f"checkpoint every {r['every']}; best of {r['repeats']}")
     print(f"train(): plain {r['best_s']['plain']:.2f} s, recorded {r['best_s']['recorded']:.2f} s "
           f"(overhead {100 * r['overhead']:+.0f}%)")
-    print(f"one recorded checkpoint (full tensors + optimizer state) {r['recorded_checkpoint_bytes']:,} B; FSDP's "
-          f"sharded torch.distributed.checkpoint {r['fsdp_dcp_bytes']:,} B in {r['fsdp_dcp_files']} files "
+    print(f"one recorded checkpoint (sharded, with optimizer state) {r['recorded_checkpoint_bytes']:,} B in "
+          f"{r['recorded_files']} files, written per process {r['recorded_bytes_per_process']}; FSDP's sharded "
+          f"torch.distributed.checkpoint {r['fsdp_dcp_bytes']:,} B in {r['fsdp_dcp_files']} files "
           f"(ratio {r['bytes_ratio']:.3f})")
     if a.out is None:
         shutil.rmtree(scratch, ignore_errors=True)

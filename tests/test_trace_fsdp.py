@@ -30,6 +30,18 @@ def check(result: dict, reshard: bool, precision: str) -> None:
     # the final checkpoint's parameter root is the root of the full state torch.distributed.checkpoint gathers
     assert result["root_is_unsharded_root"]
     assert result["lineage"] == {"start_is_unsharded_root": True, "output_is_final_root": True}
+    # sharded on disk: every process wrote its own files, about half the state each (never the full tensors)
+    for cp in result["checkpoint_files"].values():  # each loaded on one process: its hashes recomputed unsharded
+        assert {"model-rank0-of-2.safetensors", "model-rank1-of-2.safetensors", "optimizer-rank0-of-2.safetensors",
+                "optimizer-rank1-of-2.safetensors", "checkpoint.json", "hashes.json"} <= set(cp["files"]), cp
+        assert "model.safetensors" not in cp["files"] and set(cp["written"]) == {"0", "1"}
+        assert all(w < 0.6 * cp["full"] for w in cp["written"].values()), cp  # process 0 also writes the buffers
+        assert sum(cp["written"].values()) >= cp["full"]
+    # a flipped byte in process 1's shard file: refused by a full load, process 1's own load and the deep check
+    assert result["refused"]["tampered_shard"] and "model-rank1-of-2.safetensors" in result["refused"]["tampered_shard"]
+    # the end-of-recording self-check ran on both processes (FSDP2 replay of steps 0..N) and reproduced the run
+    assert result["self_check"]["checked"] and result["self_check"]["reproduced"], result["self_check"]
+    assert result["self_check"]["steps"][0] == 0 and result["self_check"]["steps"][1] > 0
     assert not result["model_class"].startswith("FSDP")  # the model class, not FSDP2's subclass of it
     # geometric retention (K=1 of 4 steps): step 0, the end and what the bound 2 (T - s) + K needs
     assert result["retention"]["mode"] == "geometric" and result["kept"] == result["retention"]["kept"]
@@ -41,6 +53,7 @@ def check(result: dict, reshard: bool, precision: str) -> None:
         assert d["counterfactual_equals_oracle"]  # a plain FSDP2 Trainer, labels -100, the recorded normalisers
         assert d["oracle_differs_from_recording"]  # the deletion changed the state
         assert d["replay_sharding"] == sharding
+        assert d["replay_checkpoints_sharded"]  # the output run's checkpoints: every process's shard files
         assert d["saved_model_is_replay"]  # `trace replay --save-model`: one save_pretrained folder, full tensors
     assert "reshard_after_forward" in result["refused"]["other_sharding"]
     # forget under the launch: the main process wrote a VERIFIED receipt and one save_pretrained folder
@@ -69,11 +82,16 @@ def test_fsdp2_configurations(tmp_path, arch, reshard, precision):
 @pytest.mark.slow
 def test_an_edit_on_another_process_changes_the_gathered_step_digest(tmp_path):
     """The per-step digest covers every process's shards: a hook on process 1 only (unseen by the main process's
-    guard) that edits its shard after step 1 makes every process of the replay refuse at step 1."""
+    guard) that edits its shard after step 1 makes the recording's self-check (both processes replaying steps 0..2)
+    say not reproduced at step 1, and every process of a later replay refuse before any compute."""
     from .trace_fsdp import launch as run
 
-    refused = run(tmp_path, "llama", True, "no", steps="attack")["refused"]
+    result = run(tmp_path, "llama", True, "no", steps="attack")
+    refused = result["refused"]
     assert len(refused) == 2 and all(r and "optimizer step 1" in r for r in refused), refused
+    # the recording's own self-check (both processes replaying steps 0..N) does not reproduce it either
+    assert result["self_check"]["checked"] and not result["self_check"]["reproduced"], result["self_check"]
+    assert "optimizer step 1" in result["self_check"]["why"]
 
 
 def _trainer(fsdp_version=None, deepspeed=False, world=2):

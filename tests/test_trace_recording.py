@@ -215,6 +215,9 @@ def test_data_parallel_record_replay_oracle_under_accelerate_launch(tmp_path):
     assert result["header_world_size"] == 2 and all(r == [2, 2] for r in result["ranks"])
     assert all(n == 2 for n in result["batch_digests"])
     assert "recorded with 1 process(es) and this replay has 2" in result["refused_single_process_run"]
+    # the end-of-recording self-check ran at world size 2 (every process replayed steps 0..N) and reproduced the run
+    assert result["self_check"]["checked"] and result["self_check"]["reproduced"], result["self_check"]
+    assert result["self_check"]["steps"][0] == 0 and result["self_check"]["steps"][1] > 0
     with pytest.raises(UnlearnError, match=r"recorded with 2 process\(es\) and this replay has 1.*accelerate launch "
                                            r"--num_processes 2.*FSDP1 and DeepSpeed are not supported"):
         ReplayTrainer(tmp_path / "trace", start="full")

@@ -70,6 +70,7 @@ def main(out: Path, single_run: str | None) -> None:
                                                                  load_checkpoint(open_run(out / "oracle").final_checkpoint())
                                                                  )["identical"],
             "refused_single_process_run": refused,
+            "self_check": run.header["fidelity"]["recording"],  # every process replayed it, the main one sealed it
         }
         (out / "result.json").write_text(json.dumps(result))
 

@@ -118,6 +118,51 @@ def counterfactual(tok, data, model, run_dir, forget, out, reshard, precision) -
     return full_state(trainer.model)
 
 
+def shard_files(run) -> dict:
+    """What each kept checkpoint holds on disk: its files, and per process the bytes of the model and optimizer
+    tensors it wrote against the full state's (from the loaded full checkpoint)."""
+    from safetensors import safe_open
+
+    from hf_unlearn.trace.run import load_checkpoint
+
+    out = {}
+    for step, d in run.checkpoints().items():
+        full = load_checkpoint(d)  # assembled from every process's shards, every hash checked
+        total = sum(t.nbytes for t in full["model"].values()) + sum(
+            v.nbytes for st in full["optimizer"]["state"].values() for v in st.values() if hasattr(v, "nbytes"))
+        written = {}
+        for f in sorted(d.glob("*-rank*.safetensors")):
+            rank = f.name.split("-rank")[1].split("-")[0]
+            with safe_open(str(f), framework="pt") as h:
+                written[rank] = written.get(rank, 0) + sum(h.get_tensor(k).nbytes for k in h.keys())
+        out[str(step)] = {"files": sorted(f.name for f in d.iterdir()), "written": written, "full": total}
+    return out
+
+
+def tamper(run) -> str | None:
+    """Flip one byte of process 1's model shard in a middle checkpoint: a load and a deep check must refuse it."""
+    import shutil
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace.checkpoints import verify_checkpoint_files
+    from hf_unlearn.trace.run import load_checkpoint
+
+    d = run.checkpoints()[sorted(run.checkpoints())[1]]
+    f = d / "model-rank1-of-2.safetensors"
+    shutil.copy2(f, f.with_name("kept"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    errors = []
+    for check in (lambda: load_checkpoint(d), lambda: load_checkpoint(d, rank=1), lambda: verify_checkpoint_files(d)):
+        try:
+            check()
+        except UnlearnError as e:
+            errors.append(str(e))
+    f.with_name("kept").replace(f)
+    return " | ".join(errors) if len(errors) == 3 else None
+
+
 def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) -> None:
     import torch
     from transformers import TrainerCallback
@@ -157,7 +202,8 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
     run = open_run(trace)
     result = {"sharded_params_per_step": sharded, "model_class": run.header["model"]["class"], "header_world_size": run.header["world_size"],
               "sharding": run.header.get("sharding"), "kept": sorted(run.checkpoints()),
-              "retention": run.header["checkpoint_retention"], "deletions": []}
+              "retention": run.header["checkpoint_retention"], "deletions": [],
+              "self_check": run.header["fidelity"]["recording"]}
     if state.is_main_process:
         final = json.loads((run.final_checkpoint() / "hashes.json").read_text())
         names = list(final["params"])
@@ -168,6 +214,7 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
         lineage = run.header["lineage"]
         result["lineage"] = {"start_is_unsharded_root": lineage["start_root"] == weights_root(
             build_model(arch, tok).state_dict()), "output_is_final_root": lineage["output_root"] == final["params_root"]}
+        result["checkpoint_files"] = shard_files(run)
     recorded = load_checkpoint(run.final_checkpoint())["model"]
     for step in steps:
         d = out / f"delete-{step}"
@@ -198,6 +245,8 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
                 "start_step": json.loads((d / "replay" / "deletion_log.jsonl").read_text().splitlines()[-1])[
                     "start_step"],
                 "counterfactual_equals_oracle": same,
+                "replay_checkpoints_sharded": all((c / "model-rank1-of-2.safetensors").exists() and not (
+                    c / "model.safetensors").exists() for c in open_run(d / "replay").checkpoints().values()),
                 "saved_model_is_replay": all(torch.equal(saved[n], t) for n, t in final.items()), "replay_sharding": replay_header.get("sharding"),
                 "oracle_differs_from_recording": not all(torch.equal(oracle["model"][n], recorded[n])
                                                          for n in oracle["model"]),
@@ -215,6 +264,8 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
     else:
         assert receipt is None  # the main process writes and returns the receipt
     refused = {}
+    if state.is_main_process:
+        refused["tampered_shard"] = tamper(run)
     try:  # another sharding: reshard_after_forward flipped
         ReplayTrainer(trace, start="full", args=fsdp_args(out / "other", not reshard, precision))
     except UnlearnError as e:
@@ -228,13 +279,15 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
 def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
     """A hook on process 1 only edits its shard of one parameter after optimizer step 1 (code a replay does not run,
     which the main process's guard cannot see): the per-step digest, gathered from every process, must differ from
-    the replay's at step 1 on every process (so all of them refuse, none waits in a collective)."""
+    the replay's at step 1 on every process (so all of them refuse, none waits in a collective). The recording's own
+    self-check (``trace_self_check=2``: both processes replay steps 0..2) finds it first, and every later replay is
+    refused before any compute, on every process."""
     import torch
 
     from hf_unlearn.data import QACollator
+    from hf_unlearn.errors import UnlearnError
     from hf_unlearn.runtime import init_processes
     from hf_unlearn.trace import ReplayTrainer, TraceRecordingTrainer
-    from hf_unlearn.trace.fidelity import FidelityError
     from tests import fsdp_cpu
     from tests.test_trace_common import get_trace_data
 
@@ -245,7 +298,7 @@ def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
     tok, data = get_trace_data()
     trainer = TraceRecordingTrainer(model=build_model(arch, tok), args=fsdp_args(out / "ft", reshard, precision),
                                     train_dataset=data.select(range(32)), data_collator=QACollator.from_tokenizer(tok),
-                                    trace_dir=out / "trace", trace_checkpoint_steps=4)
+                                    trace_dir=out / "trace", trace_checkpoint_steps=4, trace_self_check=2)
     steps = []
 
     def edit(optimizer, args, kwargs):
@@ -261,13 +314,16 @@ def attack(out: Path, arch: str, reshard: bool, precision: str) -> None:
     try:
         ReplayTrainer(out / "trace", start="full").train()
         refused = None
-    except FidelityError as e:
+    except UnlearnError as e:  # the self-check's verdict, sealed in the header: refused before any compute
         refused = str(e)
     from accelerate.utils import gather_object
 
     everyone = gather_object([refused])
     if state.is_main_process:
-        (out / "result.json").write_text(json.dumps({"refused": everyone}))
+        from hf_unlearn.trace import open_run
+
+        (out / "result.json").write_text(json.dumps({"refused": everyone, "self_check": open_run(
+            out / "trace").header["fidelity"]["recording"]}))
 
 
 if __name__ == "__main__":

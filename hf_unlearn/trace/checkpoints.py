@@ -18,6 +18,9 @@ RUN/checkpoints/index.json      every kept checkpoint's roots, MAC'd with the ru
   key cannot recompute. A checkpoint folder copied from another run carries its own consistent ``hashes.json`` but
   not this run's roots: refused, named. A checkpoint the index lists and the disk lacks is reported.
 
+An FSDP2 run's checkpoints are sharded: every process writes its own ``model-rank{r}-of-{N}.safetensors`` and
+``optimizer-rank{r}-of-{N}.safetensors``, hashed as the full logical tensors (:mod:`hf_unlearn.trace.shards`).
+
 Runs recorded before this format (``step-N/state.pt``, no index) still load; their checkpoints are checked
 against their own ``hashes.json`` only, and against the header's cadence for missing ones.
 """
@@ -35,6 +38,8 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text, weights_follow_umask
 from .base_source import load as load_referenced
 from .base_source import stamp
+from .shards import is_complete as shards_complete
+from .shards import is_sharded_checkpoint
 
 CHECKPOINT_FORMAT = "hf_unlearn.checkpoint.v2"
 INDEX_FORMAT = "hf_unlearn.checkpoint_index.v1"
@@ -54,9 +59,16 @@ def _step_of(d: Path) -> int:
 def is_complete(d: Path) -> bool:
     """A checkpoint folder whose state and ``hashes.json`` are all there (either format)."""
     d = Path(d)
-    state = (d / "state.pt").exists() or all((d / f).exists() for f in (
-        "checkpoint.json", "model.safetensors", "optimizer.safetensors"))
-    return state and (d / "hashes.json").exists()
+    if not (d / "hashes.json").exists():
+        return False
+    if (d / "state.pt").exists():
+        return True
+    if not (d / "checkpoint.json").exists():
+        return False
+    meta = json.loads((d / "checkpoint.json").read_text())
+    if is_sharded_checkpoint(meta):  # an FSDP2 run's: every process's shard files (hf_unlearn.trace.shards)
+        return shards_complete(d, meta)
+    return all((d / f).exists() for f in ("model.safetensors", "optimizer.safetensors"))
 
 
 def list_checkpoints(run: Path) -> dict[int, Path]:
@@ -296,7 +308,12 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     """
     from .hashing import checkpoint_hashes
     from .run import write_sidecar
+    from .sharding import model_is_sharded
 
+    if state is None and model_is_sharded(model):  # FSDP2: every process writes its shards (hf_unlearn.trace.shards)
+        from .shards import save as save_sharded
+
+        return save_sharded(run, step, model, optimizer)[0]
     d = checkpoint_dir(run, step)
     d.mkdir(parents=True, exist_ok=True)
     state = state if state is not None else capture_state(model, optimizer, step)
@@ -326,16 +343,20 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     return d
 
 
-def _load_v2(path: Path) -> dict:
+def _load_v2(path: Path, rank: int | None = None) -> dict:
     from safetensors.torch import load_file
 
     meta = json.loads((path / "checkpoint.json").read_text())
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise UnlearnError(f"{path}/checkpoint.json has format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
-    model = load_file(path / "model.safetensors")
+    if is_sharded_checkpoint(meta):  # an FSDP2 run's shard files (hf_unlearn.trace.shards)
+        from .shards import load as load_sharded
+
+        model, flat = load_sharded(path, meta, rank)
+    else:
+        model, flat = load_file(path / "model.safetensors"), load_file(path / "optimizer.safetensors")
     if meta.get("frozen"):
         model.update(load_frozen(path.parent.parent, meta["frozen"]))
-    flat = load_file(path / "optimizer.safetensors")
     opt = meta["optimizer"]
     state: dict = {}
     for idx in opt["indices"]:
@@ -346,25 +367,41 @@ def _load_v2(path: Path) -> dict:
     for i, g in enumerate(opt["param_groups"]):
         tuples = set(opt["tuples"].get(str(i), []))
         groups.append({k: tuple(v) if k in tuples else v for k, v in g.items()})
-    return {"step": meta["step"], "model": model, "tied": meta["tied"], "param_names": meta["param_names"],
-            "optimizer": {"state": state, "param_groups": groups}, "frozen": meta.get("frozen", [])}
+    out = {"step": meta["step"], "model": model, "tied": meta["tied"], "param_names": meta["param_names"],
+           "optimizer": {"state": state, "param_groups": groups}, "frozen": meta.get("frozen", [])}
+    if is_sharded_checkpoint(meta) and rank is not None:  # this process's optimizer shards (sharding.load_optimizer_state)
+        from .shards import local_keys
+
+        out["optimizer"]["local_shards"] = local_keys(meta)
+    return out
 
 
-def load_checkpoint(path: Path, verify: bool = True) -> dict:
+def load_checkpoint(path: Path, verify: bool = True, rank: int | None = None) -> dict:
     """Load a checkpoint (either format); with ``verify`` recompute its hashes and refuse it unless they equal
-    ``hashes.json``, and that ``hashes.json`` is the one the run's index recorded for this step."""
+    ``hashes.json``, and that ``hashes.json`` is the one the run's index recorded for this step. ``rank``: a sharded
+    (FSDP2) checkpoint's optimizer state as that process's shards (a replay at the recorded world size), checked by
+    its files' SHA-256; without it, the full state."""
     path = Path(path)
     if (path / "state.pt").exists():
         import torch
 
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     elif (path / "checkpoint.json").exists():
-        state = _load_v2(path)
+        state = _load_v2(path, rank)
     else:
         raise UnlearnError(f"{path} holds no checkpoint (no checkpoint.json or state.pt)")
     if verify:
         check_binding(path)
-        check_checkpoint_state(path, state)
+        if "local_shards" in state["optimizer"]:
+            from .run import check_sidecar
+            from .shards import check
+
+            if check_sidecar(path / "hashes.json") is False:
+                raise UnlearnError(f"{path / 'hashes.json'} does not match its SHA-256 sidecar: modified after it "
+                                   "was written")
+            check(path, state)
+        else:
+            check_checkpoint_state(path, state)
     return state
 
 
@@ -405,30 +442,35 @@ def verify_checkpoint_files(path: Path) -> None:
     check_binding(path)
     recorded = json.loads((path / "hashes.json").read_text())
     meta = json.loads((path / "checkpoint.json").read_text())
+    names = meta["param_names"]
+    opt = meta["optimizer"]
+    order = [i for g in opt["param_groups"] for i in g["params"]]
+    by_idx = {idx: names[pos] for pos, idx in enumerate(order) if pos < len(names)}
     bad = []
     seen = set()
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        for n in f.keys():
-            seen.add(n)
-            if tensor_hash(n, f.get_tensor(n)) != recorded["params"].get(n):
-                bad.append(n)
+    seen_opt = set()
+    if is_sharded_checkpoint(meta):  # every shard file's SHA-256, each full tensor assembled and hashed
+        from .shards import verify_files
+
+        bad, seen, seen_opt = verify_files(path, meta, by_idx)
+    else:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            for n in f.keys():
+                seen.add(n)
+                if tensor_hash(n, f.get_tensor(n)) != recorded["params"].get(n):
+                    bad.append(n)
+        with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
+            for k in f.keys():
+                _, idx, key = k.split(".", 2)
+                name = f"{by_idx.get(int(idx), idx)}.{key}"
+                seen_opt.add(name)
+                if tensor_hash(name, f.get_tensor(k)) != recorded["optimizer"].get(name):
+                    bad.append(name)
     for n in meta.get("frozen", []):  # one at a time (from the run's frozen store or the model folder)
         seen.add(n)
         if tensor_hash(n, load_frozen(path.parent.parent, [n])[n]) != recorded["params"].get(n):
             bad.append(n)
     bad += sorted(set(recorded["params"]) - seen)
-    names = meta["param_names"]
-    opt = meta["optimizer"]
-    order = [i for g in opt["param_groups"] for i in g["params"]]
-    by_idx = {idx: names[pos] for pos, idx in enumerate(order) if pos < len(names)}
-    seen_opt = set()
-    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
-        for k in f.keys():
-            _, idx, key = k.split(".", 2)
-            name = f"{by_idx.get(int(idx), idx)}.{key}"
-            seen_opt.add(name)
-            if tensor_hash(name, f.get_tensor(k)) != recorded["optimizer"].get(name):
-                bad.append(name)
     import torch
 
     for idx, entries in opt["scalars"].items():

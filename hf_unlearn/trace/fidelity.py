@@ -201,7 +201,14 @@ def self_check(run_path: Path, data_collator=None, reference: dict | None = None
     from .run import open_run
 
     started, wall = time.process_time(), time.perf_counter()
-    run = open_run(run_path)
+    try:  # each process reads the run and its key itself (before any collective of the replay): all must hold them
+        run = open_run(run_path)
+        _ = run.key
+        _first_refusal(None)
+    except UnlearnError as e:
+        if "another process" not in str(e):
+            _first_refusal(e)
+        return {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
     cps = sorted(run.checkpoints())
     later = [c for c in cps if c > 0]
     if 0 not in cps or not (later or reference):
@@ -212,7 +219,12 @@ def self_check(run_path: Path, data_collator=None, reference: dict | None = None
     if reference:
         against["roots"] = {k: reference["hashes"].get(k) for k in ("params_root", "optimizer_root")}
     try:
-        trainer = ReplayTrainer(run, start="full", stop_step=until, data_collator=data_collator, _self_check=True)
+        try:
+            trainer = ReplayTrainer(run, start="full", stop_step=until, data_collator=data_collator, _self_check=True)
+        except UnlearnError as e:
+            _first_refusal(e)
+            raise
+        _first_refusal(None)  # every process of a multi-process run replays, or none does
         if reference:
             trainer._fidelity_reference = {until: reference["hashes"]}
         trainer.train()
@@ -223,6 +235,20 @@ def self_check(run_path: Path, data_collator=None, reference: dict | None = None
         result = {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
     result.update(cpu_seconds=round(time.process_time() - started, 3), wall_seconds=round(time.perf_counter() - wall, 3))
     return result
+
+
+def _first_refusal(error: Exception | None) -> None:
+    """With more than one process: raise on every process the first process's refusal to build the self-check's
+    replay (else one process would skip the replay while the others wait in its collectives)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if error is None else str(error))
+    why = next((w for w in everyone if w), None)
+    if why is not None and error is None:
+        raise UnlearnError(f"another process could not replay the run: {why}")
 
 
 def fidelity_statement(header: dict) -> str:

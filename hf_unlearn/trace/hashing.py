@@ -18,8 +18,12 @@ HASH_FORMAT = "hf_unlearn.state_hash.v1"
 
 
 def tensor_hash(name: str, tensor: torch.Tensor) -> str:
-    """SHA-256 of one named tensor: its name, dtype, shape and raw little-endian bytes."""
-    t = tensor.detach().to("cpu").contiguous()
+    """SHA-256 of one named tensor: its name, dtype, shape and raw little-endian bytes. A sharded tensor (FSDP2's
+    DTensor) is hashed as its full logical tensor, gathered for this hash only (a collective: every process calls it
+    for the same tensors in the same order), so the hash does not depend on the sharding."""
+    from .sharding import full
+
+    t = full(tensor.detach()).to("cpu").contiguous()
     h = hashlib.sha256()
     h.update(name.encode("utf-8") + b"\0")
     h.update(str(t.dtype).removeprefix("torch.").encode() + b"\0")

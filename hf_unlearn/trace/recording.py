@@ -963,8 +963,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         return output
 
     def _self_check_steps(self) -> int | None:
-        """N of the self-check (steps 0..N reproduced), None when it does not run (off, a replay, data parallel)."""
-        if self._is_replay or not self.trace_self_check or self.accelerator.num_processes > 1:
+        """N of the self-check (steps 0..N reproduced), None when it does not run (off, a replay)."""
+        if self._is_replay or not self.trace_self_check:
             return None
         from .fidelity import SELF_CHECK_STEPS
 
@@ -972,12 +972,14 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _trace_keep_reference(self, step: int) -> None:
         """Keep the state hashes after ``step`` optimizer steps for the self-check: the checkpoint's just written
-        at that step, else hashed from the live state now (no file: the self-check compares in memory)."""
+        at that step, else hashed from the live state now (no file: the self-check compares in memory). With more
+        than one process every process hashes the live state (each replays the self-check; under FSDP2 the hashes
+        gather each tensor: a collective)."""
         from .checkpoints import capture_state, checkpoint_dir
         from .fidelity import in_memory_reference
         from .hashing import checkpoint_hashes
 
-        if step in self._trace_saved:
+        if step in self._trace_saved and self.accelerator.num_processes == 1:
             hashes = json.loads((checkpoint_dir(self.trace_dir, step) / "hashes.json").read_text())
         else:
             model = self.accelerator.unwrap_model(self.model)
@@ -985,26 +987,36 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_check_ref = in_memory_reference(step, hashes)
 
     def _trace_self_check(self) -> None:
-        """Prove the replay engine on this run (its first checkpoint interval) and seal the outcome into it."""
-        header = self._trace_header
-        if self._is_replay or not header.get("sealed") or not self.accelerator.is_main_process:
+        """Prove the replay engine on this run (its first checkpoint interval) and seal the outcome into it. With more
+        than one process (DDP, FSDP2) every process replays at the recorded world size; the main process decides
+        whether it runs (and tells the others) and seals the verdict once."""
+        if self._is_replay or not self._trace_started:
             return
-        fid = header.setdefault("fidelity", {})
-        if fid.get("recording"):  # decided when sealing (a buffer changed during training)
-            return
-        if not self.trace_self_check:
-            fid["recording"] = {"checked": False, "why": "trace_self_check=False"}
-        elif self.accelerator.num_processes > 1:
-            fid["recording"] = {"checked": False, "why": "the self-check runs in one-process runs; the checkpoints each "
-                                "replay passes check data-parallel runs"}
-        else:
+        main = self.accelerator.is_main_process
+        header = self._trace_header if main else None
+        fid = header.setdefault("fidelity", {}) if main and header.get("sealed") else None
+        # fid["recording"] already set: decided when sealing (a buffer changed during training)
+        run = [fid is not None and not fid.get("recording") and bool(self.trace_self_check),
+               bool(main and fid is not None and header["collator"].get("rebuildable"))]
+        if self.accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(run, src=0)
+        if run[0]:
             from .fidelity import self_check
 
-            collator = None if header["collator"].get("rebuildable") else self.data_collator
             with _rng_kept():
-                fid["recording"] = self_check(self.trace_dir, data_collator=collator, reference=self._trace_check_ref)
+                result = self_check(self.trace_dir, data_collator=None if run[1] else self.data_collator,
+                                    reference=self._trace_check_ref)
             self._trace_check_ref = None
-        TraceWriter(self.trace_dir, self._trace_key).reseal_header(header)
+            if fid is not None:
+                fid["recording"] = result
+        elif fid is not None and not fid.get("recording"):
+            fid["recording"] = {"checked": False, "why": "trace_self_check=False"}
+        else:
+            return
+        if fid is not None:
+            TraceWriter(self.trace_dir, self._trace_key).reseal_header(header)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -1019,8 +1031,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if (self._trace_writer is not None or self._trace_shard_peer()) and step not in self._trace_saved and is_due(
                 step, self._trace_total, self._trace_every, self.trace_checkpoint_retention):
             self._trace_checkpoint(step)
-        if self._trace_writer is not None and step == self._self_check_steps():
-            self._trace_keep_reference(step)
+        if (self._trace_writer is not None or self._trace_peer()) and step == self._self_check_steps():
+            self._trace_keep_reference(step)  # every process of a multi-process run: each replays the self-check
         ids, digests = [], []
         for batch in batch_samples:
             if self.id_column not in batch:
@@ -1127,7 +1139,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self.accelerator.num_processes > 1 and not self._is_replay:
             self._trace_same_settings = SameOptimizerSettings(self.optimizer, lambda: self.state.global_step)
         if not self.accelerator.is_main_process:
-            if self.is_fsdp_enabled:  # a shard peer: it takes part in gathering each checkpoint the main one writes
+            if self.is_fsdp_enabled:  # a shard peer: it writes its shards of each checkpoint the main one indexes
                 self._trace_total = max(self.state.max_steps, 1)
                 self._trace_every = self.trace_checkpoint_steps or default_every(self._trace_total,
                                                                                  self.trace_checkpoint_retention)
@@ -1317,8 +1329,12 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self._trace_trainer["class"] != DEFAULT_TRAINER and self.processing_class is not None:
             self.processing_class.save_pretrained(str(run / PROCESSING_CLASS_DIR))  # the rebuilt trainer takes it
 
+    def _trace_peer(self) -> bool:
+        """A process other than the main one of a multi-process recording (DDP or FSDP2)."""
+        return self._trace_started and not self.accelerator.is_main_process and not self._is_replay
+
     def _trace_shard_peer(self) -> bool:
-        """A process other than the main one of a sharded (FSDP2) recording: it gathers each checkpoint with it."""
+        """A process other than the main one of a sharded (FSDP2) recording: it writes its shards of each checkpoint."""
         return self._trace_started and self.is_fsdp_enabled and not self.accelerator.is_main_process \
             and not self._is_replay
 
@@ -1336,6 +1352,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self._trace_writer is None:
             if self._trace_shard_peer() and self.state.global_step not in self._trace_saved:
                 self._trace_checkpoint(self.state.global_step, final=True)
+            wanted, step = self._self_check_steps(), self.state.global_step
+            if self._trace_peer() and wanted and 0 < step <= wanted and self._trace_check_ref is None:
+                self._trace_keep_reference(step)  # as the main process does below, at the same point
             if getattr(self, "_trace_peer_digest", None) is not None:
                 self._trace_peer_digest.close()
                 self._trace_peer_digest = None
@@ -1389,10 +1408,10 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _trace_checkpoint(self, step: int, final: bool = False) -> None:
         model = self.accelerator.unwrap_model(self.model)
-        if self._trace_writer is None:  # a shard peer: its part of the gather of the full tensors, nothing written
-            from .checkpoints import capture_state
+        if self._trace_writer is None:  # a shard peer: writes its shards (hf_unlearn.trace.shards), joins the hashes
+            from .shards import save
 
-            capture_state(model, self.optimizer, step)
+            save(self.trace_dir, step, model, self.optimizer)
             self._trace_saved.add(step)
             return
         if not self._is_replay and self._trace_non_finite is None:

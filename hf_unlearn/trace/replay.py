@@ -473,7 +473,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._recorded_checkpoints = cps
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
-        self._start_state = load_checkpoint(cps[self.start_step], verify=True)
+        self._start_state = load_checkpoint(cps[self.start_step], verify=True,  # FSDP2: this process's optimizer shards
+                                            rank=self.args.process_index if self.run.header.get("sharding") else None)
         if self._start_weights is not None:
             self._start_from_parent()
         held = self.model.state_dict()
@@ -827,16 +828,16 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         return final
 
     def _save_state(self, writer: TraceWriter | None, step: int) -> Path | None:
-        """The output run's checkpoint at ``step`` (the main process writes it). A sharded run's is gathered on every
-        process: the others keep its hashes for :meth:`_check_fidelity` (one gather, the same on every process)."""
+        """The output run's checkpoint at ``step`` (the main process writes it). A sharded run's is written by every
+        process, its shards (:mod:`hf_unlearn.trace.shards`): the others keep its hashes for :meth:`_check_fidelity`."""
         if not self.run.header.get("sharding"):
             return writer.save_checkpoint(step, self.model, self.optimizer) if writer else None
-        state = capture_state(self.model, self.optimizer, step)
         if writer:
-            return writer.save_checkpoint(step, self.model, self.optimizer, state=state)
-        from .hashing import checkpoint_hashes
+            return writer.save_checkpoint(step, self.model, self.optimizer)
+        from .shards import save
 
-        self._gathered_hashes[step] = checkpoint_hashes(state)
+        out = self.out_dir if self.out_dir is not None and not self.filter_rows else None  # as the main one's writer
+        self._gathered_hashes[step] = save(out, step, self.model, self.optimizer)[1]
         return None
 
     def _enable_activation_checkpointing(self) -> None:

@@ -3,10 +3,9 @@ the full logical tensors a sharded state is checkpointed, hashed and verified ov
 
 * **FSDP2** (``torch.distributed.fsdp.fully_shard``, ``fsdp_config={"fsdp_version": 2}``) records and replays at
   its recorded world size and sharding: every parameter is a ``DTensor`` sharded on dim 0 over the processes, and
-  so is the optimizer state of each. A checkpoint holds the *full logical tensors* (each gathered from its shards,
-  one tensor at a time, on every process; the main process writes them), so its state hashes, its roots and
-  ``trace verify`` do not depend on how the run was sharded: the root of an FSDP2 run's checkpoint is the root of the
-  same state held unsharded.
+  so is the optimizer state of each. A checkpoint's state hashes are over the *full logical tensors* (each gathered
+  from its shards, one tensor at a time), so its roots and ``trace verify`` do not depend on how the run was sharded:
+  the root of an FSDP2 run's checkpoint is the root of the same state held unsharded.
 * **Recorded** in the header as ``sharding`` (engine, world size, ``reshard_after_forward``, mixed precision,
   wrapping, the ``fsdp_config``); a replay rebuilds the same ``fsdp_config`` and refuses another world size or
   sharding, naming what differs, before any compute.
@@ -20,8 +19,10 @@ the full logical tensors a sharded state is checkpointed, hashed and verified ov
   compared at the recorded world size and sharding (which a replay enforces).
 * **Published model:** :func:`save_consolidated` writes a replay's final full state as one ``save_pretrained`` folder
   (``trace replay --save-model``, ``forget`` under the run's launch).
-* **Not done:** checkpoints are not sharded on disk (the main process holds the full state while writing one);
-  resuming an FSDP2 recording is refused; the end-of-recording self-check does not run at world size > 1.
+* **Checkpoints are sharded on disk** (:mod:`hf_unlearn.trace.shards`): every process writes its own shards, the
+  hashes are the full logical tensors' (gathered one tensor at a time), so no process holds the full state to write
+  one.
+* **Not done:** resuming an FSDP2 recording is refused.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def engine_spec(trainer) -> dict | None:
     spec["cpu_offload"] = bool(spec["cpu_offload"])
     spec["activation_checkpointing"] = bool(spec["activation_checkpointing"])
     spec["fsdp_config"] = {k: _plain(v) for k, v in (trainer.args.fsdp_config or {}).items()}
-    spec["checkpoints"] = "full logical tensors (gathered from the shards), hashed as the unsharded state"
+    spec["checkpoints"] = "sharded: each process writes its shards; hashed as the full logical (unsharded) tensors"
     return spec
 
 
@@ -226,17 +227,22 @@ def replay_arguments(header: dict) -> dict:
 
 def load_optimizer_state(optimizer, osd: dict) -> None:
     """Load a checkpoint's (full-tensor) optimizer state into an optimizer over sharded parameters: each state tensor
-    shaped like its parameter becomes a DTensor with the parameter's mesh and placements (this process's shard)."""
-    from torch.distributed.tensor import distribute_tensor
+    shaped like its parameter becomes a DTensor with the parameter's mesh and placements (this process's shard).
+    The entries ``osd["local_shards"]`` names (``[index, key]``, a sharded checkpoint read by this process) are
+    already this process's shards: they become DTensors as they are (:mod:`hf_unlearn.trace.shards`)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    mine = {(int(i), k) for i, k in osd.get("local_shards", ())}
     state = {}
     for i, st in osd["state"].items():
         p = params[int(i)]
-        state[i] = {k: (distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+        state[i] = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                           stride=p.stride()) if (int(i), k) in mine else
+                        distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
                         if is_sharded(p) and torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape) else v)
                     for k, v in st.items()}
-    optimizer.load_state_dict({**osd, "state": state})
+    optimizer.load_state_dict({k: v for k, v in osd.items() if k != "local_shards"} | {"state": state})
 
 
 def save_consolidated(run, state: dict, out) -> None:
