@@ -138,6 +138,7 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
         if not s["replayed"]:
             continue
         where = f"stage {s['stage']} ({run.path})"
+        _refuse_stale_reference(where, run, runs, cost)
         world = run.header.get("world_size", 1)
         if world != 1:
             raise UnlearnError(f"{where} was recorded by {world} processes; forget replays one-process runs only")
@@ -153,6 +154,28 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
             "controls": {"status": "; ".join(f"stage {k + 1}: {r.report.summary.get('controls')}"
                                              for k, r in enumerate(runs)),
                          "notes": [n for r in runs for n in r.report.notes]}}
+
+
+def _refuse_stale_reference(where: str, run, runs, cost: dict) -> None:
+    """A replayed stage whose (DPO) reference model is the output of an earlier replayed stage other than its parent:
+    the deletion changes that reference, and only a reference that is the parent is replaced, so replay and oracle
+    would both keep the old one (bit-identical, VERIFIED, and not the counterfactual pipeline). Refused."""
+    from ..trace.lineage import lineage_of, reference_is_parent
+
+    ref = run.header.get("reference_model") or {}
+    if ref.get("kind") not in ("initial", "model") or reference_is_parent(run):
+        return
+    for j, (s, stage) in enumerate(zip(cost["stages"], runs)):
+        if stage is run:
+            break
+        later = runs[j + 1] if j + 1 < len(runs) else None
+        roots = {lineage_of(stage).get("output_root"), lineage_of(later).get("start_root") if later else None} - {None}
+        if s["replayed"] and ref.get("params_root") in roots:
+            raise UnlearnError(f"{where}: its reference model is stage {j + 1}'s output (root "
+                               f"{ref['params_root'][:16]}...), which this deletion changes, but only a reference "
+                               "that is the stage's parent is replaced: its replay would keep the old reference and not "
+                               "be the counterfactual pipeline; record the stage with its parent as reference "
+                               "(ref_model=None) to delete through it")
 
 
 # ---- the deletion ----------------------------------------------------------------------------------------------
