@@ -5,6 +5,7 @@ wrong parent; the outcome is asserted (refused before compute naming the stage, 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from hf_unlearn.errors import UnlearnError
 
 from .test_trace_common import ids_at_step, record
-from .test_trace_pipeline import KW, _from
+from .test_trace_pipeline import KW, _from, shared_pipeline
 
 
 def _three_stages_dpo_referencing_stage_1(tmp: Path):
@@ -63,3 +64,29 @@ def test_a_dpo_reference_that_is_an_earlier_stage_than_its_parent_is_refused(tmp
 
     plan = validate_pipeline([str(r) for r in runs], ids_at_step(runs[1], 0)[:1], oracle=True)
     assert plan["pipeline_cost"]["first_affected_stage"] == 2
+
+
+def test_a_receipt_relabelled_with_ids_the_deletion_did_not_touch_is_not_verified(tmp_path):
+    """Attack: a stage-2-only deletion (stage 1 unchanged, its replay == oracle) whose receipt's request is edited to
+    also name a stage-1 id (or whose request is another deletion's): the chain holds, so `trace verify OUT` said
+    VERIFIED for a model that still holds the stage-1 row. Now NOT VERIFIED: the request is checked against the
+    replayed stages' deletion logs."""
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+    from hf_unlearn.hub.cards import forget_request
+    from hf_unlearn.keys import load_key
+
+    s1, s2 = shared_pipeline()
+    a, b = ids_at_step(s1, 2)[:1], ids_at_step(s2, 1)[:1]
+    out = tmp_path / "stage2-only"
+    forget([str(s1), str(s2)], b, out, oracle=True, progress=False)
+    assert verify_pipeline(out)["verified"]
+    for name, claimed in (("plus-stage-1", a + b), ("other", a)):
+        edited = shutil.copytree(out, tmp_path / name)
+        receipt = json.loads((edited / "receipt.json").read_text())
+        receipt["request"] = forget_request(claimed, load_key())
+        (edited / "receipt.json").write_text(json.dumps(receipt))
+        report = verify_pipeline(edited)
+        assert not report["verified"], name
+        assert any("deleted by no replayed stage" in p or "not in the receipt's request" in p
+                   for p in report["problems"]), (name, report["problems"])

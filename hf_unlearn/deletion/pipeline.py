@@ -399,6 +399,7 @@ def verify_pipeline(out) -> dict:
         prev = runs
         lines.append(f"{name}: replay == oracle {'VERIFIED' if report['verified'] else 'NOT verified'}"
                      + (f", starts from stage {k}'s replayed output" if k and stages[k - 1].get("replayed") else ""))
+    problems += _request_problems(out, receipt, stages)
     last = prev.get("replay")
     final = (receipt.get("state_hashes") or {}).get("trace_params_root")
     if last is not None:
@@ -414,3 +415,42 @@ def verify_pipeline(out) -> dict:
     if not model_dir.is_dir() or build_manifest(model_dir)["params_root"] != receipt["state_hashes"]["params_root"]:
         problems.append(f"{model_dir} does not hold the receipt's model (weights root differs or folder missing)")
     return {"verified": not problems, "problems": problems, "stages": lines}
+
+
+def _request_problems(out: Path, receipt: dict, stages: list) -> list[str]:
+    """The receipt's request against what the replayed stages deleted (keyed tags, where the stage's key is the
+    request's): each replayed stage deleted no id outside the request, and every id of the request was deleted by a
+    replayed stage, or before (an earlier deletion's log), in a stage the replay's recorded parents reach. A receipt
+    relabelled with ids a deletion did not touch (a stage-1 id on a stage-2-only deletion) is not verified."""
+    from ..trace.lineage import find_pipeline, parent_path
+    from ..trace.run import read_deletion_log
+    from ..trace.verification import deleted_tags
+
+    request = receipt.get("request") or {}
+    want, fp = set(request.get("tags") or []), request.get("key_fingerprint")
+    problems, covered, first = [], set(), None
+    for k, st in enumerate(stages):
+        folder = out / f"stage-{k + 1}" / "replay"
+        if not st.get("replayed") or not (folder / "header.json").is_file():
+            continue
+        if json.loads((folder / "header.json").read_text()).get("key_fingerprint") != fp:
+            return []  # the stage's tags are under another key: not comparable with the request's
+        first = folder if first is None else first
+        log = read_deletion_log(folder)
+        extra = set((log[-1].get("forget_tags") or []) if log else []) - want
+        if extra:
+            problems.append(f"stage {k + 1}: its replay deleted {len(extra)} id(s) that are not in the receipt's "
+                            "request: another deletion's stage")
+        covered |= deleted_tags(folder)
+    missing = want - covered
+    parent = parent_path(open_quietly(first)) if first is not None else None
+    if missing and parent is not None and (parent / "header.json").is_file():
+        try:
+            for run in find_pipeline(parent):  # the unchanged stages before the first replayed one
+                missing -= deleted_tags(run.path)
+        except UnlearnError:
+            pass
+    if missing:
+        problems.append(f"{len(missing)} id(s) of the receipt's request were deleted by no replayed stage (nor "
+                        "before, in a stage before them): the receipt claims ids this deletion did not delete")
+    return problems
