@@ -90,3 +90,71 @@ def test_a_receipt_relabelled_with_ids_the_deletion_did_not_touch_is_not_verifie
         assert not report["verified"], name
         assert any("deleted by no replayed stage" in p or "not in the receipt's request" in p
                    for p in report["problems"]), (name, report["problems"])
+
+
+@pytest.mark.slow  # a stage-2-only deletion, then a stage-1 request from its output, with oracles: about 90 s
+def test_a_stage_1_request_after_a_stage_2_only_deletion_equals_the_counterfactual_chain(tmp_path):
+    """The later request targets stage 1 after a deletion that replayed stage 2 only (its replay is a suffix replay
+    whose parent is the recorded stage 1): found from the replayed stage 2, it replays stage 1 and then stage 2 in
+    full from the new stage 1, stage 2's earlier deletion kept; equal to the engine-free chain with both deletions."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.deletion import forget
+
+    from .test_trace_pipeline import _final, _same, counterfactual_chain
+
+    s1, s2 = shared_pipeline()
+    a, b = ids_at_step(s1, 2)[:1], ids_at_step(s2, 1)[:1]
+    first = tmp_path / "first"
+    forget([str(s1), str(s2)], b, first, oracle=True, progress=False)
+    receipt = forget(str(first / "stage-2" / "replay"), a, tmp_path / "second", oracle=True, progress=False)
+    assert receipt.evidence["verified"] is True
+    assert [s["replayed"] for s in receipt.evidence["pipeline"]] == [True, True]
+    assert main(["trace", "verify", str(tmp_path / "second")]) == 0
+    cfs = counterfactual_chain(tmp_path / "cf", "llama", (s1, s2), a, b)
+    for k, cf in enumerate(cfs, start=1):
+        for role in ("replay", "oracle"):
+            assert not _same(_final(tmp_path / "second" / f"stage-{k}" / role), cf), (k, role)
+
+
+@pytest.mark.slow  # a recording and its refusals: about 35 s alone
+def test_a_stage_modified_in_memory_after_loading_its_parent_is_no_stage_of_that_pipeline(tmp_path):
+    """Attack: stage 2 loaded from stage 1's saved model and then changed in memory before training (one weight
+    edited; the token embeddings resized for added tokens). Its weights are not stage 1's output, so the lineage names
+    no parent (an external base), a trace_parent= hint naming stage 1 is refused before the first step, and a
+    pipeline deletion over [stage 1, stage 2] is refused before compute naming stage 2 (the counterfactual of an
+    in-memory edit is not defined). Ids in no stage are refused too."""
+    import torch
+
+    from hf_unlearn.deletion import forget
+
+    from .test_trace_common import get_trace_data
+
+    s1, s2 = shared_pipeline()
+    tok, data = get_trace_data()
+
+    def edit(m):
+        with torch.no_grad():
+            next(m.parameters()).view(-1)[0] += 1e-3
+
+    def resize(m):
+        m.resize_token_embeddings(m.config.vocab_size + 8)
+
+    for name, change in (("edited", edit), ("resized", resize)):
+        model = _from(s1.parent)
+        change(model)
+        with pytest.raises(UnlearnError, match="trace_parent=.*is not that run's output"):
+            record(tok, data.select(range(16, 24)), tmp_path / f"{name}-hint", model=model, max_steps=1,
+                   trainer_kwargs={"trace_parent": s1})
+        if name == "resized":  # recorded like the edited one (an external base); the hint's refusal is what differs
+            continue
+        record(tok, data.select(range(16, 24)), tmp_path / name, model=model, max_steps=1)
+        run = tmp_path / name / "trace"
+        lineage = json.loads((run / "header.json").read_text())["lineage"]
+        assert lineage["parent"] is None and lineage["external"]["source"] == "safetensors", name
+        with pytest.raises(UnlearnError, match=r"stage 2 \(.*\) starts from an external base, not from stage 1's"):
+            forget([str(s1), str(run)], ids_at_step(s1, 0)[:1], tmp_path / f"{name}-out", progress=False)
+        with pytest.raises(UnlearnError, match="never appear in the recorded plan"):  # stage 2 alone: no stage 1
+            forget(str(run), ids_at_step(s1, 0)[:1], tmp_path / f"{name}-out", progress=False)
+    with pytest.raises(UnlearnError, match="appear in no stage"):
+        forget([str(s1), str(s2)], [10**9], tmp_path / "neither", progress=False)
+    assert not any(p.name.endswith("-out") or p.name == "neither" for p in tmp_path.iterdir())
