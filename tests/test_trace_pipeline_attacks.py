@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_unlearn.errors import UnlearnError
 
@@ -35,15 +36,19 @@ def _three_stages_dpo_referencing_stage_1(tmp: Path):
                 model=_from(tmp / "s1"), **KW)
     t2.save_model(str(tmp / "s2"))
     _, dpo_data = pairs(n=16)
-    trace_recording(DPOTrainer)(model=_from(tmp / "s2"), ref_model=_from(tmp / "s1"),
-                                args=dpo_config(tmp / "dpo", max_steps=2), train_dataset=dpo_data,
-                                processing_class=tok, trace_checkpoint_steps=2).train()
-    return [tmp / name / "trace" for name in ("s1", "s2", "dpo")]
+    edited = _from(tmp / "s2")
+    with torch.no_grad():
+        next(edited.parameters()).view(-1)[0] += 1e-3  # stage 2's output, edited: derived from a changed stage
+    for name, ref in (("dpo", _from(tmp / "s1")), ("dpo-edited-ref", edited)):
+        trace_recording(DPOTrainer)(model=_from(tmp / "s2"), ref_model=ref, args=dpo_config(tmp / name, max_steps=2),
+                                    train_dataset=dpo_data, processing_class=tok, trace_checkpoint_steps=2).train()
+    return [tmp / name / "trace" for name in ("s1", "s2", "dpo", "dpo-edited-ref")]
 
 
 @pytest.mark.slow  # three recorded stages: about 35-55 s
 def test_a_dpo_reference_that_is_an_earlier_stage_than_its_parent_is_refused(tmp_path):
-    """Attack: stage 3 (DPO) starts from stage 2's output but its reference is stage 1's output. A stage-1 deletion
+    """Attack: stage 3 (DPO) starts from stage 2's output but its reference is stage 1's output (or stage 2's output
+    edited in memory). A stage-1 deletion
     changes that reference; replaying stage 3 with the recorded (old) reference gave replay == oracle, VERIFIED, for a
     model that is not the counterfactual pipeline (whose stage-3 reference is stage 1's counterfactual). Now refused
     before compute, naming the stage."""
@@ -56,14 +61,19 @@ def test_a_dpo_reference_that_is_an_earlier_stage_than_its_parent_is_refused(tmp
     assert h3["lineage"]["parent"]["run_id"] == json.loads((runs[1] / "header.json").read_text())["run_id"]
     assert h3["reference_model"]["params_root"] == h1["lineage"]["output_root"]  # the reference is stage 1's output
     ids = ids_at_step(runs[0], 1)[:1]
-    with pytest.raises(UnlearnError, match=r"stage 3 \(.*\): its reference model is stage 1's output"):
-        forget([str(r) for r in runs], ids, tmp_path / "out", oracle=True, progress=False)
+    with pytest.raises(UnlearnError, match=r"stage 3 \(.*\): its reference model .* is not its parent but stage 1's"):
+        forget([str(r) for r in runs[:3]], ids, tmp_path / "out", oracle=True, progress=False)
+    # the reference is stage 2's output edited in memory (its root is no stage's): refused too
+    with pytest.raises(UnlearnError, match=r"stage 3 \(.*\): its reference model .* none of the weights stages 1\.\.1"):
+        forget([str(r) for r in (*runs[:2], runs[3])], ids, tmp_path / "out", oracle=True, progress=False)
     assert not (tmp_path / "out").exists()
-    # a deletion from stage 2 or 3 only leaves stage 1 (the reference) unchanged: allowed
+    # a deletion that leaves the reference unchanged is allowed: stage 2's ids (the reference is stage 1's)
     from hf_unlearn.deletion.pipeline import validate_pipeline
 
-    plan = validate_pipeline([str(r) for r in runs], ids_at_step(runs[1], 0)[:1], oracle=True)
+    plan = validate_pipeline([str(r) for r in runs[:3]], ids_at_step(runs[1], 0)[:1], oracle=True)
     assert plan["pipeline_cost"]["first_affected_stage"] == 2
+    with pytest.raises(UnlearnError, match=r"stage 3 .* none of the weights stages 1\.\.2 started from"):
+        validate_pipeline([str(r) for r in (*runs[:2], runs[3])], ids_at_step(runs[1], 0)[:1], oracle=True)
 
 
 def test_a_receipt_relabelled_with_ids_the_deletion_did_not_touch_is_not_verified(tmp_path):
@@ -123,7 +133,6 @@ def test_a_stage_modified_in_memory_after_loading_its_parent_is_no_stage_of_that
     no parent (an external base), a trace_parent= hint naming stage 1 is refused before the first step, and a
     pipeline deletion over [stage 1, stage 2] is refused before compute naming stage 2 (the counterfactual of an
     in-memory edit is not defined). Ids in no stage are refused too."""
-    import torch
 
     from hf_unlearn.deletion import forget
 

@@ -157,25 +157,32 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
 
 
 def _refuse_stale_reference(where: str, run, runs, cost: dict) -> None:
-    """A replayed stage whose (DPO) reference model is the output of an earlier replayed stage other than its parent:
-    the deletion changes that reference, and only a reference that is the parent is replaced, so replay and oracle
-    would both keep the old one (bit-identical, VERIFIED, and not the counterfactual pipeline). Refused."""
+    """A stage replayed because its start changed whose (DPO) reference model is not its parent: only a reference
+    that is the parent is replaced, so replay and oracle both keep the recorded one (bit-identical, VERIFIED). That is
+    the counterfactual only when the reference is unchanged by the deletion: the weights a stage up to the first
+    affected one started from. Any other reference (an earlier replayed stage's output, or a model derived from one:
+    cast, edited) is refused; so is one the library cannot tell apart from those (a model of unknown origin)."""
     from ..trace.lineage import lineage_of, reference_is_parent
 
     ref = run.header.get("reference_model") or {}
     if ref.get("kind") not in ("initial", "model") or reference_is_parent(run):
         return
-    for j, (s, stage) in enumerate(zip(cost["stages"], runs)):
-        if stage is run:
-            break
-        later = runs[j + 1] if j + 1 < len(runs) else None
-        roots = {lineage_of(stage).get("output_root"), lineage_of(later).get("start_root") if later else None} - {None}
-        if s["replayed"] and ref.get("params_root") in roots:
-            raise UnlearnError(f"{where}: its reference model is stage {j + 1}'s output (root "
-                               f"{ref['params_root'][:16]}...), which this deletion changes, but only a reference "
-                               "that is the stage's parent is replaced: its replay would keep the old reference and not "
-                               "be the counterfactual pipeline; record the stage with its parent as reference "
-                               "(ref_model=None) to delete through it")
+    first = cost["first_affected_stage"]
+    k = next(j for j, r in enumerate(runs) if r is run) + 1
+    if first is None or k <= first:
+        return  # every stage before it is unchanged: so is its reference
+    unchanged = {lineage_of(r).get("start_root") for r in runs[:first]} - {None}
+    if ref.get("params_root") in unchanged:
+        return
+    made = next((j + 1 for j, r in enumerate(runs[first - 1:k - 1], start=first - 1)
+                 if ref.get("params_root") == lineage_of(runs[j + 1]).get("start_root")), None)
+    what = (f"stage {made}'s output, which this deletion changes" if made else
+            f"none of the weights stages 1..{first} started from (unchanged by this deletion), so it may derive "
+            "from a stage this deletion changes")
+    raise UnlearnError(f"{where}: its reference model (root {str(ref.get('params_root'))[:16]}...) is not its parent "
+                       f"but {what}; only a reference that is the parent is replaced, so its replay would keep the "
+                       "old reference and not be the counterfactual pipeline: record the stage with its parent as "
+                       "reference (ref_model=None) to delete through it")
 
 
 # ---- the deletion ----------------------------------------------------------------------------------------------
