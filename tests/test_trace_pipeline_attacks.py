@@ -120,6 +120,17 @@ def test_a_stage_1_request_after_a_stage_2_only_deletion_equals_the_counterfactu
     assert receipt.evidence["verified"] is True
     assert [s["replayed"] for s in receipt.evidence["pipeline"]] == [True, True]
     assert main(["trace", "verify", str(tmp_path / "second")]) == 0
+    # the receipt edited to hide stage 1's replay (stage 1 "unchanged", the roots made consistent): NOT VERIFIED
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+
+    hidden = shutil.copytree(tmp_path / "second", tmp_path / "hidden")
+    r = json.loads((hidden / "receipt.json").read_text())
+    st1, st2 = r["evidence"]["pipeline"]
+    st1.update(replayed=False, why="no id of the request in this stage (unchanged)", output_root=st2["new_start_root"])
+    st2["start_root"] = st2["new_start_root"]
+    (hidden / "receipt.json").write_text(json.dumps(r))
+    report = verify_pipeline(hidden)
+    assert not report["verified"] and any("stage 2: the replay starts from run" in p for p in report["problems"])
     cfs = counterfactual_chain(tmp_path / "cf", "llama", (s1, s2), a, b)
     for k, cf in enumerate(cfs, start=1):
         for role in ("replay", "oracle"):

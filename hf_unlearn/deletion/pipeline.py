@@ -395,6 +395,10 @@ def verify_pipeline(out) -> dict:
                                     f"the recorded stage's start {str(st.get('start_root'))[:16]}...")
                 if k and lin.get("start_root") != stages[k - 1].get("output_root"):
                     problems.append(f"{name}: the {role} does not start from stage {k}'s recorded output")
+                if k and (lin.get("parent") or {}).get("run_id") != stages[k - 1].get("run_id"):
+                    problems.append(f"{name}: the {role} starts from run {(lin.get('parent') or {}).get('run_id')}, "
+                                    f"not from stage {k}'s recorded run {stages[k - 1].get('run_id')}: stage {k} was "
+                                    "replayed (its evidence is missing from the receipt) or it is another pipeline")
             else:
                 parent = lin.get("parent") or {}
                 if parent.get("run_id") != before.header["run_id"]:
