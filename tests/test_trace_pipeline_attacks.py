@@ -178,3 +178,32 @@ def test_a_stage_modified_in_memory_after_loading_its_parent_is_no_stage_of_that
     with pytest.raises(UnlearnError, match="appear in no stage"):
         forget([str(s1), str(s2)], [10**9], tmp_path / "neither", progress=False)
     assert not any(p.name.endswith("-out") or p.name == "neither" for p in tmp_path.iterdir())
+
+
+@pytest.mark.slow  # two service batches with their oracles and the engine-free chain: about 60-90 s
+def test_the_service_serves_a_stage_1_request_after_a_stage_2_only_batch(tmp_path):
+    """The deletion service over a pipeline: a first batch deletes a stage-2 id only (stage 1 unchanged), a later
+    batch a stage-1 id. The second batch goes through the replayed stage 2 back to the recorded stage 1, replays both
+    stages (stage 2 in full from the new stage 1, its earlier deletion kept), VERIFIED, and equals the engine-free
+    chain with both deletions; `trace verify` on the batch folder agrees."""
+    from hf_unlearn.deletion import DeletionLedger
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+
+    from .test_trace_pipeline import _final, _same, counterfactual_chain
+
+    s1, s2 = shared_pipeline()
+    a, b = ids_at_step(s1, 1)[:1], ids_at_step(s2, 2)[:1]
+    ledger = DeletionLedger(s2, tmp_path / "ledger")
+    quiet = {"progress": False, "log": lambda m: None}
+    ledger.add(b, received="2026-11-01")
+    first = ledger.serve_exact(oracle=True, now="2026-11-02", **quiet)
+    assert [s["replayed"] for s in first.forget_receipt.evidence["pipeline"]] == [False, True]
+    ledger.add(a, received="2026-11-03")
+    second = ledger.serve_exact(oracle=True, now="2026-11-04", **quiet)
+    assert second.forget_receipt.evidence["verified"] is True
+    assert [s["replayed"] for s in second.forget_receipt.evidence["pipeline"]] == [True, True]
+    out = tmp_path / "ledger" / "batches" / "batch-0002"
+    assert verify_pipeline(out)["verified"]
+    cfs = counterfactual_chain(tmp_path / "cf", "llama", (s1, s2), a, b)
+    for k, cf in enumerate(cfs, start=1):
+        assert not _same(_final(out / f"stage-{k}" / "replay"), cf), k
