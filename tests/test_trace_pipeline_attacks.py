@@ -207,3 +207,32 @@ def test_the_service_serves_a_stage_1_request_after_a_stage_2_only_batch(tmp_pat
     cfs = counterfactual_chain(tmp_path / "cf", "llama", (s1, s2), a, b)
     for k, cf in enumerate(cfs, start=1):
         assert not _same(_final(out / f"stage-{k}" / "replay"), cf), k
+
+
+@pytest.mark.slow  # a single-run deletion, a recording from its output, a pipeline deletion with oracles: about 60 s
+def test_a_stage_recorded_from_a_forget_output_is_deleted_through_exactly(tmp_path):
+    """Stage 1 deleted-from earlier (a single-run forget), stage 2 then trained from that forget's model: the lineage
+    names the forget's replay (via forget), a new request through stage 2 replays the replayed stage 1 (its earlier
+    deletion kept) and stage 2 from the new output, VERIFIED, equal to the engine-free chain with every deletion."""
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+
+    from .test_trace_common import get_trace_data
+    from .test_trace_pipeline import _final, _same, counterfactual_chain
+
+    s1, _ = shared_pipeline()
+    a, c = ids_at_step(s1, 1)[:1], ids_at_step(s1, 3)[:1]
+    forget(str(s1), a, tmp_path / "out1", progress=False)
+    tok, data = get_trace_data()
+    record(tok, data.select(range(16, 32)), tmp_path / "s2", model=_from(tmp_path / "out1" / "model"), **KW)
+    s2 = tmp_path / "s2" / "trace"
+    parent = json.loads((s2 / "header.json").read_text())["lineage"]["parent"]
+    assert parent["via"] == "forget"
+    assert parent["run_id"] == json.loads((tmp_path / "out1" / "replay" / "header.json").read_text())["run_id"]
+    d = ids_at_step(s2, 2)[:1]
+    receipt = forget(str(s2), c + d, tmp_path / "out2", oracle=True, progress=False)
+    assert receipt.evidence["verified"] is True and verify_pipeline(tmp_path / "out2")["verified"]
+    cfs = counterfactual_chain(tmp_path / "cf", "llama", (s1, s2), a + c, d)
+    for k, cf in enumerate(cfs, start=1):
+        for role in ("replay", "oracle"):
+            assert not _same(_final(tmp_path / "out2" / f"stage-{k}" / role), cf), (k, role)
