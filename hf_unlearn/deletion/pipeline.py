@@ -139,6 +139,8 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
             continue
         where = f"stage {s['stage']} ({run.path})"
         _refuse_stale_reference(where, run, runs, cost)
+        if cost["first_affected_stage"] < s["stage"]:
+            _refuse_copied_modules(where, run)
         world = run.header.get("world_size", 1)
         if world != 1:
             raise UnlearnError(f"{where} was recorded by {world} processes; forget replays one-process runs only")
@@ -183,6 +185,21 @@ def _refuse_stale_reference(where: str, run, runs, cost: dict) -> None:
                        f"but {what}; only a reference that is the parent is replaced, so its replay would keep the "
                        "old reference and not be the counterfactual pipeline: record the stage with its parent as "
                        "reference (ref_model=None) to delete through it")
+
+
+def _refuse_copied_modules(where: str, run) -> None:
+    """A LoRA stage whose adapter also trains full copies of modules (PEFT ``modules_to_save``): the copies were
+    initialised from the old parent's weights and are adapter tensors (kept as recorded when the base is replaced),
+    so a replay from a new parent would start them from the old parent: not the counterfactual. Refused."""
+    from ..trace.lineage import ADAPTER
+
+    cps = run.checkpoints()
+    names = json.loads((cps[min(cps)] / "hashes.json").read_text()).get("params", {}) if cps else {}
+    copied = sorted({n.split(".modules_to_save.")[0] for n in names if ".modules_to_save." in n and ADAPTER.search(n)})
+    if copied:
+        raise UnlearnError(f"{where}: its adapter trains full copies of {', '.join(copied[:4])} (modules_to_save), "
+                           "initialised from the old parent's weights; a replay from the new parent would keep them: "
+                           "record the stage without modules_to_save to delete through it")
 
 
 # ---- the deletion ----------------------------------------------------------------------------------------------
