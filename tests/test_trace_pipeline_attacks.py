@@ -239,7 +239,8 @@ def test_a_stage_recorded_from_a_forget_output_is_deleted_through_exactly(tmp_pa
 
 
 def test_a_lora_stage_with_modules_to_save_after_a_changed_parent_is_refused(tmp_path):
-    """Attack: stage 2 is a LoRA on stage 1's output with ``modules_to_save=["lm_head"]`` (tied embeddings: its start
+    """Attack: stage 2 is a LoRA on stage 1's output with ``modules_to_save=["lm_head"]`` (or DoRA, whose magnitude
+    vectors are the base's weight norms) (tied embeddings: its start
     root is stage 1's output, the parent is found). The lm_head copy is an adapter tensor initialised from the old
     stage 1; a stage-1 deletion replaced the base but kept the copy, replay == oracle, VERIFIED, not the
     counterfactual (whose copy starts from the new stage 1). Now refused before compute naming stage 2; a deletion
@@ -253,13 +254,16 @@ def test_a_lora_stage_with_modules_to_save_after_a_changed_parent_is_refused(tmp
 
     s1, _ = shared_pipeline()
     tok, data = get_trace_data()
-    torch.manual_seed(1)
-    model = get_peft_model(_from(s1.parent), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
-                                                         modules_to_save=["lm_head"]))
-    record(tok, data.select(range(16, 24)), tmp_path / "s2", model=model, max_steps=1)
-    s2 = tmp_path / "s2" / "trace"
-    assert json.loads((s2 / "header.json").read_text())["lineage"]["parent"] is not None
-    with pytest.raises(UnlearnError, match=r"stage 2 \(.*\): its adapter trains full copies of .*lm_head"):
-        forget([str(s1), str(s2)], ids_at_step(s1, 1)[:1], tmp_path / "out", oracle=True, progress=False)
-    assert not (tmp_path / "out").exists()
-    assert validate_pipeline([str(s1), str(s2)], ids_at_step(s2, 0)[:1])["pipeline_cost"]["first_affected_stage"] == 2
+    for name, extra, why in (("copies", {"modules_to_save": ["lm_head"]}, "trains full copies of .*lm_head"),
+                             ("dora", {"use_dora": True}, "is DoRA")):
+        torch.manual_seed(1)
+        model = get_peft_model(_from(s1.parent), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                             target_modules=["q_proj"], **extra))
+        record(tok, data.select(range(16, 24)), tmp_path / name, model=model, max_steps=1)
+        s2 = tmp_path / name / "trace"
+        assert json.loads((s2 / "header.json").read_text())["lineage"]["parent"] is not None, name
+        with pytest.raises(UnlearnError, match=rf"stage 2 \(.*\): its adapter {why}"):
+            forget([str(s1), str(s2)], ids_at_step(s1, 1)[:1], tmp_path / "out", oracle=True, progress=False)
+        assert not (tmp_path / "out").exists()
+        cost = validate_pipeline([str(s1), str(s2)], ids_at_step(s2, 0)[:1])["pipeline_cost"]
+        assert cost["first_affected_stage"] == 2, name

@@ -200,6 +200,10 @@ def _refuse_copied_modules(where: str, run) -> None:
         raise UnlearnError(f"{where}: its adapter trains full copies of {', '.join(copied[:4])} (modules_to_save), "
                            "initialised from the old parent's weights; a replay from the new parent would keep them: "
                            "record the stage without modules_to_save to delete through it")
+    if any(".lora_magnitude_vector." in n for n in names):  # DoRA: the magnitudes are the old base's weight norms
+        raise UnlearnError(f"{where}: its adapter is DoRA (use_dora): its magnitude vectors were initialised from the "
+                           "old parent's weight norms and a replay from the new parent would keep them: record the "
+                           "stage with a plain LoRA to delete through it")
 
 
 # ---- the deletion ----------------------------------------------------------------------------------------------
