@@ -100,6 +100,10 @@ def test_a_receipt_relabelled_with_ids_the_deletion_did_not_touch_is_not_verifie
         assert not report["verified"], name
         assert any("deleted by no replayed stage" in p or "not in the receipt's request" in p
                    for p in report["problems"]), (name, report["problems"])
+    # the request put under another key (its fingerprint edited): not comparable, so not verified
+    receipt["request"] = forget_request(a + b, b"another key" * 3)
+    (edited / "receipt.json").write_text(json.dumps(receipt))
+    assert any("cannot be shown" in p for p in verify_pipeline(edited)["problems"])
 
 
 @pytest.mark.slow  # a stage-2-only deletion, then a stage-1 request from its output, with oracles: about 90 s
@@ -204,6 +208,9 @@ def test_the_service_serves_a_stage_1_request_after_a_stage_2_only_batch(tmp_pat
     assert [s["replayed"] for s in second.forget_receipt.evidence["pipeline"]] == [True, True]
     out = tmp_path / "ledger" / "batches" / "batch-0002"
     assert verify_pipeline(out)["verified"]
+    fp = json.loads((out / "receipt.json").read_text())["request"]["key_fingerprint"]  # the request check ran
+    assert all(json.loads((out / f"stage-{k}" / "replay" / "header.json").read_text())["key_fingerprint"] == fp
+               for k in (1, 2))
     cfs = counterfactual_chain(tmp_path / "cf", "llama", (s1, s2), a, b)
     for k, cf in enumerate(cfs, start=1):
         assert not _same(_final(out / f"stage-{k}" / "replay"), cf), k
