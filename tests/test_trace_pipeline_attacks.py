@@ -67,6 +67,16 @@ def test_a_dpo_reference_that_is_an_earlier_stage_than_its_parent_is_refused(tmp
     with pytest.raises(UnlearnError, match=r"stage 3 \(.*\): its reference model .* none of the weights stages 1\.\.1"):
         forget([str(r) for r in (*runs[:2], runs[3])], ids, tmp_path / "out", oracle=True, progress=False)
     assert not (tmp_path / "out").exists()
+    # the deletion as it ran before the refusal (the old reference kept): `trace verify OUT` does not verify it either
+    import hf_unlearn.deletion.pipeline as pipeline
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "_refuse_stale_reference", lambda *a: None)
+        assert forget([str(r) for r in runs[:3]], ids, tmp_path / "old", oracle=True, progress=False).ok
+    report = verify_pipeline(tmp_path / "old")
+    assert not report["verified"] and any("stage 3: the replay's reference model" in p and "stale reference" in p
+                                          for p in report["problems"]), report["problems"]
     # a deletion that leaves the reference unchanged is allowed: stage 2's ids (the reference is stage 1's)
     from hf_unlearn.deletion.pipeline import validate_pipeline
 

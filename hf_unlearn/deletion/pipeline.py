@@ -375,6 +375,7 @@ def verify_pipeline(out) -> dict:
         raise UnlearnError(f"{out}/receipt.json is not a pipeline deletion's receipt (no evidence.pipeline)")
     problems, lines = [], []
     prev = {"replay": None, "oracle": None}
+    first = None  # the index of the first replayed stage
     for k, st in enumerate(stages):
         name = f"stage {k + 1}"
         if st.get("stage") != k + 1:
@@ -393,6 +394,7 @@ def verify_pipeline(out) -> dict:
             problems.append(f"{name}: no oracle output ({folders['oracle']}): the deletion was not checked against "
                             "the oracle")
             break
+        first = k if first is None else first
         report = verify(folders["replay"], folders["oracle"])
         if not report["verified"]:
             problems.append(f"{name}: replay vs oracle " + ("bit-identical but not proven: " + "; ".join(
@@ -428,6 +430,13 @@ def verify_pipeline(out) -> dict:
                 if lin.get("start_root") != output_root(before):
                     problems.append(f"{name}: the {role} starts from root {str(lin.get('start_root'))[:16]}..., not "
                                     f"stage {k}'s {role} output")
+                ref = run.header.get("reference_model") or {}
+                unchanged = {e.get("start_root") for e in stages[:first + 1]}  # roots this deletion left alone
+                if ref.get("kind") in ("initial", "model") and ref.get("params_root") != lin.get("start_root") \
+                        and ref.get("params_root") not in unchanged:
+                    problems.append(f"{name}: the {role}'s reference model (root {str(ref.get('params_root'))[:16]}"
+                                    "...) is neither its new parent nor a model this deletion left unchanged: a "
+                                    "stale reference")
         prev = runs
         lines.append(f"{name}: replay == oracle {'VERIFIED' if report['verified'] else 'NOT verified'}"
                      + (f", starts from stage {k}'s replayed output" if k and stages[k - 1].get("replayed") else ""))
