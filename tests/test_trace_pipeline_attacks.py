@@ -284,3 +284,12 @@ def test_a_lora_stage_with_modules_to_save_after_a_changed_parent_is_refused(tmp
         assert not (tmp_path / "out").exists()
         cost = validate_pipeline([str(s1), str(s2)], ids_at_step(s2, 0)[:1])["pipeline_cost"]
         assert cost["first_affected_stage"] == 2, name
+    # the deletion as it ran before the refusal (the DoRA magnitudes kept): `trace verify OUT` does not verify it
+    import hf_unlearn.deletion.pipeline as pipeline
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "_refuse_copied_modules", lambda *a: None)
+        assert forget([str(s1), str(s2)], ids_at_step(s1, 1)[:1], tmp_path / "old", oracle=True, progress=False).ok
+    report = verify_pipeline(tmp_path / "old")
+    assert not report["verified"] and any("stage 2: the replay" in p and "DoRA" in p for p in report["problems"])

@@ -430,6 +430,10 @@ def verify_pipeline(out) -> dict:
                 if lin.get("start_root") != output_root(before):
                     problems.append(f"{name}: the {role} starts from root {str(lin.get('start_root'))[:16]}..., not "
                                     f"stage {k}'s {role} output")
+                try:
+                    _refuse_copied_modules(f"{name}: the {role}", run)
+                except UnlearnError as e:
+                    problems.append(str(e).split(";")[0] + ": kept from the old parent")
                 ref = run.header.get("reference_model") or {}
                 unchanged = {e.get("start_root") for e in stages[:first + 1]}  # roots this deletion left alone
                 if ref.get("kind") in ("initial", "model") and ref.get("params_root") != lin.get("start_root") \
