@@ -138,6 +138,9 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
         if not s["replayed"]:
             continue
         where = f"stage {s['stage']} ({run.path})"
+        _refuse_stale_reference(where, run, runs, cost)
+        if cost["first_affected_stage"] < s["stage"]:
+            _refuse_copied_modules(where, run)
         world = run.header.get("world_size", 1)
         if world != 1:
             raise UnlearnError(f"{where} was recorded by {world} processes; forget replays one-process runs only")
@@ -153,6 +156,54 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
             "controls": {"status": "; ".join(f"stage {k + 1}: {r.report.summary.get('controls')}"
                                              for k, r in enumerate(runs)),
                          "notes": [n for r in runs for n in r.report.notes]}}
+
+
+def _refuse_stale_reference(where: str, run, runs, cost: dict) -> None:
+    """A stage replayed because its start changed whose (DPO) reference model is not its parent: only a reference
+    that is the parent is replaced, so replay and oracle both keep the recorded one (bit-identical, VERIFIED). That is
+    the counterfactual only when the reference is unchanged by the deletion: the weights a stage up to the first
+    affected one started from. Any other reference (an earlier replayed stage's output, or a model derived from one:
+    cast, edited) is refused; so is one the library cannot tell apart from those (a model of unknown origin)."""
+    from ..trace.lineage import lineage_of, reference_is_parent
+
+    ref = run.header.get("reference_model") or {}
+    if ref.get("kind") not in ("initial", "model") or reference_is_parent(run):
+        return
+    first = cost["first_affected_stage"]
+    k = next(j for j, r in enumerate(runs) if r is run) + 1
+    if first is None or k <= first:
+        return  # every stage before it is unchanged: so is its reference
+    unchanged = {lineage_of(r).get("start_root") for r in runs[:first]} - {None}
+    if ref.get("params_root") in unchanged:
+        return
+    made = next((j + 1 for j, r in enumerate(runs[first - 1:k - 1], start=first - 1)
+                 if ref.get("params_root") == lineage_of(runs[j + 1]).get("start_root")), None)
+    what = (f"stage {made}'s output, which this deletion changes" if made else
+            f"none of the weights stages 1..{first} started from (unchanged by this deletion), so it may derive "
+            "from a stage this deletion changes")
+    raise UnlearnError(f"{where}: its reference model (root {str(ref.get('params_root'))[:16]}...) is not its parent "
+                       f"but {what}; only a reference that is the parent is replaced, so its replay would keep the "
+                       "old reference and not be the counterfactual pipeline: record the stage with its parent as "
+                       "reference (ref_model=None) to delete through it")
+
+
+def _refuse_copied_modules(where: str, run) -> None:
+    """A LoRA stage whose adapter also trains full copies of modules (PEFT ``modules_to_save``): the copies were
+    initialised from the old parent's weights and are adapter tensors (kept as recorded when the base is replaced),
+    so a replay from a new parent would start them from the old parent: not the counterfactual. Refused."""
+    from ..trace.lineage import ADAPTER
+
+    cps = run.checkpoints()
+    names = json.loads((cps[min(cps)] / "hashes.json").read_text()).get("params", {}) if cps else {}
+    copied = sorted({n.split(".modules_to_save.")[0] for n in names if ".modules_to_save." in n and ADAPTER.search(n)})
+    if copied:
+        raise UnlearnError(f"{where}: its adapter trains full copies of {', '.join(copied[:4])} (modules_to_save), "
+                           "initialised from the old parent's weights; a replay from the new parent would keep them: "
+                           "record the stage without modules_to_save to delete through it")
+    if any(".lora_magnitude_vector." in n for n in names):  # DoRA: the magnitudes are the old base's weight norms
+        raise UnlearnError(f"{where}: its adapter is DoRA (use_dora): its magnitude vectors were initialised from the "
+                           "old parent's weight norms and a replay from the new parent would keep them: record the "
+                           "stage with a plain LoRA to delete through it")
 
 
 # ---- the deletion ----------------------------------------------------------------------------------------------
@@ -324,6 +375,7 @@ def verify_pipeline(out) -> dict:
         raise UnlearnError(f"{out}/receipt.json is not a pipeline deletion's receipt (no evidence.pipeline)")
     problems, lines = [], []
     prev = {"replay": None, "oracle": None}
+    first = None  # the index of the first replayed stage
     for k, st in enumerate(stages):
         name = f"stage {k + 1}"
         if st.get("stage") != k + 1:
@@ -342,6 +394,7 @@ def verify_pipeline(out) -> dict:
             problems.append(f"{name}: no oracle output ({folders['oracle']}): the deletion was not checked against "
                             "the oracle")
             break
+        first = k if first is None else first
         report = verify(folders["replay"], folders["oracle"])
         if not report["verified"]:
             problems.append(f"{name}: replay vs oracle " + ("bit-identical but not proven: " + "; ".join(
@@ -365,6 +418,10 @@ def verify_pipeline(out) -> dict:
                                     f"the recorded stage's start {str(st.get('start_root'))[:16]}...")
                 if k and lin.get("start_root") != stages[k - 1].get("output_root"):
                     problems.append(f"{name}: the {role} does not start from stage {k}'s recorded output")
+                if k and (lin.get("parent") or {}).get("run_id") != stages[k - 1].get("run_id"):
+                    problems.append(f"{name}: the {role} starts from run {(lin.get('parent') or {}).get('run_id')}, "
+                                    f"not from stage {k}'s recorded run {stages[k - 1].get('run_id')}: stage {k} was "
+                                    "replayed (its evidence is missing from the receipt) or it is another pipeline")
             else:
                 parent = lin.get("parent") or {}
                 if parent.get("run_id") != before.header["run_id"]:
@@ -373,9 +430,21 @@ def verify_pipeline(out) -> dict:
                 if lin.get("start_root") != output_root(before):
                     problems.append(f"{name}: the {role} starts from root {str(lin.get('start_root'))[:16]}..., not "
                                     f"stage {k}'s {role} output")
+                try:
+                    _refuse_copied_modules(f"{name}: the {role}", run)
+                except UnlearnError as e:
+                    problems.append(str(e).split(";")[0] + ": kept from the old parent")
+                ref = run.header.get("reference_model") or {}
+                unchanged = {e.get("start_root") for e in stages[:first + 1]}  # roots this deletion left alone
+                if ref.get("kind") in ("initial", "model") and ref.get("params_root") != lin.get("start_root") \
+                        and ref.get("params_root") not in unchanged:
+                    problems.append(f"{name}: the {role}'s reference model (root {str(ref.get('params_root'))[:16]}"
+                                    "...) is neither its new parent nor a model this deletion left unchanged: a "
+                                    "stale reference")
         prev = runs
         lines.append(f"{name}: replay == oracle {'VERIFIED' if report['verified'] else 'NOT verified'}"
                      + (f", starts from stage {k}'s replayed output" if k and stages[k - 1].get("replayed") else ""))
+    problems += _request_problems(out, receipt, stages)
     last = prev.get("replay")
     final = (receipt.get("state_hashes") or {}).get("trace_params_root")
     if last is not None:
@@ -391,3 +460,45 @@ def verify_pipeline(out) -> dict:
     if not model_dir.is_dir() or build_manifest(model_dir)["params_root"] != receipt["state_hashes"]["params_root"]:
         problems.append(f"{model_dir} does not hold the receipt's model (weights root differs or folder missing)")
     return {"verified": not problems, "problems": problems, "stages": lines}
+
+
+def _request_problems(out: Path, receipt: dict, stages: list) -> list[str]:
+    """The receipt's request against what the replayed stages deleted (keyed tags, where the stage's key is the
+    request's): each replayed stage deleted no id outside the request, and every id of the request was deleted by a
+    replayed stage, or before (an earlier deletion's log), in a stage the replay's recorded parents reach. A receipt
+    relabelled with ids a deletion did not touch (a stage-1 id on a stage-2-only deletion) is not verified."""
+    from ..trace.lineage import find_pipeline, parent_path
+    from ..trace.run import read_deletion_log
+    from ..trace.verification import deleted_tags
+
+    request = receipt.get("request") or {}
+    want, fp = set(request.get("tags") or []), request.get("key_fingerprint")
+    problems, covered, first = [], set(), None
+    for k, st in enumerate(stages):
+        folder = out / f"stage-{k + 1}" / "replay"
+        if not st.get("replayed") or not (folder / "header.json").is_file():
+            continue
+        if json.loads((folder / "header.json").read_text()).get("key_fingerprint") != fp:
+            if (folder / "private" / "hmac.key").is_file():
+                return []  # a run with its own key (trace_key=): its tags are not comparable with the request's
+            return [f"stage {k + 1}: the receipt's request is under key {fp}, not the key of the stage's tags: it "
+                    "cannot be shown to be what this deletion deleted"]
+        first = folder if first is None else first
+        log = read_deletion_log(folder)
+        extra = set((log[-1].get("forget_tags") or []) if log else []) - want
+        if extra:
+            problems.append(f"stage {k + 1}: its replay deleted {len(extra)} id(s) that are not in the receipt's "
+                            "request: another deletion's stage")
+        covered |= deleted_tags(folder)
+    missing = want - covered
+    parent = parent_path(open_quietly(first)) if first is not None else None
+    if missing and parent is not None and (parent / "header.json").is_file():
+        try:
+            for run in find_pipeline(parent):  # the unchanged stages before the first replayed one
+                missing -= deleted_tags(run.path)
+        except UnlearnError:
+            pass
+    if missing:
+        problems.append(f"{len(missing)} id(s) of the receipt's request were deleted by no replayed stage (nor "
+                        "before, in a stage before them): the receipt claims ids this deletion did not delete")
+    return problems
