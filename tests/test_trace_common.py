@@ -157,3 +157,40 @@ def write_sealed_header(run, header: dict) -> None:
     header["controls_mac"] = controls_seal(run_key(run), read_compact_plan(run / "plan.bin").segments[-1].mac, header)
     (run / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
     write_sidecar(run / "header.json")
+
+
+def labels_masked(data, forget):
+    """``data`` with the deleted rows' labels all -100: the counterfactual's only change to the rows."""
+    forget = set(forget)
+    return data.map(lambda r: {"labels": [-100] * len(r["labels"])} if r["id"] in forget else {})
+
+
+def recorded_normalisers_trainer(run_dir, base=None):
+    """A plain ``base`` (``Trainer``) class for engine-free counterfactuals: each optimizer step divides by the
+    recording's loss normaliser and each microbatch runs under its recorded seed (this process's: dropout draws)."""
+    from collections import deque
+
+    import torch
+    from transformers import Trainer
+
+    from hf_unlearn.trace.plan import read_plan
+    from hf_unlearn.trace.recording import rank_seed, seeded
+
+    plan = read_plan(run_dir)
+    norms = {e.step: (e.norm, e.norm_dtype) for e in plan}
+
+    class RecordedNormalisers(base or Trainer):
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, num = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if batches:
+                value, dtype = norms[self.state.global_step]
+                num = torch.tensor(value, dtype=getattr(torch, dtype), device=device)
+                rank = self.accelerator.process_index
+                self._seeds = deque(rank_seed(e.seed, rank) for e in plan if e.step == self.state.global_step)
+            return batches, num
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            with seeded(self._seeds.popleft()):
+                return super().training_step(model, inputs, num_items_in_batch)
+
+    return RecordedNormalisers

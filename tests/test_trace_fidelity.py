@@ -47,32 +47,15 @@ def independent_counterfactual(tok, data, model, run_dir, forget, out, stop_at=N
     """A plain ``Trainer`` run (no replay engine): the deleted rows' labels all -100, the recorded loss normalisers
     and microbatch seeds (dropout draws), the same ``callbacks``; with ``stop_at`` it stops after that many optimizer
     steps (the model a user kept)."""
-    from collections import deque
-
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
 
     from hf_unlearn.data import QACollator
     from hf_unlearn.demo import _DropIds
-    from hf_unlearn.trace.plan import read_plan
-    from hf_unlearn.trace.recording import seeded
 
-    plan = read_plan(run_dir)
-    norms = {e.step: (e.norm, e.norm_dtype) for e in plan}
-    forget = set(forget)
-    masked = data.map(lambda r: {"labels": [-100] * len(r["labels"])} if r["id"] in forget else {})
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer
 
-    class RecordedNormalisers(Trainer):
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            batches, num = super().get_batch_samples(epoch_iterator, num_batches, device)
-            if batches:
-                value, dtype = norms[self.state.global_step]
-                num = torch.tensor(value, dtype=getattr(torch, dtype), device=device)
-                self._seeds = deque(e.seed for e in plan if e.step == self.state.global_step)
-            return batches, num
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            with seeded(self._seeds.popleft()):
-                return super().training_step(model, inputs, num_items_in_batch)
+    masked = labels_masked(data, forget)
+    RecordedNormalisers = recorded_normalisers_trainer(run_dir)
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

@@ -83,35 +83,12 @@ def full_state(model) -> dict:
 def counterfactual(tok, data, model, run_dir, forget, out, reshard, precision) -> dict:
     """A plain FSDP2 ``Trainer`` run (no replay engine): the deleted rows' labels -100, the recorded loss normalisers
     and per-process microbatch seeds. Returns the full state (on process 0)."""
-    from collections import deque
-
-    import torch
-    from transformers import Trainer
-
     from hf_unlearn.data import QACollator
     from hf_unlearn.demo import _DropIds
-    from hf_unlearn.trace.plan import read_plan
-    from hf_unlearn.trace.recording import rank_seed, seeded
+    from tests.test_trace_common import labels_masked, recorded_normalisers_trainer
 
-    plan = read_plan(run_dir)
-    norms = {e.step: (e.norm, e.norm_dtype) for e in plan}
-    forget = set(forget)
-    masked = data.map(lambda r: {"labels": [-100] * len(r["labels"])} if r["id"] in forget else {})
-
-    class RecordedNormalisers(Trainer):
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            batches, num = super().get_batch_samples(epoch_iterator, num_batches, device)
-            if batches:
-                value, dtype = norms[self.state.global_step]
-                num = torch.tensor(value, dtype=getattr(torch, dtype), device=device)
-                rank = self.accelerator.process_index
-                self._seeds = deque(rank_seed(e.seed, rank) for e in plan if e.step == self.state.global_step)
-            return batches, num
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            with seeded(self._seeds.popleft()):
-                return super().training_step(model, inputs, num_items_in_batch)
-
+    masked = labels_masked(data, forget)
+    RecordedNormalisers = recorded_normalisers_trainer(run_dir)
     trainer = RecordedNormalisers(model=model, args=fsdp_args(out, reshard, precision), train_dataset=masked,
                                   data_collator=_DropIds(QACollator.from_tokenizer(tok)))
     trainer.train()
