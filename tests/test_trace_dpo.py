@@ -177,6 +177,16 @@ def test_dpo_a_changed_reference_folder_is_refused_never_verified(tmp_path, caps
     assert not (tmp_path / "oracle").exists()
     assert main(["trace", "inspect", str(run.path)]) == 0  # inspect reads the header, not the reference's files
     assert "DPO reference model: the policy's own folder" in capsys.readouterr().out
+    import json
+
+    from hf_unlearn.trace.run import write_sidecar
+
+    header = json.loads((run.path / "header.json").read_text())  # rebinding the reference without the run key
+    header["reference_model"]["params_root"] = "0" * 64
+    (run.path / "header.json").write_text(json.dumps(header, indent=1, sort_keys=True))
+    write_sidecar(run.path / "header.json")
+    with pytest.raises(Exception, match="controls_mac does not match"):
+        open_run(run.path)
 
 
 def test_dpo_refuses_what_it_cannot_replay_and_online_trainers_before_any_compute(tmp_path):

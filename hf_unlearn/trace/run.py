@@ -64,7 +64,7 @@ HEADER_KEYS = frozenset({
     "optimizer", "training_args", "versions", "determinism", "hazards", "notes", "dataset", "collator",
     "dummy_token_id", "checkpoint_steps", "gradient_accumulation_steps", "max_grad_norm", "world_size",
     "distributed_type", "optimizer_steps", "microbatches", "checkpoint_index", "checkpoint_retention", "fidelity",
-    "kept_model", "controls_mac", "trainer", "provenance", "numeric_stack", "lineage"})
+    "kept_model", "controls_mac", "trainer", "provenance", "numeric_stack", "lineage", "reference_model", "sharding"})
 SEALED_FILES = ("header.json", PLAN_FILE, "wal.bin", "manifest.bin")
 PROGRESS_FILE = "progress.json"  # the last optimizer step that ran (written after each step, read after a crash)
 # The header fields that decide the replayed state (or what a verdict covers): the keyed seal covers them. A field
@@ -77,7 +77,9 @@ KEYED_HEADER_KEYS = ("format", "run_id", "origin_run_id", "parent", "key_fingerp
 # provenance.bin and its SHA-256 (hf_unlearn.trace.compact), so the seal binds that file byte for byte.
 # ``numeric_stack`` (hf_unlearn.trace.stack): threads, CPU capability, versions and deterministic settings.
 # ``lineage`` (hf_unlearn.trace.lineage): the starting weights' root and the recorded run (or external base) they are.
-OPTIONAL_KEYED_HEADER_KEYS = ("provenance", "numeric_stack", "lineage")
+# ``reference_model`` (hf_unlearn.trace.reference): a DPO run's reference (root, forward fingerprint, where it is);
+# ``sharding`` (hf_unlearn.trace.sharding): the FSDP2 sharding a replay must run.
+OPTIONAL_KEYED_HEADER_KEYS = ("provenance", "numeric_stack", "lineage", "reference_model", "sharding")
 UNKEYED_CONTROLS = ("the run's controls are unkeyed: it was recorded with a plan.jsonl, before keyed controls, so an edit "
                     "of a seed, learning rate, step, flag or normaliser in both the plan and the WAL, with their CRCs "
                     "and sidecars rewritten, is not detected (the ids are keyed); record the run again for keyed "
