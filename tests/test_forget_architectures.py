@@ -9,39 +9,25 @@ import json
 import pytest
 import torch
 
-from .test_trace_common import get_trace_data, record, tiny_config_kwargs
+from .test_trace_common import config_model, get_trace_data, record
 
 
 def _model(name: str, tok, tmp_path):
-    from transformers import (
-        AutoModelForCausalLM,
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import AutoModelForCausalLM
 
     from hf_unlearn.models import build_tiny_model
 
-    common = tiny_config_kwargs(tok)
-    torch.manual_seed(0)
     if name in ("llama", "gpt2", "gpt_neox"):
+        torch.manual_seed(0)
         return build_tiny_model(name, tok, hidden_size=32, num_layers=2, num_heads=2)
-    if name == "gpt_neox-tied":
-        return GPTNeoXForCausalLM(GPTNeoXConfig(**common, tie_word_embeddings=True))
     if name == "pythia-from_pretrained":  # a Pythia-style checkpoint on disk (embed_out.weight), loaded as users do
-        GPTNeoXForCausalLM(GPTNeoXConfig(**common, rotary_pct=0.25, use_parallel_residual=True,
-                                         tie_word_embeddings=False)).save_pretrained(tmp_path / "pythia")
+        config_model("gpt_neox", tok, rotary_pct=0.25, use_parallel_residual=True,
+                     tie_word_embeddings=False).save_pretrained(tmp_path / "pythia")
         return AutoModelForCausalLM.from_pretrained(tmp_path / "pythia")
-    if name == "mistral":
-        return MistralForCausalLM(MistralConfig(**common, num_key_value_heads=1))
-    if name == "qwen2-untied":
-        return Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=1, tie_word_embeddings=False))
-    return Gemma3ForCausalLM(Gemma3TextConfig(**common, num_key_value_heads=1, head_dim=16, sliding_window=8))
+    family, overrides = {"gpt_neox-tied": ("gpt_neox", {"tie_word_embeddings": True}), "mistral": ("mistral", {}),
+                         "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+                         "gemma3": ("gemma3", {"head_dim": 16, "sliding_window": 8})}[name]
+    return config_model(family, tok, **overrides)
 
 
 FAST = ["gpt_neox", "pythia-from_pretrained", "llama"]

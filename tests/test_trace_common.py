@@ -42,6 +42,23 @@ def tiny_config_kwargs(tok) -> dict:
                 pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
 
 
+# families the trace tests build from a config by hand (model class, config class); GQA ones get one key/value head
+CONFIG_FAMILIES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "mistral": ("MistralForCausalLM", "MistralConfig"),
+                   "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"), "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig"),
+                   "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig")}
+
+
+def config_model(family: str, tok, seed: int = 0, **overrides):
+    """A tiny ``family`` model built from its config (:func:`tiny_config_kwargs` plus ``overrides``), seeded."""
+    import torch
+    import transformers
+
+    model_cls, config_cls = CONFIG_FAMILIES[family]
+    kwargs = {**tiny_config_kwargs(tok), **({} if family == "gpt_neox" else {"num_key_value_heads": 1}), **overrides}
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+
+
 def train_args(out, **kw):
     from transformers import TrainingArguments
 

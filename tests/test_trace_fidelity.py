@@ -13,30 +13,12 @@ import torch
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import delete, get_recorded, get_trace_data, record, tiny_config_kwargs, train_args
+from .test_trace_common import config_model, delete, get_recorded, get_trace_data, record, train_args
 
 
 def _cast_model(family: str, cast: str, tok):
     """A tiny model of ``family`` cast the way a training script does it (non-persistent rotary buffers included)."""
-    from transformers import (
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    common = tiny_config_kwargs(tok)
-    torch.manual_seed(0)
-    if family == "gpt_neox":
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(**common, rotary_pct=0.5))
-    else:
-        cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "mistral": (MistralForCausalLM, MistralConfig),
-                    "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[family]
-        model = cls(cfg(**common, num_key_value_heads=1))
+    model = config_model(family, tok, **({"rotary_pct": 0.5} if family == "gpt_neox" else {}))
     model = {"bfloat16()": model.bfloat16, "half()": model.half,
              "to(torch.bfloat16)": lambda: model.to(torch.bfloat16)}[cast]()
     assert any(b.dtype != torch.float32 for _, b in model.named_buffers())  # the cast reached the rotary buffers

@@ -17,7 +17,7 @@ import torch
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import get_trace_data, ids_at_step, record, tiny, tiny_config_kwargs
+from .test_trace_common import config_model, get_trace_data, ids_at_step, record, tiny
 from .test_trace_fidelity import independent_counterfactual
 
 KW = dict(gradient_accumulation_steps=1, max_steps=4)
@@ -26,10 +26,7 @@ KW = dict(gradient_accumulation_steps=1, max_steps=4)
 def _model(family: str, tok):
     if family == "llama":
         return tiny(tok)
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    return GPTNeoXForCausalLM(GPTNeoXConfig(**tiny_config_kwargs(tok), rotary_pct=0.5))
+    return config_model("gpt_neox", tok, rotary_pct=0.5)
 
 
 def _lora(model):

@@ -59,17 +59,11 @@ def launch(out: Path, arch: str, reshard: bool, precision: str, steps: str = "0,
 
 def build_model(arch: str, tok):
     """A tiny model: ``build_tiny_model``'s families, or ``qwen2`` from its config (as test_trace_fidelity builds it)."""
-    import torch
-
     from hf_unlearn.models import build_tiny_model
+    from tests.test_trace_common import config_model
 
     if arch == "qwen2":
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        from tests.test_trace_common import tiny_config_kwargs
-
-        torch.manual_seed(0)
-        return Qwen2ForCausalLM(Qwen2Config(**tiny_config_kwargs(tok), num_key_value_heads=1))
+        return config_model("qwen2", tok)
     return build_tiny_model(arch, tok, hidden_size=32, num_layers=2, num_heads=2, seed=0)
 
 
