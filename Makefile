@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 export HF_UNLEARN_DATA_DIR ?= $(SHARED)/data
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: torch install install-dev demo test test-slow docs docs-serve bench lint clean
+.PHONY: torch install install-dev demo test test-slow test-latest constraints docs docs-serve bench lint clean
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel.
 torch:
@@ -18,7 +18,7 @@ install: torch
 	@$(PYTHON) tools/installed_here.py . all || $(PYTHON) -m pip install -q -e ".[all]"
 
 install-dev: torch
-	@$(PYTHON) tools/installed_here.py . dev || $(PYTHON) -m pip install -q -e ".[dev]"
+	@$(PYTHON) tools/installed_here.py . dev || $(PYTHON) -m pip install -q -c constraints.txt -e ".[dev]"
 
 demo: install   # offline, no data folder needed (the TOFU rows ship in the package); runnable again in place
 	$(PYTHON) -m hf_unlearn demo
@@ -30,6 +30,14 @@ test: install-dev
 
 test-slow: install-dev
 	$(PYTHON) -m pytest -m slow
+
+# CI as it runs (.ci/run: a new venv), but with the newest releases instead of constraints.txt
+test-latest:
+	CI_LATEST=1 bash .ci/run
+
+# rewrite constraints.txt from the newest releases (a new venv); commit it only after `bash .ci/run` passes
+constraints:
+	bash tools/write_constraints.sh
 
 # the documentation site, offline, from this checkout's files only; strict: a broken link, a page missing from the nav or
 # a docstring reference that does not resolve fails (tests/test_docs.py builds it the same way in `make test`)

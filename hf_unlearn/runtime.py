@@ -82,14 +82,28 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+# (logger, message prefix) of third-party notices printed at import that say nothing about the user's command: one
+# list, read by quiet_optional_backends and by the test that imports every backend offline (tests/test_cli.py)
+IMPORT_NOTICES = (
+    # bitsandbytes' CPU backend asks the `kernels` package for a hub kernel at import and falls back to its own
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+    # `kernels` (0.19+) warns when HF_HUB_OFFLINE=1 that it cannot check the kernel's publisher (the load then fails
+    # and bitsandbytes falls back, as above)
+    ("kernels._internals.hf_hub", "Skipping publisher trust check"),
+)
+
+
 def quiet_optional_backends() -> None:
-    """Drop bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" at import.
+    """Drop the third-party notices of :data:`IMPORT_NOTICES`, printed when bitsandbytes is imported.
 
     peft imports bitsandbytes whenever it is installed, and transformers' Trainer imports peft, so every command
-    printed it, though only ``eval quantized`` uses bitsandbytes and its fallback kernel works.
+    printed them (two lines before a one-line error, with ``HF_HUB_OFFLINE=1``), though only ``eval quantized``
+    uses bitsandbytes and its fallback kernel works. Idempotent: a filter is added to a logger once.
     """
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-        _DropMessage("Failed to load CPU gemm_4bit_forward"))
+    for name, prefix in IMPORT_NOTICES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_DropMessage(prefix))
 
 
 def quiet_benchmark(threads: int) -> None:

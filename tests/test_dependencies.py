@@ -111,3 +111,19 @@ def test_requests_add_prints_what_to_install_not_a_traceback(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err and "ModuleNotFoundError" not in err, err
     assert "'cryptography'" in err and "pip install" in err, err
+
+
+def test_constraints_pin_every_declared_requirement_and_the_makefiles_torch():
+    """CI installs with ``-c constraints.txt``: a requirement the file does not pin would come at whatever version
+    the registry serves that day, the way kernels 0.19.1 turned CI red. Regenerate with ``make constraints``."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not NAME==VERSION"
+            pins[normalize(name)] = version.strip()
+    missing = sorted(name for name, extras in declared_requirements().items() if "dev" in extras and name not in pins)
+    assert not missing, f"not pinned in constraints.txt (run `make constraints`): {missing}"
+    makefile_torch = next(line.split("?=")[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()
+                          if line.startswith("TORCH_VERSION"))
+    assert pins["torch"] == makefile_torch

@@ -256,6 +256,17 @@ def test_import_of_the_cli_does_not_load_bitsandbytes():
     assert out.stdout.strip() == "False" and "gemm_4bit" not in out.stderr
 
 
+def test_bitsandbytes_import_is_silent_offline_whatever_kernels_prints():
+    """peft imports bitsandbytes, which asks `kernels` for a hub kernel: with HF_HUB_OFFLINE=1 (tests, docs) kernels
+    0.19 warns about the publisher check and bitsandbytes about the fallback. Neither may reach a CLI's stderr,
+    where every error is one line (CI was red on a fresh machine from exactly this)."""
+    pytest.importorskip("bitsandbytes")
+    code = "import hf_unlearn, peft, bitsandbytes; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.strip() == "ok" and out.stderr.strip() == "", out.stderr
+
+
 # -- threads -----------------------------------------------------------------------------------------------------
 def test_free_cores_follows_the_load():
     from hf_unlearn.runtime import free_cores
