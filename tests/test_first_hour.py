@@ -381,7 +381,8 @@ def test_ci_builds_a_new_environment_and_runs_the_readme_test_command_in_it():
     project from its own files, then `make test` with that venv's Python for the install and the run alike."""
     script = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in script and 'mktemp -d' in script and '-m venv "$VENV"' in script
-    assert script.index('pip install -q "torch==$TORCH_VERSION"') < script.index('pip install -q -e ".[dev]"')
+    project = script.index('pip install -q "${CONSTRAINTS[@]}" -e ".[dev]"')  # versions known to pass together
+    assert script.index('pip install -q "torch==$TORCH_VERSION"') < project and "CONSTRAINTS=(-c constraints.txt)" in script
     assert 'make test PYTHON="$PY"' in script
     readme = (ROOT / "README.md").read_text()
     assert re.search(r"^make test +# ", readme, re.M)  # the README's test command is the one CI runs
