@@ -50,6 +50,7 @@ MAX_CONNECTIONS = 1024  # connections open at once (asyncio: a few KB each); mor
 MAX_CONNECTIONS_PER_CLIENT = 128  # from one IP address; more are answered 503 and closed
 HEADER_DEADLINE_S = 15.0  # a request's line and headers must arrive within this (a byte every few seconds is no way
 # to hold a connection: the read timeout is per read); an idle keep-alive connection is closed after it too
+DOWNLOAD_CHUNK = 1 << 20  # bytes read (in a worker thread) and sent at a time: fewer hops, the same memory bound
 LFS_SUFFIXES = tuple(line.split()[0][1:] for line in GITATTRIBUTES.decode().splitlines())
 FAULT_POINTS = ("commit", "lfs-upload", "tag")
 _T = r"(models|datasets|spaces)"
@@ -690,7 +691,7 @@ class _Download:
             left = 0 if call.method == "HEAD" else self.length
             await _thread(self.f.seek, self.start)
             while left > 0:
-                chunk = await _thread(self.f.read, min(left, 1 << 20))
+                chunk = await _thread(self.f.read, min(left, DOWNLOAD_CHUNK))
                 if not chunk:
                     raise OSError("object shorter than announced")
                 left -= len(chunk)
