@@ -167,7 +167,7 @@ def test_states_over_time_pages_and_signed_callbacks(intake, tmp_path):
         states = []
         for body, signature in got:
             assert signature_ok(public, body, signature)
-            assert not signature_ok(public, body.replace(b"exact", b"purged"), signature)
+            assert not signature_ok(public, body.replace(b"\"state\": \"", b"\"state\": \"not-"), signature)
             states.append(json.loads(body)["state"])
         assert states == ["acknowledged", "exact"]
         status = json.loads(http(ticket["json_url"], token=None)[2])
@@ -220,6 +220,31 @@ def test_concurrent_intakes_are_appended_exactly_once_each(intake):
     assert sorted(s for r in results.values() for s, _ in r) == [200] * 16 + [201] * 16
 
 
+def test_a_crash_between_the_ledger_append_and_the_journal_is_not_a_second_request(intake, monkeypatch):
+    """The server dies after the ledger recorded the request and before the journal says so (the window a kill -9
+    can hit): a restarted intake and the tool's retry find the request the ledger holds; it is not added twice."""
+    from hf_unlearn.web.intake import Intake
+
+    original = Intake._append
+
+    def die_after_the_ledger(self, entry):
+        if entry["op"] == "request":
+            raise SystemExit("killed")
+        original(self, entry)
+
+    body = {"ids": ids_at_step(get_recorded(), 7)[:1], "ref": REF}
+    monkeypatch.setattr(Intake, "_append", die_after_the_ledger)
+    with pytest.raises(SystemExit):
+        intake.intake.submit("privacy-tool", body, "crash-1")
+    monkeypatch.setattr(Intake, "_append", original)
+    assert [r.id for r in intake.intake.ledger.requests()] == ["r-0001"]
+    restarted = Intake(intake.intake.ledger)
+    ticket, created = restarted.submit("privacy-tool", body, "crash-1")
+    assert ticket.request == "r-0001" and created
+    assert [r.id for r in intake.intake.ledger.requests()] == ["r-0001"]
+    assert restarted.submit("privacy-tool", body, "crash-1") == (ticket, False)
+
+
 @pytest.mark.slow
 def test_nothing_is_lost_when_the_server_is_killed_mid_request(tmp_path):
     """`hf-unlearn requests web` killed with SIGKILL while 24 clients submit: after a restart, every client retries
@@ -268,6 +293,7 @@ def test_nothing_is_lost_when_the_server_is_killed_mid_request(tmp_path):
     proc.wait(10)
     for t in threads:
         t.join(60)
+    assert len(before) < 24  # the kill came while requests were in flight
     proc, server.url = start()
     try:
         after = {}

@@ -168,7 +168,9 @@ class Intake:
         from ..trace.tags import tag
 
         wanted = tag(self.ledger.tag_key, ledger_ref)
-        return next((r.id for r in self.ledger.requests() if r.ref_tag == wanted), None)
+        with self.ledger.lock():
+            requests = self.ledger.requests()
+        return next((r.id for r in requests if r.ref_tag == wanted), None)
 
     def _parse(self, payload) -> tuple[list, str | None]:
         if not isinstance(payload, dict):
@@ -208,7 +210,7 @@ class Intake:
 
     def status(self, t: Ticket, base_url: str = "", records: list[dict] | None = None) -> dict:
         """A ticket's JSON status: its state, the timeline of states, the receipts and bundles to download."""
-        records = self.ledger.records() if records is None else records
+        records = self.records() if records is None else records
         rid, timeline, facts = t.request, [], {}
         for r in records:
             kind = r.get("type")
@@ -236,6 +238,12 @@ class Intake:
                 "files": [{"name": n, "url": f"{link}/files/{n}", "bundle": n.endswith(".bundle.json")}
                           for n in files]}
 
+    def records(self) -> list[dict]:
+        """The ledger's records, read under its lock: read while an append is between its record and its signed
+        head, the chain would be refused as interrupted."""
+        with self.ledger.lock():
+            return self.ledger.records()
+
     def tickets(self) -> list[Ticket]:
         with self._lock:
             self._tickets.clear()
@@ -256,7 +264,7 @@ class Intake:
 
         from ..keys import public_key_fingerprint, sign
 
-        records = self.ledger.records()
+        records = self.records()
         sent = 0
         for t in self.tickets():
             status = self.status(t, base_url, records)
@@ -501,9 +509,14 @@ def _first_line(e: Exception) -> str:
 
 
 def _operator_view(intake: Intake, base_url: str) -> dict:
+    ledger = intake.ledger
+    with ledger.lock():  # one consistent view (an append in flight would read as an interrupted one)
+        return _operator_rows(intake, ledger)
+
+
+def _operator_rows(intake: Intake, ledger) -> dict:
     from ..deletion.service import Policy, due_reasons, request_rows
 
-    ledger = intake.ledger
     records = ledger.records()
     rows = request_rows(ledger)
     by_request = {t.request: t for t in intake.tickets()}
