@@ -21,7 +21,7 @@ def register_web(sub, common) -> None:
                    help="POST each ticket's state change here, signed with the service's Ed25519 key")
     p.add_argument("--callback-interval", type=float, default=10.0, help="seconds between state checks (default 10)")
     p.add_argument("--public-url", default=None, metavar="URL",
-                   help="the address clients reach this server at (behind a proxy), for links in callbacks")
+                   help="the address clients reach this server at (behind a TLS proxy), for the links in answers and callbacks")
     p.add_argument("--max-connections", type=int, default=1024, help="connections open at once (default 1024)")
     p.add_argument("--max-connections-per-client", type=int, default=128,
                    help="connections open at once from one IP address (default 128)")

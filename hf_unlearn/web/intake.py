@@ -59,6 +59,7 @@ class Ticket:
     created: str
     body: str  # keyed digest of what was asked (a retry with the same key must ask the same)
     notified: list[str] = field(default_factory=list)
+    fresh: object = field(default=None, repr=False, compare=False)  # the Request just added (answered without a read)
 
 
 def _now() -> str:
@@ -158,7 +159,8 @@ class Intake:
                 t.request = self._request_with_ref(ledger_ref)
             if t.request is None:
                 try:
-                    t.request = self.ledger.add(ids, ref=ledger_ref).id
+                    t.fresh = self.ledger.add(ids, ref=ledger_ref)
+                    t.request = t.fresh.id
                 except UnlearnError as e:
                     raise IntakeError(422, _redact(str(e), ids)) from None
             self._append({"op": "request", "ticket": tid, "request": t.request, "time": _now()})
@@ -210,6 +212,11 @@ class Intake:
 
     def status(self, t: Ticket, base_url: str = "", records: list[dict] | None = None) -> dict:
         """A ticket's JSON status: its state, the timeline of states, the receipts and bundles to download."""
+        if records is None and t.fresh is not None:  # just added: its own record is the whole story so far
+            r = t.fresh
+            records = [{"type": "request", "request": r.id, "received": r.received, "deadline": r.deadline,
+                        "count": len(r.tags), "seq": r.seq}]
+            t.fresh = None
         records = self.records() if records is None else records
         rid, timeline, facts = t.request, [], {}
         for r in records:
@@ -330,7 +337,8 @@ def _load_subjects(path) -> dict[str, list]:
 
 
 # -- the web app ------------------------------------------------------------------------------------------------
-def build_app(intake: Intake, tokens: dict[str, str], operator_tokens: list[str], *, read_timeout: float = 60.0):
+def build_app(intake: Intake, tokens: dict[str, str], operator_tokens: list[str], *, read_timeout: float = 60.0,
+              public_url: str | None = None):
     """The Starlette app: ``POST /api/v1/requests`` (Bearer token), ``GET /api/v1/tickets/T`` and ``/t/T`` (the
     ticket is the capability), ``/t/T/files/NAME``, ``/public-key.pem``, ``/operator`` (operator token)."""
     from starlette.applications import Starlette
@@ -345,8 +353,8 @@ def build_app(intake: Intake, tokens: dict[str, str], operator_tokens: list[str]
     templates = Jinja2Templates(directory=str(TEMPLATES))
     templates.env.autoescape = True
 
-    def base(request: Request) -> str:
-        return str(request.base_url).rstrip("/")
+    def base(request: Request) -> str:  # links in answers: the address clients reach us at (behind a proxy: given)
+        return public_url.rstrip("/") if public_url else str(request.base_url).rstrip("/")
 
     def error(status: int, message: str, request: Request | None = None):
         response = JSONResponse({"error": message}, status_code=status)
@@ -566,8 +574,8 @@ class IntakeServer:
             raise UnlearnError("the intake needs an operator token (--operator-token)")
         limits = limits or Limits()
         self.intake = intake
-        self.web = WebServer(build_app(intake, tokens, operator_tokens, read_timeout=limits.read_timeout), host,
-                             port, limits)
+        self.web = WebServer(build_app(intake, tokens, operator_tokens, read_timeout=limits.read_timeout,
+                                       public_url=public_url), host, port, limits)
         self.callback_url, self.callback_interval = callback_url, float(callback_interval)
         self.public_url = public_url
         self._stop = threading.Event()
