@@ -67,8 +67,16 @@ def bench_intake(clients: int, per_client: int) -> dict:
     n = clients * per_client
     assert not failures and len(ledger.requests()) == n and ledger.check().ok, failures[:5]
     q = statistics.quantiles(latencies, n=100)
+    # the same appends without HTTP, one after another on a fresh ledger: what DeletionLedger.add costs alone
+    alone = DeletionLedger(run, Path(tempfile.mkdtemp(prefix="bench_web_alone_")) / "ledger")
+    t0 = time.perf_counter()
+    for k in range(n):
+        alone.add([ids[k % len(ids)]], ref=f"alone-{k}")
+    alone_wall = time.perf_counter() - t0
     return {"requests": n, "clients": clients, "wall_s": round(wall, 2), "requests_per_s": round(n / wall, 1),
-            "p50_ms": round(q[49] * 1000), "p99_ms": round(q[98] * 1000), "max_ms": round(max(latencies) * 1000)}
+            "p50_ms": round(q[49] * 1000), "p99_ms": round(q[98] * 1000), "max_ms": round(max(latencies) * 1000),
+            "ledger_add_alone_per_s": round(n / alone_wall, 1),
+            "ratio_intake_over_add_alone": round((n / wall) / (n / alone_wall), 2)}
 
 
 SERVE = """
@@ -163,10 +171,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--old-commit", default="e33caa4", help="a commit whose hub/server.py is the old server")
     p.add_argument("--skip-intake", action="store_true")
+    p.add_argument("--skip-downloads", action="store_true")
     args = p.parse_args()
     if not args.skip_intake:
         print("intake", json.dumps(bench_intake(args.clients, args.per_client)), flush=True)
-    print("downloads", json.dumps(bench_downloads(args.file_mb, args.rounds, args.old_commit)), flush=True)
+    if not args.skip_downloads:
+        print("downloads", json.dumps(bench_downloads(args.file_mb, args.rounds, args.old_commit)), flush=True)
 
 
 if __name__ == "__main__":
