@@ -132,6 +132,23 @@ def test_bad_input_is_a_one_line_4xx_that_names_nothing_raw_and_changes_nothing(
     assert http(f"{intake.url}/t/" + "a" * 32, token=None)[0] == 404
 
 
+def test_an_internal_error_is_a_500_that_logs_nothing_it_carried(intake, caplog, monkeypatch):
+    from hf_unlearn.web.intake import Intake
+
+    caplog.set_level(logging.DEBUG)
+    ticket = json.loads(submit(intake, {"subject": SUBJECT, "ref": REF}, "key-e")[2])
+
+    def broken(self, *a, **k):
+        raise RuntimeError("row 987654321: the text of a deleted row")
+
+    monkeypatch.setattr(Intake, "status", broken)
+    for url in (ticket["json_url"], ticket["status_url"]):
+        status, _, body = http(url, token=None)
+        assert status == 500 and "\n" not in json.loads(body)["error"] and b"987654321" not in body
+    assert "987654321" not in caplog.text and "deleted row" not in caplog.text
+    assert "RuntimeError" in caplog.text  # the operator still learns that something broke
+
+
 def test_states_over_time_pages_and_signed_callbacks(intake, tmp_path):
     """A request moves acknowledged -> exact when a batch serves it; the ticket page says so, the callback POSTs
     each state once, signed with the service key (a receiver checks it with the public key alone)."""

@@ -509,7 +509,15 @@ def build_app(intake: Intake, tokens: dict[str, str], operator_tokens: list[str]
         return error(code, "no such page" if code == 404 else "method not allowed" if code == 405 else "refused",
                      request)
 
-    return Starlette(routes=routes, exception_handlers={Exception: server_error, 404: not_found, 405: not_found})
+    inner = Starlette(routes=routes, exception_handlers={Exception: server_error, 404: not_found, 405: not_found})
+
+    async def app(scope, receive, send):
+        try:
+            await inner(scope, receive, send)
+        except Exception:  # answered 500 already (server_error); Starlette re-raises for the server to log, and
+            pass  # uvicorn's log would print the message and traceback, which may hold what a request carried
+
+    return app
 
 
 def _first_line(e: Exception) -> str:

@@ -217,7 +217,8 @@ class WebServer:
         self.socket.listen(self.limits.backlog)
         self.config = uvicorn.Config(
             app, http=_protocol_class(self.limits), loop="asyncio", lifespan="off", ws="none", interface="asgi3",
-            log_level="warning", access_log=False,  # our own logs name no path: a URL may carry a ticket secret
+            log_config=None, log_level="warning", access_log=False,  # no access log: a URL may carry a ticket;
+            # log_config=None: the library does not reconfigure the process's logging (uvicorn's loggers propagate)
             timeout_keep_alive=max(1, int(self.limits.header_deadline)),
             h11_max_incomplete_event_size=self.limits.max_header_bytes, backlog=self.limits.backlog,
             timeout_graceful_shutdown=max(1, int(self.limits.graceful_shutdown)), server_header=False,
