@@ -197,6 +197,41 @@ def test_states_over_time_pages_and_signed_callbacks(intake, tmp_path):
         receiver.shutdown()
 
 
+def test_the_server_delivers_callbacks_by_itself_and_retries_a_failed_one(tmp_path):
+    """`--callback-url`: the server's own loop POSTs the change; a receiver that fails first (503) gets it again."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from hf_unlearn.deletion import DeletionLedger
+    from hf_unlearn.web.intake import Intake, IntakeServer
+
+    got = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["state"])
+            self.send_response(503 if len(got) == 1 else 200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    receiver = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    ledger = DeletionLedger(get_recorded(), tmp_path / "ledger")
+    server = IntakeServer(Intake(ledger), {TOKEN: "tool"}, [OPERATOR], callback_interval=0.2,
+                          callback_url=f"http://127.0.0.1:{receiver.server_address[1]}/hook").start()
+    try:
+        submit(server, {"ids": ids_at_step(get_recorded(), 1)[:1]}, "cb-1")
+        end = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        time.sleep(0.6)  # a few more checks: delivered once it was accepted, not again
+        assert got == ["acknowledged", "acknowledged"], got
+    finally:
+        server.stop()
+        receiver.shutdown()
+
+
 def test_the_operator_page_needs_the_operator_token(intake):
     submit(intake, {"subject": SUBJECT}, "key-o")
     status, _, body = http(f"{intake.url}/operator", token=None)
