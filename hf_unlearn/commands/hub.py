@@ -70,8 +70,10 @@ def register(parser) -> None:
     s.add_argument("--max-body-mb", type=int, default=256, help="largest commit body accepted (MiB)")
     s.add_argument("--read-timeout", type=float, default=60.0,
                    help="close a connection idle (or stalled mid-request) this many seconds (default %(default)s)")
-    s.add_argument("--max-connections", type=int, default=64,
-                   help="connections served at once, one thread each; more get 503 (default %(default)s)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="connections open at once (asyncio: a few KB each); more get 503 (default %(default)s)")
+    s.add_argument("--max-connections-per-client", type=int, default=128,
+                   help="connections open at once from one IP address; more get 503 (default %(default)s)")
     s.add_argument("--header-deadline", type=float, default=15.0,
                    help="seconds a request's line and headers may take to arrive (a client sending a header line now "
                         "and then cannot hold a connection past it; default 15)")
@@ -173,15 +175,11 @@ def _serve(args) -> int:
         logging.basicConfig(level=logging.DEBUG, format="%(message)s")
     server = HubServer(args.root, {t: args.user for t in args.token}, host=args.host, port=args.port,
                        max_body_bytes=args.max_body_mb * 1024 * 1024, read_timeout=args.read_timeout,
-                       max_connections=args.max_connections, header_deadline=args.header_deadline)
+                       max_connections=args.max_connections, header_deadline=args.header_deadline,
+                       max_connections_per_client=args.max_connections_per_client)
     print(f"hf-unlearn hub serving {args.root} at {server.url}", flush=True)
     print(f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.httpd.server_close()
+    server.serve_forever()  # Ctrl-C (or SIGTERM) stops it: requests in flight are given a few seconds to finish
     return 0
 
 

@@ -1,7 +1,7 @@
 """`hf-unlearn requests ...`: the deletion service of a recorded run (:class:`hf_unlearn.deletion.DeletionLedger`).
 
 add / list / status / plan / serve (--exact, --approximate, --due) / purge / recover / bundle / verify / public-key /
-rotate-key.
+rotate-key / web (the HTTP intake: ``requests_web.py``).
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def register(parser) -> None:
     p = sub.add_parser("public-key", help="print (or write) the public half of this machine's signing key")
     p.add_argument("--out", default=None, dest="key_out", metavar="FILE", help="write it to FILE instead")
     p.set_defaults(func=public_key_cmd)
+
+    from .requests_web import register_web
+
+    register_web(sub, _common)
 
 
 def _common(p) -> None:

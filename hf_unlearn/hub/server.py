@@ -1,4 +1,4 @@
-"""A local Hugging Face Hub-compatible HTTP server, on the standard library only.
+"""A local Hugging Face Hub-compatible HTTP server, a Starlette app on uvicorn (``hf_unlearn.web.server``).
 
 It answers the calls the real ``huggingface_hub`` client makes to publish and download a model repository
 (whoami, create repo, preupload, the NDJSON commit endpoint with inline and LFS files, LFS batch/upload/verify,
@@ -8,13 +8,18 @@ unchanged once ``HF_ENDPOINT`` points here. Tests use it as the Hub; teams use i
 (``hf-unlearn hub serve --root DIR --port N --token T``). Large files go through the LFS protocol, so clients must
 run with ``HF_HUB_DISABLE_XET=1`` (Xet storage is not served).
 
-Why the standard library: the protocol is a few dozen JSON routes plus streaming bodies; ``ThreadingHTTPServer``
-handles it without a dependency, and the store (``store.py``) gives atomic commits. It is a single-tenant store:
-every configured token can read and write every repository (private repositories need a valid token to be seen).
+Why Starlette on uvicorn, not a hand-written threaded server: slow clients (headers or bodies sent a byte at a time,
+many idle sockets) starved the thread-per-connection server one attack after another. On asyncio a held connection
+costs a few KB; the limits (``hf_unlearn.web.server.Limits``) bound connections in total and per client, each
+request's headers and every read; each route's authentication is decided from the headers before its body is read
+(the route table below says which), and the store's file work runs in worker threads that never wait on a client.
+It is a single-tenant store: every configured token can read and write every repository (private repositories need
+a valid token to be seen).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -23,12 +28,10 @@ import logging
 import os
 import re
 import secrets
-import socket
 import threading
 from collections import OrderedDict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote
 
 from .store import GITATTRIBUTES, OID_RE, PathTree, RepoStore, StoreError, clean_path
 
@@ -42,10 +45,12 @@ MAX_CARD_BYTES = 1024 * 1024  # a card read for its metadata (validate-yaml, rep
 MAX_CARD_METADATA_BYTES = 64 * 1024  # its YAML front matter: a real card's is a few KB; parsing costs CPU
 MAX_YAML_DEPTH = 64  # nesting levels of card metadata (a card needs a handful)
 CARD_CACHE_ENTRIES = 256  # parsed card metadata kept per server, by blob id (content-addressed: never stale)
-READ_TIMEOUT_S = 60.0  # an idle or stalled connection is closed after this long without a byte
-MAX_CONNECTIONS = 64  # connections served at once (one thread each); more are answered 503 and closed
+READ_TIMEOUT_S = 60.0  # a connection silent this long while a request (headers or body) is awaited is closed
+MAX_CONNECTIONS = 1024  # connections open at once (asyncio: a few KB each); more are answered 503 and closed
+MAX_CONNECTIONS_PER_CLIENT = 128  # from one IP address; more are answered 503 and closed
 HEADER_DEADLINE_S = 15.0  # a request's line and headers must arrive within this (a byte every few seconds is no way
-# to hold a slot: the read timeout is per read); an idle keep-alive connection is closed after it too
+# to hold a connection: the read timeout is per read); an idle keep-alive connection is closed after it too
+DOWNLOAD_CHUNK = 1 << 20  # bytes read (in a worker thread) and sent at a time: fewer hops, the same memory bound
 LFS_SUFFIXES = tuple(line.split()[0][1:] for line in GITATTRIBUTES.decode().splitlines())
 FAULT_POINTS = ("commit", "lfs-upload", "tag")
 _T = r"(models|datasets|spaces)"
@@ -55,6 +60,7 @@ _PREFIX = r"^/(?:(datasets|spaces)/)?"
 
 class _Abort(Exception):
     """Drop the connection without an answer (a server dying mid-request)."""
+
 
 
 def _field(obj, key: str, kind, *, required: bool = False, default=None, where: str = "request body"):
@@ -101,52 +107,62 @@ class HubServer:
     """A Hub-compatible server over a :class:`RepoStore` at ``root``.
 
     ``tokens`` maps access tokens to user names (a bare string is one token for user ``user``). ``port=0`` picks
-    a free port. Use :meth:`start`/:meth:`stop` (a background thread) or :meth:`serve_forever`.
+    a free port (bound at once: :attr:`url` is known before :meth:`start`). Use :meth:`start`/:meth:`stop` (a
+    background thread) or :meth:`serve_forever`. The connection limits are :class:`hf_unlearn.web.server.Limits`'.
     """
 
     def __init__(self, root, tokens: dict[str, str] | str, host: str = "127.0.0.1", port: int = 0, *,
                  max_body_bytes: int = MAX_BODY_BYTES, max_lfs_bytes: int = MAX_LFS_BYTES,
                  read_timeout: float = READ_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
-                 header_deadline: float = HEADER_DEADLINE_S):
+                 header_deadline: float = HEADER_DEADLINE_S,
+                 max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT):
+        from ..web.server import Limits, WebServer
+
         self.store = RepoStore(root)
         self.max_body_bytes, self.max_lfs_bytes = int(max_body_bytes), int(max_lfs_bytes)
         self.tokens = {tokens: "user"} if isinstance(tokens, str) else dict(tokens)
         if not self.tokens:
             raise ValueError("HubServer needs at least one access token")
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self.limits = Limits(max_connections=int(max_connections), header_deadline=float(header_deadline),
+                             read_timeout=float(read_timeout),
+                             max_connections_per_client=min(int(max_connections_per_client), int(max_connections)))
         self._secret = secrets.token_bytes(32)
         self._faults: dict[str, int] = {}
         self._faults_lock = threading.Lock()
         self._cards: OrderedDict[str, dict] = OrderedDict()
         self._cards_lock = threading.Lock()
-        handler = type("Handler", (_Handler,), {"hub": self, "timeout": float(read_timeout),
-                                                "header_deadline": float(header_deadline)})
-        self.httpd = _BoundedHTTPServer((host, port), handler, int(max_connections))
-        self._thread: threading.Thread | None = None
+        self.web = WebServer(self._app, host, port, self.limits)
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self.web.url
 
     def start(self) -> HubServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="hf-unlearn-hub", daemon=True)
-        self._thread.start()
+        self.web.start()
         return self
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
+        self.web.serve_forever()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self.web.stop()
 
     def __enter__(self) -> HubServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    async def _app(self, scope, receive, send) -> None:
+        from starlette.requests import Request
+
+        if scope["type"] != "http":
+            return
+        response = await _Call(self, Request(scope, receive)).respond()
+        if response is not None:
+            await response(scope, receive, send)
 
     # -- fault injection (tests) ---------------------------------------------------------------------------
     def inject_fault(self, point: str, times: int = 1) -> None:
@@ -195,223 +211,100 @@ class HubServer:
         return meta
 
 
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer serving at most ``max_connections`` connections at once (one thread each): a further
-    connection is answered ``503`` and closed at once instead of taking another thread."""
+async def _thread(fn, *args, **kwargs):
+    """``fn`` in a worker thread: the store's file work never blocks the event loop (nor waits on a client)."""
+    import functools
 
-    daemon_threads = True
+    import anyio
 
-    def __init__(self, address, handler, max_connections: int):
-        if max_connections < 1:
-            raise ValueError("max_connections must be at least 1")
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_connections)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            try:
-                body = b'{"error": "too many open connections, retry"}'
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                                % (len(body), body))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
+
+class _Call:
+    """One request: routed by the table ``_ROUTES`` (method, raw path), authenticated from its headers, then its
+    body read (the route says how much), then the handler run in a worker thread; every error is a JSON answer."""
+
+    def __init__(self, hub: HubServer, request):
+        self.hub, self.request = hub, request
+        self.method = request.method
+        self.headers = request.headers
+        self.query = {k: v[-1] for k, v in parse_qs(request.scope.get("query_string", b"").decode("latin-1")).items()}
+        self.path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1").partition("?")[0]
+        self.user: str | None = None
+        self.body = b""
+
+    async def respond(self):
+        from ..web.server import BodyError, BodyTooLarge, abort, body_left_unread
+
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "hf-unlearn-hub/1"
-    hub: HubServer
-
-    header_deadline: float = HEADER_DEADLINE_S
-
-    # -- plumbing ------------------------------------------------------------------------------------------
-    def handle_one_request(self):
-        """One request, whose line and headers must arrive within ``header_deadline`` seconds of the wait for it:
-        past that the connection is shut (a slow client cannot hold a slot by sending a header line now and then)."""
-        self._body_consumed = False
-        timer = threading.Timer(self.header_deadline, self._expire)
-        timer.daemon = True
-        self._deadline_timer = timer
-        timer.start()
-        try:
-            super().handle_one_request()
-        finally:
-            timer.cancel()
-
-    def parse_request(self):
-        ok = super().parse_request()  # the request line and every header are in: the deadline has done its job
-        timer = getattr(self, "_deadline_timer", None)
-        if timer is not None:
-            timer.cancel()
-        return ok
-
-    def _expire(self) -> None:
-        self.close_connection = True
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def log_message(self, fmt, *args):  # quiet unless the logger is set to DEBUG
-        logger.debug("%s %s", self.address_string(), fmt % args)
-
-    def do_GET(self):
-        self._dispatch("GET")
-
-    def do_HEAD(self):
-        self._dispatch("HEAD")
-
-    def do_POST(self):
-        self._dispatch("POST")
-
-    def do_PUT(self):
-        self._dispatch("PUT")
-
-    def do_DELETE(self):
-        self._dispatch("DELETE")
-
-    def _not_allowed(self):  # a JSON 405 for the methods the Hub API never uses (not http.server's HTML 501)
-        self._drain()
-        self._json({"error": f"method {self.command} is not allowed"}, status=405,
-                   headers={"Allow": "GET, HEAD, POST, PUT, DELETE"})
-
-    do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
-
-    def _dispatch(self, method: str) -> None:
-        try:
-            self._route(method)
-        except (TimeoutError, ConnectionError):  # a stalled or vanished client, even while it is being answered
-            self.close_connection = True
-
-    def _route(self, method: str) -> None:
-        split = urlsplit(self.path)
-        self.query = {k: v[-1] for k, v in parse_qs(split.query).items()}
-        path = split.path
-        try:
-            for route_method, pattern, name in _ROUTES:
-                if route_method == method or (route_method == "GET" and method == "HEAD"):
-                    m = pattern.match(path)
-                    if m:
-                        getattr(self, name)(*[unquote(g) if g is not None else None for g in m.groups()])
-                        return
-            raise StoreError(404, f"no route for {method} {path}")
-        except (TimeoutError, ConnectionError):
-            raise
+            response = await self._route()
         except _Abort:
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            await abort(self.request)
+            return None
         except StoreError as e:
-            self._drain()
-            self._json({"error": str(e), **e.extra}, status=e.status, code=e.code)
-        except Exception as e:  # a bug must not kill the server thread; answer 500 and log it
-            logger.exception("internal error on %s %s", method, path)
-            self._drain()
-            self._json({"error": f"internal error: {e}"}, status=500)
+            response = self._json({"error": str(e), **e.extra}, status=e.status, code=e.code)
+        except BodyTooLarge as e:
+            response = self._json({"error": str(e)}, status=413)
+        except BodyError as e:
+            response = self._json({"error": str(e)}, status=400)
+        except Exception as e:  # a bug must not kill the server; answer 500 and log it
+            logger.exception("internal error on %s %s", self.method, self.path)
+            response = self._json({"error": f"internal error: {e}"}, status=500)
+        if body_left_unread(self.request):  # never read on: the next request would start mid-body
+            response.headers["Connection"] = "close"
+        return response
+
+    async def _route(self):
+        method = self.method
+        if method not in ("GET", "HEAD", "POST", "PUT", "DELETE"):  # a JSON 405, not an HTML page
+            return self._json({"error": f"method {method} is not allowed"}, status=405,
+                              headers={"Allow": "GET, HEAD, POST, PUT, DELETE"})
+        for route_method, pattern, name, auth, body in _ROUTES:
+            if route_method == method or (route_method == "GET" and method == "HEAD"):
+                m = pattern.match(self.path)
+                if m:
+                    args = [unquote(g) if g is not None else None for g in m.groups()]
+                    await _thread(self._authorise, auth, args)  # from the headers: before any byte of the body
+                    if name == "lfs_upload":
+                        return await self.lfs_upload(*args)
+                    if body is not None:
+                        await self._read(body)
+                    result = await _thread(getattr(self, name), *args)
+                    if isinstance(result, _Download):
+                        return await result.response(self)
+                    return result
+        raise StoreError(404, f"no route for {method} {self.path}")
+
+    async def _read(self, kind: str) -> None:
+        from ..web.server import read_body
+
+        limit = self.hub.max_body_bytes if kind == "ndjson" else min(self.hub.max_body_bytes, MAX_JSON_BYTES)
+        self.body = await read_body(self.request, limit, self.hub.limits.read_timeout)
 
     @property
     def endpoint(self) -> str:
         """The URL clients reach us at (behind a TLS proxy: its X-Forwarded-Proto and Host)."""
         scheme = self.headers.get("X-Forwarded-Proto") or "http"
-        return f"{scheme}://{self.headers.get('Host') or '%s:%d' % self.server.server_address[:2]}"
+        return f"{scheme}://{self.headers.get('Host') or self.hub.url.split('://', 1)[1]}"
 
-    def _json(self, payload, status: int = 200, code: str | None = None, headers: dict | None = None) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
+    def _json(self, payload, status: int = 200, code: str | None = None, headers: dict | None = None):
+        from starlette.responses import Response
+
+        out = {}
         if code:
-            self.send_header("X-Error-Code", code)
+            out["X-Error-Code"] = code
         if status >= 400:  # printable ASCII only: a client-chosen path in a message must not split the header
-            self.send_header("X-Error-Message", re.sub(r"[^\x20-\x7e]", "?", str(payload.get("error", "")))[:200])
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _body_chunks(self, limit: int | None = None):
-        """The request body as chunks (Content-Length or chunked transfer encoding), at most ``limit`` bytes.
-
-        A body announced larger than ``limit`` is refused (413) before any of it is read; a chunked body is
-        counted as it arrives. Either way the connection is closed after the answer (the rest is never read).
-        """
-        if self._body_consumed:
-            return
-        self._body_consumed = True
-        limit = self.hub.max_body_bytes if limit is None else limit
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            total = 0
-            while True:
-                try:
-                    size = int(self.rfile.readline(64).split(b";")[0].strip() or b"0", 16)
-                except ValueError:
-                    self.close_connection = True
-                    raise StoreError(400, "malformed chunked transfer encoding") from None
-                if size == 0:
-                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                        pass
-                    return
-                total += size
-                if size < 0 or total > limit:
-                    self.close_connection = True
-                    raise StoreError(413, f"request body larger than {limit} bytes")
-                yield self.rfile.read(size)
-                self.rfile.readline(64)
-        else:
-            raw = (self.headers.get("Content-Length") or "0").strip()
-            if not raw.isdigit():
-                self.close_connection = True
-                raise StoreError(400, "invalid Content-Length header")
-            left = int(raw)
-            if left > limit:
-                self.close_connection = True
-                raise StoreError(413, f"request body of {left} bytes is larger than the limit of {limit} bytes")
-            while left > 0:
-                chunk = self.rfile.read(min(left, 1 << 20))
-                if not chunk:
-                    raise _Abort()
-                left -= len(chunk)
-                yield chunk
-
-    def setup(self):
-        super().setup()
-        self._body_consumed = False
-
-    def _body(self, limit: int | None = None) -> bytes:
-        return b"".join(self._body_chunks(limit))
+            out["X-Error-Message"] = re.sub(r"[^\x20-\x7e]", "?", str(payload.get("error", "")))[:200]
+        out.update(headers or {})
+        if not any(k.lower() == "content-type" for k in out):
+            out["Content-Type"] = "application/json"
+        return Response(json.dumps(payload).encode(), status_code=status, headers=out)
 
     def _json_body(self) -> dict:
-        data = _parse_json(self._body(min(self.hub.max_body_bytes, MAX_JSON_BYTES)) or b"{}", "request body")
+        data = _parse_json(self.body or b"{}", "request body")
         if not isinstance(data, dict):
             raise StoreError(400, "JSON body must be an object")
         return data
-
-    def _drain(self) -> None:
-        """Read an unread body so the connection can serve the next request (or close it when that is unsafe)."""
-        try:
-            for _ in self._body_chunks():
-                pass
-        except (_Abort, StoreError, ValueError, OSError):
-            self.close_connection = True
 
     # -- auth ----------------------------------------------------------------------------------------------
     def _token_user(self) -> str | None:
@@ -431,35 +324,36 @@ class _Handler(BaseHTTPRequestHandler):
             raise StoreError(401, "Invalid credentials in Authorization header")
         return user
 
-    def _readable(self, rtype: str, repo_id: str) -> None:
-        user = self._token_user()
-        meta = self.hub.store.repo_meta(rtype, repo_id)
-        if meta["private"] and user is None:
-            raise StoreError(404, f"Repository {repo_id} not found", "RepoNotFound")
-
-    def _writable(self, rtype: str, repo_id: str) -> str:
-        user = self._require_user()
-        self.hub.store.repo_meta(rtype, repo_id)
-        return user
+    def _authorise(self, auth: str | None, args: list) -> None:
+        """The route's check, from the headers alone: ``user`` (a valid token), ``write`` (a token and an existing
+        repository), ``read`` (a repository the caller may see), ``sig`` (checked by the upload) or None."""
+        if auth == "user":
+            self.user = self._require_user()
+        elif auth in ("read", "write"):
+            rtype, repo_id = (args[0][:-1] if args[0] else "model"), f"{args[1]}/{args[2]}"
+            self.user = self._require_user() if auth == "write" else self._token_user()
+            meta = self.hub.store.repo_meta(rtype, repo_id)
+            if auth == "read" and meta["private"] and self.user is None:
+                raise StoreError(404, f"Repository {repo_id} not found", "RepoNotFound")
 
     def _repo_url(self, rtype: str, repo_id: str) -> str:
         return f"{self.endpoint}/{'' if rtype == 'model' else rtype + 's/'}{repo_id}"
 
     # -- account and repos ---------------------------------------------------------------------------------
     def whoami(self):
-        user = self._require_user()
-        self._json({"type": "user", "id": hashlib.sha1(user.encode()).hexdigest()[:24], "name": user,
-                    "fullname": user, "email": None, "emailVerified": False, "isPro": False, "orgs": [],
-                    "auth": {"type": "access_token",
-                             "accessToken": {"displayName": "hf_unlearn local hub", "role": "write"}},
-                    "hf_unlearn_hub": {"xet": False}})  # tells hf_unlearn's push to use LFS, not Xet
+        user = self.user
+        return self._json({"type": "user", "id": hashlib.sha1(user.encode()).hexdigest()[:24], "name": user,
+                           "fullname": user, "email": None, "emailVerified": False, "isPro": False, "orgs": [],
+                           "auth": {"type": "access_token",
+                                    "accessToken": {"displayName": "hf_unlearn local hub", "role": "write"}},
+                           "hf_unlearn_hub": {"xet": False}})  # tells hf_unlearn's push to use LFS, not Xet
 
     def xet_token(self, *_):
         raise StoreError(501, "this Hub server does not serve Xet storage; set HF_HUB_DISABLE_XET=1 before "
                               "huggingface_hub is imported (large files then go through LFS)")
 
     def create_repo(self):
-        user = self._require_user()
+        user = self.user
         body = self._json_body()
         rtype = _field(body, "type", str, default="model")
         repo_id = f"{_field(body, 'organization', str) or user}/{_field(body, 'name', str, required=True)}"
@@ -468,28 +362,25 @@ class _Handler(BaseHTTPRequestHandler):
         url = self._repo_url(rtype, repo_id)
         if not self.hub.store.create_repo(rtype, repo_id, private=private, author=user):
             raise StoreError(409, f"You already created this {rtype} repo", url=url)
-        self._json({"url": url, "name": repo_id, "id": repo_id})
+        return self._json({"url": url, "name": repo_id, "id": repo_id})
 
     def delete_repo(self):
-        user = self._require_user()
         body = self._json_body()
-        repo_id = f"{_field(body, 'organization', str) or user}/{_field(body, 'name', str, required=True)}"
+        repo_id = f"{_field(body, 'organization', str) or self.user}/{_field(body, 'name', str, required=True)}"
         self.hub.store.delete_repo(_field(body, "type", str, default="model"), repo_id)
-        self._json({})
+        return self._json({})
 
-    def validate_yaml(self):
-        self._require_user()  # parsing YAML costs CPU: not for anonymous callers
+    def validate_yaml(self):  # a token is required (the route table): parsing YAML costs CPU
         body = self._json_body()
         content = _field(body, "content", str, default="")
         if len(content) > MAX_CARD_BYTES:
             raise StoreError(413, f"card content larger than {MAX_CARD_BYTES} bytes")
         errors, warnings = validate_card_metadata(content)
-        self._json({"errors": [{"message": m} for m in errors], "warnings": [{"message": m} for m in warnings]},
-                   status=400 if errors else 200)
+        return self._json({"errors": [{"message": m} for m in errors],
+                           "warnings": [{"message": m} for m in warnings]}, status=400 if errors else 200)
 
     def repo_info(self, rtypes, ns, name, revision=None):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        self._readable(rtype, repo_id)
         meta = self.hub.store.repo_meta(rtype, repo_id)
         sha, files = self.hub.store.files(rtype, repo_id, revision or "main")
         commit = self.hub.store.commit(rtype, repo_id, sha)
@@ -503,22 +394,18 @@ class _Handler(BaseHTTPRequestHandler):
                     s["lfs"] = {"size": entry.size, "sha256": entry.lfs_oid, "pointerSize": entry.tree_item()["lfs"]
                                 ["pointerSize"]}
             siblings.append(s)
-        card = self._card_data(rtype, repo_id, files)
+        entry = files.get("README.md")
+        card = {} if entry is None else self.hub.card_metadata(entry)
         info = {"_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24], "id": repo_id, "author": ns, "sha": sha,
                 "lastModified": commit["date"], "createdAt": meta["created_at"], "private": meta["private"],
                 "disabled": False, "gated": False, "downloads": 0, "likes": 0, "tags": card.get("tags") or [],
                 "cardData": card, "siblings": siblings, "usedStorage": sum(e.size for e in files.values())}
         if rtype == "model":
             info.update(modelId=repo_id, library_name=card.get("library_name"))
-        self._json(info)
-
-    def _card_data(self, rtype, repo_id, files) -> dict:
-        entry = files.get("README.md")
-        return {} if entry is None else self.hub.card_metadata(entry)
+        return self._json(info)
 
     def tree(self, rtypes, ns, name, revision, subpath):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        self._readable(rtype, repo_id)
         _, files = self.hub.store.files(rtype, repo_id, revision)
         prefix = (subpath or "").strip("/")
         if prefix:
@@ -539,13 +426,12 @@ class _Handler(BaseHTTPRequestHandler):
             raise StoreError(404, f"{prefix} does not exist at {revision}", "EntryNotFound")
         items += [{"type": "directory", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": 0, "path": p}
                   for p in folders]
-        self._json(sorted(items, key=lambda i: i["path"]))
+        return self._json(sorted(items, key=lambda i: i["path"]))
 
     def paths_info(self, rtypes, ns, name, revision):
         """POST paths-info: the tree entries of the given paths (form-encoded ``paths=...``), missing ones left out."""
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        self._readable(rtype, repo_id)
-        body = self._body(min(self.hub.max_body_bytes, MAX_JSON_BYTES))
+        body = self.body
         try:
             form = parse_qs(body.decode("utf-8"), strict_parsing=bool(body))
         except (UnicodeDecodeError, ValueError):
@@ -560,13 +446,12 @@ class _Handler(BaseHTTPRequestHandler):
             elif tree.is_folder(path):
                 items.append({"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0,
                               "path": path})
-        self._json(items)
+        return self._json(items)
 
     def refs(self, rtypes, ns, name):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        self._readable(rtype, repo_id)
         refs = self.hub.store.refs(rtype, repo_id)
-        self._json({
+        return self._json({
             "branches": [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": s}
                          for n, s in sorted(refs["branches"].items())],
             "tags": [{"name": n, "ref": f"refs/tags/{n}", "targetCommit": t["target"]}
@@ -576,16 +461,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def commits(self, rtypes, ns, name, revision):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        self._readable(rtype, repo_id)
-        self._json([{"id": c["id"], "title": c["message"], "message": c["description"],
-                     "authors": [{"user": c["author"]}], "date": c["date"]}
-                    for c in self.hub.store.history(rtype, repo_id, revision)])
+        return self._json([{"id": c["id"], "title": c["message"], "message": c["description"],
+                            "authors": [{"user": c["author"]}], "date": c["date"]}
+                           for c in self.hub.store.history(rtype, repo_id, revision)])
 
     def ref_op(self, rtypes, ns, name, kind, ref):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        self._writable(rtype, repo_id)
-        if self.command == "DELETE":
-            self._drain()
+        if self.method == "DELETE":
             self.hub.store.delete_ref(rtype, repo_id, kind, ref)
         else:
             body = self._json_body()
@@ -597,12 +479,11 @@ class _Handler(BaseHTTPRequestHandler):
                     raise _Abort()
                 self.hub.store.create_ref(rtype, repo_id, "tag", _field(body, "tag", str, required=True), ref,
                                           _field(body, "message", str, default=""))
-        self._json({})
+        return self._json({})
 
     # -- uploads -------------------------------------------------------------------------------------------
     def preupload(self, rtypes, ns, name, revision):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        self._writable(rtype, repo_id)
         body = self._json_body()
         sha, files = self.hub.store.files(rtype, repo_id, revision)
         out = []
@@ -615,15 +496,14 @@ class _Handler(BaseHTTPRequestHandler):
             entry = files.get(path)
             oid = (entry.lfs_oid or entry.oid) if entry is not None and bool(entry.lfs_oid) == lfs else None
             out.append({"path": path, "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
-        self._json({"files": out, "commitOid": sha})
+        return self._json({"files": out, "commitOid": sha})
 
     def lfs_batch(self, prefix, ns, name):
-        rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
-        self._writable(rtype, repo_id)
+        repo_id = f"{ns}/{name}"
         body = self._json_body()
         if body.get("operation") != "upload":
             raise StoreError(400, "only the 'upload' LFS operation is served (downloads go through /resolve)")
-        verify = f"{self.endpoint}/{prefix or ''}{repo_id}.git/info/lfs/objects/verify"
+        verify = f"{self.endpoint}/{prefix + '/' if prefix else ''}{repo_id}.git/info/lfs/objects/verify"
         objects = []
         for n, obj in enumerate(_field(body, "objects", list, default=[])):
             oid = _field(obj, "oid", str, required=True, where=f"objects[{n}]")
@@ -637,48 +517,53 @@ class _Handler(BaseHTTPRequestHandler):
                 href = f"{self.endpoint}/_lfs/{oid}?size={size}&sig={self.hub._sign(oid, size)}"
                 item["actions"] = {"upload": {"href": href, "header": {}}, "verify": {"href": verify, "header": {}}}
             objects.append(item)
-        self._json({"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-                   headers={"Content-Type": "application/vnd.git-lfs+json"})
+        return self._json({"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
+                          headers={"Content-Type": "application/vnd.git-lfs+json"})
 
-    def lfs_upload(self, oid):
+    async def lfs_upload(self, oid):
         """PUT of one LFS object. Authorised by the signature in the URL (like a presigned URL: the client sends
-        no token here); stored only if the content matches the oid and size."""
+        no token here), checked before the body is read; streamed to disk (in worker threads, a MiB at a time)
+        and stored only if the content matches the oid and size."""
+        from ..web.server import body_chunks
+
         raw = self.query.get("size", "")
         if not raw.isdigit():
             raise StoreError(400, "the upload URL needs a size (a non-negative integer)")
         size = int(raw)
         if not hmac.compare_digest(self.query.get("sig", ""), self.hub._sign(oid, size)):
             raise StoreError(403, "invalid or missing upload signature")
-        writer = self.hub.store.lfs_writer(max_size=size)
+        writer = await _thread(self.hub.store.lfs_writer, max_size=size)
         fault = self.hub._take_fault("lfs-upload")
         try:
-            for chunk in self._body_chunks(limit=min(size, self.hub.max_lfs_bytes)):
-                writer.write(chunk)
-                if fault and writer.size >= size // 2:
-                    raise _Abort()
-            writer.commit(oid, size)
+            pending = bytearray()
+            async for chunk in body_chunks(self.request, min(size, self.hub.max_lfs_bytes),
+                                           self.hub.limits.read_timeout):
+                pending += chunk
+                if len(pending) >= 1 << 20 or fault:
+                    await _thread(writer.write, bytes(pending))
+                    pending.clear()
+                    if fault and writer.size >= size // 2:
+                        raise _Abort()
+            await _thread(writer.write, bytes(pending))
+            await _thread(writer.commit, oid, size)
         except BaseException:
-            writer.abort()
+            await asyncio.shield(_thread(writer.abort))
             raise
-        self._json({})
+        return self._json({})
 
     def lfs_verify(self, prefix, ns, name):
-        rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
-        self._writable(rtype, repo_id)
         body = self._json_body()
         oid, size = _field(body, "oid", str, required=True), _size(body)
         if not self.hub.store.has_lfs(oid, size):
             raise StoreError(404, f"LFS object {oid} not found")
-        self._json({})
+        return self._json({})
 
     def commit(self, rtypes, ns, name, revision):
         rtype, repo_id = rtypes[:-1], f"{ns}/{name}"
-        user = self._writable(rtype, repo_id)
         if self.query.get("create_pr") in ("1", "true"):
-            self._drain()
             raise StoreError(400, "pull requests are not supported by this server")
         header, ops = None, []
-        for n, line in enumerate(self._body().splitlines()):
+        for n, line in enumerate(self.body.splitlines()):
             if not line.strip():
                 continue
             where = f"commit payload line {n + 1}"
@@ -723,14 +608,14 @@ class _Handler(BaseHTTPRequestHandler):
 
         sha = self.hub.store.apply_commit(
             rtype, repo_id, revision, message=header["summary"] or "update", description=header["description"],
-            author=user, operations=ops, parent_commit=header["parentCommit"], before_publish=fault)
-        self._json({"success": True, "commitOid": sha, "commitUrl": f"{self._repo_url(rtype, repo_id)}/commit/{sha}",
-                    "pullRequestUrl": None, "hookOutput": ""})
+            author=self.user, operations=ops, parent_commit=header["parentCommit"], before_publish=fault)
+        return self._json({"success": True, "commitOid": sha,
+                           "commitUrl": f"{self._repo_url(rtype, repo_id)}/commit/{sha}",
+                           "pullRequestUrl": None, "hookOutput": ""})
 
     # -- downloads -----------------------------------------------------------------------------------------
     def resolve(self, prefix, ns, name, revision, path):
         rtype, repo_id = (prefix[:-1] if prefix else "model"), f"{ns}/{name}"
-        self._readable(rtype, repo_id)
         sha, files = self.hub.store.files(rtype, repo_id, revision)
         entry = files.get(clean_path(path))
         if entry is None:
@@ -745,16 +630,19 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 start = max(0, entry.size - int(m.group(2) or 0))
             if start >= entry.size or start > end:
-                self._json({"error": "range not satisfiable"}, status=416,
-                           headers={"Content-Range": f"bytes */{entry.size}"})
-                return
+                return self._json({"error": "range not satisfiable"}, status=416,
+                                  headers={"Content-Range": f"bytes */{entry.size}"})
             status = 206
         length = max(0, end - start + 1)
         f = self._open_object(entry, path)  # before any header: a missing object is an error, not a 200
-        try:
-            self._send_object(f, entry, sha, path, status, start, end, length)
-        finally:
-            f.close()
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length),
+                   "Accept-Ranges": "bytes", "X-Repo-Commit": sha, "ETag": f'"{entry.oid}"'}
+        if entry.lfs_oid:
+            headers.update({"X-Linked-Etag": f'"{entry.lfs_oid}"', "X-Linked-Size": str(entry.size)})
+        if status == 206:
+            headers["Content-Range"] = f"bytes {start}-{end}/{entry.size}"
+        headers["Content-Disposition"] = f"inline; filename*=UTF-8''{quote(Path(path).name)}"
+        return _Download(f, path, status, headers, start, length)
 
     def _open_object(self, entry, path: str):
         """The stored object of ``entry``, opened and checked to hold ``entry.size`` bytes: 404 when it is
@@ -775,55 +663,71 @@ class _Handler(BaseHTTPRequestHandler):
             raise StoreError(500, f"the stored object of {path} holds {size} bytes, not {entry.size}")
         return f
 
-    def _send_object(self, f, entry, sha: str, path: str, status: int, start: int, end: int, length: int) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(length))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("X-Repo-Commit", sha)
-        self.send_header("ETag", f'"{entry.oid}"')
-        if entry.lfs_oid:
-            self.send_header("X-Linked-Etag", f'"{entry.lfs_oid}"')
-            self.send_header("X-Linked-Size", str(entry.size))
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{entry.size}")
-        self.send_header("Content-Disposition", f"inline; filename*=UTF-8''{quote(Path(path).name)}")
-        self.end_headers()
-        if self.command == "HEAD":
-            return
+
+class _Download:
+    """An opened stored object to send: the headers first, then the bytes a MiB at a time (read in a worker thread;
+    each send bounded by the read timeout, so a client that stops taking bytes is cut)."""
+
+    def __init__(self, f, path, status, headers, start, length):
+        self.f, self.path, self.status, self.headers, self.start, self.length = f, path, status, headers, start, length
+
+    async def response(self, call: _Call):
+        download = self
+
+        class ObjectResponse:
+            async def __call__(self, scope, receive, send):
+                await download.send(call, send)
+
+        return ObjectResponse()
+
+    async def send(self, call: _Call, send) -> None:
+        from ..web.server import abort
+
+        timeout = call.hub.limits.read_timeout
         try:
-            f.seek(start)
-            left = length
+            await send({"type": "http.response.start", "status": self.status,
+                        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                    for k, v in self.headers.items()]})
+            left = 0 if call.method == "HEAD" else self.length
+            await _thread(self.f.seek, self.start)
             while left > 0:
-                chunk = f.read(min(left, 1 << 20))
+                chunk = await _thread(self.f.read, min(left, DOWNLOAD_CHUNK))
                 if not chunk:
                     raise OSError("object shorter than announced")
-                self.wfile.write(chunk)
                 left -= len(chunk)
+                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": left > 0}),
+                                       timeout)
+            if call.method == "HEAD" or self.length == 0:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # headers are out: the only honest answer left is to cut the response short
-            logger.exception("reading the stored object of %s failed mid-response", path)
-            raise _Abort() from None
+            logger.exception("reading the stored object of %s failed mid-response", self.path)
+            await abort(call.request)
+        except asyncio.TimeoutError:  # the client stopped taking bytes
+            await abort(call.request)
+        finally:
+            self.f.close()
 
 
-_ROUTES = [(m, re.compile(p), n) for m, p, n in [
-    ("GET", r"^/api/whoami-v2$", "whoami"),
-    ("POST", r"^/api/repos/create$", "create_repo"),
-    ("DELETE", r"^/api/repos/delete$", "delete_repo"),
-    ("POST", r"^/api/validate-yaml$", "validate_yaml"),
-    ("GET", rf"^/api/{_T}/{_R}(?:/revision/([^/]+))?$", "repo_info"),
-    ("GET", rf"^/api/{_T}/{_R}/tree/([^/]+)(/.*)?$", "tree"),
-    ("GET", rf"^/api/{_T}/{_R}/refs$", "refs"),
-    ("GET", rf"^/api/{_T}/{_R}/xet-(read|write)-token(?:/.*)?$", "xet_token"),
-    ("GET", rf"^/api/{_T}/{_R}/commits/([^/]+)$", "commits"),
-    ("POST", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
-    ("DELETE", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op"),
-    ("POST", rf"^/api/{_T}/{_R}/preupload/([^/]+)$", "preupload"),
-    ("POST", rf"^/api/{_T}/{_R}/paths-info/([^/]+)$", "paths_info"),
-    ("POST", rf"^/api/{_T}/{_R}/commit/([^/]+)$", "commit"),
-    ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/batch$", "lfs_batch"),
-    ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/verify$", "lfs_verify"),
-    ("PUT", r"^/_lfs/([0-9a-f]{64})$", "lfs_upload"),
-    ("GET", _PREFIX + r"([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$", "resolve"),
+# (method, raw-path pattern, handler, authentication decided from the headers before any body byte, body kind)
+_ROUTES = [(m, re.compile(p), n, a, b) for m, p, n, a, b in [
+    ("GET", r"^/api/whoami-v2$", "whoami", "user", None),
+    ("POST", r"^/api/repos/create$", "create_repo", "user", "json"),
+    ("DELETE", r"^/api/repos/delete$", "delete_repo", "user", "json"),
+    ("POST", r"^/api/validate-yaml$", "validate_yaml", "user", "json"),
+    ("GET", rf"^/api/{_T}/{_R}(?:/revision/([^/]+))?$", "repo_info", "read", None),
+    ("GET", rf"^/api/{_T}/{_R}/tree/([^/]+)(/.*)?$", "tree", "read", None),
+    ("GET", rf"^/api/{_T}/{_R}/refs$", "refs", "read", None),
+    ("GET", rf"^/api/{_T}/{_R}/xet-(read|write)-token(?:/.*)?$", "xet_token", None, None),
+    ("GET", rf"^/api/{_T}/{_R}/commits/([^/]+)$", "commits", "read", None),
+    ("POST", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op", "write", "json"),
+    ("DELETE", rf"^/api/{_T}/{_R}/(branch|tag)/([^/]+)$", "ref_op", "write", None),
+    ("POST", rf"^/api/{_T}/{_R}/preupload/([^/]+)$", "preupload", "write", "json"),
+    ("POST", rf"^/api/{_T}/{_R}/paths-info/([^/]+)$", "paths_info", "read", "json"),
+    ("POST", rf"^/api/{_T}/{_R}/commit/([^/]+)$", "commit", "write", "ndjson"),
+    ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/batch$", "lfs_batch", "write", "json"),
+    ("POST", _PREFIX + r"([^/]+)/([^/]+)\.git/info/lfs/objects/verify$", "lfs_verify", "write", "json"),
+    ("PUT", r"^/_lfs/([0-9a-f]{64})$", "lfs_upload", "sig", "stream"),
+    ("GET", _PREFIX + r"([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$", "resolve", "read", None),
 ]]
 
 
