@@ -80,6 +80,16 @@ CONVENTIONS: tuple[Convention, ...] = (
                "OpenUnlearning's system prompt, Llama-3 date string and Llama-2 [INST] wrapper follow its model "
                "configs, and its plain 'Answer: ' never scores the first answer token (the trailing space is a "
                "token of its own in the prompt and merges into that token in the full text)"),
+    Convention("attention mask", "evaluate_tofu(attention_mask=)", "tokens", "not_pad", "kept",
+               "OpenUnlearning's collator masks every position whose id is the pad id, and pad is EOS when a tokenizer "
+               "has none: where EOS closes each chat turn (SmolLM2's <|im_end|>, its pad token) the prompt's turn ends "
+               "are hidden from the model in training and evaluation (SmolLM2, 40 TOFU forget rows: forget "
+               "probability 0.109 with it, 0.132 without). Every token of a row is input here. The same option on "
+               "evaluate_muse_news, evaluate_robustness, UnlearningConfig and QACollator"),
+    Convention("MUSE verbmem prompt length", "evaluate_muse_news(max_prompt_tokens=)",
+               "1024 (the start token and the last 1023)", "the whole prompt", "kept",
+               "a bound for models with 1024 positions (GPT-2); MUSE's 100 prompts are 819-972 tokens with the GPT-2, "
+               "GPT-NeoX and SmolLM2 tokenizers, so it cuts none of them; None keeps the whole prompt"),
     Convention("training budget", "training_preset(preset=)", "5 epochs, batch 4, no warm-up, no weight decay",
                "10 epochs, batch 8 x 4 accumulation, 1 warm-up epoch, weight decay 0.01", "kept",
                "the command-line budget predates the preset and every recorded result uses it"),
@@ -88,7 +98,7 @@ CONVENTIONS: tuple[Convention, ...] = (
 # OpenUnlearning's configs/trainer/finetune.yaml with configs/experiment/unlearn/tofu/default.yaml on one device
 _OU_TRAINING = {"num_train_epochs": 10.0, "learning_rate": 1e-5, "weight_decay": 0.01,
                 "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "max_length": 512,
-                "kl_positions": "all", "prompt_format": "open-unlearning"}
+                "kl_positions": "all", "prompt_format": "open-unlearning", "attention_mask": "not_pad"}
 _OU_METHODS: dict[str, dict[str, Any]] = {
     # OpenUnlearning's NPO is NPO with an NLL retain term (our npo_rt); its SimNPO default is the simnpo_tofu setting
     "npo": {"retain_loss": "ce"},
@@ -97,9 +107,11 @@ _OU_METHODS: dict[str, dict[str, Any]] = {
             "trainable_parameters": "all", "loss_reduction": "open_unlearning"},
 }
 _OU_EVALUATION = {"tofu": {"max_length": 512, "zlib_text": "decoded", "variance_floor": 1e-6,
-                           "es_no_match": "one_over_n", "prompt_format": "open-unlearning"},
-                  "muse_news": {"max_length": 2048, "variance_floor": 1e-6, "verbmem_stop": "eos"},
-                  "robustness": {"max_length": 512, "es_no_match": "one_over_n", "prompt_format": "open-unlearning"}}
+                           "es_no_match": "one_over_n", "prompt_format": "open-unlearning", "attention_mask": "not_pad"},
+                  "muse_news": {"max_length": 2048, "variance_floor": 1e-6, "verbmem_stop": "eos",
+                                "max_prompt_tokens": None, "attention_mask": "not_pad"},
+                  "robustness": {"max_length": 512, "es_no_match": "one_over_n", "prompt_format": "open-unlearning",
+                                 "attention_mask": "not_pad"}}
 
 
 def check_preset(preset: str | None) -> str | None:

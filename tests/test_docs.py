@@ -46,7 +46,7 @@ def _text(path) -> str:
 
 
 def test_every_cli_command_and_option_is_in_the_cli_reference(site):
-    page = _text(site / "reference" / "cli" / "index.html")
+    page = _text(site / "reference" / "cli.html")
     missing = []
     for path, parser in _hooks().cli_parsers():
         name = " ".join(("hf-unlearn", *path))
@@ -64,7 +64,7 @@ def test_cli_reference_is_the_parsers_help_text(site):
 
     from hf_unlearn.cli import build_parser
 
-    page = _text(site / "reference" / "cli" / "index.html")
+    page = _text(site / "reference" / "cli.html")
     os.environ["COLUMNS"], old = _hooks().WIDTH, os.environ.get("COLUMNS")
     try:
         for argv in (["forget"], ["trace", "replay"], ["requests", "serve"], ["hub", "verify"]):
@@ -79,7 +79,7 @@ def test_cli_reference_is_the_parsers_help_text(site):
 def test_every_public_name_is_in_the_api_reference(site):
     import hf_unlearn
 
-    page = (site / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    page = (site / "reference" / "api.html").read_text(encoding="utf-8")
     anchors = set(re.findall(r'id="(hf_unlearn\.[\w.]+)"', page))
     missing = [n for n in hf_unlearn.__all__ if n != "__version__"
                and f"{hf_unlearn._LAZY[n]}.{n}" not in anchors]
@@ -89,13 +89,52 @@ def test_every_public_name_is_in_the_api_reference(site):
 def test_benchmark_figures_are_on_the_pages(site):
     """The figures named by the issue are shown (the PNGs come from benchmarks/, where the scripts write them)."""
     shown = {}
-    for page in (site / "benchmarks").rglob("index.html"):
+    for page in (site / "benchmarks").glob("*.html"):
         for src in re.findall(r'<img[^>]+src="([^"]+\.png)"', page.read_text(encoding="utf-8")):
             target = (page.parent / src).resolve()
             assert target.is_file(), f"{page}: {src} is not in the site"
             shown[target.name] = page
     for name in ("trace_replay_cost.png", "checkpoint_storage.png", "requests_batching.png", "robustness_tiny.png"):
         assert name in shown, f"{name} is not shown on any benchmark page"
+
+
+def test_the_site_keeps_file_urls_and_offline_search(site):
+    """Opened as build/docs/index.html (file://, as the README says), a link to a folder shows a directory listing and a
+    search worker cannot start: every link is to a NAME.html file, and search has its inlined index and its local
+    worker shim (nothing fetched from the network). tests/test_docs_browser.py loads the pages in Chromium."""
+    import yaml
+
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+    assert config["use_directory_urls"] == "false"
+    assert "offline" in config["plugins"] and "search" in config["plugins"]
+    for shim in config["extra"]["polyfills"]:
+        assert not re.match(r"^[a-z]+://", shim) and (ROOT / "docs" / shim).is_file(), shim
+    assert (site / "search" / "search_index.js").is_file()
+    folders = []
+    for page in set(site.rglob("*.html")) - {site / "404.html"}:  # 404.html is for servers: its links are absolute
+        for href in re.findall(r'<a [^>]*href="([^"]*)"', page.read_text(encoding="utf-8")):
+            if re.match(r"^([a-z]+:|#)", href):
+                continue
+            target = page.parent / href.split("#")[0]
+            if href.split("#")[0] and not target.is_file():
+                folders.append(f"{page.relative_to(site)}: {href}")
+    assert folders == []
+
+
+ISSUE_NUMBER = re.compile(r"(?i)\bissues?[ -]*#?\d+|(?<![\w&/#])#\d+\b")
+
+
+def test_no_page_names_an_issue_number(site):
+    """A reader cannot see the project's tracker: the docs name capabilities, never "issue #31" or "#16"."""
+    sources = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    hits = [f"{path.relative_to(ROOT)}:{n}: {m.group(0)}" for path in sources
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            for m in ISSUE_NUMBER.finditer(line)]
+    hits += [f"{page.relative_to(site)}: {m.group(0)}" for page in site.rglob("*.html")
+             for m in ISSUE_NUMBER.finditer(_text(page))]
+    assert hits == []
+    assert ISSUE_NUMBER.search("the guards (issue #31)") and ISSUE_NUMBER.search("issues #15/#16")
+    assert ISSUE_NUMBER.search("the issue-#16 run") and not ISSUE_NUMBER.search("seed 16, step #")
 
 
 def test_readme_links_lead_to_files():

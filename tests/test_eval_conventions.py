@@ -359,3 +359,165 @@ def test_tofu_reference_trains_with_the_format_it_is_evaluated_with(monkeypatch,
             train_retain_reference(None, tok, forget_split="forget01", output_dir=tmp_path, tofu_path=TOFU_DIR,
                                    prompt_format=fmt, progress=False)
     assert seen == [PromptFormat.open_unlearning(tok), PromptFormat(chat_template=False)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the attention mask: OpenUnlearning's collator builds it as input_ids != pad, with pad = EOS where a tokenizer has
+# none, so EOS tokens closing the turns of a chat prompt are masked (training and evaluation)
+
+
+def _llama3_model(tok):
+    from .test_trace_common import config_model
+
+    return config_model("llama", tok).eval()  # 2 heads sharing 1 key/value head, seeded
+
+
+def _direct_nll(model, ids: list[int], labels: list[int], pad: int) -> float:
+    """Mean answer NLL of one sequence with OpenUnlearning's mask, computed here: ``input_ids != pad``."""
+    import torch
+
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=x, attention_mask=x.ne(pad).long()).logits[0, :-1]
+    target = torch.tensor(labels[1:])
+    keep = target != -100
+    return float(torch.nn.functional.cross_entropy(logits[keep], target[keep]))
+
+
+def test_not_pad_mask_is_input_ids_ne_pad_in_the_collator_scoring_and_generation(llama3_style):
+    import torch
+
+    from hf_unlearn.data.collators import QACollator
+    from hf_unlearn.eval.runner import generate_texts, pad_token_id, score_sequences
+
+    tok = llama3_style
+    pad = pad_token_id(tok)  # no pad token: EOS (<|eot_id|>), as OpenUnlearning sets it
+    assert tok.pad_token_id is None and pad == tok.eos_token_id
+    fmt = PromptFormat.open_unlearning(tok)
+    encs = [encode_qa(tok, Q, A, 512, fmt), encode_qa(tok, "Why?", "Because.", 512, fmt)]
+    assert encs[0]["input_ids"][:-1].count(pad) == 2  # the system and user turns end with EOS inside the prompt
+    batch = QACollator(pad_token_id=pad, attention_mask="not_pad")([dict(e) for e in encs])
+    assert torch.equal(batch["attention_mask"], batch["input_ids"].ne(pad).long())
+    own = QACollator(pad_token_id=pad)([dict(e) for e in encs])
+    assert own["attention_mask"][0].tolist() == [1] * len(encs[0]["input_ids"])
+    model = _llama3_model(tok)
+    ou = score_sequences(model, encs, pad_id=pad, progress=False, attention_mask="not_pad")
+    for st, e in zip(ou, encs):
+        assert st.mean_nll == pytest.approx(_direct_nll(model, e["input_ids"], e["labels"], pad), abs=1e-5)
+    mine = score_sequences(model, encs, pad_id=pad, progress=False)
+    assert abs(mine[0].mean_nll - ou[0].mean_nll) > 1e-4  # masking the turn ends changes what the model sees
+    prompts = [fmt.prompt_ids(tok, Q), fmt.prompt_ids(tok, "Why?")]
+    generated = generate_texts(model, tok, prompts, max_new_tokens=4, progress=False, attention_mask="not_pad")
+    length = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
+    direct = model.generate(input_ids=ids, attention_mask=ids.ne(pad).long(), do_sample=False, max_new_tokens=4,
+                            pad_token_id=pad, eos_token_id=tok.eos_token_id)
+    assert generated == [tok.decode(row[length:], skip_special_tokens=True).strip() for row in direct]
+    with pytest.raises(UnlearnError, match="attention_mask"):
+        QACollator(pad_token_id=pad, attention_mask="eos")
+
+
+def test_tofu_under_the_preset_masks_as_open_unlearning_and_refuses_a_mixed_reference(llama3_style):
+    from hf_unlearn.eval.tofu import evaluate_tofu
+    from hf_unlearn.presets import evaluation_preset
+
+    tok = llama3_style
+    model = _llama3_model(tok)
+    kw = dict(max_items=2, max_new_tokens=2, progress=False, tofu_path=TOFU_DIR, mia_attacks=["loss"])
+    ou = evaluate_tofu(model, tok, **kw, **evaluation_preset("open-unlearning", "tofu"))
+    assert ou.meta["attention_mask"] == "not_pad"
+    fmt = PromptFormat.open_unlearning(tok)
+    first = next(r for r in ou.per_item if r["set"] == "forget")
+    enc = encode_qa(tok, first["question"], first["answer"], 512, fmt)
+    assert first["mean_nll"] == pytest.approx(_direct_nll(model, enc["input_ids"], enc["labels"], tok.eos_token_id),
+                                              abs=1e-5)
+    own = evaluate_tofu(model, tok, **kw, **{**evaluation_preset("open-unlearning", "tofu"), "attention_mask": "tokens"})
+    assert own.summary["forget_probability"] != ou.summary["forget_probability"]
+    with pytest.raises(UnlearnError, match="attention_mask"):
+        evaluate_tofu(model, tok, reference=own, **kw, **evaluation_preset("open-unlearning", "tofu"))
+
+
+def test_training_under_the_preset_collates_with_open_unlearnings_mask(llama3_style):
+    from datasets import Dataset
+
+    from hf_unlearn.methods.baselines import GradAscentConfig, GradAscentTrainer
+    from hf_unlearn.presets import training_preset
+
+    tok = copy.deepcopy(llama3_style)
+    tok.pad_token = tok.eos_token  # as load_tokenizer (and OpenUnlearning) set it
+    rows = Dataset.from_list([{"id": 1, "question": Q, "answer": A}, {"id": 2, "question": "Why?", "answer": "So."}])
+    config = GradAscentConfig(output_dir="unused", report_to=[], use_cpu=True,
+                              **{k: v for k, v in training_preset("open-unlearning", "grad_ascent").items()
+                                 if k in ("attention_mask", "prompt_format", "max_length")})
+    trainer = GradAscentTrainer(model=_llama3_model(tok), args=config, forget_dataset=rows, processing_class=tok)
+    batch = trainer.data_collator([{k: r[k] for k in ("input_ids", "attention_mask", "labels")}
+                                   for r in trainer.train_dataset])
+    assert (batch["attention_mask"] == 0).sum() > (batch["input_ids"] == tok.eos_token_id).sum() // 2
+    assert batch["attention_mask"].tolist() == batch["input_ids"].ne(tok.eos_token_id).long().tolist()
+    with pytest.raises(UnlearnError, match="attention_mask"):
+        GradAscentConfig(output_dir="unused", report_to=[], attention_mask="all")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the MUSE verbmem prompt: OpenUnlearning keeps it whole, start token included
+
+
+def test_verbmem_prompt_is_kept_whole_under_the_preset_and_a_cut_keeps_the_start_token(monkeypatch):
+    from transformers import AutoTokenizer
+
+    import hf_unlearn.eval.runner as runner
+    from hf_unlearn.data.muse import load_muse_news
+    from hf_unlearn.eval.muse import evaluate_muse_news, verbmem_prompt
+    from hf_unlearn.presets import evaluation_preset
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZERS / "gpt2", add_bos_token=True)
+    data = load_muse_news("verbmem", "forget", MUSE_DIR).to_list()[:2]
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(model, tokenizer, prompts, **kw):
+        seen.append([list(p) for p in prompts])
+        raise Stop
+
+    monkeypatch.setattr(runner, "generate_texts", spy)
+    for conventions in (evaluation_preset("open-unlearning", "muse_news"), {"max_prompt_tokens": 64}):
+        with pytest.raises(Stop):
+            evaluate_muse_news(None, tok, muse_path=MUSE_DIR, max_items=2, progress=False, **conventions)
+    whole = [tok(r["prompt"], add_special_tokens=True)["input_ids"] for r in data]  # OpenUnlearning's prefix_ids
+    assert seen[0] == whole and whole[0][0] == tok.bos_token_id and len(whole[0]) > 800
+    assert seen[1] == [[tok.bos_token_id] + w[-63:] for w in whole]  # the cut drops the oldest text, not BOS
+    assert verbmem_prompt(tok, data[0]["prompt"], None) == whole[0] == verbmem_prompt(tok, data[0]["prompt"], 4096)
+    with pytest.raises(UnlearnError, match="max_prompt_tokens"):
+        evaluate_muse_news(None, tok, muse_path=MUSE_DIR, max_prompt_tokens=0, progress=False)
+
+
+@pytest.mark.slow
+def test_smollm2_attention_mask_effect_under_the_preset():
+    """SmolLM2's pad token is its end-of-turn <|im_end|>: under OpenUnlearning's mask the chat prompt's turn ends are
+    hidden. The forget probability of the first 40 TOFU forget10 rows with each mask (printed: the figure
+    docs/evaluation.md quotes), the not_pad one pinned on a row by the direct computation."""
+    from hf_unlearn.eval.tofu import evaluate_tofu
+    from hf_unlearn.models import load_model, load_tokenizer
+    from hf_unlearn.presets import evaluation_preset
+
+    from .conftest import SMOLLM2_DIR
+
+    model, tok = load_model(SMOLLM2_DIR), load_tokenizer(SMOLLM2_DIR)
+    assert tok.pad_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    kw = dict(forget_split="forget10", tofu_path=TOFU_DIR, mia_attacks=["loss"], max_new_tokens=32, batch_size=8,
+              progress=False, max_items={"forget": 40, "retain": 1, "real_authors": 1, "world_facts": 1, "holdout": 1})
+    preset = evaluation_preset("open-unlearning", "tofu")
+    ou = evaluate_tofu(model, tok, **kw, **preset)
+    own = evaluate_tofu(model, tok, **kw, **{**preset, "attention_mask": "tokens"})
+    gens = [[r["generation"] for r in res.per_item if r["set"] == "forget"] for res in (ou, own)]
+    changed = sum(a != b for a, b in zip(*gens))
+    print(f"SmolLM2-135M-Instruct, forget10 first 40 rows, --preset open-unlearning: forget probability "
+          f"{ou.summary['forget_probability']:.4f} (not_pad) vs {own.summary['forget_probability']:.4f} (tokens); "
+          f"{changed} of {len(gens[0])} generations differ")
+    first = next(r for r in ou.per_item if r["set"] == "forget")
+    enc = encode_qa(tok, first["question"], first["answer"], 512, PromptFormat.open_unlearning(tok))
+    assert first["mean_nll"] == pytest.approx(_direct_nll(model, enc["input_ids"], enc["labels"], tok.pad_token_id),
+                                              rel=1e-4)
+    assert abs(ou.summary["forget_probability"] - own.summary["forget_probability"]) > 0.005

@@ -172,8 +172,8 @@ def test_relearning_on_related_rows_and_in_context(models, rows):
     from hf_unlearn.eval.robustness import answer_metrics, in_context_prefix, recovery
 
     tok, finetuned, ascent, exact = models
-    assert [r["id"] for r in rows["same_authors"]] == list(range(30, 40))  # author 1's questions not forgotten
-    for relearn_rows, on in (("paraphrased", "paraphrased"), (rows["same_authors"], "given rows")):
+    assert [r["id"] for r in rows["kept_same_authors"]] == list(range(30, 40))  # author 1's questions not forgotten
+    for relearn_rows, on in (("paraphrased", "paraphrased"), (rows["kept_same_authors"], "given rows")):
         result = _relearn(models, rows, relearn_rows=relearn_rows)
         assert result.meta["relearn_on"] == on and result.meta["evaluated_ids"] == FORGET_IDS
         curve = result.summary["models"]["model"]["relearning"]
@@ -195,3 +195,39 @@ def test_relearning_on_related_rows_and_in_context(models, rows):
     before = answer_metrics(finetuned, tok, [encode_qa(tok, r["question"], r["answer"], MAX_LENGTH) for r in measured])
     expected = recovery(direct["probability"], without["probability"], before["probability"])
     assert icl["recovery"] == pytest.approx(expected["recovery"]) and icl["removed"] == pytest.approx(expected["removed"])
+    assert result.meta["in_context_excluded_ids"] == []  # the other half: no measured row's answer is shown
+
+
+def test_in_context_with_paraphrases_does_not_measure_rows_whose_own_answer_is_shown(models, rows):
+    """With relearn_rows="paraphrased" the rows shown in the prompt are paraphrases of measured rows: those rows would
+    be scored copying their own answer from the prompt. They are left out (and named); the rest are measured as the
+    direct computation says, against their own baseline."""
+    from hf_unlearn.data.tokenize import encode_qa
+    from hf_unlearn.eval.robustness import answer_metrics, in_context_prefix, recovery
+
+    tok, finetuned, ascent, exact = models
+    result = evaluate_robustness(ascent, tok, rows["forget"], original=finetuned, attacks=["in_context"], seed=0,
+                                 in_context_rows=2, max_length=MAX_LENGTH, relearn_rows="paraphrased", progress=False)
+    shown, left_out = result.meta["in_context_shown_ids"], result.meta["in_context_excluded_ids"]
+    assert len(shown) == 2 and sorted(left_out) == sorted(shown)  # each shown pair is a measured row's paraphrase
+    assert any("own answer is in the prompt" in n for n in result.meta["notes"])
+    assert "(2 rows whose own answer is shown not measured)" in result.to_markdown()
+    paraphrases = [{**r, "question": r["paraphrased_question"], "answer": r["paraphrased_answer"]}
+                   for r in rows["forget"]]
+    context = in_context_prefix(paraphrases, 2, seed=0)
+    assert all(r["answer"] in context for r in paraphrases if r["id"] in shown)
+    measured = [r for r in rows["forget"] if r["id"] not in shown]
+    direct = answer_metrics(ascent, tok, [encode_qa(tok, context + r["question"], r["answer"], 512) for r in measured])
+    without = answer_metrics(ascent, tok, [encode_qa(tok, r["question"], r["answer"], MAX_LENGTH) for r in measured])
+    before = answer_metrics(finetuned, tok, [encode_qa(tok, r["question"], r["answer"], MAX_LENGTH) for r in measured])
+    icl = result.summary["models"]["model"]["in_context"]
+    assert icl["probability"] == pytest.approx(direct["probability"])
+    assert icl["without_context_probability"] == pytest.approx(without["probability"])
+    expected = recovery(direct["probability"], without["probability"], before["probability"])
+    assert icl["recovery"] == pytest.approx(expected["recovery"])
+    # every row shown: nothing left to measure, the attack is skipped with the reason
+    everything = evaluate_robustness(ascent, tok, rows["forget"], attacks=["in_context"], seed=0, progress=False,
+                                     in_context_rows=len(rows["forget"]), max_length=MAX_LENGTH,
+                                     relearn_rows="paraphrased")
+    assert "in_context" not in everything.summary["models"]["model"]
+    assert any("no row is left" in n for n in everything.meta["notes"])

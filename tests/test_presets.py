@@ -91,17 +91,20 @@ def test_open_unlearning_preset_values():
                   "gradient_accumulation_steps": 4, "max_length": 512, "kl_positions": "all", "layer_id": 7,
                   "steering_coeff": 2.0, "lambda_retain": 1.0, "lambda_forget": 1.0, "trainable_parameters": "all",
                   "loss_reduction": "open_unlearning", "warmup_steps": 12,  # 1 epoch: 400 // (8 * 4)
-                  "prompt_format": "open-unlearning"}
+                  "prompt_format": "open-unlearning", "attention_mask": "not_pad"}
     assert training_preset("open-unlearning", "npo")["retain_loss"] == "ce"  # OpenUnlearning's NPO is NPO+RT
     assert "retain_loss" not in training_preset("open-unlearning", "npo_klr", fixed={"retain_loss": "kl"})
     assert training_preset(None, "npo") == {} == training_preset("hf-unlearn", "npo")
     assert evaluation_preset("open-unlearning", "muse_news") == {"max_length": 2048, "variance_floor": 1e-6,
-                                                                 "verbmem_stop": "eos"}
+                                                                 "verbmem_stop": "eos", "max_prompt_tokens": None,
+                                                                 "attention_mask": "not_pad"}
     tofu = evaluation_preset("open-unlearning", "tofu")
     assert (tofu["zlib_text"], tofu["es_no_match"], tofu["prompt_format"]) == ("decoded", "one_over_n",
                                                                               "open-unlearning")
     assert evaluation_preset("open-unlearning", "robustness") == {"max_length": 512, "es_no_match": "one_over_n",
-                                                                  "prompt_format": "open-unlearning"}
+                                                                  "prompt_format": "open-unlearning",
+                                                                  "attention_mask": "not_pad"}
+    assert tofu["attention_mask"] == "not_pad"
     with pytest.raises(UnlearnError, match="unknown preset"):
         training_preset("openunlearning", "npo")
     # every value is a real config field of the method
@@ -111,7 +114,7 @@ def test_open_unlearning_preset_values():
         config = get_method(method).make_config(output_dir="unused", report_to=[],
                                                 **training_preset("open-unlearning", method, 40))
         assert config.kl_positions == "all" and config.gradient_accumulation_steps == 4 and config.warmup_steps == 1
-        assert config.prompt_format == "open-unlearning"
+        assert config.prompt_format == "open-unlearning" and config.attention_mask == "not_pad"
 
 
 def test_cli_preset_runs_with_open_unlearnings_budget(tmp_path):
@@ -165,7 +168,7 @@ def test_readme_remaining_differences_name_real_options_and_every_convention():
         assert param in params, f"docs/evaluation.md names {obj}({param}=), which does not exist"
     for convention in CONVENTIONS:
         assert f"`{convention.option}`" in section, f"docs/evaluation.md's list misses {convention.name} ({convention.option})"
-    assert "1024" not in section  # the privleak length is 2048 everywhere
+    assert not [b for b in section.split("\n- ") if "privleak" in b and "1024" in b]  # privleak: 2048 everywhere
     for option in ("evaluate_tofu(es_no_match=)", "evaluate_muse_news(verbmem_stop=)", "evaluate_tofu(prompt_format=)"):
         assert option in {c.option for c in CONVENTIONS} and f"`{option}`" in section  # issue #34's entries
 
@@ -199,7 +202,8 @@ def test_eval_commands_pass_the_preset_and_explicit_options_win():
     assert (tofu["zlib_text"], tofu["variance_floor"], tofu["max_length"]) == ("decoded", 1e-6, 512)
     assert "zlib_text" not in _tofu_kwargs(parser.parse_args(["eval", "tofu", "m"]))
     muse = parser.parse_args(["eval", "muse-news", "m", "--preset", "open-unlearning", "--max-length", "1024"])
-    assert _preset(muse, "muse_news") == {"max_length": 1024, "variance_floor": 1e-6, "verbmem_stop": "eos"}
+    assert _preset(muse, "muse_news") == {"max_length": 1024, "variance_floor": 1e-6, "verbmem_stop": "eos",
+                                          "max_prompt_tokens": None, "attention_mask": "not_pad"}
     muse = parser.parse_args(["eval", "muse-news", "m", "--preset", "open-unlearning", "--verbmem-stop", "ground_truth"])
     assert _preset(muse, "muse_news")["verbmem_stop"] == "ground_truth"  # the default, given: it wins
     assert _preset(parser.parse_args(["eval", "muse-news", "m"]), "muse_news") == {}  # evaluate_muse_news: 2048
@@ -211,7 +215,11 @@ def test_eval_commands_pass_the_preset_and_explicit_options_win():
     # eval robustness takes --preset, as the README says
     robust = parser.parse_args(["eval", "robustness", "m", "--preset", "open-unlearning", "--max-length", "256"])
     assert _preset(robust, "robustness") == {"max_length": 256, "es_no_match": "one_over_n",
-                                             "prompt_format": "open-unlearning"}
+                                             "prompt_format": "open-unlearning", "attention_mask": "not_pad"}
+    given = parser.parse_args(["eval", "muse-news", "m", "--preset", "open-unlearning", "--attention-mask", "tokens",
+                               "--max-prompt-tokens", "512"])
+    assert (_preset(given, "muse_news")["attention_mask"], _preset(given, "muse_news")["max_prompt_tokens"]) == \
+        ("tokens", 512)
     assert _preset(parser.parse_args(["eval", "robustness", "m"]), "robustness") == {}
 
 

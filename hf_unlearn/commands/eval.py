@@ -80,11 +80,11 @@ def register(parser) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--chat-template", choices=("auto", "yes", "no"), default="auto",
                    help="prompt with the tokenizer's chat template (auto: when it has one)")
-    p.add_argument("--relearn-on", choices=("half", "paraphrased", "same-authors"), default="half",
+    p.add_argument("--relearn-on", choices=("half", "paraphrased", "kept-same-authors"), default="half",
                    help="what relearning trains on: half (a seeded half of the forget rows, the other half measured; "
-                        "default), paraphrased (the forget rows' paraphrased questions and answers) or same-authors "
-                        "(the other, kept questions of the forgotten rows' TOFU authors); the last two measure every "
-                        "forget row")
+                        "default), paraphrased (the forget rows' paraphrased questions and answers: the measured facts "
+                        "reworded) or kept-same-authors (the forgotten rows' TOFU authors' other questions, which the "
+                        "model was trained on and kept: not outside data); the last two measure every forget row")
     p.add_argument("--in-context-rows", type=int, default=4,
                    help="forget QA pairs put in the prompt by the in_context attack (default 4)")
     p.add_argument("--recovery-min-removed", type=float, default=None,
@@ -114,11 +114,17 @@ def _common(p, out_default: str) -> None:
 
 
 def _preset_option(p) -> None:
+    from ..data.collators import ATTENTION_MASKS
+
     p.add_argument("--preset", choices=("hf-unlearn", "open-unlearning"), default=None,
                    help="evaluation conventions: open-unlearning = OpenUnlearning's (zlib on the decoded answer "
                         "tokens, Min-k%%++ variance floor 1e-6, privleak texts cut at 2048, extraction strength 1/n "
-                        "when nothing is extracted, MUSE verbmem cut at EOS only, its prompt format for the model "
-                        "family; see hf_unlearn.presets); options given explicitly win")
+                        "when nothing is extracted, MUSE verbmem cut at EOS only and its prompt kept whole, the "
+                        "attention mask input_ids != pad, its prompt format for the model family; see "
+                        "hf_unlearn.presets); options given explicitly win")
+    p.add_argument("--attention-mask", choices=ATTENTION_MASKS, default=None,
+                   help="tokens (every token of a sequence; default) or not_pad (input_ids != pad id, OpenUnlearning: "
+                        "a pad id inside a prompt, e.g. SmolLM2's end-of-turn, is masked)")
 
 
 def _format_options(p) -> None:
@@ -146,7 +152,9 @@ def _muse_options(p) -> None:
     _common(p, "eval_results")
     p.add_argument("--muse", default=None, help="local MUSE-News folder (default: $HF_UNLEARN_DATA_DIR/muse_news)")
     p.add_argument("--max-length", type=int, default=None, help="tokens of each privleak text scored (default 2048)")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="last tokens of each verbmem prompt kept")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="tokens of each verbmem prompt kept: the start token and the last ones (default 1024); 0 = "
+                        "the whole prompt (OpenUnlearning)")
     p.add_argument("--verbmem-max-new-tokens", type=int, default=128)
     p.add_argument("--verbmem-stop", choices=VERBMEM_STOPS, default=None,
                    help="cut each verbmem generation at the ground truth's length (ground_truth; default) or only at "
@@ -191,9 +199,9 @@ def parse_ids(spec: str | None) -> list[int] | None:
 
 # the options a preset sets, per benchmark; their parser default is None, so a value given explicitly (even one equal
 # to the documented default) is told from one not given, and wins
-PRESET_OPTIONS = {"tofu": ("max_length", "es_no_match", "prompt_format"),
-                  "muse_news": ("max_length", "verbmem_stop"),
-                  "robustness": ("max_length", "es_no_match", "prompt_format")}
+PRESET_OPTIONS = {"tofu": ("max_length", "es_no_match", "prompt_format", "attention_mask"),
+                  "muse_news": ("max_length", "verbmem_stop", "attention_mask", "max_prompt_tokens"),
+                  "robustness": ("max_length", "es_no_match", "prompt_format", "attention_mask")}
 
 
 def _preset(args, benchmark: str) -> dict:
@@ -299,6 +307,7 @@ def run_tofu_reference(args) -> int:
     train_retain_reference(model, tok, forget_split=args.forget_split, output_dir=out / "model", tofu_path=args.tofu,
                            recipe=recipe, use_chat_template=kwargs["use_chat_template"],
                            prompt_format=kwargs.get("prompt_format"),
+                           attention_mask=kwargs.get("attention_mask", "tokens"),
                            train_ids=parse_ids(args.train_ids), forget_ids=kwargs["forget_ids"], progress=not args.quiet)
     result = evaluate_tofu(model, tok, **kwargs)
     result.meta["reference_recipe"] = vars(recipe)
@@ -311,10 +320,12 @@ def run_muse(args) -> int:
 
     attacks, examples = _attacks(args), _knowmem_examples(args.knowmem_examples)
     model, tok = _load(args.model)
+    conventions = _preset(args, "muse_news")
+    if conventions.get("max_prompt_tokens") == 0:  # --max-prompt-tokens 0: the whole prompt
+        conventions["max_prompt_tokens"] = None
     result = evaluate_muse_news(
         model, tok, muse_path=args.muse, reference=args.reference, batch_size=args.batch_size,
-        max_items=args.max_items, **_preset(args, "muse_news"), max_prompt_tokens=args.max_prompt_tokens,
-        verbmem_max_new_tokens=args.verbmem_max_new_tokens,
+        max_items=args.max_items, **conventions, verbmem_max_new_tokens=args.verbmem_max_new_tokens,
         knowmem_max_new_tokens=args.knowmem_max_new_tokens, knowmem_examples=examples,
         mia_attacks=attacks, progress=not args.quiet,
     )
@@ -368,9 +379,10 @@ def run_robustness(args) -> int:
         conventions["recovery_min_removed"] = args.recovery_min_removed
     sets = tofu_robustness_rows(args.forget_split, args.tofu, parse_ids(args.forget_ids), parse_ids(args.retain_ids),
                                 max_items=args.max_items)  # data problems fail before models load
-    relearn_rows = {"half": None, "paraphrased": "paraphrased", "same-authors": sets["same_authors"]}[args.relearn_on]
-    if args.relearn_on == "same-authors" and not relearn_rows:
-        raise UnlearnError("--relearn-on same-authors: the forgotten authors have no kept questions (every question "
+    relearn_rows = {"half": None, "paraphrased": "paraphrased",
+                    "kept-same-authors": sets["kept_same_authors"]}[args.relearn_on]
+    if args.relearn_on == "kept-same-authors" and not relearn_rows:
+        raise UnlearnError("--relearn-on kept-same-authors: the forgotten authors have no kept questions (every question "
                            "of theirs is forgotten); name fewer --forget-ids or use --relearn-on half/paraphrased")
     model, tok = _load(args.model)
     original = load_model(args.original) if args.original else None

@@ -11,6 +11,25 @@ from ..errors import UnlearnError
 from ..utils import import_object
 from .tokenize import IGNORE_INDEX
 
+# How a padded batch's attention mask is built: "tokens" (1 on every token of a row, 0 on padding: hf_unlearn's) or
+# "not_pad" (1 wherever the id is not the pad id, OpenUnlearning's collator: a pad id inside a row is masked too, e.g.
+# SmolLM2's end-of-turn <|im_end|>, which is its pad token, in every chat prompt)
+ATTENTION_MASKS = ("tokens", "not_pad")
+
+
+def check_attention_mask(convention: str) -> str:
+    if convention not in ATTENTION_MASKS:
+        raise UnlearnError(f"attention_mask must be one of {', '.join(ATTENTION_MASKS)}, got {convention!r}")
+    return convention
+
+
+def attention_mask(input_ids, tokens, pad_token_id: int, convention: str = "tokens"):
+    """The batch's mask: ``tokens`` (1 on each row's tokens, 0 on its padding) or, with ``"not_pad"``,
+    ``input_ids != pad_token_id`` as OpenUnlearning's collator builds it."""
+    if check_attention_mask(convention) == "not_pad":
+        return (input_ids != pad_token_id).to(tokens.dtype)
+    return tokens
+
 
 @dataclass
 class QACollator:
@@ -18,13 +37,19 @@ class QACollator:
 
     The id column, when present, comes out as an int64 tensor (or a list for string ids) under the same
     key; trainers that need it pop it before the forward pass. Padding is on the right by default so that
-    training is unaffected by padding; evaluation that generates pads on the left.
+    training is unaffected by padding; evaluation that generates pads on the left. ``attention_mask``: ``"tokens"``
+    (the rows' own masks, padded with 0) or ``"not_pad"`` (``input_ids != pad_token_id``, OpenUnlearning's;
+    :data:`ATTENTION_MASKS`).
     """
 
     pad_token_id: int
     padding_side: str = "right"
     pad_to_multiple_of: int | None = None
     id_column: str = "id"
+    attention_mask: str = "tokens"
+
+    def __post_init__(self):
+        check_attention_mask(self.attention_mask)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, **kwargs) -> QACollator:
@@ -52,6 +77,8 @@ class QACollator:
                 fill = [pad] * (length - len(seq))
                 rows.append(seq + fill if self.padding_side == "right" else fill + seq)
             batch[key] = torch.tensor(rows, dtype=torch.long)
+        if self.attention_mask == "not_pad":
+            batch["attention_mask"] = (batch["input_ids"] != self.pad_token_id).long()
         if self.id_column in features[0]:
             ids = [f[self.id_column] for f in features]
             batch[self.id_column] = torch.tensor(ids, dtype=torch.long) if isinstance(ids[0], int) else ids

@@ -896,7 +896,8 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
     from ..data.prompts import prompt_format
 
     eval_kw = dict(max_length=args.max_length, max_new_tokens=config.max_new_tokens, progress=config.progress,
-                   use_chat_template=prompt_format(args.prompt_format, tokenizer))  # the format it trains with
+                   use_chat_template=prompt_format(args.prompt_format, tokenizer),  # the format it trains with
+                   attention_mask=args.attention_mask)
     if sets:
         t = time.perf_counter()
         before = evaluate_qa(model, tokenizer, sets, **eval_kw)

@@ -1,6 +1,7 @@
 """MUSE-News evaluation (Shi et al., 2024): verbatim memorisation, knowledge memorisation, privacy leakage.
 
-* verbmem: greedy continuation of each ``verbmem/forget`` prompt (its last ``max_prompt_tokens`` tokens); with
+* verbmem: greedy continuation of each ``verbmem/forget`` prompt (the tokenizer's start tokens and the prompt's last
+  tokens, ``max_prompt_tokens`` in all; None = the whole prompt, as OpenUnlearning keeps it); with
   ``verbmem_stop="ground_truth"`` (default) as many new tokens as the ground truth has (at most
   ``verbmem_max_new_tokens``), with ``"eos"`` (OpenUnlearning's) ``verbmem_max_new_tokens`` (128) cut only at EOS;
   ROUGE-L F1 against the ground truth;
@@ -110,6 +111,18 @@ def privleak_encoding(tokenizer, text: str, max_length: int, item_id=None) -> di
     return {"input_ids": ids, "labels": [M.IGNORE_INDEX] * keep + ids[keep:]}
 
 
+def verbmem_prompt(tokenizer, prompt: str, max_prompt_tokens: int | None) -> list[int]:
+    """Ids of a verbmem prompt: ``tokenizer(prompt, add_special_tokens=True)`` whole (None, OpenUnlearning's), or cut
+    to ``max_prompt_tokens`` by dropping the oldest text tokens: the start tokens (BOS) stay first."""
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
+        return ids
+    start = len(tokenizer("", add_special_tokens=True)["input_ids"])
+    if max_prompt_tokens <= start:
+        raise UnlearnError(f"max_prompt_tokens={max_prompt_tokens} leaves no prompt text after the start tokens")
+    return ids[:start] + ids[len(ids) - (max_prompt_tokens - start):]
+
+
 def cut_knowmem_answer(generation: str, few_shot: bool) -> str:
     """The answer part of a knowmem generation: up to the first line break (zero-shot), or up to the first blank
     line / ``Question`` (few-shot, OpenUnlearning's stop strings)."""
@@ -128,7 +141,7 @@ def evaluate_muse_news(
     batch_size: int = 4,
     max_items: int | None = None,
     max_length: int = 2048,
-    max_prompt_tokens: int = 1024,
+    max_prompt_tokens: int | None = 1024,
     verbmem_max_new_tokens: int = 128,
     knowmem_max_new_tokens: int = 32,
     knowmem_examples=None,
@@ -136,6 +149,7 @@ def evaluate_muse_news(
     mia_attacks=None,
     variance_floor: float = M.VARIANCE_FLOOR,
     verbmem_stop: str = "ground_truth",
+    attention_mask: str = "tokens",
     progress: bool = True,
 ) -> MuseResult:
     """Evaluate ``model`` on MUSE-News (see the module docstring). ``reference``: the retain-only model's
@@ -149,11 +163,17 @@ def evaluate_muse_news(
     variance floor (OpenUnlearning: 1e-6). ``verbmem_stop``: ``"ground_truth"`` cuts each verbmem generation at the
     ground truth's length in tokens (a verbatim reproduction scores 1.0); ``"eos"`` generates
     ``verbmem_max_new_tokens`` and cuts only at EOS (OpenUnlearning; what the model writes past the ground truth
-    counts against ROUGE-L precision).
+    counts against ROUGE-L precision). ``max_prompt_tokens``: verbmem prompt tokens kept (:func:`verbmem_prompt`;
+    None = the whole prompt, OpenUnlearning's). ``attention_mask``: ``"tokens"`` or ``"not_pad"`` (``input_ids !=
+    pad``, OpenUnlearning's collator), for every model pass.
     """
+    from ..data.collators import check_attention_mask
     from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
 
     attacks = M.check_mia_attacks(mia_attacks)
+    check_attention_mask(attention_mask)
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise UnlearnError(f"max_prompt_tokens must be >= 1 or None (the whole prompt), got {max_prompt_tokens}")
     if verbmem_stop not in VERBMEM_STOPS:
         raise UnlearnError(f"verbmem_stop must be one of {', '.join(VERBMEM_STOPS)}, got {verbmem_stop!r}")
 
@@ -176,6 +196,9 @@ def evaluate_muse_news(
         if ref_meta.get("variance_floor", 1e-12) != variance_floor:
             raise UnlearnError(f"the MUSE reference used variance_floor={ref_meta.get('variance_floor', 1e-12)} and this "
                                f"evaluation {variance_floor}: use the same Min-k%++ convention (the same --preset)")
+        if ref_meta.get("attention_mask", "tokens") != attention_mask:
+            raise UnlearnError(f"the MUSE reference used attention_mask={ref_meta.get('attention_mask', 'tokens')!r} and "
+                               f"this evaluation {attention_mask!r}: use the same convention (the same --preset)")
     verbmem = _rows("verbmem", "forget", muse_path, max_items)
     knowmem = {s: _rows("knowmem", f"{s}_qa", muse_path, max_items) for s in ("forget", "retain2")}
     shots = _knowmem_examples(knowmem_examples, muse_path)
@@ -193,12 +216,11 @@ def evaluate_muse_news(
     # verbatim memorisation
     prompts, budgets = [], []
     for r in verbmem:
-        ids = tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-max_prompt_tokens:]
-        prompts.append(ids)
+        prompts.append(verbmem_prompt(tokenizer, r["prompt"], max_prompt_tokens))
         gt_tokens = len(tokenizer(r["gt"], add_special_tokens=False)["input_ids"])
         budgets.append(verbmem_max_new_tokens if verbmem_stop == "eos" else min(verbmem_max_new_tokens, gt_tokens))
     gens = generate_texts(model, tokenizer, prompts, max_new_tokens=max(budgets), batch_size=batch_size,
-                          desc="MUSE verbmem", progress=progress)
+                          desc="MUSE verbmem", progress=progress, attention_mask=attention_mask)
     scores = []
     for r, g, budget in zip(verbmem, gens, budgets):
         if verbmem_stop == "ground_truth":
@@ -217,6 +239,7 @@ def evaluate_muse_news(
         [tokenizer(prefix[s] + KNOWMEM_PROMPT.format(question=r["question"]), add_special_tokens=True)["input_ids"]
          for s, r in qa],
         max_new_tokens=knowmem_max_new_tokens, batch_size=batch_size, desc="MUSE knowmem", progress=progress,
+        attention_mask=attention_mask,
     )
     by_set: dict[str, list[tuple[float, float]]] = {s: [] for s in knowmem}
     for (s, r), g in zip(qa, gens):
@@ -234,10 +257,12 @@ def evaluate_muse_news(
     texts = [(s, r) for s, rows in priv.items() for r in rows]
     encodings = [privleak_encoding(tokenizer, r["text"], max_length, r["id"]) for _, r in texts]
     stats = score_sequences(model, encodings, pad_id=pad_token_id(tokenizer), batch_size=batch_size,
-                            desc="MUSE privleak", progress=progress, variance_floor=variance_floor)
+                            desc="MUSE privleak", progress=progress, variance_floor=variance_floor,
+                            attention_mask=attention_mask)
     eos = tokenizer.eos_token_id
     norms = (gradient_norms(model, [{**e, "labels": M.labels_without_final_eos(e["labels"], eos)} for e in encodings],
-                            desc="MUSE gradient norms", progress=progress)
+                            desc="MUSE gradient norms", progress=progress, pad_id=pad_token_id(tokenizer),
+                            attention_mask=attention_mask)
              if "gradnorm" in attacks else [None] * len(encodings))
     mia = {s: [] for s in priv}
     for (s, r), st, enc, norm in zip(texts, stats, encodings, norms):
@@ -265,6 +290,7 @@ def evaluate_muse_news(
         "privleak_after_start_token": True,
         "variance_floor": variance_floor,
         "verbmem_stop": verbmem_stop,
+        "attention_mask": attention_mask,
         "max_prompt_tokens": max_prompt_tokens,
         "verbmem_max_new_tokens": verbmem_max_new_tokens,
         "knowmem_max_new_tokens": knowmem_max_new_tokens,

@@ -23,13 +23,14 @@ def _rouge_available() -> bool:
 
 def evaluate_qa(model, tokenizer, sets: Mapping[str, Sequence[dict]], *, max_length: int = 256,
                 max_new_tokens: int = 64, batch_size: int = 16, generate: bool = True,
-                use_chat_template=None, progress: bool = True) -> dict[str, dict]:
+                use_chat_template=None, attention_mask: str = "tokens", progress: bool = True) -> dict[str, dict]:
     """``{set: {"items", "answer_loss", "probability", "rouge_l"}}`` for each named list of rows.
 
     Rows are raw QA (``question``, ``answer``) or tokenised (``input_ids``, ``labels``; no ROUGE-L then).
     ``rouge_l`` is None when ``generate`` is off, the rows are tokenised, or rouge_score is not installed.
     ``use_chat_template``: None (the tokenizer's template when it has one), a bool or a
-    :class:`~hf_unlearn.data.prompts.PromptFormat` (the format the model was trained with).
+    :class:`~hf_unlearn.data.prompts.PromptFormat` (the format the model was trained with); ``attention_mask``: the
+    mask it was trained with (``"tokens"`` / ``"not_pad"``, :data:`hf_unlearn.data.collators.ATTENTION_MASKS`).
     """
     from ..data.tokenize import encode_qa, has_chat_template
     from . import metrics as M
@@ -51,14 +52,14 @@ def evaluate_qa(model, tokenizer, sets: Mapping[str, Sequence[dict]], *, max_len
         else:
             raise UnlearnError(f"the {name} rows have neither question/answer nor input_ids/labels columns")
         stats = score_sequences(model, enc, pad_id=pad, batch_size=batch_size, desc=f"scoring {name}",
-                                progress=progress)
+                                progress=progress, attention_mask=attention_mask)
         nll = [s.mean_nll for s in stats]
         res = {"items": len(rows), "answer_loss": sum(nll) / len(nll),
                "probability": sum(M.probability(x) for x in nll) / len(nll), "rouge_l": None}
         if generate and text and _rouge_available():
             prompts = [prompt_ids(tokenizer, r["question"], chat) for r in rows]
             answers = generate_texts(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                     desc=f"generating {name}", progress=progress)
+                                     desc=f"generating {name}", progress=progress, attention_mask=attention_mask)
             res["rouge_l"] = sum(M.rouge_l_recall(a, r["answer"]) for a, r in zip(answers, rows)) / len(rows)
         out[name] = res
     return out

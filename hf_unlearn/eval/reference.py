@@ -27,13 +27,15 @@ class ReferenceRecipe:
 
 def train_retain_reference(model, tokenizer, *, forget_split: str = "forget10", output_dir: str | os.PathLike,
                            tofu_path=None, recipe: ReferenceRecipe | None = None, use_chat_template: bool | None = None,
-                           train_ids=None, forget_ids=None, prompt_format=None, progress: bool = True):
+                           train_ids=None, forget_ids=None, prompt_format=None, attention_mask: str = "tokens",
+                           progress: bool = True):
     """Fine-tune ``model`` in place on ``retainNN`` (the complement of ``forget_split``) and save it to
     ``output_dir``; returns the model. ``recipe.max_train_rows`` takes a seeded subset for quick runs.
 
     ``train_ids`` (rows of ``full``) replaces ``retainNN`` for experiments on a TOFU subset (e.g. 18 of 20 authors);
     it may not contain any of ``forget_ids``, or the reference would not be retain-only. ``prompt_format``: as for
-    :func:`~hf_unlearn.eval.tofu.evaluate_tofu` (train the reference with the format it is evaluated with).
+    :func:`~hf_unlearn.eval.tofu.evaluate_tofu` (train the reference with the format it is evaluated with);
+    ``attention_mask``: the collator's (:class:`~hf_unlearn.data.collators.QACollator`), likewise.
     """
     from transformers import Trainer, TrainingArguments
 
@@ -79,7 +81,7 @@ def train_retain_reference(model, tokenizer, *, forget_split: str = "forget10", 
         logging_steps=10,
         disable_tqdm=not progress,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=QACollator.from_tokenizer(tokenizer))
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=QACollator.from_tokenizer(tokenizer, attention_mask=attention_mask))
     trainer.train()
     model.save_pretrained(output_dir)
     weights_follow_umask(output_dir)

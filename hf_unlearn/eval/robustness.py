@@ -124,18 +124,34 @@ def related_relearn_rows(rows: Sequence[dict], relearn_rows=None, relearn_ids: I
     return "given rows", related, list(rows)
 
 
-def in_context_prefix(rows: Sequence[dict], n: int, seed: int = 0, lead: str = "Question: ") -> str:
-    """The in-context attack's prefix to a measured question: ``n`` of ``rows`` (a seeded choice, in row order) as
-    ``Question: q\\nAnswer: a`` blocks separated by a blank line, ending in ``Question: `` (the measured question
-    follows). ``lead``: what the prompt format already puts before the question (a plain prompt's ``Question: ``) is
-    not repeated."""
+def in_context_choice(rows: Sequence[dict], n: int, seed: int = 0) -> list[dict]:
+    """The ``n`` of ``rows`` the in-context attack shows (a seeded choice, in row order)."""
     import torch
 
     from ..methods.base import independent_generator
 
     order = torch.randperm(len(rows), generator=independent_generator(seed, "in-context")).tolist()[:n]
-    blocks = [f"{rows[i]['question']}\nAnswer: {rows[i]['answer']}\n\nQuestion: " for i in sorted(order)]
+    return [rows[i] for i in sorted(order)]
+
+
+def in_context_prefix(rows: Sequence[dict], n: int, seed: int = 0, lead: str = "Question: ") -> str:
+    """The in-context attack's prefix to a measured question: the :func:`in_context_choice` of ``rows`` as
+    ``Question: q\\nAnswer: a`` blocks separated by a blank line, ending in ``Question: `` (the measured question
+    follows). ``lead``: what the prompt format already puts before the question (a plain prompt's ``Question: ``) is
+    not repeated."""
+    blocks = [f"{r['question']}\nAnswer: {r['answer']}\n\nQuestion: " for r in in_context_choice(rows, n, seed)]
     return ("" if lead == "Question: " else "Question: ") + "".join(blocks)
+
+
+def own_answer_shown(measured: Sequence[dict], shown: Sequence[dict]) -> list:
+    """Ids of the ``measured`` rows whose own answer is in the in-context prompt: a shown row with the same id (with
+    ``relearn_rows="paraphrased"`` the shown rows are the measured rows' own paraphrases) or the same answer text.
+    Measured, they would score the model copying its answer from the prompt, not recalling it."""
+    def norm(text) -> str:
+        return " ".join(str(text).split()).casefold()
+
+    ids, answers = {str(r["id"]) for r in shown}, {norm(r["answer"]) for r in shown}
+    return [r["id"] for r in measured if str(r["id"]) in ids or norm(r["answer"]) in answers]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,12 +171,13 @@ def _encode(tokenizer, rows, chat: bool, max_length: int, question_key: str = "q
 
 
 def answer_metrics(model, tokenizer, encodings: Sequence[dict], *, batch_size: int = 16,
-                   es_no_match: str = "zero") -> dict[str, float]:
+                   es_no_match: str = "zero", attention_mask: str = "tokens") -> dict[str, float]:
     """Mean answer probability (``exp(-mean NLL)``), exact memorisation and extraction strength (answers without their
     final EOS for the last two, as :func:`~hf_unlearn.eval.tofu.evaluate_tofu` scores them)."""
     from .runner import pad_token_id, score_sequences
 
-    stats = score_sequences(model, encodings, pad_id=pad_token_id(tokenizer), batch_size=batch_size, progress=False)
+    stats = score_sequences(model, encodings, pad_id=pad_token_id(tokenizer), batch_size=batch_size, progress=False,
+                            attention_mask=attention_mask)
     eos = tokenizer.eos_token_id
     bodies = [M.drop_final_eos(st, enc["labels"], eos) for st, enc in zip(stats, encodings)]
     return {"probability": M.nanmean([M.probability(st.mean_nll) for st in stats]),
@@ -180,7 +197,8 @@ def _check_relearning(steps, learning_rate: float, batch_size: int) -> list[int]
 def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Sequence[dict], *,
                      steps: Sequence[int] = DEFAULT_STEPS, learning_rate: float = 1e-5, batch_size: int = 4,
                      seed: int = 0, batch_size_eval: int = 16, progress: bool = True,
-                     desc: str = "relearning", es_no_match: str = "zero") -> list[dict[str, float]]:
+                     desc: str = "relearning", es_no_match: str = "zero",
+                     attention_mask: str = "tokens") -> list[dict[str, float]]:
     """Answer metrics of ``evaluated`` after ``k`` AdamW steps on ``relearn`` (tokenised encodings), for each ``k``.
 
     The steps train a deep copy of ``model`` (``model`` itself is untouched), one run up to ``max(steps)`` with the
@@ -195,7 +213,9 @@ def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Seque
     from ..methods.base import independent_generator
 
     steps = _check_relearning(steps, learning_rate, batch_size)
-    collate = QACollator.from_tokenizer(tokenizer)
+    from .runner import pad_token_id
+
+    collate = QACollator(pad_token_id=pad_token_id(tokenizer), attention_mask=attention_mask)
     attacked = copy.deepcopy(model)
     device = next(attacked.parameters()).device
     params = [p for p in attacked.parameters() if p.is_floating_point()]
@@ -211,7 +231,7 @@ def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Seque
         for k in range(steps[-1] + 1):
             if k in steps:
                 curve.append({"step": k, **answer_metrics(attacked, tokenizer, evaluated, batch_size=batch_size_eval,
-                                                          es_no_match=es_no_match)})
+                                                          es_no_match=es_no_match, attention_mask=attention_mask)})
             if k == steps[-1]:
                 break
             picked = []
@@ -232,10 +252,13 @@ def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Seque
     return curve
 
 
-def answer_hidden_states(model, encodings: Sequence[dict], pad_id: int, batch_size: int = 16):
+def answer_hidden_states(model, encodings: Sequence[dict], pad_id: int, batch_size: int = 16,
+                         attention_mask: str = "tokens"):
     """``[layers + 1, rows, hidden]``: per layer (0 = embeddings), the mean hidden state over each row's answer tokens."""
     import numpy as np
     import torch
+
+    from ..data.collators import attention_mask as batch_mask
 
     was_training = model.training
     model.eval()
@@ -254,6 +277,7 @@ def answer_hidden_states(model, encodings: Sequence[dict], pad_id: int, batch_si
                     ids[i, :n] = torch.tensor(e["input_ids"])
                     mask[i, :n] = 1
                     answer[i, :n] = torch.tensor(e["labels"]) != M.IGNORE_INDEX
+                mask = batch_mask(ids, mask, pad_id, attention_mask)
                 out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
                 weights = answer.to(device).float().unsqueeze(-1)
                 layers = [(h.float() * weights).sum(1) / weights.sum(1).clamp(min=1) for h in out.hidden_states]
@@ -263,25 +287,27 @@ def answer_hidden_states(model, encodings: Sequence[dict], pad_id: int, batch_si
     return np.concatenate(rows, axis=1)
 
 
-def probe_scores(model, forget_enc, holdout_enc, pad_id: int, seed: int = 0) -> dict[str, Any]:
+def probe_scores(model, forget_enc, holdout_enc, pad_id: int, seed: int = 0,
+                 attention_mask: str = "tokens") -> dict[str, Any]:
     """Per-layer cross-validated probe accuracy separating forget from holdout answers, its maximum, and chance."""
     from ..analysis.probes import majority_baseline, probe_by_layer
 
-    states = answer_hidden_states(model, list(forget_enc) + list(holdout_enc), pad_id)
+    states = answer_hidden_states(model, list(forget_enc) + list(holdout_enc), pad_id, attention_mask=attention_mask)
     labels = [1] * len(forget_enc) + [0] * len(holdout_enc)
     by_layer = probe_by_layer(states, labels, seed=seed)
     return {"by_layer": by_layer, "max": max(by_layer), "chance": majority_baseline(labels)}
 
 
 def truth_probe_scores(model, train: tuple[Sequence[dict], Sequence[dict]], test: tuple[Sequence[dict], Sequence[dict]],
-                       pad_id: int) -> dict[str, Any]:
+                       pad_id: int, attention_mask: str = "tokens") -> dict[str, Any]:
     """Per layer, a probe fitted on the mean answer hidden states of true vs perturbed answers of ``train`` (rows the
     models kept) and scored on ``test`` (the forget rows): can the hidden states still tell a forgotten answer from a
     false one? ``train``/``test``: (true-answer encodings, perturbed-answer encodings)."""
     from ..analysis.probes import transfer_accuracy
 
     n_train, n_test = len(train[0]) + len(train[1]), len(test[0]) + len(test[1])
-    states = answer_hidden_states(model, [*train[0], *train[1], *test[0], *test[1]], pad_id)
+    states = answer_hidden_states(model, [*train[0], *train[1], *test[0], *test[1]], pad_id,
+                                  attention_mask=attention_mask)
     y_train = [1] * len(train[0]) + [0] * len(train[1])
     y_test = [1] * len(test[0]) + [0] * len(test[1])
     by_layer = [transfer_accuracy(layer[:n_train], y_train, layer[n_train:n_train + n_test], y_test)
@@ -328,12 +354,16 @@ class RobustnessResult(EvalResult):
             row = [cell(models[n]["evaluated_half"] if n == "original" else
                         (models[n].get("relearning") or [None] * (i + 1))[i]) for n in names]
             what = {"half": "held-out half", "paraphrased": "on paraphrases; all forget rows",
-                    "given rows": "on related rows; all forget rows"}[self.meta.get("relearn_on", "half")]
+                    "given rows": "on the given rows; all forget rows"}[self.meta.get("relearn_on", "half")]
             lines.append(f"| relearning, {k} steps ({what}) | " + " | ".join(row) + " |")
         if any(models[n].get("in_context") for n in names):
             row = [cell(models[n].get("in_context")) for n in names]
-            lines.append(f"| in-context, {self.meta.get('in_context_rows')} forget QA pairs in the prompt | "
-                         + " | ".join(row) + " |")
+            shown = {"half": "forget", "paraphrased": "paraphrased forget",
+                     "given rows": "given"}[self.meta.get("relearn_on", "half")]
+            left_out = len(self.meta.get("in_context_excluded_ids") or [])
+            lines.append(f"| in-context, {self.meta.get('in_context_rows')} {shown} QA pairs in the prompt"
+                         + (f" ({left_out} rows whose own answer is shown not measured)" if left_out else "")
+                         + " | " + " | ".join(row) + " |")
         for bits in self.meta.get("bits", []):
             row = [cell((models[n].get("quantization") or {}).get(str(bits))) for n in names]
             lines.append(f"| {bits}-bit quantisation | " + " | ".join(row) + " |")
@@ -396,6 +426,7 @@ def evaluate_robustness(
     recovery_min_removed: float = RECOVERY_MIN_REMOVED,
     es_no_match: str = "zero",
     prompt_format=None,
+    attention_mask: str = "tokens",
     progress: bool = True,
 ) -> RobustnessResult:
     """Run the relearning, quantisation, paraphrase and probe attacks on ``model`` (and ``reference``).
@@ -415,14 +446,17 @@ def evaluate_robustness(
         relearn_rows: what the relearning attack trains on: None (a seeded half of the forget rows, or
             ``relearn_ids``; the other half is measured), ``"paraphrased"`` (every forget row's
             ``paraphrased_question`` and ``paraphrased_answer``: the same facts in other words; every forget row is
-            measured) or rows of related but different data (e.g. the other questions of the same authors; every
-            forget row is measured).
+            measured) or rows of related but different data (e.g. ``tofu_robustness_rows(...)["kept_same_authors"]``,
+            the forgotten authors' other questions, which the model was trained on and kept; every forget row is
+            measured).
         in_context_rows: the ``in_context`` attack puts this many relearn rows (question and answer) in the prompt
             before each measured question: the forget facts given to the model instead of trained into it.
         recovery_min_removed: below this change of the answer probability by unlearning (``before - after``), the
             recovery fraction is not computed (None, with the reason in ``recovery_note``).
-        es_no_match, prompt_format: as for :func:`~hf_unlearn.eval.tofu.evaluate_tofu`.
+        es_no_match, prompt_format, attention_mask: as for :func:`~hf_unlearn.eval.tofu.evaluate_tofu` (the mask
+            also for the relearning steps and the probes' hidden states).
     """
+    from ..data.collators import check_attention_mask
     from .tofu import resolve_prompt_format
 
     attacks = tuple(attacks)
@@ -435,6 +469,7 @@ def evaluate_robustness(
     if "relearning" in attacks:
         _check_relearning(steps, learning_rate, relearn_batch_size)
     M.check_es_no_match(es_no_match)
+    check_attention_mask(attention_mask)
     if in_context_rows < 1:
         raise UnlearnError(f"in_context_rows must be >= 1, got {in_context_rows}")
     chat = resolve_prompt_format(tokenizer, use_chat_template, prompt_format)
@@ -456,9 +491,19 @@ def evaluate_robustness(
     enc_relearn = _encode(tokenizer, relearned, chat, max_length)
     enc_eval = _encode(tokenizer, evaluated_rows, chat, max_length)
     context = in_context_prefix(relearned, in_context_rows, seed, "" if chat.chat_template else chat.user_start)
-    enc_icl = (_encode(tokenizer, [{**r, "question": context + r["question"]} for r in evaluated_rows], chat,
+    shown = in_context_choice(relearned, in_context_rows, seed)
+    excluded = own_answer_shown(evaluated_rows, shown) if "in_context" in attacks else []
+    icl_rows = [r for r in evaluated_rows if r["id"] not in set(excluded)]
+    if excluded:
+        notes.append(f"in-context: {len(excluded)} measured rows whose own answer is in the prompt are not measured "
+                     f"(ids {', '.join(map(str, excluded[:8]))}{', ...' if len(excluded) > 8 else ''})"
+                     + ("; no row is left: the attack was skipped" if not icl_rows else ""))
+        if not icl_rows:
+            attacks = tuple(a for a in attacks if a != "in_context")
+    enc_icl = (_encode(tokenizer, [{**r, "question": context + r["question"]} for r in icl_rows], chat,
                        max_length + len(tokenizer(context, add_special_tokens=False)["input_ids"]))
                if "in_context" in attacks else [])
+    enc_icl_plain = _encode(tokenizer, icl_rows, chat, max_length) if excluded and icl_rows else enc_eval
     enc_para = _encode(tokenizer, para_rows, chat, max_length, "paraphrased_question") if para_rows else []
     enc_para_orig = _encode(tokenizer, para_rows, chat, max_length) if para_rows else []
     enc_hold = _encode(tokenizer, holdout, chat, max_length) if holdout else []
@@ -479,16 +524,21 @@ def evaluate_robustness(
     out: dict[str, dict[str, Any]] = {}
     if original is not None:
         def base(encodings):
-            return answer_metrics(original, tokenizer, encodings, batch_size=batch_size, es_no_match=es_no_match)
+            return answer_metrics(original, tokenizer, encodings, batch_size=batch_size, es_no_match=es_no_match,
+                                  attention_mask=attention_mask)
 
         out["original"] = {"forget": base(enc_all), "evaluated_half": base(enc_eval)}
+        if enc_icl_plain is not enc_eval:  # the in-context attack measures fewer rows: its own baseline
+            out["original"]["in_context_measured"] = base(enc_icl_plain)
         if enc_para:
             out["original"]["paraphrase"] = base(enc_para)
     before_all = out.get("original", {}).get("forget", {}).get("probability")
     before_half = out.get("original", {}).get("evaluated_half", {}).get("probability")
+    before_icl = out.get("original", {}).get("in_context_measured", {}).get("probability", before_half)
 
     def metrics_of(m, encodings):
-        return answer_metrics(m, tokenizer, encodings, batch_size=batch_size, es_no_match=es_no_match)
+        return answer_metrics(m, tokenizer, encodings, batch_size=batch_size, es_no_match=es_no_match,
+                              attention_mask=attention_mask)
 
     def recovered(value, after_unlearning, before):
         return recovery(value, after_unlearning, before, recovery_min_removed)
@@ -499,14 +549,15 @@ def evaluate_robustness(
         if "relearning" in attacks:
             curve = relearning_curve(m, tokenizer, enc_relearn, enc_eval, steps=steps, learning_rate=learning_rate,
                                      batch_size=relearn_batch_size, seed=seed, batch_size_eval=batch_size,
-                                     progress=progress, desc=f"relearning {name}", es_no_match=es_no_match)
+                                     progress=progress, desc=f"relearning {name}", es_no_match=es_no_match,
+                                     attention_mask=attention_mask)
             for point in curve:
                 point.update(recovered(point["probability"], curve[0]["probability"], before_half))
             res["relearning"] = curve
         if "in_context" in attacks:
             icl = metrics_of(m, enc_icl)
-            icl["without_context_probability"] = metrics_of(m, enc_eval)["probability"]
-            icl.update(recovered(icl["probability"], icl["without_context_probability"], before_half))
+            icl["without_context_probability"] = metrics_of(m, enc_icl_plain)["probability"]
+            icl.update(recovered(icl["probability"], icl["without_context_probability"], before_icl))
             res["in_context"] = icl
         if bits:
             from .quantized import quantize_model, quiet_int8
@@ -524,14 +575,16 @@ def evaluate_robustness(
             para["original_question_probability"] = metrics_of(m, enc_para_orig)["probability"]
             res["paraphrase"] = para
         if "probe" in attacks and enc_hold:
-            res["probe"] = probe_scores(m, enc_all, enc_hold, pad, seed=seed)
+            res["probe"] = probe_scores(m, enc_all, enc_hold, pad, seed=seed, attention_mask=attention_mask)
         if use_truth:
-            res["truth_probe"] = truth_probe_scores(m, truth_train, truth_test, pad)
+            res["truth_probe"] = truth_probe_scores(m, truth_train, truth_test, pad, attention_mask=attention_mask)
         out[name] = res
     if "probe" in attacks and enc_hold and original is not None:
-        out["original"]["probe"] = probe_scores(original, enc_all, enc_hold, pad, seed=seed)
+        out["original"]["probe"] = probe_scores(original, enc_all, enc_hold, pad, seed=seed,
+                                                attention_mask=attention_mask)
     if use_truth and original is not None:
-        out["original"]["truth_probe"] = truth_probe_scores(original, truth_train, truth_test, pad)
+        out["original"]["truth_probe"] = truth_probe_scores(original, truth_train, truth_test, pad,
+                                                            attention_mask=attention_mask)
 
     summary = {"steps": sorted({int(k) for k in steps}) if "relearning" in attacks else [], "models": out}
     meta = {
@@ -539,7 +592,8 @@ def evaluate_robustness(
         "reference_name": reference_name if reference is not None else None,
         "forget_ids": [r["id"] for r in rows], "relearn_ids": [r["id"] for r in relearned], "relearn_on": relearn_on,
         "in_context_rows": min(in_context_rows, len(relearned)), "recovery_min_removed": recovery_min_removed,
-        "es_no_match": es_no_match, "prompt_format": chat.to_dict(),
+        "in_context_shown_ids": [r["id"] for r in shown], "in_context_excluded_ids": excluded,
+        "es_no_match": es_no_match, "prompt_format": chat.to_dict(), "attention_mask": attention_mask,
         "evaluated_ids": [r["id"] for r in evaluated_rows], "holdout_ids": [r["id"] for r in holdout],
         "attacks": list(attacks), "bits": bits, "seed": seed, "learning_rate": learning_rate,
         "relearn_batch_size": relearn_batch_size, "max_length": max_length, "chat_template": chat.chat_template,
@@ -553,12 +607,12 @@ def evaluate_robustness(
 def tofu_robustness_rows(forget_split: str = "forget10", tofu_path: str | os.PathLike | None = None,
                          forget_ids: Iterable[int] | None = None, retain_ids: Iterable[int] | None = None,
                          max_items: int | Mapping[str, int] | None = None) -> dict[str, list[dict]]:
-    """``{"forget", "holdout", "retain", "same_authors"}`` rows of TOFU for :func:`evaluate_robustness`
+    """``{"forget", "holdout", "retain", "kept_same_authors"}`` rows of TOFU for :func:`evaluate_robustness`
     (``forget_rows``, ``holdout_rows``, ``probe_rows``, ``relearn_rows``), with ``paraphrased_question``,
     ``paraphrased_answer`` and ``perturbed_answer`` where TOFU has them (ids 0-399 and 3600-3999). ``retain``:
-    ``retain_ids``, else ``retain_perturbed`` minus the forget ids. ``same_authors``: the questions of the forgotten
-    rows' authors (TOFU's 20 consecutive ids per author) that are not forgotten, related data to relearn on (empty
-    when every question of those authors is forgotten)."""
+    ``retain_ids``, else ``retain_perturbed`` minus the forget ids. ``kept_same_authors``: the questions of the
+    forgotten rows' authors (TOFU's 20 consecutive ids per author) that are not forgotten: rows the model was trained
+    on and kept, not outside data (empty when every question of those authors is forgotten)."""
     from ..data.tofu import load_tofu
     from .tofu import tofu_sets
 
@@ -568,4 +622,4 @@ def tofu_robustness_rows(forget_split: str = "forget10", tofu_path: str | os.Pat
     same = [{"id": int(r["id"]), "question": r["question"], "answer": r["answer"]}
             for r in load_tofu("full", tofu_path).to_list()
             if int(r["id"]) // TOFU_QUESTIONS_PER_AUTHOR in authors and int(r["id"]) not in forgotten]
-    return {"forget": sets["forget"], "holdout": sets["holdout"], "retain": sets["retain"], "same_authors": same}
+    return {"forget": sets["forget"], "holdout": sets["holdout"], "retain": sets["retain"], "kept_same_authors": same}

@@ -2,7 +2,9 @@
 
 Scoring pads on the right (only label positions count), generation pads on the left (so every prompt ends where
 generation starts). Both sort by length to keep padding small, show a tqdm progress bar, and return results in
-input order. They run on whatever device the model is on.
+input order. They run on whatever device the model is on. ``attention_mask``: how the padded batch's mask is built,
+``"tokens"`` (each row's tokens) or ``"not_pad"`` (``input_ids != pad``, OpenUnlearning's collator;
+:data:`hf_unlearn.data.collators.ATTENTION_MASKS`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import hashlib
 import json
 from collections.abc import Sequence
 
+from ..data.collators import attention_mask as batch_mask
+from ..data.collators import check_attention_mask
 from ..errors import UnlearnError
 from .metrics import IGNORE_INDEX, VARIANCE_FLOOR, TokenStats, token_statistics
 
@@ -45,12 +49,14 @@ def score_sequences(
     desc: str = "scoring",
     progress: bool = True,
     variance_floor: float = VARIANCE_FLOOR,
+    attention_mask: str = "tokens",
 ) -> list[TokenStats]:
     """Teacher-forced :class:`TokenStats` for each ``{"input_ids", "labels"}`` encoding (labels -100 = not scored);
     ``variance_floor``: see :func:`~hf_unlearn.eval.metrics.token_statistics`."""
     import torch
     from tqdm.auto import tqdm
 
+    check_attention_mask(attention_mask)
     device = _device(model)
     results: list[TokenStats | None] = [None] * len(encodings)
     batches = _length_batches([len(e["input_ids"]) for e in encodings], batch_size)
@@ -68,6 +74,7 @@ def score_sequences(
                     ids[row, :n] = torch.tensor(encodings[i]["input_ids"])
                     labels[row, :n] = torch.tensor(encodings[i]["labels"])
                     mask[row, :n] = 1
+                mask = batch_mask(ids, mask, pad_id, attention_mask)
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
                 labels = labels.to(device)
                 for row, i in enumerate(idx):  # row by row: the full-vocabulary temporaries stay one sequence big
@@ -85,6 +92,8 @@ def gradient_norms(
     p: float = 2.0,
     desc: str = "gradient norms",
     progress: bool = True,
+    pad_id: int | None = None,
+    attention_mask: str = "tokens",
 ) -> list[float]:
     """The gradient-norm membership score of each ``{"input_ids", "labels"}`` encoding (Wang et al., 2024).
 
@@ -92,13 +101,16 @@ def gradient_norms(
     tensors of each gradient's ``p``-norm (OpenUnlearning's ``mia_gradnorm``; a large gradient means the model has
     not fitted the sequence). One forward and backward per sequence, in eval mode (OpenUnlearning runs train mode, so
     its scores carry dropout noise); ``torch.autograd.grad`` leaves the parameters' ``.grad`` and ``requires_grad``
-    as they were, so it is safe during training (the evaluation callback).
+    as they were, so it is safe during training (the evaluation callback). ``attention_mask="not_pad"`` (needs
+    ``pad_id``) masks the sequence's pad ids as OpenUnlearning's collator does.
     """
     import torch
     from tqdm.auto import tqdm
 
     from ..losses import nll_loss
 
+    if check_attention_mask(attention_mask) == "not_pad" and pad_id is None:
+        raise UnlearnError("gradient_norms(attention_mask='not_pad') needs pad_id")
     device = _device(model)
     params = [t for t in model.parameters() if t.is_floating_point()]
     if not params:
@@ -114,7 +126,8 @@ def gradient_norms(
             for enc in tqdm(encodings, desc=desc, disable=not progress, leave=False):
                 ids = torch.tensor([enc["input_ids"]], device=device)
                 labels = torch.tensor([enc["labels"]], device=device)
-                loss = nll_loss(model(input_ids=ids).logits, labels)
+                mask = batch_mask(ids, torch.ones_like(ids), pad_id, attention_mask)
+                loss = nll_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 per_tensor = [torch.linalg.vector_norm(g.float(), ord=p) for g in grads if g is not None]
                 norms.append(float(torch.stack(per_tensor).mean()))
@@ -134,12 +147,14 @@ def generate_texts(
     batch_size: int = 16,
     desc: str = "generating",
     progress: bool = True,
+    attention_mask: str = "tokens",
 ) -> list[str]:
     """Greedy continuations of tokenised ``prompts`` (left-padded batches), decoded without special tokens."""
     import torch
     from tqdm.auto import tqdm
     from transformers import GenerationConfig
 
+    check_attention_mask(attention_mask)
     device = _device(model)
     pad = pad_token_id(tokenizer)
     config = GenerationConfig(
@@ -159,6 +174,7 @@ def generate_texts(
                     n = len(prompts[i])
                     ids[row, length - n:] = torch.tensor(prompts[i])
                     mask[row, length - n:] = 1
+                mask = batch_mask(ids, mask, pad, attention_mask)
                 gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
                 new = gen[:, length:].cpu()
                 for row, i in enumerate(idx):

@@ -87,6 +87,7 @@ class TofuResult(EvalResult):
                 f"{mine.get('chat_template')}; use the same prompt format for both"
             )
         for key, old in (("zlib_text", "answer"), ("variance_floor", 1e-12), ("es_no_match", "zero"),
+                         ("attention_mask", "tokens"),
                          ("prompt_format", _default_format(mine.get("chat_template")))):  # written before the option
             if theirs.get(key, old) != mine.get(key, old):
                 raise UnlearnError(f"the reference used {key}={theirs.get(key, old)!r} but this evaluation uses "
@@ -286,6 +287,7 @@ def evaluate_tofu(
     variance_floor: float = M.VARIANCE_FLOOR,
     es_no_match: str = "zero",
     prompt_format=None,
+    attention_mask: str = "tokens",
     progress: bool = True,
 ) -> TofuResult:
     """Evaluate ``model`` on TOFU; see the module docstring for the sets and :class:`TofuResult` for the keys.
@@ -311,7 +313,11 @@ def evaluate_tofu(
             ``"hf-unlearn"`` (the format hf_unlearn trains with), ``"open-unlearning"`` (OpenUnlearning's for the
             tokenizer's model family: system prompt, Llama-3 date string, Llama-2 ``[INST]``, ``Answer: ``), or a
             PromptFormat; ``use_chat_template`` overrides its ``chat_template``.
+        attention_mask: ``"tokens"`` (every token of a sequence) or ``"not_pad"`` (``input_ids != pad``,
+            OpenUnlearning's collator: a pad id inside the prompt, e.g. SmolLM2's end-of-turn, is masked), for
+            scoring, gradient norms and generation.
     """
+    from ..data.collators import check_attention_mask
     from ..data.tokenize import encode_qa
     from .runner import generate_texts, gradient_norms, pad_token_id, score_sequences, tokenizer_fingerprint
 
@@ -319,6 +325,7 @@ def evaluate_tofu(
     if zlib_text not in ZLIB_TEXTS:
         raise UnlearnError(f"zlib_text must be one of {', '.join(ZLIB_TEXTS)}, got {zlib_text!r}")
     M.check_es_no_match(es_no_match)
+    check_attention_mask(attention_mask)
     chat = resolve_prompt_format(tokenizer, use_chat_template, prompt_format)
     ref = _load_reference(reference)
     sets = tofu_sets(forget_split, tofu_path, forget_ids, retain_ids, max_items)
@@ -340,6 +347,7 @@ def evaluate_tofu(
         "zlib_text": zlib_text,
         "variance_floor": variance_floor,
         "es_no_match": es_no_match,
+        "attention_mask": attention_mask,
         "answer_scoring": "ES, EM, Min-k%, Min-k%++ and gradnorm score answers without their final EOS",
         "items": {k: len(v) for k, v in sets.items()},
         "notes": [],
@@ -364,7 +372,7 @@ def evaluate_tofu(
     pad = pad_token_id(tokenizer)
     started = time.perf_counter()
     stats = score_sequences(model, encodings, pad_id=pad, batch_size=batch_size, desc="TOFU scoring",
-                            progress=progress, variance_floor=variance_floor)
+                            progress=progress, variance_floor=variance_floor, attention_mask=attention_mask)
 
     records = {name: [dict(set=name, id=it["id"], question=it["question"], answer=it["answer"], perturbed_nlls=[])
                       for it in items] for name, items in sets.items()}
@@ -387,7 +395,8 @@ def evaluate_tofu(
             rec["perturbed_nlls"].append(st.mean_nll)
     graded = time.perf_counter()
     if "gradnorm" in attacks:
-        norms = gradient_norms(model, [enc for _, enc in answers], desc="TOFU gradient norms", progress=progress)
+        norms = gradient_norms(model, [enc for _, enc in answers], desc="TOFU gradient norms", progress=progress,
+                               pad_id=pad, attention_mask=attention_mask)
         for (rec, _), norm in zip(answers, norms):
             rec["mia"]["gradnorm"] = norm
 
@@ -396,6 +405,7 @@ def evaluate_tofu(
     generations = generate_texts(
         model, tokenizer, [prompt_ids(tokenizer, sets[n][i]["question"], chat) for n, i in qa_items],
         max_new_tokens=max_new_tokens, batch_size=batch_size, desc="TOFU generation", progress=progress,
+        attention_mask=attention_mask,
     )
     meta["timings"] = {"sequences_scored": len(encodings), "scoring_s": graded - started,
                        "gradnorm_s": scored - graded,

@@ -35,7 +35,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
-from ..data.collators import QACollator
+from ..data.collators import QACollator, check_attention_mask
 from ..data.prompts import prompt_format
 from ..data.tokenize import IGNORE_INDEX, tokenize_qa
 from ..errors import UnlearnError
@@ -70,6 +70,13 @@ class UnlearningConfig(TrainingArguments):
                           "(OpenUnlearning's per model family: hf_unlearn.data.prompts.PromptFormat.open_unlearning). "
                           "Evaluate with the format the model was trained with.",
                   "choices": ["hf-unlearn", "open-unlearning"]},
+    )
+    attention_mask: str = field(
+        default="tokens",
+        metadata={"help": "How the default collator masks a padded batch: 'tokens' (every token of a row) or 'not_pad' "
+                          "(input_ids != pad id, OpenUnlearning's: a pad id inside a row, e.g. SmolLM2's end-of-turn "
+                          "token, is masked too).",
+                  "choices": ["tokens", "not_pad"]},
     )
     retain_batch_size: int | None = field(
         default=None,
@@ -121,6 +128,7 @@ class UnlearningConfig(TrainingArguments):
             raise UnlearnError(f"retain_loss must be one of {', '.join(RETAIN_LOSSES)}, got {self.retain_loss!r}")
         if self.kl_positions not in ("answer", "all"):
             raise UnlearnError(f"kl_positions must be 'answer' or 'all', got {self.kl_positions!r}")
+        check_attention_mask(self.attention_mask)
         if self.prompt_format not in ("hf-unlearn", "open-unlearning"):
             raise UnlearnError(f"prompt_format must be 'hf-unlearn' or 'open-unlearning', got {self.prompt_format!r}")
         if self.lambda_forget < 0 or self.lambda_retain < 0:
@@ -287,7 +295,8 @@ class UnlearningTrainer(UnlearningHubMixin, Trainer):
         if data_collator is None:
             if processing_class is None:
                 raise UnlearnError("pass processing_class= (the tokenizer) or a data_collator= to pad batches")
-            data_collator = QACollator.from_tokenizer(processing_class, id_column=args.id_column)
+            data_collator = QACollator.from_tokenizer(processing_class, id_column=args.id_column,
+                                                      attention_mask=args.attention_mask)
         self.retain_dataset = retain_dataset
         if eval_dataset is not None and not isinstance(eval_dataset, dict):
             eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, "eval")
