@@ -27,6 +27,11 @@ PRESETS = ("hf-unlearn", "open-unlearning")
 # the budget of `hf-unlearn unlearn` and `hf-unlearn forget` where neither an option nor a preset sets a value
 COMMAND_BUDGET = {"num_train_epochs": 5.0, "learning_rate": 1e-5, "per_device_train_batch_size": 4, "max_length": 256}
 OPEN_UNLEARNING_COMMIT = "d3d7cf9"
+# How a padded batch's attention mask is built: "tokens" (1 on every token of a row, 0 on padding: hf_unlearn's) or
+# "not_pad" (1 wherever the id is not the pad id, OpenUnlearning's collator: a pad id inside a row is masked too, e.g.
+# SmolLM2's end-of-turn <|im_end|>, which is its pad token, in every chat prompt). Here, not in data/collators.py,
+# so that the CLI's parser reads it without importing torch.
+ATTENTION_MASKS = ("tokens", "not_pad")
 
 
 @dataclass(frozen=True)

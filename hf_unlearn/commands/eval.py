@@ -114,7 +114,7 @@ def _common(p, out_default: str) -> None:
 
 
 def _preset_option(p) -> None:
-    from ..data.collators import ATTENTION_MASKS
+    from ..presets import ATTENTION_MASKS
 
     p.add_argument("--preset", choices=("hf-unlearn", "open-unlearning"), default=None,
                    help="evaluation conventions: open-unlearning = OpenUnlearning's (zlib on the decoded answer "

@@ -8,13 +8,10 @@ from typing import Any
 import torch
 
 from ..errors import UnlearnError
+from ..presets import ATTENTION_MASKS
 from ..utils import import_object
 from .tokenize import IGNORE_INDEX
 
-# How a padded batch's attention mask is built: "tokens" (1 on every token of a row, 0 on padding: hf_unlearn's) or
-# "not_pad" (1 wherever the id is not the pad id, OpenUnlearning's collator: a pad id inside a row is masked too, e.g.
-# SmolLM2's end-of-turn <|im_end|>, which is its pad token, in every chat prompt)
-ATTENTION_MASKS = ("tokens", "not_pad")
 
 
 def check_attention_mask(convention: str) -> str:

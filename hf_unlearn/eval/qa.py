@@ -30,7 +30,7 @@ def evaluate_qa(model, tokenizer, sets: Mapping[str, Sequence[dict]], *, max_len
     ``rouge_l`` is None when ``generate`` is off, the rows are tokenised, or rouge_score is not installed.
     ``use_chat_template``: None (the tokenizer's template when it has one), a bool or a
     :class:`~hf_unlearn.data.prompts.PromptFormat` (the format the model was trained with); ``attention_mask``: the
-    mask it was trained with (``"tokens"`` / ``"not_pad"``, :data:`hf_unlearn.data.collators.ATTENTION_MASKS`).
+    mask it was trained with (``"tokens"`` / ``"not_pad"``, :data:`hf_unlearn.presets.ATTENTION_MASKS`).
     """
     from ..data.tokenize import encode_qa, has_chat_template
     from . import metrics as M

@@ -4,7 +4,7 @@ Scoring pads on the right (only label positions count), generation pads on the l
 generation starts). Both sort by length to keep padding small, show a tqdm progress bar, and return results in
 input order. They run on whatever device the model is on. ``attention_mask``: how the padded batch's mask is built,
 ``"tokens"`` (each row's tokens) or ``"not_pad"`` (``input_ids != pad``, OpenUnlearning's collator;
-:data:`hf_unlearn.data.collators.ATTENTION_MASKS`).
+:data:`hf_unlearn.presets.ATTENTION_MASKS`).
 """
 
 from __future__ import annotations
