@@ -167,7 +167,22 @@ class DeletionLedger:
                                "add writes, and refuses anything else")
         self._check_binding(records[0])
         fold(records)  # request numbers used once, batches started before done, ...
+        self._check_evidence(records, result)
         return records
+
+    def _check_evidence(self, records: list[dict], result: ChainCheck) -> None:
+        """Refuse a ledger older than the service's own evidence (a rollback: :mod:`hf_unlearn.deletion.evidence`),
+        naming the newest signed head found. Cached per state of the ledger and its receipts and batches."""
+        from .evidence import key_lookup, rollback_problem
+
+        state = (records[-1]["sha256"], *(_listing(self.path / d) for d in ("receipts", "batches")))
+        if getattr(self, "_evidence_ok", None) == state:
+            return
+        problem = rollback_problem(self.path, records, result.head_seq,
+                                   key_lookup(result.keys, self.signing_key.public_key()))
+        if problem is not None:
+            raise UnlearnError(f"the ledger {self.path} cannot be trusted: {problem}; nothing was done")
+        self._evidence_ok = state
 
     def records(self) -> list[dict]:
         """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head."""
@@ -405,6 +420,9 @@ class DeletionLedger:
                                        f"records are signed with key(s) {', '.join(result.keys) or 'none'}, not "
                                        "this machine's")
                 result.tail = records
+            if result.head is not None:  # the tail's own receipts name tail records: compare with all of them
+                self._check_evidence(records, ChainCheck(records=records, head=result.head, head_seq=len(records),
+                                                         keys=result.keys))
             if not result.tail:
                 return None
             for r in result.tail:
@@ -541,7 +559,7 @@ def read_head(folder: str | os.PathLike) -> dict | None:
     return head if isinstance(head, dict) else {}
 
 
-APPENDED = ("open", "key", "request", "batch_start", "batch_done", "approximate", "purge")
+APPENDED = ("open", "key", "request", "batch_start", "batch_done", "approximate", "purge_start", "purge")
 
 
 def fold(records: list[dict]) -> dict[str, Request]:
@@ -629,6 +647,13 @@ def _append_bytes(path: Path, data: bytes, mode: int, private: bool = False) -> 
             raise
     finally:
         os.close(fd)
+
+
+def _listing(folder: Path) -> tuple:
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)))
+    except OSError:
+        return ()
 
 
 def _check_writable(folder: Path) -> None:

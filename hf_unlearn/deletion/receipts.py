@@ -187,11 +187,48 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
                chain.problem or chain.tail_problem() or f"{len(chain.records)} record(s) from {where}, chain intact, "
                f"every record signed, the signed head covers record {chain.head_seq}")
     trusted = chain.trusted if chain.problem is None else []
+    if ledger is not None and data.get("format") == BUNDLE_FORMAT and chain.ok:
+        trusted = _check_ledger_holds(report, chain, Path(ledger), public) or []
+        if not trusted:
+            return report
     _check_chain(report, receipt, trusted, chain.head.get("ledger") if chain.head else None)
     _describe(report, receipt, trusted)
     if model is not None:
         _check_model(report, receipt, trusted, Path(model))
     return report
+
+
+def _check_ledger_holds(report: VerifyReport, bundle: ChainCheck, folder: Path, public) -> list[dict] | None:
+    """The auditor's check of the operator's current ledger against a bundle they hold: the ledger is intact under
+    its signed head, holds every record of the bundle unchanged under a head at least as new, and is not older than
+    the service's own evidence in its folder (a rollback). Returns the ledger's trusted records (None: failed)."""
+    from .evidence import key_lookup, rollback_problem
+
+    ledger = ChainCheck(records=[], head=None, problem=f"no ledger at {folder}")
+    if (folder / RECORDS_FILE).is_file():
+        try:
+            ledger = check_chain(read_records(folder)[0], read_head(folder), public)
+        except UnlearnError as e:
+            ledger.problem = str(e)
+    problem = ledger.problem or ledger.tail_problem()
+    if problem is None:
+        held = {r["seq"]: r["sha256"] for r in ledger.trusted}
+        head_seq = bundle.head_seq
+        if ledger.head_seq < head_seq:
+            problem = (f"its signed head covers record {ledger.head_seq}, older than the bundle's head (record "
+                       f"{head_seq}): the ledger was rolled back")
+        else:
+            lost = [r["seq"] for r in bundle.trusted if held.get(r["seq"]) != r["sha256"]]
+            if lost:
+                problem = (f"it does not hold the bundle's record(s) {', '.join(map(str, lost))} (missing or "
+                           "different): the ledger was rolled back or replaced")
+        if problem is None:
+            problem = rollback_problem(folder, ledger.trusted, ledger.head_seq, key_lookup(ledger.keys, public))
+    if not report.add("ledger now", problem is None, problem or
+                      f"{folder} holds the bundle's {len(bundle.trusted)} record(s) unchanged under its signed head "
+                      f"(record {ledger.head_seq} >= the bundle's {bundle.head_seq})"):
+        return None
+    return ledger.trusted
 
 
 def _load_chain(data: dict, receipt_path: Path, ledger, public) -> tuple[ChainCheck | None, str]:

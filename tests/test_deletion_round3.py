@@ -1,0 +1,253 @@
+"""The deletion service, round 3: each attack of an insider without the key (or a careless operator) is first
+reproduced on a served ledger, then refused, naming what, with no file changed, or answered correctly: purge decides
+only from signed records and what is on disk, a rollback to a bundle's own head is noticed from the service's
+evidence, kill points (real processes) are finished once, every bad input is one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+from .test_requests import QUIET, cli, public_key
+from .test_trace_common import get_recorded, get_trace_data, ids_at_step
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A copy of the recorded run and a ledger beside it: r-0001 (a row of step 5) served as batch-0001, r-0002 (a
+    row of step 3) as batch-0002, deleting from batch-0001's replay (so the recorded run is clean up to step 2)."""
+    from hf_unlearn.deletion import DeletionLedger
+
+    root = tmp_path_factory.mktemp("round3")
+    run = root / "run"
+    shutil.copytree(get_recorded(), run)
+    ledger = DeletionLedger(run, root / "ledger")
+    tok, _ = get_trace_data()
+    ledger.add(ids_at_step(run, 5)[:1], received="2026-11-01")
+    ledger.serve_exact(tokenizer=tok, now="2026-11-02", **QUIET)
+    ledger.add(ids_at_step(run, 3)[:1], received="2026-11-03")
+    ledger.serve_exact(tokenizer=tok, now="2026-11-04", **QUIET)
+    return root
+
+
+@pytest.fixture
+def world(base, tmp_path):
+    """A fresh copy of ``base`` (run and ledger) for one test; returns (ledger, run)."""
+    from hf_unlearn.deletion import DeletionLedger
+
+    shutil.copytree(base, tmp_path / "w", symlinks=True)
+    return DeletionLedger(tmp_path / "w" / "run", tmp_path / "w" / "ledger"), tmp_path / "w" / "run"
+
+
+def snapshot(*folders) -> dict:
+    """Every file under the folders with its hash (what "no file changed" is checked against)."""
+    out = {}
+    for folder in folders:
+        for p in sorted(Path(folder).rglob("*")):
+            if p.is_file() and p.name not in (".lock", ".serve.lock"):
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def steps(run) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))
+
+
+# -- 1. purge decides from signed facts and from everything on disk ------------------------------------------------
+def test_an_edited_batch_receipt_no_longer_moves_the_checkpoint_limit(world, capsys):
+    """Round 2: purge read ``cost.start_checkpoint`` from receipts/batch-NNNN.json unchecked; set to 20 it kept the
+    checkpoints trained on the deleted rows and said no deleted row reached them. Now the receipt must be the one its
+    signed batch_done record binds: refused, naming it, nothing removed."""
+    ledger, run = world
+    for name in ("batch-0001", "batch-0002"):
+        path = ledger.path / "receipts" / f"{name}.json"
+        body = json.loads(path.read_text())
+        body["cost"]["start_checkpoint"] = 20
+        path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    before = snapshot(ledger.path, run)
+    code, out = cli(capsys, "requests", "purge", run, "--ledger", ledger.path)
+    assert code == 1 and "receipts/batch-0001.json" in out and "is not the batch receipt record" in out, out
+    assert len(out.strip().splitlines()) == 1 and snapshot(ledger.path, run) == before
+
+
+def test_purge_sees_unindexed_incomplete_and_oddly_named_checkpoints(world, capsys):
+    """A checkpoint whose index entry is gone, one without hashes.json, an operator's step-00000005.bak copy, a
+    store copied elsewhere in the run and a note: the first four are erased (no crash on the odd name), the note is
+    named; the signed purge record lists both."""
+    ledger, run = world
+    index = run / "checkpoints" / "index.json"
+    data = json.loads(index.read_text())
+    data["checkpoints"].pop("6")
+    index.write_text(json.dumps(data))  # (the index's MAC no longer fits: purge must not rely on the index)
+    (run / "checkpoints" / "step-00000008" / "hashes.json").unlink()
+    shutil.copytree(run / "checkpoints" / "step-00000004", run / "checkpoints" / "step-00000005.bak")
+    shutil.copytree(run / "private" / "store", run / "store-copy")
+    shutil.copytree(ledger.path / "batches" / "batch-0001" / "store", ledger.path / "batches" / "old-store")
+    (run / "NOTES.txt").write_text("operator notes\n")
+    code, out = cli(capsys, "requests", "purge", run, "--ledger", ledger.path)
+    assert code == 0, out
+    assert steps(run) == ["step-00000000", "step-00000002"]  # limit: batch-0002 replayed from step 2
+    assert not (run / "store-copy").exists() and not (run / "private" / "store").exists()
+    assert not (ledger.path / "batches" / "old-store").exists()
+    record = ledger.last("purge")
+    removed = {r["path"] for r in record["removed"]}
+    assert {"../run/checkpoints/step-00000005.bak", "../run/checkpoints/step-00000006",
+            "../run/checkpoints/step-00000008", "../run/store-copy", "batches/old-store"} <= removed
+    assert record["unclassified"] == ["../run/NOTES.txt"] and "NOT CLASSIFIED (kept, check it): ../run/NOTES.txt" \
+        in out
+    assert (run / "NOTES.txt").exists()
+
+
+PURGE_DIES = """
+import os, shutil, sys
+from hf_unlearn.deletion import DeletionLedger
+from hf_unlearn.deletion import erasure
+run, folder = sys.argv[1:3]
+count = [0]
+real = erasure._remove
+def remove(path):
+    real(path)
+    count[0] += 1
+    if count[0] == 2:  # killed after two removals
+        os._exit(137)
+erasure._remove = remove
+erasure.purge(DeletionLedger(run, folder), log=lambda m: None)
+"""
+
+
+def test_a_purge_killed_midway_is_finished_and_recorded_by_the_next(world):
+    ledger, run = world
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", PURGE_DIES, str(run), str(ledger.path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 137, proc.stderr[-2000:]
+    start = ledger.last("purge_start")
+    assert start is not None and ledger.last("purge") is None
+    planned = {e["path"] for e in start["planned"]}
+    gone = {p for p in planned if not (ledger.path / p).exists()}
+    assert len(gone) == 2
+    from hf_unlearn.deletion.erasure import purge
+
+    result = purge(ledger, log=lambda m: None)
+    record = ledger.last("purge")
+    assert record["resumes"] == start["seq"] and {r["path"] for r in record["removed"]} == planned
+    assert gone <= {r["path"] for r in result.removed}
+    assert not any((ledger.path / p).exists() for p in planned)
+
+
+# -- 2. a rollback is refused from the service's own evidence -------------------------------------------------------
+def rollback_to(ledger, bundle: str) -> dict:
+    """What an insider without a backup does: truncate ledger.jsonl to the head an older bundle holds, copy it."""
+    head = json.loads((ledger.path / "receipts" / bundle).read_text())["head"]
+    lines = (ledger.path / "ledger.jsonl").read_text().splitlines()
+    (ledger.path / "ledger.jsonl").write_text("\n".join(lines[: head["seq"]]) + "\n")
+    (ledger.path / "head.json").write_text(json.dumps(head, indent=1) + "\n")
+    return head
+
+
+def test_a_rollback_to_an_older_bundles_head_is_refused_by_every_command(world, capsys):
+    ledger, run = world
+    newest = json.loads((ledger.path / "receipts" / "r-0002.exact.bundle.json").read_text())["head"]["seq"]
+    head = rollback_to(ledger, "r-0001.ack.bundle.json")
+    from hf_unlearn.deletion.chain import check_chain
+    from hf_unlearn.deletion.ledger import read_head, read_records
+
+    assert check_chain(read_records(ledger.path)[0], read_head(ledger.path), public_key()).ok  # a valid ledger
+    before = snapshot(ledger.path, run)
+    ids = ledger.path.parent / "ids.jsonl"
+    ids.write_text(json.dumps(ids_at_step(run, 6)[0]) + "\n")
+    common = [run, "--ledger", ledger.path]
+    for args in (["list", *common], ["status", *common], ["plan", *common], ["serve", *common, "--exact"],
+                 ["add", *common, "--ids", ids], ["purge", *common], ["recover", *common],
+                 ["bundle", *common, ledger.path / "receipts" / "r-0001.ack.json", "--out", ledger.path.parent / "b"]):
+        code, out = cli(capsys, "requests", *args)
+        assert code == 1 and "older than the service's own evidence" in out and \
+            f"the newest head found: record {newest}" in out and f"covers record {head['seq']}" in out, (args, out)
+        assert len(out.strip().splitlines()) == 1
+    assert snapshot(ledger.path, run) == before  # no request number reused, no receipt or batch folder overwritten
+
+
+def test_the_auditor_holding_a_bundle_notices_the_rollback_with_ledger(world, capsys, tmp_path):
+    """`verify BUNDLE --ledger DIR` checks the operator's current ledger still holds the bundle's records under a
+    head at least as new (round 2 ignored --ledger). The insider who also deletes every newer receipt, bundle and
+    batch folder leaves the service no evidence; the auditor's bundle still catches it."""
+    ledger, run = world
+    key = tmp_path / "issuer.pub"
+    assert cli(capsys, "requests", "public-key", "--out", key)[0] == 0
+    held = tmp_path / "r-0002.bundle.json"
+    shutil.copy(ledger.path / "receipts" / "r-0002.exact.bundle.json", held)
+    code, out = cli(capsys, "requests", "verify", held, "--public-key", key, "--ledger", ledger.path)
+    assert code == 0 and "ledger now" in out and "unchanged under its signed head" in out, out
+    rollback_to(ledger, "batch-0001.bundle.json")
+    for p in (ledger.path / "receipts").glob("*0002*"):
+        p.unlink()
+    shutil.rmtree(ledger.path / "batches" / "batch-0002")
+    assert ledger.requests()  # the service itself has nothing left to notice it by
+    code, out = cli(capsys, "requests", "verify", held, "--public-key", key, "--ledger", ledger.path)
+    assert code == 1 and "older than the bundle's head" in out and "rolled back" in out, out
+    code, out = cli(capsys, "requests", "verify", held, "--public-key", key)  # the bundle alone still verifies
+    assert code == 0, out
+
+
+def test_a_batch_folder_without_its_record_is_never_reused(world, capsys):
+    ledger, run = world
+    rollback_to(ledger, "batch-0001.bundle.json")
+    for p in (ledger.path / "receipts").glob("*0002*"):
+        p.unlink()
+    code, out = cli(capsys, "requests", "status", run, "--ledger", ledger.path)
+    assert code == 1 and "batches/batch-0002 exists but no record starts batch-0002" in out, out
+
+
+# -- 3. kill points of `serve --exact --repo`: no tag, or exactly one the ledger names ------------------------------
+SERVE_DIES = """
+import os, sys
+from hf_unlearn.deletion import DeletionLedger, forgetting, service
+run, folder, tok, url, token, point = sys.argv[1:7]
+def die(*a, **k):
+    os._exit(137)
+if point == "before-push":
+    forgetting._push_and_verify = die
+elif point == "after-push":  # pushed and tagged, killed before the forget receipt is written
+    forgetting._write_receipt = die
+elif point == "before-batch-done":  # the forget receipt says published; batch_done not written
+    service._record_batch = die
+DeletionLedger(run, folder).serve_exact(tokenizer_path=tok, repo="org/served", endpoint=url, token=token,
+                                        progress=False, log=lambda m: None)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before-push", "after-push", "before-batch-done"])
+def test_serve_repo_killed_at_each_point_publishes_the_batch_once(tmp_path, point):
+    """Round 2: killed after the push and before batch_done, the redo published the batch again (deletion-0002 and
+    -0003, the first in no record). Now the redo adopts the tag whose weights are this batch's."""
+    from huggingface_hub import HfApi
+
+    from hf_unlearn.deletion import DeletionLedger
+    from hf_unlearn.demo import local_hub
+
+    run = get_recorded()
+    ledger = DeletionLedger(run, tmp_path / "ledger")
+    ledger.add(ids_at_step(run, 7)[:1])
+    tok, _ = get_trace_data()
+    tok.save_pretrained(tmp_path / "tok")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"}
+    with local_hub(tmp_path / "hub") as (server, token):
+        proc = subprocess.run([sys.executable, "-c", SERVE_DIES, str(run), str(ledger.path), str(tmp_path / "tok"),
+                               server.url, token, point], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 137, proc.stderr[-3000:]
+        assert ledger.unfinished_batch()["batch"] == "batch-0001"
+        result = ledger.serve_exact(tokenizer=tok, repo="org/served", endpoint=server.url, token=token, **QUIET)
+        tags = sorted(t.name for t in HfApi(endpoint=server.url, token=token).list_repo_refs("org/served").tags)
+    assert result.resumed and tags == ["deletion-0001"], tags
+    done = ledger.last("batch_done")
+    assert done["published"]["tag"] == "deletion-0001" and done["published"]["verify_ok"], done["published"]
+    assert [r["type"] for r in ledger.records()].count("batch_done") == 1
