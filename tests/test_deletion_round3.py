@@ -251,3 +251,55 @@ def test_serve_repo_killed_at_each_point_publishes_the_batch_once(tmp_path, poin
     done = ledger.last("batch_done")
     assert done["published"]["tag"] == "deletion-0001" and done["published"]["verify_ok"], done["published"]
     assert [r["type"] for r in ledger.records()].count("batch_done") == 1
+
+
+# -- 4. the leak scanner reads tokenizer vocabularies and rules -----------------------------------------------------
+def test_tokenizer_vocabulary_and_rules_are_scanned_for_forget_ids(tmp_path):
+    """Round 2 published a string forget id as a tokenizer.json vocabulary entry and integer ids inside the
+    normalizer and post-processor. A vocabulary may hold any number (token "3600", token ids) but no string id;
+    the rules' numbers are matched except the post-processor's token and segment ids."""
+    from hf_unlearn.hub.leaks import IdScanner
+    from hf_unlearn.hub.publish import scan_files
+
+    from .conftest import TOKENIZERS
+
+    source = json.loads((TOKENIZERS / "gpt-neox-20b" / "tokenizer.json").read_text())
+
+    def hits(forget, edit=None, name="tokenizer.json", data=None) -> list[str]:
+        folder = tmp_path / f"s{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        body = json.loads(json.dumps(source)) if data is None else data
+        if edit:
+            edit(body)
+        (folder / name).write_text(json.dumps(body) if not isinstance(body, str) else body)
+        return [str(h) for h in scan_files(folder, IdScanner(forget))]
+
+    assert hits(["piqa-17", 3600, *range(0, 50)]) == []  # a real tokenizer.json: no false positive
+    gpt2 = json.loads((TOKENIZERS / "gpt2" / "vocab.json").read_text())
+    assert hits(["piqa-17", 3600, *range(0, 50)], data=gpt2, name="vocab.json") == []
+    source["model"]["vocab"] = dict(list(source["model"]["vocab"].items())[:500])  # the rest: a small copy
+    source["model"]["merges"] = []
+
+    def vocab(b):
+        b["model"]["vocab"]["piqa-17"] = len(b["model"]["vocab"])
+        b["model"]["vocab"]["3600"] = len(b["model"]["vocab"])
+
+    assert hits(["piqa-17"], vocab) == ["tokenizer.json:model.vocab (id 'piqa-17')"]
+    assert hits([3600], vocab) == []  # a number in a vocabulary is a token, not a sample id
+    assert hits(["abc-17"], lambda b: b["model"]["vocab"].update({"abc": 1, "-17": 2})) == []  # never across tokens
+
+    def normalizer(b):
+        b["normalizer"] = {"type": "Replace", "pattern": {"String": "row 3600"}, "content": ""}
+
+    assert hits([3600], normalizer) == ["tokenizer.json:normalizer.pattern.String (number 3600)"]
+
+    def post(b):
+        b["post_processor"] = {"type": "TemplateProcessing", "single": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "<row 4100>", "type_id": 0}}],
+            "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [3600], "tokens": ["<s>"]}}}
+
+    assert hits([3600, 0], post) == []  # the token id 3600 and segment id 0 are not sample ids
+    assert hits([4100], post) == ["tokenizer.json:post_processor.single[2].SpecialToken.id (number 4100)"]
+    assert hits(["piqa-17"], data={"piqa-17": 5, "a": 1}, name="vocab.json") == ["vocab.json (id 'piqa-17')"]
+    assert hits(["piqa-17"], data="a\npiqa-17\nb\n", name="vocab.txt") == ["vocab.txt (id 'piqa-17')"]

@@ -265,6 +265,24 @@ def _run_targets(ledger: DeletionLedger, limit: int) -> tuple[list[Path], list[s
     return targets, unclassified
 
 
+def check_not_retired(run) -> None:
+    """A run that ``requests purge`` retired (its store and later checkpoints are erased) is refused, naming the exact
+    run that replaced it: deletions continue from that one."""
+    path = Path(run) / RETIRED_FILE
+    if not path.is_file():
+        return
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        current = Path(os.path.normpath(Path(run) / info["current_exact_run"]))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise UnlearnError(f"{run} was retired (its {RETIRED_FILE} is unreadable): its token store and the checkpoints "
+                           "a deleted row reached were erased; delete from the ledger's current exact run") from None
+    raise UnlearnError(f"{run} was retired by `hf-unlearn requests purge` (ledger {info.get('ledger')}): its token "
+                       f"store and every checkpoint a deleted row reached were erased; it was replaced by the exact "
+                       f"run {current} (every row deleted so far is gone from it): delete from that run, or add the "
+                       "request to the ledger (`hf-unlearn requests add`)")
+
+
 def _mark_retired(ledger: DeletionLedger, current: Path, limit: int) -> None:
     from ..utils import atomic_write_text
 

@@ -424,6 +424,9 @@ class DeletionLedger:
                 self._check_evidence(records, ChainCheck(records=records, head=result.head, head_seq=len(records),
                                                          keys=result.keys))
             if not result.tail:
+                from .receipts import write_missing_bundles
+
+                write_missing_bundles(self, log)
                 return None
             for r in result.tail:
                 if r.get("type") not in APPENDED:
@@ -446,7 +449,10 @@ class DeletionLedger:
             atomic_write_text(self.path / HEAD_FILE, json.dumps(head, indent=1) + "\n")
             log(f"re-signed the head over record(s) {result.tail[0]['seq']}..{records[-1]['seq']} "
                 f"({', '.join(r['type'] for r in result.tail)}): an interrupted append of this library")
-            return head
+        from .receipts import write_missing_bundles
+
+        write_missing_bundles(self, log)  # the acknowledgements and bundles the interrupted command did not write
+        return head
 
     def add(self, ids, ref: str | None = None, received=None, deadline_days: float | None = None) -> Request:
         """Append a deletion request; the ids are checked against the run first (unknown or wrongly typed ids are
@@ -531,7 +537,7 @@ def read_records(folder: str | os.PathLike) -> tuple[list[dict], int | None]:
             break
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise UnlearnError(f"{path}: record {n} (line {n}) is not valid JSON: the ledger was "
                                "damaged or edited; restore it from a backup") from None
         if not isinstance(record, dict) or record.get("sha256") != record_hash(record):
@@ -554,7 +560,7 @@ def read_head(folder: str | os.PathLike) -> dict | None:
         head = json.loads((Path(folder) / HEAD_FILE).read_text())
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return {}
     return head if isinstance(head, dict) else {}
 

@@ -65,6 +65,8 @@ def read_receipt(path: str | os.PathLike) -> dict:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnlearnError(f"cannot read the receipt {p}: {e}") from None
+    except RecursionError:
+        raise UnlearnError(f"cannot read the receipt {p}: its JSON is nested too deeply to be a receipt") from None
     if isinstance(data, dict) and data.get("format") == BUNDLE_FORMAT:
         return data
     if not isinstance(data, dict) or data.get("format") not in FORMATS:
@@ -122,12 +124,41 @@ def write_bundle(ledger, receipt_path: str | os.PathLike, out: str | os.PathLike
     return out
 
 
+def write_missing_bundles(ledger, log=None) -> list[Path]:
+    """The acknowledgements and bundles an interrupted ``add`` or ``serve`` did not write (killed after its record):
+    made now, under today's head, for every request and every receipt the records list. Returns what was written;
+    nothing that exists is rewritten."""
+    log = log or (lambda m: None)
+    written = []
+    records = ledger.records()
+    requests = {r.id: r for r in ledger.requests()}
+    folder = ledger.path / "receipts"
+    for r in records:
+        paths = []
+        if r["type"] == "request" and not (folder / f"{r['request']}.ack.json").exists():
+            written.append(acknowledge(ledger, requests[r["request"]]))
+            log(f"wrote the missing acknowledgement {written[-1].name} and its bundle")
+            continue
+        if r["type"] == "request":
+            paths = [folder / f"{r['request']}.ack.json"]
+        elif r["type"] in ("batch_done", "approximate"):
+            paths = [ledger.path / e["path"] for e in (r.get("receipts") or {}).values() if isinstance(e, dict)]
+            if r["type"] == "batch_done":
+                paths.append(folder / f"{r['batch']}.json")
+        for path in paths:
+            if path.is_file() and not bundle_path(path).exists():
+                written.append(write_bundle(ledger, path))
+                log(f"wrote the missing bundle {written[-1].name}")
+    return written
+
+
 @dataclass
 class VerifyReport:
     checks: list[tuple[str, bool, str]] = field(default_factory=list)
     request: str | None = None
     kind: str = "unknown"
     proves: str = ""
+    model_says: str = ""  # what the model check proved, in the receipt kind's own terms
 
     @property
     def ok(self) -> bool:
@@ -145,7 +176,7 @@ class VerifyReport:
         model = any(n == "model" for n, _, _ in self.checks)
         what = f"{self.request or 'batch receipt'}: {self.kind}"
         return "\n".join([*lines, f"verify OK: {what}. Signed by this key, recorded in this ledger under its signed "
-                           "head" + (", and the model excludes the request's rows by this ledger's record" if model
+                           "head" + (f", and {self.model_says}" if model
                                      else " (no model given: no state hashes were checked)")
                            + f". {self.proves}".rstrip() + " The exactness itself is the issuer's evidence (see the "
                            "receipt's guarantee)."])
@@ -153,7 +184,20 @@ class VerifyReport:
 
 def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os.PathLike | None = None,
                    model: str | os.PathLike | None = None) -> VerifyReport:
-    """Check a receipt or a receipt bundle with the public key alone (see the module docstring)."""
+    """Check a receipt or a receipt bundle with the public key alone (see the module docstring). A malformed
+    receipt or bundle (a field of the wrong type) fails, naming the field's error, never with a traceback."""
+    try:
+        return _verify(receipt_path, public_key, ledger, model)
+    except UnlearnError:
+        raise
+    except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
+        report = VerifyReport()
+        report.add("format", False, f"the receipt, bundle or ledger is malformed ({type(e).__name__}: {e}); it was "
+                   "not written by this library as it stands")
+        return report
+
+
+def _verify(receipt_path, public_key, ledger, model) -> VerifyReport:
     from ..keys import load_public_key, public_key_fingerprint, signature_ok
 
     receipt_path = Path(receipt_path)
@@ -165,7 +209,7 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
     if not isinstance(receipt, dict) or receipt.get("format") not in FORMATS:
         report.add("signature", False, "the bundle holds no receipt")
         return report
-    sig = receipt.get("signature") or {}
+    sig = receipt.get("signature") if isinstance(receipt.get("signature"), dict) else {}
     unsigned = {k: v for k, v in receipt.items() if k != "signature"}
     keys = {public_key_fingerprint(public): public}
     if chain is not None and chain.problem is None:
@@ -174,6 +218,12 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
     fingerprint = public_key_fingerprint(signer)
     ok = sig.get("algorithm") == "ed25519" and isinstance(sig.get("value"), str) \
         and signature_ok(signer, canonical(unsigned), sig["value"])
+    named = sig.get("public_key")
+    if not ok and isinstance(named, str) and named not in keys:  # e.g. signed before a rotation, checked with the new key
+        report.add("signature", False, f"signed by key {named}, not by the given key {fingerprint}: verify it with "
+                   f"the public key {named} (a key rotated out: publish every key), or make a fresh bundle "
+                   "(`hf-unlearn requests bundle`), which carries the key hand-over")
+        return report
     if not report.add("signature", ok, f"Ed25519 under key {fingerprint}"
                       + ("" if fingerprint == public_key_fingerprint(public) else
                          f" (a key of this ledger; the given key is {public_key_fingerprint(public)})")):
@@ -343,6 +393,9 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
     want = (receipt.get("state_hashes") or {}).get("params_root")
     if root == want:
         report.add("model", True, f"weights root {root[:16]}... is the receipt's")
+        report.model_says = ("the model is the provisional model this receipt names (an approximate method ran on it; "
+                             "that does not prove the rows gone)" if receipt.get("kind") == "approximate" else
+                             "the model is the one this ledger records for the exact deletion of the request's rows")
         return
     # a later model of the same ledger that also excludes the rows: later exact batches in the replay chain, or,
     # for a provisional receipt (or an acknowledgement), the exact batch that served the request and those after it
@@ -358,6 +411,8 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
         path = own + [r["batch"] for r in chain[: chain.index(via[0]) + 1]]
         report.add("model", True, f"weights root {root[:16]}... is {via[0]['batch']}'s (record {via[0]['seq']}), "
                    f"which excludes the request's rows via {' -> '.join(path)}")
+        report.model_says = (f"the model is exact {via[0]['batch']}'s, which excludes the request's rows by this "
+                             "ledger's record")
         return
     report.add("model", False, f"weights root {root[:16]}... is neither the receipt's {str(want)[:16]}... nor a later "
                "exact model of this ledger that excludes its rows")

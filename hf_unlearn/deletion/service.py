@@ -111,6 +111,9 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
     log = log or (lambda m: print(m, flush=True))
     now = parse_time(now, "--now")
     with serving(ledger):
+        from .receipts import write_missing_bundles
+
+        write_missing_bundles(ledger, log)  # a serve killed after its batch_done (or an add after its record)
         with ledger.lock():
             start = ledger.unfinished_batch()
             resumed = start is not None
@@ -461,6 +464,8 @@ class Policy:
                 data = tomllib.loads(text)
             else:
                 data = json.loads(text)
+        except RecursionError:
+            raise UnlearnError(f"the policy {p} is nested too deeply to be a policy (a JSON object of fields)") from None
         except ValueError as e:
             raise UnlearnError(f"the policy {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
         return cls.from_dict(data, where=f"the policy {p}")
