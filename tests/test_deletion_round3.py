@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_unlearn.errors import UnlearnError
+
 from .conftest import ROOT
 from .test_requests import QUIET, cli, public_key
 from .test_trace_common import get_recorded, get_trace_data, ids_at_step
@@ -303,3 +305,137 @@ def test_tokenizer_vocabulary_and_rules_are_scanned_for_forget_ids(tmp_path):
     assert hits([4100], post) == ["tokenizer.json:post_processor.single[2].SpecialToken.id (number 4100)"]
     assert hits(["piqa-17"], data={"piqa-17": 5, "a": 1}, name="vocab.json") == ["vocab.json (id 'piqa-17')"]
     assert hits(["piqa-17"], data="a\npiqa-17\nb\n", name="vocab.txt") == ["vocab.txt (id 'piqa-17')"]
+
+
+# -- further attacks of an insider without the key, or a careless operator ------------------------------------------
+def test_a_rolled_back_ledger_fails_verify_of_a_plain_receipt_too(world, tmp_path, capsys):
+    """Attack: the rollback, then the auditor checks a receipt (not a bundle) against the operator's ledger."""
+    ledger, run = world
+    key = tmp_path / "issuer.pub"
+    assert cli(capsys, "requests", "public-key", "--out", key)[0] == 0
+    rollback_to(ledger, "batch-0001.bundle.json")
+    code, out = cli(capsys, "requests", "verify", ledger.path / "receipts" / "r-0001.exact.json", "--public-key", key)
+    assert code == 1 and "older than the service's own evidence" in out, out
+
+
+def test_rollback_evidence_is_the_services_own_and_survives_partial_cleanup(world, capsys):
+    """Attacks: (a) a forged bundle with a later head signed by another key, and junk files in receipts/, do not lock
+    the service (not its evidence); (b) the rollback with every newer bundle deleted is still refused by a newer
+    signed receipt; (c) with every newer receipt deleted too, by the batch folder."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from hf_unlearn.deletion.chain import sign_head
+
+    ledger, run = world
+    receipts = ledger.path / "receipts"
+    bundle = json.loads((receipts / "r-0002.exact.bundle.json").read_text())
+    forged = {**bundle, "head": sign_head({**{k: v for k, v in bundle["head"].items() if k != "signature"},
+                                           "seq": 99}, Ed25519PrivateKey.generate())}
+    (receipts / "zz-forged.bundle.json").write_text(json.dumps(forged))
+    (receipts / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    (receipts / "list.json").write_text("[1, 2]")
+    (receipts / "bad-refs.json").write_text(json.dumps({**bundle["receipt"], "ledger_records": [1]}))
+    assert cli(capsys, "requests", "status", run, "--ledger", ledger.path)[0] == 0
+    rollback_to(ledger, "batch-0001.bundle.json")
+    for p in receipts.glob("*.bundle.json"):
+        p.unlink()
+    code, out = cli(capsys, "requests", "list", run, "--ledger", ledger.path)
+    assert code == 1 and "receipts/batch-0002.json (batch_start record)" in out, out
+    for p in receipts.glob("*0002*"):
+        p.unlink()
+    code, out = cli(capsys, "requests", "list", run, "--ledger", ledger.path)
+    assert code == 1 and "batches/batch-0002 exists" in out, out
+
+
+def test_purge_is_not_fooled_by_links_files_or_planted_copies(world, tmp_path, capsys):
+    """Attacks on purge: a dirty checkpoint replaced by a symlink to a folder outside (the link goes, the target is
+    not followed), a plain file named like a checkpoint, a provisional folder no record names holding a store, a
+    batch receipt deleted (refused, nothing removed), a dry run (nothing changes, no record)."""
+    ledger, run = world
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the service's")
+    shutil.rmtree(run / "checkpoints" / "step-00000006")
+    (run / "checkpoints" / "step-00000006").symlink_to(outside)
+    (run / "checkpoints" / "step-00000003").write_text("junk")
+    shutil.copytree(run / "private" / "store", ledger.path / "provisional" / "approx-0007" / "store")
+    before = snapshot(ledger.path, run)
+    code, out = cli(capsys, "requests", "purge", run, "--ledger", ledger.path, "--dry-run")
+    assert code == 0 and "would remove" not in out and "dry run" in out
+    assert snapshot(ledger.path, run) == before and ledger.last("purge_start") is None
+    receipt = ledger.path / "receipts" / "batch-0002.json"
+    saved = receipt.read_bytes()
+    receipt.unlink()
+    code, out = cli(capsys, "requests", "purge", run, "--ledger", ledger.path)
+    assert code == 1 and "receipts/batch-0002.json is missing" in out
+    receipt.write_bytes(saved)
+    assert cli(capsys, "requests", "purge", run, "--ledger", ledger.path)[0] == 0
+    removed = {r["path"] for r in ledger.last("purge")["removed"]}
+    assert {"../run/checkpoints/step-00000006", "../run/checkpoints/step-00000003",
+            "provisional/approx-0007"} <= removed
+    assert (outside / "keep.txt").exists() and not (run / "checkpoints" / "step-00000006").is_symlink()
+
+
+def test_forget_on_a_purged_run_names_the_run_that_replaced_it(world, capsys):
+    """Operator error: `forget` on the recorded run after purge retired it (its store is gone)."""
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.deletion.erasure import purge
+
+    ledger, run = world
+    target = ids_at_step(run, 7)[:1]
+    purge(ledger, log=lambda m: None)
+    current = ledger.path / "batches" / "batch-0002" / "replay"
+    with pytest.raises(UnlearnError, match="was retired by `hf-unlearn requests purge`") as e:
+        forget(run, target, ledger.path.parent / "out", progress=False, log=lambda m: None)
+    assert str(current) in str(e.value) and "\n" not in str(e.value)
+    assert not (ledger.path.parent / "out").exists()
+
+
+def test_bad_receipts_bundles_and_inputs_are_one_line(world, tmp_path, capsys):
+    """Round 2 found raw AttributeError, TypeError and RecursionError (deep JSON) and a FIFO called missing."""
+    ledger, run = world
+    key = tmp_path / "issuer.pub"
+    assert cli(capsys, "requests", "public-key", "--out", key)[0] == 0
+    bundle = json.loads((ledger.path / "receipts" / "r-0001.exact.bundle.json").read_text())
+    receipt = bundle["receipt"]
+    cases = {"deep": "[" * 100000 + "]" * 100000, "record signature a string": {**bundle, "records": [
+        {**bundle["records"][0], "signature": "x"}]}, "head signature a string": {**bundle, "head": {
+            **bundle["head"], "signature": "x"}}, "receipt signature a list": {**bundle, "receipt": {
+                **receipt, "signature": [1]}}, "ledger_records a list": {**bundle, "receipt": {
+                    **receipt, "ledger_records": [1]}}, "records not objects": {**bundle, "records": [1, 2]},
+             "receipt a string": {**bundle, "receipt": "x"}, "head seq a string": {**bundle, "head": {
+                 **bundle["head"], "seq": "3"}}}
+    before = snapshot(ledger.path)
+    for name, body in cases.items():
+        path = tmp_path / "case.json"
+        path.write_text(body if isinstance(body, str) else json.dumps(body))
+        for extra in ([], ["--ledger", ledger.path]):
+            code, out = cli(capsys, "requests", "verify", path, "--public-key", key, *extra)
+            assert code == 1 and "Error" not in out and "Traceback" not in out, (name, out)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    os.mkfifo(tmp_path / "fifo")
+    for args, match in ((["add", run, "--ledger", ledger.path, "--ids", deep], "nested too deeply"),
+                        (["add", run, "--ledger", ledger.path, "--ids", tmp_path / "fifo"], "is not a regular file"),
+                        (["add", run, "--ledger", ledger.path, "--ids", tmp_path], "is not a regular file"),
+                        (["serve", run, "--ledger", ledger.path, "--due", "--policy", deep], "nested too deeply")):
+        code, out = cli(capsys, "requests", *args)
+        assert code == 1 and match in out and len(out.strip().splitlines()) == 1, (args, out)
+    assert snapshot(ledger.path) == before
+
+
+def test_recover_writes_the_bundles_an_interrupted_serve_left_out(world, capsys):
+    """A serve killed after batch_done and its head, before its bundles (a real kill at that point:
+    test_deletion_integrity's kill-point test), and an add killed before its acknowledgement: recover makes them."""
+    ledger, run = world
+    receipts = ledger.path / "receipts"
+    gone = [receipts / "r-0002.exact.bundle.json", receipts / "batch-0002.bundle.json", receipts / "r-0002.ack.json",
+            receipts / "r-0002.ack.bundle.json"]
+    for p in gone:
+        p.unlink()
+    code, out = cli(capsys, "requests", "recover", run, "--ledger", ledger.path)
+    assert code == 0 and "wrote the missing bundle r-0002.exact.bundle.json" in out, out
+    assert all(p.exists() for p in gone)
+    from hf_unlearn.deletion import verify_receipt
+
+    assert verify_receipt(receipts / "r-0002.exact.bundle.json", public_key()).ok

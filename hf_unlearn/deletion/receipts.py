@@ -297,7 +297,12 @@ def _load_chain(data: dict, receipt_path: Path, ledger, public) -> tuple[ChainCh
         return None, str(e)
     if not records or records[0].get("format") != LEDGER_FORMAT:
         return None, "empty or foreign ledger"
-    return check_chain(records, read_head(folder), public), f"the ledger {folder}"
+    chain = check_chain(records, read_head(folder), public)
+    if chain.ok:  # a ledger older than the service's own evidence beside it (a rollback) is not trusted
+        from .evidence import key_lookup, rollback_problem
+
+        chain.problem = rollback_problem(folder, chain.trusted, chain.head_seq, key_lookup(chain.keys, public))
+    return chain, f"the ledger {folder}"
 
 
 def _check_chain(report: VerifyReport, receipt: dict, records: list[dict], head_ledger: str | None) -> None:
