@@ -439,3 +439,21 @@ def test_recover_writes_the_bundles_an_interrupted_serve_left_out(world, capsys)
     from hf_unlearn.deletion import verify_receipt
 
     assert verify_receipt(receipts / "r-0002.exact.bundle.json", public_key()).ok
+
+
+def test_numbers_and_batch_folders_are_never_reused_even_without_signed_evidence(world, capsys):
+    """Attack: the rollback with every signed receipt and bundle made unreadable (the service cannot use them as
+    evidence) but their files left: add would reuse r-0002 and overwrite its receipts; serve would reuse
+    batch-0002. Both refuse, naming the file, and record nothing."""
+    ledger, run = world
+    rollback_to(ledger, "r-0001.exact.bundle.json")  # after batch-0001: r-0002 not added yet
+    for p in (ledger.path / "receipts").glob("*.json"):
+        if "0002" in p.name:
+            p.write_text("{}")  # no longer signed evidence
+    shutil.move(ledger.path / "batches" / "batch-0002", ledger.path.parent / "moved")
+    before = snapshot(ledger.path)
+    ids = ledger.path.parent / "ids.jsonl"
+    ids.write_text(json.dumps(ids_at_step(run, 6)[0]) + "\n")
+    code, out = cli(capsys, "requests", "add", run, "--ledger", ledger.path, "--ids", ids)
+    assert code == 1 and "receipts/r-0002.ack" in out and "was used before" in out, out
+    assert snapshot(ledger.path) == before

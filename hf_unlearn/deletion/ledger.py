@@ -476,6 +476,11 @@ class DeletionLedger:
         with self.lock():
             number = 1 + sum(1 for r in self.checked(self._read()[0]) if r["type"] == "request")
             rid = f"r-{number:04d}"
+            used = sorted((self.path / "receipts").glob(f"{rid}.*"))
+            if used:  # a number is never reused, a receipt never overwritten
+                raise UnlearnError(f"the ledger {self.path} would number this request {rid}, but receipts/"
+                                   f"{used[0].name} exists: the number was used before and the ledger rolled back "
+                                   "or replaced; restore the newest ledger; nothing was recorded")
             record = self.append(
                 "request", private={"request": rid, "ids": ids, "ref": ref}, request=rid,
                 tags=keyed_tags(ids, key), count=len(ids), received=iso(received_at),

@@ -122,6 +122,11 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
                 if not pending:
                     return None
                 name = f"batch-{1 + sum(r['type'] == 'batch_start' for r in ledger.records()):04d}"
+                for used in (ledger.path / "batches" / name, ledger.path / RECEIPTS_DIR / f"{name}.json"):
+                    if used.exists():  # a batch folder is never reused, a receipt never overwritten
+                        raise UnlearnError(f"the next batch would be {name}, but {_rel(ledger, used)} exists: the "
+                                           "ledger was rolled back or replaced; restore the newest ledger; nothing "
+                                           "was done")
                 start = ledger.append("batch_start", batch=name, requests=[r.id for r in pending],
                                       run=_rel(ledger, ledger.current_run()), time=iso(now))
         name, request_ids = start["batch"], start["requests"]
