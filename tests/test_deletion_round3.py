@@ -359,6 +359,9 @@ def test_purge_is_not_fooled_by_links_files_or_planted_copies(world, tmp_path, c
     (run / "checkpoints" / "step-00000006").symlink_to(outside)
     (run / "checkpoints" / "step-00000003").write_text("junk")
     shutil.copytree(run / "private" / "store", ledger.path / "provisional" / "approx-0007" / "store")
+    current = ledger.path / "batches" / "batch-0002" / "replay"
+    shutil.copytree(run / "private" / "store", current / "private" / "old-store")  # inside the current exact run
+    shutil.copytree(run / "checkpoints" / "step-00000008", current / "checkpoints" / "step-00000008.orig")
     before = snapshot(ledger.path, run)
     code, out = cli(capsys, "requests", "purge", run, "--ledger", ledger.path, "--dry-run")
     assert code == 0 and "would remove" not in out and "dry run" in out
@@ -372,7 +375,9 @@ def test_purge_is_not_fooled_by_links_files_or_planted_copies(world, tmp_path, c
     assert cli(capsys, "requests", "purge", run, "--ledger", ledger.path)[0] == 0
     removed = {r["path"] for r in ledger.last("purge")["removed"]}
     assert {"../run/checkpoints/step-00000006", "../run/checkpoints/step-00000003",
-            "provisional/approx-0007"} <= removed
+            "provisional/approx-0007", "batches/batch-0002/replay/private/old-store",
+            "batches/batch-0002/replay/checkpoints/step-00000008.orig"} <= removed
+    assert (current / "private" / "store").is_dir() and (current / "checkpoints" / "step-00000008").is_dir()
     assert (outside / "keep.txt").exists() and not (run / "checkpoints" / "step-00000006").is_symlink()
 
 

@@ -93,6 +93,11 @@ def purge(ledger: DeletionLedger, *, log=None, dry_run: bool = False) -> PurgeRe
         retire, more = _run_targets(ledger, clean_limit)
         targets += retire
         unclassified += more
+        replay = Path(os.path.normpath(ledger.path / last["run"]))
+        if (replay / "header.json").is_file():  # the current exact run: what no record names in it
+            extra, more = _run_targets(ledger, 1 << 62, replay)
+            targets += extra
+            unclassified += more
         pending = _unfinished_purge(records)
         result = PurgeResult()
         sizes = {}
@@ -226,17 +231,19 @@ _RUN_KEPT = {"header.json", "plan.bin", "plan.jsonl", "wal.bin", "manifest.bin",
              "deletion_log.jsonl", "progress.json", "model", RETIRED_FILE, "packing.json"}
 
 
-def _run_targets(ledger: DeletionLedger, limit: int) -> tuple[list[Path], list[str]]:
+def _run_targets(ledger: DeletionLedger, limit: int, run: Path | None = None) -> tuple[list[Path], list[str]]:
     """The recorded run's token store, every checkpoint folder a deleted row reached (after ``limit``, the earliest
     checkpoint any batch replayed from), and everything else under ``checkpoints/`` and ``private/`` that is not a
     complete, indexed checkpoint at or before it, the index, the frozen tensors or the key: a folder whose index
     entry is gone, one missing ``hashes.json``, an operator's ``step-00000005.bak``. Unknown entries elsewhere in the
-    run are erased when they hold data, else named."""
+    run are erased when they hold data, else named. With ``run`` (the current exact run, whose store and checkpoints
+    hold no deleted row), the same walk keeps its store and every complete, indexed checkpoint."""
     import re
 
     from ..trace.checkpoints import is_complete, read_index_steps
 
-    run = ledger.run
+    current = run is not None
+    run = run if current else ledger.run
     ledger_abs = os.path.abspath(ledger.path)
     targets, unclassified = [], []
     listed = read_index_steps(run)
@@ -251,7 +258,7 @@ def _run_targets(ledger: DeletionLedger, limit: int) -> tuple[list[Path], list[s
             targets.append(entry)
     private = run / "private"
     for entry in sorted(private.iterdir()) if private.is_dir() else []:
-        if entry.name not in ("hmac.key", "lineage.json"):
+        if entry.name not in ("hmac.key", "lineage.json") + (("store",) if current else ()):
             targets.append(entry)  # the token store, and anything else kept beside it
     for entry in sorted(run.iterdir()):
         name = entry.name[: -len(".sha256")] if entry.name.endswith(".sha256") else entry.name
