@@ -20,6 +20,12 @@ second run), provisional models whose requests are now exact, and from the recor
 and names the current exact run). A signed ``purge`` record lists each removed path (relative to the ledger) and its
 size. What it cannot remove is listed too: copies outside the service (the training output folder of the recorded
 run, its ``checkpoint-*`` folders, the source dataset, backups) and models published earlier to the Hub.
+
+What it decides from: the signed ledger records and the batch receipts whose hashes they bind (where each batch
+replayed from), and a walk of every file and folder under the ledger and the run (indexed or not, complete or not):
+what it cannot classify is erased where rows or weights can live, else named (``unclassified`` in the record), and
+never skipped. A ``purge_start`` record lists what is about to go before the first removal, so a purge cut off is
+finished, and recorded with everything both runs removed, by the next one.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ says which of these passed:
 
 It names the request and its kind. What it does not prove: that the replay was exact (that is the evidence inside
 the receipt, e.g. the oracle verdict, made by the issuer) nor that the issuer, who holds the signing key, did not
-rewrite and re-sign a whole ledger (or roll it back to an older head); publish the bundles (or the head) to pin it.
+rewrite and re-sign a whole ledger; a rollback to an older head is refused when the ledger's folder still holds newer
+evidence (:mod:`hf_unlearn.deletion.evidence`), and for a bundle with ``ledger=`` when the ledger no longer holds the
+bundle's records under a head at least as new (the auditor's check); publish the bundles (or the head) to pin it.
 """
 
 from __future__ import annotations
