@@ -91,6 +91,10 @@ class Request:
         return (parse_time(self.deadline) - (now or utc_now())).total_seconds() / 86400
 
 
+class LedgerTail(UnlearnError):
+    """Records after the signed head (an append in progress, or one a crash cut off: see ``recover``)."""
+
+
 class DeletionLedger:
     """The deletion requests of one recorded run, and the service that honours them.
 
@@ -162,7 +166,7 @@ class DeletionLedger:
         if result.problem is not None:
             raise UnlearnError(f"the ledger {self.path} cannot be trusted: {result.problem}; nothing was done")
         if result.tail:
-            raise UnlearnError(f"the ledger {self.path}: {result.tail_problem()}; nothing was done. `hf-unlearn "
+            raise LedgerTail(f"the ledger {self.path}: {result.tail_problem()}; nothing was done. `hf-unlearn "
                                "requests recover` re-signs the head if the tail is exactly what an interrupted serve or "
                                "add writes, and refuses anything else")
         self._check_binding(records[0])
@@ -185,8 +189,13 @@ class DeletionLedger:
         self._evidence_ok = state
 
     def records(self) -> list[dict]:
-        """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head."""
-        return self.checked(self._read()[0])
+        """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head. A tail
+        seen while another process appends (its record written, its head not yet) is read again under the lock."""
+        try:
+            return self.checked(self._read()[0])
+        except LedgerTail:
+            with self.lock():
+                return self.checked(self._read()[0])
 
     def _check_binding(self, opening: dict) -> None:
         header = json.loads((self.run / "header.json").read_text())
@@ -473,7 +482,9 @@ class DeletionLedger:
         check_request(self.current_run() if self.records_path.exists() else self.run, ids)  # a pipeline: every stage
         key = self.tag_key
         _check_writable(self.path / "receipts")  # the acknowledgement goes there: fail before recording, not after
-        with self.lock():
+        from .receipts import acknowledge
+
+        with self.lock():  # the acknowledgement too: it reads the ledger another add may be appending to
             number = 1 + sum(1 for r in self.checked(self._read()[0]) if r["type"] == "request")
             rid = f"r-{number:04d}"
             used = sorted((self.path / "receipts").glob(f"{rid}.*"))
@@ -486,10 +497,8 @@ class DeletionLedger:
                 tags=keyed_tags(ids, key), count=len(ids), received=iso(received_at),
                 deadline=iso(received_at + dt.timedelta(days=days)),
                 ref_tag=tag(key, ref) if ref is not None else None)
-        request = next(r for r in self.requests() if r.seq == record["seq"])
-        from .receipts import acknowledge
-
-        acknowledge(self, request)
+            request = next(r for r in self.requests() if r.seq == record["seq"])
+            acknowledge(self, request)
         return request
 
     # -- serving (hf_unlearn.deletion.service) ---------------------------------------------------------------------
