@@ -88,7 +88,11 @@ def test_purge_sees_unindexed_incomplete_and_oddly_named_checkpoints(world, caps
     index = run / "checkpoints" / "index.json"
     data = json.loads(index.read_text())
     data["checkpoints"].pop("6")
-    index.write_text(json.dumps(data))  # (the index's MAC no longer fits: purge must not rely on the index)
+    from hf_unlearn.trace.checkpoints import _mac
+    from hf_unlearn.trace.tags import run_key
+
+    data["mac"] = _mac(run_key(run), data)  # re-MAC'd (as a thinning would): the entry is simply gone
+    index.write_text(json.dumps(data))
     (run / "checkpoints" / "step-00000008" / "hashes.json").unlink()
     shutil.copytree(run / "checkpoints" / "step-00000004", run / "checkpoints" / "step-00000005.bak")
     shutil.copytree(run / "private" / "store", run / "store-copy")
@@ -462,3 +466,21 @@ def test_numbers_and_batch_folders_are_never_reused_even_without_signed_evidence
     code, out = cli(capsys, "requests", "add", run, "--ledger", ledger.path, "--ids", ids)
     assert code == 1 and "receipts/r-0002.ack" in out and "was used before" in out, out
     assert snapshot(ledger.path) == before
+
+
+def test_a_dirty_checkpoint_under_a_clean_name_or_an_edited_index_is_not_kept(world, capsys):
+    """Attacks: step-8's folder (trained on both deleted rows) copied over the clean step-2, and its index entry
+    copied too (the index MAC no longer holds): purge keeps no checkpoint it cannot verify as the run's own."""
+    ledger, run = world
+    shutil.rmtree(run / "checkpoints" / "step-00000002")
+    shutil.copytree(run / "checkpoints" / "step-00000008", run / "checkpoints" / "step-00000002")
+    assert cli(capsys, "requests", "purge", run, "--ledger", ledger.path)[0] == 0
+    assert steps(run) == ["step-00000000"]  # the impostor is erased, the intact step 0 kept
+    index = run / "checkpoints" / "index.json"
+    data = json.loads(index.read_text())
+    data["checkpoints"]["0"]["params_root"] = "0" * 64  # an edited index vouches for nothing
+    index.write_text(json.dumps(data))
+    from hf_unlearn.deletion.erasure import purge
+
+    purge(ledger, log=lambda m: None)
+    assert steps(run) == []

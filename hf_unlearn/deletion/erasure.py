@@ -246,20 +246,20 @@ def _run_targets(ledger: DeletionLedger, limit: int, run: Path | None = None) ->
     hold no deleted row), the same walk keeps its store and every complete, indexed checkpoint."""
     import re
 
-    from ..trace.checkpoints import is_complete, read_index_steps
+    from ..trace.checkpoints import is_complete
 
     current = run is not None
     run = run if current else ledger.run
     ledger_abs = os.path.abspath(ledger.path)
     targets, unclassified = [], []
-    listed = read_index_steps(run)
+    listed = _trusted_steps(ledger, run)
     checkpoints = run / "checkpoints"
     for entry in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
         if entry.name in ("index.json", "frozen"):
             continue
         m = re.fullmatch(r"step-(\d+)", entry.name)
         clean = m is not None and int(m.group(1)) <= limit and entry.is_dir() and not entry.is_symlink() \
-            and is_complete(entry) and (listed is None or int(m.group(1)) in listed)
+            and is_complete(entry) and (listed is None or int(m.group(1)) in listed) and (current or _intact(entry))
         if not clean:
             targets.append(entry)
     private = run / "private"
@@ -294,6 +294,38 @@ def check_not_retired(run) -> None:
                        f"store and every checkpoint a deleted row reached were erased; it was replaced by the exact "
                        f"run {current} (every row deleted so far is gone from it): delete from that run, or add the "
                        "request to the ledger (`hf-unlearn requests add`)")
+
+
+def _trusted_steps(ledger: DeletionLedger, run: Path) -> set[int] | None:
+    """The steps of the run's checkpoint index, if its MAC (under the run key) holds; an empty set when it does not
+    (an edited index vouches for no checkpoint); None for a run recorded before indexes."""
+    import hmac
+
+    from ..trace.checkpoints import _mac, read_index
+
+    try:
+        index = read_index(run)
+    except (OSError, ValueError):
+        return set()
+    if index is None:
+        return None
+    try:
+        ok = hmac.compare_digest(str(index.get("mac", "")), _mac(ledger.tag_key, index))
+        return {int(s) for s in index.get("checkpoints", {})} if ok else set()
+    except (AttributeError, TypeError, ValueError, UnlearnError):
+        return set()
+
+
+def _intact(folder: Path) -> bool:
+    """A kept checkpoint is the one the run's index recorded for its step, tensor by tensor (a dirty checkpoint's
+    files copied under a clean step's name are not kept)."""
+    from ..trace.checkpoints import verify_checkpoint_files
+
+    try:
+        verify_checkpoint_files(folder)
+        return True
+    except Exception:  # any failure to verify: not classifiable as clean, so erased
+        return False
 
 
 def _mark_retired(ledger: DeletionLedger, current: Path, limit: int) -> None:
