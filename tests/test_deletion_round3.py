@@ -140,6 +140,7 @@ def test_a_purge_killed_midway_is_finished_and_recorded_by_the_next(world):
     planned = {e["path"] for e in start["planned"]}
     gone = {p for p in planned if not (ledger.path / p).exists()}
     assert len(gone) == 2
+    assert ledger.status()["interrupted_purge"] == start["seq"]
     from hf_unlearn.deletion.erasure import purge
 
     result = purge(ledger, log=lambda m: None)
@@ -147,6 +148,7 @@ def test_a_purge_killed_midway_is_finished_and_recorded_by_the_next(world):
     assert record["resumes"] == start["seq"] and {r["path"] for r in record["removed"]} == planned
     assert gone <= {r["path"] for r in result.removed}
     assert not any((ledger.path / p).exists() for p in planned)
+    assert ledger.status()["interrupted_purge"] is None
 
 
 # -- 2. a rollback is refused from the service's own evidence -------------------------------------------------------

@@ -590,6 +590,14 @@ def request_rows(ledger: DeletionLedger, now=None) -> list[dict]:
     return rows
 
 
+def _purge_cut_off(ledger: DeletionLedger) -> int | None:
+    """The ``purge_start`` record of a purge that was cut off (the next ``requests purge`` finishes it), if any."""
+    from .erasure import _unfinished_purge
+
+    start = _unfinished_purge(ledger.records())
+    return start["seq"] if start else None
+
+
 def status(ledger: DeletionLedger, now=None) -> dict:
     """``requests status``: counts per state, overdue requests, the next deadline, an interrupted batch."""
     now = parse_time(now, "--now")
@@ -602,5 +610,6 @@ def status(ledger: DeletionLedger, now=None) -> dict:
             "exact": sum(r["state"] == "exact" for r in rows), "overdue": [r["request"] for r in rows if r["overdue"]],
             "next_deadline": min((r["deadline"] for r in waiting), default=None),
             "interrupted_batch": unfinished["batch"] if unfinished else None,
+            "interrupted_purge": _purge_cut_off(ledger),
             "served_model": str(ledger.served_model()) if ledger.served_model() else None,
             "records": len(ledger.records()), "now": iso(now or utc_now())}
