@@ -183,6 +183,9 @@ def _in_hf_cache(repo_id: str) -> bool:
 def check_ids_file(ids: str | os.PathLike) -> Path:
     """The id file of a deletion request, which must exist (checked before anything heavy loads)."""
     path = Path(ids)
+    if path.exists() and not path.is_file():  # a folder, a FIFO, a device: reading it could block or mislead
+        raise UnlearnError(f"the id file {os.fspath(ids)!r} is not a regular file (a folder, FIFO or device); write "
+                           "the ids to a file, one per line (ids.jsonl: 3600 or \"abc-1\" per line)")
     if not path.is_file():
         raise UnlearnError(f"the id file {os.fspath(ids)!r} does not exist; write one id per line "
                            "(ids.jsonl: 3600 or \"abc-1\" per line)")
@@ -194,7 +197,10 @@ def load_request_ids(ids) -> list:
     from .data.ids import read_ids
 
     if isinstance(ids, (str, os.PathLike)):
-        return read_ids(check_ids_file(ids))
+        try:
+            return read_ids(check_ids_file(ids))
+        except RecursionError:
+            raise UnlearnError(f"the id file {os.fspath(ids)!r} is nested too deeply: write one id per line") from None
     try:
         values = list(dict.fromkeys(ids))
     except TypeError:

@@ -189,8 +189,11 @@ def test_kill_9_at_every_write_of_a_batch_then_recover_and_serve_completes_it_on
     common = [get_recorded(), "--ledger", ledger.path]
     code, out = cli(capsys, "requests", "status", *common)
     interrupted = out.split("interrupted_batch", 1)[-1].splitlines()[0].strip() if "interrupted_batch" in out else ""
-    if point == "bundles":  # batch_done and its head are in: consistent (bundles are made again on demand)
+    if point == "bundles":  # batch_done and its head are in: consistent; recover (or the next serve) writes them
         assert code == 0 and interrupted == "None", out
+        assert not receipt.with_name("r-0001.exact.bundle.json").exists()
+        assert cli(capsys, "requests", "recover", *common)[0] == 0
+        assert verify_receipt(receipt.with_name("r-0001.exact.bundle.json"), public_key()).ok
     elif point == "receipts":  # started, not done: status says so and exits 1
         assert code == 1 and interrupted == "batch-0001", out
     if point.startswith("head:"):  # a tail: every command refuses, naming it, until recover
@@ -359,6 +362,10 @@ def test_provisional_receipts_say_so_and_are_superseded(tmp_path, capsys):
     report = verify_receipt(provisional.with_name(provisional.name.replace(".json", ".bundle.json")), public_key())
     assert report.ok and "r-0002: provisional (approximate, masc), not yet superseded" in report.summary()
     assert "not that the rows are gone" in report.summary()
+    # with its own model: says what that proves, never "excludes the request's rows" (round 2 said both)
+    report = verify_receipt(provisional, public_key(), model=ledger.path / "provisional" / approx.name / "model")
+    assert report.ok and "the model is the provisional model this receipt names" in report.summary()
+    assert "excludes" not in report.summary(), report.summary()
     # no raw id outside private/: the card facts of every served model moved to private/card_info (0600)
     assert not list(ledger.path.glob("*/*/model/unlearning_info.json"))
     info = ledger.path / "private" / "card_info" / f"{approx.name}.json"
@@ -397,6 +404,16 @@ def test_signing_key_rotation_keeps_old_signatures_verifiable(tmp_path, monkeypa
     bundles = [ledger.path / "receipts" / f"r-000{n}.ack.bundle.json" for n in (1, 2)]
     assert verify_receipt(bundles[1], new.public_key()).ok  # a bundle made after the rotation: the new key
     assert verify_receipt(bundles[0], old.public_key()).ok  # ... one made before it: the old key
+    # ... which, checked with the new key, names the key that signed it (round 2: a bare "signature FAIL")
+    from hf_unlearn.keys import public_key_fingerprint
+
+    report = verify_receipt(bundles[0], new.public_key())
+    assert not report.ok and f"signed by key {public_key_fingerprint(old.public_key())}, not by the given key" in \
+        report.summary(), report.summary()
+    from hf_unlearn.deletion.receipts import write_bundle
+
+    fresh = write_bundle(ledger, ack, tmp_path / "fresh.json")  # a fresh bundle carries the key hand-over
+    assert verify_receipt(fresh, new.public_key()).ok and verify_receipt(fresh, old.public_key()).ok
     # a key record an attacker appends, handing the ledger to their own key: not signed by the ledger's key
     path = ledger.path / "ledger.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]

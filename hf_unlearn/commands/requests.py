@@ -97,7 +97,8 @@ def register(parser) -> None:
     p.add_argument("receipt", help="a receipt bundle (*.bundle.json: needs nothing else) or a receipt written by "
                                    "`requests serve` (LEDGER/receipts/*.json, checked against its ledger)")
     p.add_argument("--public-key", required=True, metavar="KEY", help="the issuer's Ed25519 public key (PEM file)")
-    p.add_argument("--ledger", default=None, help="the ledger folder (default: the receipt's ../; not for a bundle)")
+    p.add_argument("--ledger", default=None, help="the ledger folder (default: the receipt's ../); with a bundle: the operator's current "
+                        "ledger, checked to still hold the bundle's records under a head at least as new")
     p.add_argument("--model", default=None, help="a model folder: its weights are the receipt's, or a later exact "
                                                  "model of the same ledger that also excludes the request's rows")
     p.set_defaults(func=verify_cmd)

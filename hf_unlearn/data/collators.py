@@ -13,7 +13,6 @@ from ..utils import import_object
 from .tokenize import IGNORE_INDEX
 
 
-
 def check_attention_mask(convention: str) -> str:
     if convention not in ATTENTION_MASKS:
         raise UnlearnError(f"attention_mask must be one of {', '.join(ATTENTION_MASKS)}, got {convention!r}")

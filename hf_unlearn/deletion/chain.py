@@ -128,7 +128,7 @@ def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool
         current = anchor
         first_signed = next((r for r in records if r.get("signature")), None)
         if first_signed is not None:
-            want = first_signed["signature"].get("key")
+            want = first_signed["signature"].get("key") if isinstance(first_signed["signature"], dict) else None
             for r in records:
                 if r.get("type") == "key" and r.get("previous_fingerprint") == want:
                     current = _public(r["previous_public_key"])
@@ -185,7 +185,8 @@ def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool
             head_key = _public(covered["public_key"])
     elif covered.get("type") == "key":
         head_key = _public(covered["public_key"])  # the head after a rotation is signed by the new key
-    value = (head.get("signature") or {}).get("value", "")
+    value = head.get("signature").get("value", "") if isinstance(head.get("signature"), dict) else ""
+
     if not (isinstance(value, str) and signature_ok(head_key, canonical(body), value)):
         out.problem = (f"the head (record {seq}) is not signed by the ledger's key "
                        f"{public_key_fingerprint(head_key)}")

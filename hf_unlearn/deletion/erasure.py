@@ -20,6 +20,12 @@ second run), provisional models whose requests are now exact, and from the recor
 and names the current exact run). A signed ``purge`` record lists each removed path (relative to the ledger) and its
 size. What it cannot remove is listed too: copies outside the service (the training output folder of the recorded
 run, its ``checkpoint-*`` folders, the source dataset, backups) and models published earlier to the Hub.
+
+What it decides from: the signed ledger records and the batch receipts whose hashes they bind (where each batch
+replayed from), and a walk of every file and folder under the ledger and the run (indexed or not, complete or not):
+what it cannot classify is erased where rows or weights can live, else named (``unclassified`` in the record), and
+never skipped. A ``purge_start`` record lists what is about to go before the first removal, so a purge cut off is
+finished, and recorded with everything both runs removed, by the next one.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class PurgeResult:
     removed: list[dict] = field(default_factory=list)  # {"path": relative to the ledger, "bytes": n}
     kept: list[str] = field(default_factory=list)
     not_erased: list[str] = field(default_factory=list)
+    unclassified: list[str] = field(default_factory=list)  # found, not classified, kept: named, never skipped
     record: dict | None = None
 
     @property
@@ -55,6 +62,7 @@ class PurgeResult:
                                                      " (nothing left to remove: no record written)")]
         lines += [f"  removed  {r['path']}  ({r['bytes'] / 2**20:.2f} MiB)" for r in self.removed]
         lines += [f"  kept     {k}" for k in self.kept]
+        lines += [f"  NOT CLASSIFIED (kept, check it): {u}" for u in self.unclassified]
         lines += [f"  NOT ERASED (outside the service): {n}" for n in self.not_erased]
         return "\n".join(lines)
 
@@ -67,8 +75,11 @@ def _size(path: Path) -> int:
 
 def purge(ledger: DeletionLedger, *, log=None, dry_run: bool = False) -> PurgeResult:
     """Remove what the served rows left in the service's stores and runs (see the module docstring). Refused while
-    a batch is interrupted or before any batch is exact. Idempotent: a second purge removes what a crashed one left
-    and records nothing when nothing is left."""
+    a batch is interrupted or before any batch is exact. What to erase is decided from the signed ledger records (and
+    the batch receipts whose hashes they bind) and from every file and folder under the ledger and the run, indexed
+    or not: anything it cannot classify is erased (where rows or weights can live) or named. A ``purge_start`` record
+    precedes the first removal, so a purge cut off is finished and recorded by the next one. Idempotent: a second
+    purge removes what a crashed one left and records nothing when nothing is left."""
     from .service import serving
 
     log = log or (lambda m: print(m, flush=True))
@@ -82,64 +93,239 @@ def purge(ledger: DeletionLedger, *, log=None, dry_run: bool = False) -> PurgeRe
             raise UnlearnError("nothing to purge: no batch is exact yet (`hf-unlearn requests serve --exact` first)")
         last = done[-1]
         exact = {rid for r in done for rid in r["requests"]}
-        targets: list[Path] = []
-        for r in done[:-1]:
-            folder = ledger.path / "batches" / r["batch"]
-            targets += [folder / name for name in ("model", "replay", "store", "oracle")]
         current = ledger.path / "batches" / last["batch"]
-        targets += [current / "store", current / "oracle"]
-        for r in records:
-            if r["type"] == "approximate" and set(r["requests"]) <= exact:
-                targets.append(ledger.path / "provisional" / r["name"])
-        retire, clean_limit = _recorded_run_targets(ledger, done)
+        clean_limit = _clean_limit(ledger, done)  # refused (nothing removed) when a batch receipt is not the signed one
+        targets, unclassified = _ledger_targets(ledger, records, done, exact)
+        retire, more = _run_targets(ledger, clean_limit)
         targets += retire
+        unclassified += more
+        replay = Path(os.path.normpath(ledger.path / last["run"]))
+        if (replay / "header.json").is_file():  # the current exact run: what no record names in it
+            extra, more = _run_targets(ledger, 1 << 62, replay)
+            targets += extra
+            unclassified += more
+        pending = _unfinished_purge(records)
         result = PurgeResult()
+        sizes = {}
         for path in targets:
-            if not (path.exists() or path.is_symlink()):
-                continue
-            size = _size(path)
+            if path.exists() or path.is_symlink():
+                sizes[path] = _size(path)
+        planned = [{"path": _rel(ledger, p), "bytes": n} for p, n in sizes.items()]
+        if not dry_run and planned:
+            ledger.append("purge_start", batch=last["batch"], planned=planned, time=iso(utc_now()))
+        for path, size in sizes.items():
             if not dry_run:
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                _remove(path)
             result.removed.append({"path": _rel(ledger, path), "bytes": size})
             log(f"{'would remove' if dry_run else 'removed'} {_rel(ledger, path)} ({size / 2**20:.2f} MiB)")
+        if pending is not None:  # what a purge cut off removed before it was killed: recorded now
+            seen = {r["path"] for r in result.removed}
+            result.removed += [e for e in pending["planned"] if e["path"] not in seen]
         result.kept = [f"{_rel(ledger, current / 'replay')} (the current exact run: the next batch deletes from it)",
                        f"{_rel(ledger, current / 'model')} (the served exact model)",
                        "the ledger, receipts, bundles and each batch's receipt.json (audit evidence, keyed tags only)",
                        f"the recorded run's provenance, key and checkpoints up to step {clean_limit} (no deleted row "
                        "reached them)"]
+        result.unclassified = unclassified
+        for u in unclassified:
+            log(f"not classified, kept: {u}")
         result.not_erased = _outside(done)
         if dry_run or not result.removed:
             return result
-        if retire:
+        if any(not r["path"].startswith(("batches/", "provisional/")) for r in result.removed) or \
+                (ledger.run / RETIRED_FILE).exists():
             _mark_retired(ledger, current / "replay", clean_limit)
         result.record = ledger.append("purge", batch=last["batch"], requests=sorted(exact), removed=result.removed,
                                       bytes_removed=result.bytes_removed, not_erased=result.not_erased,
-                                      time=iso(utc_now()))
+                                      unclassified=unclassified, time=iso(utc_now()),
+                                      **({"resumes": pending["seq"]} if pending is not None else {}))
     return result
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def _unfinished_purge(records: list[dict]) -> dict | None:
+    """The last ``purge_start`` record no ``purge`` record follows (a purge that was cut off), if any."""
+    for r in reversed(records):
+        if r["type"] == "purge":
+            return None
+        if r["type"] == "purge_start":
+            return r
+    return None
 
 
 def _rel(ledger: DeletionLedger, path: Path) -> str:
     return os.path.relpath(os.path.abspath(path), os.path.abspath(ledger.path))
 
 
-def _recorded_run_targets(ledger: DeletionLedger, done: list[dict]) -> tuple[list[Path], int]:
-    """The recorded run's token store and every checkpoint a deleted row reached (after the earliest checkpoint any
-    batch replayed from), and that step."""
-    from ..trace.run import list_checkpoints
+def _clean_limit(ledger: DeletionLedger, done: list[dict]) -> int:
+    """The earliest checkpoint any batch replayed from: read from each batch receipt whose hash its signed
+    ``batch_done`` record binds (an edited receipt is refused, naming it, before anything is removed)."""
+    from .receipts import receipt_sha256
 
     limits = []
     for r in done:
+        path = ledger.path / "receipts" / f"{r['batch']}.json"
         try:
-            batch = json.loads((ledger.path / "receipts" / f"{r['batch']}.json").read_text())
+            batch = json.loads(path.read_text(encoding="utf-8"))
+            ok = isinstance(batch, dict) and receipt_sha256(batch) == r.get("batch_receipt")
+        except (OSError, ValueError, RecursionError):
+            batch, ok = None, False
+        if not ok:
+            raise UnlearnError(f"receipts/{r['batch']}.json is missing or is not the batch receipt record {r['seq']} "
+                               "signs (its hash differs): purge reads where each batch replayed from only from the "
+                               "signed receipt; restore it (nothing was removed)")
+        try:
             limits.append(int(batch["cost"]["start_checkpoint"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            raise UnlearnError(f"cannot read where {r['batch']} replayed from (receipts/{r['batch']}.json): restore "
-                               "the receipt before purging") from None
-    limit = min(limits)
-    run = ledger.run
-    targets = [run / "private" / "store"]
-    targets += [p for step, p in sorted(list_checkpoints(run).items()) if step > limit]
-    return targets, limit
+        except (KeyError, TypeError, ValueError):
+            limits.append(0)  # a pipeline's cost (per stage): keep only the run's first checkpoint
+    return min(limits)
+
+
+# what may hold rows or weights trained on them: unknown entries there are erased; elsewhere they are named
+_DATA_SUFFIXES = (".arrow", ".safetensors", ".pt", ".bin", ".parquet", ".npy", ".gguf")
+
+
+def _holds_data(path: Path) -> bool:
+    if path.is_symlink():
+        return False
+    if path.is_file():
+        return path.name.endswith(_DATA_SUFFIXES) or path.name == "dataset_info.json"
+    return any(_holds_data(p) for p in path.rglob("*") if p.is_file())
+
+
+def _ledger_targets(ledger: DeletionLedger, records: list[dict], done: list[dict], exact: set) -> tuple[list, list]:
+    """Every path under the ledger to remove, and those it cannot classify (kept, named)."""
+    root = ledger.path
+    targets, unclassified = [], []
+    named = {r["batch"]: r for r in done}
+    current = done[-1]
+    keep_current = {"model", "receipt.json", Path(os.path.normpath(current["run"])).parts[2]
+                    if len(Path(os.path.normpath(current["run"])).parts) > 2 else "replay"}
+    batches = root / "batches"
+    for entry in sorted(batches.iterdir()) if batches.is_dir() else []:
+        r = named.get(entry.name)
+        if r is None or not entry.is_dir() or entry.is_symlink():
+            targets.append(entry)  # not a finished batch of this ledger (a copy, a leftover): rows may be inside
+            continue
+        keep = keep_current if r is current else {"receipt.json"}
+        targets += [p for p in sorted(entry.iterdir()) if p.name not in keep]
+    provisional = root / "provisional"
+    served = {r["name"]: set(r["requests"]) <= exact for r in records if r["type"] == "approximate"}
+    for entry in sorted(provisional.iterdir()) if provisional.is_dir() else []:
+        if served.get(entry.name, True):  # superseded by an exact batch, or not from this ledger
+            targets.append(entry)
+    private = root / "private"
+    for entry in sorted(private.iterdir()) if private.is_dir() else []:
+        if entry.name not in ("ids.jsonl", "card_info"):
+            (targets if _holds_data(entry) else unclassified).append(entry)
+    known = {"ledger.jsonl", "head.json", ".lock", ".serve.lock", "receipts", "batches", "provisional", "private"}
+    for entry in sorted(root.iterdir()):
+        if entry.name in known:
+            continue
+        (targets if _holds_data(entry) else unclassified).append(entry)
+    receipts = root / "receipts"
+    for entry in sorted(receipts.iterdir()) if receipts.is_dir() else []:
+        if not (entry.is_file() and entry.name.endswith(".json")):
+            (targets if _holds_data(entry) else unclassified).append(entry)
+    return targets, [_rel(ledger, p) for p in unclassified]
+
+
+_RUN_KEPT = {"header.json", "plan.bin", "plan.jsonl", "wal.bin", "manifest.bin", "provenance.bin",
+             "deletion_log.jsonl", "progress.json", "model", RETIRED_FILE, "packing.json"}
+
+
+def _run_targets(ledger: DeletionLedger, limit: int, run: Path | None = None) -> tuple[list[Path], list[str]]:
+    """The recorded run's token store, every checkpoint folder a deleted row reached (after ``limit``, the earliest
+    checkpoint any batch replayed from), and everything else under ``checkpoints/`` and ``private/`` that is not a
+    complete, indexed checkpoint at or before it, the index, the frozen tensors or the key: a folder whose index
+    entry is gone, one missing ``hashes.json``, an operator's ``step-00000005.bak``. Unknown entries elsewhere in the
+    run are erased when they hold data, else named. With ``run`` (the current exact run, whose store and checkpoints
+    hold no deleted row), the same walk keeps its store and every complete, indexed checkpoint."""
+    import re
+
+    from ..trace.checkpoints import is_complete
+
+    current = run is not None
+    run = run if current else ledger.run
+    ledger_abs = os.path.abspath(ledger.path)
+    targets, unclassified = [], []
+    listed = _trusted_steps(ledger, run)
+    checkpoints = run / "checkpoints"
+    for entry in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
+        if entry.name in ("index.json", "frozen"):
+            continue
+        m = re.fullmatch(r"step-(\d+)", entry.name)
+        clean = m is not None and int(m.group(1)) <= limit and entry.is_dir() and not entry.is_symlink() \
+            and is_complete(entry) and (listed is None or int(m.group(1)) in listed) and (current or _intact(entry))
+        if not clean:
+            targets.append(entry)
+    private = run / "private"
+    for entry in sorted(private.iterdir()) if private.is_dir() else []:
+        if entry.name not in ("hmac.key", "lineage.json") + (("store",) if current else ()):
+            targets.append(entry)  # the token store, and anything else kept beside it
+    for entry in sorted(run.iterdir()):
+        name = entry.name[: -len(".sha256")] if entry.name.endswith(".sha256") else entry.name
+        if name in _RUN_KEPT or entry.name in ("checkpoints", "private") or \
+                os.path.abspath(entry) == ledger_abs or ledger_abs.startswith(os.path.abspath(entry) + os.sep):
+            continue
+        if _holds_data(entry):
+            targets.append(entry)
+        else:
+            unclassified.append(_rel(ledger, entry))
+    return targets, unclassified
+
+
+def check_not_retired(run) -> None:
+    """A run that ``requests purge`` retired (its store and later checkpoints are erased) is refused, naming the exact
+    run that replaced it: deletions continue from that one."""
+    path = Path(run) / RETIRED_FILE
+    if not path.is_file():
+        return
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        current = Path(os.path.normpath(Path(run) / info["current_exact_run"]))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise UnlearnError(f"{run} was retired (its {RETIRED_FILE} is unreadable): its token store and the checkpoints "
+                           "a deleted row reached were erased; delete from the ledger's current exact run") from None
+    raise UnlearnError(f"{run} was retired by `hf-unlearn requests purge` (ledger {info.get('ledger')}): its token "
+                       f"store and every checkpoint a deleted row reached were erased; it was replaced by the exact "
+                       f"run {current} (every row deleted so far is gone from it): delete from that run, or add the "
+                       "request to the ledger (`hf-unlearn requests add`)")
+
+
+def _trusted_steps(ledger: DeletionLedger, run: Path) -> set[int] | None:
+    """The steps of the run's checkpoint index, if its MAC (under the run key) holds; an empty set when it does not
+    (an edited index vouches for no checkpoint); None for a run recorded before indexes."""
+    import hmac
+
+    from ..trace.checkpoints import _mac, read_index
+
+    try:
+        index = read_index(run)
+    except (OSError, ValueError):
+        return set()
+    if index is None:
+        return None
+    try:
+        ok = hmac.compare_digest(str(index.get("mac", "")), _mac(ledger.tag_key, index))
+        return {int(s) for s in index.get("checkpoints", {})} if ok else set()
+    except (AttributeError, TypeError, ValueError, UnlearnError):
+        return set()
+
+
+def _intact(folder: Path) -> bool:
+    """A kept checkpoint is the one the run's index recorded for its step, tensor by tensor (a dirty checkpoint's
+    files copied under a clean step's name are not kept)."""
+    from ..trace.checkpoints import verify_checkpoint_files
+
+    try:
+        verify_checkpoint_files(folder)
+        return True
+    except Exception:  # any failure to verify: not classifiable as clean, so erased
+        return False
 
 
 def _mark_retired(ledger: DeletionLedger, current: Path, limit: int) -> None:

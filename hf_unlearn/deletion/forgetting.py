@@ -535,7 +535,9 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     from ..trace.replay import replay_cost
     from ..trace.run import open_run
     from ..trace.store import load_store
+    from .erasure import check_not_retired
 
+    check_not_retired(source)
     run = open_run(source)
     world = run.header.get("world_size", 1)
     if world != _launched():

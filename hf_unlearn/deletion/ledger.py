@@ -91,6 +91,10 @@ class Request:
         return (parse_time(self.deadline) - (now or utc_now())).total_seconds() / 86400
 
 
+class LedgerTail(UnlearnError):
+    """Records after the signed head (an append in progress, or one a crash cut off: see ``recover``)."""
+
+
 class DeletionLedger:
     """The deletion requests of one recorded run, and the service that honours them.
 
@@ -162,16 +166,36 @@ class DeletionLedger:
         if result.problem is not None:
             raise UnlearnError(f"the ledger {self.path} cannot be trusted: {result.problem}; nothing was done")
         if result.tail:
-            raise UnlearnError(f"the ledger {self.path}: {result.tail_problem()}; nothing was done. `hf-unlearn "
+            raise LedgerTail(f"the ledger {self.path}: {result.tail_problem()}; nothing was done. `hf-unlearn "
                                "requests recover` re-signs the head if the tail is exactly what an interrupted serve or "
                                "add writes, and refuses anything else")
         self._check_binding(records[0])
         fold(records)  # request numbers used once, batches started before done, ...
+        self._check_evidence(records, result)
         return records
 
+    def _check_evidence(self, records: list[dict], result: ChainCheck) -> None:
+        """Refuse a ledger older than the service's own evidence (a rollback: :mod:`hf_unlearn.deletion.evidence`),
+        naming the newest signed head found. Cached per state of the ledger and its receipts and batches."""
+        from .evidence import key_lookup, rollback_problem
+
+        state = (records[-1]["sha256"], *(_listing(self.path / d) for d in ("receipts", "batches")))
+        if getattr(self, "_evidence_ok", None) == state:
+            return
+        problem = rollback_problem(self.path, records, result.head_seq,
+                                   key_lookup(result.keys, self.signing_key.public_key()))
+        if problem is not None:
+            raise UnlearnError(f"the ledger {self.path} cannot be trusted: {problem}; nothing was done")
+        self._evidence_ok = state
+
     def records(self) -> list[dict]:
-        """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head."""
-        return self.checked(self._read()[0])
+        """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head. A tail
+        seen while another process appends (its record written, its head not yet) is read again under the lock."""
+        try:
+            return self.checked(self._read()[0])
+        except LedgerTail:
+            with self.lock():
+                return self.checked(self._read()[0])
 
     def _check_binding(self, opening: dict) -> None:
         header = json.loads((self.run / "header.json").read_text())
@@ -405,7 +429,13 @@ class DeletionLedger:
                                        f"records are signed with key(s) {', '.join(result.keys) or 'none'}, not "
                                        "this machine's")
                 result.tail = records
+            if result.head is not None:  # the tail's own receipts name tail records: compare with all of them
+                self._check_evidence(records, ChainCheck(records=records, head=result.head, head_seq=len(records),
+                                                         keys=result.keys))
             if not result.tail:
+                from .receipts import write_missing_bundles
+
+                write_missing_bundles(self, log)
                 return None
             for r in result.tail:
                 if r.get("type") not in APPENDED:
@@ -428,7 +458,10 @@ class DeletionLedger:
             atomic_write_text(self.path / HEAD_FILE, json.dumps(head, indent=1) + "\n")
             log(f"re-signed the head over record(s) {result.tail[0]['seq']}..{records[-1]['seq']} "
                 f"({', '.join(r['type'] for r in result.tail)}): an interrupted append of this library")
-            return head
+        from .receipts import write_missing_bundles
+
+        write_missing_bundles(self, log)  # the acknowledgements and bundles the interrupted command did not write
+        return head
 
     def add(self, ids, ref: str | None = None, received=None, deadline_days: float | None = None) -> Request:
         """Append a deletion request; the ids are checked against the run first (unknown or wrongly typed ids are
@@ -449,18 +482,23 @@ class DeletionLedger:
         check_request(self.current_run() if self.records_path.exists() else self.run, ids)  # a pipeline: every stage
         key = self.tag_key
         _check_writable(self.path / "receipts")  # the acknowledgement goes there: fail before recording, not after
-        with self.lock():
+        from .receipts import acknowledge
+
+        with self.lock():  # the acknowledgement too: it reads the ledger another add may be appending to
             number = 1 + sum(1 for r in self.checked(self._read()[0]) if r["type"] == "request")
             rid = f"r-{number:04d}"
+            used = sorted((self.path / "receipts").glob(f"{rid}.*"))
+            if used:  # a number is never reused, a receipt never overwritten
+                raise UnlearnError(f"the ledger {self.path} would number this request {rid}, but receipts/"
+                                   f"{used[0].name} exists: the number was used before and the ledger rolled back "
+                                   "or replaced; restore the newest ledger; nothing was recorded")
             record = self.append(
                 "request", private={"request": rid, "ids": ids, "ref": ref}, request=rid,
                 tags=keyed_tags(ids, key), count=len(ids), received=iso(received_at),
                 deadline=iso(received_at + dt.timedelta(days=days)),
                 ref_tag=tag(key, ref) if ref is not None else None)
-        request = next(r for r in self.requests() if r.seq == record["seq"])
-        from .receipts import acknowledge
-
-        acknowledge(self, request)
+            request = next(r for r in self.requests() if r.seq == record["seq"])
+            acknowledge(self, request)
         return request
 
     # -- serving (hf_unlearn.deletion.service) ---------------------------------------------------------------------
@@ -513,7 +551,7 @@ def read_records(folder: str | os.PathLike) -> tuple[list[dict], int | None]:
             break
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise UnlearnError(f"{path}: record {n} (line {n}) is not valid JSON: the ledger was "
                                "damaged or edited; restore it from a backup") from None
         if not isinstance(record, dict) or record.get("sha256") != record_hash(record):
@@ -536,12 +574,12 @@ def read_head(folder: str | os.PathLike) -> dict | None:
         head = json.loads((Path(folder) / HEAD_FILE).read_text())
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return {}
     return head if isinstance(head, dict) else {}
 
 
-APPENDED = ("open", "key", "request", "batch_start", "batch_done", "approximate", "purge")
+APPENDED = ("open", "key", "request", "batch_start", "batch_done", "approximate", "purge_start", "purge")
 
 
 def fold(records: list[dict]) -> dict[str, Request]:
@@ -629,6 +667,13 @@ def _append_bytes(path: Path, data: bytes, mode: int, private: bool = False) -> 
             raise
     finally:
         os.close(fd)
+
+
+def _listing(folder: Path) -> tuple:
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)))
+    except OSError:
+        return ()
 
 
 def _check_writable(folder: Path) -> None:

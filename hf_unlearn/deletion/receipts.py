@@ -16,7 +16,9 @@ says which of these passed:
 
 It names the request and its kind. What it does not prove: that the replay was exact (that is the evidence inside
 the receipt, e.g. the oracle verdict, made by the issuer) nor that the issuer, who holds the signing key, did not
-rewrite and re-sign a whole ledger (or roll it back to an older head); publish the bundles (or the head) to pin it.
+rewrite and re-sign a whole ledger; a rollback to an older head is refused when the ledger's folder still holds newer
+evidence (:mod:`hf_unlearn.deletion.evidence`), and for a bundle with ``ledger=`` when the ledger no longer holds the
+bundle's records under a head at least as new (the auditor's check); publish the bundles (or the head) to pin it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def read_receipt(path: str | os.PathLike) -> dict:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnlearnError(f"cannot read the receipt {p}: {e}") from None
+    except RecursionError:
+        raise UnlearnError(f"cannot read the receipt {p}: its JSON is nested too deeply to be a receipt") from None
     if isinstance(data, dict) and data.get("format") == BUNDLE_FORMAT:
         return data
     if not isinstance(data, dict) or data.get("format") not in FORMATS:
@@ -122,12 +126,41 @@ def write_bundle(ledger, receipt_path: str | os.PathLike, out: str | os.PathLike
     return out
 
 
+def write_missing_bundles(ledger, log=None) -> list[Path]:
+    """The acknowledgements and bundles an interrupted ``add`` or ``serve`` did not write (killed after its record):
+    made now, under today's head, for every request and every receipt the records list. Returns what was written;
+    nothing that exists is rewritten."""
+    log = log or (lambda m: None)
+    written = []
+    records = ledger.records()
+    requests = {r.id: r for r in ledger.requests()}
+    folder = ledger.path / "receipts"
+    for r in records:
+        paths = []
+        if r["type"] == "request" and not (folder / f"{r['request']}.ack.json").exists():
+            written.append(acknowledge(ledger, requests[r["request"]]))
+            log(f"wrote the missing acknowledgement {written[-1].name} and its bundle")
+            continue
+        if r["type"] == "request":
+            paths = [folder / f"{r['request']}.ack.json"]
+        elif r["type"] in ("batch_done", "approximate"):
+            paths = [ledger.path / e["path"] for e in (r.get("receipts") or {}).values() if isinstance(e, dict)]
+            if r["type"] == "batch_done":
+                paths.append(folder / f"{r['batch']}.json")
+        for path in paths:
+            if path.is_file() and not bundle_path(path).exists():
+                written.append(write_bundle(ledger, path))
+                log(f"wrote the missing bundle {written[-1].name}")
+    return written
+
+
 @dataclass
 class VerifyReport:
     checks: list[tuple[str, bool, str]] = field(default_factory=list)
     request: str | None = None
     kind: str = "unknown"
     proves: str = ""
+    model_says: str = ""  # what the model check proved, in the receipt kind's own terms
 
     @property
     def ok(self) -> bool:
@@ -145,7 +178,7 @@ class VerifyReport:
         model = any(n == "model" for n, _, _ in self.checks)
         what = f"{self.request or 'batch receipt'}: {self.kind}"
         return "\n".join([*lines, f"verify OK: {what}. Signed by this key, recorded in this ledger under its signed "
-                           "head" + (", and the model excludes the request's rows by this ledger's record" if model
+                           "head" + (f", and {self.model_says}" if model
                                      else " (no model given: no state hashes were checked)")
                            + f". {self.proves}".rstrip() + " The exactness itself is the issuer's evidence (see the "
                            "receipt's guarantee)."])
@@ -153,7 +186,20 @@ class VerifyReport:
 
 def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os.PathLike | None = None,
                    model: str | os.PathLike | None = None) -> VerifyReport:
-    """Check a receipt or a receipt bundle with the public key alone (see the module docstring)."""
+    """Check a receipt or a receipt bundle with the public key alone (see the module docstring). A malformed
+    receipt or bundle (a field of the wrong type) fails, naming the field's error, never with a traceback."""
+    try:
+        return _verify(receipt_path, public_key, ledger, model)
+    except UnlearnError:
+        raise
+    except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:
+        report = VerifyReport()
+        report.add("format", False, f"the receipt, bundle or ledger is malformed ({type(e).__name__}: {e}); it was "
+                   "not written by this library as it stands")
+        return report
+
+
+def _verify(receipt_path, public_key, ledger, model) -> VerifyReport:
     from ..keys import load_public_key, public_key_fingerprint, signature_ok
 
     receipt_path = Path(receipt_path)
@@ -165,7 +211,7 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
     if not isinstance(receipt, dict) or receipt.get("format") not in FORMATS:
         report.add("signature", False, "the bundle holds no receipt")
         return report
-    sig = receipt.get("signature") or {}
+    sig = receipt.get("signature") if isinstance(receipt.get("signature"), dict) else {}
     unsigned = {k: v for k, v in receipt.items() if k != "signature"}
     keys = {public_key_fingerprint(public): public}
     if chain is not None and chain.problem is None:
@@ -174,6 +220,12 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
     fingerprint = public_key_fingerprint(signer)
     ok = sig.get("algorithm") == "ed25519" and isinstance(sig.get("value"), str) \
         and signature_ok(signer, canonical(unsigned), sig["value"])
+    named = sig.get("public_key")
+    if not ok and isinstance(named, str) and named not in keys:  # e.g. signed before a rotation, checked with the new key
+        report.add("signature", False, f"signed by key {named}, not by the given key {fingerprint}: verify it with "
+                   f"the public key {named} (a key rotated out: publish every key), or make a fresh bundle "
+                   "(`hf-unlearn requests bundle`), which carries the key hand-over")
+        return report
     if not report.add("signature", ok, f"Ed25519 under key {fingerprint}"
                       + ("" if fingerprint == public_key_fingerprint(public) else
                          f" (a key of this ledger; the given key is {public_key_fingerprint(public)})")):
@@ -187,11 +239,48 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
                chain.problem or chain.tail_problem() or f"{len(chain.records)} record(s) from {where}, chain intact, "
                f"every record signed, the signed head covers record {chain.head_seq}")
     trusted = chain.trusted if chain.problem is None else []
+    if ledger is not None and data.get("format") == BUNDLE_FORMAT and chain.ok:
+        trusted = _check_ledger_holds(report, chain, Path(ledger), public) or []
+        if not trusted:
+            return report
     _check_chain(report, receipt, trusted, chain.head.get("ledger") if chain.head else None)
     _describe(report, receipt, trusted)
     if model is not None:
         _check_model(report, receipt, trusted, Path(model))
     return report
+
+
+def _check_ledger_holds(report: VerifyReport, bundle: ChainCheck, folder: Path, public) -> list[dict] | None:
+    """The auditor's check of the operator's current ledger against a bundle they hold: the ledger is intact under
+    its signed head, holds every record of the bundle unchanged under a head at least as new, and is not older than
+    the service's own evidence in its folder (a rollback). Returns the ledger's trusted records (None: failed)."""
+    from .evidence import key_lookup, rollback_problem
+
+    ledger = ChainCheck(records=[], head=None, problem=f"no ledger at {folder}")
+    if (folder / RECORDS_FILE).is_file():
+        try:
+            ledger = check_chain(read_records(folder)[0], read_head(folder), public)
+        except UnlearnError as e:
+            ledger.problem = str(e)
+    problem = ledger.problem or ledger.tail_problem()
+    if problem is None:
+        held = {r["seq"]: r["sha256"] for r in ledger.trusted}
+        head_seq = bundle.head_seq
+        if ledger.head_seq < head_seq:
+            problem = (f"its signed head covers record {ledger.head_seq}, older than the bundle's head (record "
+                       f"{head_seq}): the ledger was rolled back")
+        else:
+            lost = [r["seq"] for r in bundle.trusted if held.get(r["seq"]) != r["sha256"]]
+            if lost:
+                problem = (f"it does not hold the bundle's record(s) {', '.join(map(str, lost))} (missing or "
+                           "different): the ledger was rolled back or replaced")
+        if problem is None:
+            problem = rollback_problem(folder, ledger.trusted, ledger.head_seq, key_lookup(ledger.keys, public))
+    if not report.add("ledger now", problem is None, problem or
+                      f"{folder} holds the bundle's {len(bundle.trusted)} record(s) unchanged under its signed head "
+                      f"(record {ledger.head_seq} >= the bundle's {bundle.head_seq})"):
+        return None
+    return ledger.trusted
 
 
 def _load_chain(data: dict, receipt_path: Path, ledger, public) -> tuple[ChainCheck | None, str]:
@@ -210,7 +299,12 @@ def _load_chain(data: dict, receipt_path: Path, ledger, public) -> tuple[ChainCh
         return None, str(e)
     if not records or records[0].get("format") != LEDGER_FORMAT:
         return None, "empty or foreign ledger"
-    return check_chain(records, read_head(folder), public), f"the ledger {folder}"
+    chain = check_chain(records, read_head(folder), public)
+    if chain.ok:  # a ledger older than the service's own evidence beside it (a rollback) is not trusted
+        from .evidence import key_lookup, rollback_problem
+
+        chain.problem = rollback_problem(folder, chain.trusted, chain.head_seq, key_lookup(chain.keys, public))
+    return chain, f"the ledger {folder}"
 
 
 def _check_chain(report: VerifyReport, receipt: dict, records: list[dict], head_ledger: str | None) -> None:
@@ -306,6 +400,9 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
     want = (receipt.get("state_hashes") or {}).get("params_root")
     if root == want:
         report.add("model", True, f"weights root {root[:16]}... is the receipt's")
+        report.model_says = ("the model is the provisional model this receipt names (an approximate method ran on it; "
+                             "that does not prove the rows gone)" if receipt.get("kind") == "approximate" else
+                             "the model is the one this ledger records for the exact deletion of the request's rows")
         return
     # a later model of the same ledger that also excludes the rows: later exact batches in the replay chain, or,
     # for a provisional receipt (or an acknowledgement), the exact batch that served the request and those after it
@@ -321,6 +418,8 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
         path = own + [r["batch"] for r in chain[: chain.index(via[0]) + 1]]
         report.add("model", True, f"weights root {root[:16]}... is {via[0]['batch']}'s (record {via[0]['seq']}), "
                    f"which excludes the request's rows via {' -> '.join(path)}")
+        report.model_says = (f"the model is exact {via[0]['batch']}'s, which excludes the request's rows by this "
+                             "ledger's record")
         return
     report.add("model", False, f"weights root {root[:16]}... is neither the receipt's {str(want)[:16]}... nor a later "
                "exact model of this ledger that excludes its rows")

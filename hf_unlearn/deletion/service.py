@@ -111,6 +111,9 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
     log = log or (lambda m: print(m, flush=True))
     now = parse_time(now, "--now")
     with serving(ledger):
+        from .receipts import write_missing_bundles
+
+        write_missing_bundles(ledger, log)  # a serve killed after its batch_done (or an add after its record)
         with ledger.lock():
             start = ledger.unfinished_batch()
             resumed = start is not None
@@ -119,20 +122,37 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
                 if not pending:
                     return None
                 name = f"batch-{1 + sum(r['type'] == 'batch_start' for r in ledger.records()):04d}"
+                for used in (ledger.path / "batches" / name, ledger.path / RECEIPTS_DIR / f"{name}.json"):
+                    if used.exists():  # a batch folder is never reused, a receipt never overwritten
+                        raise UnlearnError(f"the next batch would be {name}, but {_rel(ledger, used)} exists: the "
+                                           "ledger was rolled back or replaced; restore the newest ledger; nothing "
+                                           "was done")
                 start = ledger.append("batch_start", batch=name, requests=[r.id for r in pending],
                                       run=_rel(ledger, ledger.current_run()), time=iso(now))
         name, request_ids = start["batch"], start["requests"]
         if resumed:
             log(f"{name} was interrupted: serving it again with the same {len(request_ids)} request(s)")
-        out = _fresh(ledger.path / "batches" / name)
+        out = ledger.path / "batches" / name
+        published = _published_attempt(out) if resumed and options.get("repo") else None
+        if published is None:
+            _fresh(out)
         run = Path(os.path.normpath(ledger.path / start["run"]))
         ids = _still_present(run, _union(ledger, request_ids))
         log(f"{name}: exact deletion of {len(ids)} id(s) for {len(request_ids)} request(s) "
             f"({', '.join(request_ids)}) from {run}")
         publish_error = None
         try:
-            receipt = forget(run, ids, out, tokenizer=tokenizer, data_collator=data_collator, log=log,
-                             method="exact", **options)
+            if published is not None:  # killed after its push and before batch_done: record it, never push again
+                log(f"{name}: the interrupted attempt finished and published {published.published.get('tag')}; "
+                    "recording it")
+                receipt = published
+            elif resumed and options.get("repo"):  # the killed attempt may have pushed before its receipt
+                receipt = forget(run, ids, out, tokenizer=tokenizer, data_collator=data_collator, log=log,
+                                 method="exact", **{**options, "repo": None})
+                publish_error = _publish_once(receipt, ids, out, options, log)
+            else:
+                receipt = forget(run, ids, out, tokenizer=tokenizer, data_collator=data_collator, log=log,
+                                 method="exact", **options)
         except UnlearnError as e:
             from .forgetting import RECEIPT_FILE
 
@@ -147,6 +167,66 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
     if publish_error:
         raise UnlearnError(f"{name} is done and recorded (receipts in {ledger.path / RECEIPTS_DIR}); {publish_error}")
     return result
+
+
+def _published_attempt(out: Path):
+    """The forget receipt an interrupted attempt of this batch left, when it finished and published (and its model is
+    the one the receipt hashes); else None (the batch is redone)."""
+    from ..hub.publish import build_manifest
+    from .forgetting import RECEIPT_FILE
+
+    if not (out / RECEIPT_FILE).is_file():
+        return None
+    try:
+        receipt = _reload_forget_receipt(out)
+        p = receipt.published or {}
+        if not (p.get("tag") and not p.get("error")):
+            return None
+        return receipt if build_manifest(out / "model")["params_root"] == receipt.state_hashes["params_root"] else None
+    except (UnlearnError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _publish_once(receipt, ids: list, out: Path, options: dict, log) -> str | None:
+    """Publish a redone batch unless an interrupted attempt already did: a ``deletion-NNNN`` tag of the repo whose
+    weights root is this model's (the replay is bit-identical) is adopted and verified again, not pushed twice.
+    Returns the publish error (the deletion stays done), or None."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    from ..hub.publish import DELETION_TAG
+    from ..hub.verify import verify_on_hub
+    from .forgetting import EXACT, ForgetConfig, _publish, _published_params_root, _write_receipt
+
+    config = ForgetConfig(output_dir=os.fspath(out), method="exact",
+                          **{k: v for k, v in options.items() if k in {f.name for f in fields(ForgetConfig)}})
+    root = receipt.state_hashes["params_root"]
+    try:
+        refs = HfApi(endpoint=config.endpoint, token=config.token).list_repo_refs(config.repo)
+        tags = sorted((t.name for t in refs.tags if DELETION_TAG.match(t.name)), key=lambda n: int(n.split("-")[1]))
+    except Exception:  # no repository yet: nothing was pushed
+        tags = []
+    error = None
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_adopt_") as cache:
+        adopted = next((t for t in reversed(tags) if _published_params_root(config, t, cache) == root), None)
+        try:
+            if adopted is not None:
+                report = verify_on_hub(config.repo, adopted, token=config.token, endpoint=config.endpoint,
+                                       cache_dir=cache, expect_root=root)
+                ok = report.ok and report.params_root == root
+                log(f"{config.repo}@{adopted} already holds this batch's model (an interrupted attempt pushed it): "
+                    "not pushed again")
+                receipt.published = {"repo": config.repo, "tag": adopted, "commit": report.commit, "verify_ok": ok,
+                                     "verify_summary": report.summary().splitlines()[0], "adopted": True}
+            else:
+                receipt.published = _publish(receipt, {"mode": EXACT, "last_replay": None}, config, out, log)
+        except Exception as e:
+            error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            receipt.published = {"repo": config.repo, "error": error, "verify_ok": False}
+    _write_receipt(receipt, ids, out)
+    return None if error is None else (f"publishing to {config.repo} failed: {error}; retry with `hf-unlearn hub "
+                                       f"push {out / 'model'} --repo {config.repo} --deletion`")
 
 
 def _keep_card_info_private(ledger: DeletionLedger, model: Path, name: str) -> None:
@@ -389,6 +469,8 @@ class Policy:
                 data = tomllib.loads(text)
             else:
                 data = json.loads(text)
+        except RecursionError:
+            raise UnlearnError(f"the policy {p} is nested too deeply to be a policy (a JSON object of fields)") from None
         except ValueError as e:
             raise UnlearnError(f"the policy {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
         return cls.from_dict(data, where=f"the policy {p}")
@@ -508,6 +590,14 @@ def request_rows(ledger: DeletionLedger, now=None) -> list[dict]:
     return rows
 
 
+def _purge_cut_off(ledger: DeletionLedger) -> int | None:
+    """The ``purge_start`` record of a purge that was cut off (the next ``requests purge`` finishes it), if any."""
+    from .erasure import _unfinished_purge
+
+    start = _unfinished_purge(ledger.records())
+    return start["seq"] if start else None
+
+
 def status(ledger: DeletionLedger, now=None) -> dict:
     """``requests status``: counts per state, overdue requests, the next deadline, an interrupted batch."""
     now = parse_time(now, "--now")
@@ -520,5 +610,6 @@ def status(ledger: DeletionLedger, now=None) -> dict:
             "exact": sum(r["state"] == "exact" for r in rows), "overdue": [r["request"] for r in rows if r["overdue"]],
             "next_deadline": min((r["deadline"] for r in waiting), default=None),
             "interrupted_batch": unfinished["batch"] if unfinished else None,
+            "interrupted_purge": _purge_cut_off(ledger),
             "served_model": str(ledger.served_model()) if ledger.served_model() else None,
             "records": len(ledger.records()), "now": iso(now or utc_now())}

@@ -336,3 +336,54 @@ def parse_not_ids(not_ids) -> dict[str, Any]:
 def find_raw_ids(value: Any, raw_ids: Iterable, where: str = "card") -> list[str]:
     """Places in ``value`` (nested dicts/lists/strings) that carry one of ``raw_ids``; empty if none."""
     return [str(h) for h in IdScanner(raw_ids).scan(value, where)]
+
+
+# -- tokenizer files --------------------------------------------------------------------------------------------
+TOKEN_ID_KEYS = ("type_id", "ids")  # post-processor fields that hold token (or segment) ids, never sample ids
+OPAQUE_KEYS = ("precompiled_charsmap",)  # a normalizer's compiled (base64) table: bytes, not text
+
+
+def vocabulary_tokens(vocab) -> list[str]:
+    """The token texts of a vocabulary: a ``{token: id}`` map (BPE, WordPiece, vocab.json), a Unigram list of
+    ``[token, score]`` pairs, or a list of token texts (vocab.txt)."""
+    if isinstance(vocab, Mapping):
+        return [str(k) for k in vocab]
+    if isinstance(vocab, (list, tuple)):
+        return [str(v[0]) if isinstance(v, (list, tuple)) and v else str(v) for v in vocab]
+    return []
+
+
+def scan_vocabulary(tokens: list[str], field: str, scanner: IdScanner) -> list[Hit]:
+    """String forget ids among a vocabulary's token texts, each token a unit of its own (a vocabulary may hold any
+    number, ``"3600"`` included: numbers are matched nowhere in it). The tokens are scanned as one text, joined by a
+    character that is neither part of a word nor a separator, so no id is found across two tokens."""
+    if not scanner.words or not tokens:
+        return []
+    return scanner.scan_text("\x00".join(t.replace("\x00", " ") for t in tokens), field, numbers=False)
+
+
+def _rule_values(value):
+    """A normalizer or post-processor without its token-id fields and compiled tables (every other number stays)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if k in OPAQUE_KEYS or (k in TOKEN_ID_KEYS and not isinstance(v, str)):
+                continue
+            if k in ("sep", "cls") and isinstance(v, (list, tuple)):  # [token, id]
+                v = [t for t in v if isinstance(t, str)]
+            out[k] = _rule_values(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_rule_values(v) for v in value]
+    return value
+
+
+def scan_tokenizer_rules(data: Mapping, field: str, scanner: IdScanner) -> list[Hit]:
+    """Forget ids in a ``tokenizer.json``'s normalizer and post-processor, numbers included (a ``Replace`` of
+    ``"3600"``, a template's literal text), except the post-processor's token and segment ids (``ids``,
+    ``type_id``, the ``[token, id]`` of ``sep``/``cls``) and a compiled ``precompiled_charsmap``."""
+    hits: list[Hit] = []
+    for key in ("normalizer", "post_processor"):
+        if data.get(key) is not None:
+            hits += scanner.scan(_rule_values(data[key]), f"{field}:{key}", numbers=True)
+    return hits

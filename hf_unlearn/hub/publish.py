@@ -452,8 +452,14 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
             hits += _scan_chat_template(data.get("chat_template") if isinstance(data, dict) else data, name,
                                         scanner)
             hits += scanner.scan(data, name, numbers=False)
-        elif name in ("vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model"):
-            continue  # the tokenizer's learned vocabulary: not written from the training data's ids
+        elif name in ("vocab.json", "vocab.txt"):  # a vocabulary: any number, no string forget id
+            from .leaks import scan_vocabulary, vocabulary_tokens
+
+            text = path.read_text(encoding="utf-8", errors="replace")
+            tokens = vocabulary_tokens(_load_json(path)) if name == "vocab.json" else text.splitlines()
+            hits += scan_vocabulary(tokens, name, scanner)
+        elif name in ("merges.txt", "tokenizer.model", "spiece.model"):
+            continue  # merges pair tokens of the vocabulary (scanned above); SentencePiece models are binary
         else:
             hits += scanner.scan_text(path.read_text(encoding="utf-8", errors="replace"), name)
     return hits
@@ -506,12 +512,17 @@ def _scan_chat_template(template, field: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _scan_tokenizer_json(data, name: str, scanner: IdScanner) -> list[Hit]:
+    from .leaks import scan_tokenizer_rules, scan_vocabulary, vocabulary_tokens
+
     if not isinstance(data, dict):
         return scanner.scan(data, name, numbers=False)
-    rest = {k: v for k, v in data.items() if k != "added_tokens"}
+    rest = {k: v for k, v in data.items() if k not in ("added_tokens", "normalizer", "post_processor")}
+    vocab = []
     if isinstance(rest.get("model"), dict):
+        vocab = vocabulary_tokens(rest["model"].get("vocab"))
         rest["model"] = {k: v for k, v in rest["model"].items() if k not in ("vocab", "merges")}
     return (scan_tokens(_token_texts(data.get("added_tokens") or []), f"{name}:added_tokens", scanner)
+            + scan_vocabulary(vocab, f"{name}:model.vocab", scanner) + scan_tokenizer_rules(data, name, scanner)
             + scanner.scan(rest, name, numbers=False))
 
 
