@@ -517,7 +517,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
-                 trace_allow_hazards: bool = False, trace_self_check: bool | int = True,
+                 trace_allow_hazards: bool = False, trace_self_check: bool | int | str = True,
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
                  trace_guards: bool = True, trace_parent: str | os.PathLike | None = None, **kwargs):
@@ -529,7 +529,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"trace_checkpoint_retention must be one of {MODES}, not {trace_checkpoint_retention!r}")
         for name, value in (("trace_checkpoint_steps", trace_checkpoint_steps),
                             ("trace_checkpoint_budget", trace_checkpoint_budget),
-                            ("trace_self_check", None if isinstance(trace_self_check, bool) else trace_self_check)):
+                            ("trace_self_check", None if isinstance(trace_self_check, bool) or trace_self_check == "all"
+                             else trace_self_check)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UnlearnError(f"{name} must be a positive int (or None for the default), not {value!r}")
         self._trace_arguments = {} if self._is_replay else _bound_arguments(super().__init__, args, kwargs)
@@ -952,6 +953,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
                                "(or resume_from_checkpoint)")
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
+        self._trace_train_started = time.perf_counter()
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         try:
@@ -964,7 +966,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _self_check_steps(self) -> int | None:
         """N of the self-check (steps 0..N reproduced), None when it does not run (off, a replay)."""
-        if self._is_replay or not self.trace_self_check:
+        if self._is_replay or not self.trace_self_check or self.trace_self_check == "all":
             return None
         from .fidelity import SELF_CHECK_STEPS
 
@@ -997,12 +999,25 @@ class TraceRecordingMixin(WeightsFollowUmask):
         fid = header.setdefault("fidelity", {}) if main and header.get("sealed") else None
         # fid["recording"] already set: decided when sealing (a buffer changed during training)
         run = [fid is not None and not fid.get("recording") and bool(self.trace_self_check),
-               bool(main and fid is not None and header["collator"].get("rebuildable"))]
+               bool(main and fid is not None and header["collator"].get("rebuildable")), self._trace_prove_all()]
         if self.accelerator.num_processes > 1:
             import torch.distributed as dist
 
             dist.broadcast_object_list(run, src=0)
-        if run[0]:
+        if run[0] and run[2]:  # the whole run proven (hf_unlearn.trace.proof): every step's state reproduced
+            from .proof import prove
+
+            with _rng_kept():
+                record = prove(self.trace_dir, data_collator=None if run[1] else self.data_collator,
+                               progress=not self.args.disable_tqdm, seal=False)
+            self._trace_check_ref = None
+            if fid is not None:
+                fid["proof"] = record
+                fid["recording"] = {"checked": True, "reproduced": record["proven"],
+                                    "steps": [0, (record["steps"] or [0, -1])[1] + 1], "by": "proof",
+                                    **({"why": record["diverged"]["why"]} if "diverged" in record else {}),
+                                    "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
+        elif run[0]:
             from .fidelity import self_check
 
             with _rng_kept():
@@ -1017,6 +1032,18 @@ class TraceRecordingMixin(WeightsFollowUmask):
             return
         if fid is not None:
             TraceWriter(self.trace_dir, self._trace_key).reseal_header(header)
+
+    def _trace_prove_all(self) -> bool:
+        """Whether the end of recording proves the whole run: ``trace_self_check="all"``, or the default (True) on a
+        run whose training took at most :data:`~hf_unlearn.trace.proof.AUTO_PROVE_SECONDS` (the proof costs about
+        as much again); a longer run gets the first step checked, and ``hf-unlearn trace prove`` when convenient."""
+        if self.trace_self_check == "all":
+            return True
+        if self.trace_self_check is not True:
+            return False
+        from .proof import AUTO_PROVE_SECONDS
+
+        return time.perf_counter() - getattr(self, "_trace_train_started", 0.0) <= AUTO_PROVE_SECONDS
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)

@@ -71,7 +71,13 @@ def numeric_stack(device=None) -> dict:
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
             "onednn": _library_version(r"(?:MKL-DNN|oneDNN) v([\d.]+)"),
             "mkl": _library_version(r"Math Kernel Library Version ([\w.\-]+)"),
-            "deterministic": deterministic_settings()}
+            "deterministic": deterministic_settings(), "environment": _numeric_environment()}
+
+
+def _numeric_environment() -> dict:
+    from .proof import numeric_environment  # named when the deleting environment's probe fails
+
+    return numeric_environment()
 
 
 def check_stack(header: dict, device=None) -> None:
