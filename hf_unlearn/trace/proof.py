@@ -215,6 +215,8 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
         for a, b in todo:
             diverged = _run_interval(run, a, b, data_collator, bar, neutral)
             if diverged is not None:
+                if diverged["step"] > a:  # the steps before it in this interval matched
+                    done.append([a, diverged["step"]])
                 break
             done.append([a, b])
             if main:
@@ -226,6 +228,8 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
                   wall_seconds=round(time.perf_counter() - wall, 3))
     if seal and main:
         seal_proof(run.path, record)
+    if main and (diverged is not None or record["proven"]):  # done: a later prove starts afresh
+        (run.path / PROGRESS).unlink(missing_ok=True)
     return record
 
 
@@ -260,7 +264,6 @@ def seal_proof(run_path, record: dict) -> None:
     header = read_header(run.path)
     header.setdefault("fidelity", {})["proof"] = record
     TraceWriter(run.path, run.key).reseal_header(header)
-    (run.path / PROGRESS).unlink(missing_ok=True)
 
 
 def _is_main() -> bool:

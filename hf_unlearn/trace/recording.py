@@ -883,6 +883,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         import copy
 
         saved = copy.deepcopy(getattr(self, "_metrics", None))  # SFTTrainer logs metrics in compute_loss: not ours
+        own = _attributes_kept(self)  # the user's loss may count its calls: the probe is not one of them
         try:
             model.eval()  # no dropout: the probe's answer does not depend on a draw
             with seeded(0):
@@ -897,6 +898,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             model.train(training)
             if saved is not None:
                 self._metrics = saved
+            own.restore()
         grad, n = seen["embeds"].grad, len(row["input_ids"])
         part = None if grad is None else grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
         if part is not None and bool((part != 0).any()):
@@ -1014,7 +1016,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
             if fid is not None:
                 fid["proof"] = record
                 fid["recording"] = {"checked": True, "reproduced": record["proven"],
-                                    "steps": [0, (record["steps"] or [0, -1])[1] + 1], "by": "proof",
+                                    "steps": [0, record["total_steps"]], "by": "proof",
+                                    "against": "the recording's per-step state fingerprints and kept checkpoints",
                                     **({"why": record["diverged"]["why"]} if "diverged" in record else {}),
                                     "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
         elif run[0]:
@@ -1597,6 +1600,36 @@ class TraceRecordingTrainer(TraceRecordingMixin, Trainer):
     """``transformers.Trainer`` with :class:`TraceRecordingMixin`: swap the class in a training script."""
 
     _trace_machinery = True
+
+
+class _attributes_kept:
+    """The trainer's attributes as they are now, to put back after a probe runs the user's ``compute_loss``: every
+    attribute rebound, added or removed comes back, and plain values (numbers, strings, lists and dicts of them) are
+    copied, so an in-place ``self.calls.append(...)`` is undone too. The probe leaves no trace a later step could
+    read (a counter-based edit would otherwise run one step early)."""
+
+    def __init__(self, obj):
+        import copy
+
+        self.obj, self.before = obj, dict(vars(obj))
+        self.copies = {}
+        for k, v in self.before.items():
+            if isinstance(v, (list, dict, set)):
+                try:
+                    json.dumps(list(v) if isinstance(v, set) else v)
+                except (TypeError, ValueError):
+                    continue
+                self.copies[k] = copy.deepcopy(v)
+
+    def restore(self) -> None:
+        now = vars(self.obj)
+        for k in [k for k in now if k not in self.before]:
+            del now[k]
+        now.update(self.before)
+        for k, v in self.copies.items():
+            target = now[k]
+            target.clear()
+            target.update(v) if isinstance(target, (dict, set)) else target.extend(v)
 
 
 def _bound_arguments(init, args: tuple, kwargs: dict) -> dict:
