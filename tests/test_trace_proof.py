@@ -140,28 +140,36 @@ def test_a_hidden_change_is_caught_at_its_step_and_never_verified(tmp_path, caps
 
 # ---- resumable ---------------------------------------------------------------------------------------------------
 def test_a_killed_proof_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Killed right after the proof persisted a kept checkpoint it matched: the next prove starts there, and a
+    forged progress file (not under the run key) is not trusted."""
     from hf_unlearn.trace import proof
 
-    run = copy_run(get_recorded(), tmp_path / "run")
-    real, calls = proof._run_interval, []
+    run = copy_run(get_recorded(), tmp_path / "run")  # 8 steps, checkpoints every 2
+    real_save, real_run, saves, calls = proof._save_progress, proof._run_interval, [], []
 
-    def killed(run_, a, b, *args, **kwargs):
-        calls.append((a, b))
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # a kill in the second interval
-        return real(run_, a, b, *args, **kwargs)
+    def killed(run_, state):
+        real_save(run_, state)
+        saves.append(state["upto"])
+        if len(saves) == 2:
+            raise KeyboardInterrupt  # a kill right after checkpoint 4 was persisted
 
-    monkeypatch.setattr(proof, "_run_interval", killed)
+    monkeypatch.setattr(proof, "_save_progress", killed)
     with pytest.raises(KeyboardInterrupt):
         proof.prove(run, progress=False)
-    saved = json.loads((run / proof.PROGRESS).read_text())
-    assert saved["body"]["proven"] == [list(calls[0])]
-    saved["body"]["proven"].append([calls[0][1], 10 ** 6])  # an edited progress file is not trusted
-    (run / "forged.json").write_text(json.dumps(saved))
-    calls.clear()
-    monkeypatch.setattr(proof, "_run_interval", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    assert saves == [2, 4] and json.loads((run / proof.PROGRESS).read_text())["body"]["upto"] == 4
+    monkeypatch.setattr(proof, "_save_progress", real_save)
+    forged = json.loads((run / proof.PROGRESS).read_text())
+    forged["body"]["upto"] = 8
+    (tmp_path / "kept.json").write_text((run / proof.PROGRESS).read_text())
+    (run / proof.PROGRESS).write_text(json.dumps(forged))
+    from hf_unlearn.trace import open_run
+
+    assert proof._load_progress(open_run(run).kept())["upto"] == 0
+    (run / proof.PROGRESS).write_text((tmp_path / "kept.json").read_text())
+    monkeypatch.setattr(proof, "_run_interval", lambda *a, **k: calls.append(a[1:3]) or real_run(*a, **k))
     result = proof.prove(run, progress=False)
-    assert result["proven"] and calls and calls[0][0] != 0  # the first interval was not replayed again
+    assert result["proven"] and result["steps"] == [0, 7] and result["starts"] == [0, 2, 4, 6]
+    assert calls[0] == (4, 8)  # resumed at checkpoint 4; then each later start's first step
     assert not (run / proof.PROGRESS).exists()
 
 
@@ -225,3 +233,64 @@ def test_a_numerically_neutral_change_is_accepted_once_proven(tmp_path):
         assert receipt.evidence["verified"], receipt.evidence.get("oracle")
         assert not _oracle_equals_counterfactual(tok, data, "qwen2", run, ids, tmp_path / when,
                                                  callbacks=[CheckpointingFromStep2()])
+
+
+def _eager_at_step_3():
+    class EagerAttention(TrainerCallback):  # defined here: watched; config._attn_implementation is not in to_dict()
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 3 and model is not None:
+                model.set_attn_implementation("eager")
+
+    return EagerAttention()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # GQA: one key/value head
+def test_an_attention_switch_mid_run_is_never_verified(tmp_path, family):
+    """model.set_attn_implementation("eager") at step 3 (18/20 tensors off, VERIFIED before proofs): a step-0
+    deletion is refused before compute, or, accepted unproven, not VERIFIED."""
+    from hf_unlearn import forget
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.proof import unproven_steps
+
+    from .test_trace_common import train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    model = config_model(family, tok, attn_implementation="sdpa")
+    TraceRecordingTrainer(model=model, args=train_args(tmp_path / "rec", **KW), train_dataset=data,
+                          data_collator=QACollator.from_tokenizer(tok), callbacks=[_eager_at_step_3()],
+                          trace_checkpoint_steps=2, trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    header = open_run(run).header
+    assert unproven_steps(header, 0, 6), header["fidelity"]  # the proof at the end of recording found it
+    ids = open_run(run).ids_at_steps([0])[:1]
+    with pytest.raises(UnlearnError):
+        forget(run, ids, tmp_path / "refused", oracle=True, progress=False)
+    try:
+        receipt = forget(run, ids, tmp_path / "accepted", oracle=True, progress=False, accept_unproven=True)
+    except UnlearnError:  # refused by a guard that names the switch: also never VERIFIED
+        return
+    assert receipt.evidence["verified"] is not True and "VERIFIED" not in receipt.verdict.replace("NOT VERIFIED", "")
+
+
+# ---- the set-up probe of compute_loss has no side effect ------------------------------------------------------
+def test_the_setup_probe_does_not_count_as_a_call_of_compute_loss(tmp_path):
+    """A loss that counts its calls (an edit at the 5th call): the recorder's set-up probe ran it once more, which
+    moved the edit a step early; now the probe leaves the trainer's attributes as they were."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace.recording import trace_recording
+
+    from .test_trace_common import train_args
+    from .trace_trainers import CountingLoss
+
+    Counting = trace_recording(CountingLoss)
+    tok, data = get_trace_data()
+    trainer = Counting(model=config_model("llama", tok), args=train_args(tmp_path, gradient_accumulation_steps=1,
+                                                                         max_steps=3),
+                       train_dataset=data.select(range(12)), data_collator=QACollator.from_tokenizer(tok),
+                       trace_self_check=False)
+    assert not hasattr(trainer, "calls") and not hasattr(trainer, "log_")
+    trainer.train()
+    assert trainer.calls == 3 and trainer.seen == [0, 1, 2] and trainer.log_ == [1, 2, 3]

@@ -27,3 +27,15 @@ class EveryTokenTrainer(Trainer):
         loss, outputs = super().compute_loss(model, {**inputs, "output_hidden_states": True}, True, num_items_in_batch)
         loss = loss + 1e-3 * outputs.hidden_states[1].mean()  # the residual stream after the first layer
         return (loss, outputs) if return_outputs else loss
+
+
+class CountingLoss(Trainer):
+    """A loss that counts its calls (the steps it saw, and a list edited in place): a probe that ran it once more
+    than training did would shift an edit keyed to the count by one microbatch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        self.seen = getattr(self, "seen", []) + [self.state.global_step]
+        self.log_ = getattr(self, "log_", [])
+        self.log_.append(self.calls)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -74,7 +74,7 @@ def engine() -> dict:
 
 
 # ---- the interval replay -------------------------------------------------------------------------------------
-def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None):
+def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, on_checkpoint=None):
     """A replay with no deletion from the kept checkpoint at ``start`` up to ``stop`` (exclusive), comparing the
     state with the recording's fingerprint after every step and with the recorded checkpoint at ``stop``."""
     from .replay import ReplayTrainer
@@ -90,6 +90,11 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None):
 
         def _start_step(self) -> int:
             return self._proof_start
+
+        def _check_fidelity(self, step: int, saved) -> None:
+            super()._check_fidelity(step, saved)
+            if on_checkpoint is not None and step != self.start_step and step in self._recorded_checkpoints:
+                on_checkpoint(step, list(self._proof_neutral))  # matched: steps up to it are proven
 
         def _run_segment(self, model, seg):
             taken = super()._run_segment(model, seg)
@@ -118,12 +123,14 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None):
     return trainer
 
 
-def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neutral: list | None = None) -> dict | None:
-    """Prove steps ``start..stop - 1``: None when every step's state matched, else ``{"step", "why"}``. The steps
-    whose controls differed with the state matched are appended to ``neutral``."""
+def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neutral: list | None = None,
+                  on_checkpoint=None) -> dict | None:
+    """Prove steps ``start..stop - 1`` in one replay from the kept checkpoint at ``start``: None when every step's
+    state matched, else ``{"step", "why"}``. The steps whose controls differed with the state matched are appended to
+    ``neutral``; ``on_checkpoint(step, neutral)`` is called at each kept checkpoint the replay matched on its way."""
     from .fidelity import FidelityError
 
-    trainer = _interval_replay(run, start, stop, data_collator, bar)
+    trainer = _interval_replay(run, start, stop, data_collator, bar, on_checkpoint)
     try:
         trainer.train()
     except FidelityError as e:
@@ -150,13 +157,13 @@ def _step_named(text: str, start: int, stop: int) -> int:
     return step - 1 if "checkpoint step" in text or "at step" in text else step  # a checkpoint: after step - 1
 
 
-def intervals(run) -> list[tuple[int, int]]:
-    """The proof's intervals: from each kept checkpoint to the next (the last one to the end of the run)."""
+def starts(run) -> list[int]:
+    """The kept checkpoints a replay can start from (step 0 first)."""
     total = run.total_steps
     cps = sorted(c for c in run.checkpoints() if c < total)
     if 0 not in cps:
         raise UnlearnError(f"{run.path} has no step-0 checkpoint: the run cannot be proven")
-    return [(a, b) for a, b in zip(cps, cps[1:] + [total])]
+    return cps
 
 
 # ---- progress, kept under the run key ------------------------------------------------------------------------
@@ -169,22 +176,25 @@ def _context(run) -> dict:
     return {"run_id": run.header.get("run_id"), "engine": engine(), "environment": numeric_environment()}
 
 
-def _load_progress(run) -> tuple[list[list[int]], list[int]]:
-    """Intervals an earlier, killed proof of this run finished with this engine and environment (else none), and
-    the steps among them whose controls differed with the state matched."""
-    f = run.path / PROGRESS
+def _load_progress(run) -> dict:
+    """What an earlier, killed proof of this run established with this engine and environment: ``upto`` (steps
+    0..upto - 1 matched, upto a kept checkpoint), ``starts`` (checkpoints whose fresh start was proven), ``neutral``."""
+    empty = {"upto": 0, "starts": [], "neutral": []}
     try:
-        data = json.loads(f.read_text())
+        data = json.loads((run.path / PROGRESS).read_text())
         body, mac = data["body"], data["mac"]
         if not hmac.compare_digest(str(mac), _progress_mac(run.key, body)) or body.get("context") != _context(run):
-            return [], []
-        return [[int(a), int(b)] for a, b in body.get("proven", [])], [int(s) for s in body.get("neutral", [])]
+            return empty
+        upto = int(body["upto"])
+        if upto and upto not in run.checkpoints():
+            return empty
+        return {"upto": upto, "starts": [int(c) for c in body["starts"]], "neutral": [int(c) for c in body["neutral"]]}
     except (OSError, ValueError, KeyError, TypeError):
-        return [], []
+        return empty
 
 
-def _save_progress(run, proven: list[list[int]], neutral: list[int]) -> None:
-    body = {"context": _context(run), "proven": proven, "neutral": sorted(neutral)}
+def _save_progress(run, state: dict) -> None:
+    body = {"context": _context(run), **state}
     atomic_write_text(run.path / PROGRESS, json.dumps({"body": body, "mac": _progress_mac(run.key, body)}))
 
 
@@ -204,49 +214,59 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     log = log or (lambda msg: None)
     started, wall = time.process_time(), time.perf_counter()
     run = open_run(run_path).kept()
-    main = _is_main()
-    done, neutral = _load_progress(run)
-    todo = [iv for iv in intervals(run) if list(iv) not in done]
-    if done:
-        log(f"resuming the proof of {run.path}: {sum(b - a for a, b in done)} step(s) already proven")
-    diverged = None
-    with tqdm(total=sum(b - a for a, b in todo), desc="prove (replay, no deletion)", unit="step",
+    main, total, kept = _is_main(), run.total_steps, starts(run)
+    state = _load_progress(run)
+    if state["upto"] or state["starts"]:
+        log(f"resuming the proof of {run.path}: steps 0..{state['upto'] - 1} already proven")
+
+    def reached(step: int, neutral: list) -> None:  # a kept checkpoint matched on the way: persisted
+        state.update(upto=step, neutral=sorted(set(state["neutral"]) | set(neutral)))
+        if main:
+            _save_progress(run, state)
+
+    diverged, start_failures = None, {}
+    todo_starts = [c for c in kept if c > 0 and c not in state["starts"]]
+    with tqdm(total=total - state["upto"] + len(todo_starts), desc="prove (replay, no deletion)", unit="step",
               disable=not (progress and main), leave=False) as bar:
-        for a, b in todo:
-            diverged = _run_interval(run, a, b, data_collator, bar, neutral)
-            if diverged is not None:
-                if diverged["step"] > a:  # the steps before it in this interval matched
-                    done.append([a, diverged["step"]])
-                break
-            done.append([a, b])
-            if main:
-                _save_progress(run, sorted(done), neutral)
-    record = proof_record(run, done, diverged)
-    if neutral:  # program controls differed from the recording's there, the state did not: numerically neutral
-        record["neutral_controls"] = sorted(set(neutral))
+        if state["upto"] < total:  # one replay on to the end, as the oracle runs (resumed: from the last checkpoint)
+            neutral = []
+            diverged = _run_interval(run, state["upto"], total, data_collator, bar, neutral, reached)
+            state["neutral"] = sorted(set(state["neutral"]) | set(neutral))
+            state["upto"] = total if diverged is None else diverged["step"]
+        if diverged is None:  # a suffix replay starts afresh at a kept checkpoint: its first step from there
+            for c in todo_starts:
+                found = _run_interval(run, c, c + 1, data_collator, bar)
+                if found is None:
+                    state["starts"].append(c)
+                else:
+                    start_failures[str(c)] = found["why"]
+                if main:
+                    _save_progress(run, state)
+    record = proof_record(run, state["upto"], sorted({0, *state["starts"]}) if state["upto"] else [], diverged)
+    if start_failures:
+        record["start_failures"] = start_failures
+    if state["neutral"]:  # program controls differed from the recording's there, the state did not: numerically neutral
+        record["neutral_controls"] = state["neutral"]
     record.update(cpu_seconds=round(time.process_time() - started, 3),
                   wall_seconds=round(time.perf_counter() - wall, 3))
     if seal and main:
         seal_proof(run.path, record)
-    if main and (diverged is not None or record["proven"]):  # done: a later prove starts afresh
+    if main:  # done (a kill never gets here): a later prove starts afresh
         (run.path / PROGRESS).unlink(missing_ok=True)
     return record
 
 
-def proof_record(run, done: list[list[int]], diverged: dict | None) -> dict:
-    """What the header keeps of a proof (see :func:`prove`)."""
+def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None) -> dict:
+    """What the header keeps of a proof (see :func:`prove`): steps 0..upto - 1 reproduced in one replay from step 0,
+    the kept checkpoints a fresh replay start was proven from."""
+    import torch.distributed as dist
+
     from .stack import numeric_stack
 
     total = run.total_steps
-    covered = sorted(s for a, b in done for s in range(a, b))
-    upto = 0
-    while upto < total and upto in set(covered):
-        upto += 1
-    import torch.distributed as dist
-
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     record = {"proven": diverged is None and upto == total, "steps": [0, upto - 1] if upto else None,
-              "total_steps": total, "run_id": run.header.get("run_id"), "engine": engine(),
+              "starts": proven_starts, "total_steps": total, "run_id": run.header.get("run_id"), "engine": engine(),
               "numeric_stack": numeric_stack(), "environment": numeric_environment(), "world_size": world,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if diverged is not None:
@@ -294,9 +314,21 @@ def proven_steps(header: dict) -> tuple[set[int], list[str]]:
     return steps, why
 
 
+def proven_starts(header: dict) -> set[int]:
+    """The kept checkpoints a replay started afresh was shown to reproduce from (step 0: the proof's or the
+    self-check's replay from step 0)."""
+    steps, why = proven_steps(header)
+    proof = (header.get("fidelity") or {}).get("proof") or {}
+    return ({0} if 0 in steps else set()) | (set() if why else set(proof.get("starts") or []))
+
+
 def unproven_steps(header: dict, first: int, stop: int) -> list[int]:
-    """The steps of ``first..stop - 1`` that neither the proof nor the self-check covers."""
+    """The steps of ``first..stop - 1`` (a replay from the kept checkpoint at ``first``) that neither the proof nor
+    the self-check covers; all of them when a replay started afresh at ``first`` is not proven (a checkpoint does
+    not hold everything the recording carried there: a module attribute a callback set earlier)."""
     steps, _ = proven_steps(header)
+    if first < stop and first not in proven_starts(header):
+        return list(range(first, stop))
     return [s for s in range(first, stop) if s not in steps]
 
 
@@ -335,8 +367,12 @@ def unproven_statement(header: dict, run_path, first: int, stop: int, who: str =
         return None
     _, why = proven_steps(header)
     div = diverged(header)
+    failed = ((header.get("fidelity") or {}).get("proof") or {}).get("start_failures") or {}
     cause = (f"; a proof found the engine does not reproduce the run from optimizer step {div['step']}: {div['why']}"
              if div else f"; {why[0]}" if why else
+             f"; a replay started afresh at checkpoint {first} does not reproduce the recording (the checkpoint does "
+             f"not hold something the recording carried there, e.g. a callback's earlier change): {failed[str(first)]}"
+             if str(first) in failed else
              f"; prove the run once (`{PROVE_COMMAND.format(run=run_path)}`, about one training run's compute)")
     return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine" + cause
 

@@ -1015,10 +1015,13 @@ class TraceRecordingMixin(WeightsFollowUmask):
             self._trace_check_ref = None
             if fid is not None:
                 fid["proof"] = record
-                fid["recording"] = {"checked": True, "reproduced": record["proven"],
-                                    "steps": [0, record["total_steps"]], "by": "proof",
+                # the steps it reproduced from step 0 (a divergence later is the proof's, fidelity.proof: a
+                # deletion that passes it is never VERIFIED); one at step 0 refuses every replay, as the self-check's
+                upto = (record["steps"] or [0, -1])[1] + 1
+                fid["recording"] = {"checked": True, "reproduced": upto > 0,
+                                    "steps": [0, upto if upto else record["total_steps"]], "by": "proof",
                                     "against": "the recording's per-step state fingerprints and kept checkpoints",
-                                    **({"why": record["diverged"]["why"]} if "diverged" in record else {}),
+                                    **({"why": record["diverged"]["why"]} if not upto else {}),
                                     "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
         elif run[0]:
             from .fidelity import self_check
@@ -1040,6 +1043,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         """Whether the end of recording proves the whole run: ``trace_self_check="all"``, or the default (True) on a
         run whose training took at most :data:`~hf_unlearn.trace.proof.AUTO_PROVE_SECONDS` (the proof costs about
         as much again); a longer run gets the first step checked, and ``hf-unlearn trace prove`` when convenient."""
+        if not self.trace_guards:  # no per-step fingerprints to prove against: the self-check's steps only
+            return False
         if self.trace_self_check == "all":
             return True
         if self.trace_self_check is not True:
