@@ -1,4 +1,4 @@
-"""`hf-unlearn trace ...`: inspect, cost, redact, replay, oracle and verify a recorded run."""
+"""`hf-unlearn trace ...`: inspect, cost, prove, redact, replay, oracle and verify a recorded run."""
 
 from __future__ import annotations
 
@@ -175,6 +175,9 @@ def inspect_cmd(args) -> int:
     from ..trace.fidelity import fidelity_statement
 
     print(f"fidelity: {fidelity_statement(header)}")
+    from ..trace.proof import proof_statement
+
+    print(f"proof: {proof_statement(header)}")
     from ..trace.stack import stack_statement
 
     print(f"numeric stack: {stack_statement(header)}")

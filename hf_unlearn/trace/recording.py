@@ -501,7 +501,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
             sealed into the run (``header.json`` ``fidelity``) and a run the engine does not reproduce gets every
             replay and verdict refused (see :mod:`hf_unlearn.trace.fidelity`). An int N checks the first N steps
             (and every recorded checkpoint among them). Costs about one optimizer step, a model rebuild and two
-            state hashes. Default: on (``True``: N = 1); ``False``: off.
+            state hashes. ``"all"``: the whole run proven when ``train()`` ends (:func:`hf_unlearn.trace.proof.prove`:
+            every step's state matched, about one training run's compute; deletions are VERIFIED only on proven
+            steps). Default ``True``: ``"all"`` when training took at most
+            :data:`~hf_unlearn.trace.proof.AUTO_PROVE_SECONDS`, else N = 1 (then ``hf-unlearn trace prove RUN``);
+            ``False``: off.
         trace_guards: check the training program at every optimizer step (:mod:`hf_unlearn.trace.guards`): the
             learning rate each param group holds when ``optimizer.step()`` runs, the trainable set, every module's
             mode and plain attributes, and in-place edits of parameters, buffers and optimizer state; a change no
