@@ -294,3 +294,41 @@ def test_the_setup_probe_does_not_count_as_a_call_of_compute_loss(tmp_path):
     assert not hasattr(trainer, "calls") and not hasattr(trainer, "log_")
     trainer.train()
     assert trainer.calls == 3 and trainer.seen == [0, 1, 2] and trainer.log_ == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_edit_inside_the_recorded_compute_loss_is_accepted_once_proven(tmp_path, family):
+    """The guards name the edit (outside the record) and used to refuse every deletion; the proof shows the engine,
+    which runs the recorded trainer's compute_loss, reproduces it: a step-0 deletion is VERIFIED and equals a plain
+    Trainer with the same compute_loss (engine-free counterfactual)."""
+    from hf_unlearn import forget
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.guards import program_changes
+    from hf_unlearn.trace.recording import trace_recording
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
+    from .trace_trainers import EditAtStep3
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trace_recording(EditAtStep3)(model=config_model(family, tok), args=train_args(tmp_path / "rec", **KW),
+                                 train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                 trace_checkpoint_steps=2, trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    opened = open_run(run)
+    assert [c["step"] for c in program_changes(opened.plan, opened.header)] == [3]  # named by the guards
+    assert opened.header["fidelity"]["proof"]["proven"]
+    ids = opened.ids_at_steps([0])[:1]
+    receipt = forget(run, ids, tmp_path / "del", oracle=True, progress=False)
+    assert receipt.evidence["verified"], receipt.evidence.get("oracle")
+    model = config_model(family, tok)
+    recorded_normalisers_trainer(run, base=EditAtStep3)(
+        model=model, args=train_args(tmp_path / "plain", **KW), train_dataset=labels_masked(data, ids),
+        data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())
+    plain = model.state_dict()
+    assert not [n for n, t in oracle["model"].items() if not torch.equal(t, plain[n])]

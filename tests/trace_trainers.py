@@ -39,3 +39,19 @@ class CountingLoss(Trainer):
         self.log_ = getattr(self, "log_", [])
         self.log_.append(self.calls)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class EditAtStep3(Trainer):
+    """Halves the first layer's MLP weights under no_grad inside its own compute_loss, once, at optimizer step 3: an
+    edit the recording's guards see outside the record, which a replay (running this compute_loss) makes too."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        import torch
+
+        if self.state.global_step == 3 and getattr(self, "edited_at", None) != 3:
+            self.edited_at = 3
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "layers.0.mlp" in name:
+                        p.mul_(0.5)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -809,7 +809,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
             f"{o['mismatched_elements']} of {o['elements']:,} optimizer elements differ: "
             + ("VERIFIED bit-identical" if report["verified"] else
                f"bit-identical, but NOT VERIFIED: {'; '.join(report['provenance']['problems'])}"
-               if report["identical"] else "NOT identical"))
+               if report["identical"] and report["provenance"]["problems"] else report["verdict"]))
     model_dir = out / "model"
     if plan.get("processes") is not None:  # a run of several processes (an FSDP2 run's shards): one folder
         from ..trace.sharding import save_consolidated
