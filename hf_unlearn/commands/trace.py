@@ -41,13 +41,6 @@ def register(parser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cost_cmd)
 
-    p = sub.add_parser("redact", help="write a new token store without the deleted rows, plus a redaction receipt")
-    p.add_argument("run")
-    p.add_argument("--forget", required=True)
-    p.add_argument("--out", required=True, help="folder of the redacted store (must not exist)")
-    p.add_argument("--store", default=None, help="source store (default: RUN/private/store)")
-    p.set_defaults(func=redact_cmd)
-
     p = sub.add_parser("prove", help="re-run the recorded run with the replay engine and no deletion and match its "
                                      "state at every optimizer step (about one training run's compute, once; "
                                      "resumable); the proof is sealed into the run and deletions of proven steps can "
@@ -58,6 +51,13 @@ def register(parser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the sealed proof record as JSON")
     p.set_defaults(func=prove_cmd)
+
+    p = sub.add_parser("redact", help="write a new token store without the deleted rows, plus a redaction receipt")
+    p.add_argument("run")
+    p.add_argument("--forget", required=True)
+    p.add_argument("--out", required=True, help="folder of the redacted store (must not exist)")
+    p.add_argument("--store", default=None, help="source store (default: RUN/private/store)")
+    p.set_defaults(func=redact_cmd)
 
     p = sub.add_parser("replay", help="RedactedReplayTrainer: replay the run from the redacted store")
     p.add_argument("run")
