@@ -332,12 +332,14 @@ def unproven_steps(header: dict, first: int, stop: int) -> list[int]:
     return [s for s in range(first, stop) if s not in steps]
 
 
-def neutral_controls(header: dict) -> set[int]:
-    """Proven steps where the engine's program controls differ from the recording's while its state does not (a
-    numerically neutral change the replay does not make, e.g. gradient checkpointing switched on by a callback)."""
+def neutral_controls(header: dict, start: int = 0) -> set[int]:
+    """The steps where a replay from the kept checkpoint at ``start`` does not stop on program controls that differ
+    from the recording's: every proven step, when that start is proven. There the state is the evidence (the proof
+    matched it; a replay's state before its first affected step is still compared, and a VERIFIED deletion must equal
+    the oracle, whose run from step 0 is proven), and a controls difference is numerically neutral (gradient
+    checkpointing switched on by a callback, which a replay started afresh does not switch on again)."""
     steps, _ = proven_steps(header)
-    proof = (header.get("fidelity") or {}).get("proof") or {}
-    return {s for s in proof.get("neutral_controls", []) if s in steps}
+    return steps if start in proven_starts(header) else set()
 
 
 def diverged(header: dict) -> dict | None:

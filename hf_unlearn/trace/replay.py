@@ -533,7 +533,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
         from .proof import neutral_controls
 
-        self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
+        self._neutral_controls = neutral_controls(self.run.header, self.start_step)  # proven: the state is evidence
         # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
         def epoch(text):
             return None if text is None else float.fromhex(text)
@@ -866,7 +866,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self.filter_rows or recorded is None or actual is None or "c" not in actual or "c" not in recorded:
             return
         state = step < self.first_affected_step
-        if step in self._neutral_controls:  # the proof matched the state there with these controls: neutral
+        if step in self._neutral_controls and recorded.get("c") != actual.get("c"):  # proven: a neutral difference
             recorded = {**recorded, "c": actual["c"], "lr": actual.get("lr")}
         compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
         self._fps_matched["controls"].append(step)

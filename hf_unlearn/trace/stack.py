@@ -90,6 +90,10 @@ def check_stack(header: dict, device=None) -> None:
     keys = FIXED_ON_CUDA if recorded.get("device_type") == "cuda" else FIXED
     diff = [f"{k} {here.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys if recorded.get(k) != here.get(k)]
     if diff:
+        from .proof import environment_difference
+
+        env = environment_difference(recorded.get("environment")) if "environment" in recorded else None
+        diff += [f"the numeric environment ({env})"] if env else []
         raise UnlearnError("this replay's numeric stack is not the recorded run's: " + ", ".join(diff) + "; its "
                            "kernels compute other bits, so it would not reproduce the run: replay with the recorded "
                            "versions on a machine that dispatches to the same CPU capability")
