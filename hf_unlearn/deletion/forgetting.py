@@ -293,9 +293,10 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
         plan["processes"] = init_processes(announce=False)
         plan["processes"].wait_for_everyone()  # every process validated before the main one writes
-        if not plan["processes"].is_main_process:
-            _exact_peer(plan, config)
-            return None
+    _before_compute(plan, config)  # every process: the deleting environment is each process's
+    if plan.get("processes") is not None and not plan["processes"].is_main_process:
+        _exact_peer(plan, config)
+        return None
     from ..validation import output_folder
 
     started = time.perf_counter()
@@ -394,12 +395,18 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         _check_output_name(config, request)
         _check_hub_access(config)
         _check_earlier_deletions(config, plan)
-    if plan.get("mode") == EXACT:  # the last check, before any compute of the deletion (hf_unlearn.trace.proof)
-        from ..trace.proof import before_deletion
-
-        plan.update(before_deletion(plan["run"], plan["cost"]["start_checkpoint"], config.oracle, config.accept_unproven,
-                                    plan["data_collator"]))
     return plan
+
+
+def _before_compute(plan: dict, config: ForgetConfig) -> None:
+    """The proof gate and the environment probe (hf_unlearn.trace.proof), in every process of the deletion, before
+    any compute of it: unproven steps refused unless accepted, the first recorded step re-run here."""
+    if plan.get("mode") != EXACT or plan.get("pipeline") or "run" not in plan:
+        return
+    from ..trace.proof import before_deletion
+
+    plan.update(before_deletion(plan["run"], plan["cost"]["start_checkpoint"], config.oracle, config.accept_unproven,
+                                plan["data_collator"]))
 
 
 def _has_run_parent(source: str) -> bool:
@@ -445,11 +452,6 @@ def _validate_pipeline(sources: list[str], request: list, config: ForgetConfig, 
         _check_output_name(config, request)
         _check_hub_access(config)
         _check_earlier_deletions(config, plan)
-    if plan.get("mode") == EXACT:  # the last check, before any compute of the deletion (hf_unlearn.trace.proof)
-        from ..trace.proof import before_deletion
-
-        plan.update(before_deletion(plan["run"], plan["cost"]["start_checkpoint"], config.oracle, config.accept_unproven,
-                                    plan["data_collator"]))
     return plan
 
 
