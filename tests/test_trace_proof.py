@@ -116,6 +116,12 @@ def test_a_hidden_change_is_caught_at_its_step_and_never_verified(tmp_path, caps
     f = write_ids(tmp_path / "f.jsonl", ids)
     assert main(["forget", str(run), "--ids", str(f), "--out", str(tmp_path / "cli"), "--oracle"]) != 0
     assert not (tmp_path / "cli").exists()
+    assert main(["trace", "redact", str(run), "--forget", str(f), "--out", str(tmp_path / "store")]) == 0
+    replay = ["trace", "replay", str(run), "--store", str(tmp_path / "store"), "--forget", str(f)]
+    assert main([*replay, "--out", str(tmp_path / "r")]) != 0 and not (tmp_path / "r").exists()
+    capsys.readouterr()
+    assert main([*replay, "--out", str(tmp_path / "r2"), "--accept-unproven"]) == 0
+    assert "UNPROVEN (accepted): steps 3..5" in capsys.readouterr().out
     # attacks on the proof record: an edited step range (sidecar rewritten, no key) is an integrity failure
     forged = copy_run(run, tmp_path / "forged")
     h = json.loads((forged / "header.json").read_text())
