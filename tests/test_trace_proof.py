@@ -210,35 +210,43 @@ def test_the_environment_probe_refuses_another_numeric_environment(tmp_path, env
 
 
 # ---- over-refusals --------------------------------------------------------------------------------------------
-class CheckpointingFromStep2(TrainerCallback):
-    """Turns on gradient checkpointing at step 2 (numerically neutral); importable, its attributes JSON."""
+def _checkpointing_from_step_2():
+    class CheckpointingFromStep2(TrainerCallback):  # defined here: watched, not replayed; the guards name its change
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2 and model is not None and not model.is_gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step == 2 and model is not None and not model.is_gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return CheckpointingFromStep2()
 
 
 @pytest.mark.slow
 def test_a_numerically_neutral_change_is_accepted_once_proven(tmp_path):
+    """Gradient checkpointing switched on at step 2 by a callback replays do not run: the guards name it (a module
+    attribute), which used to refuse every deletion; the proof's replay (without it) matches the state at every step,
+    so early and late deletions are VERIFIED and equal a plain Trainer with the same callback."""
     from hf_unlearn import forget
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.guards import program_changes
 
     from .test_trace_common import train_args
 
     tok, data = get_trace_data()
     data = data.select(range(24))
     TraceRecordingTrainer(model=config_model("qwen2", tok), args=train_args(tmp_path / "rec", **KW), train_dataset=data,
-                          data_collator=QACollator.from_tokenizer(tok), callbacks=[CheckpointingFromStep2()],
+                          data_collator=QACollator.from_tokenizer(tok), callbacks=[_checkpointing_from_step_2()],
                           trace_checkpoint_steps=2, trace_checkpoint_retention="even").train()
     run = tmp_path / "rec" / "trace"
-    assert open_run(run).header["fidelity"]["proof"]["proven"]
+    opened = open_run(run)
+    assert [c["step"] for c in program_changes(opened.plan, opened.header)][:1] == [2]  # named by the guards
+    proof = opened.header["fidelity"]["proof"]
+    assert proof["proven"] and proof["neutral_controls"][0] == 2, proof
     for when, step in (("early", 0), ("late", 4)):
-        ids = open_run(run).ids_at_steps([step])[:1]
+        ids = opened.ids_at_steps([step])[:1]
         receipt = forget(run, ids, tmp_path / when, oracle=True, progress=False)
         assert receipt.evidence["verified"], receipt.evidence.get("oracle")
         assert not _oracle_equals_counterfactual(tok, data, "qwen2", run, ids, tmp_path / when,
-                                                 callbacks=[CheckpointingFromStep2()])
+                                                 callbacks=[_checkpointing_from_step_2()])
 
 
 def _eager_at_step_3():

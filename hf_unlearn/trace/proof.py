@@ -332,14 +332,14 @@ def unproven_steps(header: dict, first: int, stop: int) -> list[int]:
     return [s for s in range(first, stop) if s not in steps]
 
 
-def neutral_controls(header: dict, start: int = 0) -> set[int]:
-    """The steps where a replay from the kept checkpoint at ``start`` does not stop on program controls that differ
-    from the recording's: every proven step, when that start is proven. There the state is the evidence (the proof
-    matched it; a replay's state before its first affected step is still compared, and a VERIFIED deletion must equal
-    the oracle, whose run from step 0 is proven), and a controls difference is numerically neutral (gradient
-    checkpointing switched on by a callback, which a replay started afresh does not switch on again)."""
+def neutral_controls(header: dict) -> set[int]:
+    """Proven steps where the proof's replay (from step 0, as the oracle runs) had other program controls than the
+    recording while its state was the recording's: numerically neutral differences a replay does not make (gradient
+    checkpointing switched on mid-run by a callback replays do not run). A replay does not stop on them; on every other
+    step a controls difference still stops it (an engine fault after the first affected step is caught there)."""
     steps, _ = proven_steps(header)
-    return steps if start in proven_starts(header) else set()
+    proof = (header.get("fidelity") or {}).get("proof") or {}
+    return {s for s in proof.get("neutral_controls", []) if s in steps}
 
 
 def diverged(header: dict) -> dict | None:

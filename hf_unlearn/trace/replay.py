@@ -533,7 +533,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
         from .proof import neutral_controls
 
-        self._neutral_controls = neutral_controls(self.run.header, self.start_step)  # proven: the state is evidence
+        self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
         # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
         def epoch(text):
             return None if text is None else float.fromhex(text)
