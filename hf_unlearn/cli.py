@@ -20,7 +20,7 @@ GROUPS = {
     "forget": "honour a deletion request end to end: delete, prove, publish (one command)",
     "demo": "the whole pipeline offline in minutes: record, delete exactly, unlearn, publish, verify",
     "requests": "a deletion service: a request ledger, exact deletion in batches, signed receipts",
-    "trace": "exact deletion: inspect, cost, redact, replay, oracle, verify a recorded run",
+    "trace": "exact deletion: inspect, cost, prove, redact, replay, oracle, verify a recorded run",
     "unlearn": "approximate unlearning: MASC and the baselines",
     "edit": "closed-form weight edits (QR-Erase)",
     "analyze": "diagnostics before and after unlearning",

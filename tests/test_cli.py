@@ -60,8 +60,8 @@ def test_group_help_gives_the_order_of_use(capsys):
     assert requests.index("`requests add") < requests.index("`requests serve")
     trace = _help(capsys, "trace")
     listed = [line.split()[0] for line in trace.splitlines() if line[:4] == "    " and line[4:5] != " "
-              and line.split()[0] in {"inspect", "cost", "redact", "replay", "oracle", "verify", "compact"}]
-    assert listed == ["inspect", "cost", "redact", "replay", "oracle", "verify", "compact"], listed
+              and line.split()[0] in {"inspect", "cost", "prove", "redact", "replay", "oracle", "verify", "compact"}]
+    assert listed == ["inspect", "cost", "prove", "redact", "replay", "oracle", "verify", "compact"], listed
 
 
 def test_hub_push_on_a_recorded_run_says_what_to_push(tmp_path, capsys):

@@ -144,7 +144,7 @@ def test_forged_header_or_cut_plan_fails_the_keyed_seal(tmp_path):
     faked = copy_run(recorded, tmp_path / "fidelity")  # the engine's self-check outcome is covered too
     header = json.loads((faked / "header.json").read_text())
     assert header["fidelity"]["recording"]["checked"]  # the seal was recomputed after the self-check wrote it
-    header["fidelity"]["recording"]["steps"] = [0, 8]
+    header["fidelity"]["recording"]["steps"] = [0, 99]
     (faked / "header.json").write_text(json.dumps(header))
     write_sidecar(faked / "header.json")
     assert check_run(faked, key=run_key(faked))[0].summary["controls"] == "keyed, FAILED"

@@ -129,9 +129,15 @@ def test_the_stack_is_under_the_keyed_seal_and_older_runs_state_the_gap(tmp_path
     write_sidecar(run / "header.json")
     with pytest.raises(Exception, match="controls_mac does not match"):
         open_run(run)
-    del header["numeric_stack"]  # a run recorded before the stack was: accepted, with the gap stated
+    del header["numeric_stack"]  # a run recorded before the stack was: replays run with this process's threads,
     write_sealed_header(run, header)
-    code, out = _forget(run, open_run(run).ids_at_steps([1])[:1], tmp_path / "out", monkeypatch, capsys)
+    code, out = _forget(run, open_run(run).ids_at_steps([1])[:1], tmp_path / "refused", monkeypatch, capsys)
+    # ... which the environment probe (step 0 re-run here with no deletion) finds give other bits: refused
+    assert code != 0 and "the deleting environment does not reproduce the recorded run" in out.err, out.err[-2000:]
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.setenv("HF_UNLEARN_THREADS", "2")
+    with threads(2):  # in the recording's environment: accepted, with the gap stated
+        code, out = _forget(run, open_run(run).ids_at_steps([1])[:1], tmp_path / "out", monkeypatch, capsys)
     assert code == 0, out.err[-2000:]
     receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert receipt["evidence"]["numeric_stack"].startswith("the run records no numeric stack")

@@ -27,3 +27,31 @@ class EveryTokenTrainer(Trainer):
         loss, outputs = super().compute_loss(model, {**inputs, "output_hidden_states": True}, True, num_items_in_batch)
         loss = loss + 1e-3 * outputs.hidden_states[1].mean()  # the residual stream after the first layer
         return (loss, outputs) if return_outputs else loss
+
+
+class CountingLoss(Trainer):
+    """A loss that counts its calls (the steps it saw, and a list edited in place): a probe that ran it once more
+    than training did would shift an edit keyed to the count by one microbatch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        self.seen = getattr(self, "seen", []) + [self.state.global_step]
+        self.log_ = getattr(self, "log_", [])
+        self.log_.append(self.calls)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class EditAtStep3(Trainer):
+    """Halves the first layer's MLP weights under no_grad inside its own compute_loss, once, at optimizer step 3: an
+    edit the recording's guards see outside the record, which a replay (running this compute_loss) makes too."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        import torch
+
+        if self.state.global_step == 3 and getattr(self, "edited_at", None) != 3:
+            self.edited_at = 3
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "layers.0.mlp" in name:
+                        p.mul_(0.5)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -51,6 +51,9 @@ def register(parser) -> None:
                    help="--due: JSON or TOML with max_wait_days, max_replay_steps, approximate_first, "
                         "approximate_method, oracle, purge_after_batch (default: max_wait_days 21)")
     p.add_argument("--oracle", action="store_true", help="exact: also run the oracle and check bit for bit")
+    p.add_argument("--accept-unproven", action="store_true",
+                   help="exact: serve even where the run's steps are not proven to be reproduced by the engine "
+                        "(`hf-unlearn trace prove RUN`); never VERIFIED, the receipt names the steps")
     p.add_argument("--tokenizer", dest="tokenizer_path", default=None,
                    help="exact: tokenizer saved with the model (a recorded run holds none)")
     p.add_argument("--collator", default=None, help="exact: the run's collator (module:name) when it cannot be rebuilt")
@@ -203,7 +206,8 @@ def serve_cmd(args) -> int:
 
     ledger = _ledger(args)
     exact = {"oracle": args.oracle, "tokenizer_path": args.tokenizer_path, "collator": args.collator,
-             "repo": args.repo, "endpoint": args.endpoint, "token": args.token, "progress": args.progress}
+             "repo": args.repo, "endpoint": args.endpoint, "token": args.token, "progress": args.progress,
+             "accept_unproven": args.accept_unproven}
     approx = {"method_args": parse_method_args(args.method_args), "progress": args.progress}
     try:
         if args.due:

@@ -1,4 +1,4 @@
-"""`hf-unlearn trace ...`: inspect, cost, redact, replay, oracle and verify a recorded run."""
+"""`hf-unlearn trace ...`: inspect, cost, prove, redact, replay, oracle and verify a recorded run."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ FORGET_HELP = ("file of ids to delete: .jsonl (one JSON value a line: 3600 or \"
                "(one id a line; digit-only lines are ints)")
 COLLATOR_HELP = ("the run's data collator when the trace cannot rebuild it: module:name (the collator) or "
                  "module:name() (a factory called with no arguments); the current directory is importable")
+
+ACCEPT_HELP = ("run even where the run's steps are not proven to be reproduced by the engine (`trace prove` proves "
+               "them); the output is never VERIFIED")
 
 
 def register(parser) -> None:
@@ -38,6 +41,17 @@ def register(parser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cost_cmd)
 
+    p = sub.add_parser("prove", help="re-run the recorded run with the replay engine and no deletion and match its "
+                                     "state at every optimizer step (about one training run's compute, once; "
+                                     "resumable); the proof is sealed into the run and deletions of proven steps can "
+                                     "be VERIFIED")
+    p.add_argument("run", help="the trace_dir of a TraceRecordingTrainer (under the run's own launch if it was "
+                               "recorded by several processes)")
+    p.add_argument("--collator", default=None, help=COLLATOR_HELP)
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the sealed proof record as JSON")
+    p.set_defaults(func=prove_cmd)
+
     p = sub.add_parser("redact", help="write a new token store without the deleted rows, plus a redaction receipt")
     p.add_argument("run")
     p.add_argument("--forget", required=True)
@@ -55,6 +69,7 @@ def register(parser) -> None:
     p.add_argument("--save-model", default=None, metavar="DIR",
                    help="also save the replayed model as one save_pretrained folder (a sharded FSDP2 run's too: "
                         "written by the main process from the full tensors)")
+    p.add_argument("--accept-unproven", action="store_true", help=ACCEPT_HELP)
     p.set_defaults(func=replay_cmd)
 
     p = sub.add_parser("oracle", help="the counterfactual from the original store (deleted slots as weight-0 dummies)")
@@ -64,6 +79,7 @@ def register(parser) -> None:
     p.add_argument("--baselines", action="store_true",
                    help="also compute the naive `filter` and `repack` counterfactuals (OUT/baselines/) for comparison")
     p.add_argument("--collator", default=None, help=COLLATOR_HELP)
+    p.add_argument("--accept-unproven", action="store_true", help=ACCEPT_HELP)
     p.set_defaults(func=oracle_cmd)
 
     p = sub.add_parser("verify", help="exit 0 iff OUT and ORACLE are a replay and an oracle of one run for the same ids "
@@ -159,6 +175,9 @@ def inspect_cmd(args) -> int:
     from ..trace.fidelity import fidelity_statement
 
     print(f"fidelity: {fidelity_statement(header)}")
+    from ..trace.proof import proof_statement
+
+    print(f"proof: {proof_statement(header)}")
     from ..trace.stack import stack_statement
 
     print(f"numeric stack: {stack_statement(header)}")
@@ -264,12 +283,41 @@ def redact_cmd(args) -> int:
     return 0
 
 
-def replay_cmd(args) -> int:
-    from ..trace.replay import RedactedReplayTrainer
+def prove_cmd(args) -> int:
+    from ..trace.proof import proof_statement, prove
+    from ..trace.run import read_header
 
     _quiet()
-    trainer = RedactedReplayTrainer(args.run, args.store, read_forget_file(args.forget), args.out,
-                                    start="full" if args.full else "suffix", data_collator=_collator(args))
+    record = prove(args.run, data_collator=_collator(args), progress=args.progress, log=print)
+    if args.json:
+        print(json.dumps(record, indent=1))
+    else:
+        print(f"{args.run}: {proof_statement(read_header(args.run))} "
+              f"({record['wall_seconds']:.0f} s; sealed into header.json)")
+        if record.get("diverged"):
+            print(f"first divergence: {record['diverged']['why']}", file=sys.stderr)
+    return 0 if record["proven"] else 1
+
+
+def _before_deletion(args, run, forget, start: int | None, collator) -> None:
+    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof)."""
+    from ..trace.proof import before_deletion
+    from ..trace.replay import replay_cost
+
+    first = 0 if start is None else (0 if args.full else replay_cost(run, forget)["start_checkpoint"])
+    for line in before_deletion(run, first, start is None, args.accept_unproven, collator)["proof_lines"]:
+        print(line)
+
+
+def replay_cmd(args) -> int:
+    from ..trace.replay import RedactedReplayTrainer
+    from ..trace.run import open_run
+
+    _quiet()
+    run, forget, collator = open_run(args.run), read_forget_file(args.forget), _collator(args)
+    _before_deletion(args, run, forget, 0, collator)
+    trainer = RedactedReplayTrainer(run, args.store, forget, args.out,
+                                    start="full" if args.full else "suffix", data_collator=collator)
     final = trainer.train()
     s = trainer.replay_stats
     if not trainer.accelerator.is_main_process:
@@ -321,6 +369,7 @@ def oracle_cmd(args) -> int:
             from ..trace.replay import PAIRS_BASELINE
 
             raise UnlearnError(PAIRS_BASELINE)
+    _before_deletion(args, run, forget, None, collator)
     trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator)
     trainer.train()
     if not trainer.accelerator.is_main_process:
@@ -369,6 +418,9 @@ def verify_cmd(args) -> int:
         print(f"VERIFIED: parameters and optimizer state are bit-identical to the oracle of the same run for the same "
               f"{prov['deleted_ids']} deleted id(s)")
         return 0
+    if report["identical"] and not prov["problems"]:  # never VERIFIED with steps the engine is not proven on
+        print(report["verdict"] + ": " + "; ".join(u["why"] for u in prov["unproven"].values()), file=sys.stderr)
+        return 1
     if report["identical"]:
         print("NOT VERIFIED: the states are bit-identical, but " + "; ".join(prov["problems"]), file=sys.stderr)
         return 1

@@ -95,6 +95,10 @@ class ForgetConfig:
     overwrite: bool = field(default=False, metadata={
         "help": "replace an earlier output of this command in output_dir (one whose receipt.json is a forget receipt)"})
     progress: bool = field(default=True, metadata={"help": "progress bars on every long stage"})
+    accept_unproven: bool = field(default=False, metadata={
+        "help": "exact: delete even where the run's steps are not proven to be reproduced by the engine (`hf-unlearn "
+                "trace prove RUN` proves them); the receipt names the unproven steps and the deletion is never "
+                "VERIFIED"})
 
 
 @dataclass
@@ -117,7 +121,7 @@ class ForgetReceipt:
     @property
     def ok(self) -> bool:
         """True when every check that ran passed (oracle identity, Hub verification)."""
-        exact_ok = self.evidence.get("verified", True) is not False
+        exact_ok = self.evidence.get("verified", True) is not False or self._accepted_unproven
         return exact_ok and (self.published is None or bool(self.published.get("verify_ok")))
 
     @property
@@ -138,7 +142,16 @@ class ForgetReceipt:
                 return ("exact: the recorded run with the rows' loss contributions set to zero, replayed from a store "
                         "without them, bit-identical to the oracle (a full replay from step 0 on the original store: "
                         "this checks the redaction and the suffix start; both use the same replay engine)" + caveat)
+            unproven = self.evidence.get("unproven_steps")
+            if unproven:
+                from ..trace.proof import ranges
+
+                caveat += (f"; steps {ranges(unproven)} are not proven to be reproduced by the engine (accepted with "
+                           "--accept-unproven): it is not VERIFIED")
             if verified is False:
+                if self._accepted_unproven:
+                    return ("bit-identical to the oracle, but not VERIFIED: the engine is not proven on every step the "
+                            "replay and the oracle ran" + caveat)
                 if self._identical_but_unproven:
                     return ("exact deletion NOT verified: the states are bit-identical but the replay and oracle "
                             "folders are not proven to be a replay and an oracle of this run and request (see "
@@ -155,6 +168,12 @@ class ForgetReceipt:
         return {"format": RECEIPT_FORMAT, **asdict(self), "guarantee": self.guarantee, "ok": self.ok}
 
     @property
+    def _accepted_unproven(self) -> bool:
+        """Bit-identical with provenance holding, not VERIFIED only for steps the user accepted as unproven."""
+        oracle = self.evidence.get("oracle") or {}
+        return bool(self.evidence.get("unproven_steps")) and bool(oracle.get("identical")) and not oracle.get("problems")
+
+    @property
     def _identical_but_unproven(self) -> bool:
         """Not verified although the states are bit-identical: the folders' provenance failed."""
         return self.evidence.get("verified") is False and bool((self.evidence.get("oracle") or {}).get("identical"))
@@ -167,6 +186,11 @@ class ForgetReceipt:
             return "not checked against the oracle (oracle=True / --oracle runs it)"
         if verified:
             return "VERIFIED bit-identical to the oracle"
+        if self._accepted_unproven:
+            from ..trace.proof import ranges
+
+            return (f"bit-identical to the oracle; steps {ranges(self.evidence['unproven_steps'])} of the engine "
+                    "unproven (accepted; not verified)")
         if self._identical_but_unproven:
             return "bit-identical to the oracle but NOT VERIFIED (provenance: see evidence.oracle.problems)"
         return "NOT identical to the oracle"
@@ -269,9 +293,10 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
 
         plan["processes"] = init_processes(announce=False)
         plan["processes"].wait_for_everyone()  # every process validated before the main one writes
-        if not plan["processes"].is_main_process:
-            _exact_peer(plan, config)
-            return None
+    _before_compute(plan, config)  # every process: the deleting environment is each process's
+    if plan.get("processes") is not None and not plan["processes"].is_main_process:
+        _exact_peer(plan, config)
+        return None
     from ..validation import output_folder
 
     started = time.perf_counter()
@@ -371,6 +396,17 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         _check_hub_access(config)
         _check_earlier_deletions(config, plan)
     return plan
+
+
+def _before_compute(plan: dict, config: ForgetConfig) -> None:
+    """The proof gate and the environment probe (hf_unlearn.trace.proof), in every process of the deletion, before
+    any compute of it: unproven steps refused unless accepted, the first recorded step re-run here."""
+    if plan.get("mode") != EXACT or plan.get("pipeline") or "run" not in plan:
+        return
+    from ..trace.proof import before_deletion
+
+    plan.update(before_deletion(plan["run"], plan["cost"]["start_checkpoint"], config.oracle, config.accept_unproven,
+                                plan["data_collator"]))
 
 
 def _has_run_parent(source: str) -> bool:
@@ -719,6 +755,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..hub.mixin import write_model_card
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
+    from ..trace.proof import proof_statement
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
     from ..trace.stack import stack_statement
     from ..trace.store import redact_store
@@ -745,6 +782,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         log(f"HAZARD (recorded with the run): {hazard}")
     for note in plan["controls"]["notes"]:
         log(f"note: {note}")
+    for line in plan.get("proof_lines", []):  # the environment probe and the proof (hf_unlearn.trace.proof)
+        log(line)
     t = time.perf_counter()
     never_trained = never_trained_tags(run)  # rows the trainer dropped before training: absent from the store
     redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column,
@@ -774,7 +813,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
             f"{o['mismatched_elements']} of {o['elements']:,} optimizer elements differ: "
             + ("VERIFIED bit-identical" if report["verified"] else
                f"bit-identical, but NOT VERIFIED: {'; '.join(report['provenance']['problems'])}"
-               if report["identical"] else "NOT identical"))
+               if report["identical"] and report["provenance"]["problems"] else report["verdict"]))
     model_dir = out / "model"
     if plan.get("processes") is not None:  # a run of several processes (an FSDP2 run's shards): one folder
         from ..trace.sharding import save_consolidated
@@ -809,6 +848,9 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         # checkpoints and per-step fingerprints (the oracle's are in evidence.oracle)
         "fidelity": fidelity_statement(json.loads((out / "replay" / "header.json").read_text())),
         "numeric_stack": stack_statement(run.header),  # threads, CPU capability, versions the replays ran with
+        "proof": proof_statement(run.header),  # the engine reproduced the whole run (hf_unlearn.trace.proof)?
+        "unproven_steps": plan.get("unproven_steps", []),  # accepted with --accept-unproven: never VERIFIED
+        "environment_probe": plan.get("environment_probe"),  # this process re-ran recorded steps with no deletion
     }
     log(f"fidelity: {evidence['fidelity']}")
     log(f"numeric stack: {evidence['numeric_stack']}")

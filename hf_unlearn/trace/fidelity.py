@@ -258,7 +258,12 @@ def fidelity_statement(header: dict) -> str:
         return "no fidelity evidence recorded (a run recorded before the self-check existed): only the checkpoints a " \
                "replay passes check the engine"
     rec = fid.get("recording", fid)
-    if rec.get("checked") and rec.get("reproduced"):
+    if rec.get("checked") and rec.get("reproduced") and rec.get("by") == "proof":
+        whole = rec["steps"][1] == header.get("optimizer_steps") or not (fid.get("proof") or {}).get("diverged")
+        text = (f"engine reproduced recorded steps {rec['steps'][0]}..{rec['steps'][1] - 1}"
+                + (", the whole run" if whole else f" (NOT from step {rec['steps'][1]} on: see the proof)")
+                + " (proven at the end of recording: the state after every optimizer step)")
+    elif rec.get("checked") and rec.get("reproduced"):
         text = f"engine reproduced recorded steps {rec['steps'][0]}..{rec['steps'][1]} (the recording's self-check)"
     elif rec.get("checked"):
         text = f"ENGINE DID NOT REPRODUCE the recorded run: {rec.get('why')}"

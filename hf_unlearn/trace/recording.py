@@ -501,7 +501,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
             sealed into the run (``header.json`` ``fidelity``) and a run the engine does not reproduce gets every
             replay and verdict refused (see :mod:`hf_unlearn.trace.fidelity`). An int N checks the first N steps
             (and every recorded checkpoint among them). Costs about one optimizer step, a model rebuild and two
-            state hashes. Default: on (``True``: N = 1); ``False``: off.
+            state hashes. ``"all"``: the whole run proven when ``train()`` ends (:func:`hf_unlearn.trace.proof.prove`:
+            every step's state matched, about one training run's compute; deletions are VERIFIED only on proven
+            steps). Default ``True``: ``"all"`` when training took at most
+            :data:`~hf_unlearn.trace.proof.AUTO_PROVE_SECONDS`, else N = 1 (then ``hf-unlearn trace prove RUN``);
+            ``False``: off.
         trace_guards: check the training program at every optimizer step (:mod:`hf_unlearn.trace.guards`): the
             learning rate each param group holds when ``optimizer.step()`` runs, the trainable set, every module's
             mode and plain attributes, and in-place edits of parameters, buffers and optimizer state; a change no
@@ -517,7 +521,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def __init__(self, *args, trace_dir: str | os.PathLike | None = None, trace_checkpoint_steps: int | None = None,
                  trace_key: bytes | None = None, id_column: str = "id", dummy_token_id: int | None = None,
-                 trace_allow_hazards: bool = False, trace_self_check: bool | int = True,
+                 trace_allow_hazards: bool = False, trace_self_check: bool | int | str = True,
                  trace_checkpoint_retention: str = "geometric",
                  trace_checkpoint_budget: int | None = None, trace_frozen_source: str | os.PathLike | None = None,
                  trace_guards: bool = True, trace_parent: str | os.PathLike | None = None, **kwargs):
@@ -529,7 +533,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"trace_checkpoint_retention must be one of {MODES}, not {trace_checkpoint_retention!r}")
         for name, value in (("trace_checkpoint_steps", trace_checkpoint_steps),
                             ("trace_checkpoint_budget", trace_checkpoint_budget),
-                            ("trace_self_check", None if isinstance(trace_self_check, bool) else trace_self_check)):
+                            ("trace_self_check", None if isinstance(trace_self_check, bool) or trace_self_check == "all"
+                             else trace_self_check)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UnlearnError(f"{name} must be a positive int (or None for the default), not {value!r}")
         self._trace_arguments = {} if self._is_replay else _bound_arguments(super().__init__, args, kwargs)
@@ -882,6 +887,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         import copy
 
         saved = copy.deepcopy(getattr(self, "_metrics", None))  # SFTTrainer logs metrics in compute_loss: not ours
+        own = _attributes_kept(self)  # the user's loss may count its calls: the probe is not one of them
         try:
             model.eval()  # no dropout: the probe's answer does not depend on a draw
             with seeded(0):
@@ -896,6 +902,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             model.train(training)
             if saved is not None:
                 self._metrics = saved
+            own.restore()
         grad, n = seen["embeds"].grad, len(row["input_ids"])
         part = None if grad is None else grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
         if part is not None and bool((part != 0).any()):
@@ -952,6 +959,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raise UnlearnError(f"{self.trace_dir} already holds a recorded run; pass a new trace_dir "
                                "(or resume_from_checkpoint)")
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
+        self._trace_train_started = time.perf_counter()
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         try:
@@ -964,7 +972,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _self_check_steps(self) -> int | None:
         """N of the self-check (steps 0..N reproduced), None when it does not run (off, a replay)."""
-        if self._is_replay or not self.trace_self_check:
+        if self._is_replay or not self.trace_self_check or self.trace_self_check == "all":
             return None
         from .fidelity import SELF_CHECK_STEPS
 
@@ -997,12 +1005,29 @@ class TraceRecordingMixin(WeightsFollowUmask):
         fid = header.setdefault("fidelity", {}) if main and header.get("sealed") else None
         # fid["recording"] already set: decided when sealing (a buffer changed during training)
         run = [fid is not None and not fid.get("recording") and bool(self.trace_self_check),
-               bool(main and fid is not None and header["collator"].get("rebuildable"))]
+               bool(main and fid is not None and header["collator"].get("rebuildable")), self._trace_prove_all()]
         if self.accelerator.num_processes > 1:
             import torch.distributed as dist
 
             dist.broadcast_object_list(run, src=0)
-        if run[0]:
+        if run[0] and run[2]:  # the whole run proven (hf_unlearn.trace.proof): every step's state reproduced
+            from .proof import prove
+
+            with _rng_kept():
+                record = prove(self.trace_dir, data_collator=None if run[1] else self.data_collator,
+                               progress=not self.args.disable_tqdm, seal=False)
+            self._trace_check_ref = None
+            if fid is not None:
+                fid["proof"] = record
+                # the steps it reproduced from step 0 (a divergence later is the proof's, fidelity.proof: a
+                # deletion that passes it is never VERIFIED); one at step 0 refuses every replay, as the self-check's
+                upto = (record["steps"] or [0, -1])[1] + 1
+                fid["recording"] = {"checked": True, "reproduced": upto > 0,
+                                    "steps": [0, upto if upto else record["total_steps"]], "by": "proof",
+                                    "against": "the recording's per-step state fingerprints and kept checkpoints",
+                                    **({"why": record["diverged"]["why"]} if not upto else {}),
+                                    "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
+        elif run[0]:
             from .fidelity import self_check
 
             with _rng_kept():
@@ -1017,6 +1042,20 @@ class TraceRecordingMixin(WeightsFollowUmask):
             return
         if fid is not None:
             TraceWriter(self.trace_dir, self._trace_key).reseal_header(header)
+
+    def _trace_prove_all(self) -> bool:
+        """Whether the end of recording proves the whole run: ``trace_self_check="all"``, or the default (True) on a
+        run whose training took at most :data:`~hf_unlearn.trace.proof.AUTO_PROVE_SECONDS` (the proof costs about
+        as much again); a longer run gets the first step checked, and ``hf-unlearn trace prove`` when convenient."""
+        if not self.trace_guards:  # no per-step fingerprints to prove against: the self-check's steps only
+            return False
+        if self.trace_self_check == "all":
+            return True
+        if self.trace_self_check is not True:
+            return False
+        from .proof import AUTO_PROVE_SECONDS
+
+        return time.perf_counter() - getattr(self, "_trace_train_started", 0.0) <= AUTO_PROVE_SECONDS
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -1570,6 +1609,36 @@ class TraceRecordingTrainer(TraceRecordingMixin, Trainer):
     """``transformers.Trainer`` with :class:`TraceRecordingMixin`: swap the class in a training script."""
 
     _trace_machinery = True
+
+
+class _attributes_kept:
+    """The trainer's attributes as they are now, to put back after a probe runs the user's ``compute_loss``: every
+    attribute rebound, added or removed comes back, and plain values (numbers, strings, lists and dicts of them) are
+    copied, so an in-place ``self.calls.append(...)`` is undone too. The probe leaves no trace a later step could
+    read (a counter-based edit would otherwise run one step early)."""
+
+    def __init__(self, obj):
+        import copy
+
+        self.obj, self.before = obj, dict(vars(obj))
+        self.copies = {}
+        for k, v in self.before.items():
+            if isinstance(v, (list, dict, set)):
+                try:
+                    json.dumps(list(v) if isinstance(v, set) else v)
+                except (TypeError, ValueError):
+                    continue
+                self.copies[k] = copy.deepcopy(v)
+
+    def restore(self) -> None:
+        now = vars(self.obj)
+        for k in [k for k in now if k not in self.before]:
+            del now[k]
+        now.update(self.before)
+        for k, v in self.copies.items():
+            target = now[k]
+            target.clear()
+            target.update(v) if isinstance(target, (dict, set)) else target.extend(v)
 
 
 def _bound_arguments(init, args: tuple, kwargs: dict) -> dict:

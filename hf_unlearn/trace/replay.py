@@ -531,6 +531,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if why:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
+        from .proof import neutral_controls
+
+        self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
         # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
         def epoch(text):
             return None if text is None else float.fromhex(text)
@@ -863,6 +866,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self.filter_rows or recorded is None or actual is None or "c" not in actual or "c" not in recorded:
             return
         state = step < self.first_affected_step
+        if step in self._neutral_controls and recorded.get("c") != actual.get("c"):  # proven: a neutral difference
+            recorded = {**recorded, "c": actual["c"], "lr": actual.get("lr")}
         compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
         self._fps_matched["controls"].append(step)
         if state:

@@ -71,7 +71,13 @@ def numeric_stack(device=None) -> dict:
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
             "onednn": _library_version(r"(?:MKL-DNN|oneDNN) v([\d.]+)"),
             "mkl": _library_version(r"Math Kernel Library Version ([\w.\-]+)"),
-            "deterministic": deterministic_settings()}
+            "deterministic": deterministic_settings(), "environment": _numeric_environment()}
+
+
+def _numeric_environment() -> dict:
+    from .proof import numeric_environment  # named when the deleting environment's probe fails
+
+    return numeric_environment()
 
 
 def check_stack(header: dict, device=None) -> None:
@@ -84,6 +90,10 @@ def check_stack(header: dict, device=None) -> None:
     keys = FIXED_ON_CUDA if recorded.get("device_type") == "cuda" else FIXED
     diff = [f"{k} {here.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys if recorded.get(k) != here.get(k)]
     if diff:
+        from .proof import environment_difference
+
+        env = environment_difference(recorded.get("environment")) if "environment" in recorded else None
+        diff += [f"the numeric environment ({env})"] if env else []
         raise UnlearnError("this replay's numeric stack is not the recorded run's: " + ", ".join(diff) + "; its "
                            "kernels compute other bits, so it would not reproduce the run: replay with the recorded "
                            "versions on a machine that dispatches to the same CPU capability")

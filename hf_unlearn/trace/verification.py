@@ -117,7 +117,9 @@ def check_provenance(replay_out, oracle_out) -> dict:
             problems.append(f"{path}: {uncovered}")
         start = (header.get("parent") or {}).get("start_step", 0)
         late = [c for c in program_changes(plan, header) if c["step"] >= start or c.get("persistent")]
-        if late:
+        from .proof import unproven_steps
+
+        if late and unproven_steps(header, start, header.get("optimizer_steps") or 0):  # proven: the engine does it
             from .guards import describe_program_change
 
             problems.append(f"{path}: the run changed outside its record {describe_program_change(late[0])}, in the "
@@ -148,9 +150,20 @@ def check_provenance(replay_out, oracle_out) -> dict:
         why = refusal(header)
         if why:
             problems.append(f"the {role}'s run: {why}")
+    unproven = {}
+    if len(headers) == 2:  # VERIFIED needs every step the replay and the oracle ran proven (hf_unlearn.trace.proof)
+        from .proof import unproven_statement, unproven_steps
+
+        for role, path in (("replay", replay_out), ("oracle", oracle_out)):
+            header = headers[role]
+            first, stop = (header.get("parent") or {}).get("start_step", 0), header.get("optimizer_steps") or 0
+            missing = unproven_steps(header, first, stop)
+            if missing:
+                unproven[role] = {"steps": missing, "why": unproven_statement(header, path, first, stop, f"the {role}")}
     hazards = sorted({h for h in (headers.get("replay") or {}).get("hazards", [])})
     fidelity = {role: fidelity_statement(header) for role, header in headers.items()}
     return {"checked": len(headers) == 2, "problems": problems, "hazards": hazards, "fidelity": fidelity,
+            "unproven": unproven,
             "controls": controls, "notes": notes,
             "deleted_ids": len(deleted_tags(replay_out)) if "replay" in headers else None,
             }
@@ -165,7 +178,10 @@ def verify(replay_out, oracle_out) -> dict:
     oracle = load_state(oracle_out)
     report = compare_states(load_state(replay_out), oracle)
     report["provenance"] = check_provenance(replay_out, oracle_out)
-    report["verified"] = report["identical"] and not report["provenance"]["problems"]
+    unproven = report["provenance"]["unproven"]
+    report["unproven_steps"] = sorted({s for u in unproven.values() for s in u["steps"]})
+    report["verified"] = report["identical"] and not report["provenance"]["problems"] and not unproven
+    report["verdict"] = verdict(report)
     fidelity = report["provenance"].get("fidelity", {})
     report["fidelity"] = fidelity.get("oracle") or fidelity.get("replay") or "no run folders: fidelity not checked"
     baselines = {}
@@ -177,6 +193,21 @@ def verify(replay_out, oracle_out) -> dict:
     report["baselines"] = baselines
     _record_verification(Path(replay_out), Path(oracle_out), report)
     return report
+
+
+def verdict(report: dict) -> str:
+    """The verdict in a few words: VERIFIED only when bit-identical, the provenance holds and every step the replay
+    and the oracle ran is proven (an unproven range gets its own verdict, never VERIFIED)."""
+    if report["verified"]:
+        return "VERIFIED bit-identical to the oracle"
+    if not report["identical"]:
+        return "NOT identical to the oracle"
+    if report["provenance"]["problems"]:
+        return "bit-identical to the oracle but NOT VERIFIED (provenance)"
+    from .proof import ranges
+
+    return (f"bit-identical to the oracle; steps {ranges(report['unproven_steps'])} of the engine unproven (not "
+            "verified: `hf-unlearn trace prove RUN` proves them)")
 
 
 def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> None:
@@ -195,6 +226,7 @@ def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> No
     oracle_id = json.loads(oracle_header.read_text()).get("run_id") if oracle_header.is_file() else None
     roles = {replay_out: "the replay folder", oracle_out: "the oracle folder"}
     summary = {"identical": report["identical"], "verified": report["verified"], "oracle_run_id": oracle_id,
+               "unproven_steps": report["unproven_steps"], "verdict": report["verdict"],
                "roots": report["roots"],
                "provenance_problems": [_without_folders(p, roles) for p in report["provenance"]["problems"]],
                "params_mismatched_elements": report["params"]["mismatched_elements"],

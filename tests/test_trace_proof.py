@@ -1,0 +1,348 @@
+"""The engine proven on the whole run (hf_unlearn.trace.proof): `trace prove`, VERIFIED only for proven steps, the
+deleting environment probed, and attacks on the proof record itself.
+
+Each VERIFIED claim is compared with an engine-free counterfactual (a plain Trainer, the deleted rows' labels masked,
+the recorded normalisers; tests/test_trace_fidelity.independent_counterfactual)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from hf_unlearn.errors import UnlearnError
+
+from .test_trace_common import config_model, copy_run, get_recorded, get_trace_data, record, write_sealed_header
+from .test_trace_fidelity import independent_counterfactual
+
+KW = dict(gradient_accumulation_steps=1, max_steps=6)
+
+
+def _oracle_equals_counterfactual(tok, data, family, run, forget, out, callbacks=(), **kw):
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    oracle = load_checkpoint(open_run(out / "oracle").final_checkpoint())
+    plain = independent_counterfactual(tok, data, config_model(family, tok), run, forget, out / "plain",
+                                       callbacks=callbacks, **{**KW, **kw})
+    return [n for n, t in oracle["model"].items() if not torch.equal(t, plain[n])]
+
+
+# ---- a clean run: unproven until proven, then VERIFIED and equal to the counterfactual --------------------------
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt_neox", marks=pytest.mark.slow)])
+def test_prove_a_clean_run_at_every_step_then_deletions_verify(tmp_path, family, capsys):
+    from hf_unlearn import forget
+    from hf_unlearn.cli import main
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import ProofError
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model(family, tok), every=2,
+           trainer_kwargs={"trace_self_check": 1}, **KW)  # steps 0..0 self-checked only
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([2])[:1]
+    with pytest.raises(ProofError) as e:  # before any compute: nothing written
+        forget(run, ids, tmp_path / "refused", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and "steps 1..5" in str(e.value) and "trace prove" in str(e.value)
+    assert not (tmp_path / "refused").exists()
+    assert main(["trace", "prove", str(run), "--no-progress"]) == 0
+    assert "proven: the engine reproduced every optimizer step 0..5" in capsys.readouterr().out
+    proof = open_run(run).header["fidelity"]["proof"]
+    assert proof["proven"] and proof["steps"] == [0, 5] and proof["run_id"] == open_run(run).header["run_id"]
+    assert proof["engine"]["hf_unlearn"] and proof["numeric_stack"]["threads"] == torch.get_num_threads()
+    receipt = forget(run, ids, tmp_path / "mid", oracle=True, progress=False)
+    assert receipt.evidence["verified"] and receipt.verdict.startswith("VERIFIED")
+    assert receipt.evidence["environment_probe"]["steps"][0] == 0 and not receipt.evidence["unproven_steps"]
+    assert not _oracle_equals_counterfactual(tok, data, family, run, ids, tmp_path / "mid")
+
+
+# ---- a hidden change no guard sees: caught by the proof at its exact step -----------------------------------------
+def _clip_at_step_3():
+    class ClipHarder(TrainerCallback):  # defined here: watched, not replayed; args are not a guarded control
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                args.max_grad_norm = 0.05
+
+    return ClipHarder()
+
+
+def test_a_hidden_change_is_caught_at_its_step_and_never_verified(tmp_path, capsys):
+    """A callback lowering args.max_grad_norm at step 3 (20/20 tensors off, yet VERIFIED before proofs): prove names
+    step 3; forget refuses without --accept-unproven; with it the receipt names the steps and is not VERIFIED, and
+    `trace verify` prints no VERIFIED. Then the proof record is attacked: edited, and copied from another run."""
+    from hf_unlearn import forget
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import ProofError, prove, unproven_steps
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    from .test_trace_common import train_args
+
+    TraceRecordingTrainer(model=config_model("llama", tok), args=train_args(tmp_path / "rec", **KW),
+                          train_dataset=data, data_collator=QACollator.from_tokenizer(tok), callbacks=[_clip_at_step_3()],
+                          trace_checkpoint_steps=2, trace_checkpoint_retention="even", trace_self_check=1).train()
+    run = tmp_path / "rec" / "trace"
+    record_ = prove(run, progress=False)
+    assert not record_["proven"] and record_["diverged"]["step"] == 3 and record_["steps"] == [0, 2]
+    assert "optimizer step 3" in record_["diverged"]["why"]
+    header = open_run(run).header
+    assert unproven_steps(header, 0, 6) == [3, 4, 5]
+    ids = open_run(run).ids_at_steps([0])[:1]
+    with pytest.raises(ProofError, match="from optimizer step 3") as e:
+        forget(run, ids, tmp_path / "refused", oracle=True, progress=False)
+    assert "\n" not in str(e.value)
+    receipt = forget(run, ids, tmp_path / "accepted", oracle=True, progress=False, accept_unproven=True)
+    assert receipt.evidence["unproven_steps"] == [3, 4, 5] and receipt.evidence["verified"] is False
+    assert receipt.ok and "VERIFIED" not in receipt.verdict and "3..5" in receipt.verdict
+    saved = json.loads((tmp_path / "accepted" / "receipt.json").read_text())
+    assert saved["evidence"]["unproven_steps"] == [3, 4, 5] and "not VERIFIED" in saved["guarantee"]
+    capsys.readouterr()
+    assert main(["trace", "verify", str(tmp_path / "accepted" / "replay"), str(tmp_path / "accepted" / "oracle")]) == 1
+    out = capsys.readouterr()
+    assert not any(line.startswith("VERIFIED") for line in (out.out + out.err).splitlines())
+    assert "steps 3..5 of the engine unproven" in out.err
+    # the CLI: non-zero without --accept-unproven, one line
+    f = write_ids(tmp_path / "f.jsonl", ids)
+    assert main(["forget", str(run), "--ids", str(f), "--out", str(tmp_path / "cli"), "--oracle"]) != 0
+    assert not (tmp_path / "cli").exists()
+    assert main(["trace", "redact", str(run), "--forget", str(f), "--out", str(tmp_path / "store")]) == 0
+    replay = ["trace", "replay", str(run), "--store", str(tmp_path / "store"), "--forget", str(f)]
+    assert main([*replay, "--out", str(tmp_path / "r")]) != 0 and not (tmp_path / "r").exists()
+    capsys.readouterr()
+    assert main([*replay, "--out", str(tmp_path / "r2"), "--accept-unproven"]) == 0
+    assert "UNPROVEN (accepted): steps 3..5" in capsys.readouterr().out
+    # attacks on the proof record: an edited step range (sidecar rewritten, no key) is an integrity failure
+    forged = copy_run(run, tmp_path / "forged")
+    h = json.loads((forged / "header.json").read_text())
+    h["fidelity"]["proof"].update(proven=True, steps=[0, 5], diverged=None)
+    (forged / "header.json").write_text(json.dumps(h, indent=1, sort_keys=True))
+    from hf_unlearn.trace.run import write_sidecar
+
+    write_sidecar(forged / "header.json")
+    with pytest.raises(UnlearnError, match="integrity"):
+        forget(forged, ids, tmp_path / "forged_out", oracle=True, progress=False)
+    # another run's proof copied in, sealed with the key: still not this run's proof
+    other = json.loads((get_recorded() / "header.json").read_text())["fidelity"]["proof"]
+    assert other["proven"]
+    copied = copy_run(run, tmp_path / "copied")
+    h = json.loads((copied / "header.json").read_text())
+    h["fidelity"]["proof"] = other
+    write_sealed_header(copied, h)
+    assert unproven_steps(open_run(copied).header, 0, 6) == [1, 2, 3, 4, 5]  # the self-check covers step 0 only
+    with pytest.raises(ProofError, match="another run"):
+        forget(copied, ids, tmp_path / "copied_out", oracle=True, progress=False)
+
+
+# ---- resumable ---------------------------------------------------------------------------------------------------
+def test_a_killed_proof_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Killed right after the proof persisted a kept checkpoint it matched: the next prove starts there, and a
+    forged progress file (not under the run key) is not trusted."""
+    from hf_unlearn.trace import proof
+
+    run = copy_run(get_recorded(), tmp_path / "run")  # 8 steps, checkpoints every 2
+    real_save, real_run, saves, calls = proof._save_progress, proof._run_interval, [], []
+
+    def killed(run_, state):
+        real_save(run_, state)
+        saves.append(state["upto"])
+        if len(saves) == 2:
+            raise KeyboardInterrupt  # a kill right after checkpoint 4 was persisted
+
+    monkeypatch.setattr(proof, "_save_progress", killed)
+    with pytest.raises(KeyboardInterrupt):
+        proof.prove(run, progress=False)
+    assert saves == [2, 4] and json.loads((run / proof.PROGRESS).read_text())["body"]["upto"] == 4
+    monkeypatch.setattr(proof, "_save_progress", real_save)
+    forged = json.loads((run / proof.PROGRESS).read_text())
+    forged["body"]["upto"] = 8
+    (tmp_path / "kept.json").write_text((run / proof.PROGRESS).read_text())
+    (run / proof.PROGRESS).write_text(json.dumps(forged))
+    from hf_unlearn.trace import open_run
+
+    assert proof._load_progress(open_run(run).kept())["upto"] == 0
+    (run / proof.PROGRESS).write_text((tmp_path / "kept.json").read_text())
+    monkeypatch.setattr(proof, "_run_interval", lambda *a, **k: calls.append(a[1:3]) or real_run(*a, **k))
+    result = proof.prove(run, progress=False)
+    assert result["proven"] and result["steps"] == [0, 7] and result["starts"] == [0, 2, 4, 6]
+    assert calls[0] == (4, 8)  # resumed at checkpoint 4; then each later start's first step
+    assert not (run / proof.PROGRESS).exists()
+
+
+# ---- the deleting environment ---------------------------------------------------------------------------------
+def _cli(args, env_extra):
+    env = {**os.environ, **env_extra}
+    return subprocess.run([sys.executable, "-m", "hf_unlearn.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{"MKL_CBWR": "COMPATIBLE"}, {"ATEN_CPU_CAPABILITY": "default"}])
+def test_the_environment_probe_refuses_another_numeric_environment(tmp_path, env):
+    """MKL's reproducibility mode changes every matmul's bits on this CPU, and no sealed setting names it: the probe
+    (step 0 re-run with no deletion) refuses before any compute, naming the variable."""
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    run = get_recorded()
+    f = write_ids(tmp_path / "f.jsonl", open_run(run).ids_at_steps([1])[:1])
+    out = _cli(["forget", str(run), "--ids", str(f), "--out", str(tmp_path / "o"), "--oracle",
+                "--no-progress"], env)
+    assert out.returncode != 0, out.stdout[-2000:]
+    err = [line for line in out.stderr.splitlines() if line.strip()]
+    name = next(iter(env))
+    assert name in err[-1] and ("optimizer step 0" in err[-1] or "numeric stack" in err[-1]), err[-3:]
+    assert not (tmp_path / "o").exists()
+    ok = _cli(["forget", str(run), "--ids", str(f), "--out", str(tmp_path / "ok"), "--oracle",
+               "--no-progress"], {})
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads((tmp_path / "ok" / "receipt.json").read_text())["evidence"]["verified"]
+
+
+# ---- over-refusals --------------------------------------------------------------------------------------------
+def _checkpointing_from_step_2():
+    class CheckpointingFromStep2(TrainerCallback):  # defined here: watched, not replayed; the guards name its change
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2 and model is not None and not model.is_gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    return CheckpointingFromStep2()
+
+
+@pytest.mark.slow
+def test_a_numerically_neutral_change_is_accepted_once_proven(tmp_path):
+    """Gradient checkpointing switched on at step 2 by a callback replays do not run: the guards name it (a module
+    attribute), which used to refuse every deletion; the proof's replay (without it) matches the state at every step,
+    so early and late deletions are VERIFIED and equal a plain Trainer with the same callback."""
+    from hf_unlearn import forget
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.guards import program_changes
+
+    from .test_trace_common import train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    TraceRecordingTrainer(model=config_model("qwen2", tok), args=train_args(tmp_path / "rec", **KW), train_dataset=data,
+                          data_collator=QACollator.from_tokenizer(tok), callbacks=[_checkpointing_from_step_2()],
+                          trace_checkpoint_steps=2, trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    opened = open_run(run)
+    assert [c["step"] for c in program_changes(opened.plan, opened.header)][:1] == [2]  # named by the guards
+    proof = opened.header["fidelity"]["proof"]
+    assert proof["proven"] and proof["neutral_controls"][0] == 2, proof
+    for when, step in (("early", 0), ("late", 4)):
+        ids = opened.ids_at_steps([step])[:1]
+        receipt = forget(run, ids, tmp_path / when, oracle=True, progress=False)
+        assert receipt.evidence["verified"], receipt.evidence.get("oracle")
+        assert not _oracle_equals_counterfactual(tok, data, "qwen2", run, ids, tmp_path / when,
+                                                 callbacks=[_checkpointing_from_step_2()])
+
+
+def _eager_at_step_3():
+    class EagerAttention(TrainerCallback):  # defined here: watched; config._attn_implementation is not in to_dict()
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 3 and model is not None:
+                model.set_attn_implementation("eager")
+
+    return EagerAttention()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # GQA: one key/value head
+def test_an_attention_switch_mid_run_is_never_verified(tmp_path, family):
+    """model.set_attn_implementation("eager") at step 3 (18/20 tensors off, VERIFIED before proofs): a step-0
+    deletion is refused before compute, or, accepted unproven, not VERIFIED."""
+    from hf_unlearn import forget
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.proof import unproven_steps
+
+    from .test_trace_common import train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    model = config_model(family, tok, attn_implementation="sdpa")
+    TraceRecordingTrainer(model=model, args=train_args(tmp_path / "rec", **KW), train_dataset=data,
+                          data_collator=QACollator.from_tokenizer(tok), callbacks=[_eager_at_step_3()],
+                          trace_checkpoint_steps=2, trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    header = open_run(run).header
+    assert unproven_steps(header, 0, 6), header["fidelity"]  # the proof at the end of recording found it
+    ids = open_run(run).ids_at_steps([0])[:1]
+    with pytest.raises(UnlearnError):
+        forget(run, ids, tmp_path / "refused", oracle=True, progress=False)
+    try:
+        receipt = forget(run, ids, tmp_path / "accepted", oracle=True, progress=False, accept_unproven=True)
+    except UnlearnError:  # refused by a guard that names the switch: also never VERIFIED
+        return
+    assert receipt.evidence["verified"] is not True and "VERIFIED" not in receipt.verdict.replace("NOT VERIFIED", "")
+
+
+# ---- the set-up probe of compute_loss has no side effect ------------------------------------------------------
+def test_the_setup_probe_does_not_count_as_a_call_of_compute_loss(tmp_path):
+    """A loss that counts its calls (an edit at the 5th call): the recorder's set-up probe ran it once more, which
+    moved the edit a step early; now the probe leaves the trainer's attributes as they were."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace.recording import trace_recording
+
+    from .test_trace_common import train_args
+    from .trace_trainers import CountingLoss
+
+    Counting = trace_recording(CountingLoss)
+    tok, data = get_trace_data()
+    trainer = Counting(model=config_model("llama", tok), args=train_args(tmp_path, gradient_accumulation_steps=1,
+                                                                         max_steps=3),
+                       train_dataset=data.select(range(12)), data_collator=QACollator.from_tokenizer(tok),
+                       trace_self_check=False)
+    assert not hasattr(trainer, "calls") and not hasattr(trainer, "log_")
+    trainer.train()
+    assert trainer.calls == 3 and trainer.seen == [0, 1, 2] and trainer.log_ == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_edit_inside_the_recorded_compute_loss_is_accepted_once_proven(tmp_path, family):
+    """The guards name the edit (outside the record) and used to refuse every deletion; the proof shows the engine,
+    which runs the recorded trainer's compute_loss, reproduces it: a step-0 deletion is VERIFIED and equals a plain
+    Trainer with the same compute_loss (engine-free counterfactual)."""
+    from hf_unlearn import forget
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.guards import program_changes
+    from hf_unlearn.trace.recording import trace_recording
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
+    from .trace_trainers import EditAtStep3
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trace_recording(EditAtStep3)(model=config_model(family, tok), args=train_args(tmp_path / "rec", **KW),
+                                 train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                 trace_checkpoint_steps=2, trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    opened = open_run(run)
+    assert [c["step"] for c in program_changes(opened.plan, opened.header)] == [3]  # named by the guards
+    assert opened.header["fidelity"]["proof"]["proven"]
+    ids = opened.ids_at_steps([0])[:1]
+    receipt = forget(run, ids, tmp_path / "del", oracle=True, progress=False)
+    assert receipt.evidence["verified"], receipt.evidence.get("oracle")
+    model = config_model(family, tok)
+    recorded_normalisers_trainer(run, base=EditAtStep3)(
+        model=model, args=train_args(tmp_path / "plain", **KW), train_dataset=labels_masked(data, ids),
+        data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())
+    plain = model.state_dict()
+    assert not [n for n, t in oracle["model"].items() if not torch.equal(t, plain[n])]
