@@ -228,7 +228,9 @@ def _demo_key(out: Path):
     if os.environ.get("HF_UNLEARN_KEY_FILE") or os.environ.get("HF_UNLEARN_TAG_KEY"):
         yield
         return
-    os.environ["HF_UNLEARN_KEY_FILE"] = str(out / "private" / "id_tag.key")
+    from .utils import private_dir
+
+    os.environ["HF_UNLEARN_KEY_FILE"] = str(private_dir(out) / "id_tag.key")
     try:
         yield
     finally:

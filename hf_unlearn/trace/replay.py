@@ -1034,7 +1034,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _open_output(self, start: int) -> TraceWriter:
         src, out = self.run.path, self.out_dir
         out.mkdir(parents=True, exist_ok=True)
-        (out / "private").mkdir(exist_ok=True)
+        from ..utils import owner_only, private_dir
+
+        private_dir(out)  # the key, the local paths and the store, owner-only whatever the umask (owner_only below)
         if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
             shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
         from .reference import PRIVATE_SOURCE, REFERENCE_DIR
@@ -1064,6 +1066,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             shutil.copytree(self.store_path, out / "private" / "store",
                             ignore=shutil.ignore_patterns("cache-*", "*.sha256"))
             header["dataset"].update(store_sha256=store_sha256(out / "private" / "store"), rows=len(self.store))
+        owner_only(out / "private")
         if is_packed(header):  # the output's map: the deleted documents' fragments are dummies now
             gone = {row: {k for k in hit} for row, hit in self._spans.items()}
             entries = [[row, [[None if k in gone.get(row, ()) else d, a, n] for k, (d, a, n) in enumerate(frags)]]
