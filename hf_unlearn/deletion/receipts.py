@@ -305,7 +305,7 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
     root = manifest["params_root"]
     want = (receipt.get("state_hashes") or {}).get("params_root")
     if root == want:
-        report.add("model", True, f"weights root {root[:16]}... is the receipt's")
+        report.add("model", True, f"saved-tensor root {root[:16]}... is the receipt's")
         return
     # a later model of the same ledger that also excludes the rows: later exact batches in the replay chain, or,
     # for a provisional receipt (or an acknowledgement), the exact batch that served the request and those after it
@@ -319,8 +319,8 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
     if via:
         own = [serving["batch"]] if receipt.get("kind") == "exact" and serving is not None else []
         path = own + [r["batch"] for r in chain[: chain.index(via[0]) + 1]]
-        report.add("model", True, f"weights root {root[:16]}... is {via[0]['batch']}'s (record {via[0]['seq']}), "
+        report.add("model", True, f"saved-tensor root {root[:16]}... is {via[0]['batch']}'s (record {via[0]['seq']}), "
                    f"which excludes the request's rows via {' -> '.join(path)}")
         return
-    report.add("model", False, f"weights root {root[:16]}... is neither the receipt's {str(want)[:16]}... nor a later "
+    report.add("model", False, f"saved-tensor root {root[:16]}... is neither the receipt's {str(want)[:16]}... nor a later "
                "exact model of this ledger that excludes its rows")
