@@ -97,6 +97,7 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     proc = client.cli("push", saved_model, "--repo", "org/tiny", "--revision", "deletion-0001",
                       "--dataset", "locuslab/TOFU", "--trace", trace)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    pushed = proc.stdout
     kept = [line for line in proc.stdout.splitlines() if "kept local" in line]  # one line, not one per file
     assert len(kept) == 1 and "4 file(s)" in kept[0] and "private: 2" in kept[0] and "--verbose lists them" in kept[0]
     refs = hub.store.refs("model", "org/tiny")
@@ -145,6 +146,10 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     other = [n for n in manifest["file_hashes"] if not n.startswith("/safetensors-metadata/")]  # files, not headers
     assert f"OK: Proven: the {len(manifest['params'])} tensors and {len(other)} other files" \
         in proc.stdout and "Not proven" in proc.stdout
+    # each root under one name, the same in push and verify (and in forget's summary: tests/test_forget.py)
+    roots = f"saved-tensor root {manifest['params_root']}, state-dict root {manifest['state_dict_root']}"
+    assert manifest["params_root"] != manifest["state_dict_root"]  # tied embeddings: two hashes, two names
+    assert roots in pushed and roots in proc.stdout and "weights root" not in pushed + proc.stdout
 
     # a second deletion request: new weights and a larger forget set -> its own commit and the next tag
     second = tmp_path / "second"
