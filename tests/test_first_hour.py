@@ -61,9 +61,21 @@ import json, sys
 from hf_unlearn.cli import main
 out = []
 for argv in json.loads(sys.argv[1]):
-    out.append([main(argv), "torch" in sys.modules])
+    out.append([main(argv), [m for m in ("torch", "transformers", "datasets") if m in sys.modules]])
 print(json.dumps(out))
 """
+
+
+def fail_in_one_process(cases: list) -> list[tuple[list, str, int, list, str]]:
+    """Run each ``(argv, expected text)`` with ``hf-unlearn``'s main in one fresh interpreter: ``(argv, expected,
+    exit code, heavy modules imported by then, its stderr line)`` per case."""
+    proc = subprocess.run([sys.executable, "-c", FAST_FAIL, json.dumps([argv for argv, _ in cases])],
+                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == len(cases), proc.stderr
+    return [(argv, expect, rc, loaded, line) for (argv, expect), (rc, loaded), line in zip(cases, results, lines)]
 
 
 def test_bad_options_fail_in_one_line_before_torch_is_imported(tmp_path):
@@ -84,26 +96,10 @@ def test_bad_options_fail_in_one_line_before_torch_is_imported(tmp_path):
           "--energy", "1.5"], "--energy must be in (0, 1]"),
         (["hub", "serve", "--root", str(tmp_path), "--token", "t", "--port", "70000"], "--port must be in [0, 65535]"),
     ]
-    proc = subprocess.run([sys.executable, "-c", FAST_FAIL, json.dumps([argv for argv, _ in cases])],
-                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == len(cases), proc.stderr
-    for (argv, expect), (rc, torch_loaded), line in zip(cases, results, lines):
-        assert rc == 1 and not torch_loaded, (argv, rc, torch_loaded)
+    for argv, expect, rc, loaded, line in fail_in_one_process(cases):
+        assert rc == 1 and "torch" not in loaded, (argv, rc, loaded)
         assert line.startswith("hf-unlearn: error: ") and expect in line, (argv, line)
     assert not (tmp_path / "o").exists()
-
-
-EARLY = r"""
-import json, sys
-from hf_unlearn.cli import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    out.append([main(argv), "transformers" in sys.modules, "datasets" in sys.modules])
-print(json.dumps(out))
-"""
 
 
 def test_a_run_given_as_a_model_and_ids_not_in_the_run_are_refused_before_anything_loads(tmp_path):
@@ -127,14 +123,8 @@ def test_a_run_given_as_a_model_and_ids_not_in_the_run_are_refused_before_anythi
           str(tmp_path)], "--tokenizer and --oracle are for exact deletion"),
         (["forget", str(run), *ids], "1 id(s) to forget never appear in the recorded plan"),
     ]
-    proc = subprocess.run([sys.executable, "-c", EARLY, json.dumps([argv for argv, _ in cases])],
-                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == len(cases), proc.stderr
-    for (argv, expect), (rc, transformers, datasets), line in zip(cases, results, lines):
-        assert rc == 1 and not transformers and not datasets, (argv, transformers, datasets)
+    for argv, expect, rc, loaded, line in fail_in_one_process(cases):
+        assert rc == 1 and not {"transformers", "datasets"} & set(loaded), (argv, rc, loaded)
         assert line.startswith("hf-unlearn: error: ") and expect in line, (argv, line)
     assert not (tmp_path / "o").exists()
     # an approximate method named on purpose still takes the model in the training folder (no refusal there)
