@@ -129,6 +129,9 @@ def test_a_pipeline_deletion_and_a_service_batch_keep_every_private_file_owner_o
         ids = ids_at_step(runs[0], 1)[:1] + ids_at_step(runs[1], 2)[:1]
         receipt = forget(list(runs), ids, tmp_path / "pipeline", oracle=True, progress=False, log=lambda m: None)
         assert receipt.ok and [s["replayed"] for s in receipt.evidence["pipeline"]] == [True, True]
+        held, erase = receipt.summary_rows()[-2:]  # a pipeline's summary ends with what still holds the rows
+        assert held[0] == "still holds" and "pipeline from stage 1 on" in held[1] and "stage-2/replay holds none" in \
+            held[1] and erase[0] == "to erase"
         ledger = DeletionLedger(runs[0], tmp_path / "ledger")
         ledger.add([i for i in ids_at_step(runs[0], 2) if i > 9][:1], received="2026-11-01")  # (2: a step number)
         batch = ledger.serve_exact(tokenizer=get_trace_data()[0], oracle=True, now="2026-11-02", progress=False,
