@@ -21,6 +21,9 @@ import argparse
 import shutil
 from pathlib import Path
 
+import hf_unlearn  # noqa: F401  (first: it drops two notices bitsandbytes prints offline when transformers imports it)
+
+# isort: split
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer

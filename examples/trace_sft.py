@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import hf_unlearn  # noqa: F401  (first: it drops two notices bitsandbytes prints offline when transformers imports it)
+
+# isort: split
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 

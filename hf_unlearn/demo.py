@@ -228,7 +228,9 @@ def _demo_key(out: Path):
     if os.environ.get("HF_UNLEARN_KEY_FILE") or os.environ.get("HF_UNLEARN_TAG_KEY"):
         yield
         return
-    os.environ["HF_UNLEARN_KEY_FILE"] = str(out / "private" / "id_tag.key")
+    from .utils import private_dir
+
+    os.environ["HF_UNLEARN_KEY_FILE"] = str(private_dir(out) / "id_tag.key")
     try:
         yield
     finally:
@@ -373,7 +375,7 @@ def _exact_stage(cfg, out, request, tokenizer, model, forget, retain, forget_ids
     unlearned.load_state_dict(full_model_state(load_state(out / "deletion-exact" / "replay")))  # tied: stored once
     loss = {"forget": mean_answer_loss(unlearned, tokenizer, forget), "retain": mean_answer_loss(unlearned, tokenizer, retain)}
     _print(f"answer loss after the deletion: forget {loss['forget']:.3f}  retain {loss['retain']:.3f}")
-    stages.append(_Stage("card + state hashes", f"weights root {receipt.state_hashes['params_root'][:16]}..., "
+    stages.append(_Stage("card + state hashes", f"saved-tensor root {receipt.state_hashes['params_root'][:16]}..., "
                                                 f"optimizer root {receipt.state_hashes['optimizer_root'][:16]}...", 0.0))
     stages += _publish_stages(receipt)
     cfg.stats["deletion"] = {"cost": ev["cost"], "identical": ev["oracle"]["identical"], "verified": ev["verified"], "baselines": distances, "loss": loss,
@@ -395,8 +397,8 @@ def _baselines(cfg, out: Path, tokenizer, forget_ids, oracle: dict, compare_stat
     states = {"filter": lambda: with_replay_progress(ReplayTrainer, "filter baseline", cfg.progress)(
         run, forget_ids=forget_ids, start="full", filter_rows=True).train()}
     tmp = out / "deletion-exact" / "repack_tmp"
-    states["repack"] = lambda: _progress_note("repack baseline: retraining on the retained rows, fresh batching",
-                                              cfg.progress, lambda: repack_counterfactual(run, forget_ids, tmp))
+    states["repack"] = lambda: repack_counterfactual(run, forget_ids, tmp, callbacks=[step_bar(
+        "repack baseline (retraining on the retained rows, fresh batching)", cfg.progress)])
     for name, make in states.items():
         cmp = compare_states(make(), oracle)["params"]
         distances[name] = {"mismatched_elements": cmp["mismatched_elements"], "l2": cmp["l2"]}
@@ -407,24 +409,23 @@ def _baselines(cfg, out: Path, tokenizer, forget_ids, oracle: dict, compare_stat
     return distances
 
 
-def _progress_note(what: str, progress: bool, fn):
-    """Run ``fn`` behind a spinner-like progress line (for steps that have no progress bar of their own)."""
-    import threading
-
+def step_bar(desc: str, progress: bool):
+    """A ``TrainerCallback`` showing a bar of optimizer steps named ``desc``, like the replays' bars (the repack
+    baseline is a plain Trainer run of a minute or more, which had only a clock)."""
     from tqdm.auto import tqdm
+    from transformers import TrainerCallback
 
-    done = threading.Event()
-    with tqdm(desc=what, bar_format="{desc}: {elapsed}", leave=False, disable=not progress) as bar:
-        def tick():
-            while not done.wait(1.0):
-                bar.refresh()
-        thread = threading.Thread(target=tick, daemon=True)
-        thread.start()
-        try:
-            return fn()
-        finally:
-            done.set()
-            thread.join()
+    class StepBar(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.bar = tqdm(total=state.max_steps, desc=desc, unit="step", leave=False, disable=not progress)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.bar.update(1)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.bar.close()
+
+    return StepBar()
 
 
 def _masc_stage(cfg, out: Path, subset, forget_ids, publish) -> list[_Stage]:
@@ -458,7 +459,7 @@ def _masc_stage(cfg, out: Path, subset, forget_ids, publish) -> list[_Stage]:
     stages = [_Stage("MASC", (f"stopped itself at step {stop}" if stop is not None else f"{ev['steps']} steps (cap)")
                      + f"; forget prob {b['forget']['probability']:.2f} -> {a['forget']['probability']:.2f}, "
                        f"retain {b['retain']['probability']:.2f} -> {a['retain']['probability']:.2f}", seconds),
-              _Stage("card + state hashes", f"weights root {receipt.state_hashes['params_root'][:16]}...", 0.0)]
+              _Stage("card + state hashes", f"saved-tensor root {receipt.state_hashes['params_root'][:16]}...", 0.0)]
     stages += _publish_stages(receipt)
     cfg.stats["masc"] = {"author": author, "before": b, "after": a, "steps": ev["steps"], "stopped_step": stop,
                          "receipt": receipt.to_dict()}

@@ -27,6 +27,38 @@ def file_mode(private: bool = False) -> int:
     return 0o600 if private else 0o666 & ~current_umask()
 
 
+PRIVATE_DIR = "private"  # a run's or an output's owner-only folder: its token store, key, local paths
+
+
+def owner_only(path: str | os.PathLike) -> Path:
+    """Make ``path`` owner-only whatever the umask: a file 0600; a folder 0700 with every folder under it 0700 and
+    every file 0600 (a token store holds the raw ids and token ids of every training row). Returns ``path``."""
+    path = Path(path)
+    if path.is_symlink() or not path.exists():
+        return path
+    if path.is_file():
+        os.chmod(path, 0o600)
+        return path
+    os.chmod(path, 0o700)  # first: nothing below is reachable by others while the rest is changed
+    for folder, dirs, files in os.walk(path):
+        for name in dirs:
+            if not os.path.islink(os.path.join(folder, name)):
+                os.chmod(os.path.join(folder, name), 0o700)
+        for name in files:
+            if not os.path.islink(os.path.join(folder, name)):
+                os.chmod(os.path.join(folder, name), 0o600)
+    return path
+
+
+def private_dir(folder: str | os.PathLike) -> Path:
+    """``folder/private``, created (with ``folder``) before anything private is written into it and made owner-only
+    (0700), so what is written there is never reachable by others, even before :func:`owner_only` sets its files."""
+    path = Path(folder) / PRIVATE_DIR
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask and ignored for a folder that exists
+    return path
+
+
 def weights_follow_umask(path: str | os.PathLike) -> None:
     """Give the ``.safetensors`` files at ``path`` (a file, or every one under a folder) the mode ``open()`` would.
 

@@ -46,6 +46,15 @@ def is_trace_run(path: str | os.PathLike) -> bool:
         return False
 
 
+def recorded_run_inside(path: str | os.PathLike) -> str | None:
+    """The recorded run a training output folder holds (``runs/ft/trace`` for ``runs/ft``), or None."""
+    p = Path(path)
+    if not p.is_dir() or is_trace_run(p):
+        return None
+    runs = sorted(os.path.join(os.fspath(path), d.name) for d in p.iterdir() if d.is_dir() and is_trace_run(d))
+    return runs[0] if runs else None
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model (or tokenizer) comes from: ``local`` folder, ``gguf`` file, or the ``hub`` (maybe its cache)."""
@@ -75,11 +84,11 @@ def check_model_source(name_or_path: str | os.PathLike, what: str = "model") -> 
                                "--ids FILE --out OUT` deletes from it, `hf-unlearn trace inspect` describes it")
         wanted = MODEL_FILES + (TOKENIZER_FILES if what == "tokenizer" else ())
         if not any((path / f).is_file() for f in wanted) and not any(path.glob("*.gguf")):
-            runs = sorted(os.path.join(name, d.name) for d in path.iterdir() if d.is_dir() and is_trace_run(d))
-            if runs:  # runs/ft given for runs/ft/trace: say where the run is
-                raise UnlearnError(f"{what} folder {name!r} holds no {what}, but {runs[0]!r} is a recorded run (a "
-                                   f"trace folder): pass `{runs[0]}` for exact deletion (`hf-unlearn forget "
-                                   f"{runs[0]} --ids FILE --out OUT`)")
+            run = recorded_run_inside(name)
+            if run:  # runs/ft given for runs/ft/trace: say where the run is
+                raise UnlearnError(f"{what} folder {name!r} holds no {what}, but {run!r} is a recorded run (a "
+                                   f"trace folder): pass `{run}` for exact deletion (`hf-unlearn forget "
+                                   f"{run} --ids FILE --out OUT`)")
             raise UnlearnError(f"{what} folder {name!r} holds no {what} (no {' / '.join(wanted)} and no .gguf file); "
                                "save one with save_pretrained() or pass another folder")
         if what == "model" and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():

@@ -110,10 +110,19 @@ def test_the_default_demo(tmp_path, monkeypatch, capsys):
     assert stats["deletion"]["baselines"]["filter"]["l2"] > 0 and stats["deletion"]["baselines"]["repack"]["l2"] > 0
 
 
-def test_the_spinner_of_a_step_without_a_progress_bar_is_silent_under_no_progress(capsys):
-    from hf_unlearn.demo import _progress_note
+def test_the_repack_baseline_shows_a_bar_of_its_steps_and_is_silent_under_no_progress(tmp_path, capsys):
+    """The demo's repack baseline (a plain Trainer retraining, 75 s in the demo) had a clock and no bar: it counts
+    its optimizer steps now, as the replays do; --no-progress keeps it silent."""
+    from hf_unlearn.demo import step_bar
+    from hf_unlearn.trace.replay import repack_counterfactual
 
-    assert _progress_note("repack baseline", False, lambda: 42) == 42
-    assert capsys.readouterr().err == ""
-    assert _progress_note("repack baseline", True, lambda: 7) == 7
-    assert "repack baseline" in capsys.readouterr().err
+    from .test_trace_common import get_recorded, ids_at_step
+
+    run = get_recorded()
+    forget = ids_at_step(run, 1)[:1]
+    capsys.readouterr()
+    state = repack_counterfactual(run, forget, tmp_path / "quiet", callbacks=[step_bar("repack", False)])
+    assert state["step"] == 8 and "repack" not in capsys.readouterr().err
+    repack_counterfactual(run, forget, tmp_path / "bar", callbacks=[step_bar("repack baseline", True)])
+    err = capsys.readouterr().err
+    assert "repack baseline:" in err and "0/8 [" in err and "step/s" in err, err[-2000:]  # 8 optimizer steps

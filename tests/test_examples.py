@@ -94,6 +94,9 @@ def test_example_runs(name, launcher, tmp_path):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", script, *args]
     proc = _run(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    from hf_unlearn.runtime import IMPORT_NOTICES  # offline (conftest): no notice at import, examples included
+
+    assert not [text for _, text in IMPORT_NOTICES if text in proc.stderr], proc.stderr[-3000:]
     expected = {"trace_deletion.py": "bit for bit: True", "trace_sft.py": "VERIFIED: the SFTTrainer replay",
                 "trace_pipeline.py": "VERIFIED: 2 id(s) deleted from the SFT run and the DPO run", "unlearn_tofu.py": "grad_diff: 2 steps",
                 "masc_tofu.py": "stopped at step", "random_label_forgetting.py": "unseen rows: accuracy",

@@ -1,8 +1,11 @@
 """Every file a command writes gets the mode the umask gives it, weights included (safetensors writes its files 0600
-itself); only the private files named in PRIVATE are owner-only.
+itself); only private files are owner-only (files 0600, folders 0700) whatever the umask: the files named in PRIVATE,
+everything under a run's or an output's ``private/`` (the token store with every row's raw id and token ids, the key,
+local paths) and every token store (a redacted one: ``forget OUT/store``, a pipeline stage's, a service batch's).
 
-Checked under umask 022 and 027 on a trace recording (full fine-tune and LoRA), an exact deletion published to a
-local Hub (the output folder and the Hub's stored copy), and an approximate deletion."""
+Checked on every file and folder of a trace recording (full fine-tune and LoRA), an exact deletion published to a
+local Hub (the output folder and the Hub's stored copy), an approximate deletion, a pipeline deletion and a service
+batch, under a permissive umask (000: every file world-writable unless the library says otherwise) and 027."""
 
 from __future__ import annotations
 
@@ -24,26 +27,42 @@ PRIVATE = {
 }
 
 
+def is_private(path: Path, root: Path) -> bool:
+    """Owner-only on purpose: a file named in PRIVATE, or anything in a ``private/`` folder or a token store (a
+    folder with a redaction receipt) under ``root``, those folders included."""
+    from hf_unlearn.trace.store import RECEIPT_NAME
+    from hf_unlearn.utils import PRIVATE_DIR
+
+    if path.is_file() and path.name in PRIVATE:
+        return True
+    for folder in [path, *path.parents]:
+        if folder == root or root not in folder.parents:
+            return False
+        if folder.name == PRIVATE_DIR or (folder / RECEIPT_NAME).is_file():
+            return True
+    return False
+
+
 def modes_that_differ(root: Path, mask: int) -> dict[str, str]:
-    """``{relative path: mode}`` of every file under ``root`` whose mode is not what open() gives under ``mask``
-    (private files: not 0600), and of every folder that is not what mkdir() gives (0777 minus the mask). A run's
-    private/ folder (its token store) follows the umask like the rest of the run: it is never published."""
+    """``{relative path: mode}`` of every file under ``root`` whose mode is not what open() gives under ``mask``, and
+    of every folder that is not what mkdir() gives (0777 minus the mask); private ones (:func:`is_private`): not
+    0600 for a file, not 0700 for a folder."""
     wrong = {}
     for path in sorted(root.rglob("*")):
         if path.is_symlink():
             continue
-        rel = path.relative_to(root)
+        private = is_private(path, root)
         if path.is_dir():
-            expected = 0o777 & ~mask
+            expected = 0o700 if private else 0o777 & ~mask
         else:
-            expected = 0o600 if path.name in PRIVATE else 0o666 & ~mask
+            expected = 0o600 if private else 0o666 & ~mask
         mode = stat.S_IMODE(path.stat().st_mode)
         if mode != expected:
-            wrong[str(rel)] = oct(mode)
+            wrong[str(path.relative_to(root))] = oct(mode)
     return wrong
 
 
-@pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])
+@pytest.fixture(params=[0o000, 0o027], ids=["umask000", "umask027"])
 def umask(request):
     old = os.umask(request.param)
     try:
@@ -94,3 +113,35 @@ def test_approximate_deletion_follows_the_umask(tmp_path, umask, tiny_llama_dir)
            max_retain_rows=4, max_length=48, eval_rows=0, progress=False, log=lambda m: None)
     assert list((tmp_path / "out").rglob("*.safetensors"))
     assert modes_that_differ(tmp_path / "out", umask) == {}
+
+
+def test_a_pipeline_deletion_and_a_service_batch_keep_every_private_file_owner_only(tmp_path):
+    """Under umask 000: a two-stage pipeline recorded, deleted from (each stage's redacted store, replay and oracle),
+    and a service batch on its first run (the ledger's private part, the batch's store, replay and oracle): every
+    private file 0600 and folder 0700, every other file 0666 (what open() gives), none missed."""
+    from hf_unlearn.deletion import DeletionLedger, forget
+
+    from .test_trace_pipeline import record_pipeline
+
+    old = os.umask(0o000)
+    try:
+        runs = record_pipeline(tmp_path / "rec")
+        ids = ids_at_step(runs[0], 1)[:1] + ids_at_step(runs[1], 2)[:1]
+        receipt = forget(list(runs), ids, tmp_path / "pipeline", oracle=True, progress=False, log=lambda m: None)
+        assert receipt.ok and [s["replayed"] for s in receipt.evidence["pipeline"]] == [True, True]
+        held, erase = receipt.summary_rows()[-2:]  # a pipeline's summary ends with what still holds the rows
+        assert held[0] == "still holds" and "pipeline from stage 1 on" in held[1] and "stage-2/replay holds none" in \
+            held[1] and erase[0] == "to erase"
+        ledger = DeletionLedger(runs[0], tmp_path / "ledger")
+        ledger.add([i for i in ids_at_step(runs[0], 2) if i > 9][:1], received="2026-11-01")  # (2: a step number)
+        batch = ledger.serve_exact(tokenizer=get_trace_data()[0], oracle=True, now="2026-11-02", progress=False,
+                                   log=lambda m: None)
+        assert batch.forget_receipt.ok
+    finally:
+        os.umask(old)
+    stores = [tmp_path / "pipeline" / f"stage-{k}" / "store" for k in (1, 2)]
+    stores += [tmp_path / "ledger" / "batches" / "batch-0001" / "store"]
+    stores += [p for p in tmp_path.rglob("store") if p.parent.name == "private"]
+    assert len(stores) == 8 and all(any(s.glob("*.arrow")) for s in stores)  # recorded, redacted and replayed stores
+    for folder in ("rec", "pipeline", "ledger"):
+        assert modes_that_differ(tmp_path / folder, 0o000) == {}, folder

@@ -35,7 +35,7 @@ def _one_line_error(proc) -> str:
     (["forget", "{tmp}/run", "--ids", "{tmp}/missing.jsonl", "--out", "{tmp}/o"], "id file"),
     (["unlearn", "masc", "org/model", "--out", "{tmp}/o", "--max-forget-rows", "2"], "HF_HUB_OFFLINE"),
     (["hub", "push", "{tmp}/no-model", "--repo", "a/b"], ""),
-    (["forget", "{tmp}/ft", "--ids", "{tmp}/ids.jsonl", "--out", "{tmp}/o"], "ft/trace' is a recorded run"),
+    (["forget", "{tmp}/ft", "--ids", "{tmp}/ids.jsonl", "--out", "{tmp}/o"], "holding the recorded run"),
     (["demo", "--out", "{tmp}/busy"], "is not an earlier output of this command"),
 ])
 def test_cli_errors_are_one_line_and_leave_no_folder(argv, expect, tmp_path, capsys):
@@ -61,9 +61,21 @@ import json, sys
 from hf_unlearn.cli import main
 out = []
 for argv in json.loads(sys.argv[1]):
-    out.append([main(argv), "torch" in sys.modules])
+    out.append([main(argv), [m for m in ("torch", "transformers", "datasets") if m in sys.modules]])
 print(json.dumps(out))
 """
+
+
+def fail_in_one_process(cases: list) -> list[tuple[list, str, int, list, str]]:
+    """Run each ``(argv, expected text)`` with ``hf-unlearn``'s main in one fresh interpreter: ``(argv, expected,
+    exit code, heavy modules imported by then, its stderr line)`` per case."""
+    proc = subprocess.run([sys.executable, "-c", FAST_FAIL, json.dumps([argv for argv, _ in cases])],
+                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == len(cases), proc.stderr
+    return [(argv, expect, rc, loaded, line) for (argv, expect), (rc, loaded), line in zip(cases, results, lines)]
 
 
 def test_bad_options_fail_in_one_line_before_torch_is_imported(tmp_path):
@@ -84,16 +96,41 @@ def test_bad_options_fail_in_one_line_before_torch_is_imported(tmp_path):
           "--energy", "1.5"], "--energy must be in (0, 1]"),
         (["hub", "serve", "--root", str(tmp_path), "--token", "t", "--port", "70000"], "--port must be in [0, 65535]"),
     ]
-    proc = subprocess.run([sys.executable, "-c", FAST_FAIL, json.dumps([argv for argv, _ in cases])],
-                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == len(cases), proc.stderr
-    for (argv, expect), (rc, torch_loaded), line in zip(cases, results, lines):
-        assert rc == 1 and not torch_loaded, (argv, rc, torch_loaded)
+    for argv, expect, rc, loaded, line in fail_in_one_process(cases):
+        assert rc == 1 and "torch" not in loaded, (argv, rc, loaded)
         assert line.startswith("hf-unlearn: error: ") and expect in line, (argv, line)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_run_given_as_a_model_and_ids_not_in_the_run_are_refused_before_anything_loads(tmp_path):
+    """The training folder instead of its trace/ got a message about approximate methods; `--oracle` on a checkpoint
+    ran an approximate method and exited 0; ids not in the run were named only after the model loaded. Each is one
+    line now, before transformers or datasets is imported (a run is read: its header, plan and deletion log)."""
+    from .test_trace_common import get_recorded
+
+    run = get_recorded()
+    (tmp_path / "ft").mkdir()
+    (tmp_path / "ft" / "trace").symlink_to(run, target_is_directory=True)  # runs/ft: the Trainer's output_dir
+    (tmp_path / "ft" / "checkpoint-8").mkdir()
+    (tmp_path / "ft" / "checkpoint-8" / "config.json").write_text("{}")
+    (tmp_path / "ids.jsonl").write_text("9999\n")  # the run's ids are 0..63
+    ids = ["--ids", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "o")]
+    cases = [
+        (["forget", str(tmp_path / "ft"), *ids, "--oracle"],
+         f"'{tmp_path / 'ft'}' is a training output folder holding the recorded run '{tmp_path / 'ft' / 'trace'}'"),
+        (["forget", str(tmp_path / "ft" / "checkpoint-8"), *ids, "--oracle"], "--oracle is for exact deletion"),
+        (["forget", str(tmp_path / "ft" / "checkpoint-8"), *ids, "--method", "npo", "--oracle", "--tokenizer",
+          str(tmp_path)], "--tokenizer and --oracle are for exact deletion"),
+        (["forget", str(run), *ids], "1 id(s) to forget never appear in the recorded plan"),
+    ]
+    for argv, expect, rc, loaded, line in fail_in_one_process(cases):
+        assert rc == 1 and not {"transformers", "datasets"} & set(loaded), (argv, rc, loaded)
+        assert line.startswith("hf-unlearn: error: ") and expect in line, (argv, line)
+    assert not (tmp_path / "o").exists()
+    # an approximate method named on purpose still takes the model in the training folder (no refusal there)
+    from hf_unlearn.deletion.forgetting import ForgetConfig, _refuse_a_run_in_disguise
+
+    _refuse_a_run_in_disguise(str(tmp_path / "ft"), ForgetConfig(output_dir=str(tmp_path / "o"), method="npo"), None)
 
 
 def test_every_numeric_option_default_lies_in_its_range():

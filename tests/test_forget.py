@@ -234,6 +234,31 @@ def test_approximate_forget_with_string_ids_and_evaluation(tmp_path, tiny_llama_
     assert json.loads(text)["guarantee"] == receipt.guarantee and "guarantee" in receipt.summary_table()
 
 
+def test_without_the_eval_extra_rouge_l_is_said_to_be_missing_and_the_summary_ends_with_what_holds_the_rows(
+        tmp_path, tiny_llama_dir, string_id_data, monkeypatch):
+    """Without rouge_score (the `eval` extra) ROUGE-L vanished from the receipt and the card with no word: forget says
+    so in one line, in its summary and in the receipt. The summary ends with what still holds the rows: the model
+    it started from, and the command that erases it."""
+    import hf_unlearn.eval.qa as qa
+    from hf_unlearn import forget
+
+    assert qa.rouge_missing() is None  # the dev install has it
+    monkeypatch.setattr(qa, "_rouge_available", lambda: False)
+    lines = []
+    receipt = forget(tiny_llama_dir, STRING_IDS[:1], tmp_path / "out", method="grad_ascent", data=str(string_id_data),
+                     max_steps=1, eval_rows=1, max_new_tokens=2, max_retain_rows=2, max_length=48, progress=False,
+                     log=lines.append)
+    note = "ROUGE-L not computed: rouge_score is not installed (pip install 'hf_unlearn[eval]')"
+    assert lines.count(note) == 1 and receipt.evidence["rouge_l"] == note
+    assert receipt.evidence["after"]["forget"]["rouge_l"] is None and receipt.evidence["after"]["forget"]["probability"]
+    assert json.loads((tmp_path / "out" / "receipt.json").read_text())["evidence"]["rouge_l"] == note
+    rows = dict(receipt.summary_rows())
+    assert rows["eval"] == note
+    assert [k for k, _ in receipt.summary_rows()][-2:] == ["still holds", "to erase"]
+    assert f"the model you started from, {tiny_llama_dir}, was trained on them" in rows["still holds"]
+    assert rows["to erase"].startswith(f"`rm -r {tiny_llama_dir}` once {tmp_path / 'out'}/model replaces it")
+
+
 def test_approximate_forget_with_lora_on_a_gpt2_family_model_saves_the_merged_model(tmp_path, gpt2_tokenizer,
                                                                                      string_id_data):
     """Another family (GPT-2: Conv1D layers, tied head) and LoRA: the saved model is the merged one, no adapter."""
@@ -621,6 +646,17 @@ def test_cli_forget_prints_a_summary_and_exits_by_the_verdict(tmp_path):
     assert (tmp_path / "out" / "model" / "tokenizer_config.json").is_file() and "no tokenizer" not in proc.stdout
     assert "== summary" in proc.stdout and "not checked against the oracle" in proc.stdout
     assert Path(tmp_path / "out" / "receipt.json").is_file()
+    assert proc.stderr == ""  # offline (conftest): no third-party import notice, no warning, nothing but the work
+    # each root under its one name, the names `hub push` and `hub verify` print
+    hashes = json.loads((tmp_path / "out" / "receipt.json").read_text())["state_hashes"]
+    assert f"saved-tensor root {hashes['params_root'][:16]}... (the replayed state's" in proc.stdout
+    assert f"state-dict root {hashes['state_dict_root'][:16]}..." in proc.stdout and "weights root" not in proc.stdout
+    # it ends with what still holds the deleted rows and the command that erases them
+    table = proc.stdout.split("== summary")[1].splitlines()
+    held, erase = [line for line in table if line.startswith("  still holds")], table[-2]
+    assert held and f"the source run {run} (its token store and its 1 checkpoint(s) after step 6" in held[0]
+    assert f"{tmp_path / 'out'}/replay holds none" in held[0]
+    assert erase.startswith("  to erase") and (f"`rm -r {run}`" in erase or f"`rm -r {run.parent}`" in erase), erase
     bad = run_cli("forget", run, "--ids", request, "--out", tmp_path / "out2", "--method", "masc")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().count("\n") == 0 and "is a recorded run" in bad.stderr

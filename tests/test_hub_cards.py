@@ -133,7 +133,7 @@ def test_verify_folder_names_tampered_tensors(tmp_path, tiny_llama):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     report = verify_folder(tmp_path)
     assert not report.ok and report.mismatched == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
-    assert "tensor differs: model.norm.weight" in report.summary() and "parameters root" in report.summary()
+    assert "tensor differs: model.norm.weight" in report.summary() and "saved-tensor root" in report.summary()
     assert torch.equal(tensors["model.embed_tokens.weight"], tiny_llama.model.embed_tokens.weight.detach())
 
 

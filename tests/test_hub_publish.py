@@ -97,10 +97,30 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     proc = client.cli("push", saved_model, "--repo", "org/tiny", "--revision", "deletion-0001",
                       "--dataset", "locuslab/TOFU", "--trace", trace)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "kept local (not published): forget.json" in proc.stdout
-    assert "kept local (not published): private/hmac.key" in proc.stdout
+    pushed = proc.stdout
+    kept = [line for line in proc.stdout.splitlines() if "kept local" in line]  # one line, not one per file
+    assert len(kept) == 1 and "4 file(s)" in kept[0] and "private: 2" in kept[0] and "--verbose lists them" in kept[0]
     refs = hub.store.refs("model", "org/tiny")
     first = refs["branches"]["main"]
+
+    # the publish step run again (--deletion): these weights and files are deletion-0001's, so no deletion-0002
+    proc = client.cli("push", saved_model, "--repo", "org/tiny", "--deletion", "--trace", trace, "--verbose")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"already published: org/tiny deletion-0001 (commit {first})" in proc.stdout and "nothing was pushed" \
+        in proc.stdout
+    assert "kept local (not published): forget.json" in proc.stdout  # --verbose: each file with its reason
+    assert "kept local (not published): private/hmac.key" in proc.stdout
+    refs = hub.store.refs("model", "org/tiny")
+    assert list(refs["tags"]) == ["deletion-0001"] and refs["branches"]["main"] == first
+    assert f"--expect-commit {first}" in proc.stdout  # the verify command names the existing revision
+    # the same weights with another file (a changed generation config): refused, naming the tag that holds them
+    other = tmp_path / "other-files"
+    shutil.copytree(saved_model, other)
+    generation = json.loads((other / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**generation, "max_new_tokens": 7}))
+    proc = client.cli("push", other, "--repo", "org/tiny", "--deletion", "--trace", trace)
+    assert proc.returncode == 1 and "org/tiny@deletion-0001 already published these weights" in proc.stderr
+    assert list(hub.store.refs("model", "org/tiny")["tags"]) == ["deletion-0001"]
     assert refs["tags"]["deletion-0001"]["target"] == first
     sha, files = hub.store.files("model", "org/tiny", "deletion-0001")
     published = {f"provenance/{n}{s}" for n in ("header.json", "plan.jsonl", "wal.bin", "manifest.bin",
@@ -126,6 +146,10 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     other = [n for n in manifest["file_hashes"] if not n.startswith("/safetensors-metadata/")]  # files, not headers
     assert f"OK: Proven: the {len(manifest['params'])} tensors and {len(other)} other files" \
         in proc.stdout and "Not proven" in proc.stdout
+    # each root under one name, the same in push and verify (and in forget's summary: tests/test_forget.py)
+    roots = f"saved-tensor root {manifest['params_root']}, state-dict root {manifest['state_dict_root']}"
+    assert manifest["params_root"] != manifest["state_dict_root"]  # tied embeddings: two hashes, two names
+    assert roots in pushed and roots in proc.stdout and "weights root" not in pushed + proc.stdout
 
     # a second deletion request: new weights and a larger forget set -> its own commit and the next tag
     second = tmp_path / "second"

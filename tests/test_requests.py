@@ -84,6 +84,18 @@ def test_one_batch_serves_every_pending_request_with_one_replay(served):
     assert batch["state_hashes"]["params_root"] == fr.state_hashes["params_root"] == r1["state_hashes"]["params_root"]
 
 
+def test_a_batch_summary_ends_with_the_purge_command_that_erases_what_still_holds_the_rows(served):
+    """A served batch's summary names what still holds the rows and the service's own erasure command (the ledger
+    is bound to the run: `rm -r` of the run is not what a service should do)."""
+    ledger, _, _, first, second = served
+    rows = first.forget_receipt.summary_rows()
+    assert [k for k, _ in rows][-2:] == ["still holds", "to erase"]
+    assert f"the source run {get_recorded()} (its token store" in rows[-2][1]
+    assert rows[-1][1].startswith(f"`hf-unlearn requests purge {get_recorded()} --ledger {ledger.path}`")
+    held = dict(second.forget_receipt.summary_rows())["still holds"]  # it deleted from batch-0001's replay
+    assert f"{ledger.path / 'batches' / 'batch-0001'} (the earlier deletion this one deletes from" in held
+
+
 def test_ledger_and_receipts_hold_tags_never_raw_ids(served):
     ledger, requests, *_ = served
     run = get_recorded()

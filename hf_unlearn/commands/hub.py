@@ -30,6 +30,8 @@ def register(parser) -> None:
     p.add_argument("--not-id", action="append", dest="not_ids", metavar="FIELD=N[,N]",
                    help="a number in FIELD equals a forget id but is not one (e.g. hyperparameters.max_steps=3600; "
                         "FIELD=any for every number there); the refusal message names the field")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every file of --trace kept local (not published) with its reason (default: a count)")
     _common(p)
     p.set_defaults(func=_push)
 
@@ -113,7 +115,7 @@ def _refuse_a_run_folder(folder: str) -> None:
 def _push(args) -> int:
     from ..errors import UnlearnError
     from ..hub.leaks import parse_not_ids
-    from ..hub.publish import load_card_info, push_unlearned
+    from ..hub.publish import ROOT_NAMES, load_card_info, push_unlearned
 
     if args.revision and args.deletion:
         raise UnlearnError("pass either --revision TAG or --deletion, not both")
@@ -132,12 +134,32 @@ def _push(args) -> int:
         base_model=args.base_model, datasets=args.datasets, license=args.license, trace_dir=args.trace,
         commit_message=args.message, extra_tags=args.tags, not_ids=parse_not_ids(args.not_ids),
     )
-    print(f"published {result.repo_id} commit {result.commit}" + (f" tag {result.tag}" if result.tag else ""))
-    print(f"  {len(result.files)} files, state-dict root {result.state_dict_root}")
-    for rel, why in sorted(result.skipped_provenance.items()):
-        print(f"  kept local (not published): {rel}: {why}")
+    if result.already_published:
+        print(f"already published: {result.repo_id} {result.tag} (commit {result.commit}) holds these weights and "
+              "files; nothing was pushed, no new tag")
+    else:
+        print(f"published {result.repo_id} commit {result.commit}" + (f" tag {result.tag}" if result.tag else ""))
+    print(f"  {len(result.files)} files, {ROOT_NAMES['params_root']} {result.params_root}, "
+          f"{ROOT_NAMES['state_dict_root']} {result.state_dict_root}")
+    _print_kept_local(result.skipped_provenance, args.trace, args.verbose)
     print(f"  verify: {result.verify_command}")
     return 0
+
+
+def _print_kept_local(skipped: dict[str, str], trace, verbose: bool) -> None:
+    """The files of --trace that stay local: one line with a count per reason (a run has dozens: checkpoints, the
+    token store), or each file with its reason under --verbose."""
+    if verbose:
+        for rel, why in sorted(skipped.items()):
+            print(f"  kept local (not published): {rel}: {why}")
+        return
+    if skipped:
+        counts: dict[str, int] = {}
+        for why in skipped.values():
+            head = why.split(" (")[0]
+            counts[head] = counts.get(head, 0) + 1
+        parts = ", ".join(f"{head}: {n}" for head, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        print(f"  kept local (not published): {len(skipped)} file(s) of {trace} ({parts}); --verbose lists them")
 
 
 def _verify(args) -> int:

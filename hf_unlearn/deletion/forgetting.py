@@ -226,24 +226,43 @@ class ForgetReceipt:
                 b, a = ev.get("before", {}).get(name), ev.get("after", {}).get(name)
                 if a:
                     rows.append((f"eval {name}", _eval_line(b, a)))
-        h = self.state_hashes
-        rows.append(("state hashes", f"weights root {h['params_root'][:16]}..."
-                     + (f"; trace roots: parameters {h['trace_params_root'][:16]}..., optimizer "
-                        f"{h['optimizer_root'][:16]}... (as in the run's deletion log)"
-                        if h.get("trace_params_root") and h.get("optimizer_root") else "")))
+            if ev.get("rouge_l"):
+                rows.append(("eval", ev["rouge_l"]))
+        rows.append(("state hashes", _state_hashes_line(self.state_hashes)))
         if self.published and self.published.get("error"):
             rows.append(("published", f"FAILED: {self.published['error']}"))
         elif self.published:
             p = self.published
-            rows.append(("published", f"{p['repo']} {p['tag']} (commit {p['commit'][:12]})"))
+            rows.append(("published", f"{p['repo']} {p['tag']} (commit {p['commit'][:12]})"
+                         + ("; it held this model already: nothing pushed, no new tag" if p.get("already_published")
+                            else "")))
             rows.append(("hub verify", p["verify_summary"]))
         rows.append(("guarantee", self.guarantee))
-        return rows
+        from .remains import still_holding
+
+        return rows + still_holding(self)  # it ends with what still holds the deleted rows, and how to erase it
 
     def summary_table(self) -> str:
         rows = self.summary_rows()
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _state_hashes_line(h: dict) -> str:
+    """The saved model's roots, each under its one name (``hub push`` and ``hub verify`` print the same names), and
+    which of them is the replayed state's (as in the run's deletion log)."""
+    from ..hub.publish import ROOT_NAMES
+
+    replayed = " (the replayed state's, as in the run's deletion log)"
+    parts = []
+    for name in ("params_root", "state_dict_root"):
+        if h.get(name):
+            parts.append(f"{ROOT_NAMES[name]} {h[name][:16]}..." + (replayed if h.get("trace_params_root") == h[name]
+                                                                    else ""))
+            replayed = "" if h.get("trace_params_root") == h[name] else replayed
+    if h.get("optimizer_root"):
+        parts.append(f"optimizer root {h['optimizer_root'][:16]}...")
+    return ", ".join(parts)
 
 
 def _eval_line(before: dict | None, after: dict) -> str:
@@ -349,6 +368,8 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         return _validate_pipeline(sources or [os.fspath(model_or_run)], request, config, data_collator)
     source = os.fspath(model_or_run)
     run = is_trace_run(source)
+    if not run:
+        _refuse_a_run_in_disguise(source, config, data_collator)
     method = config.method or (EXACT if run else DEFAULT_APPROXIMATE)
     plan: dict[str, Any] = {"ids": request, "source": source, "method": method}
     if config.tokenizer_path is not None:
@@ -407,6 +428,36 @@ def _before_compute(plan: dict, config: ForgetConfig) -> None:
 
     plan.update(before_deletion(plan["run"], plan["cost"]["start_checkpoint"], config.oracle, config.accept_unproven,
                                 plan["data_collator"]))
+
+
+def _refuse_a_run_in_disguise(source: str, config: ForgetConfig, data_collator) -> None:
+    """Before anything loads, a source that is not a recorded run given as if it were one: a training output folder
+    holding one (``runs/ft`` for ``runs/ft/trace``) with no approximate method named, or a model given options only an
+    exact deletion uses (``--oracle`` on a checkpoint ran an approximate method and exited 0)."""
+    from ..validation import recorded_run_inside
+
+    inner = recorded_run_inside(source)
+    if inner and config.method in (None, EXACT):
+        raise UnlearnError(f"{source!r} is a training output folder holding the recorded run {inner!r}: pass "
+                           f"`{inner}` for exact deletion (`hf-unlearn forget {inner} --ids FILE --out OUT`), or "
+                           f"--method NAME for an approximate method on the model saved in {source!r}")
+    exact_only = _exact_only_options(config, data_collator)
+    if exact_only and config.method != EXACT:  # (--method exact on a model: refused below, naming what it needs)
+        options = " and ".join(exact_only)
+        raise UnlearnError(f"{options} {'is' if len(exact_only) == 1 else 'are'} for exact deletion of a recorded run "
+                           f"(the trace_dir of a TraceRecordingTrainer); {source!r} is not one: a model without a "
+                           f"recording gets an approximate method ({config.method or DEFAULT_APPROXIMATE}), with no "
+                           f"replay or oracle to check; leave {options} out, or pass the run's trace folder")
+
+
+def _exact_only_options(config: ForgetConfig, data_collator) -> list[str]:
+    """The options given that only an exact deletion uses (their help says "exact:"), as the command spells them."""
+    from ..commands.forget import ALIASES
+
+    given = [f.name for f in fields(ForgetConfig) if str(f.metadata.get("help", "")).startswith("exact:")
+             and getattr(config, f.name) != f.default]
+    flags = [ALIASES.get(name, ("--" + name.replace("_", "-"),))[0] for name in given]
+    return flags + (["data_collator="] if data_collator is not None else [])
 
 
 def _has_run_parent(source: str) -> bool:
@@ -568,7 +619,6 @@ def _check_earlier_deletions(config: ForgetConfig, plan: dict) -> None:
 
 def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     from ..data.ids import check_id_types
-    from ..trace.replay import replay_cost
     from ..trace.run import open_run
     from ..trace.store import load_store
     from .erasure import check_not_retired
@@ -581,11 +631,16 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
                            f"launch has {_launched()}: run forget under the run's own launch, `torchrun "
                            f"--nproc_per_node {world} -m hf_unlearn.cli forget ...` (or accelerate launch "
                            f"--multi_gpu --num_processes {world}; DDP and FSDP2 runs alike, docs/scale.md)")
+    from ..trace.request import forget_tags
+
+    forget_tags(run, request)  # ids the run never trained on: refused from its plan, before the store or a model loads
     from ..trace.packing import document_ids
 
     stored = document_ids(load_store(run.store_path), run.id_column)  # a packed run: its documents' ids
     check_id_types(request, stored[:1000], f"the run {source}")
-    cost = replay_cost(run, request)  # unknown ids are an error here, listed
+    from ..trace.replay import replay_cost
+
+    cost = replay_cost(run, request)
     from ..trace.guards import ProgramChangedError, program_refusal
 
     for start, who in ((cost["start_checkpoint"], "the replay"), *(((0, "the oracle"),) if oracle else ())):
@@ -942,6 +997,11 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
     eval_kw = dict(max_length=args.max_length, max_new_tokens=config.max_new_tokens, progress=config.progress,
                    use_chat_template=prompt_format(args.prompt_format, tokenizer),  # the format it trains with
                    attention_mask=args.attention_mask)
+    from ..eval.qa import rouge_missing
+
+    skipped = rouge_missing() if sets else None  # said once, and kept in the receipt
+    if skipped:
+        log(skipped)
     if sets:
         t = time.perf_counter()
         before = evaluate_qa(model, tokenizer, sets, **eval_kw)
@@ -976,7 +1036,8 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
     evidence = {"method": spec.name, "hyperparameters": card_info.get("hyperparameters", {}),
                 "steps": trainer.state.global_step, "train_seconds": timings["train_s"],
                 "stopped_step": extra.get("stopped_step"), "stopped_by_rule": extra.get("stopped_by_rule"),
-                "forget_rows": len(forget_rows), "retain_rows": len(retain_rows), "before": before, "after": after}
+                "forget_rows": len(forget_rows), "retain_rows": len(retain_rows), "before": before, "after": after,
+                **({"rouge_l": skipped} if skipped else {})}
     return _receipt(plan, config, out, model_dir, evidence, timings)
 
 
@@ -1014,7 +1075,8 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     return ForgetReceipt(
         mode=plan["mode"], method=plan["method"], source=plan["source"], output_dir=str(out),
         request=forget_request(plan["ids"], load_key()), evidence=evidence,
-        state_hashes={"params_root": manifest["params_root"], "optimizer_root": optimizer_root or None,
+        state_hashes={"params_root": manifest["params_root"], "state_dict_root": manifest["state_dict_root"],
+                      "optimizer_root": optimizer_root or None,
                       "trace_params_root": trace_params_root, "root": manifest["root"],
                       "manifest_tensors": len(manifest["params"])},
         model_dir=str(model_dir), timings=timings, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -1033,14 +1095,15 @@ def _publish(receipt: ForgetReceipt, plan: dict, config: ForgetConfig, out: Path
     t = time.perf_counter()
     result, report = _push_and_verify(model_dir, plan, config, out)
     receipt.timings["publish_s"] = time.perf_counter() - t
-    log(f"published {result.repo_id} {result.tag} (commit {result.commit[:12]}, {len(result.files)} files)")
+    log(f"{'already published (nothing pushed, no new tag):' if result.already_published else 'published'} "
+        f"{result.repo_id} {result.tag} (commit {result.commit[:12]}, {len(result.files)} files)")
     ok, summary = _published_is_this_deletion(report, result, receipt.state_hashes["params_root"])
     log(f"hub verify {config.repo}@{result.tag}: {summary}")
     return {"repo": result.repo_id, "url": result.url, "commit": result.commit, "tag": result.tag,
             "files": result.files, "params_root": result.params_root, "verify_ok": ok,
             "verify_summary": summary, "verify_checked_tensors": report.checked,
             "verified_params_root": report.params_root, "verified_commit": report.commit,
-            "kept_local": sorted(result.skipped_provenance)}
+            "kept_local": sorted(result.skipped_provenance), "already_published": result.already_published}
 
 
 def _published_is_this_deletion(report, result, params_root: str) -> tuple[bool, str]:
@@ -1050,8 +1113,10 @@ def _published_is_this_deletion(report, result, params_root: str) -> tuple[bool,
         return False, report.summary().splitlines()[0]
     problems = []
     if report.params_root != params_root:
-        problems.append(f"the downloaded {result.tag} has parameters root {report.params_root[:16]}..., not this "
-                        f"deletion's {params_root[:16]}...")
+        from ..hub.publish import ROOT_NAMES
+
+        problems.append(f"the downloaded {result.tag} has {ROOT_NAMES['params_root']} {report.params_root[:16]}..., "
+                        f"not this deletion's {params_root[:16]}...")
     if report.commit and report.commit != result.commit:
         problems.append(f"{result.tag} resolved to commit {report.commit[:12]}, not the pushed {result.commit[:12]}")
     if problems:

@@ -365,7 +365,7 @@ class DeletionLedger:
             undo_private = self._append_private(private) if private is not None else None
             created = not self.records_path.exists()
             try:
-                _append_bytes(self.records_path, b"".join(canonical(r) + b"\n" for r in new), 0o644)
+                _append_bytes(self.records_path, b"".join(canonical(r) + b"\n" for r in new), 0o666)  # what open() gives: a public file
             except BaseException:
                 if undo_private is not None:
                     undo_private()

@@ -347,10 +347,11 @@ def _remember_parent(folder: Path, parent) -> None:
     """A replayed stage's parent folder, kept where the recording keeps it (``private/lineage.json``): a later request
     finds the pipeline from the replayed last stage."""
     from ..trace.lineage import PRIVATE_FILE
-    from ..utils import atomic_write_text
+    from ..utils import atomic_write_text, private_dir
 
     if parent is not None:
-        atomic_write_text(Path(folder) / PRIVATE_FILE, json.dumps({"parent_path": str(Path(parent).resolve())}, indent=1))
+        atomic_write_text(private_dir(folder) / PRIVATE_FILE.name,
+                          json.dumps({"parent_path": str(Path(parent).resolve())}, indent=1), private=True)
 
 
 def _run_id(folder: Path) -> str:

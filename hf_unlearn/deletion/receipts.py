@@ -399,7 +399,7 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
     root = manifest["params_root"]
     want = (receipt.get("state_hashes") or {}).get("params_root")
     if root == want:
-        report.add("model", True, f"weights root {root[:16]}... is the receipt's")
+        report.add("model", True, f"saved-tensor root {root[:16]}... is the receipt's")
         report.model_says = ("the model is the provisional model this receipt names (an approximate method ran on it; "
                              "that does not prove the rows gone)" if receipt.get("kind") == "approximate" else
                              "the model is the one this ledger records for the exact deletion of the request's rows")
@@ -416,10 +416,10 @@ def _check_model(report: VerifyReport, receipt: dict, records: list[dict], model
     if via:
         own = [serving["batch"]] if receipt.get("kind") == "exact" and serving is not None else []
         path = own + [r["batch"] for r in chain[: chain.index(via[0]) + 1]]
-        report.add("model", True, f"weights root {root[:16]}... is {via[0]['batch']}'s (record {via[0]['seq']}), "
+        report.add("model", True, f"saved-tensor root {root[:16]}... is {via[0]['batch']}'s (record {via[0]['seq']}), "
                    f"which excludes the request's rows via {' -> '.join(path)}")
         report.model_says = (f"the model is exact {via[0]['batch']}'s, which excludes the request's rows by this "
                              "ledger's record")
         return
-    report.add("model", False, f"weights root {root[:16]}... is neither the receipt's {str(want)[:16]}... nor a later "
+    report.add("model", False, f"saved-tensor root {root[:16]}... is neither the receipt's {str(want)[:16]}... nor a later "
                "exact model of this ledger that excludes its rows")

@@ -21,6 +21,14 @@ def _rouge_available() -> bool:
     return importlib.util.find_spec("rouge_score") is not None
 
 
+def rouge_missing() -> str | None:
+    """The one line that says ROUGE-L is not computed here, or None: without the ``eval`` extra it would vanish
+    from a receipt and a card with no word."""
+    if _rouge_available():
+        return None
+    return "ROUGE-L not computed: rouge_score is not installed (pip install 'hf_unlearn[eval]')"
+
+
 def evaluate_qa(model, tokenizer, sets: Mapping[str, Sequence[dict]], *, max_length: int = 256,
                 max_new_tokens: int = 64, batch_size: int = 16, generate: bool = True,
                 use_chat_template=None, attention_mask: str = "tokens", progress: bool = True) -> dict[str, dict]:

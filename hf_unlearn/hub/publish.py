@@ -51,6 +51,10 @@ from .leaks import Hit, IdScanner
 CARD_INFO_FILE = "unlearning_info.json"  # local only: holds raw forget ids, never uploaded
 PUSH_LOG_FILE = "hub_pushes.jsonl"  # local only: what each push published (commit, tag, roots), for verify
 MANIFEST_FILE = "state_hashes.json"
+# The one name each root of the manifest goes by in every summary, message, card and page (two hashes of the same
+# weights once went by "weights root" and "state-dict root"): the tensors as saved (a tied tensor once, the root a
+# trace's checkpoints and deletion log record), and the full state dict (every tied name, as transformers loads it).
+ROOT_NAMES = {"params_root": "saved-tensor root", "state_dict_root": "state-dict root"}
 FORGET_REQUEST_FILE = "forget_request.json"
 PROVENANCE_DIR = "provenance"
 PUBLISHED_PATTERNS = (
@@ -84,6 +88,7 @@ class PushResult:
     card: str = ""
     file_hashes: dict[str, str] = field(default_factory=dict)  # SHA-256 of every non-weight file (files_root's)
     card_sha256: str = ""  # of the card as pushed (outside files_root: the card states that root)
+    already_published: bool = False  # a deletion tag held these weights and files already: nothing was pushed
 
     @property
     def verify_command(self) -> str:
@@ -695,14 +700,18 @@ def push_unlearned(
 
         api = _authenticated_api(endpoint, token)
         _create_repo(api, repo_id, private)
-        commit, tag, card = _commit_and_tag(api, repo_id, staging, revision, tag, deletion, card_for, message_for,
-                                            manifest)
+        already = False
+        try:
+            commit, tag, card = _commit_and_tag(api, repo_id, staging, revision, tag, deletion, card_for, message_for,
+                                                manifest)
+        except _AlreadyPublished as e:
+            commit, tag, card, already = e.commit, e.tag, e.card, True
         files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
     result = PushResult(repo_id=repo_id, commit=commit, url=f"{api.endpoint}/{repo_id}", tag=tag, files=files,
                         params_root=manifest["params_root"], root=manifest["root"],
                         state_dict_root=manifest["state_dict_root"], files_root=manifest["files_root"],
                         skipped_provenance=skipped, card=card, file_hashes=dict(manifest["file_hashes"]),
-                        card_sha256=hashlib.sha256(card.encode("utf-8")).hexdigest())
+                        card_sha256=hashlib.sha256(card.encode("utf-8")).hexdigest(), already_published=already)
     local_dir = local_dir if local_dir is not None else (None if hasattr(source, "save_pretrained") else source)
     if local_dir is not None:
         _record_locally(Path(local_dir), result, key_fingerprint(key))
@@ -841,6 +850,40 @@ def _titled_commit(api, repo_id: str, head: str, tag: str) -> str | None:
     return None
 
 
+class _AlreadyPublished(UnlearnError):
+    """A deletion tag holds this push's weights and files already (the publish step run again)."""
+
+    def __init__(self, tag: str, commit: str, card: str):
+        super().__init__(f"{tag} already holds these weights and files")
+        self.tag, self.commit, self.card = tag, commit, card
+
+
+def _refuse_a_published_deletion(api, repo_id: str, tags: Mapping[str, str], manifest: dict) -> None:
+    """Before a new ``deletion-NNNN``: a deletion tag whose weights are these (the saved-tensor root) is this deletion,
+    published before (re-running the publish step published it again as the next tag). Same files too: raises
+    :class:`_AlreadyPublished` (nothing is pushed, the existing tag is the result); other files: refused, naming it."""
+    number = {t: int(m.group(1)) for t in tags if (m := DELETION_TAG.match(t))}
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_published_") as cache:
+        for name in sorted(number, key=number.get, reverse=True):
+            try:
+                theirs = json.loads(Path(api.hf_hub_download(repo_id, MANIFEST_FILE, revision=tags[name],
+                                                             cache_dir=cache)).read_text())
+            except Exception:
+                continue  # a revision without a readable manifest is not this model
+            if theirs.get("params_root") != manifest["params_root"]:
+                continue
+            if theirs.get("files_root") != manifest["files_root"]:
+                raise UnlearnError(f"{repo_id}@{name} already published these weights ({ROOT_NAMES['params_root']} "
+                                   f"{manifest['params_root'][:16]}...) with other files (config, tokenizer, forget "
+                                   "request or provenance): a new deletion tag would publish the same deletion twice; "
+                                   "nothing was pushed")
+            try:
+                card = Path(api.hf_hub_download(repo_id, "README.md", revision=tags[name], cache_dir=cache)).read_text()
+            except Exception as e:
+                raise hub_error(e, f"cannot read the card of {repo_id}@{name}, which holds these weights") from None
+            raise _AlreadyPublished(name, tags[name], card)
+
+
 def _commit_and_tag(api, repo_id, staging: Path, revision: str, tag, deletion: bool, card_for, message_for,
                     manifest) -> tuple[str, str | None, str]:
     """Commit against the head the tag was chosen from, retrying when another push got there first; then tag."""
@@ -857,6 +900,7 @@ def _commit_and_tag(api, repo_id, staging: Path, revision: str, tag, deletion: b
                     _tag(api, repo_id, done, commit, message_for(done))
                     return commit, done, card
             if deletion:
+                _refuse_a_published_deletion(api, repo_id, tags, manifest)
                 tag = next_deletion_tag(api, repo_id, head, tags)
             if tag is not None and tag in tags:
                 raise UnlearnError(f"{repo_id} already has a tag {tag!r}; deletion tags are append-only, pick a new "

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from ..trace.run import file_sha256
-from .publish import MANIFEST_FILE, METADATA_KEY, files_root, hash_safetensors, hashed_files
+from .publish import MANIFEST_FILE, METADATA_KEY, ROOT_NAMES, files_root, hash_safetensors, hashed_files
 
 
 @dataclass
@@ -111,7 +111,8 @@ class VerifyReport:
             return f"Nothing is proven about {where}: the checks failed (see the problems)."
         text = (f"Proven: the {self.checked} tensors and {self.files_checked} other files of {where} match its "
                 f"state_hashes.json and its model card, and the model loads with transformers ({self.loaded}) to "
-                f"exactly those tensors (state-dict root {self.state_dict_root}).")
+                f"exactly those tensors ({ROOT_NAMES['params_root']} {self.params_root}, {ROOT_NAMES['state_dict_root']} "
+                f"{self.state_dict_root}).")
         if self.expect_root:
             text += f" The weights hash to the expected root {self.expect_root}, given from outside the repository."
         if self.expect_files_root:
@@ -235,7 +236,7 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
         report.problems.append("the model card records no hf_unlearn.params_root")
     else:
         if card_hashes["params_root"] != report.params_root:
-            report.problems.append(f"parameters root {report.params_root} of the weights differs from the card's "
+            report.problems.append(f"{ROOT_NAMES['params_root']} {report.params_root} of the weights differs from the card's "
                                    f"{card_hashes['params_root']}")
         if card_hashes.get("root") and card_hashes["root"] != manifest.get("root"):
             report.problems.append("the card's root differs from the manifest's root")
@@ -254,8 +255,9 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
     else:
         report.problems.append("loading was skipped (load=False): that the revision loads is not checked")
     if expect_root and expect_root not in (report.state_dict_root, report.params_root):
-        report.problems.append(f"the weights do not hash to the expected root {expect_root} (state-dict root "
-                               f"{report.state_dict_root or 'not computed'}, saved-tensor root {report.params_root})")
+        report.problems.append(f"the weights do not hash to the expected root {expect_root} "
+                               f"({ROOT_NAMES['state_dict_root']} {report.state_dict_root or 'not computed'}, "
+                               f"{ROOT_NAMES['params_root']} {report.params_root})")
     return report
 
 
@@ -339,8 +341,8 @@ def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
         report.problems.append(f"the loaded model is not the hashed tensors: differs {differ[:5]}, not loaded "
                                f"{absent[:5]}, not in the manifest {extra[:5]}")
     if manifest.get("state_dict_root") and manifest["state_dict_root"] != loaded.params_root:
-        report.problems.append(f"the loaded state dict's root {loaded.params_root} differs from the manifest's "
-                               f"state_dict_root {manifest['state_dict_root']}")
+        report.problems.append(f"the loaded state dict's {ROOT_NAMES['state_dict_root']} {loaded.params_root} differs "
+                               f"from the manifest's {manifest['state_dict_root']}")
 
 
 def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None = None) -> dict[str, str]:

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 
 from ..errors import UnlearnError
-from ..utils import atomic_write_text
+from ..utils import atomic_write_text, private_dir
 from .base_source import base_key, loaded_from
 from .hashing import root_hash, tensor_hash
 
@@ -230,9 +230,8 @@ def record_lineage(model, run_dir, hint=None) -> dict:
                       "origin_run_id": run.header.get("origin_run_id", run.header["run_id"]),
                       "output_root": root, "via": via, "steps": run.kept().total_steps,
                       "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
-            private = Path(run_dir) / PRIVATE_FILE
-            private.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(private, json.dumps({"parent_path": str(Path(folder).resolve())}, indent=1))
+            private = private_dir(run_dir) / PRIVATE_FILE.name
+            atomic_write_text(private, json.dumps({"parent_path": str(Path(folder).resolve())}, indent=1), private=True)
             return {"start_root": start, "parent": parent}
         if declared:
             raise UnlearnError(f"trace_parent={hint}: the model this run starts from (weights root {start[:16]}...) is "

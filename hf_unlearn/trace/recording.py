@@ -1202,12 +1202,15 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_total = max_steps
         self._trace_every = self.trace_checkpoint_steps or default_every(max_steps, self.trace_checkpoint_retention)
         self._trace_factor = 2
-        store = run / "private" / "store"
+        from ..utils import owner_only, private_dir
+
+        store = private_dir(run) / "store"  # raw ids and token ids of every row: owner-only whatever the umask
         fingerprint = store_sha256(store) if store.exists() else save_store(served, store)
         from .packing import PACKED_IDS, save_store_info
 
         if PACKED_IDS in served.column_names:
             save_store_info(store, self.dummy_token_id)
+        owner_only(store.parent)
         index = id_index(served, self.id_column)
         lengths = self._trace_row_lengths(served)
         self._trace_lens = {i: lengths[n] for i, n in index.items()}

@@ -127,11 +127,10 @@ def save_reference(desc: dict, run_dir) -> dict:
     run_dir = Path(run_dir)
     folder = desc.get("_folder")
     if folder is not None and _load(Path(folder), record, check=False, forward=True) is not None:
-        private = run_dir.joinpath(*PRIVATE_SOURCE)
-        private.parent.mkdir(parents=True, exist_ok=True)
-        from ..utils import atomic_write_text
+        from ..utils import atomic_write_text, private_dir
 
-        atomic_write_text(private, json.dumps({"path": str(Path(folder).resolve())}))
+        private = private_dir(run_dir) / PRIVATE_SOURCE[-1]
+        atomic_write_text(private, json.dumps({"path": str(Path(folder).resolve())}), private=True)
         record["source"] = {"kind": "folder", "revision": desc.get("_revision"), "files": _folder_files(Path(folder))}
         return record
     target = run_dir / REFERENCE_DIR

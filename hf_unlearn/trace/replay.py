@@ -48,7 +48,6 @@ from .packing import (
     check_redacted_row,
     deleted_spans,
     document_ids,
-    document_tags,
     emptied_rows,
     is_packed,
     load_map,
@@ -64,6 +63,7 @@ from .recording import (
     rank_seed,
     seeded,
 )
+from .request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
 from .run import (
     TraceRun,
     append_deletion_log,
@@ -99,42 +99,6 @@ _VOLATILE_CONFIG = VOLATILE_CONFIG
 
 
 # ---- planning ----------------------------------------------------------------------------------------------
-def _check_types(run: TraceRun, forget_ids) -> None:
-    from ..data.ids import check_id_types
-
-    id_type = {"int": int, "str": str}.get(run.header["dataset"].get("id_type"))
-    if id_type is not None:
-        check_id_types(forget_ids, id_type, what=f"the run {run.path}")
-
-
-def forget_tags(run: TraceRun, forget_ids) -> set[str]:
-    """Tags of the ids to delete; ids the plan never served are an error (listed), unless deleted before."""
-    forget_ids = list(dict.fromkeys(forget_ids))
-    if not forget_ids:
-        raise UnlearnError("the forget list is empty")
-    _check_types(run, forget_ids)
-    key = run.key
-    tags = {i: tag(key, i) for i in forget_ids}
-    if is_packed(run.header):  # a packed run's plan slots are packed rows: the documents are in its map
-        in_plan = served = document_tags(load_map(run))
-    else:
-        in_plan = {s for e in run.plan for s in e.slots if s}
-        served = {s for e in run.served_plan for s in e.slots if s} if run.served_plan else in_plan
-    deleted_before = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
-    deleted_before |= never_trained_tags(run)
-    unknown = [i for i, t in tags.items() if t not in served and t not in deleted_before]
-    if unknown:
-        raise UnlearnError(f"{len(unknown)} id(s) to forget never appear in the recorded plan of {run.path}: "
-                           f"{unknown[:20]}{' ...' if len(unknown) > 20 else ''}; check the forget list")
-    return set(tags.values()) & in_plan
-
-
-def never_trained_tags(run: TraceRun) -> set[str]:
-    """Tags of the rows the trainer's own dataset preparation dropped (SFTTrainer: fully masked after truncation):
-    given to the trainer, never in the store or the plan."""
-    return set((run.header.get("trainer") or {}).get("dropped_tags", []))
-
-
 def already_deleted(run: TraceRun, forget_ids) -> list:
     """The ids among ``forget_ids`` that are absent from the store: an earlier request deleted them (the run's
     deletion log has their tags) or the trainer dropped them before training (:func:`never_trained_tags`)."""
@@ -1039,7 +1003,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _open_output(self, start: int) -> TraceWriter:
         src, out = self.run.path, self.out_dir
         out.mkdir(parents=True, exist_ok=True)
-        (out / "private").mkdir(exist_ok=True)
+        from ..utils import owner_only, private_dir
+
+        private_dir(out)  # the key, the local paths and the store, owner-only whatever the umask (owner_only below)
         if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
             shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
         from .reference import PRIVATE_SOURCE, REFERENCE_DIR
@@ -1069,6 +1035,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             shutil.copytree(self.store_path, out / "private" / "store",
                             ignore=shutil.ignore_patterns("cache-*", "*.sha256"))
             header["dataset"].update(store_sha256=store_sha256(out / "private" / "store"), rows=len(self.store))
+        owner_only(out / "private")
         if is_packed(header):  # the output's map: the deleted documents' fragments are dummies now
             gone = {row: {k for k in hit} for row, hit in self._spans.items()}
             entries = [[row, [[None if k in gone.get(row, ()) else d, a, n] for k, (d, a, n) in enumerate(frags)]]
@@ -1187,8 +1154,9 @@ def filter_counterfactual(run, forget_ids, **kwargs) -> dict:
     return ReplayTrainer(run, forget_ids=forget_ids, start="full", filter_rows=True, **kwargs).train()
 
 
-def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> dict:
-    """The naive ``repack`` baseline: retrain from the step-0 state on the retained rows with fresh batching."""
+def repack_counterfactual(run, forget_ids, output_dir, data_collator=None, callbacks=None) -> dict:
+    """The naive ``repack`` baseline: retrain from the step-0 state on the retained rows with fresh batching
+    (``callbacks``: the Trainer's, e.g. a progress bar)."""
     from ..data.collators import rebuild_collator
 
     run = run if isinstance(run, TraceRun) else open_run(run)
@@ -1214,7 +1182,8 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None) -> di
     optimizers = (None, None)
     if spec.get("source") == "custom":
         optimizers = (build_optimizer(spec["rebuild"], model, start["param_names"]), None)
-    trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator, optimizers=optimizers)
+    trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator, optimizers=optimizers,
+                      callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # a baseline, not a user's training: no metrics dict on stdout
     with pinned_stack(run.header):  # the run's threads: the baseline's distance is not the thread count's
         trainer.train()

@@ -6,7 +6,7 @@ RUN/*.sha256                                                               (side
 RUN/checkpoints/step-00000040/, frozen/, index.json                     (see hf_unlearn.trace.checkpoints)
 RUN/model/config.json [adapter/]                                           (to rebuild the model)
 RUN/collator/                                                              (the collator's tokenizer, if any)
-RUN/private/{store/, hmac.key}   (never publish; hmac.key only in runs with their own key, see tags.run_key)
+RUN/private/{store/, hmac.key}   (owner-only, never published; hmac.key only in runs with their own key, see tags.run_key)
 ```
 
 A checkpoint's ``hashes.json`` holds the SHA-256 of every tensor (tied tensors once) and of everything else the

@@ -170,6 +170,10 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         keep = [n for n in range(len(store)) if n not in drop]
         deleted_digests = {_row_digest(store[n], id_column) for n in sorted(drop)}
         redacted = store.select(keep, keep_in_memory=True).flatten_indices(keep_in_memory=True)
+    from ..utils import atomic_write_text, owner_only
+
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    owner_only(out)  # a token store is private wherever it lives: the raw ids and token ids of every kept row
     try:
         receipt = _write_and_check(store, redacted, source, out, forget, deleted_digests, key, id_column, packing)
     except BaseException:
@@ -179,9 +183,8 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         raise
     receipt["already_absent"] = len([i for i in forget if i not in index]) if packing else len(forget) - len(drop)
     receipt["mac"] = receipt_mac(key, receipt)
-    from ..utils import atomic_write_text
-
     atomic_write_text(out / RECEIPT_NAME, json.dumps(receipt, indent=1))
+    owner_only(out)
     return receipt
 
 
