@@ -254,8 +254,9 @@ def numeric_settings() -> dict:
 
 
 def controls_digest(controls: dict) -> str:
-    """What a replay must reproduce of the controls (the numeric settings are compared only within the recording)."""
-    kept = {k: v for k, v in controls.items() if k != "numerics"}
+    """What a replay must reproduce of the controls (the numeric settings and the whole-program state are compared
+    only within the recording: :mod:`hf_unlearn.trace.digests`)."""
+    kept = {k: v for k, v in controls.items() if k not in ("numerics", "whole")}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -296,6 +297,12 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
     for k in sorted(set(x) | set(y)):
         if x.get(k) != y.get(k):
             return f"torch's {k} setting {x.get(k)!r} -> {y.get(k)!r} (process-wide numerics)"
+    if "whole" in before and "whole" in after:  # every object read whole (hf_unlearn.trace.digests)
+        from .digests import describe_difference
+
+        what = describe_difference(before["whole"], after["whole"])
+        if what:
+            return ("the " + what) if what.startswith("optimizer") else what
     return None
 
 
@@ -455,6 +462,10 @@ def step_fingerprint(controls: dict, state: str, plan_lrs: list[float]) -> dict:
     """What the plan keeps of optimizer step s: the controls digest as ``optimizer.step()`` ran (and the learning
     rates when they are not the plan's), and the exact digest of the state right after it (:func:`state_digest`)."""
     fp = {"c": controls_digest(controls), "s": state}
+    if "whole" in controls:
+        from .digests import state_digest_of
+
+        fp["w"] = state_digest_of(controls["whole"])  # the whole program as the step ran (hf_unlearn.trace.digests)
     lrs = [g.get("lr") for g in controls["groups"]]
     if lrs != plan_lrs:
         fp["lr"] = lrs
@@ -561,8 +572,9 @@ class ProgramGuard:
     """Watches a recording: compares the live state and controls at the points the module docstring names, keeps
     each step's fingerprint and every program change until the recorder writes them into the plan."""
 
-    def __init__(self, model, optimizer, watched: dict):
+    def __init__(self, model, optimizer, watched: dict, context=None):
         self.model, self.optimizer = model, optimizer
+        self.context = context  # () -> program_state's other objects (args, trainer, callbacks, data, collator)
         self.watched = watched  # id(callback) -> its callback_spec (recorded or watched)
         self.step = 0
         self.ref: Snapshot | None = None
@@ -579,7 +591,12 @@ class ProgramGuard:
             h.remove()
 
     def _snapshot(self, grads: bool = False, exact: bool = False) -> Snapshot:
-        return snapshot(self.model, self.optimizer, grads=grads, exact=exact)
+        now = snapshot(self.model, self.optimizer, grads=grads, exact=exact)
+        if self.context is not None:
+            from .digests import program_state
+
+            now.controls["whole"] = program_state(self.model, self.optimizer, **self.context())
+        return now
 
     def _compare(self, now: Snapshot, step: int) -> bool:
         what = describe_change(self.ref, now) if self.ref is not None else None

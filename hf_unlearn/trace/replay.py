@@ -489,6 +489,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._setup_program()
         if not self.filter_rows:
             self._check_batches()
+            from .rows import check_rows
+
+            check_rows(self)  # the kept rows of the microbatches a deletion touches (hf_unlearn.trace.rows)
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
 
     # ---- set-up -------------------------------------------------------------------------------------------
