@@ -188,7 +188,27 @@ def tensor_text(t: torch.Tensor) -> str:
 
 
 # ---- the whole program, flattened --------------------------------------------------------------------------
+_CACHE: dict = {}
+
+
+def _cached(kind: str, obj, compute) -> str:
+    """``compute()`` once per state of ``obj``'s namespace (the identities of what it holds): a patched function is a
+    new object, so it is computed again; an unchanged class or module costs one pass over its names."""
+    spaces = [vars(c) for c in obj.__mro__] if isinstance(obj, type) else [vars(obj)]
+    key = tuple(id(v) for space in spaces for v in space.values())
+    hit = _CACHE.get((kind, id(obj)))
+    if hit is not None and hit[0] is obj and hit[1] == key:
+        return hit[2]
+    value = compute()
+    _CACHE[(kind, id(obj))] = (obj, key, value)
+    return value
+
+
 def _class_code(cls, digester: Digester) -> str:
+    return _cached("class", cls, lambda: _class_code_now(cls, digester))
+
+
+def _class_code_now(cls, digester: Digester) -> str:
     """The code of every function defined by ``cls`` and its bases (a method patched on any of them changes it)."""
     h = hashlib.sha256()
     for c in cls.__mro__:
@@ -202,6 +222,10 @@ def _class_code(cls, digester: Digester) -> str:
 
 
 def _module_code(mod, digester: Digester) -> str:
+    return _cached("module", mod, lambda: _module_code_now(mod, digester))
+
+
+def _module_code_now(mod, digester: Digester) -> str:
     """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
     h = hashlib.sha256()
     for k, v in sorted(vars(mod).items()):
@@ -232,7 +256,6 @@ def _globals_read(cls, digester: Digester) -> dict:
 
 
 def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), datasets=(), collator=None) -> dict:
-
     """``path -> value`` of the whole program (see the module docstring); values are plain or stable text."""
     config = getattr(model, "config", None)
     gen = getattr(model, "generation_config", None)
@@ -266,8 +289,8 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         from .recording import recorded_trainer_class
 
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
-        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()
-                   if callable(v) and not isinstance(v, (torch.nn.Module, type)) and not hasattr(v, "param_groups"))
+        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # methods set on the instance
+                   if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)))
     for i, cb in enumerate(callbacks):
         out[f"callback {i} {_name(type(cb))} code"] = _class_code(type(cb), d)
         out.update((f"callback {i} global {k}", v) for k, v in _globals_read(type(cb), d).items())
@@ -284,7 +307,11 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         inner = collator
         while hasattr(inner, "collator") and inner.collator is not inner:  # the id-carrying wrapper
             inner = inner.collator
-        out["data collator"] = d.leaf(inner)
+        if hasattr(inner, "__dict__") and not isinstance(inner, types.FunctionType):
+            out["data collator class"] = _name(type(inner))
+            out.update((f"data collator {k}", d.leaf(v)) for k, v in vars(inner).items())
+        else:
+            out["data collator"] = d.leaf(inner)
     out.update(torch_state())
     return out
 
@@ -329,14 +356,17 @@ def describe_difference(before: dict, after: dict) -> str | None:
     if before == after:
         return None
     for k in list(before) + [k for k in after if k not in before]:
-        a, b = before.get(k, "(absent)"), after.get(k, "(absent)")
+        a, b = before.get(k, _ABSENT), after.get(k, _ABSENT)
         if a != b:
             return f"{k} {_show(a)} -> {_show(b)}"
     return None
 
 
+_ABSENT = object()
+
+
 def _show(value) -> str:
-    text = repr(value)
+    text = "(absent)" if value is _ABSENT else repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
 
@@ -381,8 +411,13 @@ class ProcessComparison:
 
         whole = [(n, t) for n, t in _own_tensors(self.model, self.optimizer) if not hasattr(t, "to_local")]
         names = {n for n, _ in whole}
-        sums = tensor_checksums([(n, t) for n, t in state_tensors(self.model, self.optimizer) if n in names])
-        parts = components(program_state(self.model, self.optimizer, **self.context()))
+        ref = self.guard.ref if self.guard is not None else None  # the main process: its guard read them just now
+        if ref is not None and ref.exact is not None and "whole" in ref.controls:
+            sums, state = {n: v for n, v in ref.exact.items() if n in names}, ref.controls["whole"]
+        else:
+            sums = tensor_checksums([(n, t) for n, t in state_tensors(self.model, self.optimizer) if n in names])
+            state = program_state(self.model, self.optimizer, **self.context())
+        parts = components(state)
         parts["tensors held whole (parameters, buffers, optimizer state)"] = exact_digest(sums)
         return parts
 

@@ -590,12 +590,16 @@ class ProgramGuard:
         for h in self._hooks:
             h.remove()
 
-    def _snapshot(self, grads: bool = False, exact: bool = False) -> Snapshot:
+    def _snapshot(self, grads: bool = False, exact: bool = False, whole: bool = True) -> Snapshot:
+        """``whole=False``: the whole-program state is carried over from the reference (read once per step)."""
         now = snapshot(self.model, self.optimizer, grads=grads, exact=exact)
         if self.context is not None:
             from .digests import program_state
 
-            now.controls["whole"] = program_state(self.model, self.optimizer, **self.context())
+            if whole or self.ref is None or "whole" not in self.ref.controls:
+                now.controls["whole"] = program_state(self.model, self.optimizer, **self.context())
+            else:
+                now.controls["whole"] = self.ref.controls["whole"]
         return now
 
     def _compare(self, now: Snapshot, step: int) -> bool:
@@ -616,29 +620,44 @@ class ProgramGuard:
         ``step - 1``'s (the checkpoint at ``step`` holds it). The param groups' settings are the scheduler's here
         and the plan records them, so they are the reference ``optimizer.step()`` is compared with. A cheap check
         (storage, version counters, sampled values, controls); the exact one runs at ``optimizer.step()``."""
-        now = self._snapshot(exact=self.ref is None)  # the first reference is exact
+        now = self._snapshot(exact=self.ref is None, whole=False)  # the first reference is exact
         if self.ref is not None:
             self.ref = self.ref._replace(controls={**self.ref.controls, "groups": now.controls["groups"]})
         if self._compare(now, step - 1):
-            now = self._snapshot(exact=True)  # the change is step - 1's: the exact reference from here
+            now = self._snapshot(exact=True, whole=False)  # the change is step - 1's: the exact reference from here
         elif self.ref is not None:
             now = now._replace(exact=self.ref.exact)
         self.ref = now
         self.step, self.plan_lrs = step, lrs
 
     def before_step(self) -> None:
-        now = self._snapshot(exact=True)
+        """Right before ``optimizer.step()``: the whole program (read once per step), a cheap check of the state
+        (storage, version counters, samples: the exact checksums of parameters and optimizer state are read once
+        per step, after it; a watched callback's edits are checked exactly around its events) and the exact
+        checksums of the gradients ``optimizer.step()`` is about to use."""
+        now = self._snapshot()
+        self.grads = tensor_checksums([(n, t) for n, t in state_tensors(self.model, None, grads=True)
+                                       if n.endswith("(gradient)")])
         self._compare(now, self.step)
         self.ref = now
         self.controls = now.controls
 
     def after_step(self) -> None:
-        now = self._snapshot(exact=True)
+        now = self._snapshot(exact=True, whole=False)
+        if "whole" in now.controls:  # the optimizer's structure after its step (state keys appear at the first)
+            from .digests import Digester, optimizer_structure
+
+            now.controls["whole"] = {**now.controls["whole"],
+                                     **optimizer_structure(self.model, self.optimizer, Digester())}
         from .sharding import all_shards
 
         sums = all_shards(now.exact, self.model)  # FSDP2: with every process's shards (they join in, see sharding)
+        grads = all_shards(getattr(self, "grads", {}), self.model)
         if self.controls is not None:
-            self.fps[self.step] = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [])
+            fp = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [])
+            if grads:
+                fp["g"] = exact_digest(grads)  # the gradients optimizer.step() used
+            self.fps[self.step] = fp
         self.ref = now
 
     def around(self, callback, event: str, call, state_view=None):
