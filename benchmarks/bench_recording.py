@@ -89,7 +89,7 @@ def main():
     try:
         if a.profile:
             trainer = make_trainer("trace", a.model, data, tmp / "prof", a.steps, a.every, a.accum)
-            prof = cProfile.Profile()
+            prof = cProfile.Profile(time.process_time)
             prof.runcall(trainer.train)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
             return

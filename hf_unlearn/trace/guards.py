@@ -581,6 +581,7 @@ class ProgramGuard:
         self.controls: dict | None = None
         self.fps: dict[int, dict] = {}
         self.pending: list[dict] = []
+        self.recorded: list[dict] = []  # every change written to the plan (said when training ends)
         self.plan_lrs: list[float] | None = None
         inner = getattr(optimizer, "optimizer", optimizer)
         self._hooks = [inner.register_step_pre_hook(lambda *a: self.before_step()),
@@ -692,5 +693,17 @@ class ProgramGuard:
         changed = [c for c in self.pending if c["step"] <= step]
         if changed:
             out["changed"] = changed
+            self.recorded += changed
             self.pending = [c for c in self.pending if c["step"] > step]
         return out
+
+    def warn_changes(self, where) -> None:
+        """Say when training ends what will block deletions (the plan holds every change; this is the first)."""
+        if self.recorded:
+            import warnings
+
+            first = sorted(self.recorded, key=lambda c: c["step"])[0]
+            more = f" (and {len(self.recorded) - 1} more)" if len(self.recorded) > 1 else ""
+            warnings.warn(f"{where}: the run changed outside its record {describe_program_change(first)}{more}; "
+                          "deletions whose replay passes such a step will be refused (see the plan's program "
+                          "changes: hf_unlearn.trace.guards.program_changes)", stacklevel=3)

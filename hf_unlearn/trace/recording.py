@@ -1441,6 +1441,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
             self._trace_header.setdefault("fidelity", {})["guards"] = {
                 "final": {"step": step - 1, **guard.flush(step - 1), "ep": _epoch_text(self.state.epoch)},
                 "checks": GUARD_CHECKS}
+        if guard is not None:
+            guard.warn_changes(self.trace_dir)
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
 
@@ -1635,7 +1637,11 @@ def _adds_behaviour(cls) -> bool:
 
 GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
                 "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
-                "parameters, buffers and optimizer state")
+                "parameters, buffers and optimizer state (after optimizer.step()) and of the gradients (before it); "
+                "the whole program digested (every TrainingArguments field, the whole config, every module "
+                "attribute, the code modules run, recorded callbacks' code and globals, the optimizer's structure, "
+                "the dataset's format and the collator, torch switches, numeric environment variables: "
+                "hf_unlearn.trace.digests), compared between processes; a keyed digest of every row as collated")
 
 
 def _epoch_text(epoch) -> str | None:
