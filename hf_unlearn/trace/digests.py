@@ -42,9 +42,16 @@ MAX_DEPTH = 4
 MAX_ITEMS = 4096  # a longer container is digested whole (its entries still read)
 # attributes that change on their own while a program runs unchanged (caches, counters, one-time warnings)
 SKIPPED_ARGS = frozenset({"_setup_devices", "distributed_state"})
-SKIPPED_MODULE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+SKIPPED_MODULE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                            # how a state dict is saved and loaded (FSDP2 registers these lazily), not what trains
+                            "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                            "_load_state_dict_post_hooks"})
+SKIPPED_CONFIG = frozenset({"_original_object_hash"})  # hash() of a string: differs between processes
 SKIPPED_OPTIMIZER = frozenset({"state", "param_groups", "defaults", "_warned_capturable_if_run_uncaptured",
                                "_zero_grad_profile_name", "_opt_called"})
+# packages whose objects held as module attributes are a framework's running state (FSDP2's ``FSDPState``, held under
+# ``__composable_api_state_key_<uuid>``, changes at every step): digested by class, their hooks by code
+RUNTIME_STATE = ("torch.distributed",)
 # fields a process of one launch legitimately holds for itself (left out when processes are compared)
 PROCESS_LOCAL = ("args.local_rank", "args.output_dir", "args.logging_dir", "args.run_name", "args._n_gpu",
                  "environ LOCAL_RANK", "environ RANK")
@@ -69,11 +76,23 @@ def code_digest(code: types.CodeType) -> str:
         return hit[1]
     h = hashlib.sha256(code.co_code)
     for c in code.co_consts:
-        h.update((code_digest(c) if isinstance(c, types.CodeType) else repr(c)).encode())
+        h.update(_const_text(c).encode())
     h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
     digest = h.hexdigest()[:16]
     _CODE[id(code)] = (code, digest)  # keeps the code object alive: its id is not reused
     return digest
+
+
+def _const_text(c) -> str:
+    """A code constant as text that does not depend on the process (a frozenset's order follows string hashing,
+    which differs between processes)."""
+    if isinstance(c, types.CodeType):
+        return code_digest(c)
+    if isinstance(c, (frozenset, set)):
+        return "{" + ", ".join(sorted(_const_text(x) for x in c)) + "}"
+    if isinstance(c, tuple):
+        return "(" + ", ".join(_const_text(x) for x in c) + ")"
+    return repr(c)
 
 
 def _name(obj) -> str:
@@ -265,12 +284,19 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         out.update((f"args.{k}", d.leaf(v)) for k, v in vars(args).items() if k not in SKIPPED_ARGS)
     for root, obj in (("config", config), ("generation_config", gen)):
         if obj is not None:
-            out.update((f"{root}.{k}", d.leaf(v)) for k, v in vars(obj).items())
+            out.update((f"{root}.{k}", d.leaf(v)) for k, v in vars(obj).items() if k not in SKIPPED_CONFIG)
     classes, sources = {}, set()
     for name, m in model.named_modules():
         where = f"module {name or '(the model)'}:"
         for k, v in vars(m).items():
-            if k not in SKIPPED_MODULE:
+            if k in SKIPPED_MODULE:
+                continue
+            if k.startswith("__composable_api_"):  # FSDP2's per-module state, under a key with a random uuid
+                out[f"{where} {k.split('_key_')[0]}"] = _short(repr(sorted(
+                    _name(type(x)) for x in (v.values() if isinstance(v, dict) else [v]))))
+            elif type(v).__module__.startswith(RUNTIME_STATE):
+                out[f"{where} {k}"] = _name(type(v))
+            else:
                 out[f"{where} {k}"] = d.leaf(v)
         out[f"{where} parameters"] = _short(repr([(n, str(p.dtype), list(p.shape), p.requires_grad)
                                                   for n, p in m._parameters.items() if p is not None]))
@@ -328,8 +354,19 @@ def optimizer_structure(model, optimizer, d: Digester) -> dict:
         out[f"optimizer group {i} params"] = _short(",".join(names.get(id(p), "?") for p in g["params"]))
         out[f"optimizer group {i} state keys"] = _short(repr(sorted({",".join(sorted(inner.state[p]))
                                                                      for p in g["params"] if p in inner.state})))
-    out.update((f"optimizer.{k}", d.leaf(v)) for k, v in vars(inner).items() if k not in SKIPPED_OPTIMIZER)
+    for k, v in vars(inner).items():
+        if k in SKIPPED_OPTIMIZER:
+            continue
+        if k.endswith("_hooks") and isinstance(v, dict):  # this library's own (its guards, per process) left out
+            v = [fn for fn in v.values() if not _module_of(fn).startswith("hf_unlearn.")]
+        out[f"optimizer.{k}"] = d.leaf(v)
     return out
+
+
+def _module_of(fn) -> str:
+    while hasattr(fn, "func") or hasattr(fn, "__func__"):  # functools.partial, bound methods
+        fn = getattr(fn, "func", None) or fn.__func__
+    return getattr(fn, "__module__", None) or ""
 
 
 def torch_state() -> dict:
@@ -385,7 +422,8 @@ def components(state: dict, drop=PROCESS_LOCAL) -> dict[str, str]:
         if k in drop:
             continue
         head = k.split(".", 1)[0] if k.startswith(("args.", "config.", "generation_config.", "trainer.")) else \
-            k.split(":", 1)[0] if k.startswith("module ") else " ".join(k.split(" ", 2)[:2])
+            k.split(":", 1)[0] if k.startswith("module ") else k if k.startswith("code ") else \
+            " ".join(k.split(" ", 2)[:2])
         groups.setdefault(head, []).append(f"{k}\0{v!r}")
     return {g: hashlib.sha256("\n".join(items).encode()).hexdigest()[:16] for g, items in groups.items()}
 

@@ -653,7 +653,7 @@ class ProgramGuard:
         from .sharding import all_shards
 
         sums = all_shards(now.exact, self.model)  # FSDP2: with every process's shards (they join in, see sharding)
-        grads = all_shards(getattr(self, "grads", {}), self.model)
+        grads = getattr(self, "grads", {})  # this process's (under FSDP2: its shards; the others' are not gathered)
         if self.controls is not None:
             fp = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [])
             if grads:
