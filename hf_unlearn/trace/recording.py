@@ -1043,7 +1043,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raw = batch.pop(self.id_column)
             ids.append([_plain_id(i) for i in (raw.tolist() if torch.is_tensor(raw) else raw)])
             digests.append(batch_digest(batch))
-            rows.append(row_hashes(batch))  # every row as the model sees it (hf_unlearn.trace.rows)
+            hashes = row_hashes(batch)  # every row as the model sees it (hf_unlearn.trace.rows); none when merged
+            rows.append(hashes if hashes is not None and len(hashes) == len(ids[-1]) else None)
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         if world > 1:
             from accelerate.utils import gather_object
