@@ -29,6 +29,7 @@ step, :class:`ProcessComparison`).
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import os
@@ -36,6 +37,8 @@ import sys
 import types
 
 import torch
+
+from .guards import FRAMEWORK_HOOKS
 
 PLAIN = (bool, int, float, str, type(None))
 MAX_DEPTH = 4
@@ -45,7 +48,9 @@ SKIPPED_ARGS = frozenset({"_setup_devices", "distributed_state"})
 SKIPPED_MODULE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
                             # how a state dict is saved and loaded (FSDP2 registers these lazily), not what trains
                             "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                            "_load_state_dict_post_hooks"})
+                            "_load_state_dict_post_hooks",
+                            # the kernels library's mode, which follows train() / eval() as `training` does
+                            "_kernels_mode"})
 SKIPPED_CONFIG = frozenset({"_original_object_hash"})  # hash() of a string: differs between processes
 SKIPPED_OPTIMIZER = frozenset({"state", "param_groups", "defaults", "_warned_capturable_if_run_uncaptured",
                                "_zero_grad_profile_name", "_opt_called"})
@@ -134,6 +139,10 @@ class Digester:
     def _text(self, obj, depth: int) -> str:
         if isinstance(obj, (torch.dtype, torch.device, torch.Size)):
             return str(obj)
+        if isinstance(obj, torch.utils.hooks.RemovableHandle):  # a handle's id counts registrations
+            return "<hook handle>"
+        if isinstance(obj, enum.Enum):
+            return f"{_name(type(obj))}.{obj.name}"
         if torch.is_tensor(obj):
             return tensor_text(obj)
         if isinstance(obj, types.CodeType):
@@ -296,6 +305,9 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
                     _name(type(x)) for x in (v.values() if isinstance(v, dict) else [v]))))
             elif type(v).__module__.startswith(RUNTIME_STATE):
                 out[f"{where} {k}"] = _name(type(v))
+            elif k.endswith("hooks") and isinstance(v, dict):  # by the code they run, not their handles' ids;
+                # the frameworks' own (NEFTune, input require-grads, ...) come and go as they run, as in replays
+                out[f"{where} {k}"] = d.leaf([fn for fn in v.values() if not _module_of(fn).startswith(FRAMEWORK_HOOKS)])
             else:
                 out[f"{where} {k}"] = d.leaf(v)
         out[f"{where} parameters"] = _short(repr([(n, str(p.dtype), list(p.shape), p.requires_grad)
