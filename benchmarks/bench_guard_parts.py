@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main():
     import torch
+    from bench_recording import build_model
     from transformers import TrainingArguments
 
-    from bench_recording import build_model
     from hf_unlearn.trace.digests import program_state
     from hf_unlearn.trace.guards import snapshot, state_tensors, tensor_checksums
 
