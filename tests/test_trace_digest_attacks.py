@@ -173,7 +173,7 @@ class ReadsScale(TrainerCallback):
 
 
 def _callbacks(name: str, at: dict):
-    return attacks(at) + ([ReadsScale()] if name == "recorded_callback_global" or len(at) > 1 else [])
+    return (attacks(at) if at else []) + ([ReadsScale()] if name == "recorded_callback_global" or len(at) > 1 else [])
 
 
 def _record(tmp_path, family: str, at: dict, rows: int = 24, **kw):
@@ -181,7 +181,7 @@ def _record(tmp_path, family: str, at: dict, rows: int = 24, **kw):
 
     tok, data = get_trace_data()
     data = data.select(range(rows))
-    name = next(iter(at)) if len(at) == 1 else "many"
+    name = next(iter(at)) if len(at) == 1 else "many" if at else "none"
     try:
         record(tok, data, tmp_path / "rec", model=config_model(family, tok), every=2,
                data_collator=QACollator.from_tokenizer(tok), **{**KW, **kw},
@@ -323,3 +323,23 @@ def test_each_attack_on_three_architectures_is_refused_or_verified_and_counterfa
             _assert_refused(tmp_path, run, ids, "at optimizer step 3", where)
         else:
             _assert_refused(tmp_path, run, ids, EXPECTED[name], where, process_wide=name in PROCESS_WIDE)
+
+
+def test_a_deleted_rows_digest_does_not_survive_into_the_output_run(tmp_path):
+    """The plan keeps a keyed digest of every row as collated; a deletion's output run records its own rows: the
+    deleted row's digest is gone (its slot is a dummy), the kept rows' digests are unchanged, and it is VERIFIED."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.rows import recorded_rows, split
+
+    _, _, run = _record(tmp_path, "llama", {}, max_steps=3)
+    ids = _ids(run, [1])
+    kind, _ = _deletion(tmp_path, run, ids, "del")
+    assert kind == "verified"
+    parent, out = open_run(run), open_run(tmp_path / "del" / "replay")
+    before, after = recorded_rows(parent.plan), recorded_rows(out.plan)
+    e = next(x for x in parent.plan if x.step == 1)
+    deleted = [i for i, s in enumerate(e.slots) if s not in [y for y in next(x for x in out.plan if x.mb == e.mb).slots]]
+    assert len(deleted) == 1
+    old, new = split(before[e.mb]), split(after[e.mb])
+    assert old[deleted[0]] != new[deleted[0]] and old[deleted[0]] not in "".join(after.values())
+    assert [d for i, d in enumerate(old) if i != deleted[0]] == [d for i, d in enumerate(new) if i != deleted[0]]

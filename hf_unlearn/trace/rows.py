@@ -111,3 +111,27 @@ def check_rows(replay) -> int:
                         "changed (a dataset transform, a collator setting) or the store differs; a replay would train "
                         "on other tokens, so this deletion is refused")
     return checked
+
+
+def output_rows(replay, e) -> list[str] | None:
+    """The row digests the output run of a replay records for ``e``'s segment (``e`` its first entry): those of a
+    microbatch the deletion touches are rebuilt from the rows the replay trained on, so a deleted row's digest does
+    not survive into the output (its slot is a dummy there) and a later deletion checks the rows as they now are."""
+    rows = e.extra.get("rows")
+    if not rows:
+        return None
+    segments = replay.__dict__.get("_rows_segments")
+    if segments is None:
+        segments = replay.__dict__["_rows_segments"] = {}
+        for x in replay.run.plan:
+            segments.setdefault(x.step, []).append(x)
+    world, out = replay.accelerator.num_processes, []
+    for j, packed in enumerate(rows):
+        seg = segments.get(e.step, [])
+        x = seg[j] if j < len(seg) else None
+        if x is not None and replay._hit(x):
+            rebuilt = [keyed_rows(replay.run.key, row_hashes(replay._collate(*replay._rows(x, True, rank=r))))
+                       for r in range(world)]
+            packed = "".join(rebuilt) if None not in rebuilt else "0" * len(packed)
+        out.append(packed)
+    return out
