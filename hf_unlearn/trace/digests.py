@@ -38,7 +38,7 @@ import types
 
 import torch
 
-from .guards import FRAMEWORK_HOOKS
+from .guards import FRAMEWORK_HOOKS, VOLATILE_CONFIG
 
 PLAIN = (bool, int, float, str, type(None))
 MAX_DEPTH = 4
@@ -51,7 +51,9 @@ SKIPPED_MODULE = frozenset({"training", "_parameters", "_buffers", "_modules", "
                             "_load_state_dict_post_hooks",
                             # the kernels library's mode, which follows train() / eval() as `training` does
                             "_kernels_mode"})
-SKIPPED_CONFIG = frozenset({"_original_object_hash"})  # hash() of a string: differs between processes
+# hash() of a string (differs between processes), and what says where a model came from, which saving a checkpoint
+# sets (guards.VOLATILE_CONFIG; use_cache aside: a change of it is a change); parameters' dtypes are read elsewhere
+SKIPPED_CONFIG = frozenset({"_original_object_hash", "_commit_hash"}) | (VOLATILE_CONFIG - {"use_cache"})
 SKIPPED_OPTIMIZER = frozenset({"state", "param_groups", "defaults", "_warned_capturable_if_run_uncaptured",
                                "_zero_grad_profile_name", "_opt_called"})
 # packages whose objects held as module attributes are a framework's running state (FSDP2's ``FSDPState``, held under
@@ -164,8 +166,8 @@ class Digester:
             return "{" + ", ".join(f"{self.text(k, depth + 1)}: {self.text(v, depth + 1)}"
                                    for k, v in items[:MAX_ITEMS]) + ("..." if len(items) > MAX_ITEMS else "") + "}"
         if isinstance(obj, (list, tuple)):
-            return ("(" if isinstance(obj, tuple) else "[") + ", ".join(self.text(v, depth + 1)
-                                                                       for v in obj[:MAX_ITEMS]) + "]"
+            inner = ", ".join(self.text(v, depth + 1) for v in obj[:MAX_ITEMS])
+            return f"({inner})" if isinstance(obj, tuple) else f"[{inner}]"
         if isinstance(obj, (set, frozenset)):
             return "{" + ", ".join(sorted(self.text(v, depth + 1) for v in obj)) + "}"
         if hasattr(obj, "__dict__"):
@@ -327,8 +329,9 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         from .recording import recorded_trainer_class
 
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
-        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # methods set on the instance
-                   if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)))
+        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # a method patched on the instance
+                   if hasattr(type(trainer), k) and isinstance(v, (types.FunctionType, types.MethodType,
+                                                                   functools.partial)))
     for i, cb in enumerate(callbacks):
         out[f"callback {i} {_name(type(cb))} code"] = _class_code(type(cb), d)
         out.update((f"callback {i} global {k}", v) for k, v in _globals_read(type(cb), d).items())
