@@ -126,7 +126,7 @@ EXPECTED = {
     "args_accumulation": "args.gradient_accumulation_steps 1 -> 4",
     "config_use_cache": "config.use_cache",
     "generation_config": "generation_config.temperature",
-    "activation_swapped": "act_fn",
+    "activation_swapped": "mlp.act",
     "private_attribute": "_trace_scale_hint (absent) -> 2",
     "loss_function": "_loss_function",
     "buffer_added": "extra_scale",
