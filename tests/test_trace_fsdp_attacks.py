@@ -121,3 +121,15 @@ def test_a_process_that_trains_otherwise_cannot_reach_a_verified_deletion(tmp_pa
     result = launch(tmp_path, f"rank_local:{attack}")
     assert result == {"recording": result["recording"]}, result  # nothing replayed, nothing VERIFIED
     assert result["recording"].startswith(refusal), result
+
+
+@pytest.mark.slow
+def test_a_buffer_edited_on_one_process_after_the_self_check_steps_is_a_change(tmp_path):
+    """Issue #41: a callback that edits a buffer on process 1 only, after step 1 (past the default self-check's steps;
+    the guards ran on the main process only), was not seen, and a step-0 deletion was VERIFIED with every tensor off.
+    Now every process digests its whole program and the tensors it holds whole after each optimizer step and the
+    main process compares them: the edit is recorded as a change of that step, and every deletion is refused."""
+    result = launch(tmp_path, "rank_local:late_buffer")
+    assert result["recording"] == "accepted", result
+    assert "verified" not in result and result["codes"] != [0, 0], result
+    assert "process 1's tensors held whole" in result["full_replay_without_deletion"], result

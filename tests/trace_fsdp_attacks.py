@@ -104,6 +104,26 @@ def _callback_class():
     return HalveLearningRateOnProcess1
 
 
+def _late_buffer_class():
+    from transformers import TrainerCallback
+
+    class EditBufferOnProcess1AfterStep1(TrainerCallback):
+        """A callback that scales the rotary ``inv_freq`` buffer on process 1 only, at the end of step 1 (the default
+        self-check covers steps 0..1; FSDP2 never synchronises buffers)."""
+
+        def __init__(self, rank: int):
+            self.rank = rank
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if self.rank == 1 and state.global_step == 2:
+                import torch
+
+                with torch.no_grad():
+                    dict(model.named_buffers())["model.rotary_emb.inv_freq"].mul_(1.01)
+
+    return EditBufferOnProcess1AfterStep1
+
+
 def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str) -> None:
     """A run whose processes differ in what the plan does not record, deleted at step 0 (nothing left to compare with
     the recording): is the replay VERIFIED, and is its oracle the counterfactual (the same run, labels -100)?
@@ -126,7 +146,8 @@ def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str)
     kw = {"average_tokens_across_devices": False} if attack == "normaliser" else {}
     result = {"recording": outcome(lambda: TraceRecordingTrainer(
         model=rank_local_buffer(build_model(arch, tok), rank), train_dataset=data,
-        callbacks=[HalveLearningRateOnProcess1(state.process_index)] if attack == "callback" else [],
+        callbacks=[HalveLearningRateOnProcess1(state.process_index)] if attack == "callback" else
+        [_late_buffer_class()(state.process_index)] if attack == "late_buffer" else [],
         args=fsdp_args(out / "ft", reshard, precision, **kw), data_collator=QACollator.from_tokenizer(tok),
         trace_dir=out / "trace", trace_checkpoint_steps=1).train())}
     if result["recording"] == "accepted":

@@ -254,8 +254,9 @@ def numeric_settings() -> dict:
 
 
 def controls_digest(controls: dict) -> str:
-    """What a replay must reproduce of the controls (the numeric settings are compared only within the recording)."""
-    kept = {k: v for k, v in controls.items() if k != "numerics"}
+    """What a replay must reproduce of the controls (the numeric settings and the whole-program state are compared
+    only within the recording: :mod:`hf_unlearn.trace.digests`)."""
+    kept = {k: v for k, v in controls.items() if k not in ("numerics", "whole")}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -296,6 +297,12 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
     for k in sorted(set(x) | set(y)):
         if x.get(k) != y.get(k):
             return f"torch's {k} setting {x.get(k)!r} -> {y.get(k)!r} (process-wide numerics)"
+    if "whole" in before and "whole" in after:  # every object read whole (hf_unlearn.trace.digests)
+        from .digests import describe_difference
+
+        what = describe_difference(before["whole"], after["whole"])
+        if what:
+            return ("the " + what) if what.startswith("optimizer") else what
     return None
 
 
@@ -455,6 +462,10 @@ def step_fingerprint(controls: dict, state: str, plan_lrs: list[float]) -> dict:
     """What the plan keeps of optimizer step s: the controls digest as ``optimizer.step()`` ran (and the learning
     rates when they are not the plan's), and the exact digest of the state right after it (:func:`state_digest`)."""
     fp = {"c": controls_digest(controls), "s": state}
+    if "whole" in controls:
+        from .digests import state_digest_of
+
+        fp["w"] = state_digest_of(controls["whole"])  # the whole program as the step ran (hf_unlearn.trace.digests)
     lrs = [g.get("lr") for g in controls["groups"]]
     if lrs != plan_lrs:
         fp["lr"] = lrs
@@ -565,14 +576,16 @@ class ProgramGuard:
     """Watches a recording: compares the live state and controls at the points the module docstring names, keeps
     each step's fingerprint and every program change until the recorder writes them into the plan."""
 
-    def __init__(self, model, optimizer, watched: dict):
+    def __init__(self, model, optimizer, watched: dict, context=None):
         self.model, self.optimizer = model, optimizer
+        self.context = context  # () -> program_state's other objects (args, trainer, callbacks, data, collator)
         self.watched = watched  # id(callback) -> its callback_spec (recorded or watched)
         self.step = 0
         self.ref: Snapshot | None = None
         self.controls: dict | None = None
         self.fps: dict[int, dict] = {}
         self.pending: list[dict] = []
+        self.recorded: list[dict] = []  # every change written to the plan (said when training ends)
         self.plan_lrs: list[float] | None = None
         inner = getattr(optimizer, "optimizer", optimizer)
         self._hooks = [inner.register_step_pre_hook(lambda *a: self.before_step()),
@@ -582,8 +595,17 @@ class ProgramGuard:
         for h in self._hooks:
             h.remove()
 
-    def _snapshot(self, grads: bool = False, exact: bool = False) -> Snapshot:
-        return snapshot(self.model, self.optimizer, grads=grads, exact=exact)
+    def _snapshot(self, grads: bool = False, exact: bool = False, whole: bool = True) -> Snapshot:
+        """``whole=False``: the whole-program state is carried over from the reference (read once per step)."""
+        now = snapshot(self.model, self.optimizer, grads=grads, exact=exact)
+        if self.context is not None:
+            from .digests import program_state
+
+            if whole or self.ref is None or "whole" not in self.ref.controls:
+                now.controls["whole"] = program_state(self.model, self.optimizer, **self.context())
+            else:
+                now.controls["whole"] = self.ref.controls["whole"]
+        return now
 
     def _compare(self, now: Snapshot, step: int) -> bool:
         what = describe_change(self.ref, now) if self.ref is not None else None
@@ -603,29 +625,44 @@ class ProgramGuard:
         ``step - 1``'s (the checkpoint at ``step`` holds it). The param groups' settings are the scheduler's here
         and the plan records them, so they are the reference ``optimizer.step()`` is compared with. A cheap check
         (storage, version counters, sampled values, controls); the exact one runs at ``optimizer.step()``."""
-        now = self._snapshot(exact=self.ref is None)  # the first reference is exact
+        now = self._snapshot(exact=self.ref is None, whole=False)  # the first reference is exact
         if self.ref is not None:
             self.ref = self.ref._replace(controls={**self.ref.controls, "groups": now.controls["groups"]})
         if self._compare(now, step - 1):
-            now = self._snapshot(exact=True)  # the change is step - 1's: the exact reference from here
+            now = self._snapshot(exact=True, whole=False)  # the change is step - 1's: the exact reference from here
         elif self.ref is not None:
             now = now._replace(exact=self.ref.exact)
         self.ref = now
         self.step, self.plan_lrs = step, lrs
 
     def before_step(self) -> None:
-        now = self._snapshot(exact=True)
+        """Right before ``optimizer.step()``: the whole program (read once per step), a cheap check of the state
+        (storage, version counters, samples: the exact checksums of parameters and optimizer state are read once
+        per step, after it; a watched callback's edits are checked exactly around its events) and the exact
+        checksums of the gradients ``optimizer.step()`` is about to use."""
+        now = self._snapshot()
+        self.grads = tensor_checksums([(n, t) for n, t in state_tensors(self.model, None, grads=True)
+                                       if n.endswith("(gradient)")])
         self._compare(now, self.step)
         self.ref = now
         self.controls = now.controls
 
     def after_step(self) -> None:
-        now = self._snapshot(exact=True)
+        now = self._snapshot(exact=True, whole=False)
+        if "whole" in now.controls:  # the optimizer's structure after its step (state keys appear at the first)
+            from .digests import Digester, optimizer_structure
+
+            now.controls["whole"] = {**now.controls["whole"],
+                                     **optimizer_structure(self.model, self.optimizer, Digester())}
         from .sharding import all_shards
 
         sums = all_shards(now.exact, self.model)  # FSDP2: with every process's shards (they join in, see sharding)
+        grads = getattr(self, "grads", {})  # this process's (under FSDP2: its shards; the others' are not gathered)
         if self.controls is not None:
-            self.fps[self.step] = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [])
+            fp = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [])
+            if grads:
+                fp["g"] = exact_digest(grads)  # the gradients optimizer.step() used
+            self.fps[self.step] = fp
         self.ref = now
 
     def around(self, callback, event: str, call, state_view=None):
@@ -660,5 +697,17 @@ class ProgramGuard:
         changed = [c for c in self.pending if c["step"] <= step]
         if changed:
             out["changed"] = changed
+            self.recorded += changed
             self.pending = [c for c in self.pending if c["step"] > step]
         return out
+
+    def warn_changes(self, where) -> None:
+        """Say when training ends what will block deletions (the plan holds every change; this is the first)."""
+        if self.recorded:
+            import warnings
+
+            first = sorted(self.recorded, key=lambda c: c["step"])[0]
+            more = f" (and {len(self.recorded) - 1} more)" if len(self.recorded) > 1 else ""
+            warnings.warn(f"{where}: the run changed outside its record {describe_program_change(first)}{more}; "
+                          "deletions whose replay passes such a step will be refused (see the plan's program "
+                          "changes: hf_unlearn.trace.guards.program_changes)", stacklevel=3)

@@ -1072,7 +1072,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
             self._trace_checkpoint(step)
         if (self._trace_writer is not None or self._trace_peer()) and step == self._self_check_steps():
             self._trace_keep_reference(step)  # every process of a multi-process run: each replays the self-check
-        ids, digests = [], []
+        from .rows import row_hashes
+
+        ids, digests, rows = [], [], []
         for batch in batch_samples:
             if self.id_column not in batch:
                 raise UnlearnError(f"the batch has no {self.id_column!r} entry: TraceRecordingTrainer's dataloader "
@@ -1080,16 +1082,19 @@ class TraceRecordingMixin(WeightsFollowUmask):
             raw = batch.pop(self.id_column)
             ids.append([_plain_id(i) for i in (raw.tolist() if torch.is_tensor(raw) else raw)])
             digests.append(batch_digest(batch))
+            hashes = row_hashes(batch)  # every row as the model sees it (hf_unlearn.trace.rows); none when merged
+            rows.append(hashes if hashes is not None and len(hashes) == len(ids[-1]) else None)
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         if world > 1:
             from accelerate.utils import gather_object
 
+            self._trace_rows = gather_object([rows])
             per_rank = gather_object([(ids, digests)])
             if len({len(r[0]) for r in per_rank}) != 1:
                 raise UnlearnError("the processes ran different numbers of microbatches in one optimizer step; "
                                    "exact deletion needs even batches (accelerate's default)")
         else:
-            per_rank = [(ids, digests)]
+            per_rank, self._trace_rows = [(ids, digests)], [rows]
         base = self._trace_header_seed
         self._trace_seeds.clear()
         self._trace_seeds.extend(rank_seed(microbatch_seed(base, step, j), rank) for j in range(len(ids)))
@@ -1145,6 +1150,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if self._trace_guard is not None and step > 0:
             extra.update(self._trace_guard.flush(step - 1))  # step - 1's fingerprint and program changes
         extra.update(self._trace_callback_extra(step))
+        from .rows import keyed_rows
+
+        rows = [[keyed_rows(self._trace_key, r[j]) for r in self._trace_rows] for j in range(len(per_rank[0][0]))]
+        if all(None not in mb for mb in rows):  # every kept row checked by replays (hf_unlearn.trace.rows)
+            extra["rows"] = ["".join(mb) for mb in rows]
         if self._trace_guard is not None:  # what callbacks and compute_loss read of state.epoch during this step
             extra["ep"] = _epoch_text(self.state.epoch)  # exact, and not a number an id scan could take for an id
         if torch.is_tensor(num_items):
@@ -1191,6 +1201,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
                     from .lineage import weights_root
 
                     weights_root(self.accelerator.unwrap_model(self.model).state_dict())
+            if self.trace_guards:  # the whole program is compared between processes at every step
+                self._trace_callbacks()
+                self._trace_processes_start()
             return
         from .store import id_index, save_store, store_sha256
 
@@ -1265,8 +1278,31 @@ class TraceRecordingMixin(WeightsFollowUmask):
             from .guards import ProgramGuard
 
             watched = {id(cb): spec for cb, spec in self._trace_watched}
-            self._trace_guard = ProgramGuard(self.accelerator.unwrap_model(self.model), self.optimizer, watched)
+            self._trace_guard = ProgramGuard(self.accelerator.unwrap_model(self.model), self.optimizer, watched,
+                                             context=self._trace_program_context)
             self._trace_guard.start()
+        self._trace_processes_start()
+
+    def _trace_program_context(self) -> dict:
+        """What the whole-program digests read besides the model and the optimizer (hf_unlearn.trace.digests)."""
+        loader = getattr(self.callback_handler, "train_dataloader", None)
+        datasets = {"train_dataset": self.train_dataset, "the training dataloader's dataset":
+                    getattr(loader, "dataset", None)}
+        if datasets["the training dataloader's dataset"] is self.train_dataset:
+            datasets.pop("the training dataloader's dataset")
+        return {"args": self.args, "trainer": self, "callbacks": self._trace_program_callbacks,
+                "datasets": {k: v for k, v in datasets.items() if v is not None}, "collator": self.data_collator}
+
+    def _trace_processes_start(self) -> None:
+        """Every process of a multi-process recording compares its whole program with the others' at every optimizer
+        step (hf_unlearn.trace.digests.ProcessComparison); the main process records a difference as a change."""
+        if not self.trace_guards or self.accelerator.num_processes < 2:
+            return
+        from .digests import ProcessComparison
+
+        self._trace_processes = ProcessComparison(
+            self.accelerator.unwrap_model(self.model), self.optimizer, self._trace_program_context,
+            guard=self._trace_guard, step=lambda: self.state.global_step)
 
     def _check_resumed_state(self, step: int) -> None:
         """The state a resume loaded (the Trainer's checkpoint) must be the recorded checkpoint at that step when
@@ -1391,6 +1427,9 @@ class TraceRecordingMixin(WeightsFollowUmask):
         same, self._trace_same_settings = getattr(self, "_trace_same_settings", None), None
         if same is not None:
             same.close()
+        processes, self._trace_processes = getattr(self, "_trace_processes", None), None
+        if processes is not None:
+            processes.close()
         if self._trace_writer is None:
             if self._trace_shard_peer() and self.state.global_step not in self._trace_saved:
                 self._trace_checkpoint(self.state.global_step, final=True)
@@ -1445,6 +1484,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
             self._trace_header.setdefault("fidelity", {})["guards"] = {
                 "final": {"step": step - 1, **guard.flush(step - 1), "ep": _epoch_text(self.state.epoch)},
                 "checks": GUARD_CHECKS}
+        if guard is not None:
+            guard.warn_changes(self.trace_dir)
         self._trace_writer.seal(self._trace_header)
         self._trace_writer = None
 
@@ -1669,7 +1710,11 @@ def _adds_behaviour(cls) -> bool:
 
 GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
                 "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
-                "parameters, buffers and optimizer state")
+                "parameters, buffers and optimizer state (after optimizer.step()) and of the gradients (before it); "
+                "the whole program digested (every TrainingArguments field, the whole config, every module "
+                "attribute, the code modules run, recorded callbacks' code and globals, the optimizer's structure, "
+                "the dataset's format and the collator, torch switches, numeric environment variables: "
+                "hf_unlearn.trace.digests), compared between processes; a keyed digest of every row as collated")
 
 
 def _epoch_text(epoch) -> str | None:

@@ -453,6 +453,9 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._setup_program()
         if not self.filter_rows:
             self._check_batches()
+            from .rows import check_rows
+
+            check_rows(self)  # the kept rows of the microbatches a deletion touches (hf_unlearn.trace.rows)
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
 
     # ---- set-up -------------------------------------------------------------------------------------------
@@ -870,6 +873,10 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _output_entry(self, e: PlanEntry) -> PlanEntry:
         """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
         changed = self._hit(e)
+        if e.j == 0 and e.extra.get("rows"):  # the rows as this replay trained on them (hf_unlearn.trace.rows)
+            from .rows import output_rows
+
+            e = dataclasses.replace(e, extra={**e.extra, "rows": output_rows(self, e)})
         if e.j == 0 and e.step > self.start_step:  # this replay's own fingerprint of the step before, its callbacks
             extra = {k: v for k, v in e.extra.items() if k not in ("fp", "changed", "callbacks")}
             # only where the recording's guards covered the step: a gap (a crash before a resume) stays a gap, so

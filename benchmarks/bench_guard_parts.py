@@ -1,0 +1,62 @@
+"""What the recorder's per-step checks cost, part by part, on a model of SmolLM2-135M's shape (no training):
+
+    PYTHONPATH=. python benchmarks/bench_guard_parts.py [--model smollm2|tiny] [--repeats 5]
+
+Prints the CPU time (median of the repeats) of each part the guards run once per optimizer step: the whole-program
+digest (hf_unlearn.trace.digests.program_state), the cheap snapshot (storage, version counters, samples, controls),
+the exact checksums of the gradients (before optimizer.step()) and of parameters, buffers and AdamW's moments (after
+it), and one AdamW step for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main():
+    import torch
+    from bench_recording import build_model
+    from transformers import TrainingArguments
+
+    from hf_unlearn.trace.digests import program_state
+    from hf_unlearn.trace.guards import snapshot, state_tensors, tensor_checksums
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args()
+    model = build_model(a.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for q in model.parameters():
+        q.grad = torch.randn_like(q) * 1e-3
+    opt.step()
+    args = TrainingArguments(output_dir="/tmp/bench_guard_parts", use_cpu=True, report_to=[])
+    grads = [(n, t) for n, t in state_tensors(model, None, grads=True) if n.endswith("(gradient)")]
+    parts = {
+        "whole-program digest (program_state)": lambda: program_state(model, opt, args=args),
+        "cheap snapshot (storage, versions, samples, controls)": lambda: snapshot(model, opt),
+        "exact checksums of the gradients": lambda: tensor_checksums(grads),
+        "exact checksums of parameters, buffers, AdamW moments": lambda: tensor_checksums(state_tensors(model, opt)),
+        "one AdamW step (for scale)": opt.step,
+    }
+    n = sum(q.numel() for q in model.parameters())
+    print(f"{a.model}: {n / 1e6:.1f}M parameters, {torch.get_num_threads()} torch thread(s); CPU ms, median of "
+          f"{a.repeats}")
+    for name, fn in parts.items():
+        fn()
+        times = []
+        for _ in range(a.repeats):
+            t = time.process_time()
+            fn()
+            times.append((time.process_time() - t) * 1000)
+        print(f"  {name}: {statistics.median(times):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,500 @@
+"""Whole-program digests: every object that decides an optimizer step, read whole, not through a list of fields.
+
+The per-step guards (:mod:`hf_unlearn.trace.guards`) used to compare picked fields (the learning rate, public plain
+module attributes, ``config.to_dict()``): a callback that set ``args.max_grad_norm``, or
+``model.set_attn_implementation("eager")`` (``config._attn_implementation``, which ``to_dict()`` drops), changed the
+run and no list named it. Here every object is flattened into ``path -> value`` entries, all of its attributes
+included (private and callable ones), so a change anywhere is a difference with a path that names it:
+
+* ``args.*``: every field of the ``TrainingArguments`` (transformers reads them live at every step);
+* ``config.*``: every attribute of the model config, private ones (``_attn_implementation``) included, and
+  ``generation_config.*``;
+* ``module <name>.*``: every attribute of every module (``training`` aside: the Trainer sets it each microbatch,
+  the step fingerprint holds it as the forward used it), parameters and buffers by name, dtype, shape and
+  ``requires_grad`` (their values are the exact checksums' business), hooks by the code they run;
+* ``code *``: the code of every function of every class the model's modules are made of, and of every function the
+  modules' source modules (``modeling_llama``, ...) and ``torch.nn.functional`` hold (a monkeypatch changes it);
+* ``trainer *``: methods set on the trainer instance and its class's code; ``callback *``: the code of every
+  recorded callback and the module globals its code reads;
+* ``optimizer *``: its class, defaults, every param group's keys (values other than the learning rate are the
+  plan's ``groups``), the parameters of each group by name, the keys of every parameter's state, its hooks;
+* ``data *``: the training dataset's format and transform (``set_transform``), the collator's attributes;
+* ``torch *`` and ``environ *``: process-wide numeric switches and the environment variables known to change
+  numbers.
+
+Callables digest by ``module.qualname`` and a hash of their code, constants, defaults and closure, never by
+``id()``: the same program gives the same digest in another process (processes of one launch are compared at every
+step, :class:`ProcessComparison`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import os
+import sys
+import types
+
+import torch
+
+from .guards import FRAMEWORK_HOOKS, VOLATILE_CONFIG
+
+PLAIN = (bool, int, float, str, type(None))
+MAX_DEPTH = 4
+MAX_ITEMS = 4096  # a longer container is digested whole (its entries still read)
+# attributes that change on their own while a program runs unchanged (caches, counters, one-time warnings)
+SKIPPED_ARGS = frozenset({"_setup_devices", "distributed_state"})
+SKIPPED_MODULE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                            # how a state dict is saved and loaded (FSDP2 registers these lazily), not what trains
+                            "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                            "_load_state_dict_post_hooks",
+                            # the kernels library's mode, which follows train() / eval() as `training` does
+                            "_kernels_mode"})
+# hash() of a string (differs between processes), and what says where a model came from, which saving a checkpoint
+# sets (guards.VOLATILE_CONFIG; use_cache aside: a change of it is a change); parameters' dtypes are read elsewhere
+SKIPPED_CONFIG = frozenset({"_original_object_hash", "_commit_hash"}) | (VOLATILE_CONFIG - {"use_cache"})
+SKIPPED_OPTIMIZER = frozenset({"state", "param_groups", "defaults", "_warned_capturable_if_run_uncaptured",
+                               "_zero_grad_profile_name", "_opt_called"})
+# packages whose objects held as module attributes are a framework's running state (FSDP2's ``FSDPState``, held under
+# ``__composable_api_state_key_<uuid>``, changes at every step): digested by class, their hooks by code
+RUNTIME_STATE = ("torch.distributed",)
+# fields a process of one launch legitimately holds for itself (left out when processes are compared)
+PROCESS_LOCAL = ("args.local_rank", "args.output_dir", "args.logging_dir", "args.run_name", "args._n_gpu",
+                 "environ LOCAL_RANK", "environ RANK")
+# environment variables known to change the numbers a step computes (the probe, not this list, is the guarantee)
+NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_", "CUDNN_", "NCCL_", "OMP_", "KMP_",
+               "NVIDIA_TF32_OVERRIDE", "TORCH_", "PYTORCH_", "XLA_", "LOCAL_RANK", "RANK")
+# modules whose functions a model's forward calls besides its own classes' methods
+CODE_MODULES = ("torch.nn.functional", "transformers.activations", "transformers.masking_utils",
+                "transformers.modeling_rope_utils", "transformers.integrations.sdpa_attention",
+                "transformers.loss.loss_utils", "transformers.modeling_utils")
+
+
+# ---- stable text of any object -----------------------------------------------------------------------------
+_CODE: dict[int, tuple] = {}
+
+
+def code_digest(code: types.CodeType) -> str:
+    """16 hex digits over a code object's bytecode, constants (nested code included) and names: the same function
+    in another process, or after a restart, gives the same digest."""
+    hit = _CODE.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    h = hashlib.sha256(code.co_code)
+    for c in code.co_consts:
+        h.update(_const_text(c).encode())
+    h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    digest = h.hexdigest()[:16]
+    _CODE[id(code)] = (code, digest)  # keeps the code object alive: its id is not reused
+    return digest
+
+
+def _const_text(c) -> str:
+    """A code constant as text that does not depend on the process (a frozenset's order follows string hashing,
+    which differs between processes)."""
+    if isinstance(c, types.CodeType):
+        return code_digest(c)
+    if isinstance(c, (frozenset, set)):
+        return "{" + ", ".join(sorted(_const_text(x) for x in c)) + "}"
+    if isinstance(c, tuple):
+        return "(" + ", ".join(_const_text(x) for x in c) + ")"
+    return repr(c)
+
+
+def _name(obj) -> str:
+    return f"{getattr(obj, '__module__', None) or type(obj).__module__}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 200 else f"sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+class Digester:
+    """Stable text for objects, memoised for one snapshot (an object met twice is read once)."""
+
+    def __init__(self, roots: dict | None = None):
+        self.memo: dict[int, tuple] = {}
+        self.roots = {id(v): k for k, v in (roots or {}).items()}  # objects digested under their own path
+
+    def leaf(self, value):
+        """A plain value as itself (NaN as text, so equal runs compare equal), anything else as stable text."""
+        if isinstance(value, float) and value != value:
+            return "nan"
+        if isinstance(value, PLAIN):
+            return value
+        return _short(self.text(value, 0))
+
+    def text(self, obj, depth: int) -> str:
+        if isinstance(obj, PLAIN):
+            return repr(obj)
+        key = id(obj)
+        if key in self.roots:
+            return f"<{self.roots[key]}>"
+        if key in self.memo:
+            return self.memo[key][1]
+        self.memo[key] = (obj, f"<cycle {type(obj).__qualname__}>")  # holds obj: a temporary's id is not reused
+        out = self._text(obj, depth)
+        self.memo[key] = (obj, out)
+        return out
+
+    def _text(self, obj, depth: int) -> str:
+        if isinstance(obj, (torch.dtype, torch.device, torch.Size)):
+            return str(obj)
+        if isinstance(obj, torch.utils.hooks.RemovableHandle):  # a handle's id counts registrations
+            return "<hook handle>"
+        if isinstance(obj, enum.Enum):
+            return f"{_name(type(obj))}.{obj.name}"
+        if torch.is_tensor(obj):
+            return tensor_text(obj)
+        if isinstance(obj, types.CodeType):
+            return f"code:{code_digest(obj)}"
+        if callable(obj) and not isinstance(obj, (type, torch.nn.Module)) and depth <= MAX_DEPTH:
+            fn = self.callable_text(obj, depth)
+            if fn is not None:
+                return fn
+        if isinstance(obj, type):
+            return f"class {_name(obj)}"
+        if isinstance(obj, types.ModuleType):
+            return f"module {obj.__name__}"
+        if isinstance(obj, torch.nn.Module):
+            return f"module-object {_name(type(obj))}"
+        if depth > MAX_DEPTH:
+            return f"<{_name(type(obj))}>"
+        if isinstance(obj, dict):
+            items = list(obj.items())
+            return "{" + ", ".join(f"{self.text(k, depth + 1)}: {self.text(v, depth + 1)}"
+                                   for k, v in items[:MAX_ITEMS]) + ("..." if len(items) > MAX_ITEMS else "") + "}"
+        if isinstance(obj, (list, tuple)):
+            inner = ", ".join(self.text(v, depth + 1) for v in obj[:MAX_ITEMS])
+            return f"({inner})" if isinstance(obj, tuple) else f"[{inner}]"
+        if isinstance(obj, (set, frozenset)):
+            return "{" + ", ".join(sorted(self.text(v, depth + 1) for v in obj)) + "}"
+        if hasattr(obj, "__dict__"):
+            return f"{_name(type(obj))}({self.text(dict(vars(obj)), depth + 1)})"
+        if type(obj).__repr__ is object.__repr__:
+            return f"<{_name(type(obj))}>"
+        return _short(repr(obj))
+
+    def callable_text(self, fn, depth: int) -> str | None:
+        """``module.qualname#code`` of a function (and its defaults and closure), a bound method (its function, the
+        class it is bound to), a ``functools.partial`` (its function and arguments); None for other callables."""
+        if isinstance(fn, types.MethodType):
+            return f"method {self.text(fn.__func__, depth)} of {_name(type(fn.__self__))}"
+        if isinstance(fn, functools.partial):
+            return (f"partial({self.text(fn.func, depth + 1)}, {self.text(fn.args, depth + 1)}, "
+                    f"{self.text(fn.keywords, depth + 1)})")
+        if isinstance(fn, types.FunctionType):
+            extra = ""
+            if fn.__defaults__ or fn.__kwdefaults__:
+                extra += f" defaults {self.text(fn.__defaults__, depth + 1)} {self.text(fn.__kwdefaults__, depth + 1)}"
+            if fn.__closure__:
+                cells = []
+                for c in fn.__closure__:
+                    try:  # captured objects by type: their state is read where they live (a guard, a trainer)
+                        cells.append(self.text(c.cell_contents, MAX_DEPTH))
+                    except ValueError:  # an empty cell
+                        cells.append("<empty>")
+                extra += f" closure [{', '.join(cells)}]"
+            return f"function {_name(fn)}#{code_digest(fn.__code__)}{extra}"
+        if isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+                           types.MethodWrapperType, types.MethodDescriptorType)):
+            owner = getattr(fn, "__self__", None)
+            bound = f" of {_name(type(owner))}" if owner is not None and not isinstance(owner, types.ModuleType) else ""
+            return f"builtin {_name(fn)}{bound}"
+        return None
+
+
+def tensor_text(t: torch.Tensor) -> str:
+    """dtype, shape and an exact checksum of a tensor held as an attribute (not a parameter or buffer)."""
+    from .guards import tensor_checksums
+
+    try:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return f"tensor {str(t.dtype).removeprefix('torch.')}{list(t.shape)} " \
+               f"{tensor_checksums([('t', local.detach())])['t']:016x}"
+    except (RuntimeError, TypeError):  # a meta or otherwise unreadable tensor
+        return f"tensor {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+# ---- the whole program, flattened --------------------------------------------------------------------------
+_CACHE: dict = {}
+
+
+def _cached(kind: str, obj, compute) -> str:
+    """``compute()`` once per state of ``obj``'s namespace (the identities of what it holds): a patched function is a
+    new object, so it is computed again; an unchanged class or module costs one pass over its names."""
+    spaces = [vars(c) for c in obj.__mro__] if isinstance(obj, type) else [vars(obj)]
+    key = tuple(id(v) for space in spaces for v in space.values())
+    hit = _CACHE.get((kind, id(obj)))
+    if hit is not None and hit[0] is obj and hit[1] == key:
+        return hit[2]
+    value = compute()
+    _CACHE[(kind, id(obj))] = (obj, key, value)
+    return value
+
+
+def _class_code(cls, digester: Digester) -> str:
+    return _cached("class", cls, lambda: _class_code_now(cls, digester))
+
+
+def _class_code_now(cls, digester: Digester) -> str:
+    """The code of every function defined by ``cls`` and its bases (a method patched on any of them changes it)."""
+    h = hashlib.sha256()
+    for c in cls.__mro__:
+        if c is object:
+            continue
+        for k, v in sorted(vars(c).items()):
+            fn = getattr(v, "__func__", v)
+            if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
+                h.update(f"{c.__qualname__}.{k}={digester.text(fn, 1)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _module_code(mod, digester: Digester) -> str:
+    return _cached("module", mod, lambda: _module_code_now(mod, digester))
+
+
+def _module_code_now(mod, digester: Digester) -> str:
+    """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
+    h = hashlib.sha256()
+    for k, v in sorted(vars(mod).items()):
+        if isinstance(v, (types.FunctionType, functools.partial)) or (
+                isinstance(v, types.BuiltinFunctionType) and not k.startswith("__")):
+            h.update(f"{k}={digester.text(v, 1)}\n".encode())
+        elif isinstance(v, type):
+            h.update(f"{k}={_name(v)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _globals_read(cls, digester: Digester) -> dict:
+    """The module globals the code of ``cls``'s own methods reads (plain values and callables), by name."""
+    out = {}
+    for c in cls.__mro__:
+        if c.__module__.startswith(("transformers.", "builtins")) or c is object:
+            continue
+        for v in vars(c).values():
+            fn = getattr(v, "__func__", v)
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
+            glob = fn.__globals__
+            for name in code.co_names:
+                if name in glob and not isinstance(glob[name], (types.ModuleType, type)):
+                    out[f"{c.__module__}.{name}"] = digester.leaf(glob[name])
+    return out
+
+
+def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), datasets=(), collator=None) -> dict:
+    """``path -> value`` of the whole program (see the module docstring); values are plain or stable text."""
+    config = getattr(model, "config", None)
+    gen = getattr(model, "generation_config", None)
+    d = Digester({"config": config, "generation_config": gen, "args": args})
+    out: dict = {}
+    if args is not None:
+        out.update((f"args.{k}", d.leaf(v)) for k, v in vars(args).items() if k not in SKIPPED_ARGS)
+    for root, obj in (("config", config), ("generation_config", gen)):
+        if obj is not None:
+            out.update((f"{root}.{k}", d.leaf(v)) for k, v in vars(obj).items() if k not in SKIPPED_CONFIG)
+    classes, sources = {}, set()
+    for name, m in model.named_modules():
+        where = f"module {name or '(the model)'}:"
+        for k, v in vars(m).items():
+            if k in SKIPPED_MODULE:
+                continue
+            if k.startswith("__composable_api_"):  # FSDP2's per-module state, under a key with a random uuid
+                out[f"{where} {k.split('_key_')[0]}"] = _short(repr(sorted(
+                    _name(type(x)) for x in (v.values() if isinstance(v, dict) else [v]))))
+            elif type(v).__module__.startswith(RUNTIME_STATE):
+                out[f"{where} {k}"] = _name(type(v))
+            elif k.endswith("hooks") and isinstance(v, dict):  # by the code they run, not their handles' ids;
+                # the frameworks' own (NEFTune, input require-grads, ...) come and go as they run, as in replays
+                out[f"{where} {k}"] = d.leaf([fn for fn in v.values() if not _module_of(fn).startswith(FRAMEWORK_HOOKS)])
+            else:
+                out[f"{where} {k}"] = d.leaf(v)
+        out[f"{where} parameters"] = _short(repr([(n, str(p.dtype), list(p.shape), p.requires_grad)
+                                                  for n, p in m._parameters.items() if p is not None]))
+        out[f"{where} buffers"] = _short(repr([(n, str(b.dtype), list(b.shape), n in m._non_persistent_buffers_set)
+                                               for n, b in m._buffers.items() if b is not None]))
+        out[f"{where} children"] = _short(repr([(n, _name(type(c))) for n, c in m._modules.items()]))
+        classes[type(m)] = None
+        sources.add(type(m).__module__)
+    for cls in classes:
+        out[f"code class {_name(cls)}"] = _class_code(cls, d)
+    for mod_name in sorted(sources | set(CODE_MODULES)):
+        mod = sys.modules.get(mod_name)
+        if mod is not None:
+            out[f"code module {mod_name}"] = _module_code(mod, d)
+    if trainer is not None:
+        from .recording import recorded_trainer_class
+
+        out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
+        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # a method patched on the instance
+                   if hasattr(type(trainer), k) and isinstance(v, (types.FunctionType, types.MethodType,
+                                                                   functools.partial)))
+    for i, cb in enumerate(callbacks):
+        out[f"callback {i} {_name(type(cb))} code"] = _class_code(type(cb), d)
+        out.update((f"callback {i} global {k}", v) for k, v in _globals_read(type(cb), d).items())
+    if optimizer is not None:
+        out.update(optimizer_structure(model, optimizer, d))
+    for where, ds in (datasets.items() if isinstance(datasets, dict) else enumerate(datasets)):
+        fmt = getattr(ds, "format", None)  # a datasets.Dataset's format and transform (set_format, set_transform)
+        if isinstance(fmt, dict):
+            out.update((f"data {where} format {k}", d.leaf(v)) for k, v in fmt.items())
+        for k in ("transform", "_transform", "transforms"):  # torch / torchvision style datasets
+            if getattr(ds, k, None) is not None:
+                out[f"data {where} {k}"] = d.leaf(getattr(ds, k))
+    if collator is not None:
+        inner = collator
+        while hasattr(inner, "collator") and inner.collator is not inner:  # the id-carrying wrapper
+            inner = inner.collator
+        if hasattr(inner, "__dict__") and not isinstance(inner, types.FunctionType):
+            out["data collator class"] = _name(type(inner))
+            out.update((f"data collator {k}", d.leaf(v)) for k, v in vars(inner).items())
+        else:
+            out["data collator"] = d.leaf(inner)
+    out.update(torch_state())
+    return out
+
+
+def optimizer_structure(model, optimizer, d: Digester) -> dict:
+    """The optimizer's whole structure: class, defaults, every group's keys and parameters (by name), the keys of
+    every parameter's state, and every other attribute (its hooks included)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {"optimizer class": _name(type(inner)), "optimizer class code": _class_code(type(inner), d),
+           "optimizer defaults": d.leaf(inner.defaults)}
+    for i, g in enumerate(inner.param_groups):
+        out[f"optimizer group {i} keys"] = ",".join(sorted(g))
+        out[f"optimizer group {i} params"] = _short(",".join(names.get(id(p), "?") for p in g["params"]))
+        out[f"optimizer group {i} state keys"] = _short(repr(sorted({",".join(sorted(inner.state[p]))
+                                                                     for p in g["params"] if p in inner.state})))
+    for k, v in vars(inner).items():
+        if k in SKIPPED_OPTIMIZER:
+            continue
+        if k.endswith("_hooks") and isinstance(v, dict):  # this library's own (its guards, per process) left out
+            v = [fn for fn in v.values() if not _module_of(fn).startswith("hf_unlearn.")]
+        out[f"optimizer.{k}"] = d.leaf(v)
+    return out
+
+
+def _module_of(fn) -> str:
+    while hasattr(fn, "func") or hasattr(fn, "__func__"):  # functools.partial, bound methods
+        fn = getattr(fn, "func", None) or fn.__func__
+    return getattr(fn, "__module__", None) or ""
+
+
+def torch_state() -> dict:
+    """Process-wide switches that change numbers (torch's settings and the numeric environment variables)."""
+    b = torch.backends
+    out = {"torch default_dtype": str(torch.get_default_dtype()), "torch threads": torch.get_num_threads(),
+           "torch interop_threads": torch.get_num_interop_threads(),
+           "torch deterministic": torch.are_deterministic_algorithms_enabled(),
+           "torch matmul_precision": torch.get_float32_matmul_precision(),
+           "torch grad_enabled": torch.is_grad_enabled(), "torch anomaly": torch.is_anomaly_enabled(),
+           "torch mkldnn": b.mkldnn.enabled, "torch opt_einsum": b.opt_einsum.enabled,
+           "torch cpu capability": b.cpu.get_cpu_capability(),
+           "torch sdp": [b.cuda.flash_sdp_enabled(), b.cuda.mem_efficient_sdp_enabled(), b.cuda.math_sdp_enabled()],
+           "torch mha fastpath": b.mha.get_fastpath_enabled(),
+           "torch cuda matmul": [b.cuda.matmul.allow_tf32, b.cuda.matmul.allow_fp16_reduced_precision_reduction,
+                                 b.cuda.matmul.allow_bf16_reduced_precision_reduction],
+           "torch cudnn": [b.cudnn.enabled, b.cudnn.deterministic, b.cudnn.benchmark, b.cudnn.allow_tf32]}
+    out.update((f"environ {k}", v) for k, v in sorted(os.environ.items()) if k.startswith(NUMERIC_ENV))
+    return out
+
+
+def describe_difference(before: dict, after: dict) -> str | None:
+    """The first path whose value differs, in words (None when the two states agree)."""
+    if before == after:
+        return None
+    for k in list(before) + [k for k in after if k not in before]:
+        a, b = before.get(k, _ABSENT), after.get(k, _ABSENT)
+        if a != b:
+            return f"{k} {_show(a)} -> {_show(b)}"
+    return None
+
+
+_ABSENT = object()
+
+
+def _show(value) -> str:
+    text = "(absent)" if value is _ABSENT else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def state_digest_of(state: dict) -> str:
+    """16 hex digits over a :func:`program_state`."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(f"{k}\0{state[k]!r}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def components(state: dict, drop=PROCESS_LOCAL) -> dict[str, str]:
+    """Per component (``args``, ``config``, a module, the code, ...), a digest: what processes compare."""
+    groups: dict[str, list] = {}
+    for k, v in state.items():
+        if k in drop:
+            continue
+        head = k.split(".", 1)[0] if k.startswith(("args.", "config.", "generation_config.", "trainer.")) else \
+            k.split(":", 1)[0] if k.startswith("module ") else k if k.startswith("code ") else \
+            " ".join(k.split(" ", 2)[:2])
+        groups.setdefault(head, []).append(f"{k}\0{v!r}")
+    return {g: hashlib.sha256("\n".join(items).encode()).hexdigest()[:16] for g, items in groups.items()}
+
+
+class ProcessComparison:
+    """On every process of a multi-process recording, after every ``optimizer.step()``: the whole program's
+    components (:func:`components`, process-local fields aside) and an exact digest of the tensors every process
+    holds whole (all of them under DDP; buffers and unsharded tensors under FSDP2), gathered; on the main process a
+    process that differs from process 0 is a program change of that step (a rank-local change is a change, and no
+    replay reproduces it). Every process must build one (the gather is a collective)."""
+
+    def __init__(self, model, optimizer, context, guard=None, step=None):
+        self.model, self.optimizer, self.context, self.guard, self.step = model, optimizer, context, guard, step
+        self.reported: set[str] = set()
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._hook = inner.register_step_post_hook(lambda *a: self.compare())
+
+    def close(self) -> None:
+        self._hook.remove()
+
+    def local(self) -> dict:
+        from .guards import exact_digest, state_tensors, tensor_checksums
+
+        whole = [(n, t) for n, t in _own_tensors(self.model, self.optimizer) if not hasattr(t, "to_local")]
+        names = {n for n, _ in whole}
+        ref = self.guard.ref if self.guard is not None else None  # the main process: its guard read them just now
+        if ref is not None and ref.exact is not None and "whole" in ref.controls:
+            sums, state = {n: v for n, v in ref.exact.items() if n in names}, ref.controls["whole"]
+        else:
+            sums = tensor_checksums([(n, t) for n, t in state_tensors(self.model, self.optimizer) if n in names])
+            state = program_state(self.model, self.optimizer, **self.context())
+        parts = components(state)
+        parts["tensors held whole (parameters, buffers, optimizer state)"] = exact_digest(sums)
+        return parts
+
+    def compare(self) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.local())
+        if self.guard is None:
+            return
+        step = self.step() if self.step is not None else self.guard.step
+        first = gathered[0]
+        for rank, other in enumerate(gathered[1:], 1):
+            for part in sorted(set(first) | set(other)):
+                if first.get(part) != other.get(part) and part not in self.reported:
+                    self.reported.add(part)
+                    self.guard.pending.append({"step": step, "persistent": True,
+                                               "what": f"process {rank}'s {part} differs from process 0's (a change "
+                                                       "made on some processes only; no replay reproduces it)"})
+
+
+def _own_tensors(model, optimizer):
+    from .guards import _own_state_tensors
+
+    return _own_state_tensors(model, optimizer, False)
