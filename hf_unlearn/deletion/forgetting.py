@@ -203,6 +203,9 @@ class ForgetReceipt:
                 if a:
                     rows.append((f"eval {name}", _eval_line(b, a)))
         h = self.state_hashes
+        if (ev.get("output") or {}).get("kind") == "merged adapter":
+            rows.append(("output", f"the replayed adapter merged into its base (model/, published); the adapter in "
+                                   f"{ev['output']['adapter']}"))
         rows.append(("state hashes", f"weights root {h['params_root'][:16]}..."
                      + (f"; trace roots: parameters {h['trace_params_root'][:16]}..., optimizer "
                         f"{h['optimizer_root'][:16]}... (as in the run's deletion log)"
@@ -557,6 +560,9 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     from ..trace.trainers import recorded_trainer
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
+    from .outputs import check_output
+
+    check_output(run)  # a LoRA run is published merged: mergeable here?
     return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", [])),
             "controls": {"status": run.report.summary.get("controls"), "notes": list(run.report.notes)}}
 
@@ -778,8 +784,11 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         from ..trace.sharding import save_consolidated
 
         save_consolidated(run, final, model_dir)
-    else:
-        replay.save_model(str(model_dir))
+        replayed = {}
+    else:  # a LoRA run: the adapter merged into its base (what is published), the adapter itself kept beside it
+        from .outputs import save_output
+
+        replayed = save_output(replay, out / "replay", model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
     elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
@@ -790,6 +799,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
             "with the model")
     saved_files = hashed_files(model_dir)  # config, tokenizer, ... as saved: the receipt checks them
     card_info = replay.unlearning_card_info()
+    if card_info["extra"].get("exact_deletion"):
+        from .outputs import card_fields
+
+        card_info["extra"]["exact_deletion"] = card_fields(card_info["extra"]["exact_deletion"], replayed)
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
                      not_ids=_own_settings(card_info))
     exact = card_info["extra"].get("exact_deletion", {})
@@ -810,6 +823,11 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     }
     log(f"fidelity: {evidence['fidelity']}")
     log(f"numeric stack: {evidence['numeric_stack']}")
+    if replayed.get("merged_adapter"):
+        evidence["output"] = {"kind": "merged adapter", "adapter": replayed["adapter_dir"],
+                              "replayed_params_root": exact.get("replayed_params_root")}
+        log(f"output: the replayed adapter merged into its base in {model_dir} (what is published); the adapter "
+            f"itself in {replayed['adapter_dir']}")
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
         evidence["kept_model"] = run.header["kept_model"]
         log(f"kept model: {run.header['kept_model']['why']}")
@@ -823,7 +841,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                               "optimizer_elements": report["optimizer"]["elements"],
                               "fidelity": report["provenance"]["fidelity"].get("oracle")}
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
-                    trace_params_root=exact.get("params_root"), saved_files=saved_files)
+                    trace_params_root=exact.get("replayed_params_root") or exact.get("params_root"),
+                    saved_files=saved_files, published_root=exact.get("params_root"))
 
 
 def _launched() -> int:
@@ -943,7 +962,8 @@ def _hub_id(source: str) -> str | None:
 
 # -- receipt and publishing ------------------------------------------------------------------------------------
 def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, optimizer_root: str = "",
-             trace_params_root: str | None = None, saved_files: dict | None = None) -> ForgetReceipt:
+             trace_params_root: str | None = None, saved_files: dict | None = None,
+             published_root: str | None = None) -> ForgetReceipt:
     """``state_hashes``: ``params_root`` is the root of the saved safetensors (what the Hub manifest and ``hub verify``
     check; tied duplicates once); for an exact deletion ``trace_params_root`` and ``optimizer_root`` are the replayed
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
@@ -953,10 +973,11 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     from ..keys import load_key
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
-    if plan["mode"] == EXACT and trace_params_root not in (manifest["params_root"], manifest["state_dict_root"]):
+    saved_root = published_root or trace_params_root  # a LoRA run's: the merged weights, not the replayed adapter's
+    if plan["mode"] == EXACT and saved_root not in (manifest["params_root"], manifest["state_dict_root"]):
         # the oracle check compared the replay's checkpoints; the receipt is about the saved folder: same state?
         raise UnlearnError(f"internal check: the weights saved in {model_dir} (root {manifest['params_root'][:16]}...) "
-                           f"are not the replayed state (root {str(trace_params_root)[:16]}...) the evidence is about; "
+                           f"are not the replayed state (root {str(saved_root)[:16]}...) the evidence is about; "
                            "nothing was kept")
     if saved_files is not None:
         from ..hub.publish import CARD_INFO_FILE

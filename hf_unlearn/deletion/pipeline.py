@@ -333,6 +333,11 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
         tokenizer.save_pretrained(model_dir)
     saved_files = hashed_files(model_dir)
     card_info = replay.unlearning_card_info()
+    if exact and card_info["extra"].get("exact_deletion"):  # the card names the published (merged) weights' root
+        from .outputs import card_fields
+
+        card_info["extra"]["exact_deletion"] = card_fields(card_info["extra"]["exact_deletion"],
+                                                           {**exact, "merged_adapter": True})
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
                      not_ids=_own_settings(card_info))
     exact = {**card_info["extra"].get("exact_deletion", {}), **exact}
