@@ -327,6 +327,8 @@ def test_dpo_on_a_gqa_sdpa_model_records_and_deletes_exactly(tmp_path, monkeypat
     forget = deleted_odd_pairs(run)
     receipt = forget_cli(run.path, forget, tmp_path / "out", "--oracle")
     assert receipt["evidence"]["verified"] is True
+    assert "each deleted pair keeps its slot" in receipt["guarantee"] and "normaliser" in receipt["guarantee"]
+    assert "not an output of" not in receipt["guarantee"]  # the reference is the run's own starting folder
     cf = counterfactual(tmp_path, recorder, "qwen2", "full", "dpo", forget, max_steps=3)
     assert compare_states(state_of(cf), load_state(tmp_path / "out" / "oracle"))["identical"]
 
@@ -342,6 +344,35 @@ def test_dpo_on_a_gqa_sdpa_model_records_and_deletes_exactly(tmp_path, monkeypat
     assert not compare_states(state_of(cf), load_state(legacy / "out" / "oracle"))["identical"]
 
 
+def test_the_guarantee_line_names_what_a_dpo_counterfactual_keeps_and_a_reference_from_outside():
+    """The receipt's guarantee line of a DPO deletion says the pair keeps its slot and the normaliser; a stage whose
+    reference is neither its parent's output nor its own start (ref_model= another model) is named with its root,
+    with what the deletion does not change; an SFT-only deletion says nothing of pairs."""
+    from types import SimpleNamespace
+
+    from hf_unlearn.deletion.forgetting import EXACT, ForgetReceipt
+    from hf_unlearn.deletion.preference_terms import preference_terms
+
+    sft = SimpleNamespace(header={"lineage": {"start_root": "a" * 64}})
+    own = SimpleNamespace(header={"lineage": {"start_root": "b" * 64},
+                                  "reference_model": {"kind": "initial", "params_root": "b" * 64}})
+    other = SimpleNamespace(header={"lineage": {"start_root": "c" * 64},
+                                    "reference_model": {"kind": "model", "params_root": "d" * 64}})
+    assert preference_terms([sft]) is None
+    terms = preference_terms([sft, own, other])
+    assert terms == {"stages": [2, 3], "outside_references": [{"stage": 3, "params_root": "d" * 64}]}
+
+    def line(evidence):
+        return ForgetReceipt(mode=EXACT, method="exact", source="", output_dir="", request={}, state_hashes={},
+                             model_dir="", evidence={"verified": True, **evidence}).guarantee
+
+    text = line({"pipeline": [{}], "preference": terms})
+    assert "DPO stage(s) 2, 3: each deleted pair keeps its slot" in text and "(the recorded normaliser)" in text
+    assert "the DPO reference model of stage 3 (params root dddddddddddddddd...) is not an output of this pipeline" \
+        in text
+    assert "keeps its slot" not in line({})
+
+
 # ---- the matrix (slow) ----------------------------------------------------------------------------------------------
 MATRIX = [c for c in itertools.product(FAMILIES, ADAPTERS, TRAINERS, ATTENTIONS, PRECISIONS)]
 
@@ -350,3 +381,54 @@ MATRIX = [c for c in itertools.product(FAMILIES, ADAPTERS, TRAINERS, ATTENTIONS,
 @pytest.mark.parametrize("family,adapter,kind,attn,precision", MATRIX, ids=["-".join(c) for c in MATRIX])
 def test_matrix_forget_oracle_trace_verify_equal_the_counterfactual(tmp_path, family, adapter, kind, attn, precision):
     check_configuration(tmp_path, family, adapter, kind, attn, precision)
+
+
+# ---- a pipeline whose DPO stage loads its model with other settings than its parent was saved with -----------------
+@pytest.mark.slow  # two recordings, a two-stage forget with oracles and a two-stage counterfactual (~45 s of CPU)
+def test_dpo_stage_loaded_with_eager_attention_on_an_sdpa_parent_deletes_a_stage_1_row_as_the_counterfactual(tmp_path):
+    """Stage 1: a full fine-tune (Trainer, Qwen2 GQA shape, SDPA) saved with save_model; stage 2: DPOTrainer on the
+    model loaded from that folder with attn_implementation="eager", ref_model=None (TRL loads the reference with
+    the policy's settings: eager). A stage-1 deletion replays stage 2 from the new parent with the new parent as
+    the reference, which must be loaded as the recorded reference was (eager), not as the parent was saved: the
+    final model equals a plain Trainer then a plain DPOTrainer chain (each loaded as the user loaded it)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.checkpoints import full_model_state, load_checkpoint
+    from hf_unlearn.trace.run import list_checkpoints
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer
+    from .test_trace_sft import state_of
+
+    kw = dict(max_steps=3)
+    s1 = record(tmp_path / "s1", "qwen2", "full", "trainer", **kw)
+    s1.save_model(str(tmp_path / "s1" / "rec"))
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path / "s1" / "rec", attn_implementation="eager")
+    s2 = trainer_for("dpo", True)(model=eager, args=config_for("dpo", tmp_path / "s2", "fp32", **kw),
+                                  train_dataset=data_for("dpo"), processing_class=gpt2(), trace_checkpoint_steps=2,
+                                  trace_checkpoint_retention="even")
+    s2.train()
+    run1, run2 = open_run(tmp_path / "s1" / "rec" / "trace"), open_run(tmp_path / "s2" / "trace")
+    ref = run2.header["reference_model"]
+    assert ref["attn_implementation"] == "eager" and ref["params_root"] == run2.header["lineage"]["start_root"]
+    forget = run1.ids_at_steps([1])[:1]
+    receipt = forget_cli(run2.path, forget, tmp_path / "out", "--oracle")
+    assert receipt["evidence"]["verified"] is True and receipt["evidence"]["pipeline"][1]["reference_replaced"]
+
+    cf1 = recorded_normalisers_trainer(run1.path)(
+        model=real_shape("qwen2"), args=config_for("trainer", tmp_path / "cf1", "fp32", **kw),
+        train_dataset=labels_masked(data_for("trainer"), forget), **trainer_kwargs("trainer", "qwen2", "full"))
+    cf1.train()
+    cf1.save_model(str(tmp_path / "cf1"))
+    cf2 = trainer_for("dpo", False)(
+        model=AutoModelForCausalLM.from_pretrained(tmp_path / "cf1", attn_implementation="eager"),
+        args=config_for("dpo", tmp_path / "cf2", "fp32", **kw), train_dataset=data_for("dpo"),
+        processing_class=gpt2())
+    cf2.train()
+    want = state_of(cf2)["model"]
+    for role in ("replay", "oracle"):
+        folder = tmp_path / "out" / "stage-2" / role
+        cps = list_checkpoints(folder)
+        got = full_model_state(load_checkpoint(cps[max(cps)]))
+        assert not [n for n in want if not torch.equal(got[n], want[n])], role
+    assert published_weights_equal(cf2, tmp_path / "out" / "model")[0]

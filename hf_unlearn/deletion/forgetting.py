@@ -128,6 +128,9 @@ class ForgetReceipt:
             hazards = self.evidence.get("hazards") or []
             caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
                       "not reproduce what the original training computed") if hazards else ""
+            from .preference_terms import preference_clause
+
+            caveat = preference_clause(self.evidence.get("preference"), bool(self.evidence.get("pipeline"))) + caveat
             if verified is True and self.evidence.get("pipeline"):
                 return ("exact through the pipeline: each stage from the first one holding a row replayed with the rows' "
                         "loss contributions set to zero (a store without them), every later stage replayed from step 0 "
@@ -823,6 +826,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     }
     log(f"fidelity: {evidence['fidelity']}")
     log(f"numeric stack: {evidence['numeric_stack']}")
+    from .preference_terms import preference_terms
+
+    if preference_terms([run]):  # what a DPO deletion's counterfactual keeps (the receipt's guarantee line)
+        evidence["preference"] = preference_terms([run])
     if replayed.get("merged_adapter"):
         evidence["output"] = {"kind": "merged adapter", "adapter": replayed["adapter_dir"],
                               "replayed_params_root": exact.get("replayed_params_root")}

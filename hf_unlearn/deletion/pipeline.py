@@ -222,9 +222,9 @@ def _start_from(stage, folder: Path) -> dict:
               "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
     kw = dict(start_weights=weights, start_parent=parent)
     if reference_is_parent(stage):
-        from ..trace.reference import load_reference_model, reference_root
+        from ..trace.reference import reference_as_recorded, reference_root
 
-        ref = load_reference_model(stage, override=model)
+        ref = reference_as_recorded(stage, model)  # loaded with the recorded reference's dtype and attention
         if reference_root(ref) != parent["output_root"]:
             raise UnlearnError(f"{stage.path}: the new parent's model as the DPO reference has another root than its "
                                "output weights; refusing")
@@ -344,6 +344,10 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     evidence = {"pipeline": stages, "pipeline_cost": {k: v for k, v in cost.items() if k != "stages"},
                 "verified": None if not config.oracle else all(verified), "hazards": plan["hazards"],
                 "controls": plan["controls"]}
+    from .preference_terms import preference_terms
+
+    if preference_terms(runs):  # what a DPO stage's counterfactual keeps, and a reference from outside the pipeline
+        evidence["preference"] = preference_terms(runs)
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
                     trace_params_root=exact.get("params_root"), saved_files=saved_files)
 
