@@ -432,3 +432,43 @@ def test_dpo_stage_loaded_with_eager_attention_on_an_sdpa_parent_deletes_a_stage
         got = full_model_state(load_checkpoint(cps[max(cps)]))
         assert not [n for n in want if not torch.equal(got[n], want[n])], role
     assert published_weights_equal(cf2, tmp_path / "out" / "model")[0]
+
+
+# ---- a single LoRA run through publishing and the request service ----------------------------------------------------
+@pytest.mark.slow  # a DPO LoRA recording, a published forget with its oracle and two served batches (~60 s of CPU)
+def test_a_dpo_lora_run_is_published_merged_and_served_by_the_request_service(tmp_path):
+    """trace_recording(DPOTrainer) with peft_config= (the reference is the adapter disabled), SmolLM2's shape:
+    `forget --oracle --repo` publishes the merged model to a local Hub and `hub verify` of the download passes; the
+    request service serves two batches (the second from the first batch's replay), each a loadable merged model
+    whose receipt covers the published folder."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn import forget
+    from hf_unlearn.deletion import DeletionLedger
+    from hf_unlearn.demo import local_hub
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.trace import open_run
+
+    record(tmp_path, "llama_tied", "lora", "dpo")
+    run = open_run(tmp_path / "rec" / "trace")
+    assert run.header["reference_model"]["kind"] == "adapter_disabled"
+    ids = run.ids_at_steps([3])[:1]
+    with local_hub(tmp_path / "hub") as (server, token):
+        receipt = forget(run.path, ids, tmp_path / "out", oracle=True, repo="org/lora", endpoint=server.url,
+                         token=token, progress=False, log=lambda m: None)
+        assert receipt.ok and receipt.evidence["verified"] is True and receipt.published["verify_ok"]
+        assert receipt.published["params_root"] == receipt.state_hashes["params_root"]
+        _, files = server.store.files("model", "org/lora", "deletion-0001")
+        assert "model.safetensors" in files and not any("adapter" in f for f in files)
+
+    ledger = DeletionLedger(run.path, tmp_path / "ledger")
+    ledger.add(run.ids_at_steps([1])[:1], received="2026-11-01")
+    first = ledger.serve_exact(oracle=True, now="2026-11-02", progress=False, log=lambda m: None)
+    ledger.add(run.ids_at_steps([2])[:1], received="2026-11-03")
+    second = ledger.serve_exact(oracle=True, now="2026-11-04", progress=False, log=lambda m: None)
+    for batch in (first, second):
+        r = batch.forget_receipt
+        assert r.ok and r.evidence["verified"] is True
+        assert r.state_hashes["params_root"] == build_manifest(r.model_dir)["params_root"]
+        AutoModelForCausalLM.from_pretrained(r.model_dir)
+    assert ledger.served_model() == tmp_path / "ledger" / "batches" / "batch-0002" / "model"
