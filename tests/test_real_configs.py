@@ -42,16 +42,60 @@ def gpt2():
     return load_tokenizer(TOKENIZERS / "gpt2")
 
 
-def real_shape(family: str, attn: str = "sdpa", seed: int = 0):
+@functools.cache
+def smollm2_folder():
+    """The real SmolLM2-135M-Instruct (GQA: 9 query heads, 3 key/value heads; tied embeddings), de-quantised once
+    from the shared GGUF into a save_pretrained folder (removed at exit), with its tokenizer."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .conftest import SMOLLM2_DIR
+
+    pytest.importorskip("gguf")
+    gguf = sorted(SMOLLM2_DIR.glob("*.gguf"))[0].name
+    folder = Path(tempfile.mkdtemp(prefix="smollm2_"))
+    atexit.register(shutil.rmtree, folder, True)
+    loaded = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, gguf_file=gguf, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=gguf)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.save_pretrained(folder)
+    return folder
+
+
+def tokenizer(family: str):
+    """The GPT-2 tokenizer (50,257 tokens) for the config-built shapes; SmolLM2's own for SmolLM2."""
+    if family == "smollm2":
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(smollm2_folder())
+    return gpt2()
+
+
+def real_shape(family: str, attn: str = "sdpa", seed: int = 0, **overrides):
     """A small model of a real family's shape over the GPT-2 vocabulary: 4 query heads sharing 2 key/value heads
-    (GQA; GPT-NeoX has none), Llama with tied embeddings as SmolLM2, Qwen2 untied."""
+    (GQA; GPT-NeoX has none), Llama with tied embeddings as SmolLM2, Qwen2 untied; or the real SmolLM2-135M."""
     from .test_trace_common import config_model
 
+    if family == "smollm2":
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(smollm2_folder(), attn_implementation=attn)
     tok = gpt2()
     gqa = {"num_attention_heads": 4, "num_key_value_heads": 2}
     kwargs = {"llama_tied": dict(gqa, tie_word_embeddings=True), "qwen2": dict(gqa, tie_word_embeddings=False),
               "gemma3": dict(gqa, head_dim=8, sliding_window=16), "gpt_neox": {"num_attention_heads": 4}}[family]
-    model = config_model("llama" if family == "llama_tied" else family, tok, seed=seed, **kwargs)
+    model = config_model("llama" if family == "llama_tied" else family, tok, seed=seed, **{**kwargs, **overrides})
     model.config._attn_implementation = attn  # as from_pretrained(..., attn_implementation=attn) sets it
     return model
 
@@ -77,7 +121,7 @@ def tofu_rows(n: int = 24):
     return load_tofu("full", TOFU_DIR).select(range(n))
 
 
-def sft_rows(n: int = 24):
+def sft_rows(tok=None, n: int = 24):
     from datasets import Dataset
 
     rows = tofu_rows(n)
@@ -85,16 +129,16 @@ def sft_rows(n: int = 24):
                               "completion": [" " + a for a in rows["answer"]]})
 
 
-def qa_rows(n: int = 24):
+def qa_rows(tok=None, n: int = 24):
     from hf_unlearn.data import tokenize_qa
 
-    return tokenize_qa(tofu_rows(n), gpt2(), max_length=96)
+    return tokenize_qa(tofu_rows(n), tok or gpt2(), max_length=96)
 
 
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "his", "old", "red", "house", "by", "sea")
 
 
-def equal_and_unequal_pairs(n: int = 12):
+def equal_and_unequal_pairs(tok=None, n: int = 12):
     """Preference pairs of single-token words: pairs 0, 2, 4, ... have chosen and rejected rows of one length (36
     tokens with EOS), pairs 1, 3, ... a rejected row two tokens shorter. A microbatch of an even and an odd pair
     holds exactly one padded row, the odd pair's rejected one: a dummy that did not keep that row's length would
@@ -147,14 +191,15 @@ def trainer_for(kind: str, recording: bool):
     return trace_recording(cls) if recording else cls
 
 
-def data_for(kind: str):
-    return {"trainer": qa_rows, "sft": sft_rows, "dpo": equal_and_unequal_pairs}[kind]()
+def data_for(kind: str, family: str = ""):
+    return {"trainer": qa_rows, "sft": sft_rows, "dpo": equal_and_unequal_pairs}[kind](tokenizer(family))
 
 
 def trainer_kwargs(kind: str, family: str, adapter: str) -> dict:
     from hf_unlearn.data import QACollator
 
-    kw = {"processing_class": gpt2()} if kind != "trainer" else {"data_collator": QACollator.from_tokenizer(gpt2())}
+    tok = tokenizer(family)
+    kw = {"processing_class": tok} if kind != "trainer" else {"data_collator": QACollator.from_tokenizer(tok)}
     peft = lora_config(family, adapter)
     if peft is not None:
         kw["peft_config"] = peft
@@ -173,9 +218,12 @@ def base_model(kind: str, family: str, attn: str, folder):
     return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn)
 
 
-def record(tmp_path, family, adapter, kind, attn="sdpa", precision="fp32", **kw):
-    """Record one configuration into ``tmp_path/rec/trace``; returns the recording trainer."""
-    if kind == "trainer" and adapter != "full":
+def record(tmp_path, family, adapter, kind, attn="sdpa", precision="fp32", model=None, **kw):
+    """Record one configuration into ``tmp_path/rec/trace`` (``model``: a full fine-tune of that model); returns the
+    recording trainer."""
+    if model is not None:
+        extra = trainer_kwargs(kind, family, adapter)
+    elif kind == "trainer" and adapter != "full":
         from peft import get_peft_model
 
         model = get_peft_model(real_shape(family, attn), lora_config(family, adapter))
@@ -183,7 +231,7 @@ def record(tmp_path, family, adapter, kind, attn="sdpa", precision="fp32", **kw)
     else:
         model, extra = base_model(kind, family, attn, tmp_path / "base"), trainer_kwargs(kind, family, adapter)
     trainer = trainer_for(kind, True)(model=model, args=config_for(kind, tmp_path / "rec", precision, **kw),
-                                      train_dataset=data_for(kind), trace_checkpoint_steps=2,
+                                      train_dataset=data_for(kind, family), trace_checkpoint_steps=2,
                                       trace_checkpoint_retention="even", **extra)
     trainer.train()
     return trainer
@@ -207,7 +255,7 @@ def counterfactual(tmp_path, recorder, family, adapter, kind, forget, attn="sdpa
                 self._signature_columns = [*self._signature_columns, "id"]
 
         trainer = KeepIds(model=base_model(kind, family, attn, tmp_path / "base"), args=args,
-                          train_dataset=data_for(kind), **trainer_kwargs(kind, family, adapter))
+                          train_dataset=data_for(kind, family), **trainer_kwargs(kind, family, adapter))
         trainer.data_collator = MaskedPairs(trainer.data_collator, forget)
     elif kind == "sft":
         from .test_trace_sft import recorded_normalisers
@@ -224,7 +272,7 @@ def counterfactual(tmp_path, recorder, family, adapter, kind, forget, attn="sdpa
 
             model = get_peft_model(model, lora_config(family, adapter))
         trainer = recorded_normalisers_trainer(run_dir)(
-            model=model, args=args, train_dataset=labels_masked(data_for(kind), forget),
+            model=model, args=args, train_dataset=labels_masked(data_for(kind, family), forget),
             **trainer_kwargs(kind, family, "full"))
     trainer.train()
     return trainer
@@ -384,15 +432,20 @@ def test_matrix_forget_oracle_trace_verify_equal_the_counterfactual(tmp_path, fa
 
 
 # ---- a pipeline whose DPO stage loads its model with other settings than its parent was saved with -----------------
-@pytest.mark.slow  # two recordings, a two-stage forget with oracles and a two-stage counterfactual (~45 s of CPU)
-def test_dpo_stage_loaded_with_eager_attention_on_an_sdpa_parent_deletes_a_stage_1_row_as_the_counterfactual(tmp_path):
-    """Stage 1: a full fine-tune (Trainer, Qwen2 GQA shape, SDPA) saved with save_model; stage 2: DPOTrainer on the
-    model loaded from that folder with attn_implementation="eager", ref_model=None (TRL loads the reference with
-    the policy's settings: eager). A stage-1 deletion replays stage 2 from the new parent with the new parent as
-    the reference, which must be loaded as the recorded reference was (eager), not as the parent was saved: the
-    final model equals a plain Trainer then a plain DPOTrainer chain (each loaded as the user loaded it)."""
+@pytest.mark.slow  # two recordings, a two-stage forget with oracles and a two-stage counterfactual (~45 s of CPU each)
+@pytest.mark.parametrize("load", ["eager", "bf16"])
+def test_a_dpo_stage_loaded_with_other_settings_than_its_parent_deletes_a_stage_1_row_as_the_counterfactual(
+        tmp_path, load):
+    """Stage 1: a full fine-tune (Trainer, Qwen2 GQA shape, SDPA, fp32) saved with save_model; stage 2: DPOTrainer on
+    the model loaded from that folder with attn_implementation="eager" (or dtype=torch.bfloat16), ref_model=None
+    (TRL loads the reference with the policy's settings). The stage keeps its lineage (found by weights: a bf16 load
+    is the parent's output cast, recorded as such). A stage-1 deletion replays stage 2 from the new parent, cast as
+    recorded, with the new parent as the reference loaded as the recorded reference was (eager, or bf16), not as the
+    parent was saved: VERIFIED, `trace verify OUT` agrees, and the final model equals a plain Trainer then a plain
+    DPOTrainer chain, each loaded as the user loaded it."""
     from transformers import AutoModelForCausalLM
 
+    from hf_unlearn.cli import main
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.checkpoints import full_model_state, load_checkpoint
     from hf_unlearn.trace.run import list_checkpoints
@@ -400,28 +453,36 @@ def test_dpo_stage_loaded_with_eager_attention_on_an_sdpa_parent_deletes_a_stage
     from .test_trace_common import labels_masked, recorded_normalisers_trainer
     from .test_trace_sft import state_of
 
+    settings = {"eager": {"attn_implementation": "eager"}, "bf16": {"dtype": torch.bfloat16}}[load]
     kw = dict(max_steps=3)
-    s1 = record(tmp_path / "s1", "qwen2", "full", "trainer", **kw)
+    # weights of a trained model's scale (initializer_range 0.3): the reference's attention kernel shows in its
+    # per-pair log-probabilities (at 0.02, eager and SDPA differ in the last bit of single tokens only, and the
+    # sums over a completion round it away)
+    s1 = record(tmp_path / "s1", "qwen2", "full", "trainer", model=real_shape("qwen2", initializer_range=0.3), **kw)
     s1.save_model(str(tmp_path / "s1" / "rec"))
-    eager = AutoModelForCausalLM.from_pretrained(tmp_path / "s1" / "rec", attn_implementation="eager")
-    s2 = trainer_for("dpo", True)(model=eager, args=config_for("dpo", tmp_path / "s2", "fp32", **kw),
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "s1" / "rec", **settings)
+    s2 = trainer_for("dpo", True)(model=loaded, args=config_for("dpo", tmp_path / "s2", "fp32", **kw),
                                   train_dataset=data_for("dpo"), processing_class=gpt2(), trace_checkpoint_steps=2,
                                   trace_checkpoint_retention="even")
     s2.train()
     run1, run2 = open_run(tmp_path / "s1" / "rec" / "trace"), open_run(tmp_path / "s2" / "trace")
-    ref = run2.header["reference_model"]
-    assert ref["attn_implementation"] == "eager" and ref["params_root"] == run2.header["lineage"]["start_root"]
+    ref, lineage = run2.header["reference_model"], run2.header["lineage"]
+    assert lineage["parent"]["run_id"] == run1.header["run_id"]  # lineage kept, whatever the dtype
+    assert lineage["parent"].get("cast") == ("bfloat16" if load == "bf16" else None)
+    assert ref["params_root"] == lineage["start_root"]
+    assert ref["attn_implementation"] == ("eager" if load == "eager" else "sdpa")
     forget = run1.ids_at_steps([1])[:1]
     receipt = forget_cli(run2.path, forget, tmp_path / "out", "--oracle")
     assert receipt["evidence"]["verified"] is True and receipt["evidence"]["pipeline"][1]["reference_replaced"]
+    assert main(["trace", "verify", str(tmp_path / "out")]) == 0
 
     cf1 = recorded_normalisers_trainer(run1.path)(
-        model=real_shape("qwen2"), args=config_for("trainer", tmp_path / "cf1", "fp32", **kw),
+        model=real_shape("qwen2", initializer_range=0.3), args=config_for("trainer", tmp_path / "cf1", "fp32", **kw),
         train_dataset=labels_masked(data_for("trainer"), forget), **trainer_kwargs("trainer", "qwen2", "full"))
     cf1.train()
     cf1.save_model(str(tmp_path / "cf1"))
     cf2 = trainer_for("dpo", False)(
-        model=AutoModelForCausalLM.from_pretrained(tmp_path / "cf1", attn_implementation="eager"),
+        model=AutoModelForCausalLM.from_pretrained(tmp_path / "cf1", **settings),
         args=config_for("dpo", tmp_path / "cf2", "fp32", **kw), train_dataset=data_for("dpo"),
         processing_class=gpt2())
     cf2.train()
@@ -472,3 +533,13 @@ def test_a_dpo_lora_run_is_published_merged_and_served_by_the_request_service(tm
         assert r.state_hashes["params_root"] == build_manifest(r.model_dir)["params_root"]
         AutoModelForCausalLM.from_pretrained(r.model_dir)
     assert ledger.served_model() == tmp_path / "ledger" / "batches" / "batch-0002" / "model"
+
+
+# ---- the real SmolLM2-135M -------------------------------------------------------------------------------------------
+@pytest.mark.slow  # the real 135M-parameter model: a recording, forget --oracle and a counterfactual (minutes of CPU)
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_smollm2_135m_lora_forget_oracle_equals_the_counterfactual(tmp_path, kind):
+    """SmolLM2-135M-Instruct (de-quantised from the shared GGUF; GQA 9/3 heads, tied embeddings, 49,152 tokens) with
+    a LoRA adapter, SFTTrainer or DPOTrainer (adapter-disabled reference), SDPA: `forget --oracle` VERIFIED, and the
+    oracle's state and the published merged model equal a plain trainer's counterfactual bit for bit."""
+    check_configuration(tmp_path, "smollm2", "lora", kind, max_steps=3)
