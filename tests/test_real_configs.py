@@ -342,6 +342,7 @@ def test_forget_cli_on_a_gqa_lora_sftrainer_run_publishes_the_merged_counterfact
 
     receipt = check_configuration(tmp_path, "llama_tied", "lora", "sft")
     out = tmp_path / "out"
+    assert "the published model is the replayed adapter merged into its base" in receipt["guarantee"]
     assert receipt["state_hashes"]["params_root"] == build_manifest(out / "model")["params_root"]
     assert receipt["state_hashes"]["trace_params_root"] != receipt["state_hashes"]["params_root"]  # adapter + base
     info = json.loads((out / "model" / "unlearning_info.json").read_text())

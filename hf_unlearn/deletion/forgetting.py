@@ -131,6 +131,9 @@ class ForgetReceipt:
             from .preference_terms import preference_clause
 
             caveat = preference_clause(self.evidence.get("preference"), bool(self.evidence.get("pipeline"))) + caveat
+            if (self.evidence.get("output") or {}).get("kind") == "merged adapter":
+                caveat = ("; the published model is the replayed adapter merged into its base (merge_and_unload with "
+                          "the recorded numeric stack; the adapter itself is kept in evidence.output.adapter)" + caveat)
             if verified is True and self.evidence.get("pipeline"):
                 return ("exact through the pipeline: each stage from the first one holding a row replayed with the rows' "
                         "loss contributions set to zero (a store without them), every later stage replayed from step 0 "
