@@ -106,8 +106,7 @@ def lora_config(family: str, adapter: str):
     if adapter == "full":
         return None
     targets = ["query_key_value"] if family == "gpt_neox" else ["q_proj", "v_proj"]
-    head = "embed_out" if family == "gpt_neox" else "lm_head"
-    mts = [head] if adapter == "lora_mts" and family not in ("llama_tied", "gemma3") else None
+    mts = ["lm_head"] if adapter == "lora_mts" and family not in ("llama_tied", "gemma3") else None
     if adapter == "lora_mts" and mts is None:  # a tied head cannot be a separate trainable copy: the last norm instead
         mts = ["norm"]
     return LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=mts, task_type="CAUSAL_LM")
@@ -279,18 +278,18 @@ def counterfactual(tmp_path, recorder, family, adapter, kind, forget, attn="sdpa
 
 
 def published_weights_equal(trainer, model_dir) -> tuple[bool, list[str]]:
-    """Every tensor saved in ``model_dir`` (safetensors) equals the counterfactual's model (a LoRA adapter merged as
-    ``merge_and_unload`` merges it) bit for bit; returns (equal, names that differ or are missing)."""
-    from safetensors.torch import load_file
+    """The model published in ``model_dir``, loaded with ``from_pretrained`` (which maps names a model renames on
+    save, e.g. GPT-NeoX's ``lm_head`` saved as ``embed_out``), equals the counterfactual's model (a LoRA adapter
+    merged as ``merge_and_unload`` merges it) bit for bit; returns (equal, names that differ or are missing)."""
+    from transformers import AutoModelForCausalLM
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     state = model.state_dict()
-    saved = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        saved.update(load_file(f))
-    bad = [n for n, t in saved.items() if n not in state or not torch.equal(state[n], t)]
+    saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(model.parameters()).dtype).state_dict()
+    bad = sorted(n for n in state.keys() | saved.keys()
+                 if n not in state or n not in saved or not torch.equal(state[n], saved[n]))
     return (not bad and bool(saved)), bad
 
 
