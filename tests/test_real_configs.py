@@ -350,24 +350,26 @@ def test_forget_cli_on_a_gqa_lora_sftrainer_run_publishes_the_merged_counterfact
     assert not any("lora" in n for n in loaded.state_dict())
 
 
-def test_dpo_on_a_gqa_sdpa_model_records_and_deletes_exactly(tmp_path, monkeypatch):
+def deleted_odd_pairs(run):
+    """The odd pair of every microbatch (of the first 3 steps) that holds one odd and one even pair of
+    :func:`equal_and_unequal_pairs`: its shorter rejected row is the microbatch's only padded row."""
+    odd = [[int(i.split("-")[1]) % 2 == 1 for i in run.ids_at_steps([s])] for s in range(3)]
+    found = [run.ids_at_steps([s])[2 * j + (not flags[2 * j])] for s, flags in enumerate(odd)
+             for j in range(len(flags) // 2) if flags[2 * j] != flags[2 * j + 1]]
+    assert found, "no microbatch of an even and an odd pair"
+    return found
+
+
+def test_dpo_on_a_gqa_sdpa_model_records_and_deletes_exactly(tmp_path):
     """DPOTrainer on a GQA model with SDPA (Qwen2's shape) is recorded (it was refused at construction), and a pair
     deleted from a microbatch whose only padded row is that pair's shorter row equals a plain DPOTrainer run whose
-    deleted pair has no completion token, bit for bit. The dummy pair keeps the pair's own row lengths: a dummy as
-    long as the longer row in both rows (runs recorded before) removes the padding and the other pair's gradient
-    changes in the last bits; that difference is shown here, so the comparison has the power to see it."""
+    deleted pair has no completion token, bit for bit (the dummy pair keeps the pair's own row lengths); the receipt
+    says what the DPO counterfactual keeps."""
     from hf_unlearn.trace import compare_states, open_run
     from hf_unlearn.trace import preference as pref
     from hf_unlearn.trace.verification import load_state
 
     from .test_trace_sft import state_of
-
-    def deleted_odd_pairs(run):  # the odd pair of every microbatch that holds one odd and one even pair
-        odd = [[int(i.split("-")[1]) % 2 == 1 for i in run.ids_at_steps([s])] for s in range(3)]
-        found = [run.ids_at_steps([s])[2 * j + (not flags[2 * j])] for s, flags in enumerate(odd)
-                 for j in range(len(flags) // 2) if flags[2 * j] != flags[2 * j + 1]]
-        assert found, "no microbatch of an even and an odd pair"
-        return found
 
     recorder = record(tmp_path, "qwen2", "full", "dpo", max_steps=3)
     run = open_run(tmp_path / "rec" / "trace")
@@ -380,16 +382,29 @@ def test_dpo_on_a_gqa_sdpa_model_records_and_deletes_exactly(tmp_path, monkeypat
     cf = counterfactual(tmp_path, recorder, "qwen2", "full", "dpo", forget, max_steps=3)
     assert compare_states(state_of(cf), load_state(tmp_path / "out" / "oracle"))["identical"]
 
-    # the prompt-only dummy (as long as the longer row) of runs recorded before: replay == oracle, but not the
-    # counterfactual (the microbatch lost its padding)
-    legacy = tmp_path / "legacy"
-    legacy.mkdir()
+
+@pytest.mark.slow  # a recording, a forget with its oracle and a counterfactual (~25 s of CPU)
+def test_dpo_gqa_sdpa_the_older_prompt_only_dummy_is_not_the_counterfactual(tmp_path, monkeypatch):
+    """The power of the comparison above: on the same data, a run recorded with the older prompt-only dummy (as long
+    as the pair's longer row in both rows; runs recorded before dataset.pair_rows) is VERIFIED, replay == oracle, but
+    its oracle is not the plain DPOTrainer counterfactual: the microbatch lost its only padded row, and with GQA and
+    SDPA the other pair's gradient changed in the last bits."""
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace import preference as pref
+    from hf_unlearn.trace.verification import load_state
+
+    from .test_trace_sft import state_of
+
     monkeypatch.setattr(pref.PreferenceTraceMixin, "_pair_rows_recorded", lambda self: False)
-    record(legacy, "qwen2", "full", "dpo", max_steps=3)
+    recorder = record(tmp_path, "qwen2", "full", "dpo", max_steps=3)
     monkeypatch.undo()
-    receipt = forget_cli(legacy / "rec" / "trace", forget, legacy / "out", "--oracle")
+    run = open_run(tmp_path / "rec" / "trace")
+    assert not run.header["dataset"][pref.PAIR_ROWS]
+    forget = deleted_odd_pairs(run)
+    receipt = forget_cli(run.path, forget, tmp_path / "out", "--oracle")
     assert receipt["evidence"]["verified"] is True
-    assert not compare_states(state_of(cf), load_state(legacy / "out" / "oracle"))["identical"]
+    cf = counterfactual(tmp_path, recorder, "qwen2", "full", "dpo", forget, max_steps=3)
+    assert not compare_states(state_of(cf), load_state(tmp_path / "out" / "oracle"))["identical"]
 
 
 def test_the_guarantee_line_names_what_a_dpo_counterfactual_keeps_and_a_reference_from_outside():
