@@ -436,6 +436,25 @@ def test_the_guarantee_line_names_what_a_dpo_counterfactual_keeps_and_a_referenc
     assert "keeps its slot" not in line({})
 
 
+def test_a_replays_own_step_ranges_are_not_taken_for_forget_ids():
+    """A replay's card info lists the steps whose fingerprints matched as ranges (``[0, 7]``): a deletion of id 7
+    (a DPO run of 8 steps on rows 0..15, deleting at its last step) was refused after the replay and the oracle had
+    run ("would carry forget ids at extra.fingerprints_matched.controls[1]"). The replay's own numbers in lists are
+    declared as not ids; a 7 anywhere else is still refused."""
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.hub.cards import checked_card_info
+    from hf_unlearn.hub.leaks import own_numbers
+
+    counts = {"segments_replayed": 8, "fingerprints_matched": {"state": [0, 1], "controls": [0, 7]}}
+    info = {"method": "trace-preserving replay", "hyperparameters": {}, "forget_ids": [7], "extra": counts,
+            "citation": "", "paper": "",
+            "not_ids": own_numbers(counts, "extra")}
+    assert own_numbers(counts, "extra")["extra.fingerprints_matched.controls"] == [0, 7]
+    checked_card_info(info)
+    with pytest.raises(UnlearnError, match="forget ids"):
+        checked_card_info({**info, "extra": {**counts, "note": [7]}})
+
+
 # ---- the matrix (slow) ----------------------------------------------------------------------------------------------
 MATRIX = [c for c in itertools.product(FAMILIES, ADAPTERS, TRAINERS, ATTENTIONS, PRECISIONS)]
 
