@@ -141,19 +141,59 @@ def test_a_reference_or_beta_edited_during_training_is_sealed_not_reproducible(t
         assert not (out / "oracle").exists()
 
 
+class NonEmptyPairsDPOTrainer(DPOTrainer):
+    """A loss that couples pairs: the mean over the microbatch's pairs that have a completion token."""
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        loss = super()._compute_loss(model, inputs, return_outputs)
+        mask = inputs["completion_mask"]
+        pairs = mask.shape[0] // 2
+        non_empty = ((mask[:pairs].sum(1) + mask[pairs:].sum(1)) > 0).sum()
+        return loss * pairs / non_empty
+
+
 def test_a_loss_that_couples_the_pairs_of_a_microbatch_is_refused_at_construction(tmp_path):
-    """Attack: a DPOTrainer subclass whose loss is divided by the microbatch's attention-mask tokens. The dummy pair
-    gets no gradient (its tokens have no label), so the probe and the per-microbatch check passed; but the dummy's two
-    rows are both as long as the deleted pair's longer one, so the normaliser of every other pair differs from the
-    run without the pair's contribution. Before: recorded, replay == oracle VERIFIED, and the oracle differed from a
-    plain run of the subclass whose deleted pair has no completion token. Now: the probe also compares the real
-    pair's gradient beside the dummy with its gradient beside a real pair no longer than the dummy, bit for bit; they
-    differ, and the recording is refused at construction."""
+    """Attack: a DPOTrainer subclass whose loss is a mean over the microbatch's non-empty pairs. The dummy pair gets
+    no gradient (its tokens have no label), so a zero-gradient probe passes, but deleting a pair re-weights the others.
+    The probe compares the real pair's gradient beside the dummy with its gradient beside a real pair of the same row
+    lengths, bit for bit; they differ, and the recording is refused at construction."""
     from hf_unlearn.errors import UnlearnError
 
     tok, data = pairs(n=4)
     with pytest.raises(UnlearnError, match="weights a pair by what the other pairs of its microbatch hold"):
-        recorder(tmp_path / "rec", tok, data, tmp_path / "base", trainer_cls=TokenMeanDPOTrainer)
+        recorder(tmp_path / "rec", tok, data, tmp_path / "base", trainer_cls=NonEmptyPairsDPOTrainer)
+
+
+@pytest.mark.slow  # a recording, replay, oracle and a plain counterfactual run (~10 s of CPU)
+def test_a_loss_divided_by_the_attention_tokens_deletes_as_its_counterfactual(tmp_path):
+    """A DPOTrainer subclass whose loss is divided by the microbatch's attention-mask tokens. Before, the dummy pair's
+    two rows were both as long as the deleted pair's longer one, so that normaliser differed from the run with the
+    pair's completion masked: replay == oracle VERIFIED, and the oracle was not the counterfactual (then it was
+    refused at construction). The dummy now keeps the pair's own row lengths, so its attention tokens, as the
+    counterfactual keeps the deleted pair's tokens: recorded, VERIFIED, and equal to a plain run of the subclass
+    whose deleted pair has no completion token, bit for bit."""
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.verification import load_state
+
+    from .test_trace_dpo import MaskedPairs
+    from .test_trace_sft import state_of
+
+    tok, data = pairs(n=8)
+    recorder(tmp_path / "rec", tok, data, tmp_path / "base", trainer_cls=TokenMeanDPOTrainer, max_steps=2).train()
+    run = open_run(tmp_path / "rec" / "trace")
+    forget = run.ids_at_steps([0])[:1]
+    assert forget_and_verify(run.path, forget, tmp_path)[2]["verified"]
+
+    class KeepIds(TokenMeanDPOTrainer):
+        def _set_signature_columns_if_needed(self):
+            super()._set_signature_columns_if_needed()
+            self._signature_columns = [*self._signature_columns, "id"]
+
+    cf = KeepIds(model=saved_model(tmp_path / "base", tok), args=dpo_config(tmp_path / "cf", max_steps=2),
+                 train_dataset=data, processing_class=tok)
+    cf.data_collator = MaskedPairs(cf.data_collator, forget)
+    cf.train()
+    assert compare_states(state_of(cf), load_state(tmp_path / "oracle"))["identical"]
 
 
 def test_a_recording_resumed_with_another_reference_is_refused(tmp_path):

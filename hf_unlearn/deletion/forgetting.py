@@ -132,6 +132,12 @@ class ForgetReceipt:
             hazards = self.evidence.get("hazards") or []
             caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
                       "not reproduce what the original training computed") if hazards else ""
+            from .preference_terms import preference_clause
+
+            caveat = preference_clause(self.evidence.get("preference"), bool(self.evidence.get("pipeline"))) + caveat
+            if (self.evidence.get("output") or {}).get("kind") == "merged adapter":
+                caveat = ("; the published model is the replayed adapter merged into its base (merge_and_unload with "
+                          "the recorded numeric stack; the adapter itself is kept in evidence.output.adapter)" + caveat)
             if verified is True and self.evidence.get("pipeline"):
                 return ("exact through the pipeline: each stage from the first one holding a row replayed with the rows' "
                         "loss contributions set to zero (a store without them), every later stage replayed from step 0 "
@@ -228,6 +234,9 @@ class ForgetReceipt:
                     rows.append((f"eval {name}", _eval_line(b, a)))
             if ev.get("rouge_l"):
                 rows.append(("eval", ev["rouge_l"]))
+        if (ev.get("output") or {}).get("kind") == "merged adapter":
+            rows.append(("output", f"the replayed adapter merged into its base (model/, published); the adapter in "
+                                   f"{ev['output']['adapter']}"))
         rows.append(("state hashes", _state_hashes_line(self.state_hashes)))
         if self.published and self.published.get("error"):
             rows.append(("published", f"FAILED: {self.published['error']}"))
@@ -260,6 +269,8 @@ def _state_hashes_line(h: dict) -> str:
             parts.append(f"{ROOT_NAMES[name]} {h[name][:16]}..." + (replayed if h.get("trace_params_root") == h[name]
                                                                     else ""))
             replayed = "" if h.get("trace_params_root") == h[name] else replayed
+    if replayed and h.get("trace_params_root"):  # a merged LoRA output: the replayed adapter+base is another root
+        parts.append(f"replayed adapter+base root {h['trace_params_root'][:16]}...{replayed}")
     if h.get("optimizer_root"):
         parts.append(f"optimizer root {h['optimizer_root'][:16]}...")
     return ", ".join(parts)
@@ -650,6 +661,9 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     from ..trace.trainers import recorded_trainer
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
+    from .outputs import check_output
+
+    check_output(run)  # a LoRA run is published merged: mergeable here?
     return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", [])),
             "controls": {"status": run.report.summary.get("controls"), "notes": list(run.report.notes)}}
 
@@ -874,8 +888,11 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         from ..trace.sharding import save_consolidated
 
         save_consolidated(run, final, model_dir)
-    else:
-        replay.save_model(str(model_dir))
+        replayed = {}
+    else:  # a LoRA run: the adapter merged into its base (what is published), the adapter itself kept beside it
+        from .outputs import save_output
+
+        replayed = save_output(replay, out / "replay", model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
     elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
@@ -886,6 +903,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
             "with the model")
     saved_files = hashed_files(model_dir)  # config, tokenizer, ... as saved: the receipt checks them
     card_info = replay.unlearning_card_info()
+    if card_info["extra"].get("exact_deletion"):
+        from .outputs import card_fields
+
+        card_info["extra"]["exact_deletion"] = card_fields(card_info["extra"]["exact_deletion"], replayed)
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
                      not_ids=_own_settings(card_info))
     exact = card_info["extra"].get("exact_deletion", {})
@@ -909,6 +930,15 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     }
     log(f"fidelity: {evidence['fidelity']}")
     log(f"numeric stack: {evidence['numeric_stack']}")
+    from .preference_terms import preference_terms
+
+    if preference_terms([run]):  # what a DPO deletion's counterfactual keeps (the receipt's guarantee line)
+        evidence["preference"] = preference_terms([run])
+    if replayed.get("merged_adapter"):
+        evidence["output"] = {"kind": "merged adapter", "adapter": replayed["adapter_dir"],
+                              "replayed_params_root": exact.get("replayed_params_root")}
+        log(f"output: the replayed adapter merged into its base in {model_dir} (what is published); the adapter "
+            f"itself in {replayed['adapter_dir']}")
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
         evidence["kept_model"] = run.header["kept_model"]
         log(f"kept model: {run.header['kept_model']['why']}")
@@ -922,7 +952,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                               "optimizer_elements": report["optimizer"]["elements"],
                               "fidelity": report["provenance"]["fidelity"].get("oracle")}
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
-                    trace_params_root=exact.get("params_root"), saved_files=saved_files)
+                    trace_params_root=exact.get("replayed_params_root") or exact.get("params_root"),
+                    saved_files=saved_files, published_root=exact.get("params_root"))
 
 
 def _launched() -> int:
@@ -1049,7 +1080,8 @@ def _hub_id(source: str) -> str | None:
 
 # -- receipt and publishing ------------------------------------------------------------------------------------
 def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, optimizer_root: str = "",
-             trace_params_root: str | None = None, saved_files: dict | None = None) -> ForgetReceipt:
+             trace_params_root: str | None = None, saved_files: dict | None = None,
+             published_root: str | None = None) -> ForgetReceipt:
     """``state_hashes``: ``params_root`` is the root of the saved safetensors (what the Hub manifest and ``hub verify``
     check; tied duplicates once); for an exact deletion ``trace_params_root`` and ``optimizer_root`` are the replayed
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
@@ -1059,10 +1091,11 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     from ..keys import load_key
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
-    if plan["mode"] == EXACT and trace_params_root not in (manifest["params_root"], manifest["state_dict_root"]):
+    saved_root = published_root or trace_params_root  # a LoRA run's: the merged weights, not the replayed adapter's
+    if plan["mode"] == EXACT and saved_root not in (manifest["params_root"], manifest["state_dict_root"]):
         # the oracle check compared the replay's checkpoints; the receipt is about the saved folder: same state?
         raise UnlearnError(f"internal check: the weights saved in {model_dir} (root {manifest['params_root'][:16]}...) "
-                           f"are not the replayed state (root {str(trace_params_root)[:16]}...) the evidence is about; "
+                           f"are not the replayed state (root {str(saved_root)[:16]}...) the evidence is about; "
                            "nothing was kept")
     if saved_files is not None:
         from ..hub.publish import CARD_INFO_FILE

@@ -211,7 +211,14 @@ def _start_from(stage, folder: Path) -> dict:
     """The replay arguments of ``stage`` starting from the output of the replayed run in ``folder``: its weights, the
     parent's record and, for a DPO stage whose reference was its parent, the new parent's model as the reference
     (:func:`hf_unlearn.trace.reference.load_reference_model` with ``override``)."""
-    from ..trace.lineage import output_model, output_weights, reference_is_parent, weights_root
+    from ..trace.lineage import (
+        cast_weights,
+        lineage_of,
+        output_model,
+        output_weights,
+        reference_is_parent,
+        weights_root,
+    )
 
     run = open_quietly(folder)
     needs_model = (run.header.get("model") or {}).get("peft") or reference_is_parent(stage)
@@ -220,12 +227,16 @@ def _start_from(stage, folder: Path) -> dict:
     parent = {"run_id": run.header["run_id"], "origin_run_id": run.header.get("origin_run_id"),
               "output_root": weights_root(weights), "via": "pipeline", "steps": run.kept().total_steps,
               "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
+    cast = (lineage_of(stage).get("parent") or {}).get("cast")  # the stage loaded its parent in this dtype
+    if cast:  # it starts from the parent's output cast as recorded (the replay checks that start root)
+        weights = cast_weights(weights, cast)
+        parent.update(cast=cast, start_root=weights_root(weights))
     kw = dict(start_weights=weights, start_parent=parent)
     if reference_is_parent(stage):
-        from ..trace.reference import load_reference_model, reference_root
+        from ..trace.reference import reference_as_recorded, reference_root
 
-        ref = load_reference_model(stage, override=model)
-        if reference_root(ref) != parent["output_root"]:
+        ref = reference_as_recorded(stage, model)  # loaded with the recorded reference's dtype and attention
+        if reference_root(ref) != parent.get("start_root", parent["output_root"]):
             raise UnlearnError(f"{stage.path}: the new parent's model as the DPO reference has another root than its "
                                "output weights; refusing")
         kw["ref_model"] = ref
@@ -278,7 +289,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
         kw = {}
         if prev_replay is not None:
             kw = dict(start="full", **_start_from(run, prev_replay))
-            entry["new_start_root"] = kw["start_parent"]["output_root"]
+            entry["new_start_root"] = kw["start_parent"].get("start_root", kw["start_parent"]["output_root"])
             entry["reference_replaced"] = "ref_model" in kw
         log(f"stage {k}: {s['why']}")
         replay = with_replay_progress(RedactedReplayTrainer, f"stage {k} replay", config.progress)(
@@ -333,12 +344,21 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
         tokenizer.save_pretrained(model_dir)
     saved_files = hashed_files(model_dir)
     card_info = replay.unlearning_card_info()
+    if exact and card_info["extra"].get("exact_deletion"):  # the card names the published (merged) weights' root
+        from .outputs import card_fields
+
+        card_info["extra"]["exact_deletion"] = card_fields(card_info["extra"]["exact_deletion"],
+                                                           {**exact, "merged_adapter": True})
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
                      not_ids=_own_settings(card_info))
     exact = {**card_info["extra"].get("exact_deletion", {}), **exact}
     evidence = {"pipeline": stages, "pipeline_cost": {k: v for k, v in cost.items() if k != "stages"},
                 "verified": None if not config.oracle else all(verified), "hazards": plan["hazards"],
                 "controls": plan["controls"]}
+    from .preference_terms import preference_terms
+
+    if preference_terms(runs):  # what a DPO stage's counterfactual keeps, and a reference from outside the pipeline
+        evidence["preference"] = preference_terms(runs)
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
                     trace_params_root=exact.get("params_root"), saved_files=saved_files)
 
@@ -365,7 +385,7 @@ def verify_pipeline(out) -> dict:
     oracle output (run id and weights root, recomputed from the checkpoints), the first replayed stage is a replay
     of the receipt's run, the receipt's roots are the folders', and the model folder is the last replay's state.
     Returns ``{"verified": bool, "problems": [...], "stages": [...]}``."""
-    from ..trace.lineage import lineage_of, output_root
+    from ..trace.lineage import lineage_of, output_root, start_root_from
     from ..trace.verification import verify
     from .forgetting import load_receipt
 
@@ -417,7 +437,9 @@ def verify_pipeline(out) -> dict:
                 if lin.get("start_root") != st.get("start_root"):
                     problems.append(f"{name}: the {role} starts from root {str(lin.get('start_root'))[:16]}..., not "
                                     f"the recorded stage's start {str(st.get('start_root'))[:16]}...")
-                if k and lin.get("start_root") != stages[k - 1].get("output_root"):
+                cast = (lin.get("parent") or {}).get("cast")  # loaded in another dtype: its parent's root is recorded
+                started = (lin.get("parent") or {}).get("output_root") if cast else lin.get("start_root")
+                if k and started != stages[k - 1].get("output_root"):
                     problems.append(f"{name}: the {role} does not start from stage {k}'s recorded output")
                 if k and (lin.get("parent") or {}).get("run_id") != stages[k - 1].get("run_id"):
                     problems.append(f"{name}: the {role} starts from run {(lin.get('parent') or {}).get('run_id')}, "
@@ -428,7 +450,7 @@ def verify_pipeline(out) -> dict:
                 if parent.get("run_id") != before.header["run_id"]:
                     problems.append(f"{name}: the {role} starts from run {parent.get('run_id')}, not from stage {k}'s "
                                     f"{role} output (run {before.header['run_id']}): a swapped parent")
-                if lin.get("start_root") != output_root(before):
+                if lin.get("start_root") != start_root_from(before, parent.get("cast")):
                     problems.append(f"{name}: the {role} starts from root {str(lin.get('start_root'))[:16]}..., not "
                                     f"stage {k}'s {role} output")
                 try:

@@ -68,6 +68,9 @@ def own_numbers(tree: Mapping[str, Any], prefix: str) -> dict[str, list[int | fl
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
                 and float(value).is_integer():
             found.append(value)
+        elif isinstance(value, (list, tuple)):  # e.g. a replay's matched step range [0, 7]
+            found += [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v) and float(v).is_integer()]
         if found:
             out[path] = out.get(path, []) + found
     return out

@@ -120,6 +120,29 @@ def output_root(run) -> str:
     return weights_root(output_weights(run))
 
 
+# ---- a stage loaded in another dtype than its parent saved (from_pretrained(parent, dtype=torch.bfloat16)) ----------
+def float_dtype(state: dict) -> str | None:
+    """The one floating dtype of a model's weights (``"bfloat16"``), None if they mix dtypes or hold none."""
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def cast_weights(weights: dict, dtype: str | None) -> dict:
+    """``weights`` with every floating tensor cast to ``dtype`` (as ``from_pretrained(..., dtype=)`` loads them)."""
+    if not dtype:
+        return weights
+    import torch
+
+    to = getattr(torch, dtype)
+    return {n: t.to(to) if t.is_floating_point() else t for n, t in weights.items()}
+
+
+def start_root_from(parent_run, cast: str | None = None) -> str:
+    """The root a child starts from when it loads ``parent_run``'s output (cast to ``cast``, the dtype the child
+    loaded it in, when that is recorded in its lineage's parent)."""
+    return output_root(parent_run) if not cast else weights_root(cast_weights(output_weights(parent_run), cast))
+
+
 # ---- finding a parent -------------------------------------------------------------------------------------------
 def open_quietly(path):
     import warnings
@@ -225,11 +248,18 @@ def record_lineage(model, run_dir, hint=None) -> dict:
             if declared:
                 raise UnlearnError(f"trace_parent={hint}: {e}") from None
             continue
-        if root == start:
+        cast = None
+        if root != start and float_dtype(state):  # loaded in another dtype than the parent saved (bf16 from fp32)?
+            cast = float_dtype(state)
+            if weights_root(cast_weights(output_weights(run), cast)) != start:
+                cast = None
+        if root == start or cast:
             parent = {"kind": "run", "run_id": run.header["run_id"],
                       "origin_run_id": run.header.get("origin_run_id", run.header["run_id"]),
                       "output_root": root, "via": via, "steps": run.kept().total_steps,
                       "trainer": (run.header.get("trainer") or {}).get("class", "transformers.trainer:Trainer")}
+            if cast:  # the parent's output weights, each floating tensor cast to this dtype, are the start
+                parent["cast"] = cast
             private = private_dir(run_dir) / PRIVATE_FILE.name
             atomic_write_text(private, json.dumps({"parent_path": str(Path(folder).resolve())}, indent=1), private=True)
             return {"start_root": start, "parent": parent}
@@ -326,8 +356,8 @@ def check_pipeline(runs, check_roots: bool = True) -> list[dict]:
             stages.append({"run": run, "parent": None})
             continue
         prev = runs[k - 1]
-        recorded = lin["start_root"]
-        if (lin.get("parent") or {}).get("output_root") != recorded:
+        recorded = (lin.get("parent") or {}).get("output_root")
+        if recorded != lin["start_root"] and not (lin.get("parent") or {}).get("cast"):
             raise UnlearnError(f"{name}: its lineage is inconsistent (start root and parent output root differ)")
         if check_roots:
             now = output_root(prev)

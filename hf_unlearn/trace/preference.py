@@ -3,16 +3,21 @@ what a recording refuses (see :mod:`hf_unlearn.trace.reference` for the referenc
 
 ``trace_recording(DPOTrainer)`` records a DPO run like any other: the store holds DPOTrainer's prepared rows
 (``prompt_ids``, ``chosen_ids``, ``rejected_ids`` and the id), one slot per preference pair. A deleted pair's slot is
-filled by a **prompt-only dummy pair**: ``prompt_ids`` = ``n`` dummy tokens, ``chosen_ids`` = ``rejected_ids`` = ``[]``,
-where ``n`` is the longer of the pair's two sequences (prompt + chosen, prompt + rejected). ``DataCollatorForPreference``
-turns it into a chosen row and a rejected row of ``n`` tokens each whose ``completion_mask`` is all zero, so
+filled by a **dummy pair of the pair's own row lengths**: its chosen row has the deleted pair's ``prompt + chosen``
+tokens and its rejected row ``prompt + rejected`` tokens, all the dummy token, and the replay's collator
+(:class:`PairDummyCollator` around the run's own) zeroes the ``completion_mask`` of both rows. The plan records both
+row lengths of every pair (:func:`pair_code`), so
 
 * its labels are all ``-100``: TRL's fused LM head fills the log-probabilities of unlabelled positions with exactly 0
   through ``masked_fill`` (whose gradient there is exactly 0), so the pair's policy and reference log-probabilities are
   the constant 0, every score of the pair is a constant, and its per-pair loss has a gradient that is *structurally*
   zero (zeros multiplied through, no cancellation of two non-zero terms);
-* no row is longer than the pair it replaces, so the collated batch keeps its shape and every other pair's
-  computation is unchanged (each row attends only to itself);
+* every row keeps its length, so the collated batch keeps its shape **and its padding**: every other pair's
+  computation is bit-identical. The padding matters: with grouped-query attention and SDPA, ``transformers`` runs a
+  microbatch without any padded row through SDPA's GQA kernel without a mask, and one with a padded row through a
+  masked kernel on repeated key/value heads; the two agree only to the last bits, so a dummy that changed which rows
+  are padded (runs recorded before, whose dummy pair was prompt-only, as long as the longer row) changes the other
+  pairs' gradients in the last bits;
 * it keeps its slot: the per-microbatch mean over pairs divides by the same number of pairs (the recorded slots), and
   ``Trainer`` divides by the recorded accumulation steps. DPO's loss ignores ``num_items_in_batch``, so these two
   are the run's whole normaliser.
@@ -113,25 +118,82 @@ def dpo_refusal(args) -> str | None:
     return None
 
 
+# A run's plan records each pair's slot length as pair_code(): both row lengths (header dataset.pair_rows). Runs recorded
+# before hold the longer row's length, whose dummy is prompt-only (both rows that long).
+PAIR_ROWS = "pair_rows"
+_ROW_BITS = 32
+DUMMY_KEY = "__hf_unlearn_dummy_pair__"  # marks a dummy pair for PairDummyCollator (never reaches the run's collator)
+
+
 def pair_length(row: dict) -> int:
     """The slot length of a preference pair: its longer sequence (prompt + chosen or prompt + rejected)."""
     prompt = len(row["prompt_ids"])
     return prompt + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
 
 
+def pair_code(row: dict) -> int:
+    """The plan's length of a pair: its chosen row's length (+1, so no code is a plain length) above 32 bits, its
+    rejected row's below; :func:`pair_rows` reads it back (a plain length: both rows that long)."""
+    prompt = len(row["prompt_ids"])
+    return ((prompt + len(row["chosen_ids"]) + 1) << _ROW_BITS) | (prompt + len(row["rejected_ids"]))
+
+
+def pair_rows(code: int) -> tuple[int, int]:
+    """``(chosen row length, rejected row length)`` of a plan length (:func:`pair_code`, or a run's older plain one)."""
+    high = code >> _ROW_BITS
+    return (code, code) if high == 0 else (high - 1, code & ((1 << _ROW_BITS) - 1))
+
+
 def dummy_pair(template: dict, length: int, dummy_token_id: int, id_column: str) -> dict:
-    """The prompt-only pair that fills a deleted slot: ``length`` dummy prompt tokens, no chosen nor rejected token."""
+    """The pair that fills a deleted slot: rows of the lengths ``length`` codes (:func:`pair_rows`), all dummy tokens,
+    marked for :class:`PairDummyCollator`, which gives them no completion token. A plain length (an older run): the
+    prompt-only pair, ``length`` dummy prompt tokens and no chosen nor rejected token."""
+    chosen, rejected = pair_rows(length)
+    prompt = min(chosen, rejected)
     row = {}
     for k, v in template.items():
         if k == id_column:
             continue
         if k == "prompt_ids":
-            row[k] = [dummy_token_id] * length
+            row[k] = [dummy_token_id] * prompt
+        elif k == "chosen_ids":
+            row[k] = [dummy_token_id] * (chosen - prompt)
+        elif k == "rejected_ids":
+            row[k] = [dummy_token_id] * (rejected - prompt)
         elif isinstance(v, list):
             row[k] = []
         else:
             row[k] = type(v)() if v is not None else None
+    if length >> _ROW_BITS:
+        row[DUMMY_KEY] = True
     return row
+
+
+class PairDummyCollator:
+    """The run's preference collator, with the completion mask of every dummy pair (both its rows) zeroed: the
+    dummy keeps the deleted pair's row lengths, hence the microbatch's shape and padding, and has no completion
+    token. Rows without the mark are collated as the run's collator collates them."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        marked = [k for k, f in enumerate(features) if f.get(DUMMY_KEY)]
+        batch = self.collator([{k: v for k, v in f.items() if k != DUMMY_KEY} for f in features])
+        if marked:
+            mask = batch.get("completion_mask")
+            if not torch.is_tensor(mask) or mask.shape[0] != 2 * len(features):
+                raise UnlearnError("the run's preference collator gives no completion_mask of chosen rows then rejected "
+                                   "rows (DataCollatorForPreference's layout): a deleted pair's dummy cannot be given "
+                                   "weight 0; replay with the collator the run was recorded with")
+            rows = torch.tensor(marked + [len(features) + k for k in marked])
+            batch["completion_mask"] = mask.index_fill(0, rows, 0)
+        return batch
+
+    def __getattr__(self, name):  # the run's collator's settings (pad_token_id, max_length, ...)
+        if name == "collator":
+            raise AttributeError(name)
+        return getattr(self.collator, name)
 
 
 def dummy_pair_has_weight(collator, row: dict) -> bool:
@@ -247,43 +309,64 @@ class PreferenceTraceMixin:
         return super(TraceRecordingMixin, self)._prepare_dataset(dataset, *args, **kwargs)
 
     # ---- the dummy pair (hooks of TraceRecordingMixin and the replays) -------------------------------------
+    @property
+    def data_collator(self):
+        return self.__dict__.get("_trace_pair_collator")
+
+    @data_collator.setter
+    def data_collator(self, collator):
+        """A replay collates with :class:`PairDummyCollator` around the run's collator (the dummy pair's mask)."""
+        if self._is_replay and collator is not None and not isinstance(collator, PairDummyCollator):
+            collator = PairDummyCollator(collator)
+        self.__dict__["_trace_pair_collator"] = collator
+
+    def _pair_rows_recorded(self) -> bool:
+        """Whether the plan's lengths are :func:`pair_code` (a recording now, or a replay of a run recorded so)."""
+        run = getattr(self, "run", None) if self._is_replay else None
+        return run is None or bool((run.header.get("dataset") or {}).get(PAIR_ROWS))
+
     def _trace_row_lengths(self, served) -> list[int]:
-        return [p + max(c, r) for p, c, r in zip(*([len(x) for x in served[k]] for k in STORE_COLUMNS))]
+        columns = [served[k] for k in STORE_COLUMNS]
+        return [self._trace_row_length(dict(zip(STORE_COLUMNS, row))) for row in zip(*columns)]
 
     def _trace_row_length(self, row: dict) -> int:
-        return pair_length(row)
+        return pair_code(row) if self._pair_rows_recorded() else pair_length(row)
 
     def _trace_dummy_row(self, template: dict, length: int, token: int) -> dict:
         return dummy_pair(template, length, token, self.id_column)
 
     def _trace_dummy_has_weight(self, collator, row: dict) -> bool:
-        return dummy_pair_has_weight(collator, row)
+        collator = collator if isinstance(collator, PairDummyCollator) else PairDummyCollator(collator)
+        template = {k: v for k, v in row.items() if k != DUMMY_KEY}
+        coded = dummy_pair(template, pair_code({"prompt_ids": [0] * 2, "chosen_ids": [0] * 2, "rejected_ids": [0]}),
+                           self.dummy_token_id, self.id_column)  # rows of unequal lengths, as most pairs have
+        return dummy_pair_has_weight(collator, row) or dummy_pair_has_weight(collator, coded)
 
     def _check_dummy_has_no_influence(self, row: dict) -> None:
-        """DPOTrainer's loss on a real pair A beside a deleted slot's dummy pair D (A's own length): the gradient at
-        D's input embeddings (both of its rows) must be exactly zero, and the gradient at A's must be bit for bit the
-        one A gets beside a real pair B no longer than D (A with one token of each completion: the padded width, so
-        A's own computation, is the same): a loss that couples the pairs of a microbatch (a mean over all completion
-        or attention tokens, a count of non-empty pairs, a sort) re-weights A when its neighbour is deleted, which no
-        zero gradient at D shows. Once, at construction, at the initial weights."""
+        """DPOTrainer's loss on a real pair A beside a deleted slot's dummy pair D (A's own row lengths): the gradient
+        at D's input embeddings (both of its rows) must be exactly zero, and the gradient at A's must be bit for bit
+        the one A gets beside a real pair B of the same row lengths (a copy of A: the microbatch's shape and padding,
+        so every kernel A's rows go through, are the same): a loss that couples the pairs of a microbatch (a mean over
+        all completion or attention tokens, a count of non-empty pairs, a sort) re-weights A when its neighbour is
+        deleted, which no zero gradient at D shows. Once, at construction, at the initial weights."""
         name = type(self).__mro__[0].__qualname__
-        dummy = dummy_pair(row, pair_length(row), self.dummy_token_id, self.id_column)
-        marked = dummy_pair(row, pair_length(row), self.dummy_token_id + 1, self.id_column)
-        collated = self.data_collator([dict(row), dummy])
-        mask = dummy_positions(collated, self.data_collator([dict(row), marked])).to(self.args.device)
+        collator = PairDummyCollator(self.data_collator)
+        dummy = dummy_pair(row, self._trace_row_length(row), self.dummy_token_id, self.id_column)
+        marked = dummy_pair(row, self._trace_row_length(row), self.dummy_token_id + 1, self.id_column)
+        collated = collator([dict(row), dummy])
+        mask = dummy_positions(collated, collator([dict(row), marked])).to(self.args.device)
         watch = DummyGradientWatch(self.model, mask)
         beside_dummy = self._probe_gradient(collated, ~mask, watch)
         if bool(watch.flag):
             raise UnlearnError(f"{name}.compute_loss gives the dummy pair that replaces a deleted pair a gradient "
                                f"(largest |gradient| {float(watch.largest):.3g} at its input embeddings): a deleted "
                                "pair would not have weight 0; weight every term by the completion mask")
-        short = {**row, "chosen_ids": row["chosen_ids"][:1], "rejected_ids": row["rejected_ids"][:1]}
-        pair = self.data_collator([dict(row), short])
+        pair = collator([dict(row), dict(row)])
         if beside_dummy is not None and not torch.equal(beside_dummy, self._probe_gradient(pair, ~mask)):
             raise UnlearnError(f"{name}.compute_loss weights a pair by what the other pairs of its microbatch hold (its "
-                               "gradient beside a deleted pair's dummy is not the one beside a real pair): deleting a "
-                               "pair would re-weight the others, so a replay is not the run without it; make the loss "
-                               "a mean over the microbatch's pairs of per-pair terms")
+                               "gradient beside a deleted pair's dummy is not the one beside a real pair of the same "
+                               "row lengths): deleting a pair would re-weight the others, so a replay is not the run "
+                               "without it; make the loss a mean over the microbatch's pairs of per-pair terms")
 
     def _probe_gradient(self, collated: dict, keep: torch.Tensor, *watches):
         """The gradient ``compute_loss`` gives the input embeddings at ``keep`` (eval mode, metrics untouched), with
@@ -329,6 +412,8 @@ class PreferenceTraceMixin:
         with pinned_stack(header):  # a reload's probe is compared with the one computed under the run's stack
             header["reference_model"] = save_reference(self._trace_reference, self.trace_dir)
         header["dataset"]["pairs"] = True
+        if not self._is_replay:
+            header["dataset"][PAIR_ROWS] = self._pair_rows_recorded()  # the plan's lengths are pair_code()
         return header
 
     def _check_resumed_reference(self, previous: dict, header: dict) -> None:

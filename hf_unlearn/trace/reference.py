@@ -237,6 +237,24 @@ def load_reference_model(run, override=None):
     return _load(folder, record)
 
 
+def reference_as_recorded(run, model):
+    """A new parent's output ``model`` as the reference of ``run`` (a pipeline stage whose reference was its parent's
+    output): saved and loaded back as the recorded reference was loaded (its class, dtype and attention
+    implementation: TRL loads ``ref_model=None`` with the policy's settings, which may not be the parent's), so it
+    computes as the recorded reference would on these weights."""
+    import tempfile
+
+    record = run.header.get(KEY) or {}
+    with tempfile.TemporaryDirectory(prefix="hf_unlearn_reference_") as tmp:
+        model.save_pretrained(tmp)
+        ref = load_reference_model(run, override=tmp)
+        for p in ref.parameters():  # read now: the folder goes away
+            p.data = p.data.clone()
+    if record.get("attn_implementation") and ref.config._attn_implementation != record["attn_implementation"]:
+        raise UnlearnError(f"{run.path}: the reference could not be loaded with the recorded attention implementation "
+                           f"{record['attn_implementation']!r}; refusing")
+    return ref
+
 
 def describe_record(record: dict) -> str:
     """One line for ``trace inspect``: the reference model's kind, root and source."""

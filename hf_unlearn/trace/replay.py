@@ -481,7 +481,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._start_state = {**self._start_state, "model": model, "frozen": []}
         full = full_model_state(self._start_state)
         self._start_root = weights_root(full)
-        expected = (self._start_parent or {}).get("output_root")
+        expected = (self._start_parent or {}).get("start_root") or (self._start_parent or {}).get("output_root")
         if expected is not None and expected != self._start_root:
             raise UnlearnError(f"{self.run.path}: the start weights (root {self._start_root[:16]}...) are not the new "
                                f"parent's output (root {expected[:16]}...)")

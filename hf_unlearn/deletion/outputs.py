@@ -1,0 +1,80 @@
+"""What an exact deletion publishes when the run trained a PEFT adapter (``peft_config=``, LoRA).
+
+``OUT/model`` is the **merged** model (the replayed adapter merged into its base with the recorded numeric stack, as
+``merge_and_unload`` does in a training script): one ``save_pretrained`` folder that loads without peft, hashes like
+any full model and is what ``hub push`` and ``hub verify`` handle. The replayed adapter itself is kept beside it in
+``OUT/adapter`` (``adapter_config.json`` + ``adapter_model.safetensors``) for users who serve adapters; it is not
+published. Why merged rather than "adapter plus a pinned base": the base a LoRA run trained on is often a local
+folder or a private snapshot that a reader of the Hub cannot fetch, and a pinned base only proves something if the
+verifier re-merges with the same numeric stack; the merged weights are checked tensor by tensor instead.
+
+:func:`check_output` runs before any compute (peft importable, the adapter mergeable); :func:`save_output` after the
+replay writes both folders and returns the roots the receipt and the card carry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UnlearnError
+
+ADAPTER_DIR = "adapter"
+
+
+def is_adapter_run(header: dict) -> bool:
+    return bool((header.get("model") or {}).get("peft"))
+
+
+def check_output(run) -> None:
+    """Before any compute: a PEFT run's output can be merged here (peft importable, a mergeable adapter type)."""
+    if not is_adapter_run(run.header):
+        return
+    try:
+        from peft import PeftConfig
+    except ImportError:
+        raise UnlearnError(f"{run.path} trained a PEFT adapter: install peft (pip install 'hf-unlearn[peft]') to "
+                           "replay and merge it; nothing was done") from None
+    try:
+        config = PeftConfig.from_pretrained(str(run.path / "model" / "adapter"))
+    except Exception as e:
+        raise UnlearnError(f"{run.path}: its adapter config cannot be read ({type(e).__name__}); nothing was done") \
+            from None
+    from peft.utils import PeftType
+
+    mergeable = {PeftType.LORA, PeftType.LOHA, PeftType.LOKR, PeftType.IA3, PeftType.OFT, PeftType.BOFT,
+                 PeftType.ADALORA}
+    if config.peft_type not in mergeable:
+        raise UnlearnError(f"{run.path} trained a {config.peft_type} adapter, which cannot be merged into its base; "
+                           "forget publishes merged models (LoRA, LoHa, LoKr, IA3, OFT, BOFT, AdaLoRA); delete with "
+                           "`hf-unlearn trace replay` instead; nothing was done")
+
+
+def save_output(replay, replay_dir: Path, model_dir: Path) -> dict:
+    """Save a finished replay's model: a PEFT run's adapter merged into ``model_dir`` and kept unmerged in
+    ``model_dir.parent / "adapter"``; any other run as the replay saves it. Returns the card's ``exact_deletion``
+    fields that change: ``params_root`` (the merged weights, which the published manifest hashes) and
+    ``adapter_params_root`` (the replayed state the trace hashed, adapter included)."""
+    if not is_adapter_run(replay.run.header):
+        replay.save_model(str(model_dir))
+        return {}
+    from ..trace.lineage import open_quietly, output_model, weights_root
+    from ..utils import weights_follow_umask
+
+    merged = output_model(open_quietly(replay_dir))
+    merged.save_pretrained(str(model_dir))
+    weights_follow_umask(model_dir)
+    adapter_dir = model_dir.parent / ADAPTER_DIR
+    replay.save_model(str(adapter_dir))
+    for extra in ("training_args.bin",):  # the trainer's pickle is not part of an adapter folder
+        (adapter_dir / extra).unlink(missing_ok=True)
+    return {"params_root": weights_root(merged.state_dict()), "merged_adapter": True,
+            "adapter_dir": str(adapter_dir)}
+
+
+def card_fields(exact: dict, replayed: dict) -> dict:
+    """The card's ``exact_deletion`` entry for a merged adapter run: the published (merged) root, and the replayed
+    state's own root (adapter included, what ``trace verify`` compared) under ``replayed_params_root``."""
+    if not replayed.get("merged_adapter"):
+        return exact
+    return {**exact, "params_root": replayed["params_root"], "replayed_params_root": exact.get("params_root"),
+            "merged_adapter": True}
