@@ -72,10 +72,17 @@ def _clip_at_step_3():
     return ClipHarder()
 
 
-def test_a_hidden_change_is_caught_at_its_step_and_never_verified(tmp_path, capsys):
-    """A callback lowering args.max_grad_norm at step 3 (20/20 tensors off, yet VERIFIED before proofs): prove names
-    step 3; forget refuses without --accept-unproven; with it the receipt names the steps and is not VERIFIED, and
-    `trace verify` prints no VERIFIED. Then the proof record is attacked: edited, and copied from another run."""
+def test_a_hidden_change_is_caught_at_its_step_and_never_verified(tmp_path, capsys, monkeypatch):
+    """A callback lowering args.max_grad_norm at step 3 (20/20 tensors off, yet VERIFIED before proofs), with the
+    recorder's whole-program digest made blind to ``args`` (as if the change lived where no digest reads: the digests
+    name causes early, the proof is the guarantee): prove names step 3; forget refuses without --accept-unproven;
+    with it the receipt names the steps and is not VERIFIED, and `trace verify` prints no VERIFIED. Then the proof
+    record is attacked: edited, and copied from another run."""
+    from hf_unlearn.trace import digests
+
+    whole = digests.program_state
+    monkeypatch.setattr(digests, "program_state",
+                        lambda model, optimizer=None, args=None, *rest, **k: whole(model, optimizer, None, *rest, **k))
     from hf_unlearn import forget
     from hf_unlearn.cli import main
     from hf_unlearn.data.ids import write_ids

@@ -398,11 +398,17 @@ def proof_statement(header: dict) -> str:
 
 # ---- the deleting environment ---------------------------------------------------------------------------------
 def probe_steps(run) -> list[int]:
-    """Step 0, and among the steps that start at a kept checkpoint the one with the longest microbatch."""
+    """Step 0, and among the steps that start at a kept checkpoint the one with the longest microbatch; none at or
+    after the first program change the recording found (the engine cannot reproduce those from a checkpoint: the
+    deletion's own check, :func:`~hf_unlearn.trace.guards.program_refusal`, names that change, not the probe)."""
+    from .guards import program_changes
+
     total = run.total_steps
     if total == 0:
         return []
-    starts = {c for c in run.checkpoints() if c < total}
+    changes = program_changes(run.served_plan or run.plan, run.header)
+    first_change = changes[0]["step"] if changes else total
+    starts = {c for c in run.checkpoints() if c < min(total, first_change)}
     longest = {}
     for e in run.plan:
         if e.step in starts:
