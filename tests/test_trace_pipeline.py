@@ -182,6 +182,33 @@ def test_bad_pipelines_are_refused_before_compute_naming_the_stage(tmp_path):
     assert not any((tmp_path / f"o{k}").exists() for k in ("1", "2", "3", "4"))
 
 
+def test_a_pipeline_deletion_needs_every_stage_it_replays_proven(tmp_path):
+    """A pipeline deletion is VERIFIED stage by stage, so a stage recorded without a proof (``trace_self_check=1``:
+    its first step self-checked only) is refused before any compute, naming the stage and the command that proves it;
+    --accept-unproven is not offered for a pipeline; once the stage is proven, the same deletion is VERIFIED and
+    `trace verify OUT` agrees."""
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.deletion.pipeline import verify_pipeline
+    from hf_unlearn.trace.proof import ProofError, prove
+
+    tok, data = get_trace_data()
+    t1 = record(tok, data.select(range(16)), tmp_path / "s1", model=_model("llama", tok), **KW)
+    t1.save_model(str(tmp_path / "s1"))
+    record(tok, data.select(range(16, 32)), tmp_path / "s2", model=_from(tmp_path / "s1"),
+           trainer_kwargs={"trace_self_check": 1}, **KW)
+    runs = [str(tmp_path / "s1" / "trace"), str(tmp_path / "s2" / "trace")]
+    ids = ids_at_step(runs[0], 1)[:1]  # a stage-1 row: stage 2 is replayed in full from the new parent
+    with pytest.raises(ProofError, match=r"^stage 2: .*: steps 1\.\.3 .* not proven") as e:
+        forget(runs, ids, tmp_path / "refused", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and f"trace prove {runs[1]}" in str(e.value)
+    with pytest.raises(UnlearnError, match="--accept-unproven is for one recorded run"):
+        forget(runs, ids, tmp_path / "accepted", oracle=True, progress=False, accept_unproven=True)
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "accepted").exists()
+    assert prove(runs[1], progress=False)["proven"]
+    receipt = forget(runs, ids, tmp_path / "ok", oracle=True, progress=False)
+    assert receipt.ok and receipt.evidence["verified"] is True and verify_pipeline(tmp_path / "ok")["verified"]
+
+
 def _rewrite_final_checkpoint(run: Path) -> None:
     """Edit one weight of the final checkpoint and re-bind it with the run key (only the key holder can)."""
     from safetensors.torch import load_file, save_file

@@ -433,12 +433,33 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
 def _before_compute(plan: dict, config: ForgetConfig) -> None:
     """The proof gate and the environment probe (hf_unlearn.trace.proof), in every process of the deletion, before
     any compute of it: unproven steps refused unless accepted, the first recorded step re-run here."""
-    if plan.get("mode") != EXACT or plan.get("pipeline") or "run" not in plan:
+    if plan.get("mode") == EXACT and plan.get("pipeline"):
+        return _pipeline_proven(plan, config)
+    if plan.get("mode") != EXACT or "run" not in plan:
         return
     from ..trace.proof import before_deletion
 
     plan.update(before_deletion(plan["run"], plan["cost"]["start_checkpoint"], config.oracle, config.accept_unproven,
                                 plan["data_collator"]))
+
+
+def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
+    """A pipeline deletion is VERIFIED stage by stage, so every stage it replays must be proven on the steps its
+    replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
+    is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
+    from ..trace.proof import ProofError, check_proven
+
+    if config.accept_unproven:
+        raise UnlearnError("--accept-unproven is for one recorded run; a pipeline deletion needs every stage it "
+                           "replays proven (hf-unlearn trace prove STAGE_RUN for each)")
+    for s, run in zip(plan["pipeline_cost"]["stages"], plan["runs"]):
+        if not s["replayed"]:
+            continue
+        try:
+            check_proven(run, s["start_checkpoint"], run.kept().total_steps, config.oracle, False)
+        except ProofError as e:
+            raise ProofError(f"stage {s['stage']}: {str(e).split('; refusing before any compute')[0]}; refusing "
+                             "before any compute") from None
 
 
 def _refuse_a_run_in_disguise(source: str, config: ForgetConfig, data_collator) -> None:
