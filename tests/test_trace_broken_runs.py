@@ -60,7 +60,7 @@ def test_inspect_and_forget_name_the_broken_file(tmp_path, case, capsys):
         assert name in text and "KeyError" not in text and "HF_UNLEARN_DEBUG" not in text, text[-1500:]
         assert all(line.startswith(("ERROR", "integrity", "hf-unlearn: error", "WARNING", "run ", "checkpoints",
                                     "trainer", "model", "fidelity", "numeric stack", "note", "controls", "HAZARD",
-                                    "packing", "lineage", "DPO reference"))
+                                    "packing", "lineage", "DPO reference", "proof"))
                    for line in text.splitlines() if line.strip()), text[-1500:]
         code = main(["forget", str(run), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "out"),
                      "--no-progress"])
