@@ -7,6 +7,18 @@ import json
 from . import add_subcommands
 
 
+def add_server_limits(p) -> None:
+    """The web stack's limits (hf_unlearn.web.server.Limits) as options, one list for `hub serve` and `requests web`."""
+    p.add_argument("--read-timeout", type=float, default=60.0,
+                   help="close a connection idle (or stalled mid-request) this many seconds (default %(default)s)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="connections open at once (asyncio: a few KB each); more get 503 (default %(default)s)")
+    p.add_argument("--max-connections-per-client", type=int, default=128,
+                   help="connections open at once from one IP address; more get 503 (default %(default)s)")
+    p.add_argument("--header-deadline", type=float, default=15.0,
+                   help="seconds a request's line and headers may take to arrive (a client sending a header line now "
+                        "and then cannot hold a connection past it; default %(default)s)")
+
 def register(parser) -> None:
     sub = add_subcommands(parser)
 
@@ -70,15 +82,7 @@ def register(parser) -> None:
     s.add_argument("--token", action="append", required=True, metavar="T", help="accepted access token (repeatable)")
     s.add_argument("--user", default="user", help="user name the tokens belong to")
     s.add_argument("--max-body-mb", type=int, default=256, help="largest commit body accepted (MiB)")
-    s.add_argument("--read-timeout", type=float, default=60.0,
-                   help="close a connection idle (or stalled mid-request) this many seconds (default %(default)s)")
-    s.add_argument("--max-connections", type=int, default=1024,
-                   help="connections open at once (asyncio: a few KB each); more get 503 (default %(default)s)")
-    s.add_argument("--max-connections-per-client", type=int, default=128,
-                   help="connections open at once from one IP address; more get 503 (default %(default)s)")
-    s.add_argument("--header-deadline", type=float, default=15.0,
-                   help="seconds a request's line and headers may take to arrive (a client sending a header line now "
-                        "and then cannot hold a connection past it; default 15)")
+    add_server_limits(s)
     s.add_argument("--verbose", action="store_true", help="log every request")
     s.set_defaults(func=_serve)
 

@@ -22,13 +22,9 @@ def register_web(sub, common) -> None:
     p.add_argument("--callback-interval", type=float, default=10.0, help="seconds between state checks (default 10)")
     p.add_argument("--public-url", default=None, metavar="URL",
                    help="the address clients reach this server at (behind a TLS proxy), for the links in answers and callbacks")
-    p.add_argument("--max-connections", type=int, default=1024, help="connections open at once (default 1024)")
-    p.add_argument("--max-connections-per-client", type=int, default=128,
-                   help="connections open at once from one IP address (default 128)")
-    p.add_argument("--header-deadline", type=float, default=15.0,
-                   help="seconds a request's line and headers may take to arrive (default 15)")
-    p.add_argument("--read-timeout", type=float, default=60.0,
-                   help="close a connection silent this long while a request is awaited (default 60)")
+    from .hub import add_server_limits
+
+    add_server_limits(p)
     p.set_defaults(func=web_cmd)
 
 
