@@ -447,19 +447,19 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     """A pipeline deletion is VERIFIED stage by stage, so every stage it replays must be proven on the steps its
     replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
     is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
-    from ..trace.proof import ProofError, check_proven
+    from ..trace.proof import ProofError, unproven_statement
 
     if config.accept_unproven:
         raise UnlearnError("--accept-unproven is for one recorded run; a pipeline deletion needs every stage it "
                            "replays proven (hf-unlearn trace prove STAGE_RUN for each)")
+    who = "the oracle and the replay" if config.oracle else "the replay"
     for s, run in zip(plan["pipeline_cost"]["stages"], plan["runs"]):
         if not s["replayed"]:
             continue
-        try:
-            check_proven(run, s["start_checkpoint"], run.kept().total_steps, config.oracle, False)
-        except ProofError as e:
-            raise ProofError(f"stage {s['stage']}: {str(e).split('; refusing before any compute')[0]}; refusing "
-                             "before any compute") from None
+        lo = 0 if config.oracle else s["start_checkpoint"]
+        why = unproven_statement(run.header, run.path, lo, run.kept().total_steps, who)
+        if why:
+            raise ProofError(f"stage {s['stage']}: {run.path}: {why}; refusing before any compute")
 
 
 def _refuse_a_run_in_disguise(source: str, config: ForgetConfig, data_collator) -> None:
