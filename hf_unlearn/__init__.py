@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # public name -> module that defines it. Each capability adds its names here.
 _LAZY: dict[str, str] = {

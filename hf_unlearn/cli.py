@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from . import __version__
+from .version import __version__
 
 GROUPS = {
     "forget": "honour a deletion request end to end: delete, prove, publish (one command)",

@@ -1106,10 +1106,10 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     """``state_hashes``: ``params_root`` is the root of the saved safetensors (what the Hub manifest and ``hub verify``
     check; tied duplicates once); for an exact deletion ``trace_params_root`` and ``optimizer_root`` are the replayed
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
-    from .. import __version__
     from ..hub.cards import forget_request
     from ..hub.publish import build_manifest
     from ..keys import load_key
+    from ..version import __version__
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
     saved_root = published_root or trace_params_root  # a LoRA run's: the merged weights, not the replayed adapter's

@@ -256,7 +256,7 @@ def qr_erase(model, forget_task, retain_task=None, config: QREraseConfig | None 
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
+    from ..version import __version__
 
     out = {"hf_unlearn": __version__}
     for pkg in ("torch", "scipy", "transformers", "peft"):

@@ -109,7 +109,7 @@ def forget_request(forget_ids: list, key: bytes) -> dict[str, Any]:
 def library_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
+    from ..version import __version__
 
     out = {"hf_unlearn": __version__, "python": platform.python_version()}
     for pkg in ("transformers", "torch", "huggingface_hub", "safetensors", "accelerate", "peft"):

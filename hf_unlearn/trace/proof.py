@@ -68,7 +68,7 @@ def engine() -> dict:
     import torch
     import transformers
 
-    from .. import __version__
+    from ..version import __version__
 
     return {"hf_unlearn": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 

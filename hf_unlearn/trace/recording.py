@@ -179,7 +179,7 @@ def _versions() -> dict:
             out[mod] = importlib.import_module(mod).__version__
         except ImportError:
             pass
-    from .. import __version__
+    from ..version import __version__
 
     out["hf_unlearn"] = __version__
     return out
@@ -489,7 +489,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             found there bit for bit are referenced, not copied into the run (checked by their hashes at every
             load; moving or editing the folder makes the run refuse to load). Default: saved once in the run.
         trace_key: the HMAC key for id tags (bytes), kept in ``trace_dir/private/hmac.key``; default: the
-            library's one key (:mod:`hf_unlearn.hub.keys`), so cards and deletion logs carry matching tags.
+            library's one key (:mod:`hf_unlearn.keys`), so cards and deletion logs carry matching tags.
         id_column: the dataset column with the stable sample id (int or str; the collator never sees it).
         dummy_token_id: the token of the dummy sequence that fills deleted slots (default: the collator's pad
             token, else 0). The collator must give the dummy no label (checked at construction).
@@ -1250,7 +1250,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         self._trace_packing(served, header)
         header["run_id"] = previous.get("run_id", header["run_id"])
         header["origin_run_id"] = header["run_id"]
-        from ..hub.keys import key_fingerprint
+        from ..keys import key_fingerprint
 
         header["key_fingerprint"] = key_fingerprint(self._trace_key)
         header["trainer"].update(self._trace_callbacks())
