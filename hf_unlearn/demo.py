@@ -91,7 +91,7 @@ def fine_tune(cfg: DemoConfig, model, tokenizer, train_dataset, output_dir: Path
     """Fine-tune with a plain ``Trainer`` (or ``trainer_cls``), progress bar on, no checkpoints."""
     from transformers import Trainer, TrainingArguments
 
-    from .data import QACollator
+    from .data.collators import IdDroppingCollator, QACollator
     from .utils import has_cuda
 
     lr = cfg.learning_rate or (3e-3 if cfg.model is None else 2e-5)
@@ -117,23 +117,11 @@ def fine_tune(cfg: DemoConfig, model, tokenizer, train_dataset, output_dir: Path
         model=model,
         args=args,
         train_dataset=train_dataset,
-        data_collator=_DropIds(QACollator.from_tokenizer(tokenizer)) if cls is Trainer else QACollator.from_tokenizer(tokenizer),
+        data_collator=IdDroppingCollator(QACollator.from_tokenizer(tokenizer)) if cls is Trainer else QACollator.from_tokenizer(tokenizer),
         **trainer_kwargs,
     )
     trainer.train()
     return trainer
-
-
-class _DropIds:
-    """A plain ``Trainer`` passes every batch key to ``model.forward``; ids are for hf_unlearn trainers only."""
-
-    def __init__(self, collator):
-        self.collator = collator
-
-    def __call__(self, features):
-        batch = self.collator(features)
-        batch.pop(self.collator.id_column, None)
-        return batch
 
 
 def tiny_tofu_model(authors: int = 3, epochs: float = 15.0, seed: int = 0, max_length: int = 96,
@@ -474,3 +462,13 @@ def _publish_stages(receipt) -> list[_Stage]:
                    receipt.timings.get("publish_s", 0.0)),
             _Stage("hub verify", ("OK" if p["verify_ok"] else "FAILED") + f": {p['verify_checked_tensors']} tensors "
                                  "match the manifest and the card", 0.0)]
+
+
+def __getattr__(name):
+    # The collator's old private name here. Imported on first use (data loads torch), so `hf-unlearn demo --help`
+    # stays light.
+    if name == "_DropIds":
+        from .data.collators import IdDroppingCollator
+
+        return IdDroppingCollator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def current_umask() -> int:
@@ -153,3 +158,16 @@ def import_object(name: str):
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def independent_generator(seed: int, purpose: str) -> torch.Generator:
+    """A ``torch.Generator`` for ``purpose`` whose stream is unrelated to ``torch.Generator().manual_seed(seed)``.
+
+    The Trainer shuffles the forget set with a generator seeded by ``args.seed``; a sample drawn with that same seed
+    (a probe, a held-out split) would be exactly the first rows trained on. Hashing the purpose into the seed gives
+    each sample its own stream.
+    """
+    import torch
+
+    digest = hashlib.sha256(f"hf_unlearn/{purpose}/{int(seed)}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))

@@ -9,13 +9,14 @@ milliseconds (the Hub check is one TCP connect with a short timeout, done once p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Union
 from urllib.parse import urlsplit
 
 from .errors import UnlearnError
@@ -102,8 +103,6 @@ def check_model_source(name_or_path: str | os.PathLike, what: str = "model") -> 
 
 def adapter_base(path: str | os.PathLike) -> str:
     """The base model a PEFT adapter folder names (``base_model_name_or_path``), or a one-line error."""
-    import json
-
     config = Path(path) / "adapter_config.json"
     try:
         base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
@@ -189,6 +188,71 @@ def _in_hf_cache(repo_id: str) -> bool:
 
 
 # -- ids and options -------------------------------------------------------------------------------------------
+# The id file format: the one reader every command uses (`trace`, `forget`, `eval`, `hub`). Ids are ints or
+# strings, and a digit-only string is not the int it spells. The typed form keeps the difference: JSON Lines
+# (``.jsonl``), one JSON value per line (``3600`` or ``"3600"`` or ``{"id": ...}``), or a JSON list (``.json``). Any
+# other file is the legacy text form, one id per line, where all-digit lines become ints.
+SampleId = Union[int, str]
+
+
+def _typed(value, where: str) -> SampleId:
+    if isinstance(value, dict):
+        if "id" not in value:
+            raise UnlearnError(f"{where}: an object needs an \"id\" field, got keys {sorted(value)}")
+        value = value["id"]
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise UnlearnError(f"{where}: an id must be an integer or a string, got {type(value).__name__} {value!r}")
+    if isinstance(value, str) and not value.strip():
+        raise UnlearnError(f"{where}: empty string id")
+    return value
+
+
+def read_ids(path: str | Path) -> list[SampleId]:
+    """The ids of a deletion request file, in file order, duplicates removed; an empty or unreadable file is an error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UnlearnError(f"cannot read the id file {path}: {e.strerror or e}") from None
+    ids: list[SampleId] = []
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UnlearnError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); expected a list of ids") from None
+        if not isinstance(values, list):
+            raise UnlearnError(f"{path} must hold a JSON list of ids, got {type(values).__name__}")
+        ids = [_typed(v, f"{path} item {i}") for i, v in enumerate(values)]
+    elif suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                raise UnlearnError(f"{path} line {n} is not JSON: {line.strip()[:40]!r} (quote string ids: "
+                                   f"\"abc-1\")") from None
+            ids.append(_typed(value, f"{path} line {n}"))
+    else:
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                ids.append(int(line) if line.lstrip("-").isdigit() else line)
+    if not ids:
+        raise UnlearnError(f"the id file {path} holds no ids")
+    return list(dict.fromkeys(ids))
+
+
+def write_ids(path: str | Path, ids: Iterable[SampleId]) -> Path:
+    """Write ids in the typed JSON Lines form (atomically)."""
+    from .utils import atomic_write_text
+
+    ids = [_typed(i, "write_ids") for i in ids]
+    atomic_write_text(path, "".join(json.dumps(i) + "\n" for i in ids), private=True)  # raw ids: owner-only
+    return Path(path)
+
+
 def check_ids_file(ids: str | os.PathLike) -> Path:
     """The id file of a deletion request, which must exist (checked before anything heavy loads)."""
     path = Path(ids)
@@ -203,8 +267,6 @@ def check_ids_file(ids: str | os.PathLike) -> Path:
 
 def load_request_ids(ids) -> list:
     """The ids of a deletion request: a file (typed JSON Lines, JSON list, or one per line) or an iterable of ids."""
-    from .data.ids import read_ids
-
     if isinstance(ids, (str, os.PathLike)):
         try:
             return read_ids(check_ids_file(ids))

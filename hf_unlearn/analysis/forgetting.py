@@ -15,15 +15,7 @@ import math
 from typing import Mapping, Sequence
 
 from ..errors import UnlearnError
-
-
-def chance_accuracy(n_choices: Sequence[int]) -> float:
-    """Expected accuracy of uniform guessing: the mean of 1/n_choices over the rows."""
-    if not len(n_choices):
-        raise UnlearnError("chance accuracy of an empty set is undefined")
-    if any(int(n) < 2 for n in n_choices):
-        raise UnlearnError("every row needs at least 2 choices")
-    return sum(1.0 / int(n) for n in n_choices) / len(n_choices)
+from ..eval.tasks import chance_accuracy  # noqa: F401 - re-exported: measured where accuracy is (eval, below)
 
 
 def forget_gap(acc_forgot: float, chance: float) -> float:

@@ -87,7 +87,7 @@ def _probe_rows(train_res, test_res, setup: ForgettingSetup, prefix: str) -> dic
     """Per-layer probe accuracies (true labels, train + test rows pooled, cross-validated) under ``prefix``."""
     import numpy as np
 
-    from .probes import majority_baseline, probe_by_layer
+    from ..eval.probes import majority_baseline, probe_by_layer
 
     states = np.concatenate([train_res.hidden_states, test_res.hidden_states], axis=1)
     labels = train_res.labels + test_res.labels

@@ -104,6 +104,19 @@ class IdCarryingCollator:
         return batch
 
 
+class IdDroppingCollator:
+    """``collator``'s batches without the id column, for a plain ``Trainer``, which passes every batch key to
+    ``model.forward``: ids are for hf_unlearn's trainers only."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        batch.pop(self.collator.id_column, None)
+        return batch
+
+
 # ---- rebuilding a run's collator at replay time -------------------------------------------------------------
 # Arguments a collator can hold that are not JSON: a tokenizer/processor is saved next to the run and reloaded,
 # a model is the replay's own model. Everything else must be JSON (checked, and the rebuilt collator is compared

@@ -1,78 +1,17 @@
-"""Deletion-request id files: the one reader every command uses (`trace`, `forget`, `eval`, `hub`).
+"""Sample ids against data: the type check every store and run applies, and the selection of rows by id.
 
-Ids are ints or strings, and a digit-only string is not the int it spells. The typed form keeps the difference:
-JSON Lines (``.jsonl``), one JSON value per line (``3600`` or ``"3600"`` or ``{"id": ...}``), or a JSON list
-(``.json``). Any other file is the legacy text form, one id per line, where all-digit lines become ints.
+The id file format (:func:`read_ids`, :func:`write_ids`, ``SampleId``) is read where every command checks its inputs,
+:mod:`hf_unlearn.validation`, and re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable
 
 from ..errors import UnlearnError
+from ..validation import SampleId, read_ids, write_ids
 
-SampleId = Union[int, str]
-
-
-def _typed(value, where: str) -> SampleId:
-    if isinstance(value, dict):
-        if "id" not in value:
-            raise UnlearnError(f"{where}: an object needs an \"id\" field, got keys {sorted(value)}")
-        value = value["id"]
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise UnlearnError(f"{where}: an id must be an integer or a string, got {type(value).__name__} {value!r}")
-    if isinstance(value, str) and not value.strip():
-        raise UnlearnError(f"{where}: empty string id")
-    return value
-
-
-def read_ids(path: str | Path) -> list[SampleId]:
-    """The ids of a deletion request file, in file order, duplicates removed; an empty or unreadable file is an error."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UnlearnError(f"cannot read the id file {path}: {e.strerror or e}") from None
-    ids: list[SampleId] = []
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UnlearnError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); expected a list of ids") from None
-        if not isinstance(values, list):
-            raise UnlearnError(f"{path} must hold a JSON list of ids, got {type(values).__name__}")
-        ids = [_typed(v, f"{path} item {i}") for i, v in enumerate(values)]
-    elif suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                raise UnlearnError(f"{path} line {n} is not JSON: {line.strip()[:40]!r} (quote string ids: "
-                                   f"\"abc-1\")") from None
-            ids.append(_typed(value, f"{path} line {n}"))
-    else:
-        for line in text.splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                ids.append(int(line) if line.lstrip("-").isdigit() else line)
-    if not ids:
-        raise UnlearnError(f"the id file {path} holds no ids")
-    return list(dict.fromkeys(ids))
-
-
-def write_ids(path: str | Path, ids: Iterable[SampleId]) -> Path:
-    """Write ids in the typed JSON Lines form (atomically)."""
-    from ..utils import atomic_write_text
-
-    ids = [_typed(i, "write_ids") for i in ids]
-    atomic_write_text(path, "".join(json.dumps(i) + "\n" for i in ids), private=True)  # raw ids: owner-only
-    return Path(path)
-
+__all__ = ["SampleId", "check_id_types", "read_ids", "select_ids", "write_ids"]
 
 def check_id_types(ids: Iterable[SampleId], known: Iterable[SampleId] | type, what: str = "the run") -> None:
     """Refuse ids whose type differs from ``known``'s (e.g. ``"3600"`` against int ids), naming both types.

@@ -39,7 +39,7 @@ def fine_tune_task(model, tokenizer, dataset, output_dir, *, lora: bool = True, 
     from transformers import Trainer, TrainingArguments
 
     from ..data import QACollator, tokenize_qa
-    from ..demo import _DropIds
+    from ..data.collators import IdDroppingCollator
 
     if len(dataset) == 0:
         raise UnlearnError("cannot fine-tune a task model on an empty dataset")
@@ -61,7 +61,7 @@ def fine_tune_task(model, tokenizer, dataset, output_dir, *, lora: bool = True, 
         remove_unused_columns=False, disable_tqdm=not progress, **training_args,
     )
     trainer = Trainer(model=task_model, args=args, train_dataset=dataset,
-                      data_collator=_DropIds(QACollator.from_tokenizer(tokenizer)))
+                      data_collator=IdDroppingCollator(QACollator.from_tokenizer(tokenizer)))
     trainer.train()
     trainer.save_model(str(output_dir))
     weights_follow_umask(output_dir)

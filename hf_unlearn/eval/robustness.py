@@ -32,7 +32,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import UnlearnError
+from ..utils import independent_generator
 from . import metrics as M
+from .probes import majority_baseline, probe_by_layer, transfer_accuracy
 from .result import EvalResult, fmt
 
 DEFAULT_STEPS = (0, 10, 25, 50)
@@ -70,8 +72,6 @@ def split_relearn_rows(rows: Sequence[dict], relearn_ids: Iterable | None = None
                        seed: int = 0) -> tuple[list[dict], list[dict]]:
     """``(relearned rows, evaluated rows)``: the rows with ``relearn_ids``, or a seeded half (the larger half
     evaluated). Both sides must be non-empty."""
-    from ..methods.base import independent_generator
-
     rows = list(rows)
     if len(rows) < 2:
         raise UnlearnError(f"the relearning attack needs at least 2 forget rows (one to relearn, one to measure), "
@@ -127,8 +127,6 @@ def related_relearn_rows(rows: Sequence[dict], relearn_rows=None, relearn_ids: I
 def in_context_choice(rows: Sequence[dict], n: int, seed: int = 0) -> list[dict]:
     """The ``n`` of ``rows`` the in-context attack shows (a seeded choice, in row order)."""
     import torch
-
-    from ..methods.base import independent_generator
 
     order = torch.randperm(len(rows), generator=independent_generator(seed, "in-context")).tolist()[:n]
     return [rows[i] for i in sorted(order)]
@@ -210,7 +208,6 @@ def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Seque
     from tqdm.auto import tqdm
 
     from ..data.collators import QACollator
-    from ..methods.base import independent_generator
 
     steps = _check_relearning(steps, learning_rate, batch_size)
     from .runner import pad_token_id
@@ -290,8 +287,6 @@ def answer_hidden_states(model, encodings: Sequence[dict], pad_id: int, batch_si
 def probe_scores(model, forget_enc, holdout_enc, pad_id: int, seed: int = 0,
                  attention_mask: str = "tokens") -> dict[str, Any]:
     """Per-layer cross-validated probe accuracy separating forget from holdout answers, its maximum, and chance."""
-    from ..analysis.probes import majority_baseline, probe_by_layer
-
     states = answer_hidden_states(model, list(forget_enc) + list(holdout_enc), pad_id, attention_mask=attention_mask)
     labels = [1] * len(forget_enc) + [0] * len(holdout_enc)
     by_layer = probe_by_layer(states, labels, seed=seed)
@@ -303,8 +298,6 @@ def truth_probe_scores(model, train: tuple[Sequence[dict], Sequence[dict]], test
     """Per layer, a probe fitted on the mean answer hidden states of true vs perturbed answers of ``train`` (rows the
     models kept) and scored on ``test`` (the forget rows): can the hidden states still tell a forgotten answer from a
     false one? ``train``/``test``: (true-answer encodings, perturbed-answer encodings)."""
-    from ..analysis.probes import transfer_accuracy
-
     n_train, n_test = len(train[0]) + len(train[1]), len(test[0]) + len(test[1])
     states = answer_hidden_states(model, [*train[0], *train[1], *test[0], *test[1]], pad_id,
                                   attention_mask=attention_mask)

@@ -179,6 +179,15 @@ def accuracy(predictions: Sequence[int], labels: Sequence[int]) -> float:
     return sum(int(p) == int(y) for p, y in zip(predictions, labels)) / len(labels)
 
 
+def chance_accuracy(n_choices: Sequence[int]) -> float:
+    """Expected accuracy of uniform guessing: the mean of 1/n_choices over the rows."""
+    if not len(n_choices):
+        raise UnlearnError("chance accuracy of an empty set is undefined")
+    if any(int(n) < 2 for n in n_choices):
+        raise UnlearnError("every row needs at least 2 choices")
+    return sum(1.0 / int(n) for n in n_choices) / len(n_choices)
+
+
 def forward_scores(model, batch: dict, normalize: bool = True, output_hidden_states: bool = False):
     """Run the model on a collated batch; returns ``(scores [batch, max_choices], outputs)``."""
     outputs = model(
@@ -211,8 +220,6 @@ class MCResult:
 
     @property
     def chance(self) -> float:
-        from ..analysis.forgetting import chance_accuracy
-
         return chance_accuracy(self.n_choices)
 
     @property

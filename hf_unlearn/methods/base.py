@@ -25,7 +25,6 @@ import contextlib
 import copy
 import dataclasses
 import enum
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -41,6 +40,7 @@ from ..data.tokenize import IGNORE_INDEX, tokenize_qa
 from ..errors import UnlearnError
 from ..hub.mixin import UnlearningHubMixin
 from ..losses import kl_retain_loss, nll_loss
+from ..utils import independent_generator  # re-exported: eval's attacks draw with it too
 
 RETAIN_LOSSES = ("none", "ce", "kl")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -139,17 +139,6 @@ class UnlearningConfig(TrainingArguments):
             raise UnlearnError(f"retain_batch_size must be >= 1, got {self.retain_batch_size}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise UnlearnError(f"validation_fraction must lie in [0, 1), got {self.validation_fraction}")
-
-
-def independent_generator(seed: int, purpose: str) -> torch.Generator:
-    """A ``torch.Generator`` for ``purpose`` whose stream is unrelated to ``torch.Generator().manual_seed(seed)``.
-
-    The Trainer shuffles the forget set with a generator seeded by ``args.seed``; a sample drawn with that same seed
-    (a probe, a held-out split) would be exactly the first rows trained on. Hashing the purpose into the seed gives
-    each sample its own stream.
-    """
-    digest = hashlib.sha256(f"hf_unlearn/{purpose}/{int(seed)}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
 def split_held_out(dataset, fraction: float, seed: int):
