@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 export HF_UNLEARN_DATA_DIR ?= $(SHARED)/data
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: torch install install-dev demo test test-slow test-latest constraints docs docs-serve bench lint clean
+.PHONY: torch install install-dev demo test test-slow test-latest constraints docs docs-serve architecture bench lint clean
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel.
 torch:
@@ -49,11 +49,18 @@ docs:
 docs-serve: docs
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=. $(PYTHON) -m mkdocs serve
 
+# the package's map (docs/architecture/rooms.svg and rooms.txt) redrawn from the import graph; the suite checks it is
+# fresh (tests/test_architecture.py), and `lint-imports` checks the floors it draws (.importlinter)
+architecture:
+	@$(PYTHON) -c "import grimp, matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q -c constraints.txt -e ".[dev]"
+	PYTHONPATH=. $(PYTHON) tools/architecture.py
+
 bench: install-dev
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_trace.py   # the quick one; see benchmarks/README.md for the others
 
 lint: install-dev
 	$(PYTHON) -m ruff check hf_unlearn tests examples benchmarks
+	PYTHONPATH=. lint-imports --config .importlinter --no-cache
 
 clean:
 	rm -rf build dist *.egg-info demo_output .pytest_cache trace_example trace_example_*proc trace_sft_example trace_sft_example_*proc unlearn_tofu_output masc_tofu_output random_label_output
