@@ -14,7 +14,7 @@ deletion of the same rows) so that a number is read against what a model that ne
 * **paraphrased questions**: TOFU's ``paraphrased_question`` instead of the question (forgetting that holds only for
   the trained wording is shallow).
 * **linear probe**: per layer, a cross-validated logistic-regression probe on the mean hidden state of the forget
-  answers against holdout answers (:func:`hf_unlearn.analysis.probes.probe_by_layer`): above the reference's accuracy
+  answers against holdout answers (:func:`hf_unlearn.eval.probes.probe_by_layer`): above the reference's accuracy
   means the forget rows are still recognisable in the representations; and a **truth probe**: fitted on the hidden
   states of true vs perturbed answers of rows every model kept (``probe_rows``), scored on the forget rows' true vs
   perturbed answers (TOFU's ``perturbed_answer``): above the reference means the forgotten answers are still told
