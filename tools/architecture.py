@@ -30,7 +30,8 @@ def floors(config: Path = CONFIG, contract: str = "rooms") -> list[list[str]]:
     parser = configparser.ConfigParser()
     parser.read(config, encoding="utf-8")
     layers = parser[f"importlinter:contract:{contract}"]["layers"]
-    return [[r.strip() for r in re.split(r"[|:]", line) if r.strip()] for line in layers.splitlines() if line.strip()]
+    return [[r.strip().strip("()") for r in re.split(r"[|:]", line) if r.strip()] for line in layers.splitlines()
+            if line.strip()]
 
 
 def room_of(module: str) -> str:
@@ -39,12 +40,20 @@ def room_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else PACKAGE
 
 
-def room_arrows(graph=None) -> dict[tuple[str, str], int]:
-    """``{(room, room it imports): number of importing modules}`` over the whole import graph."""
-    if graph is None:
-        import grimp
+def build_graph():
+    import grimp
 
-        graph = grimp.build_graph(PACKAGE, cache_dir=None)
+    return grimp.build_graph(PACKAGE, cache_dir=None)
+
+
+def present_floors(graph, floor_list: list[list[str]]) -> list[list[str]]:
+    """The floors without the rooms the package does not hold (yet): a contract may name one as optional."""
+    rooms = {room_of(m) for m in graph.modules}
+    return [[r for r in floor if r in rooms] for floor in floor_list]
+
+
+def room_arrows(graph) -> dict[tuple[str, str], int]:
+    """``{(room, room it imports): number of importing modules}`` over the whole import graph."""
     arrows: dict[tuple[str, str], set[str]] = {}
     for module in graph.modules:
         for imported in graph.find_modules_directly_imported_by(module):
@@ -122,7 +131,8 @@ def draw(floor_list: list[list[str]], arrows: dict[tuple[str, str], int], path: 
 
 def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    floor_list, arrows = floors(), room_arrows()
+    graph = build_graph()
+    floor_list, arrows = present_floors(graph, floors()), room_arrows(graph)
     (OUT / "rooms.txt").write_text(listing(floor_list, arrows), encoding="utf-8")
     draw(floor_list, arrows, OUT / "rooms.svg")
     print(f"wrote {OUT.relative_to(ROOT)}/rooms.txt and rooms.svg ({len(arrows)} arrows between rooms)")

@@ -10,7 +10,7 @@ only data.
 from __future__ import annotations
 
 from ..utils import weights_follow_umask
-from . import add_subcommands
+from . import add_subcommands, add_tofu_splits
 
 
 def _int_list(text: str) -> list[int]:
@@ -68,10 +68,8 @@ def register(parser) -> None:
                        description="Fine-tune BASE (a plain Trainer, LoRA with --lora) once on the forget rows and "
                        "once on the retain rows of TOFU; writes OUT/forget, OUT/retain and OUT/task_matrices.json.")
     t.add_argument("base", help="Hub id, local folder or .gguf file")
-    t.add_argument("--forget-split", default="forget10", help="TOFU forget config (default forget10)")
-    t.add_argument("--retain-split", default=None, help="TOFU retain config (default: the complement)")
+    add_tofu_splits(t)
     t.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    t.add_argument("--tofu", default=None, help="local TOFU folder (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)")
     t.add_argument("--lora", action="store_true", help="LoRA adapters instead of full fine-tunes (recommended on CPU)")
     t.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
     t.add_argument("--epochs", type=float, default=3.0, help="epochs per fine-tune (default 3)")

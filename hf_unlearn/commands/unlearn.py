@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ..utils import weights_follow_umask
-from . import add_subcommands
+from . import add_subcommands, add_tofu_splits
 
 # hf_unlearn.eval.stopping.TARGET_METRICS, written out so that `hf-unlearn --help` imports no torch (a test keeps
 # the two lists equal)
@@ -24,10 +24,8 @@ def register(parser) -> None:
     for method, spec in METHODS.items():
         p = sub.add_parser(method, help=spec.help, description=f"{method}: {spec.help}")
         p.add_argument("model", help="Hub id, local folder or .gguf file")
-        p.add_argument("--forget-split", default="forget10", help="TOFU forget config (default forget10)")
-        p.add_argument("--retain-split", default=None, help="TOFU retain config (default: the complement, e.g. retain90)")
+        add_tofu_splits(p)
         p.add_argument("--out", required=True, help="output folder for the unlearned model")
-        p.add_argument("--tofu", default=None, help="local TOFU folder (default: $HF_UNLEARN_DATA_DIR/tofu, else the Hub)")
         p.add_argument("--lora", action="store_true", help="train a LoRA adapter (merged into the saved model)")
         p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
         p.add_argument("--max-steps", type=int, default=-1, help="step budget (default: --epochs)")

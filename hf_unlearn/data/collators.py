@@ -191,16 +191,6 @@ def collator_spec(collator, save_dir=None) -> dict:
     return {**spec, "kwargs": kwargs, "rebuildable": True}
 
 
-def load_processing_class(path):
-    """The tokenizer (or processor) a recording saved with :meth:`save_pretrained`."""
-    from transformers import AutoProcessor, AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # noqa: BLE001 - a processor rather than a tokenizer
-        return AutoProcessor.from_pretrained(str(path))
-
-
 def rebuild_collator(spec: dict | None, save_dir=None, model=None):
     """The collator a :func:`collator_spec` describes (tokenizers reloaded from ``save_dir``)."""
     from pathlib import Path
@@ -217,6 +207,8 @@ def rebuild_collator(spec: dict | None, save_dir=None, model=None):
     kwargs = {}
     for k, v in spec["kwargs"].items():
         if isinstance(v, dict) and SAVED_ARGUMENT in v:
+            from ..trace.trainers import load_processing_class
+
             v = load_processing_class(Path(save_dir) / v[SAVED_ARGUMENT])
         elif isinstance(v, dict) and MODEL_ARGUMENT in v:
             v = model

@@ -122,6 +122,10 @@ class UnlearningConfig(TrainingArguments):
                           "optimizer applies it (the Trainer alone would drop the NaN from its log and keep going)."},
     )
 
+    # A method's own fields that must be > 0 or >= 0 (its config lists them; checked by __post_init__, one message)
+    _positive = ()
+    _non_negative = ()
+
     def __post_init__(self):
         super().__post_init__()
         if self.retain_loss not in RETAIN_LOSSES:
@@ -139,6 +143,12 @@ class UnlearningConfig(TrainingArguments):
             raise UnlearnError(f"retain_batch_size must be >= 1, got {self.retain_batch_size}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise UnlearnError(f"validation_fraction must lie in [0, 1), got {self.validation_fraction}")
+        for name in self._positive:
+            if not getattr(self, name) > 0:
+                raise UnlearnError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in self._non_negative:
+            if not getattr(self, name) >= 0:
+                raise UnlearnError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def split_held_out(dataset, fraction: float, seed: int):

@@ -82,10 +82,7 @@ class NPOConfig(UnlearningConfig):
         default="none", metadata={"help": "Retain term: 'none' (plain NPO), 'kl' (NPO+KLR) or 'ce' (NPO+RT)."}
     )
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.beta <= 0:
-            raise UnlearnError(f"beta must be > 0, got {self.beta}")
+    _positive = ("beta",)
 
 
 class NPOTrainer(UnlearningTrainer):
@@ -143,10 +140,7 @@ class SimNPOConfig(UnlearningConfig):
         metadata={"help": "Reward margin on the mean answer NLL, inside the beta scaling (OpenUnlearning's delta)."},
     )
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.beta <= 0:
-            raise UnlearnError(f"beta must be > 0, got {self.beta}")
+    _positive = ("beta",)
 
 
 class SimNPOTrainer(UnlearningTrainer):

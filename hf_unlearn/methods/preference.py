@@ -211,10 +211,7 @@ class IdkDPOConfig(PreferenceConfig):
 
     beta: float = field(default=0.1, metadata={"help": "Inverse temperature of the DPO loss (OpenUnlearning: 0.1)."})
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.beta <= 0:
-            raise UnlearnError(f"beta must be > 0, got {self.beta}")
+    _positive = ("beta",)
 
 
 class IdkDPOTrainer(_PreferenceTrainer):

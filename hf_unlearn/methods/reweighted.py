@@ -27,10 +27,7 @@ class WGAConfig(UnlearningConfig):
 
     beta: float = field(default=1.0, metadata={"help": "Exponent of the token weight p^beta (the paper's 1.0)."})
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.beta < 0:
-            raise UnlearnError(f"beta must be >= 0, got {self.beta}")
+    _non_negative = ("beta",)
 
 
 class WGATrainer(_ReweightedAscentTrainer):

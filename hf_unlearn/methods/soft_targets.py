@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import UnlearnError
 from ..losses import ce_u_loss, mask_first_answer_tokens, undial_loss
 from .base import UnlearningConfig, UnlearningTrainer
 
@@ -31,10 +30,7 @@ class UNDIALConfig(UnlearningConfig):
         metadata={"help": "Retain term: 'none' (the paper and OpenUnlearning), 'ce' or 'kl'."},
     )
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.beta < 0:
-            raise UnlearnError(f"beta must be >= 0, got {self.beta}")
+    _non_negative = ("beta",)
 
 
 class UNDIALTrainer(UnlearningTrainer):
@@ -80,10 +76,7 @@ class CEUConfig(UnlearningConfig):
         metadata={"help": "Retain term: 'none' (the paper and OpenUnlearning), 'ce' or 'kl'."},
     )
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.skip_first < 0:
-            raise UnlearnError(f"skip_first must be >= 0, got {self.skip_first}")
+    _non_negative = ("skip_first",)
 
 
 class CEUTrainer(UnlearningTrainer):

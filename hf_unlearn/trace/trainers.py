@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..data.collators import load_processing_class  # noqa: F401 - re-exported: data rebuilds collators with it
 from ..errors import UnlearnError
 
 # Constructor arguments a replay supplies itself or that only shape what the recording already saved: the model
@@ -131,3 +130,13 @@ def library_config_fields(header: dict) -> set[str]:
         return config_fields(_import(name, "config class"))
     except UnlearnError:
         return set()
+
+
+def load_processing_class(path):
+    """The tokenizer (or processor) a recording saved with :meth:`save_pretrained`."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - a processor rather than a tokenizer
+        return AutoProcessor.from_pretrained(str(path))
