@@ -149,17 +149,6 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def import_object(name: str):
-    """The object ``module:qualified.name`` names (a class, function or nested attribute)."""
-    import importlib
-
-    module, _, qual = name.partition(":")
-    obj = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def independent_generator(seed: int, purpose: str) -> torch.Generator:
     """A ``torch.Generator`` for ``purpose`` whose stream is unrelated to ``torch.Generator().manual_seed(seed)``.
 
@@ -171,3 +160,14 @@ def independent_generator(seed: int, purpose: str) -> torch.Generator:
 
     digest = hashlib.sha256(f"hf_unlearn/{purpose}/{int(seed)}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def import_object(name: str):
+    """The object ``module:qualified.name`` names (a class, function or nested attribute)."""
+    import importlib
+
+    module, _, qual = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
