@@ -456,7 +456,7 @@ def _mean(values) -> float | None:
 
 
 def _save(fig, path) -> Path:
-    from ..eval.plots import _save as save_figure  # one figure-saving routine for the library's plots
+    from ..eval.plots import save_figure  # one figure-saving routine for the library's plots
 
     return save_figure(fig, path)
 

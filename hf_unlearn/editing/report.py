@@ -184,9 +184,9 @@ class EditReport:
         ax.set_xlabel("transformer block")
         ax.set_ylabel("forget energy (normalised)")
         ax.set_title(f"{self.method_name}: {len(self.selected_blocks)} of {n} blocks edited (red)", fontsize=9)
-        from ..eval.plots import _save
+        from ..eval.plots import save_figure
 
-        return _save(fig, path)
+        return save_figure(fig, path)
 
     def save(self, output_dir: str | os.PathLike) -> dict[str, Path]:
         """``edit_report.json``, ``edit_report.md`` and ``layer_energies.png`` in ``output_dir``."""

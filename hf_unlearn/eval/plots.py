@@ -56,7 +56,7 @@ def plot_truth_ratio_histogram(result, reference=None, path: str | os.PathLike =
         title += f" (KS p = {forget_quality(series[0][1], series[1][1]):.3g})"
     ax.set(xlabel="log10 truth ratio  (P(perturbed) / P(paraphrased))", ylabel="items", title=title)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | os.PathLike = "tradeoff.png",
@@ -83,7 +83,7 @@ def plot_tradeoff(results: Mapping[str, object] | Sequence[object], path: str | 
     ax.set(xlabel=x, ylabel=y, title="forget / utility trade-off")
     if x == "forget_quality":
         ax.set_xscale("log")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_recovery_curves(results, path: str | os.PathLike = "recovery.png") -> Path:
@@ -124,10 +124,11 @@ def plot_recovery_curves(results, path: str | os.PathLike = "recovery.png") -> P
             ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.suptitle("relearning attack")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig, path) -> Path:
+def save_figure(fig, path) -> Path:
+    """Write ``fig`` to ``path`` (folders made, tight layout, 120 dpi) and close it: the library's one figure saver."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
