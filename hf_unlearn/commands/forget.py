@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from ..deletion.config import ALIASES  # the short spellings live with the options (refusals name them too)
+
 EPILOG = """examples:
   hf-unlearn forget runs/ft/trace --ids request.jsonl --out deletion-1 --oracle --tokenizer ./my-model  # exact
   hf-unlearn forget runs/sft/trace runs/dpo/trace --ids request.jsonl --out deletion-2 --oracle  # a pipeline
@@ -20,8 +22,6 @@ methods: exact (recorded runs) and, for models, every method of `hf-unlearn unle
   their options (--method-arg KEY=VALUE) are listed by `hf-unlearn unlearn --method NAME --help`."""
 
 
-ALIASES = {"learning_rate": ("--lr",), "num_train_epochs": ("--epochs",), "tofu_path": ("--tofu",),
-           "tokenizer_path": ("--tokenizer",)}
 
 
 def register(parser) -> None:

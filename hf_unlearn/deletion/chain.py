@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from ..errors import UnlearnError
 
 GENESIS = "0" * 64
+HEAD_FORMAT = "hf_unlearn.ledger_head.v1"
 RECORD_DOMAIN = b"hf_unlearn.ledger_record\0"
 UNHASHED = ("sha256", "signature")
 
@@ -49,8 +50,6 @@ def sign_record(record: dict, private_key) -> dict:
 
 
 def head_body(ledger: str, record: dict) -> dict:
-    from .ledger import HEAD_FORMAT
-
     return {"format": HEAD_FORMAT, "ledger": ledger, "seq": record["seq"], "sha256": record["sha256"],
             "time": record["time"]}
 
@@ -100,7 +99,7 @@ class ChainCheck:
 
 def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool = False) -> ChainCheck:
     """Check ``records`` (a whole ledger, or with ``segment`` a run of it ending at the head) and ``head`` against
-    the ``anchor`` public key. Checksums and ``prev`` links are checked by :func:`hf_unlearn.deletion.ledger.
+    the ``anchor`` public key. Checksums and ``prev`` links are checked by :func:`hf_unlearn.deletion.records.
     read_records` for a whole ledger, and here for a segment."""
     from ..keys import public_key_fingerprint, signature_ok
 

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from .chain import ChainCheck, canonical, check_chain, record_hash
-from .ledger import LEDGER_FORMAT, RECORDS_FILE, read_head, read_records
+from .evidence import key_lookup, rollback_problem
+from .records import LEDGER_FORMAT, RECORDS_FILE, read_head, read_records
 
 REQUEST_RECEIPT_FORMAT = "hf_unlearn.request_receipt.v1"
 BATCH_RECEIPT_FORMAT = "hf_unlearn.batch_receipt.v1"
@@ -254,8 +255,6 @@ def _check_ledger_holds(report: VerifyReport, bundle: ChainCheck, folder: Path, 
     """The auditor's check of the operator's current ledger against a bundle they hold: the ledger is intact under
     its signed head, holds every record of the bundle unchanged under a head at least as new, and is not older than
     the service's own evidence in its folder (a rollback). Returns the ledger's trusted records (None: failed)."""
-    from .evidence import key_lookup, rollback_problem
-
     ledger = ChainCheck(records=[], head=None, problem=f"no ledger at {folder}")
     if (folder / RECORDS_FILE).is_file():
         try:
@@ -301,8 +300,6 @@ def _load_chain(data: dict, receipt_path: Path, ledger, public) -> tuple[ChainCh
         return None, "empty or foreign ledger"
     chain = check_chain(records, read_head(folder), public)
     if chain.ok:  # a ledger older than the service's own evidence beside it (a rollback) is not trusted
-        from .evidence import key_lookup, rollback_problem
-
         chain.problem = rollback_problem(folder, chain.trusted, chain.head_seq, key_lookup(chain.keys, public))
     return chain, f"the ledger {folder}"
 
