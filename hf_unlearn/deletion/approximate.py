@@ -9,17 +9,20 @@ import time
 from pathlib import Path
 
 from ..errors import UnlearnError
-from ..utils import weights_follow_umask
+from ..presets import COMMAND_BUDGET, training_preset
+from ..utils import has_cuda, weights_follow_umask
+from ..validation import looks_like_hub_id
 from .config import ForgetConfig
 from .forget_receipt import ForgetReceipt, _receipt
 from .publishing import _own_settings
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
 def _preset_values(config: ForgetConfig, spec, n_forget_rows: int) -> dict:
     """The budget keywords: the options ``config`` sets (not None) over ``config.preset``'s values over the command's
     own budget (:data:`hf_unlearn.presets.COMMAND_BUDGET`)."""
-    from ..presets import COMMAND_BUDGET, training_preset
-
     own = {"num_train_epochs": "num_train_epochs", "learning_rate": "learning_rate",
            "per_device_train_batch_size": "batch_size", "max_length": "max_length"}
     given = {key: getattr(config, name) for key, name in own.items() if getattr(config, name) is not None}
@@ -33,7 +36,6 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
     from ..eval.qa import evaluate_qa
     from ..hub.mixin import write_model_card
     from ..models import load_model, load_tokenizer
-    from ..utils import has_cuda
 
     spec, timings = plan["spec"], {}
     forget_rows, retain_rows = plan["forget_rows"], plan["retain_rows"]
@@ -114,6 +116,4 @@ def _approximate(plan: dict, config: ForgetConfig, out: Path, log) -> ForgetRece
 
 
 def _hub_id(source: str) -> str | None:
-    from ..validation import looks_like_hub_id
-
     return source if looks_like_hub_id(source) and not os.path.exists(source) else None

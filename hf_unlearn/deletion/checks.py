@@ -13,6 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..presets import check_preset
+from ..validation import (
+    check_model_source,
+    check_new_output,
+    check_options,
+    check_repo_id,
+    is_trace_run,
+    load_request_ids,
+    recorded_run_inside,
+)
 from .config import ALIASES, COMMON_METHOD_ARGS, DEFAULT_APPROXIMATE, EXACT, RECEIPT_FILE, ForgetConfig
 from .erasure import check_not_retired
 from .forget_receipt import _check_earlier_receipt
@@ -21,10 +31,11 @@ from .pipeline import open_pipeline, pipeline_cost, validate_pipeline
 from .publishing import _check_earlier_deletions, _check_hub_access, _check_output_name
 from .runs import _has_run_parent, _launched, _run_collator
 
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
+
 
 def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> dict:
-    from ..validation import check_new_output, check_options, check_repo_id, is_trace_run, load_request_ids
-
     request = load_request_ids(ids)
     launched = _launched()
     if launched > 1 and not is_trace_run(os.fspath(model_or_run)):
@@ -51,8 +62,6 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
         if method != EXACT:
             raise UnlearnError("--tokenizer is for exact deletion (a recorded run holds no tokenizer); an approximate "
                                "method saves the model's own")
-        from ..validation import check_model_source
-
         check_model_source(config.tokenizer_path, "tokenizer")
     if (config.collator is not None or data_collator is not None) and method != EXACT:
         raise UnlearnError("--collator (data_collator=) is for exact deletion of a recorded run; an approximate "
@@ -77,12 +86,8 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
                       max_steps=config.max_steps, batch_size=config.batch_size, max_length=config.max_length,
                       lora_r=config.lora_r, max_new_tokens=config.max_new_tokens, eval_rows=config.eval_rows,
                       max_retain_rows=config.max_retain_rows)
-        from ..presets import check_preset
-
         check_preset(config.preset)
         method_args = _method_args(spec, config.method_args)
-        from ..validation import check_model_source
-
         check_model_source(source)
         forget_rows, retain_rows = _split_data(config, request)
         plan.update(mode="approximate", spec=spec, method_args=method_args, forget_rows=forget_rows,
@@ -95,8 +100,6 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
 
 
 def _validate_pipeline(sources: list[str], request: list, config: ForgetConfig, data_collator) -> dict:
-    from ..validation import is_trace_run
-
     if config.method not in (None, EXACT):
         raise UnlearnError(f"several recorded runs (a pipeline) get an exact deletion; --method {config.method} takes "
                            "one model")
@@ -164,8 +167,6 @@ def _refuse_a_run_in_disguise(source: str, config: ForgetConfig, data_collator) 
     """Before anything loads, a source that is not a recorded run given as if it were one: a training output folder
     holding one (``runs/ft`` for ``runs/ft/trace``) with no approximate method named, or a model given options only an
     exact deletion uses (``--oracle`` on a checkpoint ran an approximate method and exited 0)."""
-    from ..validation import recorded_run_inside
-
     inner = recorded_run_inside(source)
     if inner and config.method in (None, EXACT):
         raise UnlearnError(f"{source!r} is a training output folder holding the recorded run {inner!r}: pass "

@@ -11,18 +11,11 @@ from typing import Any
 from ..errors import UnlearnError
 
 RECEIPT_FILE = "receipt.json"
-
-
 RECEIPT_FORMAT = "hf_unlearn.forget_receipt.v1"
-
-
 EXACT = "exact"
-
-
 DEFAULT_APPROXIMATE = "masc"
-
-
 COMMON_METHOD_ARGS = {"retain_loss": str, "lambda_forget": float, "lambda_retain": float}
+
 # the short spellings of some options on the command line (``hf-unlearn forget`` adds them; refusals name them)
 ALIASES = {"learning_rate": ("--lr",), "num_train_epochs": ("--epochs",), "tofu_path": ("--tofu",),
            "tokenizer_path": ("--tokenizer",)}

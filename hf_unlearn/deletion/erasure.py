@@ -37,9 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..utils import atomic_write_text
 from .journal import RequestJournal, serving
 from .receipts import receipt_sha256
 from .records import iso, unfinished_purge, utc_now
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 RETIRED_FILE = "retired.json"
 
@@ -317,8 +321,6 @@ def _intact(folder: Path) -> bool:
 
 
 def _mark_retired(ledger: RequestJournal, current: Path, limit: int) -> None:
-    from ..utils import atomic_write_text
-
     atomic_write_text(ledger.run / RETIRED_FILE, json.dumps({
         "retired_by": "hf-unlearn requests purge", "ledger": ledger.records()[0]["ledger"],
         "current_exact_run": os.path.relpath(current, ledger.run), "store": "removed",

@@ -9,12 +9,16 @@ import json
 import time
 from pathlib import Path
 
+from ..validation import TOKENIZER_FILES
 from .config import ForgetConfig
 from .forget_receipt import ForgetReceipt, _receipt
 from .outputs import card_fields, save_output
 from .preference_terms import preference_terms
 from .publishing import _own_settings
 from .runs import with_replay_progress
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
 def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> ForgetReceipt:
@@ -28,7 +32,6 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..trace.tags import tag
     from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
     from ..trace.verification import verify
-    from ..validation import TOKENIZER_FILES
 
     run, ids, cost, timings = plan["run"], plan["ids"], plan["cost"], {}
     if tokenizer is None and config.tokenizer_path is not None:

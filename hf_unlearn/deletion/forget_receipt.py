@@ -12,9 +12,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..keys import load_key
+from ..utils import atomic_write_text
+from ..version import __version__
 from .config import EXACT, RECEIPT_FILE, RECEIPT_FORMAT
 from .preference_terms import preference_clause
 from .remains import still_holding
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
 @dataclass
@@ -206,8 +212,6 @@ def _receipt(plan, config, out: Path, model_dir: Path, evidence, timings, *, opt
     state's roots as the trace hashes it (the full state dict), the ones in the run's deletion log."""
     from ..hub.cards import forget_request
     from ..hub.publish import build_manifest
-    from ..keys import load_key
-    from ..version import __version__
 
     manifest = build_manifest(model_dir, optimizer_root=optimizer_root)
     saved_root = published_root or trace_params_root  # a LoRA run's: the merged weights, not the replayed adapter's
@@ -244,8 +248,6 @@ def _versions() -> dict:
 
 def _write_receipt(receipt: ForgetReceipt, ids: list, out: Path) -> None:
     """Write ``receipt.json`` atomically, after checking it carries no raw id (it is built from tags only)."""
-    from ..utils import atomic_write_text
-
     text = json.dumps(receipt.to_dict(), indent=1, default=str)
     leaked = [i for i in ids if isinstance(i, str) and json.dumps(i) in text]
     if leaked:  # a string id quoted anywhere in the receipt: refuse (numbers are checked by the tests' fuzzing)

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from ..errors import UnlearnError
+from ..runtime import init_processes
+from ..validation import output_folder
 from .approximate import _approximate
 from .checks import _before_compute, _validate, check_request, load_rows
 from .config import (
@@ -86,16 +88,12 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
     log = log or (lambda msg: print(msg, flush=True))
     plan = _validate(model_or_run, ids, config, data_collator)  # every check that costs no compute, before any
     if _launched() > 1:  # a run recorded by N processes, under its launch: the others replay, the main one writes
-        from ..runtime import init_processes
-
         plan["processes"] = init_processes(announce=False)
         plan["processes"].wait_for_everyone()  # every process validated before the main one writes
     _before_compute(plan, config)  # every process: the deleting environment is each process's
     if plan.get("processes") is not None and not plan["processes"].is_main_process:
         _exact_peer(plan, config)
         return None
-    from ..validation import output_folder
-
     started = time.perf_counter()
     publish_error = None
     with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite,

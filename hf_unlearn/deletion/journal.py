@@ -29,6 +29,16 @@ import uuid
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..keys import (
+    find_signing_key,
+    key_fingerprint,
+    load_signing_key,
+    public_key_fingerprint,
+    public_key_from_hex,
+    public_key_hex,
+)
+from ..utils import atomic_write_text, current_umask
+from ..validation import is_trace_run, load_request_ids
 from .chain import GENESIS, ChainCheck, canonical, check_chain, head_body, record_hash, sign_head, sign_record
 from .evidence import key_lookup, rollback_problem
 from .receipts import acknowledge, read_receipt, receipt_sha256, write_missing_bundles
@@ -48,6 +58,9 @@ from .records import (
     read_records,
     utc_now,
 )
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 DEFAULT_DEADLINE_DAYS = 30
 MAX_DEADLINE_DAYS = 3650
@@ -71,8 +84,6 @@ class RequestJournal:
 
     def __init__(self, run: str | os.PathLike, path: str | os.PathLike | None = None, *,
                  deadline_days: float = DEFAULT_DEADLINE_DAYS, signing_key=None):
-        from ..validation import is_trace_run
-
         self.run = Path(run)
         if not is_trace_run(os.fspath(self.run)):
             raise UnlearnError(f"{self.run} is not a recorded run (the trace_dir of a TraceRecordingTrainer)")
@@ -87,8 +98,6 @@ class RequestJournal:
     @property
     def signing_key(self):
         if self._signing_key is None:
-            from ..keys import load_signing_key
-
             self._signing_key = load_signing_key()
         return self._signing_key
 
@@ -109,8 +118,6 @@ class RequestJournal:
     def check(self, records: list[dict] | None = None) -> ChainCheck:
         """The chain checked against the signed head and this machine's signing key (what every command does
         first); ``records`` already read, or read now."""
-        from ..keys import find_signing_key, public_key_fingerprint
-
         if records is None:
             records = self._read()[0]
         anchor = self.signing_key.public_key()
@@ -271,8 +278,6 @@ class RequestJournal:
             return new[-1]
 
     def _opening(self) -> dict:
-        from ..keys import key_fingerprint, public_key_fingerprint, public_key_hex
-
         header = json.loads((self.run / "header.json").read_text())
         public = self.signing_key.public_key()
         return {"type": "open", "format": LEDGER_FORMAT, "ledger": uuid.uuid4().hex, "run_id": header.get("run_id"),
@@ -283,14 +288,12 @@ class RequestJournal:
     def _rotation(self, records: list[dict]) -> list[dict]:
         """A ``key`` record when this machine's signing key is not the one the ledger's last record is signed with
         (``hf_unlearn.keys.rotate_signing_key``): signed by the old key (found in its archive), naming the new one."""
-        from ..keys import find_signing_key, public_key_fingerprint, public_key_hex
-
         if not records or not records[0].get("public_key"):
             return []
         now = public_key_fingerprint(self.signing_key.public_key())
         last = (records[-1].get("signature") or {}).get("key")
         if records[-1].get("type") == "key":
-            last = public_key_fingerprint(_public_key(records[-1]["public_key"]))
+            last = public_key_fingerprint(public_key_from_hex(records[-1]["public_key"]))
         if last == now or last is None:
             return []
         old = find_signing_key(last)
@@ -318,7 +321,7 @@ class RequestJournal:
             raise UnlearnError(f"cannot write to the ledger folder {self.path}: {e.strerror or e}; nothing was "
                                "recorded") from None
         try:
-            os.fchmod(fd, 0o666 & ~_umask())
+            os.fchmod(fd, 0o666 & ~current_umask())
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(head, indent=1) + "\n")
                 f.flush()
@@ -379,8 +382,6 @@ class RequestJournal:
             if result.problem is not None and not (result.head is None and len(records) <= 3):
                 raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
             if result.head is None:  # the very first append (opening [+ key] + its record) crashed before the head
-                from ..keys import public_key_fingerprint
-
                 if result.problem and "no signed head" not in result.problem:
                     raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
                 if public_key_fingerprint(self.signing_key.public_key()) not in result.keys:
@@ -410,8 +411,6 @@ class RequestJournal:
             fold(records)
             self._check_binding(records[0])
             head = sign_head(head_body(records[0]["ledger"], records[-1]), self.signing_key)
-            from ..utils import atomic_write_text
-
             atomic_write_text(self.path / HEAD_FILE, json.dumps(head, indent=1) + "\n")
             log(f"re-signed the head over record(s) {result.tail[0]['seq']}..{records[-1]['seq']} "
                 f"({', '.join(r['type'] for r in result.tail)}): an interrupted append of this library")
@@ -426,7 +425,6 @@ class RequestJournal:
         the ids against the run they will be deleted from (:func:`hf_unlearn.deletion.checks.check_request`, which
         :class:`~hf_unlearn.deletion.DeletionLedger` passes), before anything is written."""
         from ..trace.tags import keyed_tags, tag
-        from ..validation import load_request_ids
 
         received_at = parse_time(received, "--received")
         if received_at > utc_now() + CLOCK_SKEW:
@@ -485,18 +483,6 @@ def check_deadline_days(days) -> float:
             or not 0 < days <= MAX_DEADLINE_DAYS:
         raise UnlearnError(f"--deadline-days must be a number of days > 0 and <= {MAX_DEADLINE_DAYS}, got {days!r}")
     return float(days)
-
-
-def _public_key(value: str):
-    from ..keys import public_key_from_hex
-
-    return public_key_from_hex(value)
-
-
-def _umask() -> int:
-    from ..utils import current_umask
-
-    return current_umask()
 
 
 def _append_bytes(path: Path, data: bytes, mode: int, private: bool = False) -> None:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..utils import atomic_write_text, private_dir
 from .config import EXACT
 from .forget_receipt import _receipt, load_receipt
 from .outputs import card_fields
@@ -34,8 +35,8 @@ from .preference_terms import preference_terms
 from .publishing import _own_settings
 from .runs import _run_collator, with_replay_progress
 
-# hf_unlearn.trace is imported inside the functions: it loads torch, and the CLI's early refusals (``forget``'s
-# precheck, ``requests add``) import this module through hf_unlearn.deletion without it
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
 # ---- before any compute ----------------------------------------------------------------------------------------
@@ -370,7 +371,6 @@ def _remember_parent(folder: Path, parent) -> None:
     """A replayed stage's parent folder, kept where the recording keeps it (``private/lineage.json``): a later request
     finds the pipeline from the replayed last stage."""
     from ..trace.lineage import PRIVATE_FILE
-    from ..utils import atomic_write_text, private_dir
 
     if parent is not None:
         atomic_write_text(private_dir(folder) / PRIVATE_FILE.name,

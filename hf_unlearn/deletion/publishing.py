@@ -11,8 +11,13 @@ import time
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..keys import key_fingerprint, load_key
+from ..validation import hub_unreachable
 from .config import EXACT, ForgetConfig
 from .forget_receipt import ForgetReceipt
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
 def _check_output_name(config: ForgetConfig, request: list) -> None:
@@ -31,7 +36,6 @@ def _check_hub_access(config: ForgetConfig) -> None:
     from huggingface_hub import HfApi, constants
 
     from ..hub.publish import hub_error
-    from ..validation import hub_unreachable
 
     endpoint = config.endpoint or constants.ENDPOINT
     if constants.HF_HUB_OFFLINE:
@@ -56,7 +60,6 @@ def _check_earlier_deletions(config: ForgetConfig, plan: dict) -> None:
 
     from ..hub.cards import forget_request
     from ..hub.publish import DELETION_TAG, FORGET_REQUEST_FILE, hub_error
-    from ..keys import load_key
 
     api = HfApi(endpoint=config.endpoint, token=config.token)
     try:
@@ -100,8 +103,6 @@ def _check_earlier_deletions(config: ForgetConfig, plan: dict) -> None:
 def _deleted_in_source(plan: dict, key: bytes) -> set[str]:
     """Keyed tags (library key) of the ids the source no longer holds: an exact source run's deletion log (when the
     run tags with the library key), or the ``forget_request.json`` of a model folder published by a deletion."""
-    from ..keys import key_fingerprint
-
     tags: set[str] = set()
     if plan["mode"] == EXACT:
         from ..trace.run import read_deletion_log
@@ -207,8 +208,6 @@ def _push_and_verify(model_dir: Path, plan: dict, config: ForgetConfig, out: Pat
 # count, not the id (the publisher's id scanner would refuse it otherwise, e.g. 20 epochs and forget id 20)
 OWN_SETTINGS = ("num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
                 "max_length", "seed")
-
-
 OWN_COUNTS = ("num_forget", "num_retain", "num_confirmation_rows")
 
 

@@ -30,9 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..keys import key_fingerprint, load_public_key, public_key_fingerprint, sign, signature_ok
+from ..utils import atomic_write_text
 from .chain import ChainCheck, canonical, check_chain, record_hash
 from .evidence import key_lookup, rollback_problem
 from .records import LEDGER_FORMAT, RECORDS_FILE, read_head, read_records
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 REQUEST_RECEIPT_FORMAT = "hf_unlearn.request_receipt.v1"
 BATCH_RECEIPT_FORMAT = "hf_unlearn.batch_receipt.v1"
@@ -47,8 +52,6 @@ def receipt_sha256(receipt: dict) -> str:
 
 
 def sign_receipt(body: dict, private_key) -> dict:
-    from ..keys import public_key_fingerprint, sign
-
     unsigned = {k: v for k, v in body.items() if k != "signature"}
     return {**unsigned, "signature": {"algorithm": "ed25519", "value": sign(private_key, canonical(unsigned)),
                                       "public_key": public_key_fingerprint(private_key.public_key())}}
@@ -56,8 +59,6 @@ def sign_receipt(body: dict, private_key) -> dict:
 
 def write_receipt(path: Path, receipt: dict) -> str:
     """Write a signed receipt atomically; returns its hash (what the ledger records)."""
-    from ..utils import atomic_write_text
-
     atomic_write_text(path, json.dumps(receipt, indent=1, sort_keys=True) + "\n")
     return receipt_sha256(receipt)
 
@@ -81,8 +82,6 @@ def read_receipt(path: str | os.PathLike) -> dict:
 def acknowledge(ledger, request) -> Path:
     """The signed acknowledgement of a request just added (``receipts/r-NNNN.ack.json``) and its bundle: the
     requester can show that the request was recorded, when, with which deadline, under a signed head."""
-    from ..keys import key_fingerprint
-
     records = ledger.records()
     opening = records[0]
     body = {"format": ACK_FORMAT, "kind": "acknowledgement",
@@ -120,8 +119,6 @@ def bundle_path(receipt_path: str | os.PathLike) -> Path:
 
 
 def write_bundle(ledger, receipt_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    from ..utils import atomic_write_text
-
     out = Path(out) if out is not None else bundle_path(receipt_path)
     atomic_write_text(out, json.dumps(make_bundle(ledger, receipt_path), indent=1, sort_keys=True) + "\n")
     return out
@@ -201,8 +198,6 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
 
 
 def _verify(receipt_path, public_key, ledger, model) -> VerifyReport:
-    from ..keys import load_public_key, public_key_fingerprint, signature_ok
-
     receipt_path = Path(receipt_path)
     data = read_receipt(receipt_path)
     public = public_key if hasattr(public_key, "verify") else load_public_key(public_key)

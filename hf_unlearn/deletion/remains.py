@@ -18,6 +18,9 @@ from pathlib import Path
 from .config import RECEIPT_FILE
 from .records import LEDGER_DIR, RECORDS_FILE
 
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
+
 TRAINER_OUTPUTS = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json",
                    "pytorch_model.bin")  # a model Trainer.save_model wrote into the run's parent folder
 

@@ -9,6 +9,10 @@ import os
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..validation import is_trace_run
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
 def _launched() -> int:
@@ -18,8 +22,6 @@ def _launched() -> int:
 
 def _has_run_parent(source: str) -> bool:
     """A recorded run that starts from another recorded run's output (a pipeline stage; its lineage is replayed)."""
-    from ..validation import is_trace_run
-
     if not is_trace_run(source):
         return False
     try:

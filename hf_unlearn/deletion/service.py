@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..keys import key_fingerprint
+from ..utils import atomic_write_bytes
 from .config import EXACT, RECEIPT_FILE, ForgetConfig
 from .erasure import purge
 from .forget_receipt import ForgetReceipt, _write_receipt, load_receipt
@@ -40,6 +42,9 @@ from .receipts import (
 )
 from .records import APPROXIMATE, PENDING, iso, parse_time, unfinished_purge, utc_now
 from .runs import _has_run_parent
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 RECEIPTS_DIR = "receipts"
 CARD_INFO_DIR = ("private", "card_info")  # each served model's unlearning_info.json (raw forget ids), owner-only
@@ -63,8 +68,6 @@ def _fresh(folder: Path) -> Path:
 
 
 def _request_part(ledger: RequestJournal, req) -> dict:
-    from ..keys import key_fingerprint
-
     return {"id": req.id, "tags": req.tags, "count": len(req.tags), "received": req.received,
             "deadline": req.deadline, "ref_tag": req.ref_tag, "key_fingerprint": key_fingerprint(ledger.tag_key)}
 
@@ -228,8 +231,6 @@ def _keep_card_info_private(ledger: RequestJournal, model: Path, name: str) -> N
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(folder.parent, 0o700)
     os.chmod(folder, 0o700)
-    from ..utils import atomic_write_bytes
-
     atomic_write_bytes(folder / f"{name}.json", source.read_bytes(), private=True)
     source.unlink()
 
