@@ -117,7 +117,7 @@ def test_a_copied_or_truncated_record_and_a_reused_number_are_refused(tmp_path, 
 
 DIE_AT = """
 import os, sys
-from hf_unlearn.deletion import DeletionLedger, ledger as mod, service
+from hf_unlearn.deletion import DeletionLedger, journal as mod, service
 run, folder, what, point, arg = sys.argv[1:6]
 real = os.replace
 def replace(src, dst, *a, **k):  # killed after the record of that kind, before its head
@@ -220,7 +220,7 @@ def test_kill_9_at_every_write_of_a_batch_then_recover_and_serve_completes_it_on
 
 
 def test_appends_are_all_or_nothing(tmp_path, monkeypatch):
-    from hf_unlearn.deletion import ledger as mod
+    from hf_unlearn.deletion import journal as mod
 
     ledger = three_requests(tmp_path)
     files = {n: (ledger.path / n).read_bytes() for n in ("ledger.jsonl", "head.json", "private/ids.jsonl")}

@@ -217,12 +217,12 @@ def test_a_batch_folder_without_its_record_is_never_reused(world, capsys):
 # -- 3. kill points of `serve --exact --repo`: no tag, or exactly one the ledger names ------------------------------
 SERVE_DIES = """
 import os, sys
-from hf_unlearn.deletion import DeletionLedger, forgetting, service
+from hf_unlearn.deletion import DeletionLedger, forgetting, publishing, service
 run, folder, tok, url, token, point = sys.argv[1:7]
 def die(*a, **k):
     os._exit(137)
 if point == "before-push":
-    forgetting._push_and_verify = die
+    publishing._push_and_verify = die
 elif point == "after-push":  # pushed and tagged, killed before the forget receipt is written
     forgetting._write_receipt = die
 elif point == "before-batch-done":  # the forget receipt says published; batch_done not written

@@ -128,7 +128,7 @@ def test_a_run_given_as_a_model_and_ids_not_in_the_run_are_refused_before_anythi
         assert line.startswith("hf-unlearn: error: ") and expect in line, (argv, line)
     assert not (tmp_path / "o").exists()
     # an approximate method named on purpose still takes the model in the training folder (no refusal there)
-    from hf_unlearn.deletion.forgetting import ForgetConfig, _refuse_a_run_in_disguise
+    from hf_unlearn.deletion.checks import ForgetConfig, _refuse_a_run_in_disguise
 
     _refuse_a_run_in_disguise(str(tmp_path / "ft"), ForgetConfig(output_dir=str(tmp_path / "o"), method="npo"), None)
 

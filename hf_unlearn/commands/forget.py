@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from ..deletion import EXACT, ForgetConfig, forget, parse_method_args
+from ..deletion.config import ALIASES  # the short spellings live with the options (refusals name them too)
+
 EPILOG = """examples:
   hf-unlearn forget runs/ft/trace --ids request.jsonl --out deletion-1 --oracle --tokenizer ./my-model  # exact
   hf-unlearn forget runs/sft/trace runs/dpo/trace --ids request.jsonl --out deletion-2 --oracle  # a pipeline
@@ -20,14 +23,8 @@ methods: exact (recorded runs) and, for models, every method of `hf-unlearn unle
   their options (--method-arg KEY=VALUE) are listed by `hf-unlearn unlearn --method NAME --help`."""
 
 
-ALIASES = {"learning_rate": ("--lr",), "num_train_epochs": ("--epochs",), "tofu_path": ("--tofu",),
-           "tokenizer_path": ("--tokenizer",)}
-
-
 def register(parser) -> None:
     import argparse
-
-    from ..deletion import ForgetConfig
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     from ..methods.registry import method_names
@@ -69,7 +66,6 @@ def register(parser) -> None:
 
 def precheck(args) -> None:
     """What can be refused before torch loads (about 2 s): a method name that does not exist, a missing id file."""
-    from ..deletion import EXACT
     from ..errors import UnlearnError
     from ..methods.registry import method_names
     from ..validation import check_ids_file
@@ -85,8 +81,6 @@ def _help(cls, name: str) -> str:
 
 
 def run(args) -> int:
-    from ..deletion import ForgetConfig, forget, parse_method_args
-
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ForgetConfig) if hasattr(args, f.name)}
     values["method_args"] = parse_method_args(args.method_args)
     sources = args.model_or_run if len(args.model_or_run) > 1 else args.model_or_run[0]

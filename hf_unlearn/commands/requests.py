@@ -201,7 +201,7 @@ def plan_cmd(args) -> int:
 
 
 def serve_cmd(args) -> int:
-    from ..deletion.forgetting import parse_method_args
+    from ..deletion.config import parse_method_args
     from ..deletion.service import Policy, ServeBusy
 
     ledger = _ledger(args)

@@ -230,7 +230,7 @@ def lineage_cmd(args) -> int:
 
 
 def _pipeline_given(runs: list[str]) -> bool:
-    from ..deletion.forgetting import _has_run_parent
+    from ..deletion.runs import _has_run_parent
 
     return len(runs) > 1 or _has_run_parent(runs[0])
 

@@ -25,8 +25,10 @@ import json
 from dataclasses import dataclass, field
 
 from ..errors import UnlearnError
+from ..keys import public_key_fingerprint, public_key_from_hex, sign, signature_ok
 
 GENESIS = "0" * 64
+HEAD_FORMAT = "hf_unlearn.ledger_head.v1"
 RECORD_DOMAIN = b"hf_unlearn.ledger_record\0"
 UNHASHED = ("sha256", "signature")
 
@@ -42,29 +44,21 @@ def record_hash(record: dict) -> str:
 
 def sign_record(record: dict, private_key) -> dict:
     """The record's ``signature`` field: Ed25519 over its hash (domain-separated from heads and receipts)."""
-    from ..keys import public_key_fingerprint, sign
-
     return {"algorithm": "ed25519", "key": public_key_fingerprint(private_key.public_key()),
             "value": sign(private_key, RECORD_DOMAIN + record["sha256"].encode())}
 
 
 def head_body(ledger: str, record: dict) -> dict:
-    from .ledger import HEAD_FORMAT
-
     return {"format": HEAD_FORMAT, "ledger": ledger, "seq": record["seq"], "sha256": record["sha256"],
             "time": record["time"]}
 
 
 def sign_head(body: dict, private_key) -> dict:
-    from ..keys import public_key_fingerprint, sign
-
     return {**body, "signature": {"algorithm": "ed25519", "value": sign(private_key, canonical(body)),
                                   "public_key": public_key_fingerprint(private_key.public_key())}}
 
 
 def _public(hex_or_key):
-    from ..keys import public_key_from_hex
-
     return public_key_from_hex(hex_or_key) if isinstance(hex_or_key, str) else hex_or_key
 
 
@@ -100,10 +94,8 @@ class ChainCheck:
 
 def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool = False) -> ChainCheck:
     """Check ``records`` (a whole ledger, or with ``segment`` a run of it ending at the head) and ``head`` against
-    the ``anchor`` public key. Checksums and ``prev`` links are checked by :func:`hf_unlearn.deletion.ledger.
+    the ``anchor`` public key. Checksums and ``prev`` links are checked by :func:`hf_unlearn.deletion.records.
     read_records` for a whole ledger, and here for a segment."""
-    from ..keys import public_key_fingerprint, signature_ok
-
     out = ChainCheck(records=records, head=head)
     anchor_fp = public_key_fingerprint(anchor)
     if not records:

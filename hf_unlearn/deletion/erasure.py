@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
-from .ledger import DeletionLedger, iso, utc_now
+from ..utils import atomic_write_text
+from .journal import RequestJournal, serving
+from .receipts import receipt_sha256
+from .records import iso, unfinished_purge, utc_now
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 RETIRED_FILE = "retired.json"
 
@@ -73,15 +79,13 @@ def _size(path: Path) -> int:
     return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def purge(ledger: DeletionLedger, *, log=None, dry_run: bool = False) -> PurgeResult:
+def purge(ledger: RequestJournal, *, log=None, dry_run: bool = False) -> PurgeResult:
     """Remove what the served rows left in the service's stores and runs (see the module docstring). Refused while
     a batch is interrupted or before any batch is exact. What to erase is decided from the signed ledger records (and
     the batch receipts whose hashes they bind) and from every file and folder under the ledger and the run, indexed
     or not: anything it cannot classify is erased (where rows or weights can live) or named. A ``purge_start`` record
     precedes the first removal, so a purge cut off is finished and recorded by the next one. Idempotent: a second
     purge removes what a crashed one left and records nothing when nothing is left."""
-    from .service import serving
-
     log = log or (lambda m: print(m, flush=True))
     with serving(ledger):
         records = ledger.records()
@@ -104,7 +108,7 @@ def purge(ledger: DeletionLedger, *, log=None, dry_run: bool = False) -> PurgeRe
             extra, more = _run_targets(ledger, 1 << 62, replay)
             targets += extra
             unclassified += more
-        pending = _unfinished_purge(records)
+        pending = unfinished_purge(records)
         result = PurgeResult()
         sizes = {}
         for path in targets:
@@ -146,25 +150,13 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-def _unfinished_purge(records: list[dict]) -> dict | None:
-    """The last ``purge_start`` record no ``purge`` record follows (a purge that was cut off), if any."""
-    for r in reversed(records):
-        if r["type"] == "purge":
-            return None
-        if r["type"] == "purge_start":
-            return r
-    return None
-
-
-def _rel(ledger: DeletionLedger, path: Path) -> str:
+def _rel(ledger: RequestJournal, path: Path) -> str:
     return os.path.relpath(os.path.abspath(path), os.path.abspath(ledger.path))
 
 
-def _clean_limit(ledger: DeletionLedger, done: list[dict]) -> int:
+def _clean_limit(ledger: RequestJournal, done: list[dict]) -> int:
     """The earliest checkpoint any batch replayed from: read from each batch receipt whose hash its signed
     ``batch_done`` record binds (an edited receipt is refused, naming it, before anything is removed)."""
-    from .receipts import receipt_sha256
-
     limits = []
     for r in done:
         path = ledger.path / "receipts" / f"{r['batch']}.json"
@@ -196,7 +188,7 @@ def _holds_data(path: Path) -> bool:
     return any(_holds_data(p) for p in path.rglob("*") if p.is_file())
 
 
-def _ledger_targets(ledger: DeletionLedger, records: list[dict], done: list[dict], exact: set) -> tuple[list, list]:
+def _ledger_targets(ledger: RequestJournal, records: list[dict], done: list[dict], exact: set) -> tuple[list, list]:
     """Every path under the ledger to remove, and those it cannot classify (kept, named)."""
     root = ledger.path
     targets, unclassified = [], []
@@ -237,7 +229,7 @@ _RUN_KEPT = {"header.json", "plan.bin", "plan.jsonl", "wal.bin", "manifest.bin",
              "deletion_log.jsonl", "progress.json", "model", RETIRED_FILE, "packing.json"}
 
 
-def _run_targets(ledger: DeletionLedger, limit: int, run: Path | None = None) -> tuple[list[Path], list[str]]:
+def _run_targets(ledger: RequestJournal, limit: int, run: Path | None = None) -> tuple[list[Path], list[str]]:
     """The recorded run's token store, every checkpoint folder a deleted row reached (after ``limit``, the earliest
     checkpoint any batch replayed from), and everything else under ``checkpoints/`` and ``private/`` that is not a
     complete, indexed checkpoint at or before it, the index, the frozen tensors or the key: a folder whose index
@@ -296,7 +288,7 @@ def check_not_retired(run) -> None:
                        "request to the ledger (`hf-unlearn requests add`)")
 
 
-def _trusted_steps(ledger: DeletionLedger, run: Path) -> set[int] | None:
+def _trusted_steps(ledger: RequestJournal, run: Path) -> set[int] | None:
     """The steps of the run's checkpoint index, if its MAC (under the run key) holds; an empty set when it does not
     (an edited index vouches for no checkpoint); None for a run recorded before indexes."""
     import hmac
@@ -328,9 +320,7 @@ def _intact(folder: Path) -> bool:
         return False
 
 
-def _mark_retired(ledger: DeletionLedger, current: Path, limit: int) -> None:
-    from ..utils import atomic_write_text
-
+def _mark_retired(ledger: RequestJournal, current: Path, limit: int) -> None:
     atomic_write_text(ledger.run / RETIRED_FILE, json.dumps({
         "retired_by": "hf-unlearn requests purge", "ledger": ledger.records()[0]["ledger"],
         "current_exact_run": os.path.relpath(current, ledger.run), "store": "removed",

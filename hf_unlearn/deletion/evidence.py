@@ -16,6 +16,7 @@ import json
 import re
 from pathlib import Path
 
+from ..keys import find_signing_key, public_key_fingerprint, signature_ok
 from .chain import canonical
 
 BATCH_DIR = re.compile(r"^batch-\d{4,}$")
@@ -30,8 +31,6 @@ def _load(path: Path):
 
 
 def _signed_by(body: dict, keys) -> bool:
-    from ..keys import signature_ok
-
     sig = body.get("signature")
     if not isinstance(sig, dict) or not isinstance(sig.get("value"), str):
         return False
@@ -103,8 +102,6 @@ def rollback_problem(folder: Path, records: list[dict], head_seq: int, keys) -> 
 
 def key_lookup(chain_keys: dict, anchor):
     """``fingerprint -> public key``: the ledger's keys, this machine's, and the keys archived here by a rotation."""
-    from ..keys import find_signing_key, public_key_fingerprint
-
     known = dict(chain_keys)
     known.setdefault(public_key_fingerprint(anchor), anchor)
 

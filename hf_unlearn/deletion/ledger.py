@@ -1,101 +1,52 @@
-"""The request ledger of a recorded run: every deletion request, what was done for it, and when.
+"""The request ledger of a recorded run with the service that honours it: :class:`DeletionLedger`.
 
-A ledger is a folder (default ``RUN/requests``) holding:
-
-* ``ledger.jsonl``: one JSON record per line, append-only. Each record carries its sequence number, the SHA-256 of
-  its own canonical JSON (a checksum) and the previous record's hash (a hash chain), and is fsync'd before the
-  call returns. A torn last line (an append cut off by a crash: never acknowledged) is ignored and cut off by the
-  next append; any other broken, edited, reordered or removed record is named and refused. Ids appear only as
-  keyed tags (HMAC, :mod:`hf_unlearn.trace.tags`), ticket references too. Readable by the group (umask).
-* ``private/ids.jsonl`` (mode 0600, folder 0700): the raw ids (and ticket references) of each request, the only
-  place they are kept; the public record's tags are checked against them on every read.
-* ``head.json``: the last record's hash, signed with the Ed25519 signing key (:mod:`hf_unlearn.keys`), so a copy of
-  the ledger can be checked by anyone holding the public key.
-* ``batches/batch-NNNN/`` (exact deletions), ``provisional/approx-NNNN/`` (approximate ones), ``receipts/``.
-
-Appends are serialised by a file lock (``filelock``), so parallel ``hf-unlearn requests add`` processes are safe.
+What ``hf-unlearn requests`` and the web intake drive. It is the signed journal
+(:class:`~hf_unlearn.deletion.journal.RequestJournal`: the ledger folder's records, locks, appends and recovery)
+with the service's entry points on top (serve, plan, status: :mod:`hf_unlearn.deletion.service`) and the request
+check of :func:`~hf_unlearn.deletion.forget` for :meth:`DeletionLedger.add`. It sits above both, so neither the
+journal nor the service imports the other's caller. The names of the ledger's files and the record helpers live in
+:mod:`hf_unlearn.deletion.records` and :mod:`hf_unlearn.deletion.journal` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as dt
-import json
-import math
-import os
-import tempfile
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
+from . import service
+from .chain import HEAD_FORMAT
+from .checks import check_request
+from .journal import (
+    CLOCK_SKEW,
+    DEFAULT_DEADLINE_DAYS,
+    MAX_DEADLINE_DAYS,
+    LedgerTail,
+    RequestJournal,
+    check_deadline_days,
+)
+from .records import (
+    APPENDED,
+    APPROXIMATE,
+    EXACT,
+    HEAD_FILE,
+    LEDGER_DIR,
+    LEDGER_FORMAT,
+    PENDING,
+    PRIVATE_FILE,
+    RECORDS_FILE,
+    Request,
+    fold,
+    iso,
+    parse_time,
+    read_head,
+    read_records,
+    utc_now,
+)
 
-from ..errors import UnlearnError
-from .chain import GENESIS, ChainCheck, canonical, check_chain, head_body, record_hash, sign_head, sign_record
-
-LEDGER_FORMAT = "hf_unlearn.request_ledger.v1"  # v1 and v2 read alike; a v2 opening names its key (public_key)
-HEAD_FORMAT = "hf_unlearn.ledger_head.v1"
-LEDGER_DIR = "requests"
-RECORDS_FILE = "ledger.jsonl"
-PRIVATE_FILE = ("private", "ids.jsonl")
-HEAD_FILE = "head.json"
-DEFAULT_DEADLINE_DAYS = 30
-MAX_DEADLINE_DAYS = 3650
-CLOCK_SKEW = dt.timedelta(minutes=5)
-PENDING, APPROXIMATE, EXACT = "pending", "approximate", "exact"
-
-
-def utc_now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
-
-
-def parse_time(value: str | dt.datetime | dt.date | None, what: str = "date") -> dt.datetime:
-    """An ISO date or date-time (naive means UTC); None is now."""
-    if value is None:
-        return utc_now()
-    if isinstance(value, dt.datetime):
-        parsed = value
-    elif isinstance(value, dt.date):
-        parsed = dt.datetime(value.year, value.month, value.day)
-    else:
-        try:
-            parsed = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-        except ValueError:
-            raise UnlearnError(f"{what} {value!r} is not an ISO date (2026-01-31 or 2026-01-31T09:00:00Z)") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
+__all__ = ["APPENDED", "APPROXIMATE", "CLOCK_SKEW", "DEFAULT_DEADLINE_DAYS", "EXACT", "HEAD_FILE", "HEAD_FORMAT",
+           "LEDGER_DIR", "LEDGER_FORMAT", "MAX_DEADLINE_DAYS", "PENDING", "PRIVATE_FILE", "RECORDS_FILE",
+           "DeletionLedger", "LedgerTail", "Request", "RequestJournal", "check_deadline_days", "fold", "iso",
+           "parse_time", "read_head", "read_records", "utc_now"]
 
 
-def iso(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass
-class Request:
-    """One request as the ledger knows it (tags only); ``state`` folds every later record about it."""
-
-    id: str
-    tags: list[str]
-    received: str
-    deadline: str
-    ref_tag: str | None
-    seq: int
-    sha256: str
-    state: str = PENDING
-    batch: str | None = None  # the exact batch that served it
-    served: str | None = None  # when the exact deletion was recorded
-    provisional: list[str] = field(default_factory=list)  # approximate receipts it has
-    running: str | None = None  # a batch started for it and not finished (running, or interrupted)
-
-    def age_days(self, now: dt.datetime | None = None) -> float:
-        return ((now or utc_now()) - parse_time(self.received)).total_seconds() / 86400
-
-    def days_left(self, now: dt.datetime | None = None) -> float:
-        return (parse_time(self.deadline) - (now or utc_now())).total_seconds() / 86400
-
-
-class LedgerTail(UnlearnError):
-    """Records after the signed head (an append in progress, or one a crash cut off: see ``recover``)."""
-
-
-class DeletionLedger:
+class DeletionLedger(RequestJournal):
     """The deletion requests of one recorded run, and the service that honours them.
 
     Args:
@@ -106,589 +57,29 @@ class DeletionLedger:
             :func:`hf_unlearn.keys.load_signing_key`, created on first use).
     """
 
-    def __init__(self, run: str | os.PathLike, path: str | os.PathLike | None = None, *,
-                 deadline_days: float = DEFAULT_DEADLINE_DAYS, signing_key=None):
-        from ..validation import is_trace_run
-
-        self.run = Path(run)
-        if not is_trace_run(os.fspath(self.run)):
-            raise UnlearnError(f"{self.run} is not a recorded run (the trace_dir of a TraceRecordingTrainer)")
-        self.path = Path(path) if path is not None else self.run / LEDGER_DIR
-        if self.path.exists() and not self.path.is_dir():
-            raise UnlearnError(f"--ledger {self.path} is a file: the ledger is a folder (ledger.jsonl, receipts/, "
-                               "private/); give a folder that does not exist yet or an existing ledger")
-        self.deadline_days = check_deadline_days(deadline_days)
-        self._signing_key = signing_key
-
-    # -- keys ---------------------------------------------------------------------------------------------------
-    @property
-    def signing_key(self):
-        if self._signing_key is None:
-            from ..keys import load_signing_key
-
-            self._signing_key = load_signing_key()
-        return self._signing_key
-
-    @property
-    def tag_key(self) -> bytes:
-        from ..trace.tags import run_key
-
-        return run_key(self.run)
-
-    # -- reading ------------------------------------------------------------------------------------------------
-    @property
-    def records_path(self) -> Path:
-        return self.path / RECORDS_FILE
-
-    def _read(self) -> tuple[list[dict], int | None]:
-        return read_records(self.path)
-
-    def check(self, records: list[dict] | None = None) -> ChainCheck:
-        """The chain checked against the signed head and this machine's signing key (what every command does
-        first); ``records`` already read, or read now."""
-        from ..keys import find_signing_key, public_key_fingerprint
-
-        if records is None:
-            records = self._read()[0]
-        anchor = self.signing_key.public_key()
-        last = (records[-1].get("signature") or {}).get("key") if records else None
-        if last is not None and last != public_key_fingerprint(anchor) and records[-1].get("type") != "key":
-            old = find_signing_key(last)  # rotated here: the archived key we hold vouches until the hand-over
-            anchor = old.public_key() if old is not None else anchor
-        return check_chain(records, read_head(self.path), anchor)
-
-    def checked(self, records: list[dict]) -> list[dict]:
-        """``records`` if the signed head and every record's signature vouch for them, else one line naming the first
-        record they do not cover (and how to recover from an interrupted append)."""
-        if not records:
-            return records
-        result = self.check(records)
-        if result.problem is not None:
-            raise UnlearnError(f"the ledger {self.path} cannot be trusted: {result.problem}; nothing was done")
-        if result.tail:
-            raise LedgerTail(f"the ledger {self.path}: {result.tail_problem()}; nothing was done. `hf-unlearn "
-                               "requests recover` re-signs the head if the tail is exactly what an interrupted serve or "
-                               "add writes, and refuses anything else")
-        self._check_binding(records[0])
-        fold(records)  # request numbers used once, batches started before done, ...
-        self._check_evidence(records, result)
-        return records
-
-    def _check_evidence(self, records: list[dict], result: ChainCheck) -> None:
-        """Refuse a ledger older than the service's own evidence (a rollback: :mod:`hf_unlearn.deletion.evidence`),
-        naming the newest signed head found. Cached per state of the ledger and its receipts and batches."""
-        from .evidence import key_lookup, rollback_problem
-
-        state = (records[-1]["sha256"], *(_listing(self.path / d) for d in ("receipts", "batches")))
-        if getattr(self, "_evidence_ok", None) == state:
-            return
-        problem = rollback_problem(self.path, records, result.head_seq,
-                                   key_lookup(result.keys, self.signing_key.public_key()))
-        if problem is not None:
-            raise UnlearnError(f"the ledger {self.path} cannot be trusted: {problem}; nothing was done")
-        self._evidence_ok = state
-
-    def records(self) -> list[dict]:
-        """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head. A tail
-        seen while another process appends (its record written, its head not yet) is read again under the lock."""
-        try:
-            return self.checked(self._read()[0])
-        except LedgerTail:
-            with self.lock():
-                return self.checked(self._read()[0])
-
-    def _check_binding(self, opening: dict) -> None:
-        header = json.loads((self.run / "header.json").read_text())
-        run_ids = {header.get("run_id"), header.get("origin_run_id")}
-        if opening.get("origin_run_id") not in run_ids and opening.get("run_id") not in run_ids:
-            raise UnlearnError(f"the ledger {self.path} belongs to run {opening.get('run_id')}, not to {self.run} "
-                               f"(run {header.get('run_id')})")
-
-    @property
-    def ledger_id(self) -> str | None:
-        records = self.records()
-        return records[0]["ledger"] if records else None
-
-    def requests(self) -> list[Request]:
-        """Every request with its state folded from the records after it."""
-        return list(fold(self.records()).values())
-
-    def pending(self) -> list[Request]:
-        """Requests without an exact deletion yet (pending or approximately served)."""
-        return [r for r in self.requests() if r.state != EXACT]
-
-    def unfinished_batch(self) -> dict | None:
-        """The ``batch_start`` record of a batch that never recorded ``batch_done`` (interrupted), if any."""
-        started, done = {}, set()
-        for r in self.records():
-            if r["type"] == "batch_start":
-                started[r["batch"]] = r
-            elif r["type"] == "batch_done":
-                done.add(r["batch"])
-        left = [r for b, r in started.items() if b not in done]
-        return left[-1] if left else None
-
-    def last(self, kind: str) -> dict | None:
-        return next((r for r in reversed(self.records()) if r["type"] == kind), None)
-
-    def current_run(self) -> Path:
-        """The run the next exact batch deletes from: the last batch's replay (a run without every row deleted so
-        far), else the recorded run. Never an approximately unlearned model."""
-        done = self.last("batch_done")
-        return Path(os.path.normpath(self.path / done["run"])) if done else self.run
-
-    def served_model(self) -> Path | None:
-        """The model served now: the newest of the last exact batch's model and later provisional ones."""
-        for r in reversed(self.records()):
-            if r["type"] in ("batch_done", "approximate"):
-                return self.path / r["model"]
-        return None
-
-    def private_ids(self, request_ids) -> dict[str, list]:
-        """The raw ids of the given requests (from the owner-only private part), checked against their tags."""
-        from ..trace.tags import keyed_tags
-
-        wanted = set(request_ids)
-        tags = {r.id: r.tags for r in self.requests() if r.id in wanted}
-        found: dict[str, list] = {}
-        path = self.path.joinpath(*PRIVATE_FILE)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            lines = []
-        key = self.tag_key
-        for line in lines:
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn private line belongs to an add that never reached the public ledger
-            rid = entry.get("request")
-            if rid in wanted and rid not in found and keyed_tags(entry["ids"], key) == tags[rid]:
-                found[rid] = entry["ids"]
-        missing = sorted(wanted - set(found))
-        if missing:
-            raise UnlearnError(f"the private part {path} has no ids matching the ledger's tags for request(s) "
-                               f"{', '.join(missing)}: it was lost or edited; restore it from a backup")
-        return found
-
-    # -- writing ------------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lock(self, timeout: float = 600):
-        """The ledger's file lock (every append holds it)."""
-        from filelock import FileLock, Timeout
-
-        if getattr(self, "_lock", None) is None:  # one lock object: it is re-entrant, a second one would deadlock
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock = FileLock(str(self.path / ".lock"))
-        try:
-            with self._lock.acquire(timeout=timeout):
-                yield
-        except Timeout:
-            raise UnlearnError(f"the ledger {self.path} stayed locked for {timeout:.0f} s; is another process "
-                               "stuck?") from None
-
-    def append(self, kind: str, private: dict | None = None, **fields) -> dict:
-        """Append one record (with, first, its private part), all or nothing: the new head is prepared first (an
-        unwritable folder fails before anything is recorded), a failed append of the record takes its private line
-        back, and a crash after the record is written leaves a signed tail that :meth:`recover` re-signs. The
-        caller may hold :meth:`lock` already."""
-        with self.lock():
-            records, torn = self._read()
-            if torn is not None:  # an append cut off by a crash: never acknowledged, so cut it off
-                with open(self.records_path, "r+b") as f:
-                    f.truncate(torn)
-                    os.fsync(f.fileno())
-            self.checked(records)
-            new = []
-            if not records and kind != "open":
-                new.append(self._record(records + new, self._opening()))
-            new.extend(self._rotation(records + new))
-            new.append(self._record(records + new, {"type": kind, **fields}))
-            ledger = (records or new)[0]["ledger"]
-            self._commit(new, ledger, private)
-            records.extend(new)
-            return new[-1]
-
-    def _opening(self) -> dict:
-        from ..keys import key_fingerprint, public_key_fingerprint, public_key_hex
-
-        header = json.loads((self.run / "header.json").read_text())
-        public = self.signing_key.public_key()
-        return {"type": "open", "format": LEDGER_FORMAT, "ledger": uuid.uuid4().hex, "run_id": header.get("run_id"),
-                "origin_run_id": header.get("origin_run_id", header.get("run_id")),
-                "key_fingerprint": key_fingerprint(self.tag_key), "deadline_days": self.deadline_days,
-                "signing_key": public_key_fingerprint(public), "public_key": public_key_hex(public)}
-
-    def _rotation(self, records: list[dict]) -> list[dict]:
-        """A ``key`` record when this machine's signing key is not the one the ledger's last record is signed with
-        (``hf_unlearn.keys.rotate_signing_key``): signed by the old key (found in its archive), naming the new one."""
-        from ..keys import find_signing_key, public_key_fingerprint, public_key_hex
-
-        if not records or not records[0].get("public_key"):
-            return []
-        now = public_key_fingerprint(self.signing_key.public_key())
-        last = (records[-1].get("signature") or {}).get("key")
-        if records[-1].get("type") == "key":
-            last = public_key_fingerprint(_public_key(records[-1]["public_key"]))
-        if last == now or last is None:
-            return []
-        old = find_signing_key(last)
-        if old is None:
-            raise UnlearnError(f"the ledger {self.path} is signed with key {last}, and this machine's signing key is "
-                               f"{now}; restore the old key (or its archive signing_ed25519.{last}.pem) so it can "
-                               "hand over to the new one")
-        record = {"type": "key", "previous_fingerprint": last, "previous_public_key": public_key_hex(
-            old.public_key()), "fingerprint": now, "public_key": public_key_hex(self.signing_key.public_key())}
-        return [self._record(records, record, key=old)]
-
-    def _record(self, records: list[dict], fields: dict, key=None) -> dict:
-        record = {**fields, "seq": len(records) + 1, "prev": records[-1]["sha256"] if records else GENESIS,
-                  "time": fields.get("time") or iso(utc_now())}
-        record["sha256"] = record_hash(record)
-        record["signature"] = sign_record(record, key or self.signing_key)
-        return record
-
-    def _commit(self, new: list[dict], ledger: str, private: dict | None) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        head = sign_head(head_body(ledger, new[-1]), self.signing_key)
-        try:
-            fd, tmp_head = tempfile.mkstemp(dir=self.path, prefix=".head.", suffix=".tmp")  # unwritable folder: here
-        except OSError as e:
-            raise UnlearnError(f"cannot write to the ledger folder {self.path}: {e.strerror or e}; nothing was "
-                               "recorded") from None
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(head, indent=1) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            undo_private = self._append_private(private) if private is not None else None
-            created = not self.records_path.exists()
-            try:
-                _append_bytes(self.records_path, b"".join(canonical(r) + b"\n" for r in new), 0o666)  # what open() gives: a public file
-            except BaseException:
-                if undo_private is not None:
-                    undo_private()
-                raise
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_head)
-            raise UnlearnError(f"cannot append to the ledger {self.path}: {e.strerror or e}; nothing was "
-                               "recorded") from None
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_head)
-            raise
-        try:
-            if created:
-                _fsync_dir(self.path)
-            os.replace(tmp_head, self.path / HEAD_FILE)  # a crash before this: a signed tail, see recover()
-            _fsync_dir(self.path)
-        except OSError as e:
-            raise UnlearnError(f"record {new[-1]['seq']} was appended to {self.path} but its head could not be "
-                               f"signed ({e.strerror or e}); `hf-unlearn requests recover` re-signs it") from None
-        finally:
-            if os.path.exists(tmp_head):
-                os.unlink(tmp_head)
-
-    def _append_private(self, entry: dict):
-        """Append the private line; returns the function that takes it back."""
-        folder = self.path / PRIVATE_FILE[0]
-        folder.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(folder, 0o700)
-        path = folder / PRIVATE_FILE[1]
-        size = path.stat().st_size if path.exists() else 0
-        _append_bytes(path, json.dumps(entry, sort_keys=True).encode() + b"\n", 0o600, private=True)
-
-        def undo():
-            with open(path, "r+b") as f:
-                f.truncate(size)
-                os.fsync(f.fileno())
-        return undo
-
-    def recover(self, log=None) -> dict | None:
-        """Re-sign the head over a tail left by an interrupted append, only if every tail record is exactly what this
-        library writes: signed with the ledger's key (no one without the key can write that), of a kind it appends,
-        and, for a serving record, every receipt it lists present and hashing to what it records. Returns the new
-        head (None: nothing to recover); anything else is refused, naming the first record."""
-        from .receipts import read_receipt, receipt_sha256
-
-        log = log or (lambda m: None)
-        with self.lock():
-            records, _ = self._read()
-            result = self.check(records)
-            if result.problem is not None and not (result.head is None and len(records) <= 3):
-                raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
-            if result.head is None:  # the very first append (opening [+ key] + its record) crashed before the head
-                from ..keys import public_key_fingerprint
-
-                if result.problem and "no signed head" not in result.problem:
-                    raise UnlearnError(f"cannot recover the ledger {self.path}: {result.problem}")
-                if public_key_fingerprint(self.signing_key.public_key()) not in result.keys:
-                    raise UnlearnError(f"cannot recover the ledger {self.path}: it has no signed head and its "
-                                       f"records are signed with key(s) {', '.join(result.keys) or 'none'}, not "
-                                       "this machine's")
-                result.tail = records
-            if result.head is not None:  # the tail's own receipts name tail records: compare with all of them
-                self._check_evidence(records, ChainCheck(records=records, head=result.head, head_seq=len(records),
-                                                         keys=result.keys))
-            if not result.tail:
-                from .receipts import write_missing_bundles
-
-                write_missing_bundles(self, log)
-                return None
-            for r in result.tail:
-                if r.get("type") not in APPENDED:
-                    raise UnlearnError(f"cannot recover: record {r['seq']} is of type {r.get('type')!r}, which this "
-                                       "library does not append")
-                for rid, entry in (r.get("receipts") or {}).items():
-                    path = self.path / entry.get("path", "")
-                    try:
-                        ok = receipt_sha256(read_receipt(path)) == entry.get("sha256")
-                    except UnlearnError:
-                        ok = False
-                    if not ok:
-                        raise UnlearnError(f"cannot recover: record {r['seq']} ({r['type']}) lists a receipt for "
-                                           f"{rid} that is missing or differs ({entry.get('path')})")
-            fold(records)
-            self._check_binding(records[0])
-            head = sign_head(head_body(records[0]["ledger"], records[-1]), self.signing_key)
-            from ..utils import atomic_write_text
-
-            atomic_write_text(self.path / HEAD_FILE, json.dumps(head, indent=1) + "\n")
-            log(f"re-signed the head over record(s) {result.tail[0]['seq']}..{records[-1]['seq']} "
-                f"({', '.join(r['type'] for r in result.tail)}): an interrupted append of this library")
-        from .receipts import write_missing_bundles
-
-        write_missing_bundles(self, log)  # the acknowledgements and bundles the interrupted command did not write
-        return head
-
     def add(self, ids, ref: str | None = None, received=None, deadline_days: float | None = None) -> Request:
         """Append a deletion request; the ids are checked against the run first (unknown or wrongly typed ids are
-        refused, naming them). Returns the request as recorded; a signed acknowledgement is written to
-        ``receipts/r-NNNN.ack.json`` (:func:`hf_unlearn.deletion.receipts.acknowledge`)."""
-        from ..trace.tags import keyed_tags, tag
-        from ..validation import load_request_ids
-        from .forgetting import check_request
-
-        received_at = parse_time(received, "--received")
-        if received_at > utc_now() + CLOCK_SKEW:
-            raise UnlearnError(f"--received {iso(received_at)} is in the future (now {iso(utc_now())}); give the date "
-                               "the request was received")
-        days = check_deadline_days(self.deadline_days if deadline_days is None else deadline_days)
-        if ref is not None and not isinstance(ref, str):
-            raise UnlearnError(f"ref must be a string (a ticket reference), not {type(ref).__name__}")
-        ids = load_request_ids(ids)
-        check_request(self.current_run() if self.records_path.exists() else self.run, ids)  # a pipeline: every stage
-        key = self.tag_key
-        _check_writable(self.path / "receipts")  # the acknowledgement goes there: fail before recording, not after
-        from .receipts import acknowledge
-
-        with self.lock():  # the acknowledgement too: it reads the ledger another add may be appending to
-            number = 1 + sum(1 for r in self.checked(self._read()[0]) if r["type"] == "request")
-            rid = f"r-{number:04d}"
-            used = sorted((self.path / "receipts").glob(f"{rid}.*"))
-            if used:  # a number is never reused, a receipt never overwritten
-                raise UnlearnError(f"the ledger {self.path} would number this request {rid}, but receipts/"
-                                   f"{used[0].name} exists: the number was used before and the ledger rolled back "
-                                   "or replaced; restore the newest ledger; nothing was recorded")
-            record = self.append(
-                "request", private={"request": rid, "ids": ids, "ref": ref}, request=rid,
-                tags=keyed_tags(ids, key), count=len(ids), received=iso(received_at),
-                deadline=iso(received_at + dt.timedelta(days=days)),
-                ref_tag=tag(key, ref) if ref is not None else None)
-            request = next(r for r in self.requests() if r.seq == record["seq"])
-            acknowledge(self, request)
-        return request
+        refused, naming them; a pipeline's last run: against every stage). Returns the request as recorded; a signed
+        acknowledgement is written to ``receipts/r-NNNN.ack.json`` (:func:`hf_unlearn.deletion.receipts.acknowledge`)."""
+        return super().add(ids, ref, received, deadline_days, check=check_request)
 
     # -- serving (hf_unlearn.deletion.service) ---------------------------------------------------------------------
     def serve_exact(self, **options):
         """One exact batch over every pending request (:func:`hf_unlearn.deletion.service.serve_exact`)."""
-        from .service import serve_exact
-
-        return serve_exact(self, **options)
+        return service.serve_exact(self, **options)
 
     def serve_approximate(self, **options):
         """The approximate hot path (:func:`hf_unlearn.deletion.service.serve_approximate`)."""
-        from .service import serve_approximate
-
-        return serve_approximate(self, **options)
+        return service.serve_approximate(self, **options)
 
     def serve_due(self, policy=None, **options):
         """Apply a :class:`~hf_unlearn.deletion.service.Policy` once (what cron runs)."""
-        from .service import Policy, serve_due
-
-        return serve_due(self, policy if isinstance(policy, Policy) else Policy.load(policy), **options)
+        policy = policy if isinstance(policy, service.Policy) else service.Policy.load(policy)
+        return service.serve_due(self, policy, **options)
 
     def plan(self, now=None) -> dict:
         """Replay cost of the pending set: one batch now, each alone, waiting for the earliest deadline."""
-        from .service import plan
-
-        return plan(self, now)
+        return service.plan(self, now)
 
     def status(self, now=None) -> dict:
-        from .service import status
-
-        return status(self, now)
-
-
-def read_records(folder: str | os.PathLike) -> tuple[list[dict], int | None]:
-    """A ledger folder's (records, byte offset of a torn last line or None); any other damage is an error naming
-    the record. Needs no run and no key: an auditor's copy of the ledger is read the same way."""
-    path = Path(folder) / RECORDS_FILE
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], None
-    records, prev, offset, torn = [], GENESIS, 0, None
-    lines = data.split(b"\n")
-    for n, line in enumerate(lines, 1):
-        last = n == len(lines)
-        if last and not line:
-            break
-        if last:  # no newline: the append was cut off before its end, so it was never acknowledged
-            torn = offset
-            break
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise UnlearnError(f"{path}: record {n} (line {n}) is not valid JSON: the ledger was "
-                               "damaged or edited; restore it from a backup") from None
-        if not isinstance(record, dict) or record.get("sha256") != record_hash(record):
-            raise UnlearnError(f"{path}: record {n} (line {n}) fails its checksum: it was edited "
-                               "after it was written")
-        if record.get("seq") != n or record.get("prev") != prev:
-            raise UnlearnError(f"{path}: record {n} (line {n}) does not chain to record {n - 1}: a "
-                               "record was removed, reordered or inserted")
-        records.append(record)
-        prev = record["sha256"]
-        offset += len(line) + 1
-    if records and records[0].get("format") != LEDGER_FORMAT:
-        raise UnlearnError(f"{path} is not an hf_unlearn request ledger")
-    return records, torn
-
-
-
-def read_head(folder: str | os.PathLike) -> dict | None:
-    try:
-        head = json.loads((Path(folder) / HEAD_FILE).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return {}
-    return head if isinstance(head, dict) else {}
-
-
-APPENDED = ("open", "key", "request", "batch_start", "batch_done", "approximate", "purge_start", "purge")
-
-
-def fold(records: list[dict]) -> dict[str, Request]:
-    """Every request with its state folded from the records after it; a record that contradicts the ones before
-    it (a request number used twice, a batch done that was never started or is done twice, a served request that
-    does not exist) is refused, naming it."""
-    out: dict[str, Request] = {}
-    started: dict[str, dict] = {}
-    done: set[str] = set()
-
-    def bad(r, why):
-        return UnlearnError(f"record {r['seq']} ({r['type']}) {why}: the ledger was edited; restore it from a backup")
-
-    for r in records:
-        kind = r.get("type")
-        if kind not in APPENDED:
-            raise bad(r, "is of a type this library does not write")
-        if kind == "open" and r["seq"] != 1 or kind != "open" and r["seq"] == 1:
-            raise bad(r, "is out of place (the opening record is record 1, and only it)")
-        for rid in r.get("requests") or []:
-            if rid not in out:
-                raise bad(r, f"names request {rid}, which no earlier record adds")
-        if kind == "request":
-            if r["request"] in out:
-                raise bad(r, f"adds request {r['request']} a second time")
-            out[r["request"]] = Request(id=r["request"], tags=r["tags"], received=r["received"],
-                                        deadline=r["deadline"], ref_tag=r.get("ref_tag"), seq=r["seq"],
-                                        sha256=r["sha256"])
-        elif kind == "approximate":
-            for rid in r["requests"]:
-                req = out[rid]
-                req.provisional.append(r["receipts"][rid]["path"])
-                if req.state == PENDING:
-                    req.state = APPROXIMATE
-        elif kind == "batch_start":
-            if r["batch"] in started:
-                raise bad(r, f"starts {r['batch']} a second time")
-            started[r["batch"]] = r
-            for rid in r["requests"]:
-                out[rid].running = r["batch"]
-        elif kind == "batch_done":
-            start = started.get(r["batch"])
-            if start is None or r["batch"] in done or start["requests"] != r["requests"]:
-                raise bad(r, f"records {r['batch']} as done, which was not started with these requests or is done "
-                             "already")
-            done.add(r["batch"])
-            for rid in r["requests"]:
-                req = out[rid]
-                req.state, req.batch, req.served, req.running = EXACT, r["batch"], r["time"], None
-    return out
-
-
-def check_deadline_days(days) -> float:
-    if isinstance(days, bool) or not isinstance(days, (int, float)) or not math.isfinite(days) \
-            or not 0 < days <= MAX_DEADLINE_DAYS:
-        raise UnlearnError(f"--deadline-days must be a number of days > 0 and <= {MAX_DEADLINE_DAYS}, got {days!r}")
-    return float(days)
-
-
-def _public_key(value: str):
-    from ..keys import public_key_from_hex
-
-    return public_key_from_hex(value)
-
-
-def _umask() -> int:
-    from ..utils import current_umask
-
-    return current_umask()
-
-
-def _append_bytes(path: Path, data: bytes, mode: int, private: bool = False) -> None:
-    """One ``write`` of ``data`` at the end of ``path`` (created with ``mode``), fsync'd; a short write is undone."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
-    try:
-        if private:
-            os.fchmod(fd, 0o600)  # raw ids: owner only, whatever the umask
-        size = os.fstat(fd).st_size
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(f"short write to {path}")
-            os.fsync(fd)
-        except BaseException:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
-
-
-def _listing(folder: Path) -> tuple:
-    try:
-        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)))
-    except OSError:
-        return ()
-
-
-def _check_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise UnlearnError(f"cannot write to {folder}: {e.strerror or e}; nothing was recorded") from None
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        return service.status(self, now)

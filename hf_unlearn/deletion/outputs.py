@@ -17,6 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..utils import weights_follow_umask
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 ADAPTER_DIR = "adapter"
 
@@ -58,7 +62,6 @@ def save_output(replay, replay_dir: Path, model_dir: Path) -> dict:
         replay.save_model(str(model_dir))
         return {}
     from ..trace.lineage import open_quietly, output_model, weights_root
-    from ..utils import weights_follow_umask
 
     merged = output_model(open_quietly(replay_dir))
     merged.save_pretrained(str(model_dir))

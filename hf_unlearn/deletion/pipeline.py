@@ -27,7 +27,16 @@ import time
 from pathlib import Path
 
 from ..errors import UnlearnError
-from ..trace.lineage import open_quietly
+from ..utils import atomic_write_text, private_dir
+from .config import EXACT
+from .forget_receipt import _receipt, load_receipt
+from .outputs import card_fields
+from .preference_terms import preference_terms
+from .publishing import _own_settings
+from .runs import _run_collator, with_replay_progress
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
 # ---- before any compute ----------------------------------------------------------------------------------------
@@ -51,7 +60,7 @@ def stage_ids(run, ids) -> list:
 def open_pipeline(sources) -> list:
     """The stages' runs, in training order: the runs given (checked to be a pipeline), or, for one run, the pipeline
     found from its recorded parents."""
-    from ..trace.lineage import check_pipeline, find_pipeline
+    from ..trace.lineage import check_pipeline, find_pipeline, open_quietly
 
     runs = [open_quietly(s) for s in sources]
     if len(runs) == 1:
@@ -130,7 +139,6 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
     trainer, world size and collator."""
     from ..trace.guards import ProgramChangedError, program_refusal
     from ..trace.trainers import recorded_trainer
-    from .forgetting import EXACT, _run_collator
 
     runs = open_pipeline(sources)
     cost = pipeline_cost(runs, request)
@@ -214,6 +222,7 @@ def _start_from(stage, folder: Path) -> dict:
     from ..trace.lineage import (
         cast_weights,
         lineage_of,
+        open_quietly,
         output_model,
         output_weights,
         reference_is_parent,
@@ -248,13 +257,12 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     from ..hub.mixin import write_model_card
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
-    from ..trace.lineage import lineage_of, output_root, parent_path
+    from ..trace.lineage import lineage_of, open_quietly, output_root, parent_path
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
     from ..trace.store import redact_store
     from ..trace.tags import tag
     from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
     from ..trace.verification import verify
-    from .forgetting import _own_settings, _receipt, with_replay_progress
 
     runs, cost, timings = plan["runs"], plan["pipeline_cost"], {}
     log(f"exact deletion of {len(plan['ids'])} id(s) from a pipeline of {len(runs)} recorded run(s):")
@@ -345,8 +353,6 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     saved_files = hashed_files(model_dir)
     card_info = replay.unlearning_card_info()
     if exact and card_info["extra"].get("exact_deletion"):  # the card names the published (merged) weights' root
-        from .outputs import card_fields
-
         card_info["extra"]["exact_deletion"] = card_fields(card_info["extra"]["exact_deletion"],
                                                            {**exact, "merged_adapter": True})
     write_model_card(model_dir, card_info, base_model=config.base_model, datasets=config.datasets,
@@ -355,8 +361,6 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     evidence = {"pipeline": stages, "pipeline_cost": {k: v for k, v in cost.items() if k != "stages"},
                 "verified": None if not config.oracle else all(verified), "hazards": plan["hazards"],
                 "controls": plan["controls"]}
-    from .preference_terms import preference_terms
-
     if preference_terms(runs):  # what a DPO stage's counterfactual keeps, and a reference from outside the pipeline
         evidence["preference"] = preference_terms(runs)
     return _receipt(plan, config, out, model_dir, evidence, timings, optimizer_root=exact.get("optimizer_root", ""),
@@ -367,7 +371,6 @@ def _remember_parent(folder: Path, parent) -> None:
     """A replayed stage's parent folder, kept where the recording keeps it (``private/lineage.json``): a later request
     finds the pipeline from the replayed last stage."""
     from ..trace.lineage import PRIVATE_FILE
-    from ..utils import atomic_write_text, private_dir
 
     if parent is not None:
         atomic_write_text(private_dir(folder) / PRIVATE_FILE.name,
@@ -385,9 +388,8 @@ def verify_pipeline(out) -> dict:
     oracle output (run id and weights root, recomputed from the checkpoints), the first replayed stage is a replay
     of the receipt's run, the receipt's roots are the folders', and the model folder is the last replay's state.
     Returns ``{"verified": bool, "problems": [...], "stages": [...]}``."""
-    from ..trace.lineage import lineage_of, output_root, start_root_from
+    from ..trace.lineage import lineage_of, open_quietly, output_root, start_root_from
     from ..trace.verification import verify
-    from .forgetting import load_receipt
 
     out = Path(out)
     receipt = load_receipt(out)
@@ -490,7 +492,7 @@ def _request_problems(out: Path, receipt: dict, stages: list) -> list[str]:
     request's): each replayed stage deleted no id outside the request, and every id of the request was deleted by a
     replayed stage, or before (an earlier deletion's log), in a stage the replay's recorded parents reach. A receipt
     relabelled with ids a deletion did not touch (a stage-1 id on a stage-2-only deletion) is not verified."""
-    from ..trace.lineage import find_pipeline, parent_path
+    from ..trace.lineage import find_pipeline, open_quietly, parent_path
     from ..trace.run import read_deletion_log
     from ..trace.verification import deleted_tags
 

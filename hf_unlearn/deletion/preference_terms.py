@@ -11,6 +11,9 @@ loss every replayed step computes.
 
 from __future__ import annotations
 
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
+
 
 def preference_terms(runs) -> dict | None:
     """``{"stages": [...], "outside_references": [{"stage", "params_root"}]}`` for the DPO stages of ``runs`` (opened,

@@ -30,8 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..keys import key_fingerprint, load_public_key, public_key_fingerprint, sign, signature_ok
+from ..utils import atomic_write_text
 from .chain import ChainCheck, canonical, check_chain, record_hash
-from .ledger import LEDGER_FORMAT, RECORDS_FILE, read_head, read_records
+from .evidence import key_lookup, rollback_problem
+from .records import LEDGER_FORMAT, RECORDS_FILE, read_head, read_records
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 REQUEST_RECEIPT_FORMAT = "hf_unlearn.request_receipt.v1"
 BATCH_RECEIPT_FORMAT = "hf_unlearn.batch_receipt.v1"
@@ -46,8 +52,6 @@ def receipt_sha256(receipt: dict) -> str:
 
 
 def sign_receipt(body: dict, private_key) -> dict:
-    from ..keys import public_key_fingerprint, sign
-
     unsigned = {k: v for k, v in body.items() if k != "signature"}
     return {**unsigned, "signature": {"algorithm": "ed25519", "value": sign(private_key, canonical(unsigned)),
                                       "public_key": public_key_fingerprint(private_key.public_key())}}
@@ -55,8 +59,6 @@ def sign_receipt(body: dict, private_key) -> dict:
 
 def write_receipt(path: Path, receipt: dict) -> str:
     """Write a signed receipt atomically; returns its hash (what the ledger records)."""
-    from ..utils import atomic_write_text
-
     atomic_write_text(path, json.dumps(receipt, indent=1, sort_keys=True) + "\n")
     return receipt_sha256(receipt)
 
@@ -80,8 +82,6 @@ def read_receipt(path: str | os.PathLike) -> dict:
 def acknowledge(ledger, request) -> Path:
     """The signed acknowledgement of a request just added (``receipts/r-NNNN.ack.json``) and its bundle: the
     requester can show that the request was recorded, when, with which deadline, under a signed head."""
-    from ..keys import key_fingerprint
-
     records = ledger.records()
     opening = records[0]
     body = {"format": ACK_FORMAT, "kind": "acknowledgement",
@@ -119,8 +119,6 @@ def bundle_path(receipt_path: str | os.PathLike) -> Path:
 
 
 def write_bundle(ledger, receipt_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    from ..utils import atomic_write_text
-
     out = Path(out) if out is not None else bundle_path(receipt_path)
     atomic_write_text(out, json.dumps(make_bundle(ledger, receipt_path), indent=1, sort_keys=True) + "\n")
     return out
@@ -200,8 +198,6 @@ def verify_receipt(receipt_path: str | os.PathLike, public_key, ledger: str | os
 
 
 def _verify(receipt_path, public_key, ledger, model) -> VerifyReport:
-    from ..keys import load_public_key, public_key_fingerprint, signature_ok
-
     receipt_path = Path(receipt_path)
     data = read_receipt(receipt_path)
     public = public_key if hasattr(public_key, "verify") else load_public_key(public_key)
@@ -254,8 +250,6 @@ def _check_ledger_holds(report: VerifyReport, bundle: ChainCheck, folder: Path, 
     """The auditor's check of the operator's current ledger against a bundle they hold: the ledger is intact under
     its signed head, holds every record of the bundle unchanged under a head at least as new, and is not older than
     the service's own evidence in its folder (a rollback). Returns the ledger's trusted records (None: failed)."""
-    from .evidence import key_lookup, rollback_problem
-
     ledger = ChainCheck(records=[], head=None, problem=f"no ledger at {folder}")
     if (folder / RECORDS_FILE).is_file():
         try:
@@ -301,8 +295,6 @@ def _load_chain(data: dict, receipt_path: Path, ledger, public) -> tuple[ChainCh
         return None, "empty or foreign ledger"
     chain = check_chain(records, read_head(folder), public)
     if chain.ok:  # a ledger older than the service's own evidence beside it (a rollback) is not trusted
-        from .evidence import key_lookup, rollback_problem
-
         chain.problem = rollback_problem(folder, chain.trusted, chain.head_seq, key_lookup(chain.keys, public))
     return chain, f"the ledger {folder}"
 

@@ -15,6 +15,12 @@ import os
 import shlex
 from pathlib import Path
 
+from .config import RECEIPT_FILE
+from .records import LEDGER_DIR, RECORDS_FILE
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
+
 TRAINER_OUTPUTS = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json",
                    "pytorch_model.bin")  # a model Trainer.save_model wrote into the run's parent folder
 
@@ -103,16 +109,12 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def _forget_output_of(run: Path) -> Path | None:
     """The forget output folder whose ``replay/`` the run is, or None."""
-    from .forgetting import RECEIPT_FILE
-
     if run.name == "replay" and (run.parent / RECEIPT_FILE).is_file() and (run.parent / "model").is_dir():
         return run.parent
     return None
 
 
 def _published(output: Path) -> str | None:
-    from .forgetting import RECEIPT_FILE
-
     try:
         published = json.loads((output / RECEIPT_FILE).read_text()).get("published") or {}
     except (OSError, ValueError, AttributeError):
@@ -124,8 +126,6 @@ def _published(output: Path) -> str | None:
 
 def _ledger_of(out: Path) -> Path | None:
     """The ledger folder a service batch (``LEDGER/batches/batch-NNNN``) or provisional model was written in."""
-    from .ledger import RECORDS_FILE
-
     if out.parent.name in ("batches", "provisional") and (out.parent.parent / RECORDS_FILE).is_file():
         return out.parent.parent
     return None
@@ -133,9 +133,6 @@ def _ledger_of(out: Path) -> Path | None:
 
 def _purge_command(ledger: Path) -> str:
     """``hf-unlearn requests purge RUN [--ledger DIR]``: the run is the one the first batch deleted from."""
-    from .forgetting import RECEIPT_FILE
-    from .ledger import LEDGER_DIR
-
     run = None
     try:
         run = json.loads((ledger / "batches" / "batch-0001" / RECEIPT_FILE).read_text()).get("source")

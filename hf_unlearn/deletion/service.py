@@ -15,7 +15,6 @@ Only one serve runs at a time per ledger (a second one says so and does nothing:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -23,40 +22,40 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import UnlearnError
-from .ledger import APPROXIMATE, PENDING, DeletionLedger, iso, parse_time, utc_now
-from .receipts import BATCH_RECEIPT_FORMAT, REQUEST_RECEIPT_FORMAT, sign_receipt, write_bundle, write_receipt
+from ..keys import key_fingerprint
+from ..utils import atomic_write_bytes
+from .config import EXACT, RECEIPT_FILE, ForgetConfig
+from .erasure import purge
+from .forget_receipt import ForgetReceipt, _write_receipt, load_receipt
+from .forgetting import forget
+from .journal import RequestJournal, serving
+from .journal import ServeBusy as ServeBusy  # its import path for the commands
+from .pipeline import open_pipeline, pipeline_cost, stage_ids
+from .publishing import _publish, _published_params_root
+from .receipts import (
+    BATCH_RECEIPT_FORMAT,
+    REQUEST_RECEIPT_FORMAT,
+    sign_receipt,
+    write_bundle,
+    write_missing_bundles,
+    write_receipt,
+)
+from .records import APPROXIMATE, PENDING, iso, parse_time, unfinished_purge, utc_now
+from .runs import _has_run_parent
+
+# the engine's rooms (hf_unlearn.trace, hub, data, methods, eval, models) are imported inside the functions: most
+# load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 RECEIPTS_DIR = "receipts"
 CARD_INFO_DIR = ("private", "card_info")  # each served model's unlearning_info.json (raw forget ids), owner-only
 
 
-class ServeBusy(UnlearnError):
-    """Another serve holds the ledger's serve lock."""
-
-
-@contextlib.contextmanager
-def serving(ledger: DeletionLedger):
-    """The serve lock: one serve per ledger at a time; a second one is refused at once (not queued)."""
-    from filelock import FileLock, Timeout
-
-    ledger.path.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(ledger.path / ".serve.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise ServeBusy(f"another `requests serve` is running on {ledger.path}; nothing was done") from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def _union(ledger: DeletionLedger, request_ids: list[str]) -> list:
+def _union(ledger: RequestJournal, request_ids: list[str]) -> list:
     ids = ledger.private_ids(request_ids)
     return list(dict.fromkeys(i for rid in request_ids for i in ids[rid]))
 
 
-def _rel(ledger: DeletionLedger, path: Path) -> str:
+def _rel(ledger: RequestJournal, path: Path) -> str:
     return os.path.relpath(Path(path).resolve(), ledger.path.resolve())
 
 
@@ -68,9 +67,7 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
-def _request_part(ledger: DeletionLedger, req) -> dict:
-    from ..keys import key_fingerprint
-
+def _request_part(ledger: RequestJournal, req) -> dict:
     return {"id": req.id, "tags": req.tags, "count": len(req.tags), "received": req.received,
             "deadline": req.deadline, "ref_tag": req.ref_tag, "key_fingerprint": key_fingerprint(ledger.tag_key)}
 
@@ -101,18 +98,14 @@ class BatchResult:
 
 
 # -- exact --------------------------------------------------------------------------------------------------------
-def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, data_collator=None,
+def serve_exact(ledger: RequestJournal, *, now=None, log=None, tokenizer=None, data_collator=None,
                 **options) -> BatchResult | None:
     """One exact batch over every pending request (None when nothing is pending). ``options`` are
     :class:`~hf_unlearn.deletion.ForgetConfig` fields for the exact path: ``oracle``, ``tokenizer_path``,
     ``collator``, ``repo`` (and the Hub options), ``progress``."""
-    from .forgetting import forget
-
     log = log or (lambda m: print(m, flush=True))
     now = parse_time(now, "--now")
     with serving(ledger):
-        from .receipts import write_missing_bundles
-
         write_missing_bundles(ledger, log)  # a serve killed after its batch_done (or an add after its record)
         with ledger.lock():
             start = ledger.unfinished_batch()
@@ -154,8 +147,6 @@ def serve_exact(ledger: DeletionLedger, *, now=None, log=None, tokenizer=None, d
                 receipt = forget(run, ids, out, tokenizer=tokenizer, data_collator=data_collator, log=log,
                                  method="exact", **options)
         except UnlearnError as e:
-            from .forgetting import RECEIPT_FILE
-
             if not (out / RECEIPT_FILE).is_file() or not options.get("repo"):
                 raise UnlearnError(f"{name} failed: {e}; it stays recorded as started, and the next `requests "
                                    "serve --exact` runs it again") from None
@@ -173,7 +164,6 @@ def _published_attempt(out: Path):
     """The forget receipt an interrupted attempt of this batch left, when it finished and published (and its model is
     the one the receipt hashes); else None (the batch is redone)."""
     from ..hub.publish import build_manifest
-    from .forgetting import RECEIPT_FILE
 
     if not (out / RECEIPT_FILE).is_file():
         return None
@@ -197,7 +187,6 @@ def _publish_once(receipt, ids: list, out: Path, options: dict, log) -> str | No
 
     from ..hub.publish import DELETION_TAG
     from ..hub.verify import verify_on_hub
-    from .forgetting import EXACT, ForgetConfig, _publish, _published_params_root, _write_receipt
 
     config = ForgetConfig(output_dir=os.fspath(out), method="exact",
                           **{k: v for k, v in options.items() if k in {f.name for f in fields(ForgetConfig)}})
@@ -229,7 +218,7 @@ def _publish_once(receipt, ids: list, out: Path, options: dict, log) -> str | No
                                        f"push {out / 'model'} --repo {config.repo} --deletion`")
 
 
-def _keep_card_info_private(ledger: DeletionLedger, model: Path, name: str) -> None:
+def _keep_card_info_private(ledger: RequestJournal, model: Path, name: str) -> None:
     """Move the model folder's ``unlearning_info.json`` (the card's facts, with the raw forget ids the publisher
     scans for) into the ledger's owner-only ``private/card_info/NAME.json``: no raw id outside ``private/``. Publish
     later with ``hf-unlearn hub push MODEL --card-info LEDGER/private/card_info/NAME.json``."""
@@ -242,8 +231,6 @@ def _keep_card_info_private(ledger: DeletionLedger, model: Path, name: str) -> N
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(folder.parent, 0o700)
     os.chmod(folder, 0o700)
-    from ..utils import atomic_write_bytes
-
     atomic_write_bytes(folder / f"{name}.json", source.read_bytes(), private=True)
     source.unlink()
 
@@ -253,11 +240,8 @@ def _still_present(run: Path, ids: list) -> list:
     when every one is gone (forget then records a deletion that replays nothing)."""
     from ..trace.replay import already_deleted
     from ..trace.run import open_run
-    from .forgetting import _has_run_parent
 
     if _has_run_parent(os.fspath(run)):  # a pipeline's last run: an id is gone when every stage holding it deleted it
-        from .pipeline import open_pipeline, stage_ids
-
         present = set()
         for stage in open_pipeline([run]):
             held = stage_ids(stage, ids)
@@ -269,16 +253,12 @@ def _still_present(run: Path, ids: list) -> list:
 
 
 def _reload_forget_receipt(out: Path):
-    from .forgetting import ForgetReceipt, load_receipt
-
     data = load_receipt(out)
     names = {f.name for f in fields(ForgetReceipt)}
     return ForgetReceipt(**{k: v for k, v in data.items() if k in names})
 
 
-def _record_batch(ledger: DeletionLedger, start: dict, receipt, out: Path, now) -> BatchResult:
-    from .forgetting import RECEIPT_FILE
-
+def _record_batch(ledger: RequestJournal, start: dict, receipt, out: Path, now) -> BatchResult:
     name, request_ids = start["batch"], start["requests"]
     opening = ledger.records()[0]
     by_id = {r.id: r for r in ledger.requests()}
@@ -330,14 +310,13 @@ def _record_batch(ledger: DeletionLedger, start: dict, receipt, out: Path, now) 
 
 
 # -- approximate --------------------------------------------------------------------------------------------------
-def serve_approximate(ledger: DeletionLedger, *, method: str = "masc", model=None, data=None, now=None, log=None,
+def serve_approximate(ledger: RequestJournal, *, method: str = "masc", model=None, data=None, now=None, log=None,
                       **options) -> BatchResult | None:
     """The hot path: an approximate method on the model served now, for the requests nothing has served yet (None
     when there are none). ``model``: default the ledger's served model (last exact batch or provisional model);
     ``data``: the rows the ids name (default the current exact run's token store). ``options`` are
     :class:`~hf_unlearn.deletion.ForgetConfig` fields of the approximate path."""
     from ..trace.run import open_run
-    from .forgetting import forget
 
     log = log or (lambda m: print(m, flush=True))
     now = parse_time(now, "--now")
@@ -386,7 +365,7 @@ def serve_approximate(ledger: DeletionLedger, *, method: str = "masc", model=Non
 
 
 # -- planning and policy ------------------------------------------------------------------------------------------
-def plan(ledger: DeletionLedger, now=None) -> dict:
+def plan(ledger: RequestJournal, now=None) -> dict:
     """The replay cost of the pending set: one batch now, each request alone, and waiting for the earliest
     deadline (``replay_cost`` on the current exact run; nothing is computed)."""
     from ..trace.replay import replay_cost
@@ -398,11 +377,7 @@ def plan(ledger: DeletionLedger, now=None) -> dict:
         return {"pending": 0}
     ids = ledger.private_ids([r.id for r in pending])
     union = list(dict.fromkeys(i for r in pending for i in ids[r.id]))
-    from .forgetting import _has_run_parent
-
     if _has_run_parent(os.fspath(ledger.current_run())):  # a pipeline's last run: every stage, added up
-        from .pipeline import open_pipeline, pipeline_cost
-
         runs = open_pipeline([ledger.current_run()])
 
         def cost(request_ids):
@@ -513,7 +488,7 @@ class Policy:
         get_method(self.approximate_method)
 
 
-def due_reasons(ledger: DeletionLedger, policy: Policy, now=None) -> list[str]:
+def due_reasons(ledger: RequestJournal, policy: Policy, now=None) -> list[str]:
     """Why an exact batch is due now (empty: not due)."""
     now = parse_time(now, "--now")
     unfinished = ledger.unfinished_batch()
@@ -537,7 +512,7 @@ def due_reasons(ledger: DeletionLedger, policy: Policy, now=None) -> list[str]:
     return reasons
 
 
-def serve_due(ledger: DeletionLedger, policy: Policy, *, now=None, log=None, model=None,
+def serve_due(ledger: RequestJournal, policy: Policy, *, now=None, log=None, model=None,
               approximate_options: dict | None = None, **exact_options) -> dict:
     """Apply the policy once (what cron runs): maybe the approximate hot path, maybe one exact batch; returns
     ``{"approximate": BatchResult|None, "exact": BatchResult|None, "reasons": [...], "message": str}``."""
@@ -563,8 +538,6 @@ def serve_due(ledger: DeletionLedger, policy: Policy, *, now=None, log=None, mod
                                **exact_options)
     out["message"] = f"served {out['exact'].name} ({len(out['exact'].requests)} request(s))"
     if policy.purge_after_batch:
-        from .erasure import purge
-
         out["purge"] = purge(ledger, log=log)
         out["message"] += f"; purged {out['purge'].summary_line()}"
     return out
@@ -576,7 +549,7 @@ def _days(n: float):
     return dt.timedelta(days=n)
 
 
-def request_rows(ledger: DeletionLedger, now=None) -> list[dict]:
+def request_rows(ledger: RequestJournal, now=None) -> list[dict]:
     """``requests list``: one row per request (tags only)."""
     now = parse_time(now, "--now")
     rows = []
@@ -590,15 +563,13 @@ def request_rows(ledger: DeletionLedger, now=None) -> list[dict]:
     return rows
 
 
-def _purge_cut_off(ledger: DeletionLedger) -> int | None:
+def _purge_cut_off(ledger: RequestJournal) -> int | None:
     """The ``purge_start`` record of a purge that was cut off (the next ``requests purge`` finishes it), if any."""
-    from .erasure import _unfinished_purge
-
-    start = _unfinished_purge(ledger.records())
+    start = unfinished_purge(ledger.records())
     return start["seq"] if start else None
 
 
-def status(ledger: DeletionLedger, now=None) -> dict:
+def status(ledger: RequestJournal, now=None) -> dict:
     """``requests status``: counts per state, overdue requests, the next deadline, an interrupted batch."""
     now = parse_time(now, "--now")
     rows = request_rows(ledger, now)
