@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 from ..errors import UnlearnError
+from .files import file_sha256 as sha256
 
 GGUF_MARK = "_hf_unlearn_gguf_source"  # set on a model by load_model(...gguf): a GGUFOrigin
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
@@ -144,8 +145,6 @@ def describe(source: dict, refs: dict) -> dict:
 @functools.lru_cache(maxsize=64)
 def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
     """The run's own file hash, once per file version (size and mtime) and process: a base is read in GBs."""
-    from .run import file_sha256 as sha256
-
     return sha256(Path(path))
 
 

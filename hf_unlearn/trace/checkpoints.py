@@ -38,6 +38,7 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text, weights_follow_umask
 from .base_source import load as load_referenced
 from .base_source import stamp
+from .files import check_sidecar, file_sha256, write_sidecar
 from .shards import is_complete as shards_complete
 from .shards import is_sharded_checkpoint
 
@@ -307,7 +308,6 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     :func:`capture_state` already taken (a sharded run gathers it on every process, the main process writes it).
     """
     from .hashing import checkpoint_hashes
-    from .run import write_sidecar
     from .sharding import model_is_sharded
 
     if state is None and model_is_sharded(model):  # FSDP2: every process writes its shards (hf_unlearn.trace.shards)
@@ -393,7 +393,6 @@ def load_checkpoint(path: Path, verify: bool = True, rank: int | None = None) ->
     if verify:
         check_binding(path)
         if "local_shards" in state["optimizer"]:
-            from .run import check_sidecar
             from .shards import check
 
             if check_sidecar(path / "hashes.json") is False:
@@ -407,7 +406,6 @@ def load_checkpoint(path: Path, verify: bool = True, rank: int | None = None) ->
 
 def check_checkpoint_state(path: Path, state: dict) -> None:
     from .hashing import checkpoint_hashes
-    from .run import check_sidecar
 
     path = Path(path)
     recorded_file = path / "hashes.json"
@@ -497,8 +495,6 @@ def checkpoint_bytes(d: Path, with_frozen: bool = False) -> int:
 
 # ---- the index: every kept checkpoint's roots, bound to the run ------------------------------------------
 def _entry(d: Path) -> dict:
-    from .run import file_sha256
-
     h = json.loads((Path(d) / "hashes.json").read_text())
     return {"params_root": h["params_root"], "optimizer_root": h["optimizer_root"],
             "meta_sha256": h.get("meta_sha256"), "hashes_sha256": file_sha256(Path(d) / "hashes.json")}
@@ -566,8 +562,6 @@ class CheckpointIndex:
 
 
 def _frozen_entry(run: Path) -> dict | None:
-    from .run import file_sha256
-
     f = Path(run) / "checkpoints" / FROZEN_DIR / "hashes.json"
     return {"root": json.loads(f.read_text())["root"], "hashes_sha256": file_sha256(f)} if f.exists() else None
 
@@ -665,8 +659,6 @@ def check_checkpoints(run: Path, header: dict, key: bytes | None, sealed: bool, 
 
     Returns (usable checkpoints by step, errors, warnings).
     """
-    from .run import check_sidecar
-
     run = Path(run)
     errors, warns = [], []
     severe = errors if sealed else warns
@@ -718,8 +710,6 @@ def check_checkpoints(run: Path, header: dict, key: bytes | None, sealed: bool, 
                          "thinning left it, or it was added): it is not used")
         frozen = run / "checkpoints" / FROZEN_DIR / "hashes.json"
         if index.get("frozen"):
-            from .run import file_sha256
-
             if not frozen.exists():
                 errors.append("checkpoints/frozen/ is missing: the run's checkpoints reference the frozen tensors "
                               "saved there")

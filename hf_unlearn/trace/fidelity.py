@@ -24,8 +24,7 @@ import torch
 
 from ..errors import UnlearnError
 from ..utils import weights_follow_umask
-
-BUFFERS_FILE = "model/buffers.safetensors"
+from .files import BUFFERS_FILE, check_sidecar, file_sha256
 
 
 class FidelityError(UnlearnError):
@@ -66,8 +65,6 @@ def save_buffers(model, run: Path) -> dict:
     """Write the non-persistent buffers to ``run/model/buffers.safetensors``; return the layout with its digest."""
     from safetensors.torch import save_file
 
-    from .run import file_sha256
-
     layout = model_layout(model)
     path = Path(run) / BUFFERS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,8 +95,6 @@ def restore_layout(model, run, header: dict, given: bool = False) -> None:
 
     With ``given`` (a model the caller passed), a dtype that differs is refused, naming the tensor, instead of cast.
     """
-    from .run import file_sha256
-
     layout = (header.get("model") or {}).get("layout")
     if not layout:
         return
@@ -157,8 +152,6 @@ def first_difference(recorded: dict, actual: dict) -> tuple[str | None, int]:
 
 def check_against_checkpoint(run_path: Path, step: int, checkpoint: Path, actual: dict, who: str = "the replay") -> None:
     """Refuse (:class:`FidelityError`) unless ``actual`` (a ``hashes.json`` dict) equals the recorded checkpoint's."""
-    from .run import check_sidecar
-
     recorded_file = Path(checkpoint) / "hashes.json"
     if check_sidecar(recorded_file) is False:
         raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .files import file_sha256, write_sidecar
 from .sharding import is_sharded, local
 
 PLACEMENT = "Shard(0)"
@@ -78,7 +79,6 @@ def save(run: Path | None, step: int, model, optimizer) -> tuple[Path | None, di
 
     from .checkpoints import CHECKPOINT_FORMAT, _flatten_optimizer, _save_safetensors, checkpoint_dir, tied_aliases
     from .hashing import checkpoint_hashes, optimizer_param_names
-    from .run import file_sha256, write_sidecar
 
     rank, world = dist.get_rank(), dist.get_world_size()
     sd = model.state_dict()
@@ -126,7 +126,6 @@ def is_complete(d: Path, meta: dict) -> bool:
 
 def _check_files(path: Path, names) -> None:
     """Refuse the checkpoint unless each of ``names`` has the SHA-256 its ``hashes.json`` recorded."""
-    from .run import file_sha256
 
     recorded = json.loads((path / "hashes.json").read_text()).get("files", {})
     for name in names:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from ..keys import load_or_create_key  # noqa: F401  (re-exported: it lived here)
+from .files import read_header
 
 TAG_BYTES = 8
 KEY_BYTES = 32
@@ -78,8 +79,6 @@ def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required:
 
     run_dir = Path(run_dir)
     if header is None and (run_dir / "header.json").is_file():
-        from .run import read_header
-
         header = read_header(run_dir)
     fingerprint = (header or {}).get("key_fingerprint")
     own = run_dir.joinpath(*RUN_KEY)
