@@ -1,5 +1,9 @@
 """The one web stack of hf_unlearn: Starlette apps on uvicorn, with the server's own limits.
 
+It sits at the ground of the package (it knows nothing of hf_unlearn but its errors) so both services build on it
+without one reaching into the other's room: the Hub-compatible store (``hub``, below ``web``) and the intake
+(``web``); ``hf_unlearn.web.server`` re-exports it.
+
 Both HTTP services (the Hub-compatible store, ``hf_unlearn.hub.server``, and the deletion-request intake,
 ``hf_unlearn.web.intake``) run through :class:`WebServer`. Why a uvicorn protocol subclass: uvicorn bounds header size
 (``h11_max_incomplete_event_size``) and idle keep-alive, but has no deadline for a request's headers, no read
@@ -18,7 +22,7 @@ import socket
 import threading
 from dataclasses import dataclass, fields
 
-from ..errors import UnlearnError
+from .errors import UnlearnError
 
 
 @dataclass(frozen=True)

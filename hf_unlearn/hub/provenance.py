@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UnlearnError
-from .leaks import Hit, IdScanner
+from .leaks import Hit, IdScanner, scan_config
 
 PREFIX = "provenance"
 _TAG = re.compile(r"^[0-9a-f]{16}$")
@@ -202,8 +202,6 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _model_config(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    from .publish import scan_config
-
     data = _json(path, name)
     if not isinstance(data, dict) or "model_type" not in data:
         _fail(name, "not a model config (no model_type)")
