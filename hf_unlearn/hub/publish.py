@@ -43,7 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..trace.hashing import StateHashes, root_hash, tensor_hash
 from ..trace.run import file_sha256
+from ..trace.tags import run_key
 from ..utils import atomic_write_text, weights_follow_umask
 from .cards import (
     card_scanner,
@@ -158,8 +160,6 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
 def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Per-tensor state hashes of every tensor in the folder's safetensors files, and which file holds which."""
     from safetensors import safe_open
-
-    from ..trace.hashing import tensor_hash
 
     hashes: dict[str, str] = {}
     layout: dict[str, list[str]] = {}
@@ -276,8 +276,6 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
     published. ``state_dict_names`` (the model's full state dict) lets the manifest list tied duplicates.
     """
     from safetensors import safe_open
-
-    from ..trace.hashing import StateHashes, root_hash, tensor_hash
 
     folder = Path(folder)
     params, layout = hash_safetensors(folder)
@@ -669,8 +667,6 @@ def _push_key(key: bytes | None, trace_dir) -> bytes:
     """The key that tags the card: the run's key when publishing its provenance (so the card's tags match its
     deletion log), else the library's one key."""
     if trace_dir is not None and (Path(trace_dir) / "header.json").is_file():
-        from ..trace.tags import run_key
-
         run = run_key(trace_dir)
         if key is not None and key != run:
             raise UnlearnError(f"key= (fingerprint {key_fingerprint(key)}) is not the key of the run in {trace_dir} "
