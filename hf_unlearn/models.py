@@ -12,6 +12,7 @@ from pathlib import Path
 from .errors import UnlearnError
 
 TINY_FAMILIES = ("llama", "gpt_neox", "gpt2")
+GGUF_MARK = "_hf_unlearn_gguf_source"  # set on a model by load_model(...gguf): a GGUFOrigin
 
 
 def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple[str, str | None]:
@@ -81,8 +82,6 @@ def load_model(name_or_path: str | os.PathLike, gguf_file: str | None = None, dt
     try:
         if gguf:
             model = _plain_copy(AutoModelForCausalLM.from_pretrained(name, gguf_file=gguf, dtype=dtype, **kwargs))
-            from .trace.base_source import mark_gguf
-
             mark_gguf(model, Path(name) / gguf, dtype)  # a LoRA recording references these tensors in the file
             return model
         if _is_adapter_folder(name):
@@ -93,6 +92,36 @@ def load_model(name_or_path: str | os.PathLike, gguf_file: str | None = None, dt
         raise UnlearnError(f"{what} is not a causal language model transformers can load: {str(e).splitlines()[0]}") from None
     except OSError as e:
         raise UnlearnError(f"cannot load a model from {str(name_or_path)!r}: {str(e).splitlines()[0]}") from None
+
+
+class GGUFOrigin:
+    """Attached to a model :func:`hf_unlearn.load_model` de-quantised from a GGUF file: the file, the dtype, and the
+    parameters as loading produced them (the tensor objects and their in-place versions). ``copy.deepcopy`` of the
+    model carries it over to the copy's parameters (dropping any changed in place before the copy)."""
+
+    def __init__(self, path: str, dtype: str, params: dict):
+        self.path, self.dtype, self.params = path, dtype, params  # name -> (tensor, _version)
+
+    def unchanged(self, key: str, tensor) -> bool:
+        held = self.params.get(key)
+        return held is not None and held[0] is tensor and tensor._version == held[1]
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        params = {}
+        for key, (t, version) in self.params.items():
+            if t._version != version:
+                continue
+            twin = copy.deepcopy(t, memo)  # the copied model's own parameter (memo: one copy per tensor)
+            params[key] = (twin, twin._version)
+        return GGUFOrigin(self.path, self.dtype, params)
+
+
+def mark_gguf(model, path: str | os.PathLike, dtype) -> None:
+    """Remember that ``model`` was de-quantised from the GGUF file ``path`` (and its parameters as loaded)."""
+    setattr(model, GGUF_MARK, GGUFOrigin(str(Path(path).resolve()), str(dtype).replace("torch.", ""),
+                                         {n: (p, p._version) for n, p in model.named_parameters(remove_duplicate=False)}))
 
 
 def _is_adapter_folder(name: str) -> bool:

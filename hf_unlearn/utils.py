@@ -171,3 +171,14 @@ def import_object(name: str):
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def load_processing_class(path):
+    """The tokenizer (or processor) saved in ``path`` with :meth:`save_pretrained` (a recording's, a collator's)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - a processor rather than a tokenizer
+        return AutoProcessor.from_pretrained(str(path))
+

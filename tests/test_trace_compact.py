@@ -114,7 +114,7 @@ def test_compacted_run_forgets_exactly_and_its_outputs_are_compacted(compacted, 
 def _forge(run: Path, edit) -> None:
     """What a forger without the run key can do: re-encode provenance.bin with ``edit(meta, cols)`` applied (the MACs
     kept: it cannot recompute them), then rewrite the header's SHA-256 entry and every sidecar."""
-    from hf_unlearn.trace.compact import _COLUMNS, MAGIC, _sections
+    from hf_unlearn.trace.compact_format import _COLUMNS, MAGIC, _sections
 
     f = run / "provenance.bin"
     meta, cols = _sections(lzma.decompress(f.read_bytes()[len(MAGIC):]))

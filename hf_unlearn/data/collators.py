@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UnlearnError
 from ..presets import ATTENTION_MASKS
-from ..utils import import_object
+from ..utils import import_object, load_processing_class
 from .tokenize import IGNORE_INDEX
 
 
@@ -207,8 +207,6 @@ def rebuild_collator(spec: dict | None, save_dir=None, model=None):
     kwargs = {}
     for k, v in spec["kwargs"].items():
         if isinstance(v, dict) and SAVED_ARGUMENT in v:
-            from ..trace.trainers import load_processing_class
-
             v = load_processing_class(Path(save_dir) / v[SAVED_ARGUMENT])
         elif isinstance(v, dict) and MODEL_ARGUMENT in v:
             v = model

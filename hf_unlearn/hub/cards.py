@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import UnlearnError
 from .keys import TAG_FORMAT, key_fingerprint, keyed_tags
 from .leaks import IdScanner, find_raw_ids  # noqa: F401  (find_raw_ids: the public checker, re-exported)
+from .server import _front_matter, validate_card_metadata
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "model_cards"
 DEFAULT_TEMPLATE = "unlearned_model.md"
@@ -287,8 +288,6 @@ def _is_library_template(filename: str) -> bool:
 
 def check_card_metadata(text: str) -> dict:
     """Parse and check a card's YAML metadata the way the Hub does; returns it."""
-    from .server import _front_matter, validate_card_metadata
-
     errors, _ = validate_card_metadata(text)
     meta = _front_matter(text)
     if errors or not isinstance(meta, dict):

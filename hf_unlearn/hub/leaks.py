@@ -390,3 +390,68 @@ def scan_tokenizer_rules(data: Mapping, field: str, scanner: IdScanner) -> list[
         if data.get(key) is not None:
             hits += scanner.scan(_rule_values(data[key]), f"{field}:{key}", numbers=True)
     return hits
+# -- scanning the outgoing files ---------------------------------------------------------------------------------
+_VERSION_KEYS = {"transformers_version", "_commit_hash"}
+
+
+def _known_config_keys(data: dict, generation: bool) -> set[str]:
+    try:
+        if generation:
+            from transformers import GenerationConfig
+
+            return set(GenerationConfig().to_dict())
+        from transformers import AutoConfig, PretrainedConfig
+
+        keys = set(PretrainedConfig().to_dict())
+        try:
+            keys |= set(AutoConfig.for_model(data.get("model_type")).to_dict())
+        except Exception:
+            pass
+        return keys
+    except Exception:
+        return set()
+
+
+
+def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -> list[Hit]:
+    """Forget ids in a model (or generation) config: the fields the config class defines hold configuration, so
+    their numbers are not matched (``pad_token_id``), only string ids and the path in ``_name_or_path``; the label
+    names of ``id2label``/``label2id`` are matched numbers included; every field the class does not define is
+    matched in full."""
+    known = _known_config_keys(data, generation) if isinstance(data, dict) else set()
+    hits: list[Hit] = []
+    for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
+        where = f"{name}:{key}"
+        if key in _VERSION_KEYS:
+            continue
+        hits += scanner.scan_text(str(key), where + " (key)")
+        if key == "_name_or_path":
+            hits += scanner.scan_strings(value, where)
+        elif key in ("id2label", "label2id") and isinstance(value, Mapping) \
+                and all(isinstance(v, (int, str)) for v in value.values()):
+            hits += _scan_labels(value if key == "id2label" else {v: k for k, v in value.items()}, where, scanner)
+        elif key in known:
+            hits += scanner.scan(value, where, numbers=False)
+        else:
+            hits += scanner.scan(value, where)
+    return hits
+
+
+
+def _scan_labels(id2label: Mapping, where: str, scanner: IdScanner) -> list[Hit]:
+    """Class labels: transformers' default entries (``3: "LABEL_3"``) are its own and the indices 0..n-1 are the
+    classes' positions; any other index and every other label name is matched numbers included."""
+    try:
+        indices = sorted(int(i) for i in id2label)
+    except (TypeError, ValueError):
+        indices = []
+    positional = indices == list(range(len(id2label)))
+    hits: list[Hit] = []
+    for index, label in id2label.items():
+        if str(label) == f"LABEL_{index}":
+            continue
+        hits += scanner.scan(label, f"{where}[{index}]")
+        if not positional:
+            hits += scanner.scan_text(str(index), f"{where}[{index}]")
+    return hits
+

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..utils import WeightsFollowUmask, atomic_write_text
-from .cards import render_model_card
+from .cards import hub_model_id, render_model_card
+from .keys import load_key
 from .publish import PushResult, build_manifest, peft_settings, push_unlearned, safetensors_files, save_card_info
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,6 @@ def write_model_card(output_dir: str | os.PathLike, card_info: Mapping[str, Any]
     Also stores ``card_info`` as ``unlearning_info.json`` (local only) so ``hf-unlearn hub push OUT`` can publish
     the directory later. The card carries the state-hash roots when the weights are already saved.
     """
-    from .keys import load_key
-
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_card_info(out, card_info)
@@ -64,8 +63,6 @@ class UnlearningHubMixin(WeightsFollowUmask):
         return accelerator.unwrap_model(self.model) if accelerator is not None else self.model
 
     def _card_defaults(self) -> dict[str, Any]:
-        from .cards import hub_model_id
-
         model = self._unwrapped_model()
         adapter = peft_settings(model)
         name = getattr(getattr(model, "config", None), "_name_or_path", None)

@@ -25,7 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UnlearnError
-from .leaks import Hit, IdScanner
+from ..trace.compact import CompactError, texts
+from ..trace.plan import PlanEntry, read_compact_plan
+from ..trace.run import FORMAT, HEADER_KEYS, file_sha256
+from ..trace.tags import TAG_BYTES
+from ..trace.trainers import library_config_fields
+from ..trace.wal import RECORD_SIZE, read_wal
+from .leaks import Hit, IdScanner, scan_config
 
 PREFIX = "provenance"
 _TAG = re.compile(r"^[0-9a-f]{16}$")
@@ -97,8 +103,6 @@ def _values(spec: dict, record, name: str, where: str, scanner: IdScanner) -> li
 
 
 def _plan(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    from ..trace.plan import PlanEntry
-
     kinds = {"slots": "tags", "lens": "numbers", "group_lrs": "numbers", "end": "bool", "norm_dtype": "words",
              "extra": "text", "batch": "tags", "ranks": "numbers"}  # batch: keyed digests; ranks: slots per process
     spec = {f.name: kinds.get(f.name, "number") for f in dataclasses.fields(PlanEntry)}
@@ -122,8 +126,6 @@ _VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems":
 
 
 def _plan_bin(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    from ..trace.plan import read_compact_plan
-
     try:
         scan = read_compact_plan(path)
     except UnlearnError as e:
@@ -141,8 +143,6 @@ def _plan_bin(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 def _provenance_bin(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     """A compacted run's plan, WAL and manifest: it must decode (xz checks, columns, sampler claims); it holds keyed
     tags and numbers only, and the free texts a scheduler or a dtype name put there are scanned."""
-    from ..trace.compact import CompactError, texts
-
     try:
         found = texts(path)
     except CompactError as e:
@@ -170,8 +170,6 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
     such field for, or a TrainingArguments field of the user's own subclass."""
     from transformers import TrainingArguments
 
-    from ..trace.run import FORMAT, HEADER_KEYS
-
     header = _json(path, name)
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         _fail(name, f"not a run header (format {FORMAT!r})")
@@ -189,8 +187,6 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
         hits += scanner.scan(trainer.get("kwargs"), field + "trainer.kwargs")
     args = header.get("training_args")
     if isinstance(args, dict):
-        from ..trace.trainers import library_config_fields
-
         standard = {f.name for f in dataclasses.fields(TrainingArguments)} | library_config_fields(header)
         for key, value in args.items():
             if key not in standard:
@@ -202,8 +198,6 @@ def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _model_config(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    from .publish import scan_config
-
     data = _json(path, name)
     if not isinstance(data, dict) or "model_type" not in data:
         _fail(name, "not a model config (no model_type)")
@@ -211,8 +205,6 @@ def _model_config(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _wal(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    from ..trace.wal import RECORD_SIZE, read_wal
-
     scan = read_wal(path)
     if scan.tail_bytes or scan.bad_crc:
         _fail(name, f"{'a torn record' if scan.tail_bytes else 'records with bad CRCs'} (size "
@@ -221,8 +213,6 @@ def _wal(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _manifest(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    from ..trace.tags import TAG_BYTES
-
     if path.stat().st_size % TAG_BYTES:
         _fail(name, f"its size is not a multiple of {TAG_BYTES} bytes (one tag per slot)")
     return []
@@ -240,8 +230,6 @@ def _sidecar(path: Path, name: str) -> None:
     text = path.read_text(encoding="utf-8", errors="replace")
     if not re.fullmatch(rf"[0-9a-f]{{64}}  {re.escape(target)}\n?", text):
         _fail(name, "not a SHA-256 sidecar (a digest and the file name)")
-    from ..trace.run import file_sha256
-
     described = path.with_name(Path(target).name)
     if described.is_file() and text[:64] != file_sha256(described):
         _fail(name, f"its digest is not the SHA-256 of {target}")

@@ -43,10 +43,30 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnlearnError
+from ..trace.hashing import StateHashes, root_hash, tensor_hash
 from ..trace.run import file_sha256
+from ..trace.tags import run_key
 from ..utils import atomic_write_text, weights_follow_umask
-from .cards import card_scanner, checked_card_info, forget_request, hub_model_id, normalize_card_info, render_model_card
-from .leaks import Hit, IdScanner
+from .cards import (
+    card_scanner,
+    checked_card_info,
+    forget_request,
+    hub_model_id,
+    normalize_card_info,
+    public_value,
+    render_model_card,
+)
+from .keys import key_fingerprint, load_key
+from .leaks import (  # noqa: F401 - scan_config lived here
+    Hit,
+    IdScanner,
+    scan_config,
+    scan_tokenizer_rules,
+    scan_vocabulary,
+    vocabulary_tokens,
+)
+from .provenance import select_provenance
+from .store import git_blob_id
 
 CARD_INFO_FILE = "unlearning_info.json"  # local only: holds raw forget ids, never uploaded
 PUSH_LOG_FILE = "hub_pushes.jsonl"  # local only: what each push published (commit, tag, roots), for verify
@@ -140,8 +160,6 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
 def hash_safetensors(folder: str | os.PathLike) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Per-tensor state hashes of every tensor in the folder's safetensors files, and which file holds which."""
     from safetensors import safe_open
-
-    from ..trace.hashing import tensor_hash
 
     hashes: dict[str, str] = {}
     layout: dict[str, list[str]] = {}
@@ -259,8 +277,6 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
     """
     from safetensors import safe_open
 
-    from ..trace.hashing import StateHashes, root_hash, tensor_hash
-
     folder = Path(folder)
     params, layout = hash_safetensors(folder)
     if not params:
@@ -299,8 +315,6 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
 # -- staging ----------------------------------------------------------------------------------------------------
 def peft_settings(model) -> dict[str, Any] | None:
     """The settings of a PeftModel's active adapter as plain values (for the card), or None for a plain model."""
-    from .cards import public_value
-
     config = getattr(model, "peft_config", None)
     if not isinstance(config, Mapping) or not config:
         return None
@@ -399,28 +413,8 @@ def _base_model(staging: Path, base_model: str | None, info: dict, adapter: dict
     return next((hub_model_id(c) for c in candidates if hub_model_id(c)), None)
 
 
-# -- scanning the outgoing files ---------------------------------------------------------------------------------
-_VERSION_KEYS = {"transformers_version", "_commit_hash"}
 _TOKENIZER_NUMBERS = {"added_tokens_decoder", "model_max_length", "max_length", "stride", "pad_to_multiple_of",
                       "pad_token_type_id"}
-
-
-def _known_config_keys(data: dict, generation: bool) -> set[str]:
-    try:
-        if generation:
-            from transformers import GenerationConfig
-
-            return set(GenerationConfig().to_dict())
-        from transformers import AutoConfig, PretrainedConfig
-
-        keys = set(PretrainedConfig().to_dict())
-        try:
-            keys |= set(AutoConfig.for_model(data.get("model_type")).to_dict())
-        except Exception:
-            pass
-        return keys
-    except Exception:
-        return set()
 
 
 def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
@@ -458,8 +452,6 @@ def scan_files(staging: Path, scanner: IdScanner) -> list[Hit]:
                                         scanner)
             hits += scanner.scan(data, name, numbers=False)
         elif name in ("vocab.json", "vocab.txt"):  # a vocabulary: any number, no string forget id
-            from .leaks import scan_vocabulary, vocabulary_tokens
-
             text = path.read_text(encoding="utf-8", errors="replace")
             tokens = vocabulary_tokens(_load_json(path)) if name == "vocab.json" else text.splitlines()
             hits += scan_vocabulary(tokens, name, scanner)
@@ -517,8 +509,6 @@ def _scan_chat_template(template, field: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _scan_tokenizer_json(data, name: str, scanner: IdScanner) -> list[Hit]:
-    from .leaks import scan_tokenizer_rules, scan_vocabulary, vocabulary_tokens
-
     if not isinstance(data, dict):
         return scanner.scan(data, name, numbers=False)
     rest = {k: v for k, v in data.items() if k not in ("added_tokens", "normalizer", "post_processor")}
@@ -543,48 +533,6 @@ def _scan_tokenizer_config(data, name: str, scanner: IdScanner) -> list[Hit]:
             hits += scan_tokens(_token_texts(value), where, scanner)  # token ids (the decoder's keys) are not
         else:
             hits += scanner.scan(value, where, numbers=key not in _TOKENIZER_NUMBERS)
-    return hits
-
-
-def scan_config(data, name: str, scanner: IdScanner, generation: bool = False) -> list[Hit]:
-    """Forget ids in a model (or generation) config: the fields the config class defines hold configuration, so
-    their numbers are not matched (``pad_token_id``), only string ids and the path in ``_name_or_path``; the label
-    names of ``id2label``/``label2id`` are matched numbers included; every field the class does not define is
-    matched in full."""
-    known = _known_config_keys(data, generation) if isinstance(data, dict) else set()
-    hits: list[Hit] = []
-    for key, value in (data.items() if isinstance(data, dict) else [("", data)]):
-        where = f"{name}:{key}"
-        if key in _VERSION_KEYS:
-            continue
-        hits += scanner.scan_text(str(key), where + " (key)")
-        if key == "_name_or_path":
-            hits += scanner.scan_strings(value, where)
-        elif key in ("id2label", "label2id") and isinstance(value, Mapping) \
-                and all(isinstance(v, (int, str)) for v in value.values()):
-            hits += _scan_labels(value if key == "id2label" else {v: k for k, v in value.items()}, where, scanner)
-        elif key in known:
-            hits += scanner.scan(value, where, numbers=False)
-        else:
-            hits += scanner.scan(value, where)
-    return hits
-
-
-def _scan_labels(id2label: Mapping, where: str, scanner: IdScanner) -> list[Hit]:
-    """Class labels: transformers' default entries (``3: "LABEL_3"``) are its own and the indices 0..n-1 are the
-    classes' positions; any other index and every other label name is matched numbers included."""
-    try:
-        indices = sorted(int(i) for i in id2label)
-    except (TypeError, ValueError):
-        indices = []
-    positional = indices == list(range(len(id2label)))
-    hits: list[Hit] = []
-    for index, label in id2label.items():
-        if str(label) == f"LABEL_{index}":
-            continue
-        hits += scanner.scan(label, f"{where}[{index}]")
-        if not positional:
-            hits += scanner.scan_text(str(index), f"{where}[{index}]")
     return hits
 
 
@@ -640,9 +588,6 @@ def push_unlearned(
     failed upload (nothing is published then; run it again). A PEFT model is published merged. The pushed card is
     also written to ``local_dir`` (default: ``source`` when it is a folder) with a line in ``hub_pushes.jsonl``.
     """
-    from .keys import key_fingerprint
-    from .provenance import select_provenance
-
     if not isinstance(repo_id, str) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
         raise UnlearnError(f"repo id {repo_id!r} must look like 'org/name'")
     if tag is not None and deletion:
@@ -721,11 +666,7 @@ def push_unlearned(
 def _push_key(key: bytes | None, trace_dir) -> bytes:
     """The key that tags the card: the run's key when publishing its provenance (so the card's tags match its
     deletion log), else the library's one key."""
-    from .keys import key_fingerprint, load_key
-
     if trace_dir is not None and (Path(trace_dir) / "header.json").is_file():
-        from ..trace.tags import run_key
-
         run = run_key(trace_dir)
         if key is not None and key != run:
             raise UnlearnError(f"key= (fingerprint {key_fingerprint(key)}) is not the key of the run in {trace_dir} "
@@ -823,8 +764,6 @@ def _unfinished_push(api, repo_id: str, head: str, tags: Mapping[str, str], mani
     tag: the commit's title names the tag, its manifest is ours), else None. Every commit of the branch is looked
     at, not only the head: another push may have landed on top before this one is run again."""
     from huggingface_hub import hf_api
-
-    from .store import git_blob_id
 
     ours = git_blob_id(manifest_path.read_bytes())
     for c in api.list_repo_commits(repo_id, revision=head):

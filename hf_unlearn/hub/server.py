@@ -1,4 +1,4 @@
-"""A local Hugging Face Hub-compatible HTTP server, a Starlette app on uvicorn (``hf_unlearn.web.server``).
+"""A local Hugging Face Hub-compatible HTTP server, a Starlette app on uvicorn (``hf_unlearn.webserver``).
 
 It answers the calls the real ``huggingface_hub`` client makes to publish and download a model repository
 (whoami, create repo, preupload, the NDJSON commit endpoint with inline and LFS files, LFS batch/upload/verify,
@@ -10,7 +10,7 @@ run with ``HF_HUB_DISABLE_XET=1`` (Xet storage is not served).
 
 Why Starlette on uvicorn, not a hand-written threaded server: slow clients (headers or bodies sent a byte at a time,
 many idle sockets) starved the thread-per-connection server one attack after another. On asyncio a held connection
-costs a few KB; the limits (``hf_unlearn.web.server.Limits``) bound connections in total and per client, each
+costs a few KB; the limits (``hf_unlearn.webserver.Limits``) bound connections in total and per client, each
 request's headers and every read; each route's authentication is decided from the headers before its body is read
 (the route table below says which), and the store's file work runs in worker threads that never wait on a client.
 It is a single-tenant store: every configured token can read and write every repository (private repositories need
@@ -33,6 +33,7 @@ from collections import OrderedDict
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote
 
+from ..webserver import BodyError, BodyTooLarge, Limits, WebServer, abort, body_chunks, body_left_unread, read_body
 from .store import GITATTRIBUTES, OID_RE, PathTree, RepoStore, StoreError, clean_path
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class HubServer:
 
     ``tokens`` maps access tokens to user names (a bare string is one token for user ``user``). ``port=0`` picks
     a free port (bound at once: :attr:`url` is known before :meth:`start`). Use :meth:`start`/:meth:`stop` (a
-    background thread) or :meth:`serve_forever`. The connection limits are :class:`hf_unlearn.web.server.Limits`'.
+    background thread) or :meth:`serve_forever`. The connection limits are :class:`hf_unlearn.webserver.Limits`'.
     """
 
     def __init__(self, root, tokens: dict[str, str] | str, host: str = "127.0.0.1", port: int = 0, *,
@@ -116,8 +117,6 @@ class HubServer:
                  read_timeout: float = READ_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
                  header_deadline: float = HEADER_DEADLINE_S,
                  max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT):
-        from ..web.server import Limits, WebServer
-
         self.store = RepoStore(root)
         self.max_body_bytes, self.max_lfs_bytes = int(max_body_bytes), int(max_lfs_bytes)
         self.tokens = {tokens: "user"} if isinstance(tokens, str) else dict(tokens)
@@ -234,8 +233,6 @@ class _Call:
         self.body = b""
 
     async def respond(self):
-        from ..web.server import BodyError, BodyTooLarge, abort, body_left_unread
-
         try:
             response = await self._route()
         except _Abort:
@@ -276,8 +273,6 @@ class _Call:
         raise StoreError(404, f"no route for {method} {self.path}")
 
     async def _read(self, kind: str) -> None:
-        from ..web.server import read_body
-
         limit = self.hub.max_body_bytes if kind == "ndjson" else min(self.hub.max_body_bytes, MAX_JSON_BYTES)
         self.body = await read_body(self.request, limit, self.hub.limits.read_timeout)
 
@@ -524,8 +519,6 @@ class _Call:
         """PUT of one LFS object. Authorised by the signature in the URL (like a presigned URL: the client sends
         no token here), checked before the body is read; streamed to disk (in worker threads, a MiB at a time)
         and stored only if the content matches the oid and size."""
-        from ..web.server import body_chunks
-
         raw = self.query.get("size", "")
         if not raw.isdigit():
             raise StoreError(400, "the upload URL needs a size (a non-negative integer)")
@@ -681,8 +674,6 @@ class _Download:
         return ObjectResponse()
 
     async def send(self, call: _Call, send) -> None:
-        from ..web.server import abort
-
         timeout = call.hub.limits.read_timeout
         try:
             await send({"type": "http.response.start", "status": self.status,

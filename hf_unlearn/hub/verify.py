@@ -38,8 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..trace.hashing import root_hash, state_hashes
 from ..trace.run import file_sha256
-from .publish import MANIFEST_FILE, METADATA_KEY, ROOT_NAMES, files_root, hash_safetensors, hashed_files
+from .publish import (
+    MANIFEST_FILE,
+    METADATA_KEY,
+    PUSH_LOG_FILE,
+    ROOT_NAMES,
+    files_root,
+    hash_safetensors,
+    hashed_files,
+    hub_error,
+)
+from .server import _front_matter
 
 
 @dataclass
@@ -181,9 +192,6 @@ def verify_folder(folder: str | os.PathLike, *, source: str | None = None, commi
     ``load=False`` skips loading the model (for a model too large for this machine); the report then says so
     and is not ``ok``: loadability is part of the claim.
     """
-    from ..trace.hashing import root_hash
-    from .server import _front_matter
-
     folder = Path(folder)
     if expect_file_hashes:
         derived = files_root(expect_file_hashes)
@@ -311,8 +319,6 @@ def _files_differ(present: dict[str, str], expected_root: str, expected: dict[st
 
 def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
     """Load the revision with transformers; its state dict must be exactly the hashed tensors (ties included)."""
-    from ..trace.hashing import state_hashes
-
     if not (folder / "config.json").is_file():
         report.problems.append("no config.json: the revision does not load with transformers")
         return
@@ -362,8 +368,6 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
     the per-file hashes and the card's SHA-256 only from ``hub_pushes.jsonl``, each where the push recorded it
     (older records lack the file hashes and the card's hash).
     """
-    from .publish import PUSH_LOG_FILE
-
     path = Path(record)
     if path.is_dir():
         names = (PUSH_LOG_FILE, f"model/{PUSH_LOG_FILE}", "deletion_log.jsonl", "verification.json")  # model/: forget's OUT
@@ -437,8 +441,6 @@ def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | Non
     downloaded.
     """
     from huggingface_hub import snapshot_download
-
-    from .publish import hub_error
 
     revision = revision or expect_commit or None
     label = f"{repo_id}{'@' + revision if revision else ''}"

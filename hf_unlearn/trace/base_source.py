@@ -20,13 +20,13 @@ the one loading produced: the same tensor object (or its ``copy.deepcopy``), not
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..models import GGUF_MARK, GGUFOrigin, load_model, mark_gguf  # noqa: F401 - GGUFOrigin, mark_gguf lived here
+from .files import file_sha256 as sha256
 
-GGUF_MARK = "_hf_unlearn_gguf_source"  # set on a model by load_model(...gguf): a GGUFOrigin
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what from_pretrained reads, one or sharded
 
@@ -34,36 +34,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what fro
 def stamp(t) -> tuple:
     """Identity and in-place version of a tensor: equal stamps mean the tensor was not replaced nor modified."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version)
-
-
-class GGUFOrigin:
-    """Attached to a model :func:`hf_unlearn.load_model` de-quantised from a GGUF file: the file, the dtype, and the
-    parameters as loading produced them (the tensor objects and their in-place versions). ``copy.deepcopy`` of the
-    model carries it over to the copy's parameters (dropping any changed in place before the copy)."""
-
-    def __init__(self, path: str, dtype: str, params: dict):
-        self.path, self.dtype, self.params = path, dtype, params  # name -> (tensor, _version)
-
-    def unchanged(self, key: str, tensor) -> bool:
-        held = self.params.get(key)
-        return held is not None and held[0] is tensor and tensor._version == held[1]
-
-    def __deepcopy__(self, memo):
-        import copy
-
-        params = {}
-        for key, (t, version) in self.params.items():
-            if t._version != version:
-                continue
-            twin = copy.deepcopy(t, memo)  # the copied model's own parameter (memo: one copy per tensor)
-            params[key] = (twin, twin._version)
-        return GGUFOrigin(self.path, self.dtype, params)
-
-
-def mark_gguf(model, path: str | os.PathLike, dtype) -> None:
-    """Remember that ``model`` was de-quantised from the GGUF file ``path`` (and its parameters as loaded)."""
-    setattr(model, GGUF_MARK, GGUFOrigin(str(Path(path).resolve()), str(dtype).replace("torch.", ""),
-                                         {n: (p, p._version) for n, p in model.named_parameters(remove_duplicate=False)}))
 
 
 def base_key(name: str) -> str:
@@ -144,8 +114,6 @@ def describe(source: dict, refs: dict) -> dict:
 @functools.lru_cache(maxsize=64)
 def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
     """The run's own file hash, once per file version (size and mtime) and process: a base is read in GBs."""
-    from .run import file_sha256 as sha256
-
     return sha256(Path(path))
 
 
@@ -196,8 +164,6 @@ def _dequantized(path: str, dtype: str, sha256: str) -> dict:
     if (path, dtype, sha256) in _LIVE:
         return _LIVE[(path, dtype, sha256)]
     import torch
-
-    from ..models import load_model
 
     return dict(load_model(path, dtype=getattr(torch, dtype)).state_dict())
 

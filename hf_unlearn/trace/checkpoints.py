@@ -35,21 +35,30 @@ import shutil
 from pathlib import Path
 
 from ..errors import UnlearnError
-from ..utils import atomic_write_text, weights_follow_umask
+from ..utils import atomic_write_text
+from . import base_source
 from .base_source import load as load_referenced
 from .base_source import stamp
+from .checkpoint_files import (  # noqa: F401 - re-exported: they lived here
+    CHECKPOINT_FORMAT,
+    _flatten_optimizer,
+    _save_safetensors,
+    checkpoint_dir,
+    tied_aliases,
+)
+from .dtensors import full_optimizer_state, full_tensors, local, model_is_sharded
+from .files import check_sidecar, file_sha256, write_sidecar
+from .hashing import checkpoint_hashes, optimizer_param_names, root_hash, tensor_hash
+from .shards import check as check_shards
 from .shards import is_complete as shards_complete
-from .shards import is_sharded_checkpoint
+from .shards import is_sharded_checkpoint, local_keys, verify_files
+from .shards import load as load_sharded
+from .shards import save as save_sharded
 
-CHECKPOINT_FORMAT = "hf_unlearn.checkpoint.v2"
 INDEX_FORMAT = "hf_unlearn.checkpoint_index.v1"
 INDEX_NAME = "index.json"
 FROZEN_DIR = "frozen"
 TRASH_PREFIX = ".thinned-"  # a checkpoint being deleted is renamed first: a crash leaves no half-deleted step-N
-
-
-def checkpoint_dir(run: Path, step: int) -> Path:
-    return Path(run) / "checkpoints" / f"step-{step:08d}"
 
 
 def _step_of(d: Path) -> int:
@@ -83,25 +92,10 @@ def list_checkpoints(run: Path) -> dict[int, Path]:
 
 
 # ---- capture ----------------------------------------------------------------------------------------------
-def tied_aliases(state_dict) -> dict[str, str]:
-    """``alias -> first name`` for state-dict entries that are one tensor (a tied embedding and LM head)."""
-    first: dict = {}
-    tied = {}
-    for name, t in state_dict.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-               str(t.device))
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
-    return tied
 
 
 def capture_state(model, optimizer, step: int, clone: bool = False) -> dict:
     """A checkpoint dict: model tensors (each tied tensor once), the tie map, optimizer state, parameter names."""
-    from .hashing import optimizer_param_names
-    from .sharding import full_optimizer_state, full_tensors, local
-
     sd = model.state_dict()
     tied = tied_aliases({k: local(v) for k, v in sd.items()})
     # sharded (FSDP2): the full logical tensors, gathered on every process (the checkpoint is the unsharded state)
@@ -148,9 +142,6 @@ class FrozenTensors:
         referenced the same way; nothing to reference: saved. The referenced files' SHA-256 and the checkpoints'
         per-tensor hashes (frozen tensors included) are checked at every load.
         """
-        from . import base_source
-        from .hashing import root_hash, tensor_hash
-
         params = dict(model.named_parameters(remove_duplicate=False))
         frozen = {n: t for n, t in tensors.items() if n in params and not params[n].requires_grad}
         if not frozen:
@@ -183,8 +174,6 @@ class FrozenTensors:
 
     def adopt_matching(self, model) -> None:
         """Take over the saved frozen tensors that ``model`` holds with the same hashes (a resumed recording)."""
-        from .hashing import tensor_hash
-
         self.hashes = json.loads((self.dir / "hashes.json").read_text())["params"]
         params = dict(model.named_parameters(remove_duplicate=False))
         self._stamps = {n: stamp(params[n]) for n, h in self.hashes.items()
@@ -196,8 +185,6 @@ class FrozenTensors:
 
 
 def _content_digest(t) -> str:
-    from .hashing import tensor_hash
-
     return tensor_hash("", t)  # dtype, shape and bytes, without the name
 
 
@@ -254,49 +241,6 @@ def load_frozen(run: Path, names) -> dict:
 
 
 # ---- save / load -----------------------------------------------------------------------------------------
-def _save_safetensors(tensors: dict, path: Path) -> None:
-    """Write a safetensors file atomically (safetensors writes from the tensors' memory, no copy)."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
-    weights_follow_umask(tmp)
-    os.replace(tmp, path)
-
-
-def _json_groups(groups: list[dict]) -> tuple[list[dict], dict] | None:
-    """Param groups without their parameter lists as JSON, plus which values were tuples (None: not JSON)."""
-    out, tuples = [], {}
-    for i, g in enumerate(groups):
-        out.append(dict(g))
-        tuples[str(i)] = [k for k, v in g.items() if isinstance(v, tuple)]
-    try:
-        json.dumps(out)
-    except (TypeError, ValueError):
-        return None
-    return out, tuples
-
-
-def _flatten_optimizer(osd: dict) -> tuple[dict, dict] | None:
-    """``optimizer.state_dict()`` as safetensors tensors and a JSON index (None if it is not that simple)."""
-    import torch
-
-    tensors, scalars = {}, {}
-    for idx, entries in osd.get("state", {}).items():
-        for k, v in entries.items():
-            if torch.is_tensor(v):
-                tensors[f"state.{idx}.{k}"] = v.detach().to("cpu")
-            else:
-                scalars.setdefault(str(idx), {})[k] = v
-    groups = _json_groups(osd.get("param_groups", []))
-    try:
-        json.dumps(scalars)
-    except (TypeError, ValueError):
-        return None
-    if groups is None or any(not isinstance(i, int) for i in osd.get("state", {})):
-        return None
-    return tensors, {"param_groups": groups[0], "tuples": groups[1], "scalars": scalars,
-                     "indices": sorted(osd.get("state", {}))}
 
 
 def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensors | None = None,
@@ -306,13 +250,7 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     ``hashes.json`` is written last: a folder without it is an incomplete checkpoint, never used. ``state``: the
     :func:`capture_state` already taken (a sharded run gathers it on every process, the main process writes it).
     """
-    from .hashing import checkpoint_hashes
-    from .run import write_sidecar
-    from .sharding import model_is_sharded
-
     if state is None and model_is_sharded(model):  # FSDP2: every process writes its shards (hf_unlearn.trace.shards)
-        from .shards import save as save_sharded
-
         return save_sharded(run, step, model, optimizer)[0]
     d = checkpoint_dir(run, step)
     d.mkdir(parents=True, exist_ok=True)
@@ -350,8 +288,6 @@ def _load_v2(path: Path, rank: int | None = None) -> dict:
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise UnlearnError(f"{path}/checkpoint.json has format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     if is_sharded_checkpoint(meta):  # an FSDP2 run's shard files (hf_unlearn.trace.shards)
-        from .shards import load as load_sharded
-
         model, flat = load_sharded(path, meta, rank)
     else:
         model, flat = load_file(path / "model.safetensors"), load_file(path / "optimizer.safetensors")
@@ -370,8 +306,6 @@ def _load_v2(path: Path, rank: int | None = None) -> dict:
     out = {"step": meta["step"], "model": model, "tied": meta["tied"], "param_names": meta["param_names"],
            "optimizer": {"state": state, "param_groups": groups}, "frozen": meta.get("frozen", [])}
     if is_sharded_checkpoint(meta) and rank is not None:  # this process's optimizer shards (sharding.load_optimizer_state)
-        from .shards import local_keys
-
         out["optimizer"]["local_shards"] = local_keys(meta)
     return out
 
@@ -393,22 +327,16 @@ def load_checkpoint(path: Path, verify: bool = True, rank: int | None = None) ->
     if verify:
         check_binding(path)
         if "local_shards" in state["optimizer"]:
-            from .run import check_sidecar
-            from .shards import check
-
             if check_sidecar(path / "hashes.json") is False:
                 raise UnlearnError(f"{path / 'hashes.json'} does not match its SHA-256 sidecar: modified after it "
                                    "was written")
-            check(path, state)
+            check_shards(path, state)
         else:
             check_checkpoint_state(path, state)
     return state
 
 
 def check_checkpoint_state(path: Path, state: dict) -> None:
-    from .hashing import checkpoint_hashes
-    from .run import check_sidecar
-
     path = Path(path)
     recorded_file = path / "hashes.json"
     if not recorded_file.exists():
@@ -433,8 +361,6 @@ def verify_checkpoint_files(path: Path) -> None:
     """
     from safetensors import safe_open
 
-    from .hashing import tensor_hash
-
     path = Path(path)
     if (path / "state.pt").exists() or not (path / "checkpoint.json").exists():
         check_checkpoint_state(path, load_checkpoint(path, verify=False))
@@ -450,8 +376,6 @@ def verify_checkpoint_files(path: Path) -> None:
     seen = set()
     seen_opt = set()
     if is_sharded_checkpoint(meta):  # every shard file's SHA-256, each full tensor assembled and hashed
-        from .shards import verify_files
-
         bad, seen, seen_opt = verify_files(path, meta, by_idx)
     else:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
@@ -497,8 +421,6 @@ def checkpoint_bytes(d: Path, with_frozen: bool = False) -> int:
 
 # ---- the index: every kept checkpoint's roots, bound to the run ------------------------------------------
 def _entry(d: Path) -> dict:
-    from .run import file_sha256
-
     h = json.loads((Path(d) / "hashes.json").read_text())
     return {"params_root": h["params_root"], "optimizer_root": h["optimizer_root"],
             "meta_sha256": h.get("meta_sha256"), "hashes_sha256": file_sha256(Path(d) / "hashes.json")}
@@ -566,8 +488,6 @@ class CheckpointIndex:
 
 
 def _frozen_entry(run: Path) -> dict | None:
-    from .run import file_sha256
-
     f = Path(run) / "checkpoints" / FROZEN_DIR / "hashes.json"
     return {"root": json.loads(f.read_text())["root"], "hashes_sha256": file_sha256(f)} if f.exists() else None
 
@@ -665,8 +585,6 @@ def check_checkpoints(run: Path, header: dict, key: bytes | None, sealed: bool, 
 
     Returns (usable checkpoints by step, errors, warnings).
     """
-    from .run import check_sidecar
-
     run = Path(run)
     errors, warns = [], []
     severe = errors if sealed else warns
@@ -718,8 +636,6 @@ def check_checkpoints(run: Path, header: dict, key: bytes | None, sealed: bool, 
                          "thinning left it, or it was added): it is not used")
         frozen = run / "checkpoints" / FROZEN_DIR / "hashes.json"
         if index.get("frozen"):
-            from .run import file_sha256
-
             if not frozen.exists():
                 errors.append("checkpoints/frozen/ is missing: the run's checkpoints reference the frozen tensors "
                               "saved there")

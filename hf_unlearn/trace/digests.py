@@ -38,7 +38,12 @@ import types
 
 import torch
 
-from .guards import FRAMEWORK_HOOKS, VOLATILE_CONFIG
+from .checksums import _own_state_tensors, exact_digest, state_tensors, tensor_checksums
+
+# config keys that say where a model came from, not what it computes
+VOLATILE_CONFIG = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
+                             "_attn_implementation_autoset", "use_cache"})
+FRAMEWORK_HOOKS = ("hf_unlearn.", "transformers.", "accelerate.", "peft.", "trl.", "torch.")
 
 PLAIN = (bool, int, float, str, type(None))
 MAX_DEPTH = 4
@@ -207,8 +212,6 @@ class Digester:
 
 def tensor_text(t: torch.Tensor) -> str:
     """dtype, shape and an exact checksum of a tensor held as an attribute (not a parameter or buffer)."""
-    from .guards import tensor_checksums
-
     try:
         local = t.to_local() if hasattr(t, "to_local") else t
         return f"tensor {str(t.dtype).removeprefix('torch.')}{list(t.shape)} " \
@@ -460,8 +463,6 @@ class ProcessComparison:
         self._hook.remove()
 
     def local(self) -> dict:
-        from .guards import exact_digest, state_tensors, tensor_checksums
-
         whole = [(n, t) for n, t in _own_tensors(self.model, self.optimizer) if not hasattr(t, "to_local")]
         names = {n for n, _ in whole}
         ref = self.guard.ref if self.guard is not None else None  # the main process: its guard read them just now
@@ -495,6 +496,4 @@ class ProcessComparison:
 
 
 def _own_tensors(model, optimizer):
-    from .guards import _own_state_tensors
-
     return _own_state_tensors(model, optimizer, False)

@@ -9,10 +9,11 @@ things close that gap:
   (``model/buffers.safetensors``) and restored on every rebuilt model, so ``model.bfloat16()`` replays exactly;
 * **checkpoints passed**: every replay compares its state with each recorded checkpoint it reaches before the
   first affected step and stops at the first mismatch, naming the step and the tensor;
-* **the recording's self-check**: while training the recorder hashes its own state after the first optimizer step
-  (in memory, no extra file); when ``train()`` ends it replays that step from the step-0 checkpoint with the replay
-  engine (model rebuilt from the trace) and compares; the outcome is sealed into ``header.json`` (``fidelity``). A
-  run the engine does not reproduce is refused by every replay and by ``verify``.
+* **the recording's self-check** (:mod:`hf_unlearn.trace.self_check`): while training the recorder hashes its own
+  state after the first optimizer step (in memory, no extra file); when ``train()`` ends it replays that step from
+  the step-0 checkpoint with the replay engine (model rebuilt from the trace) and compares; the outcome is sealed
+  into ``header.json`` (``fidelity``). A run the engine does not reproduce is refused by every replay and by
+  ``verify``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import torch
 
 from ..errors import UnlearnError
 from ..utils import weights_follow_umask
-
-BUFFERS_FILE = "model/buffers.safetensors"
+from .files import BUFFERS_FILE, check_sidecar, file_sha256
 
 
 class FidelityError(UnlearnError):
@@ -66,8 +66,6 @@ def save_buffers(model, run: Path) -> dict:
     """Write the non-persistent buffers to ``run/model/buffers.safetensors``; return the layout with its digest."""
     from safetensors.torch import save_file
 
-    from .run import file_sha256
-
     layout = model_layout(model)
     path = Path(run) / BUFFERS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,8 +96,6 @@ def restore_layout(model, run, header: dict, given: bool = False) -> None:
 
     With ``given`` (a model the caller passed), a dtype that differs is refused, naming the tensor, instead of cast.
     """
-    from .run import file_sha256
-
     layout = (header.get("model") or {}).get("layout")
     if not layout:
         return
@@ -157,8 +153,6 @@ def first_difference(recorded: dict, actual: dict) -> tuple[str | None, int]:
 
 def check_against_checkpoint(run_path: Path, step: int, checkpoint: Path, actual: dict, who: str = "the replay") -> None:
     """Refuse (:class:`FidelityError`) unless ``actual`` (a ``hashes.json`` dict) equals the recorded checkpoint's."""
-    from .run import check_sidecar
-
     recorded_file = Path(checkpoint) / "hashes.json"
     if check_sidecar(recorded_file) is False:
         raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
@@ -185,70 +179,6 @@ def in_memory_reference(step: int, hashes: dict) -> dict:
     """What the recorder keeps for its self-check: the state hashes after optimizer step ``step``, taken in memory
     while training (no checkpoint file)."""
     return {"step": step, "hashes": hashes}
-
-
-def self_check(run_path: Path, data_collator=None, reference: dict | None = None) -> dict:
-    """Replay the run's first step(s) with the replay engine and compare the state with the recording's.
-
-    ``reference`` (:func:`in_memory_reference`): the recorder's own state after step N, hashed in memory while it
-    trained; the replay runs steps 0..N from the step-0 checkpoint and must reach those hashes (and every recorded
-    checkpoint it passes). Without one (a resumed recording past step N) the first checkpoint interval is replayed
-    and compared with the recorded checkpoint. Returns the ``fidelity`` entry the recorder seals into the header.
-    """
-    import time
-
-    from .replay import ReplayTrainer
-    from .run import open_run
-
-    started, wall = time.process_time(), time.perf_counter()
-    try:  # each process reads the run and its key itself (before any collective of the replay): all must hold them
-        run = open_run(run_path)
-        _ = run.key
-        _first_refusal(None)
-    except UnlearnError as e:
-        if "another process" not in str(e):
-            _first_refusal(e)
-        return {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
-    cps = sorted(run.checkpoints())
-    later = [c for c in cps if c > 0]
-    if 0 not in cps or not (later or reference):
-        return {"checked": False, "why": "the run has no step-0 checkpoint and a later state to compare with"}
-    until = reference["step"] if reference else later[0]
-    against = {"against": "the recording's state hashed in memory at that step" if reference else
-               "the recorded checkpoint"}
-    if reference:
-        against["roots"] = {k: reference["hashes"].get(k) for k in ("params_root", "optimizer_root")}
-    try:
-        try:
-            trainer = ReplayTrainer(run, start="full", stop_step=until, data_collator=data_collator, _self_check=True)
-        except UnlearnError as e:
-            _first_refusal(e)
-            raise
-        _first_refusal(None)  # every process of a multi-process run replays, or none does
-        if reference:
-            trainer._fidelity_reference = {until: reference["hashes"]}
-        trainer.train()
-        result = {"checked": True, "reproduced": True, "steps": [0, until], **against}
-    except FidelityError as e:
-        result = {"checked": True, "reproduced": False, "steps": [0, until], **against, "why": str(e)}
-    except UnlearnError as e:
-        result = {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
-    result.update(cpu_seconds=round(time.process_time() - started, 3), wall_seconds=round(time.perf_counter() - wall, 3))
-    return result
-
-
-def _first_refusal(error: Exception | None) -> None:
-    """With more than one process: raise on every process the first process's refusal to build the self-check's
-    replay (else one process would skip the replay while the others wait in its collectives)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if error is None else str(error))
-    why = next((w for w in everyone if w), None)
-    if why is not None and error is None:
-        raise UnlearnError(f"another process could not replay the run: {why}")
 
 
 def fidelity_statement(header: dict) -> str:

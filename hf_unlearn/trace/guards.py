@@ -39,7 +39,19 @@ from typing import NamedTuple
 
 import torch
 
+from . import digests  # called through the module: a test may stand in for digests.program_state
+from .checksums import (  # noqa: F401 - re-exported: they lived here
+    device_checksum,
+    exact_digest,
+    state_digest,
+    state_tensors,
+    tensor_checksums,
+)
+from .digests import FRAMEWORK_HOOKS, VOLATILE_CONFIG  # noqa: F401 - re-exported: they lived here
+from .dtensors import all_shards
 from .fidelity import FidelityError
+from .proven import unproven_steps
+from .trainers import _import, importable_name
 
 # the events a replay runs, at the points of a step where Trainer runs them
 REPLAYED_EVENTS = ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
@@ -49,9 +61,6 @@ SAMPLES = 16  # sampled values per tensor (the cheap check; the exact checksums 
 # the TrainerState fields a replay sets as the recording's Trainer did (a recorded callback may read only these)
 REPRODUCED_STATE = frozenset({"global_step", "max_steps", "epoch", "is_world_process_zero", "is_local_process_zero"})
 PLAIN = (bool, int, float, str, type(None))
-# config keys that say where a model came from, not what it computes
-VOLATILE_CONFIG = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
-                             "_attn_implementation_autoset", "use_cache"})
 VOLATILE_ATTRIBUTES = frozenset({"name_or_path"})  # a PreTrainedModel's: where it was loaded from
 
 
@@ -82,9 +91,8 @@ def is_observer(callback) -> bool:
 def _observer_homes() -> tuple[str, ...]:
     import transformers
 
-    import hf_unlearn
-
-    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (transformers, hf_unlearn))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hf_unlearn/ (no import of the root)
+    return os.path.dirname(os.path.abspath(transformers.__file__)) + os.sep, package + os.sep
 
 
 def overridden_events(callback) -> list[str]:
@@ -108,8 +116,6 @@ def callback_attributes(callback) -> dict:
 
 def callback_spec(callback) -> dict:
     """How a replay runs ``callback`` again: ``{"class", "events", "replayable"}`` and ``why`` when it cannot."""
-    from .trainers import importable_name
-
     cls = type(callback)
     name = importable_name(cls)
     events = overridden_events(callback)
@@ -131,8 +137,6 @@ def callback_spec(callback) -> dict:
 def rebuild_callback(spec: dict, attributes: dict):
     """The recorded callback with the recorded attributes (its constructor is not run: the attributes are its state)."""
     import copy
-
-    from .trainers import _import
 
     cls = _import(spec["class"], "callback class")
     obj = cls.__new__(cls)
@@ -203,7 +207,6 @@ def forward_code(model) -> list[str]:
 
 # packages whose hooks are the frameworks' own (NEFTune, gradient checkpointing, accelerate's device and precision
 # wrappers, this library's checks): a replay sets them up the same way from the recorded arguments
-FRAMEWORK_HOOKS = ("hf_unlearn.", "transformers.", "accelerate.", "peft.", "trl.", "torch.")
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
@@ -298,40 +301,10 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
         if x.get(k) != y.get(k):
             return f"torch's {k} setting {x.get(k)!r} -> {y.get(k)!r} (process-wide numerics)"
     if "whole" in before and "whole" in after:  # every object read whole (hf_unlearn.trace.digests)
-        from .digests import describe_difference
-
-        what = describe_difference(before["whole"], after["whole"])
+        what = digests.describe_difference(before["whole"], after["whole"])
         if what:
             return ("the " + what) if what.startswith("optimizer") else what
     return None
-
-
-def state_tensors(model, optimizer, grads: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """Parameters, buffers (and gradients) of the model and the optimizer's state tensors, named (under FSDP2, this
-    process's shards: :mod:`hf_unlearn.trace.sharding`)."""
-    out = _own_state_tensors(model, optimizer, grads)
-    from .sharding import local
-
-    return [(n, local(t)) for n, t in out]
-
-
-def _own_state_tensors(model, optimizer, grads: bool) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for n, p in model.named_parameters():
-        out.append((n, p))
-        if grads and p.grad is not None:
-            out.append((f"{n} (gradient)", p.grad))
-    out += [(n, b) for n, b in model.named_buffers()]
-    if optimizer is not None:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        names = {id(p): n for n, p in model.named_parameters()}
-        for g in inner.param_groups:
-            for p in g["params"]:
-                st = inner.state.get(p, {})
-                for k, v in sorted(st.items()):  # a loaded state dict may hold the keys in another order
-                    if torch.is_tensor(v):
-                        out.append((f"optimizer state {k} of {names.get(id(p), '?')}", v))
-    return out
 
 
 def sample_values(tensors) -> dict:
@@ -341,72 +314,6 @@ def sample_values(tensors) -> dict:
         flat = t.detach().reshape(-1)
         groups.setdefault(t.dtype, []).append(flat[::max(1, flat.numel() // SAMPLES)][:SAMPLES])
     return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
-
-
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_COLUMNS = 4096
-_MIX = (0x5851F42D4C957F2D, 0x14057B7EF767814F)  # odd 63-bit multipliers: position weights mod 2**64
-
-
-def tensor_checksums(tensors) -> dict[str, int]:
-    """An exact 64-bit checksum of every tensor's raw bytes, by name: any edit of any element changes it (an edit
-    through ``.data`` included, which no version counter sees).
-
-    On the CPU, xxh3 over the bytes (about the cost of reading them once). On an accelerator, integer sums of the
-    bits over rows and columns of a ``(n / 4096, 4096)`` view, each weighted by its position, computed on the device
-    and read back once for all tensors: a changed element changes its row's and its column's sums, a swap of two
-    different elements too; only an edit built to keep every row and column sum (a deliberate rectangle of equal and
-    opposite changes) escapes it."""
-    import xxhash
-
-    out, pending = {}, []
-    for name, t in tensors:
-        flat = t.detach().reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        if flat.device.type == "cpu":
-            out[name] = xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy()) if flat.numel() else 0
-        else:
-            pending.append((name, device_checksum(flat)))
-    if pending:
-        values = torch.stack([v for _, v in pending]).cpu().tolist()
-        out.update({name: v for (name, _), v in zip(pending, values)})
-    return out
-
-
-def device_checksum(flat: torch.Tensor) -> torch.Tensor:
-    """Position-weighted row and column sums of a flat tensor's bits (int64 wrapping arithmetic), a 0-d tensor on
-    its device (see :func:`tensor_checksums`)."""
-    flat = flat.reshape(-1)
-    bits = flat.view(_INTS.get(flat.element_size(), torch.uint8))
-    n = bits.numel()
-    rows = n // _COLUMNS
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    if rows:
-        head = bits[: rows * _COLUMNS].view(rows, _COLUMNS)
-        total = total + (head.sum(1, dtype=torch.int64) * _weights(rows, 0, flat.device)).sum()
-        total = total + (head.sum(0, dtype=torch.int64) * _weights(_COLUMNS, 1, flat.device)).sum()
-    tail = bits[rows * _COLUMNS:]
-    if tail.numel():
-        total = total + (tail.to(torch.int64) * _weights(tail.numel(), 1, flat.device)).sum()
-    return total + n
-
-
-def _weights(n: int, which: int, device) -> torch.Tensor:
-    return (torch.arange(1, n + 1, dtype=torch.int64, device=device) * _MIX[which]) | 1
-
-
-def state_digest(model, optimizer) -> str:
-    """The exact digest of the state after an optimizer step (parameters, buffers, optimizer state), for the
-    per-step fingerprints: the recording and every replay compute it at the same point. Under FSDP2 it covers every
-    process's shards (:func:`hf_unlearn.trace.sharding.all_shards`: every process must call it)."""
-    from .sharding import all_shards
-
-    return exact_digest(all_shards(tensor_checksums(state_tensors(model, optimizer)), model))
-
-
-def exact_digest(sums: dict) -> str:
-    return hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:16]
 
 
 class Snapshot(NamedTuple):
@@ -463,9 +370,7 @@ def step_fingerprint(controls: dict, state: str, plan_lrs: list[float]) -> dict:
     rates when they are not the plan's), and the exact digest of the state right after it (:func:`state_digest`)."""
     fp = {"c": controls_digest(controls), "s": state}
     if "whole" in controls:
-        from .digests import state_digest_of
-
-        fp["w"] = state_digest_of(controls["whole"])  # the whole program as the step ran (hf_unlearn.trace.digests)
+        fp["w"] = digests.state_digest_of(controls["whole"])  # the whole program as the step ran (hf_unlearn.trace.digests)
     lrs = [g.get("lr") for g in controls["groups"]]
     if lrs != plan_lrs:
         fp["lr"] = lrs
@@ -530,8 +435,6 @@ def program_refusal(run, start_step: int) -> str | None:
     late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
     if not late:
         return None
-    from .proof import unproven_steps
-
     if not unproven_steps(run.header, start_step, run.total_steps):
         return None  # the proof shows the engine reproduces the run with the change, at every step the replay runs
     return (f"the run changed outside its record {describe_program_change(late[0])}"
@@ -599,10 +502,8 @@ class ProgramGuard:
         """``whole=False``: the whole-program state is carried over from the reference (read once per step)."""
         now = snapshot(self.model, self.optimizer, grads=grads, exact=exact)
         if self.context is not None:
-            from .digests import program_state
-
             if whole or self.ref is None or "whole" not in self.ref.controls:
-                now.controls["whole"] = program_state(self.model, self.optimizer, **self.context())
+                now.controls["whole"] = digests.program_state(self.model, self.optimizer, **self.context())
             else:
                 now.controls["whole"] = self.ref.controls["whole"]
         return now
@@ -650,12 +551,8 @@ class ProgramGuard:
     def after_step(self) -> None:
         now = self._snapshot(exact=True, whole=False)
         if "whole" in now.controls:  # the optimizer's structure after its step (state keys appear at the first)
-            from .digests import Digester, optimizer_structure
-
             now.controls["whole"] = {**now.controls["whole"],
-                                     **optimizer_structure(self.model, self.optimizer, Digester())}
-        from .sharding import all_shards
-
+                                     **digests.optimizer_structure(self.model, self.optimizer, digests.Digester())}
         sums = all_shards(now.exact, self.model)  # FSDP2: with every process's shards (they join in, see sharding)
         grads = getattr(self, "grads", {})  # this process's (under FSDP2: its shards; the others' are not gathered)
         if self.controls is not None:

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from ..utils import atomic_write_text
+from .dtensors import full
+
 HASH_FORMAT = "hf_unlearn.state_hash.v1"
 
 
@@ -21,8 +24,6 @@ def tensor_hash(name: str, tensor: torch.Tensor) -> str:
     """SHA-256 of one named tensor: its name, dtype, shape and raw little-endian bytes. A sharded tensor (FSDP2's
     DTensor) is hashed as its full logical tensor, gathered for this hash only (a collective: every process calls it
     for the same tensors in the same order), so the hash does not depend on the sharding."""
-    from .sharding import full
-
     t = full(tensor.detach()).to("cpu").contiguous()
     h = hashlib.sha256()
     h.update(name.encode("utf-8") + b"\0")
@@ -113,8 +114,6 @@ class StateHashes:
         return {**asdict(self), "root": self.root}
 
     def to_json(self, path) -> None:
-        from ..utils import atomic_write_text
-
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=True))
 
     @classmethod

@@ -27,8 +27,13 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text, private_dir
-from .base_source import base_key, loaded_from
+from .base_source import base_key, file_sha256, loaded_from
+from .checkpoints import full_model_state, load_checkpoint, tied_aliases
+from .dtensors import full, local
+from .fidelity import restore_layout
 from .hashing import root_hash, tensor_hash
+from .run import open_run
+from .stack import pinned_stack
 
 PRIVATE_FILE = Path("private") / "lineage.json"
 RECEIPT = "receipt.json"
@@ -41,9 +46,6 @@ def weights_root(state: dict) -> str:
     tied tensor once under its first name, as a checkpoint's ``hashes.json`` computes ``params_root``: a plain run's
     output root is its final checkpoint's ``params_root``, and a DPO reference's root
     (:func:`hf_unlearn.trace.reference.reference_root`) is comparable with it."""
-    from .checkpoints import tied_aliases
-    from .sharding import full, local
-
     plain = base_weights(state)
     tied = tied_aliases({n: local(t) for n, t in plain.items()})
     # an FSDP2 model's DTensors: each full logical tensor gathered (a collective every process joins) and hashed
@@ -70,11 +72,7 @@ def output_model(run, state: dict | None = None):
     """A run's output as a plain model: its kept checkpoint (or ``state``) loaded into the recorded architecture, a
     PEFT adapter merged into the base with the recorded numeric stack, as ``merge_and_unload`` does in the training
     script."""
-    from .checkpoints import full_model_state, load_checkpoint
-    from .fidelity import restore_layout
     from .replay import model_from_run
-    from .stack import pinned_stack
-
     model = model_from_run(run, weights_follow=True)
     restore_layout(model, run.path, run.header)
     model.load_state_dict(state if state is not None else full_model_state(load_checkpoint(output_checkpoint(run))))
@@ -87,8 +85,6 @@ def output_model(run, state: dict | None = None):
 
 def output_weights(run) -> dict:
     """The base weights a run produced: its kept checkpoint's model (a PEFT adapter merged into its base)."""
-    from .checkpoints import full_model_state, load_checkpoint
-
     if (run.header.get("model") or {}).get("peft"):
         return dict(output_model(run).state_dict())
     return base_weights(full_model_state(load_checkpoint(output_checkpoint(run))))
@@ -101,8 +97,6 @@ def live_output_root(model, header: dict) -> str:
     if not (header.get("model") or {}).get("peft"):
         return weights_root(model.state_dict())
     import copy
-
-    from .stack import pinned_stack
 
     with pinned_stack(header):
         return weights_root(copy.deepcopy(model).merge_and_unload().state_dict())
@@ -146,8 +140,6 @@ def start_root_from(parent_run, cast: str | None = None) -> str:
 # ---- finding a parent -------------------------------------------------------------------------------------------
 def open_quietly(path):
     import warnings
-
-    from .run import open_run
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -204,8 +196,6 @@ def candidate_folders(model) -> list[Path]:
 
 
 def _external(model) -> dict:
-    from .base_source import file_sha256
-
     src = loaded_from(model)
     if src is None:
         return {"source": "memory"}  # built from a config: no file holds it

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..utils import atomic_write_bytes, atomic_write_text
 from .tags import tag
 
 PACKED_IDS = "packed_ids"  # store column: the raw id of each fragment's document (None once deleted)
@@ -128,8 +129,6 @@ def document_map(store, key: bytes, id_column: str) -> list:
 
 def write_map(run: Path, entries: list) -> dict:
     """Write ``packing.json`` into ``run``; returns the header's ``dataset.packing`` fields for it."""
-    from ..utils import atomic_write_bytes
-
     body = json.dumps(entries, separators=(",", ":")).encode()
     atomic_write_bytes(Path(run) / MAP_FILE, body)
     return {"map": MAP_FILE, "map_sha256": hashlib.sha256(body).hexdigest()}
@@ -211,8 +210,6 @@ def check_redacted_row(row: dict, hit: list[int], frags: list, dummy_token_id: i
 
 
 def save_store_info(store: Path, dummy_token_id: int) -> None:
-    from ..utils import atomic_write_text
-
     atomic_write_text(Path(store) / STORE_INFO, json.dumps({"dummy_token_id": dummy_token_id}))
 
 

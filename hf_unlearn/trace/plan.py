@@ -32,59 +32,17 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..utils import atomic_write_bytes
+from .compact_format import read_compact
+from .records import COMPACT_FILE, LEGACY_PLAN_FILE, PLAN_FILE, PlanEntry  # noqa: F401 - they lived here
+from .tags import controls_chain_start, segment_mac
+from .wal import read_manifest, read_wal
 
-PLAN_FILE = "plan.bin"
-LEGACY_PLAN_FILE = "plan.jsonl"  # runs recorded before keyed controls
-COMPACT_FILE = "provenance.bin"  # a compacted sealed run: plan, WAL and manifest in one file (trace.compact)
 MAGIC = b"HFUPLAN1"
-
-
-@dataclass
-class PlanEntry:
-    mb: int
-    step: int
-    j: int
-    end: bool
-    seed: int
-    lr: float
-    norm: float | None
-    norm_dtype: str | None
-    accum: int
-    slots: list[str | None]
-    lens: list[int]
-    epoch: int = 0
-    group_lrs: list[float] | None = None
-    ranks: list[int] | None = None
-    batch: list[str] | None = None
-    extra: dict = field(default_factory=dict)
-
-    def to_line(self, sort_keys: bool = False) -> str:
-        d = {f: getattr(self, f) for f in _FIELDS}  # not asdict: its deep copy dominated writing a plan
-        for optional in ("group_lrs", "ranks", "batch"):
-            if not d[optional]:
-                d.pop(optional)
-        if not d["extra"]:
-            d.pop("extra")
-        return json.dumps(d, separators=(",", ":"), sort_keys=sort_keys) + "\n"
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PlanEntry:
-        return cls(**d)
-
-    def rank_slots(self, rank: int, world: int) -> tuple[int, int]:
-        """``(start, stop)`` of the slots process ``rank`` ran (all of them in a single-process run)."""
-        counts = self.ranks or [len(self.slots)]
-        if len(counts) != world:
-            raise UnlearnError(f"plan entry {self.mb} was run by {len(counts)} process(es), not {world}")
-        start = sum(counts[:rank])
-        return start, start + counts[rank]
-
-
-_FIELDS = tuple(f.name for f in fields(PlanEntry))
 
 
 def read_plan(path: str | Path) -> list[PlanEntry]:
@@ -92,12 +50,8 @@ def read_plan(path: str | Path) -> list[PlanEntry]:
     ``plan.jsonl`` file. Unchecked: :func:`hf_unlearn.trace.run.check_run` checks it; cut to whole records."""
     path = Path(path)
     if path.is_dir() and plan_file(path).name == COMPACT_FILE:
-        from .compact import read_compact
-
         return read_compact(path / COMPACT_FILE).entries
     if path.is_dir() and (path / PLAN_FILE).exists():
-        from .wal import read_manifest, read_wal
-
         plan, _ = join_plan(read_compact_plan(path / PLAN_FILE).segments, read_wal(path / "wal.bin").records,
                             read_manifest(path / "manifest.bin"))
         return plan
@@ -388,8 +342,6 @@ class CompactPlanWriter:
 
     def __init__(self, path: Path, key: bytes, run_id: str, entries: list[PlanEntry] = ()):
         """Start ``path`` afresh holding ``entries`` (whole segments: what a resumed run keeps), atomically."""
-        from ..utils import atomic_write_bytes
-        from .tags import controls_chain_start
 
         self.key, self.path = key, Path(path)
         self.mac, self._previous = controls_chain_start(key, run_id), None
@@ -398,7 +350,6 @@ class CompactPlanWriter:
         self._f = open(self.path, "ab")
 
     def _frame(self, entries: list[PlanEntry]) -> bytes:
-        from .tags import segment_mac
 
         body = encode_segment(entries, self._previous)
         decoded = decode_segment(body, b"", self._previous)  # the MAC covers the entries as a reader gets them

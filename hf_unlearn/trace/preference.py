@@ -41,6 +41,16 @@ import torch
 
 from ..errors import UnlearnError
 from .dummies import DummyGradientWatch, dummy_positions
+from .reference import (
+    KEY,
+    PRIVATE_SOURCE,
+    REFERENCE_DIR,
+    describe_reference,
+    load_reference_model,
+    reference_fingerprint,
+    save_reference,
+)
+from .stack import pinned_stack, stack_change
 
 # Per-pair losses averaged over the microbatch's pairs: a prompt-only dummy pair contributes a constant (all its
 # log-probabilities are 0, so chosen and rejected scores, their difference and any per-pair length normalisation are
@@ -225,14 +235,10 @@ class PreferenceTraceMixin:
                                "load-balancing loss is computed over every token of the microbatch, a deleted pair's "
                                "dummy included; set router_aux_loss_coef=0")
         if not self._is_replay:
-            from .reference import describe_reference
-
             self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None)
         elif getattr(self, "run", None) is not None:
             self._drop_reference_adapter(self.run.header)
             if getattr(self, "_trace_reference_replaced", False):  # recorded into the replay's output run
-                from .reference import describe_reference
-
                 self._trace_reference = describe_reference(self, given=True)
             else:
                 self._check_reference_computes_as_recorded(self.run.header)
@@ -240,9 +246,6 @@ class PreferenceTraceMixin:
     def _reference_fingerprint(self, header: dict) -> str | None:
         """:func:`~hf_unlearn.trace.reference.reference_fingerprint` of the reference this trainer holds, under the
         run's numeric stack (None: no separate reference model)."""
-        from .reference import reference_fingerprint
-        from .stack import pinned_stack
-
         if self.ref_model is None or self.is_fsdp_enabled or self.is_deepspeed_enabled:
             return None  # sharded: its forward is collective, and the recorder's header is written by one process
         with pinned_stack(header):
@@ -251,8 +254,6 @@ class PreferenceTraceMixin:
     def _check_reference_computes_as_recorded(self, header: dict) -> None:
         """A replay's reference must compute the recorded log-probabilities bit for bit (its weights were checked by
         their root when loaded; this covers config, buffers, attributes and hooks): refused before any compute."""
-        from .reference import KEY
-
         want = (header.get(KEY) or {}).get("forward_sha256")
         got = self._reference_fingerprint(header) if want else None
         if want and got != want:
@@ -399,9 +400,6 @@ class PreferenceTraceMixin:
 
     # ---- the reference model --------------------------------------------------------------------------------
     def _trace_header_dict(self, served, fingerprint, hazards, notes) -> dict:
-        from .reference import save_reference
-        from .stack import pinned_stack
-
         header = super()._trace_header_dict(served, fingerprint, hazards, notes)
         if self._trace_reference["kind"] != "adapter_disabled":
             self._trace_reference["forward_sha256"] = self._reference_fingerprint(header)
@@ -419,8 +417,6 @@ class PreferenceTraceMixin:
     def _check_resumed_reference(self, previous: dict, header: dict) -> None:
         """A resumed recording must train against the reference its earlier steps used (every replay uses one for the
         whole run): its kind and params root, and its probe log-probabilities when the numeric stack is the same."""
-        from .stack import stack_change
-
         before, now = previous.get("reference_model") or {}, self._trace_reference
         fields = ["kind", "params_root"]
         if not stack_change(previous.get("numeric_stack"), header.get("numeric_stack")):
@@ -433,8 +429,6 @@ class PreferenceTraceMixin:
                                "resume with the reference the earlier steps trained against")
 
     def _trace_replay_arguments(self, run, given: dict) -> dict:
-        from .reference import load_reference_model
-
         if "ref_model" in given:  # the caller's reference (a pipeline stage's new parent): see load_reference_model
             self._trace_reference_replaced = True
             return {}
@@ -470,14 +464,10 @@ def replaced_reference(trainer, header: dict, out_dir) -> None:
     import shutil
     from pathlib import Path
 
-    from .reference import KEY, PRIVATE_SOURCE, REFERENCE_DIR, save_reference
-
     out_dir = Path(out_dir)
     shutil.rmtree(out_dir / REFERENCE_DIR, ignore_errors=True)
     out_dir.joinpath(*PRIVATE_SOURCE).unlink(missing_ok=True)
     before = (header.get(KEY) or {}).get("params_root")
-    from .stack import pinned_stack
-
     desc = trainer._trace_reference
     if desc["kind"] != "adapter_disabled":
         desc["forward_sha256"] = trainer._reference_fingerprint(header)

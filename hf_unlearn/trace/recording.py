@@ -44,27 +44,13 @@ from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
 from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
+from .seeds import microbatch_seed, rank_seed  # noqa: F401 - rank_seed lived here
 from .sharding import engine_spec, unsharded_class
 from .stack import numeric_stack
 from .tags import record_digest, recording_key, tag
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
 
 IGNORE_INDEX = -100
-
-
-def _hashed_seed(text: str) -> int:
-    """63 bits of SHA-256(text): a seed that depends on nothing but the text."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def microbatch_seed(base: int, step: int, j: int) -> int:
-    """The seed of microbatch ``j`` of optimizer step ``step`` (63 bits, independent of resumes)."""
-    return _hashed_seed(f"{base}:{step}:{j}")
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed process ``rank`` uses for a microbatch whose recorded seed is ``seed`` (rank 0: the seed itself)."""
-    return seed if rank == 0 else _hashed_seed(f"{seed}:rank{rank}")
 
 
 @contextmanager
@@ -1038,7 +1024,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
                                     **({"why": record["diverged"]["why"]} if not upto else {}),
                                     "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
         elif run[0]:
-            from .fidelity import self_check
+            from .self_check import self_check
 
             with _rng_kept():
                 result = self_check(self.trace_dir, data_collator=None if run[1] else self.data_collator,

@@ -32,6 +32,11 @@ import json
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..utils import atomic_write_text, import_object, private_dir
+from .base_source import base_key, file_sha256, loaded_from
+from .checkpoints import tied_aliases
+from .hashing import state_hashes
+from .run import TraceRun, open_run
 
 REFERENCE_DIR = "reference"  # the reference's weights, when no folder on disk holds them
 PRIVATE_SOURCE = ("private", "reference.json")  # the local folder a referenced reference is loaded from
@@ -41,10 +46,6 @@ KEY = "reference_model"
 def reference_root(model) -> str:
     """The params root of a reference model as a checkpoint's ``hashes.json`` computes it (each tied tensor once), so
     it equals the final ``params_root`` of the recorded run whose output it is; a PEFT model: its base weights."""
-    from .base_source import base_key
-    from .checkpoints import tied_aliases
-    from .hashing import state_hashes
-
     state = model.state_dict()
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         state = {base_key(n): t for n, t in state.items() if "lora_" not in n}
@@ -101,8 +102,6 @@ def describe_reference(trainer, given: bool) -> dict:
         policy = trainer.accelerator.unwrap_model(trainer.model)
         return {"kind": "adapter_disabled", "params_root": reference_root(policy)}
     ref = trainer.accelerator.unwrap_model(ref)
-    from .base_source import loaded_from
-
     source = loaded_from(ref)
     return {"kind": "model" if given else "initial", "params_root": reference_root(ref), "class": type(ref).__name__,
             "module": type(ref).__module__, "dtype": str(next(ref.parameters()).dtype).removeprefix("torch."),
@@ -112,8 +111,6 @@ def describe_reference(trainer, given: bool) -> dict:
 
 
 def _folder_files(folder: Path) -> dict:
-    from .base_source import file_sha256
-
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
     return {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
 
@@ -127,8 +124,6 @@ def save_reference(desc: dict, run_dir) -> dict:
     run_dir = Path(run_dir)
     folder = desc.get("_folder")
     if folder is not None and _load(Path(folder), record, check=False, forward=True) is not None:
-        from ..utils import atomic_write_text, private_dir
-
         private = private_dir(run_dir) / PRIVATE_SOURCE[-1]
         atomic_write_text(private, json.dumps({"path": str(Path(folder).resolve())}), private=True)
         record["source"] = {"kind": "folder", "revision": desc.get("_revision"), "files": _folder_files(Path(folder))}
@@ -151,8 +146,6 @@ def _from_folder(folder: Path, record: dict):
     """The model in ``folder`` loaded as the recorded reference was (class, dtype, attention), whatever its weights."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from ..utils import import_object
 
     try:
         cls = import_object(f"{record['module']}:{record['class']}")
@@ -181,8 +174,6 @@ def _load(folder: Path, record: dict, check: bool = True, forward: bool = False)
 
 
 def _check_files(folder: Path, files: dict, what: str) -> None:
-    from .base_source import file_sha256
-
     for name, rec in files.items():
         path = folder / name
         if not path.is_file():
@@ -216,8 +207,6 @@ def load_reference_model(run, override=None):
     ``override``: a model (used as given) or a ``save_pretrained`` folder (loaded with the recorded class, dtype and
     attention) that replaces the recorded reference, e.g. a pipeline stage's new parent.
     """
-    from .run import TraceRun, open_run
-
     run = run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)
     record = run.header.get(KEY)
     if override is not None:

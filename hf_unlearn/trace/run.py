@@ -20,7 +20,6 @@ and are reported as having unkeyed controls).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import warnings
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UnlearnError
-from ..utils import atomic_write_text
+from ..utils import atomic_write_bytes
 from .checkpoints import (  # noqa: F401 - re-exported: the checkpoint functions lived here
     capture_state,
     check_checkpoint_state,
@@ -42,6 +41,15 @@ from .checkpoints import (  # noqa: F401 - re-exported: the checkpoint functions
     tied_aliases,
 )
 from .checkpoints import check_checkpoints as checkpoint_report
+from .compact_format import CompactError, CompactRun, forged_blocks, read_compact
+from .files import (  # noqa: F401 - re-exported: they lived here
+    BUFFERS_FILE,
+    check_sidecar,
+    file_sha256,
+    read_header,
+    write_sidecar,
+)
+from .packing import PACKED_IDS
 from .plan import (
     COMPACT_FILE,
     PLAN_FILE,
@@ -53,8 +61,9 @@ from .plan import (
     read_plan_jsonl,
     segments,
 )
-from .tags import ids_digest, record_digest, seal_mac, segment_mac
-from .wal import FLAG_ACCUM_END, FLAG_DUMMY, read_manifest, read_wal
+from .store import load_store, store_sha256
+from .tags import controls_chain_start, ids_digest, record_digest, run_key, seal_mac, segment_mac, tag
+from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalScan, read_manifest, read_wal
 
 FORMAT = "hf_unlearn.trace.v2"
 # Every top-level key a recording or a replay writes into header.json; the Hub's provenance check scans anything
@@ -94,26 +103,6 @@ def controls_seal(key: bytes, last_mac: bytes, header: dict) -> str:
     return seal_mac(key, last_mac, json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_sidecar(path: Path) -> None:
-    atomic_write_text(Path(str(path) + ".sha256"), f"{file_sha256(path)}  {Path(path).name}\n")
-
-
-def check_sidecar(path: Path) -> bool | None:
-    """True/False when a sidecar exists and matches/does not; None when there is none."""
-    side = Path(str(path) + ".sha256")
-    if not side.exists():
-        return None
-    return side.read_text().split()[0] == file_sha256(path)
-
-
 @dataclass
 class Report:
     """What :func:`check_run` found. ``errors`` make a run unusable for replay; ``warnings`` do not."""
@@ -141,8 +130,6 @@ class TraceRun:
 
     @property
     def key(self) -> bytes:
-        from .tags import run_key
-
         return run_key(self.path, self.header)
 
     @property
@@ -164,8 +151,6 @@ class TraceRun:
 
     def batch_groups(self) -> list[tuple[int, int, bytes | None]]:
         """A compacted run's keyed batch MACs: ``(first microbatch, stop, MAC or None)`` (see trace.compact)."""
-        from .compact import read_compact
-
         return read_compact(self.path / COMPACT_FILE).batch_groups if self.compact else []
 
     def checkpoints(self) -> dict[int, Path]:
@@ -178,10 +163,6 @@ class TraceRun:
     def ids_at_steps(self, steps) -> list:
         """Raw ids of the slots of the given optimizer steps (maps tags back through the store and the key; a packed
         run's documents)."""
-        from .packing import PACKED_IDS
-        from .store import load_store
-        from .tags import tag
-
         steps = set(steps)
         store = load_store(self.store_path)
         if PACKED_IDS in store.column_names:  # a packed run: the documents of the packed rows, in order
@@ -211,20 +192,6 @@ class TraceRun:
             raise UnlearnError(f"{self.path} has no final checkpoint (step {self.total_steps}); "
                                "the run did not finish")
         return cps[self.total_steps]
-
-
-def read_header(path: str | Path) -> dict:
-    """A run's ``header.json``; a damaged one is named in one line (never a JSON parser's traceback)."""
-    f = Path(path) / "header.json"
-    try:
-        header = json.loads(f.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UnlearnError(f"{f} is damaged (it does not read as JSON: {e}); the run cannot be used: restore it from "
-                           "a copy") from None
-    if not isinstance(header, dict):
-        raise UnlearnError(f"{f} is damaged (a JSON {type(header).__name__}, not a run's header); the run cannot be "
-                           "used: restore it from a copy")
-    return header
 
 
 def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: bool = True,
@@ -267,9 +234,6 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
         scan = read_wal(path / "wal.bin")
         manifest = read_manifest(path / "manifest.bin") if (path / "manifest.bin").exists() else []
     if compact:
-        from .compact import CompactError, read_compact
-        from .wal import WalScan
-
         if file_sha256(pfile) != (header.get("provenance") or {}).get("sha256"):
             rep.errors.append(f"{COMPACT_FILE} does not match the SHA-256 in header.json's provenance entry: modified "
                               "after the run was compacted")
@@ -382,8 +346,6 @@ def check_run(path: str | Path, key: bytes | None = None, check_checkpoints: boo
     _check_model_files(path, header, rep)
     store = path / "private" / "store"
     if store.exists():
-        from .store import store_sha256
-
         if store_sha256(store) != header["dataset"].get("store_sha256"):
             rep.errors.append("private/store does not match the store fingerprint in header.json")
     else:
@@ -426,8 +388,6 @@ def _check_model_files(path: Path, header: dict, rep: Report) -> None:
         rep.errors.append("model/adapter/adapter_config.json is missing: replays cannot rebuild the PEFT adapter")
     layout = model.get("layout") or {}
     if layout.get("buffers"):
-        from .fidelity import BUFFERS_FILE
-
         f = path / BUFFERS_FILE
         if not f.is_file() or file_sha256(f) != layout.get("buffers_sha256"):  # the words restore_layout uses
             rep.errors.append(f"{BUFFERS_FILE} is missing or does not match the digest in header.json: the model's "
@@ -457,9 +417,6 @@ def _check_controls(pscan, plan: list[PlanEntry], header: dict, key: bytes | Non
     if key is None:
         rep.notes.append("the run's controls are keyed but were not checked: the run key is not available here")
         return "keyed, not checked (no key)"
-    from .compact import CompactRun, forged_blocks
-    from .tags import controls_chain_start
-
     if isinstance(pscan, CompactRun):
         forged, previous = forged_blocks(key, header.get("run_id", ""), pscan), pscan.last_mac
     else:
@@ -498,8 +455,6 @@ def _completed_step(path: Path) -> int | None:
 
 def open_run(path: str | Path, strict: bool = True, check_checkpoints: bool = True) -> TraceRun:
     """Check and load a run; with ``strict`` any integrity error is an :class:`UnlearnError` (replays refuse)."""
-    from .tags import run_key
-
     path = Path(path)
     rep, header, plan = check_run(path, key=run_key(path, required=False), check_checkpoints=check_checkpoints)
     if strict and rep.errors:
@@ -521,8 +476,6 @@ def append_deletion_log(path: str | Path, entry: dict) -> None:
     f = Path(path) / "deletion_log.jsonl"
     old = f.read_bytes() if f.exists() else b""
     line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **entry}, sort_keys=True)
-    from ..utils import atomic_write_bytes
-
     atomic_write_bytes(f, old + line.encode() + b"\n")
     write_sidecar(f)
 

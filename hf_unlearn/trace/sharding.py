@@ -30,6 +30,17 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnlearnError
+from .checkpoints import full_model_state
+from .checksums import ShardPeerDigest  # noqa: F401 - re-exported: it lived here
+from .dtensors import (  # noqa: F401 - re-exported: they lived here
+    all_shards,
+    full,
+    full_optimizer_state,
+    full_tensors,
+    is_sharded,
+    local,
+    model_is_sharded,
+)
 
 ENGINE = "fsdp2"
 SUPPORTED = ("supported: one process, data parallel with `accelerate launch --multi_gpu --num_processes N` (DDP), or "
@@ -43,67 +54,6 @@ REFUSED = {
 # what a replay must share with the recording (a difference is named before any compute)
 COMPARED = ("engine", "world_size", "reshard_after_forward", "mixed_precision", "auto_wrap_policy",
             "transformer_cls_names_to_wrap", "min_num_params", "cpu_offload", "activation_checkpointing")
-
-
-def is_sharded(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local(t):
-    """This process's shard of ``t`` (``t`` itself when it is not a DTensor)."""
-    return t.to_local() if is_sharded(t) else t
-
-
-def full(t):
-    """The full logical tensor of ``t`` (gathered from every process: a collective, every process must call it)."""
-    return t.full_tensor() if is_sharded(t) else t
-
-
-def full_tensors(tensors: dict) -> dict:
-    """``tensors`` with every DTensor replaced by its full logical tensor, in the dict's order (a collective)."""
-    return {k: full(v) for k, v in tensors.items()}
-
-
-def full_optimizer_state(osd: dict) -> dict:
-    """An optimizer ``state_dict()`` with every DTensor state replaced by its full tensor (a collective: every
-    process holds the same parameter indices and keys, so they gather in the same order); unchanged when nothing in
-    it is sharded."""
-    if not any(is_sharded(v) for st in osd["state"].values() for v in st.values()):
-        return osd
-    return {**osd, "state": {i: {k: full(v) for k, v in st.items()} for i, st in osd["state"].items()}}
-
-
-def model_is_sharded(model) -> bool:
-    return any(is_sharded(p) for p in model.parameters())
-
-
-def all_shards(sums: dict, model) -> dict:
-    """Per-tensor checksums of this process's shards -> ``name -> [checksum of rank 0, rank 1, ...]`` (an
-    all-gather: every process calls it at the same point); unchanged for a model that is not sharded."""
-    if not model_is_sharded(model):
-        return sums
-    import torch.distributed as dist
-
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sums)
-    return {name: [g[name] for g in gathered] for name in sums}
-
-
-class ShardPeerDigest:
-    """On a process other than the main one of a sharded recording: joins the main process's per-step digest
-    (:func:`all_shards`) after every optimizer step (the main process's guard gathers the checksums then)."""
-
-    def __init__(self, model, optimizer):
-        from .guards import state_tensors, tensor_checksums
-
-        inner = getattr(optimizer, "optimizer", optimizer)
-        self._hook = inner.register_step_post_hook(
-            lambda *a: all_shards(tensor_checksums(state_tensors(model, optimizer)), model))
-
-    def close(self) -> None:
-        self._hook.remove()
 
 
 def unsharded_class(cls: type) -> type:
@@ -248,7 +198,6 @@ def load_optimizer_state(optimizer, osd: dict) -> None:
 def save_consolidated(run, state: dict, out) -> None:
     """Save a replay's final state (full tensors, as every checkpoint holds them) as one ``save_pretrained`` folder:
     the run's model rebuilt in this process, the state loaded strictly, saved (safetensors) for publishing."""
-    from .checkpoints import full_model_state
     from .replay import model_from_run
 
     model = model_from_run(run, weights_follow=True)

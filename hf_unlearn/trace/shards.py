@@ -38,7 +38,10 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
-from .sharding import is_sharded, local
+from .checkpoint_files import CHECKPOINT_FORMAT, _flatten_optimizer, _save_safetensors, checkpoint_dir, tied_aliases
+from .dtensors import is_sharded, local
+from .files import file_sha256, write_sidecar
+from .hashing import checkpoint_hashes, optimizer_param_names, tensor_hash
 
 PLACEMENT = "Shard(0)"
 KINDS = ("model", "optimizer")
@@ -75,10 +78,6 @@ def save(run: Path | None, step: int, model, optimizer) -> tuple[Path | None, di
     ``step`` (nothing written when ``run`` is None), then the main process writes ``checkpoint.json``, ``hashes.json``
     and its sidecar. Returns (the folder on the main process else None, the checkpoint's hashes on every process)."""
     import torch.distributed as dist
-
-    from .checkpoints import CHECKPOINT_FORMAT, _flatten_optimizer, _save_safetensors, checkpoint_dir, tied_aliases
-    from .hashing import checkpoint_hashes, optimizer_param_names
-    from .run import file_sha256, write_sidecar
 
     rank, world = dist.get_rank(), dist.get_world_size()
     sd = model.state_dict()
@@ -126,7 +125,6 @@ def is_complete(d: Path, meta: dict) -> bool:
 
 def _check_files(path: Path, names) -> None:
     """Refuse the checkpoint unless each of ``names`` has the SHA-256 its ``hashes.json`` recorded."""
-    from .run import file_sha256
 
     recorded = json.loads((path / "hashes.json").read_text()).get("files", {})
     for name in names:
@@ -194,8 +192,6 @@ def local_keys(meta: dict) -> list[list]:
 def check(path: Path, state: dict) -> None:
     """The model's per-tensor hashes and the metadata hash of a checkpoint loaded with this process's optimizer
     shards (the shards were checked by their files' SHA-256 as they were read)."""
-    from .hashing import checkpoint_hashes
-
     recorded = json.loads((Path(path) / "hashes.json").read_text())
     actual = checkpoint_hashes({**state, "optimizer": {"state": {}, "param_groups": state["optimizer"]["param_groups"]}})
     bad = sorted(n for n in set(recorded["params"]) | set(actual["params"])
@@ -211,8 +207,6 @@ def verify_files(path: Path, meta: dict, by_idx: dict) -> tuple[list[str], set, 
     """A deep check of a sharded checkpoint's tensors: every file's SHA-256, then each full tensor assembled on its
     own and hashed (memory: the largest tensor). Returns (names that differ from ``hashes.json``, model and optimizer
     names seen)."""
-    from .hashing import tensor_hash
-
     sh = meta["sharding"]
     _check_files(path, ["checkpoint.json", *(f for kind in KINDS for f in sh["files"][kind])])
     recorded = json.loads((path / "hashes.json").read_text())

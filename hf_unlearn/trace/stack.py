@@ -75,8 +75,6 @@ def numeric_stack(device=None) -> dict:
 
 
 def _numeric_environment() -> dict:
-    from .proof import numeric_environment  # named when the deleting environment's probe fails
-
     return numeric_environment()
 
 
@@ -90,8 +88,6 @@ def check_stack(header: dict, device=None) -> None:
     keys = FIXED_ON_CUDA if recorded.get("device_type") == "cuda" else FIXED
     diff = [f"{k} {here.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys if recorded.get(k) != here.get(k)]
     if diff:
-        from .proof import environment_difference
-
         env = environment_difference(recorded.get("environment")) if "environment" in recorded else None
         diff += [f"the numeric environment ({env})"] if env else []
         raise UnlearnError("this replay's numeric stack is not the recorded run's: " + ", ".join(diff) + "; its "
@@ -144,3 +140,23 @@ def stack_statement(header: dict) -> str:
             + (f", oneDNN {recorded['onednn']}" if recorded.get("onednn") else "")
             + (f", MKL {recorded['mkl']}" if recorded.get("mkl") else "")
             + f", deterministic algorithms {'on' if recorded.get('deterministic', {}).get('deterministic_algorithms') else 'off'}")
+# environment variables known to change the bits of a CPU or GPU computation (recorded, and named when a probe
+# fails; the probe is the guarantee, not this list)
+NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "OMP_", "KMP_")
+
+
+def numeric_environment() -> dict:
+    """This process's environment variables that are known to change numbers (:data:`NUMERIC_ENV`)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(NUMERIC_ENV)}
+
+
+
+def environment_difference(recorded: dict | None, here: dict | None = None) -> str | None:
+    """The numeric environment variables that differ from the recording's, in words (None: none, or not recorded)."""
+    if recorded is None:
+        return None
+    here = numeric_environment() if here is None else here
+    diff = [f"{k}={here.get(k)!r} (recorded {recorded.get(k)!r})" for k in sorted(set(recorded) | set(here))
+            if recorded.get(k) != here.get(k)]
+    return ", ".join(diff) or None
+

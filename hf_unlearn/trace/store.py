@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..utils import atomic_write_text, owner_only
+from .packing import PACKED_IDS, document_ids, redact_packed_rows, save_store_info
 from .tags import tag
 
 RECEIPT_NAME = "redaction_receipt.json"
@@ -141,8 +143,6 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UnlearnError(f"{out} exists and is not empty; choose a new folder for the redacted store")
-    from .packing import PACKED_IDS, document_ids
-
     store = load_store(source)
     id_index(store, id_column)
     packed = PACKED_IDS in store.column_names  # rows of several documents (SFTConfig(packing=True))
@@ -160,8 +160,6 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
                            f"{' ...' if len(unknown) > 20 else ''}; check the forget list")
     packing = None
     if packed:
-        from .packing import redact_packed_rows
-
         redacted, replaced, touched, dummy = redact_packed_rows(store, forget, id_column, Path(source))
         drop, deleted_digests = set(), set()
         packing = {"fragments_replaced": replaced, "packed_rows_touched": touched, "dummy_token_id": dummy}
@@ -170,8 +168,6 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
         keep = [n for n in range(len(store)) if n not in drop]
         deleted_digests = {_row_digest(store[n], id_column) for n in sorted(drop)}
         redacted = store.select(keep, keep_in_memory=True).flatten_indices(keep_in_memory=True)
-    from ..utils import atomic_write_text, owner_only
-
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     owner_only(out)  # a token store is private wherever it lives: the raw ids and token ids of every kept row
     try:
@@ -190,8 +186,6 @@ def redact_store(source: str | Path, forget_ids, out: str | Path, key: bytes, id
 
 def _write_and_check(store, redacted, source, out: Path, forget: list, deleted_digests: set, key: bytes,
                      id_column: str, packing: dict | None = None) -> dict:
-    from .packing import document_ids, save_store_info
-
     fingerprint = save_store(redacted, out)
     if packing:
         save_store_info(out, packing["dummy_token_id"])

@@ -16,7 +16,14 @@ import os
 from pathlib import Path
 
 from ..errors import UnlearnError
-from ..keys import load_or_create_key  # noqa: F401  (re-exported: it lived here)
+from ..keys import (
+    find_key,
+    key_fingerprint,
+    load_key,
+    load_or_create_key,  # noqa: F401  (re-exported: it lived here)
+    read_key_file,
+)
+from .files import read_header
 
 TAG_BYTES = 8
 KEY_BYTES = 32
@@ -58,8 +65,6 @@ RUN_KEY = ("private", "hmac.key")  # a run's own key: runs recorded before the o
 def recording_key(run_dir: str | os.PathLike, key: bytes | None = None) -> bytes:
     """The key a recording tags ids with: ``key`` if given (kept as the run's own key), the run's own key when
     resuming a run that has one, else the library's one key (created on first use)."""
-    from ..keys import load_key
-
     own = Path(run_dir).joinpath(*RUN_KEY)
     if key is not None or own.exists():
         return load_or_create_key(own, key)
@@ -74,12 +79,8 @@ def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required:
     otherwise, with ``required=False``, a key that cannot be found gives None (integrity checks then skip the
     keyed digests).
     """
-    from ..keys import find_key, key_fingerprint, read_key_file
-
     run_dir = Path(run_dir)
     if header is None and (run_dir / "header.json").is_file():
-        from .run import read_header
-
         header = read_header(run_dir)
     fingerprint = (header or {}).get("key_fingerprint")
     own = run_dir.joinpath(*RUN_KEY)

@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 from ..errors import UnlearnError
+from ..utils import import_object, load_processing_class  # noqa: F401 - load_processing_class lived here
 
 # Constructor arguments a replay supplies itself or that only shape what the recording already saved: the model
 # (rebuilt from model/, adapter included, so ``peft_config`` is in it), the config, the collator (collator/), the
@@ -36,8 +37,6 @@ DEFAULT_CONFIG = "transformers.training_args:TrainingArguments"
 
 def importable_name(obj) -> str | None:
     """``module:qualname`` of a class a replay can import back as the very same object, else None."""
-    from ..utils import import_object
-
     module, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not module or not qual or "<" in qual or module == "__main__":
         return None
@@ -82,8 +81,6 @@ def trainer_spec(trainer_cls, config, arguments: dict) -> dict:
 
 
 def _import(name: str, what: str):
-    from ..utils import import_object
-
     package = name.split(".")[0]
     try:
         return import_object(name)
@@ -132,11 +129,3 @@ def library_config_fields(header: dict) -> set[str]:
         return set()
 
 
-def load_processing_class(path):
-    """The tokenizer (or processor) a recording saved with :meth:`save_pretrained`."""
-    from transformers import AutoProcessor, AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # noqa: BLE001 - a processor rather than a tokenizer
-        return AutoProcessor.from_pretrained(str(path))

@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 from ..errors import UnlearnError
+from ..utils import atomic_write_text
+from .fidelity import fidelity_statement, refusal
+from .guards import describe_program_change, guard_coverage, program_changes
 from .hashing import StateHashes, optimizer_tensors, tensor_hash
+from .proven import ranges, unproven_statement, unproven_steps
+from .run import check_run, list_checkpoints, load_checkpoint, read_deletion_log
+from .tags import run_key
 
 
 def _named_optimizer(state: dict) -> dict[str, torch.Tensor]:
@@ -72,8 +78,6 @@ def compare_states(a: dict, b: dict) -> dict:
 
 def load_state(path) -> dict:
     """A final state from a run folder (its last checkpoint), a checkpoint folder, or a ``.pt`` file."""
-    from .run import list_checkpoints, load_checkpoint
-
     path = Path(path)
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -90,17 +94,12 @@ def load_state(path) -> dict:
 
 def deleted_tags(run_dir) -> set[str]:
     """Keyed tags of every id a run folder's deletion log says was deleted (all requests)."""
-    from .run import read_deletion_log
-
     return {t for entry in read_deletion_log(run_dir) for t in entry.get("forget_tags", [])}
 
 
 def check_provenance(replay_out, oracle_out) -> dict:
     """Are these a replay and an oracle of the same recorded run, for the same deleted ids? (``problems`` if not;
     ``controls`` says whether each run's controls are keyed and checked, ``notes`` what that does not cover)"""
-    from .run import check_run
-    from .tags import run_key
-
     replay_out, oracle_out = Path(replay_out), Path(oracle_out)
     problems, notes, controls = [], [], {}
     headers = {}
@@ -110,18 +109,12 @@ def check_provenance(replay_out, oracle_out) -> dict:
             continue
         rep, header, plan = check_run(path, key=run_key(path, required=False), check_checkpoints=True)
         problems += [f"{path}: {e}" for e in rep.errors]
-        from .guards import guard_coverage, program_changes
-
         uncovered = guard_coverage(plan, header)
         if uncovered:
             problems.append(f"{path}: {uncovered}")
         start = (header.get("parent") or {}).get("start_step", 0)
         late = [c for c in program_changes(plan, header) if c["step"] >= start or c.get("persistent")]
-        from .proof import unproven_steps
-
         if late and unproven_steps(header, start, header.get("optimizer_steps") or 0):  # proven: the engine does it
-            from .guards import describe_program_change
-
             problems.append(f"{path}: the run changed outside its record {describe_program_change(late[0])}, in the "
                             f"range the {role} replayed (from step {start})")
         notes += [f"{path}: {n}" for n in rep.notes]
@@ -144,16 +137,12 @@ def check_provenance(replay_out, oracle_out) -> dict:
                             f"{len(b - a)} only in the oracle)")
         if replay.get("optimizer_steps") != oracle.get("optimizer_steps"):
             problems.append("the replay and the oracle end at different optimizer steps")
-    from .fidelity import fidelity_statement, refusal
-
     for role, header in headers.items():
         why = refusal(header)
         if why:
             problems.append(f"the {role}'s run: {why}")
     unproven = {}
     if len(headers) == 2:  # VERIFIED needs every step the replay and the oracle ran proven (hf_unlearn.trace.proof)
-        from .proof import unproven_statement, unproven_steps
-
         for role, path in (("replay", replay_out), ("oracle", oracle_out)):
             header = headers[role]
             first, stop = (header.get("parent") or {}).get("start_step", 0), header.get("optimizer_steps") or 0
@@ -204,8 +193,6 @@ def verdict(report: dict) -> str:
         return "NOT identical to the oracle"
     if report["provenance"]["problems"]:
         return "bit-identical to the oracle but NOT VERIFIED (provenance)"
-    from .proof import ranges
-
     return (f"bit-identical to the oracle; steps {ranges(report['unproven_steps'])} of the engine unproven (not "
             "verified: `hf-unlearn trace prove RUN` proves them)")
 
@@ -219,8 +206,6 @@ def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> No
     header = replay_out / "header.json"
     if not header.is_file() or (json.loads(header.read_text()).get("parent") or {}).get("mode") != "replay":
         return
-
-    from ..utils import atomic_write_text
 
     oracle_header = oracle_out / "header.json"
     oracle_id = json.loads(oracle_header.read_text()).get("run_id") if oracle_header.is_file() else None

@@ -16,36 +16,13 @@ decide (an unsealed run is recovered to its last whole record, a sealed one is r
 
 from __future__ import annotations
 
-import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .compact_format import read_compact
+from .records import COMPACT_FILE, FLAG_ACCUM_END, FLAG_DUMMY, RECORD, RECORD_SIZE, WalRecord  # noqa: F401 - they lived here
 from .tags import NULL_TAG, TAG_BYTES
-
-RECORD = struct.Struct("<QQfIHHI")
-RECORD_SIZE = RECORD.size  # 32
-FLAG_ACCUM_END = 1
-FLAG_DUMMY = 2
-assert RECORD_SIZE == 32
-
-
-@dataclass(frozen=True)
-class WalRecord:
-    digest: int
-    seed: int
-    lr: float
-    step: int
-    length: int
-    flags: int
-
-    @property
-    def accumulation_end(self) -> bool:
-        return bool(self.flags & FLAG_ACCUM_END)
-
-    def pack(self) -> bytes:
-        body = RECORD.pack(self.digest, self.seed, self.lr, self.step, self.length, self.flags, 0)[:28]
-        return body + struct.pack("<I", zlib.crc32(body))
 
 
 @dataclass
@@ -59,11 +36,7 @@ class WalScan:
 
 def _compacted(path: Path):
     """The decoded provenance.bin of a compacted run, when ``path`` is its (removed) wal.bin or manifest.bin."""
-    from .plan import COMPACT_FILE
-
     if not path.exists() and (path.parent / COMPACT_FILE).exists():
-        from .compact import read_compact
-
         return read_compact(path.parent / COMPACT_FILE)
     return None
 

@@ -1,7 +1,7 @@
 """The deletion service on the web: an authenticated intake a privacy tool calls, a status per ticket, an operator page.
 
 ``hf-unlearn requests web RUN --token T --operator-token O`` serves one ledger (:class:`DeletionLedger`) over HTTP
-(:class:`hf_unlearn.web.server.WebServer`: Starlette on uvicorn, the server's limits). A request arrives as JSON
+(:class:`hf_unlearn.webserver.WebServer`: Starlette on uvicorn, the server's limits). A request arrives as JSON
 (``ids``, or a data-subject ``subject`` the operator's mapping file turns into ids, a ``ref`` and an
 ``Idempotency-Key``); it is appended to the signed ledger exactly once per key and answered with a ticket whose
 unguessable link (``/t/TICKET``) shows its state over time, what was done and proven, and the receipts and bundles to
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnlearnError
+from ..webserver import BodyError, BodyTooLarge, Limits, WebServer, body_left_unread, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -348,8 +349,6 @@ def build_app(intake: Intake, tokens: dict[str, str], operator_tokens: list[str]
     from starlette.routing import Route
     from starlette.templating import Jinja2Templates
 
-    from .server import BodyError, BodyTooLarge, body_left_unread, read_body
-
     templates = Jinja2Templates(directory=str(TEMPLATES))
     templates.env.autoescape = True
 
@@ -569,13 +568,11 @@ EXPLAIN = {
 
 
 class IntakeServer:
-    """The intake on :class:`~hf_unlearn.web.server.WebServer`, with the callback notifier in a thread."""
+    """The intake on :class:`~hf_unlearn.webserver.WebServer`, with the callback notifier in a thread."""
 
     def __init__(self, intake: Intake, tokens: dict[str, str], operator_tokens: list[str], host="127.0.0.1",
                  port: int = 0, *, limits=None, callback_url: str | None = None, callback_interval: float = 10.0,
                  public_url: str | None = None):
-        from .server import Limits, WebServer
-
         if not tokens:
             raise UnlearnError("the intake needs at least one client token (--token)")
         if not operator_tokens:
