@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import UnlearnError
 from .plan import COMPACT_FILE, PlanEntry
+from .seeds import microbatch_seed
 from .tags import NULL_TAG, TAG_BYTES, _mac, record_digester
 from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord
 
@@ -227,8 +228,6 @@ def encode(entries: list[PlanEntry], key: bytes, run_id: str, seed_base: int | N
     """provenance.bin for a sealed run's plan entries (joined from plan.bin, WAL and manifest). ``batch_macs``:
     ``{(first mb, stop): MAC}`` of groups whose entries carry no digests (a replay's unreplayed prefix keeps its
     compacted parent's MACs: same groups, same key)."""
-    from .recording import microbatch_seed
-
     segs = _segments_of(entries)
     firsts = [entries[a] for a, _ in segs]
     meta: dict = {"format": FORMAT, "microbatches": len(entries), "segments": len(segs), "run_id": run_id}
@@ -366,8 +365,6 @@ def decode(data: bytes, key: bytes | None = None) -> CompactRun:
 
 
 def _decode(meta: dict, cols: dict[str, bytes], key: bytes | None) -> CompactRun:
-    from .recording import microbatch_seed
-
     seg_n = _unints(cols["seg_n"]).tolist()
     n_seg, n_mb = meta["segments"], meta["microbatches"]
     if len(seg_n) != n_seg or sum(seg_n) != n_mb or min(seg_n, default=1) < 1:

@@ -39,6 +39,7 @@ import types
 import torch
 
 from .guards import FRAMEWORK_HOOKS, VOLATILE_CONFIG
+from .trainers import recorded_trainer_class
 
 PLAIN = (bool, int, float, str, type(None))
 MAX_DEPTH = 4
@@ -326,8 +327,6 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         if mod is not None:
             out[f"code module {mod_name}"] = _module_code(mod, d)
     if trainer is not None:
-        from .recording import recorded_trainer_class
-
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
         out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # a method patched on the instance
                    if hasattr(type(trainer), k) and isinstance(v, (types.FunctionType, types.MethodType,

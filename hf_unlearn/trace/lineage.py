@@ -29,6 +29,7 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text, private_dir
 from .base_source import base_key, loaded_from
 from .hashing import root_hash, tensor_hash
+from .model_info import peft_and_base
 
 PRIVATE_FILE = Path("private") / "lineage.json"
 RECEIPT = "receipt.json"
@@ -182,8 +183,6 @@ def resolve_run_folder(path) -> tuple[Path, str] | None:
 def candidate_folders(model) -> list[Path]:
     """Where ``model`` may have come from: the folder it was loaded from and around it (a run's ``trace/`` inside
     the training's output folder, a forget output above ``OUT/model``)."""
-    from .recording import peft_and_base
-
     names = []
     src = loaded_from(model)
     if src and src.get("kind") == "safetensors":

@@ -33,6 +33,7 @@ import time
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .writer import TraceWriter
 
 PROGRESS = "proof_progress.json"
 # environment variables known to change the bits of a CPU or GPU computation (recorded, and named when a probe
@@ -277,7 +278,6 @@ def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None
 def seal_proof(run_path, record: dict) -> None:
     """Write ``record`` into the run's ``header.json`` (``fidelity.proof``) under the run key's seal; the
     progress file is done with."""
-    from .recording import TraceWriter
     from .run import open_run, read_header
 
     run = open_run(run_path, check_checkpoints=False)

@@ -28,67 +28,31 @@ import time
 import uuid
 import warnings
 from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
 from ..data.collators import IdCarryingCollator, _importable_name, collator_spec, rebuild_collator
 from ..errors import UnlearnError
-from ..utils import WeightsFollowUmask, atomic_write_text
-from .checkpoints import INDEX_FORMAT, CheckpointIndex, FrozenTensors
+from ..utils import WeightsFollowUmask
 from .fidelity import device_info, prepare_cuda_determinism
 from .hashing import batch_digest, optimizer_param_names
+from .model_info import dropout_settings, dynamic_rope, first_non_finite, frozen_parameters, peft_and_base
 from .plan import PlanEntry
 from .retention import default_every, is_due
-from .run import FORMAT, PROGRESS_FILE, SEALED_FILES, controls_seal, save_checkpoint, write_sidecar
+from .run import FORMAT
+from .seeds import microbatch_seed, rank_seed, seeded
+from .seeds import rng_kept as _rng_kept
 from .sharding import engine_spec, unsharded_class
 from .stack import numeric_stack
-from .tags import record_digest, recording_key, tag
-from .wal import FLAG_ACCUM_END, FLAG_DUMMY, WalRecord, manifest_bytes
+from .tags import recording_key, tag
+from .trainers import bound_arguments as _bound_arguments
+from .trainers import recorded_trainer_class
+from .writer import TraceWriter
 
 IGNORE_INDEX = -100
 
-
-def _hashed_seed(text: str) -> int:
-    """63 bits of SHA-256(text): a seed that depends on nothing but the text."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def microbatch_seed(base: int, step: int, j: int) -> int:
-    """The seed of microbatch ``j`` of optimizer step ``step`` (63 bits, independent of resumes)."""
-    return _hashed_seed(f"{base}:{step}:{j}")
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed process ``rank`` uses for a microbatch whose recorded seed is ``seed`` (rank 0: the seed itself)."""
-    return seed if rank == 0 else _hashed_seed(f"{seed}:rank{rank}")
-
-
-@contextmanager
-def _rng_kept():
-    """Run a block (a nested Trainer seeds everything) and give the caller its Python, numpy and torch RNGs back."""
-    import random
-
-    py, npy = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(py)
-            np.random.set_state(npy)
-
-
-@contextmanager
-def seeded(seed: int):
-    """Run a block under ``seed`` without disturbing the caller's RNG streams."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 def _jsonable(value):
@@ -185,47 +149,6 @@ def _versions() -> dict:
     return out
 
 
-def dynamic_rope(config) -> str | None:
-    """The rope type of a config whose rotary frequencies follow the sequence length (``dynamic``, ``longrope``),
-    or None. Their ``inv_freq`` buffers change with the longest sequence seen so far: history no checkpoint holds."""
-    found = []
-
-    def walk(value):
-        if isinstance(value, dict):
-            kind = value.get("rope_type", value.get("type"))
-            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
-                found.append(kind)
-            for v in value.values():
-                walk(v)
-
-    for name in ("rope_parameters", "rope_scaling"):
-        walk(getattr(config, name, None))
-    return found[0] if found else None
-
-
-def first_non_finite(model) -> str | None:
-    """The name of the first parameter holding a NaN or an infinity, or None."""
-    from .sharding import local
-
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(local(p)).all()):  # FSDP2: this process's shard
-            return name
-    return None
-
-
-def dropout_settings(model) -> dict:
-    """Every non-zero dropout probability of the model: config fields (``*dropout*``, GPT-2's ``*_pdrop``) and
-    ``nn.Dropout`` modules."""
-    config = getattr(model, "config", None)
-    found = {}
-    for k, v in (config.to_dict() if config is not None else {}).items():
-        if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-            found[k] = v
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
-            found.setdefault("modules", {})[name] = module.p
-    return found
-
 
 # ---- optimizers a replay must rebuild ----------------------------------------------------------------------
 def optimizer_spec(optimizer, model=None) -> dict:
@@ -282,140 +205,6 @@ def build_optimizer(spec: dict, model, param_names: list[str]):
         i += size
     return import_object(spec["class"])(groups, **spec["kwargs"])
 
-
-class TraceWriter:
-    """Appends plan frames, WAL records and manifest slots; saves checkpoints (each bound to the run by the
-    checkpoint index, frozen tensors saved once); seals the run with sidecars and the keyed controls seal."""
-
-    def __init__(self, run_dir: Path, key: bytes):
-        self.run = Path(run_dir)
-        self.key = key
-        self._plan = self._wal = self._manifest = None
-        self.index: CheckpointIndex | None = None
-        self.frozen = FrozenTensors(self.run)
-
-    def open(self, header: dict, resume_step: int | None = None) -> None:
-        """Start the files; on resume keep only entries of steps before ``resume_step`` (a run recorded with a
-        ``plan.jsonl`` continues in ``plan.bin``, its kept entries keyed afresh)."""
-        from .plan import COMPACT_FILE, LEGACY_PLAN_FILE, PLAN_FILE, CompactPlanWriter, has_plan, read_plan
-        from .wal import RECORD_SIZE
-
-        self.run.mkdir(parents=True, exist_ok=True)
-        if (self.run / COMPACT_FILE).exists():
-            if resume_step is not None:
-                raise UnlearnError(f"{self.run} is a compacted sealed run ({COMPACT_FILE}): it cannot be resumed; "
-                                   "record into a new trace_dir")
-            (self.run / COMPACT_FILE).unlink()
-        header.pop("provenance", None)  # append-only files from here on (a replay copies its parent's header)
-        for name in SEALED_FILES + (LEGACY_PLAN_FILE, COMPACT_FILE, "deletion_log.jsonl"):
-            side = self.run / f"{name}.sha256"
-            if side.exists():
-                side.unlink()
-        wal_f, man_f = self.run / "wal.bin", self.run / "manifest.bin"
-        kept = []
-        if resume_step is not None and has_plan(self.run):
-            kept = [e for e in read_plan(self.run) if e.step < resume_step]
-            with open(wal_f, "r+b") as f:
-                f.truncate(len(kept) * RECORD_SIZE)
-            with open(man_f, "r+b") as f:
-                f.truncate(8 * sum(len(e.slots) for e in kept))
-            for d in (self.run / "checkpoints").glob("step-*"):
-                if int(d.name.split("-")[1]) > resume_step:
-                    shutil.rmtree(d)
-        else:
-            for f in (wal_f, man_f):
-                f.write_bytes(b"")
-            (self.run / PROGRESS_FILE).unlink(missing_ok=True)
-        self._open_index(header, resume_step)
-        if resume_step is not None:
-            self._drop_unbound_checkpoints()
-        self.write_header(header)
-        self._plan = CompactPlanWriter(self.run / PLAN_FILE, self.key, header["run_id"], kept)
-        (self.run / LEGACY_PLAN_FILE).unlink(missing_ok=True)
-        self._wal, self._manifest = open(wal_f, "ab"), open(man_f, "ab")
-
-    def _drop_unbound_checkpoints(self) -> None:
-        """On resume: a checkpoint folder the index does not list is a save cut short (a kill while writing it, or
-        before the index took it); remove it so the resumed run writes that checkpoint again."""
-        for d in (self.run / "checkpoints").glob("step-*"):
-            if int(d.name.split("-")[1]) not in self.index.entries:
-                shutil.rmtree(d)
-
-    def mark_completed(self, step: int) -> None:
-        """Note that optimizer step ``step`` ran (``progress.json``), so a crash report names the right step."""
-        atomic_write_text(self.run / PROGRESS_FILE, json.dumps({"completed_step": step}))
-
-    def write_header(self, header: dict) -> None:
-        atomic_write_text(self.run / "header.json", json.dumps(header, indent=1, sort_keys=True))
-
-    def reseal_header(self, header: dict) -> None:
-        """Rewrite a sealed run's header (the self-check's outcome) with its sidecar and its keyed controls seal."""
-        from .plan import COMPACT_FILE, PLAN_FILE, read_compact_plan
-
-        if header.get("provenance"):  # a compacted run: its last block MAC
-            from .compact import read_compact
-
-            last = read_compact(self.run / COMPACT_FILE).last_mac
-        else:
-            segs = read_compact_plan(self.run / PLAN_FILE).segments
-            last = segs[-1].mac if segs else None
-        if last:
-            header["controls_mac"] = controls_seal(self.key, last, header)
-        self.write_header(header)
-        write_sidecar(self.run / "header.json")
-
-    def append(self, entries: list[PlanEntry]) -> None:
-        """Write one segment ahead of running it (its plan frame, then per microbatch manifest slots and WAL record)."""
-        self._plan.append(entries)
-        for e in entries:
-            flags = (FLAG_ACCUM_END if e.end else 0) | (FLAG_DUMMY if None in e.slots else 0)
-            lr32 = float(np.float32(e.lr))
-            rec = WalRecord(record_digest(self.key, e.slots, e.seed, lr32, e.step, len(e.slots), flags), e.seed, lr32,
-                            e.step, len(e.slots), flags)
-            self._manifest.write(manifest_bytes(e.slots))
-            self._wal.write(rec.pack())
-        for f in (self._plan, self._manifest, self._wal):
-            f.flush()
-
-    def _open_index(self, header: dict, resume_step: int | None) -> None:
-        from .checkpoints import INDEX_NAME, _entry, list_checkpoints
-
-        header["checkpoint_index"] = INDEX_FORMAT
-        if resume_step is not None and (self.run / "checkpoints" / INDEX_NAME).exists():
-            self.index = CheckpointIndex.load(self.run, header["run_id"], self.key)
-            self.index.thin([s for s in self.index.entries if s <= resume_step])
-            return
-        self.index = CheckpointIndex(self.run, header["run_id"], self.key, header.get("checkpoint_retention"))
-        if resume_step is not None:  # a run recorded before the index: bind the checkpoints it has
-            for step, d in list_checkpoints(self.run).items():
-                self.index.adopt(step, _entry(d))
-        self.index.save()
-
-    def save_checkpoint(self, step: int, model, optimizer, state: dict | None = None) -> Path:
-        if not self.frozen.exists and (self.frozen.dir / "hashes.json").exists():
-            self.frozen.adopt_matching(model)  # a resumed recording: its frozen tensors were saved before
-        d = save_checkpoint(self.run, step, model, optimizer, frozen=self.frozen, state=state)
-        self.index.add(step)
-        return d
-
-    def close(self) -> None:
-        for f in (self._plan, self._wal, self._manifest):
-            if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
-        self._plan = self._wal = self._manifest = None
-
-    def seal(self, header: dict) -> None:
-        last = self._plan.mac
-        self.close()
-        header["sealed"] = True
-        header["controls_mac"] = controls_seal(self.key, last, header)
-        self.write_header(header)
-        for name in SEALED_FILES:
-            write_sidecar(self.run / name)
-        if (self.run / "deletion_log.jsonl").exists():
-            write_sidecar(self.run / "deletion_log.jsonl")
 
 
 class SameOptimizerSettings:
@@ -1695,28 +1484,6 @@ class _attributes_kept:
             target.update(v) if isinstance(target, (dict, set)) else target.extend(v)
 
 
-def _bound_arguments(init, args: tuple, kwargs: dict) -> dict:
-    """The trainer constructor's arguments by name (its ``**kwargs`` flattened in)."""
-    import inspect
-
-    try:
-        sig = inspect.signature(init)
-        bound = sig.bind_partial(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        return dict(kwargs)
-    out = {}
-    for name, value in bound.items():
-        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            out.update(value)
-        elif sig.parameters[name].kind is not inspect.Parameter.VAR_POSITIONAL:
-            out[name] = value
-    return out
-
-
-def _adds_behaviour(cls) -> bool:
-    """Whether a class defines anything of its own (a method, an attribute), beyond combining its bases."""
-    return any(not (k.startswith("__") and k.endswith("__")) or k == "__init__" for k in vars(cls))
-
 
 GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
                 "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
@@ -1730,15 +1497,6 @@ GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), t
 def _epoch_text(epoch) -> str | None:
     return None if epoch is None else float(epoch).hex()
 
-
-def recorded_trainer_class(cls):
-    """The trainer class a replay rebuilds: ``cls`` without the trace machinery (the mixin, the classes made by
-    :func:`trace_recording`, replays) and without subclasses that only combine their bases."""
-    for c in cls.__mro__:
-        if "_trace_machinery" in vars(c) or not _adds_behaviour(c):
-            continue
-        return c
-    return Trainer
 
 
 @functools.cache
@@ -1760,24 +1518,3 @@ def trace_recording(trainer_cls):
                  "_trace_machinery": True})
 
 
-def frozen_parameters(model) -> list[str]:
-    """Names of the parameters that do not train (``requires_grad=False``): a replay freezes the same ones."""
-    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
-
-
-def peft_and_base(model) -> tuple[dict | None, object]:
-    """(:func:`_peft_info` of ``model``, the model under its adapter, or ``model`` itself without one)."""
-    peft = _peft_info(model)
-    return peft, (peft["base"] if peft else model)
-
-
-def _peft_info(model) -> dict | None:
-    """``{"name", "config", "base"}`` of a PEFT model (``why`` when a replay could not rebuild it), else None."""
-    peft_config = getattr(model, "peft_config", None)
-    if not isinstance(peft_config, dict) or not hasattr(model, "get_base_model"):
-        return None
-    names = list(peft_config)
-    info = {"name": names[0], "config": peft_config[names[0]], "base": model.get_base_model()}
-    if len(names) != 1:
-        info["why"] = f"it has {len(names)} adapters ({names}); record runs with one adapter"
-    return info
