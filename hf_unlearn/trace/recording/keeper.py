@@ -13,7 +13,7 @@ from ..hashing import checkpoint_hashes
 from ..model_info import first_non_finite
 from ..retention import dense_steps, describe, factor_for_budget, final_keep, geometric_keep
 from ..retention import thin as retention_thin
-from ..shards import save
+from ..shards import save as save_shards
 from .header import non_finite_hazard
 
 
@@ -45,16 +45,17 @@ def final_params_root(trainer, step: int) -> str:
 
 
 def checkpoint(trainer, step: int, final: bool = False) -> None:
+    """Save the checkpoint after ``step`` optimizer steps (bound to the run by its index), then thin the kept set."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if trainer._trace_writer is None:  # a shard peer: writes its shards (hf_unlearn.trace.shards), joins the hashes
-        save(trainer.trace_dir, step, model, trainer.optimizer)
+        save_shards(trainer.trace_dir, step, model, trainer.optimizer)
         trainer._trace_saved.add(step)
         return
     if not trainer._is_replay and trainer._trace_non_finite is None:
         bad = first_non_finite(model)
         if bad:
             non_finite_hazard(trainer, f"parameter {bad} holds a NaN or infinity at the checkpoint after "
-                                          f"{step} optimizer steps")
+                                       f"{step} optimizer steps")
     trainer._trace_writer.save_checkpoint(step, model, trainer.optimizer)
     trainer._trace_saved.add(step)
     if step > 0 and trainer.trace_checkpoint_budget and trainer.trace_checkpoint_retention == "geometric" \

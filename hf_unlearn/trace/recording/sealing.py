@@ -11,7 +11,7 @@ from ..lineage import live_output_root
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck
 from .program import GUARD_CHECKS
-from .segments import _epoch_text
+from .segments import epoch_text
 
 
 def finish(trainer) -> None:
@@ -67,7 +67,7 @@ def finish(trainer) -> None:
                 "checked": True, "reproduced": False, "steps": [0, step], "why": why}}
     if guard is not None and step > 0:
         trainer._trace_header.setdefault("fidelity", {})["guards"] = {
-            "final": {"step": step - 1, **guard.flush(step - 1), "ep": _epoch_text(trainer.state.epoch)},
+            "final": {"step": step - 1, **guard.flush(step - 1), "ep": epoch_text(trainer.state.epoch)},
             "checks": GUARD_CHECKS}
     if guard is not None:
         guard.warn_changes(trainer.trace_dir)

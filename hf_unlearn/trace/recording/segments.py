@@ -4,6 +4,7 @@ rate, the loss normaliser, keyed digests of each collated batch and row, and the
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 import torch
 
@@ -15,17 +16,16 @@ from ..seeds import microbatch_seed
 from ..tags import tag
 from . import program
 from .optimizers import jsonable
-from .slots import _plain_id
+from .slots import plain_id
 
 
 def keyed_batch_digest(key: bytes, digest: str) -> str:
     """What the plan stores for a batch: 16 hex digits of HMAC(key, its SHA-256), so published plans reveal nothing."""
-    import hmac
-
     return hmac.new(key, b"hf_unlearn.batch\0" + digest.encode(), hashlib.sha256).hexdigest()[:16]
 
 
-def _epoch_text(epoch) -> str | None:
+def epoch_text(epoch) -> str | None:
+    """``state.epoch`` as the plan records it: exact (float hex), and not a number an id scan could take for an id."""
     return None if epoch is None else float(epoch).hex()
 
 
@@ -37,7 +37,7 @@ def collect(trainer, batch_samples) -> list:
             raise UnlearnError(f"the batch has no {trainer.id_column!r} entry: TraceRecordingTrainer's dataloader "
                                "carries the ids; do not override get_train_dataloader without IdCarryingCollator")
         raw = batch.pop(trainer.id_column)
-        ids.append([_plain_id(i) for i in (raw.tolist() if torch.is_tensor(raw) else raw)])
+        ids.append([plain_id(i) for i in (raw.tolist() if torch.is_tensor(raw) else raw)])
         digests.append(batch_digest(batch))
         hashes = row_hashes(batch)  # every row as the model sees it (hf_unlearn.trace.rows); none when merged
         rows.append(hashes if hashes is not None and len(hashes) == len(ids[-1]) else None)
@@ -79,7 +79,7 @@ def entries(trainer, step: int, per_rank: list, num_items) -> list[PlanEntry]:
     if all(None not in mb for mb in rows):  # every kept row checked by replays (hf_unlearn.trace.rows)
         extra["rows"] = ["".join(mb) for mb in rows]
     if trainer._trace_guard is not None:  # what callbacks and compute_loss read of state.epoch during this step
-        extra["ep"] = _epoch_text(trainer.state.epoch)  # exact, and not a number an id scan could take for an id
+        extra["ep"] = epoch_text(trainer.state.epoch)  # exact, and not a number an id scan could take for an id
     if torch.is_tensor(num_items):
         norm, norm_dtype = float(num_items.item()), str(num_items.dtype).removeprefix("torch.")
     elif num_items is None:

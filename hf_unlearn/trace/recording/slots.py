@@ -14,7 +14,7 @@ from ..trainers import recorded_trainer_class
 IGNORE_INDEX = -100
 
 
-def _plain_id(value):
+def plain_id(value):
     """A sample id as a plain int or str (tensors and numpy scalars from custom datasets included)."""
     if hasattr(value, "item") and not isinstance(value, str):
         value = value.item()
