@@ -26,7 +26,7 @@ from ..retention import MODES, is_due
 from ..seeds import microbatch_seed, rank_seed, seeded
 from ..trainers import bound_arguments
 from ..writer import TraceWriter
-from . import header, keeper, launch, optimizers, preflight, program, sealing, segments, selfcheck, slots
+from . import header, keeper, launch, optimizers, preflight, probe, program, sealing, segments, selfcheck, slots
 from .header import non_finite_hazard
 from .opening import start
 from .slots import dummy_has_weight, dummy_row
@@ -226,6 +226,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
 
     def _trace_dummy_has_weight(self, collator, row: dict) -> bool:
         return dummy_has_weight(collator, row)
+
+    def _check_dummy_has_no_influence(self, row: dict) -> None:
+        """The dummy-weight probe of a custom ``compute_loss`` (:func:`.probe.check_dummy_has_no_influence`; DPO's
+        pairs have their own)."""
+        probe.check_dummy_has_no_influence(self, row)
 
     def _trace_replay_arguments(self, run, given: dict) -> dict:
         """Constructor arguments a replay of ``run`` adds for the recorded trainer (DPO: its reference model)."""

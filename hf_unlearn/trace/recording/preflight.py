@@ -17,7 +17,6 @@ from ..sharding import unsharded_class
 from ..store import id_index
 from ..trainers import recorded_trainer_class
 from ..trainers import trainer_spec as _trainer_spec
-from . import probe
 from .optimizers import optimizer_spec
 
 
@@ -109,7 +108,7 @@ def preflight(trainer) -> tuple:
             "(-100 on ignored tokens) or pass dummy_token_id= a token the collator masks (its pad token)")
     if not trainer._trace_probed:
         trainer._trace_probed = True  # once, at construction: a forward and backward pass on two rows
-        probe.check_dummy_has_no_influence(trainer, {k: v for k, v in template.items() if k != trainer.id_column})
+        trainer._check_dummy_has_no_influence({k: v for k, v in template.items() if k != trainer.id_column})
     if trainer.neftune_noise_alpha is not None:
         notes.append(f"NEFTune (alpha {trainer.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
                      "microbatch's recorded seed")
