@@ -1,13 +1,12 @@
-"""The seeds of a run's microbatches: each microbatch of each optimizer step runs under its own recorded seed, so
-dropout and NEFTune noise are reproduced microbatch by microbatch without touching the global RNG stream."""
+"""The seed of every microbatch: a function of the run's seed, the optimizer step and the position, nothing else.
+
+The recorder writes these seeds into the WAL, a replay draws the same ones, and a compacted run stores only the rule
+(:mod:`hf_unlearn.trace.compact`): so they sit at the ground of the engine, below all three.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import random
-from contextlib import contextmanager
-
-import numpy as np
 
 
 def _hashed_seed(text: str) -> int:
@@ -23,30 +22,3 @@ def microbatch_seed(base: int, step: int, j: int) -> int:
 def rank_seed(seed: int, rank: int) -> int:
     """The seed process ``rank`` uses for a microbatch whose recorded seed is ``seed`` (rank 0: the seed itself)."""
     return seed if rank == 0 else _hashed_seed(f"{seed}:rank{rank}")
-
-
-@contextmanager
-def rng_kept():
-    """Run a block (a nested Trainer seeds everything) and give the caller its Python, numpy and torch RNGs back."""
-    import torch  # heavy: imported when a block runs, so the plan codecs (compact) stay light
-
-    py, npy = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(py)
-            np.random.set_state(npy)
-
-
-@contextmanager
-def seeded(seed: int):
-    """Run a block under ``seed`` without disturbing the caller's RNG streams."""
-    import torch  # heavy: imported when a microbatch runs, so the plan codecs (compact) stay light
-
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-

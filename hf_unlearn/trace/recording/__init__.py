@@ -23,8 +23,9 @@ wiring), :mod:`.optimizers`, :mod:`.opening` and :mod:`.sealing`; the run's file
 from ...data.collators import collator_spec, rebuild_collator
 from ..hashing import batch_digest
 from ..model_info import dropout_settings, dynamic_rope, first_non_finite, frozen_parameters, peft_and_base
+from ..rng import seeded
 from ..run import save_checkpoint
-from ..seeds import microbatch_seed, rank_seed, seeded
+from ..seeds import microbatch_seed, rank_seed
 from ..trainers import recorded_trainer_class
 from ..writer import TraceWriter
 from .header import HUB_ID_OR_PATH, PATH_ARGS

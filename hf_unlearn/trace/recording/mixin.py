@@ -23,7 +23,8 @@ from ..packing import PACKED_IDS, SUPPORTED, pack_with_documents
 from ..plan import has_plan
 from ..preference import check_trainer_class, preference_mixins
 from ..retention import MODES, is_due
-from ..seeds import microbatch_seed, rank_seed, seeded
+from ..rng import seeded
+from ..seeds import microbatch_seed, rank_seed
 from ..trainers import bound_arguments
 from ..writer import TraceWriter
 from . import header, keeper, launch, optimizers, preflight, probe, program, sealing, segments, selfcheck, slots

@@ -12,7 +12,7 @@ from ...errors import UnlearnError
 from ..hashing import batch_digest
 from ..model_info import dropout_settings, dynamic_rope, peft_and_base
 from ..packing import packing_refusal
-from ..seeds import seeded
+from ..rng import seeded
 from ..sharding import unsharded_class
 from ..store import id_index
 from ..trainers import recorded_trainer_class

@@ -10,7 +10,7 @@ import torch
 from transformers import Trainer
 
 from ...errors import UnlearnError
-from ..seeds import seeded
+from ..rng import seeded
 from ..trainers import recorded_trainer_class
 from .slots import dummy_row
 

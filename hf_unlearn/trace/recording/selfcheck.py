@@ -12,7 +12,7 @@ from ..checkpoints import capture_state, checkpoint_dir
 from ..fidelity import SELF_CHECK_STEPS, in_memory_reference, self_check
 from ..hashing import checkpoint_hashes
 from ..proof import AUTO_PROVE_SECONDS, prove
-from ..seeds import rng_kept as _rng_kept
+from ..rng import rng_kept
 from ..writer import TraceWriter
 
 
@@ -55,7 +55,7 @@ def run(trainer) -> None:
     record = None
     if run[0] and run[2]:  # the whole run proven (hf_unlearn.trace.proof): every step's state reproduced
         try:
-            with _rng_kept():
+            with rng_kept():
                 record = prove(trainer.trace_dir, data_collator=None if run[1] else trainer.data_collator,
                                progress=not trainer.args.disable_tqdm, seal=False)
         except UnlearnError as e:  # a run the engine cannot prove as a whole (a resumed recording without
@@ -76,7 +76,7 @@ def run(trainer) -> None:
                                 **({"why": record["diverged"]["why"]} if not upto else {}),
                                 "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
     elif run[0]:
-        with _rng_kept():
+        with rng_kept():
             result = self_check(trainer.trace_dir, data_collator=None if run[1] else trainer.data_collator,
                                 reference=trainer._trace_check_ref)
         trainer._trace_check_ref = None
