@@ -32,7 +32,7 @@ from .header import HUB_ID_OR_PATH, PATH_ARGS
 from .launch import PROCESS_LOCAL_ARGS
 from .mixin import TraceRecordingMixin, TraceRecordingTrainer, trace_recording
 from .optimizers import SameOptimizerSettings, build_optimizer, optimizer_spec
-from .optimizers import jsonable as _jsonable
+from .optimizers import jsonable as _jsonable  # noqa: F401 - replay.py imports it from here
 from .program import GUARD_CHECKS
 from .segments import keyed_batch_digest
 from .slots import IGNORE_INDEX, dummy_has_weight, dummy_row
@@ -42,5 +42,5 @@ __all__ = [
     "TraceRecordingMixin", "TraceRecordingTrainer", "TraceWriter", "batch_digest", "build_optimizer", "collator_spec",
     "dropout_settings", "dummy_has_weight", "dummy_row", "dynamic_rope", "first_non_finite", "frozen_parameters",
     "keyed_batch_digest", "microbatch_seed", "optimizer_spec", "peft_and_base", "rank_seed", "rebuild_collator",
-    "recorded_trainer_class", "save_checkpoint", "seeded", "trace_recording", "_jsonable",
+    "recorded_trainer_class", "save_checkpoint", "seeded", "trace_recording",
 ]
