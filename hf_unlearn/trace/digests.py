@@ -39,6 +39,7 @@ import types
 import torch
 
 from .checksums import _own_state_tensors, exact_digest, state_tensors, tensor_checksums
+from .trainers import recorded_trainer_class
 
 # config keys that say where a model came from, not what it computes
 VOLATILE_CONFIG = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
@@ -329,8 +330,6 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         if mod is not None:
             out[f"code module {mod_name}"] = _module_code(mod, d)
     if trainer is not None:
-        from .recording import recorded_trainer_class
-
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
         out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # a method patched on the instance
                    if hasattr(type(trainer), k) and isinstance(v, (types.FunctionType, types.MethodType,

@@ -32,6 +32,7 @@ from .checkpoints import full_model_state, load_checkpoint, tied_aliases
 from .dtensors import full, local
 from .fidelity import restore_layout
 from .hashing import root_hash, tensor_hash
+from .model_info import peft_and_base
 from .run import open_run
 from .stack import pinned_stack
 
@@ -174,8 +175,6 @@ def resolve_run_folder(path) -> tuple[Path, str] | None:
 def candidate_folders(model) -> list[Path]:
     """Where ``model`` may have come from: the folder it was loaded from and around it (a run's ``trace/`` inside
     the training's output folder, a forget output above ``OUT/model``)."""
-    from .recording import peft_and_base
-
     names = []
     src = loaded_from(model)
     if src and src.get("kind") == "safetensors":

@@ -51,6 +51,7 @@ from .reference import (
     save_reference,
 )
 from .stack import pinned_stack, stack_change
+from .trainers import bound_arguments
 
 # Per-pair losses averaged over the microbatch's pairs: a prompt-only dummy pair contributes a constant (all its
 # log-probabilities are 0, so chosen and rejected scores, their difference and any per-pair length normalisation are
@@ -76,6 +77,7 @@ REFUSED_OPTIONS = {
 ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "NashMDTrainer", "XPOTrainer",
                    "GKDTrainer", "AsyncGRPOTrainer", "GOLDTrainer", "MiniLLMTrainer")
 DPO_TRAINER = "DPOTrainer"
+RECORDING_MIXIN = "RecordingHooks"  # hf_unlearn.trace.recorder's hooks, whose dataset preparation DPO's skips
 STORE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
@@ -220,11 +222,9 @@ class PreferenceTraceMixin:
     _trace_token_column = "prompt_ids"
 
     def __init__(self, *args, **kwargs):
-        from .recording import _bound_arguments
-
         cls = type(self)
         base = next(c for c in cls.__mro__ if c.__name__ == DPO_TRAINER)
-        bound = _bound_arguments(base.__init__, args, kwargs)
+        bound = bound_arguments(base.__init__, args, kwargs)
         config = bound.get("args")
         why = dpo_refusal(config) if config is not None else None
         if why and not self._is_replay:
@@ -303,11 +303,12 @@ class PreferenceTraceMixin:
 
     # ---- DPOTrainer's dataset preparation -----------------------------------------------------------------
     def _prepare_dataset(self, dataset, *args, **kwargs):
-        from .recording import TraceRecordingMixin
-
         if self._is_replay:  # the store holds DPOTrainer's prepared rows
             return dataset
-        return super(TraceRecordingMixin, self)._prepare_dataset(dataset, *args, **kwargs)
+        # DPOTrainer's own preparation, past TraceRecordingMixin's (SFT packing; found by name: the recording sits
+        # above this module)
+        mixin = next(c for c in type(self).__mro__ if c.__name__ == RECORDING_MIXIN)
+        return super(mixin, self)._prepare_dataset(dataset, *args, **kwargs)
 
     # ---- the dummy pair (hooks of TraceRecordingMixin and the replays) -------------------------------------
     @property

@@ -50,6 +50,7 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
 )
 from .run import TraceRun, open_run, read_header
 from .stack import NUMERIC_ENV, environment_difference, numeric_environment, numeric_stack  # noqa: F401 - they lived here
+from .writer import TraceWriter
 
 PROGRESS = "proof_progress.json"
 # trace_self_check=True (the default) proves the whole run at the end of a recording that trained this long at most
@@ -253,7 +254,6 @@ def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None
 def seal_proof(run_path, record: dict) -> None:
     """Write ``record`` into the run's ``header.json`` (``fidelity.proof``) under the run key's seal; the
     progress file is done with."""
-    from .recording import TraceWriter
     run = open_run(run_path, check_checkpoints=False)
     header = read_header(run.path)
     header.setdefault("fidelity", {})["proof"] = record

@@ -54,8 +54,8 @@ from .packing import (
     with_dummies,
 )
 from .plan import PlanEntry
-from .recording import (
-    TraceRecordingTrainer,
+from .recorder import (
+    RecordingHooksTrainer,
     TraceWriter,
     _jsonable,
     build_optimizer,
@@ -275,7 +275,7 @@ def model_from_run(run: TraceRun, weights_follow: bool = False):
 
 def _check_model(model, header: dict) -> None:
     """A model passed to a replay must be the recorded architecture (class, config, dtype, attention, adapter)."""
-    from .recording import peft_and_base
+    from .recorder import peft_and_base
 
     info = header["model"]
     peft, base = peft_and_base(model)
@@ -294,7 +294,7 @@ def _check_model(model, header: dict) -> None:
     keys = [k for k in sorted(set(given) | set(recorded)) if k not in _VOLATILE_CONFIG and given.get(k) != recorded.get(k)]
     if keys:
         problems.append("config " + ", ".join(f"{k}={given.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys[:4]))
-    from .recording import frozen_parameters
+    from .recorder import frozen_parameters
 
     if info.get("frozen_parameters") is not None and frozen_parameters(model) != info["frozen_parameters"]:
         problems.append("other frozen parameters (requires_grad) than the recorded run's")
@@ -304,7 +304,7 @@ def _check_model(model, header: dict) -> None:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
+class ReplayTrainer(UnlearningHubMixin, RecordingHooksTrainer):
     """Re-execute a recorded plan with some slots deleted (see the module docstring).
 
     Everything is checked at construction, before any compute: the run's integrity, the store's binding to the
@@ -1111,12 +1111,12 @@ def replay_class(cls, header: dict):
     """``cls`` (a replay class) composed with the run's recorded trainer class, so ``compute_loss``,
     ``training_step`` and whatever else the recorded trainer overrides run in the replay; ``cls`` itself for a
     plain ``Trainer`` run."""
-    from .recording import trace_recording
+    from .recorder import with_recording
     from .trainers import is_default, recorded_trainer
 
     if is_default(header):
         return cls
-    return _composed(cls, trace_recording(recorded_trainer(header)[0]))
+    return _composed(cls, with_recording(recorded_trainer(header)[0]))
 
 
 @functools.cache

@@ -129,3 +129,36 @@ def library_config_fields(header: dict) -> set[str]:
         return set()
 
 
+def bound_arguments(init, args: tuple, kwargs: dict) -> dict:
+    """The trainer constructor's arguments by name (its ``**kwargs`` flattened in)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(init)
+        bound = sig.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    out = {}
+    for name, value in bound.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif sig.parameters[name].kind is not inspect.Parameter.VAR_POSITIONAL:
+            out[name] = value
+    return out
+
+
+def adds_behaviour(cls) -> bool:
+    """Whether a class defines anything of its own (a method, an attribute), beyond combining its bases."""
+    return any(not (k.startswith("__") and k.endswith("__")) or k == "__init__" for k in vars(cls))
+
+
+def recorded_trainer_class(cls):
+    """The trainer class a replay rebuilds: ``cls`` without the trace machinery (the mixin, the classes made by
+    :func:`trace_recording`, replays) and without subclasses that only combine their bases."""
+    from transformers import Trainer
+
+    for c in cls.__mro__:
+        if "_trace_machinery" in vars(c) or not adds_behaviour(c):
+            continue
+        return c
+    return Trainer

@@ -1,0 +1,72 @@
+"""What the recording and the replays read off a model: its PEFT adapter and base model, its frozen parameters, its
+dropout, a rotary embedding that follows the sequence length, and a parameter holding a NaN."""
+
+from __future__ import annotations
+
+import torch
+
+from .sharding import local
+
+
+def dynamic_rope(config) -> str | None:
+    """The rope type of a config whose rotary frequencies follow the sequence length (``dynamic``, ``longrope``),
+    or None. Their ``inv_freq`` buffers change with the longest sequence seen so far: history no checkpoint holds."""
+    found = []
+
+    def walk(value):
+        if isinstance(value, dict):
+            kind = value.get("rope_type", value.get("type"))
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                found.append(kind)
+            for v in value.values():
+                walk(v)
+
+    for name in ("rope_parameters", "rope_scaling"):
+        walk(getattr(config, name, None))
+    return found[0] if found else None
+
+
+def first_non_finite(model) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity, or None."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(local(p)).all()):  # FSDP2: this process's shard
+            return name
+    return None
+
+
+def dropout_settings(model) -> dict:
+    """Every non-zero dropout probability of the model: config fields (``*dropout*``, GPT-2's ``*_pdrop``) and
+    ``nn.Dropout`` modules."""
+    config = getattr(model, "config", None)
+    found = {}
+    for k, v in (config.to_dict() if config is not None else {}).items():
+        if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            found[k] = v
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.setdefault("modules", {})[name] = module.p
+    return found
+
+
+
+def frozen_parameters(model) -> list[str]:
+    """Names of the parameters that do not train (``requires_grad=False``): a replay freezes the same ones."""
+    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
+
+
+def peft_and_base(model) -> tuple[dict | None, object]:
+    """(:func:`_peft_info` of ``model``, the model under its adapter, or ``model`` itself without one)."""
+    peft = _peft_info(model)
+    return peft, (peft["base"] if peft else model)
+
+
+def _peft_info(model) -> dict | None:
+    """``{"name", "config", "base"}`` of a PEFT model (``why`` when a replay could not rebuild it), else None."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or not hasattr(model, "get_base_model"):
+        return None
+    names = list(peft_config)
+    info = {"name": names[0], "config": peft_config[names[0]], "base": model.get_base_model()}
+    if len(names) != 1:
+        info["why"] = f"it has {len(names)} adapters ({names}); record runs with one adapter"
+    return info

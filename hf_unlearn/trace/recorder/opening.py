@@ -1,0 +1,111 @@
+"""The start of a recording (the first segment of ``train()``): preflight again, the token store, the header, the
+lineage of the starting weights, the model files, the writer opened (or resumed), the guards started; a process
+other than the main one only takes part in the collectives."""
+
+from __future__ import annotations
+
+import json
+
+from ...errors import UnlearnError
+from ...keys import key_fingerprint
+from ...utils import owner_only, private_dir
+from ..fidelity import save_buffers
+from ..guards import ProgramGuard
+from ..lineage import record_lineage, weights_root
+from ..packing import PACKED_IDS, save_store_info
+from ..plan import read_plan
+from ..retention import default_every
+from ..sharding import ShardPeerDigest
+from ..stack import stack_change
+from ..store import id_index, save_store, store_sha256
+from ..tags import recording_key
+from ..writer import TraceWriter
+from . import keeper, program
+from .header import describe_packing, save_model_files
+from .optimizers import SameOptimizerSettings
+from .program import GUARD_CHECKS
+
+
+def start(trainer) -> None:
+    """Called at the first segment of ``train()``: the main process writes the header and the store."""
+    trainer._trace_started = True
+    trainer._trace_header_seed = trainer.args.seed
+    trainer._trace_groups = None
+    if trainer.accelerator.num_processes > 1 and not trainer._is_replay:
+        trainer._trace_same_settings = SameOptimizerSettings(trainer.optimizer, lambda: trainer.state.global_step)
+    if not trainer.accelerator.is_main_process:
+        if trainer.is_fsdp_enabled:  # a shard peer: it writes its shards of each checkpoint the main one indexes
+            trainer._trace_total = max(trainer.state.max_steps, 1)
+            trainer._trace_every = trainer.trace_checkpoint_steps or default_every(
+                trainer._trace_total, trainer.trace_checkpoint_retention)
+            trainer._trace_saved = set()
+            if trainer.trace_guards:
+                trainer._trace_peer_digest = ShardPeerDigest(trainer.accelerator.unwrap_model(trainer.model),
+                                                             trainer.optimizer)
+            if not trainer._is_replay:  # the main process's lineage gathers each starting tensor: take part
+                weights_root(trainer.accelerator.unwrap_model(trainer.model).state_dict())
+        if trainer.trace_guards:  # the whole program is compared between processes at every step
+            program.sort_callbacks(trainer)
+            program.processes_start(trainer)
+        return
+    served, hazards, notes = trainer.trace_preflight()
+    run = trainer.trace_dir
+    resume_step = trainer.state.global_step if trainer._trace_resume else None
+    trainer._trace_key = recording_key(run, trainer._trace_key_arg)
+    max_steps = max(trainer.state.max_steps, 1)
+    trainer._trace_total = max_steps
+    trainer._trace_every = trainer.trace_checkpoint_steps or default_every(max_steps,
+                                                                           trainer.trace_checkpoint_retention)
+    trainer._trace_factor = 2
+    store = private_dir(run) / "store"  # raw ids and token ids of every row: owner-only whatever the umask
+    fingerprint = store_sha256(store) if store.exists() else save_store(served, store)
+    if PACKED_IDS in served.column_names:
+        save_store_info(store, trainer.dummy_token_id)
+    owner_only(store.parent)
+    index = id_index(served, trainer.id_column)
+    lengths = trainer._trace_row_lengths(served)
+    trainer._trace_lens = {i: lengths[n] for i, n in index.items()}
+    previous = {}
+    if resume_step and (run / "header.json").exists():
+        previous = json.loads((run / "header.json").read_text())
+    header = trainer._trace_header_dict(served, fingerprint, hazards, notes)
+    changed = stack_change(previous.get("numeric_stack"), header["numeric_stack"])
+    if changed:  # the steps before the resume ran on another stack than the one every replay uses
+        header["hazards"].append(f"the run was resumed at step {resume_step} with another numeric stack than its "
+                                 f"earlier steps ({changed}): replays run every step with the resumed one")
+    describe_packing(trainer, served, header)
+    header["run_id"] = previous.get("run_id", header["run_id"])
+    header["origin_run_id"] = header["run_id"]
+    header["key_fingerprint"] = key_fingerprint(trainer._trace_key)
+    header["trainer"].update(program.sort_callbacks(trainer))
+    before = (previous.get("trainer") or {}).get("callbacks")
+    if before is not None and before != header["trainer"]["callbacks"]:  # a replay runs one set over the run
+        names = [[c["class"].rsplit(":", 1)[-1] for c in cbs] for cbs in (before, header["trainer"]["callbacks"])]
+        raise UnlearnError(f"{run} was recorded with the replayed callbacks {names[0] or 'none'} and is resumed "
+                           f"with {names[1] or 'none'}: a replay runs one set of callbacks over the whole run; "
+                           "resume with the same callbacks (same classes, same order)")
+    if not trainer._is_replay:  # the model it starts from: a recorded run's output, or an external base
+        header["lineage"] = previous.get("lineage") or record_lineage(
+            trainer.accelerator.unwrap_model(trainer.model), run, trainer.trace_parent)
+    trainer._trace_header = header
+    if resume_step:
+        keeper.check_resumed_state(trainer, resume_step)
+    save_model_files(trainer, run)
+    header["model"]["layout"] = save_buffers(trainer.accelerator.unwrap_model(trainer.model), run)
+    trainer._trace_writer = TraceWriter(run, trainer._trace_key)
+    trainer._trace_writer.frozen.source = trainer.trace_frozen_source
+    if trainer.trace_guards:  # said from the start, so a run that crashes still says its steps were guarded
+        header.setdefault("fidelity", {})["guards"] = {"checks": GUARD_CHECKS}
+    trainer._trace_writer.open(header, resume_step=resume_step)
+    trainer._trace_saved = set(trainer._trace_writer.index.entries)  # bound to the run; a save cut short is redone
+    trainer._trace_mb = 0
+    if resume_step:
+        trainer._trace_mb = len(read_plan(run))
+    trainer._trace_cb_states = None
+    if trainer.trace_guards:
+        watched = {id(cb): spec for cb, spec in trainer._trace_watched}
+        trainer._trace_guard = ProgramGuard(trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer, watched,
+                                         context=lambda: program.context(trainer))
+        trainer._trace_guard.start()
+    program.processes_start(trainer)
+

@@ -1,0 +1,87 @@
+"""The dummy-weight probe: a trainer with its own ``compute_loss`` must give a deleted slot's dummy row no gradient;
+checked once at construction on a real row, leaving no trace of the call in the trainer's attributes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import torch
+from transformers import Trainer
+
+from ...errors import UnlearnError
+from ..rng import seeded
+from ..trainers import recorded_trainer_class
+from .slots import dummy_row
+
+
+def check_dummy_has_no_influence(trainer, row: dict) -> None:
+    """A trainer with its own ``compute_loss`` must give a deleted slot's dummy row no weight: the loss's gradient
+    with respect to the dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term
+    on every token regardless of the labels would fail). The stock loss is covered by the labels check."""
+    cls = recorded_trainer_class(type(trainer))
+    if cls.compute_loss is Trainer.compute_loss:
+        return
+    dummy = dummy_row(row, len(row["input_ids"]), trainer.dummy_token_id, trainer.id_column)
+    batch = trainer._prepare_inputs(trainer.data_collator([dict(row), dummy]))
+    model = trainer.model
+    seen = {}
+
+    def capture(module, args, output):  # a leaf in place of the embeddings: its gradient is the dummy's weight
+        seen["embeds"] = output.detach().requires_grad_(True)
+        return seen["embeds"]
+
+    handle = model.get_input_embeddings().register_forward_hook(capture)
+    training = model.training
+    saved = copy.deepcopy(getattr(trainer, "_metrics", None))  # SFTTrainer logs metrics in compute_loss: not ours
+    own = _attributes_kept(trainer)  # the user's loss may count its calls: the probe is not one of them
+    try:
+        model.eval()  # no dropout: the probe's answer does not depend on a draw
+        with seeded(0):
+            loss = trainer.compute_loss(model, batch, num_items_in_batch=torch.tensor(1.0, device=trainer.args.device))
+            loss.backward()
+    except Exception as e:  # noqa: BLE001 - the user's loss failed on a real row and a dummy
+        raise UnlearnError(f"{cls.__qualname__}.compute_loss fails on a microbatch of a training row and the dummy "
+                           f"row that replaces a deleted sample: {e}") from None
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+        model.train(training)
+        if saved is not None:
+            trainer._metrics = saved
+        own.restore()
+    grad, n = seen["embeds"].grad, len(row["input_ids"])
+    part = None if grad is None else grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
+    if part is not None and bool((part != 0).any()):
+        raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
+                           "gradient (a term on tokens whose labels are -100?): a deleted slot would not have "
+                           "weight 0, so a replay would not delete it; weight every term by the labels")
+
+
+
+class _attributes_kept:
+    """The trainer's attributes as they are now, to put back after a probe runs the user's ``compute_loss``: every
+    attribute rebound, added or removed comes back, and plain values (numbers, strings, lists and dicts of them) are
+    copied, so an in-place ``self.calls.append(...)`` is undone too. The probe leaves no trace a later step could
+    read (a counter-based edit would otherwise run one step early)."""
+
+    def __init__(self, obj):
+        self.obj, self.before = obj, dict(vars(obj))
+        self.copies = {}
+        for k, v in self.before.items():
+            if isinstance(v, (list, dict, set)):
+                try:
+                    json.dumps(list(v) if isinstance(v, set) else v)
+                except (TypeError, ValueError):
+                    continue
+                self.copies[k] = copy.deepcopy(v)
+
+    def restore(self) -> None:
+        now = vars(self.obj)
+        for k in [k for k in now if k not in self.before]:
+            del now[k]
+        now.update(self.before)
+        for k, v in self.copies.items():
+            target = now[k]
+            target.clear()
+            target.update(v) if isinstance(target, (dict, set)) else target.extend(v)

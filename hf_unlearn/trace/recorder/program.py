@@ -1,0 +1,94 @@
+"""The guards' wiring into a recording (:mod:`hf_unlearn.trace.guards`, :mod:`hf_unlearn.trace.digests`): the
+callbacks sorted into observers, replayed and watched ones; each watched callback's events run inside the guard; what
+the whole-program digests read; every process's program compared with the others'."""
+
+from __future__ import annotations
+
+from ..digests import ProcessComparison
+from ..guards import StateView, callback_attributes, callback_spec, is_observer
+
+GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
+                "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
+                "parameters, buffers and optimizer state (after optimizer.step()) and of the gradients (before it); "
+                "the whole program digested (every TrainingArguments field, the whole config, every module "
+                "attribute, the code modules run, recorded callbacks' code and globals, the optimizer's structure, "
+                "the dataset's format and the collator, torch switches, numeric environment variables: "
+                "hf_unlearn.trace.digests), compared between processes; a keyed digest of every row as collated")
+
+
+def context(trainer) -> dict:
+    """What the whole-program digests read besides the model and the optimizer (hf_unlearn.trace.digests)."""
+    loader = getattr(trainer.callback_handler, "train_dataloader", None)
+    datasets = {"train_dataset": trainer.train_dataset, "the training dataloader's dataset":
+                getattr(loader, "dataset", None)}
+    if datasets["the training dataloader's dataset"] is trainer.train_dataset:
+        datasets.pop("the training dataloader's dataset")
+    return {"args": trainer.args, "trainer": trainer, "callbacks": trainer._trace_program_callbacks,
+            "datasets": {k: v for k, v in datasets.items() if v is not None}, "collator": trainer.data_collator}
+
+
+def processes_start(trainer) -> None:
+    """Every process of a multi-process recording compares its whole program with the others' at every optimizer
+    step (hf_unlearn.trace.digests.ProcessComparison); the main process records a difference as a change."""
+    if not trainer.trace_guards or trainer.accelerator.num_processes < 2:
+        return
+    trainer._trace_processes = ProcessComparison(
+        trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer, lambda: context(trainer),
+        guard=trainer._trace_guard, step=lambda: trainer.state.global_step)
+
+
+def sort_callbacks(trainer) -> dict:
+    """Sort the callbacks (hf_unlearn.trace.guards): observers; the user's program callbacks a replay runs again
+    (``callbacks`` in the header: class and events); those it cannot (``watched_callbacks``, with why)."""
+    trainer._trace_watched, recorded, watched = [], [], []
+    for cb in trainer.callback_handler.callbacks:
+        if is_observer(cb):
+            continue
+        spec = callback_spec(cb)
+        trainer._trace_watched.append((cb, spec))
+        if spec["replayable"]:
+            recorded.append({"class": spec["class"], "events": spec["events"]})
+        else:
+            watched.append({"class": spec["class"], "why": spec["why"]})
+    trainer._trace_program_callbacks = [cb for cb, spec in trainer._trace_watched if spec["replayable"]]
+    return {"callbacks": recorded, "watched_callbacks": watched}
+
+
+def callback_extra(trainer, step: int) -> dict:
+    """The recorded callbacks' attributes when they changed (a suffix replay restores them with the checkpoint)."""
+    if not trainer._trace_program_callbacks:
+        return {}
+    try:
+        states = [callback_attributes(cb) for cb in trainer._trace_program_callbacks]
+    except ValueError as e:
+        if trainer._trace_guard is not None:
+            trainer._trace_guard.pending.append({"step": step, "what": f"a recorded callback's attributes: {e}",
+                                              "by": "a recorded callback"})
+        return {}
+    if states == trainer._trace_cb_states:
+        return {}
+    trainer._trace_cb_states = states
+    return {"callbacks": states}
+
+
+def guarded_call_event(trainer, event, args, state, control, **kwargs):
+    """transformers' CallbackHandler.call_event, with each watched callback's event run inside the guard."""
+    handler, guard = trainer.callback_handler, trainer._trace_guard
+    for cb in handler.callbacks:
+        spec = guard.watched.get(id(cb)) if guard is not None else None
+        # a recorded callback sees the state through a view that notes reads of fields replays do not set
+        view = StateView(state) if spec is not None and spec["replayable"] else None
+
+        def call(cb=cb, control=control, seen=view or state):
+            return getattr(cb, event)(args, seen, control, model=handler.model,
+                                      processing_class=handler.processing_class, optimizer=handler.optimizer,
+                                      lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
+                                      eval_dataloader=handler.eval_dataloader, **kwargs)
+        if spec is not None and event in spec["events"]:
+            result = guard.around(cb, event, call, state_view=view)
+        else:
+            result = call()
+        if result is not None:
+            control = result
+    return control
+

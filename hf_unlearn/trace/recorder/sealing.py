@@ -1,0 +1,89 @@
+"""The end of a recording: the guards closed, the final checkpoint and retention, the final header fields (steps,
+kept model, output root, buffers or settings changed while training, the guards' last fingerprint) and the seal."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..fidelity import changed_buffers
+from ..lineage import live_output_root
+from ..stack import numeric_stack, stack_change
+from . import keeper, selfcheck
+from .program import GUARD_CHECKS
+from .segments import epoch_text
+
+
+def finish(trainer) -> None:
+    same, trainer._trace_same_settings = getattr(trainer, "_trace_same_settings", None), None
+    if same is not None:
+        same.close()
+    processes, trainer._trace_processes = getattr(trainer, "_trace_processes", None), None
+    if processes is not None:
+        processes.close()
+    if trainer._trace_writer is None:
+        if keeper.shard_peer(trainer) and trainer.state.global_step not in trainer._trace_saved:
+            keeper.checkpoint(trainer, trainer.state.global_step, final=True)
+        wanted, step = selfcheck.steps(trainer), trainer.state.global_step
+        if selfcheck.peer(trainer) and wanted and 0 < step <= wanted and trainer._trace_check_ref is None:
+            selfcheck.keep_reference(trainer, step)  # as the main process does below, at the same point
+        if getattr(trainer, "_trace_peer_digest", None) is not None:
+            trainer._trace_peer_digest.close()
+            trainer._trace_peer_digest = None
+        return
+    step = trainer.state.global_step
+    guard, trainer._trace_guard = trainer._trace_guard, None
+    if guard is not None:  # after the last step: its fingerprint, and a change since (in the final checkpoint)
+        guard.between_steps(step, [])
+        guard.close()
+    if step not in trainer._trace_saved:
+        keeper.checkpoint(trainer, step, final=True)
+    else:
+        keeper.thin(trainer, step, final=True)
+    wanted = selfcheck.steps(trainer)
+    if wanted and 0 < step <= wanted and trainer._trace_check_ref is None:
+        selfcheck.keep_reference(trainer, step)  # a run no longer than the self-check: up to its final checkpoint
+    trainer._trace_header.update(optimizer_steps=step, microbatches=trainer._trace_mb, finished=time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if not trainer._is_replay:
+        changed = stack_change(trainer._trace_header.get("numeric_stack"), numeric_stack(trainer.args.device))
+        if changed:
+            trainer._trace_header["hazards"].append(
+                f"the numeric stack changed while training ({changed}): replays run with the one recorded when "
+                "training started (set threads and deterministic settings before train())")
+    kept = kept_model(trainer)
+    if kept:
+        trainer._trace_header["kept_model"] = kept
+    if not trainer._is_replay and trainer._trace_header.get("lineage") and not kept:
+        trainer._trace_header["lineage"]["output_root"] = (
+            keeper.final_params_root(trainer, step) if trainer.is_fsdp_enabled else
+            live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header))
+    if not trainer._is_replay:
+        changed = changed_buffers(trainer.accelerator.unwrap_model(trainer.model), trainer.trace_dir)
+        why = (f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do not carry "
+               "it, so replays cannot follow it)") if changed else trainer._trace_changed_during_training()
+        if why:
+            trainer._trace_header["fidelity"] = {"recording": {
+                "checked": True, "reproduced": False, "steps": [0, step], "why": why}}
+    if guard is not None and step > 0:
+        trainer._trace_header.setdefault("fidelity", {})["guards"] = {
+            "final": {"step": step - 1, **guard.flush(step - 1), "ep": epoch_text(trainer.state.epoch)},
+            "checks": GUARD_CHECKS}
+    if guard is not None:
+        guard.warn_changes(trainer.trace_dir)
+    trainer._trace_writer.seal(trainer._trace_header)
+    trainer._trace_writer = None
+
+
+def kept_model(trainer) -> dict | None:
+    """With ``load_best_model_at_end`` the user keeps the best checkpoint's model, not the last step's: its step."""
+    state = trainer.state
+    if trainer._is_replay or not trainer.args.load_best_model_at_end or not state.best_model_checkpoint:
+        return None
+    best = state.best_global_step
+    if best is None:
+        best = int(Path(state.best_model_checkpoint).name.rsplit("-", 1)[-1])
+    return {"step": int(best), "recorded_steps": state.global_step, "metric": trainer.args.metric_for_best_model,
+            "why": "load_best_model_at_end: the Trainer loaded the best checkpoint, so the kept model is the state "
+                   f"after {best} of {state.global_step} optimizer steps; deletions replay up to it"}
+

@@ -1,0 +1,69 @@
+"""The recording engine's package (issue #45): one job per module, its public names kept at their old path, and
+nothing of the trace engine below it importing it (only the replays, which are recording trainers, sit above it)."""
+
+import ast
+from pathlib import Path
+
+import hf_unlearn.trace as trace
+
+TRACE = Path(trace.__file__).parent
+RECORDING = TRACE / "recording"
+
+# Every public name the single-module hf_unlearn/trace/recording.py offered, and the module that owns it now.
+MOVED = {
+    "TraceRecordingMixin": "recording.mixin", "TraceRecordingTrainer": "recording.mixin",
+    "trace_recording": "recording.mixin", "TraceWriter": "writer", "microbatch_seed": "seeds", "rank_seed": "seeds",
+    "seeded": "rng", "peft_and_base": "model_info", "frozen_parameters": "model_info",
+    "dropout_settings": "model_info", "dynamic_rope": "model_info", "first_non_finite": "model_info",
+    "recorded_trainer_class": "trainers", "optimizer_spec": "recording.optimizers",
+    "build_optimizer": "recording.optimizers", "SameOptimizerSettings": "recording.optimizers",
+    "keyed_batch_digest": "recording.segments", "dummy_row": "recording.slots", "dummy_has_weight": "recording.slots",
+    "IGNORE_INDEX": "recording.slots", "GUARD_CHECKS": "recording.program", "PATH_ARGS": "recording.header",
+    "HUB_ID_OR_PATH": "recording.header", "PROCESS_LOCAL_ARGS": "recording.launch",
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """The hf_unlearn.trace modules ``path`` imports, at the top or inside a function."""
+    package = path.relative_to(TRACE.parent.parent).with_suffix("").parts[:-1]  # a module's or __init__'s folder
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_every_public_name_keeps_its_path_and_is_the_object_its_new_module_owns():
+    import importlib
+
+    import hf_unlearn.trace.recording as recording
+
+    for name, home in MOVED.items():
+        owner = importlib.import_module(f"hf_unlearn.trace.{home}")
+        assert getattr(recording, name) is getattr(owner, name), name
+    assert set(MOVED) <= set(recording.__all__)
+
+
+def test_nothing_of_the_trace_engine_below_the_recording_imports_it():
+    importers = sorted(p.relative_to(TRACE).as_posix() for p in TRACE.rglob("*.py")
+                       if RECORDING not in p.parents and any(m == "hf_unlearn.trace.recording"
+                                                             or m.startswith("hf_unlearn.trace.recording.")
+                                                             for m in _imports(p)))
+    assert importers == ["replay.py"]  # a replay is a recording trainer (it composes trace_recording(cls))
+
+
+def test_the_mixin_is_the_trainer_hooks_and_the_extension_points():
+    from hf_unlearn.trace.recording import TraceRecordingMixin
+
+    methods = {k for k, v in vars(TraceRecordingMixin).items() if callable(v) and not k.startswith("__")}
+    hooks = {"get_train_dataloader", "_prepare_dataset", "_remove_unused_columns", "train", "get_batch_samples",
+             "training_step", "_finalize_training"}
+    extension_points = {"trace_preflight", "_trace_check_parallelism", "_trace_served", "_trace_row_lengths",
+                        "_trace_row_length", "_trace_dummy_row", "_trace_dummy_has_weight", "_trace_replay_arguments",
+                        "_trace_changed_during_training", "_trace_header_dict", "_check_dummy_has_no_influence"}
+    assert methods == hooks | extension_points
