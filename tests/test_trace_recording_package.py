@@ -1,5 +1,5 @@
-"""The recording engine's package (issue #45): one job per module, its public names kept at their old path, and
-nothing of the trace engine below it importing it (only the replays, which are recording trainers, sit above it)."""
+"""The recording engine's rooms: one job per module of the hooks (hf_unlearn.trace.recorder), the public names kept at
+their old path (hf_unlearn.trace.recording), and nothing of the engine below the public recording importing it."""
 
 import ast
 from pathlib import Path
@@ -7,19 +7,19 @@ from pathlib import Path
 import hf_unlearn.trace as trace
 
 TRACE = Path(trace.__file__).parent
-RECORDING = TRACE / "recording"
+RECORDER = TRACE / "recorder"
 
 # Every public name the single-module hf_unlearn/trace/recording.py offered, and the module that owns it now.
 MOVED = {
-    "TraceRecordingMixin": "recording.mixin", "TraceRecordingTrainer": "recording.mixin",
-    "trace_recording": "recording.mixin", "TraceWriter": "writer", "microbatch_seed": "seeds", "rank_seed": "seeds",
+    "TraceRecordingMixin": "recording", "TraceRecordingTrainer": "recording",
+    "trace_recording": "recording", "TraceWriter": "writer", "microbatch_seed": "seeds", "rank_seed": "seeds",
     "seeded": "rng", "peft_and_base": "model_info", "frozen_parameters": "model_info",
     "dropout_settings": "model_info", "dynamic_rope": "model_info", "first_non_finite": "model_info",
-    "recorded_trainer_class": "trainers", "optimizer_spec": "recording.optimizers",
-    "build_optimizer": "recording.optimizers", "SameOptimizerSettings": "recording.optimizers",
-    "keyed_batch_digest": "recording.segments", "dummy_row": "recording.slots", "dummy_has_weight": "recording.slots",
-    "IGNORE_INDEX": "recording.slots", "GUARD_CHECKS": "recording.program", "PATH_ARGS": "recording.header",
-    "HUB_ID_OR_PATH": "recording.header", "PROCESS_LOCAL_ARGS": "recording.launch",
+    "recorded_trainer_class": "trainers", "optimizer_spec": "recorder.optimizers",
+    "build_optimizer": "recorder.optimizers", "SameOptimizerSettings": "recorder.optimizers",
+    "keyed_batch_digest": "recorder.segments", "dummy_row": "recorder.slots", "dummy_has_weight": "recorder.slots",
+    "IGNORE_INDEX": "recorder.slots", "GUARD_CHECKS": "recorder.program", "PATH_ARGS": "recorder.header",
+    "HUB_ID_OR_PATH": "recorder.header", "PROCESS_LOCAL_ARGS": "recorder.launch",
 }
 
 
@@ -50,20 +50,27 @@ def test_every_public_name_keeps_its_path_and_is_the_object_its_new_module_owns(
 
 
 def test_nothing_of_the_trace_engine_below_the_recording_imports_it():
-    importers = sorted(p.relative_to(TRACE).as_posix() for p in TRACE.rglob("*.py")
-                       if RECORDING not in p.parents and any(m == "hf_unlearn.trace.recording"
-                                                             or m.startswith("hf_unlearn.trace.recording.")
-                                                             for m in _imports(p)))
-    assert importers == ["replay.py"]  # a replay is a recording trainer (it composes trace_recording(cls))
+    def importers(name):
+        return sorted(p.relative_to(TRACE).as_posix() for p in TRACE.rglob("*.py")
+                      if RECORDER not in p.parents and any(m == name or m.startswith(name + ".") for m in _imports(p)))
+
+    # the hooks: the replay engine builds on them, the public recording adds the end-of-train proof
+    assert {p.split("/")[0] for p in importers("hf_unlearn.trace.recorder")} <= {"replay", "replay.py", "recording.py"}
+    # the public recording runs the replay engine when train() ends: nothing of the engine imports it
+    assert importers("hf_unlearn.trace.recording") == []
 
 
 def test_the_mixin_is_the_trainer_hooks_and_the_extension_points():
+    from hf_unlearn.trace.recorder import RecordingHooks
     from hf_unlearn.trace.recording import TraceRecordingMixin
 
-    methods = {k for k, v in vars(TraceRecordingMixin).items() if callable(v) and not k.startswith("__")}
+    assert {k for k, v in vars(TraceRecordingMixin).items() if callable(v) and not k.startswith("__")} \
+        == {"_trace_after_train"}  # the end-of-train proof, the one thing the public mixin adds
+    methods = {k for k, v in vars(RecordingHooks).items() if callable(v) and not k.startswith("__")}
     hooks = {"get_train_dataloader", "_prepare_dataset", "_remove_unused_columns", "train", "get_batch_samples",
              "training_step", "_finalize_training"}
     extension_points = {"trace_preflight", "_trace_check_parallelism", "_trace_served", "_trace_row_lengths",
                         "_trace_row_length", "_trace_dummy_row", "_trace_dummy_has_weight", "_trace_replay_arguments",
-                        "_trace_changed_during_training", "_trace_header_dict", "_check_dummy_has_no_influence"}
+                        "_trace_changed_during_training", "_trace_header_dict", "_check_dummy_has_no_influence",
+                        "_trace_after_train"}
     assert methods == hooks | extension_points
