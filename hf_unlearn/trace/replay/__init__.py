@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from ..errors import UnlearnError
-from ..hub.mixin import UnlearningHubMixin
-from .dummies import DummyInfluenceError, dummy_influence_message, dummy_positions, watch_dummy_gradient
-from .fidelity import (
+from ...errors import UnlearnError
+from ...not_ids import own_numbers
+from ..dummies import DummyInfluenceError, dummy_influence_message, dummy_positions, watch_dummy_gradient
+from ..fidelity import (
     check_against_checkpoint,
     check_against_state,
     check_device,
@@ -42,9 +42,9 @@ from .fidelity import (
     refusal,
     restore_layout,
 )
-from .guards import VOLATILE_CONFIG
-from .hashing import batch_digest
-from .packing import (
+from ..guards import VOLATILE_CONFIG
+from ..hashing import batch_digest
+from ..packing import (
     check_redacted_row,
     deleted_spans,
     document_ids,
@@ -53,8 +53,8 @@ from .packing import (
     load_map,
     with_dummies,
 )
-from .plan import PlanEntry
-from .recording import (
+from ..plan import PlanEntry
+from ..recording import (
     TraceRecordingTrainer,
     TraceWriter,
     _jsonable,
@@ -63,8 +63,8 @@ from .recording import (
     rank_seed,
     seeded,
 )
-from .request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
-from .run import (
+from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
+from ..run import (
     TraceRun,
     append_deletion_log,
     capture_state,
@@ -74,10 +74,10 @@ from .run import (
     open_run,
     read_deletion_log,
 )
-from .sharding import check_replay, load_optimizer_state, replay_arguments
-from .stack import check_stack, pinned_stack
-from .store import check_store_binding, id_index, load_store, store_sha256
-from .tags import tag
+from ..sharding import check_replay, load_optimizer_state, replay_arguments
+from ..stack import check_stack, pinned_stack
+from ..store import check_store_binding, id_index, load_store, store_sha256
+from ..tags import tag
 
 IGNORE_INDEX = -100
 
@@ -194,7 +194,7 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
     """Rebuild the run's config (TrainingArguments, or its recorded subclass such as SFTConfig): the optimizer,
     clipping and loss settings the replay must share; fields that only prepare data are set as
     :data:`~hf_unlearn.trace.trainers.CONSTRUCTION_ONLY` says (the store holds the prepared rows)."""
-    from .trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
+    from ..trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
 
     config_cls = recorded_trainer(header)[1]
     names = config_fields(config_cls)
@@ -221,7 +221,7 @@ def without_evaluation(args: TrainingArguments) -> TrainingArguments:
 
 
 def _check_args(args: TrainingArguments, header: dict) -> None:
-    from .trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
+    from ..trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
 
     recorded, given = header["training_args"], args.to_dict()
     # the config subclass's own fields (SFTConfig: loss_type, padding_free, ...) count like REPLAY_ARGS
@@ -245,7 +245,7 @@ def model_from_run(run: TraceRun, weights_follow: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from ..utils import import_object
+    from ...utils import import_object
 
     info = run.header["model"]
     config = AutoConfig.from_pretrained(run.path / "model")
@@ -275,7 +275,7 @@ def model_from_run(run: TraceRun, weights_follow: bool = False):
 
 def _check_model(model, header: dict) -> None:
     """A model passed to a replay must be the recorded architecture (class, config, dtype, attention, adapter)."""
-    from .recording import peft_and_base
+    from ..recording import peft_and_base
 
     info = header["model"]
     peft, base = peft_and_base(model)
@@ -294,7 +294,7 @@ def _check_model(model, header: dict) -> None:
     keys = [k for k in sorted(set(given) | set(recorded)) if k not in _VOLATILE_CONFIG and given.get(k) != recorded.get(k)]
     if keys:
         problems.append("config " + ", ".join(f"{k}={given.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys[:4]))
-    from .recording import frozen_parameters
+    from ..recording import frozen_parameters
 
     if info.get("frozen_parameters") is not None and frozen_parameters(model) != info["frozen_parameters"]:
         problems.append("other frozen parameters (requires_grad) than the recorded run's")
@@ -304,7 +304,7 @@ def _check_model(model, header: dict) -> None:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
+class ReplayTrainer(TraceRecordingTrainer):
     """Re-execute a recorded plan with some slots deleted (see the module docstring).
 
     Everything is checked at construction, before any compute: the run's integrity, the store's binding to the
@@ -389,7 +389,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             _check_args(args, header)
             args = without_evaluation(args)
         if data_collator is None:
-            from ..data.collators import rebuild_collator
+            from ...data.collators import rebuild_collator
 
             data_collator = rebuild_collator(header.get("collator"), self.run.path / "collator", model=model)
         self.store_path = Path(store) if store is not None else self.run.store_path
@@ -453,7 +453,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._setup_program()
         if not self.filter_rows:
             self._check_batches()
-            from .rows import check_rows
+            from ..rows import check_rows
 
             check_rows(self)  # the kept rows of the microbatches a deletion touches (hf_unlearn.trace.rows)
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
@@ -463,8 +463,8 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         """A pipeline stage whose parent changed: its step-0 state with the base weights replaced by the new parent's
         output (``start_weights``, plain names; adapter tensors and the optimizer's step-0 state stay as recorded).
         Every tensor must be there with the recorded shape and dtype."""
-        from .base_source import base_key
-        from .lineage import ADAPTER, weights_root
+        from ..base_source import base_key
+        from ..lineage import ADAPTER, weights_root
 
         if self.start_step != 0:
             raise UnlearnError("a replay from a new parent's weights starts at step 0 (start='full')")
@@ -490,7 +490,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         """The program a replay runs besides the plan (hf_unlearn.trace.guards): refused up front when the run
         changed outside its record at or after the start; the recorded callbacks rebuilt with their attributes at
         the start step; the recording's per-step fingerprints to compare with."""
-        from .guards import ProgramChangedError, program_refusal, rebuild_callback, recorded_fingerprints
+        from ..guards import ProgramChangedError, program_refusal, rebuild_callback, recorded_fingerprints
 
         full = self.run.served_plan or self.run.plan
         if not self._self_check and not self.filter_rows:  # the self-check finds it by its fingerprints instead
@@ -498,7 +498,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if why:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
-        from .proof import neutral_controls
+        from ..proof import neutral_controls
 
         self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
         # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
@@ -527,7 +527,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _event(self, event: str) -> None:
         """Run a recorded callback event as the recording's Trainer did at this point of the step."""
         if self._program_callbacks:
-            from .guards import run_event
+            from ..guards import run_event
 
             run_event(self._program_callbacks, event, self.args, self.state, self.control, model=self.model,
                       processing_class=self.processing_class, optimizer=self.optimizer, lr_scheduler=None,
@@ -536,7 +536,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _recorded_trainer_arguments(self) -> dict:
         """What the run's own trainer class takes beyond model/args/collator: its recorded arguments, the store as
         its (already prepared) train_dataset and the saved tokenizer. Nothing for a plain ``Trainer`` run."""
-        from .trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
+        from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
 
         header = self.run.header
         if is_default(header):
@@ -636,7 +636,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _check_batch_groups(self, world: int, key: bytes) -> None:
         """A compacted run keeps one keyed MAC per group of whole segments (trace.compact): every group the replay
         runs unchanged is rebuilt and checked (groups holding a deleted row cannot be, and are skipped)."""
-        from .compact import batch_mac
+        from ..compact import batch_mac
 
         plan, self._rebuilt_batches = self.run.plan, {}
         for a, b, mac in self.run.batch_groups():
@@ -696,7 +696,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self.accelerator.num_processes > 1:
             flag = self.accelerator.reduce(flag.to(torch.float32), reduction="sum") > 0
         if bool(flag):
-            from .trainers import recorded_trainer
+            from ..trainers import recorded_trainer
 
             owner = f"{recorded_trainer(self.run.header)[0].__qualname__}.compute_loss"
             if self.compute_loss_func is not None:
@@ -804,7 +804,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             return writer.save_checkpoint(step, self.model, self.optimizer) if writer else None
         if writer:
             return writer.save_checkpoint(step, self.model, self.optimizer)
-        from .shards import save
+        from ..shards import save
 
         out = self.out_dir if self.out_dir is not None and not self.filter_rows else None  # as the main one's writer
         self._gathered_hashes[step] = save(out, step, self.model, self.optimizer)[1]
@@ -827,7 +827,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _check_step_fingerprint(self, step: int) -> None:
         """Compare this replay's fingerprint of ``step`` with the recording's: the controls at every step (a deletion
         does not change them), the state before the first affected step."""
-        from .guards import compare_fingerprint
+        from ..guards import compare_fingerprint
 
         recorded, actual = self._recorded_fps.get(step), self._step_fps.get(step)
         if self.filter_rows or recorded is None or actual is None or "c" not in actual or "c" not in recorded:
@@ -851,7 +851,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         elif step in self._gathered_hashes:  # a sharded run's, gathered by _save_state
             actual = self._gathered_hashes.pop(step)
         else:
-            from .hashing import checkpoint_hashes
+            from ..hashing import checkpoint_hashes
 
             actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step))
         if reference is not None:
@@ -874,7 +874,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
         changed = self._hit(e)
         if e.j == 0 and e.extra.get("rows"):  # the rows as this replay trained on them (hf_unlearn.trace.rows)
-            from .rows import output_rows
+            from ..rows import output_rows
 
             e = dataclasses.replace(e, extra={**e.extra, "rows": output_rows(self, e)})
         if e.j == 0 and e.step > self.start_step:  # this replay's own fingerprint of the step before, its callbacks
@@ -884,7 +884,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             if self._step_fps.get(e.step - 1) is not None and e.step - 1 in self._recorded_fps:
                 extra["fp"] = self._step_fps[e.step - 1]
             if self._program_callbacks:
-                from .guards import callback_attributes
+                from ..guards import callback_attributes
 
                 states = [callback_attributes(cb) for cb in self._program_callbacks]
                 if states != self._out_cb_states:
@@ -951,7 +951,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
         self._event("on_pre_optimizer_step")
-        from .guards import plan_lrs, program_controls, state_digest, step_fingerprint
+        from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 
         controls = program_controls(self.model, self.optimizer)
         self.optimizer.step()
@@ -964,10 +964,15 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         self._event("on_step_end")
         return 1
 
+    def push_to_hub(self, *args, **kwargs):
+        """The engine does not publish: ``Trainer.push_to_hub`` would upload the output folder (the run's key, its
+        store). The Hub-enabled classes are :mod:`hf_unlearn.hub.replay`'s (``hf_unlearn.RedactedReplayTrainer``)."""
+        raise UnlearnError(f"{type(self).__name__} of hf_unlearn.trace.replay is the replay engine, which does not "
+                           "publish: use hf_unlearn.RedactedReplayTrainer / OracleReplayTrainer (they push_to_hub), or "
+                           "hf_unlearn.hub.push_unlearned with this trainer's unlearning_card_info()")
+
     def unlearning_card_info(self) -> dict:
         """What a model card needs (the Hub code turns ``forget_ids`` into keyed tags before publishing)."""
-        from ..hub.leaks import own_numbers
-
         stats = getattr(self, "replay_stats", {})
         hyperparameters = {"start": self.start_mode, "start_step": self.start_step,
                            "checkpoint_steps": self.run.header.get("checkpoint_steps"),
@@ -1010,13 +1015,13 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
     def _open_output(self, start: int) -> TraceWriter:
         src, out = self.run.path, self.out_dir
         out.mkdir(parents=True, exist_ok=True)
-        from ..utils import owner_only, private_dir
+        from ...utils import owner_only, private_dir
 
         private_dir(out)  # the key, the local paths and the store, owner-only whatever the umask (owner_only below)
         if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
             shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
-        from .reference import PRIVATE_SOURCE, REFERENCE_DIR
-        from .trainers import PROCESSING_CLASS_DIR
+        from ..reference import PRIVATE_SOURCE, REFERENCE_DIR
+        from ..trainers import PROCESSING_CLASS_DIR
 
         for folder in ("model", "collator", PROCESSING_CLASS_DIR, REFERENCE_DIR):  # a DPO run's reference goes along
             if (src / folder).exists():
@@ -1028,7 +1033,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         if (src / "deletion_log.jsonl").exists():
             shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
         header = json.loads(json.dumps(self.run.header))
-        from .preference import replaced_reference
+        from ..preference import replaced_reference
 
         replaced_reference(self, header, out)  # DPO given ref_model= (a pipeline stage's new parent): recorded as such
         header.update(optimizer_steps=self.run.total_steps, microbatches=len(self.run.plan))
@@ -1047,7 +1052,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
             gone = {row: {k for k in hit} for row, hit in self._spans.items()}
             entries = [[row, [[None if k in gone.get(row, ()) else d, a, n] for k, (d, a, n) in enumerate(frags)]]
                        for row, frags in self._packing_map.items()]
-            from .packing import write_map
+            from ..packing import write_map
 
             header["dataset"]["packing"].update(write_map(out, entries))
         if header.get("lineage"):  # the recording's output root is not this replay's
@@ -1058,7 +1063,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                                  "recorded": self.run.header.get("lineage")}
         writer = TraceWriter(out, self.run.key)
         writer.open(header)
-        from .checkpoints import link_checkpoints
+        from ..checkpoints import link_checkpoints
 
         if self._start_weights is None:  # else the frozen base changed too: saved with the new step-0 checkpoint
             link_checkpoints(src, writer, [s for s in self.run.checkpoints() if s <= start], self.model,
@@ -1095,7 +1100,7 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
         append_deletion_log(self.out_dir, entry)
         writer.seal(header)
         if self.run.compact:  # the output of a compacted run is compacted the same way
-            from .compact import compact_run
+            from ..compact import compact_run
 
             first = next((e.mb for e in self.run.plan if e.step >= self.start_step), len(self.run.plan))
             compact_run(self.out_dir, {(a, b): mac for a, b, mac in self.run.batch_groups()
@@ -1111,8 +1116,8 @@ def replay_class(cls, header: dict):
     """``cls`` (a replay class) composed with the run's recorded trainer class, so ``compute_loss``,
     ``training_step`` and whatever else the recorded trainer overrides run in the replay; ``cls`` itself for a
     plain ``Trainer`` run."""
-    from .recording import trace_recording
-    from .trainers import is_default, recorded_trainer
+    from ..recording import trace_recording
+    from ..trainers import is_default, recorded_trainer
 
     if is_default(header):
         return cls
@@ -1164,7 +1169,7 @@ def filter_counterfactual(run, forget_ids, **kwargs) -> dict:
 def repack_counterfactual(run, forget_ids, output_dir, data_collator=None, callbacks=None) -> dict:
     """The naive ``repack`` baseline: retrain from the step-0 state on the retained rows with fresh batching
     (``callbacks``: the Trainer's, e.g. a progress bar)."""
-    from ..data.collators import rebuild_collator
+    from ...data.collators import rebuild_collator
 
     run = run if isinstance(run, TraceRun) else open_run(run)
     if is_packed(run.header):
@@ -1198,11 +1203,11 @@ def repack_counterfactual(run, forget_ids, output_dir, data_collator=None, callb
 
 
 def save_state(state: dict, path) -> None:
-    from .hashing import checkpoint_hashes
+    from ..hashing import checkpoint_hashes
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, path)
-    from ..utils import atomic_write_text
+    from ...utils import atomic_write_text
 
     atomic_write_text(path.with_suffix(".hashes.json"), json.dumps(checkpoint_hashes(state), indent=1, sort_keys=True))
