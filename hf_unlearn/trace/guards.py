@@ -530,7 +530,7 @@ def program_refusal(run, start_step: int) -> str | None:
     late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
     if not late:
         return None
-    from .proof import unproven_steps
+    from .proven import unproven_steps
 
     if not unproven_steps(run.header, start_step, run.total_steps):
         return None  # the proof shows the engine reproduces the run with the change, at every step the replay runs

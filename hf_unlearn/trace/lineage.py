@@ -72,7 +72,7 @@ def output_model(run, state: dict | None = None):
     script."""
     from .checkpoints import full_model_state, load_checkpoint
     from .fidelity import restore_layout
-    from .replay import model_from_run
+    from .run_model import model_from_run
     from .stack import pinned_stack
 
     model = model_from_run(run, weights_follow=True)

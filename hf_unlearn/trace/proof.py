@@ -28,57 +28,100 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import time
+from pathlib import Path
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .fidelity import FidelityError
+from .guards import compare_fingerprint, program_changes
+from .proven import (  # noqa: F401  (the names users import from here; they live in proven)
+    AUTO_PROVE_SECONDS,
+    PROVE_COMMAND,
+    engine,
+    environment_difference,
+    numeric_environment,
+    proof_statement,
+    ranges,
+    unproven_statement,
+    unproven_steps,
+)
+from .recording import TraceWriter
+from .replay import ReplayTrainer
+from .run import TraceRun, open_run, read_header
+from .stack import numeric_stack
 
 PROGRESS = "proof_progress.json"
-# environment variables known to change the bits of a CPU or GPU computation (recorded, and named when a probe
-# fails; the probe is the guarantee, not this list)
-NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "OMP_", "KMP_")
-PROVE_COMMAND = "hf-unlearn trace prove {run}"
-# trace_self_check=True (the default) proves the whole run at the end of a recording that trained this long at most
-# (the proof costs about as much again); a longer one gets its first step checked and `trace prove` when convenient
-AUTO_PROVE_SECONDS = 120.0
 
 
 class ProofError(UnlearnError):
     """The deleting environment, or the engine, does not reproduce the recorded run."""
 
 
-def numeric_environment() -> dict:
-    """This process's environment variables that are known to change numbers (:data:`NUMERIC_ENV`)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(NUMERIC_ENV)}
+# ---- the recording's self-check -----------------------------------------------------------------------------
+def self_check(run_path: Path, data_collator=None, reference: dict | None = None) -> dict:
+    """Replay the run's first step(s) with the replay engine and compare the state with the recording's.
+
+    ``reference`` (:func:`in_memory_reference`): the recorder's own state after step N, hashed in memory while it
+    trained; the replay runs steps 0..N from the step-0 checkpoint and must reach those hashes (and every recorded
+    checkpoint it passes). Without one (a resumed recording past step N) the first checkpoint interval is replayed
+    and compared with the recorded checkpoint. Returns the ``fidelity`` entry the recorder seals into the header.
+    """
+    started, wall = time.process_time(), time.perf_counter()
+    try:  # each process reads the run and its key itself (before any collective of the replay): all must hold them
+        run = open_run(run_path)
+        _ = run.key
+        _first_refusal(None)
+    except UnlearnError as e:
+        if "another process" not in str(e):
+            _first_refusal(e)
+        return {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
+    cps = sorted(run.checkpoints())
+    later = [c for c in cps if c > 0]
+    if 0 not in cps or not (later or reference):
+        return {"checked": False, "why": "the run has no step-0 checkpoint and a later state to compare with"}
+    until = reference["step"] if reference else later[0]
+    against = {"against": "the recording's state hashed in memory at that step" if reference else
+               "the recorded checkpoint"}
+    if reference:
+        against["roots"] = {k: reference["hashes"].get(k) for k in ("params_root", "optimizer_root")}
+    try:
+        try:
+            trainer = ReplayTrainer(run, start="full", stop_step=until, data_collator=data_collator, _self_check=True)
+        except UnlearnError as e:
+            _first_refusal(e)
+            raise
+        _first_refusal(None)  # every process of a multi-process run replays, or none does
+        if reference:
+            trainer._fidelity_reference = {until: reference["hashes"]}
+        trainer.train()
+        result = {"checked": True, "reproduced": True, "steps": [0, until], **against}
+    except FidelityError as e:
+        result = {"checked": True, "reproduced": False, "steps": [0, until], **against, "why": str(e)}
+    except UnlearnError as e:
+        result = {"checked": False, "why": f"the replay engine could not replay the run: {e}"}
+    result.update(cpu_seconds=round(time.process_time() - started, 3), wall_seconds=round(time.perf_counter() - wall, 3))
+    return result
 
 
-def environment_difference(recorded: dict | None, here: dict | None = None) -> str | None:
-    """The numeric environment variables that differ from the recording's, in words (None: none, or not recorded)."""
-    if recorded is None:
-        return None
-    here = numeric_environment() if here is None else here
-    diff = [f"{k}={here.get(k)!r} (recorded {recorded.get(k)!r})" for k in sorted(set(recorded) | set(here))
-            if recorded.get(k) != here.get(k)]
-    return ", ".join(diff) or None
+def _first_refusal(error: Exception | None) -> None:
+    """With more than one process: raise on every process the first process's refusal to build the self-check's
+    replay (else one process would skip the replay while the others wait in its collectives)."""
+    import torch.distributed as dist
 
-
-def engine() -> dict:
-    """Which engine a proof ran: the library and the versions that compute the replay."""
-    import torch
-    import transformers
-
-    from ..version import __version__
-
-    return {"hf_unlearn": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if error is None else str(error))
+    why = next((w for w in everyone if w), None)
+    if why is not None and error is None:
+        raise UnlearnError(f"another process could not replay the run: {why}")
 
 
 # ---- the interval replay -------------------------------------------------------------------------------------
 def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, on_checkpoint=None):
     """A replay with no deletion from the kept checkpoint at ``start`` up to ``stop`` (exclusive), comparing the
     state with the recording's fingerprint after every step and with the recorded checkpoint at ``stop``."""
-    from .replay import ReplayTrainer
-
     class ProofReplayTrainer(ReplayTrainer):
         mode = "proof"
         store_policy = "original"
@@ -105,8 +148,6 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
         def _check_step_fingerprint(self, step: int) -> None:
             """The state after the step is the evidence; program controls that differ while the state is the
             recording's (gradient checkpointing switched on mid-run) are numerically neutral: noted, not refused."""
-            from .guards import compare_fingerprint
-
             recorded, actual = self._recorded_fps.get(step), self._step_fps.get(step)
             if recorded is None or actual is None or "c" not in actual or "c" not in recorded:
                 return
@@ -128,8 +169,6 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
     """Prove steps ``start..stop - 1`` in one replay from the kept checkpoint at ``start``: None when every step's
     state matched, else ``{"step", "why"}``. The steps whose controls differed with the state matched are appended to
     ``neutral``; ``on_checkpoint(step, neutral)`` is called at each kept checkpoint the replay matched on its way."""
-    from .fidelity import FidelityError
-
     trainer = _interval_replay(run, start, stop, data_collator, bar, on_checkpoint)
     try:
         trainer.train()
@@ -209,8 +248,6 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     """
     from tqdm.auto import tqdm
 
-    from .run import open_run
-
     log = log or (lambda msg: None)
     started, wall = time.process_time(), time.perf_counter()
     run = open_run(run_path).kept()
@@ -261,8 +298,6 @@ def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None
     the kept checkpoints a fresh replay start was proven from."""
     import torch.distributed as dist
 
-    from .stack import numeric_stack
-
     total = run.total_steps
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     record = {"proven": diverged is None and upto == total, "steps": [0, upto - 1] if upto else None,
@@ -277,9 +312,6 @@ def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None
 def seal_proof(run_path, record: dict) -> None:
     """Write ``record`` into the run's ``header.json`` (``fidelity.proof``) under the run key's seal; the
     progress file is done with."""
-    from .recording import TraceWriter
-    from .run import open_run, read_header
-
     run = open_run(run_path, check_checkpoints=False)
     header = read_header(run.path)
     header.setdefault("fidelity", {})["proof"] = record
@@ -292,117 +324,11 @@ def _is_main() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-# ---- what is proven -------------------------------------------------------------------------------------------
-def proven_steps(header: dict) -> tuple[set[int], list[str]]:
-    """The optimizer steps the engine was shown to reproduce (the sealed proof and the recording's self-check), and
-    why a proof present does not count (another run's, another engine's)."""
-    fid = header.get("fidelity") or {}
-    steps, why = set(), []
-    rec = fid.get("recording") or {}
-    if rec.get("checked") and rec.get("reproduced") and rec.get("steps"):
-        steps |= set(range(rec["steps"][0], rec["steps"][1]))  # the self-check replays steps 0..N - 1
-    proof = fid.get("proof")
-    if proof:
-        ids = {header.get("run_id"), header.get("origin_run_id")}
-        if proof.get("run_id") not in ids:
-            why.append(f"the proof in header.json is another run's (run id {proof.get('run_id')})")
-        elif (proof.get("engine") or {}).get("hf_unlearn") != engine()["hf_unlearn"]:
-            why.append(f"the proof ran engine hf_unlearn {(proof.get('engine') or {}).get('hf_unlearn')}, this is "
-                       f"{engine()['hf_unlearn']}: prove the run again with this engine")
-        elif proof.get("steps"):
-            steps |= set(range(proof["steps"][0], proof["steps"][1] + 1))
-    return steps, why
-
-
-def proven_starts(header: dict) -> set[int]:
-    """The kept checkpoints a replay started afresh was shown to reproduce from (step 0: the proof's or the
-    self-check's replay from step 0)."""
-    steps, why = proven_steps(header)
-    proof = (header.get("fidelity") or {}).get("proof") or {}
-    return ({0} if 0 in steps else set()) | (set() if why else set(proof.get("starts") or []))
-
-
-def unproven_steps(header: dict, first: int, stop: int) -> list[int]:
-    """The steps of ``first..stop - 1`` (a replay from the kept checkpoint at ``first``) that neither the proof nor
-    the self-check covers; all of them when a replay started afresh at ``first`` is not proven (a checkpoint does
-    not hold everything the recording carried there: a module attribute a callback set earlier)."""
-    steps, _ = proven_steps(header)
-    if first < stop and first not in proven_starts(header):
-        return list(range(first, stop))
-    return [s for s in range(first, stop) if s not in steps]
-
-
-def neutral_controls(header: dict) -> set[int]:
-    """Proven steps where the proof's replay (from step 0, as the oracle runs) had other program controls than the
-    recording while its state was the recording's: numerically neutral differences a replay does not make (gradient
-    checkpointing switched on mid-run by a callback replays do not run). A replay does not stop on them; on every other
-    step a controls difference still stops it (an engine fault after the first affected step is caught there)."""
-    steps, _ = proven_steps(header)
-    proof = (header.get("fidelity") or {}).get("proof") or {}
-    return {s for s in proof.get("neutral_controls", []) if s in steps}
-
-
-def diverged(header: dict) -> dict | None:
-    """The first step where a proof found the engine does not reproduce the run (``{"step", "why"}``), or None."""
-    return ((header.get("fidelity") or {}).get("proof") or {}).get("diverged")
-
-
-def ranges(steps: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
-    out, run = [], []
-    for s in sorted(steps):
-        if run and s == run[-1] + 1:
-            run.append(s)
-            continue
-        if run:
-            out.append(f"{run[0]}..{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [s]
-    if run:
-        out.append(f"{run[0]}..{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
-
-
-def unproven_statement(header: dict, run_path, first: int, stop: int, who: str = "the replay") -> str | None:
-    """Why the steps ``first..stop - 1`` are not proven, in one sentence (None when all are)."""
-    missing = unproven_steps(header, first, stop)
-    if not missing:
-        return None
-    _, why = proven_steps(header)
-    div = diverged(header)
-    failed = ((header.get("fidelity") or {}).get("proof") or {}).get("start_failures") or {}
-    cause = (f"; a proof found the engine does not reproduce the run from optimizer step {div['step']}: {div['why']}"
-             if div else f"; {why[0]}" if why else
-             f"; a replay started afresh at checkpoint {first} does not reproduce the recording (the checkpoint does "
-             f"not hold something the recording carried there, e.g. a callback's earlier change): {failed[str(first)]}"
-             if str(first) in failed else
-             f"; prove the run once (`{PROVE_COMMAND.format(run=run_path)}`, about one training run's compute)")
-    return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine" + cause
-
-
-def proof_statement(header: dict) -> str:
-    """One sentence on the run's proof (for inspect, receipts and verify)."""
-    proof = (header.get("fidelity") or {}).get("proof")
-    if not proof:
-        return "not proven (no `hf-unlearn trace prove` run yet)"
-    div = proof.get("diverged")
-    if proof.get("proven"):
-        text = f"proven: the engine reproduced every optimizer step 0..{proof['steps'][1]} (state after each step)"
-    elif div:
-        text = (f"NOT PROVEN from optimizer step {div['step']}: the engine does not reproduce the run there"
-                + (f" (steps 0..{proof['steps'][1]} reproduced)" if proof.get("steps") else ""))
-    else:
-        text = f"partly proven: steps 0..{proof['steps'][1]}" if proof.get("steps") else "not proven"
-    _, why = proven_steps(header)
-    return text + (f"; {why[0]}" if why else "")
-
-
 # ---- the deleting environment ---------------------------------------------------------------------------------
 def probe_steps(run) -> list[int]:
     """Step 0, and among the steps that start at a kept checkpoint the one with the longest microbatch; none at or
     after the first program change the recording found (the engine cannot reproduce those from a checkpoint: the
     deletion's own check, :func:`~hf_unlearn.trace.guards.program_refusal`, names that change, not the probe)."""
-    from .guards import program_changes
-
     total = run.total_steps
     if total == 0:
         return []
@@ -421,8 +347,6 @@ def probe_environment(run_path, data_collator=None, log=None) -> dict:
     """Re-run :func:`probe_steps` with no deletion in this process (every process of a launch) and compare with the
     recorded fingerprints; raise :class:`ProofError` in one line on a difference, naming the step and the numeric
     environment variables that differ from the recording's. Returns ``{"steps", "seconds"}``."""
-    from .run import TraceRun, open_run
-
     wall = time.perf_counter()
     run = (run_path if isinstance(run_path, TraceRun) else open_run(run_path)).kept()
     steps = probe_steps(run)

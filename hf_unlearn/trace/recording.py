@@ -1038,7 +1038,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
                                     **({"why": record["diverged"]["why"]} if not upto else {}),
                                     "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
         elif run[0]:
-            from .fidelity import self_check
+            from .proof import self_check
 
             with _rng_kept():
                 result = self_check(self.trace_dir, data_collator=None if run[1] else self.data_collator,
@@ -1063,7 +1063,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
             return True
         if self.trace_self_check is not True:
             return False
-        from .proof import AUTO_PROVE_SECONDS
+        from .proven import AUTO_PROVE_SECONDS
 
         return time.perf_counter() - getattr(self, "_trace_train_started", 0.0) <= AUTO_PROVE_SECONDS
 

@@ -75,7 +75,7 @@ def numeric_stack(device=None) -> dict:
 
 
 def _numeric_environment() -> dict:
-    from .proof import numeric_environment  # named when the deleting environment's probe fails
+    from .proven import numeric_environment  # named when the deleting environment's probe fails
 
     return numeric_environment()
 
@@ -90,7 +90,7 @@ def check_stack(header: dict, device=None) -> None:
     keys = FIXED_ON_CUDA if recorded.get("device_type") == "cuda" else FIXED
     diff = [f"{k} {here.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys if recorded.get(k) != here.get(k)]
     if diff:
-        from .proof import environment_difference
+        from .proven import environment_difference
 
         env = environment_difference(recorded.get("environment")) if "environment" in recorded else None
         diff += [f"the numeric environment ({env})"] if env else []

@@ -117,7 +117,7 @@ def check_provenance(replay_out, oracle_out) -> dict:
             problems.append(f"{path}: {uncovered}")
         start = (header.get("parent") or {}).get("start_step", 0)
         late = [c for c in program_changes(plan, header) if c["step"] >= start or c.get("persistent")]
-        from .proof import unproven_steps
+        from .proven import unproven_steps
 
         if late and unproven_steps(header, start, header.get("optimizer_steps") or 0):  # proven: the engine does it
             from .guards import describe_program_change
@@ -152,7 +152,7 @@ def check_provenance(replay_out, oracle_out) -> dict:
             problems.append(f"the {role}'s run: {why}")
     unproven = {}
     if len(headers) == 2:  # VERIFIED needs every step the replay and the oracle ran proven (hf_unlearn.trace.proof)
-        from .proof import unproven_statement, unproven_steps
+        from .proven import unproven_statement, unproven_steps
 
         for role, path in (("replay", replay_out), ("oracle", oracle_out)):
             header = headers[role]
@@ -204,7 +204,7 @@ def verdict(report: dict) -> str:
         return "NOT identical to the oracle"
     if report["provenance"]["problems"]:
         return "bit-identical to the oracle but NOT VERIFIED (provenance)"
-    from .proof import ranges
+    from .proven import ranges
 
     return (f"bit-identical to the oracle; steps {ranges(report['unproven_steps'])} of the engine unproven (not "
             "verified: `hf-unlearn trace prove RUN` proves them)")

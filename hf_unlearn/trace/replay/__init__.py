@@ -54,6 +54,7 @@ from ..packing import (
     with_dummies,
 )
 from ..plan import PlanEntry
+from ..proven import neutral_controls
 from ..recording import (
     TraceRecordingTrainer,
     TraceWriter,
@@ -74,6 +75,7 @@ from ..run import (
     open_run,
     read_deletion_log,
 )
+from ..run_model import model_from_run  # noqa: F401  (it lived here)
 from ..sharding import check_replay, load_optimizer_state, replay_arguments
 from ..stack import check_stack, pinned_stack
 from ..store import check_store_binding, id_index, load_store, store_sha256
@@ -231,46 +233,6 @@ def _check_args(args: TrainingArguments, header: dict) -> None:
     if diff:
         raise UnlearnError(f"the replay's TrainingArguments differ from the recorded run's in {', '.join(diff)}: a "
                            "replay must run the recorded arithmetic (omit args= to rebuild them from the trace)")
-
-
-def model_from_run(run: TraceRun, weights_follow: bool = False):
-    """The run's model (its class, dtype, attention implementation and PEFT adapter) with fresh weights.
-
-    ``weights_follow``: the caller loads a whole checkpoint into it (strictly) and restores the recorded layout, so
-    when the run recorded its non-persistent buffers (every tensor is then overwritten) the random initialisation
-    is skipped (seconds of CPU at 135M parameters; the weights are tied as ``init_weights`` would have).
-    """
-    import contextlib
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    from ...utils import import_object
-
-    info = run.header["model"]
-    config = AutoConfig.from_pretrained(run.path / "model")
-    try:
-        cls = import_object(f"{info['module']}:{info['class']}")
-    except (ImportError, AttributeError):
-        cls = AutoModelForCausalLM
-    kwargs = {"dtype": getattr(torch, info.get("dtype") or "float32")}
-    if info.get("attn_implementation"):
-        kwargs["attn_implementation"] = info["attn_implementation"]
-    skip_init = weights_follow and (info.get("layout") or {}).get("buffers") is not None
-    with no_init_weights() if skip_init else contextlib.nullcontext():
-        model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, **kwargs)
-    if skip_init:
-        model.tie_weights()  # no_init_weights skips init_weights, which ties
-    if info.get("peft"):
-        from peft import PeftConfig, get_peft_model
-
-        adapter = PeftConfig.from_pretrained(str(run.path / "model" / "adapter"))
-        model = get_peft_model(model, adapter, adapter_name=info["peft"]["adapter_name"])
-    if info.get("frozen_parameters") is not None:  # the same parameters frozen as in the recorded run
-        frozen = set(info["frozen_parameters"])
-        for name, p in model.named_parameters(remove_duplicate=False):
-            p.requires_grad_(name not in frozen)
-    return model
 
 
 def _check_model(model, header: dict) -> None:
@@ -498,8 +460,6 @@ class ReplayTrainer(TraceRecordingTrainer):
             if why:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
-        from ..proof import neutral_controls
-
         self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
         # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
         def epoch(text):
