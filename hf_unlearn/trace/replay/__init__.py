@@ -15,258 +15,55 @@ One engine serves all of them, so "replay == oracle" tests the redaction, not tw
 The redacted replay reads only the redacted store; the oracle reads the original store and fills the deleted
 slots with the same dummies. A replay's output folder is itself a recorded run (plan, WAL, checkpoints, store),
 so a later request can suffix-replay from it.
+
+This module holds :class:`ReplayTrainer`'s ``Trainer`` hooks (construction, ``create_optimizer``, ``train``, the
+segment loop) and the request classes; each other concern is a room of its own: ``cost`` (where a replay starts and
+what it costs), ``arguments`` (the TrainingArguments), ``model`` (a given model checked), ``start`` (the start state),
+``checks`` (the refusals before compute), ``counterfactual`` (the microbatches with dummies), ``program`` (callbacks,
+fingerprints and checkpoints matched on the way), ``output`` (the output run), ``card`` (card info), ``composition``
+(the recorded trainer class composed in) and ``baselines`` (the naive repack baseline). Publishing is not the
+engine's: :mod:`hf_unlearn.hub.replay` puts the Hub mixin above these classes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import json
 import shutil
-import time
-import uuid
 from pathlib import Path
 
-import torch
-from transformers import PrinterCallback, Trainer, TrainingArguments
-
+from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
-from ...not_ids import own_numbers
-from ..dummies import DummyInfluenceError, dummy_influence_message, dummy_positions, watch_dummy_gradient
-from ..fidelity import (
-    check_against_checkpoint,
-    check_against_state,
-    check_device,
-    fidelity_statement,
-    refusal,
-    restore_layout,
-)
-from ..guards import VOLATILE_CONFIG
-from ..hashing import batch_digest
-from ..packing import (
-    check_redacted_row,
-    deleted_spans,
-    document_ids,
-    emptied_rows,
-    is_packed,
-    load_map,
-    with_dummies,
-)
+from ..dummies import dummy_positions, watch_dummy_gradient
+from ..fidelity import check_device, refusal, restore_layout
+from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
+from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
-from ..proven import neutral_controls
-from ..recording import (
-    TraceRecordingTrainer,
-    TraceWriter,
-    _jsonable,
-    build_optimizer,
-    keyed_batch_digest,
-    rank_seed,
-    seeded,
-)
+from ..recording import TraceRecordingTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
-from ..run import (
-    TraceRun,
-    append_deletion_log,
-    capture_state,
-    checkpoint_dir,
-    full_model_state,
-    load_checkpoint,
-    open_run,
-    read_deletion_log,
-)
+from ..rows import check_rows
+from ..run import TraceRun, capture_state, full_model_state, load_checkpoint, open_run
 from ..run_model import model_from_run  # noqa: F401  (it lived here)
-from ..sharding import check_replay, load_optimizer_state, replay_arguments
+from ..sharding import load_optimizer_state
 from ..stack import check_stack, pinned_stack
-from ..store import check_store_binding, id_index, load_store, store_sha256
+from ..store import check_store_binding, id_index, load_store
 from ..tags import tag
-
-IGNORE_INDEX = -100
-
-# TrainingArguments that change a replay's arithmetic: a replay given its own args must agree on all of them.
-REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "weight_decay", "adam_beta1",
-               "adam_beta2", "adam_epsilon", "learning_rate", "label_smoothing_factor", "bf16", "fp16", "tf32",
-               "average_tokens_across_devices", "gradient_checkpointing", "gradient_checkpointing_kwargs",
-               "torch_compile", "use_liger_kernel", "seed")
-# what a recorded run did besides training that a replay does not do (it would need an eval set, or write checkpoints)
-NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False,
-                "do_eval": False}
-# the naive baselines drop or re-batch whole store rows; a packed row holds several documents
-PACKED_BASELINE = ("the {name} baseline drops whole rows, and a packed run's rows hold several documents, so it is not "
-                   "defined for packing=True runs; compare the replay with the oracle (trace oracle, trace verify)")
-PAIRS_BASELINE = ("the repack baseline retrains with Trainer's own loss, which is not DPO's (pairs, a reference model): "
-                  "it is not defined for DPO runs; compare the replay with the oracle (trace oracle without --baselines)")
-# config keys that say where a model came from, not what it computes
-_VOLATILE_CONFIG = VOLATILE_CONFIG
-
-
-# ---- planning ----------------------------------------------------------------------------------------------
-def already_deleted(run: TraceRun, forget_ids) -> list:
-    """The ids among ``forget_ids`` that are absent from the store: an earlier request deleted them (the run's
-    deletion log has their tags) or the trainer dropped them before training (:func:`never_trained_tags`)."""
-    logged = {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
-    logged |= never_trained_tags(run)
-    key = run.key
-    return [i for i in dict.fromkeys(forget_ids) if tag(key, i) in logged]
-
-
-def emptied_steps(plan: list[PlanEntry], tags: set[str]) -> list[int]:
-    """Steps whose every slot is deleted (now or before): they keep their boundary but take no optimizer step."""
-    weighted: dict[int, bool] = {}
-    for e in plan:
-        weighted[e.step] = weighted.get(e.step, False) or any(s is not None and s not in tags for s in e.slots)
-    return sorted(step for step, w in weighted.items() if not w)
-
-
-def replay_cost(run: TraceRun, forget_ids) -> dict:
-    """Where a suffix replay starts and how much of the run it re-executes (0 steps: nothing left to replay).
-
-    ``minimum_steps`` is the physical limit of a trace-preserving deletion (``T - s``, ``s`` the first affected
-    step); ``steps_to_replay / minimum_steps`` is what the kept checkpoints cost on top of it, and ``bound_steps``
-    the most the run's retention rule allows (``factor * (T - s) + K``; None for runs without one). In a
-    multi-epoch run the ids' first occurrence (its epoch) sets the start; every later occurrence is replayed too.
-    """
-    run = (run if isinstance(run, TraceRun) else open_run(run, check_checkpoints=False)).kept()
-    tags = forget_tags(run, forget_ids)
-    hit_rows, gone = set(), tags
-    if is_packed(run.header):  # the packed rows that hold a fragment of a deleted document
-        doc_map = load_map(run)
-        spans = deleted_spans(doc_map, tags)
-        hit_rows, gone = set(spans), emptied_rows(doc_map, tags)
-    hits = [e for e in run.plan if (tags | hit_rows) & set(e.slots)]
-    affected = sorted({e.step for e in hits})
-    total = run.total_steps
-    cps = sorted(run.checkpoints())
-    first = affected[0] if affected else total
-    start = max([c for c in cps if c <= first], default=None)
-    if start is None:
-        raise UnlearnError(f"{run.path} has no checkpoint at or before step {first}; cannot replay")
-    n_ids = len(set(forget_ids))
-    dropped = never_trained_tags(run)
-    never = sum(tag(run.key, i) in dropped for i in set(forget_ids))
-    retention = run.header.get("checkpoint_retention") or {}
-    minimum = total - first
-    bound = None
-    if retention.get("mode") == "geometric" and affected:
-        bound = retention.get("factor", 2) * minimum + retention.get("every", 0)
-    epochs = sorted({e.epoch for e in hits if e.epoch is not None})
-    return {
-        "forget_ids": n_ids,
-        "already_deleted": n_ids - len(tags) - never,
-        "never_trained": never,
-        "slots_deleted": sum(s in tags for e in run.plan for s in e.slots),
-        **({"packed_rows_touched": sum(s in hit_rows for e in run.plan for s in e.slots)} if hit_rows else {}),
-        "affected_steps": len(affected),
-        "first_affected_step": affected[0] if affected else None,
-        "start_checkpoint": start,
-        "steps_to_replay": total - start,
-        "minimum_steps": minimum,
-        "ratio_to_minimum": (total - start) / minimum if minimum else None,
-        "bound_steps": bound,
-        "epochs": epochs,
-        "first_epoch": epochs[0] if epochs else None,
-        "total_steps": total,
-        "fraction_replayed": (total - start) / total if total else 0.0,
-        "segments_emptied": len(emptied_steps(run.plan, gone)),
-        "world_size": run.header.get("world_size", 1),
-        **({"kept_step": total} if run.served_plan else {}),
-    }
-
-
-def describe_cost(cost: dict) -> list[str]:
-    """The cost estimate as the lines ``trace cost`` and ``forget`` print before any compute."""
-    if cost["first_affected_step"] is None:
-        return [f"nothing to replay: the {cost['forget_ids']} id(s) were deleted by an earlier request"]
-    ratio = cost["ratio_to_minimum"]
-    lines = [f"suffix replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
-             f"{cost['total_steps']} steps ({100 * cost['fraction_replayed']:.1f}% of the run); the minimum is "
-             f"{cost['minimum_steps']} steps (T - s, first affected step s = {cost['first_affected_step']}), ratio "
-             + (f"{ratio:.2f}" if ratio is not None else "n/a")
-             + (f" (the run's retention bound: at most {cost['bound_steps']:g} steps)" if cost["bound_steps"] else "")]
-    if cost.get("packed_rows_touched"):
-        lines.append(f"packing: the documents sit in {cost['packed_rows_touched']} packed row slot(s), which stay; "
-                     "their fragments become dummy tokens of the same length (the other documents are unchanged)")
-    if len(cost["epochs"]) > 1:
-        lines.append(f"the ids occur in epochs {cost['epochs']}: their first occurrence (epoch {cost['first_epoch']}, "
-                     f"step {cost['first_affected_step']}) sets the start; the later ones are replayed with it")
-    return lines
-
-
-def training_args_from_header(header: dict, output_dir, **overrides) -> TrainingArguments:
-    """Rebuild the run's config (TrainingArguments, or its recorded subclass such as SFTConfig): the optimizer,
-    clipping and loss settings the replay must share; fields that only prepare data are set as
-    :data:`~hf_unlearn.trace.trainers.CONSTRUCTION_ONLY` says (the store holds the prepared rows)."""
-    from ..trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
-
-    config_cls = recorded_trainer(header)[1]
-    names = config_fields(config_cls)
-    recorded = header["training_args"]
-    kwargs = {k: v for k, v in recorded.items() if k in names and not k.endswith("_token") and "hub" not in k
-              and k not in ("logging_dir", "deepspeed", "fsdp_config", "accelerator_config", "report_to", "run_name",
-                            "resume_from_checkpoint", "output_dir", "fsdp", "parallelism_config")}
-    kwargs = {k: v for k, v in kwargs.items() if not (isinstance(v, str) and v.startswith("<") and v.endswith(">"))}
-    kwargs.update(output_dir=str(output_dir), report_to=[], disable_tqdm=True,
-                  use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()), **NOT_REPLAYED)
-    if config_cls is not TrainingArguments:
-        kwargs.update({k: v for k, v in CONSTRUCTION_ONLY.items() if k in names})
-    kwargs.update(replay_arguments(header))  # an FSDP2 run: its recorded fsdp_config (hf_unlearn.trace.sharding)
-    kwargs.update(overrides)
-    return config_cls(**kwargs)
-
-
-def without_evaluation(args: TrainingArguments) -> TrainingArguments:
-    """``args`` with evaluation, checkpoint saving and best-model loading off (a replay only re-executes the plan;
-    evaluating does not change the trace, and the kept model's step is a recorded control)."""
-    if all(getattr(args, k) == v for k, v in NOT_REPLAYED.items()):
-        return args
-    return dataclasses.replace(args, **NOT_REPLAYED)
-
-
-def _check_args(args: TrainingArguments, header: dict) -> None:
-    from ..trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
-
-    recorded, given = header["training_args"], args.to_dict()
-    # the config subclass's own fields (SFTConfig: loss_type, padding_free, ...) count like REPLAY_ARGS
-    own = sorted(config_fields(recorded_trainer(header)[1]) - config_fields(TrainingArguments) - set(CONSTRUCTION_ONLY))
-    diff = [f"{k} ({_jsonable(given.get(k))!r} vs recorded {recorded.get(k)!r})" for k in (*REPLAY_ARGS, *own)
-            if k in recorded and _jsonable(given.get(k)) != recorded.get(k)]
-    if diff:
-        raise UnlearnError(f"the replay's TrainingArguments differ from the recorded run's in {', '.join(diff)}: a "
-                           "replay must run the recorded arithmetic (omit args= to rebuild them from the trace)")
-
-
-def _check_model(model, header: dict) -> None:
-    """A model passed to a replay must be the recorded architecture (class, config, dtype, attention, adapter)."""
-    from ..recording import peft_and_base
-
-    info = header["model"]
-    peft, base = peft_and_base(model)
-    problems = []
-    if type(base).__name__ != info["class"]:
-        problems.append(f"class {type(base).__name__} (recorded {info['class']})")
-    if bool(peft) != bool(info.get("peft")):
-        problems.append("a PEFT adapter" + (" it does not have" if info.get("peft") else " the run did not have"))
-    dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
-    if info.get("dtype") and dtype != info["dtype"]:
-        problems.append(f"dtype {dtype} (recorded {info['dtype']})")
-    attn = getattr(base.config, "_attn_implementation", None)
-    if info.get("attn_implementation") and attn != info["attn_implementation"]:
-        problems.append(f"attention {attn} (recorded {info['attn_implementation']})")
-    given, recorded = base.config.to_dict(), info.get("config") or {}
-    keys = [k for k in sorted(set(given) | set(recorded)) if k not in _VOLATILE_CONFIG and given.get(k) != recorded.get(k)]
-    if keys:
-        problems.append("config " + ", ".join(f"{k}={given.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys[:4]))
-    from ..recording import frozen_parameters
-
-    if info.get("frozen_parameters") is not None and frozen_parameters(model) != info["frozen_parameters"]:
-        problems.append("other frozen parameters (requires_grad) than the recorded run's")
-    if problems:
-        raise UnlearnError("the model passed to the replay is not the recorded one: " + "; ".join(problems)
-                           + " (omit model= to rebuild it from the trace)")
+from .arguments import NOT_REPLAYED, REPLAY_ARGS, _check_args, training_args_from_header, without_evaluation  # noqa: F401
+from .baselines import PACKED_BASELINE, PAIRS_BASELINE, repack_counterfactual, save_state  # noqa: F401
+from .card import ReplayCard
+from .checks import ReplayChecks
+from .composition import replay_class
+from .cost import already_deleted, describe_cost, emptied_steps, replay_cost  # noqa: F401
+from .counterfactual import IGNORE_INDEX, CounterfactualBatches  # noqa: F401
+from .model import _check_model
+from .output import OutputRun
+from .program import RecordedProgram, step_ranges
+from .start import ReplayStart
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class ReplayTrainer(TraceRecordingTrainer):
+class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedProgram, OutputRun, ReplayCard,
+                    TraceRecordingTrainer):
     """Re-execute a recorded plan with some slots deleted (see the module docstring).
 
     Everything is checked at construction, before any compute: the run's integrity, the store's binding to the
@@ -351,8 +148,6 @@ class ReplayTrainer(TraceRecordingTrainer):
             _check_args(args, header)
             args = without_evaluation(args)
         if data_collator is None:
-            from ...data.collators import rebuild_collator
-
             data_collator = rebuild_collator(header.get("collator"), self.run.path / "collator", model=model)
         self.store_path = Path(store) if store is not None else self.run.store_path
         all_tags = {tag(self.run.key, i) for i in self.forget_ids}
@@ -415,269 +210,8 @@ class ReplayTrainer(TraceRecordingTrainer):
         self._setup_program()
         if not self.filter_rows:
             self._check_batches()
-            from ..rows import check_rows
-
             check_rows(self)  # the kept rows of the microbatches a deletion touches (hf_unlearn.trace.rows)
         self.accelerator.wait_for_everyone()  # every process checked the output folder before the main one writes
-
-    # ---- set-up -------------------------------------------------------------------------------------------
-    def _start_from_parent(self) -> None:
-        """A pipeline stage whose parent changed: its step-0 state with the base weights replaced by the new parent's
-        output (``start_weights``, plain names; adapter tensors and the optimizer's step-0 state stay as recorded).
-        Every tensor must be there with the recorded shape and dtype."""
-        from ..base_source import base_key
-        from ..lineage import ADAPTER, weights_root
-
-        if self.start_step != 0:
-            raise UnlearnError("a replay from a new parent's weights starts at step 0 (start='full')")
-        given, model = self._start_weights, dict(self._start_state["model"])
-        for name, t in model.items():
-            if ADAPTER.search(name):
-                continue
-            new = given.get(base_key(name))
-            if new is None or tuple(new.shape) != tuple(t.shape) or new.dtype != t.dtype:
-                what = "lacks it" if new is None else f"holds {tuple(new.shape)} {new.dtype}"
-                raise UnlearnError(f"{self.run.path}: the new parent's output cannot be this stage's start: its "
-                                   f"{base_key(name)} {what}, the stage started from {tuple(t.shape)} {t.dtype}")
-            model[name] = new.detach().to("cpu").clone()
-        self._start_state = {**self._start_state, "model": model, "frozen": []}
-        full = full_model_state(self._start_state)
-        self._start_root = weights_root(full)
-        expected = (self._start_parent or {}).get("start_root") or (self._start_parent or {}).get("output_root")
-        if expected is not None and expected != self._start_root:
-            raise UnlearnError(f"{self.run.path}: the start weights (root {self._start_root[:16]}...) are not the new "
-                               f"parent's output (root {expected[:16]}...)")
-
-    def _setup_program(self) -> None:
-        """The program a replay runs besides the plan (hf_unlearn.trace.guards): refused up front when the run
-        changed outside its record at or after the start; the recorded callbacks rebuilt with their attributes at
-        the start step; the recording's per-step fingerprints to compare with."""
-        from ..guards import ProgramChangedError, program_refusal, rebuild_callback, recorded_fingerprints
-
-        full = self.run.served_plan or self.run.plan
-        if not self._self_check and not self.filter_rows:  # the self-check finds it by its fingerprints instead
-            why = program_refusal(self.run, self.start_step)
-            if why:
-                raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
-        self._recorded_fps = recorded_fingerprints(full, self.run.header)
-        self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
-        # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
-        def epoch(text):
-            return None if text is None else float.fromhex(text)
-
-        self._epochs = {e.step: epoch(e.extra["ep"]) for e in full if e.j == 0 and "ep" in e.extra}
-        final = ((self.run.header.get("fidelity") or {}).get("guards") or {}).get("final") or {}
-        if "ep" in final:
-            self._epochs[final["step"] + 1] = epoch(final["ep"])
-        planned = (self.run.header.get("checkpoint_retention") or {}).get("planned_steps")
-        self.state.max_steps = planned or self.run.total_steps  # as the recording's TrainerState held it
-        self._step_fps: dict[int, dict] = {}
-        self._fps_matched = {"state": [], "controls": []}
-        specs = (self.run.header.get("trainer") or {}).get("callbacks") or []
-        states = None
-        for e in self.run.plan:
-            if e.j == 0 and e.step <= self.start_step and "callbacks" in e.extra:
-                states = e.extra["callbacks"]
-        if specs and (states is None or len(states) != len(specs)):
-            raise UnlearnError(f"{self.run.path} records {len(specs)} callback(s) a replay runs again but not their "
-                               f"attributes at step {self.start_step}: the plan is not the one the recording wrote")
-        self._program_callbacks = [rebuild_callback(spec, st) for spec, st in zip(specs, states or [])]
-        self._out_cb_states = states
-
-    def _event(self, event: str) -> None:
-        """Run a recorded callback event as the recording's Trainer did at this point of the step."""
-        if self._program_callbacks:
-            from ..guards import run_event
-
-            run_event(self._program_callbacks, event, self.args, self.state, self.control, model=self.model,
-                      processing_class=self.processing_class, optimizer=self.optimizer, lr_scheduler=None,
-                      train_dataloader=None, eval_dataloader=None)
-
-    def _recorded_trainer_arguments(self) -> dict:
-        """What the run's own trainer class takes beyond model/args/collator: its recorded arguments, the store as
-        its (already prepared) train_dataset and the saved tokenizer. Nothing for a plain ``Trainer`` run."""
-        from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
-
-        header = self.run.header
-        if is_default(header):
-            return {}
-        out = {**header["trainer"].get("kwargs", {}), "train_dataset": self.store}
-        if (self.run.path / PROCESSING_CLASS_DIR).is_dir():
-            out["processing_class"] = load_processing_class(self.run.path / PROCESSING_CLASS_DIR)
-        return out
-
-    def _check_processes(self) -> None:
-        self._trace_check_parallelism()
-        recorded, world = self.run.header.get("world_size", 1), self.accelerator.num_processes
-        if recorded != world:
-            launch = "python (one process)" if recorded == 1 else f"accelerate launch --num_processes {recorded}"
-            raise UnlearnError(f"the run was recorded with {recorded} process(es) and this replay has {world}: a replay "
-                               f"must run at the recorded world size (run it with {launch}); other world sizes, FSDP1 "
-                               "and DeepSpeed are not supported")
-        check_replay(self.run.header, self)  # FSDP2: the recorded sharding (hf_unlearn.trace.sharding)
-        if self.filter_rows and world > 1:
-            raise UnlearnError("the naive filter baseline runs in one process only")
-        if world > 1:  # every process deletes the same ids from the same start (each replays its own slots)
-            from accelerate.utils import gather_object
-
-            everyone = gather_object([(sorted(self.forget_tag_set), self.start_mode, self.store_kind)])
-            if any(theirs != everyone[0] for theirs in everyone[1:]):
-                raise UnlearnError("the processes of this replay were given different ids to forget, start or store: "
-                                   "every process must replay the same request (give them the same --forget file)")
-
-    def _start_step(self) -> int:
-        if self.start_mode == "full":
-            if 0 not in self.run.checkpoints():
-                raise UnlearnError(f"{self.run.path} has no step-0 checkpoint; a full replay is impossible")
-            return 0
-        if self.start_mode != "suffix":
-            raise UnlearnError(f"start must be 'suffix' or 'full', not {self.start_mode!r}")
-        if self.forget_ids:
-            return replay_cost(self.run, self.forget_ids)["start_checkpoint"]
-        cps = [c for c in self.run.checkpoints() if c <= self.run.total_steps]
-        return max(cps) if cps else self.run.total_steps
-
-    def _check_rows(self) -> None:
-        """Every retained slot of the replayed suffix must be in the store, with its recorded length."""
-        missing = []
-        for e in self.run.plan:
-            if e.step < self.start_step:
-                continue
-            for s in e.slots:
-                if s is None or s in self.forget_tag_set:
-                    continue
-                if s not in self._tag_index:
-                    missing.append(f"step {e.step} microbatch {e.mb} slot tag {s}")
-        if missing:
-            raise UnlearnError(f"the store {self.store_path} is missing {len(missing)} retained row(s) the plan needs "
-                               f"(e.g. {missing[0]}); it must be the run's store minus the deleted rows only")
-
-    def _hit(self, e: PlanEntry) -> bool:
-        """Whether the deletion changes microbatch ``e`` (a deleted row, or a packed row holding a deleted document)."""
-        return any(s in self.forget_tag_set or s in self._spans for s in e.slots)
-
-    def _weighted(self, s) -> bool:
-        return s is not None and s not in self.forget_tag_set and s not in self._emptied
-
-    def _check_packed_rows(self) -> None:
-        """A packed row holding a deleted document: in a redacted store, only dummies where that document was (its
-        fragments as the sealed map records them); in the original store, the map's fragments."""
-        redacted = self.store_kind == "redacted"
-        rows = sorted(self._spans)
-        for s in rows:
-            if s not in self._tag_index:
-                continue  # reported by _check_rows when the replay needs it
-            row = self.store[self._tag_index[s]]
-            frags = self._packing_map[s]
-            check_redacted_row(row, self._spans[s] if redacted else [], frags, self.dummy_token_id,
-                               f"packed row {s} of the store {self.store_path}")
-
-    def _check_batches(self) -> None:
-        """Every microbatch the replay runs unchanged must collate to the batch the run recorded (before compute)."""
-        world, key = self.accelerator.num_processes, self.run.key
-        if self.run.compact:
-            return self._check_batch_groups(world, key)
-        for e in self.run.plan:
-            if e.step < self.start_step or not e.batch or self._hit(e):
-                continue
-            for r in range(world):
-                feats, dummy_pos = self._rows(e, keep_dummies=True, rank=r)
-                digest = keyed_batch_digest(key, batch_digest(self._collate(feats, dummy_pos)))
-                if digest != e.batch[r]:
-                    raise UnlearnError(
-                        f"microbatch {e.mb} (optimizer step {e.step}) does not collate to the batch the run recorded: "
-                        "the collator, or the rows of the store, differ from the recording's; pass the collator the "
-                        "run was recorded with (data_collator= / --collator)")
-
-    def _batch_digests(self, e: PlanEntry, world: int) -> list[str]:
-        return [keyed_batch_digest(self.run.key, batch_digest(self._collate(*self._rows(e, True, rank=r))))
-                for r in range(world)]
-
-    def _check_batch_groups(self, world: int, key: bytes) -> None:
-        """A compacted run keeps one keyed MAC per group of whole segments (trace.compact): every group the replay
-        runs unchanged is rebuilt and checked (groups holding a deleted row cannot be, and are skipped)."""
-        from ..compact import batch_mac
-
-        plan, self._rebuilt_batches = self.run.plan, {}
-        for a, b, mac in self.run.batch_groups():
-            group = plan[a:b]
-            if mac is None or len(group) != b - a or group[0].step < self.start_step or \
-                    any(self._hit(e) for e in group):
-                continue
-            rebuilt = [dataclasses.replace(e, batch=self._batch_digests(e, world)) for e in group]
-            if batch_mac(key, rebuilt) != mac:
-                raise UnlearnError(
-                    f"microbatches {a}-{b - 1} (optimizer steps {group[0].step}-{group[-1].step}) do not collate to the "
-                    "batches the run recorded: the collator, or the rows of the store, differ from the recording's; "
-                    "pass the collator the run was recorded with (data_collator= / --collator)")
-            self._rebuilt_batches.update((e.mb, e.batch) for e in rebuilt)
-
-    def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0,
-              marked: list | None = None) -> tuple[list[dict], list[int]]:
-        """The microbatch's rows for process ``rank``, deleted slots as dummies. ``marked``, a list, receives the same
-        rows with another token in every dummy's place (deleted before included), which locates the dummies in the
-        collated batch (:func:`~hf_unlearn.trace.dummies.dummy_positions`) without reading the store again."""
-        lo, hi = e.rank_slots(rank, self.accelerator.num_processes)
-        slots = e.slots[lo:hi]
-        kept = [s for s in slots if s is not None and s not in self.forget_tag_set]
-        # one Arrow read per microbatch, as the training DataLoader does (a read per row cost replays ~9% per step)
-        columns = self.store[[self._tag_index[s] for s in kept]] if kept else {}
-        names = [k for k in columns if k != self.id_column]
-        fetched = iter(zip(*(columns[k] for k in names)))
-        feats, dummy_pos = [], []
-        marker = self.dummy_token_id + 1
-        for s, n in zip(slots, e.lens[lo:hi]):
-            if s is None or s in self.forget_tag_set:
-                if keep_dummies:
-                    dummy_pos.append(len(feats))
-                    feats.append(self._trace_dummy_row(self._template, n, self.dummy_token_id))
-                    if marked is not None:
-                        marked.append(self._trace_dummy_row(self._template, n, marker))
-                continue
-            row = dict(zip(names, next(fetched)))
-            if self._trace_row_length(row) != n:
-                raise UnlearnError(f"store row for slot tag {s} has {self._trace_row_length(row)} tokens, the plan recorded "
-                                   f"{n}: the store is not the one the run read")
-            if marked is not None:  # a copy: a collator may assign into its features
-                marked.append(with_dummies(row, self._dummy_spans[s], marker) if s in self._dummy_spans else dict(row))
-            if s in self._spans:  # a packed row: its deleted documents become dummies of the same length
-                row = with_dummies(row, self._spans[s], self.dummy_token_id)
-            feats.append(row)
-        return feats, dummy_pos
-
-    def _holds_dummy(self, e: PlanEntry) -> bool:
-        """Whether some process's part of microbatch ``e`` holds a dummy (from the plan: every process agrees)."""
-        return not self.filter_rows and any(s is None or s in self.forget_tag_set or s in self._dummy_spans
-                                            for s in e.slots)
-
-    def _check_dummy_gradient(self, e: PlanEntry, watch, loss) -> None:
-        """Stop at the first microbatch whose dummies got a non-zero gradient (all processes agree on the verdict)."""
-        flag = watch.flag
-        if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag.to(torch.float32), reduction="sum") > 0
-        if bool(flag):
-            from ..trainers import recorded_trainer
-
-            owner = f"{recorded_trainer(self.run.header)[0].__qualname__}.compute_loss"
-            if self.compute_loss_func is not None:
-                owner = f"compute_loss_func {getattr(self.compute_loss_func, '__qualname__', self.compute_loss_func)}"
-            raise DummyInfluenceError(f"{self.run.path}: " + dummy_influence_message(owner, e.step, e.mb, loss,
-                                                                                     float(watch.largest)))
-
-    def _collate(self, feats: list[dict], dummy_pos: list[int]) -> dict:
-        batch = self.data_collator(feats)
-        labels = batch.get("labels")
-        if dummy_pos and labels is not None and torch.is_tensor(labels) and labels.dim() >= 1 \
-                and labels.shape[0] == len(feats) and (labels[dummy_pos] != IGNORE_INDEX).any():
-            raise UnlearnError("the collator gave a dummy slot a label: deleted slots would not have weight 0")
-        return batch
-
-    def _normaliser(self, e: PlanEntry):
-        if e.norm is None:
-            return None
-        if e.norm_dtype == "python":
-            return int(e.norm) if float(e.norm).is_integer() else e.norm
-        return torch.tensor(e.norm, dtype=getattr(torch, e.norm_dtype), device=self.args.device)
 
     def create_optimizer(self, model=None):
         spec = self.run.header["optimizer"]
@@ -757,108 +291,6 @@ class ReplayTrainer(TraceRecordingTrainer):
             shutil.rmtree(self._scratch, ignore_errors=True)
         return final
 
-    def _save_state(self, writer: TraceWriter | None, step: int) -> Path | None:
-        """The output run's checkpoint at ``step`` (the main process writes it). A sharded run's is written by every
-        process, its shards (:mod:`hf_unlearn.trace.shards`): the others keep its hashes for :meth:`_check_fidelity`."""
-        if not self.run.header.get("sharding"):
-            return writer.save_checkpoint(step, self.model, self.optimizer) if writer else None
-        if writer:
-            return writer.save_checkpoint(step, self.model, self.optimizer)
-        from ..shards import save
-
-        out = self.out_dir if self.out_dir is not None and not self.filter_rows else None  # as the main one's writer
-        self._gathered_hashes[step] = save(out, step, self.model, self.optimizer)[1]
-        return None
-
-    def _enable_activation_checkpointing(self) -> None:
-        """As ``Trainer.train`` does: the recorded run's backward recomputed its activations (SFTConfig's default)."""
-        args = self.args
-        if not getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)):
-            return
-        gc_kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
-                         or {})
-        every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
-        if hasattr(self.model, "activation_checkpointing_enable"):
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs or None,
-                                                       every_n_layers=every_n_layers, offload=offload)
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None)
-
-    def _check_step_fingerprint(self, step: int) -> None:
-        """Compare this replay's fingerprint of ``step`` with the recording's: the controls at every step (a deletion
-        does not change them), the state before the first affected step."""
-        from ..guards import compare_fingerprint
-
-        recorded, actual = self._recorded_fps.get(step), self._step_fps.get(step)
-        if self.filter_rows or recorded is None or actual is None or "c" not in actual or "c" not in recorded:
-            return
-        state = step < self.first_affected_step
-        if step in self._neutral_controls and recorded.get("c") != actual.get("c"):  # proven: a neutral difference
-            recorded = {**recorded, "c": actual["c"], "lr": actual.get("lr")}
-        compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
-        self._fps_matched["controls"].append(step)
-        if state:
-            self._fps_matched["state"].append(step)
-
-    def _check_fidelity(self, step: int, saved: Path | None) -> None:
-        """At a recorded checkpoint before the first affected step, the state must be the recorded one (else stop)."""
-        recorded = self._recorded_checkpoints.get(step)
-        reference = self._fidelity_reference.get(step)  # the recorder's in-memory state hashes (its self-check)
-        if (recorded is None and reference is None) or step == self.start_step or step > self.first_affected_step:
-            return
-        if saved is not None:
-            actual = json.loads((saved / "hashes.json").read_text())
-        elif step in self._gathered_hashes:  # a sharded run's, gathered by _save_state
-            actual = self._gathered_hashes.pop(step)
-        else:
-            from ..hashing import checkpoint_hashes
-
-            actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step))
-        if reference is not None:
-            check_against_state(self.run.path, step, reference, actual, who=f"the {self.mode}",
-                                where=f"step {step} (the recording's own state, hashed in memory as it trained)")
-        if recorded is not None:
-            check_against_checkpoint(self.run.path, step, recorded, actual, who=f"the {self.mode}")
-            self.checkpoints_matched.append(step)
-
-    def _discard_output(self, writer: TraceWriter) -> None:
-        """A replay stopped part way leaves no half-written output run."""
-        writer.close()
-        if self._out_created:
-            shutil.rmtree(self.out_dir, ignore_errors=True)
-        else:
-            for p in self.out_dir.iterdir():
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
-
-    def _output_entry(self, e: PlanEntry) -> PlanEntry:
-        """The plan entry the output run records: deleted slots become dummies, their batch digests change."""
-        changed = self._hit(e)
-        if e.j == 0 and e.extra.get("rows"):  # the rows as this replay trained on them (hf_unlearn.trace.rows)
-            from ..rows import output_rows
-
-            e = dataclasses.replace(e, extra={**e.extra, "rows": output_rows(self, e)})
-        if e.j == 0 and e.step > self.start_step:  # this replay's own fingerprint of the step before, its callbacks
-            extra = {k: v for k, v in e.extra.items() if k not in ("fp", "changed", "callbacks")}
-            # only where the recording's guards covered the step: a gap (a crash before a resume) stays a gap, so
-            # verify does not read this replay's own fingerprints as the recording's evidence
-            if self._step_fps.get(e.step - 1) is not None and e.step - 1 in self._recorded_fps:
-                extra["fp"] = self._step_fps[e.step - 1]
-            if self._program_callbacks:
-                from ..guards import callback_attributes
-
-                states = [callback_attributes(cb) for cb in self._program_callbacks]
-                if states != self._out_cb_states:
-                    extra["callbacks"] = self._out_cb_states = states
-            e = dataclasses.replace(e, extra=extra)
-        if not changed and (e.batch or not self.run.compact):
-            return e
-        batch = e.batch
-        if not changed:  # a compacted parent has batch MACs, not digests: the output records the digests again
-            batch = getattr(self, "_rebuilt_batches", {}).get(e.mb) or self._batch_digests(
-                e, self.accelerator.num_processes)
-        elif batch or self.run.compact:
-            batch = self._batch_digests(e, len(batch) if batch else self.accelerator.num_processes)
-        return dataclasses.replace(e, slots=[None if s in self.forget_tag_set else s for s in e.slots], batch=batch)
 
     def _run_segment(self, model, seg: list[PlanEntry]) -> int:
         """Forward/backward every microbatch of a segment; step unless no slot carries weight. Returns 0/1.
@@ -911,8 +343,6 @@ class ReplayTrainer(TraceRecordingTrainer):
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
         self._event("on_pre_optimizer_step")
-        from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
-
         controls = program_controls(self.model, self.optimizer)
         self.optimizer.step()
         self._step_fps[step] = step_fingerprint(controls, state_digest(self.model, self.optimizer),
@@ -923,174 +353,6 @@ class ReplayTrainer(TraceRecordingTrainer):
         self.state.epoch = self._epochs.get(step + 1, self.state.epoch)
         self._event("on_step_end")
         return 1
-
-    def push_to_hub(self, *args, **kwargs):
-        """The engine does not publish: ``Trainer.push_to_hub`` would upload the output folder (the run's key, its
-        store). The Hub-enabled classes are :mod:`hf_unlearn.hub.replay`'s (``hf_unlearn.RedactedReplayTrainer``)."""
-        raise UnlearnError(f"{type(self).__name__} of hf_unlearn.trace.replay is the replay engine, which does not "
-                           "publish: use hf_unlearn.RedactedReplayTrainer / OracleReplayTrainer (they push_to_hub), or "
-                           "hf_unlearn.hub.push_unlearned with this trainer's unlearning_card_info()")
-
-    def unlearning_card_info(self) -> dict:
-        """What a model card needs (the Hub code turns ``forget_ids`` into keyed tags before publishing)."""
-        stats = getattr(self, "replay_stats", {})
-        hyperparameters = {"start": self.start_mode, "start_step": self.start_step,
-                           "checkpoint_steps": self.run.header.get("checkpoint_steps"),
-                           "dummy_token_id": self.dummy_token_id, "filter_rows": self.filter_rows}
-        counts = {"exact": not self.filter_rows, **stats}  # steps and counts of this replay: its own numbers
-        return {
-            "method": "trace-preserving replay" + (" (oracle)" if self.mode == "oracle" else ""),
-            "hyperparameters": hyperparameters,
-            "forget_ids": list(self.forget_ids),
-            "citation": "",
-            "paper": "",
-            # the parent by its run id: a local folder name is the user's file system, never published
-            "extra": {**counts, "parent_run_id": self.run.header.get("run_id"), **self._exact_deletion_evidence()},
-            # a run of 500 steps is not sample id 500: declared to the Hub's forget-id scanner by exact value
-            "not_ids": {**own_numbers(hyperparameters, "hyperparameters"), **own_numbers(counts, "extra")},
-        }
-
-    def _exact_deletion_evidence(self) -> dict:
-        """State-hash roots of the replayed state and, once ``trace verify`` ran, its verdict (for the model card)."""
-        if self.mode == "oracle" or self.filter_rows or self.out_dir is None or not hasattr(self, "replay_stats"):
-            return {}
-        final = checkpoint_dir(self.out_dir, self.run.total_steps) / "hashes.json"
-        if not final.is_file():
-            return {}
-        hashes = json.loads(final.read_text())
-        verdict_file = self.out_dir / "verification.json"
-        verdict = json.loads(verdict_file.read_text()) if verdict_file.is_file() else None
-        verified = bool(verdict and verdict.get("verified") and verdict["roots"]["a"]["params"] == hashes["params_root"])
-        return {"exact_deletion": {
-            "params_root": hashes["params_root"], "optimizer_root": hashes["optimizer_root"],
-            "verified": verified,
-            # published in the card: no local path or folder name (they are the user's, and may hold anything)
-            "verification": ("bit-identical to the trace oracle" if verified
-                             else "differs from the oracle" if verdict and not verdict.get("identical")
-                             else "not verified: run `hf-unlearn trace verify REPLAY_DIR ORACLE_DIR` on this "
-                                  "replay's output folder and a trace oracle's"),
-        }}
-
-    # ---- output run ---------------------------------------------------------------------------------------
-    def _open_output(self, start: int) -> TraceWriter:
-        src, out = self.run.path, self.out_dir
-        out.mkdir(parents=True, exist_ok=True)
-        from ...utils import owner_only, private_dir
-
-        private_dir(out)  # the key, the local paths and the store, owner-only whatever the umask (owner_only below)
-        if (src / "private" / "hmac.key").exists():  # a run with its own key passes it on
-            shutil.copy2(src / "private" / "hmac.key", out / "private" / "hmac.key")
-        from ..reference import PRIVATE_SOURCE, REFERENCE_DIR
-        from ..trainers import PROCESSING_CLASS_DIR
-
-        for folder in ("model", "collator", PROCESSING_CLASS_DIR, REFERENCE_DIR):  # a DPO run's reference goes along
-            if (src / folder).exists():
-                shutil.copytree(src / folder, out / folder)
-        if (src / "private" / "lineage.json").exists() and self._start_weights is None:  # its parent stays the parent
-            shutil.copy2(src / "private" / "lineage.json", out / "private" / "lineage.json")
-        if src.joinpath(*PRIVATE_SOURCE).exists():
-            shutil.copy2(src.joinpath(*PRIVATE_SOURCE), out.joinpath(*PRIVATE_SOURCE))
-        if (src / "deletion_log.jsonl").exists():
-            shutil.copy2(src / "deletion_log.jsonl", out / "deletion_log.jsonl")
-        header = json.loads(json.dumps(self.run.header))
-        from ..preference import replaced_reference
-
-        replaced_reference(self, header, out)  # DPO given ref_model= (a pipeline stage's new parent): recorded as such
-        header.update(optimizer_steps=self.run.total_steps, microbatches=len(self.run.plan))
-        header.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sealed=False, run_id=uuid.uuid4().hex,
-                      origin_run_id=self.run.header.get("origin_run_id", self.run.header.get("run_id")),
-                      parent={"run_id": self.run.header.get("run_id"), "start_step": start,  # no local path
-                              "mode": self.mode, "controls": self.run.report.summary.get("controls")})
-        if self.mode == "oracle":
-            header["dataset"]["store_sha256"] = None
-        else:
-            shutil.copytree(self.store_path, out / "private" / "store",
-                            ignore=shutil.ignore_patterns("cache-*", "*.sha256"))
-            header["dataset"].update(store_sha256=store_sha256(out / "private" / "store"), rows=len(self.store))
-        owner_only(out / "private")
-        if is_packed(header):  # the output's map: the deleted documents' fragments are dummies now
-            gone = {row: {k for k in hit} for row, hit in self._spans.items()}
-            entries = [[row, [[None if k in gone.get(row, ()) else d, a, n] for k, (d, a, n) in enumerate(frags)]]
-                       for row, frags in self._packing_map.items()]
-            from ..packing import write_map
-
-            header["dataset"]["packing"].update(write_map(out, entries))
-        if header.get("lineage"):  # the recording's output root is not this replay's
-            header["lineage"].pop("output_root", None)
-        if self._start_weights is not None:  # a new start: its own step-0 checkpoint (written by _replay)
-            header["lineage"] = {"start_root": self._start_root,
-                                 "parent": {"kind": "run", **(self._start_parent or {})},
-                                 "recorded": self.run.header.get("lineage")}
-        writer = TraceWriter(out, self.run.key)
-        writer.open(header)
-        from ..checkpoints import link_checkpoints
-
-        if self._start_weights is None:  # else the frozen base changed too: saved with the new step-0 checkpoint
-            link_checkpoints(src, writer, [s for s in self.run.checkpoints() if s <= start], self.model,
-                             self._start_state.get("frozen", []))
-        self._out_header = header
-        return writer
-
-    def _finish_output(self, writer: TraceWriter) -> None:
-        header = self._out_header
-        header.update(finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        final = checkpoint_dir(self.out_dir, self.run.total_steps) / "hashes.json"
-        hashes = json.loads(final.read_text())
-        stats = self.replay_stats
-        entry = {
-            "request": len(read_deletion_log(self.out_dir)) + 1,
-            "mode": self.mode,
-            "forget_tags": sorted(tag(self.run.key, i) for i in self.forget_ids),
-            "start_step": self.start_step,
-            "steps_replayed": stats["segments_replayed"],
-            "params_root": hashes["params_root"],
-            "optimizer_root": hashes["optimizer_root"],
-            "parent_run_id": self.run.header.get("run_id"),  # published: the run id, not the local folder name
-        }
-        header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"],
-                              "fingerprints_matched": stats["fingerprints_matched"]}
-        last = self.run.total_steps - 1
-        if header["fidelity"].get("guards") and last in self._step_fps and last in self._recorded_fps:  # the last step's fingerprint is this replay's
-            header["fidelity"]["guards"] = {**header["fidelity"]["guards"], "final": {"step": last,
-                                                                                       "fp": self._step_fps[last]}}
-        entry["fidelity"] = fidelity_statement(header)
-        if stats["nothing_to_replay"]:
-            entry["note"] = ("nothing to replay: no slot of the requested ids is left in the plan (deleted by an "
-                             "earlier request); the state is the parent's final state")
-        append_deletion_log(self.out_dir, entry)
-        writer.seal(header)
-        if self.run.compact:  # the output of a compacted run is compacted the same way
-            from ..compact import compact_run
-
-            first = next((e.mb for e in self.run.plan if e.step >= self.start_step), len(self.run.plan))
-            compact_run(self.out_dir, {(a, b): mac for a, b, mac in self.run.batch_groups()
-                                       if mac is not None and b <= first})
-
-
-def step_ranges(matched: dict) -> dict:
-    """``{"state": [first, last], "controls": [first, last]}`` of the steps whose fingerprints matched (None: none)."""
-    return {k: [min(v), max(v)] if v else None for k, v in matched.items()}
-
-
-def replay_class(cls, header: dict):
-    """``cls`` (a replay class) composed with the run's recorded trainer class, so ``compute_loss``,
-    ``training_step`` and whatever else the recorded trainer overrides run in the replay; ``cls`` itself for a
-    plain ``Trainer`` run."""
-    from ..recording import trace_recording
-    from ..trainers import is_default, recorded_trainer
-
-    if is_default(header):
-        return cls
-    return _composed(cls, trace_recording(recorded_trainer(header)[0]))
-
-
-@functools.cache
-def _composed(replay_cls, traced):
-    if issubclass(replay_cls, traced):
-        return replay_cls
-    return type(replay_cls.__name__, (replay_cls, traced), {"__module__": replay_cls.__module__,
-                                                            "__qualname__": replay_cls.__qualname__,
-                                                            "_trace_machinery": True})
 
 
 class RedactedReplayTrainer(ReplayTrainer):
@@ -1124,50 +386,3 @@ class OracleReplayTrainer(ReplayTrainer):
 def filter_counterfactual(run, forget_ids, **kwargs) -> dict:
     """The naive ``filter`` baseline: same plan, deleted rows dropped before the forward pass."""
     return ReplayTrainer(run, forget_ids=forget_ids, start="full", filter_rows=True, **kwargs).train()
-
-
-def repack_counterfactual(run, forget_ids, output_dir, data_collator=None, callbacks=None) -> dict:
-    """The naive ``repack`` baseline: retrain from the step-0 state on the retained rows with fresh batching
-    (``callbacks``: the Trainer's, e.g. a progress bar)."""
-    from ...data.collators import rebuild_collator
-
-    run = run if isinstance(run, TraceRun) else open_run(run)
-    if is_packed(run.header):
-        raise UnlearnError(PACKED_BASELINE.format(name="repack"))
-    if run.header.get("reference_model"):
-        raise UnlearnError(PAIRS_BASELINE)
-    _check_types(run, list(forget_ids))
-    store = load_store(run.store_path)
-    forget = set(forget_ids)
-    retained = store.select([n for n, i in enumerate(store[run.id_column]) if i not in forget], keep_in_memory=True)
-    model = model_from_run(run)
-    start = load_checkpoint(run.checkpoints()[0])
-    model.load_state_dict(full_model_state(start))
-    args = training_args_from_header(run.header, output_dir, remove_unused_columns=False, logging_strategy="no")
-    collate = data_collator or rebuild_collator(run.header.get("collator"), run.path / "collator", model=model)
-    id_column = run.id_column
-
-    def collator(features):
-        return collate([{k: v for k, v in f.items() if k != id_column} for f in features])
-
-    spec = run.header["optimizer"]
-    optimizers = (None, None)
-    if spec.get("source") == "custom":
-        optimizers = (build_optimizer(spec["rebuild"], model, start["param_names"]), None)
-    trainer = Trainer(model=model, args=args, train_dataset=retained, data_collator=collator, optimizers=optimizers,
-                      callbacks=callbacks)
-    trainer.remove_callback(PrinterCallback)  # a baseline, not a user's training: no metrics dict on stdout
-    with pinned_stack(run.header):  # the run's threads: the baseline's distance is not the thread count's
-        trainer.train()
-    return capture_state(model, trainer.optimizer, trainer.state.global_step, clone=True)
-
-
-def save_state(state: dict, path) -> None:
-    from ..hashing import checkpoint_hashes
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
-    from ...utils import atomic_write_text
-
-    atomic_write_text(path.with_suffix(".hashes.json"), json.dumps(checkpoint_hashes(state), indent=1, sort_keys=True))
