@@ -22,7 +22,7 @@ from ..recording import TraceWriter
 from ..reference import PRIVATE_SOURCE, REFERENCE_DIR
 from ..rows import output_rows
 from ..run import append_deletion_log, checkpoint_dir, read_deletion_log
-from ..shards import save
+from ..shards import save as save_shards
 from ..store import store_sha256
 from ..tags import tag
 from ..trainers import PROCESSING_CLASS_DIR
@@ -113,7 +113,7 @@ class OutputRun:
         if writer:
             return writer.save_checkpoint(step, self.model, self.optimizer)
         out = self.out_dir if self.out_dir is not None and not self.filter_rows else None  # as the main one's writer
-        self._gathered_hashes[step] = save(out, step, self.model, self.optimizer)[1]
+        self._gathered_hashes[step] = save_shards(out, step, self.model, self.optimizer)[1]
         return None
 
     def _discard_output(self, writer: TraceWriter) -> None:
