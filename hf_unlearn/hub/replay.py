@@ -18,14 +18,18 @@ from .mixin import UnlearningHubMixin
 
 
 class ReplayTrainer(UnlearningHubMixin, engine.ReplayTrainer):
-    __doc__ = engine.ReplayTrainer.__doc__
+    """:class:`hf_unlearn.trace.replay.ReplayTrainer` (re-execute a recorded plan with some slots deleted) with
+    ``push_to_hub`` and ``create_model_card``."""
+
     # the engine's card info (the mixin's is the contract's stub, and the mixin comes first for push_to_hub)
     unlearning_card_info = engine.ReplayTrainer.unlearning_card_info
 
 
 class RedactedReplayTrainer(ReplayTrainer, engine.RedactedReplayTrainer):
-    __doc__ = engine.RedactedReplayTrainer.__doc__
+    """:class:`hf_unlearn.trace.replay.RedactedReplayTrainer` (honour a deletion request: replay from the redacted
+    store only) with ``push_to_hub`` (``deletion=True`` tags the commit, ``trace_dir`` publishes the provenance)."""
 
 
 class OracleReplayTrainer(ReplayTrainer, engine.OracleReplayTrainer):
-    __doc__ = engine.OracleReplayTrainer.__doc__
+    """:class:`hf_unlearn.trace.replay.OracleReplayTrainer` (the trace oracle: a full replay with the deleted slots
+    as weight-0 dummies) with ``push_to_hub`` and ``create_model_card``."""
