@@ -29,6 +29,7 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text, private_dir
 from .base_source import base_key, loaded_from
 from .hashing import root_hash, tensor_hash
+from .run_model import model_from_run
 
 PRIVATE_FILE = Path("private") / "lineage.json"
 RECEIPT = "receipt.json"
@@ -72,7 +73,6 @@ def output_model(run, state: dict | None = None):
     script."""
     from .checkpoints import full_model_state, load_checkpoint
     from .fidelity import restore_layout
-    from .run_model import model_from_run
     from .stack import pinned_stack
 
     model = model_from_run(run, weights_follow=True)

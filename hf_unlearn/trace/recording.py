@@ -1038,7 +1038,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
                                     **({"why": record["diverged"]["why"]} if not upto else {}),
                                     "cpu_seconds": record["cpu_seconds"], "wall_seconds": record["wall_seconds"]}
         elif run[0]:
-            from .proof import self_check
+            from .self_check import self_check
 
             with _rng_kept():
                 result = self_check(self.trace_dir, data_collator=None if run[1] else self.data_collator,

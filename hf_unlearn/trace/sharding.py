@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnlearnError
+from .run_model import model_from_run
 
 ENGINE = "fsdp2"
 SUPPORTED = ("supported: one process, data parallel with `accelerate launch --multi_gpu --num_processes N` (DDP), or "
@@ -249,7 +250,6 @@ def save_consolidated(run, state: dict, out) -> None:
     """Save a replay's final state (full tensors, as every checkpoint holds them) as one ``save_pretrained`` folder:
     the run's model rebuilt in this process, the state loaded strictly, saved (safetensors) for publishing."""
     from .checkpoints import full_model_state
-    from .run_model import model_from_run
 
     model = model_from_run(run, weights_follow=True)
     model.load_state_dict(full_model_state(state), strict=True)
