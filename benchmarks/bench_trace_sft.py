@@ -37,8 +37,8 @@ warnings.filterwarnings("ignore")
 # (label, module, attribute[, class]): the recording costs, each charged its exclusive CPU time (the first two, the
 # self-check's, inclusive: what runs inside them is charged to them)
 CAUSES = [
-    ("self-check (replay of the first step(s), compare)", "hf_unlearn.trace.fidelity", "self_check"),
-    ("self-check: state hashes kept at step N (in memory)", "hf_unlearn.trace.recording.selfcheck",
+    ("self-check (replay of the first step(s), compare)", "hf_unlearn.trace.self_check", "self_check"),
+    ("self-check: state hashes kept at step N (in memory)", "hf_unlearn.trace.recorder.selfcheck",
      "keep_reference"),
     ("checkpoint: tensor hashing (SHA-256)", "hf_unlearn.trace.hashing", "checkpoint_hashes"),
     ("checkpoint: safetensors writes", "hf_unlearn.trace.checkpoints", "_save_safetensors"),

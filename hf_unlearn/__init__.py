@@ -30,8 +30,8 @@ _LAZY: dict[str, str] = {
     # --- trace (exact deletion) ---
     "TraceRecordingTrainer": "hf_unlearn.trace.recording",
     "trace_recording": "hf_unlearn.trace.recording",
-    "RedactedReplayTrainer": "hf_unlearn.trace.replay",
-    "OracleReplayTrainer": "hf_unlearn.trace.replay",
+    "RedactedReplayTrainer": "hf_unlearn.hub.replay",  # the engine's class with Hub publishing (push_to_hub)
+    "OracleReplayTrainer": "hf_unlearn.hub.replay",
     "redact_store": "hf_unlearn.trace.store",
     "replay_cost": "hf_unlearn.trace.replay",
     "verify_replay": "hf_unlearn.trace.verification",

@@ -4,7 +4,8 @@
 keyed tags; ``leaks`` finds forget ids in anything about to be published; ``provenance`` selects and checks the trace
 files a push may publish; ``publish`` pushes weights, tokenizer, state-hash manifest, card and provenance in one
 commit; ``verify`` downloads a revision, recomputes its hashes and loads it; ``mixin`` gives trainers
-``create_model_card``/``push_to_hub``; ``server`` (over ``store``) is a local Hub-compatible server.
+``create_model_card``/``push_to_hub``; ``replay`` puts the mixin above the replay engine's trainers; ``server`` (over
+``store``) is a local Hub-compatible server.
 Modules import ``huggingface_hub`` only inside functions, so ``HF_ENDPOINT`` can be set late.
 """
 

@@ -31,7 +31,6 @@ a field covers everything below it). String ids are never allowed.
 from __future__ import annotations
 
 import bisect
-import math
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping
@@ -40,6 +39,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ..errors import UnlearnError
+from ..not_ids import own_numbers  # noqa: F401  (re-exported: it lived here; trainers of every layer use it)
 
 _END = r"(?:st|nd|rd|th|s)?(?![0-9a-z])"  # a number ends at a non-alphanumeric, or an ordinal/plural suffix
 _WHOLE = re.compile(rf"(?<![0-9a-z])(?<!\d\.)(\d{{1,40}}){_END}")
@@ -52,28 +52,6 @@ _RANGE = re.compile(r"(?<![0-9a-z])(?<!\d\.)(\d{1,40})(?:\s*(?:-|–|—|\.\.\.?
                     r"(\d{1,40})(?![0-9a-z])")
 _INDEX = re.compile(r"\[\d+\]")
 ANY = object()  # a not_ids allowance for every number in a field
-
-
-def own_numbers(tree: Mapping[str, Any], prefix: str) -> dict[str, list[int | float]]:
-    """Every integral number a trainer or editor itself wrote under ``prefix`` of its card info (steps, ranks,
-    counts, seeds, indices in keys such as ``block_N``), by field, with its exact value: its own ``not_ids``, so that
-    a rank of 16 or a run of 500 steps is not refused as sample id 16 or 500. Only these values pass; any other
-    number in those fields is still scanned."""
-    out: dict[str, list[int | float]] = {}
-    for key, value in tree.items():
-        path = f"{prefix}.{key}"
-        found: list[int | float] = [int(n) for n in re.findall(r"\d+", str(key))]
-        if isinstance(value, Mapping):
-            out.update(own_numbers(value, path))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                and float(value).is_integer():
-            found.append(value)
-        elif isinstance(value, (list, tuple)):  # e.g. a replay's matched step range [0, 7]
-            found += [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)
-                      and math.isfinite(v) and float(v).is_integer()]
-        if found:
-            out[path] = out.get(path, []) + found
-    return out
 
 
 @dataclass(frozen=True)

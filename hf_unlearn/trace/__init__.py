@@ -31,10 +31,17 @@ _NAMES = {
 }
 
 
+# The replay trainers a user imports here publish like every trainer of the library (push_to_hub, create_model_card):
+# they are the engine's classes with the Hub mixin above them, defined one layer up in hf_unlearn.hub.replay. The
+# engine modules never import the Hub; this table names it, as hf_unlearn's own table does, and loads it on use.
+_PUBLISHING = {"ReplayTrainer", "RedactedReplayTrainer", "OracleReplayTrainer"}
+
+
 def __getattr__(name):
     if name not in _NAMES:
         raise AttributeError(f"module 'hf_unlearn.trace' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+    module = "hf_unlearn.hub.replay" if name in _PUBLISHING else f"{__name__}.{_NAMES[name]}"
+    return getattr(importlib.import_module(module), name)
 
 
 __all__ = sorted(_NAMES)

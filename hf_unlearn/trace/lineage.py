@@ -34,6 +34,7 @@ from .fidelity import restore_layout
 from .hashing import root_hash, tensor_hash
 from .model_info import peft_and_base
 from .run import open_run
+from .run_model import model_from_run
 from .stack import pinned_stack
 
 PRIVATE_FILE = Path("private") / "lineage.json"
@@ -73,7 +74,6 @@ def output_model(run, state: dict | None = None):
     """A run's output as a plain model: its kept checkpoint (or ``state``) loaded into the recorded architecture, a
     PEFT adapter merged into the base with the recorded numeric stack, as ``merge_and_unload`` does in the training
     script."""
-    from .replay import model_from_run
     model = model_from_run(run, weights_follow=True)
     restore_layout(model, run.path, run.header)
     model.load_state_dict(state if state is not None else full_model_state(load_checkpoint(output_checkpoint(run))))

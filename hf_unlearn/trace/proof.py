@@ -48,6 +48,7 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     unproven_statement,
     unproven_steps,
 )
+from .replay import ReplayTrainer
 from .run import TraceRun, open_run, read_header
 from .stack import NUMERIC_ENV, environment_difference, numeric_environment, numeric_stack  # noqa: F401 - they lived here
 from .writer import TraceWriter
@@ -62,8 +63,6 @@ AUTO_PROVE_SECONDS = 120.0
 def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, on_checkpoint=None):
     """A replay with no deletion from the kept checkpoint at ``start`` up to ``stop`` (exclusive), comparing the
     state with the recording's fingerprint after every step and with the recorded checkpoint at ``stop``."""
-    from .replay import ReplayTrainer
-
     class ProofReplayTrainer(ReplayTrainer):
         mode = "proof"
         store_policy = "original"

@@ -41,6 +41,7 @@ from .dtensors import (  # noqa: F401 - re-exported: they lived here
     local,
     model_is_sharded,
 )
+from .run_model import model_from_run
 
 ENGINE = "fsdp2"
 SUPPORTED = ("supported: one process, data parallel with `accelerate launch --multi_gpu --num_processes N` (DDP), or "
@@ -198,7 +199,6 @@ def load_optimizer_state(optimizer, osd: dict) -> None:
 def save_consolidated(run, state: dict, out) -> None:
     """Save a replay's final state (full tensors, as every checkpoint holds them) as one ``save_pretrained`` folder:
     the run's model rebuilt in this process, the state loaded strictly, saved (safetensors) for publishing."""
-    from .replay import model_from_run
 
     model = model_from_run(run, weights_follow=True)
     model.load_state_dict(full_model_state(state), strict=True)

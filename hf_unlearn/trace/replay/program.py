@@ -1,0 +1,131 @@
+"""The program a replay runs besides the plan, as the recording ran it: the recorded trainer's own arguments,
+its callbacks rebuilt at the start step and their events, activation checkpointing, and the fingerprints and
+checkpoints the replay must match on its way (:mod:`hf_unlearn.trace.guards`, :mod:`hf_unlearn.trace.fidelity`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...errors import UnlearnError
+from ..fidelity import check_against_checkpoint, check_against_state
+from ..guards import (
+    ProgramChangedError,
+    compare_fingerprint,
+    program_refusal,
+    rebuild_callback,
+    recorded_fingerprints,
+    run_event,
+)
+from ..hashing import checkpoint_hashes
+from ..proven import neutral_controls
+from ..run import capture_state
+from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
+
+
+def step_ranges(matched: dict) -> dict:
+    """``{"state": [first, last], "controls": [first, last]}`` of the steps whose fingerprints matched (None: none)."""
+    return {k: [min(v), max(v)] if v else None for k, v in matched.items()}
+
+
+class RecordedProgram:
+    """The recorded program around the plan (mixed into :class:`ReplayTrainer`)."""
+
+    def _setup_program(self) -> None:
+        """The program a replay runs besides the plan (hf_unlearn.trace.guards): refused up front when the run
+        changed outside its record at or after the start; the recorded callbacks rebuilt with their attributes at
+        the start step; the recording's per-step fingerprints to compare with."""
+        full = self.run.served_plan or self.run.plan
+        if not self._self_check and not self.filter_rows:  # the self-check finds it by its fingerprints instead
+            why = program_refusal(self.run, self.start_step)
+            if why:
+                raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
+        self._recorded_fps = recorded_fingerprints(full, self.run.header)
+        self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
+        # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
+        def epoch(text):
+            return None if text is None else float.fromhex(text)
+
+        self._epochs = {e.step: epoch(e.extra["ep"]) for e in full if e.j == 0 and "ep" in e.extra}
+        final = ((self.run.header.get("fidelity") or {}).get("guards") or {}).get("final") or {}
+        if "ep" in final:
+            self._epochs[final["step"] + 1] = epoch(final["ep"])
+        planned = (self.run.header.get("checkpoint_retention") or {}).get("planned_steps")
+        self.state.max_steps = planned or self.run.total_steps  # as the recording's TrainerState held it
+        self._step_fps: dict[int, dict] = {}
+        self._fps_matched = {"state": [], "controls": []}
+        specs = (self.run.header.get("trainer") or {}).get("callbacks") or []
+        states = None
+        for e in self.run.plan:
+            if e.j == 0 and e.step <= self.start_step and "callbacks" in e.extra:
+                states = e.extra["callbacks"]
+        if specs and (states is None or len(states) != len(specs)):
+            raise UnlearnError(f"{self.run.path} records {len(specs)} callback(s) a replay runs again but not their "
+                               f"attributes at step {self.start_step}: the plan is not the one the recording wrote")
+        self._program_callbacks = [rebuild_callback(spec, st) for spec, st in zip(specs, states or [])]
+        self._out_cb_states = states
+
+    def _event(self, event: str) -> None:
+        """Run a recorded callback event as the recording's Trainer did at this point of the step."""
+        if self._program_callbacks:
+            run_event(self._program_callbacks, event, self.args, self.state, self.control, model=self.model,
+                      processing_class=self.processing_class, optimizer=self.optimizer, lr_scheduler=None,
+                      train_dataloader=None, eval_dataloader=None)
+
+    def _recorded_trainer_arguments(self) -> dict:
+        """What the run's own trainer class takes beyond model/args/collator: its recorded arguments, the store as
+        its (already prepared) train_dataset and the saved tokenizer. Nothing for a plain ``Trainer`` run."""
+        header = self.run.header
+        if is_default(header):
+            return {}
+        out = {**header["trainer"].get("kwargs", {}), "train_dataset": self.store}
+        if (self.run.path / PROCESSING_CLASS_DIR).is_dir():
+            out["processing_class"] = load_processing_class(self.run.path / PROCESSING_CLASS_DIR)
+        return out
+
+    def _enable_activation_checkpointing(self) -> None:
+        """As ``Trainer.train`` does: the recorded run's backward recomputed its activations (SFTConfig's default)."""
+        args = self.args
+        if not getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)):
+            return
+        gc_kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+                         or {})
+        every_n_layers, offload = gc_kwargs.pop("every_n_layers", 1), gc_kwargs.pop("offload", False)
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs or None,
+                                                       every_n_layers=every_n_layers, offload=offload)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None)
+
+    def _check_step_fingerprint(self, step: int) -> None:
+        """Compare this replay's fingerprint of ``step`` with the recording's: the controls at every step (a deletion
+        does not change them), the state before the first affected step."""
+        recorded, actual = self._recorded_fps.get(step), self._step_fps.get(step)
+        if self.filter_rows or recorded is None or actual is None or "c" not in actual or "c" not in recorded:
+            return
+        state = step < self.first_affected_step
+        if step in self._neutral_controls and recorded.get("c") != actual.get("c"):  # proven: a neutral difference
+            recorded = {**recorded, "c": actual["c"], "lr": actual.get("lr")}
+        compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
+        self._fps_matched["controls"].append(step)
+        if state:
+            self._fps_matched["state"].append(step)
+
+    def _check_fidelity(self, step: int, saved: Path | None) -> None:
+        """At a recorded checkpoint before the first affected step, the state must be the recorded one (else stop)."""
+        recorded = self._recorded_checkpoints.get(step)
+        reference = self._fidelity_reference.get(step)  # the recorder's in-memory state hashes (its self-check)
+        if (recorded is None and reference is None) or step == self.start_step or step > self.first_affected_step:
+            return
+        if saved is not None:
+            actual = json.loads((saved / "hashes.json").read_text())
+        elif step in self._gathered_hashes:  # a sharded run's, gathered by _save_state
+            actual = self._gathered_hashes.pop(step)
+        else:
+            actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step))
+        if reference is not None:
+            check_against_state(self.run.path, step, reference, actual, who=f"the {self.mode}",
+                                where=f"step {step} (the recording's own state, hashed in memory as it trained)")
+        if recorded is not None:
+            check_against_checkpoint(self.run.path, step, recorded, actual, who=f"the {self.mode}")
+            self.checkpoints_matched.append(step)
