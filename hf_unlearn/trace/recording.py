@@ -40,6 +40,7 @@ from ..errors import UnlearnError
 from ..utils import WeightsFollowUmask, atomic_write_text
 from .checkpoints import INDEX_FORMAT, CheckpointIndex, FrozenTensors
 from .fidelity import device_info, prepare_cuda_determinism
+from .guards import all_finite
 from .hashing import batch_digest, optimizer_param_names
 from .plan import PlanEntry
 from .retention import default_every, is_due
@@ -208,7 +209,7 @@ def first_non_finite(model) -> str | None:
     from .sharding import local
 
     for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(local(p)).all()):  # FSDP2: this process's shard
+        if p.is_floating_point() and not all_finite(local(p)):  # FSDP2: this process's shard (one read)
             return name
     return None
 
@@ -1455,7 +1456,8 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if guard is not None:  # after the last step: its fingerprint, and a change since (in the final checkpoint)
             guard.between_steps(step, [])
             guard.close()
-        if step not in self._trace_saved:
+        fresh = step not in self._trace_saved  # the final checkpoint is written now, from the state as it ends
+        if fresh:
             self._trace_checkpoint(step, final=True)
         else:
             self._trace_thin(step, final=True)
@@ -1476,11 +1478,12 @@ class TraceRecordingMixin(WeightsFollowUmask):
         if kept:
             self._trace_header["kept_model"] = kept
         if not self._is_replay and self._trace_header.get("lineage") and not kept:
-            from .lineage import live_output_root  # a later stage finds this run by it without loading a checkpoint
+            from .lineage import final_is_output, live_output_root  # a later stage finds this run by it
 
             self._trace_header["lineage"]["output_root"] = (
-                self._trace_final_params_root(step) if self.is_fsdp_enabled else
-                live_output_root(self.accelerator.unwrap_model(self.model), self._trace_header))
+                self._trace_final_params_root(step) if self.is_fsdp_enabled or (fresh and final_is_output(
+                    self._trace_header)) else live_output_root(self.accelerator.unwrap_model(self.model),
+                                                               self._trace_header))
         if not self._is_replay:
             from .fidelity import changed_buffers
 
