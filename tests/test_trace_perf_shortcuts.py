@@ -65,3 +65,32 @@ def test_the_sealed_output_root_read_from_the_final_checkpoint_is_the_models(tmp
 def test_the_recorded_run_still_names_its_output_root():
     header = json.loads((get_recorded() / "header.json").read_text())
     assert len(header["lineage"]["output_root"]) == 64
+
+
+def test_a_function_changed_in_place_changes_the_program_digest():
+    """A function's code, defaults or closure replaced in place (the function, its class and its module stay the same
+    objects) is a change of the program the digest sees, at every snapshot (no cache keyed by identities hides it)."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from hf_unlearn.trace.digests import describe_difference, program_state
+
+    tok, _ = get_trace_data()
+    model = tiny(tok)
+    before = program_state(model)
+
+    def negated(x):
+        return -x
+
+    def identity(self, x):
+        return x
+
+    edits = [(ml.rotate_half, "__code__", negated.__code__), (ml.LlamaMLP.forward, "__code__", identity.__code__),
+             (ml.eager_attention_forward, "__defaults__", (0.5,))]
+    for fn, attr, value in edits:
+        saved = getattr(fn, attr)
+        try:
+            setattr(fn, attr, value)
+            assert describe_difference(before, program_state(model)), (fn, attr)
+        finally:
+            setattr(fn, attr, saved)
+        assert describe_difference(before, program_state(model)) is None
