@@ -6,7 +6,8 @@ recording (issue #42's benchmark).
 
 Per kind, the plain trainer (``SFTTrainer`` / ``DPOTrainer`` with ``save_strategy="steps"``, ``save_steps=--every``:
 Trainer checkpoints of the adapter and the optimizer) and the recording one (``trace_recording(...)``,
-``trace_checkpoint_steps=--every``, the library's default retention and self-check, no Trainer checkpoints)
+``trace_checkpoint_steps=--every``, the library's default retention, ``--self-check`` (default: the library's),
+no Trainer checkpoints)
 alternate, order rotated per repeat; CPU time (user + system of this process) and wall time of ``train()``, median
 over the repeats. Then ``hf_unlearn.forget(RUN, ids, oracle=True)`` of one id served at the last step (a late
 deletion): the replay's wall time against the recording's, and the oracle's. LoRA r=8 on q_proj and v_proj, fp32,
@@ -47,6 +48,11 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tmp", default=None)
     p.add_argument("--only", choices=["sft", "dpo"], default=None)
+    p.add_argument("--no-deletion", action="store_true", help="the recording overhead only (no forget --oracle)")
+    p.add_argument("--self-check", default="default", choices=["default", "false", "1", "all"],
+                   help="the recording's trace_self_check: the library's default (a run whose training took at most "
+                        "AUTO_PROVE_SECONDS is proven whole at its end: about its compute again), false (the recording "
+                        "alone), 1 (the first step replayed), all")
     a = p.parse_args()
     import torch
 
@@ -88,6 +94,8 @@ def main():
                               task_type="CAUSAL_LM")
 
         kinds = [a.only] if a.only else ["sft", "dpo"]
+        self_check = {} if a.self_check == "default" else {
+            "trace_self_check": {"false": False, "1": 1, "all": "all"}[a.self_check]}
         results = {}
         for kind in kinds:
             cls = {"sft": SFTTrainer, "dpo": DPOTrainer}[kind]
@@ -95,7 +103,8 @@ def main():
             for r in range(a.repeats):
                 for arm in (["plain", "trace"] if r % 2 == 0 else ["trace", "plain"]):
                     name = f"{kind}-{arm}-{r}"
-                    kw = {} if arm == "plain" else dict(trace_checkpoint_steps=a.every, trace_dir=out / name / "trace")
+                    kw = {} if arm == "plain" else dict(trace_checkpoint_steps=a.every, trace_dir=out / name / "trace",
+                                                        **self_check)
                     t = (cls if arm == "plain" else trace_recording(cls))(
                         model=copy.deepcopy(base), args=config(kind, name, arm), train_dataset=data[kind],
                         processing_class=tok, peft_config=lora(), **kw)
@@ -104,19 +113,25 @@ def main():
                           flush=True)
                     if arm == "plain":
                         shutil.rmtree(out / name, ignore_errors=True)
+            if a.no_deletion:
+                results[kind] = (times, None, None, None)
+                continue
             run = open_run(out / f"{kind}-trace-0" / "trace")
             ids = run.ids_at_steps([steps[kind] - 1])[:1]
             c, w = time.process_time(), time.perf_counter()
             receipt = forget(run.path, ids, out / f"{kind}-deletion", oracle=True, progress=False, log=lambda m: None)
             results[kind] = (times, time.process_time() - c, time.perf_counter() - w, receipt)
         print(f"\nSmolLM2-135M, LoRA r=8 (q_proj, v_proj), fp32, SDPA, {a.threads} thread(s), checkpoints every "
-              f"{a.every} steps in both arms; median of {a.repeats} repeat(s), arms alternating")
+              f"{a.every} steps in both arms; trace_self_check {a.self_check}; median of {a.repeats} repeat(s), arms "
+              "alternating")
         for kind in kinds:
             times, cpu, wall, receipt = results[kind]
             pc, pw = (statistics.median(x[i] for x in times["plain"]) for i in (0, 1))
             tc, tw = (statistics.median(x[i] for x in times["trace"]) for i in (0, 1))
             print(f"  {kind.upper()} {steps[kind]:2d} steps: plain {pc:6.1f} s CPU ({pw:6.1f} wall)  recorded "
                   f"{tc:6.1f} s CPU ({tw:6.1f} wall)  ratio {tc / pc:.3f}x CPU, {tw / pw:.3f}x wall")
+            if receipt is None:
+                continue
             c = receipt.evidence["cost"]
             tm = receipt.timings
             print(f"      late deletion (1 id at step {steps[kind] - 1}): {receipt.verdict}; replayed "

@@ -117,10 +117,10 @@ def _short(text: str) -> str:
 
 
 class Digester:
-    """Stable text for objects, memoised for one snapshot (an object met twice is read once)."""
+    """Stable text for objects, memoised for one snapshot (an object met twice at one depth is read once)."""
 
     def __init__(self, roots: dict | None = None):
-        self.memo: dict[int, tuple] = {}
+        self.memo: dict[tuple, tuple] = {}
         self.roots = {id(v): k for k, v in (roots or {}).items()}  # objects digested under their own path
 
     def leaf(self, value):
@@ -134,9 +134,9 @@ class Digester:
     def text(self, obj, depth: int) -> str:
         if isinstance(obj, PLAIN):
             return repr(obj)
-        key = id(obj)
-        if key in self.roots:
-            return f"<{self.roots[key]}>"
+        if id(obj) in self.roots:
+            return f"<{self.roots[id(obj)]}>"
+        key = (id(obj), depth)  # the text depends on the depth it is read at (MAX_DEPTH cuts it): never the order
         if key in self.memo:
             return self.memo[key][1]
         self.memo[key] = (obj, f"<cycle {type(obj).__qualname__}>")  # holds obj: a temporary's id is not reused
@@ -222,27 +222,11 @@ def tensor_text(t: torch.Tensor) -> str:
 
 
 # ---- the whole program, flattened --------------------------------------------------------------------------
-_CACHE: dict = {}
-
-
-def _cached(kind: str, obj, compute) -> str:
-    """``compute()`` once per state of ``obj``'s namespace (the identities of what it holds): a patched function is a
-    new object, so it is computed again; an unchanged class or module costs one pass over its names."""
-    spaces = [vars(c) for c in obj.__mro__] if isinstance(obj, type) else [vars(obj)]
-    key = tuple(id(v) for space in spaces for v in space.values())
-    hit = _CACHE.get((kind, id(obj)))
-    if hit is not None and hit[0] is obj and hit[1] == key:
-        return hit[2]
-    value = compute()
-    _CACHE[(kind, id(obj))] = (obj, key, value)
-    return value
-
-
+# The code digests of classes and modules are computed at every snapshot, not cached by the identities of what their
+# namespaces hold: a function's ``__code__``, defaults or closure can be replaced in place (the function stays the same
+# object), which such a cache did not see; a cache keyed on all of that costs more than it saves (most namespaces
+# reach a mutable object). Code objects themselves are immutable: :func:`code_digest` caches them.
 def _class_code(cls, digester: Digester) -> str:
-    return _cached("class", cls, lambda: _class_code_now(cls, digester))
-
-
-def _class_code_now(cls, digester: Digester) -> str:
     """The code of every function defined by ``cls`` and its bases (a method patched on any of them changes it)."""
     h = hashlib.sha256()
     for c in cls.__mro__:
@@ -256,10 +240,6 @@ def _class_code_now(cls, digester: Digester) -> str:
 
 
 def _module_code(mod, digester: Digester) -> str:
-    return _cached("module", mod, lambda: _module_code_now(mod, digester))
-
-
-def _module_code_now(mod, digester: Digester) -> str:
     """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
     h = hashlib.sha256()
     for k, v in sorted(vars(mod).items()):

@@ -307,6 +307,18 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
     return None
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of a floating tensor is finite, exactly, at the cost of one read: a NaN or an infinity
+    makes the sum non-finite (NaN propagates, an infinity stays one or meets its opposite as NaN), so a finite sum
+    proves every element finite; a non-finite sum (an overflow of finite values included) is settled element by
+    element. ``torch.isfinite(t).all()`` writes a boolean tensor as large as ``t``: 20x the time on the CPU."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.detach().sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def sample_values(tensors) -> dict:
     """A strided sample of every tensor's values, concatenated per dtype."""
     groups: dict = {}

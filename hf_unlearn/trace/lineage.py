@@ -91,6 +91,13 @@ def output_weights(run) -> dict:
     return base_weights(full_model_state(load_checkpoint(output_checkpoint(run))))
 
 
+def final_is_output(header: dict) -> bool:
+    """Whether the final checkpoint's ``params_root``, just written from the model as training ends, is the run's
+    output root (a plain model: its weights are the checkpoint's parameters, named alike); a PEFT run's output is the
+    merged model, hashed by :func:`live_output_root`. Reading it saves hashing every weight a second time."""
+    return not (header.get("model") or {}).get("peft")
+
+
 def live_output_root(model, header: dict) -> str:
     """:func:`output_root` of a run that just finished, from its model in memory (a PEFT adapter merged into a copy,
     with the recorded numeric stack): sealed into the header's ``lineage.output_root`` so a later stage's recording

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .guards import all_finite
 from .sharding import local
 
 
@@ -29,7 +30,7 @@ def dynamic_rope(config) -> str | None:
 def first_non_finite(model) -> str | None:
     """The name of the first parameter holding a NaN or an infinity, or None."""
     for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(local(p)).all()):  # FSDP2: this process's shard
+        if p.is_floating_point() and not all_finite(local(p)):  # FSDP2: this process's shard (one read)
             return name
     return None
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..fidelity import changed_buffers
-from ..lineage import live_output_root
+from ..lineage import final_is_output, live_output_root
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck
 from .program import GUARD_CHECKS
@@ -36,7 +36,8 @@ def finish(trainer) -> None:
     if guard is not None:  # after the last step: its fingerprint, and a change since (in the final checkpoint)
         guard.between_steps(step, [])
         guard.close()
-    if step not in trainer._trace_saved:
+    fresh = step not in trainer._trace_saved  # the final checkpoint is written now, from the state as it ends
+    if fresh:
         keeper.checkpoint(trainer, step, final=True)
     else:
         keeper.thin(trainer, step, final=True)
@@ -56,8 +57,9 @@ def finish(trainer) -> None:
         trainer._trace_header["kept_model"] = kept
     if not trainer._is_replay and trainer._trace_header.get("lineage") and not kept:
         trainer._trace_header["lineage"]["output_root"] = (
-            keeper.final_params_root(trainer, step) if trainer.is_fsdp_enabled else
-            live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header))
+            keeper.final_params_root(trainer, step)
+            if trainer.is_fsdp_enabled or (fresh and final_is_output(trainer._trace_header))
+            else live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header))
     if not trainer._is_replay:
         changed = changed_buffers(trainer.accelerator.unwrap_model(trainer.model), trainer.trace_dir)
         why = (f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do not carry "
