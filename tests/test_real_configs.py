@@ -577,3 +577,21 @@ def test_smollm2_135m_lora_forget_oracle_equals_the_counterfactual(tmp_path, kin
     a LoRA adapter, SFTTrainer or DPOTrainer (adapter-disabled reference), SDPA: `forget --oracle` VERIFIED, and the
     oracle's state and the published merged model equal a plain trainer's counterfactual bit for bit."""
     check_configuration(tmp_path, "smollm2", "lora", kind, max_steps=3)
+
+
+# ---- a LoRA run recorded data-parallel (DDP, 2 processes) through forget ---------------------------------------------
+@pytest.mark.slow  # two processes: a recording, forget with its oracle and a counterfactual, under one launch (~60 s)
+def test_a_lora_run_recorded_with_ddp_is_deleted_by_forget_under_its_launch_as_the_counterfactual(tmp_path):
+    """`torchrun --nproc_per_node 2` on CPU (gloo): a PEFT LoRA model (GQA Llama) recorded by a data-parallel
+    Trainer; `forget(..., oracle=True)` of a late row under the same launch is VERIFIED (both processes replay their
+    share from checkpoint 2), the main process publishes the merged model, and the oracle's state and the published
+    model equal a plain DDP Trainer's counterfactual (the row's labels -100, the recorded normalisers and seeds) bit
+    for bit; the deletion changed the state."""
+    from .trace_lora_distributed import launch
+
+    result = launch(tmp_path)
+    assert result["world_size"] == 2 and result["peft"] and all(r == [2, 2] for r in result["ranks"])
+    assert result["ok"] and result["verified"] is True and result["start_checkpoint"] == 2
+    assert result["output"] == "merged adapter"
+    assert result["oracle_is_counterfactual"] and result["published_is_counterfactual"]
+    assert result["differs_from_recording"]

@@ -906,10 +906,9 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                if report["identical"] and report["provenance"]["problems"] else report["verdict"]))
     model_dir = out / "model"
     if plan.get("processes") is not None:  # a run of several processes (an FSDP2 run's shards): one folder
-        from ..trace.sharding import save_consolidated
+        from .outputs import save_consolidated_output
 
-        save_consolidated(run, final, model_dir)
-        replayed = {}
+        replayed = save_consolidated_output(run, final, out / "replay", model_dir)  # a LoRA run's merged too
     else:  # a LoRA run: the adapter merged into its base (what is published), the adapter itself kept beside it
         from .outputs import save_output
 
