@@ -121,7 +121,7 @@ def main():
             receipt = forget(run.path, ids, out / f"{kind}-deletion", oracle=True, progress=False, log=lambda m: None)
             results[kind] = (times, time.process_time() - c, time.perf_counter() - w, receipt, proven, deletions)
         print(f"\nSmolLM2-135M, LoRA r=8 (q_proj, v_proj), fp32, SDPA, {a.threads} thread(s), checkpoints every "
-              f"{a.every} steps in both arms; median of {a.repeats} repeat(s), arms alternating")
+              f"{a.every} steps in both arms; median of {1 if a.deletion_only else a.repeats} repeat(s), arms alternating")
         for kind in kinds:
             times, cpu, wall, receipt, proven, deletions = results[kind]
             tc, tw = (statistics.median(x[i] for x in times["trace"]) for i in (0, 1))
