@@ -12,6 +12,13 @@ alternate, order rotated per repeat; CPU time (user + system of this process) an
 over the repeats. Then ``hf_unlearn.forget(RUN, ids, oracle=True)`` of one id served at the last step (a late
 deletion): the replay's wall time against the recording's, and the oracle's. LoRA r=8 on q_proj and v_proj, fp32,
 SDPA, batch 4 (SFT) / 2 pairs (DPO), TOFU rows, 64 tokens at most.
+
+The late deletion's own compute (``--deletion-repeats N``, N > 0): ``forget(RUN, ids)`` without the oracle, CPU time
+of the whole call (checks, environment probe, redaction, replay, merge, save), against the recording's CPU time; two
+arms alternate: ``probe-once`` (the library: a probe step the replay re-runs with no deletion is left to it) and
+``probe-twice`` (the probe runs every step itself, as before). The run is proven first when its recording was too
+long to prove itself (``trace prove``: a one-time cost, not counted). ``--deletion-only``: one recording, no plain
+arm.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tmp", default=None)
     p.add_argument("--only", choices=["sft", "dpo"], default=None)
+    p.add_argument("--deletion-repeats", type=int, default=0, help="late deletions without the oracle, per arm")
+    p.add_argument("--deletion-only", action="store_true", help="one recording (no plain arm), then the deletions")
     p.add_argument("--no-deletion", action="store_true", help="the recording overhead only (no forget --oracle)")
     p.add_argument("--self-check", default="default", choices=["default", "false", "1", "all"],
                    help="the recording's trace_self_check: the library's default (a run whose training took at most "
@@ -100,8 +109,8 @@ def main():
         for kind in kinds:
             cls = {"sft": SFTTrainer, "dpo": DPOTrainer}[kind]
             times: dict[str, list[tuple[float, float]]] = {"plain": [], "trace": []}
-            for r in range(a.repeats):
-                for arm in (["plain", "trace"] if r % 2 == 0 else ["trace", "plain"]):
+            for r in range(1 if a.deletion_only else a.repeats):
+                for arm in ["trace"] if a.deletion_only else (["plain", "trace"] if r % 2 == 0 else ["trace", "plain"]):
                     name = f"{kind}-{arm}-{r}"
                     kw = {} if arm == "plain" else dict(trace_checkpoint_steps=a.every, trace_dir=out / name / "trace",
                                                         **self_check)
@@ -114,22 +123,34 @@ def main():
                     if arm == "plain":
                         shutil.rmtree(out / name, ignore_errors=True)
             if a.no_deletion:
-                results[kind] = (times, None, None, None)
+                results[kind] = (times, None, None, None, 0.0, {})
                 continue
             run = open_run(out / f"{kind}-trace-0" / "trace")
             ids = run.ids_at_steps([steps[kind] - 1])[:1]
+            proven = prove_if_needed(run)
+            deletions = late_deletions(forget, run.path, ids, out / f"{kind}-late", a.deletion_repeats)
             c, w = time.process_time(), time.perf_counter()
             receipt = forget(run.path, ids, out / f"{kind}-deletion", oracle=True, progress=False, log=lambda m: None)
-            results[kind] = (times, time.process_time() - c, time.perf_counter() - w, receipt)
+            results[kind] = (times, time.process_time() - c, time.perf_counter() - w, receipt, proven, deletions)
         print(f"\nSmolLM2-135M, LoRA r=8 (q_proj, v_proj), fp32, SDPA, {a.threads} thread(s), checkpoints every "
-              f"{a.every} steps in both arms; trace_self_check {a.self_check}; median of {a.repeats} repeat(s), arms "
-              "alternating")
+              f"{a.every} steps in both arms; trace_self_check {a.self_check}; median of {1 if a.deletion_only else a.repeats} repeat(s), arms alternating")
         for kind in kinds:
-            times, cpu, wall, receipt = results[kind]
-            pc, pw = (statistics.median(x[i] for x in times["plain"]) for i in (0, 1))
+            times, cpu, wall, receipt, proven, deletions = results[kind]
             tc, tw = (statistics.median(x[i] for x in times["trace"]) for i in (0, 1))
-            print(f"  {kind.upper()} {steps[kind]:2d} steps: plain {pc:6.1f} s CPU ({pw:6.1f} wall)  recorded "
-                  f"{tc:6.1f} s CPU ({tw:6.1f} wall)  ratio {tc / pc:.3f}x CPU, {tw / pw:.3f}x wall")
+            if times["plain"]:
+                pc, pw = (statistics.median(x[i] for x in times["plain"]) for i in (0, 1))
+                print(f"  {kind.upper()} {steps[kind]:2d} steps: plain {pc:6.1f} s CPU ({pw:6.1f} wall)  recorded "
+                      f"{tc:6.1f} s CPU ({tw:6.1f} wall)  ratio {tc / pc:.3f}x CPU, {tw / pw:.3f}x wall")
+            else:
+                print(f"  {kind.upper()} {steps[kind]:2d} steps: recorded {tc:6.1f} s CPU ({tw:6.1f} wall)")
+            if proven:
+                print(f"      proven after recording (trace prove, not counted): {proven:.1f} s CPU")
+            for arm, got in deletions.items():
+                cpus = [x[0] for x in got]
+                print(f"      late deletion without the oracle, {arm}: {statistics.median(cpus):.1f} s CPU "
+                      f"(repeats {', '.join(f'{x:.1f}' for x in cpus)}) = {statistics.median(cpus) / tc:.2f}x the "
+                      f"recording's CPU; wall {statistics.median(x[1] for x in got):.1f} s; probe steps run "
+                      f"{got[0][2]}, left to the replay {got[0][3]}")
             if receipt is None:
                 continue
             c = receipt.evidence["cost"]
@@ -140,6 +161,45 @@ def main():
                   f"{tm['oracle_s']:.1f} s wall; forget total {wall:.1f} s wall, {cpu:.1f} s CPU")
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def prove_if_needed(run) -> float:
+    """Prove ``run`` (``trace prove``) when its recording did not prove itself; returns the CPU seconds (0: proven)."""
+    from hf_unlearn.trace.proof import prove, unproven_steps
+
+    if not unproven_steps(run.header, 0, run.total_steps):
+        return 0.0
+    c = time.process_time()
+    prove(run.path, progress=False)
+    return time.process_time() - c
+
+
+def late_deletions(forget, run_path, ids, out: Path, repeats: int) -> dict:
+    """``forget`` without the oracle, ``repeats`` times per arm, arms alternating: ``probe-once`` (the library) and
+    ``probe-twice`` (every probe step run by the probe itself, as before the replay took over the ones it re-runs).
+    Returns ``{arm: [(cpu_s, wall_s, probe steps run, steps left to the replay)]}``."""
+    from hf_unlearn.trace import proof
+
+    library = proof.before_deletion
+
+    def probe_twice(*args, first_affected=None, **kwargs):
+        return library(*args, **kwargs)
+
+    got: dict[str, list] = {"probe-once": [], "probe-twice": []}
+    for r in range(repeats):
+        for arm in (["probe-once", "probe-twice"] if r % 2 == 0 else ["probe-twice", "probe-once"]):
+            proof.before_deletion = library if arm == "probe-once" else probe_twice
+            try:
+                c, w = time.process_time(), time.perf_counter()
+                receipt = forget(run_path, ids, out / f"{arm}-{r}", progress=False, log=lambda m: None)
+                cpu, wall = time.process_time() - c, time.perf_counter() - w
+            finally:
+                proof.before_deletion = library
+            probe = receipt.evidence["environment_probe"]
+            got[arm].append((cpu, wall, probe["steps"], probe.get("by_the_replay", [])))
+            print(f"  late deletion {arm} repeat {r}: {cpu:.1f} s CPU, {wall:.1f} s wall", flush=True)
+            shutil.rmtree(out / f"{arm}-{r}", ignore_errors=True)
+    return {k: v for k, v in got.items() if v}
 
 
 if __name__ == "__main__":

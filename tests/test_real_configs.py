@@ -467,12 +467,13 @@ def test_matrix_forget_oracle_trace_verify_equal_the_counterfactual(tmp_path, fa
 
 # ---- a pipeline whose DPO stage loads its model with other settings than its parent was saved with -----------------
 @pytest.mark.slow  # two recordings, a two-stage forget with oracles and a two-stage counterfactual (~45 s of CPU each)
-@pytest.mark.parametrize("load", ["eager", "bf16"])
+@pytest.mark.parametrize("load", ["eager", "bf16", "fp32_from_bf16"])
 def test_a_dpo_stage_loaded_with_other_settings_than_its_parent_deletes_a_stage_1_row_as_the_counterfactual(
         tmp_path, load):
-    """Stage 1: a full fine-tune (Trainer, Qwen2 GQA shape, SDPA, fp32) saved with save_model; stage 2: DPOTrainer on
-    the model loaded from that folder with attn_implementation="eager" (or dtype=torch.bfloat16), ref_model=None
-    (TRL loads the reference with the policy's settings). The stage keeps its lineage (found by weights: a bf16 load
+    """Stage 1: a full fine-tune (Trainer, Qwen2 GQA shape, SDPA, fp32; or bf16 weights for ``fp32_from_bf16``)
+    saved with save_model; stage 2: DPOTrainer on the model loaded from that folder with attn_implementation="eager"
+    (or dtype=torch.bfloat16; or dtype=torch.float32 from the bf16 parent), ref_model=None (TRL loads the reference
+    with the policy's settings). The stage keeps its lineage (found by weights: a bf16 load
     is the parent's output cast, recorded as such). A stage-1 deletion replays stage 2 from the new parent, cast as
     recorded, with the new parent as the reference loaded as the recorded reference was (eager, or bf16), not as the
     parent was saved: VERIFIED, `trace verify OUT` agrees, and the final model equals a plain Trainer then a plain
@@ -487,12 +488,14 @@ def test_a_dpo_stage_loaded_with_other_settings_than_its_parent_deletes_a_stage_
     from .test_trace_common import labels_masked, recorded_normalisers_trainer
     from .test_trace_sft import state_of
 
-    settings = {"eager": {"attn_implementation": "eager"}, "bf16": {"dtype": torch.bfloat16}}[load]
+    settings = {"eager": {"attn_implementation": "eager"}, "bf16": {"dtype": torch.bfloat16},
+                "fp32_from_bf16": {"dtype": torch.float32}}[load]
+    start = torch.bfloat16 if load == "fp32_from_bf16" else torch.float32  # stage 1's weights
     kw = dict(max_steps=3)
     # weights of a trained model's scale (initializer_range 0.3): the reference's attention kernel shows in its
     # per-pair log-probabilities (at 0.02, eager and SDPA differ in the last bit of single tokens only, and the
     # sums over a completion round it away)
-    s1 = record(tmp_path / "s1", "qwen2", "full", "trainer", model=real_shape("qwen2", initializer_range=0.3), **kw)
+    s1 = record(tmp_path / "s1", "qwen2", "full", "trainer", model=real_shape("qwen2", initializer_range=0.3).to(start), **kw)
     s1.save_model(str(tmp_path / "s1" / "rec"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "s1" / "rec", **settings)
     s2 = trainer_for("dpo", True)(model=loaded, args=config_for("dpo", tmp_path / "s2", "fp32", **kw),
@@ -502,7 +505,7 @@ def test_a_dpo_stage_loaded_with_other_settings_than_its_parent_deletes_a_stage_
     run1, run2 = open_run(tmp_path / "s1" / "rec" / "trace"), open_run(tmp_path / "s2" / "trace")
     ref, lineage = run2.header["reference_model"], run2.header["lineage"]
     assert lineage["parent"]["run_id"] == run1.header["run_id"]  # lineage kept, whatever the dtype
-    assert lineage["parent"].get("cast") == ("bfloat16" if load == "bf16" else None)
+    assert lineage["parent"].get("cast") == {"bf16": "bfloat16", "fp32_from_bf16": "float32"}.get(load)
     assert ref["params_root"] == lineage["start_root"]
     assert ref["attn_implementation"] == ("eager" if load == "eager" else "sdpa")
     forget = run1.ids_at_steps([1])[:1]
@@ -511,7 +514,7 @@ def test_a_dpo_stage_loaded_with_other_settings_than_its_parent_deletes_a_stage_
     assert main(["trace", "verify", str(tmp_path / "out")]) == 0
 
     cf1 = recorded_normalisers_trainer(run1.path)(
-        model=real_shape("qwen2", initializer_range=0.3), args=config_for("trainer", tmp_path / "cf1", "fp32", **kw),
+        model=real_shape("qwen2", initializer_range=0.3).to(start), args=config_for("trainer", tmp_path / "cf1", "fp32", **kw),
         train_dataset=labels_masked(data_for("trainer"), forget), **trainer_kwargs("trainer", "qwen2", "full"))
     cf1.train()
     cf1.save_model(str(tmp_path / "cf1"))
@@ -577,3 +580,21 @@ def test_smollm2_135m_lora_forget_oracle_equals_the_counterfactual(tmp_path, kin
     a LoRA adapter, SFTTrainer or DPOTrainer (adapter-disabled reference), SDPA: `forget --oracle` VERIFIED, and the
     oracle's state and the published merged model equal a plain trainer's counterfactual bit for bit."""
     check_configuration(tmp_path, "smollm2", "lora", kind, max_steps=3)
+
+
+# ---- a LoRA run recorded data-parallel (DDP, 2 processes) through forget ---------------------------------------------
+@pytest.mark.slow  # two processes: a recording, forget with its oracle and a counterfactual, under one launch (~60 s)
+def test_a_lora_run_recorded_with_ddp_is_deleted_by_forget_under_its_launch_as_the_counterfactual(tmp_path):
+    """`torchrun --nproc_per_node 2` on CPU (gloo): a PEFT LoRA model (GQA Llama) recorded by a data-parallel
+    Trainer; `forget(..., oracle=True)` of a late row under the same launch is VERIFIED (both processes replay their
+    share from checkpoint 2), the main process publishes the merged model, and the oracle's state and the published
+    model equal a plain DDP Trainer's counterfactual (the row's labels -100, the recorded normalisers and seeds) bit
+    for bit; the deletion changed the state."""
+    from .trace_lora_distributed import launch
+
+    result = launch(tmp_path)
+    assert result["world_size"] == 2 and result["peft"] and all(r == [2, 2] for r in result["ranks"])
+    assert result["ok"] and result["verified"] is True and result["start_checkpoint"] == 2
+    assert result["output"] == "merged adapter"
+    assert result["oracle_is_counterfactual"] and result["published_is_counterfactual"]
+    assert result["differs_from_recording"]

@@ -280,7 +280,7 @@ def _before_compute(plan: dict, config: ForgetConfig) -> None:
     from ..trace.proof import before_deletion
 
     plan.update(before_deletion(plan["run"], plan["cost"]["start_checkpoint"], config.oracle, config.accept_unproven,
-                                plan["data_collator"]))
+                                plan["data_collator"], first_affected=plan["cost"]["first_affected_step"]))
 
 
 def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..validation import TOKENIZER_FILES
 from .config import ForgetConfig
 from .forget_receipt import ForgetReceipt, _receipt
-from .outputs import card_fields, save_output
+from .outputs import card_fields, save_consolidated_output, save_output
 from .preference_terms import preference_terms
 from .publishing import _own_settings
 from .runs import with_replay_progress
@@ -85,10 +85,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
                if report["identical"] and report["provenance"]["problems"] else report["verdict"]))
     model_dir = out / "model"
     if plan.get("processes") is not None:  # a run of several processes (an FSDP2 run's shards): one folder
-        from ..trace.sharding import save_consolidated
-
-        save_consolidated(run, final, model_dir)
-        replayed = {}
+        replayed = save_consolidated_output(run, final, out / "replay", model_dir)
     else:  # a LoRA run: the adapter merged into its base (what is published), the adapter itself kept beside it
         replayed = save_output(replay, out / "replay", model_dir)
     if tokenizer is not None:

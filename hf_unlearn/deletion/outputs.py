@@ -61,15 +61,36 @@ def save_output(replay, replay_dir: Path, model_dir: Path) -> dict:
     if not is_adapter_run(replay.run.header):
         replay.save_model(str(model_dir))
         return {}
+    adapter_dir = model_dir.parent / ADAPTER_DIR
+    replay.save_model(str(adapter_dir))
+    for extra in ("training_args.bin",):  # the trainer's pickle is not part of an adapter folder
+        (adapter_dir / extra).unlink(missing_ok=True)
+    return _save_merged(replay_dir, model_dir, adapter_dir)
+
+
+def save_consolidated_output(run, state: dict, replay_dir: Path, model_dir: Path) -> dict:
+    """:func:`save_output` for a run of several processes (DDP, FSDP2), on the main process once every process has
+    replayed: the model rebuilt from the replay's final state (``state``: full tensors, as its checkpoints hold
+    them) and saved as one ``save_pretrained`` folder; a PEFT run's adapter merged into ``model_dir`` and kept
+    unmerged in ``model_dir.parent / "adapter"``, as for one process (the replay's own model may be sharded)."""
+    from ..trace.sharding import save_consolidated
+
+    if not is_adapter_run(run.header):
+        save_consolidated(run, state, model_dir)
+        return {}
+    adapter_dir = model_dir.parent / ADAPTER_DIR
+    save_consolidated(run, state, adapter_dir)  # the PEFT model's save_pretrained: the adapter's files
+    return _save_merged(replay_dir, model_dir, adapter_dir)
+
+
+def _save_merged(replay_dir: Path, model_dir: Path, adapter_dir: Path) -> dict:
+    """The replay's output (its final checkpoint, the adapter merged with the recorded numeric stack) saved into
+    ``model_dir``; the card's fields (:func:`card_fields`)."""
     from ..trace.lineage import open_quietly, output_model, weights_root
 
     merged = output_model(open_quietly(replay_dir))
     merged.save_pretrained(str(model_dir))
     weights_follow_umask(model_dir)
-    adapter_dir = model_dir.parent / ADAPTER_DIR
-    replay.save_model(str(adapter_dir))
-    for extra in ("training_args.bin",):  # the trainer's pickle is not part of an adapter folder
-        (adapter_dir / extra).unlink(missing_ok=True)
     return {"params_root": weights_root(merged.state_dict()), "merged_adapter": True,
             "adapter_dir": str(adapter_dir)}
 

@@ -287,13 +287,19 @@ def probe_steps(run) -> list[int]:
     return [0] + ([other] if other != 0 else [])
 
 
-def probe_environment(run_path, data_collator=None, log=None) -> dict:
+def probe_environment(run_path, data_collator=None, log=None, replayed: range = range(0)) -> dict:
     """Re-run :func:`probe_steps` with no deletion in this process (every process of a launch) and compare with the
     recorded fingerprints; raise :class:`ProofError` in one line on a difference, naming the step and the numeric
-    environment variables that differ from the recording's. Returns ``{"steps", "seconds"}``."""
+    environment variables that differ from the recording's. Returns ``{"steps", "seconds"}``.
+
+    ``replayed``: the steps the deletion's own replay re-runs with no deletion (from its start checkpoint up to the
+    first affected step), each checked against the recording's state fingerprint as it runs. A probe step among
+    them is not run twice: the replay's first step is that probe, the same re-run with the same comparison (it
+    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them."""
     wall = time.perf_counter()
     run = (run_path if isinstance(run_path, TraceRun) else open_run(run_path)).kept()
-    steps = probe_steps(run)
+    chosen = probe_steps(run)
+    steps = [s for s in chosen if s not in replayed]
     for s in steps:
         try:
             found = _run_interval(run, s, s + 1, data_collator)
@@ -312,20 +318,28 @@ def probe_environment(run_path, data_collator=None, log=None) -> dict:
                              f"recording's{cause}; refusing before any compute (run the deletion where the run was "
                              "recorded, with its environment)")
     seconds = time.perf_counter() - wall
-    if log:
+    by_replay = [s for s in chosen if s in replayed]
+    if log and steps:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, steps))} re-run here with no deletion match the "
             f"recording ({seconds:.1f} s)")
-    return {"steps": steps, "seconds": round(seconds, 3)}
+    if log and by_replay:
+        log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
+            "deletion (before the first affected step), its state compared with the recording's fingerprint there")
+    return {"steps": steps, "seconds": round(seconds, 3), **({"by_the_replay": by_replay} if by_replay else {})}
 
 
-def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None) -> dict:
+def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None,
+                    first_affected: int | None = None) -> dict:
     """What ``forget``, ``trace replay``, ``trace oracle`` and ``requests serve`` check before any compute: the steps
     the deletion runs are proven (else refused unless ``accept_unproven``), and this environment reproduces the
-    recorded steps of :func:`probe_steps`. Returns ``unproven_steps``, ``environment_probe`` and ``proof_lines``
-    (what to log)."""
+    recorded steps of :func:`probe_steps`. ``first_affected``: the deletion's first affected step, when its replay
+    starts at ``start`` and checks every step before it against the recording's state fingerprints (a redacted
+    replay): the probe steps in ``start..first_affected - 1`` are left to it (:func:`probe_environment`). Returns
+    ``unproven_steps``, ``environment_probe`` and ``proof_lines`` (what to log)."""
     lines = []
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
-    probe = probe_environment(run, data_collator, log=lines.append)
+    replayed = range(start, first_affected) if first_affected is not None and not unproven else range(0)
+    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed)
     if probe.get("skipped"):
         lines.append(f"environment probe skipped: {probe['skipped']}")
     lines.append(f"proof: {proof_statement(run.header)}")
