@@ -694,6 +694,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
         from accelerate.utils import gather_object
 
         from .hashing import tensor_hash
+        from .sharding import process_differences
         from .stack import numeric_stack
 
         base = peft_and_base(self.model)[1]
@@ -705,19 +706,11 @@ class TraceRecordingMixin(WeightsFollowUmask):
                 "frozen parameters": frozen_parameters(self.model),
                 "buffers": {n: tensor_hash(n, b) for n, b in self.model.named_buffers()},
                 "numeric stack": numeric_stack(self.args.device)}  # threads, kernels' switches: the header's are main's
-        everyone = gather_object([mine])
-        diff = []
-        for what, main in everyone[0].items():
-            others = [o[what] for o in everyone[1:] if o[what] != main]
-            if others and isinstance(main, dict):  # name the fields
-                keys = sorted({k for o in others for k in set(main) | set(o) if o.get(k) != main.get(k)})
-                diff.append(f"{what} ({', '.join(keys)})")
-            elif others:
-                diff.append(what)
+        diff, where = process_differences(gather_object([mine]))  # (hf_unlearn.trace.sharding)
         if diff:
             raise UnlearnError(f"the processes were given different {'; '.join(diff)}: every process must train with "
                                "the same ones (the run records the main process's); build them the same way on every "
-                               "process")
+                               f"process ({'; '.join(where)})")
 
     def _trace_served(self, dataset):
         """The rows the dataloader serves: unused columns removed as ``Trainer`` does, the id column kept."""
@@ -965,6 +958,7 @@ class TraceRecordingMixin(WeightsFollowUmask):
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         try:
             self._trace_self_check()
+            self.accelerator.wait_for_everyone()  # train() returns on every process once the header is sealed
         finally:  # the live tensors are the user's from now on (merge_and_unload edits them in place)
             from .base_source import release_live
 
