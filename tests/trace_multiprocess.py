@@ -117,7 +117,7 @@ def arguments(engine: str, out, **kw):
     from tests.trace_fsdp import fsdp_args
 
     if engine == "fsdp":
-        return fsdp_args(out, True, "no", max_steps=STEPS, **kw)
+        return fsdp_args(out, True, "no", **kw)  # max_steps=4 (STEPS)
     return train_args(out, per_device_train_batch_size=2, max_steps=STEPS, **kw)
 
 
