@@ -33,6 +33,7 @@ import time
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .processes import gathered, world_size
 
 PROGRESS = "proof_progress.json"
 # environment variables known to change the bits of a CPU or GPU computation (recorded, and named when a probe
@@ -91,8 +92,8 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
         def _start_step(self) -> int:
             return self._proof_start
 
-        def _check_fidelity(self, step: int, saved) -> None:
-            agreed(lambda: ReplayTrainer._check_fidelity(self, step, saved))
+        def _check_fidelity(self, step: int, saved) -> None:  # (every process agrees: processes.agreed)
+            super()._check_fidelity(step, saved)
             if on_checkpoint is not None and step != self.start_step and step in self._recorded_checkpoints:
                 on_checkpoint(step, list(self._proof_neutral))  # matched: steps up to it are proven
 
@@ -105,10 +106,8 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
         def _check_step_fingerprint(self, step: int) -> None:
             """The state after the step is the evidence; program controls that differ while the state is the
             recording's (gradient checkpointing switched on mid-run) are numerically neutral: noted, not refused.
-            Every process compares its own and all agree on the verdict (:func:`agreed`)."""
-            agreed(lambda: self._compare_step(step))
-
-        def _compare_step(self, step: int) -> None:
+            Every process compares its own and all agree on the verdict (:func:`~hf_unlearn.trace.processes.agreed`,
+            in the replay's loop)."""
             from .guards import compare_fingerprint
 
             recorded, actual = self._recorded_fps.get(step), self._step_fps.get(step)
@@ -125,51 +124,6 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
     trainer = ProofReplayTrainer(run)
     trainer._proof_neutral = []
     return trainer
-
-
-def world_size() -> int:
-    """The processes of this launch (1 without torch.distributed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def gathered(obj) -> list:
-    """``obj`` of every process, in rank order (a collective: every process calls it at the same point)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def agreed(check) -> None:
-    """Run ``check`` (which raises :class:`~hf_unlearn.trace.fidelity.FidelityError` on a difference) on every process
-    and agree on the verdict: when any process found a difference, every process raises, naming the processes that
-    found it. A process that stopped alone would leave the others waiting in the next step's collective, and a
-    verdict taken on the main process alone would miss a difference only another process holds (a DDP process's
-    own parameters, a rank-local buffer)."""
-    from .fidelity import FidelityError
-
-    try:
-        check()
-        mine = None
-    except FidelityError as e:
-        mine = str(e)
-    everyone = gathered(mine)
-    failed = [(rank, why) for rank, why in enumerate(everyone) if why]
-    if not failed:
-        return
-    if len(everyone) == 1:
-        raise FidelityError(failed[0][1])
-    ranks = ", ".join(str(r) for r, _ in failed)
-    error = FidelityError(f"{failed[0][1]} (on process(es) {ranks} of {len(everyone)})")
-    error.processes = [r for r, _ in failed]
-    raise error
 
 
 def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neutral: list | None = None,
@@ -445,7 +399,8 @@ def unproven_statement(header: dict, run_path, first: int, stop: int, who: str =
              f"; a replay started afresh at checkpoint {first} does not reproduce the recording (the checkpoint does "
              f"not hold something the recording carried there, e.g. a callback's earlier change): {failed[str(first)]}"
              if str(first) in failed else
-             f"; prove the run once (`{PROVE_COMMAND.format(run=run_path)}`, about one training run's compute)")
+             f"; prove the run once (`{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)}`"
+             ", about one training run's compute)")
     return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine" + cause
 
 

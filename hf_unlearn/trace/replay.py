@@ -54,6 +54,7 @@ from .packing import (
     with_dummies,
 )
 from .plan import PlanEntry
+from .processes import agreed
 from .recording import (
     TraceRecordingTrainer,
     TraceWriter,
@@ -766,16 +767,16 @@ class ReplayTrainer(UnlearningHubMixin, TraceRecordingTrainer):
                         writer.append(seg)
                     continue
                 saved = self._save_state(writer, step) if step in saves and step != start else None
-                self._check_fidelity(step, saved)
+                agreed(self._check_fidelity, step, saved)  # every process, one verdict (trace.processes)
                 if writer:
                     writer.append([self._output_entry(e) for e in seg])
                 replayed += 1
                 self.state.global_step = step  # as in the recording while it ran this step (a loss may read it)
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
-                self._check_step_fingerprint(step)
+                agreed(self._check_step_fingerprint, step)
             saved = self._save_state(writer, run.total_steps) if run.total_steps > start else None
-            self._check_fidelity(run.total_steps, saved)
+            agreed(self._check_fidelity, run.total_steps, saved)
         except BaseException:
             if writer:
                 self._discard_output(writer)
