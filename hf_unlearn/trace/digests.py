@@ -291,6 +291,11 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
                     _name(type(x)) for x in (v.values() if isinstance(v, dict) else [v]))))
             elif type(v).__module__.startswith(RUNTIME_STATE):
                 out[f"{where} {k}"] = _name(type(v))
+            elif k.endswith(("_with_kwargs", "_always_called")) and isinstance(v, dict):  # keyed by handle id,
+                # which a process that registered other hooks before (the main one's guards) numbers otherwise
+                hooks = vars(m).get(k.rsplit("_with_kwargs", 1)[0].rsplit("_always_called", 1)[0]) or {}
+                out[f"{where} {k}"] = d.leaf([fn for i, fn in hooks.items() if i in v
+                                              and not _module_of(fn).startswith(FRAMEWORK_HOOKS)])
             elif k.endswith("hooks") and isinstance(v, dict):  # by the code they run, not their handles' ids;
                 # the frameworks' own (NEFTune, input require-grads, ...) come and go as they run, as in replays
                 out[f"{where} {k}"] = d.leaf([fn for fn in v.values() if not _module_of(fn).startswith(FRAMEWORK_HOOKS)])
@@ -435,11 +440,36 @@ class ProcessComparison:
     def __init__(self, model, optimizer, context, guard=None, step=None):
         self.model, self.optimizer, self.context, self.guard, self.step = model, optimizer, context, guard, step
         self.reported: set[str] = set()
+        self._versions: dict | None = None  # this process's tensors as the last optimizer step left them
+        self._edited: list[str] = []
         inner = getattr(optimizer, "optimizer", optimizer)
-        self._hook = inner.register_step_post_hook(lambda *a: self.compare())
+        self._hooks = [inner.register_step_pre_hook(lambda *a: self._check_versions()),
+                       inner.register_step_post_hook(lambda *a: self.compare())]
 
     def close(self) -> None:
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
+
+    def _local_versions(self) -> dict:
+        """Each parameter's and optimizer state tensor's storage and in-place version on this process (its own shard
+        under FSDP2; buffers aside: DDP rewrites them at every forward). Between two optimizer steps nothing of a
+        program that trains as recorded writes them; a write is an edit (a callback, a hook) on this process."""
+        out = {}
+        for n, t in _own_tensors(self.model, self.optimizer):
+            if n in self._buffers:
+                continue
+            local = t.to_local() if hasattr(t, "to_local") else t
+            out[n] = (local.data_ptr(), local._version)
+        return out
+
+    def _check_versions(self) -> None:
+        if self._versions is not None:
+            now = self._local_versions()
+            self._edited = sorted(n for n, v in now.items() if self._versions.get(n, v) != v)
+
+    @property
+    def _buffers(self) -> set:
+        return {n for n, _ in self.model.named_buffers()}
 
     def local(self) -> dict:
         whole = [(n, t) for n, t in _own_tensors(self.model, self.optimizer) if not hasattr(t, "to_local")]
@@ -452,6 +482,9 @@ class ProcessComparison:
             state = program_state(self.model, self.optimizer, **self.context())
         parts = components(state)
         parts["tensors held whole (parameters, buffers, optimizer state)"] = exact_digest(sums)
+        if self._edited:  # on this process, between the last optimizer step and this one (its own shards too)
+            parts["tensors written between optimizer steps"] = ", ".join(self._edited[:3]) + (
+                f" and {len(self._edited) - 3} more" if len(self._edited) > 3 else "")
         return parts
 
     def compare(self) -> None:
@@ -461,12 +494,21 @@ class ProcessComparison:
             return
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.local())
+        self._edited, self._versions = [], self._local_versions()
         if self.guard is None:
             return
         step = self.step() if self.step is not None else self.guard.step
         first = gathered[0]
         for rank, other in enumerate(gathered[1:], 1):
+            written = other.get("tensors written between optimizer steps")
+            if written and f"written {rank}" not in self.reported:  # the main process's own: its guard's business
+                self.reported.add(f"written {rank}")
+                self.guard.pending.append({"step": step, "what": f"process {rank} wrote {written} in place between "
+                                                                 f"optimizer steps {step - 1} and {step} (a change "
+                                                                 "made on that process, outside the optimizer)"})
             for part in sorted(set(first) | set(other)):
+                if part == "tensors written between optimizer steps":
+                    continue
                 if first.get(part) != other.get(part) and part not in self.reported:
                     self.reported.add(part)
                     self.guard.pending.append({"step": step, "persistent": True,

@@ -34,12 +34,14 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .fidelity import FidelityError
 from .guards import compare_fingerprint, program_changes
+from .processes import gathered, world_size
 from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     PROVE_COMMAND,
     ProofError,
     check_proven,
     diverged,
     engine,
+    launch_command,
     neutral_controls,
     proof_statement,
     proven_starts,
@@ -75,7 +77,7 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
         def _start_step(self) -> int:
             return self._proof_start
 
-        def _check_fidelity(self, step: int, saved) -> None:
+        def _check_fidelity(self, step: int, saved) -> None:  # (every process agrees: processes.agreed)
             super()._check_fidelity(step, saved)
             if on_checkpoint is not None and step != self.start_step and step in self._recorded_checkpoints:
                 on_checkpoint(step, list(self._proof_neutral))  # matched: steps up to it are proven
@@ -88,7 +90,9 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
 
         def _check_step_fingerprint(self, step: int) -> None:
             """The state after the step is the evidence; program controls that differ while the state is the
-            recording's (gradient checkpointing switched on mid-run) are numerically neutral: noted, not refused."""
+            recording's (gradient checkpointing switched on mid-run) are numerically neutral: noted, not refused.
+            Every process compares its own and all agree on the verdict (:func:`~hf_unlearn.trace.processes.agreed`,
+            in the replay's loop)."""
             recorded, actual = self._recorded_fps.get(step), self._step_fps.get(step)
             if recorded is None or actual is None or "c" not in actual or "c" not in recorded:
                 return
@@ -115,7 +119,7 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
         trainer.train()
     except FidelityError as e:
         step = _step_named(str(e), start, stop)
-        return {"step": step, "why": str(e)}
+        return {"step": step, "why": str(e), **({"processes": e.processes} if hasattr(e, "processes") else {})}
     if neutral is not None:
         neutral += trainer._proof_neutral
     matched = set(trainer._fps_matched["state"])
@@ -192,6 +196,7 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     log = log or (lambda msg: None)
     started, wall = time.process_time(), time.perf_counter()
     run = open_run(run_path).kept()
+    check_world_size(run, "trace prove")
     main, total, kept = _is_main(), run.total_steps, starts(run)
     state = _load_progress(run)
     if state["upto"] or state["starts"]:
@@ -231,7 +236,18 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
         seal_proof(run.path, record)
     if main:  # done (a kill never gets here): a later prove starts afresh
         (run.path / PROGRESS).unlink(missing_ok=True)
+    gathered(None)  # every process returns once the main one sealed the proof (a process reading the header next)
     return record
+
+
+def check_world_size(run, command: str) -> None:
+    """Refuse, before any compute, a proof or probe launched with another number of processes than recorded the
+    run (each process replays its own slots of every step), naming the command to use."""
+    recorded, here = int(run.header.get("world_size", 1) or 1), world_size()
+    if recorded != here:
+        raise ProofError(f"{run.path} was recorded by {recorded} process(es) and this {command} runs {here}: every "
+                         f"process of the recording must be replayed, at the recorded world size and sharding; run "
+                         f"`{launch_command(recorded, command, run.path)}`")
 
 
 def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None) -> dict:  # noqa: F811
@@ -241,7 +257,9 @@ def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None
 
     total = run.total_steps
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    # every process replayed its own slots and compared its own state at every step (:func:`agreed`)
     record = {"proven": diverged is None and upto == total, "steps": [0, upto - 1] if upto else None,
+              "processes": list(range(world)),
               "starts": proven_starts, "total_steps": total, "run_id": run.header.get("run_id"), "engine": engine(),
               "numeric_stack": numeric_stack(), "environment": numeric_environment(), "world_size": world,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -309,14 +327,16 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
             raise
         if found is not None:
             recorded = (run.header.get("numeric_stack") or {}).get("environment")
-            env = environment_difference(recorded)
-            cause = (f"; the numeric environment differs from the recording's: {env}" if env else
+            causes = process_causes(recorded, gathered(process_numerics()))  # every process is here (agreed)
+            cause = (f"; {'; '.join(causes)}" if causes else
                      "; no recorded numeric setting differs (another library build, CPU or a setting the record "
                      "does not name)")
+            where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
+                     if found.get("processes") and world_size() > 1 else "")
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
-                             f"recording's{cause}; refusing before any compute (run the deletion where the run was "
-                             "recorded, with its environment)")
+                             f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
+                             "was recorded, with its environment)")
     seconds = time.perf_counter() - wall
     by_replay = [s for s in chosen if s in replayed]
     if log and steps:
@@ -326,6 +346,44 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
             "deletion (before the first affected step), its state compared with the recording's fingerprint there")
     return {"steps": steps, "seconds": round(seconds, 3), **({"by_the_replay": by_replay} if by_replay else {})}
+
+
+def process_numerics() -> dict:
+    """What this process's numbers depend on besides the model, the data and the plan, that a refusal can name: the
+    numeric environment variables, torch's process-wide switches and the code of the functions a model's forward
+    calls besides its own classes' (``torch.nn.functional``, ...: a patch on one process only)."""
+    import sys
+
+    from .digests import CODE_MODULES, PROCESS_LOCAL, code_digest, torch_state
+
+    code = {}
+    for name in CODE_MODULES:
+        for attr, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
+            body = getattr(value, "__code__", None)
+            if body is not None:
+                code[f"{name}.{attr}"] = f"{getattr(value, '__qualname__', attr)}:{code_digest(body)}"
+    switches = {k: repr(v) for k, v in torch_state().items() if k not in PROCESS_LOCAL and not k.startswith("environ ")}
+    return {"environment": numeric_environment(), "torch": switches, "code": code}
+
+
+def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]:
+    """Per process, what of :func:`process_numerics` differs from the recording's environment or from process 0's,
+    in words (what a failed probe names; it is the probe, not this, that refuses)."""
+    out = []
+    for rank, mine in enumerate(everyone):
+        who = f"process {rank}'s" if len(everyone) > 1 else "the"
+        env = environment_difference(recorded_env, mine["environment"])
+        if env:
+            out.append(f"{who} numeric environment differs from the recording's: {env}")
+        if rank == 0:
+            continue
+        for part, what in (("torch", "torch settings"), ("code", "functions")):
+            keys = sorted(k for k in set(mine[part]) | set(everyone[0][part])
+                          if mine[part].get(k) != everyone[0][part].get(k))
+            if keys:
+                more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+                out.append(f"{who} {what} differ from process 0's: {', '.join(keys[:3])}{more}")
+    return out
 
 
 def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None,

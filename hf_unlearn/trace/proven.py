@@ -102,6 +102,13 @@ def ranges(steps: list[int]) -> str:
 
 
 
+def launch_command(world: int, command: str, run_path) -> str:
+    """The command line that runs ``hf-unlearn COMMAND RUN`` with ``world`` processes."""
+    if world == 1:
+        return f"hf-unlearn {command} {run_path}"
+    return f"torchrun --nproc_per_node {world} -m hf_unlearn.cli {command} {run_path}"
+
+
 def unproven_statement(header: dict, run_path, first: int, stop: int, who: str = "the replay") -> str | None:
     """Why the steps ``first..stop - 1`` are not proven, in one sentence (None when all are)."""
     missing = unproven_steps(header, first, stop)
@@ -115,7 +122,8 @@ def unproven_statement(header: dict, run_path, first: int, stop: int, who: str =
              f"; a replay started afresh at checkpoint {first} does not reproduce the recording (the checkpoint does "
              f"not hold something the recording carried there, e.g. a callback's earlier change): {failed[str(first)]}"
              if str(first) in failed else
-             f"; prove the run once (`{PROVE_COMMAND.format(run=run_path)}`, about one training run's compute)")
+             f"; prove the run once (`{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)}`"
+             ", about one training run's compute)")
     return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine" + cause
 
 
@@ -126,8 +134,10 @@ def proof_statement(header: dict) -> str:
     if not proof:
         return "not proven (no `hf-unlearn trace prove` run yet)"
     div = proof.get("diverged")
+    world = len(proof.get("processes") or [0])
+    on = f", on each of {world} processes" if world > 1 else ""
     if proof.get("proven"):
-        text = f"proven: the engine reproduced every optimizer step 0..{proof['steps'][1]} (state after each step)"
+        text = f"proven: the engine reproduced every optimizer step 0..{proof['steps'][1]} (state after each step{on})"
     elif div:
         text = (f"NOT PROVEN from optimizer step {div['step']}: the engine does not reproduce the run there"
                 + (f" (steps 0..{proof['steps'][1]} reproduced)" if proof.get("steps") else ""))

@@ -57,6 +57,46 @@ COMPARED = ("engine", "world_size", "reshard_after_forward", "mixed_precision", 
             "transformer_cls_names_to_wrap", "min_num_params", "cpu_offload", "activation_checkpointing")
 
 
+def process_differences(everyone: list[dict]) -> tuple[list[str], list[str]]:
+    """Each process's description (``what -> value``, in rank order, gathered) against process 0's: the parts that
+    differ with their fields (``numeric stack (environment)``), and in words which process holds which value of each
+    differing field (``process 1 has environment.MKL_CBWR='COMPATIBLE' (process 0: absent)``): what a refusal of
+    processes given different settings names."""
+    parts, where = [], []
+
+    def show(value) -> str:
+        text = "absent" if value is _ABSENT else repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def leaves(a, b, path: str):  # the differing fields, one dict level deeper where both are dicts
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [x for k in sorted(set(a) | set(b), key=str) if a.get(k, _ABSENT) != b.get(k, _ABSENT)
+                    for x in leaves(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{path}.{k}" if path else str(k))]
+        return [(path, a, b)]
+
+    main = everyone[0]
+    for what, value in main.items():
+        others = [(rank, o.get(what, _ABSENT)) for rank, o in enumerate(everyone) if rank and o.get(what) != value]
+        if not others:
+            continue
+        if isinstance(value, dict):  # name the fields
+            keys = sorted({k for _, o in others if isinstance(o, dict) for k in set(value) | set(o)
+                           if o.get(k) != value.get(k)}, key=str)
+            parts.append(f"{what} ({', '.join(map(str, keys))})")
+        else:
+            parts.append(what)
+        for rank, o in others:
+            found = leaves(o, value, "")
+            shown = ", ".join(f"{p}={show(a)}" if p else show(a) for p, a, _ in found[:2])
+            before = ", ".join(show(b) for _, _, b in found[:2])
+            more = f" and {len(found) - 2} more" if len(found) > 2 else ""
+            where.append(f"process {rank} has {what} {shown}{more} (process 0: {before})")
+    return parts, where
+
+
+_ABSENT = type("Absent", (), {"__repr__": lambda self: "absent"})()
+
+
 def unsharded_class(cls: type) -> type:
     """The model class FSDP2's ``fully_shard`` subclassed (``FSDPLlamaForCausalLM`` -> ``LlamaForCausalLM``), else
     ``cls``: what the header records and a replay rebuilds."""

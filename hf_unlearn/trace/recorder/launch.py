@@ -9,7 +9,7 @@ from ...errors import UnlearnError
 from ..hashing import tensor_hash
 from ..model_info import frozen_parameters, peft_and_base
 from ..sharding import SUPPORTED as supported
-from ..sharding import refusal
+from ..sharding import process_differences, refusal
 from ..stack import numeric_stack
 from .optimizers import jsonable
 
@@ -82,17 +82,9 @@ def check_same_arguments(trainer) -> None:
             "frozen parameters": frozen_parameters(trainer.model),
             "buffers": {n: tensor_hash(n, b) for n, b in trainer.model.named_buffers()},
             "numeric stack": numeric_stack(trainer.args.device)}  # threads, kernels' switches: the header's are main's
-    everyone = gather_object([mine])
-    diff = []
-    for what, main in everyone[0].items():
-        others = [o[what] for o in everyone[1:] if o[what] != main]
-        if others and isinstance(main, dict):  # name the fields
-            keys = sorted({k for o in others for k in set(main) | set(o) if o.get(k) != main.get(k)})
-            diff.append(f"{what} ({', '.join(keys)})")
-        elif others:
-            diff.append(what)
+    diff, where = process_differences(gather_object([mine]))
     if diff:
         raise UnlearnError(f"the processes were given different {'; '.join(diff)}: every process must train with "
                            "the same ones (the run records the main process's); build them the same way on every "
-                           "process")
+                           f"process ({'; '.join(where)})")
 

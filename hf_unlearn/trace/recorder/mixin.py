@@ -222,6 +222,7 @@ class RecordingHooks(WeightsFollowUmask):
                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         try:
             self._trace_after_train()
+            self.accelerator.wait_for_everyone()  # train() returns on every process once the header is sealed
         finally:  # the live tensors are the user's from now on (merge_and_unload edits them in place)
             release_live()
         return output

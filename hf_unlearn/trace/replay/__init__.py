@@ -39,6 +39,7 @@ from ..fidelity import check_device, refusal, restore_layout
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
+from ..processes import agreed
 from ..recorder import RecordingHooksTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
 from ..rows import check_rows
@@ -260,16 +261,16 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                         writer.append(seg)
                     continue
                 saved = self._save_state(writer, step) if step in saves and step != start else None
-                self._check_fidelity(step, saved)
+                agreed(self._check_fidelity, step, saved)  # every process, one verdict (trace.processes)
                 if writer:
                     writer.append([self._output_entry(e) for e in seg])
                 replayed += 1
                 self.state.global_step = step  # as in the recording while it ran this step (a loss may read it)
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
-                self._check_step_fingerprint(step)
+                agreed(self._check_step_fingerprint, step)
             saved = self._save_state(writer, run.total_steps) if run.total_steps > start else None
-            self._check_fidelity(run.total_steps, saved)
+            agreed(self._check_fidelity, run.total_steps, saved)
         except BaseException:
             if writer:
                 self._discard_output(writer)
