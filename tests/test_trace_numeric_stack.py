@@ -67,7 +67,7 @@ def test_a_deletion_under_one_thread_replays_with_the_recorded_two(tmp_path, fam
     """Record with 2 threads; forget with HF_UNLEARN_THREADS=1: the replay and the oracle run with 2 threads, VERIFIED,
     and the oracle equals a plain Trainer counterfactual computed with 2 threads, not the one computed with 1."""
     from hf_unlearn.trace import open_run
-    from hf_unlearn.trace.recording import TraceRecordingMixin
+    from hf_unlearn.trace.recorder import RecordingHooks as TraceRecordingMixin  # the hooks replays run too
     from hf_unlearn.trace.run import load_checkpoint
 
     tok, data, run = _record(tmp_path, family)
