@@ -103,13 +103,10 @@ def cli(argv: list[str]) -> tuple[int, str]:
 
 
 def outcome(fn) -> str:
-    from hf_unlearn.errors import UnlearnError
+    """``accepted``, or the refusal's message (the FSDP2 attacks' helper)."""
+    from tests.trace_fsdp_attacks import outcome as fsdp_outcome
 
-    try:
-        fn()
-        return "accepted"
-    except UnlearnError as e:
-        return f"refused: {e}"
+    return fsdp_outcome(fn)
 
 
 def arguments(engine: str, out, **kw):

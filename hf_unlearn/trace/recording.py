@@ -26,6 +26,7 @@ import warnings
 from transformers import Trainer
 
 from ..errors import UnlearnError
+from . import recorder
 from .proof import AUTO_PROVE_SECONDS, prove
 from .recorder import (  # noqa: F401 - the recording's public names, at the path users import them from
     GUARD_CHECKS,
@@ -199,10 +200,6 @@ def _prove_all(trainer) -> bool:
 
 
 
-__all__ = [
-    "GUARD_CHECKS", "HUB_ID_OR_PATH", "IGNORE_INDEX", "PATH_ARGS", "PROCESS_LOCAL_ARGS", "SameOptimizerSettings",
-    "TraceRecordingMixin", "TraceRecordingTrainer", "TraceWriter", "batch_digest", "build_optimizer", "collator_spec",
-    "dropout_settings", "dummy_has_weight", "dummy_row", "dynamic_rope", "first_non_finite", "frozen_parameters",
-    "keyed_batch_digest", "microbatch_seed", "optimizer_spec", "peft_and_base", "rank_seed", "rebuild_collator",
-    "recorded_trainer_class", "save_checkpoint", "seeded", "trace_recording",
-]
+# the recorder's public names but its hooks' own classes, and the public recording's
+__all__ = sorted((set(recorder.__all__) - {"RecordingHooks", "RecordingHooksTrainer", "with_recording"})
+                 | {"TraceRecordingMixin", "TraceRecordingTrainer", "trace_recording"})
