@@ -154,3 +154,37 @@ def test_id_carrying_collator_hides_ids_from_the_collator():
 
     batch = IdCarryingCollator(collate)([{"id": "3600", "input_ids": [1, 2]}, {"id": "x", "input_ids": [3, 4]}])
     assert batch["id"] == ["3600", "x"] and all("id" not in f for f in seen)
+
+
+def test_a_flattened_microbatch_keeps_a_digest_per_row_and_a_changed_kept_row_is_refused(tmp_path, monkeypatch):
+    """``DataCollatorWithFlattening`` merges a microbatch into one sequence; its rows are told apart where
+    ``position_ids`` restart, so every kept row that shares a microbatch with a deleted one is still compared with
+    the row the run trained on. A callback adds a ``set_transform`` at step 3 (with a recorder blind to datasets, as
+    if the transform lived where no digest reads) and the deletion takes a row of every microbatch from there on:
+    refused before any compute at the first kept row that differs. (A clean deletion through the same collator is
+    VERIFIED: test_standard_collators_are_rebuilt_by_replays[flattening].)"""
+    from transformers import DataCollatorWithFlattening
+
+    from hf_unlearn.trace import digests, open_run
+    from hf_unlearn.trace.rows import split
+
+    from .test_trace_common import config_model
+    from .test_trace_digest_attacks import AT, KW, _callbacks, _deletion, _ids, _undo
+
+    tok, data = get_trace_data()
+    whole = digests.program_state
+    monkeypatch.setattr(digests, "program_state", lambda *a, **k: whole(*a, **{**k, "datasets": {}}))
+    try:
+        record(tok, data.select(range(24)), tmp_path / "rec", model=config_model("llama", tok), every=2,
+               data_collator=DataCollatorWithFlattening(), **KW,
+               trainer_kwargs={"callbacks": _callbacks("set_transform", {"set_transform": AT})})
+    finally:
+        _undo()
+    run = tmp_path / "rec" / "trace"
+    opened = open_run(run)
+    per_step = [e.extra.get("rows") for e in opened.plan if e.j == 0]
+    assert all(r and all(len(split(m)) == len(e.slots) for m in r)
+               for r, e in zip(per_step, (e for e in opened.plan if e.j == 0))), per_step[:2]
+    kind, what = _deletion(tmp_path, run, _ids(run, range(AT, KW["max_steps"])), "del")
+    assert kind == "refused", (kind, what)
+    assert "is not the row the run trained on" in what, what

@@ -10,8 +10,10 @@ collated tensor whose first dimension is the batch (``input_ids``, ``labels``, `
 with its dtype and shape, and every other entry of the batch. A dummy that takes a deleted row's place has the
 deleted row's length, so the padding, and every kept row's slice, is unchanged by a deletion. The digest is keyed
 (HMAC with the run key, as the slot tags and batch digests are), 12 hex digits, in the plan (``extra.rows``):
-published plans reveal no row. Collators that merge rows into one sequence (a batch dimension that is not the
-number of rows) have no per-row digests; their microbatches are checked whole where a deletion leaves them.
+published plans reveal no row. A collator that flattens the rows into one sequence (``DataCollatorWithFlattening``:
+one row of ``input_ids``, ``position_ids`` restarting at each row) is split where ``position_ids`` restart, and
+each row's digest covers its span of every flattened tensor; other collators that merge rows have no per-row
+digests, and their microbatches are checked whole where a deletion leaves them.
 """
 
 from __future__ import annotations
@@ -25,8 +27,25 @@ import torch
 DIGEST_HEX = 12
 
 
+def flattened_spans(batch: dict) -> list[tuple[int, int]] | None:
+    """The rows of a flattened batch (one sequence, ``position_ids`` restarting at each row: what
+    ``DataCollatorWithFlattening`` makes) as ``(start, stop)`` spans of its sequence, or None when it is not one."""
+    positions = batch.get("position_ids")
+    if not (torch.is_tensor(positions) and positions.dim() == 2 and positions.shape[0] == 1):
+        return None
+    length = positions.shape[1]
+    if not length or any(torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] != 1 for v in batch.values()):
+        return None
+    pos = positions[0].detach().to("cpu")
+    starts = [0] + (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()
+    return list(zip(starts, starts[1:] + [length]))
+
+
 def row_hashes(batch: dict) -> list[str] | None:
     """SHA-256 (hex) of every row of a collated batch, or None when its rows cannot be told apart."""
+    spans = flattened_spans(batch)
+    if spans is not None and len(spans) > 1:
+        return _flattened_hashes(batch, spans)
     rows = None
     for value in batch.values():
         if torch.is_tensor(value) and value.dim() >= 1:
@@ -49,6 +68,31 @@ def row_hashes(batch: dict) -> list[str] | None:
                 row = value[i].detach().to("cpu").contiguous()
                 h.update(f"{key}\0{str(row.dtype)}\0{list(row.shape)}\0".encode())
                 h.update(row.reshape(-1).view(torch.uint8).numpy().tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def _flattened_hashes(batch: dict, spans: list[tuple[int, int]]) -> list[str]:
+    """Per row of a flattened batch: its span of every tensor laid along the sequence (``input_ids``, ``labels``,
+    ``position_ids``, ...), and every other entry of the batch (what the model sees of the rows around it, e.g.
+    ``cu_seq_lens``: a dummy has the deleted row's length, so a deletion leaves those unchanged)."""
+    length = batch["position_ids"].shape[1]
+    shared = hashlib.sha256(b"hf_unlearn.row.flattened.v1")
+    along = []
+    for key in sorted(batch):
+        value = batch[key]
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == length:
+            along.append(key)
+        else:
+            raw = value.detach().to("cpu").tolist() if torch.is_tensor(value) else _plain(value)
+            shared.update(key.encode() + b"\0" + json.dumps(raw, default=repr, sort_keys=True).encode())
+    out = []
+    for start, stop in spans:
+        h = shared.copy()
+        for key in along:
+            row = batch[key][0, start:stop].detach().to("cpu").contiguous()
+            h.update(f"{key}\0{str(row.dtype)}\0{list(row.shape)}\0".encode())
+            h.update(row.reshape(-1).view(torch.uint8).numpy().tobytes())
         out.append(h.hexdigest())
     return out
 
