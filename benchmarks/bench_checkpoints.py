@@ -47,17 +47,11 @@ def prepare_real(model: Path, work: Path) -> Path:
     base = work / "base"
     if not (base / "model.safetensors").exists():
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model, gguf_file=ggufs[0].name)
-        loaded = AutoModelForCausalLM.from_pretrained(model, gguf_file=ggufs[0].name, dtype=torch.float32)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = type(loaded)(config)
-        plain.load_state_dict(loaded.state_dict())
-        plain.save_pretrained(base)
-        tok.save_pretrained(base)
+        from hf_unlearn.models import load_model, load_tokenizer
+
+        load_model(model, gguf_file=ggufs[0].name, dtype=torch.float32).save_pretrained(base)  # the library's path
+        load_tokenizer(model, gguf_file=ggufs[0].name).save_pretrained(base)
     return base
 
 

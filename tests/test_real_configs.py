@@ -51,7 +51,7 @@ def smollm2_folder():
     import tempfile
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_unlearn.models import load_model, load_tokenizer
 
     from .conftest import SMOLLM2_DIR
 
@@ -59,17 +59,9 @@ def smollm2_folder():
     gguf = sorted(SMOLLM2_DIR.glob("*.gguf"))[0].name
     folder = Path(tempfile.mkdtemp(prefix="smollm2_"))
     atexit.register(shutil.rmtree, folder, True)
-    loaded = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, gguf_file=gguf, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = type(loaded)(config)
-    plain.load_state_dict(loaded.state_dict())
-    plain.save_pretrained(folder)
-    tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=gguf)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    tok.save_pretrained(folder)
+    # the library's own GGUF path: de-quantised into a plain model of its class, EOS as the pad token
+    load_model(SMOLLM2_DIR, gguf_file=gguf, dtype=torch.float32).save_pretrained(folder)
+    load_tokenizer(SMOLLM2_DIR, gguf_file=gguf).save_pretrained(folder)
     return folder
 
 
