@@ -65,9 +65,7 @@ def row_hashes(batch: dict) -> list[str] | None:
         for key in sorted(batch):
             value = batch[key]
             if torch.is_tensor(value) and value.dim() >= 1:
-                row = value[i].detach().to("cpu").contiguous()
-                h.update(f"{key}\0{str(row.dtype)}\0{list(row.shape)}\0".encode())
-                h.update(row.reshape(-1).view(torch.uint8).numpy().tobytes())
+                _add_row(h, key, value[i])
         out.append(h.hexdigest())
     return out
 
@@ -90,11 +88,16 @@ def _flattened_hashes(batch: dict, spans: list[tuple[int, int]]) -> list[str]:
     for start, stop in spans:
         h = shared.copy()
         for key in along:
-            row = batch[key][0, start:stop].detach().to("cpu").contiguous()
-            h.update(f"{key}\0{str(row.dtype)}\0{list(row.shape)}\0".encode())
-            h.update(row.reshape(-1).view(torch.uint8).numpy().tobytes())
+            _add_row(h, key, batch[key][0, start:stop])
         out.append(h.hexdigest())
     return out
+
+
+def _add_row(h, key: str, row: torch.Tensor) -> None:
+    """One tensor's share of a row digest: its name, dtype, shape and bytes."""
+    row = row.detach().to("cpu").contiguous()
+    h.update(f"{key}\0{str(row.dtype)}\0{list(row.shape)}\0".encode())
+    h.update(row.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _plain(value):
