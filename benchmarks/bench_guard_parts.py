@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_guard_parts.py [--model smollm2|tiny] [--repeats 5]
 
-Prints the CPU time (median of the repeats) of each part the guards run once per optimizer step: the whole-program
+Prints the CPU and wall time (median of the repeats; the exact checksums hash on torch's threads) of each part the guards run once per optimizer step: the whole-program
 digest (hf_unlearn.trace.digests.program_state), the cheap snapshot (storage, version counters, samples, controls),
 the exact checksums of the gradients (before optimizer.step()) and of parameters, buffers and AdamW's moments (after
 it), and one AdamW step for scale.
@@ -46,16 +46,17 @@ def main():
         "one AdamW step (for scale)": opt.step,
     }
     n = sum(q.numel() for q in model.parameters())
-    print(f"{a.model}: {n / 1e6:.1f}M parameters, {torch.get_num_threads()} torch thread(s); CPU ms, median of "
+    print(f"{a.model}: {n / 1e6:.1f}M parameters, {torch.get_num_threads()} torch thread(s) (hashing threads too); median of "
           f"{a.repeats}")
     for name, fn in parts.items():
         fn()
-        times = []
+        times, walls = [], []
         for _ in range(a.repeats):
-            t = time.process_time()
+            t, w = time.process_time(), time.perf_counter()
             fn()
             times.append((time.process_time() - t) * 1000)
-        print(f"  {name}: {statistics.median(times):.1f} ms")
+            walls.append((time.perf_counter() - w) * 1000)
+        print(f"  {name}: {statistics.median(times):.1f} ms CPU, {statistics.median(walls):.1f} ms wall")
 
 
 if __name__ == "__main__":

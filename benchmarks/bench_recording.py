@@ -83,14 +83,17 @@ def main():
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="profile one recording instead (top functions)")
+    p.add_argument("--profile-out", help="with --profile: also write the pstats file here")
     a = p.parse_args()
     data = dataset(4 * a.accum * a.steps)
     tmp = Path(tempfile.mkdtemp(prefix="bench_recording_"))
     try:
         if a.profile:
             trainer = make_trainer("trace", a.model, data, tmp / "prof", a.steps, a.every, a.accum)
-            prof = cProfile.Profile(time.process_time)
+            prof = cProfile.Profile(time.perf_counter if os.environ.get("BENCH_WALL") else time.process_time)
             prof.runcall(trainer.train)
+            if a.profile_out:
+                prof.dump_stats(a.profile_out)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
             return
         wall, cpu = {"plain": [], "trace": []}, {"plain": [], "trace": []}

@@ -14,6 +14,7 @@ import json
 import torch
 
 from .dtensors import all_shards, local
+from .workers import map_tensors, nbytes
 
 
 def state_tensors(model, optimizer, grads: bool = False) -> list[tuple[str, torch.Tensor]]:
@@ -56,22 +57,28 @@ def tensor_checksums(tensors) -> dict[str, int]:
     and read back once for all tensors: a changed element changes its row's and its column's sums, a swap of two
     different elements too; only an edit built to keep every row and column sum (a deliberate rectangle of equal and
     opposite changes) escapes it."""
-    import xxhash
-
-    out, pending = {}, []
+    out, pending, on_cpu = {}, [], []
     for name, t in tensors:
         flat = t.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
         if flat.device.type == "cpu":
-            out[name] = xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy()) if flat.numel() else 0
+            on_cpu.append((name, flat))
         else:
             pending.append((name, device_checksum(flat)))
+    sums = map_tensors(_xxh3, [f for _, f in on_cpu], [nbytes(f) for _, f in on_cpu])  # on every allowed core
+    out.update({name: value for (name, _), value in zip(on_cpu, sums)})
     if pending:
         values = torch.stack([v for _, v in pending]).cpu().tolist()
         out.update({name: v for (name, _), v in zip(pending, values)})
     return out
 
+
+
+def _xxh3(flat: torch.Tensor) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy()) if flat.numel() else 0
 
 
 def device_checksum(flat: torch.Tensor) -> torch.Tensor:

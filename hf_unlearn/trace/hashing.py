@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..utils import atomic_write_text
-from .dtensors import full
+from .dtensors import full, is_sharded
+from .workers import map_tensors, nbytes
 
 HASH_FORMAT = "hf_unlearn.state_hash.v1"
 
@@ -31,6 +32,16 @@ def tensor_hash(name: str, tensor: torch.Tensor) -> str:
     h.update(json.dumps(list(t.shape)).encode() + b"\0")
     h.update(_raw_bytes(t))
     return h.hexdigest()
+
+
+def tensor_hashes(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """:func:`tensor_hash` of every named tensor, on every core torch may use when each is a local CPU tensor (a
+    sharded one is gathered by a collective, which must run in the same order on every process: one at a time)."""
+    items = list(named.items())
+    if any(is_sharded(t) or t.device.type != "cpu" for _, t in items):
+        return {n: tensor_hash(n, t) for n, t in items}
+    hashes = map_tensors(lambda item: tensor_hash(*item), items, [nbytes(t) for _, t in items])
+    return {n: h for (n, _), h in zip(items, hashes)}
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -141,13 +152,13 @@ def state_hashes(model_or_state_dict, optimizer=None) -> StateHashes:
         tensors = model_or_state_dict.state_dict()
     else:
         tensors = model_or_state_dict
-    params = {name: tensor_hash(name, t) for name, t in tensors.items()}
+    params = tensor_hashes(tensors)
     opt: dict[str, str] = {}
     if optimizer is not None:
         names = None
         if isinstance(model_or_state_dict, torch.nn.Module) and hasattr(optimizer, "param_groups"):
             names = optimizer_param_names(model_or_state_dict, optimizer)
-        opt = {n: tensor_hash(n, t) for n, t in optimizer_tensors(optimizer, names).items()}
+        opt = tensor_hashes(optimizer_tensors(optimizer, names))
     return StateHashes(params=params, optimizer=opt)
 
 
@@ -161,8 +172,9 @@ def checkpoint_hashes(state: Mapping[str, Any], known: Mapping[str, str] | None 
     ``known`` gives hashes already computed (frozen tensors, hashed once when they were saved).
     """
     known = known or {}
-    params = {n: known[n] if n in known else tensor_hash(n, t) for n, t in state["model"].items()}
-    opt = {n: tensor_hash(n, t) for n, t in optimizer_tensors(state["optimizer"], state.get("param_names")).items()}
+    fresh = tensor_hashes({n: t for n, t in state["model"].items() if n not in known})
+    params = {n: known[n] if n in known else fresh[n] for n in state["model"]}
+    opt = tensor_hashes(optimizer_tensors(state["optimizer"], state.get("param_names")))
     meta = {"step": state.get("step"), "tied": state.get("tied", {}), "param_names": state.get("param_names"),
             "param_groups": state["optimizer"].get("param_groups", [])}
     meta_sha = hashlib.sha256(json.dumps(meta, sort_keys=True, default=repr).encode()).hexdigest()

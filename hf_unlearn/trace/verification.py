@@ -20,7 +20,7 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .fidelity import fidelity_statement, refusal
 from .guards import describe_program_change, guard_coverage, program_changes
-from .hashing import StateHashes, optimizer_tensors, tensor_hash
+from .hashing import StateHashes, optimizer_tensors, tensor_hashes
 from .proven import ranges, unproven_statement, unproven_steps
 from .run import check_run, list_checkpoints, load_checkpoint, read_deletion_log
 from .tags import run_key
@@ -31,8 +31,8 @@ def _named_optimizer(state: dict) -> dict[str, torch.Tensor]:
 
 
 def state_roots(state: dict) -> StateHashes:
-    params = {n: tensor_hash(n, t) for n, t in state["model"].items()}
-    opt = {n: tensor_hash(n, t) for n, t in _named_optimizer(state).items()}
+    params = tensor_hashes(state["model"])
+    opt = tensor_hashes(_named_optimizer(state))
     return StateHashes(params=params, optimizer=opt)
 
 

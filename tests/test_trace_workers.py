@@ -1,0 +1,45 @@
+"""Hashing on several threads (hf_unlearn.trace.workers) gives the bits hashing one tensor after another gives: the
+per-step exact checksums and the SHA-256 state hashes are what recordings and replays compare, whatever their
+thread counts."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_unlearn.trace import checksums, hashing, workers
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    named = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([3, 1 << 20, 70_000, 1 << 19, 0, 5])]
+    named.append(("half", torch.randn(1 << 18, generator=g).to(torch.bfloat16)))
+    named.append(("ints", torch.arange(1 << 18)))
+    return named
+
+
+def test_threaded_hashing_gives_the_sequential_bits(monkeypatch):
+    named = _tensors()
+    monkeypatch.setattr(workers, "threads", lambda: 1)
+    one_sums, one_hashes = checksums.tensor_checksums(named), hashing.tensor_hashes(dict(named))
+    monkeypatch.setattr(workers, "threads", lambda: 3)
+    monkeypatch.setattr(workers, "MIN_BYTES", 0)
+    assert checksums.tensor_checksums(named) == one_sums
+    assert hashing.tensor_hashes(dict(named)) == one_hashes
+    assert one_hashes == {n: hashing.tensor_hash(n, t) for n, t in named}
+    assert len(set(one_sums.values())) == len(named)  # every tensor's own sum (the empty one is 0)
+
+
+def test_threads_keep_the_order_and_run_every_item():
+    seen = []
+    out = workers.map_tensors(lambda x: seen.append(x) or x * 2, list(range(20)), [1 << 20] * 20, workers=4)
+    assert out == [x * 2 for x in range(20)] and sorted(seen) == list(range(20))
+
+
+def test_an_edit_of_one_element_changes_the_threaded_checksum(monkeypatch):
+    monkeypatch.setattr(workers, "threads", lambda: 2)
+    monkeypatch.setattr(workers, "MIN_BYTES", 0)
+    named = _tensors()
+    before = checksums.tensor_checksums(named)
+    named[1][1].data[12345] += 1e-7
+    after = checksums.tensor_checksums(named)
+    assert [n for n in before if before[n] != after[n]] == ["t1"]
