@@ -29,9 +29,9 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text, private_dir
 from .base_source import base_key, file_sha256, loaded_from
 from .checkpoints import full_model_state, load_checkpoint, tied_aliases
-from .dtensors import full, local
+from .dtensors import local
 from .fidelity import restore_layout
-from .hashing import root_hash, tensor_hash
+from .hashing import root_hash, tensor_hashes
 from .model_info import peft_and_base
 from .run import open_run
 from .run_model import model_from_run
@@ -51,8 +51,9 @@ def weights_root(state: dict) -> str:
     plain = base_weights(state)
     tied = tied_aliases({n: local(t) for n, t in plain.items()})
     # an FSDP2 model's DTensors: each full logical tensor gathered (a collective every process joins) and hashed
-    # one at a time, so the root is the unsharded model's and no process holds the whole model
-    return root_hash({n: tensor_hash(n, full(t)) for n, t in plain.items() if n not in tied})
+    # one at a time, so the root is the unsharded model's and no process holds the whole model (tensor_hashes);
+    # local tensors are hashed on torch's threads
+    return root_hash(tensor_hashes({n: t for n, t in plain.items() if n not in tied}))
 
 
 def base_weights(state: dict) -> dict:
