@@ -5,12 +5,13 @@
 Prints the CPU and wall time (median of the repeats; the exact checksums hash on torch's threads) of each part the guards run once per optimizer step: the whole-program
 digest (hf_unlearn.trace.digests.program_state), the cheap snapshot (storage, version counters, samples, controls),
 the exact checksums of the gradients (before optimizer.step()) and of parameters, buffers and AdamW's moments (after
-it), and one AdamW step for scale.
+it), one AdamW step for scale, and one checkpoint as a plain ``Trainer`` and as the recording save it.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import time
@@ -19,13 +20,38 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+_TMP = None
+
+
+def fresh_dir():
+    """An empty folder under this run's temporary folder (each save writes a new checkpoint)."""
+    import tempfile
+
+    global _TMP
+    _TMP = _TMP or Path(tempfile.mkdtemp(prefix="bench_guard_parts_"))
+    return Path(tempfile.mkdtemp(dir=_TMP))
+
+
+def trainer_like_save(model, opt):
+    """What ``Trainer._save_checkpoint`` writes that costs: the weights (safetensors) and the optimizer
+    (``torch.save``)."""
+    import torch
+    from safetensors.torch import save_model
+
+    d = fresh_dir()
+    save_model(model, str(d / "model.safetensors"), metadata={"format": "pt"})
+    torch.save(opt.state_dict(), d / "optimizer.pt")
+
+
 def main():
     import torch
     from bench_recording import build_model
     from transformers import TrainingArguments
 
+    from hf_unlearn.trace.checkpoints import capture_state, save_checkpoint
     from hf_unlearn.trace.digests import program_state
     from hf_unlearn.trace.guards import snapshot, state_tensors, tensor_checksums
+    from hf_unlearn.trace.hashing import checkpoint_hashes
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
@@ -44,6 +70,10 @@ def main():
         "exact checksums of the gradients": lambda: tensor_checksums(grads),
         "exact checksums of parameters, buffers, AdamW moments": lambda: tensor_checksums(state_tensors(model, opt)),
         "one AdamW step (for scale)": opt.step,
+        "a checkpoint as Trainer saves it (model.safetensors, optimizer.pt)": lambda: trainer_like_save(model, opt),
+        "a checkpoint as the recording saves it (safetensors, SHA-256 hashes.json)":
+            lambda: save_checkpoint(fresh_dir(), 4, model, opt),
+        "  of which the SHA-256 state hashes": lambda: checkpoint_hashes(capture_state(model, opt, 4)),
     }
     n = sum(q.numel() for q in model.parameters())
     print(f"{a.model}: {n / 1e6:.1f}M parameters, {torch.get_num_threads()} torch thread(s) (hashing threads too); median of "
@@ -57,6 +87,8 @@ def main():
             times.append((time.process_time() - t) * 1000)
             walls.append((time.perf_counter() - w) * 1000)
         print(f"  {name}: {statistics.median(times):.1f} ms CPU, {statistics.median(walls):.1f} ms wall")
+    if _TMP is not None:
+        shutil.rmtree(_TMP, ignore_errors=True)
 
 
 if __name__ == "__main__":
