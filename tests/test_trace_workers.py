@@ -43,3 +43,18 @@ def test_an_edit_of_one_element_changes_the_threaded_checksum(monkeypatch):
     named[1][1].data[12345] += 1e-7
     after = checksums.tensor_checksums(named)
     assert [n for n in before if before[n] != after[n]] == ["t1"]
+
+
+def test_a_forked_child_hashes_on_threads_of_its_own(monkeypatch):
+    """A DataLoader worker is forked from a process whose pool threads it does not inherit: it must not wait on them."""
+    import multiprocessing
+
+    monkeypatch.setattr(workers, "MIN_BYTES", 0)
+    workers.map_tensors(len, [[1], [2, 3]], [1, 1], workers=2)  # the parent's pool exists
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(_child_hash).get(timeout=60) == [1, 2]
+
+
+def _child_hash():
+    return workers.map_tensors(len, [[1], [2, 3]], [1 << 23, 1 << 23], workers=2)

@@ -4,6 +4,7 @@ divides that time by the thread count. Results are identical to hashing one tens
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +14,7 @@ MIN_BYTES = 1 << 22  # below ~4 MB in all, threads cost more than they save
 
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
+os.register_at_fork(after_in_child=_pools.clear)  # a forked child (a DataLoader worker) has none of the threads
 
 
 def threads() -> int:
