@@ -160,7 +160,10 @@ class RequestJournal:
                                "requests recover` re-signs the head if the tail is exactly what an interrupted serve or "
                                "add writes, and refuses anything else")
         self._check_binding(records[0])
-        fold(records)  # request numbers used once, batches started before done, ...
+        folded = (len(records), records[-1]["sha256"])  # the hash chain: the same records as the last ones folded
+        if getattr(self, "_folded", None) != folded:
+            fold(records)  # request numbers used once, batches started before done, ...
+            self._folded = folded
         self._check_evidence(records, result)
         return records
 
@@ -479,8 +482,9 @@ class RequestJournal:
                 tags=keyed_tags(ids, key), count=len(ids), received=iso(received_at),
                 deadline=iso(received_at + dt.timedelta(days=days)),
                 ref_tag=tag(key, ref) if ref is not None else None)
-            request = next(r for r in self.requests() if r.seq == record["seq"])
-            acknowledge(self, request)
+            records = self.records()  # checked once more, with the new record; the acknowledgement reuses them
+            request = next(r for r in fold(records).values() if r.seq == record["seq"])
+            acknowledge(self, request, records)
         return request
 
 
