@@ -85,6 +85,17 @@ def test_an_earlier_record_edited_in_place_to_the_same_length_is_refused(warm):
     refused_as_fresh(warm, "record 3 (request) is not signed by the ledger's key")
 
 
+def test_an_earlier_signature_replaced_in_place_is_refused(warm):
+    # a signature is outside its record's hash: the chain of hashes is intact, only the bytes read tell
+    path = warm.path / "ledger.jsonl"
+    data = lines(warm)
+    record = json.loads(data[1])
+    value = record["signature"]["value"]
+    data[1] = data[1].replace(value.encode(), (("0" if value[0] != "0" else "1") + value[1:]).encode())
+    path.write_bytes(b"".join(data))
+    refused_as_fresh(warm, "record 2 (request) is not signed by the ledger's key")
+
+
 def test_an_edited_line_that_fails_its_checksum_is_named_as_by_a_fresh_read(warm):
     path = warm.path / "ledger.jsonl"
     data = lines(warm)
@@ -199,3 +210,17 @@ def test_signature_verifications_per_add_do_not_grow_with_the_ledger(tmp_path, m
     fresh = ledger_at(ledger.path)
     fresh.add(ids(11), received="2026-11-01")
     assert counted["n"] > 3 * 10  # a fresh object verifies the whole ledger once (and the receipts once)
+
+
+def test_a_remembered_walk_serves_only_the_records_it_walked(warm):
+    from hf_unlearn.deletion.chain import check_chain
+    from hf_unlearn.deletion.records import read_head
+
+    records = warm._read()[0]
+    walk = warm.check(records).walk
+    assert warm.reader.walk_for(records, walk.anchor) is walk
+    assert warm.reader.walk_for([dict(r) for r in records], walk.anchor) is None  # equal, but not the ones read
+    assert warm.reader.walk_for(records, "0" * 16) is None  # another anchor
+    forged = [*records[:-1], {**records[-1], "sha256": "f" * 64}]  # another last record: all of it is checked
+    result = check_chain(forged, read_head(warm.path), warm.signing_key.public_key(), resume=walk)
+    assert result.problem is not None and "record 5 (request) is not signed" in result.problem

@@ -131,7 +131,9 @@ def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool
     the ``anchor`` public key. Checksums and ``prev`` links are checked by :func:`hf_unlearn.deletion.records.
     read_records` for a whole ledger, and here for a segment. ``resume``: the ``walk`` of an earlier check of the
     same ledger (a whole one, same anchor) whose last walked record is still at its place here: the signatures of
-    the records up to it are not verified again (the head and everything after it are)."""
+    the records up to it are not verified again (the head and everything after it are). A signature is outside its
+    record's hash, so a walk applies only to the very records it walked, read again from the same bytes
+    (:meth:`hf_unlearn.deletion.prefix.LedgerReader.walk_for` checks both), never to records from elsewhere."""
     out = ChainCheck(records=records, head=head)
     anchor_fp = public_key_fingerprint(anchor)
     if not records:
