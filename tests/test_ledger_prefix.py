@@ -2,8 +2,8 @@
 bytes it read and the signature walk over them, and the next read checks only what was appended. The attacks an
 insider tries once that memory is warm (an earlier line edited to the same length, a record removed, the file
 truncated and re-grown, a badly signed record appended by another process, the head rolled back, the file replaced
-by another ledger's) are refused exactly as a fresh object refuses them; the signatures verified per add do not
-grow with the ledger."""
+by another ledger's, a receipt rewritten after it was read) are refused exactly as a fresh object refuses them; the
+signatures verified per add do not grow with the ledger."""
 
 from __future__ import annotations
 
@@ -224,3 +224,17 @@ def test_a_remembered_walk_serves_only_the_records_it_walked(warm):
     forged = [*records[:-1], {**records[-1], "sha256": "f" * 64}]  # another last record: all of it is checked
     result = check_chain(forged, read_head(warm.path), warm.signing_key.public_key(), resume=walk)
     assert result.problem is not None and "record 5 (request) is not signed" in result.problem
+
+
+def test_a_receipt_rewritten_since_it_was_read_is_read_again(warm):
+    from hf_unlearn.deletion.receipts import write_bundle
+
+    saved = {name: (warm.path / name).read_bytes() for name in ("ledger.jsonl", "head.json")}
+    other = ledger_at(warm.path)  # another process adds record 6, and `requests bundle` redoes r-0001's bundle
+    other.add(ids(5), received="2026-11-01")
+    write_bundle(other, warm.path / "receipts" / "r-0001.ack.json")  # under the head of record 6
+    for path in (warm.path / "receipts").glob("r-0005.*"):  # an insider removes the newest evidence he knows of
+        path.unlink()
+    for name, data in saved.items():  # and rolls the ledger back
+        (warm.path / name).write_bytes(data)
+    refused_as_fresh(warm, "older than the service's own evidence")
