@@ -56,6 +56,7 @@ from .records import (
     iso,
     parse_time,
     read_head,
+    request_of,
     utc_now,
 )
 
@@ -483,7 +484,10 @@ class RequestJournal:
                 deadline=iso(received_at + dt.timedelta(days=days)),
                 ref_tag=tag(key, ref) if ref is not None else None)
             records = self.records()  # checked once more, with the new record; the acknowledgement reuses them
-            request = next(r for r in fold(records).values() if r.seq == record["seq"])
+            if records[-1]["sha256"] != record["sha256"]:
+                raise UnlearnError(f"the ledger {self.path} changed while its lock was held (record {record['seq']} "
+                                   "is not the one appended): restore the newest ledger; nothing was acknowledged")
+            request = request_of(records[-1])  # pending: no record after it
             acknowledge(self, request, records)
         return request
 

@@ -129,6 +129,13 @@ def read_head(folder: str | os.PathLike) -> dict | None:
     return head if isinstance(head, dict) else {}
 
 
+def request_of(record: dict) -> Request:
+    """The request a ``request`` record adds, as it stands when no later record is about it (pending)."""
+    return Request(id=record["request"], tags=record["tags"], received=record["received"],
+                   deadline=record["deadline"], ref_tag=record.get("ref_tag"), seq=record["seq"],
+                   sha256=record["sha256"])
+
+
 def fold(records: list[dict]) -> dict[str, Request]:
     """Every request with its state folded from the records after it; a record that contradicts the ones before
     it (a request number used twice, a batch done that was never started or is done twice, a served request that
@@ -152,9 +159,7 @@ def fold(records: list[dict]) -> dict[str, Request]:
         if kind == "request":
             if r["request"] in out:
                 raise bad(r, f"adds request {r['request']} a second time")
-            out[r["request"]] = Request(id=r["request"], tags=r["tags"], received=r["received"],
-                                        deadline=r["deadline"], ref_tag=r.get("ref_tag"), seq=r["seq"],
-                                        sha256=r["sha256"])
+            out[r["request"]] = request_of(r)
         elif kind == "approximate":
             for rid in r["requests"]:
                 req = out[rid]
