@@ -189,7 +189,9 @@ class RequestJournal:
 
     def records(self) -> list[dict]:
         """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head. A tail
-        seen while another process appends (its record written, its head not yet) is read again under the lock."""
+        seen while another process appends (its record written, its head not yet) is read again under the lock. The
+        record dicts are the ones this object remembers as verified (:mod:`hf_unlearn.deletion.prefix`): read them,
+        never modify them (copy one to change it)."""
         try:
             return self.checked(self._read()[0])
         except LedgerTail:

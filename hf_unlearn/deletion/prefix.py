@@ -14,7 +14,9 @@ verdict is the one a fresh read gives. The head is checked on every read: it is 
 
 Records appended by another process (under the ledger's file lock, between two reads of ours) are new bytes after
 the prefix: they are parsed and their signatures verified like any other. Snapshots are replaced whole, never
-edited, so threads sharing one journal (the web intake) read consistent ones.
+edited, so threads sharing one journal (the web intake) read consistent ones. The record dicts a read returns are
+the remembered ones (a copy of each on every read would cost what this saves): callers read them and never modify
+them.
 """
 
 from __future__ import annotations
