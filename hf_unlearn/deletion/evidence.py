@@ -71,8 +71,10 @@ def evidence(folder: Path, ledger_id: str, keys, seen: dict | None = None,
     signed bundles, the records signed receipts name. ``keys(fingerprint)`` is a public key or None. ``seen``
     (``name -> ((inode, size, mtime_ns), evidence)``, kept by the caller for one ledger id and one set of keys)
     spares re-reading and re-verifying a file unchanged since: a changed, new or removed file is read (or dropped)
-    again, and a file signed by a key not found is never kept (the key may turn up). ``receipts``: the
-    :func:`listing` of ``receipts/`` if the caller has it."""
+    again, and a file signed by a key not found is never kept (the key may turn up). The service rewrites a file by
+    renaming a new one over it (a new inode); a file edited in place that keeps its inode, size and time keeps the
+    evidence it held when read, which was signed: it can only refuse more. ``receipts``: the :func:`listing` of
+    ``receipts/`` if the caller has it."""
     out = []
     entries = [e for e in (listing(folder / "receipts") if receipts is None else receipts) if e[0].endswith(".json")]
     for name, stamp in entries:
