@@ -29,7 +29,9 @@ independent rooms on one floor). From the top:
 * ``journal``: :class:`~hf_unlearn.deletion.journal.RequestJournal`, the signed append-only store of a ledger
   folder: checked reads, locks (appends, one serve at a time), atomic appends with key rotation, ``add``, ``recover``.
 * ``receipts``: signed service receipts, acknowledgements, bundles and :func:`verify_receipt` (public key alone).
-* ``evidence``: a ledger checked against the service's own evidence beside it (rollback detection).
+* ``evidence`` | ``prefix``: a ledger checked against the service's own evidence beside it (rollback detection);
+  what a journal object already checked of ``ledger.jsonl`` (the SHA-256 of the prefix it read and the signature
+  walk over it), so a read checks only what was appended since.
 * ``records``: the ledger folder's file names, request states, time helpers, :func:`~.records.read_records`,
   ``read_head``, ``fold``: the records read without a key.
 * ``chain``: canonical JSON, record hashes and signatures, the signed head, :func:`~.chain.check_chain`.

@@ -62,6 +62,20 @@ def _public(hex_or_key):
     return public_key_from_hex(hex_or_key) if isinstance(hex_or_key, str) else hex_or_key
 
 
+@dataclass(frozen=True)
+class ChainWalk:
+    """Where the walk over a chain's record signatures ended: what a later check of the same chain grown by more
+    records resumes from instead of verifying every signature again (:func:`check_chain`'s ``resume``)."""
+
+    anchor: str  # fingerprint of the anchor it was walked for (a v1 ledger's first key is the anchor)
+    count: int  # records walked, each one's signature verified
+    last: str  # the last one's sha256 (with read_records' hash links: the whole walked prefix)
+    current: object  # the key in force after them (None: a v1 ledger not signed by the anchor)
+    keys: dict
+    key_at: dict
+    signed: bool
+
+
 @dataclass
 class ChainCheck:
     """What :func:`check_chain` found. ``problem`` (one line naming the first bad record) is None when the anchor can
@@ -75,6 +89,7 @@ class ChainCheck:
     keys: dict = field(default_factory=dict)  # fingerprint -> public key, every key the chain names (trusted if ok)
     key_at: dict = field(default_factory=dict)  # seq -> fingerprint of the key that signs that record
     signed: bool = True  # every record carries its own signature (v2); False for a v1 ledger
+    walk: ChainWalk | None = None  # the key walk over every record, when each one's signature verified
 
     @property
     def ok(self) -> bool:
@@ -92,10 +107,33 @@ class ChainCheck:
                 "was interrupted before the head was signed, or the records were added without the key")
 
 
-def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool = False) -> ChainCheck:
+def _opening_key(records: list[dict], anchor, anchor_fp: str, segment: bool):
+    """The key in force at the first record: the opening's own (v2), else (a segment or a v1 ledger) the key that
+    signs the first signed record, if the anchor or a later key record vouches for it."""
+    opening = records[0]
+    if opening.get("type") == "open" and isinstance(opening.get("public_key"), str):
+        return _public(opening["public_key"])
+    if segment:
+        current = anchor
+        first_signed = next((r for r in records if r.get("signature")), None)
+        if first_signed is not None:
+            want = first_signed["signature"].get("key") if isinstance(first_signed["signature"], dict) else None
+            for r in records:
+                if r.get("type") == "key" and r.get("previous_fingerprint") == want:
+                    return _public(r["previous_public_key"])
+        return current
+    return anchor if opening.get("signing_key") == anchor_fp else None
+
+
+def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool = False,
+                resume: ChainWalk | None = None) -> ChainCheck:
     """Check ``records`` (a whole ledger, or with ``segment`` a run of it ending at the head) and ``head`` against
     the ``anchor`` public key. Checksums and ``prev`` links are checked by :func:`hf_unlearn.deletion.records.
-    read_records` for a whole ledger, and here for a segment."""
+    read_records` for a whole ledger, and here for a segment. ``resume``: the ``walk`` of an earlier check of the
+    same ledger (a whole one, same anchor) whose last walked record is still at its place here: the signatures of
+    the records up to it are not verified again (the head and everything after it are). A signature is outside its
+    record's hash, so a walk applies only to the very records it walked, read again from the same bytes
+    (:meth:`hf_unlearn.deletion.prefix.LedgerReader.walk_for` checks both), never to records from elsewhere."""
     out = ChainCheck(records=records, head=head)
     anchor_fp = public_key_fingerprint(anchor)
     if not records:
@@ -111,26 +149,18 @@ def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool
                 out.problem = f"record {r.get('seq') if isinstance(r, dict) else '?'} fails its checksum"
                 return out
     opening = records[0]
-    # the key in force at the first record: the opening's own (v2), else (a segment or a v1 ledger) the key that
-    # signs the first signed record, if the anchor or a later key record vouches for it
-    current = None
-    if opening.get("type") == "open" and isinstance(opening.get("public_key"), str):
-        current = _public(opening["public_key"])
-    elif segment:
-        current = anchor
-        first_signed = next((r for r in records if r.get("signature")), None)
-        if first_signed is not None:
-            want = first_signed["signature"].get("key") if isinstance(first_signed["signature"], dict) else None
-            for r in records:
-                if r.get("type") == "key" and r.get("previous_fingerprint") == want:
-                    current = _public(r["previous_public_key"])
-                    break
-    elif opening.get("signing_key") == anchor_fp:
-        current = anchor
-    out.signed = opening.get("type") != "open" or isinstance(opening.get("public_key"), str)
-    if current is not None:
-        out.keys[public_key_fingerprint(current)] = current
-    for r in records:
+    start = 0
+    if resume is not None and not segment and resume.anchor == anchor_fp and 0 < resume.count <= len(records) \
+            and records[resume.count - 1].get("sha256") == resume.last:
+        # a prefix walked before (hash-identical through the chain read_records checked): walk on from its end
+        start, current, out.signed = resume.count, resume.current, resume.signed
+        out.keys, out.key_at = dict(resume.keys), dict(resume.key_at)
+    else:
+        current = _opening_key(records, anchor, anchor_fp, segment)
+        out.signed = opening.get("type") != "open" or isinstance(opening.get("public_key"), str)
+        if current is not None:
+            out.keys[public_key_fingerprint(current)] = current
+    for r in records[start:]:
         sig = r.get("signature")
         if sig is None:
             if out.signed:
@@ -154,6 +184,9 @@ def check_chain(records: list[dict], head: dict | None, anchor, *, segment: bool
                 out.problem = f"record {r['seq']} (key) does not hold a valid Ed25519 public key"
                 return out
             out.keys[public_key_fingerprint(current)] = current
+    if not segment:
+        out.walk = ChainWalk(anchor=anchor_fp, count=len(records), last=records[-1]["sha256"], current=current,
+                             keys=dict(out.keys), key_at=dict(out.key_at), signed=out.signed)
     # the head: signed, this ledger's, naming a record of the chain
     if head is None:
         out.problem = "there is no signed head (head.json): restore it from a backup"

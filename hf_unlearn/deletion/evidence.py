@@ -13,6 +13,7 @@ overwritten). Evidence signed by no key of the ledger (nor of this machine) is n
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -47,39 +48,88 @@ def _refs(receipt: dict) -> list[tuple[str, int, str]]:
             if isinstance(ref, dict) and isinstance(ref.get("seq"), int) and isinstance(ref.get("sha256"), str)]
 
 
-def evidence(folder: Path, ledger_id: str, keys) -> list[tuple[int, str, str | None]]:
-    """``(seq, sha256 or None, where)`` for every record the service's own files say the ledger holds: the heads of
-    signed bundles, the records signed receipts name. ``keys(fingerprint)`` is a public key or None."""
+def listing(folder: Path) -> tuple:
+    """``(name, (inode, size, mtime_ns))`` of every entry of ``folder`` by name (empty if it is not a folder): what
+    tells a file changed since it was read (an atomic rewrite is a new inode)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return ()
     out = []
-    receipts = folder / "receipts"
-    for path in sorted(receipts.glob("*.json")) if receipts.is_dir() else []:
-        data = _load(path)
-        if data is None:
+    for e in entries:
+        try:
+            st = e.stat()
+        except OSError:
             continue
-        where = f"receipts/{path.name}"
-        if data.get("format") == "hf_unlearn.receipt_bundle.v1":
-            head = data.get("head")
-            if isinstance(head, dict) and head.get("ledger") == ledger_id and isinstance(head.get("seq"), int) \
-                    and _signed_by(head, keys):
-                out.append((head["seq"], head.get("sha256"), f"{where} (its signed head)"))
-            receipt = data.get("receipt")
-            if isinstance(receipt, dict):
-                data, where = receipt, f"{where} (its receipt)"
-        if (data.get("ledger") or {}).get("id") if isinstance(data.get("ledger"), dict) else None:
-            if data["ledger"]["id"] == ledger_id and _signed_by(data, keys):
-                out += [(seq, sha, f"{where} ({name} record)") for name, seq, sha in _refs(data)]
+        out.append((e.name, (st.st_ino, st.st_size, st.st_mtime_ns)))
+    return tuple(sorted(out))
+
+
+def evidence(folder: Path, ledger_id: str, keys, seen: dict | None = None,
+             receipts: tuple | None = None) -> list[tuple[int, str, str | None]]:
+    """``(seq, sha256 or None, where)`` for every record the service's own files say the ledger holds: the heads of
+    signed bundles, the records signed receipts name. ``keys(fingerprint)`` is a public key or None. ``seen``
+    (``name -> ((inode, size, mtime_ns), evidence)``, kept by the caller for one ledger id and one set of keys)
+    spares re-reading and re-verifying a file unchanged since: a changed, new or removed file is read (or dropped)
+    again, and a file signed by a key not found is never kept (the key may turn up). The service rewrites a file by
+    renaming a new one over it (a new inode); a file edited in place that keeps its inode, size and time keeps the
+    evidence it held when read, which was signed: it can only refuse more. ``receipts``: the :func:`listing` of
+    ``receipts/`` if the caller has it."""
+    out = []
+    entries = [e for e in (listing(folder / "receipts") if receipts is None else receipts) if e[0].endswith(".json")]
+    for name, stamp in entries:
+        known = seen.get(name) if seen is not None else None
+        if known is None or known[0] != stamp:
+            found, complete = _file_evidence(folder / "receipts" / name, ledger_id, keys)
+            known = (stamp, found)
+            if seen is not None and complete:
+                seen[name] = known
+        out += known[1]
+    if seen is not None:
+        for name in set(seen) - {name for name, _ in entries}:
+            seen.pop(name, None)
     return out
 
 
-def rollback_problem(folder: Path, records: list[dict], head_seq: int, keys) -> str | None:
+def _file_evidence(path: Path, ledger_id: str, keys) -> tuple[list[tuple[int, str, str | None]], bool]:
+    """One file's evidence, and whether every key it names was found (what is found may be remembered)."""
+    unknown = []
+
+    def lookup(fingerprint):
+        key = keys(fingerprint)
+        if key is None:
+            unknown.append(fingerprint)
+        return key
+
+    data = _load(path)
+    if data is None:
+        return [], True
+    out = []
+    where = f"receipts/{path.name}"
+    if data.get("format") == "hf_unlearn.receipt_bundle.v1":
+        head = data.get("head")
+        if isinstance(head, dict) and head.get("ledger") == ledger_id and isinstance(head.get("seq"), int) \
+                and _signed_by(head, lookup):
+            out.append((head["seq"], head.get("sha256"), f"{where} (its signed head)"))
+        receipt = data.get("receipt")
+        if isinstance(receipt, dict):
+            data, where = receipt, f"{where} (its receipt)"
+    if (data.get("ledger") or {}).get("id") if isinstance(data.get("ledger"), dict) else None:
+        if data["ledger"]["id"] == ledger_id and _signed_by(data, lookup):
+            out += [(seq, sha, f"{where} ({name} record)") for name, seq, sha in _refs(data)]
+    return out, not unknown
+
+
+def rollback_problem(folder: Path, records: list[dict], head_seq: int, keys, seen: dict | None = None,
+                     receipts: tuple | None = None) -> str | None:
     """One line naming the newest evidence the ledger (``records`` under a head at ``head_seq``) is older than or
-    differs from, or None."""
+    differs from, or None. ``seen`` and ``receipts``: see :func:`evidence`."""
     if not records or records[0].get("type") != "open":
         return None
     ledger_id = records[0].get("ledger")
     by_seq = {r["seq"]: r for r in records[:head_seq]}
     worst = None
-    for seq, sha, where in evidence(folder, ledger_id, keys):
+    for seq, sha, where in evidence(folder, ledger_id, keys, seen, receipts):
         if seq not in by_seq or (sha is not None and by_seq[seq]["sha256"] != sha):
             if worst is None or seq > worst[0]:
                 worst = (seq, where, seq not in by_seq)

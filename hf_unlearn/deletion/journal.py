@@ -40,7 +40,8 @@ from ..keys import (
 from ..utils import atomic_write_text, current_umask
 from ..validation import is_trace_run, load_request_ids
 from .chain import GENESIS, ChainCheck, canonical, check_chain, head_body, record_hash, sign_head, sign_record
-from .evidence import key_lookup, rollback_problem
+from .evidence import key_lookup, listing, rollback_problem
+from .prefix import LedgerReader
 from .receipts import acknowledge, read_receipt, receipt_sha256, write_missing_bundles
 from .records import (
     APPENDED,
@@ -55,7 +56,7 @@ from .records import (
     iso,
     parse_time,
     read_head,
-    read_records,
+    request_of,
     utc_now,
 )
 
@@ -112,12 +113,25 @@ class RequestJournal:
     def records_path(self) -> Path:
         return self.path / RECORDS_FILE
 
+    @property
+    def reader(self) -> LedgerReader:
+        """What this object has checked of ``ledger.jsonl`` so far (:mod:`hf_unlearn.deletion.prefix`)."""
+        reader = getattr(self, "_reader", None)
+        if reader is None or reader.path != self.records_path:
+            reader = self._reader = LedgerReader(self.records_path)
+        return reader
+
     def _read(self) -> tuple[list[dict], int | None]:
-        return read_records(self.path)
+        """What :func:`~hf_unlearn.deletion.records.read_records` returns, parsing only what was appended since the
+        last read when the bytes before it are still those read then (:class:`~hf_unlearn.deletion.prefix.
+        LedgerReader`)."""
+        return self.reader.read()
 
     def check(self, records: list[dict] | None = None) -> ChainCheck:
         """The chain checked against the signed head and this machine's signing key (what every command does
-        first); ``records`` already read, or read now."""
+        first); ``records`` already read, or read now. The signatures of records this object verified before (the
+        same bytes of the same file, the same anchor) are not verified again; the head always is, and a refusal
+        is always the verdict of a check of the whole ledger."""
         if records is None:
             records = self._read()[0]
         anchor = self.signing_key.public_key()
@@ -125,7 +139,14 @@ class RequestJournal:
         if last is not None and last != public_key_fingerprint(anchor) and records[-1].get("type") != "key":
             old = find_signing_key(last)  # rotated here: the archived key we hold vouches until the hand-over
             anchor = old.public_key() if old is not None else anchor
-        return check_chain(records, read_head(self.path), anchor)
+        head = read_head(self.path)
+        walk = self.reader.walk_for(records, public_key_fingerprint(anchor))
+        result = check_chain(records, head, anchor, resume=walk)
+        if result.problem is not None and walk is not None:
+            result = check_chain(records, head, anchor)
+        if result.problem is None:
+            self.reader.remember(records, result.walk)
+        return result
 
     def checked(self, records: list[dict]) -> list[dict]:
         """``records`` if the signed head and every record's signature vouch for them, else one line naming the first
@@ -140,25 +161,37 @@ class RequestJournal:
                                "requests recover` re-signs the head if the tail is exactly what an interrupted serve or "
                                "add writes, and refuses anything else")
         self._check_binding(records[0])
-        fold(records)  # request numbers used once, batches started before done, ...
+        folded = (len(records), records[-1]["sha256"])  # the hash chain: the same records as the last ones folded
+        if getattr(self, "_folded", None) != folded:
+            fold(records)  # request numbers used once, batches started before done, ...
+            self._folded = folded
         self._check_evidence(records, result)
         return records
 
     def _check_evidence(self, records: list[dict], result: ChainCheck) -> None:
         """Refuse a ledger older than the service's own evidence (a rollback: :mod:`hf_unlearn.deletion.evidence`),
-        naming the newest signed head found. Cached per state of the ledger and its receipts and batches."""
-        state = (records[-1]["sha256"], *(_listing(self.path / d) for d in ("receipts", "batches")))
+        naming the newest signed head found. Cached per state of the ledger and its receipts and batches, and each
+        receipt is read and verified once while it is unchanged (same inode, size and time: the ``seen`` of
+        :func:`~hf_unlearn.deletion.evidence.evidence`, for one ledger id and one set of keys)."""
+        state = (records[-1]["sha256"], *(listing(self.path / d) for d in ("receipts", "batches")))
         if getattr(self, "_evidence_ok", None) == state:
             return
-        problem = rollback_problem(self.path, records, result.head_seq,
-                                   key_lookup(result.keys, self.signing_key.public_key()))
+        anchor = self.signing_key.public_key()
+        scope = (records[0].get("ledger"), tuple(sorted(result.keys)), public_key_fingerprint(anchor))
+        seen = getattr(self, "_evidence_seen", None)
+        if seen is None or seen[0] != scope:  # another ledger or other keys: read every file again
+            seen = self._evidence_seen = (scope, {})
+        problem = rollback_problem(self.path, records, result.head_seq, key_lookup(result.keys, anchor), seen[1],
+                                   state[1])
         if problem is not None:
             raise UnlearnError(f"the ledger {self.path} cannot be trusted: {problem}; nothing was done")
         self._evidence_ok = state
 
     def records(self) -> list[dict]:
         """Every acknowledged record, checked: checksums, chain, every record's signature and the signed head. A tail
-        seen while another process appends (its record written, its head not yet) is read again under the lock."""
+        seen while another process appends (its record written, its head not yet) is read again under the lock. The
+        record dicts are the ones this object remembers as verified (:mod:`hf_unlearn.deletion.prefix`): read them,
+        never modify them (copy one to change it)."""
         try:
             return self.checked(self._read()[0])
         except LedgerTail:
@@ -452,8 +485,12 @@ class RequestJournal:
                 tags=keyed_tags(ids, key), count=len(ids), received=iso(received_at),
                 deadline=iso(received_at + dt.timedelta(days=days)),
                 ref_tag=tag(key, ref) if ref is not None else None)
-            request = next(r for r in self.requests() if r.seq == record["seq"])
-            acknowledge(self, request)
+            records = self.records()  # checked once more, with the new record; the acknowledgement reuses them
+            if records[-1]["sha256"] != record["sha256"]:
+                raise UnlearnError(f"the ledger {self.path} changed while its lock was held (record {record['seq']} "
+                                   "is not the one appended): restore the newest ledger; nothing was acknowledged")
+            request = request_of(records[-1])  # pending: no record after it
+            acknowledge(self, request, records)
         return request
 
 
@@ -501,13 +538,6 @@ def _append_bytes(path: Path, data: bytes, mode: int, private: bool = False) -> 
             raise
     finally:
         os.close(fd)
-
-
-def _listing(folder: Path) -> tuple:
-    try:
-        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)))
-    except OSError:
-        return ()
 
 
 def _check_writable(folder: Path) -> None:

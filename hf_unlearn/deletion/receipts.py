@@ -79,10 +79,11 @@ def read_receipt(path: str | os.PathLike) -> dict:
     return data
 
 
-def acknowledge(ledger, request) -> Path:
+def acknowledge(ledger, request, records: list[dict] | None = None) -> Path:
     """The signed acknowledgement of a request just added (``receipts/r-NNNN.ack.json``) and its bundle: the
-    requester can show that the request was recorded, when, with which deadline, under a signed head."""
-    records = ledger.records()
+    requester can show that the request was recorded, when, with which deadline, under a signed head. ``records``:
+    the ledger's records as ``ledger.records()`` just returned them (under the lock of the append), or read now."""
+    records = ledger.records() if records is None else records
     opening = records[0]
     body = {"format": ACK_FORMAT, "kind": "acknowledgement",
             "ledger": {"id": opening["ledger"], "run_id": opening["run_id"]},
@@ -96,17 +97,18 @@ def acknowledge(ledger, request) -> Path:
             "created": records[-1]["time"]}
     path = ledger.path / "receipts" / f"{request.id}.ack.json"
     write_receipt(path, sign_receipt(body, ledger.signing_key))
-    write_bundle(ledger, path)
+    write_bundle(ledger, path, records=records)
     return path
 
 
-def make_bundle(ledger, receipt_path: str | os.PathLike) -> dict:
+def make_bundle(ledger, receipt_path: str | os.PathLike, records: list[dict] | None = None) -> dict:
     """A receipt with the ledger records it depends on, from the earliest one it names up to and including the
-    signed head (the head's signature vouches for every record of the segment through the hash chain)."""
+    signed head (the head's signature vouches for every record of the segment through the hash chain). ``records``:
+    see :func:`acknowledge`."""
     receipt = read_receipt(receipt_path)
     if receipt.get("format") == BUNDLE_FORMAT:
         receipt = receipt["receipt"]
-    records = ledger.records()
+    records = ledger.records() if records is None else records
     head = read_head(ledger.path)
     seqs = [ref.get("seq") for ref in (receipt.get("ledger_records") or {}).values() if isinstance(ref, dict)]
     first = min([s for s in seqs if isinstance(s, int)] or [1])
@@ -118,9 +120,10 @@ def bundle_path(receipt_path: str | os.PathLike) -> Path:
     return p.with_name(p.name[: -len(".json")] + ".bundle.json") if p.name.endswith(".json") else Path(f"{p}.bundle")
 
 
-def write_bundle(ledger, receipt_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+def write_bundle(ledger, receipt_path: str | os.PathLike, out: str | os.PathLike | None = None,
+                 records: list[dict] | None = None) -> Path:
     out = Path(out) if out is not None else bundle_path(receipt_path)
-    atomic_write_text(out, json.dumps(make_bundle(ledger, receipt_path), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(out, json.dumps(make_bundle(ledger, receipt_path, records), indent=1, sort_keys=True) + "\n")
     return out
 
 

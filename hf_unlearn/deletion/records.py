@@ -82,10 +82,19 @@ def read_records(folder: str | os.PathLike) -> tuple[list[dict], int | None]:
         data = path.read_bytes()
     except FileNotFoundError:
         return [], None
-    records, prev, offset, torn = [], GENESIS, 0, None
-    lines = data.split(b"\n")
-    for n, line in enumerate(lines, 1):
-        last = n == len(lines)
+    return parse_records(path, data)
+
+
+def parse_records(path: Path, data: bytes, start: int = 0, before: dict | None = None) -> tuple[list[dict], int | None]:
+    """The records of ``data[start:]`` (the bytes of ``path``) and the offset in ``data`` of a torn last line or
+    None. ``before`` is the record that ends ``data[:start]`` (None: ``start`` is 0, the opening comes first): the
+    first record read must chain to it, with the next sequence number. The same checks and messages whichever the
+    start (:class:`hf_unlearn.deletion.prefix.LedgerReader` reads only what was appended since its last read)."""
+    records, offset, torn = [], start, None
+    prev, seq = (before["sha256"], before["seq"]) if before is not None else (GENESIS, 0)
+    lines = data[start:].split(b"\n")
+    for k, line in enumerate(lines, 1):
+        n, last = seq + k, k == len(lines)
         if last and not line:
             break
         if last:  # no newline: the append was cut off before its end, so it was never acknowledged
@@ -105,7 +114,7 @@ def read_records(folder: str | os.PathLike) -> tuple[list[dict], int | None]:
         records.append(record)
         prev = record["sha256"]
         offset += len(line) + 1
-    if records and records[0].get("format") != LEDGER_FORMAT:
+    if before is None and records and records[0].get("format") != LEDGER_FORMAT:
         raise UnlearnError(f"{path} is not an hf_unlearn request ledger")
     return records, torn
 
@@ -118,6 +127,13 @@ def read_head(folder: str | os.PathLike) -> dict | None:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return {}
     return head if isinstance(head, dict) else {}
+
+
+def request_of(record: dict) -> Request:
+    """The request a ``request`` record adds, as it stands when no later record is about it (pending)."""
+    return Request(id=record["request"], tags=record["tags"], received=record["received"],
+                   deadline=record["deadline"], ref_tag=record.get("ref_tag"), seq=record["seq"],
+                   sha256=record["sha256"])
 
 
 def fold(records: list[dict]) -> dict[str, Request]:
@@ -143,9 +159,7 @@ def fold(records: list[dict]) -> dict[str, Request]:
         if kind == "request":
             if r["request"] in out:
                 raise bad(r, f"adds request {r['request']} a second time")
-            out[r["request"]] = Request(id=r["request"], tags=r["tags"], received=r["received"],
-                                        deadline=r["deadline"], ref_tag=r.get("ref_tag"), seq=r["seq"],
-                                        sha256=r["sha256"])
+            out[r["request"]] = request_of(r)
         elif kind == "approximate":
             for rid in r["requests"]:
                 req = out[rid]
