@@ -94,3 +94,78 @@ def test_a_function_changed_in_place_changes_the_program_digest():
         finally:
             setattr(fn, attr, saved)
         assert describe_difference(before, program_state(model)) is None
+
+
+def _odd_program(tok):
+    """A tiny model (PEFT LoRA on it) and an optimizer whose attributes take every branch of program_state: NaN, an
+    IntEnum, a bool, empty and non-empty hook dicts (with kwargs, always called), empty containers of each kind, an
+    empty dict under a key ending in "hooks" that is not torch's, a key FSDP2 names like its per-module state."""
+    import enum
+
+    from peft import LoraConfig, get_peft_model
+
+    class Mode(enum.IntEnum):
+        A = 1
+
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0))
+    mods = [m for _, m in model.named_modules()]
+    mods[3].__dict__.update(nan_value=float("nan"), mode=Mode.A, flag=True, empty_list=[], empty_tuple=(),
+                            empty_set=set(), empty_frozen=frozenset(), empty_dict={}, my_hooks={},
+                            **{"__composable_api_state_key_1": 3})
+    mods[4].register_forward_hook(_user_hook, with_kwargs=True, always_call=True)
+    mods[5].register_forward_pre_hook(_user_pre_hook)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+
+def _user_hook(module, args, kwargs, output):
+    return output
+
+
+def _user_pre_hook(module, args):
+    return None
+
+
+def test_the_program_digests_shortcuts_give_what_the_general_path_gives(monkeypatch):
+    """program_state's fast paths (plain values, empty containers and hook dicts) write what Digester's general path
+    writes, entry for entry, on a program built to take every branch."""
+    from hf_unlearn.trace import digests
+
+    tok, _ = get_trace_data()
+    model, optimizer = _odd_program(tok)
+    fast = digests.program_state(model, optimizer)
+    monkeypatch.setattr(digests, "_EXACT_PLAIN", frozenset())
+    monkeypatch.setattr(digests, "_EMPTY", {})
+    monkeypatch.setattr(digests, "_HOOK_DICTS", ())
+    general = digests.program_state(model, optimizer)
+    assert list(fast) == list(general)
+    assert {k: repr(v) for k, v in fast.items()} == {k: repr(v) for k, v in general.items()}
+    assert any("_user_hook" in str(v) for v in fast.values()) and any("_user_pre_hook" in str(v) for v in fast.values())
+
+
+def test_a_tensor_attribute_is_read_by_its_bytes_unless_it_is_one_of_the_models_own_tensors():
+    """A tensor a module holds as an attribute is digested by its bytes (an edit through .data changes the program);
+    one of the model's own parameters (the very object: a GGUF-loaded model's GGUFOrigin holds them all) is digested
+    by name, its values being the exact checksums' at every step: an optimizer step no longer reads as a program
+    change of a GGUF-loaded model trained whole (it did, at every step), and the attribute pointed at another tensor
+    of the same bytes still is one."""
+    from hf_unlearn.models import GGUF_MARK, mark_gguf
+    from hf_unlearn.trace.digests import describe_difference, program_state
+
+    tok, _ = get_trace_data()
+    model = tiny(tok)
+    model.model.layers[0].mlp.scale_hint = torch.ones(3)
+    before = program_state(model)
+    model.model.layers[0].mlp.scale_hint.data[1] = 2.0
+    assert "scale_hint" in describe_difference(before, program_state(model))
+
+    model = tiny(tok)
+    mark_gguf(model, "model.gguf", torch.float32)
+    before = program_state(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    assert describe_difference(before, program_state(model)) is None
+    origin = getattr(model, GGUF_MARK)
+    key = next(iter(origin.params))
+    origin.params[key] = (origin.params[key][0].clone(), origin.params[key][1])
+    assert GGUF_MARK in describe_difference(before, program_state(model))
