@@ -169,3 +169,47 @@ def test_a_tensor_attribute_is_read_by_its_bytes_unless_it_is_one_of_the_models_
     key = next(iter(origin.params))
     origin.params[key] = (origin.params[key][0].clone(), origin.params[key][1])
     assert GGUF_MARK in describe_difference(before, program_state(model))
+
+
+@pytest.mark.parametrize("targets", [dict(target_modules=["q_proj", "v_proj"]),
+                                     dict(target_modules=["q_proj", "lm_head"], modules_to_save=["embed_tokens"])])
+def test_the_merged_copy_sharing_the_frozen_base_is_the_deep_copys_merge_and_leaves_the_model(targets):
+    """lineage.merged_copy (the sealed output root of a PEFT run) shares with the live model what the merge only
+    reads: its weights equal ``copy.deepcopy(model).merge_and_unload()``'s bit for bit (LoRA on attention, on a tied
+    head, a module saved whole), and the live model keeps its adapters and every bit of its tensors."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.trace.lineage import base_weights, merged_copy
+
+    tok, _ = get_trace_data()
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, lora_dropout=0.0, **targets))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)  # a trained adapter (B is zero at initialisation)
+    live = {n: t.clone() for n, t in model.state_dict().items()}
+    merged, expected = merged_copy(model).state_dict(), copy.deepcopy(model).merge_and_unload().state_dict()
+    assert list(merged) == list(expected)
+    assert all(torch.equal(merged[n], expected[n]) for n in expected)
+    base = base_weights(live)  # the live model's base weights under the plain names
+    assert any(n in base and not torch.equal(expected[n], base[n]) for n in expected)  # the adapter was merged
+    now = model.state_dict()
+    assert list(now) == list(live) and all(torch.equal(now[n], live[n]) for n in live)
+
+
+def test_a_lora_runs_sealed_output_root_is_its_merged_checkpoints(tmp_path):
+    """The output root a LoRA recording seals (merged_copy, sharing the frozen base) is the root lineage computes
+    from the run's final checkpoint merged the way a later stage's recording finds its parent."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.lineage import output_root
+
+    tok, data = get_trace_data()
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    record(tok, data.select(range(8)), tmp_path, model=model, every=2, learning_rate=1e-2)
+    header = json.loads((tmp_path / "trace" / "header.json").read_text())
+    assert header["lineage"]["output_root"] == output_root(open_run(tmp_path / "trace"))
