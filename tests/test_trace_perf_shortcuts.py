@@ -213,3 +213,22 @@ def test_a_lora_runs_sealed_output_root_is_its_merged_checkpoints(tmp_path):
     record(tok, data.select(range(8)), tmp_path, model=model, every=2, learning_rate=1e-2)
     header = json.loads((tmp_path / "trace" / "header.json").read_text())
     assert header["lineage"]["output_root"] == output_root(open_run(tmp_path / "trace"))
+
+
+def test_the_dummy_weight_probe_runs_on_the_shortest_real_row_with_tokens_to_train_on():
+    """The probe's forward and backward passes cost its row's tokens: it takes the shortest of the first rows, not
+    one with an empty token column (a pair without a completion shows nothing) nor one with nothing to train on."""
+    from datasets import Dataset
+
+    from hf_unlearn.trace.recorder.preflight import probe_row
+
+    pairs = Dataset.from_dict({"id": [10, 11, 12, 13], "prompt_ids": [[1] * 30, [1], [1, 2], [1] * 5],
+                               "chosen_ids": [[2] * 30, [], [3], [2] * 5], "rejected_ids": [[4] * 30, [5], [6, 7], [4]]})
+    assert probe_row(pairs, "id") == {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [6, 7]}
+    rows = Dataset.from_dict({"id": ["a", "b", "c"], "input_ids": [[1] * 9, [1, 2], [1, 2, 3]],
+                              "completion_mask": [[1] * 9, [0, 0], [0, 1, 1]]})
+    assert probe_row(rows, "id") == {"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}
+    labels = Dataset.from_dict({"id": [1, 2], "input_ids": [[1] * 4, [1]], "labels": [[1] * 4, [-100]]})
+    assert probe_row(labels, "id")["input_ids"] == [1] * 4
+    none = Dataset.from_dict({"id": [1], "input_ids": [[]]})
+    assert probe_row(none, "id") == {"input_ids": []}  # no candidate: the first row, as before
