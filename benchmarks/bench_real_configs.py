@@ -116,11 +116,13 @@ def main():
                     name = f"{kind}-{arm}-{r}"
                     kw = {} if arm == "plain" else dict(trace_checkpoint_steps=a.every, trace_dir=out / name / "trace",
                                                         **self_check)
-                    model, built = copy.deepcopy(base), []
-                    made = timed(lambda: built.append((cls if arm == "plain" else trace_recording(cls))(
+                    model = copy.deepcopy(base)
+                    c, w = time.process_time(), time.perf_counter()
+                    t = (cls if arm == "plain" else trace_recording(cls))(
                         model=model, args=config(kind, name, arm), train_dataset=data[kind],
-                        processing_class=tok, peft_config=lora(), **kw)))
-                    times[arm].append(timed(built[0].train))
+                        processing_class=tok, peft_config=lora(), **kw)
+                    made = (time.process_time() - c, time.perf_counter() - w)
+                    times[arm].append(timed(t.train))
                     inits[arm].append(made)
                     print(f"  {kind} {arm} repeat {r}: {times[arm][-1][0]:.1f} s CPU, {times[arm][-1][1]:.1f} s wall "
                           f"(construction {made[0]:.1f} s CPU, {made[1]:.1f} s wall)", flush=True)

@@ -187,7 +187,7 @@ def test_the_merged_copy_sharing_the_frozen_base_is_the_deep_copys_merge_and_lea
     model = get_peft_model(tiny(tok), LoraConfig(r=2, lora_dropout=0.0, **targets))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)  # a trained adapter (B is zero at initialisation)
     live = {n: t.clone() for n, t in model.state_dict().items()}

@@ -52,7 +52,8 @@ MAX_DEPTH = 4
 MAX_ITEMS = 4096  # a longer container is digested whole (its entries still read)
 _EXACT_PLAIN = frozenset(PLAIN)  # exact types: a subclass (an IntEnum, ...) takes the isinstance path
 _HOOK_DICTS, _HOOK_KEYS = (dict, collections.OrderedDict), ("hooks", "_with_kwargs", "_always_called")
-_EMPTY = {dict: "{}", collections.OrderedDict: "{}", list: "[]", tuple: "()", set: "{}", frozenset: "{}"}  # as Digester._text writes them empty
+# an empty container as Digester._text writes it
+_EMPTY = {dict: "{}", collections.OrderedDict: "{}", list: "[]", tuple: "()", set: "{}", frozenset: "{}"}
 # attributes that change on their own while a program runs unchanged (caches, counters, one-time warnings)
 SKIPPED_ARGS = frozenset({"_setup_devices", "distributed_state"})
 SKIPPED_MODULE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
