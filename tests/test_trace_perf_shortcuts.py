@@ -228,6 +228,8 @@ def test_the_dummy_weight_probe_runs_on_the_shortest_real_row_with_tokens_to_tra
     rows = Dataset.from_dict({"id": ["a", "b", "c"], "input_ids": [[1] * 9, [1, 2], [1, 2, 3]],
                               "completion_mask": [[1] * 9, [0, 0], [0, 1, 1]]})
     assert probe_row(rows, "id") == {"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}
+    masks = Dataset.from_dict({"id": [1, 2], "input_ids": [[1] * 4, [1]], "assistant_masks": [[1] * 4, [0]]})
+    assert probe_row(masks, "id")["input_ids"] == [1] * 4
     labels = Dataset.from_dict({"id": [1, 2], "input_ids": [[1] * 4, [1]], "labels": [[1] * 4, [-100]]})
     assert probe_row(labels, "id")["input_ids"] == [1] * 4
     none = Dataset.from_dict({"id": [1], "input_ids": [[]]})

@@ -35,16 +35,16 @@ PROBE_ROWS = 256  # the dummy-weight probe runs on the shortest of this many fir
 def probe_row(served, id_column: str) -> dict:
     """The row the dummy-weight probe runs its forward and backward passes on (their cost is its tokens'): the
     shortest of the first :data:`PROBE_ROWS` rows (fewest tokens over its token columns), among those with no empty
-    token column and a token to train on (``completion_mask`` / ``labels``), else the first row. What the probe checks
-    is a property of the loss (a deleted slot's dummy gets no gradient, a neighbour's deletion does not re-weight a
-    row), which any real row shows; the first one was as arbitrary and often longer."""
+    token column and a token to train on (``completion_mask``, ``assistant_masks``, ``labels``), else the first
+    row. What the probe checks is a property of the loss (a deleted slot's dummy gets no gradient, a neighbour's
+    deletion does not re-weight a row), which any real row shows; the first one was as arbitrary and often longer."""
     head = served[:PROBE_ROWS]
     best, fewest = 0, None
     for i in range(len(head[id_column])):
         lists = [head[c][i] for c in head if c != id_column and isinstance(head[c][i], list)]
         if not lists or any(len(x) == 0 for x in lists):
             continue
-        if "completion_mask" in head and not any(head["completion_mask"][i]):
+        if any(m in head and not any(head[m][i]) for m in ("completion_mask", "assistant_masks")):
             continue
         if "labels" in head and isinstance(head["labels"][i], list) and all(x == -100 for x in head["labels"][i]):
             continue
