@@ -9,7 +9,8 @@ Trainer checkpoints of the adapter and the optimizer) and the recording one (``t
 ``trace_checkpoint_steps=--every``, the library's default retention, ``--self-check`` (default: the library's),
 no Trainer checkpoints)
 alternate, order rotated per repeat; CPU time (user + system of this process) and wall time of ``train()``, median
-over the repeats. Then ``hf_unlearn.forget(RUN, ids, oracle=True)`` of one id served at the last step (a late
+over the repeats, and the CPU time of construction plus ``train()`` (the recorder's preflight, whose dummy-weight
+probe runs a forward and backward pass at construction, two for DPO). Then ``hf_unlearn.forget(RUN, ids, oracle=True)`` of one id served at the last step (a late
 deletion): the replay's wall time against the recording's, and the oracle's. LoRA r=8 on q_proj and v_proj, fp32,
 SDPA, batch 4 (SFT) / 2 pairs (DPO), TOFU rows, 64 tokens at most.
 
@@ -109,21 +110,26 @@ def main():
         for kind in kinds:
             cls = {"sft": SFTTrainer, "dpo": DPOTrainer}[kind]
             times: dict[str, list[tuple[float, float]]] = {"plain": [], "trace": []}
+            inits: dict[str, list[tuple[float, float]]] = {"plain": [], "trace": []}  # the trainer's construction
             for r in range(1 if a.deletion_only else a.repeats):
                 for arm in ["trace"] if a.deletion_only else (["plain", "trace"] if r % 2 == 0 else ["trace", "plain"]):
                     name = f"{kind}-{arm}-{r}"
                     kw = {} if arm == "plain" else dict(trace_checkpoint_steps=a.every, trace_dir=out / name / "trace",
                                                         **self_check)
+                    model = copy.deepcopy(base)
+                    c, w = time.process_time(), time.perf_counter()
                     t = (cls if arm == "plain" else trace_recording(cls))(
-                        model=copy.deepcopy(base), args=config(kind, name, arm), train_dataset=data[kind],
+                        model=model, args=config(kind, name, arm), train_dataset=data[kind],
                         processing_class=tok, peft_config=lora(), **kw)
+                    made = (time.process_time() - c, time.perf_counter() - w)
                     times[arm].append(timed(t.train))
-                    print(f"  {kind} {arm} repeat {r}: {times[arm][-1][0]:.1f} s CPU, {times[arm][-1][1]:.1f} s wall",
-                          flush=True)
+                    inits[arm].append(made)
+                    print(f"  {kind} {arm} repeat {r}: {times[arm][-1][0]:.1f} s CPU, {times[arm][-1][1]:.1f} s wall "
+                          f"(construction {made[0]:.1f} s CPU, {made[1]:.1f} s wall)", flush=True)
                     if arm == "plain":
                         shutil.rmtree(out / name, ignore_errors=True)
             if a.no_deletion:
-                results[kind] = (times, None, None, None, 0.0, {})
+                results[kind] = (times, None, None, None, 0.0, {}, inits)
                 continue
             run = open_run(out / f"{kind}-trace-0" / "trace")
             ids = run.ids_at_steps([steps[kind] - 1])[:1]
@@ -131,16 +137,21 @@ def main():
             deletions = late_deletions(forget, run.path, ids, out / f"{kind}-late", a.deletion_repeats)
             c, w = time.process_time(), time.perf_counter()
             receipt = forget(run.path, ids, out / f"{kind}-deletion", oracle=True, progress=False, log=lambda m: None)
-            results[kind] = (times, time.process_time() - c, time.perf_counter() - w, receipt, proven, deletions)
+            results[kind] = (times, time.process_time() - c, time.perf_counter() - w, receipt, proven, deletions,
+                             inits)
         print(f"\nSmolLM2-135M, LoRA r=8 (q_proj, v_proj), fp32, SDPA, {a.threads} thread(s), checkpoints every "
               f"{a.every} steps in both arms; trace_self_check {a.self_check}; median of {1 if a.deletion_only else a.repeats} repeat(s), arms alternating")
         for kind in kinds:
-            times, cpu, wall, receipt, proven, deletions = results[kind]
+            times, cpu, wall, receipt, proven, deletions, inits = results[kind]
             tc, tw = (statistics.median(x[i] for x in times["trace"]) for i in (0, 1))
             if times["plain"]:
                 pc, pw = (statistics.median(x[i] for x in times["plain"]) for i in (0, 1))
                 print(f"  {kind.upper()} {steps[kind]:2d} steps: plain {pc:6.1f} s CPU ({pw:6.1f} wall)  recorded "
-                      f"{tc:6.1f} s CPU ({tw:6.1f} wall)  ratio {tc / pc:.3f}x CPU, {tw / pw:.3f}x wall")
+                      f"{tc:6.1f} s CPU ({tw:6.1f} wall)  ratio {tc / pc:.3f}x CPU, {tw / pw:.3f}x wall  (train())")
+                whole = {arm: statistics.median(i[0] + t[0] for i, t in zip(inits[arm], times[arm])) for arm in times}
+                print(f"  {kind.upper()} {steps[kind]:2d} steps with the trainer's construction (the recorder's "
+                      f"preflight probe included): plain {whole['plain']:6.1f} s CPU  recorded {whole['trace']:6.1f} s "
+                      f"CPU  ratio {whole['trace'] / whole['plain']:.3f}x CPU")
             else:
                 print(f"  {kind.upper()} {steps[kind]:2d} steps: recorded {tc:6.1f} s CPU ({tw:6.1f} wall)")
             if proven:

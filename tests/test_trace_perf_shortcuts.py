@@ -94,3 +94,143 @@ def test_a_function_changed_in_place_changes_the_program_digest():
         finally:
             setattr(fn, attr, saved)
         assert describe_difference(before, program_state(model)) is None
+
+
+def _odd_program(tok):
+    """A tiny model (PEFT LoRA on it) and an optimizer whose attributes take every branch of program_state: NaN, an
+    IntEnum, a bool, empty and non-empty hook dicts (with kwargs, always called), empty containers of each kind, an
+    empty dict under a key ending in "hooks" that is not torch's, a key FSDP2 names like its per-module state."""
+    import enum
+
+    from peft import LoraConfig, get_peft_model
+
+    class Mode(enum.IntEnum):
+        A = 1
+
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0))
+    mods = [m for _, m in model.named_modules()]
+    mods[3].__dict__.update(nan_value=float("nan"), mode=Mode.A, flag=True, empty_list=[], empty_tuple=(),
+                            empty_set=set(), empty_frozen=frozenset(), empty_dict={}, my_hooks={},
+                            **{"__composable_api_state_key_1": 3})
+    mods[4].register_forward_hook(_user_hook, with_kwargs=True, always_call=True)
+    mods[5].register_forward_pre_hook(_user_pre_hook)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+
+def _user_hook(module, args, kwargs, output):
+    return output
+
+
+def _user_pre_hook(module, args):
+    return None
+
+
+def test_the_program_digests_shortcuts_give_what_the_general_path_gives(monkeypatch):
+    """program_state's fast paths (plain values, empty containers and hook dicts) write what Digester's general path
+    writes, entry for entry, on a program built to take every branch."""
+    from hf_unlearn.trace import digests
+
+    tok, _ = get_trace_data()
+    model, optimizer = _odd_program(tok)
+    fast = digests.program_state(model, optimizer)
+    monkeypatch.setattr(digests, "_EXACT_PLAIN", frozenset())
+    monkeypatch.setattr(digests, "_EMPTY", {})
+    monkeypatch.setattr(digests, "_HOOK_DICTS", ())
+    general = digests.program_state(model, optimizer)
+    assert list(fast) == list(general)
+    assert {k: repr(v) for k, v in fast.items()} == {k: repr(v) for k, v in general.items()}
+    assert any("_user_hook" in str(v) for v in fast.values()) and any("_user_pre_hook" in str(v) for v in fast.values())
+
+
+def test_a_tensor_attribute_is_read_by_its_bytes_unless_it_is_one_of_the_models_own_tensors():
+    """A tensor a module holds as an attribute is digested by its bytes (an edit through .data changes the program);
+    one of the model's own parameters (the very object: a GGUF-loaded model's GGUFOrigin holds them all) is digested
+    by name, its values being the exact checksums' at every step: an optimizer step no longer reads as a program
+    change of a GGUF-loaded model trained whole (it did, at every step), and the attribute pointed at another tensor
+    of the same bytes still is one."""
+    from hf_unlearn.models import GGUF_MARK, mark_gguf
+    from hf_unlearn.trace.digests import describe_difference, program_state
+
+    tok, _ = get_trace_data()
+    model = tiny(tok)
+    model.model.layers[0].mlp.scale_hint = torch.ones(3)
+    before = program_state(model)
+    model.model.layers[0].mlp.scale_hint.data[1] = 2.0
+    assert "scale_hint" in describe_difference(before, program_state(model))
+
+    model = tiny(tok)
+    mark_gguf(model, "model.gguf", torch.float32)
+    before = program_state(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    assert describe_difference(before, program_state(model)) is None
+    origin = getattr(model, GGUF_MARK)
+    key = next(iter(origin.params))
+    origin.params[key] = (origin.params[key][0].clone(), origin.params[key][1])
+    assert GGUF_MARK in describe_difference(before, program_state(model))
+
+
+@pytest.mark.parametrize("targets", [dict(target_modules=["q_proj", "v_proj"]),
+                                     dict(target_modules=["q_proj", "lm_head"], modules_to_save=["embed_tokens"])])
+def test_the_merged_copy_sharing_the_frozen_base_is_the_deep_copys_merge_and_leaves_the_model(targets):
+    """lineage.merged_copy (the sealed output root of a PEFT run) shares with the live model what the merge only
+    reads: its weights equal ``copy.deepcopy(model).merge_and_unload()``'s bit for bit (LoRA on attention, on a tied
+    head, a module saved whole), and the live model keeps its adapters and every bit of its tensors."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.trace.lineage import base_weights, merged_copy
+
+    tok, _ = get_trace_data()
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, lora_dropout=0.0, **targets))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)  # a trained adapter (B is zero at initialisation)
+    live = {n: t.clone() for n, t in model.state_dict().items()}
+    merged, expected = merged_copy(model).state_dict(), copy.deepcopy(model).merge_and_unload().state_dict()
+    assert list(merged) == list(expected)
+    assert all(torch.equal(merged[n], expected[n]) for n in expected)
+    base = base_weights(live)  # the live model's base weights under the plain names
+    assert any(n in base and not torch.equal(expected[n], base[n]) for n in expected)  # the adapter was merged
+    now = model.state_dict()
+    assert list(now) == list(live) and all(torch.equal(now[n], live[n]) for n in live)
+
+
+def test_a_lora_runs_sealed_output_root_is_its_merged_checkpoints(tmp_path):
+    """The output root a LoRA recording seals (merged_copy, sharing the frozen base) is the root lineage computes
+    from the run's final checkpoint merged the way a later stage's recording finds its parent."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.lineage import output_root
+
+    tok, data = get_trace_data()
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    record(tok, data.select(range(8)), tmp_path, model=model, every=2, learning_rate=1e-2)
+    header = json.loads((tmp_path / "trace" / "header.json").read_text())
+    assert header["lineage"]["output_root"] == output_root(open_run(tmp_path / "trace"))
+
+
+def test_the_dummy_weight_probe_runs_on_the_shortest_real_row_with_tokens_to_train_on():
+    """The probe's forward and backward passes cost its row's tokens: it takes the shortest of the first rows, not
+    one with an empty token column (a pair without a completion shows nothing) nor one with nothing to train on."""
+    from datasets import Dataset
+
+    from hf_unlearn.trace.recorder.preflight import probe_row
+
+    pairs = Dataset.from_dict({"id": [10, 11, 12, 13], "prompt_ids": [[1] * 30, [1], [1, 2], [1] * 5],
+                               "chosen_ids": [[2] * 30, [], [3], [2] * 5], "rejected_ids": [[4] * 30, [5], [6, 7], [4]]})
+    assert probe_row(pairs, "id") == {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [6, 7]}
+    rows = Dataset.from_dict({"id": ["a", "b", "c"], "input_ids": [[1] * 9, [1, 2], [1, 2, 3]],
+                              "completion_mask": [[1] * 9, [0, 0], [0, 1, 1]]})
+    assert probe_row(rows, "id") == {"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}
+    masks = Dataset.from_dict({"id": [1, 2], "input_ids": [[1] * 4, [1]], "assistant_masks": [[1] * 4, [0]]})
+    assert probe_row(masks, "id")["input_ids"] == [1] * 4
+    labels = Dataset.from_dict({"id": [1, 2], "input_ids": [[1] * 4, [1]], "labels": [[1] * 4, [-100]]})
+    assert probe_row(labels, "id")["input_ids"] == [1] * 4
+    none = Dataset.from_dict({"id": [1], "input_ids": [[]]})
+    assert probe_row(none, "id") == {"input_ids": []}  # no candidate: the first row, as before

@@ -29,6 +29,7 @@ step, :class:`ProcessComparison`).
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import hashlib
@@ -49,6 +50,10 @@ FRAMEWORK_HOOKS = ("hf_unlearn.", "transformers.", "accelerate.", "peft.", "trl.
 PLAIN = (bool, int, float, str, type(None))
 MAX_DEPTH = 4
 MAX_ITEMS = 4096  # a longer container is digested whole (its entries still read)
+_EXACT_PLAIN = frozenset(PLAIN)  # exact types: a subclass (an IntEnum, ...) takes the isinstance path
+_HOOK_DICTS, _HOOK_KEYS = (dict, collections.OrderedDict), ("hooks", "_with_kwargs", "_always_called")
+# an empty container as Digester._text writes it
+_EMPTY = {dict: "{}", collections.OrderedDict: "{}", list: "[]", tuple: "()", set: "{}", frozenset: "{}"}
 # attributes that change on their own while a program runs unchanged (caches, counters, one-time warnings)
 SKIPPED_ARGS = frozenset({"_setup_devices", "distributed_state"})
 SKIPPED_MODULE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
@@ -119,12 +124,16 @@ def _short(text: str) -> str:
 class Digester:
     """Stable text for objects, memoised for one snapshot (an object met twice at one depth is read once)."""
 
-    def __init__(self, roots: dict | None = None):
+    def __init__(self, roots: dict | None = None, model=None):
         self.memo: dict[tuple, tuple] = {}
         self.roots = {id(v): k for k, v in (roots or {}).items()}  # objects digested under their own path
+        self.model = model  # whose parameters and buffers, held as attributes, are digested by name
+        self._own: dict | None = None
 
     def leaf(self, value):
         """A plain value as itself (NaN as text, so equal runs compare equal), anything else as stable text."""
+        if type(value) in _EXACT_PLAIN:  # the common case, without the isinstance chain (subclasses go below)
+            return "nan" if value != value else value
         if isinstance(value, float) and value != value:
             return "nan"
         if isinstance(value, PLAIN):
@@ -136,6 +145,8 @@ class Digester:
             return repr(obj)
         if id(obj) in self.roots:
             return f"<{self.roots[id(obj)]}>"
+        if type(obj) in _EMPTY and depth <= MAX_DEPTH and not obj:  # an empty container, as _text writes it
+            return _EMPTY[type(obj)]
         key = (id(obj), depth)  # the text depends on the depth it is read at (MAX_DEPTH cuts it): never the order
         if key in self.memo:
             return self.memo[key][1]
@@ -152,7 +163,8 @@ class Digester:
         if isinstance(obj, enum.Enum):
             return f"{_name(type(obj))}.{obj.name}"
         if torch.is_tensor(obj):
-            return tensor_text(obj)
+            own = self.own_tensor(obj)
+            return tensor_text(obj) if own is None else own
         if isinstance(obj, types.CodeType):
             return f"code:{code_digest(obj)}"
         if callable(obj) and not isinstance(obj, (type, torch.nn.Module)) and depth <= MAX_DEPTH:
@@ -181,6 +193,23 @@ class Digester:
         if type(obj).__repr__ is object.__repr__:
             return f"<{_name(type(obj))}>"
         return _short(repr(obj))
+
+    def own_tensor(self, t: torch.Tensor) -> str | None:
+        """``tensor <dtype><shape> parameter <name>`` when ``t`` is one of the model's own parameters or buffers (the
+        very object): its values are the exact checksums' business at every step, as for the parameters the modules
+        hold, and a ``GGUFOrigin`` holding every weight made each snapshot read all of them again. None otherwise
+        (the tensor is digested by its bytes)."""
+        if self.model is None:
+            return None
+        if self._own is None:
+            self._own = {}
+            for kind, named in (("parameter", self.model.named_parameters), ("buffer", self.model.named_buffers)):
+                for n, x in named(remove_duplicate=False):
+                    self._own.setdefault(id(x), (x, f"{kind} {n}"))
+        held = self._own.get(id(t))
+        if held is None or held[0] is not t:
+            return None
+        return f"tensor {str(t.dtype).removeprefix('torch.')}{list(t.shape)} {held[1]}"
 
     def callable_text(self, fn, depth: int) -> str | None:
         """``module.qualname#code`` of a function (and its defaults and closure), a bound method (its function, the
@@ -273,7 +302,7 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
     """``path -> value`` of the whole program (see the module docstring); values are plain or stable text."""
     config = getattr(model, "config", None)
     gen = getattr(model, "generation_config", None)
-    d = Digester({"config": config, "generation_config": gen, "args": args})
+    d = Digester({"config": config, "generation_config": gen, "args": args}, model=model)
     out: dict = {}
     if args is not None:
         out.update((f"args.{k}", d.leaf(v)) for k, v in vars(args).items() if k not in SKIPPED_ARGS)
@@ -286,7 +315,11 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         for k, v in vars(m).items():
             if k in SKIPPED_MODULE:
                 continue
-            if k.startswith("__composable_api_"):  # FSDP2's per-module state, under a key with a random uuid
+            if type(v) in _EXACT_PLAIN and not k.startswith("__composable_api_"):  # most attributes: as leaf() gives
+                out[f"{where} {k}"] = "nan" if v != v else v
+            elif type(v) in _HOOK_DICTS and not v and k.endswith(_HOOK_KEYS):  # no hook: the empty list of the
+                out[f"{where} {k}"] = "[]"  # branches below
+            elif k.startswith("__composable_api_"):  # FSDP2's per-module state, under a key with a random uuid
                 out[f"{where} {k.split('_key_')[0]}"] = _short(repr(sorted(
                     _name(type(x)) for x in (v.values() if isinstance(v, dict) else [v]))))
             elif type(v).__module__.startswith(RUNTIME_STATE):

@@ -105,10 +105,27 @@ def live_output_root(model, header: dict) -> str:
     finds its parent without loading (or de-quantising) anything."""
     if not (header.get("model") or {}).get("peft"):
         return weights_root(model.state_dict())
+    with pinned_stack(header):
+        return weights_root(merged_copy(model).state_dict())
+
+
+# children by which PEFT's tuner layers and wrappers (whose tensors a merge writes or replaces) are found
+_MERGED_CHILDREN = ("base_layer", "original_module", "modules_to_save")
+
+
+def merged_copy(model):
+    """``copy.deepcopy(model).merge_and_unload()`` without copying what the merge only reads: every parameter and
+    buffer outside PEFT's tuner layers and wrappers (the frozen base, most of a LoRA model's bytes) is shared with
+    ``model``; the merge writes the tuner layers' base weights (copied) and replaces wrappers in the copy's tree."""
     import copy
 
-    with pinned_stack(header):
-        return weights_root(copy.deepcopy(model).merge_and_unload().state_dict())
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    written = {id(t) for _, m in model.named_modules()
+               if isinstance(m, BaseTunerLayer) or any(c in m._modules for c in _MERGED_CHILDREN)
+               for t in (*m.parameters(), *m.buffers())}
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in written}
+    return copy.deepcopy(model, shared).merge_and_unload()
 
 
 def reference_is_parent(run) -> bool:

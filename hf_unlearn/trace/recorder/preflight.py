@@ -29,6 +29,31 @@ def _collator_is_random(collator, rows: list[dict]) -> bool:
     return outs[0] != outs[1]
 
 
+PROBE_ROWS = 256  # the dummy-weight probe runs on the shortest of this many first rows
+
+
+def probe_row(served, id_column: str) -> dict:
+    """The row the dummy-weight probe runs its forward and backward passes on (their cost is its tokens'): the
+    shortest of the first :data:`PROBE_ROWS` rows (fewest tokens over its token columns), among those with no empty
+    token column and a token to train on (``completion_mask``, ``assistant_masks``, ``labels``), else the first
+    row. What the probe checks is a property of the loss (a deleted slot's dummy gets no gradient, a neighbour's
+    deletion does not re-weight a row), which any real row shows; the first one was as arbitrary and often longer."""
+    head = served[:PROBE_ROWS]
+    best, fewest = 0, None
+    for i in range(len(head[id_column])):
+        lists = [head[c][i] for c in head if c != id_column and isinstance(head[c][i], list)]
+        if not lists or any(len(x) == 0 for x in lists):
+            continue
+        if any(m in head and not any(head[m][i]) for m in ("completion_mask", "assistant_masks")):
+            continue
+        if "labels" in head and isinstance(head["labels"][i], list) and all(x == -100 for x in head["labels"][i]):
+            continue
+        size = sum(len(x) for x in lists)
+        if fewest is None or size < fewest:
+            best, fewest = i, size
+    return {k: v for k, v in served[best].items() if k != id_column}
+
+
 def recorded_trainer(trainer) -> dict:
     """The recorded trainer class, config class and extra arguments (refused here if a replay cannot rebuild
     them)."""
@@ -107,8 +132,8 @@ def preflight(trainer) -> tuple:
             f"(dummy_token_id={trainer.dummy_token_id}): a deleted slot would not have weight 0; add a `labels` column "
             "(-100 on ignored tokens) or pass dummy_token_id= a token the collator masks (its pad token)")
     if not trainer._trace_probed:
-        trainer._trace_probed = True  # once, at construction: a forward and backward pass on two rows
-        trainer._check_dummy_has_no_influence({k: v for k, v in template.items() if k != trainer.id_column})
+        trainer._trace_probed = True  # once, at construction: a forward and backward pass on two rows (DPO: two)
+        trainer._check_dummy_has_no_influence(probe_row(served, trainer.id_column))
     if trainer.neftune_noise_alpha is not None:
         notes.append(f"NEFTune (alpha {trainer.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
                      "microbatch's recorded seed")

@@ -1,0 +1,120 @@
+"""The recording overhead of a change to the recorder, A/B in one process (issue #42's benchmark, w42dpo's change).
+
+Three arms alternate, order rotated per repeat: the plain trainer (Trainer checkpoints every 4 steps), the recording
+with the parent commit's ``program_state`` (trace/digests.py), ``live_output_root`` (trace/lineage.py) and row-0
+dummy-weight probe patched in, and the recording as it is (``trace_self_check=False``, a trace checkpoint every 4
+steps). SmolLM2-135M LoRA r=8 on q/v, as ``bench_real_configs.py``. CPU time of ``train()`` and of construction +
+``train()``, median over the repeats, and the paired difference per repeat: on a shared machine the load moves the
+plain arm by seconds between runs, which a pair of neighbouring arms does not see.
+
+    git archive 49cd2be hf_unlearn | tar -x -C /tmp/parent
+    PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3 --parent /tmp/parent/hf_unlearn
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+warnings.filterwarnings("ignore")
+
+
+def parent_module(parent: str, name: str):
+    """The parent's ``hf_unlearn/trace/<name>.py`` under another module name (its relative imports: this package's)."""
+    spec = importlib.util.spec_from_file_location(f"hf_unlearn.trace._parent_{name}", f"{parent}/trace/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "hf_unlearn.trace"
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", choices=["sft", "dpo"], default="dpo")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parent", required=True, help="the parent commit's hf_unlearn/ folder")
+    a = p.parse_args()
+    import torch
+
+    from hf_unlearn.runtime import quiet_benchmark
+
+    quiet_benchmark(1)
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    from hf_unlearn import load_tofu, trace_recording
+    from hf_unlearn.models import load_model, load_tokenizer
+    from hf_unlearn.trace import digests
+    from hf_unlearn.trace.recorder import preflight, sealing
+
+    old_digests, old_lineage = parent_module(a.parent, "digests"), parent_module(a.parent, "lineage")
+    now = (digests.program_state, sealing.live_output_root, preflight.probe_row)
+
+    def row_0(served, id_column):
+        return {k: v for k, v in served[0].items() if k != id_column}
+
+    def use(parent: bool) -> None:
+        digests.program_state, sealing.live_output_root, preflight.probe_row = (
+            (old_digests.program_state, old_lineage.live_output_root, row_0) if parent else now)
+
+    model_dir = str(SHARED / "models" / "SmolLM2-135M-Instruct")
+    tok, base = load_tokenizer(model_dir), load_model(model_dir, dtype=torch.float32)
+    rows = load_tofu("full", SHARED / "data" / "tofu").select(range(49))
+    answers = [" " + x for x in rows["answer"]]
+    data = {"sft": Dataset.from_dict({"id": rows["id"][:-1], "prompt": rows["question"][:-1],
+                                      "completion": answers[:-1]}),
+            "dpo": Dataset.from_dict({"id": rows["id"][:16], "prompt": rows["question"][:16],
+                                      "chosen": answers[:16], "rejected": answers[1:17]})}
+    kind = a.only
+    steps, cls = {"sft": (12, SFTTrainer), "dpo": (8, DPOTrainer)}[kind]
+    out = Path(tempfile.mkdtemp(prefix="bench_overhead_ab_"))
+    arms = ["plain", "parent", "now"]
+    got: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    try:
+        for r in range(a.repeats):
+            for arm in arms[r % 3:] + arms[:r % 3]:
+                name = f"{arm}-{r}"
+                save = dict(save_strategy="steps", save_steps=4) if arm == "plain" else dict(save_strategy="no")
+                common = dict(output_dir=str(out / name), max_steps=steps, learning_rate=1e-4, max_length=64,
+                              report_to=[], seed=0, use_cpu=True, logging_steps=1000, disable_tqdm=True, **save)
+                config = (SFTConfig(per_device_train_batch_size=4, **common) if kind == "sft" else
+                          DPOConfig(per_device_train_batch_size=2, dataset_num_proc=None, **common))
+                lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                  task_type="CAUSAL_LM")
+                kw = {} if arm == "plain" else dict(trace_checkpoint_steps=4, trace_dir=out / name / "trace",
+                                                    trace_self_check=False)
+                use(arm == "parent")
+                model = copy.deepcopy(base)
+                c0 = time.process_time()
+                trainer = (cls if arm == "plain" else trace_recording(cls))(
+                    model=model, args=config, train_dataset=data[kind], processing_class=tok, peft_config=lora, **kw)
+                c1 = time.process_time()
+                trainer.train()
+                c2 = time.process_time()
+                got[arm].append((c1 - c0, c2 - c1))
+                print(f"  {kind} {arm} repeat {r}: train {c2 - c1:.1f} s CPU, construction {c1 - c0:.1f}", flush=True)
+                shutil.rmtree(out / name, ignore_errors=True)
+    finally:
+        use(False)
+        shutil.rmtree(out, ignore_errors=True)
+    train = {arm: statistics.median(x[1] for x in v) for arm, v in got.items()}
+    whole = {arm: statistics.median(x[0] + x[1] for x in v) for arm, v in got.items()}
+    for arm in ("parent", "now"):
+        print(f"{kind.upper()} {steps} steps: {arm:6s} recorded train() {train[arm]:.1f} s CPU = "
+              f"{train[arm] / train['plain']:.3f}x plain ({train['plain']:.1f}); with construction "
+              f"{whole[arm] / whole['plain']:.3f}x")
+    print("paired per repeat, now - parent, train() CPU s:",
+          [round(n[1] - q[1], 2) for q, n in zip(got["parent"], got["now"])])
+
+
+if __name__ == "__main__":
+    main()
