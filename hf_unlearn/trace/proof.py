@@ -41,8 +41,10 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     check_proven,
     diverged,
     engine,
+    fresh_start_failure,
     launch_command,
     neutral_controls,
+    proof_starts,
     proof_statement,
     proven_starts,
     proven_steps,
@@ -183,13 +185,19 @@ def _save_progress(run, state: dict) -> None:
 
 
 # ---- prove -----------------------------------------------------------------------------------------------------
-def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True, log=None) -> dict:
+def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True, log=None,
+          fresh_starts: bool = False) -> dict:
     """Re-run the recorded run with the replay engine and no deletion; match the recorded state at every step.
 
     Returns the proof record (also sealed into ``header.json`` as ``fidelity.proof`` unless ``seal=False``):
-    ``proven`` (every step matched), ``steps`` ([first, last] proven from step 0), ``diverged`` (the first step
-    where the engine's state differs, and what differs). Resumes a proof that was killed (``proof_progress.json``).
-    Under a launch of N processes (a run recorded by N), every process replays its share.
+    ``proven`` (every step matched), ``steps`` ([first, last] proven from step 0), ``starts`` (the kept checkpoints
+    a replay started afresh was shown to reproduce from), ``diverged`` (the first step where the engine's state
+    differs, and what differs). Resumes a proof that was killed (``proof_progress.json``). Under a launch of N
+    processes (a run recorded by N), every process replays its share.
+
+    ``fresh_starts``: also prove, ahead of any deletion, the first step of a replay started afresh at each kept
+    checkpoint after step 0 (checkpoint load, model rebuild, RNG and data position; a few steps more). By default
+    a fresh start is proven where it is used, by the deletion that starts there (:func:`before_deletion`).
     """
     from tqdm.auto import tqdm
 
@@ -208,7 +216,7 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
             _save_progress(run, state)
 
     diverged, start_failures = None, {}  # noqa: F811 - the outcome, not proven.diverged (re-exported)
-    todo_starts = [c for c in kept if c > 0 and c not in state["starts"]]
+    todo_starts = [c for c in kept if c > 0 and c not in state["starts"]] if fresh_starts else []
     with tqdm(total=total - state["upto"] + len(todo_starts), desc="prove (replay, no deletion)", unit="step",
               disable=not (progress and main), leave=False) as bar:
         if state["upto"] < total:  # one replay on to the end, as the oracle runs (resumed: from the last checkpoint)
@@ -305,7 +313,8 @@ def probe_steps(run) -> list[int]:
     return [0] + ([other] if other != 0 else [])
 
 
-def probe_environment(run_path, data_collator=None, log=None, replayed: range = range(0)) -> dict:
+def probe_environment(run_path, data_collator=None, log=None, replayed: range = range(0),
+                      fresh_start: int | None = None) -> dict:
     """Re-run :func:`probe_steps` with no deletion in this process (every process of a launch) and compare with the
     recorded fingerprints; raise :class:`ProofError` in one line on a difference, naming the step and the numeric
     environment variables that differ from the recording's. Returns ``{"steps", "seconds"}``.
@@ -313,10 +322,14 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
     ``replayed``: the steps the deletion's own replay re-runs with no deletion (from its start checkpoint up to the
     first affected step), each checked against the recording's state fingerprint as it runs. A probe step among
     them is not run twice: the replay's first step is that probe, the same re-run with the same comparison (it
-    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them."""
+    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them.
+
+    ``fresh_start``: a kept checkpoint whose fresh start the deletion uses and no proof covers, where the deletion's
+    first step is affected: its step is re-run from that checkpoint too (it doubles as a probe of that step), and a
+    difference there refuses naming the fresh start (:func:`~hf_unlearn.trace.proven.fresh_start_failure`)."""
     wall = time.perf_counter()
     run = (run_path if isinstance(run_path, TraceRun) else open_run(run_path)).kept()
-    chosen = probe_steps(run)
+    chosen = sorted(set(probe_steps(run)) | ({fresh_start} if fresh_start is not None else set()))
     steps = [s for s in chosen if s not in replayed]
     for s in steps:
         try:
@@ -333,6 +346,10 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
                      "does not name)")
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
+            if s == fresh_start:  # the earlier probe steps matched here: the start, not the environment, is the likely cause
+                raise ProofError(f"{run.path}: {fresh_start_failure(s, found['why'])}{where}{cause if causes else ''}; "
+                                 "refusing before any compute (a deletion of rows trained before the checkpoint "
+                                 "replays from an earlier one)")
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
@@ -386,22 +403,47 @@ def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]
     return out
 
 
+def start_proof(run, start: int, first_affected: int | None) -> dict | None:
+    """How the fresh start of a deletion's replay at the kept checkpoint ``start`` is proven, decided before any
+    compute: ``{"checkpoint", "proven_by"}`` with ``"proof"`` (the proof's continuous replay from step 0, or
+    ``--fresh-starts``), ``"replay"`` (the replay's own first step is before the first affected one: it is compared
+    with the recording's state fingerprint as it runs and stops the replay there on a difference) or ``"probe"`` (the
+    first step is affected: one extra probe step from the checkpoint, with no deletion, before any compute)."""
+    if start in proof_starts(run.header):
+        return {"checkpoint": start, "proven_by": "proof"}
+    if first_affected is None:
+        return None
+    return {"checkpoint": start, "proven_by": "replay" if start < first_affected else "probe"}
+
+
 def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None,
                     first_affected: int | None = None) -> dict:
     """What ``forget``, ``trace replay``, ``trace oracle`` and ``requests serve`` check before any compute: the steps
     the deletion runs are proven (else refused unless ``accept_unproven``), and this environment reproduces the
     recorded steps of :func:`probe_steps`. ``first_affected``: the deletion's first affected step, when its replay
     starts at ``start`` and checks every step before it against the recording's state fingerprints (a redacted
-    replay): the probe steps in ``start..first_affected - 1`` are left to it (:func:`probe_environment`). Returns
-    ``unproven_steps``, ``environment_probe`` and ``proof_lines`` (what to log)."""
+    replay): the probe steps in ``start..first_affected - 1`` are left to it (:func:`probe_environment`).
+
+    A fresh start at ``start`` that no proof covers is proven here, where it is used (:func:`start_proof`): by the
+    replay's own first step, or by one more probe step from ``start``. Returns ``unproven_steps``,
+    ``environment_probe``, ``start_proof`` (pass it to the replay: ``proven_start=``) and ``proof_lines`` (what to
+    log)."""
     lines = []
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
     replayed = range(start, first_affected) if first_affected is not None and not unproven else range(0)
-    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed)
+    how = start_proof(run, start, first_affected) if not unproven else None
+    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed,
+                              fresh_start=start if how and how["proven_by"] == "probe" else None)
     if probe.get("skipped"):
         lines.append(f"environment probe skipped: {probe['skipped']}")
+        how = how if how and how["proven_by"] != "probe" else None
+    if how and how["proven_by"] != "proof":
+        lines.append(f"fresh start at kept checkpoint {start}: " + (
+            "proven by the replay's own first step (before the first affected one), compared with the recording's "
+            "state fingerprint; a difference stops it there" if how["proven_by"] == "replay" else
+            f"proven by a probe step from it with no deletion (step {start} is affected)"))
     lines.append(f"proof: {proof_statement(run.header)}")
-    return {"unproven_steps": unproven, "environment_probe": probe, "proof_lines": lines}
+    return {"unproven_steps": unproven, "environment_probe": probe, "start_proof": how, "proof_lines": lines}
 
 
 __all__ = ["prove", "probe_environment", "unproven_steps", "proof_statement", "numeric_environment", "ProofError"]

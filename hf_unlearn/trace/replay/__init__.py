@@ -81,6 +81,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
             before the forward pass and the normaliser is recomputed (not trace-preserving; for comparison).
         model, args, data_collator: default to what the run's header, ``model/`` and ``collator/`` describe;
             when given they are checked against the recording.
+        proven_start: ``before_deletion``'s ``start_proof`` (:func:`hf_unlearn.trace.proof.before_deletion`): the
+            deletion proved this replay's fresh start by a probe step (``fidelity.start`` of the output run).
     """
 
     mode = "replay"
@@ -98,8 +100,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
-                 start_weights: dict | None = None, start_parent: dict | None = None, **kwargs):
-        self._start_weights, self._start_parent = start_weights, start_parent
+                 start_weights: dict | None = None, start_parent: dict | None = None, proven_start: dict | None = None,
+                 **kwargs):
+        self._start_weights, self._start_parent, self._proven_start = start_weights, start_parent, proven_start
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         self._self_check = _self_check
@@ -209,6 +212,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         if self._start_weights is not None:  # another start: no recorded state after step 0 holds any more
             self.first_affected_step = 0
         self._setup_program()
+        self._setup_start_proof()
         if not self.filter_rows:
             self._check_batches()
             check_rows(self)  # the kept rows of the microbatches a deletion touches (hf_unlearn.trace.rows)
@@ -284,7 +288,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self.replay_stats = {"start_step": start, "segments_replayed": replayed, "optimizer_steps_taken": stepped,
                              "total_steps": run.total_steps, "nothing_to_replay": replayed == 0,
                              "checkpoints_matched": list(self.checkpoints_matched),
-                             "fingerprints_matched": step_ranges(self._fps_matched)}
+                             "fingerprints_matched": step_ranges(self._fps_matched),
+                             "start_proof": self._start_proof}
         if writer:
             self._finish_output(writer)
         self.accelerator.wait_for_everyone()
