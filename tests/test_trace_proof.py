@@ -180,9 +180,9 @@ def test_a_killed_proof_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert proof._load_progress(open_run(run).kept())["upto"] == 0
     (run / proof.PROGRESS).write_text((tmp_path / "kept.json").read_text())
     monkeypatch.setattr(proof, "_run_interval", lambda *a, **k: calls.append(a[1:3]) or real_run(*a, **k))
-    result = proof.prove(run, progress=False)
+    result = proof.prove(run, progress=False, fresh_starts=True)
     assert result["proven"] and result["steps"] == [0, 7] and result["starts"] == [0, 2, 4, 6]
-    assert calls[0] == (4, 8)  # resumed at checkpoint 4; then each later start's first step
+    assert calls == [(4, 8), (2, 3), (4, 5), (6, 7)]  # resumed at checkpoint 4; then each later start's first step
     assert not (run / proof.PROGRESS).exists()
 
 

@@ -313,8 +313,7 @@ def probe_steps(run) -> list[int]:
     return [0] + ([other] if other != 0 else [])
 
 
-def probe_environment(run_path, data_collator=None, log=None, replayed: range = range(0),
-                      fresh_start: int | None = None) -> dict:
+def probe_environment(run_path, data_collator=None, log=None, replayed=range(0)) -> dict:
     """Re-run :func:`probe_steps` with no deletion in this process (every process of a launch) and compare with the
     recorded fingerprints; raise :class:`ProofError` in one line on a difference, naming the step and the numeric
     environment variables that differ from the recording's. Returns ``{"steps", "seconds"}``.
@@ -322,14 +321,11 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
     ``replayed``: the steps the deletion's own replay re-runs with no deletion (from its start checkpoint up to the
     first affected step), each checked against the recording's state fingerprint as it runs. A probe step among
     them is not run twice: the replay's first step is that probe, the same re-run with the same comparison (it
-    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them.
-
-    ``fresh_start``: a kept checkpoint whose fresh start the deletion uses and no proof covers, where the deletion's
-    first step is affected: its step is re-run from that checkpoint too (it doubles as a probe of that step), and a
-    difference there refuses naming the fresh start (:func:`~hf_unlearn.trace.proven.fresh_start_failure`)."""
+    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them. (A replay's probe
+    of its own fresh start, :meth:`~hf_unlearn.trace.replay.ReplayTrainer._probe_start`, is such a re-run too.)"""
     wall = time.perf_counter()
     run = (run_path if isinstance(run_path, TraceRun) else open_run(run_path)).kept()
-    chosen = sorted(set(probe_steps(run)) | ({fresh_start} if fresh_start is not None else set()))
+    chosen = probe_steps(run)
     steps = [s for s in chosen if s not in replayed]
     for s in steps:
         try:
@@ -346,10 +342,6 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
                      "does not name)")
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
-            if s == fresh_start:  # the earlier probe steps matched here: the start, not the environment, is the likely cause
-                raise ProofError(f"{run.path}: {fresh_start_failure(s, found['why'])}{where}{cause if causes else ''}; "
-                                 "refusing before any compute (a deletion of rows trained before the checkpoint "
-                                 "replays from an earlier one)")
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
@@ -424,24 +416,23 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
     starts at ``start`` and checks every step before it against the recording's state fingerprints (a redacted
     replay): the probe steps in ``start..first_affected - 1`` are left to it (:func:`probe_environment`).
 
-    A fresh start at ``start`` that no proof covers is proven here, where it is used (:func:`start_proof`): by the
-    replay's own first step, or by one more probe step from ``start``. Returns ``unproven_steps``,
-    ``environment_probe``, ``start_proof`` (pass it to the replay: ``proven_start=``) and ``proof_lines`` (what to
-    log)."""
+    A fresh start at ``start`` that no proof covers is proven where it is used, by the replay (:func:`start_proof`):
+    by its own first step, or by its probe step from ``start`` (left to it here, not run twice). Returns
+    ``unproven_steps``, ``environment_probe``, ``start_proof`` and ``proof_lines`` (what to log)."""
     lines = []
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
-    replayed = range(start, first_affected) if first_affected is not None and not unproven else range(0)
     how = start_proof(run, start, first_affected) if not unproven else None
-    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed,
-                              fresh_start=start if how and how["proven_by"] == "probe" else None)
+    replayed = set(range(start, first_affected)) if first_affected is not None and not unproven else set()
+    if how and how["proven_by"] == "probe":
+        replayed.add(start)
+    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed)
     if probe.get("skipped"):
         lines.append(f"environment probe skipped: {probe['skipped']}")
-        how = how if how and how["proven_by"] != "probe" else None
     if how and how["proven_by"] != "proof":
-        lines.append(f"fresh start at kept checkpoint {start}: " + (
-            "proven by the replay's own first step (before the first affected one), compared with the recording's "
-            "state fingerprint; a difference stops it there" if how["proven_by"] == "replay" else
-            f"proven by a probe step from it with no deletion (step {start} is affected)"))
+        lines.append(f"fresh start at kept checkpoint {start}: proven by " + (
+            "the replay's own first step (before the first affected one), its state compared with the recording's; a "
+            "difference stops it there" if how["proven_by"] == "replay" else
+            f"a probe step from it with no deletion, before any compute (step {start} is affected)"))
     lines.append(f"proof: {proof_statement(run.header)}")
     return {"unproven_steps": unproven, "environment_probe": probe, "start_proof": how, "proof_lines": lines}
 

@@ -199,9 +199,9 @@ def check_proven(run, first: int, stop: int, oracle: bool, accept_unproven: bool
     ``first`` is not asked about here: the deletion proves it where it is used (:func:`hf_unlearn.trace.proof.
     before_deletion`), unless a proof already found it fails."""
     header, who = run.header, "the oracle and the replay" if oracle else "the replay"
-    why = unproven_statement(header, run.path, first, stop, who, fresh_start=False)
-    if oracle and why is None:
-        why = unproven_statement(header, run.path, 0, stop, who, fresh_start=False)
+    why = unproven_statement(header, run.path, 0 if oracle else first, stop, who, fresh_start=False)
+    if oracle and first and why is None:  # a proof that found the replay's start fails
+        why = unproven_statement(header, run.path, first, stop, who, fresh_start=False)
     if why is None:
         return []
     if not accept_unproven:

@@ -35,11 +35,12 @@ from pathlib import Path
 from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
-from ..fidelity import check_device, refusal, restore_layout
+from ..fidelity import FidelityError, check_device, refusal, restore_layout
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
 from ..processes import agreed
+from ..proven import ProofError, fresh_start_failure
 from ..recorder import RecordingHooksTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
 from ..rows import check_rows
@@ -81,8 +82,6 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
             before the forward pass and the normaliser is recomputed (not trace-preserving; for comparison).
         model, args, data_collator: default to what the run's header, ``model/`` and ``collator/`` describe;
             when given they are checked against the recording.
-        proven_start: ``before_deletion``'s ``start_proof`` (:func:`hf_unlearn.trace.proof.before_deletion`): the
-            deletion proved this replay's fresh start by a probe step (``fidelity.start`` of the output run).
     """
 
     mode = "replay"
@@ -100,9 +99,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
-                 start_weights: dict | None = None, start_parent: dict | None = None, proven_start: dict | None = None,
+                 start_weights: dict | None = None, start_parent: dict | None = None, _start_at: int | None = None,
                  **kwargs):
-        self._start_weights, self._start_parent, self._proven_start = start_weights, start_parent, proven_start
+        self._start_weights, self._start_parent, self._start_at = start_weights, start_parent, _start_at
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         self._self_check = _self_check
@@ -230,7 +229,27 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict. It runs with
         the recorded thread count and deterministic settings (:mod:`hf_unlearn.trace.stack`)."""
         with pinned_stack(self.run.header):
+            self._probe_start()
             return self._replay()
+
+    def _probe_start(self) -> None:
+        """A fresh start no proof covers whose first step is affected (:meth:`_setup_start_proof`): before any
+        compute, one step from the start checkpoint with no deletion, its state compared with the recording's
+        fingerprint; a difference refuses naming the fresh start. (It doubles as the environment probe of that
+        step: :func:`hf_unlearn.trace.proof.before_deletion` leaves it to this.)"""
+        if not self._start_by_probe:
+            return
+        c = self.start_step
+        probe = ReplayTrainer(self.run, forget_ids=(), data_collator=self.data_collator, stop_step=c + 1,
+                              _self_check=True, _start_at=c)
+        try:
+            probe._replay()
+        except FidelityError as e:
+            raise ProofError(f"{self.run.path}: {fresh_start_failure(c, str(e))}; refusing before any compute (a "
+                             "deletion of rows trained before the checkpoint replays from an earlier one)") from e
+        if c not in probe._fps_matched["state"]:
+            return  # no recorded fingerprint of the step: the start stays unproven (verify says so)
+        self._start_proof = {"checkpoint": c, "proven_by": "probe"}
 
     def _replay(self):
         run, start = self.run, self.start_step
