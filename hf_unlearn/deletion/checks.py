@@ -287,7 +287,7 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     """A pipeline deletion is VERIFIED stage by stage, so every stage it replays must be proven on the steps its
     replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
     is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
-    from ..trace.proof import ProofError, proof_starts, unproven_statement
+    from ..trace.proof import ProofError, unproven_statement
 
     if config.accept_unproven:
         raise UnlearnError("--accept-unproven is for one recorded run; a pipeline deletion needs every stage it "
@@ -297,14 +297,11 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
         if not s["replayed"]:
             continue
         lo = 0 if config.oracle else s["start_checkpoint"]
-        first = (s.get("cost") or {}).get("first_affected_step")
-        # a fresh start before the first affected step is proven by the stage's replay itself (its first step matched
-        # with the recording, else it stops there); one at the first affected step needs the proof's (--fresh-starts)
-        c = s["start_checkpoint"]
-        by_replay = c in proof_starts(run.header) or (first is not None and c < first)
-        why = unproven_statement(run.header, run.path, lo, run.kept().total_steps, who, fresh_start=not by_replay)
-        if why is None and config.oracle and c:
-            why = unproven_statement(run.header, run.path, c, run.kept().total_steps, who,
-                                     fresh_start=not by_replay)
+        # a fresh start at the stage's checkpoint is proven by its replay (hf_unlearn.trace.replay: its first step,
+        # or a probe step from it, before any deleted row trains), unless a proof found that start fails
+        why = unproven_statement(run.header, run.path, lo, run.kept().total_steps, who, fresh_start=False)
+        if why is None and config.oracle and s["start_checkpoint"]:
+            why = unproven_statement(run.header, run.path, s["start_checkpoint"], run.kept().total_steps, who,
+                                     fresh_start=False)
         if why:
             raise ProofError(f"stage {s['stage']}: {run.path}: {why}; refusing before any compute")

@@ -353,7 +353,8 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0))
             f"recording ({seconds:.1f} s)")
     if log and by_replay:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
-            "deletion (before the first affected step), its state compared with the recording's fingerprint there")
+            "deletion (before the first affected step, or its probe of its fresh start), its state compared with the "
+            "recording's fingerprint there")
     return {"steps": steps, "seconds": round(seconds, 3), **({"by_the_replay": by_replay} if by_replay else {})}
 
 
