@@ -70,6 +70,7 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
     class ProofReplayTrainer(ReplayTrainer):
         mode = "proof"
         store_policy = "original"
+        _keep_final = False
 
         def __init__(self, run):
             self._proof_start, self._proof_bar = start, bar

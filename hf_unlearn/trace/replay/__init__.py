@@ -28,6 +28,7 @@ engine's: :mod:`hf_unlearn.hub.replay` puts the Hub mixin above these classes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import shutil
 from pathlib import Path
@@ -89,6 +90,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
     store_policy = "any"  # RedactedReplayTrainer: a redaction of the run's store; the oracle: the run's own store
     _is_replay = True
     _trace_machinery = True
+    _keep_final = True  # train() returns the final state (a proof's or probe's replay does not need it)
 
     def __new__(cls, run=None, *args, **kwargs):
         # the replay runs the recorded trainer's own compute_loss: compose this class with the run's trainer class
@@ -100,8 +102,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
                  start_weights: dict | None = None, start_parent: dict | None = None, _start_at: int | None = None,
-                 **kwargs):
+                 _start_loaded: dict | None = None, **kwargs):
         self._start_weights, self._start_parent, self._start_at = start_weights, start_parent, _start_at
+        self._start_loaded = _start_loaded
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         self._self_check = _self_check
@@ -197,8 +200,11 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._recorded_checkpoints = cps
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
-        self._start_state = load_checkpoint(cps[self.start_step], verify=True,  # FSDP2: this process's optimizer shards
-                                            rank=self.args.process_index if self.run.header.get("sharding") else None)
+        if self._start_loaded is not None:  # the start state another replay of this run loaded and checked (a copy)
+            self._start_state = self._start_loaded
+        else:
+            self._start_state = load_checkpoint(cps[self.start_step], verify=True,  # FSDP2: this process's shards
+                                                rank=self.args.process_index if self.run.header.get("sharding") else None)
         if self._start_weights is not None:
             self._start_from_parent()
         held = self.model.state_dict()
@@ -240,8 +246,11 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         if not self._start_by_probe:
             return
         c = self.start_step
+        # its start state: a copy of the one this replay loaded and checked against its hashes (an optimizer loads
+        # its state tensors without copying them, and the probe's step writes into them)
         probe = ReplayTrainer(self.run, forget_ids=(), data_collator=self.data_collator, stop_step=c + 1,
-                              _self_check=True, _start_at=c)
+                              _self_check=True, _start_at=c, _start_loaded=copy.deepcopy(self._start_state))
+        probe._keep_final = False
         try:
             probe._replay()
         except FidelityError as e:
@@ -303,7 +312,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                 from transformers.integrations.neftune import deactivate_neftune
 
                 deactivate_neftune(self.model, neftune, self.accelerator)
-        final = capture_state(self.model, self.optimizer, run.total_steps, clone=True)
+        final = capture_state(self.model, self.optimizer, run.total_steps, clone=True) if self._keep_final else None
         self.replay_stats = {"start_step": start, "segments_replayed": replayed, "optimizer_steps_taken": stepped,
                              "total_steps": run.total_steps, "nothing_to_replay": replayed == 0,
                              "checkpoints_matched": list(self.checkpoints_matched),
