@@ -1,8 +1,8 @@
 """The replay engine proven on the recorded run: positive evidence, not a list of what may change.
 
 Lists of things that may change a run (learning rates, module attributes, hooks, environment variables) are never
-complete. A **proof** is evidence instead: the replay engine re-runs the whole recorded run with no deletion, from
-each kept checkpoint to the next, and its state after **every** optimizer step must equal the recording's per-step
+complete. A **proof** is evidence instead: the replay engine re-runs the whole recorded run with no deletion, in one
+replay from step 0 as the oracle runs, and its state after **every** optimizer step must equal the recording's per-step
 fingerprint (the exact digest :mod:`hf_unlearn.trace.guards` computes right after ``optimizer.step()``), and its
 state at every kept checkpoint the recorded checkpoint. Whatever the program did (a callback that lowers
 ``args.max_grad_norm``, an attention implementation switched mid-run, a thread count), if the engine does not do
@@ -14,6 +14,11 @@ the same, the state differs at that step and the proof names it.
   outcome is sealed into ``header.json`` (``fidelity.proof``, under the run key's seal): the engine and numeric
   stack it ran with, the numeric environment variables, the processes, and the steps it covered or the first step
   where the engine diverged and what differed.
+* A suffix replay's **fresh start** at a later kept checkpoint (checkpoint load, model rebuild, RNG and data position;
+  a checkpoint does not hold a module attribute a callback set earlier) is proven where it is used: by the deletion's
+  replay itself, before any deleted row trains (its first step, or a probe step from the checkpoint:
+  :meth:`~hf_unlearn.trace.replay.ReplayTrainer._probe_start`), or ahead by ``prove(..., fresh_starts=True)``
+  (``--fresh-starts``).
 * :func:`unproven_steps`: the steps of a range neither the proof nor the recording's self-check covers. A deletion
   is VERIFIED only when every step its replay and its oracle run is proven (:mod:`hf_unlearn.trace.verification`);
   ``forget`` and ``trace replay`` refuse an unproven range unless the user accepts it.
