@@ -11,10 +11,9 @@ compute, no recording), ``prove(RUN)`` (the default: one replay from step 0 with
 ``prove(RUN, fresh_starts=True)`` (``--fresh-starts``: one more step from each kept checkpoint after step 0),
 ``probe_environment(RUN)`` (what ``forget`` adds before any compute when its start is proven or its replay's first
 step proves it) and the worst case of a fresh start whose first step is affected: the environment probe with that
-checkpoint's step left to the replay, plus the replay's probe step from it (``ReplayTrainer._probe_start``: a model
-rebuilt, a copy of the start state the replay loaded anyway, one step), at the latest kept checkpoint after step 0
-that is not already a probe step. CPU time (user + system of this process) is the steadier measure on a
-shared machine; wall time is shown too. Ratios per repeat and medians.
+checkpoint's step added (``before_deletion``: one more step from that checkpoint with no deletion, a model rebuilt and
+the checkpoint loaded), at the latest kept checkpoint after step 0 that is not already a probe step. CPU time (user +
+system of this process) is the steadier measure on a shared machine; wall time is shown too. Ratios per repeat and medians.
 ``--micro 1``: one microbatch of 4 x 128 tokens per optimizer step (``gradient_accumulation_steps=1``); ``--micro 4``
 with accumulation.
 """
@@ -22,7 +21,6 @@ with accumulation.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import shutil
 import statistics
@@ -82,8 +80,6 @@ def main(argv=None) -> int:
     from hf_unlearn.models import build_tiny_tokenizer, load_tokenizer
     from hf_unlearn.trace import TraceRecordingTrainer, open_run
     from hf_unlearn.trace.proof import probe_environment, probe_steps, prove
-    from hf_unlearn.trace.replay import ReplayTrainer
-    from hf_unlearn.trace.run import load_checkpoint
 
     rows = load_tofu("full", SHARED / "data" / "tofu").select(range(4 * args.micro * args.steps))
     tok = load_tokenizer(args.smollm2) if args.smollm2 else build_tiny_tokenizer(
@@ -107,15 +103,8 @@ def main(argv=None) -> int:
         later = [c for c in sorted(opened.checkpoints()) if 0 < c < opened.total_steps]
         worst = next((c for c in reversed(later) if c not in chosen), later[-1] if later else None)
 
-        # the deletion's replay loads and checks its start checkpoint anyway; its probe starts from a copy of it
-        loaded = load_checkpoint(opened.checkpoints()[worst], verify=True) if worst is not None else None
-
-        def probe_b():  # a fresh start at `worst` whose first step is affected: as ReplayTrainer._probe_start runs it
-            probe_environment(opened, replayed={worst})  # (hf_unlearn.trace.proof.before_deletion leaves it to that)
-            probe = ReplayTrainer(opened, forget_ids=(), stop_step=worst + 1, _self_check=True, _start_at=worst,
-                                  _start_loaded=copy.deepcopy(loaded))
-            probe._keep_final = False
-            probe._replay()
+        def probe_b():  # a fresh start at `worst` whose first step is affected (hf_unlearn.trace.proof.before_deletion)
+            probe_environment(opened, fresh_start=worst)
 
         arms = {"train": plain, "prove": lambda: prove(run, progress=False),
                 "prove_fresh": lambda: prove(run, progress=False, fresh_starts=True),

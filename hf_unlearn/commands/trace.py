@@ -303,8 +303,9 @@ def prove_cmd(args) -> int:
     return 0 if record["proven"] else 1
 
 
-def _before_deletion(args, run, forget, start: int | None, collator) -> None:
-    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof)."""
+def _before_deletion(args, run, forget, start: int | None, collator) -> dict | None:
+    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof); returns how the
+    replay's fresh start is proven (its ``proven_start``)."""
     from ..trace.proof import before_deletion
     from ..trace.replay import replay_cost
 
@@ -314,6 +315,7 @@ def _before_deletion(args, run, forget, start: int | None, collator) -> None:
     checked = before_deletion(run, first, start is None, args.accept_unproven, collator, first_affected=affected)
     for line in checked["proof_lines"]:
         print(line)
+    return checked["start_proof"]
 
 
 def replay_cmd(args) -> int:
@@ -322,9 +324,9 @@ def replay_cmd(args) -> int:
 
     _quiet()
     run, forget, collator = open_run(args.run), read_forget_file(args.forget), _collator(args)
-    _before_deletion(args, run, forget, 0, collator)
+    proven_start = _before_deletion(args, run, forget, 0, collator)
     trainer = RedactedReplayTrainer(run, args.store, forget, args.out, start="full" if args.full else "suffix",
-                                    data_collator=collator)
+                                    data_collator=collator, proven_start=proven_start)
     final = trainer.train()
     s = trainer.replay_stats
     if not trainer.accelerator.is_main_process:

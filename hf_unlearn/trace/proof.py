@@ -16,8 +16,8 @@ the same, the state differs at that step and the proof names it.
   where the engine diverged and what differed.
 * A suffix replay's **fresh start** at a later kept checkpoint (checkpoint load, model rebuild, RNG and data position;
   a checkpoint does not hold a module attribute a callback set earlier) is proven where it is used: by the deletion's
-  replay itself, before any deleted row trains (its first step, or a probe step from the checkpoint:
-  :meth:`~hf_unlearn.trace.replay.ReplayTrainer._probe_start`), or ahead by ``prove(..., fresh_starts=True)``
+  replay itself, before any deleted row trains (its first step, or, that step affected, a probe step from the
+  checkpoint with no deletion: :func:`before_deletion`), or ahead by ``prove(..., fresh_starts=True)``
   (``--fresh-starts``).
 * :func:`unproven_steps`: the steps of a range neither the proof nor the recording's self-check covers. A deletion
   is VERIFIED only when every step its replay and its oracle run is proven (:mod:`hf_unlearn.trace.verification`);
@@ -319,7 +319,7 @@ def probe_steps(run) -> list[int]:
     return [0] + ([other] if other != 0 else [])
 
 
-def probe_environment(run_path, data_collator=None, log=None, replayed=range(0)) -> dict:
+def probe_environment(run_path, data_collator=None, log=None, replayed=range(0), fresh_start: int | None = None) -> dict:
     """Re-run :func:`probe_steps` with no deletion in this process (every process of a launch) and compare with the
     recorded fingerprints; raise :class:`ProofError` in one line on a difference, naming the step and the numeric
     environment variables that differ from the recording's. Returns ``{"steps", "seconds"}``.
@@ -327,11 +327,14 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0))
     ``replayed``: the steps the deletion's own replay re-runs with no deletion (from its start checkpoint up to the
     first affected step), each checked against the recording's state fingerprint as it runs. A probe step among
     them is not run twice: the replay's first step is that probe, the same re-run with the same comparison (it
-    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them. (A replay's probe
-    of its own fresh start, :meth:`~hf_unlearn.trace.replay.ReplayTrainer._probe_start`, is such a re-run too.)"""
+    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them.
+
+    ``fresh_start``: a kept checkpoint where the deletion's replay starts afresh, no proof covers it and its first
+    step is affected: that step is re-run from it too (it doubles as a probe of that step), and a difference there
+    refuses naming the fresh start (:func:`~hf_unlearn.trace.proven.fresh_start_failure`)."""
     wall = time.perf_counter()
     run = (run_path if isinstance(run_path, TraceRun) else open_run(run_path)).kept()
-    chosen = probe_steps(run)
+    chosen = sorted(set(probe_steps(run)) | ({fresh_start} if fresh_start is not None else set()))
     steps = [s for s in chosen if s not in replayed]
     for s in steps:
         try:
@@ -348,6 +351,10 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0))
                      "does not name)")
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
+            if s == fresh_start:  # the steps before it (step 0 first) matched here: the start is the likely cause
+                raise ProofError(f"{run.path}: {fresh_start_failure(s, found['why'])}{where}"
+                                 f"{cause if causes else ''}; refusing before any compute (a deletion of rows "
+                                 "trained before the checkpoint replays from an earlier one)")
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
@@ -359,8 +366,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0))
             f"recording ({seconds:.1f} s)")
     if log and by_replay:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
-            "deletion (before the first affected step, or its probe of its fresh start), its state compared with the "
-            "recording's fingerprint there")
+            "deletion (before the first affected step), its state compared with the recording's fingerprint there")
     return {"steps": steps, "seconds": round(seconds, 3), **({"by_the_replay": by_replay} if by_replay else {})}
 
 
@@ -402,6 +408,29 @@ def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]
     return out
 
 
+def probe_fresh_start(run, start: int, data_collator=None) -> dict:
+    """One step from the kept checkpoint ``start`` with no deletion, its state compared with the recording's (it reads
+    the run's original store): ``{"checkpoint", "proven_by": "probe"}``, or :class:`ProofError` naming the fresh
+    start. For a deletion whose replay starts afresh there, no proof covers it and its first step is affected."""
+    found = _run_interval(run, start, start + 1, data_collator)
+    if found is not None:
+        raise ProofError(f"{run.path}: {fresh_start_failure(start, found['why'])}; refusing before any compute (a "
+                         "deletion of rows trained before the checkpoint replays from an earlier one)")
+    return {"checkpoint": start, "proven_by": "probe"}
+
+
+def prove_fresh_start(run, forget_ids, data_collator=None) -> dict | None:
+    """For a ``RedactedReplayTrainer`` of your own (``forget`` does this in :func:`before_deletion`): how the fresh
+    start of the suffix replay deleting ``forget_ids`` is proven, its probe step run here when that step is affected
+    (it reads the run's original store); pass the result as ``proven_start=``. None: nothing to replay."""
+    from .replay import replay_cost
+
+    run = (run if isinstance(run, TraceRun) else open_run(run)).kept()
+    cost = replay_cost(run, forget_ids)
+    how = start_proof(run, cost["start_checkpoint"], cost["first_affected_step"])
+    return probe_fresh_start(run, how["checkpoint"], data_collator) if how and how["proven_by"] == "probe" else how
+
+
 def start_proof(run, start: int, first_affected: int | None) -> dict | None:
     """How the fresh start of a deletion's replay at the kept checkpoint ``start`` is proven, decided before any
     compute: ``{"checkpoint", "proven_by"}`` with ``"proof"`` (the proof's continuous replay from step 0, or
@@ -423,18 +452,19 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
     starts at ``start`` and checks every step before it against the recording's state fingerprints (a redacted
     replay): the probe steps in ``start..first_affected - 1`` are left to it (:func:`probe_environment`).
 
-    A fresh start at ``start`` that no proof covers is proven where it is used, by the replay (:func:`start_proof`):
-    by its own first step, or by its probe step from ``start`` (left to it here, not run twice). Returns
-    ``unproven_steps``, ``environment_probe``, ``start_proof`` and ``proof_lines`` (what to log)."""
+    A fresh start at ``start`` that no proof covers is proven here, where it is used (:func:`start_proof`): by the
+    replay's own first step, or, that step affected, by one more probe step from ``start`` with no deletion (it reads
+    the run's original store, which the redacted replay never opens). Returns ``unproven_steps``,
+    ``environment_probe``, ``start_proof`` (give it to the replay: ``proven_start=``) and ``proof_lines``."""
     lines = []
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
     how = start_proof(run, start, first_affected) if not unproven else None
-    replayed = set(range(start, first_affected)) if first_affected is not None and not unproven else set()
-    if how and how["proven_by"] == "probe":
-        replayed.add(start)
-    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed)
+    replayed = range(start, first_affected) if first_affected is not None and not unproven else range(0)
+    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed,
+                              fresh_start=start if how and how["proven_by"] == "probe" else None)
     if probe.get("skipped"):
         lines.append(f"environment probe skipped: {probe['skipped']}")
+        how = None if how and how["proven_by"] == "probe" else how
     if how and how["proven_by"] != "proof":
         lines.append(f"fresh start at kept checkpoint {start}: proven by " + (
             "the replay's own first step (before the first affected one), its state compared with the recording's; a "

@@ -28,7 +28,6 @@ engine's: :mod:`hf_unlearn.hub.replay` puts the Hub mixin above these classes.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import shutil
 from pathlib import Path
@@ -36,12 +35,11 @@ from pathlib import Path
 from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
-from ..fidelity import FidelityError, check_device, refusal, restore_layout
+from ..fidelity import check_device, refusal, restore_layout
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
 from ..processes import agreed
-from ..proven import ProofError, fresh_start_failure
 from ..recorder import RecordingHooksTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
 from ..rows import check_rows
@@ -83,6 +81,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
             before the forward pass and the normaliser is recomputed (not trace-preserving; for comparison).
         model, args, data_collator: default to what the run's header, ``model/`` and ``collator/`` describe;
             when given they are checked against the recording.
+        proven_start: ``start_proof`` of :func:`hf_unlearn.trace.proof.before_deletion` when it proved this
+            replay's fresh start by a probe step (``{"checkpoint", "proven_by": "probe"}``; it needs the run's
+            original store, which a redacted replay never opens).
     """
 
     mode = "replay"
@@ -101,10 +102,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
-                 start_weights: dict | None = None, start_parent: dict | None = None, _start_at: int | None = None,
-                 _start_loaded: dict | None = None, **kwargs):
-        self._start_weights, self._start_parent, self._start_at = start_weights, start_parent, _start_at
-        self._start_loaded = _start_loaded
+                 start_weights: dict | None = None, start_parent: dict | None = None, proven_start: dict | None = None,
+                 **kwargs):
+        self._start_weights, self._start_parent, self._proven_start = start_weights, start_parent, proven_start
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         self._self_check = _self_check
@@ -200,11 +200,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._recorded_checkpoints = cps
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
-        if self._start_loaded is not None:  # the start state another replay of this run loaded and checked (a copy)
-            self._start_state = self._start_loaded
-        else:
-            self._start_state = load_checkpoint(cps[self.start_step], verify=True,  # FSDP2: this process's shards
-                                                rank=self.args.process_index if self.run.header.get("sharding") else None)
+        self._start_state = load_checkpoint(cps[self.start_step], verify=True,  # FSDP2: this process's optimizer shards
+                                            rank=self.args.process_index if self.run.header.get("sharding") else None)
         if self._start_weights is not None:
             self._start_from_parent()
         held = self.model.state_dict()
@@ -235,30 +232,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict. It runs with
         the recorded thread count and deterministic settings (:mod:`hf_unlearn.trace.stack`)."""
         with pinned_stack(self.run.header):
-            self._probe_start()
             return self._replay()
-
-    def _probe_start(self) -> None:
-        """A fresh start no proof covers whose first step is affected (:meth:`_setup_start_proof`): before any
-        compute, one step from the start checkpoint with no deletion, its state compared with the recording's
-        fingerprint; a difference refuses naming the fresh start. (It doubles as the environment probe of that
-        step: :func:`hf_unlearn.trace.proof.before_deletion` leaves it to this.)"""
-        if not self._start_by_probe:
-            return
-        c = self.start_step
-        # its start state: a copy of the one this replay loaded and checked against its hashes (an optimizer loads
-        # its state tensors without copying them, and the probe's step writes into them)
-        probe = ReplayTrainer(self.run, forget_ids=(), data_collator=self.data_collator, stop_step=c + 1,
-                              _self_check=True, _start_at=c, _start_loaded=copy.deepcopy(self._start_state))
-        probe._keep_final = False
-        try:
-            probe._replay()
-        except FidelityError as e:
-            raise ProofError(f"{self.run.path}: {fresh_start_failure(c, str(e))}; refusing before any compute (a "
-                             "deletion of rows trained before the checkpoint replays from an earlier one)") from e
-        if c not in probe._fps_matched["state"]:
-            return  # no recorded fingerprint of the step: the start stays unproven (verify says so)
-        self._start_proof = {"checkpoint": c, "proven_by": "probe"}
 
     def _replay(self):
         run, start = self.run, self.start_step

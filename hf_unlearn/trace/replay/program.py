@@ -67,19 +67,20 @@ class RecordedProgram:
 
     def _setup_start_proof(self) -> None:
         """How this replay's fresh start at its kept checkpoint is proven (the output's ``fidelity.start``): by the
-        proof (``"proof"``); else by this replay's own first step, before the first affected one, whose state must
-        match the recording's fingerprint (``"replay"``: else it stops there, before any deleted row trains); else,
-        the first step affected, by one probe step from the checkpoint with no deletion before any compute
-        (``"probe"``, :meth:`ReplayTrainer._probe_start`). None: not proven, and verify says so."""
-        c = self.start_step
-        self._start_proof, self._start_by_replay, self._start_by_probe = None, False, False
+        proof (``"proof"``); by the deletion's probe step from it with no deletion, before any compute (``"probe"``,
+        given as ``proven_start``: :func:`hf_unlearn.trace.proof.before_deletion`); else by this replay's own first
+        step, before the first affected one, whose state must match the recording's fingerprint (``"replay"``: else
+        it stops there, before any deleted row trains). None: not proven, and verify says so."""
+        c, given = self.start_step, self._proven_start or {}
+        self._start_proof, self._start_by_replay = None, False
         if self._self_check or self.filter_rows or self._start_weights is not None:
             return
         if c in proof_starts(self.run.header):
             self._start_proof = {"checkpoint": c, "proven_by": "proof"}
-        elif c in self._recorded_fps and c < self.run.total_steps:
-            self._start_by_replay = c < self.first_affected_step
-            self._start_by_probe = not self._start_by_replay
+        elif given.get("checkpoint") == c and given.get("proven_by") == "probe":
+            self._start_proof = {"checkpoint": c, "proven_by": "probe"}
+        else:
+            self._start_by_replay = c < self.first_affected_step and c in self._recorded_fps
 
     def _event(self, event: str) -> None:
         """Run a recorded callback event as the recording's Trainer did at this point of the step."""

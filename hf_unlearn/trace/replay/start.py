@@ -14,8 +14,6 @@ class ReplayStart:
     """The replay's start state (mixed into :class:`ReplayTrainer`)."""
 
     def _start_step(self) -> int:
-        if self._start_at is not None:  # a probe of a fresh start (ReplayTrainer._probe_start): that checkpoint
-            return self._start_at
         if self.start_mode == "full":
             if 0 not in self.run.checkpoints():
                 raise UnlearnError(f"{self.run.path} has no step-0 checkpoint; a full replay is impossible")
