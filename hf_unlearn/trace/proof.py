@@ -202,8 +202,9 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     processes (a run recorded by N), every process replays its share.
 
     ``fresh_starts``: also prove, ahead of any deletion, the first step of a replay started afresh at each kept
-    checkpoint after step 0 (checkpoint load, model rebuild, RNG and data position; a few steps more). By default
-    a fresh start is proven where it is used, by the deletion that starts there (:func:`before_deletion`).
+    checkpoint after step 0 (checkpoint load, model rebuild, RNG and data position; a few steps more); on a run whose
+    sealed proof already covers every step with this engine, stack and environment, only those. By default a fresh
+    start is proven where it is used, by the deletion that starts there (:func:`before_deletion`).
     """
     from tqdm.auto import tqdm
 
@@ -215,6 +216,10 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     state = _load_progress(run)
     if state["upto"] or state["starts"]:
         log(f"resuming the proof of {run.path}: steps 0..{state['upto'] - 1} already proven")
+    elif fresh_starts and _sealed_continuous(run) is not None:  # the continuous run is proven here already
+        state = _sealed_continuous(run)
+        log(f"{run.path}: its sealed proof covers every step with this engine, stack and environment; proving the "
+            "fresh starts only")
 
     def reached(step: int, neutral: list) -> None:  # a kept checkpoint matched on the way: persisted
         state.update(upto=step, neutral=sorted(set(state["neutral"]) | set(neutral)))
@@ -252,6 +257,19 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
         (run.path / PROGRESS).unlink(missing_ok=True)
     gathered(None)  # every process returns once the main one sealed the proof (a process reading the header next)
     return record
+
+
+def _sealed_continuous(run) -> dict | None:
+    """The run's sealed proof as progress (``upto`` the end, its starts and neutral steps) when it proved every step
+    of this run with this engine, numeric stack, environment and number of processes; else None."""
+    proof = (run.header.get("fidelity") or {}).get("proof") or {}
+    same = (proof.get("proven") and proof.get("run_id") == run.header.get("run_id") and proof.get("engine") == engine()
+            and proof.get("numeric_stack") == numeric_stack() and proof.get("environment") == numeric_environment()
+            and proof.get("world_size", 1) == world_size() and proof.get("total_steps") == run.total_steps)
+    if not same:
+        return None
+    return {"upto": run.total_steps, "starts": [int(c) for c in proof.get("starts") or [] if int(c) > 0],
+            "neutral": [int(c) for c in proof.get("neutral_controls") or []]}
 
 
 def check_world_size(run, command: str) -> None:
