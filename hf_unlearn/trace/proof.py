@@ -63,6 +63,7 @@ from .stack import NUMERIC_ENV, environment_difference, numeric_environment, num
 from .writer import TraceWriter
 
 PROGRESS = "proof_progress.json"
+NO_FINGERPRINT = "records no per-step state fingerprint"  # a run recorded without per-step guards: nothing to prove
 # trace_self_check=True (the default) proves the whole run at the end of a recording that trained this long at most
 # (the proof costs about as much again); a longer one gets its first step checked and `trace prove` when convenient
 AUTO_PROVE_SECONDS = 120.0
@@ -133,7 +134,7 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
     matched = set(trainer._fps_matched["state"])
     missing = [s for s in range(start, stop) if s not in matched]
     if missing:
-        raise UnlearnError(f"{run.path} records no per-step state fingerprint for optimizer step {missing[0]} (recorded "
+        raise UnlearnError(f"{run.path} {NO_FINGERPRINT} for optimizer step {missing[0]} (recorded "
                            "with trace_guards=False, or before per-step fingerprints): a proof needs one at every step; "
                            "record the run again with the default trace_guards=True")
     return None
@@ -358,7 +359,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
         try:
             found = _run_interval(run, s, s + 1, data_collator)
         except UnlearnError as e:
-            if "records no per-step state fingerprint" in str(e):
+            if NO_FINGERPRINT in str(e):
                 return {"steps": [], "seconds": 0.0, "skipped": str(e)}
             raise
         if found is not None:
@@ -429,8 +430,14 @@ def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]
 def probe_fresh_start(run, start: int, data_collator=None) -> dict:
     """One step from the kept checkpoint ``start`` with no deletion, its state compared with the recording's (it reads
     the run's original store): ``{"checkpoint", "proven_by": "probe"}``, or :class:`ProofError` naming the fresh
-    start. For a deletion whose replay starts afresh there, no proof covers it and its first step is affected."""
-    found = _run_interval(run, start, start + 1, data_collator)
+    start. For a deletion whose replay starts afresh there, no proof covers it and its first step is affected. None:
+    the run records no fingerprint to compare with (the start stays unproven)."""
+    try:
+        found = _run_interval(run, start, start + 1, data_collator)
+    except UnlearnError as e:
+        if NO_FINGERPRINT in str(e):
+            return None
+        raise
     if found is not None:
         raise ProofError(f"{run.path}: {fresh_start_failure(start, found['why'])}; refusing before any compute (a "
                          "deletion of rows trained before the checkpoint replays from an earlier one)")
