@@ -8,7 +8,8 @@ compute (goal <= 1.05x), and the probe a deletion runs before any compute agains
 One run is recorded (``trace_self_check=1``: no proof at the end), then the arms alternate (order swapped every
 repeat): a plain ``Trainer`` run of the same model, data, arguments and step count (the recorded steps' training
 compute, no recording), ``prove(RUN)`` (the default: one replay from step 0 with the per-step fingerprints),
-``prove(RUN, fresh_starts=True)`` (``--fresh-starts``: one more step from each kept checkpoint after step 0),
+``prove(RUN, fresh_starts=True)`` (``--fresh-starts``: one more step from each kept checkpoint after step 0; both
+with ``seal=False``, so each proves from scratch),
 ``probe_environment(RUN)`` (what ``forget`` adds before any compute when its start is proven or its replay's first
 step proves it) and the worst case of a fresh start whose first step is affected: the environment probe with that
 checkpoint's step added (``before_deletion``: one more step from that checkpoint with no deletion, a model rebuilt and
@@ -106,8 +107,9 @@ def main(argv=None) -> int:
         def probe_b():  # a fresh start at `worst` whose first step is affected (hf_unlearn.trace.proof.before_deletion)
             probe_environment(opened, fresh_start=worst)
 
-        arms = {"train": plain, "prove": lambda: prove(run, progress=False),
-                "prove_fresh": lambda: prove(run, progress=False, fresh_starts=True),
+        # seal=False: each proof from scratch (a sealed proof would let --fresh-starts prove the fresh starts only)
+        arms = {"train": plain, "prove": lambda: prove(run, progress=False, seal=False),
+                "prove_fresh": lambda: prove(run, progress=False, seal=False, fresh_starts=True),
                 "probe": lambda: probe_environment(run), **({"probe_b": probe_b} if worst is not None else {})}
         ratios = {name: [] for name in arms if name != "train"}
         for r in range(args.repeats):
