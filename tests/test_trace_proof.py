@@ -441,8 +441,9 @@ def test_a_callbacks_earlier_change_is_refused_where_the_fresh_start_is_used(tmp
     """ATTACK: a recorded callback turns dropout off at step 1 (replayed: the proof from step 0 reproduces every
     step), but a replay started afresh at checkpoint 2 or 4 runs with dropout (no checkpoint holds a module
     attribute). Unproven starts: a row of step 3 (case a) is refused at the replay's own first step, a row of step 2
-    (case b) by its probe step, before any compute; neither trains a deleted row (counted) nor writes a receipt.
-    With `--fresh-starts` the proof finds both starts and the deletion is refused before any compute."""
+    (case b) by its probe step, before any compute; neither trains a deleted row (counted) nor writes a receipt. A
+    redacted replay of the Python API given no probe is stopped by its controls. With `--fresh-starts` the proof finds
+    both starts and the deletion is refused before any compute."""
     from hf_unlearn import forget
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.proof import ProofError, prove
@@ -466,6 +467,15 @@ def test_a_callbacks_earlier_change_is_refused_where_the_fresh_start_is_used(tmp
         assert steps == ([2] if case == "a" else []), steps  # (a): its own first step only, (b): none
         assert not (tmp_path / case / "receipt.json").exists()
         assert not (tmp_path / case / "replay").exists()
+    # the Python API without the probe (no proven_start): the replay's start is unproven; here its per-step controls
+    # (the dropout attribute) stop it after that step, leaving no output (a clean unproven start: never VERIFIED, above)
+    from hf_unlearn.trace import RedactedReplayTrainer, redact_store
+
+    ids = opened.ids_at_steps([2])[:1]
+    redact_store(opened.store_path, ids, tmp_path / "api" / "store", opened.key)
+    with pytest.raises(UnlearnError, match="optimizer step 2"):
+        RedactedReplayTrainer(run, tmp_path / "api" / "store", ids, tmp_path / "api" / "replay").train()
+    assert not (tmp_path / "api" / "replay" / "header.json").exists()
     record_ = prove(run, progress=False, fresh_starts=True)
     assert record_["proven"] and record_["starts"] == [0] and set(record_["start_failures"]) == {"2", "4"}
     steps.clear()
