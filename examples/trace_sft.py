@@ -28,6 +28,7 @@ from hf_unlearn.data.embedded import load_embedded_tofu
 from hf_unlearn.models import build_tiny_model, build_tiny_tokenizer, load_model, load_tokenizer
 from hf_unlearn.runtime import init_processes
 from hf_unlearn.trace import open_run, verify
+from hf_unlearn.trace.proof import prove_fresh_start
 
 
 def main() -> None:
@@ -74,7 +75,11 @@ def main() -> None:
         receipt = redact_store(run.store_path, forget, out / "redacted_store", run.key)  # one process writes it
         print(f"redacted store: {receipt['rows_after']} rows; {receipt['checks']['id_column_scanned']}")
     state.wait_for_everyone()
-    RedactedReplayTrainer(run, out / "redacted_store", forget, out / "replay").train()  # every process replays
+    # its fresh start at a kept checkpoint, when the deleted rows' step is that checkpoint's: one probe step from it
+    # with no deletion (the original store), as `hf-unlearn forget` does; otherwise the replay's first step proves it
+    proven_start = prove_fresh_start(run, forget)
+    RedactedReplayTrainer(run, out / "redacted_store", forget, out / "replay",  # every process replays
+                          proven_start=proven_start).train()
 
     # 3. Check it against the trace oracle (full replay on the original store, deleted slots at weight 0).
     OracleReplayTrainer(run, forget, out_dir=out / "oracle").train()

@@ -90,11 +90,15 @@ def record(tok, data, out, dropout: float = 0.0, every: int = 2, trace_key: byte
 def delete(run_dir, forget, tmp_path, start="suffix", **kwargs):
     """Redact, replay from the redacted store, run the oracle; return (replay trainer, verification report)."""
     from hf_unlearn.trace import OracleReplayTrainer, RedactedReplayTrainer, open_run, redact_store, verify
+    from hf_unlearn.trace.proof import prove_fresh_start
 
     run = open_run(run_dir)
     redact_store(run.store_path, forget, tmp_path / "store", run.key)
+    if start == "suffix":  # as forget does: a fresh start no proof covers, whose first step is affected, probed
+        kwargs.setdefault("proven_start", prove_fresh_start(run, forget, kwargs.get("data_collator")))
     replay = RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay", start=start, **kwargs)
     replay.train()
+    kwargs.pop("proven_start", None)
     OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle", **kwargs).train()
     return replay, verify(tmp_path / "replay", tmp_path / "oracle")
 

@@ -180,9 +180,9 @@ def test_a_killed_proof_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert proof._load_progress(open_run(run).kept())["upto"] == 0
     (run / proof.PROGRESS).write_text((tmp_path / "kept.json").read_text())
     monkeypatch.setattr(proof, "_run_interval", lambda *a, **k: calls.append(a[1:3]) or real_run(*a, **k))
-    result = proof.prove(run, progress=False)
+    result = proof.prove(run, progress=False, fresh_starts=True)
     assert result["proven"] and result["steps"] == [0, 7] and result["starts"] == [0, 2, 4, 6]
-    assert calls[0] == (4, 8)  # resumed at checkpoint 4; then each later start's first step
+    assert calls == [(4, 8), (2, 3), (4, 5), (6, 7)]  # resumed at checkpoint 4; then each later start's first step
     assert not (run / proof.PROGRESS).exists()
 
 
@@ -353,3 +353,158 @@ def test_an_edit_inside_the_recorded_compute_loss_is_accepted_once_proven(tmp_pa
     oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())
     plain = model.state_dict()
     assert not [n for n, t in oracle["model"].items() if not torch.equal(t, plain[n])]
+
+
+# ---- a fresh start is proven where it is used ------------------------------------------------------------------
+def _count_steps(monkeypatch, deleting: bool = False) -> list:
+    """Every optimizer step any replay trains (the engine's segment loop; ``deleting``: only replays with a
+    deletion, not the proofs and probes that re-run recorded steps), appended to the returned list."""
+    from hf_unlearn.trace.replay import ReplayTrainer
+
+    steps, real = [], ReplayTrainer._run_segment
+
+    def counted(self, model, seg):
+        if self.forget_ids or not deleting:
+            steps.append(seg[0].step)
+        return real(self, model, seg)
+
+    monkeypatch.setattr(ReplayTrainer, "_run_segment", counted)
+    return steps
+
+
+def test_prove_runs_each_step_once_and_fresh_starts_on_request(tmp_path, monkeypatch, capsys):
+    """`trace prove` trains exactly the recorded steps (one replay from step 0) and proves step 0's start only;
+    `--fresh-starts` adds one step from each later kept checkpoint, as before, and seals them as ``starts`` (on a run
+    whose sealed proof covers every step with this engine and environment, only those steps)."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import proof_starts, prove
+
+    run = copy_run(get_recorded(), tmp_path / "run")  # 8 steps, checkpoints 0, 2, 4, 6 kept
+    steps = _count_steps(monkeypatch)
+    record_ = prove(run, progress=False)
+    assert steps == list(range(8)) and record_["proven"] and record_["starts"] == [0]
+    assert proof_starts(open_run(run).header) == {0}
+    capsys.readouterr()
+    steps.clear()
+    assert main(["trace", "prove", str(run), "--no-progress", "--fresh-starts"]) == 0
+    assert steps == [2, 4, 6]
+    assert "a replay started afresh at kept checkpoint(s) 2, 4, 6" in capsys.readouterr().out
+    assert open_run(run).header["fidelity"]["proof"]["starts"] == [0, 2, 4, 6]
+
+
+def test_a_deletion_proves_its_own_fresh_start_and_is_verified(tmp_path):
+    """The run proven from step 0 only: a row of step 3 (its replay starts afresh at checkpoint 2, step 2 before the
+    first affected one) and a row of step 2 (step 2 affected: one probe step from checkpoint 2 with no deletion) are
+    VERIFIED, equal to the engine-free counterfactual, and the receipt says how the start was proven; `trace verify`
+    agrees. A replay whose start was proven by nothing is not VERIFIED (a header edited to drop the record)."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proven import proof_starts, unproven_steps
+    from hf_unlearn.trace.verification import verify
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model("qwen2", tok), every=2, **KW)  # GQA; proven at the end
+    run = tmp_path / "rec" / "trace"
+    opened = open_run(run)
+    assert opened.header["fidelity"]["proof"]["proven"] and proof_starts(opened.header) == {0}
+    for case, step, by in (("a", 3, "replay"), ("b", 2, "probe")):
+        ids = opened.ids_at_steps([step])[:1]
+        receipt = forget(run, ids, tmp_path / case, oracle=True, progress=False)
+        assert receipt.evidence["cost"]["start_checkpoint"] == 2
+        assert receipt.evidence["verified"] and receipt.verdict.startswith("VERIFIED"), receipt.evidence.get("oracle")
+        assert receipt.evidence["start"] == {"checkpoint": 2, "proven_by": by}
+        saved = json.loads((tmp_path / case / "receipt.json").read_text())
+        assert saved["evidence"]["start"]["proven_by"] == by
+        assert not _oracle_equals_counterfactual(tok, data, "qwen2", run, ids, tmp_path / case)
+    # the replay output's own start record, removed (sealed with the key): its start is unproven, never VERIFIED
+    replay = copy_run(tmp_path / "b" / "replay", tmp_path / "stripped")
+    h = json.loads((replay / "header.json").read_text())
+    assert h["fidelity"]["start"]["proven_by"] == "probe"
+    for forged in (None, {**h["fidelity"]["start"], "run_id": "another run"},
+                   {**h["fidelity"]["start"], "checkpoint": 0}):
+        h["fidelity"]["start"] = forged
+        write_sealed_header(replay, h)
+        assert unproven_steps(open_run(replay).header, 2, 6) == [2, 3, 4, 5]
+        report = verify(replay, tmp_path / "b" / "oracle")
+        assert report["identical"] and not report["verified"], forged
+
+
+def _dropout_off_from_step_1():
+    from .test_trace_program import NoDropout
+
+    return NoDropout(step=1)  # importable: recorded and replayed; a checkpoint does not hold the dropout it set
+
+
+def test_a_callbacks_earlier_change_is_refused_where_the_fresh_start_is_used(tmp_path, monkeypatch):
+    """ATTACK: a recorded callback turns dropout off at step 1 (replayed: the proof from step 0 reproduces every
+    step), but a replay started afresh at checkpoint 2 or 4 runs with dropout (no checkpoint holds a module
+    attribute). Unproven starts: a row of step 3 (case a) is refused at the replay's own first step, a row of step 2
+    (case b) by its probe step, before any compute; neither trains a deleted row (counted) nor writes a receipt. A
+    redacted replay of the Python API given no probe is stopped by its controls. With `--fresh-starts` the proof finds
+    both starts and the deletion is refused before any compute."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import ProofError, prove
+
+    from .test_trace_program import _model
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=_model("llama", tok, "dropout_off"), every=2, **KW,
+           trainer_kwargs={"callbacks": [_dropout_off_from_step_1()]})
+    run = tmp_path / "rec" / "trace"
+    opened = open_run(run)
+    assert opened.header["fidelity"]["proof"]["proven"]  # the continuous run is reproduced
+    steps = _count_steps(monkeypatch, deleting=True)
+    for case, step in (("a", 3), ("b", 2)):
+        steps.clear()
+        with pytest.raises(ProofError) as e:
+            forget(run, opened.ids_at_steps([step])[:1], tmp_path / case, oracle=True, progress=False)
+        assert "\n" not in str(e.value) and "a replay started afresh at checkpoint 2 does not reproduce" in str(e.value)
+        assert "a callback's earlier change" in str(e.value)
+        assert steps == ([2] if case == "a" else []), steps  # (a): its own first step only, (b): none
+        assert not (tmp_path / case / "receipt.json").exists()
+        assert not (tmp_path / case / "replay").exists()
+    # the Python API without the probe (no proven_start): the replay's start is unproven; here its per-step controls
+    # (the dropout attribute) stop it after that step, leaving no output (a clean unproven start: never VERIFIED, above)
+    from hf_unlearn.trace import RedactedReplayTrainer, redact_store
+
+    ids = opened.ids_at_steps([2])[:1]
+    redact_store(opened.store_path, ids, tmp_path / "api" / "store", opened.key)
+    with pytest.raises(UnlearnError, match="optimizer step 2"):
+        RedactedReplayTrainer(run, tmp_path / "api" / "store", ids, tmp_path / "api" / "replay").train()
+    assert not (tmp_path / "api" / "replay" / "header.json").exists()
+    record_ = prove(run, progress=False, fresh_starts=True)
+    assert record_["proven"] and record_["starts"] == [0] and set(record_["start_failures"]) == {"2", "4"}
+    steps.clear()
+    with pytest.raises(ProofError, match="a replay started afresh at checkpoint 2 does not reproduce"):
+        forget(run, opened.ids_at_steps([3])[:1], tmp_path / "after", oracle=True, progress=False)
+    assert not steps and not (tmp_path / "after").exists()  # refused before any compute
+
+
+def test_a_foreign_proof_claiming_fresh_starts_does_not_count(tmp_path):
+    """ATTACK: another run's proof, proven with --fresh-starts, copied into this run and sealed with the key: none
+    of its ``starts`` counts, and neither does a replay-start record naming another parent or checkpoint."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import prove
+    from hf_unlearn.trace.proven import proof_starts, proven_starts
+
+    donor = copy_run(get_recorded(), tmp_path / "donor")
+    assert prove(donor, progress=False, fresh_starts=True)["starts"] == [0, 2, 4, 6]
+    tok, data = get_trace_data()
+    record(tok, data.select(range(24)), tmp_path / "rec", every=2, trainer_kwargs={"trace_self_check": False}, **KW)
+    run = tmp_path / "rec" / "trace"
+    h = json.loads((run / "header.json").read_text())
+    h["fidelity"]["proof"] = json.loads((donor / "header.json").read_text())["fidelity"]["proof"]
+    write_sealed_header(run, h)
+    header = open_run(run).header
+    assert proof_starts(header) == set() and proven_starts(header) == set()
+    parent = {"run_id": "p", "start_step": 4}
+    for start in ({"checkpoint": 4, "proven_by": "probe", "run_id": "q"},
+                  {"checkpoint": 2, "proven_by": "probe", "run_id": "p"},
+                  {"checkpoint": 4, "proven_by": "trust me", "run_id": "p"}):
+        assert proven_starts({**header, "parent": parent, "fidelity": {**h["fidelity"], "start": start}}) == set()
+    assert proven_starts({**header, "parent": parent, "fidelity": {**h["fidelity"], "start": {
+        "checkpoint": 4, "proven_by": "replay", "run_id": "p"}}}) == {4}

@@ -9,6 +9,8 @@ import shutil
 import pytest
 import torch
 
+from hf_unlearn.trace.proof import prove_fresh_start
+
 from .test_trace_common import copy_run, delete, get_recorded, get_trace_data, ids_at_step, record
 
 
@@ -78,9 +80,11 @@ def test_replay_reads_only_the_redacted_store(tmp_path):
     run = open_run(run_dir)
     redact_store(run.store_path, forget, tmp_path / "store", run.key)
     OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
+    proven_start = prove_fresh_start(run, forget)  # step 6 affected: its fresh start probed with the original store
+    assert proven_start == {"checkpoint": 6, "proven_by": "probe"}
     shutil.move(run_dir / "private" / "store", tmp_path / "original_store_elsewhere")
     with pytest.warns(UserWarning, match="store is absent"):
-        RedactedReplayTrainer(run_dir, tmp_path / "store", forget, tmp_path / "replay").train()
+        RedactedReplayTrainer(run_dir, tmp_path / "store", forget, tmp_path / "replay", proven_start=proven_start).train()
     assert verify(tmp_path / "replay", tmp_path / "oracle")["verified"]
     from hf_unlearn.trace.store import load_store
 
@@ -100,7 +104,9 @@ def test_sequential_requests_equal_one_oracle_of_the_union(tmp_path):
     RedactedReplayTrainer(run, tmp_path / "s1", first, tmp_path / "r1").train()
     run1 = open_run(tmp_path / "r1")
     redact_store(run1.store_path, second, tmp_path / "s2", run1.key)
-    r2 = RedactedReplayTrainer(run1, tmp_path / "s2", second, tmp_path / "r2")
+    # step 6 affected: the fresh start at checkpoint 6 (no proof covers it) probed from request 1's output run
+    r2 = RedactedReplayTrainer(run1, tmp_path / "s2", second, tmp_path / "r2",
+                               proven_start=prove_fresh_start(run1, second))
     r2.train()
     assert r2.replay_stats["start_step"] == 6
     OracleReplayTrainer(run, first + second, out_dir=tmp_path / "oracle").train()
@@ -146,7 +152,8 @@ def test_string_ids_and_string_forget_list(tmp_path):
     forget = run.ids_at_steps([2])[:2]
     assert all(isinstance(i, str) for i in forget)
     redact_store(run.store_path, forget, tmp_path / "store", run.key)
-    RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay").train()
+    RedactedReplayTrainer(run, tmp_path / "store", forget, tmp_path / "replay",
+                          proven_start=prove_fresh_start(run, forget)).train()  # step 2 affected: its start probed
     OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
     assert verify(tmp_path / "replay", tmp_path / "oracle")["verified"]
     # no raw string id in any publishable file (private/ and tensor/Arrow binaries aside): plan, header, WAL,
@@ -172,7 +179,8 @@ def test_replay_model_card_states_roots_and_verdict(tmp_path, monkeypatch):
     run = open_run(run_dir)
     redact_store(run.store_path, forget, tmp_path / "store", run.key)
     OracleReplayTrainer(run, forget, out_dir=tmp_path / "oracle").train()
-    replay = RedactedReplayTrainer(run_dir, tmp_path / "store", forget, tmp_path / "replay")
+    replay = RedactedReplayTrainer(run_dir, tmp_path / "store", forget, tmp_path / "replay",
+                                   proven_start=prove_fresh_start(run, forget))  # step 6 affected: its start probed
     replay.train()
     pending = replay.unlearning_card_info()["extra"]["exact_deletion"]
     assert not pending["verified"] and "trace verify" in pending["verification"]

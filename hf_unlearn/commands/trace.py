@@ -50,6 +50,9 @@ def register(parser) -> None:
     p.add_argument("--collator", default=None, help=COLLATOR_HELP)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the sealed proof record as JSON")
+    p.add_argument("--fresh-starts", action="store_true",
+                   help="also prove a replay started afresh at each kept checkpoint after step 0, ahead of any "
+                        "deletion (one step each); by default the deletion that starts there proves it")
     p.set_defaults(func=prove_cmd)
 
     p = sub.add_parser("redact", help="write a new token store without the deleted rows, plus a redaction receipt")
@@ -288,7 +291,8 @@ def prove_cmd(args) -> int:
     from ..trace.run import read_header
 
     _quiet()
-    record = prove(args.run, data_collator=_collator(args), progress=args.progress, log=print)
+    record = prove(args.run, data_collator=_collator(args), progress=args.progress, log=print,
+                   fresh_starts=args.fresh_starts)
     if args.json:
         print(json.dumps(record, indent=1))
     else:
@@ -299,14 +303,19 @@ def prove_cmd(args) -> int:
     return 0 if record["proven"] else 1
 
 
-def _before_deletion(args, run, forget, start: int | None, collator) -> None:
-    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof)."""
+def _before_deletion(args, run, forget, start: int | None, collator) -> dict | None:
+    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof); returns how the
+    replay's fresh start is proven (its ``proven_start``)."""
     from ..trace.proof import before_deletion
     from ..trace.replay import replay_cost
 
-    first = 0 if start is None else (0 if args.full else replay_cost(run, forget)["start_checkpoint"])
-    for line in before_deletion(run, first, start is None, args.accept_unproven, collator)["proof_lines"]:
+    cost = None if start is None else replay_cost(run, forget)
+    first = 0 if start is None or args.full else cost["start_checkpoint"]
+    affected = None if cost is None else cost["first_affected_step"]
+    checked = before_deletion(run, first, start is None, args.accept_unproven, collator, first_affected=affected)
+    for line in checked["proof_lines"]:
         print(line)
+    return checked["start_proof"]
 
 
 def replay_cmd(args) -> int:
@@ -315,9 +324,9 @@ def replay_cmd(args) -> int:
 
     _quiet()
     run, forget, collator = open_run(args.run), read_forget_file(args.forget), _collator(args)
-    _before_deletion(args, run, forget, 0, collator)
-    trainer = RedactedReplayTrainer(run, args.store, forget, args.out,
-                                    start="full" if args.full else "suffix", data_collator=collator)
+    proven_start = _before_deletion(args, run, forget, 0, collator)
+    trainer = RedactedReplayTrainer(run, args.store, forget, args.out, start="full" if args.full else "suffix",
+                                    data_collator=collator, proven_start=proven_start)
     final = trainer.train()
     s = trainer.replay_stats
     if not trainer.accelerator.is_main_process:

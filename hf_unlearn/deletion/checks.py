@@ -287,7 +287,7 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     """A pipeline deletion is VERIFIED stage by stage, so every stage it replays must be proven on the steps its
     replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
     is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
-    from ..trace.proof import ProofError, unproven_statement
+    from ..trace.proof import ProofError, probe_fresh_start, start_proof, unproven_statement
 
     if config.accept_unproven:
         raise UnlearnError("--accept-unproven is for one recorded run; a pipeline deletion needs every stage it "
@@ -297,6 +297,15 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
         if not s["replayed"]:
             continue
         lo = 0 if config.oracle else s["start_checkpoint"]
-        why = unproven_statement(run.header, run.path, lo, run.kept().total_steps, who)
+        # a fresh start at the stage's checkpoint is proven where it is used (unless a proof found that it fails): by
+        # the stage's replay (its first step, before the first affected one) or, that step affected, by a probe here
+        why = unproven_statement(run.header, run.path, lo, run.kept().total_steps, who, fresh_start=False)
+        if why is None and config.oracle and s["start_checkpoint"]:
+            why = unproven_statement(run.header, run.path, s["start_checkpoint"], run.kept().total_steps, who,
+                                     fresh_start=False)
+        if why is None:
+            how = start_proof(run, s["start_checkpoint"], (s.get("cost") or {}).get("first_affected_step"))
+            if how and how["proven_by"] == "probe":
+                s["proven_start"] = probe_fresh_start(run.kept(), s["start_checkpoint"], s.get("collator"))
         if why:
             raise ProofError(f"stage {s['stage']}: {run.path}: {why}; refusing before any compute")

@@ -64,7 +64,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         f"{redaction['checks']['id_column_scanned']}")
     t = time.perf_counter()
     replay = with_replay_progress(RedactedReplayTrainer, "replay (redacted store)", config.progress)(
-        run, out / "store", ids, out / "replay", data_collator=plan["data_collator"])
+        run, out / "store", ids, out / "replay", data_collator=plan["data_collator"], proven_start=plan.get("start_proof"))
     final = replay.train()
     timings["replay_s"] = time.perf_counter() - t
     stats = replay.replay_stats
@@ -120,6 +120,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         "proof": proof_statement(run.header),  # the engine reproduced the whole run (hf_unlearn.trace.proof)?
         "unproven_steps": plan.get("unproven_steps", []),  # accepted with --accept-unproven: never VERIFIED
         "environment_probe": plan.get("environment_probe"),  # this process re-ran recorded steps with no deletion
+        # how the replay's fresh start at its kept checkpoint was proven: by the proof, its own first step, a probe
+        "start": stats.get("start_proof"),
     }
     log(f"fidelity: {evidence['fidelity']}")
     log(f"numeric stack: {evidence['numeric_stack']}")
@@ -154,6 +156,7 @@ def _exact_peer(plan: dict, config: ForgetConfig) -> None:
 
     out, run, ids = Path(config.output_dir), plan["run"], plan["ids"]
     plan["processes"].wait_for_everyone()  # the main process redacted the store
-    RedactedReplayTrainer(run, out / "store", ids, out / "replay", data_collator=plan["data_collator"]).train()
+    RedactedReplayTrainer(run, out / "store", ids, out / "replay", data_collator=plan["data_collator"],
+                          proven_start=plan.get("start_proof")).train()
     if config.oracle:
         OracleReplayTrainer(run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"]).train()

@@ -294,7 +294,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
             store = d / "store"
             entry["redaction"] = {"rows_before": red["rows_before"], "rows_after": red["rows_after"],
                                   "store_sha256": red["store_sha256"], "id_check": red["checks"]["id_column_scanned"]}
-        kw = {}
+        kw = {"proven_start": s["proven_start"]} if s.get("proven_start") else {}  # its fresh start, probed
         if prev_replay is not None:
             kw = dict(start="full", **_start_from(run, prev_replay))
             entry["new_start_root"] = kw["start_parent"].get("start_root", kw["start_parent"]["output_root"])

@@ -453,8 +453,11 @@ def program_refusal(run, start_step: int) -> str | None:
     late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
     if not late:
         return None
-    if not unproven_steps(run.header, start_step, run.total_steps):
-        return None  # the proof shows the engine reproduces the run with the change, at every step the replay runs
+    if not unproven_steps(run.header, start_step, run.total_steps, fresh_start=False):
+        # the proof shows the engine reproduces the run with the change, at every step the replay runs; a fresh
+        # start at start_step is proven by the replay itself before any deleted row trains (else it is refused, or,
+        # not proven, never VERIFIED: hf_unlearn.trace.proven.replay_start)
+        return None
     return (f"the run changed outside its record {describe_program_change(late[0])}"
             + (f" (and at {len(late) - 1} later step(s), the last {late[-1]['step']})" if len(late) > 1 else "")
             + (f"; a replay from step {start_step} would run without it (no checkpoint holds a trainable set or a "

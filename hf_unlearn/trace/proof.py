@@ -1,8 +1,8 @@
 """The replay engine proven on the recorded run: positive evidence, not a list of what may change.
 
 Lists of things that may change a run (learning rates, module attributes, hooks, environment variables) are never
-complete. A **proof** is evidence instead: the replay engine re-runs the whole recorded run with no deletion, from
-each kept checkpoint to the next, and its state after **every** optimizer step must equal the recording's per-step
+complete. A **proof** is evidence instead: the replay engine re-runs the whole recorded run with no deletion, in one
+replay from step 0 as the oracle runs, and its state after **every** optimizer step must equal the recording's per-step
 fingerprint (the exact digest :mod:`hf_unlearn.trace.guards` computes right after ``optimizer.step()``), and its
 state at every kept checkpoint the recorded checkpoint. Whatever the program did (a callback that lowers
 ``args.max_grad_norm``, an attention implementation switched mid-run, a thread count), if the engine does not do
@@ -14,6 +14,11 @@ the same, the state differs at that step and the proof names it.
   outcome is sealed into ``header.json`` (``fidelity.proof``, under the run key's seal): the engine and numeric
   stack it ran with, the numeric environment variables, the processes, and the steps it covered or the first step
   where the engine diverged and what differed.
+* A suffix replay's **fresh start** at a later kept checkpoint (checkpoint load, model rebuild, RNG and data position;
+  a checkpoint does not hold a module attribute a callback set earlier) is proven where it is used: by the deletion's
+  replay itself, before any deleted row trains (its first step, or, that step affected, a probe step from the
+  checkpoint with no deletion: :func:`before_deletion`), or ahead by ``prove(..., fresh_starts=True)``
+  (``--fresh-starts``).
 * :func:`unproven_steps`: the steps of a range neither the proof nor the recording's self-check covers. A deletion
   is VERIFIED only when every step its replay and its oracle run is proven (:mod:`hf_unlearn.trace.verification`);
   ``forget`` and ``trace replay`` refuse an unproven range unless the user accepts it.
@@ -41,8 +46,10 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     check_proven,
     diverged,
     engine,
+    fresh_start_failure,
     launch_command,
     neutral_controls,
+    proof_starts,
     proof_statement,
     proven_starts,
     proven_steps,
@@ -56,6 +63,7 @@ from .stack import NUMERIC_ENV, environment_difference, numeric_environment, num
 from .writer import TraceWriter
 
 PROGRESS = "proof_progress.json"
+NO_FINGERPRINT = "records no per-step state fingerprint"  # a run recorded without per-step guards: nothing to prove
 # trace_self_check=True (the default) proves the whole run at the end of a recording that trained this long at most
 # (the proof costs about as much again); a longer one gets its first step checked and `trace prove` when convenient
 AUTO_PROVE_SECONDS = 120.0
@@ -68,6 +76,7 @@ def _interval_replay(run, start: int, stop: int, data_collator=None, bar=None, o
     class ProofReplayTrainer(ReplayTrainer):
         mode = "proof"
         store_policy = "original"
+        _keep_final = False
 
         def __init__(self, run):
             self._proof_start, self._proof_bar = start, bar
@@ -125,7 +134,7 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
     matched = set(trainer._fps_matched["state"])
     missing = [s for s in range(start, stop) if s not in matched]
     if missing:
-        raise UnlearnError(f"{run.path} records no per-step state fingerprint for optimizer step {missing[0]} (recorded "
+        raise UnlearnError(f"{run.path} {NO_FINGERPRINT} for optimizer step {missing[0]} (recorded "
                            "with trace_guards=False, or before per-step fingerprints): a proof needs one at every step; "
                            "record the run again with the default trace_guards=True")
     return None
@@ -183,13 +192,20 @@ def _save_progress(run, state: dict) -> None:
 
 
 # ---- prove -----------------------------------------------------------------------------------------------------
-def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True, log=None) -> dict:
+def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True, log=None,
+          fresh_starts: bool = False) -> dict:
     """Re-run the recorded run with the replay engine and no deletion; match the recorded state at every step.
 
     Returns the proof record (also sealed into ``header.json`` as ``fidelity.proof`` unless ``seal=False``):
-    ``proven`` (every step matched), ``steps`` ([first, last] proven from step 0), ``diverged`` (the first step
-    where the engine's state differs, and what differs). Resumes a proof that was killed (``proof_progress.json``).
-    Under a launch of N processes (a run recorded by N), every process replays its share.
+    ``proven`` (every step matched), ``steps`` ([first, last] proven from step 0), ``starts`` (the kept checkpoints
+    a replay started afresh was shown to reproduce from), ``diverged`` (the first step where the engine's state
+    differs, and what differs). Resumes a proof that was killed (``proof_progress.json``). Under a launch of N
+    processes (a run recorded by N), every process replays its share.
+
+    ``fresh_starts``: also prove, ahead of any deletion, the first step of a replay started afresh at each kept
+    checkpoint after step 0 (checkpoint load, model rebuild, RNG and data position; a few steps more); on a run whose
+    sealed proof already covers every step with this engine, stack and environment, only those. By default a fresh
+    start is proven where it is used, by the deletion that starts there (:func:`before_deletion`).
     """
     from tqdm.auto import tqdm
 
@@ -201,6 +217,10 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     state = _load_progress(run)
     if state["upto"] or state["starts"]:
         log(f"resuming the proof of {run.path}: steps 0..{state['upto'] - 1} already proven")
+    elif fresh_starts and _sealed_continuous(run) is not None:  # the continuous run is proven here already
+        state = _sealed_continuous(run)
+        log(f"{run.path}: its sealed proof covers every step with this engine, stack and environment; proving the "
+            "fresh starts only")
 
     def reached(step: int, neutral: list) -> None:  # a kept checkpoint matched on the way: persisted
         state.update(upto=step, neutral=sorted(set(state["neutral"]) | set(neutral)))
@@ -208,7 +228,7 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
             _save_progress(run, state)
 
     diverged, start_failures = None, {}  # noqa: F811 - the outcome, not proven.diverged (re-exported)
-    todo_starts = [c for c in kept if c > 0 and c not in state["starts"]]
+    todo_starts = [c for c in kept if c > 0 and c not in state["starts"]] if fresh_starts else []
     with tqdm(total=total - state["upto"] + len(todo_starts), desc="prove (replay, no deletion)", unit="step",
               disable=not (progress and main), leave=False) as bar:
         if state["upto"] < total:  # one replay on to the end, as the oracle runs (resumed: from the last checkpoint)
@@ -238,6 +258,19 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
         (run.path / PROGRESS).unlink(missing_ok=True)
     gathered(None)  # every process returns once the main one sealed the proof (a process reading the header next)
     return record
+
+
+def _sealed_continuous(run) -> dict | None:
+    """The run's sealed proof as progress (``upto`` the end, its starts and neutral steps) when it proved every step
+    of this run with this engine, numeric stack, environment and number of processes; else None."""
+    proof = (run.header.get("fidelity") or {}).get("proof") or {}
+    same = (proof.get("proven") and proof.get("run_id") == run.header.get("run_id") and proof.get("engine") == engine()
+            and proof.get("numeric_stack") == numeric_stack() and proof.get("environment") == numeric_environment()
+            and proof.get("world_size", 1) == world_size() and proof.get("total_steps") == run.total_steps)
+    if not same:
+        return None
+    return {"upto": run.total_steps, "starts": [int(c) for c in proof.get("starts") or [] if int(c) > 0],
+            "neutral": [int(c) for c in proof.get("neutral_controls") or []]}
 
 
 def check_world_size(run, command: str) -> None:
@@ -305,7 +338,7 @@ def probe_steps(run) -> list[int]:
     return [0] + ([other] if other != 0 else [])
 
 
-def probe_environment(run_path, data_collator=None, log=None, replayed: range = range(0)) -> dict:
+def probe_environment(run_path, data_collator=None, log=None, replayed=range(0), fresh_start: int | None = None) -> dict:
     """Re-run :func:`probe_steps` with no deletion in this process (every process of a launch) and compare with the
     recorded fingerprints; raise :class:`ProofError` in one line on a difference, naming the step and the numeric
     environment variables that differ from the recording's. Returns ``{"steps", "seconds"}``.
@@ -313,16 +346,20 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
     ``replayed``: the steps the deletion's own replay re-runs with no deletion (from its start checkpoint up to the
     first affected step), each checked against the recording's state fingerprint as it runs. A probe step among
     them is not run twice: the replay's first step is that probe, the same re-run with the same comparison (it
-    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them."""
+    stops the replay there, before any deleted row is trained on); ``by_the_replay`` lists them.
+
+    ``fresh_start``: a kept checkpoint where the deletion's replay starts afresh, no proof covers it and its first
+    step is affected: that step is re-run from it too (it doubles as a probe of that step), and a difference there
+    refuses naming the fresh start (:func:`~hf_unlearn.trace.proven.fresh_start_failure`)."""
     wall = time.perf_counter()
     run = (run_path if isinstance(run_path, TraceRun) else open_run(run_path)).kept()
-    chosen = probe_steps(run)
+    chosen = sorted(set(probe_steps(run)) | ({fresh_start} if fresh_start is not None else set()))
     steps = [s for s in chosen if s not in replayed]
     for s in steps:
         try:
             found = _run_interval(run, s, s + 1, data_collator)
         except UnlearnError as e:
-            if "records no per-step state fingerprint" in str(e):
+            if NO_FINGERPRINT in str(e):
                 return {"steps": [], "seconds": 0.0, "skipped": str(e)}
             raise
         if found is not None:
@@ -333,6 +370,10 @@ def probe_environment(run_path, data_collator=None, log=None, replayed: range = 
                      "does not name)")
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
+            if s == fresh_start:  # the steps before it (step 0 first) matched here: the start is the likely cause
+                raise ProofError(f"{run.path}: {fresh_start_failure(s, found['why'])}{where}"
+                                 f"{cause if causes else ''}; refusing before any compute (a deletion of rows "
+                                 "trained before the checkpoint replays from an earlier one)")
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
@@ -386,22 +427,76 @@ def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]
     return out
 
 
+def probe_fresh_start(run, start: int, data_collator=None) -> dict:
+    """One step from the kept checkpoint ``start`` with no deletion, its state compared with the recording's (it reads
+    the run's original store): ``{"checkpoint", "proven_by": "probe"}``, or :class:`ProofError` naming the fresh
+    start. For a deletion whose replay starts afresh there, no proof covers it and its first step is affected. None:
+    the run records no fingerprint to compare with (the start stays unproven)."""
+    try:
+        found = _run_interval(run, start, start + 1, data_collator)
+    except UnlearnError as e:
+        if NO_FINGERPRINT in str(e):
+            return None
+        raise
+    if found is not None:
+        raise ProofError(f"{run.path}: {fresh_start_failure(start, found['why'])}; refusing before any compute (a "
+                         "deletion of rows trained before the checkpoint replays from an earlier one)")
+    return {"checkpoint": start, "proven_by": "probe"}
+
+
+def prove_fresh_start(run, forget_ids, data_collator=None) -> dict | None:
+    """For a ``RedactedReplayTrainer`` of your own (``forget`` does this in :func:`before_deletion`): how the fresh
+    start of the suffix replay deleting ``forget_ids`` is proven, its probe step run here when that step is affected
+    (it reads the run's original store); pass the result as ``proven_start=``. None: nothing to replay."""
+    from .replay import replay_cost
+
+    run = (run if isinstance(run, TraceRun) else open_run(run)).kept()
+    cost = replay_cost(run, forget_ids)
+    how = start_proof(run, cost["start_checkpoint"], cost["first_affected_step"])
+    return probe_fresh_start(run, how["checkpoint"], data_collator) if how and how["proven_by"] == "probe" else how
+
+
+def start_proof(run, start: int, first_affected: int | None) -> dict | None:
+    """How the fresh start of a deletion's replay at the kept checkpoint ``start`` is proven, decided before any
+    compute: ``{"checkpoint", "proven_by"}`` with ``"proof"`` (the proof's continuous replay from step 0, or
+    ``--fresh-starts``), ``"replay"`` (the replay's own first step is before the first affected one: it is compared
+    with the recording's state fingerprint as it runs and stops the replay there on a difference) or ``"probe"`` (the
+    first step is affected: one extra probe step from the checkpoint, with no deletion, before any compute)."""
+    if start in proof_starts(run.header):
+        return {"checkpoint": start, "proven_by": "proof"}
+    if first_affected is None:
+        return None
+    return {"checkpoint": start, "proven_by": "replay" if start < first_affected else "probe"}
+
+
 def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None,
                     first_affected: int | None = None) -> dict:
     """What ``forget``, ``trace replay``, ``trace oracle`` and ``requests serve`` check before any compute: the steps
     the deletion runs are proven (else refused unless ``accept_unproven``), and this environment reproduces the
     recorded steps of :func:`probe_steps`. ``first_affected``: the deletion's first affected step, when its replay
     starts at ``start`` and checks every step before it against the recording's state fingerprints (a redacted
-    replay): the probe steps in ``start..first_affected - 1`` are left to it (:func:`probe_environment`). Returns
-    ``unproven_steps``, ``environment_probe`` and ``proof_lines`` (what to log)."""
+    replay): the probe steps in ``start..first_affected - 1`` are left to it (:func:`probe_environment`).
+
+    A fresh start at ``start`` that no proof covers is proven here, where it is used (:func:`start_proof`): by the
+    replay's own first step, or, that step affected, by one more probe step from ``start`` with no deletion (it reads
+    the run's original store, which the redacted replay never opens). Returns ``unproven_steps``,
+    ``environment_probe``, ``start_proof`` (give it to the replay: ``proven_start=``) and ``proof_lines``."""
     lines = []
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
+    how = start_proof(run, start, first_affected) if not unproven else None
     replayed = range(start, first_affected) if first_affected is not None and not unproven else range(0)
-    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed)
+    probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed,
+                              fresh_start=start if how and how["proven_by"] == "probe" else None)
     if probe.get("skipped"):
         lines.append(f"environment probe skipped: {probe['skipped']}")
+        how = None if how and how["proven_by"] == "probe" else how
+    if how and how["proven_by"] != "proof":
+        lines.append(f"fresh start at kept checkpoint {start}: proven by " + (
+            "the replay's own first step (before the first affected one), its state compared with the recording's; a "
+            "difference stops it there" if how["proven_by"] == "replay" else
+            f"a probe step from it with no deletion, before any compute (step {start} is affected)"))
     lines.append(f"proof: {proof_statement(run.header)}")
-    return {"unproven_steps": unproven, "environment_probe": probe, "proof_lines": lines}
+    return {"unproven_steps": unproven, "environment_probe": probe, "start_proof": how, "proof_lines": lines}
 
 
 __all__ = ["prove", "probe_environment", "unproven_steps", "proof_statement", "numeric_environment", "ProofError"]

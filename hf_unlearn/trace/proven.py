@@ -11,6 +11,10 @@ from ..errors import UnlearnError
 from ..version import __version__
 
 PROVE_COMMAND = "hf-unlearn trace prove {run}"
+# how a replay's fresh start at a kept checkpoint was proven: by the proof (a continuous replay from step 0, or
+# `--fresh-starts`), by the deletion's replay itself (its first step, before the first affected one, matched the
+# recording), or by a probe step from that checkpoint with no deletion (the first step is affected)
+START_PROVEN_BY = ("proof", "replay", "probe")
 
 
 class ProofError(UnlearnError):
@@ -49,24 +53,42 @@ def proven_steps(header: dict) -> tuple[set[int], list[str]]:
 
 
 
-def proven_starts(header: dict) -> set[int]:
-    """The kept checkpoints a replay started afresh was shown to reproduce from (step 0: the proof's or the
-    self-check's replay from step 0)."""
+def proof_starts(header: dict) -> set[int]:
+    """The kept checkpoints the proof (or the self-check) showed a replay started afresh reproduces from: step 0 (the
+    continuous replay from step 0), and each checkpoint ``trace prove --fresh-starts`` proved."""
     steps, why = proven_steps(header)
     proof = (header.get("fidelity") or {}).get("proof") or {}
     return ({0} if 0 in steps else set()) | (set() if why else set(proof.get("starts") or []))
 
 
+def replay_start(header: dict) -> dict | None:
+    """A replay output's own start, proven where it was used (``fidelity.start``: ``{"checkpoint", "proven_by",
+    "run_id"}``, written by the replay under the run key's seal): counted only for the start this output's replay
+    made from its parent (``parent.start_step`` of ``parent.run_id``), never carried to another run or start."""
+    start, parent = (header.get("fidelity") or {}).get("start") or {}, header.get("parent") or {}
+    if (start.get("proven_by") in START_PROVEN_BY and start.get("checkpoint") == parent.get("start_step")
+            and start.get("run_id") == parent.get("run_id") is not None):
+        return start
+    return None
 
-def unproven_steps(header: dict, first: int, stop: int) -> list[int]:
+
+def proven_starts(header: dict) -> set[int]:
+    """The kept checkpoints a replay started afresh was shown to reproduce from: :func:`proof_starts`, and a replay
+    output's own start (:func:`replay_start`)."""
+    own = replay_start(header)
+    return proof_starts(header) | ({own["checkpoint"]} if own else set())
+
+
+def unproven_steps(header: dict, first: int, stop: int, fresh_start: bool = True) -> list[int]:
     """The steps of ``first..stop - 1`` (a replay from the kept checkpoint at ``first``) that neither the proof nor
     the self-check covers; all of them when a replay started afresh at ``first`` is not proven (a checkpoint does
-    not hold everything the recording carried there: a module attribute a callback set earlier)."""
+    not hold everything the recording carried there: a module attribute a callback set earlier).
+    ``fresh_start=False``: the start is left to the deletion that uses it (proven there, before any deleted row
+    trains: :func:`hf_unlearn.trace.proof.before_deletion`), only the steps are asked about."""
     steps, _ = proven_steps(header)
-    if first < stop and first not in proven_starts(header):
+    if fresh_start and first < stop and first not in proven_starts(header):
         return list(range(first, stop))
     return [s for s in range(first, stop) if s not in steps]
-
 
 
 def neutral_controls(header: dict) -> set[int]:
@@ -109,23 +131,42 @@ def launch_command(world: int, command: str, run_path) -> str:
     return f"torchrun --nproc_per_node {world} -m hf_unlearn.cli {command} {run_path}"
 
 
-def unproven_statement(header: dict, run_path, first: int, stop: int, who: str = "the replay") -> str | None:
-    """Why the steps ``first..stop - 1`` are not proven, in one sentence (None when all are)."""
-    missing = unproven_steps(header, first, stop)
+def failed_starts(header: dict) -> dict[str, str]:
+    """The kept checkpoints whose fresh start a valid proof (``--fresh-starts``) found does not reproduce the
+    recording, with what differed."""
+    _, why = proven_steps(header)
+    return {} if why else dict(((header.get("fidelity") or {}).get("proof") or {}).get("start_failures") or {})
+
+
+def fresh_start_failure(checkpoint: int, detail: str) -> str:
+    """Why a replay started afresh at ``checkpoint`` is refused, in words (the proof's, the replay's, the probe's)."""
+    return (f"a replay started afresh at checkpoint {checkpoint} does not reproduce the recording (the checkpoint does "
+            f"not hold something the recording carried there, e.g. a callback's earlier change: a module attribute, "
+            f"a learning rate or dropout state set before it): {detail}")
+
+
+def unproven_statement(header: dict, run_path, first: int, stop: int, who: str = "the replay",
+                       fresh_start: bool = True) -> str | None:
+    """Why the steps ``first..stop - 1`` are not proven, in one sentence (None when all are); ``fresh_start`` as in
+    :func:`unproven_steps`."""
+    failed = failed_starts(header)
+    missing = unproven_steps(header, first, stop, fresh_start)
+    if not fresh_start and str(first) in failed and first < stop:
+        missing = list(range(first, stop))  # the proof found this start fails: no deletion is left to prove it
     if not missing:
         return None
     _, why = proven_steps(header)
     div = diverged(header)
-    failed = ((header.get("fidelity") or {}).get("proof") or {}).get("start_failures") or {}
     cause = (f"; a proof found the engine does not reproduce the run from optimizer step {div['step']}: {div['why']}"
              if div else f"; {why[0]}" if why else
-             f"; a replay started afresh at checkpoint {first} does not reproduce the recording (the checkpoint does "
-             f"not hold something the recording carried there, e.g. a callback's earlier change): {failed[str(first)]}"
-             if str(first) in failed else
+             f"; {fresh_start_failure(first, failed[str(first)])}" if str(first) in failed else
+             f"; a replay started afresh at checkpoint {first} is not proven (a deletion proves its own start where it "
+             f"starts: forget, trace replay; or prove every start ahead: `"
+             f"{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)} --fresh-starts`)"
+             if not unproven_steps(header, first, stop, fresh_start=False) else
              f"; prove the run once (`{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)}`"
              ", about one training run's compute)")
     return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine" + cause
-
 
 
 def proof_statement(header: dict) -> str:
@@ -138,6 +179,10 @@ def proof_statement(header: dict) -> str:
     on = f", on each of {world} processes" if world > 1 else ""
     if proof.get("proven"):
         text = f"proven: the engine reproduced every optimizer step 0..{proof['steps'][1]} (state after each step{on})"
+        later = sorted(c for c in proof.get("starts") or [] if c > 0)
+        text += (f", and a replay started afresh at kept checkpoint(s) {ranges(later)}" if later else
+                 ", in one replay from step 0 (a replay started afresh at a later kept checkpoint is proven by the "
+                 "deletion that uses it)")
     elif div:
         text = (f"NOT PROVEN from optimizer step {div['step']}: the engine does not reproduce the run there"
                 + (f" (steps 0..{proof['steps'][1]} reproduced)" if proof.get("steps") else ""))
@@ -150,9 +195,13 @@ def proof_statement(header: dict) -> str:
 
 def check_proven(run, first: int, stop: int, oracle: bool, accept_unproven: bool, log=None) -> list[int]:
     """Before a deletion: the unproven steps of its replay (``first..stop - 1``) and oracle (``0..stop - 1``); refuse
-    them (:class:`ProofError`) unless ``accept_unproven``. Returns the unproven steps."""
-    lo = 0 if oracle else first
-    why = unproven_statement(run.header, run.path, lo, stop, "the oracle and the replay" if oracle else "the replay")
+    them (:class:`ProofError`) unless ``accept_unproven``. Returns the unproven steps. A replay's fresh start at
+    ``first`` is not asked about here: the deletion proves it where it is used (:func:`hf_unlearn.trace.proof.
+    before_deletion`), unless a proof already found it fails."""
+    header, who = run.header, "the oracle and the replay" if oracle else "the replay"
+    why = unproven_statement(header, run.path, 0 if oracle else first, stop, who, fresh_start=False)
+    if oracle and first and why is None:  # a proof that found the replay's start fails
+        why = unproven_statement(header, run.path, first, stop, who, fresh_start=False)
     if why is None:
         return []
     if not accept_unproven:
@@ -161,5 +210,7 @@ def check_proven(run, first: int, stop: int, oracle: bool, accept_unproven: bool
                          "never VERIFIED)")
     if log:
         log(f"UNPROVEN (accepted): {why}")
-    return unproven_steps(run.header, lo, stop)
-
+    missing = set(unproven_steps(header, 0 if oracle else first, stop, fresh_start=False))
+    if str(first) in failed_starts(header):
+        missing |= set(range(first, stop))
+    return sorted(missing)

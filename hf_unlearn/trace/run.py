@@ -127,10 +127,13 @@ class TraceRun:
     plan: list[PlanEntry]
     report: Report
     served_plan: list[PlanEntry] | None = None
+    _key: bytes | None = field(default=None, repr=False, compare=False)  # read once per run (a proof asked ~400 times)
 
     @property
     def key(self) -> bytes:
-        return run_key(self.path, self.header)
+        if self._key is None:
+            self._key = run_key(self.path, self.header)
+        return self._key
 
     @property
     def store_path(self) -> Path:

@@ -81,6 +81,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
             before the forward pass and the normaliser is recomputed (not trace-preserving; for comparison).
         model, args, data_collator: default to what the run's header, ``model/`` and ``collator/`` describe;
             when given they are checked against the recording.
+        proven_start: ``start_proof`` of :func:`hf_unlearn.trace.proof.before_deletion` when it proved this
+            replay's fresh start by a probe step (``{"checkpoint", "proven_by": "probe"}``; it needs the run's
+            original store, which a redacted replay never opens).
     """
 
     mode = "replay"
@@ -88,6 +91,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
     store_policy = "any"  # RedactedReplayTrainer: a redaction of the run's store; the oracle: the run's own store
     _is_replay = True
     _trace_machinery = True
+    _keep_final = True  # train() returns the final state (a proof's or probe's replay does not need it)
 
     def __new__(cls, run=None, *args, **kwargs):
         # the replay runs the recorded trainer's own compute_loss: compose this class with the run's trainer class
@@ -98,8 +102,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
 
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
-                 start_weights: dict | None = None, start_parent: dict | None = None, **kwargs):
-        self._start_weights, self._start_parent = start_weights, start_parent
+                 start_weights: dict | None = None, start_parent: dict | None = None, proven_start: dict | None = None,
+                 **kwargs):
+        self._start_weights, self._start_parent, self._proven_start = start_weights, start_parent, proven_start
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         self._self_check = _self_check
@@ -209,6 +214,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         if self._start_weights is not None:  # another start: no recorded state after step 0 holds any more
             self.first_affected_step = 0
         self._setup_program()
+        self._setup_start_proof()
         if not self.filter_rows:
             self._check_batches()
             check_rows(self)  # the kept rows of the microbatches a deletion touches (hf_unlearn.trace.rows)
@@ -280,11 +286,12 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                 from transformers.integrations.neftune import deactivate_neftune
 
                 deactivate_neftune(self.model, neftune, self.accelerator)
-        final = capture_state(self.model, self.optimizer, run.total_steps, clone=True)
+        final = capture_state(self.model, self.optimizer, run.total_steps, clone=True) if self._keep_final else None
         self.replay_stats = {"start_step": start, "segments_replayed": replayed, "optimizer_steps_taken": stepped,
                              "total_steps": run.total_steps, "nothing_to_replay": replayed == 0,
                              "checkpoints_matched": list(self.checkpoints_matched),
-                             "fingerprints_matched": step_ranges(self._fps_matched)}
+                             "fingerprints_matched": step_ranges(self._fps_matched),
+                             "start_proof": self._start_proof}
         if writer:
             self._finish_output(writer)
         self.accelerator.wait_for_everyone()

@@ -143,6 +143,9 @@ class OutputRun:
         }
         header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"],
                               "fingerprints_matched": stats["fingerprints_matched"]}
+        header["fidelity"].pop("start", None)  # the parent's own start is not this replay's
+        if self._start_proof:  # how this replay's fresh start was proven (hf_unlearn.trace.proven.replay_start)
+            header["fidelity"]["start"] = {**self._start_proof, "run_id": self.run.header.get("run_id")}
         last = self.run.total_steps - 1
         if header["fidelity"].get("guards") and last in self._step_fps and last in self._recorded_fps:  # the last step's fingerprint is this replay's
             header["fidelity"]["guards"] = {**header["fidelity"]["guards"], "final": {"step": last,

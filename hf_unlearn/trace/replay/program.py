@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ...errors import UnlearnError
-from ..fidelity import check_against_checkpoint, check_against_state
+from ..fidelity import FidelityError, check_against_checkpoint, check_against_state
 from ..guards import (
     ProgramChangedError,
     compare_fingerprint,
@@ -18,7 +18,7 @@ from ..guards import (
     run_event,
 )
 from ..hashing import checkpoint_hashes
-from ..proven import neutral_controls
+from ..proven import ProofError, fresh_start_failure, neutral_controls, proof_starts
 from ..run import capture_state
 from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
 
@@ -65,6 +65,23 @@ class RecordedProgram:
         self._program_callbacks = [rebuild_callback(spec, st) for spec, st in zip(specs, states or [])]
         self._out_cb_states = states
 
+    def _setup_start_proof(self) -> None:
+        """How this replay's fresh start at its kept checkpoint is proven (the output's ``fidelity.start``): by the
+        proof (``"proof"``); by the deletion's probe step from it with no deletion, before any compute (``"probe"``,
+        given as ``proven_start``: :func:`hf_unlearn.trace.proof.before_deletion`); else by this replay's own first
+        step, before the first affected one, whose state must match the recording's fingerprint (``"replay"``: else
+        it stops there, before any deleted row trains). None: not proven, and verify says so."""
+        c, given = self.start_step, self._proven_start or {}
+        self._start_proof, self._start_by_replay = None, False
+        if self._self_check or self.filter_rows or self._start_weights is not None:
+            return
+        if c in proof_starts(self.run.header):
+            self._start_proof = {"checkpoint": c, "proven_by": "proof"}
+        elif given.get("checkpoint") == c and given.get("proven_by") == "probe":
+            self._start_proof = {"checkpoint": c, "proven_by": "probe"}
+        else:
+            self._start_by_replay = c < self.first_affected_step and c in self._recorded_fps
+
     def _event(self, event: str) -> None:
         """Run a recorded callback event as the recording's Trainer did at this point of the step."""
         if self._program_callbacks:
@@ -106,7 +123,17 @@ class RecordedProgram:
         state = step < self.first_affected_step
         if step in self._neutral_controls and recorded.get("c") != actual.get("c"):  # proven: a neutral difference
             recorded = {**recorded, "c": actual["c"], "lr": actual.get("lr")}
-        compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
+        fresh = self._start_by_replay and step == self.start_step and state
+        try:
+            compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
+        except FidelityError as e:
+            if fresh:  # the first step from the checkpoint, before any deleted row: the fresh start is the cause
+                raise ProofError(f"{self.run.path}: {fresh_start_failure(step, str(e))}; refusing before any deleted "
+                                 "row is trained on (a deletion of rows trained before the checkpoint replays from an "
+                                 "earlier one)") from e
+            raise
+        if fresh:
+            self._start_proof = {"checkpoint": step, "proven_by": "replay"}
         self._fps_matched["controls"].append(step)
         if state:
             self._fps_matched["state"].append(step)
