@@ -20,6 +20,7 @@ from ..guards import (
 from ..hashing import checkpoint_hashes
 from ..proven import ProofError, fresh_start_failure, neutral_controls, proof_starts
 from ..run import capture_state
+from ..stack import environment_difference
 from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
 
 
@@ -127,10 +128,15 @@ class RecordedProgram:
         try:
             compare_fingerprint(step, recorded, actual, state, who=f"the {self.mode}")
         except FidelityError as e:
+            # a step the replay runs with no deletion doubles as the environment probe: name what differs in it
+            env = environment_difference((self.run.header.get("numeric_stack") or {}).get("environment"))
+            also = f"; this process's numeric environment differs from the recording's: {env}" if env else ""
             if fresh:  # the first step from the checkpoint, before any deleted row: the fresh start is the cause
                 raise ProofError(f"{self.run.path}: {fresh_start_failure(step, str(e))}; refusing before any deleted "
                                  "row is trained on (a deletion of rows trained before the checkpoint replays from an "
-                                 "earlier one)") from e
+                                 f"earlier one){also}") from e
+            if also:
+                raise FidelityError(f"{e}{also}") from e
             raise
         if fresh:
             self._start_proof = {"checkpoint": step, "proven_by": "replay"}
