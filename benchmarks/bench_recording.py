@@ -4,6 +4,8 @@ checkpoints) against a plain ``Trainer`` that saves a checkpoint at the same cad
     PYTHONPATH=. python benchmarks/bench_recording.py --model tiny --steps 32 --every 4 --accum 1 --pairs 2
     PYTHONPATH=. python benchmarks/bench_recording.py --model smollm2 --steps 32 --every 4 --accum 1 --pairs 2
     PYTHONPATH=. python benchmarks/bench_recording.py --model smollm2 --steps 8 --profile   # where the time goes
+    BENCH_WALL=1 ... --profile --profile-out F   # the profile with a wall-clock timer, its pstats kept in F
+    ... --step-times   # each arm's wall time per optimizer step (checkpoint steps stand out)
 
 ``smollm2`` is a randomly initialised ``LlamaConfig`` of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3
 key/value heads, MLP 1536, vocabulary 49152, tied embeddings): the GGUF weights in /work/shared are quantised,
@@ -75,6 +77,26 @@ def make_trainer(kind, model_kind, data, out, steps, every, accum):
                                  trace_self_check=False)
 
 
+def step_timer():
+    """A callback that notes the wall time at the end of each optimizer step (checkpoint steps stand out)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.ends = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+        def steps(self):
+            return [round(b - a, 2) for a, b in zip(self.ends, self.ends[1:])]
+
+    return StepTimer()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
@@ -84,6 +106,7 @@ def main():
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="profile one recording instead (top functions)")
     p.add_argument("--profile-out", help="with --profile: also write the pstats file here")
+    p.add_argument("--step-times", action="store_true", help="also print each arm's wall time per optimizer step")
     a = p.parse_args()
     data = dataset(4 * a.accum * a.steps)
     tmp = Path(tempfile.mkdtemp(prefix="bench_recording_"))
@@ -101,12 +124,17 @@ def main():
             for kind in (("plain", "trace") if r % 2 == 0 else ("trace", "plain")):
                 out = tmp / f"{kind}{r}"
                 trainer = make_trainer(kind, a.model, data, out, a.steps, a.every, a.accum)
+                timer = step_timer()
+                if a.step_times:
+                    trainer.add_callback(timer)
                 t, c = time.perf_counter(), time.process_time()
                 trainer.train()
                 wall[kind].append(time.perf_counter() - t)
                 cpu[kind].append(time.process_time() - c)
                 shutil.rmtree(out, ignore_errors=True)
                 print(f"  pair {r} {kind}: wall {wall[kind][-1]:.2f} s, CPU {cpu[kind][-1]:.2f} s", flush=True)
+                if a.step_times:
+                    print(f"    wall s per step: {timer.steps()}", flush=True)
         print(f"{a.model}, {a.steps} steps, {a.accum} microbatch(es) of 4 x 128 tokens per step, a checkpoint every "
               f"{a.every}, threads {os.environ.get('OMP_NUM_THREADS', 'default')}:")
         for name, d in (("wall", wall), ("CPU", cpu)):
