@@ -58,3 +58,17 @@ def test_a_forked_child_hashes_on_threads_of_its_own(monkeypatch):
 
 def _child_hash():
     return workers.map_tensors(len, [[1], [2, 3]], [1 << 23, 1 << 23], workers=2)
+
+
+def test_the_checksum_is_xxh3_of_the_raw_bytes_whatever_the_dtype_and_layout():
+    import xxhash
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(6, 5, generator=g)
+    cases = {"f32": base, "bf16": base.to(torch.bfloat16), "f16": base.half(), "i64": torch.arange(7),
+             "bool": base > 0, "scalar": torch.tensor(3.5), "strided": base.t(), "offset": base[2:],
+             "grad": torch.randn(4, requires_grad=True), "empty": torch.zeros(0)}
+    sums = checksums.tensor_checksums(list(cases.items()))
+    for name, t in cases.items():
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        assert sums[name] == (xxhash.xxh3_64_intdigest(raw) if t.numel() else 0), name

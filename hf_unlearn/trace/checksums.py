@@ -59,13 +59,13 @@ def tensor_checksums(tensors) -> dict[str, int]:
     opposite changes) escapes it."""
     out, pending, on_cpu = {}, [], []
     for name, t in tensors:
-        flat = t.detach().reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        if flat.device.type == "cpu":
-            on_cpu.append((name, flat))
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.device.type == "cpu":
+            on_cpu.append((name, t))
         else:
-            pending.append((name, device_checksum(flat)))
+            pending.append((name, device_checksum(t.reshape(-1))))
     sums = map_tensors(_xxh3, [f for _, f in on_cpu], [nbytes(f) for _, f in on_cpu])  # on every allowed core
     out.update({name: value for (name, _), value in zip(on_cpu, sums)})
     if pending:
@@ -75,10 +75,17 @@ def tensor_checksums(tensors) -> dict[str, int]:
 
 
 
-def _xxh3(flat: torch.Tensor) -> int:
+def _xxh3(t: torch.Tensor) -> int:
+    """xxh3 of a contiguous CPU tensor's raw bytes (a thousand tensors a step: as few torch calls as possible)."""
     import xxhash
 
-    return xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy()) if flat.numel() else 0
+    if not t.numel():
+        return 0
+    try:
+        buf = t.numpy()  # its own bytes, through the buffer protocol
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8): the same bytes as uint8
+        buf = t.reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_intdigest(buf)
 
 
 def device_checksum(flat: torch.Tensor) -> torch.Tensor:

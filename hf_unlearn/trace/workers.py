@@ -4,6 +4,7 @@ divides that time by the thread count. Results are identical to hashing one tens
 
 from __future__ import annotations
 
+import heapq
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +33,19 @@ def map_tensors(fn, items: list, nbytes: list[int], workers: int | None = None) 
     with _lock:
         pool = _pools.get(workers) or _pools.setdefault(
             workers, ThreadPoolExecutor(workers, thread_name_prefix="hf_unlearn-hash"))
-    futures = {i: pool.submit(fn, items[i]) for i in sorted(range(len(items)), key=lambda i: -nbytes[i])}
-    return [futures[i].result() for i in range(len(items))]
+    # a few bins per thread, filled largest first onto the lightest: one task per bin, not per tensor (a state holds
+    # a thousand tensors, and a task costs more than hashing a small one)
+    bins: list[tuple[int, int, list[int]]] = [(0, b, []) for b in range(2 * workers)]
+    for i in sorted(range(len(items)), key=lambda i: -nbytes[i]):
+        load, b, members = heapq.heappop(bins)
+        members.append(i)
+        heapq.heappush(bins, (load + nbytes[i], b, members))
+    tasks = [pool.submit(lambda members: [(i, fn(items[i])) for i in members], members) for _, _, members in bins]
+    out = [None] * len(items)
+    for task in tasks:
+        for i, value in task.result():
+            out[i] = value
+    return out
 
 
 def nbytes(t: torch.Tensor) -> int:
