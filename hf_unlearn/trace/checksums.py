@@ -27,14 +27,15 @@ def state_tensors(model, optimizer, grads: bool = False) -> list[tuple[str, torc
 
 def _own_state_tensors(model, optimizer, grads: bool) -> list[tuple[str, torch.Tensor]]:
     out = []
-    for n, p in model.named_parameters():
+    params = list(model.named_parameters())  # one walk of the module tree, for the names below too
+    for n, p in params:
         out.append((n, p))
         if grads and p.grad is not None:
             out.append((f"{n} (gradient)", p.grad))
     out += [(n, b) for n, b in model.named_buffers()]
     if optimizer is not None:
         inner = getattr(optimizer, "optimizer", optimizer)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in params}
         for g in inner.param_groups:
             for p in g["params"]:
                 st = inner.state.get(p, {})
