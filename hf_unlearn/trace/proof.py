@@ -47,6 +47,7 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     diverged,
     engine,
     fresh_start_failure,
+    fresh_start_refusal,
     launch_command,
     neutral_controls,
     proof_starts,
@@ -217,8 +218,8 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     state = _load_progress(run)
     if state["upto"] or state["starts"]:
         log(f"resuming the proof of {run.path}: steps 0..{state['upto'] - 1} already proven")
-    elif fresh_starts and _sealed_continuous(run) is not None:  # the continuous run is proven here already
-        state = _sealed_continuous(run)
+    elif fresh_starts and (sealed := _sealed_continuous(run)) is not None:  # the continuous run is proven already
+        state = sealed
         log(f"{run.path}: its sealed proof covers every step with this engine, stack and environment; proving the "
             "fresh starts only")
 
@@ -371,9 +372,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
             if s == fresh_start:  # the steps before it (step 0 first) matched here: the start is the likely cause
-                raise ProofError(f"{run.path}: {fresh_start_failure(s, found['why'])}{where}"
-                                 f"{cause if causes else ''}; refusing before any compute (a deletion of rows "
-                                 "trained before the checkpoint replays from an earlier one)")
+                raise fresh_start_refusal(run.path, s, f"{found['why']}{where}{cause if causes else ''}")
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
@@ -439,8 +438,7 @@ def probe_fresh_start(run, start: int, data_collator=None) -> dict:
             return None
         raise
     if found is not None:
-        raise ProofError(f"{run.path}: {fresh_start_failure(start, found['why'])}; refusing before any compute (a "
-                         "deletion of rows trained before the checkpoint replays from an earlier one)")
+        raise fresh_start_refusal(run.path, start, found["why"])
     return {"checkpoint": start, "proven_by": "probe"}
 
 

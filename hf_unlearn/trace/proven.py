@@ -145,6 +145,13 @@ def fresh_start_failure(checkpoint: int, detail: str) -> str:
             f"a learning rate or dropout state set before it): {detail}")
 
 
+def fresh_start_refusal(run_path, checkpoint: int, detail: str, before: str = "any compute") -> ProofError:
+    """The one-line refusal of a deletion whose replay, started afresh at ``checkpoint``, does not reproduce the
+    recording (the proof's, the probe's or the replay's own first step found it)."""
+    return ProofError(f"{run_path}: {fresh_start_failure(checkpoint, detail)}; refusing before {before} (a deletion of "
+                      "rows trained before the checkpoint replays from an earlier one)")
+
+
 def unproven_statement(header: dict, run_path, first: int, stop: int, who: str = "the replay",
                        fresh_start: bool = True) -> str | None:
     """Why the steps ``first..stop - 1`` are not proven, in one sentence (None when all are); ``fresh_start`` as in

@@ -18,7 +18,7 @@ from ..guards import (
     run_event,
 )
 from ..hashing import checkpoint_hashes
-from ..proven import ProofError, fresh_start_failure, neutral_controls, proof_starts
+from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
 from ..stack import environment_difference
 from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
@@ -132,9 +132,7 @@ class RecordedProgram:
             env = environment_difference((self.run.header.get("numeric_stack") or {}).get("environment"))
             also = f"; this process's numeric environment differs from the recording's: {env}" if env else ""
             if fresh:  # the first step from the checkpoint, before any deleted row: the fresh start is the cause
-                raise ProofError(f"{self.run.path}: {fresh_start_failure(step, str(e))}; refusing before any deleted "
-                                 "row is trained on (a deletion of rows trained before the checkpoint replays from an "
-                                 f"earlier one){also}") from e
+                raise fresh_start_refusal(self.run.path, step, f"{e}{also}", "any deleted row is trained on") from e
             if also:
                 raise FidelityError(f"{e}{also}") from e
             raise
