@@ -113,11 +113,33 @@ def _weights(n: int, which: int, device) -> torch.Tensor:
 
 
 
-def state_digest(model, optimizer) -> str:
-    """The exact digest of the state after an optimizer step (parameters, buffers, optimizer state), for the
-    per-step fingerprints: the recording and every replay compute it at the same point. Under FSDP2 it covers every
+# What a per-step fingerprint's state digest covers (its ``"k"``): "trainable" (the trainable parameters and the
+# buffers, what an optimizer step writes and the next forward reads); a run recorded before it has none: "all"
+# (every parameter, buffer and optimizer-state tensor, every step)
+STEP_SCOPE = "trainable"
+
+
+def step_state_tensors(model, optimizer=None, scope: str = STEP_SCOPE) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a per-step fingerprint reads exactly (see :data:`STEP_SCOPE`).
+
+    Why not the whole state every step: frozen weights and optimizer moments are most of its bytes (all of a LoRA
+    run's), and reading them every step was most of the recording's overhead. Nothing is left unproven by it: a
+    frozen weight or a moment that differs changes the trainable parameters at the next step that reads it (the
+    forward, the update), and the whole state, every byte, is compared by SHA-256 at every kept checkpoint, the
+    final one included (:func:`hf_unlearn.trace.hashing.checkpoint_hashes`). A difference is named a step later at
+    worst, never missed."""
+    if scope != STEP_SCOPE:
+        return state_tensors(model, optimizer)
+    out = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out += list(model.named_buffers())
+    return [(n, local(t)) for n, t in out]
+
+
+def state_digest(model, optimizer, scope: str = STEP_SCOPE) -> str:
+    """The exact digest of the state after an optimizer step (:func:`step_state_tensors`), for the per-step
+    fingerprints: the recording and every replay compute it at the same point. Under FSDP2 it covers every
     process's shards (:func:`hf_unlearn.trace.sharding.all_shards`: every process must call it)."""
-    return exact_digest(all_shards(tensor_checksums(state_tensors(model, optimizer)), model))
+    return exact_digest(all_shards(tensor_checksums(step_state_tensors(model, optimizer, scope)), model))
 
 
 
@@ -133,7 +155,7 @@ class ShardPeerDigest:
     def __init__(self, model, optimizer):
         inner = getattr(optimizer, "optimizer", optimizer)
         self._hook = inner.register_step_post_hook(
-            lambda *a: all_shards(tensor_checksums(state_tensors(model, optimizer)), model))
+            lambda *a: all_shards(tensor_checksums(step_state_tensors(model)), model))
 
     def close(self) -> None:
         self._hook.remove()

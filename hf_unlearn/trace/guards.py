@@ -24,10 +24,13 @@ of the run the user trained. So the recording closes the program:
   written to the plan (keyed) with its step; a replay that would pass the step (start at or before it) is refused
   before any compute (:class:`ProgramChangedError`).
 * **per-step fingerprints**: for every optimizer step, a digest of the program controls as ``optimizer.step()``
-  runs (learning rates, trainable set, modes, attributes, hooks) and the exact digest of the state right after it, written to the
-  plan (keyed). Every replay and the oracle compute the same fingerprint at the same points and compare: the
-  controls at every step they replay (a deletion does not change them), the state at every step before the first
-  affected one. A mismatch stops the replay, naming the step and what differs.
+  runs (learning rates, trainable set, modes, attributes, hooks), the exact digest of the trainable parameters and
+  buffers right after it and of the gradients it used, written to the plan (keyed); the whole state, frozen
+  weights and optimizer moments included, is bound by SHA-256 at every kept checkpoint
+  (:func:`~hf_unlearn.trace.checksums.step_state_tensors` says why that leaves nothing unproven). Every replay and
+  the oracle compute the same fingerprint at the same points and compare: the controls at every step they replay
+  (a deletion does not change them), the state at every step before the first affected one. A mismatch stops the
+  replay, naming the step and what differs (and whether the gradients already differed).
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ import torch
 
 from . import digests  # called through the module: a test may stand in for digests.program_state
 from .checksums import (  # noqa: F401 - re-exported: they lived here
+    STEP_SCOPE,
     device_checksum,
     exact_digest,
     state_digest,
     state_tensors,
+    step_state_tensors,
     tensor_checksums,
 )
 from .digests import FRAMEWORK_HOOKS, VOLATILE_CONFIG  # noqa: F401 - re-exported: they lived here
@@ -341,14 +346,21 @@ class Snapshot(NamedTuple):
     exact: dict | None = None  # name -> exact checksum (tensor_checksums), when taken
 
 
-def snapshot(model, optimizer, grads: bool = False, buffers: bool = True, exact: bool = False) -> Snapshot:
+def snapshot(model, optimizer, grads: bool = False, buffers: bool = True, exact: bool | str = False,
+             controls: dict | None = None) -> Snapshot:
+    """``exact``: True, exact checksums of every tensor; ``"step"``, of what a step's fingerprint reads
+    (:func:`~hf_unlearn.trace.checksums.step_state_tensors`). ``controls``: already computed at this point."""
     tensors = state_tensors(model, optimizer, grads)
     if not buffers:
         names = {n for n, _ in model.named_buffers()}
         tensors = [(n, t) for n, t in tensors if n not in names]
     kept = [(n, t) for n, t in tensors if not n.endswith("(gradient)")]  # the same set at every point
-    return Snapshot({n: (t.data_ptr(), t._version) for n, t in tensors}, sample_values(kept),
-                    program_controls(model, optimizer), tensor_checksums(tensors) if exact else None)
+    if exact == "step":
+        sums = tensor_checksums(step_state_tensors(model))
+    else:
+        sums = tensor_checksums(tensors) if exact else None
+    controls = program_controls(model, optimizer) if controls is None else {**controls}
+    return Snapshot({n: (t.data_ptr(), t._version) for n, t in tensors}, sample_values(kept), controls, sums)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -383,10 +395,13 @@ def describe_change(before: Snapshot, after: Snapshot) -> str | None:
     return None
 
 
-def step_fingerprint(controls: dict, state: str, plan_lrs: list[float]) -> dict:
+def step_fingerprint(controls: dict, state: str, plan_lrs: list[float], scope: str = STEP_SCOPE) -> dict:
     """What the plan keeps of optimizer step s: the controls digest as ``optimizer.step()`` ran (and the learning
-    rates when they are not the plan's), and the exact digest of the state right after it (:func:`state_digest`)."""
+    rates when they are not the plan's), and the exact digest of the state right after it (:func:`state_digest`,
+    over ``scope``: :data:`~hf_unlearn.trace.checksums.STEP_SCOPE`, kept as ``"k"``)."""
     fp = {"c": controls_digest(controls), "s": state}
+    if scope != "all":
+        fp["k"] = scope
     if "whole" in controls:
         fp["w"] = digests.state_digest_of(controls["whole"])  # the whole program as the step ran (hf_unlearn.trace.digests)
     lrs = [g.get("lr") for g in controls["groups"]]
@@ -405,7 +420,7 @@ def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: b
     (``state``: compare the state digest too, i.e. the step is before the first affected one)."""
     if actual is None or "c" not in recorded or "c" not in actual:
         return  # a step that took no optimizer step (every slot deleted)
-    what = None
+    what = side = None
     if recorded.get("lr") != actual.get("lr"):
         what = (f"learning rates at optimizer.step() ({actual.get('lr') or 'the plan’s'} vs recorded "
                 f"{recorded.get('lr') or 'the plan’s'})")
@@ -414,11 +429,19 @@ def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: b
                 "modes or attributes, config, hooks the replay does not run, the functions module classes run as "
                 "forward)")
     elif state and recorded.get("s") != actual.get("s"):
-        what = "state after the optimizer step (exact digest of parameters, buffers and optimizer state)"
+        what = ("state after the optimizer step (exact digest of the trainable parameters and buffers; a frozen "
+                "weight or an optimizer moment shows here at the first step that reads it)" if
+                recorded.get("k") == STEP_SCOPE else
+                "state after the optimizer step (exact digest of parameters, buffers and optimizer state)")
+        if "g" in recorded and "g" in actual:  # the gradients optimizer.step() used: which side of it differs
+            side = ("the gradients optimizer.step() used already differ (the forward or the backward)"
+                    if recorded["g"] != actual["g"] else
+                    "the gradients optimizer.step() used are the recording's (the optimizer's update differs: "
+                    "its settings, state or code)")
     if what:
         raise FidelityError(f"the replay engine does not reproduce the recorded run at optimizer step {step}: {who}'s "
-                            f"{what} differ from the recording's per-step fingerprint; stopped, a deletion from this "
-                            "engine would not be this run's counterfactual")
+                            f"{what} differ from the recording's per-step fingerprint{f'; {side}' if side else ''}; "
+                            "stopped, a deletion from this engine would not be this run's counterfactual")
 
 
 # ---- what the record says -----------------------------------------------------------------------------------
@@ -434,6 +457,12 @@ def recorded_fingerprints(plan, header: dict) -> dict[int, dict]:
     if final.get("fp") is not None:
         out[final["step"]] = final["fp"]
     return out
+
+
+def fingerprint_scope(fps: dict[int, dict]) -> str:
+    """What the state digests of a run's fingerprints cover (:data:`~hf_unlearn.trace.checksums.STEP_SCOPE`, or
+    "all" for a run recorded before it): a replay computes its own over the same tensors."""
+    return next((fp.get("k", "all") for fp in fps.values() if "s" in fp), STEP_SCOPE)
 
 
 def program_changes(plan, header: dict) -> list[dict]:
@@ -559,8 +588,8 @@ class ProgramGuard:
 
     def before_step(self) -> None:
         """Right before ``optimizer.step()``: the whole program (read once per step), a cheap check of the state
-        (storage, version counters, samples: the exact checksums of parameters and optimizer state are read once
-        per step, after it; a watched callback's edits are checked exactly around its events) and the exact
+        (storage, version counters, samples: the exact checksums of the trainable parameters are read once per
+        step, after it; a watched callback's edits are checked exactly around its events) and the exact
         checksums of the gradients ``optimizer.step()`` is about to use."""
         now = self._snapshot()
         self.grads = tensor_checksums([(n, t) for n, t in state_tensors(self.model, None, grads=True)
@@ -570,14 +599,18 @@ class ProgramGuard:
         self.controls = now.controls
 
     def after_step(self) -> None:
-        now = self._snapshot(exact=True, whole=False)
+        """Right after ``optimizer.step()``: the step's fingerprint (the exact checksums of what the step wrote:
+        :func:`~hf_unlearn.trace.checksums.step_state_tensors`) and the reference for the next check; its controls
+        are the ones ``optimizer.step()`` ran with (a change the step made shows at the next check, as this
+        step's)."""
+        now = snapshot(self.model, self.optimizer, exact="step", controls=self.controls)  # "whole" read before
         if "whole" in now.controls:  # the optimizer's structure after its step (state keys appear at the first)
             now.controls["whole"] = {**now.controls["whole"],
                                      **digests.optimizer_structure(self.model, self.optimizer, digests.Digester())}
         sums = all_shards(now.exact, self.model)  # FSDP2: with every process's shards (they join in, see sharding)
         grads = getattr(self, "grads", {})  # this process's (under FSDP2: its shards; the others' are not gathered)
         if self.controls is not None:
-            fp = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [])
+            fp = step_fingerprint(self.controls, exact_digest(sums), self.plan_lrs or [], STEP_SCOPE)
             if grads:
                 fp["g"] = exact_digest(grads)  # the gradients optimizer.step() used
             self.fps[self.step] = fp

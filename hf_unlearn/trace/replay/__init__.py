@@ -352,9 +352,12 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
             self._clip_grad_norm(model)
         self._event("on_pre_optimizer_step")
         controls = program_controls(self.model, self.optimizer)
+        grads = self._gradient_digest(step)
         self.optimizer.step()
-        self._step_fps[step] = step_fingerprint(controls, state_digest(self.model, self.optimizer),
-                                                plan_lrs(seg[0], len(self.optimizer.param_groups)))
+        self._step_fps[step] = step_fingerprint(controls, state_digest(self.model, self.optimizer, self._fp_scope),
+                                                plan_lrs(seg[0], len(self.optimizer.param_groups)), self._fp_scope)
+        if grads is not None:
+            self._step_fps[step]["g"] = grads
         self._event("on_optimizer_step")
         model.zero_grad()
         self.state.global_step = step + 1

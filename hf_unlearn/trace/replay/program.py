@@ -12,11 +12,13 @@ from ..fidelity import FidelityError, check_against_checkpoint, check_against_st
 from ..guards import (
     ProgramChangedError,
     compare_fingerprint,
+    fingerprint_scope,
     program_refusal,
     rebuild_callback,
     recorded_fingerprints,
     run_event,
 )
+from ..checksums import exact_digest, state_tensors, tensor_checksums
 from ..hashing import checkpoint_hashes
 from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
@@ -42,6 +44,7 @@ class RecordedProgram:
             if why:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
+        self._fp_scope = fingerprint_scope(self._recorded_fps)  # the state digests' tensors, as recorded
         self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
         # state.epoch during step s (the recording's, when its guards recorded it) and after the last step
         def epoch(text):
@@ -114,6 +117,17 @@ class RecordedProgram:
                                                        every_n_layers=every_n_layers, offload=offload)
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None)
+
+    def _gradient_digest(self, step: int) -> str | None:
+        """The exact digest of the gradients ``optimizer.step()`` is about to use, at a step whose state is compared
+        with a recording that kept it (the main process's, as the recording kept it): a difference then says
+        which side of ``optimizer.step()`` it comes from."""
+        recorded = self._recorded_fps.get(step) or {}
+        if "g" not in recorded or step >= self.first_affected_step or self.filter_rows \
+                or not self.accelerator.is_main_process:
+            return None
+        return exact_digest(tensor_checksums([(n, t) for n, t in state_tensors(self.model, None, grads=True)
+                                              if n.endswith("(gradient)")]))
 
     def _check_step_fingerprint(self, step: int) -> None:
         """Compare this replay's fingerprint of ``step`` with the recording's: the controls at every step (a deletion
