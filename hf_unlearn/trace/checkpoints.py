@@ -27,6 +27,7 @@ against their own ``hashes.json`` only, and against the header's cadence for mis
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import hmac
 import json
@@ -258,6 +259,20 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     if frozen is not None and not frozen.exists and not (frozen.dir / "hashes.json").exists():
         frozen.save(model, state["model"], source=frozen.source)
     referenced = frozen.unchanged(model) & set(state["model"]) if frozen is not None else set()
+    known = {n: frozen.hashes[n] for n in referenced} if referenced else None
+    # hashed while the files are written (safetensors writes without the GIL): the same bytes, read in memory, about
+    # half the wall time of one after the other; nothing can change them meanwhile (training waits for this call)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hashes = pool.submit(checkpoint_hashes, state, known)
+        _write_state(d, step, state, referenced)
+        hashes = hashes.result()
+    atomic_write_text(d / "hashes.json", json.dumps(hashes, indent=1, sort_keys=True))
+    write_sidecar(d / "hashes.json")
+    return d
+
+
+def _write_state(d: Path, step: int, state: dict, referenced: set) -> None:
+    """The checkpoint's files (safetensors and ``checkpoint.json``; ``state.pt`` when safetensors cannot hold it)."""
     flat = _flatten_optimizer(state["optimizer"])
     try:
         if flat is None:
@@ -275,10 +290,6 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
             (d / f).unlink(missing_ok=True)
         torch.save(state, d / "state.pt.tmp")
         os.replace(d / "state.pt.tmp", d / "state.pt")
-    known = {n: frozen.hashes[n] for n in referenced} if referenced else None
-    atomic_write_text(d / "hashes.json", json.dumps(checkpoint_hashes(state, known=known), indent=1, sort_keys=True))
-    write_sidecar(d / "hashes.json")
-    return d
 
 
 def _load_v2(path: Path, rank: int | None = None) -> dict:
