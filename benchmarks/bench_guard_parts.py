@@ -4,8 +4,10 @@
 
 Prints the CPU and wall time (median of the repeats; the exact checksums hash on torch's threads) of each part the guards run once per optimizer step: the whole-program
 digest (hf_unlearn.trace.digests.program_state), the cheap snapshot (storage, version counters, samples, controls),
-the exact checksums of the gradients (before optimizer.step()) and of parameters, buffers and AdamW's moments (after
-it), one AdamW step for scale, and one checkpoint as a plain ``Trainer`` and as the recording save it.
+the exact checksums of the gradients (before optimizer.step()) and of what the step wrote (the trainable parameters
+and buffers, after it; every tensor with AdamW's moments for scale: what a watched callback's events cost), one AdamW
+step for scale, and one checkpoint as a plain ``Trainer`` and as the recording save it (its SHA-256 hashes computed
+while its files are written).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def main():
 
     from hf_unlearn.trace.checkpoints import capture_state, save_checkpoint
     from hf_unlearn.trace.digests import program_state
-    from hf_unlearn.trace.guards import snapshot, state_tensors, tensor_checksums
+    from hf_unlearn.trace.guards import snapshot, state_tensors, step_state_tensors, tensor_checksums
     from hf_unlearn.trace.hashing import checkpoint_hashes
 
     p = argparse.ArgumentParser()
@@ -68,7 +70,10 @@ def main():
         "whole-program digest (program_state)": lambda: program_state(model, opt, args=args),
         "cheap snapshot (storage, versions, samples, controls)": lambda: snapshot(model, opt),
         "exact checksums of the gradients": lambda: tensor_checksums(grads),
-        "exact checksums of parameters, buffers, AdamW moments": lambda: tensor_checksums(state_tensors(model, opt)),
+        "exact checksums a step reads (trainable parameters, buffers)":
+            lambda: tensor_checksums(step_state_tensors(model)),
+        "exact checksums of every tensor, AdamW moments included (a watched callback's events)":
+            lambda: tensor_checksums(state_tensors(model, opt)),
         "one AdamW step (for scale)": opt.step,
         "a checkpoint as Trainer saves it (model.safetensors, optimizer.pt)": lambda: trainer_like_save(model, opt),
         "a checkpoint as the recording saves it (safetensors, SHA-256 hashes.json)":

@@ -121,3 +121,30 @@ def test_a_moment_edit_no_later_step_reads_is_caught_by_the_final_checkpoint(tmp
     assert not proof["proven"], proof
     assert proof["steps"] == [0, 4] and proof["diverged"]["step"] == 5, proof  # steps 0..4 hold, the last does not
     assert "checkpoint step 6" in proof["diverged"]["why"] and "model.norm.weight.exp_avg" in proof["diverged"]["why"]
+
+
+def test_a_step_with_learning_rate_zero_is_still_probed_through_its_gradients(tmp_path, monkeypatch):
+    """A warmup's first step has learning rate 0: it writes only the moments, which the step digest reads one step
+    later. A function replaced in the deleting process (other bits of ``silu``) must still be caught at step 0, by
+    the gradients' digest, before any deleted row trains: the deletion of a step-1 row is refused, never VERIFIED."""
+    import torch.nn.functional as F
+
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model("qwen2", tok), every=4,
+           trainer_kwargs={"trace_self_check": "all"}, warmup_steps=2, **KW)  # step 0 trains at lr 0
+    run = tmp_path / "rec" / "trace"
+    header = open_run(run).header
+    assert header["fidelity"]["proof"]["proven"]
+    ids = open_run(run).ids_at_steps([1])[:1]
+    monkeypatch.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))  # the same maths, other bits
+    with pytest.raises(UnlearnError) as e:
+        forget(run, ids, tmp_path / "patched", oracle=True, progress=False)
+    assert "optimizer step 0" in str(e.value) and "gradients" in str(e.value), str(e.value)
+    assert not (tmp_path / "patched").exists()
+    monkeypatch.undo()
+    receipt = forget(run, ids, tmp_path / "clean", oracle=True, progress=False)
+    assert receipt.evidence["verified"]

@@ -417,7 +417,8 @@ def plan_lrs(entry, groups: int) -> list[float]:
 
 def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: bool, who: str) -> None:
     """Refuse (:class:`FidelityError`) when a replay's fingerprint of ``step`` differs from the recorded one
-    (``state``: compare the state digest too, i.e. the step is before the first affected one)."""
+    (``state``: compare the state digest and the gradients' too, i.e. the step is before the first affected one;
+    the gradients' where both sides computed it: the main process, a run recorded with it)."""
     if actual is None or "c" not in recorded or "c" not in actual:
         return  # a step that took no optimizer step (every slot deleted)
     what = side = None
@@ -438,6 +439,11 @@ def compare_fingerprint(step: int, recorded: dict, actual: dict | None, state: b
                     if recorded["g"] != actual["g"] else
                     "the gradients optimizer.step() used are the recording's (the optimizer's update differs: "
                     "its settings, state or code)")
+    elif state and "g" in recorded and "g" in actual and recorded["g"] != actual["g"]:
+        # the parameters can match while the gradients do not: a learning rate of 0 (a warmup's first step) writes
+        # only the moments, which the state digest reads at the next step; the gradients say it at this one
+        what = ("gradients optimizer.step() used (exact digest; the trainable parameters matched: the step wrote "
+                "only what later steps read, e.g. a learning rate of 0)")
     if what:
         raise FidelityError(f"the replay engine does not reproduce the recorded run at optimizer step {step}: {who}'s "
                             f"{what} differ from the recording's per-step fingerprint{f'; {side}' if side else ''}; "
