@@ -34,7 +34,7 @@ def recorder(out, tok, data, base, ref_model=None, callbacks=None, trainer_cls=N
     return trace_recording(trainer_cls or DPOTrainer)(
         model=model or saved_model(base, tok), ref_model=ref_model, args=dpo_config(out, **{"max_steps": 2, **config}),
         train_dataset=data, processing_class=tok, callbacks=callbacks, trace_checkpoint_steps=2,
-        trace_checkpoint_retention="even", trace_self_check=False)
+        trace_checkpoint_retention="even", trace_self_check="all")  # proven: deletions can be VERIFIED
 
 
 def test_a_reference_changed_in_memory_is_refused_before_training(tmp_path):
