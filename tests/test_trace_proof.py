@@ -508,3 +508,65 @@ def test_a_foreign_proof_claiming_fresh_starts_does_not_count(tmp_path):
         assert proven_starts({**header, "parent": parent, "fidelity": {**h["fidelity"], "start": start}}) == set()
     assert proven_starts({**header, "parent": parent, "fidelity": {**h["fidelity"], "start": {
         "checkpoint": 4, "proven_by": "replay", "run_id": "p"}}}) == {4}
+
+
+# ---- an unproven fresh start is named where unproven steps are accepted -------------------------------------------
+def _partly_proven(run, diverged_at: int) -> None:
+    """Seal (with the run key, as a proof would) a proof that found the engine diverge at ``diverged_at``; the
+    recording's self-check covering step 0 only."""
+    h = json.loads((run / "header.json").read_text())
+    h["fidelity"]["recording"] = {**h["fidelity"]["recording"], "by": "self-check", "steps": [0, 1]}
+    h["fidelity"]["proof"].update(proven=False, steps=[0, diverged_at - 1], starts=[0],
+                                  diverged={"step": diverged_at, "why": f"optimizer step {diverged_at}: other state"})
+    write_sealed_header(run, h)
+
+
+def test_an_accepted_deletion_names_its_unproven_fresh_start(tmp_path, capsys):
+    """ATTACK (a careless user): steps 5..7 unproven (a proof diverged at step 5) and accepted; the row deleted trains
+    at step 2, so the replay starts afresh at checkpoint 2 with that step affected (its probe is not run under
+    --accept-unproven). The start is unproven, so steps 2..7 are: the receipt used to list only 5..7 while `trace
+    verify` counted 2..7. Now the receipt (Python API and CLI), its verdict and `trace verify` agree: steps 2..7,
+    start 2, never VERIFIED. A row of step 3 (the replay's own first step proves the start) lists 5..7 only."""
+    from hf_unlearn import forget
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.verification import verify
+
+    run = copy_run(get_recorded(), tmp_path / "run")  # 8 steps, checkpoints 0, 2, 4, 6
+    _partly_proven(run, 5)
+    ids = open_run(run).ids_at_steps([2])[:1]
+    receipt = forget(run, ids, tmp_path / "b", oracle=True, progress=False, accept_unproven=True)
+    ev = receipt.evidence
+    assert ev["cost"]["start_checkpoint"] == 2 and ev["start"] is None
+    assert ev["unproven_steps"] == [2, 3, 4, 5, 6, 7] and ev["unproven_starts"] == [2], ev["unproven_steps"]
+    assert ev["verified"] is False and "VERIFIED" not in receipt.verdict.replace("not verified", "")
+    assert "2..7" in receipt.verdict and "checkpoint 2" in receipt.verdict
+    assert "checkpoint 2" in receipt.guarantee and "2..7" in receipt.guarantee
+    report = verify(tmp_path / "b" / "replay", tmp_path / "b" / "oracle")
+    assert report["unproven_steps"] == ev["unproven_steps"] and report["unproven_starts"] == [2]
+    saved = json.loads((tmp_path / "b" / "receipt.json").read_text())
+    assert saved["evidence"]["unproven_starts"] == [2] and saved["evidence"]["unproven_steps"] == [2, 3, 4, 5, 6, 7]
+    capsys.readouterr()
+    assert main(["trace", "verify", str(tmp_path / "b" / "replay"), str(tmp_path / "b" / "oracle")]) == 1
+    err = capsys.readouterr().err
+    assert "steps 2..7 of the engine unproven" in err and "afresh at checkpoint 2 is not proven" in err, err
+    # the CLI, without the oracle: the receipt still names the start
+    f = write_ids(tmp_path / "f.jsonl", ids)
+    assert main(["forget", str(run), "--ids", str(f), "--out", str(tmp_path / "cli"), "--no-progress",
+                 "--accept-unproven"]) == 0  # accepted: never VERIFIED
+    saved = json.loads((tmp_path / "cli" / "receipt.json").read_text())
+    assert saved["evidence"]["unproven_steps"] == [2, 3, 4, 5, 6, 7] and saved["evidence"]["unproven_starts"] == [2]
+    assert "checkpoint 2" in saved["guarantee"] and "VERIFIED" not in saved["guarantee"].replace("not VERIFIED", "")
+    capsys.readouterr()
+    assert main(["trace", "redact", str(run), "--forget", str(f), "--out", str(tmp_path / "store")]) == 0
+    assert main(["trace", "replay", str(run), "--store", str(tmp_path / "store"), "--forget", str(f), "--out",
+                 str(tmp_path / "r"), "--accept-unproven"]) == 0
+    out = capsys.readouterr().out
+    assert "UNPROVEN (accepted): steps 2..7" in out and "afresh at checkpoint 2 is not proven" in out, out
+    # case (a): the replay's own first step (3 affected, 2 not) proves the start: only the proof's steps
+    late = forget(run, open_run(run).ids_at_steps([3])[:1], tmp_path / "a", oracle=True, progress=False,
+                  accept_unproven=True)
+    assert late.evidence["start"] == {"checkpoint": 2, "proven_by": "replay"}
+    assert late.evidence["unproven_steps"] == [5, 6, 7] and late.evidence["unproven_starts"] == []
+    assert verify(tmp_path / "a" / "replay", tmp_path / "a" / "oracle")["unproven_steps"] == [5, 6, 7]

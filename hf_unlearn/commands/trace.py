@@ -343,7 +343,18 @@ def replay_cmd(args) -> int:
     print(f"replayed {s['segments_replayed']} of {s['total_steps']} steps from checkpoint step {s['start_step']} "
           f"({s['optimizer_steps_taken']} optimizer steps taken); output run: {args.out}")
     _print_fidelity(trainer)
+    _print_unproven(args, args.out, "replay")
     return 0
+
+
+def _print_unproven(args, out, role: str) -> None:
+    """What of the output's own steps is unproven, as `trace verify` will count it (its fresh start included)."""
+    from ..trace.proven import output_unproven
+    from ..trace.run import read_header
+
+    own = output_unproven(read_header(out), out, role)
+    if own:
+        print(f"UNPROVEN{' (accepted)' if args.accept_unproven else ''}: {own['why']}")
 
 
 def _print_fidelity(trainer) -> None:
@@ -386,6 +397,7 @@ def oracle_cmd(args) -> int:
     print(f"oracle: full replay of {trainer.replay_stats['total_steps']} steps "
           f"({trainer.replay_stats['optimizer_steps_taken']} optimizer steps taken); output: {args.out}")
     _print_fidelity(trainer)
+    _print_unproven(args, args.out, "oracle")
     if args.baselines:
         out = Path(args.out) / "baselines"
         save_state(filter_counterfactual(run, forget, data_collator=collator), out / "filter.pt")

@@ -481,7 +481,12 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
     ``environment_probe``, ``start_proof`` (give it to the replay: ``proven_start=``) and ``proof_lines``."""
     lines = []
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
-    how = start_proof(run, start, first_affected) if not unproven else None
+    how = start_proof(run, start, first_affected)
+    if unproven and how and how["proven_by"] == "probe":  # accepted unproven: no probe is spent on its start
+        lines.append(f"UNPROVEN (accepted): the replay's fresh start at kept checkpoint {start} is not probed (step "
+                     f"{start} is affected and unproven steps were accepted): every step the replay runs from it is "
+                     "unproven, and the receipt lists them")
+    how = how if not unproven or (how and how["proven_by"] != "probe") else None
     replayed = range(start, first_affected) if first_affected is not None and not unproven else range(0)
     probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed,
                               fresh_start=start if how and how["proven_by"] == "probe" else None)

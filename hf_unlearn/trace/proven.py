@@ -152,10 +152,19 @@ def fresh_start_refusal(run_path, checkpoint: int, detail: str, before: str = "a
                       "rows trained before the checkpoint replays from an earlier one)")
 
 
+def unproven_start(header: dict, first: int, stop: int) -> int | None:
+    """The kept checkpoint ``first`` when a replay started afresh there (after step 0) runs steps ``first..stop - 1``
+    and nothing proves that start (:func:`proven_starts`), else None: a receipt and ``trace verify`` name it, since
+    every step that replay runs is then unproven however much of the run the proof covers."""
+    if 0 < first < stop and first not in proven_starts(header):
+        return first
+    return None
+
+
 def unproven_statement(header: dict, run_path, first: int, stop: int, who: str = "the replay",
                        fresh_start: bool = True) -> str | None:
     """Why the steps ``first..stop - 1`` are not proven, in one sentence (None when all are); ``fresh_start`` as in
-    :func:`unproven_steps`."""
+    :func:`unproven_steps`. Each cause is named: an unproven fresh start at ``first`` and the proof's own gaps."""
     failed = failed_starts(header)
     missing = unproven_steps(header, first, stop, fresh_start)
     if not fresh_start and str(first) in failed and first < stop:
@@ -164,16 +173,39 @@ def unproven_statement(header: dict, run_path, first: int, stop: int, who: str =
         return None
     _, why = proven_steps(header)
     div = diverged(header)
-    cause = (f"; a proof found the engine does not reproduce the run from optimizer step {div['step']}: {div['why']}"
-             if div else f"; {why[0]}" if why else
-             f"; {fresh_start_failure(first, failed[str(first)])}" if str(first) in failed else
-             f"; a replay started afresh at checkpoint {first} is not proven (a deletion proves its own start where it "
-             f"starts: forget, trace replay; or prove every start ahead: `"
-             f"{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)} --fresh-starts`)"
-             if not unproven_steps(header, first, stop, fresh_start=False) else
-             f"; prove the run once (`{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)}`"
-             ", about one training run's compute)")
-    return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine" + cause
+    prove = launch_command(int(header.get("world_size", 1) or 1), "trace prove", run_path)
+    causes = []
+    if str(first) in failed and first < stop:
+        causes.append(fresh_start_failure(first, failed[str(first)]))
+    elif fresh_start and unproven_start(header, first, stop) is not None:
+        causes.append(f"a replay started afresh at checkpoint {first} is not proven (a deletion proves its own start "
+                      f"where it starts: forget, trace replay; or prove every start ahead: `{prove} --fresh-starts`)")
+    if div:
+        causes.insert(0, f"a proof found the engine does not reproduce the run from optimizer step {div['step']}: "
+                         f"{div['why']}")
+    elif why:
+        causes.insert(0, why[0])
+    elif unproven_steps(header, first, stop, fresh_start=False) or not causes:
+        causes.append(f"prove the run once (`{prove}`, about one training run's compute)")
+    return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine; " + "; ".join(causes)
+
+
+def output_unproven(header: dict, path, role: str) -> dict | None:
+    """What of the steps a replay or oracle output ran (from its parent's ``start_step`` to its end) is not proven,
+    read from its own sealed header as ``trace verify`` reads it: ``{"steps", "starts", "why"}`` (``starts``: its
+    fresh start when nothing proved it, :func:`unproven_start`), or None when every step is."""
+    first, stop = (header.get("parent") or {}).get("start_step", 0), header.get("optimizer_steps") or 0
+    missing = unproven_steps(header, first, stop)
+    if not missing:
+        return None
+    start = unproven_start(header, first, stop)
+    return {"steps": missing, "starts": [] if start is None else [start],
+            "why": unproven_statement(header, path, first, stop, f"the {role}")}
+
+
+def unproven_starts_clause(starts) -> str:
+    """`` (among them the replay's fresh start at kept checkpoint 2)``: how a verdict names an unproven start."""
+    return f", among them the replay's fresh start at kept checkpoint {ranges(starts)}" if starts else ""
 
 
 def proof_statement(header: dict) -> str:
