@@ -372,7 +372,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
             if s == fresh_start:  # the steps before it (step 0 first) matched here: the start is the likely cause
-                raise fresh_start_refusal(run.path, s, f"{found['why']}{where}{cause if causes else ''}")
+                raise fresh_start_refusal(run.path, s, found["why"] + _rank_local(found) + (cause if causes else ""))
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
@@ -386,6 +386,16 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
             "deletion (before the first affected step), its state compared with the recording's fingerprint there")
     return {"steps": steps, "seconds": round(seconds, 3), **({"by_the_replay": by_replay} if by_replay else {})}
+
+
+def _rank_local(found: dict) -> str:
+    """What a divergence some processes of a launch found and the others did not says (the processes are already
+    named in ``found["why"]``, by :func:`~hf_unlearn.trace.processes.agreed`)."""
+    ranks, world = found.get("processes") or [], world_size()
+    if not ranks or len(ranks) == world:
+        return ""
+    return (f"; only process(es) {', '.join(map(str, ranks))} of {world} diverged: what they started from or ran with "
+            "(their checkpoint shard as loaded, a library or environment setting) differs from the other processes'")
 
 
 def process_numerics() -> dict:

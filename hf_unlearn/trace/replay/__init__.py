@@ -200,8 +200,10 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._recorded_checkpoints = cps
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
-        self._start_state = load_checkpoint(cps[self.start_step], verify=True,  # FSDP2: this process's optimizer shards
-                                            rank=self.args.process_index if self.run.header.get("sharding") else None)
+        loaded = []  # FSDP2: this process's optimizer shards, a file only it reads: a refusal must stop every process
+        agreed(lambda: loaded.append(load_checkpoint(cps[self.start_step], verify=True, rank=self.args.process_index
+                                                     if self.run.header.get("sharding") else None)))
+        self._start_state = loaded[0]
         if self._start_weights is not None:
             self._start_from_parent()
         held = self.model.state_dict()
