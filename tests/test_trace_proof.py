@@ -570,3 +570,69 @@ def test_an_accepted_deletion_names_its_unproven_fresh_start(tmp_path, capsys):
     assert late.evidence["start"] == {"checkpoint": 2, "proven_by": "replay"}
     assert late.evidence["unproven_steps"] == [5, 6, 7] and late.evidence["unproven_starts"] == []
     assert verify(tmp_path / "a" / "replay", tmp_path / "a" / "oracle")["unproven_steps"] == [5, 6, 7]
+
+
+# ---- a resumed proof claims no continuity it did not see ----------------------------------------------------------
+def _continuous_only_fault(monkeypatch, after: int):
+    """An engine fault a fresh start hides: a replay that ran through kept checkpoint ``after`` (it started before
+    it) carries something wrong into step ``after + 1`` (a parameter nudged before that step: live state the
+    checkpoint restores for a replay started afresh there, e.g. a replayed callback's counter the engine does not
+    advance as the recording's Trainer did)."""
+    from hf_unlearn.trace.replay import ReplayTrainer
+
+    real = ReplayTrainer._run_segment
+
+    def drifted(self, model, seg):
+        if seg[0].step == after + 1 and self.start_step < after:
+            with torch.no_grad():
+                next(p for p in self.model.parameters() if p.requires_grad).add_(1e-3)
+        return real(self, model, seg)
+
+    monkeypatch.setattr(ReplayTrainer, "_run_segment", drifted)
+
+
+def test_a_proof_resumed_after_a_kill_does_not_prove_the_replays_that_run_through_its_restart(tmp_path, monkeypatch):
+    """ATTACK: a proof killed after it matched kept checkpoint 4 resumes from a fresh start there, so an engine fault
+    that only a replay running on through checkpoint 4 carries (it nudges the state before step 5) is never run by the
+    resumed proof, which used to seal every step proven: a step-0 deletion (its oracle and replay both run through
+    checkpoint 4, the same fault in both) was VERIFIED with every tensor off the engine-free counterfactual. Now the
+    sealed proof names its restart and the steps from it are unproven for a replay that started before it: refused
+    before any compute, naming the restart; a deletion whose replay starts at checkpoint 4 is proven there. An
+    uninterrupted proof finds the fault at step 5."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run, proof
+    from hf_unlearn.trace.proven import unproven_steps
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", every=2, trainer_kwargs={"trace_self_check": False}, **KW)
+    run = tmp_path / "rec" / "trace"  # 6 steps, checkpoints 0, 2, 4
+    _continuous_only_fault(monkeypatch, 4)
+    whole = copy_run(run, tmp_path / "whole")
+    found = proof.prove(whole, progress=False)
+    assert not found["proven"] and found["diverged"]["step"] == 5, found  # seen by a proof that runs on through 4
+    real_save, saves = proof._save_progress, []
+
+    def killed(run_, state):
+        real_save(run_, state)
+        saves.append(state["upto"])
+        if state["upto"] == 4:
+            raise KeyboardInterrupt  # killed right after checkpoint 4 was persisted
+
+    monkeypatch.setattr(proof, "_save_progress", killed)
+    with pytest.raises(KeyboardInterrupt):
+        proof.prove(run, progress=False)
+    monkeypatch.setattr(proof, "_save_progress", real_save)
+    resumed = proof.prove(run, progress=False)
+    assert resumed["resumed_at"] == [4], resumed
+    header = open_run(run).header
+    assert unproven_steps(header, 0, 6, fresh_start=False) == [4, 5]  # a replay from step 0 runs through 4
+    assert unproven_steps(header, 4, 6) == []  # one started afresh at 4 is what the resumed proof ran
+    ids = open_run(run).ids_at_steps([0])[:1]
+    with pytest.raises(proof.ProofError, match="resumed") as e:
+        forget(run, ids, tmp_path / "refused", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and "checkpoint 4" in str(e.value)
+    assert not (tmp_path / "refused").exists()
+    accepted = forget(run, ids, tmp_path / "accepted", oracle=True, progress=False, accept_unproven=True)
+    assert accepted.evidence["verified"] is False and accepted.evidence["unproven_steps"] == [4, 5]
+    assert _oracle_equals_counterfactual(tok, data, "llama", run, ids, tmp_path / "accepted")  # what it would have been

@@ -173,7 +173,7 @@ def _context(run) -> dict:
 def _load_progress(run) -> dict:
     """What an earlier, killed proof of this run established with this engine and environment: ``upto`` (steps
     0..upto - 1 matched, upto a kept checkpoint), ``starts`` (checkpoints whose fresh start was proven), ``neutral``."""
-    empty = {"upto": 0, "starts": [], "neutral": []}
+    empty = {"upto": 0, "starts": [], "neutral": [], "resumed": []}
     try:
         data = json.loads((run.path / PROGRESS).read_text())
         body, mac = data["body"], data["mac"]
@@ -182,7 +182,8 @@ def _load_progress(run) -> dict:
         upto = int(body["upto"])
         if upto and upto not in run.checkpoints():
             return empty
-        return {"upto": upto, "starts": [int(c) for c in body["starts"]], "neutral": [int(c) for c in body["neutral"]]}
+        return {"upto": upto, "starts": [int(c) for c in body["starts"]], "neutral": [int(c) for c in body["neutral"]],
+                "resumed": [int(c) for c in body.get("resumed", [])]}
     except (OSError, ValueError, KeyError, TypeError):
         return empty
 
@@ -218,6 +219,12 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     state = _load_progress(run)
     if state["upto"] or state["starts"]:
         log(f"resuming the proof of {run.path}: steps 0..{state['upto'] - 1} already proven")
+        if 0 < state["upto"] < total:
+            # the replay goes on from a fresh start at that checkpoint, not from the killed one's live state: a replay
+            # that runs on through it (from an earlier start, as the oracle does) is not shown, and the record says so
+            state["resumed"] = sorted(set(state["resumed"]) | {state["upto"]})
+            log(f"note: resumed from a fresh start at kept checkpoint {state['upto']}: replays that run on through it "
+                "from an earlier start are not proven past it (`trace prove` again, uninterrupted, proves them)")
     elif fresh_starts and (sealed := _sealed_continuous(run)) is not None:  # the continuous run is proven already
         state = sealed
         log(f"{run.path}: its sealed proof covers every step with this engine, stack and environment; proving the "
@@ -246,7 +253,10 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
                     start_failures[str(c)] = found["why"]
                 if main:
                     _save_progress(run, state)
-    record = proof_record(run, state["upto"], sorted({0, *state["starts"]}) if state["upto"] else [], diverged)
+    record = proof_record(run, state["upto"], sorted({0, *state["starts"], *(c for c in state["resumed"] if c < state[
+        "upto"])}) if state["upto"] else [], diverged)
+    if state["resumed"]:  # where a killed proof went on from a fresh start (hf_unlearn.trace.proven.unproven_steps)
+        record["resumed_at"] = state["resumed"]
     if start_failures:
         record["start_failures"] = start_failures
     if state["neutral"]:  # program controls differed from the recording's there, the state did not: numerically neutral
@@ -271,7 +281,8 @@ def _sealed_continuous(run) -> dict | None:
     if not same:
         return None
     return {"upto": run.total_steps, "starts": [int(c) for c in proof.get("starts") or [] if int(c) > 0],
-            "neutral": [int(c) for c in proof.get("neutral_controls") or []]}
+            "neutral": [int(c) for c in proof.get("neutral_controls") or []],
+            "resumed": [int(c) for c in proof.get("resumed_at") or []]}
 
 
 def check_world_size(run, command: str) -> None:
