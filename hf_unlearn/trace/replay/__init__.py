@@ -200,6 +200,10 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._recorded_checkpoints = cps
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
+        # Hashed on every load, even when a probe of this process verified the same checkpoint a moment ago: a file's
+        # identity (device, inode, size, mtime, ctime) does not bind its bytes (NFS serves cached attributes, a write
+        # through a shared mmap updates the times lazily, timestamps are coarser than a write), and the only binding,
+        # the tensors that were hashed, would have to stay in memory from the probe to the replay and the oracle.
         loaded = []  # FSDP2: this process's optimizer shards, a file only it reads: a refusal must stop every process
         agreed(lambda: loaded.append(load_checkpoint(cps[self.start_step], verify=True, rank=self.args.process_index
                                                      if self.run.header.get("sharding") else None)))
