@@ -60,6 +60,7 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
 )
 from .replay import ReplayTrainer
 from .run import TraceRun, open_run, read_header
+from .sharding import process_causes, process_numerics  # noqa: F401 - re-exported: they lived here
 from .stack import NUMERIC_ENV, environment_difference, numeric_environment, numeric_stack  # noqa: F401 - they lived here
 from .writer import TraceWriter
 
@@ -407,44 +408,6 @@ def _rank_local(found: dict) -> str:
         return ""
     return (f"; only process(es) {', '.join(map(str, ranks))} of {world} diverged: what they started from or ran with "
             "(their checkpoint shard as loaded, a library or environment setting) differs from the other processes'")
-
-
-def process_numerics() -> dict:
-    """What this process's numbers depend on besides the model, the data and the plan, that a refusal can name: the
-    numeric environment variables, torch's process-wide switches and the code of the functions a model's forward
-    calls besides its own classes' (``torch.nn.functional``, ...: a patch on one process only)."""
-    import sys
-
-    from .digests import CODE_MODULES, PROCESS_LOCAL, code_digest, torch_state
-
-    code = {}
-    for name in CODE_MODULES:
-        for attr, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
-            body = getattr(value, "__code__", None)
-            if body is not None:
-                code[f"{name}.{attr}"] = f"{getattr(value, '__qualname__', attr)}:{code_digest(body)}"
-    switches = {k: repr(v) for k, v in torch_state().items() if k not in PROCESS_LOCAL and not k.startswith("environ ")}
-    return {"environment": numeric_environment(), "torch": switches, "code": code}
-
-
-def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]:
-    """Per process, what of :func:`process_numerics` differs from the recording's environment or from process 0's,
-    in words (what a failed probe names; it is the probe, not this, that refuses)."""
-    out = []
-    for rank, mine in enumerate(everyone):
-        who = f"process {rank}'s" if len(everyone) > 1 else "the"
-        env = environment_difference(recorded_env, mine["environment"])
-        if env:
-            out.append(f"{who} numeric environment differs from the recording's: {env}")
-        if rank == 0:
-            continue
-        for part, what in (("torch", "torch settings"), ("code", "functions")):
-            keys = sorted(k for k in set(mine[part]) | set(everyone[0][part])
-                          if mine[part].get(k) != everyone[0][part].get(k))
-            if keys:
-                more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-                out.append(f"{who} {what} differ from process 0's: {', '.join(keys[:3])}{more}")
-    return out
 
 
 def probe_fresh_start(run, start: int, data_collator=None) -> dict:

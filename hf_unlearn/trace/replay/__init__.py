@@ -45,7 +45,7 @@ from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F40
 from ..rows import check_rows
 from ..run import TraceRun, capture_state, full_model_state, load_checkpoint, open_run
 from ..run_model import model_from_run  # noqa: F401  (it lived here)
-from ..sharding import load_optimizer_state
+from ..sharding import load_optimizer_state, with_process_causes
 from ..stack import check_stack, pinned_stack
 from ..store import check_store_binding, id_index, load_store
 from ..tags import tag
@@ -280,7 +280,12 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                 self.state.global_step = step  # as in the recording while it ran this step (a loss may read it)
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
-                agreed(self._check_step_fingerprint, step)
+                try:
+                    agreed(self._check_step_fingerprint, step)
+                except UnlearnError as e:  # on every process (agreed): a step before the first affected one doubles
+                    if step < self.first_affected_step and self.accelerator.num_processes > 1:  # as the probe: name
+                        with_process_causes(e, (run.header.get("numeric_stack") or {}).get("environment"))  # causes
+                    raise
             saved = self._save_state(writer, run.total_steps) if run.total_steps > start else None
             agreed(self._check_fidelity, run.total_steps, saved)
         except BaseException:
