@@ -638,21 +638,30 @@ def test_a_proof_resumed_after_a_kill_does_not_prove_the_replays_that_run_throug
     assert _oracle_equals_counterfactual(tok, data, "llama", run, ids, tmp_path / "accepted")  # what it would have been
 
 
-@pytest.mark.xfail(strict=True, reason="the engine classes used directly do not probe the deleting environment; "
-                   "docs/exact-deletion.md says to call probe_environment first (not fixed yet)")
 def test_the_engine_classes_used_directly_are_not_verified_in_another_environment(tmp_path, monkeypatch):
-    """ATTACK (known gap): `RedactedReplayTrainer` + `OracleReplayTrainer` + `verify_replay` from Python, in a process
-    whose SiLU is computed otherwise than the recording's (other bits), for a step-0 deletion (no step of the replay
-    is compared with the recording): both are equally wrong and `verify` says VERIFIED. `forget`, `trace replay`,
-    `trace oracle` and pipelines refuse it (their probe)."""
+    """ATTACK: `RedactedReplayTrainer` + `OracleReplayTrainer` + `verify_replay` from Python, in a process whose SiLU
+    is computed otherwise than the recording's (other bits), for a step-0 deletion (no step of the replay or the
+    oracle is compared with the recording): both were equally wrong and `verify` said VERIFIED (`forget`, `trace
+    replay`, `trace oracle` and pipelines refuse it with their probe). Now the oracle, given no environment probe,
+    re-runs its first step with no deletion before its own compute and refuses; in the recorded environment the same
+    deletion is VERIFIED and equal to the engine-free counterfactual."""
     import torch.nn.functional as F
 
     from hf_unlearn.trace import open_run
 
     from .test_trace_common import delete
 
-    run = get_recorded()
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2, **KW)  # proven when recorded
+    run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([0])[:1]
-    monkeypatch.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))
-    _, report = delete(run, ids, tmp_path, start="full")
-    assert not report["verified"], report["verdict"]
+    with monkeypatch.context() as m:
+        m.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))
+        with pytest.raises(UnlearnError, match="the deleting environment does not reproduce") as e:
+            delete(run, ids, tmp_path / "patched", start="full")
+        assert "optimizer step 0" in str(e.value) and "\n" not in str(e.value)
+        assert not (tmp_path / "patched" / "oracle" / "header.json").exists()
+    _, report = delete(run, ids, tmp_path / "ok", start="full")
+    assert report["verified"], report["verdict"]
+    assert not _oracle_equals_counterfactual(tok, data, "llama", run, ids, tmp_path / "ok")

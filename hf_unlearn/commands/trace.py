@@ -304,8 +304,8 @@ def prove_cmd(args) -> int:
 
 
 def _before_deletion(args, run, forget, start: int | None, collator) -> dict | None:
-    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof); returns how the
-    replay's fresh start is proven (its ``proven_start``)."""
+    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof); returns
+    :func:`~hf_unlearn.trace.proof.before_deletion`'s outcome (``start_proof``: the replay's ``proven_start``)."""
     from ..trace.proof import before_deletion
     from ..trace.replay import replay_cost
 
@@ -315,7 +315,7 @@ def _before_deletion(args, run, forget, start: int | None, collator) -> dict | N
     checked = before_deletion(run, first, start is None, args.accept_unproven, collator, first_affected=affected)
     for line in checked["proof_lines"]:
         print(line)
-    return checked["start_proof"]
+    return checked
 
 
 def replay_cmd(args) -> int:
@@ -324,7 +324,7 @@ def replay_cmd(args) -> int:
 
     _quiet()
     run, forget, collator = open_run(args.run), read_forget_file(args.forget), _collator(args)
-    proven_start = _before_deletion(args, run, forget, 0, collator)
+    proven_start = _before_deletion(args, run, forget, 0, collator)["start_proof"]
     trainer = RedactedReplayTrainer(run, args.store, forget, args.out, start="full" if args.full else "suffix",
                                     data_collator=collator, proven_start=proven_start)
     final = trainer.train()
@@ -389,8 +389,8 @@ def oracle_cmd(args) -> int:
             from ..trace.replay import PAIRS_BASELINE
 
             raise UnlearnError(PAIRS_BASELINE)
-    _before_deletion(args, run, forget, None, collator)
-    trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator)
+    probe = _before_deletion(args, run, forget, None, collator)["environment_probe"]
+    trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator, environment_probe=probe)
     trainer.train()
     if not trainer.accelerator.is_main_process:
         return 0

@@ -80,7 +80,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     if config.oracle:
         t = time.perf_counter()
         with_replay_progress(OracleReplayTrainer, "oracle (full replay)", config.progress)(
-            run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"]).train()
+            run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"],
+            environment_probe=plan.get("environment_probe")).train()
         report = verify(out / "replay", out / "oracle")
         timings["oracle_s"] = time.perf_counter() - t
         p, o = report["params"], report["optimizer"]

@@ -318,7 +318,8 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
             t = time.perf_counter()
             okw = _start_from(run, prev_oracle) if prev_oracle is not None else {}
             with_replay_progress(OracleReplayTrainer, f"stage {k} oracle", config.progress)(
-                run, ids, out_dir=d / "oracle", data_collator=s["collator"], **okw).train()
+                run, ids, out_dir=d / "oracle", data_collator=s["collator"], environment_probe=s.get("environment_probe"),
+                **okw).train()
             report = verify(d / "replay", d / "oracle")
             timings[f"stage_{k}_oracle_s"] = time.perf_counter() - t
             ok = bool(report["verified"])
