@@ -236,7 +236,7 @@ def output_unproven(header: dict, path, role: str) -> dict | None:
 
 
 def unproven_starts_clause(starts) -> str:
-    """`` (among them the replay's fresh start at kept checkpoint 2)``: how a verdict names an unproven start."""
+    """``", among them the replay's fresh start at kept checkpoint 2"``: how a verdict names an unproven start."""
     return f", among them the replay's fresh start at kept checkpoint {ranges(starts)}" if starts else ""
 
 
