@@ -114,10 +114,11 @@ def test_a_multi_process_run_is_proven_on_every_process_and_probed_on_every_proc
     assert patched["codes"] != [0, 0] and "verified" not in patched, patched
     refusals = _refusals(patched)
     assert len(refusals) == 4, patched  # the replay and the oracle, on both processes
-    for text in refusals:
-        assert "the deleting environment does not reproduce the recorded run" in text and "optimizer step 0" in text
+    for text in refusals:  # the oracle's probe, or the replay's own step 0 (before its first affected step 3)
+        assert ("the deleting environment does not reproduce the recorded run" in text and "refusing before any "
+                "compute" in text) or "the replay engine does not reproduce the recorded run" in text, text
+        assert "optimizer step 0" in text, text
         assert "process 1's functions differ from process 0's: torch.nn.functional.silu" in text, text
-        assert "refusing before any compute" in text
     assert not (tmp_path / "patched" / "replay").exists() and not (tmp_path / "patched" / "oracle").exists()
     # (d) MKL_CBWR=COMPATIBLE in process 1's environment only, from the start of the deleting launch
     probe = launch(tmp_path / "probe", f"{engine}:probe:{tmp_path / 'trace'}")
@@ -158,3 +159,37 @@ def test_a_program_edited_on_one_process_after_step_1_is_never_verified_otherwis
     if engine == "fsdp":
         assert seen["buffer"] == ["refused", "refused"] and seen["parameter"] == ["refused", "refused"], seen
     assert seen["lr"] == "recording refused", seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_a_fresh_start_probed_on_every_process_and_a_rank_local_start_refused(tmp_path, engine):
+    """Case (b) at world size 2: a row of step 2 (its replay starts afresh at checkpoint 2, that step affected; the
+    proof covers step 0's start only) is VERIFIED after a probe step from checkpoint 2 on every process, its start
+    sealed as ``proven_by: probe``, and the oracle equals the engine-free counterfactual. ATTACK: process 1 alone
+    starts from another state at checkpoint 2 (one Adam moment nudged after its hashes were checked), and under FSDP2
+    process 1's own optimizer shard file of checkpoint 2 edited: case (a) (a row of step 3: the replay's own first
+    step) and case (b) are each refused on every process (none left waiting in a collective), naming the processes
+    that found it, and leave no replay output."""
+    result = launch(tmp_path, f"{engine}:fresh")
+    assert result["recording"] == "accepted", result["recording"]
+    assert result["proof"]["proven"] and result["proof"]["starts"] == [0] and result["proof"]["processes"] == [0, 1]
+    b = result["b"]
+    assert b["codes"] == [0, 0], b
+    assert b["verified"] and b["counterfactual_equals_oracle"], b
+    assert b["start"]["checkpoint"] == 2 and b["start"]["proven_by"] == "probe", b["start"]
+    # under FSDP2 the fingerprint is every process's shards gathered: each process sees the difference; a shard
+    # file only process 1 reads is named by process 1's check of its SHA-256
+    attacks = {"diverged": "on process(es) 1 of 2" if engine == "ddp" else "on process(es) 0, 1 of 2",
+               **({"shard": "on process(es) 1 of 2"} if engine == "fsdp" else {})}
+    for attack, named in attacks.items():
+        for step in (2, 3):
+            deletion = result[f"{attack}_{step}"]
+            assert deletion["codes"][0] != 0 and "verified" not in deletion, deletion
+            assert "replay" not in deletion["outputs"], deletion["outputs"]
+            replays = [proc[0] for proc in deletion["processes"]]  # the replay's exit code and refusal, per process
+            assert all(code != 0 for code, _ in replays), deletion
+            for _, text in replays:
+                assert text.startswith("hf-unlearn: error:") and "Traceback" not in text, text
+                assert "checkpoint 2" in text or "step-00000002" in text, text
+                assert text.count(named) == 1, (named, text)  # named once

@@ -370,3 +370,25 @@ def test_the_deletion_service_serves_a_pipeline_from_a_ledger_over_its_last_run(
     second = ledger.serve_exact(oracle=True, now="2026-11-04", **quiet)
     assert second.forget_receipt.evidence["verified"] is True
     assert [s["steps_replayed"] for s in second.forget_receipt.evidence["pipeline"]] == [4, 4]
+
+
+def test_a_pipeline_deletion_probes_the_deleting_environment(tmp_path, monkeypatch):
+    """ATTACK: the deleting process computes SiLU otherwise than the recording (``torch.nn.functional.silu`` replaced
+    by ``x * sigmoid(x)``: other bits). A single run's deletion is refused by its environment probe; a pipeline
+    deletion ran no probe, so a row of stage 1's step 0 (every step of both stages affected, none compared with the
+    recording) had its replays and oracles equally wrong and was VERIFIED, each stage off the engine-free
+    counterfactual chain. Now every stage it replays is probed before any compute, the refusal naming the stage."""
+    import torch.nn.functional as F
+
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.trace.proof import ProofError
+
+    runs = [str(r) for r in shared_pipeline()]
+    ids = ids_at_step(runs[0], 0)[:1]
+    monkeypatch.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))
+    with pytest.raises(ProofError, match="the deleting environment does not reproduce") as e:
+        forget(runs[0], ids, tmp_path / "single", oracle=True, progress=False)
+    with pytest.raises(ProofError, match=r"^stage 1: .*the deleting environment does not reproduce") as e:
+        forget(runs, ids, tmp_path / "pipeline", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and "refusing before any compute" in str(e.value)
+    assert not (tmp_path / "single").exists() and not (tmp_path / "pipeline").exists()

@@ -508,3 +508,160 @@ def test_a_foreign_proof_claiming_fresh_starts_does_not_count(tmp_path):
         assert proven_starts({**header, "parent": parent, "fidelity": {**h["fidelity"], "start": start}}) == set()
     assert proven_starts({**header, "parent": parent, "fidelity": {**h["fidelity"], "start": {
         "checkpoint": 4, "proven_by": "replay", "run_id": "p"}}}) == {4}
+
+
+# ---- an unproven fresh start is named where unproven steps are accepted -------------------------------------------
+def _partly_proven(run, diverged_at: int) -> None:
+    """Seal (with the run key, as a proof would) a proof that found the engine diverge at ``diverged_at``; the
+    recording's self-check covering step 0 only."""
+    h = json.loads((run / "header.json").read_text())
+    h["fidelity"]["recording"] = {**h["fidelity"]["recording"], "by": "self-check", "steps": [0, 1]}
+    h["fidelity"]["proof"].update(proven=False, steps=[0, diverged_at - 1], starts=[0],
+                                  diverged={"step": diverged_at, "why": f"optimizer step {diverged_at}: other state"})
+    write_sealed_header(run, h)
+
+
+def test_an_accepted_deletion_names_its_unproven_fresh_start(tmp_path, capsys):
+    """ATTACK (a careless user): steps 5..7 unproven (a proof diverged at step 5) and accepted; the row deleted trains
+    at step 2, so the replay starts afresh at checkpoint 2 with that step affected (its probe is not run under
+    --accept-unproven). The start is unproven, so steps 2..7 are: the receipt used to list only 5..7 while `trace
+    verify` counted 2..7. Now the receipt (Python API and CLI), its verdict and `trace verify` agree: steps 2..7,
+    start 2, never VERIFIED. A row of step 3 (the replay's own first step proves the start) lists 5..7 only."""
+    from hf_unlearn import forget
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.verification import verify
+
+    run = copy_run(get_recorded(), tmp_path / "run")  # 8 steps, checkpoints 0, 2, 4, 6
+    _partly_proven(run, 5)
+    ids = open_run(run).ids_at_steps([2])[:1]
+    receipt = forget(run, ids, tmp_path / "b", oracle=True, progress=False, accept_unproven=True)
+    ev = receipt.evidence
+    assert ev["cost"]["start_checkpoint"] == 2 and ev["start"] is None
+    assert ev["unproven_steps"] == [2, 3, 4, 5, 6, 7] and ev["unproven_starts"] == [2], ev["unproven_steps"]
+    assert ev["verified"] is False and "VERIFIED" not in receipt.verdict.replace("not verified", "")
+    assert "2..7" in receipt.verdict and "checkpoint 2" in receipt.verdict
+    assert "checkpoint 2" in receipt.guarantee and "2..7" in receipt.guarantee
+    report = verify(tmp_path / "b" / "replay", tmp_path / "b" / "oracle")
+    assert report["unproven_steps"] == ev["unproven_steps"] and report["unproven_starts"] == [2]
+    saved = json.loads((tmp_path / "b" / "receipt.json").read_text())
+    assert saved["evidence"]["unproven_starts"] == [2] and saved["evidence"]["unproven_steps"] == [2, 3, 4, 5, 6, 7]
+    capsys.readouterr()
+    assert main(["trace", "verify", str(tmp_path / "b" / "replay"), str(tmp_path / "b" / "oracle")]) == 1
+    err = capsys.readouterr().err
+    assert "steps 2..7 of the engine unproven" in err and "afresh at checkpoint 2 is not proven" in err, err
+    # the CLI, without the oracle: the receipt still names the start
+    f = write_ids(tmp_path / "f.jsonl", ids)
+    assert main(["forget", str(run), "--ids", str(f), "--out", str(tmp_path / "cli"), "--no-progress",
+                 "--accept-unproven"]) == 0  # accepted: never VERIFIED
+    saved = json.loads((tmp_path / "cli" / "receipt.json").read_text())
+    assert saved["evidence"]["unproven_steps"] == [2, 3, 4, 5, 6, 7] and saved["evidence"]["unproven_starts"] == [2]
+    assert "checkpoint 2" in saved["guarantee"] and "VERIFIED" not in saved["guarantee"].replace("not VERIFIED", "")
+    capsys.readouterr()
+    assert main(["trace", "redact", str(run), "--forget", str(f), "--out", str(tmp_path / "store")]) == 0
+    assert main(["trace", "replay", str(run), "--store", str(tmp_path / "store"), "--forget", str(f), "--out",
+                 str(tmp_path / "r"), "--accept-unproven"]) == 0
+    out = capsys.readouterr().out
+    assert "UNPROVEN (accepted): steps 2..7" in out and "afresh at checkpoint 2 is not proven" in out, out
+    # case (a): the replay's own first step (3 affected, 2 not) proves the start: only the proof's steps
+    late = forget(run, open_run(run).ids_at_steps([3])[:1], tmp_path / "a", oracle=True, progress=False,
+                  accept_unproven=True)
+    assert late.evidence["start"] == {"checkpoint": 2, "proven_by": "replay"}
+    assert late.evidence["unproven_steps"] == [5, 6, 7] and late.evidence["unproven_starts"] == []
+    assert verify(tmp_path / "a" / "replay", tmp_path / "a" / "oracle")["unproven_steps"] == [5, 6, 7]
+
+
+# ---- a resumed proof claims no continuity it did not see ----------------------------------------------------------
+def _continuous_only_fault(monkeypatch, after: int):
+    """An engine fault a fresh start hides: a replay that ran through kept checkpoint ``after`` (it started before
+    it) carries something wrong into step ``after + 1`` (a parameter nudged before that step: live state the
+    checkpoint restores for a replay started afresh there, e.g. a replayed callback's counter the engine does not
+    advance as the recording's Trainer did)."""
+    from hf_unlearn.trace.replay import ReplayTrainer
+
+    real = ReplayTrainer._run_segment
+
+    def drifted(self, model, seg):
+        if seg[0].step == after + 1 and self.start_step < after:
+            with torch.no_grad():
+                next(p for p in self.model.parameters() if p.requires_grad).add_(1e-3)
+        return real(self, model, seg)
+
+    monkeypatch.setattr(ReplayTrainer, "_run_segment", drifted)
+
+
+def test_a_proof_resumed_after_a_kill_does_not_prove_the_replays_that_run_through_its_restart(tmp_path, monkeypatch):
+    """ATTACK: a proof killed after it matched kept checkpoint 4 resumes from a fresh start there, so an engine fault
+    that only a replay running on through checkpoint 4 carries (it nudges the state before step 5) is never run by the
+    resumed proof, which used to seal every step proven: a step-0 deletion (its oracle and replay both run through
+    checkpoint 4, the same fault in both) was VERIFIED with every tensor off the engine-free counterfactual. Now the
+    sealed proof names its restart and the steps from it are unproven for a replay that started before it: refused
+    before any compute, naming the restart; a deletion whose replay starts at checkpoint 4 is proven there. An
+    uninterrupted proof finds the fault at step 5."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run, proof
+    from hf_unlearn.trace.proven import unproven_steps
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", every=2, trainer_kwargs={"trace_self_check": False}, **KW)
+    run = tmp_path / "rec" / "trace"  # 6 steps, checkpoints 0, 2, 4
+    _continuous_only_fault(monkeypatch, 4)
+    whole = copy_run(run, tmp_path / "whole")
+    found = proof.prove(whole, progress=False)
+    assert not found["proven"] and found["diverged"]["step"] == 5, found  # seen by a proof that runs on through 4
+    real_save, saves = proof._save_progress, []
+
+    def killed(run_, state):
+        real_save(run_, state)
+        saves.append(state["upto"])
+        if state["upto"] == 4:
+            raise KeyboardInterrupt  # killed right after checkpoint 4 was persisted
+
+    monkeypatch.setattr(proof, "_save_progress", killed)
+    with pytest.raises(KeyboardInterrupt):
+        proof.prove(run, progress=False)
+    monkeypatch.setattr(proof, "_save_progress", real_save)
+    resumed = proof.prove(run, progress=False)
+    assert resumed["resumed_at"] == [4], resumed
+    header = open_run(run).header
+    assert unproven_steps(header, 0, 6, fresh_start=False) == [4, 5]  # a replay from step 0 runs through 4
+    assert unproven_steps(header, 4, 6) == []  # one started afresh at 4 is what the resumed proof ran
+    ids = open_run(run).ids_at_steps([0])[:1]
+    with pytest.raises(proof.ProofError, match="resumed") as e:
+        forget(run, ids, tmp_path / "refused", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and "checkpoint 4" in str(e.value)
+    assert not (tmp_path / "refused").exists()
+    accepted = forget(run, ids, tmp_path / "accepted", oracle=True, progress=False, accept_unproven=True)
+    assert accepted.evidence["verified"] is False and accepted.evidence["unproven_steps"] == [4, 5]
+    assert _oracle_equals_counterfactual(tok, data, "llama", run, ids, tmp_path / "accepted")  # what it would have been
+
+
+def test_the_engine_classes_used_directly_are_not_verified_in_another_environment(tmp_path, monkeypatch):
+    """ATTACK: `RedactedReplayTrainer` + `OracleReplayTrainer` + `verify_replay` from Python, in a process whose SiLU
+    is computed otherwise than the recording's (other bits), for a step-0 deletion (no step of the replay or the
+    oracle is compared with the recording): both were equally wrong and `verify` said VERIFIED (`forget`, `trace
+    replay`, `trace oracle` and pipelines refuse it with their probe). Now the oracle, given no environment probe,
+    re-runs its first step with no deletion before its own compute and refuses; in the recorded environment the same
+    deletion is VERIFIED and equal to the engine-free counterfactual."""
+    import torch.nn.functional as F
+
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_common import delete
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2, **KW)  # proven when recorded
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([0])[:1]
+    with monkeypatch.context() as m:
+        m.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))
+        with pytest.raises(UnlearnError, match="the deleting environment does not reproduce") as e:
+            delete(run, ids, tmp_path / "patched", start="full")
+        assert "optimizer step 0" in str(e.value) and "\n" not in str(e.value)
+        assert not (tmp_path / "patched" / "oracle" / "header.json").exists()
+    _, report = delete(run, ids, tmp_path / "ok", start="full")
+    assert report["verified"], report["verdict"]
+    assert not _oracle_equals_counterfactual(tok, data, "llama", run, ids, tmp_path / "ok")

@@ -14,7 +14,9 @@ process 1 only in the deleting process (the environment probe must refuse it). M
 deletion (replay and oracle under the launch); where both succeed, the engine-free counterfactual (a plain Trainer,
 the same callback, the deleted row's labels -100, the recorded normalisers and seeds). MODE ``probe:RUN``: the
 deletion of RUN (recorded and proven by a ``prove`` launch) with ``MKL_CBWR=COMPATIBLE`` in process 1's environment
-only (set before torch starts: MKL's reproducibility mode changes a matmul's bits on this CPU).
+only (set before torch starts: MKL's reproducibility mode changes a matmul's bits on this CPU). MODE ``fresh``: a
+deletion whose replay starts afresh at checkpoint 2 with step 2 affected (its start probed), and the same start made
+to differ on process 1 alone (:func:`fresh_mode`).
 Process 0 writes OUT/result.json.
 """
 
@@ -132,7 +134,7 @@ def full_state(trainer, engine: str) -> dict:
     return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
 
 
-def record(engine: str, tok, data, out: Path, callbacks=(), self_check=True) -> str:
+def record(engine: str, tok, data, out: Path, callbacks=(), self_check=True, retention: str | None = None) -> str:
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer
 
@@ -140,6 +142,7 @@ def record(engine: str, tok, data, out: Path, callbacks=(), self_check=True) -> 
         TraceRecordingTrainer(model=build(tok), args=arguments(engine, out / "ft"), train_dataset=data,
                               data_collator=QACollator.from_tokenizer(tok), trace_dir=out / "trace",
                               trace_checkpoint_steps=2, trace_self_check=self_check,
+                              **({"trace_checkpoint_retention": retention} if retention else {}),
                               callbacks=[c() for c in callbacks]).train()
 
     return outcome(go)
@@ -276,9 +279,94 @@ def probe_mode(engine: str, out: Path, run_dir: str) -> dict:
     return state, result
 
 
+def _perturbed_at(step: int, rank: int):
+    """``load_checkpoint`` as the replay engine calls it, except that on process ``rank`` the state loaded from the
+    checkpoint of ``step`` (after its hashes were checked) has one Adam moment nudged: a process whose start differs
+    from the others' (a loader or library that reads the same bytes otherwise there), no other step touched."""
+    import torch
+
+    from hf_unlearn.trace import replay
+
+    real = replay.load_checkpoint
+
+    def first_moment(obj):
+        if isinstance(obj, dict):
+            if isinstance(obj.get("exp_avg"), torch.Tensor) and obj["exp_avg"].is_floating_point():
+                return obj
+            return next((m for v in obj.values() if (m := first_moment(v)) is not None), None)
+        if isinstance(obj, (list, tuple)):
+            return next((m for v in obj if (m := first_moment(v)) is not None), None)
+        return None
+
+    def loaded(path, *a, **k):
+        state = real(path, *a, **k)
+        if Path(path).name == f"step-{step:08d}" and int(os.environ.get("RANK", "0")) == rank:
+            moment = first_moment(state["optimizer"])
+            moment["exp_avg"] = moment["exp_avg"] + 1e-3
+        return state
+
+    return replay, real, loaded
+
+
+def fresh_mode(engine: str, out: Path) -> dict:
+    """A run recorded as a user's script would (the default end-of-recording proof: step 0's start only). (b) A row
+    of step 2: the replay starts afresh at checkpoint 2 with that step affected, so the deletion probes the start
+    (one step from checkpoint 2 with no deletion, every process) before any compute; compared with the engine-free
+    counterfactual. Then the same deletion, and one of a row of step 3 (case a: the replay's own first step), with
+    process 1 alone starting from another state at checkpoint 2 (:func:`_perturbed_at`): refused, naming process 1."""
+    from hf_unlearn.trace import open_run
+
+    state, tok, data = setup(engine)
+    result = {"recording": record(engine, tok, data, out, retention="even")}  # checkpoints 0, 2, 4 kept
+    state.wait_for_everyone()
+    run = out / "trace"
+    header = open_run(run).header
+    result["proof"] = {k: v for k, v in (header["fidelity"].get("proof") or {}).items()
+                       if k in ("proven", "steps", "starts", "processes", "world_size")}
+    done = delete(state, run, 2, out / "b")
+    if done["codes"] == [0, 0]:
+        cf = counterfactual(engine, tok, data, run, done["forget"], out / "cf-b", [])
+        if state.is_main_process:
+            done["counterfactual_equals_oracle"] = equal_to_oracle(out / "b" / "oracle", cf)
+            done["start"] = (open_run(out / "b" / "replay").header.get("fidelity") or {}).get("start")
+    result["b"] = done
+    state.wait_for_everyone()
+    module, real, perturbed = _perturbed_at(2, 1)
+    module.load_checkpoint = perturbed
+    try:
+        for step in (2, 3):
+            result[f"diverged_{step}"] = delete(state, run, step, out / f"diverged-{step}")
+            result[f"diverged_{step}"]["outputs"] = sorted(p.name for p in (out / f"diverged-{step}").iterdir())
+            state.wait_for_everyone()
+    finally:
+        module.load_checkpoint = real
+    if engine == "fsdp":  # process 1's own optimizer shard file of checkpoint 2 edited (only process 1 reads it)
+        if state.is_main_process:
+            _edit_shard(run / "checkpoints" / "step-00000002", 1)
+        state.wait_for_everyone()
+        for step in (2, 3):
+            result[f"shard_{step}"] = delete(state, run, step, out / f"shard-{step}")
+            result[f"shard_{step}"]["outputs"] = sorted(p.name for p in (out / f"shard-{step}").iterdir())
+            state.wait_for_everyone()
+    return state, result
+
+
+def _edit_shard(checkpoint: Path, rank: int) -> None:
+    """Nudge one tensor of process ``rank``'s optimizer shard file (its hashes.json left as saved)."""
+    from safetensors.torch import load_file, save_file
+
+    meta = json.loads((checkpoint / "checkpoint.json").read_text())
+    f = checkpoint / meta["sharding"]["files"]["optimizer"][rank]
+    tensors = load_file(f)
+    name = next(n for n, t in tensors.items() if t.is_floating_point() and t.numel())
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, f)
+
+
 if __name__ == "__main__":
     out, (engine, mode, *rest) = Path(sys.argv[1]), sys.argv[5].split(":", 2)
-    state, result = {"prove": prove_mode, "attacks": attacks_mode, "probe": probe_mode}[mode](engine, out, *rest)
+    modes = {"prove": prove_mode, "attacks": attacks_mode, "probe": probe_mode, "fresh": fresh_mode}
+    state, result = modes[mode](engine, out, *rest)
     from accelerate.utils import gather_object
 
     result["per_process"] = gather_object([{"rank": state.process_index, "mkl_cbwr": os.environ.get("MKL_CBWR")}])

@@ -304,8 +304,8 @@ def prove_cmd(args) -> int:
 
 
 def _before_deletion(args, run, forget, start: int | None, collator) -> dict | None:
-    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof); returns how the
-    replay's fresh start is proven (its ``proven_start``)."""
+    """The proof gate and the environment probe, before any compute (hf_unlearn.trace.proof); returns
+    :func:`~hf_unlearn.trace.proof.before_deletion`'s outcome (``start_proof``: the replay's ``proven_start``)."""
     from ..trace.proof import before_deletion
     from ..trace.replay import replay_cost
 
@@ -315,7 +315,7 @@ def _before_deletion(args, run, forget, start: int | None, collator) -> dict | N
     checked = before_deletion(run, first, start is None, args.accept_unproven, collator, first_affected=affected)
     for line in checked["proof_lines"]:
         print(line)
-    return checked["start_proof"]
+    return checked
 
 
 def replay_cmd(args) -> int:
@@ -324,7 +324,7 @@ def replay_cmd(args) -> int:
 
     _quiet()
     run, forget, collator = open_run(args.run), read_forget_file(args.forget), _collator(args)
-    proven_start = _before_deletion(args, run, forget, 0, collator)
+    proven_start = _before_deletion(args, run, forget, 0, collator)["start_proof"]
     trainer = RedactedReplayTrainer(run, args.store, forget, args.out, start="full" if args.full else "suffix",
                                     data_collator=collator, proven_start=proven_start)
     final = trainer.train()
@@ -343,7 +343,18 @@ def replay_cmd(args) -> int:
     print(f"replayed {s['segments_replayed']} of {s['total_steps']} steps from checkpoint step {s['start_step']} "
           f"({s['optimizer_steps_taken']} optimizer steps taken); output run: {args.out}")
     _print_fidelity(trainer)
+    _print_unproven(args, args.out, "replay")
     return 0
+
+
+def _print_unproven(args, out, role: str) -> None:
+    """What of the output's own steps is unproven, as `trace verify` will count it (its fresh start included)."""
+    from ..trace.proven import output_unproven
+    from ..trace.run import read_header
+
+    own = output_unproven(read_header(out), out, role)
+    if own:
+        print(f"UNPROVEN{' (accepted)' if args.accept_unproven else ''}: {own['why']}")
 
 
 def _print_fidelity(trainer) -> None:
@@ -378,14 +389,15 @@ def oracle_cmd(args) -> int:
             from ..trace.replay import PAIRS_BASELINE
 
             raise UnlearnError(PAIRS_BASELINE)
-    _before_deletion(args, run, forget, None, collator)
-    trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator)
+    probe = _before_deletion(args, run, forget, None, collator)["environment_probe"]
+    trainer = OracleReplayTrainer(run, forget, out_dir=args.out, data_collator=collator, environment_probe=probe)
     trainer.train()
     if not trainer.accelerator.is_main_process:
         return 0
     print(f"oracle: full replay of {trainer.replay_stats['total_steps']} steps "
           f"({trainer.replay_stats['optimizer_steps_taken']} optimizer steps taken); output: {args.out}")
     _print_fidelity(trainer)
+    _print_unproven(args, args.out, "oracle")
     if args.baselines:
         out = Path(args.out) / "baselines"
         save_state(filter_counterfactual(run, forget, data_collator=collator), out / "filter.pt")

@@ -287,12 +287,13 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     """A pipeline deletion is VERIFIED stage by stage, so every stage it replays must be proven on the steps its
     replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
     is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
-    from ..trace.proof import ProofError, probe_fresh_start, start_proof, unproven_statement
+    from ..trace.proof import ProofError, probe_environment, start_proof, unproven_statement
 
     if config.accept_unproven:
         raise UnlearnError("--accept-unproven is for one recorded run; a pipeline deletion needs every stage it "
                            "replays proven (hf-unlearn trace prove STAGE_RUN for each)")
     who = "the oracle and the replay" if config.oracle else "the replay"
+    first_replayed = True
     for s, run in zip(plan["pipeline_cost"]["stages"], plan["runs"]):
         if not s["replayed"]:
             continue
@@ -303,9 +304,21 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
         if why is None and config.oracle and s["start_checkpoint"]:
             why = unproven_statement(run.header, run.path, s["start_checkpoint"], run.kept().total_steps, who,
                                      fresh_start=False)
-        if why is None:
-            how = start_proof(run, s["start_checkpoint"], (s.get("cost") or {}).get("first_affected_step"))
-            if how and how["proven_by"] == "probe":
-                s["proven_start"] = probe_fresh_start(run.kept(), s["start_checkpoint"], s.get("collator"))
         if why:
             raise ProofError(f"stage {s['stage']}: {run.path}: {why}; refusing before any compute")
+        # the deleting environment probed on each stage it replays, as a single run's deletion is (what a stage
+        # computes differs: its model, an adapter, a reference model); only the first replayed stage starts at its own
+        # checkpoint (the later ones from the new parent, every step affected), and its steps before the first
+        # affected one are compared by its replay as they run
+        start, affected = s["start_checkpoint"], (s.get("cost") or {}).get("first_affected_step")
+        how = start_proof(run, start, affected) if first_replayed else None
+        try:
+            probe = probe_environment(run, s.get("collator"), fresh_start=start if how and how["proven_by"] == "probe"
+                                      else None, replayed=range(start, affected) if how and affected is not None
+                                      else range(0))
+        except ProofError as e:
+            raise ProofError(f"stage {s['stage']}: {e}") from None
+        if how and how["proven_by"] == "probe" and not probe.get("skipped"):  # its fresh start, probed above
+            s["proven_start"] = {"checkpoint": start, "proven_by": "probe"}
+        s["environment_probe"] = probe
+        first_replayed = False

@@ -26,6 +26,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
     from ..trace.proof import proof_statement
+    from ..trace.proven import output_unproven
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
     from ..trace.stack import stack_statement
     from ..trace.store import redact_store
@@ -70,11 +71,17 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     stats = replay.replay_stats
     log(f"replayed {stats['segments_replayed']} of {stats['total_steps']} steps from step {stats['start_step']} "
         f"in {timings['replay_s']:.0f} s")
+    # what of the replay's own steps is unproven, read from its sealed output as `trace verify` reads it: its fresh
+    # start too, when nothing proved it (not probed under --accept-unproven); the receipt lists them with the plan's
+    own = output_unproven(json.loads((out / "replay" / "header.json").read_text()), out / "replay", "replay")
+    if own and own["starts"]:
+        log(f"UNPROVEN{' (accepted)' if config.accept_unproven else ''}: {own['why']}")
     report = None
     if config.oracle:
         t = time.perf_counter()
         with_replay_progress(OracleReplayTrainer, "oracle (full replay)", config.progress)(
-            run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"]).train()
+            run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"],
+            environment_probe=plan.get("environment_probe")).train()
         report = verify(out / "replay", out / "oracle")
         timings["oracle_s"] = time.perf_counter() - t
         p, o = report["params"], report["optimizer"]
@@ -118,7 +125,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         "fidelity": fidelity_statement(json.loads((out / "replay" / "header.json").read_text())),
         "numeric_stack": stack_statement(run.header),  # threads, CPU capability, versions the replays ran with
         "proof": proof_statement(run.header),  # the engine reproduced the whole run (hf_unlearn.trace.proof)?
-        "unproven_steps": plan.get("unproven_steps", []),  # accepted with --accept-unproven: never VERIFIED
+        # accepted with --accept-unproven: never VERIFIED; the same steps and starts `trace verify` names
+        "unproven_steps": sorted(set(plan.get("unproven_steps", [])) | set((own or {}).get("steps", []))
+                                 | set((report or {}).get("unproven_steps", []))),
+        "unproven_starts": sorted(set((own or {}).get("starts", [])) | set((report or {}).get("unproven_starts", []))),
         "environment_probe": plan.get("environment_probe"),  # this process re-ran recorded steps with no deletion
         # how the replay's fresh start at its kept checkpoint was proven: by the proof, its own first step, a probe
         "start": stats.get("start_proof"),

@@ -70,9 +70,10 @@ class ForgetReceipt:
                         "this checks the redaction and the suffix start; both use the same replay engine)" + caveat)
             unproven = self.evidence.get("unproven_steps")
             if unproven:
-                from ..trace.proof import ranges
+                from ..trace.proven import ranges, unproven_starts_clause
 
-                caveat += (f"; steps {ranges(unproven)} are not proven to be reproduced by the engine (accepted with "
+                caveat += (f"; steps {ranges(unproven)} are not proven to be reproduced by the engine"
+                           f"{unproven_starts_clause(self.evidence.get('unproven_starts'))} (accepted with "
                            "--accept-unproven): it is not VERIFIED")
             if verified is False:
                 if self._accepted_unproven:
@@ -113,10 +114,10 @@ class ForgetReceipt:
         if verified:
             return "VERIFIED bit-identical to the oracle"
         if self._accepted_unproven:
-            from ..trace.proof import ranges
+            from ..trace.proven import ranges, unproven_starts_clause
 
             return (f"bit-identical to the oracle; steps {ranges(self.evidence['unproven_steps'])} of the engine "
-                    "unproven (accepted; not verified)")
+                    f"unproven{unproven_starts_clause(self.evidence.get('unproven_starts'))} (accepted; not verified)")
         if self._identical_but_unproven:
             return "bit-identical to the oracle but NOT VERIFIED (provenance: see evidence.oracle.problems)"
         return "NOT identical to the oracle"

@@ -295,6 +295,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
             entry["redaction"] = {"rows_before": red["rows_before"], "rows_after": red["rows_after"],
                                   "store_sha256": red["store_sha256"], "id_check": red["checks"]["id_column_scanned"]}
         kw = {"proven_start": s["proven_start"]} if s.get("proven_start") else {}  # its fresh start, probed
+        entry["environment_probe"] = s.get("environment_probe")  # recorded steps re-run here with no deletion
         if prev_replay is not None:
             kw = dict(start="full", **_start_from(run, prev_replay))
             entry["new_start_root"] = kw["start_parent"].get("start_root", kw["start_parent"]["output_root"])
@@ -317,7 +318,8 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
             t = time.perf_counter()
             okw = _start_from(run, prev_oracle) if prev_oracle is not None else {}
             with_replay_progress(OracleReplayTrainer, f"stage {k} oracle", config.progress)(
-                run, ids, out_dir=d / "oracle", data_collator=s["collator"], **okw).train()
+                run, ids, out_dir=d / "oracle", data_collator=s["collator"], environment_probe=s.get("environment_probe"),
+                **okw).train()
             report = verify(d / "replay", d / "oracle")
             timings[f"stage_{k}_oracle_s"] = time.perf_counter() - t
             ok = bool(report["verified"])
@@ -421,7 +423,8 @@ def verify_pipeline(out) -> dict:
         report = verify(folders["replay"], folders["oracle"])
         if not report["verified"]:
             problems.append(f"{name}: replay vs oracle " + ("bit-identical but not proven: " + "; ".join(
-                report["provenance"]["problems"][:2]) if report["identical"] else "NOT identical"))
+                report["provenance"]["problems"][:2] or [u["why"] for u in report["provenance"]["unproven"].values()])
+                if report["identical"] else "NOT identical"))
         runs = {role: open_quietly(f) for role, f in folders.items()}
         for role, run in runs.items():
             if run.header.get("origin_run_id") != st.get("origin_run_id"):

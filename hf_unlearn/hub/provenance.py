@@ -121,7 +121,8 @@ _DELETION_LOG = {"time": "time", "request": "number", "mode": "words", "forget_t
                  "parent_run": "text", "note": "words", "fidelity": "words"}  # fidelity: the library's sentence
 _VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems": "text", "oracle_run_id": "hex",
                  "oracle": "text", "params_mismatched_elements": "number",
-                 "optimizer_mismatched_elements": "number",
+                 "optimizer_mismatched_elements": "number", "unproven_steps": "numbers", "unproven_starts": "numbers",
+                 "verdict": "words",
                  "roots": {"a": {"params": "hex", "optimizer": "hex"}, "b": {"params": "hex", "optimizer": "hex"}}}
 
 

@@ -60,6 +60,7 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
 )
 from .replay import ReplayTrainer
 from .run import TraceRun, open_run, read_header
+from .sharding import process_causes, process_numerics  # noqa: F401 - re-exported: they lived here
 from .stack import NUMERIC_ENV, environment_difference, numeric_environment, numeric_stack  # noqa: F401 - they lived here
 from .writer import TraceWriter
 
@@ -173,7 +174,7 @@ def _context(run) -> dict:
 def _load_progress(run) -> dict:
     """What an earlier, killed proof of this run established with this engine and environment: ``upto`` (steps
     0..upto - 1 matched, upto a kept checkpoint), ``starts`` (checkpoints whose fresh start was proven), ``neutral``."""
-    empty = {"upto": 0, "starts": [], "neutral": []}
+    empty = {"upto": 0, "starts": [], "neutral": [], "resumed": []}
     try:
         data = json.loads((run.path / PROGRESS).read_text())
         body, mac = data["body"], data["mac"]
@@ -182,7 +183,8 @@ def _load_progress(run) -> dict:
         upto = int(body["upto"])
         if upto and upto not in run.checkpoints():
             return empty
-        return {"upto": upto, "starts": [int(c) for c in body["starts"]], "neutral": [int(c) for c in body["neutral"]]}
+        return {"upto": upto, "starts": [int(c) for c in body["starts"]], "neutral": [int(c) for c in body["neutral"]],
+                "resumed": [int(c) for c in body.get("resumed", [])]}
     except (OSError, ValueError, KeyError, TypeError):
         return empty
 
@@ -218,6 +220,12 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
     state = _load_progress(run)
     if state["upto"] or state["starts"]:
         log(f"resuming the proof of {run.path}: steps 0..{state['upto'] - 1} already proven")
+        if 0 < state["upto"] < total:
+            # the replay goes on from a fresh start at that checkpoint, not from the killed one's live state: a replay
+            # that runs on through it (from an earlier start, as the oracle does) is not shown, and the record says so
+            state["resumed"] = sorted(set(state["resumed"]) | {state["upto"]})
+            log(f"note: resumed from a fresh start at kept checkpoint {state['upto']}: replays that run on through it "
+                "from an earlier start are not proven past it (`trace prove` again, uninterrupted, proves them)")
     elif fresh_starts and (sealed := _sealed_continuous(run)) is not None:  # the continuous run is proven already
         state = sealed
         log(f"{run.path}: its sealed proof covers every step with this engine, stack and environment; proving the "
@@ -246,7 +254,10 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
                     start_failures[str(c)] = found["why"]
                 if main:
                     _save_progress(run, state)
-    record = proof_record(run, state["upto"], sorted({0, *state["starts"]}) if state["upto"] else [], diverged)
+    record = proof_record(run, state["upto"], sorted({0, *state["starts"], *(c for c in state["resumed"] if c < state[
+        "upto"])}) if state["upto"] else [], diverged)
+    if state["resumed"]:  # where a killed proof went on from a fresh start (hf_unlearn.trace.proven.unproven_steps)
+        record["resumed_at"] = state["resumed"]
     if start_failures:
         record["start_failures"] = start_failures
     if state["neutral"]:  # program controls differed from the recording's there, the state did not: numerically neutral
@@ -271,7 +282,8 @@ def _sealed_continuous(run) -> dict | None:
     if not same:
         return None
     return {"upto": run.total_steps, "starts": [int(c) for c in proof.get("starts") or [] if int(c) > 0],
-            "neutral": [int(c) for c in proof.get("neutral_controls") or []]}
+            "neutral": [int(c) for c in proof.get("neutral_controls") or []],
+            "resumed": [int(c) for c in proof.get("resumed_at") or []]}
 
 
 def check_world_size(run, command: str) -> None:
@@ -372,7 +384,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
             if s == fresh_start:  # the steps before it (step 0 first) matched here: the start is the likely cause
-                raise fresh_start_refusal(run.path, s, f"{found['why']}{where}{cause if causes else ''}")
+                raise fresh_start_refusal(run.path, s, found["why"] + _rank_local(found) + (cause if causes else ""))
             raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: optimizer step "
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
@@ -388,42 +400,14 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
     return {"steps": steps, "seconds": round(seconds, 3), **({"by_the_replay": by_replay} if by_replay else {})}
 
 
-def process_numerics() -> dict:
-    """What this process's numbers depend on besides the model, the data and the plan, that a refusal can name: the
-    numeric environment variables, torch's process-wide switches and the code of the functions a model's forward
-    calls besides its own classes' (``torch.nn.functional``, ...: a patch on one process only)."""
-    import sys
-
-    from .digests import CODE_MODULES, PROCESS_LOCAL, code_digest, torch_state
-
-    code = {}
-    for name in CODE_MODULES:
-        for attr, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
-            body = getattr(value, "__code__", None)
-            if body is not None:
-                code[f"{name}.{attr}"] = f"{getattr(value, '__qualname__', attr)}:{code_digest(body)}"
-    switches = {k: repr(v) for k, v in torch_state().items() if k not in PROCESS_LOCAL and not k.startswith("environ ")}
-    return {"environment": numeric_environment(), "torch": switches, "code": code}
-
-
-def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]:
-    """Per process, what of :func:`process_numerics` differs from the recording's environment or from process 0's,
-    in words (what a failed probe names; it is the probe, not this, that refuses)."""
-    out = []
-    for rank, mine in enumerate(everyone):
-        who = f"process {rank}'s" if len(everyone) > 1 else "the"
-        env = environment_difference(recorded_env, mine["environment"])
-        if env:
-            out.append(f"{who} numeric environment differs from the recording's: {env}")
-        if rank == 0:
-            continue
-        for part, what in (("torch", "torch settings"), ("code", "functions")):
-            keys = sorted(k for k in set(mine[part]) | set(everyone[0][part])
-                          if mine[part].get(k) != everyone[0][part].get(k))
-            if keys:
-                more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-                out.append(f"{who} {what} differ from process 0's: {', '.join(keys[:3])}{more}")
-    return out
+def _rank_local(found: dict) -> str:
+    """What a divergence some processes of a launch found and the others did not says (the processes are already
+    named in ``found["why"]``, by :func:`~hf_unlearn.trace.processes.agreed`)."""
+    ranks, world = found.get("processes") or [], world_size()
+    if not ranks or len(ranks) == world:
+        return ""
+    return (f"; only process(es) {', '.join(map(str, ranks))} of {world} diverged: what they started from or ran with "
+            "(their checkpoint shard as loaded, a library or environment setting) differs from the other processes'")
 
 
 def probe_fresh_start(run, start: int, data_collator=None) -> dict:
@@ -481,7 +465,12 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
     ``environment_probe``, ``start_proof`` (give it to the replay: ``proven_start=``) and ``proof_lines``."""
     lines = []
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
-    how = start_proof(run, start, first_affected) if not unproven else None
+    how = start_proof(run, start, first_affected)
+    if unproven and how and how["proven_by"] == "probe":  # accepted unproven: no probe is spent on its start
+        lines.append(f"UNPROVEN (accepted): the replay's fresh start at kept checkpoint {start} is not probed (step "
+                     f"{start} is affected and unproven steps were accepted): every step the replay runs from it is "
+                     "unproven, and the receipt lists them")
+    how = how if not unproven or (how and how["proven_by"] != "probe") else None
     replayed = range(start, first_affected) if first_affected is not None and not unproven else range(0)
     probe = probe_environment(run, data_collator, log=lines.append, replayed=replayed,
                               fresh_start=start if how and how["proven_by"] == "probe" else None)

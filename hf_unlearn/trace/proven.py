@@ -79,6 +79,32 @@ def proven_starts(header: dict) -> set[int]:
     return proof_starts(header) | ({own["checkpoint"]} if own else set())
 
 
+def resumed_at(header: dict) -> list[int]:
+    """The kept checkpoints where a valid proof, killed, went on from a fresh start (``fidelity.proof.resumed_at``)."""
+    _, why = proven_steps(header)
+    return [] if why else [int(c) for c in ((header.get("fidelity") or {}).get("proof") or {}).get("resumed_at") or []]
+
+
+def _continuous(header: dict) -> set[int]:
+    """The steps the recording's own self-check replayed in one go from step 0 (never resumed)."""
+    rec = (header.get("fidelity") or {}).get("recording") or {}
+    ok = rec.get("checked") and rec.get("reproduced") and rec.get("steps")
+    return set(range(rec["steps"][0], rec["steps"][1])) if ok else set()
+
+
+def through_restart(header: dict, first: int, stop: int) -> tuple[int | None, list[int]]:
+    """A replay from ``first`` to ``stop`` that runs on through a checkpoint where a killed proof resumed from a fresh
+    start: that checkpoint and the steps from it that nothing else proved continuous (the resumed proof started
+    afresh there, so it did not see what a replay carries on through it, e.g. live state a checkpoint restores)."""
+    for c in sorted(resumed_at(header)):
+        if first < c < stop:
+            done = _continuous(header)
+            missing = [s for s in range(c, stop) if s not in done]
+            if missing:
+                return c, missing
+    return None, []
+
+
 def unproven_steps(header: dict, first: int, stop: int, fresh_start: bool = True) -> list[int]:
     """The steps of ``first..stop - 1`` (a replay from the kept checkpoint at ``first``) that neither the proof nor
     the self-check covers; all of them when a replay started afresh at ``first`` is not proven (a checkpoint does
@@ -88,7 +114,8 @@ def unproven_steps(header: dict, first: int, stop: int, fresh_start: bool = True
     steps, _ = proven_steps(header)
     if fresh_start and first < stop and first not in proven_starts(header):
         return list(range(first, stop))
-    return [s for s in range(first, stop) if s not in steps]
+    _, through = through_restart(header, first, stop)
+    return sorted({s for s in range(first, stop) if s not in steps} | set(through))
 
 
 def neutral_controls(header: dict) -> set[int]:
@@ -152,10 +179,19 @@ def fresh_start_refusal(run_path, checkpoint: int, detail: str, before: str = "a
                       "rows trained before the checkpoint replays from an earlier one)")
 
 
+def unproven_start(header: dict, first: int, stop: int) -> int | None:
+    """The kept checkpoint ``first`` when a replay started afresh there (after step 0) runs steps ``first..stop - 1``
+    and nothing proves that start (:func:`proven_starts`), else None: a receipt and ``trace verify`` name it, since
+    every step that replay runs is then unproven however much of the run the proof covers."""
+    if 0 < first < stop and first not in proven_starts(header):
+        return first
+    return None
+
+
 def unproven_statement(header: dict, run_path, first: int, stop: int, who: str = "the replay",
                        fresh_start: bool = True) -> str | None:
     """Why the steps ``first..stop - 1`` are not proven, in one sentence (None when all are); ``fresh_start`` as in
-    :func:`unproven_steps`."""
+    :func:`unproven_steps`. Each cause is named: an unproven fresh start at ``first`` and the proof's own gaps."""
     failed = failed_starts(header)
     missing = unproven_steps(header, first, stop, fresh_start)
     if not fresh_start and str(first) in failed and first < stop:
@@ -164,16 +200,44 @@ def unproven_statement(header: dict, run_path, first: int, stop: int, who: str =
         return None
     _, why = proven_steps(header)
     div = diverged(header)
-    cause = (f"; a proof found the engine does not reproduce the run from optimizer step {div['step']}: {div['why']}"
-             if div else f"; {why[0]}" if why else
-             f"; {fresh_start_failure(first, failed[str(first)])}" if str(first) in failed else
-             f"; a replay started afresh at checkpoint {first} is not proven (a deletion proves its own start where it "
-             f"starts: forget, trace replay; or prove every start ahead: `"
-             f"{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)} --fresh-starts`)"
-             if not unproven_steps(header, first, stop, fresh_start=False) else
-             f"; prove the run once (`{launch_command(int(header.get('world_size', 1) or 1), 'trace prove', run_path)}`"
-             ", about one training run's compute)")
-    return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine" + cause
+    prove = launch_command(int(header.get("world_size", 1) or 1), "trace prove", run_path)
+    causes = []
+    if str(first) in failed and first < stop:
+        causes.append(fresh_start_failure(first, failed[str(first)]))
+    elif fresh_start and unproven_start(header, first, stop) is not None:
+        causes.append(f"a replay started afresh at checkpoint {first} is not proven (a deletion proves its own start "
+                      f"where it starts: forget, trace replay; or prove every start ahead: `{prove} --fresh-starts`)")
+    restart, through = through_restart(header, first, stop)
+    if through:
+        causes.append(f"the proof was resumed after a kill from a fresh start at kept checkpoint {restart}, so a replay "
+                      f"that runs on through it from an earlier start is not proven there (run `{prove}` again, "
+                      "uninterrupted: it replays from step 0)")
+    if div:
+        causes.insert(0, f"a proof found the engine does not reproduce the run from optimizer step {div['step']}: "
+                         f"{div['why']}")
+    elif why:
+        causes.insert(0, why[0])
+    elif [s for s in unproven_steps(header, first, stop, fresh_start=False) if s not in through] or not causes:
+        causes.append(f"prove the run once (`{prove}`, about one training run's compute)")
+    return f"steps {ranges(missing)} that {who} runs are not proven to be reproduced by the engine; " + "; ".join(causes)
+
+
+def output_unproven(header: dict, path, role: str) -> dict | None:
+    """What of the steps a replay or oracle output ran (from its parent's ``start_step`` to its end) is not proven,
+    read from its own sealed header as ``trace verify`` reads it: ``{"steps", "starts", "why"}`` (``starts``: its
+    fresh start when nothing proved it, :func:`unproven_start`), or None when every step is."""
+    first, stop = (header.get("parent") or {}).get("start_step", 0), header.get("optimizer_steps") or 0
+    missing = unproven_steps(header, first, stop)
+    if not missing:
+        return None
+    start = unproven_start(header, first, stop)
+    return {"steps": missing, "starts": [] if start is None else [start],
+            "why": unproven_statement(header, path, first, stop, f"the {role}")}
+
+
+def unproven_starts_clause(starts) -> str:
+    """``", among them the replay's fresh start at kept checkpoint 2"``: how a verdict names an unproven start."""
+    return f", among them the replay's fresh start at kept checkpoint {ranges(starts)}" if starts else ""
 
 
 def proof_statement(header: dict) -> str:
@@ -190,6 +254,9 @@ def proof_statement(header: dict) -> str:
         text += (f", and a replay started afresh at kept checkpoint(s) {ranges(later)}" if later else
                  ", in one replay from step 0 (a replay started afresh at a later kept checkpoint is proven by the "
                  "deletion that uses it)")
+        if proof.get("resumed_at"):
+            text += (f"; resumed after a kill from a fresh start at kept checkpoint(s) {ranges(proof['resumed_at'])} "
+                     "(a replay running on through one from an earlier start is not proven past it)")
     elif div:
         text = (f"NOT PROVEN from optimizer step {div['step']}: the engine does not reproduce the run there"
                 + (f" (steps 0..{proof['steps'][1]} reproduced)" if proof.get("steps") else ""))

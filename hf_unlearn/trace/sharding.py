@@ -57,6 +57,58 @@ COMPARED = ("engine", "world_size", "reshard_after_forward", "mixed_precision", 
             "transformer_cls_names_to_wrap", "min_num_params", "cpu_offload", "activation_checkpointing")
 
 
+def process_numerics() -> dict:
+    """What this process's numbers depend on besides the model, the data and the plan, that a refusal can name: the
+    numeric environment variables, torch's process-wide switches and the code of the functions a model's forward
+    calls besides its own classes' (``torch.nn.functional``, ...: a patch on one process only)."""
+    import sys
+
+    from .digests import CODE_MODULES, PROCESS_LOCAL, code_digest, torch_state
+    from .stack import numeric_environment
+
+    code = {}
+    for name in CODE_MODULES:
+        for attr, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
+            body = getattr(value, "__code__", None)
+            if body is not None:
+                code[f"{name}.{attr}"] = f"{getattr(value, '__qualname__', attr)}:{code_digest(body)}"
+    switches = {k: repr(v) for k, v in torch_state().items() if k not in PROCESS_LOCAL and not k.startswith("environ ")}
+    return {"environment": numeric_environment(), "torch": switches, "code": code}
+
+
+def process_causes(recorded_env: dict | None, everyone: list[dict]) -> list[str]:
+    """Per process, what of :func:`process_numerics` differs from the recording's environment or from process 0's,
+    in words (what a failed probe names; it is the probe, not this, that refuses)."""
+    from .stack import environment_difference
+
+    out = []
+    for rank, mine in enumerate(everyone):
+        who = f"process {rank}'s" if len(everyone) > 1 else "the"
+        env = environment_difference(recorded_env, mine["environment"])
+        if env:
+            out.append(f"{who} numeric environment differs from the recording's: {env}")
+        if rank == 0:
+            continue
+        for part, what in (("torch", "torch settings"), ("code", "functions")):
+            keys = sorted(k for k in set(mine[part]) | set(everyone[0][part])
+                          if mine[part].get(k) != everyone[0][part].get(k))
+            if keys:
+                more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+                out.append(f"{who} {what} differ from process 0's: {', '.join(keys[:3])}{more}")
+    return out
+
+
+def with_process_causes(error: Exception, recorded_env: dict | None) -> Exception:
+    """``error`` with what :func:`process_causes` names appended (a collective: every process of the launch calls it,
+    e.g. right after :func:`~hf_unlearn.trace.processes.agreed` raised the same error on each)."""
+    from .processes import gathered
+
+    causes = process_causes(recorded_env, gathered(process_numerics()))
+    if causes:
+        error.args = (f"{error}; {'; '.join(causes)}",)
+    return error
+
+
 def process_differences(everyone: list[dict]) -> tuple[list[str], list[str]]:
     """Each process's description (``what -> value``, in rank order, gathered) against process 0's: the parts that
     differ with their fields (``numeric stack (environment)``), and in words which process holds which value of each

@@ -21,7 +21,7 @@ from ..utils import atomic_write_text
 from .fidelity import fidelity_statement, refusal
 from .guards import describe_program_change, guard_coverage, program_changes
 from .hashing import StateHashes, optimizer_tensors, tensor_hashes
-from .proven import ranges, unproven_statement, unproven_steps
+from .proven import output_unproven, ranges, unproven_starts_clause, unproven_steps
 from .run import check_run, list_checkpoints, load_checkpoint, read_deletion_log
 from .tags import run_key
 
@@ -144,11 +144,9 @@ def check_provenance(replay_out, oracle_out) -> dict:
     unproven = {}
     if len(headers) == 2:  # VERIFIED needs every step the replay and the oracle ran proven (hf_unlearn.trace.proof)
         for role, path in (("replay", replay_out), ("oracle", oracle_out)):
-            header = headers[role]
-            first, stop = (header.get("parent") or {}).get("start_step", 0), header.get("optimizer_steps") or 0
-            missing = unproven_steps(header, first, stop)
+            missing = output_unproven(headers[role], path, role)
             if missing:
-                unproven[role] = {"steps": missing, "why": unproven_statement(header, path, first, stop, f"the {role}")}
+                unproven[role] = missing
     hazards = sorted({h for h in (headers.get("replay") or {}).get("hazards", [])})
     fidelity = {role: fidelity_statement(header) for role, header in headers.items()}
     return {"checked": len(headers) == 2, "problems": problems, "hazards": hazards, "fidelity": fidelity,
@@ -169,6 +167,7 @@ def verify(replay_out, oracle_out) -> dict:
     report["provenance"] = check_provenance(replay_out, oracle_out)
     unproven = report["provenance"]["unproven"]
     report["unproven_steps"] = sorted({s for u in unproven.values() for s in u["steps"]})
+    report["unproven_starts"] = sorted({s for u in unproven.values() for s in u["starts"]})  # fresh starts unproven
     report["verified"] = report["identical"] and not report["provenance"]["problems"] and not unproven
     report["verdict"] = verdict(report)
     fidelity = report["provenance"].get("fidelity", {})
@@ -193,8 +192,9 @@ def verdict(report: dict) -> str:
         return "NOT identical to the oracle"
     if report["provenance"]["problems"]:
         return "bit-identical to the oracle but NOT VERIFIED (provenance)"
-    return (f"bit-identical to the oracle; steps {ranges(report['unproven_steps'])} of the engine unproven (not "
-            "verified: `hf-unlearn trace prove RUN` proves them)")
+    return (f"bit-identical to the oracle; steps {ranges(report['unproven_steps'])} of the engine unproven"
+            f"{unproven_starts_clause(report.get('unproven_starts'))} (not verified: `hf-unlearn trace prove RUN` "
+            "proves them)")
 
 
 def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> None:
@@ -211,7 +211,8 @@ def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> No
     oracle_id = json.loads(oracle_header.read_text()).get("run_id") if oracle_header.is_file() else None
     roles = {replay_out: "the replay folder", oracle_out: "the oracle folder"}
     summary = {"identical": report["identical"], "verified": report["verified"], "oracle_run_id": oracle_id,
-               "unproven_steps": report["unproven_steps"], "verdict": report["verdict"],
+               "unproven_steps": report["unproven_steps"], "unproven_starts": report["unproven_starts"],
+               "verdict": report["verdict"],
                "roots": report["roots"],
                "provenance_problems": [_without_folders(p, roles) for p in report["provenance"]["problems"]],
                "params_mismatched_elements": report["params"]["mismatched_elements"],

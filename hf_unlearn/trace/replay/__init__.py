@@ -45,7 +45,7 @@ from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F40
 from ..rows import check_rows
 from ..run import TraceRun, capture_state, full_model_state, load_checkpoint, open_run
 from ..run_model import model_from_run  # noqa: F401  (it lived here)
-from ..sharding import load_optimizer_state
+from ..sharding import load_optimizer_state, with_process_causes
 from ..stack import check_stack, pinned_stack
 from ..store import check_store_binding, id_index, load_store
 from ..tags import tag
@@ -84,6 +84,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         proven_start: ``start_proof`` of :func:`hf_unlearn.trace.proof.before_deletion` when it proved this
             replay's fresh start by a probe step (``{"checkpoint", "proven_by": "probe"}``; it needs the run's
             original store, which a redacted replay never opens).
+        environment_probe: ``environment_probe`` of :func:`hf_unlearn.trace.proof.before_deletion` (the deleting
+            environment probed there). An oracle given none, none of whose steps is compared with the recording (a
+            deleted row in its first step), probes it itself: one step with no deletion, before its own compute.
     """
 
     mode = "replay"
@@ -103,8 +106,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
     def __init__(self, run, store=None, forget_ids=(), out_dir=None, start: str = "suffix", filter_rows: bool = False,
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
                  start_weights: dict | None = None, start_parent: dict | None = None, proven_start: dict | None = None,
-                 **kwargs):
+                 environment_probe: dict | None = None, **kwargs):
         self._start_weights, self._start_parent, self._proven_start = start_weights, start_parent, proven_start
+        self._environment_probe = environment_probe
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
         header = self.run.header
         self._self_check = _self_check
@@ -200,8 +204,14 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._recorded_checkpoints = cps
         if self.start_step not in cps:
             raise UnlearnError(f"{self.run.path} has no checkpoint at step {self.start_step}")
-        self._start_state = load_checkpoint(cps[self.start_step], verify=True,  # FSDP2: this process's optimizer shards
-                                            rank=self.args.process_index if self.run.header.get("sharding") else None)
+        # Hashed on every load, even when a probe of this process verified the same checkpoint a moment ago: a file's
+        # identity (device, inode, size, mtime, ctime) does not bind its bytes (NFS serves cached attributes, a write
+        # through a shared mmap updates the times lazily, timestamps are coarser than a write), and the only binding,
+        # the tensors that were hashed, would have to stay in memory from the probe to the replay and the oracle.
+        loaded = []  # FSDP2: this process's optimizer shards, a file only it reads: a refusal must stop every process
+        agreed(lambda: loaded.append(load_checkpoint(cps[self.start_step], verify=True, rank=self.args.process_index
+                                                     if self.run.header.get("sharding") else None)))
+        self._start_state = loaded[0]
         if self._start_weights is not None:
             self._start_from_parent()
         held = self.model.state_dict()
@@ -231,8 +241,31 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
     def train(self, *args, **kwargs):
         """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict. It runs with
         the recorded thread count and deterministic settings (:mod:`hf_unlearn.trace.stack`)."""
+        self._probe_own_environment()
         with pinned_stack(self.run.header):
             return self._replay()
+
+    def _probe_own_environment(self) -> None:
+        """An oracle given no environment probe (the engine's classes used directly: forget, trace oracle and
+        pipelines probe before it) none of whose steps is compared with the recording (a deleted row in its first
+        step): its first step re-run with no deletion from the same checkpoint and compared with the recording's
+        fingerprint, before its own compute. Without it, a process that computes otherwise than the recording (a
+        replaced activation, another MKL mode) makes the replay and the oracle equally wrong, and bit-identical."""
+        if (self.mode != "oracle" or self._environment_probe is not None or self._self_check or self.filter_rows
+                or self.start_step < self.first_affected_step or self.start_step not in self._recorded_fps):
+            return
+        probe = ReplayTrainer(self.run, forget_ids=(), out_dir=None, start="full", stop_step=self.start_step + 1,
+                              data_collator=self.data_collator, _self_check=True)
+        probe._keep_final = False
+        try:
+            probe.train()
+        except UnlearnError as e:
+            raise type(e)(f"the deleting environment does not reproduce the recorded run {self.run.path}: optimizer "
+                          f"step {self.start_step}, re-run from its kept checkpoint with no deletion before the oracle "
+                          f"(none of its steps is compared with the recording), ends otherwise: {e}; refusing before "
+                          "the oracle's compute (run the deletion where the run was recorded, with its environment; "
+                          "hf_unlearn.trace.proof.probe_environment(RUN) probes it, passed as environment_probe=)"
+                          ) from None
 
     def _replay(self):
         run, start = self.run, self.start_step
@@ -274,7 +307,12 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                 self.state.global_step = step  # as in the recording while it ran this step (a loss may read it)
                 stepped += self._run_segment(model, seg)
                 self.state.global_step = step + 1
-                agreed(self._check_step_fingerprint, step)
+                try:
+                    agreed(self._check_step_fingerprint, step)
+                except UnlearnError as e:  # on every process (agreed): a step before the first affected one doubles
+                    if step < self.first_affected_step and self.accelerator.num_processes > 1:  # as the probe: name
+                        with_process_causes(e, (run.header.get("numeric_stack") or {}).get("environment"))  # causes
+                    raise
             saved = self._save_state(writer, run.total_steps) if run.total_steps > start else None
             agreed(self._check_fidelity, run.total_steps, saved)
         except BaseException:
