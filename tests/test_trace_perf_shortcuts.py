@@ -234,3 +234,20 @@ def test_the_dummy_weight_probe_runs_on_the_shortest_real_row_with_tokens_to_tra
     assert probe_row(labels, "id")["input_ids"] == [1] * 4
     none = Dataset.from_dict({"id": [1], "input_ids": [[]]})
     assert probe_row(none, "id") == {"input_ids": []}  # no candidate: the first row, as before
+
+
+def test_the_dpo_probe_runs_on_a_pairs_first_tokens_with_unequal_rows():
+    """The DPO preflight's two passes cost their pair's tokens: they run on the last prompt tokens and the first
+    chosen and rejected ones of the shortest real pair, rows of unequal lengths where the pair's are; a row with other
+    token columns is kept whole. (The coupled-loss and dummy-gradient attacks are refused on such a pair:
+    tests/test_trace_dpo_attacks.py and tests/test_trace_dpo.py run them on TOFU pairs, which it cuts.)"""
+    from hf_unlearn.trace.preference import probe_pair
+
+    row = {"prompt_ids": list(range(10)), "chosen_ids": list(range(20, 50)), "rejected_ids": list(range(60, 80))}
+    assert probe_pair(row) == {"prompt_ids": [6, 7, 8, 9], "chosen_ids": [20, 21, 22, 23], "rejected_ids": [60, 61, 62]}
+    short = {"prompt_ids": [1], "chosen_ids": [2, 3, 4], "rejected_ids": [5, 6, 7, 8, 9]}
+    assert probe_pair(short) == {"prompt_ids": [1], "chosen_ids": [2, 3, 4], "rejected_ids": [5, 6, 7, 8]}
+    same = {"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [5, 6]}
+    assert probe_pair(same) == same
+    images = {**row, "pixel_values": [[0.5]]}
+    assert probe_pair(images) is images
