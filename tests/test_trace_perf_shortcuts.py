@@ -251,3 +251,39 @@ def test_the_dpo_probe_runs_on_a_pairs_first_tokens_with_unequal_rows():
     assert probe_pair(same) == same
     images = {**row, "pixel_values": [[0.5]]}
     assert probe_pair(images) is images
+
+
+def test_an_adapter_disabled_references_root_is_the_start_root_hashed_once(tmp_path):
+    """A LoRA DPO recording with ref_model=None takes its reference's params_root from the lineage's start root (the
+    base weights hashed once as training starts, not again at construction): it is the root reference_root computes
+    from the base (the slow path), and an edit of the base between construction and train() is in it. A
+    modules_to_save adapter (whose reference_root names more tensors) still hashes its reference itself."""
+    from peft import LoraConfig, get_peft_model
+    from trl import DPOTrainer
+
+    from hf_unlearn.trace import open_run, trace_recording
+    from hf_unlearn.trace.preference import is_start_root
+    from hf_unlearn.trace.reference import reference_root
+
+    from .test_trace_dpo import dpo_config, pairs, saved_model
+
+    tok, data = pairs(n=4)
+    base = tmp_path / "base"
+    lora = LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = trace_recording(DPOTrainer)(
+        model=saved_model(base, tok), args=dpo_config(tmp_path / "rec", max_steps=1), train_dataset=data,
+        processing_class=tok, peft_config=lora, trace_checkpoint_steps=1)
+    assert trainer._trace_reference["params_root"] is None
+    edited = saved_model(base, tok)
+    with torch.no_grad():  # between construction and train(): the reference trains against the edited base
+        for m in (edited, trainer.accelerator.unwrap_model(trainer.model).get_base_model()):
+            m.model.norm.weight.mul_(2.0)
+    trainer.train()
+    run = open_run(tmp_path / "rec" / "trace")
+    ref = run.header["reference_model"]
+    assert ref["kind"] == "adapter_disabled"
+    assert ref["params_root"] == run.header["lineage"]["start_root"] == reference_root(edited)
+    assert ref["params_root"] != reference_root(saved_model(base, tok))
+    assert is_start_root(get_peft_model(saved_model(base, tok), lora))
+    saved = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    assert not is_start_root(get_peft_model(saved_model(base, tok), saved))

@@ -40,7 +40,9 @@ import json
 import torch
 
 from ..errors import UnlearnError
+from .dtensors import model_is_sharded
 from .dummies import DummyGradientWatch, dummy_positions
+from .lineage import ADAPTER
 from .reference import (
     KEY,
     PRIVATE_SOURCE,
@@ -48,6 +50,7 @@ from .reference import (
     describe_reference,
     load_reference_model,
     reference_fingerprint,
+    reference_root,
     save_reference,
 )
 from .stack import pinned_stack, stack_change
@@ -235,6 +238,18 @@ def dummy_pair_has_weight(collator, row: dict) -> bool:
     return mask is None or bool(torch.as_tensor(mask).any())
 
 
+def is_start_root(policy) -> bool:
+    """Whether the root of ``policy``'s adapter-disabled reference (:func:`reference_root`) is its lineage's start
+    root (:func:`hf_unlearn.trace.lineage.weights_root` of its state as training starts): the same tensors under the
+    same names, each tied one once, hashed by the same function, when the adapters are LoRA's ``lora_*`` tensors only
+    (no ``modules_to_save`` copy nor ``original_module``) and no tensor is sharded (lineage gathers DTensors, every
+    process joining). Then a recording takes it from there instead of hashing the base weights once more: when
+    training starts, the weights the reference computes with from the first step on."""
+    names = list(policy.state_dict())
+    return not model_is_sharded(policy) and \
+        [n for n in names if "lora_" not in n] == [n for n in names if not ADAPTER.search(n)]
+
+
 class PreferenceTraceMixin:
     """The DPO parts of a recording (and of replays composed with it): put before :class:`TraceRecordingMixin` by
     :func:`hf_unlearn.trace.trace_recording` for ``trl.DPOTrainer`` and its subclasses."""
@@ -256,7 +271,9 @@ class PreferenceTraceMixin:
                                "load-balancing loss is computed over every token of the microbatch, a deleted pair's "
                                "dummy included; set router_aux_loss_coef=0")
         if not self._is_replay:
-            self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None)
+            at_start = self.ref_model is None and is_start_root(self.accelerator.unwrap_model(self.model))
+            self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None,
+                                                       root_at_start=at_start)
         elif getattr(self, "run", None) is not None:
             self._drop_reference_adapter(self.run.header)
             if getattr(self, "_trace_reference_replaced", False):  # recorded into the replay's output run
@@ -425,6 +442,10 @@ class PreferenceTraceMixin:
     # ---- the reference model --------------------------------------------------------------------------------
     def _trace_header_dict(self, served, fingerprint, hazards, notes) -> dict:
         header = super()._trace_header_dict(served, fingerprint, hazards, notes)
+        if self._trace_reference["params_root"] is None and (self._is_replay or getattr(self, "_trace_resume", None)):
+            # no lineage computed as this training starts (a resume keeps the earlier one): hashed here
+            policy = self.accelerator.unwrap_model(self.model)
+            self._trace_reference["params_root"] = reference_root(policy)
         if self._trace_reference["kind"] != "adapter_disabled":
             self._trace_reference["forward_sha256"] = self._reference_fingerprint(header)
         if getattr(self, "_trace_resume", None) and (self.trace_dir / "header.json").is_file():
@@ -437,6 +458,13 @@ class PreferenceTraceMixin:
         if not self._is_replay:
             header["dataset"][PAIR_ROWS] = self._pair_rows_recorded()  # the plan's lengths are pair_code()
         return header
+
+    def _trace_start_weights(self, header: dict) -> None:
+        """The adapter-disabled reference's root is the lineage's start root, computed from the same state as
+        training starts (:func:`is_start_root`): taken from it, not hashed again."""
+        if self._trace_reference["params_root"] is None:
+            self._trace_reference["params_root"] = header["lineage"]["start_root"]
+            header["reference_model"]["params_root"] = header["lineage"]["start_root"]
 
     def _check_resumed_reference(self, previous: dict, header: dict) -> None:
         """A resumed recording must train against the reference its earlier steps used (every replay uses one for the
