@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from .test_trace_common import get_recorded, get_trace_data, record, tiny
 
@@ -287,3 +288,53 @@ def test_an_adapter_disabled_references_root_is_the_start_root_hashed_once(tmp_p
     assert is_start_root(get_peft_model(saved_model(base, tok), lora))
     saved = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
     assert not is_start_root(get_peft_model(saved_model(base, tok), saved))
+
+
+class _EditFrozen(TrainerCallback):
+    """A callback that writes a frozen base weight after the first optimizer step: in place (its version counter
+    moves) or through ``.data`` (which no version counter sees)."""
+
+    def __init__(self, how: str):
+        self.how = how
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step == 1 and self.how:
+            weight = dict(model.named_parameters())["base_model.model.model.layers.0.mlp.up_proj.weight"]
+            with torch.no_grad():
+                (weight.data if self.how == "data" else weight).add_(0.5)
+
+
+@pytest.mark.parametrize("how", ["", "in place", "data"])
+def test_a_lora_runs_sealed_output_root_reuses_start_hashes_only_for_the_bytes_its_output_holds(tmp_path, how,
+                                                                                                monkeypatch):
+    """Sealing a LoRA run takes the frozen base's hashes from those the lineage computed as training started (the
+    frozen store saved at step 0, the tensor's stamp unchanged) instead of hashing the base again: the root is the one
+    hashing every tensor gives, and the run's output_root (its final checkpoint merged). A frozen weight written in
+    place during training is hashed again (the checkpoint stores it); one written through .data keeps the start's
+    hash, which binds the store's bytes the final checkpoint references, so the sealed root is still output_root(run)
+    (hashing the live model would have sealed a root of bytes no checkpoint holds)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.trace import lineage, open_run
+
+    reused = []
+    slow = lineage.weights_hashes
+
+    def spy(state, known=None):
+        out = slow(state, known)
+        reused.append(sum(1 for n in out if known and n in known and out[n] == known[n][1]))
+        return out
+
+    monkeypatch.setattr(lineage, "weights_hashes", spy)
+    tok, data = get_trace_data()
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    trainer = record(tok, data.select(range(8)), tmp_path, model=model, every=2, learning_rate=1e-2,
+                     trainer_kwargs={"callbacks": [_EditFrozen(how)]})
+    header = json.loads((tmp_path / "trace" / "header.json").read_text())
+    sealed = header["lineage"]["output_root"]
+    assert sealed == lineage.output_root(open_run(tmp_path / "trace"))
+    assert reused[1] > 0  # the sealing's call (the first: the lineage at the start) reused the start's hashes
+    if how != "data":  # the live model is the output: hashing it whole gives the same root
+        assert sealed == lineage.live_output_root(trainer.model, header)
+    else:
+        assert sealed != lineage.live_output_root(trainer.model, header)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text, private_dir
-from .base_source import base_key, file_sha256, loaded_from
+from .base_source import base_key, file_sha256, loaded_from, stamp
 from .checkpoints import full_model_state, load_checkpoint, tied_aliases
-from .dtensors import local
+from .dtensors import is_sharded, local
 from .fidelity import restore_layout
 from .hashing import root_hash, tensor_hashes
 from .model_info import peft_and_base
@@ -43,17 +43,37 @@ ADAPTER = re.compile(r"(^|\.)(lora_[A-Za-z_]+|modules_to_save|original_module)(\
 
 
 # ---- the weights a run starts from and ends with ----------------------------------------------------------------
-def weights_root(state: dict) -> str:
+def weights_root(state: dict, known: dict | None = None) -> str:
     """The state-hash root of a model's base weights, named as the plain model names them (adapters left out), each
     tied tensor once under its first name, as a checkpoint's ``hashes.json`` computes ``params_root``: a plain run's
     output root is its final checkpoint's ``params_root``, and a DPO reference's root
-    (:func:`hf_unlearn.trace.reference.reference_root`) is comparable with it."""
+    (:func:`hf_unlearn.trace.reference.reference_root`) is comparable with it. ``known``: see :func:`weights_hashes`."""
+    return root_hash(weights_hashes(state, known))
+
+
+def weights_hashes(state: dict, known: dict | None = None) -> dict[str, str]:
+    """The per-tensor hashes :func:`weights_root` is the root of. ``known``: ``{plain name: (stamp, hash)}`` of
+    tensors hashed before (:func:`start_hashes`); a tensor's hash is taken from there only when the tensor ``state``
+    holds under that name has that stamp (:func:`~hf_unlearn.trace.base_source.stamp`: the same storage, offset and
+    shape, and the same in-place version counter, which every in-place write through the tensor or a view of it
+    increments), so a tensor replaced or written in place since is hashed again; what a stamp cannot see (a write
+    through ``.data``) the caller excludes (:func:`live_output_root`)."""
     plain = base_weights(state)
     tied = tied_aliases({n: local(t) for n, t in plain.items()})
+    named = {n: t for n, t in plain.items() if n not in tied}
+    reuse = {n: known[n][1] for n, t in named.items()
+             if known and n in known and not is_sharded(t) and stamp(t) == known[n][0]}
     # an FSDP2 model's DTensors: each full logical tensor gathered (a collective every process joins) and hashed
     # one at a time, so the root is the unsharded model's and no process holds the whole model (tensor_hashes);
     # local tensors are hashed on torch's threads
-    return root_hash(tensor_hashes({n: t for n, t in plain.items() if n not in tied}))
+    fresh = tensor_hashes({n: t for n, t in named.items() if n not in reuse})
+    return {n: reuse[n] if n in reuse else fresh[n] for n in named}
+
+
+def start_hashes(state: dict, hashes: dict[str, str]) -> dict[str, tuple]:
+    """``{plain name: (stamp, hash)}`` of :func:`weights_hashes`' ``hashes`` of ``state`` (unsharded)."""
+    plain = base_weights(state)
+    return {n: (stamp(plain[n]), h) for n, h in hashes.items() if not is_sharded(plain[n])}
 
 
 def base_weights(state: dict) -> dict:
@@ -99,14 +119,27 @@ def final_is_output(header: dict) -> bool:
     return not (header.get("model") or {}).get("peft")
 
 
-def live_output_root(model, header: dict) -> str:
+def live_output_root(model, header: dict, start: dict | None = None, frozen: dict | None = None) -> str:
     """:func:`output_root` of a run that just finished, from its model in memory (a PEFT adapter merged into a copy,
     with the recorded numeric stack): sealed into the header's ``lineage.output_root`` so a later stage's recording
-    finds its parent without loading (or de-quantising) anything."""
+    finds its parent without loading (or de-quantising) anything.
+
+    ``start`` (:func:`start_hashes`, taken by the lineage as training started) and ``frozen`` (``{name: stamp}`` of
+    the frozen tensors the final checkpoint references in the run's frozen store, stamped when the store was saved:
+    :meth:`~hf_unlearn.trace.checkpoints.FrozenTensors.unchanged_stamps`): a frozen base tensor's hash is the start's,
+    not computed again, when the store holds it in the stamp the start hashed it in and the merged model still holds
+    that tensor (:func:`weights_hashes`). Its hash then binds the bytes the store holds, which are what the final
+    checkpoint, and so :func:`output_root`, holds for that name, even after a write a stamp cannot see (``.data``):
+    the sealed root is the run's output root whatever the live model went through. Every other tensor (the merged
+    adapted layers, a buffer, a tensor replaced or trained) is hashed."""
     if not (header.get("model") or {}).get("peft"):
         return weights_root(model.state_dict())
+    known = None
+    if start and frozen:
+        known = {base_key(n): start[base_key(n)] for n, s in frozen.items()
+                 if not ADAPTER.search(n) and start.get(base_key(n), (None,))[0] == s}
     with pinned_stack(header):
-        return weights_root(merged_copy(model).state_dict())
+        return weights_root(merged_copy(model).state_dict(), known)
 
 
 # children by which PEFT's tuner layers and wrappers (whose tensors a merge writes or replaces) are found
@@ -235,12 +268,16 @@ def _external(model) -> dict:
     return out
 
 
-def record_lineage(model, run_dir, hint=None) -> dict:
+def record_lineage(model, run_dir, hint=None, hashes_out: dict | None = None) -> dict:
     """The ``lineage`` entry of a run starting from ``model`` (weights as training starts); writes the parent's local
     folder to ``run_dir/private/lineage.json``. ``hint`` (``trace_parent=``): a run or forget output folder the
-    model was declared to come from; refused when its output weights are not the model's."""
+    model was declared to come from; refused when its output weights are not the model's. ``hashes_out``: filled with
+    the starting weights' :func:`start_hashes` (for :func:`live_output_root`)."""
     state = model.state_dict()
-    start = weights_root(state)
+    hashes = weights_hashes(state)
+    start = root_hash(hashes)
+    if hashes_out is not None:
+        hashes_out.update(start_hashes(state, hashes))
     candidates = []
     if hint is not None:
         resolved = resolve_run_folder(hint)
