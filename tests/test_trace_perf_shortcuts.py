@@ -338,3 +338,40 @@ def test_a_lora_runs_sealed_output_root_reuses_start_hashes_only_for_the_bytes_i
         assert sealed == lineage.live_output_root(trainer.model, header)
     else:
         assert sealed != lineage.live_output_root(trainer.model, header)
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("llama", dict(target_modules=["q_proj", "v_proj"])),
+    ("llama", dict(target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)),
+    ("llama", dict(target_modules=["q_proj", "lm_head"])),  # a tied head: the whole-model copy
+    ("llama", dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"])),  # a wrapper: the same
+    ("gpt2", dict(target_modules=["c_attn"], fan_in_fan_out=True)),  # Conv1D, a bias
+    ("gpt2", dict(target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_bias=True)),  # the merge writes a bias
+])
+def test_the_merged_state_merging_each_tuner_layer_alone_is_the_deep_copys_merge(family, targets):
+    """lineage.merged_state (the sealed output root of a PEFT run: each tuner layer copied and merged alone, the rest
+    the live model's) is ``copy.deepcopy(model).merge_and_unload().state_dict()`` bit for bit, names and order
+    included, in bf16 too; the live model keeps its adapters and every bit of its tensors."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.models import build_tiny_model
+    from hf_unlearn.trace.lineage import merged_state
+
+    tok, _ = get_trace_data()
+    for dtype in (torch.float32, torch.bfloat16):
+        base = build_tiny_model(family, tok, hidden_size=32, num_layers=2, num_heads=2, seed=0).to(dtype)
+        model = get_peft_model(base, LoraConfig(r=2, lora_dropout=0.0, **targets))
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_((torch.randn(p.shape, generator=g) * 0.1).to(p.dtype))
+        live = {n: t.clone() for n, t in model.state_dict().items()}
+        fast, expected = merged_state(model), copy.deepcopy(model).merge_and_unload().state_dict()
+        assert list(fast) == list(expected), (family, targets)
+        assert all(fast[n].dtype == expected[n].dtype and torch.equal(fast[n], expected[n]) for n in expected)
+        now = model.state_dict()
+        assert list(now) == list(live) and all(torch.equal(now[n], live[n]) for n in live)
+        assert not any(getattr(m, "merged_adapters", []) for m in model.modules())
