@@ -9,7 +9,7 @@ the load moves the plain arm by seconds between runs, which a pair of neighbouri
 ``--parent DIR`` (w42dpo's change): the parent commit's ``program_state`` (trace/digests.py), ``live_output_root``
 (trace/lineage.py) and row-0 dummy-weight probe patched in from a copy of its ``hf_unlearn/``. Without it (w42lora's
 change): this code with its own shortcuts switched off, the slow paths they replace kept beside them: the DPO probe
-on the whole shortest pair (``probe_pair``), the adapter-disabled reference hashed at construction
+on the whole shortest pair (``probe_pair``), SFT's on the whole shortest row (``probe_window``), the adapter-disabled reference hashed at construction
 (``is_start_root``), the sealed output root hashing every tensor of a deep copy merged
 (``output_root_now``, ``merged_state``).
 
@@ -62,7 +62,7 @@ def main():
     from hf_unlearn import load_tofu, trace_recording
     from hf_unlearn.models import load_model, load_tokenizer
     from hf_unlearn.trace import digests, lineage, preference
-    from hf_unlearn.trace.recorder import preflight, sealing
+    from hf_unlearn.trace.recorder import preflight, probe, sealing
 
     if a.parent:
         old_digests, old_lineage = parent_module(a.parent, "digests"), parent_module(a.parent, "lineage")
@@ -75,15 +75,17 @@ def main():
             digests.program_state, sealing.live_output_root, preflight.probe_row = (
                 (old_digests.program_state, old_lineage.live_output_root, row_0) if parent else now)
     else:
-        now = (preference.probe_pair, preference.is_start_root, sealing.output_root_now, lineage.merged_state)
+        now = (preference.probe_pair, probe.probe_window, preference.is_start_root, sealing.output_root_now,
+               lineage.merged_state)
 
         def whole_root(trainer):
             return lineage.live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header)
 
-        before = (lambda row: row, lambda policy: False, whole_root, lambda m: lineage.merged_copy(m).state_dict())
+        before = (lambda row: row, lambda row: row, lambda policy: False, whole_root,
+                  lambda m: lineage.merged_copy(m).state_dict())
 
         def use(parent: bool) -> None:
-            (preference.probe_pair, preference.is_start_root, sealing.output_root_now,
+            (preference.probe_pair, probe.probe_window, preference.is_start_root, sealing.output_root_now,
              lineage.merged_state) = before if parent else now
 
     model_dir = str(SHARED / "models" / "SmolLM2-135M-Instruct")

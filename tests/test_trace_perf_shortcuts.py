@@ -375,3 +375,22 @@ def test_the_merged_state_merging_each_tuner_layer_alone_is_the_deep_copys_merge
         now = model.state_dict()
         assert list(now) == list(live) and all(torch.equal(now[n], live[n]) for n in live)
         assert not any(getattr(m, "merged_adapters", []) for m in model.modules())
+
+
+def test_the_sft_probe_runs_on_a_window_around_the_rows_first_token_to_train_on():
+    """The SFT dummy-weight probe's pass costs its row's tokens: it runs on 8 consecutive tokens around the first
+    token to train on (a completion or assistant mask, labels), every token column cut alike; a short row or one with
+    other columns is kept whole. (A loss with a term on every token is still refused: tests/test_trace_sft.py.)"""
+    from hf_unlearn.trace.recorder.probe import probe_window
+
+    row = {"input_ids": list(range(30)), "completion_mask": [0] * 20 + [1] * 10, "attention_mask": [1] * 30}
+    assert probe_window(row) == {"input_ids": list(range(16, 24)), "completion_mask": [0] * 4 + [1] * 4,
+                                 "attention_mask": [1] * 8}
+    late = {"input_ids": list(range(30)), "labels": [-100] * 28 + [28, 29]}
+    assert probe_window(late) == {"input_ids": list(range(22, 30)), "labels": [-100] * 6 + [28, 29]}
+    both = {"input_ids": list(range(12)), "assistant_masks": [0, 1] * 6, "completion_mask": [0, 0, 0, 1] * 3}
+    assert probe_window(both)["input_ids"] == list(range(0, 8))  # the first token both masks train: 3
+    plain = {"input_ids": list(range(20))}
+    assert probe_window(plain) == {"input_ids": list(range(8))}
+    for kept in ({"input_ids": [1, 2, 3]}, {"input_ids": list(range(20)), "position_ids": list(range(20))}):
+        assert probe_window(kept) is kept
