@@ -9,9 +9,9 @@ the load moves the plain arm by seconds between runs, which a pair of neighbouri
 ``--parent DIR`` (w42dpo's change): the parent commit's ``program_state`` (trace/digests.py), ``live_output_root``
 (trace/lineage.py) and row-0 dummy-weight probe patched in from a copy of its ``hf_unlearn/``. Without it (w42lora's
 change): this code with its own shortcuts switched off, the slow paths they replace kept beside them: the DPO probe
-on the whole shortest pair (``probe_pair``), SFT's on the whole shortest row (``probe_window``), the adapter-disabled reference hashed at construction
-(``is_start_root``), the sealed output root hashing every tensor of a deep copy merged
-(``output_root_now``, ``merged_state``).
+on the whole shortest pair (``probe_pair``), SFT's on the whole shortest row (``probe_window``), the
+adapter-disabled reference hashed at construction (``is_start_root``), the sealed output root hashing every tensor
+of a deep copy merged (``output_root_now``, ``merged_state``).
 
     git archive 49cd2be hf_unlearn | tar -x -C /tmp/parent
     PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3 --parent /tmp/parent/hf_unlearn
