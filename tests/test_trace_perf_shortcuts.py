@@ -292,19 +292,22 @@ def test_an_adapter_disabled_references_root_is_the_start_root_hashed_once(tmp_p
 
 class _EditFrozen(TrainerCallback):
     """A callback that writes a frozen base weight after the first optimizer step: in place (its version counter
-    moves) or through ``.data`` (which no version counter sees)."""
+    moves), through ``.data`` (which no version counter sees), or replaces it with a new tensor."""
 
     def __init__(self, how: str):
         self.how = how
 
     def on_step_end(self, args, state, control, model=None, **kw):
-        if state.global_step == 1 and self.how:
+        if state.global_step == 1 and self.how == "replaced":  # a new tensor; the old one freed
+            module = model.get_submodule("base_model.model.model.layers.0.mlp.up_proj")
+            module.weight = torch.nn.Parameter(module.weight.detach() + 0.5, requires_grad=False)
+        elif state.global_step == 1 and self.how:
             weight = dict(model.named_parameters())["base_model.model.model.layers.0.mlp.up_proj.weight"]
             with torch.no_grad():
                 (weight.data if self.how == "data" else weight).add_(0.5)
 
 
-@pytest.mark.parametrize("how", ["", "in place", "data"])
+@pytest.mark.parametrize("how", ["", "in place", "data", "replaced"])
 def test_a_lora_runs_sealed_output_root_reuses_start_hashes_only_for_the_bytes_its_output_holds(tmp_path, how,
                                                                                                 monkeypatch):
     """Sealing a LoRA run takes the frozen base's hashes from those the lineage computed as training started (the
@@ -312,7 +315,7 @@ def test_a_lora_runs_sealed_output_root_reuses_start_hashes_only_for_the_bytes_i
     hashing every tensor gives, and the run's output_root (its final checkpoint merged). A frozen weight written in
     place during training is hashed again (the checkpoint stores it); one written through .data keeps the start's
     hash, which binds the store's bytes the final checkpoint references, so the sealed root is still output_root(run)
-    (hashing the live model would have sealed a root of bytes no checkpoint holds)."""
+    (hashing the live model would have sealed a root of bytes no checkpoint holds); one replaced is hashed again."""
     from peft import LoraConfig, get_peft_model
 
     from hf_unlearn.trace import lineage, open_run

@@ -54,8 +54,8 @@ def weights_root(state: dict, known: dict | None = None) -> str:
 
 
 def weights_hashes(state: dict, known: dict | None = None) -> dict[str, str]:
-    """The per-tensor hashes :func:`weights_root` is the root of. ``known``: ``{plain name: (stamp, hash)}`` of
-    tensors hashed before (:func:`start_hashes`); a tensor's hash is taken from there only when the tensor ``state``
+    """The per-tensor hashes :func:`weights_root` is the root of. ``known``: ``{plain name: (stamp, hash, ...)}`` of
+    tensors hashed before (:func:`start_hashes`, which keeps them allocated); a tensor's hash is taken from there only when the tensor ``state``
     holds under that name has that stamp (:func:`~hf_unlearn.trace.base_source.stamp`: the same storage, offset and
     shape, and the same in-place version counter, which every in-place write through the tensor or a view of it
     increments), so a tensor replaced or written in place since is hashed again; what a stamp cannot see (a write
@@ -73,9 +73,11 @@ def weights_hashes(state: dict, known: dict | None = None) -> dict[str, str]:
 
 
 def start_hashes(state: dict, hashes: dict[str, str]) -> dict[str, tuple]:
-    """``{plain name: (stamp, hash)}`` of :func:`weights_hashes`' ``hashes`` of ``state`` (unsharded)."""
+    """``{plain name: (stamp, hash, tensor)}`` of :func:`weights_hashes`' ``hashes`` of ``state`` (unsharded). The
+    tensor is held so its storage stays allocated while the hashes are kept: no other tensor can be given its address
+    and match its stamp."""
     plain = base_weights(state)
-    return {n: (stamp(plain[n]), h) for n, h in hashes.items() if not is_sharded(plain[n])}
+    return {n: (stamp(plain[n]), h, plain[n]) for n, h in hashes.items() if not is_sharded(plain[n])}
 
 
 def base_weights(state: dict) -> dict:
