@@ -17,12 +17,13 @@ import argparse
 import copy
 import functools
 import shutil
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 warnings.filterwarnings("ignore")
 
 
@@ -31,19 +32,16 @@ def main():
     p.add_argument("--only", choices=["sft", "dpo"], default="dpo")
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args()
-    import torch
-
     from hf_unlearn.runtime import quiet_benchmark
 
     quiet_benchmark(1)
-    from datasets import Dataset
+    from bench_overhead_ab import shortcuts_switch, smollm2_lora_data
     from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-    from hf_unlearn import load_tofu, trace_recording
-    from hf_unlearn.models import load_model, load_tokenizer
-    from hf_unlearn.trace import checkpoints, lineage, preference
-    from hf_unlearn.trace.recorder import keeper, opening, preflight, probe, sealing
+    from hf_unlearn import trace_recording
+    from hf_unlearn.trace import checkpoints, preference
+    from hf_unlearn.trace.recorder import keeper, opening, preflight, sealing
     from hf_unlearn.trace.recorder import mixin as recorder_mixin
 
     spent: dict[str, float] = {}
@@ -68,29 +66,14 @@ def main():
                                 (preference, "describe_reference", "reference record"),
                                 (preflight, "preflight", "preflight")]:
         timed(module, name, label)
-    now = (preference.probe_pair, probe.probe_window, preference.is_start_root, sealing.output_root_now,
-           lineage.merged_state)
-
-    def whole_root(trainer):
-        return sealing.live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header)
-
-    before = (lambda row: row, lambda row: row, lambda policy: False, whole_root,
-              lambda m: lineage.merged_copy(m).state_dict())
-    model_dir = str(SHARED / "models" / "SmolLM2-135M-Instruct")
-    tok, base = load_tokenizer(model_dir), load_model(model_dir, dtype=torch.float32)
-    rows = load_tofu("full", SHARED / "data" / "tofu").select(range(49))
-    answers = [" " + x for x in rows["answer"]]
-    data = {"sft": Dataset.from_dict({"id": rows["id"][:-1], "prompt": rows["question"][:-1],
-                                      "completion": answers[:-1]}),
-            "dpo": Dataset.from_dict({"id": rows["id"][:16], "prompt": rows["question"][:16],
-                                      "chosen": answers[:16], "rejected": answers[1:17]})}
+    use = shortcuts_switch()
+    tok, base, data = smollm2_lora_data()
     steps, cls = {"sft": (12, SFTTrainer), "dpo": (8, DPOTrainer)}[a.only]
     out = Path(tempfile.mkdtemp(prefix="bench_recording_parts_"))
     try:
         for r in range(a.repeats):
             for arm in ["parent", "now"] if r % 2 == 0 else ["now", "parent"]:
-                (preference.probe_pair, probe.probe_window, preference.is_start_root, sealing.output_root_now,
-                 lineage.merged_state) = before if arm == "parent" else now
+                use(arm == "parent")
                 spent.clear()
                 common = dict(output_dir=str(out / arm), max_steps=steps, learning_rate=1e-4, max_length=64,
                               report_to=[], seed=0, use_cpu=True, logging_steps=1000, disable_tqdm=True,
