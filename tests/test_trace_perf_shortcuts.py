@@ -397,3 +397,36 @@ def test_the_sft_probe_runs_on_a_window_around_the_rows_first_token_to_train_on(
     assert probe_window(plain) == {"input_ids": list(range(8))}
     for kept in ({"input_ids": [1, 2, 3]}, {"input_ids": list(range(20)), "position_ids": list(range(20))}):
         assert probe_window(kept) is kept
+
+
+def test_a_resumed_lora_dpo_recording_hashes_its_adapter_disabled_reference_and_completes(tmp_path):
+    """A resumed recording keeps its earlier lineage (no start root computed as it resumes): the adapter-disabled
+    reference is hashed when the header is built, compared with the one the earlier steps recorded, and the run
+    completes with the same root."""
+    from peft import LoraConfig
+    from trl import DPOTrainer
+
+    from hf_unlearn.trace import open_run, trace_recording
+
+    from .test_trace_dpo import dpo_config, pairs, saved_model
+
+    class Crash(TrainerCallback):  # defined here: not importable, so not replayed
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    tok, data = pairs(n=12)
+
+    def recorder(callbacks=()):
+        return trace_recording(DPOTrainer)(
+            model=saved_model(tmp_path / "base", tok), args=dpo_config(tmp_path / "rec", max_steps=4,
+                                                                       save_strategy="steps", save_steps=2),
+            train_dataset=data, processing_class=tok, callbacks=list(callbacks), trace_checkpoint_steps=2,
+            peft_config=LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+    recorder([Crash()]).train()
+    first = json.loads((tmp_path / "rec" / "trace" / "header.json").read_text())["reference_model"]["params_root"]
+    resumed = recorder()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    header = open_run(tmp_path / "rec" / "trace").header
+    assert header["reference_model"]["params_root"] == first == header["lineage"]["start_root"]
