@@ -1,14 +1,21 @@
-"""The recording overhead of a change to the recorder, A/B in one process (issue #42's benchmark, w42dpo's change).
+"""The recording overhead of a change to the recorder, A/B in one process (issue #42's benchmark).
 
 Three arms alternate, order rotated per repeat: the plain trainer (Trainer checkpoints every 4 steps), the recording
-with the parent commit's ``program_state`` (trace/digests.py), ``live_output_root`` (trace/lineage.py) and row-0
-dummy-weight probe patched in, and the recording as it is (``trace_self_check=False``, a trace checkpoint every 4
-steps). SmolLM2-135M LoRA r=8 on q/v, as ``bench_real_configs.py``. CPU time of ``train()`` and of construction +
-``train()``, median over the repeats, and the paired difference per repeat: on a shared machine the load moves the
-plain arm by seconds between runs, which a pair of neighbouring arms does not see.
+as its parent code ran it (``parent``), and the recording as it is (``now``; ``trace_self_check=False``, a trace
+checkpoint every 4 steps). SmolLM2-135M LoRA r=8 on q/v, as ``bench_real_configs.py``. CPU time of ``train()`` and
+of construction + ``train()``, median over the repeats, and the paired difference per repeat: on a shared machine
+the load moves the plain arm by seconds between runs, which a pair of neighbouring arms does not see.
+
+``--parent DIR`` (w42dpo's change): the parent commit's ``program_state`` (trace/digests.py), ``live_output_root``
+(trace/lineage.py) and row-0 dummy-weight probe patched in from a copy of its ``hf_unlearn/`` (into this code: the
+probes' rows cut since). Without it (w42lora's change): this code with its own shortcuts switched off, the slow
+paths they replace kept beside them: the DPO probe on the whole shortest pair (``probe_pair``), SFT's on the whole
+shortest row (``probe_window``), the adapter-disabled reference hashed at construction (``is_start_root``), the
+sealed output root hashing every tensor of a deep copy merged (``output_root_now``, ``merged_state``).
 
     git archive 49cd2be hf_unlearn | tar -x -C /tmp/parent
     PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3 --parent /tmp/parent/hf_unlearn
+    PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3
 """
 
 from __future__ import annotations
@@ -36,35 +43,34 @@ def parent_module(parent: str, name: str):
     return mod
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--only", choices=["sft", "dpo"], default="dpo")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--parent", required=True, help="the parent commit's hf_unlearn/ folder")
-    a = p.parse_args()
-    import torch
+def shortcuts_switch():
+    """``use(parent)``: w42lora's shortcuts switched off (``parent=True``: the slow paths they replace) or on."""
+    from hf_unlearn.trace import lineage, preference
+    from hf_unlearn.trace.recorder import probe, sealing
 
-    from hf_unlearn.runtime import quiet_benchmark
+    now = (preference.probe_pair, probe.probe_window, preference.is_start_root, sealing.output_root_now,
+           lineage.merged_state)
 
-    quiet_benchmark(1)
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    def whole_root(trainer):  # the output root hashing every tensor of the merged model
+        return sealing.live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header)
 
-    from hf_unlearn import load_tofu, trace_recording
-    from hf_unlearn.models import load_model, load_tokenizer
-    from hf_unlearn.trace import digests
-    from hf_unlearn.trace.recorder import preflight, sealing
-
-    old_digests, old_lineage = parent_module(a.parent, "digests"), parent_module(a.parent, "lineage")
-    now = (digests.program_state, sealing.live_output_root, preflight.probe_row)
-
-    def row_0(served, id_column):
-        return {k: v for k, v in served[0].items() if k != id_column}
+    before = (lambda row: row, lambda row: row, lambda policy: False, whole_root,
+              lambda m: lineage.merged_copy(m).state_dict())
 
     def use(parent: bool) -> None:
-        digests.program_state, sealing.live_output_root, preflight.probe_row = (
-            (old_digests.program_state, old_lineage.live_output_root, row_0) if parent else now)
+        (preference.probe_pair, probe.probe_window, preference.is_start_root, sealing.output_root_now,
+         lineage.merged_state) = before if parent else now
+
+    return use
+
+
+def smollm2_lora_data():
+    """SmolLM2-135M (fp32), its tokenizer, and the TOFU rows of both kinds: 48 SFT rows, 16 DPO pairs."""
+    import torch
+    from datasets import Dataset
+
+    from hf_unlearn import load_tofu
+    from hf_unlearn.models import load_model, load_tokenizer
 
     model_dir = str(SHARED / "models" / "SmolLM2-135M-Instruct")
     tok, base = load_tokenizer(model_dir), load_model(model_dir, dtype=torch.float32)
@@ -74,6 +80,43 @@ def main():
                                       "completion": answers[:-1]}),
             "dpo": Dataset.from_dict({"id": rows["id"][:16], "prompt": rows["question"][:16],
                                       "chosen": answers[:16], "rejected": answers[1:17]})}
+    return tok, base, data
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", choices=["sft", "dpo"], default="dpo")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parent", default=None, help="the parent commit's hf_unlearn/ folder (w42dpo's change); "
+                                                    "without it: this code's shortcuts switched off")
+    a = p.parse_args()
+
+    from hf_unlearn.runtime import quiet_benchmark
+
+    quiet_benchmark(1)
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    from hf_unlearn import trace_recording
+    from hf_unlearn.trace import digests
+    from hf_unlearn.trace.recorder import preflight, sealing
+
+    if a.parent:
+        old_digests, old_lineage = parent_module(a.parent, "digests"), parent_module(a.parent, "lineage")
+        now = (digests.program_state, sealing.output_root_now, preflight.probe_row)
+
+        def row_0(served, id_column):
+            return {k: v for k, v in served[0].items() if k != id_column}
+
+        def old_root(trainer):
+            return old_lineage.live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header)
+
+        def use(parent: bool) -> None:
+            digests.program_state, sealing.output_root_now, preflight.probe_row = (
+                (old_digests.program_state, old_root, row_0) if parent else now)
+    else:
+        use = shortcuts_switch()
+    tok, base, data = smollm2_lora_data()
     kind = a.only
     steps, cls = {"sft": (12, SFTTrainer), "dpo": (8, DPOTrainer)}[kind]
     out = Path(tempfile.mkdtemp(prefix="bench_overhead_ab_"))

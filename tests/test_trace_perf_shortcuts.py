@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from .test_trace_common import get_recorded, get_trace_data, record, tiny
 
@@ -234,3 +235,198 @@ def test_the_dummy_weight_probe_runs_on_the_shortest_real_row_with_tokens_to_tra
     assert probe_row(labels, "id")["input_ids"] == [1] * 4
     none = Dataset.from_dict({"id": [1], "input_ids": [[]]})
     assert probe_row(none, "id") == {"input_ids": []}  # no candidate: the first row, as before
+
+
+def test_the_dpo_probe_runs_on_a_pairs_first_tokens_with_unequal_rows():
+    """The DPO preflight's two passes cost their pair's tokens: they run on the last prompt tokens and the first
+    chosen and rejected ones of the shortest real pair, rows of unequal lengths where the pair's are; a row with other
+    token columns is kept whole. (The coupled-loss and dummy-gradient attacks are refused on such a pair:
+    tests/test_trace_dpo_attacks.py and tests/test_trace_dpo.py run them on TOFU pairs, which it cuts.)"""
+    from hf_unlearn.trace.preference import probe_pair
+
+    row = {"prompt_ids": list(range(10)), "chosen_ids": list(range(20, 50)), "rejected_ids": list(range(60, 80))}
+    assert probe_pair(row) == {"prompt_ids": [6, 7, 8, 9], "chosen_ids": [20, 21, 22, 23], "rejected_ids": [60, 61, 62]}
+    short = {"prompt_ids": [1], "chosen_ids": [2, 3, 4], "rejected_ids": [5, 6, 7, 8, 9]}
+    assert probe_pair(short) == {"prompt_ids": [1], "chosen_ids": [2, 3, 4], "rejected_ids": [5, 6, 7, 8]}
+    same = {"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [5, 6]}
+    assert probe_pair(same) == same
+    images = {**row, "pixel_values": [[0.5]]}
+    assert probe_pair(images) is images
+
+
+def test_an_adapter_disabled_references_root_is_the_start_root_hashed_once(tmp_path):
+    """A LoRA DPO recording with ref_model=None takes its reference's params_root from the lineage's start root (the
+    base weights hashed once as training starts, not again at construction): it is the root reference_root computes
+    from the base (the slow path), and an edit of the base between construction and train() is in it. A
+    modules_to_save adapter (whose reference_root names more tensors) still hashes its reference itself."""
+    from peft import LoraConfig, get_peft_model
+    from trl import DPOTrainer
+
+    from hf_unlearn.trace import open_run, trace_recording
+    from hf_unlearn.trace.preference import is_start_root
+    from hf_unlearn.trace.reference import reference_root
+
+    from .test_trace_dpo import dpo_config, pairs, saved_model
+
+    tok, data = pairs(n=4)
+    base = tmp_path / "base"
+    lora = LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = trace_recording(DPOTrainer)(
+        model=saved_model(base, tok), args=dpo_config(tmp_path / "rec", max_steps=1), train_dataset=data,
+        processing_class=tok, peft_config=lora, trace_checkpoint_steps=1)
+    assert trainer._trace_reference["params_root"] is None
+    edited = saved_model(base, tok)
+    with torch.no_grad():  # between construction and train(): the reference trains against the edited base
+        for m in (edited, trainer.accelerator.unwrap_model(trainer.model).get_base_model()):
+            m.model.norm.weight.mul_(2.0)
+    trainer.train()
+    run = open_run(tmp_path / "rec" / "trace")
+    ref = run.header["reference_model"]
+    assert ref["kind"] == "adapter_disabled"
+    assert ref["params_root"] == run.header["lineage"]["start_root"] == reference_root(edited)
+    assert ref["params_root"] != reference_root(saved_model(base, tok))
+    assert is_start_root(get_peft_model(saved_model(base, tok), lora))
+    saved = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    assert not is_start_root(get_peft_model(saved_model(base, tok), saved))
+
+
+class _EditFrozen(TrainerCallback):
+    """A callback that writes a frozen base weight after the first optimizer step: in place (its version counter
+    moves), through ``.data`` (which no version counter sees), or replaces it with a new tensor."""
+
+    def __init__(self, how: str):
+        self.how = how
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step == 1 and self.how == "replaced":  # a new tensor; the old one freed
+            module = model.get_submodule("base_model.model.model.layers.0.mlp.up_proj")
+            module.weight = torch.nn.Parameter(module.weight.detach() + 0.5, requires_grad=False)
+        elif state.global_step == 1 and self.how:
+            weight = dict(model.named_parameters())["base_model.model.model.layers.0.mlp.up_proj.weight"]
+            with torch.no_grad():
+                (weight.data if self.how == "data" else weight).add_(0.5)
+
+
+@pytest.mark.parametrize("how", ["", "in place", "data", "replaced"])
+def test_a_lora_runs_sealed_output_root_reuses_start_hashes_only_for_the_bytes_its_output_holds(tmp_path, how,
+                                                                                                monkeypatch):
+    """Sealing a LoRA run takes the frozen base's hashes from those the lineage computed as training started (the
+    frozen store saved at step 0, the tensor's stamp unchanged) instead of hashing the base again: the root is the one
+    hashing every tensor gives, and the run's output_root (its final checkpoint merged). A frozen weight written in
+    place during training is hashed again (the checkpoint stores it); one written through .data keeps the start's
+    hash, which binds the store's bytes the final checkpoint references, so the sealed root is still output_root(run)
+    (hashing the live model would have sealed a root of bytes no checkpoint holds); one replaced is hashed again."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.trace import lineage, open_run
+
+    reused = []
+    slow = lineage.weights_hashes
+
+    def spy(state, known=None):
+        out = slow(state, known)
+        reused.append(sum(1 for n in out if known and n in known and out[n] == known[n][1]))
+        return out
+
+    monkeypatch.setattr(lineage, "weights_hashes", spy)
+    tok, data = get_trace_data()
+    model = get_peft_model(tiny(tok), LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    trainer = record(tok, data.select(range(8)), tmp_path, model=model, every=2, learning_rate=1e-2,
+                     trainer_kwargs={"callbacks": [_EditFrozen(how)]})
+    header = json.loads((tmp_path / "trace" / "header.json").read_text())
+    sealed = header["lineage"]["output_root"]
+    assert sealed == lineage.output_root(open_run(tmp_path / "trace"))
+    assert reused[1] > 0  # the sealing's call (the first: the lineage at the start) reused the start's hashes
+    if how != "data":  # the live model is the output: hashing it whole gives the same root
+        assert sealed == lineage.live_output_root(trainer.model, header)
+    else:
+        assert sealed != lineage.live_output_root(trainer.model, header)
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("llama", dict(target_modules=["q_proj", "v_proj"])),
+    ("llama", dict(target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)),
+    ("llama", dict(target_modules=["q_proj", "lm_head"])),  # a tied head: the whole-model copy
+    ("llama", dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"])),  # a wrapper: the same
+    ("gpt2", dict(target_modules=["c_attn"], fan_in_fan_out=True)),  # Conv1D, a bias
+    ("gpt2", dict(target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_bias=True)),  # the merge writes a bias
+])
+def test_the_merged_state_merging_each_tuner_layer_alone_is_the_deep_copys_merge(family, targets):
+    """lineage.merged_state (the sealed output root of a PEFT run: each tuner layer copied and merged alone, the rest
+    the live model's) is ``copy.deepcopy(model).merge_and_unload().state_dict()`` bit for bit, names and order
+    included, in bf16 too; the live model keeps its adapters and every bit of its tensors."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.models import build_tiny_model
+    from hf_unlearn.trace.lineage import merged_state
+
+    tok, _ = get_trace_data()
+    for dtype in (torch.float32, torch.bfloat16):
+        base = build_tiny_model(family, tok, hidden_size=32, num_layers=2, num_heads=2, seed=0).to(dtype)
+        model = get_peft_model(base, LoraConfig(r=2, lora_dropout=0.0, **targets))
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_((torch.randn(p.shape, generator=g) * 0.1).to(p.dtype))
+        live = {n: t.clone() for n, t in model.state_dict().items()}
+        fast, expected = merged_state(model), copy.deepcopy(model).merge_and_unload().state_dict()
+        assert list(fast) == list(expected), (family, targets)
+        assert all(fast[n].dtype == expected[n].dtype and torch.equal(fast[n], expected[n]) for n in expected)
+        now = model.state_dict()
+        assert list(now) == list(live) and all(torch.equal(now[n], live[n]) for n in live)
+        assert not any(getattr(m, "merged_adapters", []) for m in model.modules())
+
+
+def test_the_sft_probe_runs_on_a_window_around_the_rows_first_token_to_train_on():
+    """The SFT dummy-weight probe's pass costs its row's tokens: it runs on 8 consecutive tokens around the first
+    token to train on (a completion or assistant mask, labels), every token column cut alike; a short row or one with
+    other columns is kept whole. (A loss with a term on every token is still refused: tests/test_trace_sft.py.)"""
+    from hf_unlearn.trace.recorder.probe import probe_window
+
+    row = {"input_ids": list(range(30)), "completion_mask": [0] * 20 + [1] * 10, "attention_mask": [1] * 30}
+    assert probe_window(row) == {"input_ids": list(range(16, 24)), "completion_mask": [0] * 4 + [1] * 4,
+                                 "attention_mask": [1] * 8}
+    late = {"input_ids": list(range(30)), "labels": [-100] * 28 + [28, 29]}
+    assert probe_window(late) == {"input_ids": list(range(22, 30)), "labels": [-100] * 6 + [28, 29]}
+    both = {"input_ids": list(range(12)), "assistant_masks": [0, 1] * 6, "completion_mask": [0, 0, 0, 1] * 3}
+    assert probe_window(both)["input_ids"] == list(range(0, 8))  # the first token both masks train: 3
+    plain = {"input_ids": list(range(20))}
+    assert probe_window(plain) == {"input_ids": list(range(8))}
+    for kept in ({"input_ids": [1, 2, 3]}, {"input_ids": list(range(20)), "position_ids": list(range(20))}):
+        assert probe_window(kept) is kept
+
+
+def test_a_resumed_lora_dpo_recording_hashes_its_adapter_disabled_reference_and_completes(tmp_path):
+    """A resumed recording keeps its earlier lineage (no start root computed as it resumes): the adapter-disabled
+    reference is hashed when the header is built, compared with the one the earlier steps recorded, and the run
+    completes with the same root."""
+    from peft import LoraConfig
+    from trl import DPOTrainer
+
+    from hf_unlearn.trace import open_run, trace_recording
+
+    from .test_trace_dpo import dpo_config, pairs, saved_model
+
+    class Crash(TrainerCallback):  # defined here: not importable, so not replayed
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    tok, data = pairs(n=12)
+
+    def recorder(callbacks=()):
+        return trace_recording(DPOTrainer)(
+            model=saved_model(tmp_path / "base", tok), args=dpo_config(tmp_path / "rec", max_steps=4,
+                                                                       save_strategy="steps", save_steps=2),
+            train_dataset=data, processing_class=tok, callbacks=list(callbacks), trace_checkpoint_steps=2,
+            peft_config=LoraConfig(r=2, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+    recorder([Crash()]).train()
+    first = json.loads((tmp_path / "rec" / "trace" / "header.json").read_text())["reference_model"]["params_root"]
+    resumed = recorder()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    header = open_run(tmp_path / "rec" / "trace").header
+    assert header["reference_model"]["params_root"] == first == header["lineage"]["start_root"]

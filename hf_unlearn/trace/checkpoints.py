@@ -128,11 +128,17 @@ class FrozenTensors:
         self.hashes: dict[str, str] = {}
         self._stamps: dict[str, tuple] = {}
         self._params: dict = {}
+        self.saved_step: int | None = None  # the checkpoint step this recording saved the store at
 
     def unchanged(self, model) -> set[str]:
         """Names of the frozen store's tensors that ``model`` still holds unmodified."""
+        return set(self.unchanged_stamps(model))
+
+    def unchanged_stamps(self, model) -> dict[str, tuple]:
+        """``{name: stamp}`` of the frozen store's tensors that ``model`` still holds unmodified (the same tensor, in
+        the same in-place version as when the store was saved): those a checkpoint references in the store."""
         params = dict(model.named_parameters(remove_duplicate=False))
-        return {n for n, s in self._stamps.items() if n in params and stamp(params[n]) == s}
+        return {n: s for n, s in self._stamps.items() if n in params and stamp(params[n]) == s}
 
     def save(self, model, tensors: dict, source: str | os.PathLike | None = None) -> None:
         """Save the tensors among ``tensors`` that are parameters with ``requires_grad=False`` (once).
@@ -258,6 +264,7 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     state = state if state is not None else capture_state(model, optimizer, step)
     if frozen is not None and not frozen.exists and not (frozen.dir / "hashes.json").exists():
         frozen.save(model, state["model"], source=frozen.source)
+        frozen.saved_step = step
     referenced = frozen.unchanged(model) & set(state["model"]) if frozen is not None else set()
     known = {n: frozen.hashes[n] for n in referenced} if referenced else None
     # hashed while the files are written (safetensors writes without the GIL): the same bytes, read in memory, about

@@ -25,11 +25,13 @@ import json
 import re
 from pathlib import Path
 
+import torch
+
 from ..errors import UnlearnError
 from ..utils import atomic_write_text, private_dir
-from .base_source import base_key, file_sha256, loaded_from
+from .base_source import base_key, file_sha256, loaded_from, stamp
 from .checkpoints import full_model_state, load_checkpoint, tied_aliases
-from .dtensors import local
+from .dtensors import is_sharded, local
 from .fidelity import restore_layout
 from .hashing import root_hash, tensor_hashes
 from .model_info import peft_and_base
@@ -43,17 +45,39 @@ ADAPTER = re.compile(r"(^|\.)(lora_[A-Za-z_]+|modules_to_save|original_module)(\
 
 
 # ---- the weights a run starts from and ends with ----------------------------------------------------------------
-def weights_root(state: dict) -> str:
+def weights_root(state: dict, known: dict | None = None) -> str:
     """The state-hash root of a model's base weights, named as the plain model names them (adapters left out), each
     tied tensor once under its first name, as a checkpoint's ``hashes.json`` computes ``params_root``: a plain run's
     output root is its final checkpoint's ``params_root``, and a DPO reference's root
-    (:func:`hf_unlearn.trace.reference.reference_root`) is comparable with it."""
+    (:func:`hf_unlearn.trace.reference.reference_root`) is comparable with it. ``known``: see :func:`weights_hashes`."""
+    return root_hash(weights_hashes(state, known))
+
+
+def weights_hashes(state: dict, known: dict | None = None) -> dict[str, str]:
+    """The per-tensor hashes :func:`weights_root` is the root of. ``known``: ``{plain name: (stamp, hash, ...)}`` of
+    tensors hashed before (:func:`start_hashes`, which keeps them allocated); a tensor's hash is taken from there only when the tensor ``state``
+    holds under that name has that stamp (:func:`~hf_unlearn.trace.base_source.stamp`: the same storage, offset and
+    shape, and the same in-place version counter, which every in-place write through the tensor or a view of it
+    increments), so a tensor replaced or written in place since is hashed again; what a stamp cannot see (a write
+    through ``.data``) the caller excludes (:func:`live_output_root`)."""
     plain = base_weights(state)
     tied = tied_aliases({n: local(t) for n, t in plain.items()})
+    named = {n: t for n, t in plain.items() if n not in tied}
+    reuse = {n: known[n][1] for n, t in named.items()
+             if known and n in known and not is_sharded(t) and stamp(t) == known[n][0]}
     # an FSDP2 model's DTensors: each full logical tensor gathered (a collective every process joins) and hashed
     # one at a time, so the root is the unsharded model's and no process holds the whole model (tensor_hashes);
     # local tensors are hashed on torch's threads
-    return root_hash(tensor_hashes({n: t for n, t in plain.items() if n not in tied}))
+    fresh = tensor_hashes({n: t for n, t in named.items() if n not in reuse})
+    return {n: reuse[n] if n in reuse else fresh[n] for n in named}
+
+
+def start_hashes(state: dict, hashes: dict[str, str]) -> dict[str, tuple]:
+    """``{plain name: (stamp, hash, tensor)}`` of :func:`weights_hashes`' ``hashes`` of ``state`` (unsharded). The
+    tensor is held so its storage stays allocated while the hashes are kept: no other tensor can be given its address
+    and match its stamp."""
+    plain = base_weights(state)
+    return {n: (stamp(plain[n]), h, plain[n]) for n, h in hashes.items() if not is_sharded(plain[n])}
 
 
 def base_weights(state: dict) -> dict:
@@ -99,14 +123,27 @@ def final_is_output(header: dict) -> bool:
     return not (header.get("model") or {}).get("peft")
 
 
-def live_output_root(model, header: dict) -> str:
+def live_output_root(model, header: dict, start: dict | None = None, frozen: dict | None = None) -> str:
     """:func:`output_root` of a run that just finished, from its model in memory (a PEFT adapter merged into a copy,
     with the recorded numeric stack): sealed into the header's ``lineage.output_root`` so a later stage's recording
-    finds its parent without loading (or de-quantising) anything."""
+    finds its parent without loading (or de-quantising) anything.
+
+    ``start`` (:func:`start_hashes`, taken by the lineage as training started) and ``frozen`` (``{name: stamp}`` of
+    the frozen tensors the final checkpoint references in the run's frozen store, stamped when the store was saved:
+    :meth:`~hf_unlearn.trace.checkpoints.FrozenTensors.unchanged_stamps`): a frozen base tensor's hash is the start's,
+    not computed again, when the store holds it in the stamp the start hashed it in and the merged model still holds
+    that tensor (:func:`weights_hashes`). Its hash then binds the bytes the store holds, which are what the final
+    checkpoint, and so :func:`output_root`, holds for that name, even after a write a stamp cannot see (``.data``):
+    the sealed root is the run's output root whatever the live model went through. Every other tensor (the merged
+    adapted layers, a buffer, a tensor replaced or trained) is hashed."""
     if not (header.get("model") or {}).get("peft"):
         return weights_root(model.state_dict())
+    known = None
+    if start and frozen:
+        known = {base_key(n): start[base_key(n)] for n, s in frozen.items()
+                 if not ADAPTER.search(n) and start.get(base_key(n), (None,))[0] == s}
     with pinned_stack(header):
-        return weights_root(merged_copy(model).state_dict())
+        return weights_root(merged_state(model), known)
 
 
 # children by which PEFT's tuner layers and wrappers (whose tensors a merge writes or replaces) are found
@@ -126,6 +163,44 @@ def merged_copy(model):
                for t in (*m.parameters(), *m.buffers())}
     shared = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in written}
     return copy.deepcopy(model, shared).merge_and_unload()
+
+
+def merged_state(model) -> dict:
+    """``merged_copy(model).state_dict()``, bit for bit, without copying the model's module tree (about 1,000
+    modules for a LoRA model of 135M parameters) where PEFT's merge writes only its tuner layers' base tensors: each
+    tuner layer is copied alone (its base layer's tensors copied, the adapter's shared) and merged by PEFT's own
+    ``merge``, as ``merge_and_unload`` merges it, and every other tensor is the model's own under the plain model's
+    name. Any other layout takes :func:`merged_copy`: a wrapper saving a module whole (``modules_to_save``), a tuner
+    layer nested in another, whose base layer has children or a tensor another module shares (a tied head), or that
+    unloads itself."""
+    import copy
+    from collections import Counter
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    modules = dict(model.named_modules())
+    tuners = {k: m for k, m in modules.items() if isinstance(m, BaseTunerLayer)}
+    owners = Counter(id(t) for _, t in (*model.named_parameters(remove_duplicate=False),
+                                        *model.named_buffers(remove_duplicate=False)))
+    if not tuners or any(c in m._modules for m in modules.values() for c in _MERGED_CHILDREN[1:]) or any(
+            hasattr(m, "unload_and_optionally_merge_module") or not isinstance(getattr(m, "base_layer", None),
+                                                                                 torch.nn.Module)
+            or isinstance(m.base_layer, BaseTunerLayer) or next(m.base_layer.children(), None) is not None
+            or any(owners[id(t)] > 1 for t in (*m.base_layer.parameters(), *m.base_layer.buffers()))
+            for m in tuners.values()):
+        return merged_copy(model).state_dict()
+    check = getattr(getattr(model, "base_model", None), "_check_merge_allowed", None)
+    if check is not None:  # merge_and_unload's own refusals
+        check()
+    merged = {}
+    for name, m in tuners.items():
+        base = {id(t) for t in (*m.base_layer.parameters(), *m.base_layer.buffers())}
+        copied = copy.deepcopy(m, {id(t): t for t in (*m.parameters(), *m.buffers()) if id(t) not in base})
+        copied.merge(safe_merge=False, adapter_names=None)
+        merged.update({f"{name}.base_layer.{k}": t for k, t in copied.base_layer.state_dict().items()})
+    prefixes = tuple(f"{name}." for name in tuners)
+    return {base_key(k): merged.get(k, t) for k, t in model.state_dict().items()
+            if not k.startswith(prefixes) or k in merged}
 
 
 def reference_is_parent(run) -> bool:
@@ -235,12 +310,16 @@ def _external(model) -> dict:
     return out
 
 
-def record_lineage(model, run_dir, hint=None) -> dict:
+def record_lineage(model, run_dir, hint=None, hashes_out: dict | None = None) -> dict:
     """The ``lineage`` entry of a run starting from ``model`` (weights as training starts); writes the parent's local
     folder to ``run_dir/private/lineage.json``. ``hint`` (``trace_parent=``): a run or forget output folder the
-    model was declared to come from; refused when its output weights are not the model's."""
+    model was declared to come from; refused when its output weights are not the model's. ``hashes_out``: filled with
+    the starting weights' :func:`start_hashes` (for :func:`live_output_root`)."""
     state = model.state_dict()
-    start = weights_root(state)
+    hashes = weights_hashes(state)
+    start = root_hash(hashes)
+    if hashes_out is not None:
+        hashes_out.update(start_hashes(state, hashes))
     candidates = []
     if hint is not None:
         resolved = resolve_run_folder(hint)

@@ -40,7 +40,9 @@ import json
 import torch
 
 from ..errors import UnlearnError
+from .dtensors import model_is_sharded
 from .dummies import DummyGradientWatch, dummy_positions
+from .lineage import ADAPTER
 from .reference import (
     KEY,
     PRIVATE_SOURCE,
@@ -48,6 +50,7 @@ from .reference import (
     describe_reference,
     load_reference_model,
     reference_fingerprint,
+    reference_root,
     save_reference,
 )
 from .stack import pinned_stack, stack_change
@@ -208,10 +211,43 @@ class PairDummyCollator:
         return getattr(self.collator, name)
 
 
+PROBE_PAIR = {"prompt_ids": 4, "chosen_ids": 4, "rejected_ids": 3}  # tokens the preflight's pair keeps of each
+
+
+def probe_pair(row: dict) -> dict:
+    """The pair the DPO preflight's two passes run on: ``row`` with the last :data:`PROBE_PAIR` tokens of its prompt
+    and the first ones of its chosen and rejected completions (a real pair's tokens, chosen and rejected rows of
+    unequal lengths when the pair's are; TRL's ``max_length`` truncation makes such pairs). What the passes compare is
+    one pair's gradient beside two neighbours of its own row lengths (a deleted slot's dummy, a copy of itself), a
+    property of the loss that does not depend on how long the pair is; each pass costs its tokens (a 75-token pair's
+    two passes: 3.5 s CPU on SmolLM2-135M, 11 tokens: 1.0 s). A row with other token columns (images, token types)
+    is kept whole: cutting them consistently is the collator's business."""
+    if set(row) != set(PROBE_PAIR) or not all(isinstance(row[k], list) and row[k] for k in PROBE_PAIR):
+        return row
+    whole = {k: len(row[k]) for k in ("chosen_ids", "rejected_ids")}
+    keep = {k: min(n, PROBE_PAIR[k]) for k, n in whole.items()}
+    if keep["chosen_ids"] == keep["rejected_ids"] and whole["chosen_ids"] != whole["rejected_ids"]:
+        longer = max(whole, key=whole.get)
+        keep[longer] += 1  # it has more: the rows keep unequal lengths
+    return {"prompt_ids": row["prompt_ids"][-PROBE_PAIR["prompt_ids"]:], **{k: row[k][:n] for k, n in keep.items()}}
+
+
 def dummy_pair_has_weight(collator, row: dict) -> bool:
     """True unless the collator gives the dummy pair no completion token (weight exactly 0)."""
     mask = collator([dict(row)]).get("completion_mask")
     return mask is None or bool(torch.as_tensor(mask).any())
+
+
+def is_start_root(policy) -> bool:
+    """Whether the root of ``policy``'s adapter-disabled reference (:func:`reference_root`) is its lineage's start
+    root (:func:`hf_unlearn.trace.lineage.weights_root` of its state as training starts): the same tensors under the
+    same names, each tied one once, hashed by the same function, when the adapters are LoRA's ``lora_*`` tensors only
+    (no ``modules_to_save`` copy nor ``original_module``) and no tensor is sharded (lineage gathers DTensors, every
+    process joining). Then a recording takes it from there instead of hashing the base weights once more: when
+    training starts, the weights the reference computes with from the first step on."""
+    names = list(policy.state_dict())
+    return not model_is_sharded(policy) and \
+        [n for n in names if "lora_" not in n] == [n for n in names if not ADAPTER.search(n)]
 
 
 class PreferenceTraceMixin:
@@ -235,7 +271,9 @@ class PreferenceTraceMixin:
                                "load-balancing loss is computed over every token of the microbatch, a deleted pair's "
                                "dummy included; set router_aux_loss_coef=0")
         if not self._is_replay:
-            self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None)
+            at_start = self.ref_model is None and is_start_root(self.accelerator.unwrap_model(self.model))
+            self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None,
+                                                       root_at_start=at_start)
         elif getattr(self, "run", None) is not None:
             self._drop_reference_adapter(self.run.header)
             if getattr(self, "_trace_reference_replaced", False):  # recorded into the replay's output run
@@ -350,8 +388,10 @@ class PreferenceTraceMixin:
         the one A gets beside a real pair B of the same row lengths (a copy of A: the microbatch's shape and padding,
         so every kernel A's rows go through, are the same): a loss that couples the pairs of a microbatch (a mean over
         all completion or attention tokens, a count of non-empty pairs, a sort) re-weights A when its neighbour is
-        deleted, which no zero gradient at D shows. Once, at construction, at the initial weights."""
+        deleted, which no zero gradient at D shows. Once, at construction, at the initial weights, on A's first tokens
+        (:func:`probe_pair`)."""
         name = type(self).__mro__[0].__qualname__
+        row = probe_pair(row)
         collator = PairDummyCollator(self.data_collator)
         dummy = dummy_pair(row, self._trace_row_length(row), self.dummy_token_id, self.id_column)
         marked = dummy_pair(row, self._trace_row_length(row), self.dummy_token_id + 1, self.id_column)
@@ -402,6 +442,10 @@ class PreferenceTraceMixin:
     # ---- the reference model --------------------------------------------------------------------------------
     def _trace_header_dict(self, served, fingerprint, hazards, notes) -> dict:
         header = super()._trace_header_dict(served, fingerprint, hazards, notes)
+        if self._trace_reference["params_root"] is None and (self._is_replay or getattr(self, "_trace_resume", None)):
+            # no lineage computed as this training starts (a resume keeps the earlier one): hashed here
+            policy = self.accelerator.unwrap_model(self.model)
+            self._trace_reference["params_root"] = reference_root(policy)
         if self._trace_reference["kind"] != "adapter_disabled":
             self._trace_reference["forward_sha256"] = self._reference_fingerprint(header)
         if getattr(self, "_trace_resume", None) and (self.trace_dir / "header.json").is_file():
@@ -414,6 +458,13 @@ class PreferenceTraceMixin:
         if not self._is_replay:
             header["dataset"][PAIR_ROWS] = self._pair_rows_recorded()  # the plan's lengths are pair_code()
         return header
+
+    def _trace_start_weights(self, header: dict) -> None:
+        """The adapter-disabled reference's root is the lineage's start root, computed from the same state as
+        training starts (:func:`is_start_root`): taken from it, not hashed again."""
+        if self._trace_reference["params_root"] is None:
+            self._trace_reference["params_root"] = header["lineage"]["start_root"]
+            header["reference_model"]["params_root"] = header["lineage"]["start_root"]
 
     def _check_resumed_reference(self, previous: dict, header: dict) -> None:
         """A resumed recording must train against the reference its earlier steps used (every replay uses one for the

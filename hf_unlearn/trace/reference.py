@@ -95,12 +95,14 @@ def _with_fused_head(model):
     return model
 
 
-def describe_reference(trainer, given: bool) -> dict:
-    """What the recording binds as the reference of ``trainer`` (a DPOTrainer just built), in memory."""
+def describe_reference(trainer, given: bool, root_at_start: bool = False) -> dict:
+    """What the recording binds as the reference of ``trainer`` (a DPOTrainer just built), in memory.
+    ``root_at_start``: an adapter-disabled reference's ``params_root`` is left None, for the recording to take from
+    its lineage's start root (:func:`hf_unlearn.trace.preference.is_start_root`)."""
     ref = trainer.ref_model
     if ref is None:
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        return {"kind": "adapter_disabled", "params_root": reference_root(policy)}
+        return {"kind": "adapter_disabled", "params_root": None if root_at_start else reference_root(policy)}
     ref = trainer.accelerator.unwrap_model(ref)
     source = loaded_from(ref)
     return {"kind": "model" if given else "initial", "params_root": reference_root(ref), "class": type(ref).__name__,

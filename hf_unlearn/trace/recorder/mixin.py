@@ -188,6 +188,10 @@ class RecordingHooks(WeightsFollowUmask):
         pairs have their own)."""
         probe.check_dummy_has_no_influence(self, row)
 
+    def _trace_start_weights(self, header: dict) -> None:
+        """Called when the header's ``lineage`` was just computed from the weights training starts from (DPO: an
+        adapter-disabled reference's root is theirs)."""
+
     def _trace_replay_arguments(self, run, given: dict) -> dict:
         """Constructor arguments a replay of ``run`` adds for the recorded trainer (DPO: its reference model)."""
         return {}

@@ -84,9 +84,14 @@ def start(trainer) -> None:
         raise UnlearnError(f"{run} was recorded with the replayed callbacks {names[0] or 'none'} and is resumed "
                            f"with {names[1] or 'none'}: a replay runs one set of callbacks over the whole run; "
                            "resume with the same callbacks (same classes, same order)")
+    trainer._trace_start_hashes = None
     if not trainer._is_replay:  # the model it starts from: a recorded run's output, or an external base
-        header["lineage"] = previous.get("lineage") or record_lineage(
-            trainer.accelerator.unwrap_model(trainer.model), run, trainer.trace_parent)
+        header["lineage"] = previous.get("lineage")
+        if not header["lineage"]:
+            trainer._trace_start_hashes = {}  # the starting weights' hashes (sealing.output_root_now)
+            header["lineage"] = record_lineage(trainer.accelerator.unwrap_model(trainer.model), run,
+                                               trainer.trace_parent, hashes_out=trainer._trace_start_hashes)
+            trainer._trace_start_weights(header)
     trainer._trace_header = header
     if resume_step:
         keeper.check_resumed_state(trainer, resume_step)

@@ -37,7 +37,9 @@ def probe_row(served, id_column: str) -> dict:
     shortest of the first :data:`PROBE_ROWS` rows (fewest tokens over its token columns), among those with no empty
     token column and a token to train on (``completion_mask``, ``assistant_masks``, ``labels``), else the first
     row. What the probe checks is a property of the loss (a deleted slot's dummy gets no gradient, a neighbour's
-    deletion does not re-weight a row), which any real row shows; the first one was as arbitrary and often longer."""
+    deletion does not re-weight a row), which any real row shows; the first one was as arbitrary and often longer.
+    The probes then keep a few of its tokens (:func:`hf_unlearn.trace.preference.probe_pair`,
+    :func:`.probe.probe_window`)."""
     head = served[:PROBE_ROWS]
     best, fewest = 0, None
     for i in range(len(head[id_column])):

@@ -22,6 +22,7 @@ def check_dummy_has_no_influence(trainer, row: dict) -> None:
     cls = recorded_trainer_class(type(trainer))
     if cls.compute_loss is Trainer.compute_loss:
         return
+    row = probe_window(row)
     dummy = dummy_row(row, len(row["input_ids"]), trainer.dummy_token_id, trainer.id_column)
     batch = trainer._prepare_inputs(trainer.data_collator([dict(row), dummy]))
     model = trainer.model
@@ -57,6 +58,28 @@ def check_dummy_has_no_influence(trainer, row: dict) -> None:
                            "gradient (a term on tokens whose labels are -100?): a deleted slot would not have "
                            "weight 0, so a replay would not delete it; weight every term by the labels")
 
+
+
+PROBE_WINDOW = 8  # tokens of the probe's row: PROBE_WINDOW // 2 before its first token to train on, the rest from it
+_TOKEN_COLUMNS = {"input_ids", "attention_mask", "completion_mask", "assistant_masks", "labels"}
+
+
+def probe_window(row: dict) -> dict:
+    """The row the dummy-weight probe runs on: :data:`PROBE_WINDOW` consecutive tokens of ``row`` around its first
+    token to train on (``completion_mask``/``assistant_masks`` 1, ``labels`` not -100; the first token without
+    them), every token column cut alike: a real row's tokens, with tokens to train on and tokens not to. What the
+    probe checks, that the loss gives a dummy row beside a real one no gradient, is a property of the loss that does
+    not depend on the row's length; its forward and backward pass cost the row's tokens. A row with any other column
+    (packing's positions, images) is kept whole."""
+    n = len(row.get("input_ids") or [])
+    if not set(row) <= _TOKEN_COLUMNS or n <= PROBE_WINDOW or any(
+            not isinstance(v, list) or len(v) != n for v in row.values()):
+        return row
+    trained = [all(row[m][i] for m in ("completion_mask", "assistant_masks") if m in row)
+               and row.get("labels", [0] * n)[i] != -100 for i in range(n)]
+    first = trained.index(True) if True in trained else 0
+    start = max(0, min(first - PROBE_WINDOW // 2, n - PROBE_WINDOW))
+    return {k: v[start:start + PROBE_WINDOW] for k, v in row.items()}
 
 
 class _attributes_kept:

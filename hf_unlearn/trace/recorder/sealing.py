@@ -59,7 +59,8 @@ def finish(trainer) -> None:
         trainer._trace_header["lineage"]["output_root"] = (
             keeper.final_params_root(trainer, step)
             if trainer.is_fsdp_enabled or (fresh and final_is_output(trainer._trace_header))
-            else live_output_root(trainer.accelerator.unwrap_model(trainer.model), trainer._trace_header))
+            else output_root_now(trainer))
+    trainer._trace_start_hashes = None  # they hold the starting tensors
     if not trainer._is_replay:
         changed = changed_buffers(trainer.accelerator.unwrap_model(trainer.model), trainer.trace_dir)
         why = (f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do not carry "
@@ -75,6 +76,17 @@ def finish(trainer) -> None:
         guard.warn_changes(trainer.trace_dir)
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None
+
+
+def output_root_now(trainer) -> str:
+    """The output root of a run that just finished (:func:`~hf_unlearn.trace.lineage.live_output_root`), the frozen
+    base's hashes taken from the lineage's start hashes when the frozen store was saved at step 0: in the same
+    ``get_batch_samples`` call as the lineage hashed the starting weights, with only the recorder's own code (which
+    writes no weight) between, so the bytes the store holds are the ones the start hashed."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    frozen = trainer._trace_writer.frozen
+    start = getattr(trainer, "_trace_start_hashes", None) if frozen.saved_step == 0 else None
+    return live_output_root(model, trainer._trace_header, start, frozen.unchanged_stamps(model) if start else None)
 
 
 def kept_model(trainer) -> dict | None:
