@@ -1,6 +1,6 @@
 """What the recorder's per-step checks cost, part by part, on a model of SmolLM2-135M's shape (no training):
 
-    PYTHONPATH=. python benchmarks/bench_guard_parts.py [--model smollm2|tiny] [--repeats 5]
+    PYTHONPATH=. python benchmarks/bench_guard_parts.py [--model smollm2|tiny] [--repeats 5] [--lora]
 
 Prints the CPU and wall time (median of the repeats; the exact checksums hash on torch's threads) of each part the guards run once per optimizer step: the whole-program
 digest (hf_unlearn.trace.digests.program_state), the cheap snapshot (storage, version counters, samples, controls),
@@ -52,23 +52,39 @@ def main():
 
     from hf_unlearn.trace.checkpoints import capture_state, save_checkpoint
     from hf_unlearn.trace.digests import program_state
-    from hf_unlearn.trace.guards import snapshot, state_tensors, step_state_tensors, tensor_checksums
+    from hf_unlearn.trace.guards import (
+        program_controls,
+        snapshot,
+        state_tensors,
+        step_state_tensors,
+        tensor_checksums,
+    )
     from hf_unlearn.trace.hashing import checkpoint_hashes
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--lora", action="store_true", help="a PEFT LoRA r=8 on q/v over the model (about 1,000 modules)")
     a = p.parse_args()
     model = build_model(a.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
     for q in model.parameters():
-        q.grad = torch.randn_like(q) * 1e-3
+        if q.requires_grad:
+            q.grad = torch.randn_like(q) * 1e-3
     opt.step()
     args = TrainingArguments(output_dir="/tmp/bench_guard_parts", use_cpu=True, report_to=[])
     grads = [(n, t) for n, t in state_tensors(model, None, grads=True) if n.endswith("(gradient)")]
     parts = {
         "whole-program digest (program_state)": lambda: program_state(model, opt, args=args),
         "cheap snapshot (storage, versions, samples, controls)": lambda: snapshot(model, opt),
+        "  of which the program controls (modules' attributes, hooks, forward code)":
+            lambda: program_controls(model, opt),
+        "  of which listing every state tensor": lambda: state_tensors(model, opt),
         "exact checksums of the gradients": lambda: tensor_checksums(grads),
         "exact checksums a step reads (trainable parameters, buffers)":
             lambda: tensor_checksums(step_state_tensors(model)),
