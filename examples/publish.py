@@ -53,6 +53,10 @@ def main():
         os.environ.setdefault("HF_UNLEARN_DATA_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared",
                                                                   "data"))
 
+    from hf_unlearn.runtime import quiet_optional_backends
+
+    # on every process (rank 1 starts no hub), before the Trainer's import prints optional backends' notices
+    quiet_optional_backends()
     from transformers import Trainer, TrainingArguments
 
     from hf_unlearn import load_model, load_tofu, load_tokenizer, tokenize_qa

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ...errors import UnlearnError
+from ..checksums import exact_digest, state_tensors, tensor_checksums
 from ..fidelity import FidelityError, check_against_checkpoint, check_against_state
 from ..guards import (
     ProgramChangedError,
@@ -18,7 +19,6 @@ from ..guards import (
     recorded_fingerprints,
     run_event,
 )
-from ..checksums import exact_digest, state_tensors, tensor_checksums
 from ..hashing import checkpoint_hashes
 from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
