@@ -47,7 +47,8 @@ def test_smollm2_late_deletion_by_suffix_replay_equals_the_oracle(tmp_path):
                              lr_scheduler_type="cosine", weight_decay=0.01, report_to=[], save_strategy="no",
                              use_cpu=True, seed=0, disable_tqdm=True, logging_strategy="no")
     TraceRecordingTrainer(model=model, args=args, train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
-                          trace_dir=tmp_path / "trace", trace_checkpoint_steps=5).train()
+                          trace_dir=tmp_path / "trace", trace_checkpoint_steps=5,
+                          trace_checkpoint_retention="even").train()  # every checkpoint kept: the test names them
     run = open_run(tmp_path / "trace")
     assert run.total_steps == 30 and sorted(run.checkpoints()) == [0, 5, 10, 15, 20, 25, 30]
     assert run.header["determinism"]["dropout"]["attention_dropout"] == 0.1
