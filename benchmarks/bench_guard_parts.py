@@ -51,6 +51,7 @@ def main():
     from transformers import TrainingArguments
 
     from hf_unlearn.trace.checkpoints import capture_state, save_checkpoint
+    from hf_unlearn.trace.checksums import gradient_tensors
     from hf_unlearn.trace.digests import program_state
     from hf_unlearn.trace.guards import (
         program_controls,
@@ -78,7 +79,7 @@ def main():
             q.grad = torch.randn_like(q) * 1e-3
     opt.step()
     args = TrainingArguments(output_dir="/tmp/bench_guard_parts", use_cpu=True, report_to=[])
-    grads = [(n, t) for n, t in state_tensors(model, None, grads=True) if n.endswith("(gradient)")]
+    grads = gradient_tensors(model)
     parts = {
         "whole-program digest (program_state)": lambda: program_state(model, opt, args=args),
         "cheap snapshot (storage, versions, samples, controls)": lambda: snapshot(model, opt),

@@ -44,6 +44,11 @@ def _own_state_tensors(model, optimizer, grads: bool) -> list[tuple[str, torch.T
                         out.append((f"optimizer state {k} of {names.get(id(p), '?')}", v))
     return out
 
+def gradient_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The gradients ``optimizer.step()`` is about to use, named ``<param> (gradient)`` (this process's, as
+    :func:`state_tensors` lists them): what the recording's and every replay's gradient digest read."""
+    return [(n, t) for n, t in state_tensors(model, None, grads=True) if n.endswith("(gradient)")]
+
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _COLUMNS = 4096
 _MIX = (0x5851F42D4C957F2D, 0x14057B7EF767814F)  # odd 63-bit multipliers: position weights mod 2**64

@@ -47,6 +47,7 @@ from .checksums import (  # noqa: F401 - re-exported: they lived here
     STEP_SCOPE,
     device_checksum,
     exact_digest,
+    gradient_tensors,
     state_digest,
     state_tensors,
     step_state_tensors,
@@ -598,8 +599,7 @@ class ProgramGuard:
         step, after it; a watched callback's edits are checked exactly around its events) and the exact
         checksums of the gradients ``optimizer.step()`` is about to use."""
         now = self._snapshot()
-        self.grads = tensor_checksums([(n, t) for n, t in state_tensors(self.model, None, grads=True)
-                                       if n.endswith("(gradient)")])
+        self.grads = tensor_checksums(gradient_tensors(self.model))
         self._compare(now, self.step)
         self.ref = now
         self.controls = now.controls

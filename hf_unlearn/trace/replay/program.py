@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ...errors import UnlearnError
-from ..checksums import exact_digest, state_tensors, tensor_checksums
+from ..checksums import exact_digest, gradient_tensors, tensor_checksums
 from ..fidelity import FidelityError, check_against_checkpoint, check_against_state
 from ..guards import (
     ProgramChangedError,
@@ -126,8 +126,7 @@ class RecordedProgram:
         if "g" not in recorded or step >= self.first_affected_step or self.filter_rows \
                 or not self.accelerator.is_main_process:
             return None
-        return exact_digest(tensor_checksums([(n, t) for n, t in state_tensors(self.model, None, grads=True)
-                                              if n.endswith("(gradient)")]))
+        return exact_digest(tensor_checksums(gradient_tensors(self.model)))
 
     def _check_step_fingerprint(self, step: int) -> None:
         """Compare this replay's fingerprint of ``step`` with the recording's: the controls at every step (a deletion
