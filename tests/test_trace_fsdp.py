@@ -57,7 +57,7 @@ def check(result: dict, reshard: bool, precision: str) -> None:
         assert d["saved_model_is_replay"]  # `trace replay --save-model`: one save_pretrained folder, full tensors
     assert "reshard_after_forward" in result["refused"]["other_sharding"]
     # forget under the launch: the main process wrote a VERIFIED receipt and one save_pretrained folder
-    assert result["forget"] == {"ok": True, "verified": True, "model_is_oracle": True}
+    assert result["forget"] == {"ok": True, "verified": True, "model_is_oracle": True, "step0_verified": True}
 
 
 def test_fsdp2_record_forget_verified_at_world_size_2(tmp_path):

@@ -234,6 +234,12 @@ def main(out: Path, arch: str, reshard: bool, precision: str, steps: list[int]) 
                             "model_is_oracle": all(torch.equal(saved[n], t) for n, t in oracle.items())}
     else:
         assert receipt is None  # the main process writes and returns the receipt
+    # a step-0 deletion with its oracle: the oracle's first step is affected, so each process's oracle takes the
+    # environment probe its own process ran before compute (a peer that probed again alone would hang the launch)
+    first = run.ids_at_steps([0])[:1]
+    receipt = forget_request(str(trace), first, out / "forget0", oracle=True, progress=False, log=lambda line: None)
+    if state.is_main_process:
+        result["forget"]["step0_verified"] = bool(receipt.ok and receipt.evidence.get("verified"))
     refused = {}
     if state.is_main_process:
         refused["tampered_shard"] = tamper(run)

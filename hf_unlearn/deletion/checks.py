@@ -287,6 +287,7 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     """A pipeline deletion is VERIFIED stage by stage, so every stage it replays must be proven on the steps its
     replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
     is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
+    from ..trace.issued import issue
     from ..trace.proof import ProofError, probe_environment, start_proof, unproven_statement
 
     if config.accept_unproven:
@@ -319,6 +320,6 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
         except ProofError as e:
             raise ProofError(f"stage {s['stage']}: {e}") from None
         if how and how["proven_by"] == "probe" and not probe.get("skipped"):  # its fresh start, probed above
-            s["proven_start"] = {"checkpoint": start, "proven_by": "probe"}
+            s["proven_start"] = issue("start", run.kept(), how)
         s["environment_probe"] = probe
         first_replayed = False

@@ -25,6 +25,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..hub.mixin import write_model_card
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
+    from ..trace.issued import untagged
     from ..trace.proof import proof_statement
     from ..trace.proven import output_unproven
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
@@ -129,7 +130,7 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         "unproven_steps": sorted(set(plan.get("unproven_steps", [])) | set((own or {}).get("steps", []))
                                  | set((report or {}).get("unproven_steps", []))),
         "unproven_starts": sorted(set((own or {}).get("starts", [])) | set((report or {}).get("unproven_starts", []))),
-        "environment_probe": plan.get("environment_probe"),  # this process re-ran recorded steps with no deletion
+        "environment_probe": untagged(plan.get("environment_probe")),  # this process re-ran recorded steps
         # how the replay's fresh start at its kept checkpoint was proven: by the proof, its own first step, a probe
         "start": stats.get("start_proof"),
     }
@@ -169,4 +170,5 @@ def _exact_peer(plan: dict, config: ForgetConfig) -> None:
     RedactedReplayTrainer(run, out / "store", ids, out / "replay", data_collator=plan["data_collator"],
                           proven_start=plan.get("start_proof")).train()
     if config.oracle:
-        OracleReplayTrainer(run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"]).train()
+        OracleReplayTrainer(run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"],
+                            environment_probe=plan.get("environment_probe")).train()  # as the main process's

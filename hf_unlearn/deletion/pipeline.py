@@ -257,6 +257,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     from ..hub.mixin import write_model_card
     from ..hub.publish import hashed_files
     from ..trace.fidelity import fidelity_statement
+    from ..trace.issued import untagged
     from ..trace.lineage import lineage_of, open_quietly, output_root, parent_path
     from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
     from ..trace.store import redact_store
@@ -295,7 +296,7 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
             entry["redaction"] = {"rows_before": red["rows_before"], "rows_after": red["rows_after"],
                                   "store_sha256": red["store_sha256"], "id_check": red["checks"]["id_column_scanned"]}
         kw = {"proven_start": s["proven_start"]} if s.get("proven_start") else {}  # its fresh start, probed
-        entry["environment_probe"] = s.get("environment_probe")  # recorded steps re-run here with no deletion
+        entry["environment_probe"] = untagged(s.get("environment_probe"))  # recorded steps re-run here with no deletion
         if prev_replay is not None:
             kw = dict(start="full", **_start_from(run, prev_replay))
             entry["new_start_root"] = kw["start_parent"].get("start_root", kw["start_parent"]["output_root"])

@@ -39,6 +39,7 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .fidelity import FidelityError
 from .guards import compare_fingerprint, program_changes
+from .issued import issue
 from .processes import gathered, world_size
 from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     PROVE_COMMAND,
@@ -373,7 +374,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
             found = _run_interval(run, s, s + 1, data_collator)
         except UnlearnError as e:
             if NO_FINGERPRINT in str(e):
-                return {"steps": [], "seconds": 0.0, "skipped": str(e)}
+                return issue("environment", run, {"steps": [], "seconds": 0.0, "skipped": str(e)})
             raise
         if found is not None:
             recorded = (run.header.get("numeric_stack") or {}).get("environment")
@@ -397,7 +398,8 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
     if log and by_replay:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
             "deletion (before the first affected step), its state compared with the recording's fingerprint there")
-    return {"steps": steps, "seconds": round(seconds, 3), **({"by_the_replay": by_replay} if by_replay else {})}
+    return issue("environment", run, {"steps": steps, "seconds": round(seconds, 3),
+                                      **({"by_the_replay": by_replay} if by_replay else {})})
 
 
 def _rank_local(found: dict) -> str:
@@ -423,7 +425,7 @@ def probe_fresh_start(run, start: int, data_collator=None) -> dict:
         raise
     if found is not None:
         raise fresh_start_refusal(run.path, start, found["why"])
-    return {"checkpoint": start, "proven_by": "probe"}
+    return issue("start", run, {"checkpoint": start, "proven_by": "probe"})
 
 
 def prove_fresh_start(run, forget_ids, data_collator=None) -> dict | None:
@@ -435,7 +437,9 @@ def prove_fresh_start(run, forget_ids, data_collator=None) -> dict | None:
     run = (run if isinstance(run, TraceRun) else open_run(run)).kept()
     cost = replay_cost(run, forget_ids)
     how = start_proof(run, cost["start_checkpoint"], cost["first_affected_step"])
-    return probe_fresh_start(run, how["checkpoint"], data_collator) if how and how["proven_by"] == "probe" else how
+    if how and how["proven_by"] == "probe":
+        return probe_fresh_start(run, how["checkpoint"], data_collator)
+    return issue("start", run, how)
 
 
 def start_proof(run, start: int, first_affected: int | None) -> dict | None:
@@ -483,7 +487,8 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
             "difference stops it there" if how["proven_by"] == "replay" else
             f"a probe step from it with no deletion, before any compute (step {start} is affected)"))
     lines.append(f"proof: {proof_statement(run.header)}")
-    return {"unproven_steps": unproven, "environment_probe": probe, "start_proof": how, "proof_lines": lines}
+    return {"unproven_steps": unproven, "environment_probe": probe, "start_proof": issue("start", run.kept(), how),
+            "proof_lines": lines}
 
 
 __all__ = ["prove", "probe_environment", "unproven_steps", "proof_statement", "numeric_environment", "ProofError"]

@@ -37,6 +37,7 @@ from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
 from ..fidelity import check_device, refusal, restore_layout
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
+from ..issued import believed
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
 from ..processes import agreed
@@ -107,9 +108,13 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                  model=None, args=None, data_collator=None, stop_step: int | None = None, _self_check: bool = False,
                  start_weights: dict | None = None, start_parent: dict | None = None, proven_start: dict | None = None,
                  environment_probe: dict | None = None, **kwargs):
-        self._start_weights, self._start_parent, self._proven_start = start_weights, start_parent, proven_start
-        self._environment_probe = environment_probe
+        self._start_weights, self._start_parent = start_weights, start_parent
         self.run = self.__dict__.pop("_opened_run", None) or (run if isinstance(run, TraceRun) else open_run(run))
+        # what a probe before this replay proved, believed only as issued in this process for this run (trace.issued)
+        self._proven_start = believed("start", self.run, proven_start, "proven_start",
+                                      "hf_unlearn.trace.proof.prove_fresh_start(RUN, ids)")
+        self._environment_probe = believed("environment", self.run, environment_probe, "environment_probe",
+                                           "hf_unlearn.trace.proof.probe_environment(RUN)")
         header = self.run.header
         self._self_check = _self_check
         why = None if _self_check else refusal(header)
