@@ -509,7 +509,11 @@ class ProcessComparison:
         names = {n for n, _ in whole}
         ref = self.guard.ref if self.guard is not None else None  # the main process: its guard read them just now
         if ref is not None and ref.exact is not None and "whole" in ref.controls:
+            # the guard read the tensors its step wrote (trace.checksums.STEP_SCOPE); the rest (frozen weights,
+            # optimizer moments) are read here, as every other process reads them all
             sums, state = {n: v for n, v in ref.exact.items() if n in names}, ref.controls["whole"]
+            sums.update(tensor_checksums([(n, t) for n, t in state_tensors(self.model, self.optimizer)
+                                          if n in names and n not in sums]))
         else:
             sums = tensor_checksums([(n, t) for n, t in state_tensors(self.model, self.optimizer) if n in names])
             state = program_state(self.model, self.optimizer, **self.context())
