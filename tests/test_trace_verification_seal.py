@@ -202,7 +202,8 @@ def test_without_the_run_key_the_seal_cannot_be_checked_and_nothing_is_claimed(d
 
 def test_a_forged_verdict_is_refused_before_the_push_uploads_anything(d, tmp_path):
     """The real push (the replay's output folder with its provenance, to a local Hub): the honest verdict is
-    published and the card says verified; B's verdict copied in refuses the push, and the repository gets nothing."""
+    published and the card says verified; B's verdict copied in refuses the push, and so does a card info edited to
+    say verified over a sealed NOT VERIFIED verdict: the repository gets nothing."""
     from hf_unlearn.demo import local_hub
     from hf_unlearn.hub.publish import push_unlearned
 
@@ -219,4 +220,18 @@ def test_a_forged_verdict_is_refused_before_the_push_uploads_anything(d, tmp_pat
 
         with pytest.raises(StoreError):  # no repository, no commit: the refusal came before the upload
             server.store.files("model", "org/forged", "main")
+        # the card info is the publisher's file (unlearning_info.json): a card that says verified while the
+        # replay's own sealed verdict does not is refused too
+        from hf_unlearn.trace import verify
+
+        assert not verify(d.A, d.B)["verified"]
+        info = d.a.unlearning_card_info()
+        assert info["extra"]["exact_deletion"]["verified"] is False
+        info["extra"]["exact_deletion"].update(verified=True, verification="bit-identical to the trace oracle")
+        with pytest.raises(UnlearnError, match=rf"the card says the deletion was verified, but {d.A} holds no {VF} "
+                                               "that says VERIFIED; run `hf-unlearn trace verify"):
+            push_unlearned(d.A, "org/claimed", card_info=info, trace_dir=d.A, endpoint=server.url, token=token,
+                           local_dir=tmp_path / "claimed")
+        with pytest.raises(StoreError):
+            server.store.files("model", "org/claimed", "main")
     assert not (tmp_path / "refused").exists()
