@@ -235,3 +235,16 @@ def test_a_forged_verdict_is_refused_before_the_push_uploads_anything(d, tmp_pat
         with pytest.raises(StoreError):
             server.store.files("model", "org/claimed", "main")
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_verdict_about_another_state_than_the_final_checkpoint_is_not_believed(d, tmp_path):
+    """Sealed for this replay, but its roots are not the replay's final checkpoint's (the folder changed after
+    verify): the seal binds the roots, and the readers compare them with the checkpoint the folder holds."""
+    from .test_trace_common import write_sealed_verdict
+
+    verdict = _read(d.A / VF)
+    write_sealed_verdict(d.A, {**verdict, "roots": {**verdict["roots"], "a": {"params": "0" * 64,
+                                                                              "optimizer": "1" * 64}}})
+    said = _refusals(d, tmp_path)
+    why = "is about another state than the replay's final checkpoint (the replay changed after verify)"
+    assert why in said["card"] and why in said["publish"] and why in said["expect-from"]

@@ -22,7 +22,7 @@ from .fidelity import fidelity_statement, refusal
 from .guards import describe_program_change, guard_coverage, program_changes
 from .hashing import StateHashes, optimizer_tensors, tensor_hashes
 from .proven import output_unproven, ranges, unproven_starts_clause, unproven_steps
-from .run import check_run, list_checkpoints, load_checkpoint, read_deletion_log
+from .run import check_run, checkpoint_dir, list_checkpoints, load_checkpoint, read_deletion_log
 from .tags import run_key, verdict_mac
 
 VERIFICATION_FILE = "verification.json"
@@ -272,9 +272,9 @@ def sealed_verdict(replay_out) -> tuple[dict | None, str | None]:
     if verdict.get("run_id") != header.get("run_id") or not hmac.compare_digest(
             str(verdict["mac"]), verdict_mac(key, str(header.get("run_id")), verdict)):
         return None, "does not carry this replay's seal (edited, or copied from another replay)"
-    cps = list_checkpoints(replay_out)
-    if cps:
-        final = json.loads((cps[max(cps)] / "hashes.json").read_text())
+    final = checkpoint_dir(replay_out, header.get("optimizer_steps") or 0) / "hashes.json"
+    if final.is_file():  # a published copy holds no checkpoint: the seal's run id binds it there
+        final = json.loads(final.read_text())
         roots = (verdict.get("roots") or {}).get("a") or {}
         if (roots.get("params"), roots.get("optimizer")) != (final["params_root"], final["optimizer_root"]):
             return None, "is about another state than the replay's final checkpoint (the replay changed after verify)"
