@@ -194,7 +194,7 @@ def test_without_the_run_key_the_seal_cannot_be_checked_and_nothing_is_claimed(d
     assert not (d.A / "private" / "hmac.key").exists()
     monkeypatch.delenv("HF_UNLEARN_TAG_KEY", raising=False)
     monkeypatch.setenv("HF_UNLEARN_KEY_FILE", str(tmp_path / "keys" / "id_tag.key"))  # another machine's (none)
-    why = "cannot have its seal checked here (the replay's run key is not on this machine)"
+    why = "cannot have its seal checked here (the replay's run key is not on this machine, or is refused)"
     assert sealed_verdict(d.A) == (None, why)
     said = _refusals(d, tmp_path)
     assert why in said["card"] and why in said["publish"] and why in said["expect-from"]

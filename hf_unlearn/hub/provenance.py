@@ -9,7 +9,8 @@ Every allowlisted file is checked before anything is sent: plan lines hold keyed
 null) in the fields of :class:`hf_unlearn.trace.plan.PlanEntry`; ``plan.bin`` is whole frames with valid CRCs that
 decode (it holds no ids: the manifest has the tags; its free texts are scanned); the WAL is whole 32-byte records with valid CRCs
 and the manifest whole 8-byte tags; the deletion log's tags are tags and its roots digests; sidecars are a digest
-and a name. The trace code writes no path of the user's machine into these files (a path field holds
+and a name; ``verification.json`` must carry the seal ``trace verify`` put on it for this replay (its verdict is a
+claim). The trace code writes no path of the user's machine into these files (a path field holds
 ``<local path>``, a parent run and an oracle are named by their run ids); every text the user could have chosen
 (a run name, a Hub id, unknown fields, and the paths and folder names that older runs recorded) is scanned for the
 forget ids; numbers that the schema says are configuration (hidden sizes, steps, seeds, token ids such as

@@ -8,6 +8,9 @@ reported too. Each state is checked against its checkpoint's ``hashes.json`` as 
 run for the same deleted ids (checked from their headers and deletion logs), so a folder compared with itself, or
 with an oracle of another request, is not VERIFIED. What it does not prove: that the recorded run itself is what
 was trained (the trace is the claim), nor anything a hazard the run was recorded with (``hazards``) puts in doubt.
+
+The verdict is kept in the replay's folder as ``verification.json``, sealed with the replay's run key; the card,
+the publisher and ``hub verify --expect-from`` believe it only under that seal (:func:`sealed_verdict`).
 """
 
 from __future__ import annotations
@@ -264,11 +267,16 @@ def sealed_verdict(replay_out) -> tuple[dict | None, str | None]:
         return None, "carries no seal (written before verdicts were sealed, or its seal was removed)"
     try:
         header = json.loads((replay_out / "header.json").read_text())
-        key = run_key(replay_out, header, required=False)
-    except (OSError, ValueError, UnlearnError):
+    except (OSError, ValueError):
+        header = None
+    if not isinstance(header, dict):
         return None, "has no readable header.json beside it, so its seal cannot be checked"
+    try:
+        key = run_key(replay_out, header, required=False)
+    except UnlearnError:  # a key file others can read: refused, as everywhere
+        key = None
     if key is None:
-        return None, "cannot have its seal checked here (the replay's run key is not on this machine)"
+        return None, "cannot have its seal checked here (the replay's run key is not on this machine, or is refused)"
     if verdict.get("run_id") != header.get("run_id") or not hmac.compare_digest(
             str(verdict["mac"]), verdict_mac(key, str(header.get("run_id")), verdict)):
         return None, "does not carry this replay's seal (edited, or copied from another replay)"
@@ -276,7 +284,7 @@ def sealed_verdict(replay_out) -> tuple[dict | None, str | None]:
     if final.is_file():  # a published copy holds no checkpoint: the seal's run id binds it there
         final = json.loads(final.read_text())
         roots = (verdict.get("roots") or {}).get("a") or {}
-        if (roots.get("params"), roots.get("optimizer")) != (final["params_root"], final["optimizer_root"]):
+        if (roots.get("params"), roots.get("optimizer")) != (final.get("params_root"), final.get("optimizer_root")):
             return None, "is about another state than the replay's final checkpoint (the replay changed after verify)"
     return verdict, None
 
