@@ -598,7 +598,7 @@ def test_a_forget_id_in_a_text_that_is_published_is_still_refused(tmp_path):
     from hf_unlearn.hub.provenance import select_provenance
     from hf_unlearn.trace.run import write_sidecar
 
-    from .test_trace_common import write_sealed_header
+    from .test_trace_common import write_sealed_header, write_sealed_verdict
 
     run = get_recorded()
     ids = ids_at_step(run, 6)[:2]
@@ -624,8 +624,7 @@ def test_a_forget_id_in_a_text_that_is_published_is_still_refused(tmp_path):
     entry["parent_run"] = f"person-{n}"
     (replay / "deletion_log.jsonl").write_text("\n".join([*lines[:-1], json.dumps(entry)]) + "\n")
     write_sidecar(replay / "deletion_log.jsonl")
-    (replay / "verification.json").write_text(json.dumps({"identical": True, "verified": True, "oracle": f"oracle-{n}",
-                                                          "provenance_problems": []}))
+    write_sealed_verdict(replay, {"identical": True, "verified": True, "oracle": f"oracle-{n}", "provenance_problems": []})
     publish, _, hits = select_provenance(replay, scanner)
     found = {h.field for h in hits}
     assert found == {"provenance/header.json:training_args.run_name", "provenance/header.json:parent.run",

@@ -372,11 +372,14 @@ def test_expected_values_come_from_the_publishers_records(tmp_path):
     assert expected_from(run, "org/m", "deletion-0002") == {"expect_root": "c" * 64}
     replay = tmp_path / "replay"
     replay.mkdir()
+    # a verdict is believed only under the seal `trace verify` put on it (tests/test_trace_verification_seal.py):
+    # one written by hand, as records were before verdicts were sealed, gives no root
     (replay / "verification.json").write_text(json.dumps({"identical": True, "roots": {"a": {"params": "d" * 64}}}))
-    assert expected_from(replay, "org/m") == {"expect_root": "d" * 64}
+    with pytest.raises(UnlearnError, match="not taking the expected root from it: it carries no seal .*trace verify"):
+        expected_from(replay, "org/m")
 
     for name, text, match in [("deletion_log.jsonl", '{"request": 1}\n', "no params_root"),
-                              ("verification.json", "{}", "not a replay verification record"),
+                              ("verification.json", "{}", "carries no seal"),
                               ("hub_pushes.jsonl", "not json\n", "not valid JSON")]:
         bad = tmp_path / f"bad-{name}"
         bad.mkdir()

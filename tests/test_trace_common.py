@@ -180,6 +180,24 @@ def write_sealed_header(run, header: dict) -> None:
     write_sidecar(run / "header.json")
 
 
+def write_sealed_verdict(replay, verdict: dict) -> None:
+    """Write a replay's ``verification.json`` as ``trace verify`` would have sealed it (the test holds the key): this
+    replay's run id, its final checkpoint's roots unless ``verdict`` gives them; a forger without the key cannot."""
+    import json
+
+    from hf_unlearn.trace.run import list_checkpoints
+    from hf_unlearn.trace.tags import run_key, verdict_mac
+
+    replay = Path(replay)
+    run_id = json.loads((replay / "header.json").read_text())["run_id"]
+    cps = list_checkpoints(replay)
+    final = json.loads((cps[max(cps)] / "hashes.json").read_text())
+    verdict = {"roots": {"a": {"params": final["params_root"], "optimizer": final["optimizer_root"]}}, **verdict,
+               "run_id": run_id}
+    verdict["mac"] = verdict_mac(run_key(replay), run_id, verdict)
+    (replay / "verification.json").write_text(json.dumps(verdict, indent=1))
+
+
 def labels_masked(data, forget):
     """``data`` with the deleted rows' labels all -100: the counterfactual's only change to the rows."""
     forget = set(forget)

@@ -65,7 +65,7 @@ def register(parser) -> None:
     v.add_argument("--expect-from", metavar="RECORD", help="take --expect-root, --expect-files-root, "
                                                            "--expect-card-sha256 and --expect-commit from your own "
                                                            "record: OUT/hub_pushes.jsonl (all four), a run's "
-                                                           "deletion_log.jsonl or a replay's verification.json "
+                                                           "deletion_log.jsonl or a replay's sealed verification.json "
                                                            "(the root only), or the folder holding it")
     v.add_argument("--no-load", action="store_true", help="do not load the model (verify then fails: loading is "
                                                            "part of the claim; for inspecting large models)")

@@ -235,6 +235,10 @@ def _provenance_view(run: Path, dest: Path) -> Path:
     the model copy, whatever the publisher's own filter would let through."""
     import shutil
 
+    from ..trace.verification import VERIFICATION_FILE, require_sealed_verdict
+
+    # the verdict is a claim: under this replay's seal, about this replay's final checkpoint (which the view lacks)
+    require_sealed_verdict(run, f"refusing to publish {run / VERIFICATION_FILE}")
     dest.mkdir(parents=True)
     for name in PROVENANCE_FILES:
         for f in (run / name, run / f"{name}.sha256"):

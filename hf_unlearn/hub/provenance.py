@@ -9,7 +9,8 @@ Every allowlisted file is checked before anything is sent: plan lines hold keyed
 null) in the fields of :class:`hf_unlearn.trace.plan.PlanEntry`; ``plan.bin`` is whole frames with valid CRCs that
 decode (it holds no ids: the manifest has the tags; its free texts are scanned); the WAL is whole 32-byte records with valid CRCs
 and the manifest whole 8-byte tags; the deletion log's tags are tags and its roots digests; sidecars are a digest
-and a name. The trace code writes no path of the user's machine into these files (a path field holds
+and a name; ``verification.json`` must carry the seal ``trace verify`` put on it for this replay (its verdict is a
+claim). The trace code writes no path of the user's machine into these files (a path field holds
 ``<local path>``, a parent run and an oracle are named by their run ids); every text the user could have chosen
 (a run name, a Hub id, unknown fields, and the paths and folder names that older runs recorded) is scanned for the
 forget ids; numbers that the schema says are configuration (hidden sizes, steps, seeds, token ids such as
@@ -30,6 +31,7 @@ from ..trace.plan import PlanEntry, read_compact_plan
 from ..trace.run import FORMAT, HEADER_KEYS, file_sha256
 from ..trace.tags import TAG_BYTES
 from ..trace.trainers import library_config_fields
+from ..trace.verification import require_sealed_verdict
 from ..trace.wal import RECORD_SIZE, read_wal
 from .leaks import Hit, IdScanner, scan_config
 
@@ -120,6 +122,7 @@ _DELETION_LOG = {"time": "time", "request": "number", "mode": "words", "forget_t
                  "steps_replayed": "number", "params_root": "hex", "optimizer_root": "hex", "parent_run_id": "hex",
                  "parent_run": "text", "note": "words", "fidelity": "words"}  # fidelity: the library's sentence
 _VERIFICATION = {"identical": "bool", "verified": "bool", "provenance_problems": "text", "oracle_run_id": "hex",
+                 "run_id": "hex", "mac": "hex",
                  "oracle": "text", "params_mismatched_elements": "number",
                  "optimizer_mismatched_elements": "number", "unproven_steps": "numbers", "unproven_starts": "numbers",
                  "verdict": "words",
@@ -162,7 +165,10 @@ def _deletion_log(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
 
 
 def _verification(path: Path, name: str, scanner: IdScanner) -> list[Hit]:
-    return _values(_VERIFICATION, _json(path, name), name, "record", scanner)
+    """The replay's verdict is a claim: published only under the seal ``trace verify`` put on it for this replay."""
+    hits = _values(_VERIFICATION, _json(path, name), name, "record", scanner)
+    require_sealed_verdict(path.parent, f"refusing to publish {PREFIX}/{name}")
+    return hits
 
 
 def _header(path: Path, name: str, scanner: IdScanner) -> list[Hit]:

@@ -46,6 +46,7 @@ from ..errors import UnlearnError
 from ..trace.hashing import StateHashes, root_hash, tensor_hash
 from ..trace.run import file_sha256
 from ..trace.tags import run_key
+from ..trace.verification import REVERIFY, VERIFICATION_FILE, require_sealed_verdict
 from ..utils import atomic_write_text, weights_follow_umask
 from .cards import (
     card_scanner,
@@ -607,6 +608,7 @@ def push_unlearned(
             raise UnlearnError(f"no safetensors weights in {source}; save the model with save_pretrained() "
                                "(safetensors is the default) before publishing")
     key = _push_key(key, trace_dir)
+    _check_verified_claim(info, trace_dir)
     hits = scanner.scan({"repo_id": repo_id, "tag": tag, "branch": revision, "commit_message": commit_message}, "")
 
     with tempfile.TemporaryDirectory(prefix="hf_unlearn_push_") as tmp:
@@ -661,6 +663,17 @@ def push_unlearned(
     if local_dir is not None:
         _record_locally(Path(local_dir), result, key_fingerprint(key))
     return result
+
+
+def _check_verified_claim(info: dict, trace_dir) -> None:
+    """A card that says the deletion was verified, published with the replay's provenance, must agree with the
+    replay's own sealed verdict: the card info may come from a file of the publisher's (``unlearning_info.json``)."""
+    if trace_dir is None or not (info["extra"].get("exact_deletion") or {}).get("verified"):
+        return
+    verdict = require_sealed_verdict(trace_dir, f"refusing to publish {Path(trace_dir) / VERIFICATION_FILE}")
+    if not (verdict and verdict.get("verified")):
+        raise UnlearnError(f"refusing to publish: the card says the deletion was verified, but {trace_dir} holds no "
+                           f"{VERIFICATION_FILE} that says VERIFIED; {REVERIFY}, or publish without the claim")
 
 
 def _push_key(key: bytes | None, trace_dir) -> bytes:

@@ -40,6 +40,7 @@ from pathlib import Path
 from ..errors import UnlearnError
 from ..trace.hashing import root_hash, state_hashes
 from ..trace.run import file_sha256
+from ..trace.verification import require_sealed_verdict
 from .publish import (
     MANIFEST_FILE,
     METADATA_KEY,
@@ -361,7 +362,8 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
       root and commit;
     * ``deletion_log.jsonl`` (a trace run or replay output): the last request's ``params_root`` (the state the
       run ended in, which is what its model publishes);
-    * ``verification.json`` (a replay checked by ``trace verify``): the replay's parameter root.
+    * ``verification.json`` (a replay checked by ``trace verify``): the replay's parameter root, only under the seal
+      ``trace verify`` put on it for this replay (checked with the replay's run key, which must be on this machine).
 
     Returns ``{"expect_root": ..., "expect_commit": ..., "expect_files_root": ..., "expect_file_hashes": ...,
     "expect_card_sha256": ...}``: the commit, the files root (config, tokenizer and every other non-weight file),
@@ -417,6 +419,7 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
             out["expect_file_hashes"] = dict(hashes)
         return out
     if path.name == "verification.json":
+        require_sealed_verdict(path.parent, f"{path}: not taking the expected root from it")
         try:
             return {"expect_root": entries[0]["roots"]["a"]["params"]}
         except (KeyError, TypeError):

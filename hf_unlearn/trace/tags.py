@@ -166,3 +166,13 @@ def seal_mac(key: bytes, last: bytes, header_controls: bytes) -> str:
     """The keyed seal over the last segment MAC and the header's state-deciding fields (a cut plan, an edited
     learning rate in ``training_args``, ... fail it)."""
     return _mac(key, b"controls.seal.v1", last, header_controls).hex()
+
+
+def verdict_mac(key: bytes, run_id: str, verdict: dict) -> str:
+    """The keyed seal of a replay's ``verification.json``: the canonical JSON of the verdict (every field but
+    ``mac``: the verdict, the oracle's run id and both final state roots among them) bound to the replay's run id,
+    so an edited verdict, or one copied from another replay of the same run and request (the same roots), fails."""
+    import json
+
+    body = json.dumps({k: v for k, v in verdict.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    return _mac(key, b"verification.v1", str(run_id).encode(), body.encode()).hex()

@@ -8,6 +8,9 @@ reported too. Each state is checked against its checkpoint's ``hashes.json`` as 
 run for the same deleted ids (checked from their headers and deletion logs), so a folder compared with itself, or
 with an oracle of another request, is not VERIFIED. What it does not prove: that the recorded run itself is what
 was trained (the trace is the claim), nor anything a hazard the run was recorded with (``hazards``) puts in doubt.
+
+The verdict is kept in the replay's folder as ``verification.json``, sealed with the replay's run key; the card,
+the publisher and ``hub verify --expect-from`` believe it only under that seal (:func:`sealed_verdict`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from .fidelity import fidelity_statement, refusal
 from .guards import describe_program_change, guard_coverage, program_changes
 from .hashing import StateHashes, optimizer_tensors, tensor_hashes
 from .proven import output_unproven, ranges, unproven_starts_clause, unproven_steps
-from .run import check_run, list_checkpoints, load_checkpoint, read_deletion_log
-from .tags import run_key
+from .run import check_run, checkpoint_dir, list_checkpoints, load_checkpoint, read_deletion_log
+from .tags import run_key, verdict_mac
+
+VERIFICATION_FILE = "verification.json"
+REVERIFY = "run `hf-unlearn trace verify REPLAY_DIR ORACLE_DIR` again (it only compares the two folders)"
 
 
 def _named_optimizer(state: dict) -> dict[str, torch.Tensor]:
@@ -198,26 +204,98 @@ def verdict(report: dict) -> str:
 
 
 def _record_verification(replay_out: Path, oracle_out: Path, report: dict) -> None:
-    """Keep the verdict next to the replay (``verification.json``) so its model card can state it. The file is
-    published with the run's provenance: the oracle is named by its run id and the folders in the problems by
-    their role, never by their local paths or names."""
+    """Keep the verdict next to the replay (``verification.json``) so its model card can state it, sealed with the
+    replay's run key (:func:`hf_unlearn.trace.tags.verdict_mac`: bound to the replay's run id, the oracle's and both
+    final roots; :func:`sealed_verdict` checks it). The file is published with the run's provenance: the oracle is
+    named by its run id and the folders in the problems by their role, never by their local paths or names."""
     import json
+    import warnings
 
     header = replay_out / "header.json"
-    if not header.is_file() or (json.loads(header.read_text()).get("parent") or {}).get("mode") != "replay":
+    if not header.is_file():
+        return
+    replay = json.loads(header.read_text())
+    if (replay.get("parent") or {}).get("mode") != "replay":
         return
 
     oracle_header = oracle_out / "header.json"
     oracle_id = json.loads(oracle_header.read_text()).get("run_id") if oracle_header.is_file() else None
     roles = {replay_out: "the replay folder", oracle_out: "the oracle folder"}
-    summary = {"identical": report["identical"], "verified": report["verified"], "oracle_run_id": oracle_id,
+    summary = {"identical": report["identical"], "verified": report["verified"], "run_id": replay.get("run_id"),
+               "oracle_run_id": oracle_id,
                "unproven_steps": report["unproven_steps"], "unproven_starts": report["unproven_starts"],
                "verdict": report["verdict"],
                "roots": report["roots"],
                "provenance_problems": [_without_folders(p, roles) for p in report["provenance"]["problems"]],
                "params_mismatched_elements": report["params"]["mismatched_elements"],
                "optimizer_mismatched_elements": report["optimizer"]["mismatched_elements"]}
-    atomic_write_text(replay_out / "verification.json", json.dumps(summary, indent=1))
+    try:
+        key = run_key(replay_out, replay, required=False)
+    except UnlearnError:
+        key = None
+    if key is None:
+        warnings.warn(f"{replay_out}: the replay's run key is not on this machine, so {VERIFICATION_FILE} is written "
+                      "unsealed and its card will not say verified; verify where the key is", stacklevel=3)
+    else:
+        summary["mac"] = verdict_mac(key, str(replay.get("run_id")), summary)
+    atomic_write_text(replay_out / VERIFICATION_FILE, json.dumps(summary, indent=1))
+
+
+def sealed_verdict(replay_out) -> tuple[dict | None, str | None]:
+    """A replay's ``verification.json`` if it carries the seal :func:`verify` put on it for this very replay.
+
+    Returns ``(verdict, None)`` when the seal verifies under the replay's run key with the run id of its
+    ``header.json``, and its roots are those of the replay's final checkpoint (where the folder holds one);
+    ``(None, why)`` otherwise, ``why`` a clause about the file (an edited or copied verdict, a removed seal, a file
+    from before verdicts were sealed, a key not on this machine) to follow its name; ``(None, None)`` with no file.
+    The seal is a check only the key holder can make: a downloaded copy of the folder cannot check it.
+    """
+    import hmac
+    import json
+
+    replay_out = Path(replay_out)
+    path = replay_out / VERIFICATION_FILE
+    if not path.is_file():
+        return None, None
+    try:
+        verdict = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None, "is not valid JSON (damaged)"
+    if not isinstance(verdict, dict):
+        return None, "is not a verification record (not a JSON object)"
+    if not verdict.get("mac"):
+        return None, "carries no seal (written before verdicts were sealed, or its seal was removed)"
+    try:
+        header = json.loads((replay_out / "header.json").read_text())
+    except (OSError, ValueError):
+        header = None
+    if not isinstance(header, dict):
+        return None, "has no readable header.json beside it, so its seal cannot be checked"
+    try:
+        key = run_key(replay_out, header, required=False)
+    except UnlearnError:  # a key file others can read: refused, as everywhere
+        key = None
+    if key is None:
+        return None, "cannot have its seal checked here (the replay's run key is not on this machine, or is refused)"
+    if verdict.get("run_id") != header.get("run_id") or not hmac.compare_digest(
+            str(verdict["mac"]), verdict_mac(key, str(header.get("run_id")), verdict)):
+        return None, "does not carry this replay's seal (edited, or copied from another replay)"
+    final = checkpoint_dir(replay_out, header.get("optimizer_steps") or 0) / "hashes.json"
+    if final.is_file():  # a published copy holds no checkpoint: the seal's run id binds it there
+        final = json.loads(final.read_text())
+        roots = (verdict.get("roots") or {}).get("a") or {}
+        if (roots.get("params"), roots.get("optimizer")) != (final.get("params_root"), final.get("optimizer_root")):
+            return None, "is about another state than the replay's final checkpoint (the replay changed after verify)"
+    return verdict, None
+
+
+def require_sealed_verdict(replay_out, refusing: str) -> dict | None:
+    """:func:`sealed_verdict`'s verdict, or one line ``"{refusing}: it <why>; run trace verify again"`` raised (the
+    publishing path and ``hub verify --expect-from`` believe no verdict without this replay's seal)."""
+    verdict, why = sealed_verdict(replay_out)
+    if why:
+        raise UnlearnError(f"{refusing}: it {why}; {REVERIFY}")
+    return verdict
 
 
 def _without_folders(text: str, names: dict) -> str:

@@ -9,6 +9,7 @@ import json
 from ...errors import UnlearnError
 from ...not_ids import own_numbers
 from ..run import checkpoint_dir
+from ..verification import REVERIFY, VERIFICATION_FILE, sealed_verdict
 
 
 class ReplayCard:
@@ -48,15 +49,16 @@ class ReplayCard:
         if not final.is_file():
             return {}
         hashes = json.loads(final.read_text())
-        verdict_file = self.out_dir / "verification.json"
-        verdict = json.loads(verdict_file.read_text()) if verdict_file.is_file() else None
+        verdict, why = sealed_verdict(self.out_dir)  # believed only under this replay's seal
         verified = bool(verdict and verdict.get("verified") and verdict["roots"]["a"]["params"] == hashes["params_root"])
         return {"exact_deletion": {
             "params_root": hashes["params_root"], "optimizer_root": hashes["optimizer_root"],
             "verified": verified,
             # published in the card: no local path or folder name (they are the user's, and may hold anything)
             "verification": ("bit-identical to the trace oracle" if verified
+                             else f"not verified: {VERIFICATION_FILE} {why}: {REVERIFY}" if why
                              else "differs from the oracle" if verdict and not verdict.get("identical")
+                             else f"not verified: {verdict.get('verdict')}" if verdict and not verdict.get("verified")
                              else "not verified: run `hf-unlearn trace verify REPLAY_DIR ORACLE_DIR` on this "
                                   "replay's output folder and a trace oracle's"),
         }}
