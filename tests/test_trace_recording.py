@@ -212,6 +212,11 @@ def test_data_parallel_record_replay_oracle_under_accelerate_launch(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["codes"] == [0, 0] and result["verified"] and result["reproduces_recording"]
     assert result["oracle_differs_from_recording"]
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.guards import program_changes
+
+    run = open_run(tmp_path / "trace")  # a clean launch: no process differs from another at any step
+    assert program_changes(run.plan, run.header) == [], program_changes(run.plan, run.header)[:2]
     assert result["header_world_size"] == 2 and all(r == [2, 2] for r in result["ranks"])
     assert all(n == 2 for n in result["batch_digests"])
     assert "recorded with 1 process(es) and this replay has 2" in result["refused_single_process_run"]
