@@ -430,3 +430,45 @@ def test_a_resumed_lora_dpo_recording_hashes_its_adapter_disabled_reference_and_
     assert resumed.state.global_step == 4
     header = open_run(tmp_path / "rec" / "trace").header
     assert header["reference_model"]["params_root"] == first == header["lineage"]["start_root"]
+
+
+def test_one_walk_of_the_module_tree_reads_what_the_separate_walks_read():
+    """`program_controls` walks the module tree once (a LoRA model has about 1,000 modules) instead of five times:
+    each part is still what its own walk gives (`named_parameters(remove_duplicate=False)` for the trainable names,
+    `named_modules()`/`named_parameters()` for the rest), on a model built to tell them apart: a tied embedding, a
+    frozen weight, a module under two names, a parameter shared by two modules, a `None` parameter, module and
+    parameter hooks, a replaced `forward` and a global module hook."""
+    from torch.nn.modules import module as torch_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_unlearn.trace.guards import MODULE_HOOKS, PLAIN, TENSOR_HOOKS, _hook_name, program_controls
+
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True))
+    m.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    m.lm_head.weight.register_hook(lambda g: g)  # the tied weight: named once, by its first name
+    m.model.layers[0].mlp.forward = lambda x: x
+    m.twice = m.model.layers[0]
+    m.model.layers[1].mlp.gate_proj.weight.requires_grad_(False)
+    m.model.layers[1].mlp.down_proj.register_parameter("shared", m.model.norm.weight)
+    m.model.layers[1].mlp.up_proj.register_parameter("absent", None)
+    handle = torch_module.register_module_forward_hook(lambda *a: None)
+    try:
+        got = program_controls(m, torch.optim.AdamW(m.parameters()))
+        found = [("torch.nn (global)", a, fn) for a in MODULE_HOOKS
+                 for fn in (getattr(torch_module, f"_global{a}", None) or {}).values()]
+        for name, mod in m.named_modules():
+            found += [(name or "(the model)", a, fn) for a in MODULE_HOOKS for fn in getattr(mod, a).values()]
+            found += [(name or "(the model)", "forward", vars(mod)["forward"])] if "forward" in vars(mod) else []
+        found += [(n, a, fn) for n, p in m.named_parameters() for a in TENSOR_HOOKS
+                  for fn in (getattr(p, a, None) or {}).values()]
+    finally:
+        handle.remove()
+    assert got["trainable"] == [n for n, p in m.named_parameters(remove_duplicate=False) if p.requires_grad]
+    assert "twice.mlp.gate_proj.weight" in got["trainable"] and "lm_head.weight" in got["trainable"]
+    assert list(got["modules"]) == [n for n, _ in m.named_modules()] and "twice" not in got["modules"]
+    assert got["modules"]["model.layers.0.mlp"] == {k: v for k, v in vars(m.model.layers[0].mlp).items()
+                                                    if not k.startswith("_") and isinstance(v, PLAIN)}
+    assert got["hooks"] == sorted(f"{w}.{a.strip('_')}: {n}" for w, a, fn in found if (n := _hook_name(fn)))
+    assert len(got["hooks"]) == 4 and any(h.startswith("model.embed_tokens.weight.backward_hooks") for h in got["hooks"])
+    assert len(got["code"]) == len({type(mod) for mod in m.modules()})

@@ -189,26 +189,18 @@ def program_controls(model, optimizer) -> dict:
     the trainable parameters, every module's ``training`` flag and plain public attributes, and the model config."""
     inner = getattr(optimizer, "optimizer", optimizer)
     groups = [{k: _plain(v) for k, v in g.items() if k not in ("params", "initial_lr")} for g in inner.param_groups]
-    trainable = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
-    modules = {name: {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, PLAIN)
-                      and k not in VOLATILE_ATTRIBUTES} for name, m in model.named_modules()}
+    walk = _walk(model)
     config = getattr(model, "config", None)
     config = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
               if k not in VOLATILE_CONFIG}
-    return {"groups": groups, "trainable": trainable, "modules": modules, "config": config,
-            "hooks": program_hooks(model), "code": forward_code(model), "numerics": numeric_settings()}
+    return {"groups": groups, "trainable": walk["trainable"], "modules": walk["modules"], "config": config,
+            "hooks": walk["hooks"], "code": walk["code"], "numerics": numeric_settings()}
 
 
 def forward_code(model) -> list[str]:
     """Which function each module class runs as ``forward`` (``module:qualname``): a class patched in the recording
     process (a kernel library, a user's monkeypatch) and not in a replay's, or the other way round, differs here."""
-    out = set()
-    for m in model.modules():
-        fn = getattr(type(m), "forward", None)
-        fn = getattr(fn, "__func__", fn)
-        out.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
-                f"{getattr(fn, '__qualname__', type(fn).__qualname__)}")
-    return sorted(out)
+    return _walk(model)["code"]
 
 
 # packages whose hooks are the frameworks' own (NEFTune, gradient checkpointing, accelerate's device and precision
@@ -231,21 +223,50 @@ def program_hooks(model) -> list[str]:
     """The user's hooks, which a replay does not run (it rebuilds the model from files): forward and backward hooks
     of every module (and torch's global module hooks), a replaced ``forward``, and gradient hooks of every
     parameter (``register_hook``, ``register_post_accumulate_grad_hook``). Framework hooks are left out."""
+    return _walk(model)["hooks"]
+
+
+def _walk(model) -> dict:
+    """One pass over the module tree for what :func:`program_controls` reads: the trainable parameters (every name,
+    as ``named_parameters(remove_duplicate=False)`` lists them), each module's plain public attributes, the user's
+    hooks (:func:`program_hooks`) and the forward code (:func:`forward_code`), each module and parameter once under
+    its first name as ``named_modules()``/``named_parameters()`` give them. A LoRA model has about 1,000 modules:
+    five walks of them were most of a snapshot's Python."""
     from torch.nn.modules import module as torch_module
 
-    found = []
+    trainable, modules, code, found = [], {}, set(), []
     for attr in MODULE_HOOKS:
         for fn in (getattr(torch_module, f"_global{attr}", None) or {}).values():
             found.append(("torch.nn (global)", attr, fn))
-    for name, m in model.named_modules():
+    seen_modules, seen_params = set(), set()
+    for name, m in model.named_modules(remove_duplicate=False):
+        first = id(m) not in seen_modules
+        for k, p in m._parameters.items():
+            if p is None:
+                continue
+            full = f"{name}.{k}" if name else k
+            if p.requires_grad:
+                trainable.append(full)
+            if first and id(p) not in seen_params:
+                seen_params.add(id(p))
+                for attr in TENSOR_HOOKS:
+                    found += [(full, attr, fn) for fn in (getattr(p, attr, None) or {}).values()]
+        if not first:
+            continue
+        seen_modules.add(id(m))
+        own = vars(m)
+        modules[name] = {k: v for k, v in own.items() if not k.startswith("_") and isinstance(v, PLAIN)
+                         and k not in VOLATILE_ATTRIBUTES}
         for attr in MODULE_HOOKS:
             found += [(name or "(the model)", attr, fn) for fn in (getattr(m, attr, None) or {}).values()]
-        if "forward" in vars(m):
-            found.append((name or "(the model)", "forward", vars(m)["forward"]))
-    for name, p in model.named_parameters():
-        for attr in TENSOR_HOOKS:
-            found += [(name, attr, fn) for fn in (getattr(p, attr, None) or {}).values()]
-    return sorted(f"{where}.{attr.strip('_')}: {n}" for where, attr, fn in found if (n := _hook_name(fn)))
+        if "forward" in own:
+            found.append((name or "(the model)", "forward", own["forward"]))
+        fn = getattr(type(m), "forward", None)
+        fn = getattr(fn, "__func__", fn)
+        code.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
+                 f"{getattr(fn, '__qualname__', type(fn).__qualname__)}")
+    hooks = sorted(f"{where}.{attr.strip('_')}: {n}" for where, attr, fn in found if (n := _hook_name(fn)))
+    return {"trainable": trainable, "modules": modules, "hooks": hooks, "code": sorted(code)}
 
 
 def numeric_settings() -> dict:
