@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,8 @@ def test_receipt_carries_keyed_tags_not_raw_ids(exact_receipt):
         text = text.replace(json.dumps(str(folder))[1:-1], name)
     data = json.loads(text)
     assert data["request"]["tags"] == keyed_tags(ids, load_key()) and data["output_dir"] == "OUT"
+    # the time it was written is a time (13:56:56 holds forget id 56 one minute in sixty): read as one, not scanned
+    assert time.strptime(data.pop("created"), "%Y-%m-%dT%H:%M:%SZ")
     assert find_raw_ids(data, ids, "receipt") == []
     assert not any(isinstance(v, list) and len(set(v) & set(ids)) >= 2 for v in _walk(data))
 

@@ -193,3 +193,30 @@ def test_a_fresh_start_probed_on_every_process_and_a_rank_local_start_refused(tm
                 assert text.startswith("hf-unlearn: error:") and "Traceback" not in text, text
                 assert "checkpoint 2" in text or "step-00000002" in text, text
                 assert text.count(named) == 1, (named, text)  # named once
+
+
+def test_a_launch_is_run_once_more_only_when_a_worker_died_by_a_signal(tmp_path):
+    """The tests' launch helper: a worker killed by SIGSEGV/SIGABRT (torchrun reports ``exitcode : -11``) gets one more
+    launch, in an emptied output folder; a failure of the code under test (exit 1, a worker stopped by torchrun's
+    SIGTERM) is returned as it is, never launched again."""
+    import sys
+
+    from .conftest import run_launch
+
+    out, count = tmp_path / "out", tmp_path / "attempts"
+
+    def fake(stderr: str) -> list:  # the first attempt leaves a file in out and fails with stderr; later ones succeed
+        code = ("import pathlib, sys; out, count = map(pathlib.Path, sys.argv[1:3]); n = len(count.read_text()) if "
+                "count.exists() else 0; count.write_text('x' * (n + 1)); assert not (out / 'partial').exists(); "
+                "(out / 'partial').write_text('x'); sys.stderr.write(sys.argv[3] if n == 0 else ''); sys.exit(1 if n == "
+                "0 else 0)")
+        return [sys.executable, "-c", code, str(out), str(count), stderr]
+
+    out.mkdir()
+    with pytest.warns(UserWarning, match="died by a signal; launched once more"):
+        proc = run_launch(fake("failed (exitcode: -11) local_rank: 1 ... exitcode  : -11 (pid: 7)"), out)
+    assert proc.returncode == 0 and count.read_text() == "xx"  # the second attempt found out emptied
+    for stderr in ("failed (exitcode: 1) local_rank: 0", "exitcode  : -15 (pid: 7)"):
+        count.unlink()
+        (out / "partial").unlink()
+        assert run_launch(fake(stderr), out).returncode == 1 and count.read_text() == "x"  # not launched again

@@ -190,24 +190,22 @@ def test_data_parallel_record_replay_oracle_under_accelerate_launch(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo): the plan holds both processes' slots and the
     world size; the CLI's replay == oracle bit for bit, a replay without deletions reproduces the recording, and a
     replay at another world size is refused at construction (both directions)."""
-    import socket
-    import subprocess
     import sys
 
     from hf_unlearn.errors import UnlearnError
     from hf_unlearn.trace import ReplayTrainer
 
-    from .conftest import ROOT
+    from .conftest import ROOT, free_port, run_launch
 
     single = get_recorded()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(port), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "tests" / "trace_distributed.py"), str(tmp_path), str(single)]
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=900)
+
+    def cmd():  # a free port for each attempt
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--main_process_port", str(free_port()), "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", str(ROOT / "tests" / "trace_distributed.py"), str(tmp_path), str(single)]
+
+    proc = run_launch(cmd, tmp_path, cwd=str(ROOT), env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["codes"] == [0, 0] and result["verified"] and result["reproduces_recording"]

@@ -41,18 +41,19 @@ def launch(out: Path, arch: str, reshard: bool, precision: str, steps: str = "0,
     """Run this script (or ``script``, taking the same arguments: tests/trace_fsdp_attacks.py) under ``torchrun
     --nproc_per_node PROCESSES`` (a free port) and return its result.json."""
     import os
-    import socket
-    import subprocess
+
+    from tests.conftest import free_port, run_launch
 
     root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", DEVICE_ENV: device,
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # CUDA: set before the processes initialise it
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-           str(port), str(script or Path(__file__).resolve()), str(out), arch, "1" if reshard else "0", precision, steps]
-    proc = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True, timeout=timeout)
+
+    def cmd():  # a free port for each attempt
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+                str(free_port()), str(script or Path(__file__).resolve()), str(out), arch, "1" if reshard else "0",
+                precision, steps]
+
+    proc = run_launch(cmd, out, cwd=str(root), env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((Path(out) / "result.json").read_text())
 
