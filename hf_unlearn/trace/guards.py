@@ -197,12 +197,6 @@ def program_controls(model, optimizer) -> dict:
             "hooks": walk["hooks"], "code": walk["code"], "numerics": numeric_settings()}
 
 
-def forward_code(model) -> list[str]:
-    """Which function each module class runs as ``forward`` (``module:qualname``): a class patched in the recording
-    process (a kernel library, a user's monkeypatch) and not in a replay's, or the other way round, differs here."""
-    return _walk(model)["code"]
-
-
 # packages whose hooks are the frameworks' own (NEFTune, gradient checkpointing, accelerate's device and precision
 # wrappers, this library's checks): a replay sets them up the same way from the recorded arguments
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -229,8 +223,9 @@ def program_hooks(model) -> list[str]:
 def _walk(model) -> dict:
     """One pass over the module tree for what :func:`program_controls` reads: the trainable parameters (every name,
     as ``named_parameters(remove_duplicate=False)`` lists them), each module's plain public attributes, the user's
-    hooks (:func:`program_hooks`) and the forward code (:func:`forward_code`), each module and parameter once under
-    its first name as ``named_modules()``/``named_parameters()`` give them. A LoRA model has about 1,000 modules:
+    hooks (:func:`program_hooks`) and which function each module class runs as ``forward`` (``module:qualname``: a
+    class patched in the recording process and not in a replay's differs there), each module and parameter once
+    under its first name as ``named_modules()``/``named_parameters()`` give them. A LoRA model has about 1,000 modules:
     five walks of them were most of a snapshot's Python."""
     from torch.nn.modules import module as torch_module
 

@@ -35,10 +35,8 @@ def _tag(kind: str, run, body: dict) -> str:
 
 def issue(kind: str, run, outcome: dict | None) -> dict | None:
     """``outcome`` with this process's tag for ``run`` (None stays None: nothing was proven)."""
-    if outcome is None:
-        return None
-    body = {k: v for k, v in outcome.items() if k != TAG}
-    return {**body, TAG: _tag(kind, run, body)}
+    body = untagged(outcome)
+    return None if body is None else {**body, TAG: _tag(kind, run, body)}
 
 
 def believed(kind: str, run, given: dict | None, argument: str, source: str) -> dict | None:
@@ -47,7 +45,7 @@ def believed(kind: str, run, given: dict | None, argument: str, source: str) -> 
     other-run outcome would make the replay skip a check nobody ran in this process."""
     if given is None:
         return None
-    body = {k: v for k, v in given.items() if k != TAG} if isinstance(given, dict) else None
+    body = untagged(given) if isinstance(given, dict) else None
     tag = given.get(TAG) if isinstance(given, dict) else None
     if body is None or not isinstance(tag, str) or not hmac.compare_digest(tag, _tag(kind, run, body)):
         why = ("it is not a dict" if body is None else "it carries no tag: written by hand, or saved and loaded"
