@@ -111,10 +111,14 @@ def run_launch(cmd, out: Path, **kwargs):
     import warnings
 
     make = cmd if callable(cmd) else (lambda: cmd)
+    # a native crash prints every thread's Python stack (the one clue to its cause), kept in the warning below
+    kwargs["env"] = {**(kwargs.get("env") or os.environ), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(make(), capture_output=True, text=True, **kwargs)
     if proc.returncode != 0 and re.search(r"exitcode\s*:\s*-(6|11)\b", proc.stderr):
-        warnings.warn(f"a worker of the launch died by a signal; launched once more. Its end: {proc.stderr[-1500:]}",
-                      stacklevel=2)
+        fatal = proc.stderr.find("Fatal Python error")
+        stack = proc.stderr[fatal:fatal + 4000] if fatal >= 0 else ""
+        warnings.warn(f"a worker of the launch died by a signal; launched once more. Its stack: {stack or '(none)'} "
+                      f"Its end: {proc.stderr[-1500:]}", stacklevel=2)
         for child in (Path(out).iterdir() if Path(out).is_dir() else ()):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
         proc = subprocess.run(make(), capture_output=True, text=True, **kwargs)

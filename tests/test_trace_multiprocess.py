@@ -197,7 +197,7 @@ def test_a_fresh_start_probed_on_every_process_and_a_rank_local_start_refused(tm
 
 def test_a_launch_is_run_once_more_only_when_a_worker_died_by_a_signal(tmp_path):
     """The tests' launch helper: a worker killed by SIGSEGV/SIGABRT (torchrun reports ``exitcode : -11``) gets one more
-    launch, in an emptied output folder; a failure of the code under test (exit 1, a worker stopped by torchrun's
+    launch, in an emptied output folder, the crashed worker's Python stack in the warning; a failure of the code under test (exit 1, a worker stopped by torchrun's
     SIGTERM) is returned as it is, never launched again."""
     import sys
 
@@ -213,8 +213,11 @@ def test_a_launch_is_run_once_more_only_when_a_worker_died_by_a_signal(tmp_path)
         return [sys.executable, "-c", code, str(out), str(count), stderr]
 
     out.mkdir()
-    with pytest.warns(UserWarning, match="died by a signal; launched once more"):
-        proc = run_launch(fake("failed (exitcode: -11) local_rank: 1 ... exitcode  : -11 (pid: 7)"), out)
+    crash = ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n  File \"w.py\", "
+             "line 3 in step\n" + "torchrun's summary\n" * 200 + "failed (exitcode: -11) local_rank: 1 ... exitcode  : -11")
+    with pytest.warns(UserWarning, match=r"(?s)died by a signal; launched once more. Its stack: Fatal Python error: "
+                                         r"Segmentation fault.*line 3 in step.*exitcode  : -11"):
+        proc = run_launch(fake(crash), out)
     assert proc.returncode == 0 and count.read_text() == "xx"  # the second attempt found out emptied
     for stderr in ("failed (exitcode: 1) local_rank: 0", "exitcode  : -15 (pid: 7)"):
         count.unlink()
