@@ -167,6 +167,7 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
+    num_key_value_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 512,
     dropout: float = 0.0,
@@ -174,7 +175,9 @@ def build_tiny_model(
 ):
     """A small randomly initialised causal LM of the Llama, GPT-NeoX or GPT-2 family, sized to a tokenizer.
 
-    Used by the tests and the demo: real architectures, seconds per training step on a CPU.
+    Used by the tests and the demo: real architectures, seconds per training step on a CPU. A Llama has grouped-query
+    attention as every real one does (``num_key_value_heads``: by default half of ``num_heads``, one when that is odd;
+    pass ``num_heads`` for multi-head attention); GPT-NeoX and GPT-2 have none.
     """
     import torch
     from transformers import (
@@ -200,10 +203,16 @@ def build_tiny_model(
             "pad_token_id": tokenizer.pad_token_id,
         }
     inter = intermediate_size or 4 * hidden_size
+    if family != "llama" and num_key_value_heads not in (None, num_heads):
+        raise UnlearnError(f"{family} has no grouped-query attention: leave num_key_value_heads unset")
+    if num_key_value_heads is None:
+        num_key_value_heads = num_heads // 2 if num_heads % 2 == 0 else 1
+    if num_key_value_heads < 1 or num_heads % num_key_value_heads:
+        raise UnlearnError(f"num_key_value_heads={num_key_value_heads} must divide num_heads={num_heads}")
     if family == "llama":
         config = LlamaConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=inter, num_hidden_layers=num_layers,
-            num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=max_position_embeddings,
+            num_attention_heads=num_heads, num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
             attention_dropout=dropout, tie_word_embeddings=True, **special,
         )
         cls = LlamaForCausalLM

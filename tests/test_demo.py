@@ -31,7 +31,7 @@ def small_demo(tmp_path_factory):
     buf = io.StringIO()
     try:
         with redirect_stdout(buf):
-            code = main(["demo", "--authors", "3", "--epochs", "10", "--no-baselines", "--no-progress",
+            code = main(["demo", "--authors", "3", "--epochs", "12", "--no-baselines", "--no-progress",
                          "--out", str(out)])
     finally:
         if saved is not None:

@@ -17,6 +17,18 @@ def test_tiny_models_run_and_are_seeded(family, gpt2_tokenizer):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def test_a_tiny_llama_has_grouped_query_attention_as_real_ones_do(gpt2_tokenizer):
+    """The default tiny Llama (the tests', the demo's) has fewer key/value heads than query heads, as SmolLM2, Llama 3
+    and Qwen2 do; multi-head attention is asked for by name; a head count that cannot be grouped is one line."""
+    assert build_tiny_model("llama", gpt2_tokenizer, num_heads=4).config.num_key_value_heads == 2
+    assert build_tiny_model("llama", gpt2_tokenizer, hidden_size=32, num_heads=2).config.num_key_value_heads == 1
+    assert build_tiny_model("llama", gpt2_tokenizer, num_heads=4, num_key_value_heads=4).config.num_key_value_heads == 4
+    with pytest.raises(UnlearnError, match="num_key_value_heads=3 must divide num_heads=4"):
+        build_tiny_model("llama", gpt2_tokenizer, num_heads=4, num_key_value_heads=3)
+    with pytest.raises(UnlearnError, match="gpt2 has no grouped-query attention"):
+        build_tiny_model("gpt2", gpt2_tokenizer, num_heads=4, num_key_value_heads=2)
+
+
 def test_tiny_model_save_and_load_round_trip(tmp_path, tiny_llama):
     tiny_llama.save_pretrained(tmp_path)
     again = load_model(tmp_path)

@@ -100,7 +100,7 @@ def test_random_label_training_lowers_train_accuracy(finetuned, tmp_path):
 
     trainer, tok, ds, _ = finetuned
     model = copy.deepcopy(trainer.model)
-    forget = RandomLabelForgetTrainer(model=model, args=_args(RandomLabelConfig, tmp_path, 8, label_mode="flipped"),
+    forget = RandomLabelForgetTrainer(model=model, args=_args(RandomLabelConfig, tmp_path, 12, label_mode="flipped"),
                                       train_dataset=ds, processing_class=tok)
     forget.train()
     assert forget.score(ds).accuracy <= 0.25
