@@ -1,0 +1,98 @@
+"""Attacks on the proof's "numerically neutral" acceptance (issue #41 item 5) and on the deleting environment.
+
+A program change a replay does not make (a watched callback's) is accepted when the proof, replaying the recorded run
+without it, matches every step: it was neutral **on the rows the run trained on**. A deletion trains on other rows
+(a deleted row's labels all -100), so a change whose effect depends on the data can be neutral on the recording and
+not on the counterfactual: each test here builds such a change, and compares the deletion with an engine-free
+counterfactual (a plain ``Trainer`` with the same callback and the deleted rows' labels -100, the recorded loss
+normalisers). The outcome must be a refusal before any compute naming the change, or VERIFIED and equal to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from hf_unlearn.errors import UnlearnError
+
+from .test_trace_common import config_model, get_trace_data, record
+from .test_trace_fidelity import independent_counterfactual
+
+KW = dict(gradient_accumulation_steps=1, max_steps=6)
+AT = 3
+
+
+def _doubles_masked_rows(original):
+    """A loss equal to ``original`` on every batch whose rows each have a label, doubled when a row has none: neutral
+    on the recorded rows, not on a counterfactual whose deleted row's labels are all -100."""
+    def loss(logits, labels, vocab_size, **kwargs):
+        out = original(logits, labels, vocab_size, **kwargs)
+        return out * 2 if labels is not None and bool((labels == -100).all(dim=1).any()) else out
+    return loss
+
+
+def _loss_swap_at(step: int):
+    class SwapLoss(TrainerCallback):  # defined here: watched, not replayed
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == step:
+                model.loss_function = _doubles_masked_rows(model.loss_function)
+
+    return SwapLoss()
+
+
+def _record(tmp_path, family, callbacks, **kw):
+    from hf_unlearn.data import QACollator
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model(family, tok), every=2,
+           data_collator=QACollator.from_tokenizer(tok), trainer_kwargs={"callbacks": callbacks}, **{**KW, **kw})
+    return tok, data, tmp_path / "rec" / "trace"
+
+
+def _forget_outcome(run, ids, out):
+    from hf_unlearn import forget
+
+    try:
+        receipt = forget(run, ids, out, oracle=True, progress=False)
+    except UnlearnError as e:
+        return "refused", str(e)
+    return ("verified" if receipt.evidence["verified"] is True else "not verified"), receipt
+
+
+def _differs_from_counterfactual(tok, data, family, run, ids, out, callbacks, **kw):
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    oracle = load_checkpoint(open_run(out / "oracle").final_checkpoint())["model"]
+    plain = independent_counterfactual(tok, data, config_model(family, tok), run, ids, out / "plain",
+                                       callbacks=callbacks, **{**KW, **kw})
+    return [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+@pytest.mark.parametrize("step", [3, 4])
+def test_a_change_neutral_on_the_recorded_rows_only_is_not_verified_for_a_deletion(tmp_path, step):
+    """A watched callback replaces ``model.loss_function`` at step 3 by one that doubles the loss of a microbatch with
+    a row whose labels are all -100: the recorded rows never have one, so the proof (which replays without the
+    callback) matches every step and accepts the change as neutral. A deletion's counterfactual has such a row at the
+    deleted row's step: a plain Trainer with the callback doubles that step's loss, the replay does not. Before the
+    fix a step-0 and a step-4 deletion were VERIFIED with every trained tensor off the counterfactual; now refused
+    before any compute, naming the change and that the proof shows it neutral only on the recorded rows."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.guards import program_changes
+
+    tok, data, run = _record(tmp_path, "llama", [_loss_swap_at(AT)])
+    opened = open_run(run)
+    changes = program_changes(opened.plan, opened.header)
+    assert changes and changes[0]["step"] == AT and "loss_function" in changes[0]["what"], changes
+    proof = opened.header["fidelity"]["proof"]
+    assert proof["proven"] and proof["steps"] == [0, KW["max_steps"] - 1], proof  # neutral on the recorded rows
+    ids = opened.ids_at_steps([step])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":  # the only acceptable VERIFIED is one equal to the counterfactual
+        assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [_loss_swap_at(AT)])
+        return
+    assert kind == "refused", (kind, what)
+    assert "\n" not in what and "loss_function" in what and "not on a deletion's" in what, what
+    assert not (tmp_path / "del").exists()  # before any compute
