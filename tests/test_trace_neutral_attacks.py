@@ -96,3 +96,65 @@ def test_a_change_neutral_on_the_recorded_rows_only_is_not_verified_for_a_deleti
     assert kind == "refused", (kind, what)
     assert "\n" not in what and "loss_function" in what and "not on a deletion's" in what, what
     assert not (tmp_path / "del").exists()  # before any compute
+
+
+def _scope_of(change):
+    """The recorder's record of ``change(model)``: where the guards see it, and whether it is neutral on any rows."""
+    from hf_unlearn.trace import digests
+    from hf_unlearn.trace.guards import _scope, snapshot
+
+    tok, _ = get_trace_data()
+    model = config_model("llama", tok)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def snap():
+        s = snapshot(model, opt, exact=True)
+        s.controls["whole"] = digests.program_state(model, opt)
+        return s
+
+    before = snap()
+    change(model)
+    return _scope(before, snap())
+
+
+def test_only_activation_checkpointing_is_neutral_on_any_rows():
+    """The allowlist that keeps issue #41's over-refusal fixed (gradient checkpointing switched on mid-run by a callback
+    replays do not run: neutral on any rows, deletions VERIFIED, tests/test_trace_proof.py) covers that change alone:
+    with a loss swapped at the same step, or a weight edited, it is not neutral on any rows."""
+    def checkpointing(m):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def with_loss(m):
+        checkpointing(m)
+        m.loss_function = _doubles_masked_rows(m.loss_function)
+
+    def with_edit(m):
+        checkpointing(m)
+        with torch.no_grad():
+            m.lm_head.weight[0, 0] += 1
+
+    assert _scope_of(checkpointing) == {"seen": "controls", "any_rows": True}
+    assert _scope_of(with_loss) == {"seen": "controls"}
+    assert _scope_of(with_edit) == {"seen": "controls"}
+    assert _scope_of(lambda m: setattr(m, "loss_function", _doubles_masked_rows(m.loss_function))) == {"seen": "program"}
+
+
+def test_what_the_proof_shows_reproduced_of_a_change():
+    """A change is shown reproduced on a deletion's rows only when it is neutral on any rows, or was made while the step
+    ran (the recorded trainer's compute_loss, which replays run) and seen where the proof compares (state, controls)
+    with the proof's controls equal to the recording's from it on; a watched callback's change, one made between
+    steps (a scheduler's lambda, a dataset's __getitem__: code replays do not run), one only the whole-program digest
+    saw, and one after which the proof saw other controls are not."""
+    from hf_unlearn.trace.guards import unproven_changes
+
+    header = {"fidelity": {"proof": {"proven": True, "steps": [0, 5], "neutral_controls": [4, 5]}}}
+    compute_loss = {"step": 3, "what": "w was edited in place", "seen": "tensors", "in_step": True}
+    ok = [compute_loss, {"step": 2, "what": "gc", "seen": "controls", "by": "C.on_step_begin (...)", "any_rows": True}]
+    bad = [{**compute_loss, "by": "C.on_step_begin (...)"}, {**compute_loss, "in_step": False},
+           {**compute_loss, "seen": "program"}, {**compute_loss, "seen": "controls", "step": 4},  # the proof's controls differed there
+           {"step": 3, "what": "old record"}]
+    from unittest import mock
+
+    with mock.patch("hf_unlearn.trace.proven.proven_steps", return_value=(set(range(6)), None)):
+        assert unproven_changes(ok, header, 0, 6) == []
+        assert unproven_changes(bad, header, 0, 6) == bad

@@ -588,13 +588,16 @@ def unproven_changes(changes: list[dict], header: dict, start: int, total: int) 
     on a deletion's rows. The proof replays the recorded rows: a change the replay does not make (a watched callback's,
     one only the whole-program digest saw, or one at a step where the proof's controls differed from the recording's)
     that still matched every step was neutral on those rows only, and a deletion trains on others. Reproduced: a
-    change on :data:`NEUTRAL_ON_ANY_ROWS` alone, or one by code outside the callbacks (the recorded trainer's own
-    ``compute_loss``) seen in the state or the controls, which the proof's replay matched."""
+    change on :data:`NEUTRAL_ON_ANY_ROWS` alone, or one made while the step ran (between the batches' fetch and
+    ``optimizer.step()``: the recorded trainer's own ``compute_loss``, which replays run; not a dataset's
+    ``__getitem__``, which they do not) and seen in the state or the controls, which the proof's replay matched (a
+    controls change the proof's replay did not make shows as other controls at its step: ``neutral_controls``)."""
     from .proven import neutral_controls
 
     neutral = {s for s in neutral_controls(header) if start <= s < total}
     return [c for c in changes if not c.get("any_rows") and
-            (c.get("by") or c.get("seen") not in ("tensors", "controls") or neutral & set(range(c["step"], total)))]
+            (c.get("by") or not c.get("in_step") or c.get("seen") not in ("tensors", "controls")
+             or (c["seen"] == "controls" and c["step"] in neutral))]
 
 
 # ---- the recording's live guard -------------------------------------------------------------------------------
@@ -640,11 +643,13 @@ class ProgramGuard:
                 now.controls["whole"] = self.ref.controls["whole"]
         return now
 
-    def _compare(self, now: Snapshot, step: int) -> bool:
+    def _compare(self, now: Snapshot, step: int, in_step: bool = False) -> bool:
+        """``in_step``: the check right before ``optimizer.step()``, so a change since the batches were fetched was
+        made by code that runs the step (the recorded trainer's ``compute_loss``, which replays run too)."""
         what = describe_change(self.ref, now) if self.ref is not None else None
         if what:
             self.pending.append({"step": step, "what": what, **_persistence(self.ref, now, what),
-                                 **_scope(self.ref, now)})
+                                 **_scope(self.ref, now), **({"in_step": True} if in_step else {})})
         return bool(what)
 
     def start(self) -> None:
@@ -676,7 +681,7 @@ class ProgramGuard:
         checksums of the gradients ``optimizer.step()`` is about to use."""
         now = self._snapshot()
         self.grads = tensor_checksums(gradient_tensors(self.model))
-        self._compare(now, self.step)
+        self._compare(now, self.step, in_step=True)
         self.ref = now
         self.controls = now.controls
 
