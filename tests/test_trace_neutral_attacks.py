@@ -158,3 +158,67 @@ def test_what_the_proof_shows_reproduced_of_a_change():
     with mock.patch("hf_unlearn.trace.proven.proven_steps", return_value=(set(range(6)), None)):
         assert unproven_changes(ok, header, 0, 6) == []
         assert unproven_changes(bad, header, 0, 6) == bad
+
+
+# ---- the trainer's own attributes, set mid-run by a callback (not among the whole-program digests' objects) --------
+def _the_trainer():
+    """The Trainer running this callback (found up the stack, as a callback without a reference to it can)."""
+    import sys
+
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        found = frame.f_locals.get("self")
+        if isinstance(found, Trainer):
+            return found
+        frame = frame.f_back
+    raise AssertionError("no trainer up the stack")
+
+
+def _mean_over_kept(outputs, labels, num_items_in_batch=None):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    return ForCausalLMLoss(logits, labels, logits.shape[-1])  # the mean over this microbatch's labelled tokens
+
+
+def _trainer_attack_at(step: int, name: str):
+    class TrainerAttribute(TrainerCallback):  # defined here: watched, not replayed
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                trainer = _the_trainer()
+                if name == "model_accepts_loss_kwargs":  # the model's loss then averages over its own tokens
+                    trainer.model_accepts_loss_kwargs = False
+                elif name == "label_smoother":
+                    from transformers.trainer_pt_utils import LabelSmoother
+
+                    trainer.label_smoother = LabelSmoother(epsilon=0.1)
+                elif name == "compute_loss_func":
+                    trainer.compute_loss_func = _mean_over_kept
+
+    return TrainerAttribute()
+
+
+TRAINER_ATTACKS = ("model_accepts_loss_kwargs", "label_smoother", "compute_loss_func")
+
+
+@pytest.mark.parametrize("name", TRAINER_ATTACKS)
+def test_a_trainer_attribute_set_mid_run_is_refused_or_verified_and_counterfactual(tmp_path, name):
+    """A callback reaches the Trainer and sets one of its attributes at step 3: ``model_accepts_loss_kwargs = False``
+    (each microbatch's loss then averages over its own labelled tokens instead of the recorded normaliser: on the
+    recorded rows with one microbatch a step the same number, on a deletion's not), a ``label_smoother``, a
+    ``compute_loss_func``. The first two were VERIFIED with every tensor off a plain Trainer with the callback (the
+    trainer's instance attributes were not digested, and both changes are neutral on the recorded rows); now each is
+    named with its step when recording and the deletion refused before any compute."""
+    tok, data, run = _record(tmp_path, "llama", [_trainer_attack_at(AT, name)])
+    from hf_unlearn.trace import open_run
+
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":  # before the trainer's settings were digested: VERIFIED, every tensor off (the first two)
+        assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del",
+                                                [_trainer_attack_at(AT, name)])
+    assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
+    assert "\n" not in what and f"trainer.{name}" in what and "at optimizer step 3" in what, what
+    assert not (tmp_path / "del").exists()  # before any compute

@@ -349,9 +349,7 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
             out[f"code module {mod_name}"] = _module_code(mod, d)
     if trainer is not None:
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
-        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # a method patched on the instance
-                   if hasattr(type(trainer), k) and isinstance(v, (types.FunctionType, types.MethodType,
-                                                                   functools.partial)))
+        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items() if _trainer_setting(k, v))
     for i, cb in enumerate(callbacks):
         out[f"callback {i} {_name(type(cb))} code"] = _class_code(type(cb), d)
         out.update((f"callback {i} global {k}", v) for k, v in _globals_read(type(cb), d).items())
@@ -375,6 +373,22 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
             out["data collator"] = d.leaf(inner)
     out.update(torch_state())
     return out
+
+
+# the trainer's attributes that are objects digested elsewhere (args, the collator, the model) or its running state
+SKIPPED_TRAINER = frozenset({"args", "data_collator", "processing_class", "model", "model_wrapped", "accelerator",
+                             "optimizer", "lr_scheduler", "callback_handler", "state", "control", "train_dataset",
+                             "eval_dataset", "_mixed_mesh_grads"})
+
+
+def _trainer_setting(name: str, value) -> bool:
+    """An attribute of the trainer instance that decides how it computes a step: a flag (``model_accepts_loss_kwargs``,
+    which says whether the model divides by the recorded normaliser), an unset hook (None) or a callable
+    (``compute_loss_func``, ``label_smoother``, a method patched on the instance). Counters (ints, floats) and running
+    state change every step and are left out, as is the recorder's own state."""
+    if name.startswith("_trace") or name in SKIPPED_TRAINER:
+        return False
+    return value is None or type(value) is bool or (callable(value) and not isinstance(value, (type, torch.nn.Module)))
 
 
 def optimizer_structure(model, optimizer, d: Digester) -> dict:
