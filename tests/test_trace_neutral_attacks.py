@@ -222,3 +222,52 @@ def test_a_trainer_attribute_set_mid_run_is_refused_or_verified_and_counterfactu
     assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
     assert "\n" not in what and f"trainer.{name}" in what and "at optimizer step 3" in what, what
     assert not (tmp_path / "del").exists()  # before any compute
+
+
+# ---- a method patched on torch.Tensor mid-run ----------------------------------------------------------------------
+_ORIGINAL_CONTIGUOUS = torch.Tensor.contiguous
+
+
+def _labels_for_unlabelled_rows(self, *args, **kwargs):
+    """``Tensor.contiguous`` that gives a row of labels that are all -100 (the loss's shifted labels) the label 0: the
+    same as the original on every recorded row, not on a counterfactual's deleted row."""
+    out = _ORIGINAL_CONTIGUOUS(self, *args, **kwargs)
+    if out.dtype == torch.long and out.dim() == 2 and bool((out == -100).all(dim=1).any()):
+        out = torch.where((out == -100).all(dim=1, keepdim=True), torch.zeros_like(out), out)
+    return out
+
+
+def _tensor_patch_at(step: int):
+    class PatchTensor(TrainerCallback):  # defined here: watched, not replayed
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                torch.Tensor.contiguous = _labels_for_unlabelled_rows
+
+        def on_train_end(self, args, state, control, **kwargs):
+            torch.Tensor.contiguous = _ORIGINAL_CONTIGUOUS
+
+    return PatchTensor()
+
+
+def test_a_method_patched_on_torch_tensor_mid_run_is_named_and_refused(tmp_path):
+    """A callback replaces ``torch.Tensor.contiguous`` at step 3 by one that labels a row whose labels are all -100
+    (neutral on the recorded rows, so the proof matched every step): not digested before, a step-3 deletion was
+    VERIFIED with every tensor off a plain Trainer with the callback. Now ``torch.Tensor``'s methods are digested
+    with the model's classes: the recording names the patch at step 3, the deletion is refused before any compute."""
+    from hf_unlearn.trace import open_run
+
+    try:
+        tok, data, run = _record(tmp_path, "llama", [_tensor_patch_at(AT)])
+    finally:
+        torch.Tensor.contiguous = _ORIGINAL_CONTIGUOUS
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":
+        try:
+            assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del",
+                                                    [_tensor_patch_at(AT)])
+        finally:
+            torch.Tensor.contiguous = _ORIGINAL_CONTIGUOUS
+    assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
+    assert "\n" not in what and "code class torch.Tensor" in what and "at optimizer step 3" in what, what
+    assert not (tmp_path / "del").exists()

@@ -341,7 +341,7 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         out[f"{where} children"] = _short(repr([(n, _name(type(c))) for n, c in m._modules.items()]))
         classes[type(m)] = None
         sources.add(type(m).__module__)
-    for cls in classes:
+    for cls in (*classes, torch.Tensor):  # torch.Tensor: a method patched on it runs in every forward
         out[f"code class {_name(cls)}"] = _class_code(cls, d)
     for mod_name in sorted(sources | set(CODE_MODULES)):
         mod = sys.modules.get(mod_name)
