@@ -271,3 +271,87 @@ def test_a_method_patched_on_torch_tensor_mid_run_is_named_and_refused(tmp_path)
     assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
     assert "\n" not in what and "code class torch.Tensor" in what and "at optimizer step 3" in what, what
     assert not (tmp_path / "del").exists()
+
+
+def _set_after_construction(trainer, name: str) -> None:
+    if name == "model_accepts_loss_kwargs":
+        trainer.model_accepts_loss_kwargs = False
+    elif name == "compute_loss_func":
+        trainer.compute_loss_func = _mean_over_kept
+
+
+class _SetAtTrainBegin(TrainerCallback):
+    """The counterfactual's way to set the same attribute before its first step."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        _set_after_construction(_the_trainer(), self.name)
+
+
+WHY_AT_TRAIN = {"model_accepts_loss_kwargs": "the model does not accept num_items_in_batch",
+                "compute_loss_func": "compute_loss_func"}
+
+
+@pytest.mark.parametrize("name", list(WHY_AT_TRAIN))
+def test_a_trainer_setting_changed_between_construction_and_train_is_refused(tmp_path, name):
+    """The constructor refuses ``compute_loss_func=`` and a model that ignores the normaliser; the same settings made
+    on the trainer after construction, before ``train()``, are outside those checks. The replay rebuilds the trainer
+    from its recorded arguments (without them), and on the recorded rows they are neutral (one microbatch a step),
+    so the proof matched: refused when training starts, or VERIFIED and equal to a plain Trainer that has them."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+
+    from .test_trace_common import train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trainer = TraceRecordingTrainer(model=config_model("llama", tok), args=train_args(tmp_path / "rec", **KW),
+                                    train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                    trace_checkpoint_steps=2, trace_checkpoint_retention="even")
+    _set_after_construction(trainer, name)
+    try:
+        trainer.train()
+    except UnlearnError as e:
+        assert "\n" not in str(e) and WHY_AT_TRAIN[name] in str(e), e
+        return
+    print("OUTCOME-TRAINED", name)
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "refused":
+        assert "\n" not in what and name in what, what
+        return
+    assert kind == "verified", what.evidence
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [_SetAtTrainBegin(name)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", ["lora", "full"])
+def test_a_loss_neutral_on_the_recorded_rows_on_a_gqa_sft_run_is_refused(tmp_path, adapter):
+    """The loss swap on the shape users train: SmolLM2's (Llama, grouped-query attention, tied embeddings, the GPT-2
+    vocabulary), ``trace_recording(SFTTrainer)`` with and without a LoRA adapter, the swap on the base model at step
+    2: the proof matches every step (no recorded row is unlabelled), and `forget` refuses a step-0 and a step-2
+    deletion before any compute, naming the change."""
+    from hf_unlearn.trace import open_run
+
+    from .test_real_configs import base_model, config_for, data_for, trainer_for, trainer_kwargs
+
+    class SwapBaseLoss(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:
+                base = model.get_base_model() if hasattr(model, "get_base_model") else model
+                base.loss_function = _doubles_masked_rows(base.loss_function)
+
+    trainer_for("sft", True)(model=base_model("sft", "llama_tied", "sdpa", tmp_path / "base"),
+                             args=config_for("sft", tmp_path / "rec", "fp32"), train_dataset=data_for("sft", "llama_tied"),
+                             trace_checkpoint_steps=2, trace_checkpoint_retention="even", callbacks=[SwapBaseLoss()],
+                             **trainer_kwargs("sft", "llama_tied", adapter)).train()
+    run = open_run(tmp_path / "rec" / "trace")
+    assert run.header["fidelity"]["proof"]["proven"]
+    for step in (0, 2):
+        kind, what = _forget_outcome(run.path, run.ids_at_steps([step])[:1], tmp_path / f"del{step}")
+        assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
+        assert "loss_function" in what and "not on a deletion's" in what and "\n" not in what, what
+        assert not (tmp_path / f"del{step}").exists()
