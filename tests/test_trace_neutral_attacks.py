@@ -71,7 +71,7 @@ def _differs_from_counterfactual(tok, data, family, run, ids, out, callbacks, **
     return [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
 
 
-@pytest.mark.parametrize("step", [3, 4])
+@pytest.mark.parametrize("step", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_a_change_neutral_on_the_recorded_rows_only_is_not_verified_for_a_deletion(tmp_path, step):
     """A watched callback replaces ``model.loss_function`` at step 3 by one that doubles the loss of a microbatch with
     a row whose labels are all -100: the recorded rows never have one, so the proof (which replays without the
@@ -203,7 +203,8 @@ def _trainer_attack_at(step: int, name: str):
 TRAINER_ATTACKS = ("model_accepts_loss_kwargs", "label_smoother", "compute_loss_func")
 
 
-@pytest.mark.parametrize("name", TRAINER_ATTACKS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "compute_loss_func" else n
+                                  for n in TRAINER_ATTACKS])
 def test_a_trainer_attribute_set_mid_run_is_refused_or_verified_and_counterfactual(tmp_path, name):
     """A callback reaches the Trainer and sets one of its attributes at step 3: ``model_accepts_loss_kwargs = False``
     (each microbatch's loss then averages over its own labelled tokens instead of the recorded normaliser: on the
@@ -294,6 +295,7 @@ WHY_AT_TRAIN = {"model_accepts_loss_kwargs": "the model does not accept num_item
                 "compute_loss_func": "compute_loss_func"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WHY_AT_TRAIN))
 def test_a_trainer_setting_changed_between_construction_and_train_is_refused(tmp_path, name):
     """The constructor refuses ``compute_loss_func=`` and a model that ignores the normaliser; the same settings made
@@ -355,3 +357,57 @@ def test_a_loss_neutral_on_the_recorded_rows_on_a_gqa_sft_run_is_refused(tmp_pat
         assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
         assert "loss_function" in what and "not on a deletion's" in what and "\n" not in what, what
         assert not (tmp_path / f"del{step}").exists()
+
+
+# ---- a dataset that returns other rows than it holds -----------------------------------------------------------------
+def _noisy_after(calls: int):
+    """A ``datasets.Dataset`` class whose rows lose their last 1-3 tokens at random once ``calls`` rows were fetched
+    (after the recorder saved the store, which it reads from the table, not through ``__getitem__``)."""
+    import random
+
+    import datasets
+
+    seen = [0]
+
+    class Noisy(datasets.Dataset):
+        def __getitems__(self, keys):
+            return [self.__getitem__(int(k)) for k in keys]
+
+        def __getitem__(self, key):
+            row = super().__getitem__(key)
+            if not isinstance(key, int):
+                return row
+            seen[0] += 1
+            if seen[0] > calls:
+                k = random.randint(1, 3)
+                row = {**row, **{c: row[c][:-k] for c in ("input_ids", "attention_mask", "labels")}}
+            return row
+
+    return Noisy
+
+
+@pytest.mark.slow
+def test_a_dataset_returning_other_rows_than_it_holds_is_sealed_as_a_divergence(tmp_path):
+    """Training fetched rows the store does not hold from step 3 on (a ``__getitem__`` with random truncation): the
+    proof used to stop on the batch check with an error, never sealing anything, so every deletion was refused with
+    "prove the run once" while proving failed. Now the proof seals the steps before the first such microbatch and a
+    divergence there naming the microbatch; deletions whose replay passes it are refused before any compute."""
+    import copy
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import prove
+
+    tok, data = get_trace_data()
+    data = copy.copy(data.select(range(24)))
+    data.__class__ = _noisy_after(4 * 5 + 4)
+    record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2,
+           data_collator=QACollator.from_tokenizer(tok), **KW)
+    run = tmp_path / "rec" / "trace"
+    proof = prove(run, progress=False)
+    at = proof["diverged"]["step"]  # the first microbatch the noise reached (the preflight reads rows too)
+    assert not proof["proven"] and 0 < at < KW["max_steps"] and proof["steps"] == [0, at - 1], proof
+    assert f"(optimizer step {at}) does not collate to the batch the run recorded" in proof["diverged"]["why"], proof
+    kind, what = _forget_outcome(run, open_run(run).ids_at_steps([KW["max_steps"] - 1])[:1], tmp_path / "del")
+    assert kind == "refused" and "\n" not in what and f"optimizer step {at}" in what, what
+    assert not (tmp_path / "del").exists()
