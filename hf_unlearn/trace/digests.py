@@ -556,13 +556,15 @@ class ProcessComparison:
                 self.reported.add(f"written {rank}")
                 self.guard.pending.append({"step": step, "what": f"process {rank} wrote {written} in place between "
                                                                  f"optimizer steps {step - 1} and {step} (a change "
-                                                                 "made on that process, outside the optimizer)"})
+                                                                 "made on that process, outside the optimizer)",
+                                           "seen": "tensors", "across_processes": True})
             for part in sorted(set(first) | set(other)):
                 if part == "tensors written between optimizer steps":
                     continue
                 if first.get(part) != other.get(part) and part not in self.reported:
                     self.reported.add(part)
-                    self.guard.pending.append({"step": step, "persistent": True,
+                    self.guard.pending.append({"step": step, "persistent": True, "across_processes": True,
+                                               "seen": "tensors" if part.startswith("tensors held whole") else "program",
                                                "what": f"process {rank}'s {part} differs from process 0's (a change "
                                                        "made on some processes only; no replay reproduces it)"})
 

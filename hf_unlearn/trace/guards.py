@@ -591,12 +591,15 @@ def unproven_changes(changes: list[dict], header: dict, start: int, total: int) 
     change on :data:`NEUTRAL_ON_ANY_ROWS` alone, or one made while the step ran (between the batches' fetch and
     ``optimizer.step()``: the recorded trainer's own ``compute_loss``, which replays run; not a dataset's
     ``__getitem__``, which they do not) and seen in the state or the controls, which the proof's replay matched (a
-    controls change the proof's replay did not make shows as other controls at its step: ``neutral_controls``)."""
+    controls change the proof's replay did not make shows as other controls at its step: ``neutral_controls``); or
+    one process's tensors written otherwise than process 0's, which the proof's replay, gathering every process's
+    state, matched (a recorded callback acting on one process, which replays run there too)."""
     from .proven import neutral_controls
 
     neutral = {s for s in neutral_controls(header) if start <= s < total}
     return [c for c in changes if not c.get("any_rows") and
-            (c.get("by") or not c.get("in_step") or c.get("seen") not in ("tensors", "controls")
+            (c.get("by") or not (c.get("in_step") or c.get("across_processes"))
+             or c.get("seen") not in ("tensors", "controls")
              or (c["seen"] == "controls" and c["step"] in neutral))]
 
 
