@@ -157,7 +157,10 @@ def test_what_the_proof_shows_reproduced_of_a_change():
 
     with mock.patch("hf_unlearn.trace.proven.proven_steps", return_value=(set(range(6)), None)):
         assert unproven_changes(ok, header, 0, 6) == []
-        assert unproven_changes(bad, header, 0, 6) == bad
+        assert unproven_changes(bad, header, 0, 6)[:len(bad)] == bad
+        # other controls in the proof's replay that no allowlisted change explains: a difference only a replay makes
+        alone = unproven_changes([], header, 0, 6)
+        assert [c["step"] for c in alone] == [4] and "4..5" in alone[0]["what"], alone
 
 
 # ---- the trainer's own attributes, set mid-run by a callback (not among the whole-program digests' objects) --------
@@ -410,4 +413,45 @@ def test_a_dataset_returning_other_rows_than_it_holds_is_sealed_as_a_divergence(
     assert f"(optimizer step {at}) does not collate to the batch the run recorded" in proof["diverged"]["why"], proof
     kind, what = _forget_outcome(run, open_run(run).ids_at_steps([KW["max_steps"] - 1])[:1], tmp_path / "del")
     assert kind == "refused" and "\n" not in what and f"optimizer step {at}" in what, what
+    assert not (tmp_path / "del").exists()
+
+
+# ---- a user hook registered before training ------------------------------------------------------------------------
+def _relabel_unlabelled_rows(module, args, kwargs):
+    """A forward pre-hook (with kwargs) that gives a row whose labels are all -100 the labels of its input ids: a no-op
+    on every recorded row, not on a counterfactual's deleted row."""
+    labels = kwargs.get("labels")
+    if labels is not None and bool((labels == -100).all(dim=1).any()):
+        empty = (labels == -100).all(dim=1, keepdim=True)
+        kwargs = {**kwargs, "labels": torch.where(empty, kwargs["input_ids"], labels)}
+    return args, kwargs
+
+
+def test_a_user_hook_registered_before_training_and_neutral_on_the_recorded_rows_is_refused(tmp_path):
+    """A forward pre-hook on the model, registered before ``train()`` (the recording names it at step 0: a hook a
+    replay does not run), that only acts on a row with no label: the proof matched every step, and a deletion was
+    VERIFIED with every tensor off a plain Trainer on the hooked model. Now refused before any compute."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    model = config_model("llama", tok)
+    model.register_forward_pre_hook(_relabel_unlabelled_rows, with_kwargs=True)
+    record(tok, data, tmp_path / "rec", model=model, every=2, data_collator=QACollator.from_tokenizer(tok),
+           **KW)
+    run = tmp_path / "rec" / "trace"
+    assert open_run(run).header["fidelity"]["proof"]["proven"]
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":
+        from hf_unlearn.trace.run import load_checkpoint
+
+        oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+        hooked = config_model("llama", tok)
+        hooked.register_forward_pre_hook(_relabel_unlabelled_rows, with_kwargs=True)
+        plain = independent_counterfactual(tok, data, hooked, run, ids, tmp_path / "plain", **KW)
+        assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+    assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
+    assert "\n" not in what and "hook" in what and "not on a deletion's" in what, what
     assert not (tmp_path / "del").exists()

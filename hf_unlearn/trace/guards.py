@@ -503,7 +503,7 @@ def program_refusal(run, start_step: int) -> str | None:
     """Why a replay from ``start_step`` cannot reproduce the run (a program change at or after it), or None."""
     changes = program_changes(run.served_plan or run.plan, run.header)
     late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
-    if not late:
+    if not late and not unproven_changes([], run.header, start_step, run.total_steps):
         return None
     if not unproven_steps(run.header, start_step, run.total_steps, fresh_start=False):
         # the proof shows the engine reproduces the run with the change, at every step the replay runs; a fresh
@@ -594,13 +594,22 @@ def unproven_changes(changes: list[dict], header: dict, start: int, total: int) 
     controls change the proof's replay did not make shows as other controls at its step: ``neutral_controls``); or
     one process's tensors written otherwise than process 0's, which the proof's replay, gathering every process's
     state, matched (a recorded callback acting on one process, which replays run there too)."""
-    from .proven import neutral_controls
+    from .proven import neutral_controls, ranges
 
     neutral = {s for s in neutral_controls(header) if start <= s < total}
-    return [c for c in changes if not c.get("any_rows") and
-            (c.get("by") or not (c.get("in_step") or c.get("across_processes"))
-             or c.get("seen") not in ("tensors", "controls")
-             or (c["seen"] == "controls" and c["step"] in neutral))]
+    out = [c for c in changes if not c.get("any_rows") and
+           (c.get("by") or not (c.get("in_step") or c.get("across_processes"))
+            or c.get("seen") not in ("tensors", "controls")
+            or (c["seen"] == "controls" and c["step"] in neutral))]
+    # the proof's replay ran other controls than the recording where no change on the allowlist explains it: a
+    # difference only a replay makes (code that behaves otherwise in a replay), neutral on the recorded rows only
+    explained = [c["step"] for c in changes if c.get("any_rows")]
+    unexplained = sorted(s for s in neutral if not any(e <= s for e in explained))
+    if unexplained:
+        out.append({"step": unexplained[0], "what": "the proof's replay ran other program controls than the "
+                    f"recording while its state matched (at optimizer step(s) {ranges(unexplained)}: a difference only "
+                    "a replay makes)"})
+    return out
 
 
 # ---- the recording's live guard -------------------------------------------------------------------------------
