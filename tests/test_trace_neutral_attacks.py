@@ -455,3 +455,35 @@ def test_a_user_hook_registered_before_training_and_neutral_on_the_recorded_rows
     assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
     assert "\n" not in what and "hook" in what and "not on a deletion's" in what, what
     assert not (tmp_path / "del").exists()
+
+
+# ---- the model's own attributes set before training ----------------------------------------------------------------
+def test_a_loss_function_set_on_the_model_before_training_is_refused(tmp_path):
+    """``model.loss_function = ...`` set by the script before ``train()`` (not a change during the run: the program's
+    first state). A replay rebuilds the model from its config, without it; on the recorded rows the loss is the same,
+    so the proof matched. Refused, or VERIFIED and equal to a plain Trainer on the same model."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    model = config_model("llama", tok)
+    model.loss_function = _doubles_masked_rows(model.loss_function)
+    try:
+        record(tok, data, tmp_path / "rec", model=model, every=2, data_collator=QACollator.from_tokenizer(tok), **KW)
+    except UnlearnError as e:
+        assert "\n" not in str(e) and "loss_function" in str(e), e
+        return
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":
+        from hf_unlearn.trace.run import load_checkpoint
+
+        oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+        swapped = config_model("llama", tok)
+        swapped.loss_function = _doubles_masked_rows(swapped.loss_function)
+        plain = independent_counterfactual(tok, data, swapped, run, ids, tmp_path / "plain", **KW)
+        assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+        return
+    assert kind == "refused" and "\n" not in what and "loss_function" in what, what

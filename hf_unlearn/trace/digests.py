@@ -375,10 +375,11 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
     return out
 
 
-# the trainer's attributes that are objects digested elsewhere (args, the collator, the model) or its running state
+# the trainer's attributes that are objects digested elsewhere (args, the collator, the model), its running state, or
+# what only evaluation reads and sets (gather_function)
 SKIPPED_TRAINER = frozenset({"args", "data_collator", "processing_class", "model", "model_wrapped", "accelerator",
                              "optimizer", "lr_scheduler", "callback_handler", "state", "control", "train_dataset",
-                             "eval_dataset", "_mixed_mesh_grads"})
+                             "eval_dataset", "_mixed_mesh_grads", "gather_function"})
 
 
 def _trainer_setting(name: str, value) -> bool:

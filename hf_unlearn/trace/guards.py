@@ -35,9 +35,11 @@ of the run the user trained. So the recording closes the program:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import types
 from typing import NamedTuple
 
 import torch
@@ -254,8 +256,10 @@ def _walk(model) -> dict:
                          and k not in VOLATILE_ATTRIBUTES}
         for attr in MODULE_HOOKS:
             found += [(name or "(the model)", attr, fn) for fn in (getattr(m, attr, None) or {}).values()]
-        if "forward" in own:
-            found.append((name or "(the model)", "forward", own["forward"]))
+        # a function held by the module instance (a replaced forward, model.loss_function = ...): a replay rebuilds
+        # the model from its config, without it
+        found += [(name or "(the model)", k, v) for k, v in own.items()
+                  if k == "forward" or isinstance(v, (types.FunctionType, types.MethodType, functools.partial))]
         fn = getattr(type(m), "forward", None)
         fn = getattr(fn, "__func__", fn)
         code.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
@@ -668,7 +672,7 @@ class ProgramGuard:
         """Before the first step: a user hook already registered is code a replay does not run."""
         hooks = program_hooks(self.model)
         if hooks:
-            self.pending.append({"step": 0, "what": f"a hook a replay does not run is registered: {hooks[0]}"
+            self.pending.append({"step": 0, "what": f"a hook or function a replay does not run is set: {hooks[0]}"
                                  + (f" (and {len(hooks) - 1} more)" if len(hooks) > 1 else ""), "persistent": True})
 
     def between_steps(self, step: int, lrs: list[float]) -> None:
