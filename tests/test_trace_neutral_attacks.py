@@ -136,7 +136,10 @@ def test_only_activation_checkpointing_is_neutral_on_any_rows():
     assert _scope_of(checkpointing) == {"seen": "controls", "any_rows": True}
     assert _scope_of(with_loss) == {"seen": "controls"}
     assert _scope_of(with_edit) == {"seen": "controls"}
-    assert _scope_of(lambda m: setattr(m, "loss_function", _doubles_masked_rows(m.loss_function))) == {"seen": "program"}
+    # a function held by the model instance is named with the hooks (the controls); a private attribute only in the
+    # whole-program digest (a private module attribute)
+    assert _scope_of(lambda m: setattr(m, "loss_function", _doubles_masked_rows(m.loss_function))) == {"seen": "controls"}
+    assert _scope_of(lambda m: setattr(m.model.layers[0].self_attn, "_trace_hint", 2)) == {"seen": "program"}
 
 
 def test_what_the_proof_shows_reproduced_of_a_change():
