@@ -490,3 +490,38 @@ def test_a_loss_function_set_on_the_model_before_training_is_refused(tmp_path):
         assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
         return
     assert kind == "refused" and "\n" not in what and "loss_function" in what, what
+
+
+# ---- a recorded callback whose behaviour follows the environment of the process that runs it ------------------------
+class SwapLossWhenAsked(TrainerCallback):
+    """A recorded callback (importable, JSON attributes: replays run it again) that swaps the model's loss for
+    :func:`_doubles_masked_rows` from optimizer step ``at`` on when ``HFU_TEST_SWAP_LOSS`` is set in its process."""
+
+    def __init__(self, at: int = AT):
+        self.at = at
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        import os
+
+        if state.global_step == self.at and os.environ.get("HFU_TEST_SWAP_LOSS"):
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            base.loss_function = _doubles_masked_rows(base.loss_function)
+
+
+def test_a_recorded_callback_that_reads_the_environment_is_not_verified_when_it_acts_otherwise(tmp_path, monkeypatch):
+    """The callback did nothing while recording; in the deleting process the environment makes it swap the loss at
+    step 3 (neutral on the recorded rows: the environment probe and the proof cannot see it). Replay and oracle run it
+    alike and agree with each other, not with the run that trained. The function it sets on the model is a program
+    control (named with the hooks), compared at every step a replay runs: the deletion stops at step 3, not VERIFIED."""
+    from hf_unlearn.trace import open_run
+
+    tok, data, run = _record(tmp_path, "llama", [SwapLossWhenAsked()])
+    assert open_run(run).header["trainer"]["callbacks"], "recorded: replays run it again"
+    monkeypatch.setenv("HFU_TEST_SWAP_LOSS", "1")
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":
+        monkeypatch.delenv("HFU_TEST_SWAP_LOSS")
+        assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [SwapLossWhenAsked()])
+    assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
+    assert "\n" not in what and "optimizer step 3" in what and "program controls" in what, what
