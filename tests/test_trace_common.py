@@ -223,7 +223,7 @@ def recorded_normalisers_trainer(run_dir, base=None):
             batches, num = super().get_batch_samples(epoch_iterator, num_batches, device)
             if batches:
                 value, dtype = norms[self.state.global_step]
-                num = torch.tensor(value, dtype=getattr(torch, dtype), device=device)
+                num = None if value is None else torch.tensor(value, dtype=getattr(torch, dtype), device=device)
                 rank = self.accelerator.process_index
                 self._seeds = deque(rank_seed(e.seed, rank) for e in plan if e.step == self.state.global_step)
             return batches, num

@@ -128,7 +128,7 @@ EXPECTED = {
     "generation_config": "generation_config.temperature",
     "activation_swapped": "mlp.act",
     "private_attribute": "_trace_scale_hint (absent) -> 2",
-    "loss_function": "_loss_function",
+    "loss_function": "loss_function",
     "buffer_added": "extra_scale",
     "collator_pad_to_multiple_of": "data collator pad_to_multiple_of None -> 64",
     "functional_monkeypatch": "code module torch.nn.functional",

@@ -341,7 +341,7 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         out[f"{where} children"] = _short(repr([(n, _name(type(c))) for n, c in m._modules.items()]))
         classes[type(m)] = None
         sources.add(type(m).__module__)
-    for cls in classes:
+    for cls in (*classes, torch.Tensor):  # torch.Tensor: a method patched on it runs in every forward
         out[f"code class {_name(cls)}"] = _class_code(cls, d)
     for mod_name in sorted(sources | set(CODE_MODULES)):
         mod = sys.modules.get(mod_name)
@@ -349,9 +349,7 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
             out[f"code module {mod_name}"] = _module_code(mod, d)
     if trainer is not None:
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
-        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items()  # a method patched on the instance
-                   if hasattr(type(trainer), k) and isinstance(v, (types.FunctionType, types.MethodType,
-                                                                   functools.partial)))
+        out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items() if _trainer_setting(k, v))
     for i, cb in enumerate(callbacks):
         out[f"callback {i} {_name(type(cb))} code"] = _class_code(type(cb), d)
         out.update((f"callback {i} global {k}", v) for k, v in _globals_read(type(cb), d).items())
@@ -375,6 +373,23 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
             out["data collator"] = d.leaf(inner)
     out.update(torch_state())
     return out
+
+
+# the trainer's attributes that are objects digested elsewhere (args, the collator, the model), its running state, or
+# what only evaluation reads and sets (gather_function)
+SKIPPED_TRAINER = frozenset({"args", "data_collator", "processing_class", "model", "model_wrapped", "accelerator",
+                             "optimizer", "lr_scheduler", "callback_handler", "state", "control", "train_dataset",
+                             "eval_dataset", "_mixed_mesh_grads", "gather_function"})
+
+
+def _trainer_setting(name: str, value) -> bool:
+    """An attribute of the trainer instance that decides how it computes a step: a flag (``model_accepts_loss_kwargs``,
+    which says whether the model divides by the recorded normaliser), an unset hook (None) or a callable
+    (``compute_loss_func``, ``label_smoother``, a method patched on the instance). Counters (ints, floats) and running
+    state change every step and are left out, as is the recorder's own state."""
+    if name.startswith("_trace") or name in SKIPPED_TRAINER:
+        return False
+    return value is None or type(value) is bool or (callable(value) and not isinstance(value, (type, torch.nn.Module)))
 
 
 def optimizer_structure(model, optimizer, d: Digester) -> dict:
@@ -542,13 +557,15 @@ class ProcessComparison:
                 self.reported.add(f"written {rank}")
                 self.guard.pending.append({"step": step, "what": f"process {rank} wrote {written} in place between "
                                                                  f"optimizer steps {step - 1} and {step} (a change "
-                                                                 "made on that process, outside the optimizer)"})
+                                                                 "made on that process, outside the optimizer)",
+                                           "seen": "tensors", "across_processes": True})
             for part in sorted(set(first) | set(other)):
                 if part == "tensors written between optimizer steps":
                     continue
                 if first.get(part) != other.get(part) and part not in self.reported:
                     self.reported.add(part)
-                    self.guard.pending.append({"step": step, "persistent": True,
+                    self.guard.pending.append({"step": step, "persistent": True, "across_processes": True,
+                                               "seen": "tensors" if part.startswith("tensors held whole") else "program",
                                                "what": f"process {rank}'s {part} differs from process 0's (a change "
                                                        "made on some processes only; no replay reproduces it)"})
 

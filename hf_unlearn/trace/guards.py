@@ -35,9 +35,11 @@ of the run the user trained. So the recording closes the program:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import types
 from typing import NamedTuple
 
 import torch
@@ -254,8 +256,10 @@ def _walk(model) -> dict:
                          and k not in VOLATILE_ATTRIBUTES}
         for attr in MODULE_HOOKS:
             found += [(name or "(the model)", attr, fn) for fn in (getattr(m, attr, None) or {}).values()]
-        if "forward" in own:
-            found.append((name or "(the model)", "forward", own["forward"]))
+        # a function held by the module instance (a replaced forward, model.loss_function = ...): a replay rebuilds
+        # the model from its config, without it
+        found += [(name or "(the model)", k, v) for k, v in own.items()
+                  if k == "forward" or isinstance(v, (types.FunctionType, types.MethodType, functools.partial))]
         fn = getattr(type(m), "forward", None)
         fn = getattr(fn, "__func__", fn)
         code.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
@@ -503,13 +507,23 @@ def program_refusal(run, start_step: int) -> str | None:
     """Why a replay from ``start_step`` cannot reproduce the run (a program change at or after it), or None."""
     changes = program_changes(run.served_plan or run.plan, run.header)
     late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
-    if not late:
+    if not late and not unproven_changes([], run.header, start_step, run.total_steps):
         return None
     if not unproven_steps(run.header, start_step, run.total_steps, fresh_start=False):
         # the proof shows the engine reproduces the run with the change, at every step the replay runs; a fresh
         # start at start_step is proven by the replay itself before any deleted row trains (else it is refused, or,
-        # not proven, never VERIFIED: hf_unlearn.trace.proven.replay_start)
-        return None
+        # not proven, never VERIFIED: hf_unlearn.trace.proven.replay_start). On the recorded rows only, unless the
+        # replay makes the change too or it is neutral on any rows
+        doubtful = unproven_changes(late, run.header, start_step, run.total_steps)
+        if not doubtful:
+            return None
+        return (f"the run changed outside its record {describe_program_change(doubtful[0])}"
+                + (f" (and {len(doubtful) - 1} more change(s))" if len(doubtful) > 1 else "")
+                + "; the proof shows the engine reproduces the run without it on the rows the run trained on, not on "
+                "a deletion's (the change may act on other rows: a loss that differs on a row whose labels are all "
+                "-100, a clipping threshold only a counterfactual step reaches), so a replay without it is not "
+                "proven to be the counterfactual of the run that trained; record the run again without the change, "
+                "or with the callback importable, its attributes JSON and its events among those replays run")
     return (f"the run changed outside its record {describe_program_change(late[0])}"
             + (f" (and at {len(late) - 1} later step(s), the last {late[-1]['step']})" if len(late) > 1 else "")
             + (f"; a replay from step {start_step} would run without it (no checkpoint holds a trainable set or a "
@@ -536,6 +550,70 @@ def guard_coverage(plan, header: dict, total: int | None = None) -> str | None:
                 f"{' ...' if len(missing) > 5 else ''} (a resumed recording?): that nothing outside the record changed "
                 "the run there is not proven")
     return None
+
+
+# ---- what a proof shows of a change ---------------------------------------------------------------------------
+# Attributes whose change computes the same numbers on any rows (activation checkpointing recomputes the same forward):
+# an allowlist, so what is not on it, when a replay does not make it, is shown neutral only on the rows the run
+# trained on (the proof's), not on a deletion's (a loss that differs only on a row whose labels are all -100).
+NEUTRAL_ON_ANY_ROWS = frozenset({"gradient_checkpointing", "_gradient_checkpointing_func", "_require_grads_hook",
+                                 "_require_grads_hooks"})
+
+
+def _attribute(path: str) -> str:
+    return path.rsplit(": ", 1)[-1].split(".", 1)[0]
+
+
+def _scope(before: Snapshot, after: Snapshot) -> dict:
+    """How a proof can show a change reproduced (written into the change record): ``seen`` says where the guards saw
+    it (``tensors``: the state, which the proof's fingerprints compare; ``controls``: the controls digest, also
+    compared; ``program``: the whole-program digest only, which replays do not compute), ``any_rows`` that every
+    difference is on :data:`NEUTRAL_ON_ANY_ROWS` and no tensor changed."""
+    a, b = before.controls, after.controls
+    plain = describe_controls_change({k: v for k, v in a.items() if k != "whole"},
+                                     {k: v for k, v in b.items() if k != "whole"}, modes=False)
+    wa, wb = a.get("whole") or {}, b.get("whole") or {}
+    seen = "controls" if plain else "program" if wa != wb else "tensors"
+    if seen == "tensors" or before.storage != after.storage or (
+            before.exact is not None and after.exact is not None and before.exact != after.exact):
+        return {"seen": seen}
+    same = all(a.get(k) == b.get(k) for k in set(a) | set(b) if k not in ("modules", "whole"))
+    mods = [(n, k) for n in set(a.get("modules", {})) | set(b.get("modules", {}))
+            for k in set(a["modules"].get(n, {})) | set(b["modules"].get(n, {}))
+            if a["modules"].get(n, {}).get(k) != b["modules"].get(n, {}).get(k) and k != "training"]
+    whole = [k for k in set(wa) | set(wb) if wa.get(k) != wb.get(k)]
+    ok = same and all(k in NEUTRAL_ON_ANY_ROWS for _, k in mods) and all(_attribute(k) in NEUTRAL_ON_ANY_ROWS
+                                                                         for k in whole)
+    return {"seen": seen, **({"any_rows": True} if ok else {})}
+
+
+def unproven_changes(changes: list[dict], header: dict, start: int, total: int) -> list[dict]:
+    """Of the program changes a replay from ``start`` to ``total`` passes, those a proof does not show it reproduces
+    on a deletion's rows. The proof replays the recorded rows: a change the replay does not make (a watched callback's,
+    one only the whole-program digest saw, or one at a step where the proof's controls differed from the recording's)
+    that still matched every step was neutral on those rows only, and a deletion trains on others. Reproduced: a
+    change on :data:`NEUTRAL_ON_ANY_ROWS` alone, or one made while the step ran (between the batches' fetch and
+    ``optimizer.step()``: the recorded trainer's own ``compute_loss``, which replays run; not a dataset's
+    ``__getitem__``, which they do not) and seen in the state or the controls, which the proof's replay matched (a
+    controls change the proof's replay did not make shows as other controls at its step: ``neutral_controls``); or
+    one process's tensors written otherwise than process 0's, which the proof's replay, gathering every process's
+    state, matched (a recorded callback acting on one process, which replays run there too)."""
+    from .proven import neutral_controls, ranges
+
+    neutral = {s for s in neutral_controls(header) if start <= s < total}
+    out = [c for c in changes if not c.get("any_rows") and
+           (c.get("by") or not (c.get("in_step") or c.get("across_processes"))
+            or c.get("seen") not in ("tensors", "controls")
+            or (c["seen"] == "controls" and c["step"] in neutral))]
+    # the proof's replay ran other controls than the recording where no change on the allowlist explains it: a
+    # difference only a replay makes (code that behaves otherwise in a replay), neutral on the recorded rows only
+    explained = [c["step"] for c in changes if c.get("any_rows")]
+    unexplained = sorted(s for s in neutral if not any(e <= s for e in explained))
+    if unexplained:
+        out.append({"step": unexplained[0], "what": "the proof's replay ran other program controls than the "
+                    f"recording while its state matched (at optimizer step(s) {ranges(unexplained)}: a difference only "
+                    "a replay makes)"})
+    return out
 
 
 # ---- the recording's live guard -------------------------------------------------------------------------------
@@ -581,17 +659,20 @@ class ProgramGuard:
                 now.controls["whole"] = self.ref.controls["whole"]
         return now
 
-    def _compare(self, now: Snapshot, step: int) -> bool:
+    def _compare(self, now: Snapshot, step: int, in_step: bool = False) -> bool:
+        """``in_step``: the check right before ``optimizer.step()``, so a change since the batches were fetched was
+        made by code that runs the step (the recorded trainer's ``compute_loss``, which replays run too)."""
         what = describe_change(self.ref, now) if self.ref is not None else None
         if what:
-            self.pending.append({"step": step, "what": what, **_persistence(self.ref, now, what)})
+            self.pending.append({"step": step, "what": what, **_persistence(self.ref, now, what),
+                                 **_scope(self.ref, now), **({"in_step": True} if in_step else {})})
         return bool(what)
 
     def start(self) -> None:
         """Before the first step: a user hook already registered is code a replay does not run."""
         hooks = program_hooks(self.model)
         if hooks:
-            self.pending.append({"step": 0, "what": f"a hook a replay does not run is registered: {hooks[0]}"
+            self.pending.append({"step": 0, "what": f"a hook or function a replay does not run is set: {hooks[0]}"
                                  + (f" (and {len(hooks) - 1} more)" if len(hooks) > 1 else ""), "persistent": True})
 
     def between_steps(self, step: int, lrs: list[float]) -> None:
@@ -616,7 +697,7 @@ class ProgramGuard:
         checksums of the gradients ``optimizer.step()`` is about to use."""
         now = self._snapshot()
         self.grads = tensor_checksums(gradient_tensors(self.model))
-        self._compare(now, self.step)
+        self._compare(now, self.step, in_step=True)
         self.ref = now
         self.controls = now.controls
 
@@ -653,7 +734,7 @@ class ProgramGuard:
         what = describe_change(before, after)
         if what and not spec["replayable"]:
             self.pending.append({"step": self.step, "what": what, "by": f"{type(callback).__qualname__}.{event} "
-                                 f"({spec['why']})", **_persistence(before, after, what)})
+                                 f"({spec['why']})", **_persistence(before, after, what), **_scope(before, after)})
         read = sorted(state_view.unreproduced) if state_view is not None else []
         if read:
             self.pending.append({"step": self.step, "by": f"{type(callback).__qualname__}.{event}", "persistent": True,

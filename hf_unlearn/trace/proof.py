@@ -60,6 +60,7 @@ from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     unproven_steps,
 )
 from .replay import ReplayTrainer
+from .replay.checks import BatchMismatchError
 from .run import TraceRun, open_run, read_header
 from .sharding import process_causes, process_numerics  # noqa: F401 - re-exported: they lived here
 from .stack import NUMERIC_ENV, environment_difference, numeric_environment, numeric_stack  # noqa: F401 - they lived here
@@ -126,9 +127,14 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
     """Prove steps ``start..stop - 1`` in one replay from the kept checkpoint at ``start``: None when every step's
     state matched, else ``{"step", "why"}``. The steps whose controls differed with the state matched are appended to
     ``neutral``; ``on_checkpoint(step, neutral)`` is called at each kept checkpoint the replay matched on its way."""
-    trainer = _interval_replay(run, start, stop, data_collator, bar, on_checkpoint)
     try:
+        trainer = _interval_replay(run, start, stop, data_collator, bar, on_checkpoint)
         trainer.train()
+    except BatchMismatchError as e:  # checked before any compute: the steps before it are proven by a shorter replay
+        if e.step <= start:
+            return {"step": start, "why": str(e)}
+        return _run_interval(run, start, e.step, data_collator, bar, neutral, on_checkpoint) or \
+            {"step": e.step, "why": str(e)}
     except FidelityError as e:
         step = _step_named(str(e), start, stop)
         return {"step": step, "why": str(e), **({"processes": e.processes} if hasattr(e, "processes") else {})}

@@ -22,7 +22,7 @@ import torch
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .fidelity import fidelity_statement, refusal
-from .guards import describe_program_change, guard_coverage, program_changes
+from .guards import describe_program_change, guard_coverage, program_changes, unproven_changes
 from .hashing import StateHashes, optimizer_tensors, tensor_hashes
 from .proven import output_unproven, ranges, unproven_starts_clause, unproven_steps
 from .run import check_run, checkpoint_dir, list_checkpoints, load_checkpoint, read_deletion_log
@@ -120,7 +120,9 @@ def check_provenance(replay_out, oracle_out) -> dict:
             problems.append(f"{path}: {uncovered}")
         start = (header.get("parent") or {}).get("start_step", 0)
         late = [c for c in program_changes(plan, header) if c["step"] >= start or c.get("persistent")]
-        if late and unproven_steps(header, start, header.get("optimizer_steps") or 0):  # proven: the engine does it
+        total = header.get("optimizer_steps") or 0
+        if late and (unproven_steps(header, start, total)  # proven: the engine does it, on these rows
+                     or unproven_changes(late, header, start, total)):  # and on a deletion's
             problems.append(f"{path}: the run changed outside its record {describe_program_change(late[0])}, in the "
                             f"range the {role} replayed (from step {start})")
         notes += [f"{path}: {n}" for n in rep.notes]

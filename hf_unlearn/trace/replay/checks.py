@@ -13,6 +13,16 @@ from ..recorder import keyed_batch_digest
 from ..sharding import check_replay
 
 
+class BatchMismatchError(UnlearnError):
+    """A microbatch the replay runs unchanged does not collate to the batch the run recorded (``step``: its optimizer
+    step): the store's rows or the collator are not what trained there (a dataset that returned other rows than it
+    holds, a wrong collator)."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
 class ReplayChecks:
     """The replay's refusals before compute (mixed into :class:`ReplayTrainer`)."""
 
@@ -75,8 +85,8 @@ class ReplayChecks:
                 feats, dummy_pos = self._rows(e, keep_dummies=True, rank=r)
                 digest = keyed_batch_digest(key, batch_digest(self._collate(feats, dummy_pos)))
                 if digest != e.batch[r]:
-                    raise UnlearnError(
-                        f"microbatch {e.mb} (optimizer step {e.step}) does not collate to the batch the run recorded: "
+                    raise BatchMismatchError(
+                        e.step, f"microbatch {e.mb} (optimizer step {e.step}) does not collate to the batch the run recorded: "
                         "the collator, or the rows of the store, differ from the recording's; pass the collator the "
                         "run was recorded with (data_collator= / --collator)")
 
