@@ -35,6 +35,17 @@ from .runs import _has_run_parent, _launched, _run_collator
 # load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
+def _check_out_outside(source: str, out) -> None:
+    """The output must not sit inside the source (a run, or the earlier deletion output whose replay it is, or a
+    model folder): the summary's "to erase" names that folder (`rm -r`), which would erase the new output with it."""
+    from .remains import _forget_output_of, _inside, _ledger_of
+
+    held = _forget_output_of(Path(source)) or Path(source)
+    if held.is_dir() and _inside(Path(out), held) and _ledger_of(Path(out)) is None:  # a service batch: `purge`
+        raise UnlearnError(f"the output folder {out} is inside {held}, which still holds the deleted rows and is what "
+                           "you erase once the deletion is kept (the summary's `rm -r`): choose a folder outside it")
+
+
 def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> dict:
     request = load_request_ids(ids)
     launched = _launched()
@@ -50,6 +61,8 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
     sources = [os.fspath(s) for s in model_or_run] if isinstance(model_or_run, (list, tuple)) else None
     if sources is not None and len(sources) == 1:
         model_or_run, sources = sources[0], None
+    for src in sources or [os.fspath(model_or_run)]:
+        _check_out_outside(src, config.output_dir)
     if sources is not None or _has_run_parent(os.fspath(model_or_run)):
         return _validate_pipeline(sources or [os.fspath(model_or_run)], request, config, data_collator)
     source = os.fspath(model_or_run)
