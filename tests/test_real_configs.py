@@ -590,3 +590,47 @@ def test_a_lora_run_recorded_with_ddp_is_deleted_by_forget_under_its_launch_as_t
     assert result["output"] == "merged adapter"
     assert result["oracle_is_counterfactual"] and result["published_is_counterfactual"]
     assert result["differs_from_recording"]
+
+
+# ---- a LoRA SFT run interrupted and resumed (resume_from_checkpoint=True), gradient checkpointing, evaluation -------
+@pytest.mark.slow  # two recordings (one interrupted and resumed), a proof and two forgets with oracles (~90 s of CPU)
+def test_a_resumed_lora_sft_run_is_deleted_verified_as_the_uninterrupted_run(tmp_path):
+    """SFTTrainer with peft_config= (LoRA, modules_to_save), gradient checkpointing and evaluation every 3 steps,
+    killed after step 5 (of 6) and resumed with resume_from_checkpoint=True (the Trainer's checkpoint-4). The resume
+    keeps the guards' fingerprint of step 3 (the first process wrote it with step 4's first entry; it was lost, and
+    every deletion of a resumed run ran its replay and oracle, then said NOT VERIFIED): once proven, `forget
+    --oracle` of an early row is VERIFIED and its replay equals the same deletion from an uninterrupted recording."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.cli import main
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.guards import guard_coverage
+    from hf_unlearn.trace.verification import load_state
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                raise KeyboardInterrupt
+
+    rows = sft_rows(n=28)
+
+    def trainer(out, callbacks=()):
+        args = config_for("sft", out, "fp32", max_steps=6, save_strategy="steps", save_steps=2,
+                          gradient_checkpointing=True, eval_strategy="steps", eval_steps=3)
+        return trainer_for("sft", True)(model=real_shape("qwen2"), args=args, train_dataset=rows.select(range(24)),
+                                        eval_dataset=rows.select(range(24, 28)), trace_checkpoint_steps=2,
+                                        callbacks=list(callbacks), **trainer_kwargs("sft", "qwen2", "lora_mts"))
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer(tmp_path / "rec", [Crash()]).train()
+    trainer(tmp_path / "rec").train(resume_from_checkpoint=True)
+    trainer(tmp_path / "full").train()
+    run = open_run(tmp_path / "rec" / "trace")
+    assert guard_coverage(run.plan, run.header) is None
+    assert main(["trace", "prove", str(run.path), "--no-progress"]) == 0
+    forget = run.ids_at_steps([1])[:1]
+    receipt = forget_cli(run.path, forget, tmp_path / "out", "--oracle")
+    assert receipt["ok"] and receipt["evidence"]["verified"] is True
+    forget_cli(tmp_path / "full" / "trace", forget, tmp_path / "out-full", "--oracle")
+    assert compare_states(load_state(tmp_path / "out" / "replay"), load_state(tmp_path / "out-full" / "replay"))[
+        "identical"]
