@@ -550,6 +550,13 @@ def test_a_dpo_lora_run_is_published_merged_and_served_by_the_request_service(tm
         assert receipt.published["params_root"] == receipt.state_hashes["params_root"]
         _, files = server.store.files("model", "org/lora", "deletion-0001")
         assert "model.safetensors" in files and not any("adapter" in f for f in files)
+    # the adapter kept beside it loads as a user loads an adapter (it named the replay's RUN/model, a config without
+    # weights: from_pretrained failed) and merges to the published model
+    from peft import AutoPeftModelForCausalLM
+
+    merged = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out" / "adapter").merge_and_unload().state_dict()
+    published = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model").state_dict()
+    assert merged.keys() == published.keys() and all(torch.equal(merged[n], published[n]) for n in merged)
 
     ledger = DeletionLedger(run.path, tmp_path / "ledger")
     ledger.add(run.ids_at_steps([1])[:1], received="2026-11-01")
