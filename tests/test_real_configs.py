@@ -641,3 +641,32 @@ def test_a_resumed_lora_sft_run_is_deleted_verified_as_the_uninterrupted_run(tmp
     forget_cli(tmp_path / "full" / "trace", forget, tmp_path / "out-full", "--oracle")
     assert compare_states(load_state(tmp_path / "out" / "replay"), load_state(tmp_path / "out-full" / "replay"))[
         "identical"]
+
+
+# ---- a LoRA run that evaluated and kept its best checkpoint (load_best_model_at_end) ---------------------------------
+@pytest.mark.slow  # a recording with evaluation and two forgets with oracles (~25 s of CPU)
+def test_a_lora_run_that_kept_its_best_checkpoint_deletes_a_row_trained_after_it_verified(tmp_path):
+    """Trainer + peft LoRA (Qwen2's shape), evaluation and saving every 2 steps, load_best_model_at_end (the best:
+    the first evaluation, at step 2, where the trace kept a checkpoint). A row of step 1 is deleted by replaying to
+    the kept step; a row of step 5 was never seen by the kept model: nothing to replay, and VERIFIED (it was NOT
+    VERIFIED: the replay's plan, cut at the kept step, lost the recording's fingerprint of step 1, which the
+    recording wrote with step 2's first entry)."""
+    from peft import get_peft_model
+    from transformers import TrainingArguments
+
+    from hf_unlearn.trace import open_run
+
+    tok = gpt2()
+    model = get_peft_model(real_shape("qwen2"), lora_config("qwen2", "lora"))
+    args = TrainingArguments(**common_args(tmp_path / "rec", max_steps=6, save_strategy="steps", save_steps=2,
+                                           eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                                           metric_for_best_model="eval_loss", greater_is_better=True))
+    trainer = trainer_for("trainer", True)(model=model, args=args, train_dataset=qa_rows(tok, 24),
+                                           eval_dataset=qa_rows(tok, 28).select(range(24, 28)),
+                                           trace_checkpoint_steps=2, **trainer_kwargs("trainer", "qwen2", "full"))
+    trainer.train()
+    run = open_run(tmp_path / "rec" / "trace")
+    assert run.header["kept_model"]["step"] == 2
+    for step in (1, 5):
+        receipt = forget_cli(run.path, run.ids_at_steps([step])[:1], tmp_path / f"out-{step}", "--oracle")
+        assert receipt["ok"] and receipt["evidence"]["verified"] is True, receipt["evidence"]["oracle"]["problems"]
