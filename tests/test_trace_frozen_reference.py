@@ -81,6 +81,13 @@ def test_a_moved_or_changed_base_is_refused_in_one_line(folder_run, tmp_path):
     try:
         with pytest.raises(UnlearnError, match=r"model\.safetensors is missing: the run references its frozen base"):
             load_checkpoint(step)
+        # forget refuses before any compute (it redacted the store and probed the environment first)
+        from hf_unlearn import forget
+
+        lines = []
+        with pytest.raises(UnlearnError, match=r"model\.safetensors is missing: the run references its frozen base"):
+            forget(run, ids_at_step(run, 1)[:1], tmp_path / "out", oracle=True, progress=False, log=lines.append)
+        assert not lines and not (tmp_path / "out").exists(), lines
     finally:
         moved.rename(base)
     saved = base / "model.safetensors.orig"

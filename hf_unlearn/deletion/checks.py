@@ -172,6 +172,11 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
     check_output(run)  # a LoRA run is published merged: mergeable here?
+    from ..trace.checkpoints import check_frozen_source
+    from ..trace.reference import check_reference_files
+
+    check_frozen_source(run.path)  # the files a replay loads from outside the run: there, unchanged?
+    check_reference_files(run)
     return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", [])),
             "controls": {"status": run.report.summary.get("controls"), "notes": list(run.report.notes)}}
 
