@@ -98,6 +98,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         replayed = save_output(replay, out / "replay", model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
+        if replayed.get("adapter_dir"):  # the adapter is loaded on its own too (a PEFT adapter folder)
+            tokenizer.save_pretrained(replayed["adapter_dir"])
     elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
         kept = run.path / "collator"
         where = (f"the run keeps its collator's tokenizer in {kept}: pass --tokenizer {kept}" if
