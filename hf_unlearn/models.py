@@ -55,6 +55,12 @@ def load_tokenizer(name_or_path: str | os.PathLike, gguf_file: str | None = None
 
     if gguf is None and _is_adapter_folder(name) and not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):
         return load_tokenizer(adapter_base(name), **kwargs)  # an adapter saved without its tokenizer: the base's
+    if gguf is None and Path(name).is_dir() and not any((Path(name) / f).is_file() for f in (
+            *TOKENIZER_FILES, "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model")):
+        # transformers builds an empty tokenizer of the config's class from such a folder: every text encodes to
+        # no token at all (generation then failed deep inside with an IndexError)
+        raise UnlearnError(f"{str(name_or_path)!r} holds no tokenizer files (a model saved without its tokenizer): "
+                           "save the tokenizer there (tokenizer.save_pretrained) or pass the tokenizer's folder")
     try:
         tok = AutoTokenizer.from_pretrained(name, gguf_file=gguf, **kwargs) if gguf else AutoTokenizer.from_pretrained(
             name, **kwargs

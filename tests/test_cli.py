@@ -74,3 +74,16 @@ def test_hub_push_on_a_recorded_run_says_what_to_push(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is a recorded run (a trace), not a model folder" in err and f"hf-unlearn forget {run}" in err, err
     assert "card-info" not in err and err.count("\n") == 1
+
+
+def test_trace_verify_of_a_single_run_deletion_folder_names_the_two_folder_command(tmp_path, capsys):
+    """`trace verify OUT` on a single run's `forget --oracle` output (OUT/replay, OUT/oracle, a receipt without
+    evidence.pipeline) said only "is not a pipeline deletion's receipt": it names the command that checks it."""
+    import json
+
+    for sub in ("replay", "oracle", "model"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "receipt.json").write_text(json.dumps({"mode": "exact", "evidence": {"verified": True}}))
+    assert main(["trace", "verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"hf-unlearn trace verify {tmp_path / 'replay'} {tmp_path / 'oracle'}" in err and err.count("\n") == 1

@@ -72,14 +72,20 @@ def test_identical_but_unproven_folders_are_not_called_verified(exact_receipt):
 
 def test_a_second_request_deletes_from_the_first_deletion_and_is_verified(exact_receipt, tmp_path, capfd):
     """The replay of a deletion is itself a recorded run: the next request suffix-replays from it, and its oracle
-    (a full replay of that run) checks the union of both requests bit for bit. progress=False is silent."""
+    (a full replay of that run) checks the union of both requests bit for bit. progress=False is silent. The second
+    request repeats an id the first deleted (people do; it failed "not in the store" after the environment probe,
+    and a service batch of only repeated ids stayed "started" for ever): the repeated id is already absent. An
+    output folder inside the first deletion's (which the summary says to `rm -r`) is refused before anything."""
     from hf_unlearn import forget
 
     receipt, ids, out = exact_receipt
     run = get_recorded()
     second = [i for i in ids_at_step(run, 7) if i not in ids][:2]
+    with pytest.raises(UnlearnError, match="is inside .* choose a folder outside it"):
+        forget(out / "replay", second, out / "second", oracle=True, progress=False, log=lambda m: None)
     capfd.readouterr()
-    again = forget(out / "replay", second, tmp_path / "second", oracle=True, progress=False, log=lambda m: None)
+    again = forget(out / "replay", ids[:1] + second, tmp_path / "second", oracle=True, progress=False,
+                   log=lambda m: None)
     assert not capfd.readouterr().err.strip()  # no library progress bars either
     assert again.ok and again.evidence["verified"] is True
     assert again.evidence["cost"]["start_checkpoint"] == 6 and again.evidence["redaction"]["rows_before"] == \
@@ -88,6 +94,11 @@ def test_a_second_request_deletes_from_the_first_deletion_and_is_verified(exact_
     assert [entry["request"] for entry in log] == [1, 2]
     assert log[-1]["params_root"] == again.state_hashes["trace_params_root"] != receipt.state_hashes["trace_params_root"]
     assert log[-1]["optimizer_root"] == again.state_hashes["optimizer_root"]
+    assert again.evidence["redaction"]["rows_after"] == receipt.evidence["redaction"]["rows_after"] - len(second)
+    gone = forget(tmp_path / "second" / "replay", ids[:1], tmp_path / "third", oracle=True, progress=False,
+                  log=lambda m: None)  # every id deleted already: nothing to replay, the state unchanged
+    assert gone.ok and gone.evidence["verified"] is True
+    assert gone.state_hashes["trace_params_root"] == again.state_hashes["trace_params_root"]
 
 
 def test_receipt_carries_keyed_tags_not_raw_ids(exact_receipt):

@@ -35,6 +35,17 @@ def test_tiny_model_save_and_load_round_trip(tmp_path, tiny_llama):
     assert all(torch.equal(x, y) for x, y in zip(tiny_llama.state_dict().values(), again.state_dict().values()))
 
 
+def test_a_model_folder_without_tokenizer_files_is_refused_for_its_tokenizer(tmp_path, tiny_llama):
+    """transformers builds an empty tokenizer of the config's class from a model folder saved without its tokenizer
+    (every text: no token); `forget ADAPTER --method ...` on an adapter whose base folder held none then failed deep
+    inside generation (IndexError). It is one line naming the folder."""
+    from hf_unlearn.models import load_tokenizer
+
+    tiny_llama.save_pretrained(tmp_path)
+    with pytest.raises(UnlearnError, match="holds no tokenizer files"):
+        load_tokenizer(tmp_path)
+
+
 def test_unknown_family():
     with pytest.raises(UnlearnError, match="unknown model family"):
         build_tiny_model("mamba", vocab_size=10)

@@ -550,6 +550,13 @@ def test_a_dpo_lora_run_is_published_merged_and_served_by_the_request_service(tm
         assert receipt.published["params_root"] == receipt.state_hashes["params_root"]
         _, files = server.store.files("model", "org/lora", "deletion-0001")
         assert "model.safetensors" in files and not any("adapter" in f for f in files)
+    # the adapter kept beside it loads as a user loads an adapter (it named the replay's RUN/model, a config without
+    # weights: from_pretrained failed) and merges to the published model
+    from peft import AutoPeftModelForCausalLM
+
+    merged = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out" / "adapter").merge_and_unload().state_dict()
+    published = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model").state_dict()
+    assert merged.keys() == published.keys() and all(torch.equal(merged[n], published[n]) for n in merged)
 
     ledger = DeletionLedger(run.path, tmp_path / "ledger")
     ledger.add(run.ids_at_steps([1])[:1], received="2026-11-01")
@@ -590,3 +597,76 @@ def test_a_lora_run_recorded_with_ddp_is_deleted_by_forget_under_its_launch_as_t
     assert result["output"] == "merged adapter"
     assert result["oracle_is_counterfactual"] and result["published_is_counterfactual"]
     assert result["differs_from_recording"]
+
+
+# ---- a LoRA SFT run interrupted and resumed (resume_from_checkpoint=True), gradient checkpointing, evaluation -------
+@pytest.mark.slow  # two recordings (one interrupted and resumed), a proof and two forgets with oracles (~90 s of CPU)
+def test_a_resumed_lora_sft_run_is_deleted_verified_as_the_uninterrupted_run(tmp_path):
+    """SFTTrainer with peft_config= (LoRA, modules_to_save), gradient checkpointing and evaluation every 3 steps,
+    killed after step 5 (of 6) and resumed with resume_from_checkpoint=True (the Trainer's checkpoint-4). The resume
+    keeps the guards' fingerprint of step 3 (the first process wrote it with step 4's first entry; it was lost, and
+    every deletion of a resumed run ran its replay and oracle, then said NOT VERIFIED): once proven, `forget
+    --oracle` of an early row is VERIFIED and its replay equals the same deletion from an uninterrupted recording."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.cli import main
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.guards import guard_coverage
+    from hf_unlearn.trace.verification import load_state
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                raise KeyboardInterrupt
+
+    rows = sft_rows(n=28)
+
+    def trainer(out, callbacks=()):
+        args = config_for("sft", out, "fp32", max_steps=6, save_strategy="steps", save_steps=2,
+                          gradient_checkpointing=True, eval_strategy="steps", eval_steps=3)
+        return trainer_for("sft", True)(model=real_shape("qwen2"), args=args, train_dataset=rows.select(range(24)),
+                                        eval_dataset=rows.select(range(24, 28)), trace_checkpoint_steps=2,
+                                        callbacks=list(callbacks), **trainer_kwargs("sft", "qwen2", "lora_mts"))
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer(tmp_path / "rec", [Crash()]).train()
+    trainer(tmp_path / "rec").train(resume_from_checkpoint=True)
+    trainer(tmp_path / "full").train()
+    run = open_run(tmp_path / "rec" / "trace")
+    assert guard_coverage(run.plan, run.header) is None
+    assert main(["trace", "prove", str(run.path), "--no-progress"]) == 0
+    forget = run.ids_at_steps([1])[:1]
+    receipt = forget_cli(run.path, forget, tmp_path / "out", "--oracle")
+    assert receipt["ok"] and receipt["evidence"]["verified"] is True
+    forget_cli(tmp_path / "full" / "trace", forget, tmp_path / "out-full", "--oracle")
+    assert compare_states(load_state(tmp_path / "out" / "replay"), load_state(tmp_path / "out-full" / "replay"))[
+        "identical"]
+
+
+# ---- a LoRA run that evaluated and kept its best checkpoint (load_best_model_at_end) ---------------------------------
+@pytest.mark.slow  # a recording with evaluation and two forgets with oracles (~25 s of CPU)
+def test_a_lora_run_that_kept_its_best_checkpoint_deletes_a_row_trained_after_it_verified(tmp_path):
+    """Trainer + peft LoRA (Qwen2's shape), evaluation and saving every 2 steps, load_best_model_at_end (the best:
+    the first evaluation, at step 2, where the trace kept a checkpoint). A row of step 1 is deleted by replaying to
+    the kept step; a row of step 5 was never seen by the kept model: nothing to replay, and VERIFIED (it was NOT
+    VERIFIED: the replay's plan, cut at the kept step, lost the recording's fingerprint of step 1, which the
+    recording wrote with step 2's first entry)."""
+    from peft import get_peft_model
+    from transformers import TrainingArguments
+
+    from hf_unlearn.trace import open_run
+
+    tok = gpt2()
+    model = get_peft_model(real_shape("qwen2"), lora_config("qwen2", "lora"))
+    args = TrainingArguments(**common_args(tmp_path / "rec", max_steps=6, save_strategy="steps", save_steps=2,
+                                           eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                                           metric_for_best_model="eval_loss", greater_is_better=True))
+    trainer = trainer_for("trainer", True)(model=model, args=args, train_dataset=qa_rows(tok, 24),
+                                           eval_dataset=qa_rows(tok, 28).select(range(24, 28)),
+                                           trace_checkpoint_steps=2, **trainer_kwargs("trainer", "qwen2", "full"))
+    trainer.train()
+    run = open_run(tmp_path / "rec" / "trace")
+    assert run.header["kept_model"]["step"] == 2
+    for step in (1, 5):
+        receipt = forget_cli(run.path, run.ids_at_steps([step])[:1], tmp_path / f"out-{step}", "--oracle")
+        assert receipt["ok"] and receipt["evidence"]["verified"] is True, receipt["evidence"]["oracle"]["problems"]

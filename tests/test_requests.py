@@ -321,6 +321,13 @@ def test_serve_due_follows_the_policy_and_is_cron_safe(served, tmp_path, capsys)
     assert out["exact"].name == "batch-0003" and "waited 11.0 days" in out["reasons"][0]
     assert out["exact"].forget_receipt.evidence["redaction"]["rows_before"] - \
         out["exact"].forget_receipt.evidence["redaction"]["rows_after"] == 1
+    # a request of only an id deleted already (the same person asking again): served, nothing replayed (the batch
+    # failed "not in the store" and stayed started, so every later serve failed the same way)
+    again = work.add(repeated, received="2026-11-22")
+    batch = work.serve_exact(now="2026-11-23", tokenizer=tok, **QUIET)
+    assert batch.forget_receipt.ok and batch.forget_receipt.evidence["redaction"]["rows_after"] == \
+        out["exact"].forget_receipt.evidence["redaction"]["rows_after"]
+    assert again.id in batch.receipts
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"max_wait": 3}))
     with pytest.raises(UnlearnError, match="unknown field.*max_wait.*max_wait_days"):

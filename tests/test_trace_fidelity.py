@@ -314,6 +314,15 @@ def test_runs_that_evaluated_and_kept_the_best_model_replay_to_the_kept_step(tmp
     receipt = forget(run, forget_ids, tmp_path / "forget", oracle=True, tokenizer=tok, progress=False)
     assert receipt.evidence["verified"] and receipt.evidence["kept_model"]["step"] == 1
     assert receipt.evidence["fidelity"].startswith("engine reproduced recorded steps 0..")
+    # a row trained only after the kept step: the kept model never saw it, and forget says so (it said "deleted by an
+    # earlier request"); VERIFIED, the model unchanged (a kept step at a kept checkpoint: tests/test_real_configs.py)
+    lines = []
+    late = forget(run, open_run(run).ids_at_steps([2])[:1], tmp_path / "late", oracle=True, progress=False,
+                  log=lines.append)
+    assert late.ok and late.evidence["verified"] is True, late.evidence["oracle"]["problems"]
+    unchanged = load_checkpoint(open_run(tmp_path / "late" / "replay").final_checkpoint())["model"]
+    assert all(torch.equal(t, held[n]) for n, t in unchanged.items())  # the model the user kept
+    assert any("trained only after the kept model" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("hook,logged,completed", [("on_step_end", 4, 5)])  # on_step_begin: test_crash_mid_step

@@ -81,6 +81,13 @@ def test_a_moved_or_changed_base_is_refused_in_one_line(folder_run, tmp_path):
     try:
         with pytest.raises(UnlearnError, match=r"model\.safetensors is missing: the run references its frozen base"):
             load_checkpoint(step)
+        # forget refuses before any compute (it redacted the store and probed the environment first)
+        from hf_unlearn import forget
+
+        lines = []
+        with pytest.raises(UnlearnError, match=r"model\.safetensors is missing: the run references its frozen base"):
+            forget(run, ids_at_step(run, 1)[:1], tmp_path / "out", oracle=True, progress=False, log=lines.append)
+        assert not lines and not (tmp_path / "out").exists(), lines
     finally:
         moved.rename(base)
     saved = base / "model.safetensors.orig"
@@ -118,6 +125,28 @@ def test_a_frozen_tensor_changed_after_loading_is_stored_not_referenced(tmp_path
     run = tmp_path / "rec" / "trace"
     assert stored_frozen_tensors(run) == ["base_model.model.model.layers.0.mlp.up_proj.weight"]
     assert len(frozen_record(run)["source"]["tensors"]) == len(frozen_record(run)["params"]) - 1
+
+
+def test_a_base_loaded_in_another_dtype_than_its_files_stores_its_frozen_tensors(tmp_path):
+    """A bf16 folder (as SmolLM2's and most Hub snapshots are saved) loaded with dtype=torch.float32 for LoRA: every
+    value casts exactly, and the match compared values only, so every frozen tensor was referenced in the bf16 file
+    while the checkpoints hashed fp32 tensors; the self-check failed ("modified after it was saved") and no deletion
+    of the run could load a checkpoint. The dtype is compared too: the tensors are stored, and the run replays."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.trace.checkpoints import load_checkpoint
+
+    tok, data = get_trace_data()
+    tiny(tok).to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    record(tok, data, tmp_path / "rec", model=lora(loaded), max_steps=2)
+    run = tmp_path / "rec" / "trace"
+    assert "source" not in frozen_record(run) and sorted(stored_frozen_tensors(run)) == sorted(
+        frozen_record(run)["params"])
+    assert load_checkpoint(sorted((run / "checkpoints").glob("step-*"))[-1])["model"]
+    fidelity = json.loads((run / "header.json").read_text())["fidelity"]
+    assert fidelity["recording"].get("reproduced") is True, fidelity["recording"]
 
 
 @pytest.mark.slow  # SmolLM2-135M de-quantised twice and trained two steps: minutes on 2 cores (`pytest -m slow`)

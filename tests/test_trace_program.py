@@ -264,3 +264,24 @@ def test_a_run_without_per_step_guards_is_not_verified(tmp_path):
     assert report["identical"] and not report["verified"]
     assert any("ran no per-step guards" in p for p in report["provenance"]["problems"])
     assert "NO per-step guards" in report["fidelity"]
+
+
+def test_forget_oracle_of_a_run_whose_guards_miss_steps_is_refused_before_any_compute(tmp_path, capsys):
+    """A run the guards did not cover at every step (trace_guards=False here; a resume whose crash lost a step's
+    fingerprint the same) can never be VERIFIED: `forget --oracle` ran the replay and the oracle, then said NOT
+    VERIFIED and exited 1. Now it refuses before any compute, naming why and the way to accept it."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    record(tok, data.select(range(16)), tmp_path / "rec", every=2, max_steps=4, gradient_accumulation_steps=1,
+           trainer_kwargs={"trace_guards": False})
+    run = open_run(tmp_path / "rec" / "trace")
+    ids = write_ids(tmp_path / "ids.jsonl", run.ids_at_steps([2])[:1])
+    capsys.readouterr()
+    assert main(["forget", str(run.path), "--ids", str(ids), "--out", str(tmp_path / "out"), "--oracle",
+                 "--no-progress"]) == 1
+    out = capsys.readouterr()
+    assert "ran no per-step guards" in out.err and "refusing before any compute" in out.err, out.err
+    assert "--accept-unproven" in out.err and "replayed" not in out.out and not (tmp_path / "out" / "replay").exists()

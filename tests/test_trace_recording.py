@@ -154,6 +154,14 @@ def test_resume_from_checkpoint_continues_the_trace(tmp_path):
     y = load_checkpoint(part / "trace" / "checkpoints" / "step-00000008")["model"]
     assert all(torch.equal(x[k], y[k]) for k in x)
     assert check_run(part / "trace")[0].ok
+    # the guards' fingerprint of step 5 (the step before the resume), which the first process wrote with step 6's
+    # first entry, is kept: every step is covered, as in the uninterrupted run (it was lost: never VERIFIED)
+    from hf_unlearn.trace.guards import guard_coverage, recorded_fingerprints
+
+    header = json.loads((part / "trace" / "header.json").read_text())
+    assert guard_coverage(b, header) is None
+    want = recorded_fingerprints(a, json.loads((tmp_path / "full" / "trace" / "header.json").read_text()))
+    assert recorded_fingerprints(b, header)[5]["s"] == want[5]["s"]
     assert full.state.global_step == t2.state.global_step == 8
     assert json.loads((part / "trace" / "header.json").read_text())["run_id"] == \
         json.loads((part / "trace" / "header.json").read_text())["origin_run_id"]

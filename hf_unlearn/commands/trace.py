@@ -414,6 +414,13 @@ def verify_cmd(args) -> int:
 
     _quiet()
     if args.oracle is None:
+        from ..errors import UnlearnError
+
+        out = Path(args.out)
+        if (out / "receipt.json").is_file() and (out / "replay").is_dir() and not (out / "stage-1").is_dir():
+            raise UnlearnError(f"{out} is the deletion of a single run: check its replay against its oracle with "
+                               f"`hf-unlearn trace verify {out / 'replay'} {out / 'oracle'}` (one folder: a pipeline "
+                               "deletion's output)")
         return _verify_pipeline(args)
     report = verify(args.out, args.oracle)
     if args.json:

@@ -35,6 +35,17 @@ from .runs import _has_run_parent, _launched, _run_collator
 # load torch, and `import hf_unlearn.deletion` must not (the CLI's early refusals run before torch loads)
 
 
+def _check_out_outside(source: str, out) -> None:
+    """The output must not sit inside the source (a run, or the earlier deletion output whose replay it is, or a
+    model folder): the summary's "to erase" names that folder (`rm -r`), which would erase the new output with it."""
+    from .remains import _forget_output_of, _inside, _ledger_of
+
+    held = _forget_output_of(Path(source)) or Path(source)
+    if held.is_dir() and _inside(Path(out), held) and _ledger_of(Path(out)) is None:  # a service batch: `purge`
+        raise UnlearnError(f"the output folder {out} is inside {held}, which still holds the deleted rows and is what "
+                           "you erase once the deletion is kept (the summary's `rm -r`): choose a folder outside it")
+
+
 def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> dict:
     request = load_request_ids(ids)
     launched = _launched()
@@ -50,6 +61,8 @@ def _validate(model_or_run, ids, config: ForgetConfig, data_collator=None) -> di
     sources = [os.fspath(s) for s in model_or_run] if isinstance(model_or_run, (list, tuple)) else None
     if sources is not None and len(sources) == 1:
         model_or_run, sources = sources[0], None
+    for src in sources or [os.fspath(model_or_run)]:
+        _check_out_outside(src, config.output_dir)
     if sources is not None or _has_run_parent(os.fspath(model_or_run)):
         return _validate_pipeline(sources or [os.fspath(model_or_run)], request, config, data_collator)
     source = os.fspath(model_or_run)
@@ -159,6 +172,11 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
     check_output(run)  # a LoRA run is published merged: mergeable here?
+    from ..trace.checkpoints import check_frozen_source
+    from ..trace.reference import check_reference_files
+
+    check_frozen_source(run.path)  # the files a replay loads from outside the run: there, unchanged?
+    check_reference_files(run)
     return {"run": run, "cost": cost, "hazards": list(run.header.get("hazards", [])),
             "controls": {"status": run.report.summary.get("controls"), "notes": list(run.report.notes)}}
 
@@ -288,7 +306,7 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
     is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
     from ..trace.issued import issue
-    from ..trace.proof import ProofError, probe_environment, start_proof, unproven_statement
+    from ..trace.proof import ProofError, guard_gap, probe_environment, start_proof, unproven_statement
 
     if config.accept_unproven:
         raise UnlearnError("--accept-unproven is for one recorded run; a pipeline deletion needs every stage it "
@@ -298,6 +316,9 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     for s, run in zip(plan["pipeline_cost"]["stages"], plan["runs"]):
         if not s["replayed"]:
             continue
+        gap = guard_gap(run, config.oracle)  # first: proving the stage would not help
+        if gap:
+            raise ProofError(f"stage {s['stage']}: {gap}; refusing before any compute")
         lo = 0 if config.oracle else s["start_checkpoint"]
         # a fresh start at the stage's checkpoint is proven where it is used (unless a proof found that it fails): by
         # the stage's replay (its first step, before the first affected one) or, that step affected, by a probe here

@@ -28,10 +28,9 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     from ..trace.issued import untagged
     from ..trace.proof import proof_statement
     from ..trace.proven import output_unproven
-    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
+    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, already_deleted
     from ..trace.stack import stack_statement
     from ..trace.store import redact_store
-    from ..trace.tags import tag
     from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
     from ..trace.verification import verify
 
@@ -56,9 +55,10 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     for line in plan.get("proof_lines", []):  # the environment probe and the proof (hf_unlearn.trace.proof)
         log(line)
     t = time.perf_counter()
-    never_trained = never_trained_tags(run)  # rows the trainer dropped before training: absent from the store
+    # rows an earlier request deleted (a request may repeat an id; the service serves it so) or the trainer dropped
+    # before training: absent from the store
     redaction = redact_store(run.store_path, ids, out / "store", run.key, id_column=run.id_column,
-                             already_deleted=[i for i in ids if tag(run.key, i) in never_trained])
+                             already_deleted=already_deleted(run, ids))
     timings["redact_s"] = time.perf_counter() - t
     if plan.get("processes") is not None:
         plan["processes"].wait_for_everyone()  # the other processes replay from the redacted store from here
@@ -98,6 +98,8 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         replayed = save_output(replay, out / "replay", model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
+        if replayed.get("adapter_dir"):  # the adapter is loaded on its own too (a PEFT adapter folder)
+            tokenizer.save_pretrained(replayed["adapter_dir"])
     elif not any((model_dir / f).is_file() for f in TOKENIZER_FILES):  # the replay may have saved the run's own
         kept = run.path / "collator"
         where = (f"the run keeps its collator's tokenizer in {kept}: pass --tokenizer {kept}" if

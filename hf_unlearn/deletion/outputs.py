@@ -65,7 +65,26 @@ def save_output(replay, replay_dir: Path, model_dir: Path) -> dict:
     replay.save_model(str(adapter_dir))
     for extra in ("training_args.bin",):  # the trainer's pickle is not part of an adapter folder
         (adapter_dir / extra).unlink(missing_ok=True)
+    _recorded_base(replay.run.path, adapter_dir)
     return _save_merged(replay_dir, model_dir, adapter_dir)
+
+
+def _recorded_base(run_path: Path, adapter_dir: Path) -> None:
+    """The saved adapter names the base the run trained on, as the recording saved it (``RUN/model/adapter``, kept
+    by every replay), not the replay's rebuilt ``RUN/model`` (a config without weights, which
+    ``AutoPeftModelForCausalLM.from_pretrained(OUT/adapter)`` could not load). A single run's deletion leaves the
+    frozen base as it was."""
+    import json
+
+    recorded = Path(run_path) / "model" / ADAPTER_DIR / "adapter_config.json"
+    saved = adapter_dir / "adapter_config.json"
+    if not (recorded.is_file() and saved.is_file()):
+        return
+    base = json.loads(recorded.read_text()).get("base_model_name_or_path")
+    config = json.loads(saved.read_text())
+    if base and config.get("base_model_name_or_path") != base:
+        config["base_model_name_or_path"] = base
+        saved.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def save_consolidated_output(run, state: dict, replay_dir: Path, model_dir: Path) -> dict:
@@ -80,6 +99,7 @@ def save_consolidated_output(run, state: dict, replay_dir: Path, model_dir: Path
         return {}
     adapter_dir = model_dir.parent / ADAPTER_DIR
     save_consolidated(run, state, adapter_dir)  # the PEFT model's save_pretrained: the adapter's files
+    _recorded_base(run.path, adapter_dir)
     return _save_merged(replay_dir, model_dir, adapter_dir)
 
 

@@ -98,7 +98,13 @@ def match(frozen: dict, model, source: dict) -> dict[str, list[str]]:
         with safe_open(str(f), framework="pt") as h:
             for key in set(h.keys()) & set(wanted):
                 t, mine = h.get_slice(key), frozen[wanted[key]]
-                if tuple(t.get_shape()) == tuple(mine.shape) and torch.equal(h.get_tensor(key), mine):
+                if tuple(t.get_shape()) != tuple(mine.shape):
+                    continue
+                theirs = h.get_tensor(key)
+                # the dtype too: torch.equal compares values, and a model loaded with another dtype than the file's
+                # holds equal values in other bytes wherever the cast is exact (ones, zeros; every value of a bf16
+                # file loaded as fp32): referenced, they load back in the file's dtype and fail the run's hashes
+                if theirs.dtype == mine.dtype and torch.equal(theirs, mine):
                     refs[wanted[key]] = [f.name, key]
     return refs
 

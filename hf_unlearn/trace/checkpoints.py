@@ -215,6 +215,15 @@ def _match_source(frozen: dict, source) -> dict[str, list[str]]:
     return refs
 
 
+def check_frozen_source(run: Path) -> None:
+    """Before any compute: the base files the run's frozen tensors are referenced in (a LoRA run's base) are where
+    the recording found them, unchanged (else the replay refused them once built, after the redaction)."""
+    record = Path(run) / "checkpoints" / FROZEN_DIR / "hashes.json"
+    source = json.loads(record.read_text()).get("source") if record.is_file() else None
+    if source and "kind" in source:
+        base_source.check_files(source)
+
+
 def load_frozen(run: Path, names) -> dict:
     """The frozen tensors ``names`` (from the run's frozen store, or the model folder it references)."""
     from safetensors import safe_open

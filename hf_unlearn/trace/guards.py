@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import UnlearnError
 from . import digests  # called through the module: a test may stand in for digests.program_state
 from .checksums import (  # noqa: F401 - re-exported: they lived here
     STEP_SCOPE,
@@ -674,6 +675,22 @@ class ProgramGuard:
         if hooks:
             self.pending.append({"step": 0, "what": f"a hook or function a replay does not run is set: {hooks[0]}"
                                  + (f" (and {len(hooks) - 1} more)" if len(hooks) > 1 else ""), "persistent": True})
+
+    def resume(self, step: int, carried: dict, where) -> None:
+        """A recording resumed at ``step``: the fingerprint and program changes of step ``step - 1`` that the first
+        process wrote into the plan (``carried``: the dropped first entry of ``step``'s) are kept, once the state the
+        resume loaded is the one that fingerprint digested (an edited or foreign Trainer checkpoint is refused here,
+        whether or not the trace kept its own checkpoint at ``step``)."""
+        fp = carried.get("fp")
+        if fp is not None and fp.get("k") == STEP_SCOPE and "s" in fp:
+            now = exact_digest(all_shards(tensor_checksums(step_state_tensors(self.model)), self.model))
+            if now != fp["s"]:
+                raise UnlearnError(f"the state resumed from {where} at step {step} is not the recorded state after "
+                                   f"optimizer step {step - 1} (the trainable parameters or buffers differ from the "
+                                   "recording's fingerprint): the trace cannot continue from it; resume from the "
+                                   "checkpoint the run saved at that step")
+            self.fps[step - 1] = fp
+        self.pending += carried.get("changed", [])
 
     def between_steps(self, step: int, lrs: list[float]) -> None:
         """When step ``step``'s batches are fetched (before its checkpoint): a change since the last step is step

@@ -38,7 +38,7 @@ import time
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .fidelity import FidelityError
-from .guards import compare_fingerprint, program_changes
+from .guards import compare_fingerprint, guard_coverage, program_changes
 from .issued import issue
 from .processes import gathered, world_size
 from .proven import (  # noqa: F401 - re-exported: what is proven was read here
@@ -461,6 +461,15 @@ def start_proof(run, start: int, first_affected: int | None) -> dict | None:
     return {"checkpoint": start, "proven_by": "replay" if start < first_affected else "probe"}
 
 
+def guard_gap(run, oracle: bool) -> str | None:
+    """Why a deletion of ``run`` checked against the oracle could never be VERIFIED because of the recording's
+    per-step guards (steps they did not cover: a recording resumed after a crash that lost the fingerprint of the
+    step before the resume, or ``trace_guards=False``), or None; known from the run, so said before any compute
+    (``trace verify`` finds the same after it: :func:`hf_unlearn.trace.verification.check_provenance`)."""
+    gap = guard_coverage(run.served_plan or run.plan, run.header) if oracle else None
+    return f"{run.path}: {gap}, so a deletion checked against the oracle could never be VERIFIED" if gap else None
+
+
 def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None,
                     first_affected: int | None = None) -> dict:
     """What ``forget``, ``trace replay``, ``trace oracle`` and ``requests serve`` check before any compute: the steps
@@ -474,6 +483,12 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
     the run's original store, which the redacted replay never opens). Returns ``unproven_steps``,
     ``environment_probe``, ``start_proof`` (give it to the replay: ``proven_start=``) and ``proof_lines``."""
     lines = []
+    gap = guard_gap(run, oracle)  # first: proving the run (a training run's compute) would not help
+    if gap and not accept_unproven:
+        raise ProofError(f"{gap}; refusing before any compute (or accept a deletion that is never VERIFIED: "
+                         "--accept-unproven / accept_unproven=True)")
+    if gap:
+        lines.append(f"NOT VERIFIABLE (accepted): {gap}")
     unproven = check_proven(run, start, run.kept().total_steps, oracle, accept_unproven, log=lines.append)
     how = start_proof(run, start, first_affected)
     if unproven and how and how["proven_by"] == "probe":  # accepted unproven: no probe is spent on its start

@@ -218,14 +218,22 @@ def load_reference_model(run, override=None):
             raise UnlearnError(f"{run.path} has no reference model to replace with {override} (its reference is the "
                                "policy with its adapter disabled)")
         return _from_folder(Path(override), record)
+    folder = check_reference_files(run)
+    return None if folder is None else _load(folder, record)
+
+
+def check_reference_files(run) -> Path | None:
+    """The recorded reference's files are where the run found them, unchanged (size and SHA-256): checked before
+    any compute of a deletion, and again when a replay loads them. Returns their folder (None: no reference to
+    load)."""
     folder = reference_folder(run)
     if folder is None:
         return None
-    source = record["source"]
+    source = run.header[KEY]["source"]
     what = "saved in the run" if source["kind"] == "stored" else "the folder it was loaded from" + (
         f" (revision {source['revision']})" if source.get("revision") else "")
     _check_files(folder, source.get("files") or {}, what)
-    return _load(folder, record)
+    return folder
 
 
 def reference_as_recorded(run, model):

@@ -39,6 +39,7 @@ class TraceWriter:
         self.key = key
         self._plan = self._wal = self._manifest = None
         self.index: CheckpointIndex | None = None
+        self.carried: dict = {}  # on resume: the guard's record of the step before it (see open)
         self.frozen = FrozenTensors(self.run)
 
     def open(self, header: dict, resume_step: int | None = None) -> None:
@@ -58,7 +59,12 @@ class TraceWriter:
         wal_f, man_f = self.run / "wal.bin", self.run / "manifest.bin"
         kept = []
         if resume_step is not None and has_plan(self.run):
-            kept = [e for e in read_plan(self.run) if e.step < resume_step]
+            plan = read_plan(self.run)
+            kept = [e for e in plan if e.step < resume_step]
+            # the resume step's first entry holds the guards' fingerprint and program changes of the step before it
+            # (hf_unlearn.trace.guards.recorded_fingerprints), which the resumed process never saw: carried over
+            first = next((e for e in plan if e.step == resume_step and e.j == 0), None)
+            self.carried = {k: first.extra[k] for k in ("fp", "changed") if first is not None and k in first.extra}
             with open(wal_f, "r+b") as f:
                 f.truncate(len(kept) * RECORD_SIZE)
             with open(man_f, "r+b") as f:

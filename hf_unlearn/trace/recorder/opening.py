@@ -112,5 +112,7 @@ def start(trainer) -> None:
         trainer._trace_guard = ProgramGuard(trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer, watched,
                                          context=lambda: program.context(trainer))
         trainer._trace_guard.start()
+        if resume_step:  # the step before it, as the first process recorded it
+            trainer._trace_guard.resume(resume_step, trainer._trace_writer.carried, trainer._trace_resume)
     program.processes_start(trainer)
 

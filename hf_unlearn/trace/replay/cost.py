@@ -86,7 +86,9 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
 def describe_cost(cost: dict) -> list[str]:
     """The cost estimate as the lines ``trace cost`` and ``forget`` print before any compute."""
     if cost["first_affected_step"] is None:
-        return [f"nothing to replay: the {cost['forget_ids']} id(s) were deleted by an earlier request"]
+        kept = (f", or trained only after the kept model (load_best_model_at_end: the state after "
+                f"{cost['kept_step']} optimizer steps), which never saw them") if cost.get("kept_step") is not None else ""
+        return [f"nothing to replay: the {cost['forget_ids']} id(s) were deleted by an earlier request{kept}"]
     ratio = cost["ratio_to_minimum"]
     lines = [f"suffix replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
              f"{cost['total_steps']} steps ({100 * cost['fraction_replayed']:.1f}% of the run); the minimum is "

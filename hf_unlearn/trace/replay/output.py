@@ -147,9 +147,13 @@ class OutputRun:
         if self._start_proof:  # how this replay's fresh start was proven (hf_unlearn.trace.proven.replay_start)
             header["fidelity"]["start"] = {**self._start_proof, "run_id": self.run.header.get("run_id")}
         last = self.run.total_steps - 1
-        if header["fidelity"].get("guards") and last in self._step_fps and last in self._recorded_fps:  # the last step's fingerprint is this replay's
-            header["fidelity"]["guards"] = {**header["fidelity"]["guards"], "final": {"step": last,
-                                                                                       "fp": self._step_fps[last]}}
+        # the last step's fingerprint is this replay's; a replay that ran nothing (it starts at the run's end: every
+        # id gone, or trained only after a kept model's step) keeps the recording's, which its plan cut at the kept
+        # step no longer holds (the recording wrote it with the next step's first entry)
+        final = self._step_fps.get(last) if last in self._step_fps else \
+            self._recorded_fps.get(last) if self.start_step > last else None
+        if header["fidelity"].get("guards") and last in self._recorded_fps and final is not None:
+            header["fidelity"]["guards"] = {**header["fidelity"]["guards"], "final": {"step": last, "fp": final}}
         entry["fidelity"] = fidelity_statement(header)
         if stats["nothing_to_replay"]:
             entry["note"] = ("nothing to replay: no slot of the requested ids is left in the plan (deleted by an "
