@@ -132,9 +132,9 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
         trainer.train()
     except BatchMismatchError as e:  # checked before any compute: the steps before it are proven by a shorter replay
         if e.step <= start:
-            return {"step": start, "why": str(e)}
+            return {"step": start, "why": str(e), "batch": True}
         return _run_interval(run, start, e.step, data_collator, bar, neutral, on_checkpoint) or \
-            {"step": e.step, "why": str(e)}
+            {"step": e.step, "why": str(e), "batch": True}
     except FidelityError as e:
         step = _step_named(str(e), start, stop)
         return {"step": step, "why": str(e), **({"processes": e.processes} if hasattr(e, "processes") else {})}
@@ -382,6 +382,8 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
             if NO_FINGERPRINT in str(e):
                 return issue("environment", run, {"steps": [], "seconds": 0.0, "skipped": str(e)})
             raise
+        if found is not None and found.get("batch"):  # the collator given here (or the store) is not the run's: the
+            raise UnlearnError(found["why"])  # user's to fix, not the environment's
         if found is not None:
             recorded = (run.header.get("numeric_stack") or {}).get("environment")
             causes = process_causes(recorded, gathered(process_numerics()))  # every process is here (agreed)
@@ -429,6 +431,8 @@ def probe_fresh_start(run, start: int, data_collator=None) -> dict:
         if NO_FINGERPRINT in str(e):
             return None
         raise
+    if found is not None and found.get("batch"):
+        raise UnlearnError(found["why"])
     if found is not None:
         raise fresh_start_refusal(run.path, start, found["why"])
     return issue("start", run, {"checkpoint": start, "proven_by": "probe"})
