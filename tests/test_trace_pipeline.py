@@ -318,7 +318,8 @@ def test_sft_then_dpo_with_the_sft_model_as_reference_deletes_through_both_stage
 
 def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path, capsys):
     """After a pipeline deletion, the next request starts from the replayed last stage: the pipeline of replayed
-    stages is found from it (each remembers its parent folder), checked (run ids and roots) and deleted from again."""
+    stages is found from it (each remembers its parent folder), checked (run ids and roots) and deleted from again; an
+    id the first request deleted, repeated, is already absent (it failed "not in the store" after the probe)."""
     from hf_unlearn.cli import main
     from hf_unlearn.data.ids import write_ids
     from hf_unlearn.deletion import forget
@@ -329,7 +330,7 @@ def test_a_later_request_goes_through_the_replayed_pipeline(tmp_path, capsys):
     assert main(["trace", "cost", str(s1), str(s2), "--forget", str(tmp_path / "ids.jsonl")]) == 0
     assert main(["forget", str(s1), str(s2), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(first), "--oracle",
                  "--no-progress"]) == 0  # the command over the stages, in training order
-    later = ids_at_step(s1, 2)[:1] + ids_at_step(s2, 3)[:1]
+    later = ids_at_step(s1, 3)[:1] + ids_at_step(s1, 2)[:1] + ids_at_step(s2, 3)[:1]
     receipt = forget(str(first / "stage-2" / "replay"), later, tmp_path / "second", oracle=True, progress=False)
     assert receipt.evidence["verified"] is True
     assert [s["origin_run_id"] for s in receipt.evidence["pipeline"]] == \

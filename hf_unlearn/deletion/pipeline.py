@@ -259,9 +259,8 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
     from ..trace.fidelity import fidelity_statement
     from ..trace.issued import untagged
     from ..trace.lineage import lineage_of, open_quietly, output_root, parent_path
-    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, never_trained_tags
+    from ..trace.replay import OracleReplayTrainer, RedactedReplayTrainer, already_deleted
     from ..trace.store import redact_store
-    from ..trace.tags import tag
     from ..trace.trainers import PROCESSING_CLASS_DIR, load_processing_class
     from ..trace.verification import verify
 
@@ -289,9 +288,9 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
         store = run.store_path
         t = time.perf_counter()
         if ids:
-            never = never_trained_tags(run)
+            # rows an earlier request deleted (its deletion log) or the trainer dropped before training: not in store
             red = redact_store(run.store_path, ids, d / "store", run.key, id_column=run.id_column,
-                               already_deleted=[i for i in ids if tag(run.key, i) in never])
+                               already_deleted=already_deleted(run, ids))
             store = d / "store"
             entry["redaction"] = {"rows_before": red["rows_before"], "rows_after": red["rows_after"],
                                   "store_sha256": red["store_sha256"], "id_check": red["checks"]["id_column_scanned"]}
