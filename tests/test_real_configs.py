@@ -318,6 +318,13 @@ def check_configuration(tmp_path, family, adapter, kind, attn="sdpa", precision=
     if adapter != "full":  # the merged model is published; the replayed adapter is kept beside it
         assert (out / "adapter" / "adapter_model.safetensors").is_file()
         assert receipt["evidence"]["output"]["kind"] == "merged adapter"
+        from huggingface_hub import ModelCard  # the adapter names the recorded base (here none: built from a config),
+        # in its config and in PEFT's card, never the run's weightless RUN/model
+
+        base = json.loads((run.path / "model" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+        card = ModelCard.load(out / "adapter" / "README.md")
+        assert card.data.base_model == base and str(run.path) not in str(card)
     return receipt
 
 

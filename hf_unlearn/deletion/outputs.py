@@ -72,9 +72,12 @@ def save_output(replay, replay_dir: Path, model_dir: Path) -> dict:
 def _recorded_base(run_path: Path, adapter_dir: Path) -> None:
     """The saved adapter names the base the run trained on, as the recording saved it (``RUN/model/adapter``, kept
     by every replay), not the replay's rebuilt ``RUN/model`` (a config without weights, which
-    ``AutoPeftModelForCausalLM.from_pretrained(OUT/adapter)`` could not load). A single run's deletion leaves the
-    frozen base as it was."""
+    ``AutoPeftModelForCausalLM.from_pretrained(OUT/adapter)`` could not load); none where the run recorded none (a
+    base built from a config: the published merged model is the loadable output). A single run's deletion leaves
+    the frozen base as it was. PEFT's model card (``README.md``) says the same."""
     import json
+
+    from ..utils import atomic_write_text
 
     recorded = Path(run_path) / "model" / ADAPTER_DIR / "adapter_config.json"
     saved = adapter_dir / "adapter_config.json"
@@ -82,9 +85,22 @@ def _recorded_base(run_path: Path, adapter_dir: Path) -> None:
         return
     base = json.loads(recorded.read_text()).get("base_model_name_or_path")
     config = json.loads(saved.read_text())
-    if base and config.get("base_model_name_or_path") != base:
+    if config.get("base_model_name_or_path") != base:
         config["base_model_name_or_path"] = base
-        saved.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(saved, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    readme = adapter_dir / "README.md"
+    if readme.is_file():
+        from huggingface_hub import ModelCard
+
+        card = ModelCard.load(readme)
+        data = card.data.to_dict()
+        tags = [t for t in data.get("tags") or [] if not t.startswith("base_model:")]
+        if base:
+            tags.insert(0, f"base_model:adapter:{base}")
+        if data.get("base_model") != base or tags != (data.get("tags") or []):
+            card.data.base_model = base
+            card.data.tags = tags or None
+            atomic_write_text(readme, str(card))
 
 
 def save_consolidated_output(run, state: dict, replay_dir: Path, model_dir: Path) -> dict:
