@@ -34,7 +34,16 @@ DAMAGE = {  # name: (compacted first?, what is done, the file the messages must 
     "model config missing": (False, lambda r: (r / "model" / "config.json").unlink(), "model/config.json"),
     "model config damaged": (False, lambda r: _truncate(r / "model" / "config.json", 10), "model/config.json"),
     "buffers missing": (False, lambda r: (r / "model" / "buffers.safetensors").unlink(), "buffers.safetensors"),
+    # valid JSON, one number changed (a replay would rebuild another model; the environment probe was blamed)
+    "model config edited": (False, lambda r: _edit_json(r / "model" / "config.json", rms_norm_eps=3.3e-6),
+                            "model/config.json does not match the digest in header.json"),
 }
+
+
+def _edit_json(f, **changes):
+    import json
+
+    f.write_text(json.dumps({**json.loads(f.read_text()), **changes}, indent=2))
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))

@@ -25,6 +25,14 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def model_file_digests(run: Path) -> dict[str, str]:
+    """SHA-256 of every file a replay rebuilds the model from (``model/config.json``, the adapter's config, ...; the
+    buffers file has its own digest), by path in the run: sealed in the header, so an edited file is named."""
+    folder = Path(run) / "model"
+    return {f.relative_to(run).as_posix(): file_sha256(f) for f in sorted(folder.rglob("*"))
+            if f.is_file() and f.relative_to(run).as_posix() != BUFFERS_FILE}
+
+
 def write_sidecar(path: Path) -> None:
     atomic_write_text(Path(str(path) + ".sha256"), f"{file_sha256(path)}  {Path(path).name}\n")
 

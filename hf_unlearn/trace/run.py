@@ -389,6 +389,13 @@ def _check_model_files(path: Path, header: dict, rep: Report) -> None:
         rep.errors.append("model/config.json is damaged (it does not read as JSON): replays cannot rebuild the model")
     if model.get("peft") and not (path / "model" / "adapter" / "adapter_config.json").is_file():
         rep.errors.append("model/adapter/adapter_config.json is missing: replays cannot rebuild the PEFT adapter")
+    for rel, digest in (model.get("files") or {}).items():  # sealed at recording (a run of an older release: none)
+        f = path / rel
+        if f.is_file() and file_sha256(f) != digest:
+            rep.errors.append(f"{rel} does not match the digest in header.json (edited or replaced after recording): "
+                              "replays would rebuild another model than the one that trained")
+        elif not f.is_file() and rel not in ("model/config.json", "model/adapter/adapter_config.json"):
+            rep.errors.append(f"{rel} is missing: replays would rebuild another model than the one that trained")
     layout = model.get("layout") or {}
     if layout.get("buffers"):
         f = path / BUFFERS_FILE

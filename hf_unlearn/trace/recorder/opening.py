@@ -10,6 +10,7 @@ from ...errors import UnlearnError
 from ...keys import key_fingerprint
 from ...utils import owner_only, private_dir
 from ..fidelity import save_buffers
+from ..files import model_file_digests
 from ..guards import ProgramGuard
 from ..lineage import record_lineage, weights_root
 from ..packing import PACKED_IDS, save_store_info
@@ -96,6 +97,7 @@ def start(trainer) -> None:
     if resume_step:
         keeper.check_resumed_state(trainer, resume_step)
     save_model_files(trainer, run)
+    header["model"]["files"] = model_file_digests(run)  # sealed: an edited config is named, not blamed on the probe
     header["model"]["layout"] = save_buffers(trainer.accelerator.unwrap_model(trainer.model), run)
     trainer._trace_writer = TraceWriter(run, trainer._trace_key)
     trainer._trace_writer.frozen.source = trainer.trace_frozen_source
