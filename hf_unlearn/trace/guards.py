@@ -508,8 +508,6 @@ def program_refusal(run, start_step: int) -> str | None:
     """Why a replay from ``start_step`` cannot reproduce the run (a program change at or after it), or None."""
     changes = program_changes(run.served_plan or run.plan, run.header)
     late = [c for c in changes if c["step"] < run.total_steps and (c["step"] >= start_step or c.get("persistent"))]
-    if not late and not unproven_changes([], run.header, start_step, run.total_steps):
-        return None
     if not unproven_steps(run.header, start_step, run.total_steps, fresh_start=False):
         # the proof shows the engine reproduces the run with the change, at every step the replay runs; a fresh
         # start at start_step is proven by the replay itself before any deleted row trains (else it is refused, or,
@@ -525,6 +523,8 @@ def program_refusal(run, start_step: int) -> str | None:
                 "-100, a clipping threshold only a counterfactual step reaches), so a replay without it is not "
                 "proven to be the counterfactual of the run that trained; record the run again without the change, "
                 "or with the callback importable, its attributes JSON and its events among those replays run")
+    if not late:  # steps the proof does not cover: no deletion passing them is VERIFIED (hf_unlearn.trace.proven)
+        return None
     return (f"the run changed outside its record {describe_program_change(late[0])}"
             + (f" (and at {len(late) - 1} later step(s), the last {late[-1]['step']})" if len(late) > 1 else "")
             + (f"; a replay from step {start_step} would run without it (no checkpoint holds a trainable set or a "
