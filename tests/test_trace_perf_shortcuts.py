@@ -97,6 +97,69 @@ def test_a_function_changed_in_place_changes_the_program_digest():
         assert describe_difference(before, program_state(model)) is None
 
 
+def test_a_function_read_once_is_read_again_when_anything_its_text_depends_on_changes(monkeypatch):
+    """Functions' texts are kept between snapshots (digests._FUNCTIONS) only while what they depend on is unchanged:
+    keyword-only defaults set later, a renamed qualname, defaults replaced by equal-comparing ones of another bit
+    pattern (0.0 -> -0.0), a module-level function replaced, a mutable default changed in place (never kept), a
+    closure's cell replaced (never kept). Each is a difference; undone, none is. The kept text equals the text read
+    without the cache, entry for entry."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from hf_unlearn.trace import digests
+    from hf_unlearn.trace.digests import describe_difference, program_state
+
+    tok, _ = get_trace_data()
+    model = tiny(tok)
+    program_state(model)  # fills the cache
+    before = program_state(model)
+
+    def plain(x, scale=0.0):
+        return x * scale
+
+    def with_list(x, seen=[]):  # noqa: B006 (the point: a mutable default)
+        return x
+
+    factor = 1.0
+
+    def closing(x):
+        return x * factor
+
+    attrs = [(ml.LlamaMLP.forward, "__kwdefaults__", {"extra": 1}), (ml.rotate_half, "__qualname__", "rotate_other")]
+    for fn, attr, value in attrs:
+        saved = getattr(fn, attr)
+        setattr(fn, attr, value)
+        try:
+            assert describe_difference(before, program_state(model)), (fn, attr)
+        finally:
+            setattr(fn, attr, saved)
+        assert describe_difference(before, program_state(model)) is None
+
+    for fn in (plain, with_list, closing):
+        monkeypatch.setattr(ml, "user_helper", fn, raising=False)
+        base = program_state(model)
+        assert program_state(model) == base
+        if fn is plain:
+            fn.__defaults__ = (-0.0,)
+        elif fn is with_list:
+            fn.__defaults__[0].append(1)
+        else:
+            closing.__closure__[0].cell_contents = 2.0
+        what = describe_difference(base, program_state(model))
+        assert "code module transformers.models.llama.modeling_llama" in what, fn
+    monkeypatch.delattr(ml, "user_helper")
+
+    cached = program_state(model)
+    monkeypatch.setattr(digests, "_FUNCTIONS", _NeverKept())
+    assert program_state(model) == cached
+
+
+class _NeverKept(dict):
+    """A function-text cache that never answers (every text read afresh)."""
+
+    def get(self, key, default=None):
+        return default
+
+
 def _odd_program(tok):
     """A tiny model (PEFT LoRA on it) and an optimizer whose attributes take every branch of program_state: NaN, an
     IntEnum, a bool, empty and non-empty hook dicts (with kwargs, always called), empty containers of each kind, an

@@ -101,6 +101,16 @@ def code_digest(code: types.CodeType) -> str:
     return digest
 
 
+# function -> (function, its code, defaults, module and qualname, its text): a function's text read once, not at
+# every snapshot, when it depends on nothing that can change unseen (and read above the depth limit, where its
+# defaults are written out: the same text at every such depth). What it depends on is compared at each use:
+# the code and the defaults tuple by identity (replaced, not changed in place: a tuple of plain values is
+# immutable), the names by value; a function with a closure (a cell's contents can be replaced) or keyword-only
+# defaults (a dict, changeable in place) is never cached, nor is one whose defaults hold anything but plain values.
+# The entry holds the function: its id is not reused.
+_FUNCTIONS: dict[int, tuple] = {}
+
+
 def _const_text(c) -> str:
     """A code constant as text that does not depend on the process (a frozenset's order follows string hashing,
     which differs between processes)."""
@@ -129,6 +139,7 @@ class Digester:
         self.roots = {id(v): k for k, v in (roots or {}).items()}  # objects digested under their own path
         self.model = model  # whose parameters and buffers, held as attributes, are digested by name
         self._own: dict | None = None
+        self._classes: dict[type, bytes] = {}  # class -> its own functions' lines (class_lines)
 
     def leaf(self, value):
         """A plain value as itself (NaN as text, so equal runs compare equal), anything else as stable text."""
@@ -141,6 +152,12 @@ class Digester:
         return _short(self.text(value, 0))
 
     def text(self, obj, depth: int) -> str:
+        if type(obj) is types.FunctionType:  # most of a snapshot's objects: the code of classes and modules
+            hit = _FUNCTIONS.get(id(obj))
+            if hit is not None and hit[0] is obj and hit[1] is obj.__code__ and hit[2] is obj.__defaults__ \
+                    and obj.__kwdefaults__ is None and obj.__closure__ is None and hit[3] == obj.__module__ \
+                    and hit[4] == obj.__qualname__ and depth < MAX_DEPTH:
+                return hit[5]
         if isinstance(obj, PLAIN):
             return repr(obj)
         if id(obj) in self.roots:
@@ -194,6 +211,20 @@ class Digester:
             return f"<{_name(type(obj))}>"
         return _short(repr(obj))
 
+    def class_lines(self, c: type) -> bytes:
+        """``Class.name=<function text>`` of every function ``c`` itself defines, read once per snapshot: the
+        module classes of a model share their bases (``nn.Module``'s ~200 functions), which each class's
+        :func:`_class_code` used to read again."""
+        hit = self._classes.get(c)
+        if hit is None:
+            lines = []
+            for k, v in sorted(vars(c).items()):
+                fn = getattr(v, "__func__", v)
+                if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
+                    lines.append(f"{c.__qualname__}.{k}={self.text(fn, 1)}\n")
+            hit = self._classes[c] = "".join(lines).encode()
+        return hit
+
     def own_tensor(self, t: torch.Tensor) -> str | None:
         """``tensor <dtype><shape> parameter <name>`` when ``t`` is one of the model's own parameters or buffers (the
         very object): its values are the exact checksums' business at every step, as for the parameters the modules
@@ -231,7 +262,11 @@ class Digester:
                     except ValueError:  # an empty cell
                         cells.append("<empty>")
                 extra += f" closure [{', '.join(cells)}]"
-            return f"function {_name(fn)}#{code_digest(fn.__code__)}{extra}"
+            text = f"function {_name(fn)}#{code_digest(fn.__code__)}{extra}"
+            if depth < MAX_DEPTH and fn.__closure__ is None and fn.__kwdefaults__ is None and \
+                    all(type(v) in _EXACT_PLAIN for v in fn.__defaults__ or ()):
+                _FUNCTIONS[id(fn)] = (fn, fn.__code__, fn.__defaults__, fn.__module__, fn.__qualname__, text)
+            return text
         if isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
                            types.MethodWrapperType, types.MethodDescriptorType)):
             owner = getattr(fn, "__self__", None)
@@ -251,20 +286,17 @@ def tensor_text(t: torch.Tensor) -> str:
 
 
 # ---- the whole program, flattened --------------------------------------------------------------------------
-# The code digests of classes and modules are computed at every snapshot, not cached by the identities of what their
-# namespaces hold: a function's ``__code__``, defaults or closure can be replaced in place (the function stays the same
-# object), which such a cache did not see; a cache keyed on all of that costs more than it saves (most namespaces
-# reach a mutable object). Code objects themselves are immutable: :func:`code_digest` caches them.
+# The code digests of classes and modules are computed at every snapshot: their namespaces are read whole each time
+# (a function added, removed or replaced shows). A function's own text is kept between snapshots only while its code,
+# defaults and names are the same objects and it has nothing changeable in place (``_FUNCTIONS``): a function's
+# ``__code__`` or defaults replaced in place (the function stays the same object) is read again. Code objects are
+# immutable: :func:`code_digest` caches them.
 def _class_code(cls, digester: Digester) -> str:
     """The code of every function defined by ``cls`` and its bases (a method patched on any of them changes it)."""
     h = hashlib.sha256()
     for c in cls.__mro__:
-        if c is object:
-            continue
-        for k, v in sorted(vars(c).items()):
-            fn = getattr(v, "__func__", v)
-            if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
-                h.update(f"{c.__qualname__}.{k}={digester.text(fn, 1)}\n".encode())
+        if c is not object:
+            h.update(digester.class_lines(c))
     return h.hexdigest()[:16]
 
 
