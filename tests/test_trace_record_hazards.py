@@ -107,6 +107,25 @@ def test_a_non_finite_loss_or_state_is_a_hazard_named_with_its_step(tmp_path, fa
     assert "VERIFIED" not in out
 
 
+def test_a_lora_runs_frozen_weight_turned_infinite_is_a_hazard_at_the_next_checkpoint(tmp_path):
+    """A checkpoint after step 0 reads only what can have changed since the frozen base was read (the trainable
+    parameters, and a frozen one whose tensor or version is not the one the store saved): an infinity written into
+    the frozen embedding after step 2 is still named at the checkpoint after 2 steps."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.models import build_tiny_model
+
+    tok, data = get_trace_data()
+    model = get_peft_model(build_tiny_model("llama", tok, hidden_size=32, num_layers=2, num_heads=2, seed=0),
+                           LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    assert not next(p for p in model.parameters() if p.dim() == 2).requires_grad  # Diverge edits a frozen weight
+    with pytest.warns(UserWarning, match="NaN or infinity|loss was not finite"):
+        record(tok, data.select(range(24)), tmp_path / "rec", model=model, every=1, max_steps=4,
+               gradient_accumulation_steps=1, trainer_kwargs={"callbacks": [Diverge()]})
+    hazards = json.loads((tmp_path / "rec" / "trace" / "header.json").read_text())["hazards"]
+    assert len(hazards) == 1 and "embed_tokens" in hazards[0] and "after 2 optimizer steps" in hazards[0], hazards
+
+
 def test_a_checkpoint_cut_short_by_a_kill_is_written_again_on_resume(tmp_path):
     """A kill while the trace checkpoint of step 4 is written (after the Trainer saved checkpoint-4): the resumed run
     removes the partial folder, writes the checkpoint again and opens without a warning."""

@@ -27,9 +27,12 @@ def dynamic_rope(config) -> str | None:
     return found[0] if found else None
 
 
-def first_non_finite(model) -> str | None:
-    """The name of the first parameter holding a NaN or an infinity, or None."""
+def first_non_finite(model, skip=()) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity, or None. ``skip``: names already read and
+    unchanged since (a LoRA run's frozen base, nearly all its bytes, read at its step-0 checkpoint)."""
     for name, p in model.named_parameters():
+        if name in skip:
+            continue
         if p.is_floating_point() and not all_finite(local(p)):  # FSDP2: this process's shard (one read)
             return name
     return None

@@ -52,7 +52,8 @@ def checkpoint(trainer, step: int, final: bool = False) -> None:
         trainer._trace_saved.add(step)
         return
     if not trainer._is_replay and trainer._trace_non_finite is None:
-        bad = first_non_finite(model)
+        frozen = trainer._trace_writer.frozen  # the frozen tensors still as the store saved them (and this read)
+        bad = first_non_finite(model, skip=frozen.unchanged_stamps(model) if frozen.saved_step == 0 else ())
         if bad:
             non_finite_hazard(trainer, f"parameter {bad} holds a NaN or infinity at the checkpoint after "
                                        f"{step} optimizer steps")
