@@ -511,8 +511,9 @@ class SwapLossWhenAsked(TrainerCallback):
 def test_a_recorded_callback_that_reads_the_environment_is_not_verified_when_it_acts_otherwise(tmp_path, monkeypatch):
     """The callback did nothing while recording; in the deleting process the environment makes it swap the loss at
     step 3 (neutral on the recorded rows: the environment probe and the proof cannot see it). Replay and oracle run it
-    alike and agree with each other, not with the run that trained. The function it sets on the model is a program
-    control (named with the hooks), compared at every step a replay runs: the deletion stops at step 3, not VERIFIED."""
+    alike and agree with each other, not with the run that trained. The recording noted that the callback read the
+    variable (unset then): the deletion is refused before any compute, naming it (before that was noted, the function
+    it sets on the model, a program control compared at every step a replay runs, stopped it at step 3)."""
     from hf_unlearn.trace import open_run
 
     tok, data, run = _record(tmp_path, "llama", [SwapLossWhenAsked()])
@@ -524,4 +525,5 @@ def test_a_recorded_callback_that_reads_the_environment_is_not_verified_when_it_
         monkeypatch.delenv("HFU_TEST_SWAP_LOSS")
         assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [SwapLossWhenAsked()])
     assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
-    assert "\n" not in what and "optimizer step 3" in what and "program controls" in what, what
+    # the callback read the variable while recording (unset then): refused before any compute, naming it
+    assert "\n" not in what and "HFU_TEST_SWAP_LOSS" in what and "before any compute" in what, what

@@ -37,6 +37,7 @@ import time
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from .environment_reads import differences
 from .fidelity import FidelityError
 from .guards import compare_fingerprint, guard_coverage, program_changes
 from .issued import issue
@@ -474,6 +475,14 @@ def guard_gap(run, oracle: bool) -> str | None:
     return f"{run.path}: {gap}, so a deletion checked against the oracle could never be VERIFIED" if gap else None
 
 
+def environment_differences(run) -> list[str]:
+    """The environment variables the recorded run's own code read while training (callbacks, a trainer subclass,
+    a collator: :mod:`~hf_unlearn.trace.environment_reads`) that this process holds otherwise, in words; empty for a
+    run recorded before they were noted."""
+    recorded = (run.header.get("fidelity") or {}).get("environment_reads")
+    return differences(run.key, recorded) if recorded else []
+
+
 def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None,
                     first_affected: int | None = None) -> dict:
     """What ``forget``, ``trace replay``, ``trace oracle`` and ``requests serve`` check before any compute: the steps
@@ -487,6 +496,12 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
     the run's original store, which the redacted replay never opens). Returns ``unproven_steps``,
     ``environment_probe``, ``start_proof`` (give it to the replay: ``proven_start=``) and ``proof_lines``."""
     lines = []
+    differ = environment_differences(run)
+    if differ:  # code the replay runs again read them while recording: it would act on this process's values
+        raise ProofError(f"the recorded run's code read the environment variable {differ[0]}"
+                         f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: a replay here runs that "
+                         "code on another environment than the recording's; refusing before any compute (set it as "
+                         "it was while recording, or run the deletion where the run was recorded)")
     gap = guard_gap(run, oracle)  # first: proving the run (a training run's compute) would not help
     if gap and not accept_unproven:
         raise ProofError(f"{gap}; refusing before any compute (or accept a deletion that is never VERIFIED: "

@@ -19,6 +19,7 @@ from ...data.collators import IdCarryingCollator
 from ...errors import UnlearnError
 from ...utils import WeightsFollowUmask
 from ..base_source import release_live
+from ..environment_reads import watching
 from ..fidelity import prepare_cuda_determinism
 from ..packing import PACKED_IDS, SUPPORTED, pack_with_documents
 from ..plan import has_plan
@@ -222,8 +223,9 @@ class RecordingHooks(WeightsFollowUmask):
                                "(or resume_from_checkpoint)")
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
         self._trace_train_started = time.perf_counter()
-        output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                               ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        with watching() as self._trace_environment_reads:  # what the run's own code reads (sealing.finish keeps it)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         try:
             self._trace_after_train()
             self.accelerator.wait_for_everyone()  # train() returns on every process once the header is sealed

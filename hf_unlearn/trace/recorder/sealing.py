@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..environment_reads import sealed
 from ..fidelity import changed_buffers
 from ..lineage import final_is_output, live_output_root
 from ..stack import numeric_stack, stack_change
@@ -74,6 +75,9 @@ def finish(trainer) -> None:
             "checks": GUARD_CHECKS}
     if guard is not None:
         guard.warn_changes(trainer.trace_dir)
+    reads = getattr(trainer, "_trace_environment_reads", None)
+    if not trainer._is_replay and reads is not None:  # every deleting process is compared with them
+        trainer._trace_header.setdefault("fidelity", {})["environment_reads"] = sealed(trainer._trace_writer.key, reads)
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
+from ..environment_reads import unrecorded, watching
 from ..fidelity import check_device, refusal, restore_layout
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..issued import believed
@@ -247,8 +248,16 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict. It runs with
         the recorded thread count and deterministic settings (:mod:`hf_unlearn.trace.stack`)."""
         self._probe_own_environment()
-        with pinned_stack(self.run.header):
-            return self._replay()
+        with pinned_stack(self.run.header), watching() as reads:
+            out = self._replay()
+        recorded = (self.run.header.get("fidelity") or {}).get("environment_reads")
+        differ = unrecorded(self.run.key, recorded, reads) if recorded is not None else []
+        if differ:  # the code the replay ran acted on another environment than the recording's
+            raise UnlearnError(f"the replay of {self.run.path} ran code that read the environment variable "
+                               f"{differ[0]}{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: it may "
+                               "have acted otherwise than while recording, so this replay is not the recorded "
+                               "program's; run the deletion with the recording's environment")
+        return out
 
     def _probe_own_environment(self) -> None:
         """An oracle given no environment probe (the engine's classes used directly: forget, trace oracle and

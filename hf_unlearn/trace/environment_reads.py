@@ -1,0 +1,125 @@
+"""The environment variables a run's own code read while it trained, and whether a deleting process holds the same.
+
+A recorded callback, a trainer subclass's ``compute_loss`` or a collator may act on ``os.environ`` (``if
+os.environ.get("CLIP"): args.max_grad_norm = 0.05``). Replays run that code again, in the deleting process: where a
+variable it reads differs there, the replay and the oracle both follow the deleting process and agree with each
+other, not with the run that trained, and the environment probe sees it only at the steps it re-runs. So the
+recording notes every variable that code outside the frameworks read while ``train()`` ran (``os.environ[...]``,
+``.get``, ``in``, ``os.getenv``; a read through ``os.environ``'s own class, so code that holds ``os.environ`` under
+another name is seen too), with a keyed digest of its value (the value is not written: it can be a secret); a
+deletion compares them before any compute, and the replay notes the reads its own run of that code makes.
+
+Reads by installed packages (transformers, accelerate, torch, a logging integration: files under site-packages),
+this library and the standard library are left out: they read configuration (paths, logging, launchers, API keys),
+and the numeric settings among them are the environment probe's and :data:`~hf_unlearn.trace.digests.NUMERIC_ENV`'s
+business. So is code of the user's own that is pip-installed rather than run from the project, and reads from C
+(``getenv`` in a native library): the probe, which re-runs recorded steps in the deleting process, is their
+guarantee.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import sys
+import threading
+
+# the frameworks' and the standard library's own reads are not a program's: configuration, not behaviour. Installed
+# packages (their files under site-packages) are frameworks too: transformers, accelerate, torch, a logging
+# integration; this library wherever it is installed from
+FRAMEWORKS = ("hf_unlearn",)
+INSTALLED = ("site-packages", "dist-packages")
+_PASS_THROUGH = frozenset({"os", "collections.abc", "_collections_abc", __name__})
+
+_lock = threading.Lock()
+_watching: list[dict] = []  # the read logs open now (a recording, a replay): key -> {"value", "by"}
+
+
+class _WatchedEnviron(type(os.environ)):
+    """``os.environ``'s own class with one change: a read, while a log is open, is noted with the module that made
+    it. Mapping's ``get``, ``__contains__`` and ``os.getenv`` all read through ``__getitem__``."""
+
+    def __getitem__(self, key):
+        try:
+            value = super().__getitem__(key)
+        except KeyError:
+            if _watching:
+                _note(key, None)
+            raise
+        if _watching:
+            _note(key, value)
+        return value
+
+
+def _note(key, value) -> None:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in _PASS_THROUGH:
+        frame = frame.f_back
+    if frame is None:
+        return
+    module = frame.f_globals.get("__name__") or "?"
+    top = module.split(".", 1)[0]
+    if top in FRAMEWORKS or top in sys.stdlib_module_names or any(p in frame.f_code.co_filename for p in INSTALLED):
+        return
+    with _lock:
+        for log in _watching:
+            log.setdefault(str(key), {"value": value, "by": module})
+
+
+@contextlib.contextmanager
+def watching():
+    """Note the environment variables that code outside the frameworks reads inside the block: yields
+    ``{name: {"value": str | None (unset), "by": module}}``, the first read of each."""
+    if type(os.environ) is not _WatchedEnviron:
+        os.environ.__class__ = _WatchedEnviron  # the same object (every module's reference to it stays valid)
+    log: dict = {}
+    with _lock:
+        _watching.append(log)
+    try:
+        yield log
+    finally:
+        with _lock:
+            _watching.remove(log)
+
+
+def value_digest(key: bytes, name: str, value: str | None) -> str | None:
+    """A keyed digest of a variable's value (None: unset): equal values give equal digests under one run key,
+    and the value cannot be read back from it."""
+    if value is None:
+        return None
+    return hmac.new(key, b"hf_unlearn.environment_read.v1\0" + name.encode() + b"\0" + value.encode(),
+                    hashlib.sha256).hexdigest()[:32]
+
+
+def sealed(key: bytes, log: dict) -> dict:
+    """What the header keeps of a recording's reads: ``{name: {"value": digest | None, "by": module}}``."""
+    return {name: {"value": value_digest(key, name, read["value"]), "by": read["by"]}
+            for name, read in sorted(log.items())}
+
+
+def differences(key: bytes, recorded: dict, here: dict | None = None) -> list[str]:
+    """The recorded reads whose variable this process holds otherwise, in words (``here``: the environment;
+    default ``os.environ``)."""
+    here = os.environ if here is None else here
+    out = []
+    for name, read in sorted(recorded.items()):
+        now = here.get(name)
+        if value_digest(key, name, now) != read.get("value"):
+            was = "unset" if read.get("value") is None else "set"
+            is_ = "unset" if now is None else ("set to another value" if read.get("value") is not None else "set")
+            out.append(f"{name} (read by {read.get('by', '?')}: {was} while recording, {is_} here)")
+    return out
+
+
+def unrecorded(key: bytes, recorded: dict, log: dict) -> list[str]:
+    """A replay's reads (``log``, from :func:`watching`) that differ from the recording's, or of a variable the
+    recording's code never read (its value then is unknown), in words."""
+    out = []
+    for name, read in sorted(log.items()):
+        if name not in recorded:
+            out.append(f"{name} (read by {read['by']}, which the recording's code never read)")
+        elif value_digest(key, name, read["value"]) != recorded[name].get("value"):
+            out.append(f"{name} (read by {read['by']}: its value differs from the recording's)")
+    return out

@@ -1,0 +1,108 @@
+"""Code a replay runs again (a recorded callback), whose behaviour follows an environment variable of the process
+that runs it: the recording notes what the run's own code read (keyed digests of the values), and a deleting process
+holding another value is refused before any compute. Before, a callback clipping gradients from step 5 on when a
+variable was set in the deleting process only gave a VERIFIED deletion with every tensor off the counterfactual
+(replay and oracle both clipped; the environment probe re-ran steps 0 and 2 only)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from transformers import TrainerCallback
+
+from .test_trace_neutral_attacks import _differs_from_counterfactual, _forget_outcome, _record
+
+LATE = 5
+SECRET = "s3cr3t-value-never-written"
+
+
+class ClipWhenAsked(TrainerCallback):
+    """A recorded callback: from optimizer step 5 on, clips gradients hard when ``HFU_TEST_CLIP`` is set (read three
+    ways: ``os.environ.get``, ``in``, ``os.getenv``)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step >= LATE and os.environ.get("HFU_TEST_CLIP") and "HFU_TEST_CLIP" in os.environ:
+            args.max_grad_norm = float(os.getenv("HFU_TEST_CLIP_TO", "0.05"))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A 6-step run of the tiny GQA Llama with the callback, recorded with HFU_TEST_CLIP unset and a secret-valued
+    HFU_TEST_CLIP_TO set (the callback never reaches it while the variable is unset)."""
+    tmp = tmp_path_factory.mktemp("env_reads")
+    saved = {k: os.environ.pop(k, None) for k in ("HFU_TEST_CLIP", "HFU_TEST_CLIP_TO")}
+    try:
+        tok, data, run = _record(tmp, "llama", [ClipWhenAsked()])
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    return tok, data, run
+
+
+def test_the_recording_notes_what_its_own_code_read_and_no_value(recorded):
+    _, _, run = recorded
+    text = (run / "header.json").read_text()
+    reads = json.loads(text)["fidelity"]["environment_reads"]
+    assert reads == {"HFU_TEST_CLIP": {"value": None, "by": "tests.test_trace_env_reads"}}, reads  # no framework read
+    assert SECRET not in text
+
+
+def test_a_variable_the_runs_code_read_set_otherwise_refuses_before_any_compute(recorded, tmp_path, monkeypatch):
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    _, _, run = recorded
+    monkeypatch.setenv("HFU_TEST_CLIP", "1")
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "refused" and "\n" not in what, (kind, what)
+    assert "HFU_TEST_CLIP (read by tests.test_trace_env_reads: unset while recording, set here)" in what
+    assert "before any compute" in what and not (tmp_path / "del").exists()
+    write_ids(tmp_path / "ids.jsonl", ids)
+    assert main(["forget", str(run), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "cli"),
+                 "--no-progress"]) != 0
+    assert not (tmp_path / "cli").exists()
+
+
+def test_the_same_environment_deletes_exactly(recorded, tmp_path, monkeypatch):
+    """Unset as while recording: VERIFIED and equal to the engine-free counterfactual (a plain Trainer with the
+    callback and the deleted row's labels -100); a variable the code never read may differ."""
+    from hf_unlearn.trace import open_run
+
+    tok, data, run = recorded
+    monkeypatch.delenv("HFU_TEST_CLIP", raising=False)
+    monkeypatch.setenv("HFU_TEST_UNREAD", "anything")
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [ClipWhenAsked()])
+
+
+def test_a_replay_reading_a_variable_the_recording_never_read_is_refused():
+    """The replay side: a read of a variable the recording's code never read (its value then is unknown), or read
+    with another value, is named; the same reads are not."""
+    from hf_unlearn.trace.environment_reads import differences, sealed, unrecorded, watching
+
+    key = b"k" * 32
+    with watching() as log:
+        os.environ.get("HFU_TEST_NEVER_SET_A")
+    recorded = sealed(key, log)
+    assert recorded == {"HFU_TEST_NEVER_SET_A": {"value": None, "by": __name__}}
+    assert unrecorded(key, recorded, log) == [] and differences(key, recorded) == []
+    with watching() as again:
+        os.environ.get("HFU_TEST_NEVER_SET_A")
+        os.getenv("HFU_TEST_NEVER_SET_B")
+    assert unrecorded(key, recorded, again) == [
+        f"HFU_TEST_NEVER_SET_B (read by {__name__}, which the recording's code never read)"]
+    assert differences(key, recorded, {"HFU_TEST_NEVER_SET_A": "1"}) == [
+        f"HFU_TEST_NEVER_SET_A (read by {__name__}: unset while recording, set here)"]
+    assert differences(key, sealed(key, {"X": {"value": "a", "by": "m"}}), {"X": "b"}) == [
+        "X (read by m: set while recording, set to another value here)"]
+    import json as framework_like  # a read from a standard-library or framework module is not the program's
+
+    with watching() as quiet:
+        framework_like.loads("1")
+        os.path.expanduser("~")  # os.path reads HOME
+    assert quiet == {}
