@@ -105,4 +105,6 @@ def test_a_replay_reading_a_variable_the_recording_never_read_is_refused():
     with watching() as quiet:
         framework_like.loads("1")
         os.path.expanduser("~")  # os.path reads HOME
+        os.environ.get("LOCAL_RANK")  # a launcher's per-process variable (each process's fingerprints compare it)
+        os.environ.get("MASTER_PORT")
     assert quiet == {}

@@ -31,6 +31,11 @@ import threading
 # integration; this library wherever it is installed from
 FRAMEWORKS = ("hf_unlearn",)
 INSTALLED = ("site-packages", "dist-packages")
+# what a launcher sets per process or per launch (a callback acting on rank 0 only reads LOCAL_RANK): each process's
+# behaviour is compared by its own state fingerprints, and the world size is checked where a deletion starts
+LAUNCH = ("LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "GROUP_WORLD_SIZE",
+          "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_",
+          "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS")
 _PASS_THROUGH = frozenset({"os", "collections.abc", "_collections_abc", __name__})
 
 _lock = threading.Lock()
@@ -54,6 +59,8 @@ class _WatchedEnviron(type(os.environ)):
 
 
 def _note(key, value) -> None:
+    if str(key).startswith(LAUNCH):
+        return
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__") in _PASS_THROUGH:
         frame = frame.f_back
