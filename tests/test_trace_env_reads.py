@@ -107,4 +107,9 @@ def test_a_replay_reading_a_variable_the_recording_never_read_is_refused():
         os.path.expanduser("~")  # os.path reads HOME
         os.environ.get("LOCAL_RANK")  # a launcher's per-process variable (each process's fingerprints compare it)
         os.environ.get("MASTER_PORT")
-    assert quiet == {}
+        copied = {**os.environ, **os.environ.copy(), **dict(os.environ.items())}  # a whole copy, for a subprocess
+    assert quiet == {} and copied["PATH"] == os.environ["PATH"]
+    with watching() as after_copy:  # a single read right after a whole copy is noted
+        dict(os.environ)
+        os.environ.get("HFU_TEST_NEVER_SET_C")
+    assert list(after_copy) == ["HFU_TEST_NEVER_SET_C"]

@@ -19,6 +19,7 @@ guarantee.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -39,6 +40,7 @@ LAUNCH = ("LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "
 _PASS_THROUGH = frozenset({"os", "collections.abc", "_collections_abc", __name__})
 
 _lock = threading.Lock()
+_bulk = threading.local()  # depth of the whole-environment iterations running in this thread
 _watching: list[dict] = []  # the read logs open now (a recording, a replay): key -> {"value", "by"}
 
 
@@ -50,12 +52,39 @@ class _WatchedEnviron(type(os.environ)):
         try:
             value = super().__getitem__(key)
         except KeyError:
-            if _watching:
+            if _watching and not _in_bulk(key):
                 _note(key, None)
             raise
-        if _watching:
+        if _watching and not _in_bulk(key):
             _note(key, value)
         return value
+
+    def __iter__(self):
+        """Reading the whole environment (``os.environ.copy()``, ``{**os.environ}``, ``.items()``: a copy handed to a
+        subprocess, mostly) reads every variable, during the iteration (``.items()``) or right after it, key by key
+        in its order (``dict(os.environ)``): not noted, or every deletion would compare ``PWD``."""
+        _bulk.depth = getattr(_bulk, "depth", 0) + 1
+        keys = []
+        try:
+            for k in super().__iter__():
+                keys.append(k)
+                yield k
+        finally:
+            _bulk.depth -= 1
+        _bulk.pending = collections.deque(keys)  # a complete iteration: its keys may be read next, in order
+
+
+def _in_bulk(key) -> bool:
+    """Whether this read is part of reading the whole environment (see ``_WatchedEnviron.__iter__``)."""
+    if getattr(_bulk, "depth", 0):
+        return True
+    pending = getattr(_bulk, "pending", None)
+    if pending:
+        if pending[0] == key:
+            pending.popleft()
+            return True
+        pending.clear()
+    return False
 
 
 def _note(key, value) -> None:
