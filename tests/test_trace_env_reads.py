@@ -29,12 +29,20 @@ class ClipWhenAsked(TrainerCallback):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """A 6-step run of the tiny GQA Llama with the callback, recorded with HFU_TEST_CLIP unset and a secret-valued
-    HFU_TEST_CLIP_TO set (the callback never reaches it while the variable is unset)."""
+    """A 6-step run of the tiny GQA Llama with the callback (and an observer replays do not run), recorded with
+    HFU_TEST_CLIP unset."""
     tmp = tmp_path_factory.mktemp("env_reads")
     saved = {k: os.environ.pop(k, None) for k in ("HFU_TEST_CLIP", "HFU_TEST_CLIP_TO")}
+
+    class Observer(TrainerCallback):  # defined here, not importable: replays never run it (its reads are not noted)
+        def on_step_end(self, args, state, control, **kwargs):
+            os.environ.get("HFU_TEST_OBSERVED")
+
+        def on_log(self, args, state, control, **kwargs):
+            os.environ.get("HFU_TEST_OBSERVED")
+
     try:
-        tok, data, run = _record(tmp, "llama", [ClipWhenAsked()])
+        tok, data, run = _record(tmp, "llama", [ClipWhenAsked(), Observer()])
     finally:
         os.environ.update({k: v for k, v in saved.items() if v is not None})
     return tok, data, run
@@ -45,7 +53,16 @@ def test_the_recording_notes_what_its_own_code_read_and_no_value(recorded):
     text = (run / "header.json").read_text()
     reads = json.loads(text)["fidelity"]["environment_reads"]
     assert reads == {"HFU_TEST_CLIP": {"value": None, "by": "tests.test_trace_env_reads"}}, reads  # no framework read
-    assert SECRET not in text
+
+
+def test_a_value_is_never_written(tmp_path, monkeypatch):
+    from hf_unlearn.trace.environment_reads import sealed, watching
+
+    monkeypatch.setenv("HFU_TEST_SECRET", SECRET)
+    with watching() as log:
+        os.environ["HFU_TEST_SECRET"]
+    assert log["HFU_TEST_SECRET"]["value"] == SECRET  # in memory only
+    assert SECRET not in json.dumps(sealed(b"k" * 32, log))
 
 
 def test_a_variable_the_runs_code_read_set_otherwise_refuses_before_any_compute(recorded, tmp_path, monkeypatch):

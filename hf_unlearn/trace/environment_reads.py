@@ -40,7 +40,7 @@ LAUNCH = ("LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "
 _PASS_THROUGH = frozenset({"os", "collections.abc", "_collections_abc", __name__})
 
 _lock = threading.Lock()
-_bulk = threading.local()  # depth of the whole-environment iterations running in this thread
+_bulk = threading.local()  # this thread's whole-environment iterations (depth, pending) and unwatched() depth
 _watching: list[dict] = []  # the read logs open now (a recording, a replay): key -> {"value", "by"}
 
 
@@ -88,7 +88,7 @@ def _in_bulk(key) -> bool:
 
 
 def _note(key, value) -> None:
-    if str(key).startswith(LAUNCH):
+    if str(key).startswith(LAUNCH) or getattr(_bulk, "quiet", 0):
         return
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__") in _PASS_THROUGH:
@@ -118,6 +118,17 @@ def watching():
     finally:
         with _lock:
             _watching.remove(log)
+
+
+@contextlib.contextmanager
+def unwatched():
+    """Reads inside the block are not noted: code a replay never runs (a callback replays do not run again, whose
+    changes the guards check instead), so what it reads cannot make a replay act otherwise."""
+    _bulk.quiet = getattr(_bulk, "quiet", 0) + 1
+    try:
+        yield
+    finally:
+        _bulk.quiet -= 1
 
 
 def value_digest(key: bytes, name: str, value: str | None) -> str | None:
