@@ -366,11 +366,15 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
                 out[f"{where} {k}"] = d.leaf([fn for fn in v.values() if not _module_of(fn).startswith(FRAMEWORK_HOOKS)])
             else:
                 out[f"{where} {k}"] = d.leaf(v)
+        # "[]" without building it for the many modules with none (what repr of the empty list writes)
         out[f"{where} parameters"] = _short(repr([(n, str(p.dtype), list(p.shape), p.requires_grad)
-                                                  for n, p in m._parameters.items() if p is not None]))
+                                                  for n, p in m._parameters.items() if p is not None])) \
+            if m._parameters else "[]"
         out[f"{where} buffers"] = _short(repr([(n, str(b.dtype), list(b.shape), n in m._non_persistent_buffers_set)
-                                               for n, b in m._buffers.items() if b is not None]))
-        out[f"{where} children"] = _short(repr([(n, _name(type(c))) for n, c in m._modules.items()]))
+                                               for n, b in m._buffers.items() if b is not None])) \
+            if m._buffers else "[]"
+        out[f"{where} children"] = _short(repr([(n, _name(type(c))) for n, c in m._modules.items()])) \
+            if m._modules else "[]"
         classes[type(m)] = None
         sources.add(type(m).__module__)
     for cls in (*classes, torch.Tensor):  # torch.Tensor: a method patched on it runs in every forward

@@ -71,6 +71,7 @@ SAMPLES = 16  # sampled values per tensor (the cheap check; the exact checksums 
 REPRODUCED_STATE = frozenset({"global_step", "max_steps", "epoch", "is_world_process_zero", "is_local_process_zero"})
 PLAIN = (bool, int, float, str, type(None))
 VOLATILE_ATTRIBUTES = frozenset({"name_or_path"})  # a PreTrainedModel's: where it was loaded from
+_FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial)
 
 
 class ProgramChangedError(FidelityError):
@@ -252,15 +253,20 @@ def _walk(model) -> dict:
         if not first:
             continue
         seen_modules.add(id(m))
+        where, plain = name or "(the model)", {}
         own = vars(m)
-        modules[name] = {k: v for k, v in own.items() if not k.startswith("_") and isinstance(v, PLAIN)
-                         and k not in VOLATILE_ATTRIBUTES}
+        for k, v in own.items():  # one pass over the module's attributes (a LoRA model has ~1,000 modules)
+            if k[:1] != "_" and isinstance(v, PLAIN) and k not in VOLATILE_ATTRIBUTES:
+                plain[k] = v
+            if k == "forward" or isinstance(v, _FUNCTION_TYPES):
+                # a function held by the module instance (a replaced forward, model.loss_function = ...): a replay
+                # rebuilds the model from its config, without it
+                found.append((where, k, v))
         for attr in MODULE_HOOKS:
-            found += [(name or "(the model)", attr, fn) for fn in (getattr(m, attr, None) or {}).values()]
-        # a function held by the module instance (a replaced forward, model.loss_function = ...): a replay rebuilds
-        # the model from its config, without it
-        found += [(name or "(the model)", k, v) for k, v in own.items()
-                  if k == "forward" or isinstance(v, (types.FunctionType, types.MethodType, functools.partial))]
+            hooks = own[attr] if attr in own else getattr(m, attr, None)
+            if hooks:
+                found += [(where, attr, fn) for fn in hooks.values()]
+        modules[name] = plain
         fn = getattr(type(m), "forward", None)
         fn = getattr(fn, "__func__", fn)
         code.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
