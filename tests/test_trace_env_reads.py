@@ -130,3 +130,34 @@ def test_a_replay_reading_a_variable_the_recording_never_read_is_refused():
         dict(os.environ)
         os.environ.get("HFU_TEST_NEVER_SET_C")
     assert list(after_copy) == ["HFU_TEST_NEVER_SET_C"]
+
+
+class ReadsTheEnvironment(TrainerCallback):
+    """A recorded callback that reads ``HFU_TEST_STAGE_MODE`` at every step (and does nothing with it)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        os.environ.get("HFU_TEST_STAGE_MODE")
+
+
+def test_a_pipeline_deletion_compares_every_stages_reads_before_any_compute(tmp_path, monkeypatch):
+    """Stage 2 of a pipeline was recorded with a callback reading a variable (unset then); a pipeline deletion of a
+    stage-1 row in a process where it is set is refused before any compute, naming stage 2."""
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.trace.proof import ProofError
+
+    from .test_trace_common import get_trace_data, ids_at_step, record, tiny
+    from .test_trace_pipeline import KW, _from
+
+    monkeypatch.delenv("HFU_TEST_STAGE_MODE", raising=False)
+    tok, data = get_trace_data()
+    t1 = record(tok, data.select(range(16)), tmp_path / "s1", model=tiny(tok), **KW)
+    t1.save_model(str(tmp_path / "s1"))
+    record(tok, data.select(range(16, 32)), tmp_path / "s2", model=_from(tmp_path / "s1"),
+           trainer_kwargs={"callbacks": [ReadsTheEnvironment()]}, **KW)
+    runs = [str(tmp_path / "s1" / "trace"), str(tmp_path / "s2" / "trace")]
+    monkeypatch.setenv("HFU_TEST_STAGE_MODE", "fast")
+    with pytest.raises(ProofError, match=r"^stage 2: the recorded run's code read the environment variable "
+                                         r"HFU_TEST_STAGE_MODE") as e:
+        forget(runs, ids_at_step(runs[0], 0)[:1], tmp_path / "pipeline", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and "before any compute" in str(e.value)
+    assert not (tmp_path / "pipeline").exists()

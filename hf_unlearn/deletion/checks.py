@@ -306,7 +306,14 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     replay (and oracle) run: refused before any compute, naming the stage, otherwise. (An unproven pipeline deletion
     is not offered: its receipt has one verdict per stage, and none may read VERIFIED on unproven steps.)"""
     from ..trace.issued import issue
-    from ..trace.proof import ProofError, guard_gap, probe_environment, start_proof, unproven_statement
+    from ..trace.proof import (
+        ProofError,
+        environment_refusal,
+        guard_gap,
+        probe_environment,
+        start_proof,
+        unproven_statement,
+    )
 
     if config.accept_unproven:
         raise UnlearnError("--accept-unproven is for one recorded run; a pipeline deletion needs every stage it "
@@ -316,6 +323,9 @@ def _pipeline_proven(plan: dict, config: ForgetConfig) -> None:
     for s, run in zip(plan["pipeline_cost"]["stages"], plan["runs"]):
         if not s["replayed"]:
             continue
+        gap = environment_refusal(run)
+        if gap:
+            raise ProofError(f"stage {s['stage']}: {gap}")
         gap = guard_gap(run, config.oracle)  # first: proving the stage would not help
         if gap:
             raise ProofError(f"stage {s['stage']}: {gap}; refusing before any compute")

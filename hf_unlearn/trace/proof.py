@@ -475,12 +475,18 @@ def guard_gap(run, oracle: bool) -> str | None:
     return f"{run.path}: {gap}, so a deletion checked against the oracle could never be VERIFIED" if gap else None
 
 
-def environment_differences(run) -> list[str]:
-    """The environment variables the recorded run's own code read while training (callbacks, a trainer subclass,
-    a collator: :mod:`~hf_unlearn.trace.environment_reads`) that this process holds otherwise, in words; empty for a
-    run recorded before they were noted."""
+def environment_refusal(run) -> str | None:
+    """Why this process cannot delete from ``run``: environment variables the recorded run's own code read while
+    training (a recorded callback, a trainer subclass, a collator: :mod:`~hf_unlearn.trace.environment_reads`) that
+    it holds otherwise, which a replay here would act on (None: none, or a run recorded before they were noted)."""
     recorded = (run.header.get("fidelity") or {}).get("environment_reads")
-    return differences(run.key, recorded) if recorded else []
+    differ = differences(run.key, recorded) if recorded else []
+    if not differ:
+        return None
+    return (f"the recorded run's code read the environment variable {differ[0]}"
+            f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: a replay here runs that code on another "
+            "environment than the recording's; refusing before any compute (set it as it was while recording, or run "
+            "the deletion where the run was recorded)")
 
 
 def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_collator=None,
@@ -496,12 +502,9 @@ def before_deletion(run, start: int, oracle: bool, accept_unproven: bool, data_c
     the run's original store, which the redacted replay never opens). Returns ``unproven_steps``,
     ``environment_probe``, ``start_proof`` (give it to the replay: ``proven_start=``) and ``proof_lines``."""
     lines = []
-    differ = environment_differences(run)
-    if differ:  # code the replay runs again read them while recording: it would act on this process's values
-        raise ProofError(f"the recorded run's code read the environment variable {differ[0]}"
-                         f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: a replay here runs that "
-                         "code on another environment than the recording's; refusing before any compute (set it as "
-                         "it was while recording, or run the deletion where the run was recorded)")
+    differ = environment_refusal(run)
+    if differ:
+        raise ProofError(differ)
     gap = guard_gap(run, oracle)  # first: proving the run (a training run's compute) would not help
     if gap and not accept_unproven:
         raise ProofError(f"{gap}; refusing before any compute (or accept a deletion that is never VERIFIED: "
