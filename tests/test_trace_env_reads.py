@@ -161,3 +161,68 @@ def test_a_pipeline_deletion_compares_every_stages_reads_before_any_compute(tmp_
         forget(runs, ids_at_step(runs[0], 0)[:1], tmp_path / "pipeline", oracle=True, progress=False)
     assert "\n" not in str(e.value) and "before any compute" in str(e.value)
     assert not (tmp_path / "pipeline").exists()
+
+
+CLIP_AT_IMPORT = os.environ.get("HFU_TEST_CLIP_AT_IMPORT")  # read when the module is imported, not while training
+
+
+class ClipFromImport(TrainerCallback):
+    """A recorded callback acting on a module constant read from the environment at import time (the deleting
+    process imports the module again, to rebuild the callback)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step >= LATE and CLIP_AT_IMPORT:
+            args.max_grad_norm = 0.05
+
+
+def test_a_callback_acting_on_a_constant_read_at_import_in_a_deleting_process(tmp_path):
+    """ATTACK: the constant was None in the recording process; `hf-unlearn forget` in a process with the variable set
+    imports the module again (to rebuild the callback) and the callback clips from step 5 on. It was VERIFIED with
+    all 21 tensors off the counterfactual (replay and oracle both clipped). The recording seals keyed digests of the
+    module globals the replayed code reads (fixed at import: plain values, functions): refused before any compute,
+    naming the global; the same environment deletes exactly."""
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    from .conftest import run_cli
+
+    assert CLIP_AT_IMPORT is None
+    tok, data, run = _record(tmp_path, "llama", [ClipFromImport()])
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    write_ids(tmp_path / "ids.jsonl", ids)
+    proc = run_cli("forget", run, "--ids", tmp_path / "ids.jsonl", "--out", tmp_path / "del", "--oracle",
+                   "--no-progress", env={"HFU_TEST_CLIP_AT_IMPORT": "1"})
+    assert proc.returncode != 0 and "VERIFIED" not in proc.stdout, proc.stdout[-2000:]
+    assert "module global tests.test_trace_env_reads.CLIP_AT_IMPORT holds another value in this process" in proc.stderr
+    assert "refusing before any compute" in proc.stderr and not (tmp_path / "del").exists()
+    proc = run_cli("forget", run, "--ids", tmp_path / "ids.jsonl", "--out", tmp_path / "same", "--oracle",
+                   "--no-progress")  # unset, as while recording ("" would be another value)
+    assert proc.returncode == 0 and "VERIFIED" in proc.stdout, proc.stderr[-2000:]
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "same", [ClipFromImport()])
+
+
+def test_the_globals_compared_are_those_a_module_fixes_at_import():
+    """Plain values, flat containers of them and functions are compared; objects (a logger, whose cache a process
+    fills as it runs) are not, nor are the frameworks' own modules."""
+    import logging
+
+    from hf_unlearn.trace.digests import replayed_globals
+
+    entries = replayed_globals({"callback 0": _UsesGlobals})
+    names = {k.rsplit(".", 1)[-1] for k in entries}
+    assert names == {"LATE", "CLIP_AT_IMPORT", "_helper"}, names
+    assert isinstance(_LOGGER, logging.Logger)
+
+
+_LOGGER = __import__("logging").getLogger(__name__)
+
+
+def _helper(x):
+    return x
+
+
+class _UsesGlobals(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        _LOGGER.debug("step %s", state.global_step)
+        if state.global_step >= LATE and CLIP_AT_IMPORT:
+            _helper(args)

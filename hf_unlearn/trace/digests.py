@@ -330,6 +330,54 @@ def _globals_read(cls, digester: Digester) -> dict:
     return out
 
 
+def _fixed_at_import(value) -> bool:
+    """A value a module global holds as its module set it up when imported: a plain value, a flat container of
+    them, or a function (not an object, whose attributes a process sets up as it runs: a logger's cache)."""
+    if type(value) in _EXACT_PLAIN or isinstance(value, types.FunctionType):
+        return True
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return all(type(v) in _EXACT_PLAIN for v in value)
+    if isinstance(value, dict):
+        return all(type(k) in _EXACT_PLAIN and type(v) in _EXACT_PLAIN for k, v in value.items())
+    return False
+
+
+def replayed_classes(callbacks, trainer_class, collator) -> dict:
+    """``{where: class}`` of the code a replay runs again besides the model's: the recorded callbacks (in their
+    recorded order), the run's trainer class (without the trace machinery) and its collator's class."""
+    out = {f"callback {i} {_name(type(cb))}": type(cb) for i, cb in enumerate(callbacks or ())}
+    out["trainer"] = recorded_trainer_class(trainer_class)
+    inner = collator
+    while hasattr(inner, "collator") and inner.collator is not inner:  # the id-carrying wrapper
+        inner = inner.collator
+    if inner is not None and not isinstance(inner, (types.FunctionType, functools.partial)):
+        out["collator"] = type(inner)
+    return out
+
+
+def replayed_globals(classes: dict) -> dict[str, str]:
+    """``"<where> global <module>.<name>" -> stable text`` of the module globals that the code of the classes a
+    replay runs again (``{where: class}``: the recorded callbacks, the run's trainer class, its collator) reads
+    and that their module fixed when it was imported (:func:`_fixed_at_import`): a constant read from the environment
+    or a file at import takes another value in a deleting process that imports the module again."""
+    d = Digester()
+    out = {}
+    for where, cls in classes.items():
+        for c in cls.__mro__:
+            if c is object or c.__module__.startswith(("transformers.", "trl.", "builtins", "hf_unlearn.")):
+                continue
+            for v in vars(c).values():
+                fn = getattr(v, "__func__", v)
+                code = getattr(fn, "__code__", None)
+                if code is None:
+                    continue
+                glob = fn.__globals__
+                for name in code.co_names:
+                    if name in glob and _fixed_at_import(glob[name]):
+                        out[f"{where} global {c.__module__}.{name}"] = _short(repr(d.leaf(glob[name])))
+    return out
+
+
 def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), datasets=(), collator=None) -> dict:
     """``path -> value`` of the whole program (see the module docstring); values are plain or stable text."""
     config = getattr(model, "config", None)

@@ -170,3 +170,20 @@ def unrecorded(key: bytes, recorded: dict, log: dict) -> list[str]:
         elif value_digest(key, name, read["value"]) != recorded[name].get("value"):
             out.append(f"{name} (read by {read['by']}: its value differs from the recording's)")
     return out
+
+
+# ---- module globals fixed at import ----------------------------------------------------------------------------
+# The same holds for what code a replay runs again read from the environment (or a file) when its module was
+# imported: ``CLIP = os.environ.get("CLIP")`` at the top of a callbacks module. A deleting process imports the module
+# again, to rebuild the callback, and the constant may take another value there. The recording seals keyed digests of
+# those globals (:func:`hf_unlearn.trace.digests.replayed_globals` lists them); a replay compares them when it has
+# rebuilt the recorded callbacks, before any compute.
+def sealed_globals(key: bytes, entries: dict) -> dict:
+    """``{entry: keyed digest}`` of :func:`~hf_unlearn.trace.digests.replayed_globals`' entries."""
+    return {name: value_digest(key, name, text) for name, text in sorted(entries.items())}
+
+
+def globals_differences(key: bytes, recorded: dict, entries: dict) -> list[str]:
+    """The recorded globals this process's modules hold otherwise (both sides name them), in words."""
+    return [name.replace(" global ", "'s module global ", 1) for name, text in sorted(entries.items())
+            if name in recorded and value_digest(key, name, text) != recorded[name]]

@@ -9,6 +9,7 @@ import json
 from ...errors import UnlearnError
 from ...keys import key_fingerprint
 from ...utils import owner_only, private_dir
+from ..digests import replayed_classes, replayed_globals
 from ..fidelity import save_buffers
 from ..files import model_file_digests
 from ..guards import ProgramGuard
@@ -79,6 +80,10 @@ def start(trainer) -> None:
     header["origin_run_id"] = header["run_id"]
     header["key_fingerprint"] = key_fingerprint(trainer._trace_key)
     header["trainer"].update(program.sort_callbacks(trainer))
+    # what the modules of the code replays run again fixed when imported, as training starts (as a replay rebuilding
+    # that code finds them): sealed with the run (sealing.finish)
+    trainer._trace_program_globals = replayed_globals(replayed_classes(
+        trainer._trace_program_callbacks, type(trainer), trainer.data_collator))
     before = (previous.get("trainer") or {}).get("callbacks")
     if before is not None and before != header["trainer"]["callbacks"]:  # a replay runs one set over the run
         names = [[c["class"].rsplit(":", 1)[-1] for c in cbs] for cbs in (before, header["trainer"]["callbacks"])]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..environment_reads import sealed
+from ..environment_reads import sealed, sealed_globals
 from ..fidelity import changed_buffers
 from ..lineage import final_is_output, live_output_root
 from ..stack import numeric_stack, stack_change
@@ -77,7 +77,10 @@ def finish(trainer) -> None:
         guard.warn_changes(trainer.trace_dir)
     reads = getattr(trainer, "_trace_environment_reads", None)
     if not trainer._is_replay and reads is not None:  # every deleting process is compared with them
-        trainer._trace_header.setdefault("fidelity", {})["environment_reads"] = sealed(trainer._trace_writer.key, reads)
+        key = trainer._trace_writer.key
+        trainer._trace_header.setdefault("fidelity", {}).update(
+            environment_reads=sealed(key, reads),
+            program_globals=sealed_globals(key, getattr(trainer, "_trace_program_globals", None) or {}))
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ...errors import UnlearnError
 from ..checksums import exact_digest, gradient_tensors, tensor_checksums
+from ..digests import replayed_classes, replayed_globals
+from ..environment_reads import globals_differences
 from ..fidelity import FidelityError, check_against_checkpoint, check_against_state
 from ..guards import (
     ProgramChangedError,
@@ -23,7 +25,7 @@ from ..hashing import checkpoint_hashes
 from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
 from ..stack import environment_difference
-from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class
+from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class, recorded_trainer
 
 
 def step_ranges(matched: dict) -> dict:
@@ -68,6 +70,15 @@ class RecordedProgram:
                                f"attributes at step {self.start_step}: the plan is not the one the recording wrote")
         self._program_callbacks = [rebuild_callback(spec, st) for spec, st in zip(specs, states or [])]
         self._out_cb_states = states
+        recorded = (self.run.header.get("fidelity") or {}).get("program_globals")
+        differ = globals_differences(self.run.key, recorded, replayed_globals(replayed_classes(
+            self._program_callbacks, recorded_trainer(self.run.header)[0], self.data_collator))) if recorded else []
+        if differ:  # a constant its module read from the environment (or a file) when imported, here otherwise
+            raise UnlearnError(f"{self.run.path}: {differ[0]} holds another value in this process than while "
+                               f"recording{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''} (a constant "
+                               "its module read from the environment or a file when imported?): a replay here would "
+                               "run that code otherwise; refusing before any compute (run the deletion with the "
+                               "recording's environment and files)")
 
     def _setup_start_proof(self) -> None:
         """How this replay's fresh start at its kept checkpoint is proven (the output's ``fidelity.start``): by the
