@@ -312,11 +312,11 @@ def _module_code(mod, digester: Digester) -> str:
     return h.hexdigest()[:16]
 
 
-def _globals_read(cls, digester: Digester) -> dict:
-    """The module globals the code of ``cls``'s own methods reads (plain values and callables), by name."""
-    out = {}
+def _globals_of(cls, frameworks=("transformers.", "builtins")):
+    """``(module, name, value)`` of each module global the code of ``cls``'s own methods (and its bases' outside
+    ``frameworks``) reads."""
     for c in cls.__mro__:
-        if c.__module__.startswith(("transformers.", "builtins")) or c is object:
+        if c.__module__.startswith(frameworks) or c is object:
             continue
         for v in vars(c).values():
             fn = getattr(v, "__func__", v)
@@ -325,9 +325,14 @@ def _globals_read(cls, digester: Digester) -> dict:
                 continue
             glob = fn.__globals__
             for name in code.co_names:
-                if name in glob and not isinstance(glob[name], (types.ModuleType, type)):
-                    out[f"{c.__module__}.{name}"] = digester.leaf(glob[name])
-    return out
+                if name in glob:
+                    yield c.__module__, name, glob[name]
+
+
+def _globals_read(cls, digester: Digester) -> dict:
+    """The module globals the code of ``cls``'s own methods reads (plain values and callables), by name."""
+    return {f"{module}.{name}": digester.leaf(value) for module, name, value in _globals_of(cls)
+            if not isinstance(value, (types.ModuleType, type))}
 
 
 def _fixed_at_import(value) -> bool:
@@ -361,21 +366,10 @@ def replayed_globals(classes: dict) -> dict[str, str]:
     and that their module fixed when it was imported (:func:`_fixed_at_import`): a constant read from the environment
     or a file at import takes another value in a deleting process that imports the module again."""
     d = Digester()
-    out = {}
-    for where, cls in classes.items():
-        for c in cls.__mro__:
-            if c is object or c.__module__.startswith(("transformers.", "trl.", "builtins", "hf_unlearn.")):
-                continue
-            for v in vars(c).values():
-                fn = getattr(v, "__func__", v)
-                code = getattr(fn, "__code__", None)
-                if code is None:
-                    continue
-                glob = fn.__globals__
-                for name in code.co_names:
-                    if name in glob and _fixed_at_import(glob[name]):
-                        out[f"{where} global {c.__module__}.{name}"] = _short(repr(d.leaf(glob[name])))
-    return out
+    return {f"{where} global {module}.{name}": _short(repr(d.leaf(value)))
+            for where, cls in classes.items()
+            for module, name, value in _globals_of(cls, ("transformers.", "trl.", "builtins", "hf_unlearn."))
+            if _fixed_at_import(value)}
 
 
 def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), datasets=(), collator=None) -> dict:
