@@ -202,8 +202,8 @@ def test_a_callback_acting_on_a_constant_read_at_import_in_a_deleting_process(tm
 
 
 def test_the_globals_compared_are_those_a_module_fixes_at_import():
-    """Plain values, flat containers of them and functions are compared; objects (a logger, whose cache a process
-    fills as it runs) are not, nor are the frameworks' own modules."""
+    """Plain values, tuples of them and functions are compared; objects (a logger, whose cache a process fills as it
+    runs) and mutable containers (a history the code appends to) are not, nor are the frameworks' own modules."""
     import logging
 
     from hf_unlearn.trace.digests import replayed_globals
@@ -221,8 +221,12 @@ def _helper(x):
     return x
 
 
+_HISTORY: list = []
+
+
 class _UsesGlobals(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         _LOGGER.debug("step %s", state.global_step)
+        _HISTORY.append(state.global_step)
         if state.global_step >= LATE and CLIP_AT_IMPORT:
             _helper(args)

@@ -336,15 +336,12 @@ def _globals_read(cls, digester: Digester) -> dict:
 
 
 def _fixed_at_import(value) -> bool:
-    """A value a module global holds as its module set it up when imported: a plain value, a flat container of
-    them, or a function (not an object, whose attributes a process sets up as it runs: a logger's cache)."""
+    """A value a module global holds as its module set it up when imported: a plain value, a tuple or frozenset of
+    them, or a function. Not an object (a logger's cache fills as a process runs) nor a list, dict or set (a history
+    the code appends to), which running code changes in place."""
     if type(value) in _EXACT_PLAIN or isinstance(value, types.FunctionType):
         return True
-    if isinstance(value, (tuple, list, set, frozenset)):
-        return all(type(v) in _EXACT_PLAIN for v in value)
-    if isinstance(value, dict):
-        return all(type(k) in _EXACT_PLAIN and type(v) in _EXACT_PLAIN for k, v in value.items())
-    return False
+    return type(value) in (tuple, frozenset) and all(type(v) in _EXACT_PLAIN for v in value)
 
 
 def replayed_classes(callbacks, trainer_class, collator) -> dict:
