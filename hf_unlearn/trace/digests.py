@@ -366,7 +366,22 @@ def replayed_globals(classes: dict) -> dict[str, str]:
     return {f"{where} global {module}.{name}": _short(repr(d.leaf(value)))
             for where, cls in classes.items()
             for module, name, value in _globals_of(cls, ("transformers.", "trl.", "builtins", "hf_unlearn."))
-            if _fixed_at_import(value)}
+            if _fixed_at_import(value) and name not in _globals_assigned(cls)}
+
+
+def _globals_assigned(cls) -> set[str]:
+    """The module globals the code of ``cls`` assigns (``global N; N += 1``): running state, not fixed at import."""
+    import dis
+
+    out, codes = set(), [getattr(getattr(v, "__func__", v), "__code__", None) for c in cls.__mro__
+                         for v in vars(c).values()]
+    while codes:
+        code = codes.pop()
+        if code is None:
+            continue
+        out.update(i.argval for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL")
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return out
 
 
 def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), datasets=(), collator=None) -> dict:
