@@ -14,7 +14,8 @@ included (private and callable ones), so a change anywhere is a difference with 
   ``requires_grad`` (their values are the exact checksums' business), hooks by the code they run;
 * ``code *``: the code of every function of every class the model's modules are made of, and of every function the
   modules' source modules (``modeling_llama``, ...) and ``torch.nn.functional`` hold (a monkeypatch changes it);
-* ``trainer *``: methods set on the trainer instance and its class's code; ``callback *``: the code of every
+* ``trainer *``: methods set on the trainer instance, its class's code and the module globals the user's trainer
+  code reads; ``callback *``: the code of every
   recorded callback and the module globals its code reads;
 * ``optimizer *``: its class, defaults, every param group's keys (values other than the learning rate are the
   plan's ``groups``), the parameters of each group by name, the keys of every parameter's state, its hooks;
@@ -280,11 +281,12 @@ def _module_code(mod, digester: Digester) -> str:
     return h.hexdigest()[:16]
 
 
-def _globals_read(cls, digester: Digester) -> dict:
-    """The module globals the code of ``cls``'s own methods reads (plain values and callables), by name."""
+def _globals_read(cls, digester: Digester, skip=("transformers.", "builtins")) -> dict:
+    """The module globals the code of ``cls``'s own methods reads (plain values and callables), by name; classes
+    from the ``skip`` packages aside."""
     out = {}
     for c in cls.__mro__:
-        if c.__module__.startswith(("transformers.", "builtins")) or c is object:
+        if c.__module__.startswith(skip) or c is object:
             continue
         for v in vars(c).values():
             fn = getattr(v, "__func__", v)
@@ -350,6 +352,9 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
     if trainer is not None:
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
         out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items() if _trainer_setting(k, v))
+        # a global the user's trainer code reads (a flag its compute_loss follows), which replays run in their process
+        out.update((f"trainer global {k}", v) for k, v in _globals_read(
+            type(trainer), d, skip=(*FRAMEWORK_HOOKS, "builtins")).items())
     for i, cb in enumerate(callbacks):
         out[f"callback {i} {_name(type(cb))} code"] = _class_code(type(cb), d)
         out.update((f"callback {i} global {k}", v) for k, v in _globals_read(type(cb), d).items())

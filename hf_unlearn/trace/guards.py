@@ -61,6 +61,7 @@ from .dtensors import all_shards
 from .fidelity import FidelityError
 from .proven import unproven_steps
 from .trainers import _import, importable_name
+from .value_reads import ValueReads
 
 # the events a replay runs, at the points of a step where Trainer runs them
 REPLAYED_EVENTS = ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
@@ -746,12 +747,24 @@ class ProgramGuard:
         if self.ref is not None:  # the scheduler sets the param groups between steps: the plan records them
             self.ref = self.ref._replace(controls={**self.ref.controls, "groups": before.controls["groups"]})
             self._compare(before, self.step)
-        result = call()
+        reads = None if spec["replayable"] else ValueReads()
+        if reads is None:
+            result = call()
+        else:
+            with reads:
+                result = call()
         after = self._snapshot(grads=True, exact=True)
         what = describe_change(before, after)
+        by = f"{type(callback).__qualname__}.{event} ({spec.get('why')})"
         if what and not spec["replayable"]:
-            self.pending.append({"step": self.step, "what": what, "by": f"{type(callback).__qualname__}.{event} "
-                                 f"({spec['why']})", **_persistence(before, after, what), **_scope(before, after)})
+            self.pending.append({"step": self.step, "what": what, "by": by, **_persistence(before, after, what),
+                                 **_scope(before, after)})
+        elif reads is not None and reads.first and not any(c["step"] == self.step and c.get("by") == by
+                                                           for c in self.pending):
+            # a no-op here, on the recorded values; on a deletion's it may act, and replays do not run it
+            self.pending.append({"step": self.step, "by": by, "read": True, "what": (
+                f"it read tensor values ({reads.first}) and changed nothing; replays do not run it, so what it does "
+                "with a deletion's values (an edit only of values it did not expect) is not shown")})
         read = sorted(state_view.unreproduced) if state_view is not None else []
         if read:
             self.pending.append({"step": self.step, "by": f"{type(callback).__qualname__}.{event}", "persistent": True,

@@ -1,0 +1,274 @@
+"""Attacks on VERIFIED by code a replay does not run whose effect depends on values (issue #41, wave 5).
+
+A callback a replay does not run (a *watched* one: defined in a function or ``__main__``, or with events replays do not
+run) that edits gradients or parameters only when they are not what it expects is a no-op on every recorded step: the
+guards see no change, the proof (which replays without it) matches every step. A deletion trains on other values, and
+a plain ``Trainer`` with the same callback then edits them. Each test builds such a program, deletes a row and compares
+the deletion with an engine-free counterfactual (a plain ``Trainer`` with the same callbacks, the deleted rows' labels
+-100, the recorded normalisers): a refusal before any compute naming the cause, or VERIFIED and equal to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback
+
+from hf_unlearn.errors import UnlearnError
+
+from .test_trace_common import config_model, get_trace_data, record
+from .test_trace_fidelity import independent_counterfactual
+
+KW = dict(gradient_accumulation_steps=1, max_steps=6)
+AT = 3
+
+
+def _record(tmp_path, family, callbacks=(), name="rec", **kw):
+    from hf_unlearn.data import QACollator
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trainer_kwargs = {"callbacks": list(callbacks), **kw.pop("trainer_kwargs", {})}
+    record(tok, data, tmp_path / name, model=config_model(family, tok), every=2,
+           data_collator=kw.pop("data_collator", None) or QACollator.from_tokenizer(tok),
+           trainer_kwargs=trainer_kwargs, **{**KW, **kw})
+    return tok, data, tmp_path / name / "trace"
+
+
+def _forget_outcome(run, ids, out):
+    from hf_unlearn import forget
+
+    try:
+        receipt = forget(run, ids, out, oracle=True, progress=False)
+    except UnlearnError as e:
+        return "refused", str(e)
+    return ("verified" if receipt.evidence["verified"] is True else "not verified"), receipt
+
+
+def _off_counterfactual(tok, data, family, run, ids, out, callbacks=(), **kw):
+    """The oracle's tensors that differ from a plain Trainer's run of the same program with ``ids`` deleted."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    oracle = load_checkpoint(open_run(out / "oracle").final_checkpoint())["model"]
+    plain = independent_counterfactual(tok, data, config_model(family, tok), run, ids, out / "plain",
+                                       callbacks=callbacks, **{**KW, **kw})
+    return [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+def _refused_or_counterfactual(tmp_path, family, run, tok, data, step, callbacks, must_name: str, **kw):
+    """Delete the first row of optimizer step ``step``: refused before compute naming ``must_name``, or VERIFIED and
+    equal to the plain Trainer's counterfactual. Returns the outcome."""
+    from hf_unlearn.trace import open_run
+
+    ids = open_run(run).ids_at_steps([step])[:1]
+    out = tmp_path / f"del{step}"
+    kind, what = _forget_outcome(run, ids, out)
+    if kind == "refused":
+        assert "\n" not in what and must_name in what, what
+        assert not out.exists()  # before any compute
+        return kind
+    assert kind == "verified", what.evidence
+    off = _off_counterfactual(tok, data, family, run, ids, out, callbacks(), **kw)
+    assert not off, f"VERIFIED, and {len(off)} tensor(s) differ from the plain Trainer's counterfactual: {off[:3]}"
+    return kind
+
+
+# ---- value-conditional edits by watched callbacks -----------------------------------------------------------------
+def _grad_total(model) -> float:
+    return float(sum(p.grad.double().sum() for p in model.parameters() if p.grad is not None))
+
+
+def _param_total(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+class _Capture(TrainerCallback):
+    """Notes the gradients' and the parameters' totals at every step (a calibration run)."""
+
+    def __init__(self):
+        self.grads, self.params = {}, {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads[state.global_step] = _grad_total(model)
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.params[state.global_step] = _param_total(model)
+
+
+def _calibrate(tmp_path, family):
+    cap = _Capture()
+    _record(tmp_path, family, [cap], name="calibration")
+    return cap
+
+
+def _spike_guard(expected: dict, where: str):
+    """A watched callback (defined here) that halves the gradients (``pre``: on_pre_optimizer_step) or shrinks the
+    parameters (``post``: on_optimizer_step) of a step whose totals are not the ones it expects: calibrated on the
+    recorded rows, a no-op on every recorded step, active on a deletion's."""
+
+    class SpikeGuard(TrainerCallback):
+        if where == "pre":
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if _grad_total(model) != expected[state.global_step]:
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(0.5)
+        else:
+            def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if _param_total(model) != expected[state.global_step]:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.mul_(0.99)
+
+    return SpikeGuard()
+
+
+@pytest.mark.parametrize("where,family", [("pre", "llama"), ("post", "llama"),
+                                          pytest.param("pre", "qwen2", marks=pytest.mark.slow),
+                                          pytest.param("post", "gpt_neox", marks=pytest.mark.slow)])
+def test_a_watched_callback_that_edits_only_values_it_did_not_expect_is_refused(tmp_path, where, family):
+    """A callback a replay does not run reads the gradients (``on_pre_optimizer_step``) or the parameters
+    (``on_optimizer_step``) at every step and edits them when they are not what it expects: on the recorded rows
+    never (the guards see no change; the proof matches every step), on a deletion's always. Before the fix a step-0
+    and a mid-run deletion were VERIFIED with every trained tensor off a plain Trainer with the callback; now the
+    recording notes the steps where a callback a replay does not run read tensor values, and a deletion whose replay
+    passes them is refused before any compute, naming the callback and the event."""
+    cap = _calibrate(tmp_path, family)
+    expected = cap.grads if where == "pre" else cap.params
+    tok, data, run = _record(tmp_path, family, [_spike_guard(expected, where)])
+    event = "on_pre_optimizer_step" if where == "pre" else "on_optimizer_step"
+    for step in (0, AT):
+        kind = _refused_or_counterfactual(tmp_path, family, run, tok, data, step,
+                                          lambda: [_spike_guard(expected, where)], f"SpikeGuard.{event}")
+        assert kind == "refused"
+
+
+# ---- a forward hook registered mid-run by a watched callback ---------------------------------------------------------
+def _relabel_unlabelled_rows(module, args, kwargs):
+    """A forward pre-hook that gives a row whose labels are all -100 its input ids as labels: a no-op on the recorded
+    rows, not on a deletion's."""
+    labels = kwargs.get("labels")
+    if labels is not None and bool((labels == -100).all(dim=1).any()):
+        empty = (labels == -100).all(dim=1, keepdim=True)
+        kwargs = {**kwargs, "labels": torch.where(empty, kwargs["input_ids"], labels)}
+    return args, kwargs
+
+
+def _hook_at(step: int):
+    class HookAt(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == step:
+                model.register_forward_pre_hook(_relabel_unlabelled_rows, with_kwargs=True)
+
+    return HookAt()
+
+
+def test_a_forward_hook_registered_mid_run_by_a_callback_is_refused(tmp_path):
+    """A watched callback registers, at step 3, a forward pre-hook that relabels a row with no label (never one on the
+    recorded rows): named at step 3 (a hook is a program control), a deletion at step 3 or 4 refused before any
+    compute."""
+    tok, data, run = _record(tmp_path, "llama", [_hook_at(AT)])
+    for step in (AT, AT + 1):
+        assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, step, lambda: [_hook_at(AT)],
+                                          "hook") == "refused"
+
+
+# ---- a module global the recorded trainer's compute_loss reads, set by a watched callback ---------------------------
+DOUBLE_UNLABELLED = False  # read by GlobalReadingTrainer.compute_loss
+
+
+class GlobalReadingTrainer(Trainer):
+    """A recorded trainer class (importable: replays run its ``compute_loss``) whose loss doubles a microbatch with an
+    unlabelled row when the module global ``DOUBLE_UNLABELLED`` is set."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.get("labels")
+        if DOUBLE_UNLABELLED and labels is not None and bool((labels == -100).all(dim=1).any()):
+            return (out[0] * 2, out[1]) if return_outputs else out * 2
+        return out
+
+
+def _set_global_at(step: int):
+    class SetGlobal(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            global DOUBLE_UNLABELLED
+            DOUBLE_UNLABELLED = state.global_step >= step
+
+        def on_train_end(self, args, state, control, **kwargs):
+            global DOUBLE_UNLABELLED
+            DOUBLE_UNLABELLED = False
+
+    return SetGlobal()
+
+
+def test_a_global_the_recorded_loss_reads_set_by_a_watched_callback_is_refused(tmp_path):
+    """The recorded trainer's ``compute_loss`` (replays run it) reads a module global that a watched callback sets at
+    step 3; on the recorded rows it changes nothing (no row is unlabelled), so the guards and the proof saw nothing,
+    and a replay in the deleting process runs with the global's value there. A deletion after step 3 differs from a
+    plain Trainer with the callback (its loss doubles the deleted row's microbatch). Now the globals the recorded
+    trainer's code reads are digested: the change is named at step 3 and the deletion refused before any compute."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import open_run, trace_recording
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    from .test_trace_common import train_args
+
+    trace_recording(GlobalReadingTrainer)(
+        model=config_model("llama", tok), args=train_args(tmp_path / "rec", **KW), train_dataset=data,
+        data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2, trace_checkpoint_retention="even",
+        callbacks=[_set_global_at(AT)]).train()
+    assert not DOUBLE_UNLABELLED
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT + 1])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":  # a plain GlobalReadingTrainer run with the callback, the deleted row's labels -100
+        from hf_unlearn.demo import _DropIds
+        from hf_unlearn.trace.run import load_checkpoint
+
+        from .test_trace_common import labels_masked, recorded_normalisers_trainer
+
+        oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+        model = config_model("llama", tok)
+        recorded_normalisers_trainer(run, base=GlobalReadingTrainer)(
+            model=model, args=train_args(tmp_path / "plain", **KW), train_dataset=labels_masked(data, ids),
+            callbacks=[_set_global_at(AT)], data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
+        off = [n for n, t in oracle.items() if not torch.equal(t, model.state_dict()[n])]
+        assert not off, f"VERIFIED and {len(off)} tensors off the plain trainer's counterfactual"
+    assert kind == "refused", what.evidence if kind != "refused" else what
+    assert "DOUBLE_UNLABELLED" in what and "\n" not in what, what
+
+
+# ---- ordinary callbacks must still VERIFY ----------------------------------------------------------------------------
+def _ordinary_callbacks():
+    from transformers import EarlyStoppingCallback
+
+    class PrintLogs(TrainerCallback):  # a script's logging callback (watched: defined in a function)
+        def __init__(self):
+            self.seen = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs or {}))
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.seen.append(dict(metrics or {}))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seen.append(state.global_step)
+
+    return [PrintLogs(), EarlyStoppingCallback(early_stopping_patience=100)]
+
+
+def test_ordinary_logging_eval_and_early_stopping_callbacks_still_verify(tmp_path):
+    """A script's own logging callback (on_log, on_evaluate, on_step_end; defined in a function, so watched),
+    evaluation every two steps and ``EarlyStoppingCallback``: no tensor read, nothing changed; a step-0 and a mid-run
+    deletion are VERIFIED and equal to a plain Trainer with the same callbacks."""
+    tok, data = get_trace_data()
+    eval_kw = dict(eval_strategy="steps", eval_steps=2, metric_for_best_model="eval_loss", load_best_model_at_end=False)
+    tok, data, run = _record(tmp_path, "llama", _ordinary_callbacks(),
+                             trainer_kwargs={"eval_dataset": data.select(range(24, 28))}, **eval_kw)
+    for step in (0, AT):
+        assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, step, lambda: [], "",
+                                          ) == "verified"
