@@ -272,3 +272,118 @@ def test_ordinary_logging_eval_and_early_stopping_callbacks_still_verify(tmp_pat
     for step in (0, AT):
         assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, step, lambda: [], "",
                                           ) == "verified"
+
+
+# ---- the remedy: the same guard as a recorded callback, which replays run ---------------------------------------------
+class RecordedSpikeGuard(TrainerCallback):
+    """:func:`_spike_guard`'s gradient edit as a recorded callback (importable, JSON attributes, a replayed event)."""
+
+    def __init__(self, expected=()):
+        self.expected = list(expected)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if _grad_total(model) != self.expected[state.global_step]:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+
+@pytest.mark.slow  # a calibration run, a recording, two deletions and two counterfactuals (~14 s)
+def test_the_value_conditional_guard_as_a_recorded_callback_is_verified_and_counterfactual(tmp_path):
+    """Recorded, the same gradient guard runs in replays and the oracle: it halves the deleted row's step there as a
+    plain Trainer with it does, so a step-0 and a mid-run deletion are VERIFIED and equal to the counterfactual (what
+    the refusal above tells the user to do works)."""
+    from hf_unlearn.trace import open_run
+
+    cap = _calibrate(tmp_path, "llama")
+    expected = [cap.grads[s] for s in range(KW["max_steps"])]
+    tok, data, run = _record(tmp_path, "llama", [RecordedSpikeGuard(expected)])
+    assert open_run(run).header["trainer"]["callbacks"], "recorded: replays run it"
+    for step in (0, AT):
+        assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, step,
+                                          lambda: [RecordedSpikeGuard(expected)], "") == "verified"
+
+
+# ---- a data collator with state that follows what it has collated ----------------------------------------------------
+class CountingCollator:
+    """An importable collator (its constructor arguments are stored: replays rebuild it) with running state: once it
+    has collated ``threshold`` labelled tokens, it ignores the first label of every row. A deletion (labels -100)
+    reaches the threshold later, so the kept rows of the steps between are collated otherwise."""
+
+    def __init__(self, tokenizer, threshold: int = 400):
+        from hf_unlearn.data import QACollator
+
+        self.tokenizer, self.threshold, self.seen = tokenizer, threshold, 0
+        self._inner = QACollator.from_tokenizer(tokenizer)
+
+    def __call__(self, rows):
+        batch = self._inner(rows)
+        if self.seen >= self.threshold:
+            first = (batch["labels"] != -100).int().argmax(dim=1)
+            batch["labels"][torch.arange(len(first)), first] = -100
+        self.seen += int((batch["labels"] != -100).sum())
+        return batch
+
+
+def test_a_collator_whose_output_follows_what_it_has_seen_is_refused(tmp_path):
+    """A collator that changes how it collates once it has seen enough labelled tokens: its running count is an
+    attribute, which the whole-program digest reads at every step, so the recording names the change and every
+    deletion is refused before any compute (a replay rebuilds it with a fresh count, and on a deletion's rows it would
+    reach the threshold at another step)."""
+    tok, _ = get_trace_data()
+    tok, data, run = _record(tmp_path, "llama", data_collator=CountingCollator(tok))
+    assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, 0, lambda: [], "collator") == "refused"
+
+
+# ---- string ids, the kept rows of the deleted row's microbatch -------------------------------------------------------
+@pytest.mark.slow
+def test_string_ids_with_kept_rows_beside_the_deleted_one_verify_and_equal_the_counterfactual(tmp_path):
+    """String ids (``"row-7"``), four rows a microbatch, accumulation 2: the three kept rows beside a deleted one are
+    checked against the recording's per-row digests, and the deletion equals a plain Trainer's counterfactual."""
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    data = data.select(range(24)).map(lambda r: {"id": f"row-{r['id']}"})
+    kw = dict(gradient_accumulation_steps=2, max_steps=3)
+    record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=1, **kw)
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([1])[:1]
+    assert isinstance(ids[0], str) and ids[0].startswith("row-")
+    kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    assert not _off_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", **kw)
+
+
+# ---- publishing an output whose weights were changed after the deletion ---------------------------------------------
+def test_hub_push_of_weights_changed_after_the_deletion_is_refused_before_upload(tmp_path, capsys):
+    """`forget` writes OUT/model and a card info whose exact-deletion root is the replayed state. One weight changed
+    afterwards (a fine-tune, a tamper): `hub push OUT/model` published it with a card saying the deletion was
+    verified (only `hub verify` failed it, after the upload). Now the push refuses before anything is sent."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_unlearn.cli import main
+    from hf_unlearn.demo import local_hub
+    from hf_unlearn.trace import open_run
+
+    tok, data, run = _record(tmp_path, "llama")
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    from hf_unlearn import forget
+
+    assert forget(run, ids, tmp_path / "out", oracle=True, progress=False, tokenizer=tok).evidence["verified"] is True
+    weights = tmp_path / "out" / "model" / "model.safetensors"
+    sd = load_file(weights)
+    name = next(iter(sd))
+    sd[name] = sd[name].clone()
+    sd[name].view(-1)[0] += 1e-3
+    save_file(sd, weights, metadata={"format": "pt"})
+    with local_hub(tmp_path / "hub") as (server, token):
+        code = main(["hub", "push", str(tmp_path / "out" / "model"), "--repo", "org/t", "--deletion",
+                     "--endpoint", server.url, "--token", token])
+        assert code != 0
+        err = [line for line in capsys.readouterr().err.splitlines() if "refusing to publish" in line]
+        assert len(err) == 1 and "changed after the deletion" in err[0], err
+        try:
+            published = server.store.files("model", "org/t", "main")[1]
+        except Exception:  # the repo was never created
+            published = {}
+        assert "model.safetensors" not in published
