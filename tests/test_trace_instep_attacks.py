@@ -387,3 +387,44 @@ def test_hub_push_of_weights_changed_after_the_deletion_is_refused_before_upload
         except Exception:  # the repo was never created
             published = {}
         assert "model.safetensors" not in published
+
+
+# ---- the shape users train: SFTTrainer with LoRA (and modules_to_save) on SmolLM2's GQA shape -------------------------
+class _HalveUnexpectedAdapterGradients(TrainerCallback):
+    """Notes the trainable gradients' total at each step the first time it runs, halves them when a later run meets
+    another total (a no-op on every recorded step)."""
+
+    seen: dict = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        total = float(sum(p.grad.double().sum() for p in model.parameters() if p.grad is not None))
+        if self.seen.setdefault(state.global_step, total) != total:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", ["lora", "lora_mts"])
+def test_a_value_conditional_adapter_gradient_edit_on_a_gqa_lora_sft_run_is_refused(tmp_path, adapter):
+    """``trace_recording(SFTTrainer)`` with a LoRA adapter (and with ``modules_to_save``) on SmolLM2's shape (Llama,
+    grouped-query attention, tied embeddings, the GPT-2 vocabulary), a watched callback that halves the adapter's
+    gradients only when they are not the totals it met before: refused through ``forget`` for a step-0 and a step-2
+    deletion, before any compute, naming the callback."""
+    from hf_unlearn.trace import open_run
+
+    from .test_real_configs import base_model, config_for, data_for, trainer_for, trainer_kwargs
+
+    class Guard(_HalveUnexpectedAdapterGradients):  # defined here: watched
+        seen: dict = {}
+
+    trainer_for("sft", True)(model=base_model("sft", "llama_tied", "sdpa", tmp_path / "base"),
+                             args=config_for("sft", tmp_path / "rec", "fp32"), train_dataset=data_for("sft", "llama_tied"),
+                             trace_checkpoint_steps=2, trace_checkpoint_retention="even", callbacks=[Guard()],
+                             **trainer_kwargs("sft", "llama_tied", adapter)).train()
+    run = open_run(tmp_path / "rec" / "trace")
+    for step in (0, 2):
+        kind, what = _forget_outcome(run.path, run.ids_at_steps([step])[:1], tmp_path / f"del{step}")
+        assert kind == "refused", (kind, what if kind == "refused" else what.evidence)
+        assert "Guard.on_pre_optimizer_step" in what and "read tensor values" in what and "\n" not in what, what
+        assert not (tmp_path / f"del{step}").exists()

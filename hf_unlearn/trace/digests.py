@@ -493,6 +493,7 @@ class ProcessComparison:
     def __init__(self, model, optimizer, context, guard=None, step=None):
         self.model, self.optimizer, self.context, self.guard, self.step = model, optimizer, context, guard, step
         self.reported: set[str] = set()
+        self.reads: set[str] = set()  # watched callbacks' events that read tensor values on this process (program)
         self._versions: dict | None = None  # this process's tensors as the last optimizer step left them
         self._edited: list[str] = []
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -539,6 +540,8 @@ class ProcessComparison:
             state = program_state(self.model, self.optimizer, **self.context())
         parts = components(state)
         parts["tensors held whole (parameters, buffers, optimizer state)"] = exact_digest(sums)
+        if self.reads:  # a callback replays do not run that looked at values on some processes only
+            parts["watched callbacks' reads of tensor values"] = ", ".join(sorted(self.reads))
         if self._edited:  # on this process, between the last optimizer step and this one (its own shards too)
             parts["tensors written between optimizer steps"] = ", ".join(self._edited[:3]) + (
                 f" and {len(self._edited) - 3} more" if len(self._edited) > 3 else "")
@@ -551,7 +554,7 @@ class ProcessComparison:
             return
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.local())
-        self._edited, self._versions = [], self._local_versions()
+        self._edited, self._versions, self.reads = [], self._local_versions(), set()
         if self.guard is None:
             return
         step = self.step() if self.step is not None else self.guard.step

@@ -643,6 +643,7 @@ class ProgramGuard:
         self.pending: list[dict] = []
         self.recorded: list[dict] = []  # every change written to the plan (said when training ends)
         self.plan_lrs: list[float] | None = None
+        self.last_read: str | None = None  # what the last watched event run by around() read of tensor values
         inner = getattr(optimizer, "optimizer", optimizer)
         self._hooks = [inner.register_step_pre_hook(lambda *a: self.before_step()),
                        inner.register_step_post_hook(lambda *a: self.after_step())]
@@ -748,6 +749,7 @@ class ProgramGuard:
             self.ref = self.ref._replace(controls={**self.ref.controls, "groups": before.controls["groups"]})
             self._compare(before, self.step)
         reads = None if spec["replayable"] else ValueReads()
+        self.last_read = None
         if reads is None:
             result = call()
         else:
@@ -759,7 +761,9 @@ class ProgramGuard:
         if what and not spec["replayable"]:
             self.pending.append({"step": self.step, "what": what, "by": by, **_persistence(before, after, what),
                                  **_scope(before, after)})
-        elif reads is not None and reads.first and not any(c["step"] == self.step and c.get("by") == by
+        if reads is not None:
+            self.last_read = reads.first
+        if not what and reads is not None and reads.first and not any(c["step"] == self.step and c.get("by") == by
                                                            for c in self.pending):
             # a no-op here, on the recorded values; on a deletion's it may act, and replays do not run it
             self.pending.append({"step": self.step, "by": by, "read": True, "what": (

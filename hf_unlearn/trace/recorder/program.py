@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..digests import ProcessComparison
 from ..guards import StateView, callback_attributes, callback_spec, is_observer
+from ..value_reads import ValueReads
 
 GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
                 "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
@@ -74,6 +75,8 @@ def callback_extra(trainer, step: int) -> dict:
 def guarded_call_event(trainer, event, args, state, control, **kwargs):
     """transformers' CallbackHandler.call_event, with each watched callback's event run inside the guard."""
     handler, guard = trainer.callback_handler, trainer._trace_guard
+    procs = getattr(trainer, "_trace_processes", None)
+    peers = {id(cb): spec["events"] for cb, spec in getattr(trainer, "_trace_watched", ()) if not spec["replayable"]}
     for cb in handler.callbacks:
         spec = guard.watched.get(id(cb)) if guard is not None else None
         # a recorded callback sees the state through a view that notes reads of fields replays do not set
@@ -86,8 +89,15 @@ def guarded_call_event(trainer, event, args, state, control, **kwargs):
                                       eval_dataloader=handler.eval_dataloader, **kwargs)
         if spec is not None and event in spec["events"]:
             result = guard.around(cb, event, call, state_view=view)
+            read = guard.last_read
+        elif guard is None and procs is not None and event in peers.get(id(cb), ()):
+            with ValueReads() as reads:  # another process of the launch: its reads are compared with process 0's
+                result = call()
+            read = reads.first
         else:
-            result = call()
+            result, read = call(), None
+        if read and procs is not None:
+            procs.reads.add(f"{type(cb).__qualname__}.{event}")
         if result is not None:
             control = result
     return control
