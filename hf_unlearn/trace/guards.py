@@ -767,8 +767,8 @@ class ProgramGuard:
                                                            for c in self.pending):
             # a no-op here, on the recorded values; on a deletion's it may act, and replays do not run it
             self.pending.append({"step": self.step, "by": by, "read": True, "what": (
-                f"it read tensor values ({reads.first}) and changed nothing; replays do not run it, so what it does "
-                "with a deletion's values (an edit only of values it did not expect) is not shown")})
+                f"it read values a deletion changes ({reads.first}) and changed nothing; replays do not run it, so "
+                "what it does with a deletion's values (an edit only of values it did not expect) is not shown")})
         read = sorted(state_view.unreproduced) if state_view is not None else []
         if read:
             self.pending.append({"step": self.step, "by": f"{type(callback).__qualname__}.{event}", "persistent": True,

@@ -8,9 +8,14 @@ event, other than reading metadata (shape, dtype, ``.grad``, ``requires_grad``, 
 write). A callback that never touches a tensor's values (a logging callback reading ``logs``, an early stopping
 callback reading ``metrics``) cannot decide from them.
 
+The numbers a watched callback is given that follow the data (``logs["loss"]``, ``grad_norm``, an evaluation's
+``metrics``; not the learning rate, the epoch or timings) are handed to it as :class:`LoggedNumber`, a float that
+notes a comparison or a truth test: printing, formatting or storing one is not a decision, comparing it is (a callback
+that acted only when the logged loss was one no recorded step logged was VERIFIED off the counterfactual).
+
 Not seen: code run under ``torch._C.DisableTorchFunction`` (which turns torch function modes off), reads through
-raw pointers, and decisions from Python numbers derived from tensors elsewhere (the logged loss, an evaluation's
-metrics): a callback that acts only when ``logs["loss"]`` is what no recorded step logged is such a decision.
+raw pointers, and decisions from such numbers through C functions (``math.isfinite``) or ones read elsewhere
+(``state.log_history``, which recorded callbacks may not read and watched ones are not given as logged numbers).
 """
 
 from __future__ import annotations
@@ -30,12 +35,82 @@ def _name(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
+# logged entries that are the run's controls or the clock, not numbers a deletion changes
+CONTROL_LOGS = frozenset({"learning_rate", "epoch", "step", "total_flos", "train_runtime", "train_samples_per_second",
+                          "train_steps_per_second", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"})
+_ACTIVE: list[ValueReads] = []
+
+
+class LoggedNumber(float):
+    """A logged number that follows the data; a comparison or truth test of it while a :class:`ValueReads` is on
+    is noted as a read (arithmetic keeps the mark)."""
+
+    __hash__ = float.__hash__
+
+    def __new__(cls, value, key: str):
+        out = super().__new__(cls, value)
+        out.key = key
+        return out
+
+    def _note(self):
+        if _ACTIVE and _ACTIVE[-1].first is None:
+            _ACTIVE[-1].first = f"a comparison of the logged {self.key}"
+
+    def _compare(op):
+        def compare(self, other):
+            self._note()
+            return getattr(float, op)(self, other)
+        return compare
+
+    def _keep(op):
+        def keep(self, *other):
+            out = getattr(float, op)(self, *other)
+            return LoggedNumber(out, self.key) if isinstance(out, float) else out
+        return keep
+
+    for _op in ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__"):
+        locals()[_op] = _compare(_op)
+    for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+                "__neg__", "__abs__", "__pow__"):
+        locals()[_op] = _keep(_op)
+    del _op, _compare, _keep
+
+
+def mark_logged(kwargs: dict) -> list:
+    """Hand a watched callback the data-following numbers of ``logs`` / ``metrics`` as :class:`LoggedNumber` (in
+    place); returns what :func:`unmark_logged` restores."""
+    marked = []
+    for name in ("logs", "metrics"):
+        d = kwargs.get(name)
+        if isinstance(d, dict):
+            for k, v in list(d.items()):
+                if type(v) is float and k not in CONTROL_LOGS:
+                    d[k] = LoggedNumber(v, k)
+                    marked.append((d, k, v))
+    return marked
+
+
+def unmark_logged(marked: list) -> None:
+    """The plain numbers back, for the callbacks after it (what the watched callback replaced stays replaced)."""
+    for d, k, v in marked:
+        if isinstance(d.get(k), LoggedNumber):
+            d[k] = v
+
+
 class ValueReads(TorchFunctionMode):
     """A torch function mode that notes the first function applied to a tensor's values (``first``) while it is on."""
 
     def __init__(self):
         super().__init__()
         self.first: str | None = None
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

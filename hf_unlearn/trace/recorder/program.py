@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..digests import ProcessComparison
 from ..guards import StateView, callback_attributes, callback_spec, is_observer
-from ..value_reads import ValueReads
+from ..value_reads import ValueReads, mark_logged, unmark_logged
 
 GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
                 "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
@@ -87,15 +87,19 @@ def guarded_call_event(trainer, event, args, state, control, **kwargs):
                                       processing_class=handler.processing_class, optimizer=handler.optimizer,
                                       lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
                                       eval_dataloader=handler.eval_dataloader, **kwargs)
-        if spec is not None and event in spec["events"]:
-            result = guard.around(cb, event, call, state_view=view)
-            read = guard.last_read
-        elif guard is None and procs is not None and event in peers.get(id(cb), ()):
-            with ValueReads() as reads:  # another process of the launch: its reads are compared with process 0's
-                result = call()
-            read = reads.first
-        else:
-            result, read = call(), None
+        marked = mark_logged(kwargs) if event in peers.get(id(cb), ()) else []  # numbers that follow the data
+        try:
+            if spec is not None and event in spec["events"]:
+                result = guard.around(cb, event, call, state_view=view)
+                read = guard.last_read
+            elif guard is None and procs is not None and event in peers.get(id(cb), ()):
+                with ValueReads() as reads:  # another process of the launch: its reads are compared with process 0's
+                    result = call()
+                read = reads.first
+            else:
+                result, read = call(), None
+        finally:
+            unmark_logged(marked)
         if read and procs is not None:
             procs.reads.add(f"{type(cb).__qualname__}.{event}")
         if result is not None:
