@@ -500,3 +500,77 @@ def test_a_callback_deciding_from_the_logged_loss_is_refused(tmp_path):
     tok, data, run = _record(tmp_path, "llama", [_shrink_when_loss_unseen(seen)], logging_steps=1)
     assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, 0, lambda: [_shrink_when_loss_unseen(seen)],
                                       "ShrinkWhenLossUnseen.on_log", logging_steps=1) == "refused"
+
+
+# ---- a number the recorded trainer's compute_loss reads from the trainer, set by a watched callback -------------------
+class WeightedTrainer(Trainer):
+    """A recorded trainer class whose loss weighs a microbatch with an unlabelled row by ``unlabelled_weight``."""
+
+    unlabelled_weight = 1.0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.get("labels")
+        if labels is not None and bool((labels == -100).all(dim=1).any()):
+            w = self.unlabelled_weight
+            return (out[0] * w, out[1]) if return_outputs else out * w
+        return out
+
+
+def _weight_at(step: int, on: str):
+    class SetWeight(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                trainer = _the_trainer()
+                setattr(trainer if on == "instance" else WeightedTrainer, "unlabelled_weight", 2.0)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            WeightedTrainer.unlabelled_weight = 1.0
+
+    return SetWeight()
+
+
+def _the_trainer():
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        found = frame.f_locals.get("self")
+        if isinstance(found, Trainer):
+            return found
+        frame = frame.f_back
+    raise AssertionError("no trainer up the stack")
+
+
+@pytest.mark.parametrize("on", ["instance", "class"])
+def test_a_number_the_recorded_loss_reads_from_the_trainer_set_by_a_callback_is_refused(tmp_path, on):
+    """A watched callback sets, at step 3, the number the recorded trainer's ``compute_loss`` weighs an unlabelled
+    row's microbatch by (on the trainer instance, or on its class): a no-op on the recorded rows, so the proof matched;
+    a replay builds its trainer with the class's default. Refused, or VERIFIED and equal to a plain run of the class
+    with the callback."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run, trace_recording
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trace_recording(WeightedTrainer)(
+        model=config_model("llama", tok), args=train_args(tmp_path / "rec", **KW), train_dataset=data,
+        data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2, trace_checkpoint_retention="even",
+        callbacks=[_weight_at(AT, on)]).train()
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT + 1])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    if kind == "verified":
+        oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+        model = config_model("llama", tok)
+        recorded_normalisers_trainer(run, base=WeightedTrainer)(
+            model=model, args=train_args(tmp_path / "plain", **KW), train_dataset=labels_masked(data, ids),
+            callbacks=[_weight_at(AT, on)], data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
+        off = [n for n, t in oracle.items() if not torch.equal(t, model.state_dict()[n])]
+        assert not off, f"VERIFIED and {len(off)} tensors off the plain trainer's counterfactual"
+        return
+    assert kind == "refused" and "unlabelled_weight" in what and "\n" not in what, what

@@ -269,6 +269,14 @@ def _class_code(cls, digester: Digester) -> str:
     return h.hexdigest()[:16]
 
 
+def _class_values(cls) -> dict:
+    """The plain class attributes of the user's own classes in ``cls``'s bases, by ``Class.name`` (a weight a user's
+    ``compute_loss`` reads as ``self.unlabelled_weight``, set on the class by a callback)."""
+    return {f"{c.__qualname__}.{k}": ("nan" if v != v else v) for c in cls.__mro__
+            if c is not object and not c.__module__.startswith((*FRAMEWORK_HOOKS, "builtins"))
+            for k, v in sorted(vars(c).items()) if type(v) in _EXACT_PLAIN and not k.startswith("__")}
+
+
 def _module_code(mod, digester: Digester) -> str:
     """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
     h = hashlib.sha256()
@@ -345,12 +353,14 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         sources.add(type(m).__module__)
     for cls in (*classes, torch.Tensor):  # torch.Tensor: a method patched on it runs in every forward
         out[f"code class {_name(cls)}"] = _class_code(cls, d)
+        out.update((f"code class {_name(cls)} value {k}", v) for k, v in _class_values(cls).items())
     for mod_name in sorted(sources | set(CODE_MODULES)):
         mod = sys.modules.get(mod_name)
         if mod is not None:
             out[f"code module {mod_name}"] = _module_code(mod, d)
     if trainer is not None:
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
+        out.update((f"trainer class value {k}", v) for k, v in _class_values(type(trainer)).items())
         out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items() if _trainer_setting(k, v))
         # a global the user's trainer code reads (a flag its compute_loss follows), which replays run in their process
         out.update((f"trainer global {k}", v) for k, v in _globals_read(

@@ -619,6 +619,13 @@ def unproven_changes(changes: list[dict], header: dict, start: int, total: int) 
 
 
 # ---- the recording's live guard -------------------------------------------------------------------------------
+def _plain_numbers(trainer) -> dict:
+    """The trainer instance's plain numbers and strings (its counters included: compared only around one event)."""
+    if trainer is None:
+        return {}
+    return {k: v for k, v in vars(trainer).items() if type(v) in (int, float, str) and not k.startswith("_trace")}
+
+
 def _persistence(before: Snapshot, after: Snapshot, what: str) -> dict:
     """A change of the trainable set, a module attribute or the config stays in the model, and no checkpoint holds
     it (a replay rebuilds the model as it was when training started): no replay start after it helps."""
@@ -750,6 +757,8 @@ class ProgramGuard:
             self._compare(before, self.step)
         reads = None if spec["replayable"] else ValueReads()
         self.last_read = None
+        trainer = (self.context() or {}).get("trainer") if self.context is not None else None
+        numbers = _plain_numbers(trainer)  # the trainer's counters move between events, never inside one
         if reads is None:
             result = call()
         else:
@@ -757,10 +766,17 @@ class ProgramGuard:
                 result = call()
         after = self._snapshot(grads=True, exact=True)
         what = describe_change(before, after)
+        now = _plain_numbers(trainer)
+        moved = [k for k in sorted(set(numbers) | set(now)) if numbers.get(k) != now.get(k)]
         by = f"{type(callback).__qualname__}.{event} ({spec.get('why')})"
         if what and not spec["replayable"]:
             self.pending.append({"step": self.step, "what": what, "by": by, **_persistence(before, after, what),
                                  **_scope(before, after)})
+        elif moved and not spec["replayable"]:  # a number on the trainer its code may read (a loss weight): it stays
+            # on the trainer, which a replay builds afresh
+            k = moved[0]
+            what = f"trainer.{k} {numbers.get(k)!r} -> {now.get(k)!r} (a number the trainer's code may read)"
+            self.pending.append({"step": self.step, "what": what, "by": by, "persistent": True, "seen": "program"})
         if reads is not None:
             self.last_read = reads.first
         if not what and reads is not None and reads.first and not any(c["step"] == self.step and c.get("by") == by
