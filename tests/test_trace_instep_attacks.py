@@ -574,3 +574,45 @@ def test_a_number_the_recorded_loss_reads_from_the_trainer_set_by_a_callback_is_
         assert not off, f"VERIFIED and {len(off)} tensors off the plain trainer's counterfactual"
         return
     assert kind == "refused" and "unlabelled_weight" in what and "\n" not in what, what
+
+
+# ---- a callback added while training --------------------------------------------------------------------------------
+def _adds_guard_at(step: int, expected: dict):
+    class AddsGuard(TrainerCallback):
+        """Touches nothing itself; at ``step`` it adds :func:`_spike_guard` to the running trainer's callbacks."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                _the_trainer().add_callback(_spike_guard(expected, "pre"))
+
+    return AddsGuard()
+
+
+def test_a_callback_added_while_training_is_refused(tmp_path):
+    """A watched callback that reads nothing adds the value-conditional gradient guard to the trainer at step 3: the
+    added callback was never sorted when training started, so it ran unwatched (no value reads noted), and a step-3
+    deletion was VERIFIED off a plain Trainer that runs the same program. Now a callback the recording meets for the
+    first time while training is a change of that step, named, and every deletion passing it refused."""
+    cap = _calibrate(tmp_path, "llama")
+    tok, data, run = _record(tmp_path, "llama", [_adds_guard_at(AT, cap.grads)])
+    assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, AT, lambda: [_adds_guard_at(AT, cap.grads)],
+                                      "added while training") == "refused"
+
+
+def _removes_recorded_guard_at(step: int):
+    class RemovesGuard(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                _the_trainer().remove_callback(RecordedSpikeGuard)
+
+    return RemovesGuard()
+
+
+def test_a_recorded_callback_removed_while_training_is_refused(tmp_path):
+    """The recorded gradient guard (replays run it at every step) removed by another callback at step 3: replays
+    would run it where the program no longer did. Named at step 3, every deletion passing it refused."""
+    cap = _calibrate(tmp_path, "llama")
+    expected = [cap.grads[s] for s in range(KW["max_steps"])]
+    tok, data, run = _record(tmp_path, "llama", [RecordedSpikeGuard(expected), _removes_recorded_guard_at(AT)])
+    assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, AT, lambda: [
+        RecordedSpikeGuard(expected), _removes_recorded_guard_at(AT)], "was removed while training") == "refused"
