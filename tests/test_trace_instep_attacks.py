@@ -542,7 +542,7 @@ def _the_trainer():
     raise AssertionError("no trainer up the stack")
 
 
-@pytest.mark.parametrize("on", ["instance", "class"])
+@pytest.mark.parametrize("on", ["instance", pytest.param("class", marks=pytest.mark.slow)])
 def test_a_number_the_recorded_loss_reads_from_the_trainer_set_by_a_callback_is_refused(tmp_path, on):
     """A watched callback sets, at step 3, the number the recorded trainer's ``compute_loss`` weighs an unlabelled
     row's microbatch by (on the trainer instance, or on its class): a no-op on the recorded rows, so the proof matched;
@@ -608,6 +608,7 @@ def _removes_recorded_guard_at(step: int):
     return RemovesGuard()
 
 
+@pytest.mark.slow
 def test_a_recorded_callback_removed_while_training_is_refused(tmp_path):
     """The recorded gradient guard (replays run it at every step) removed by another callback at step 3: replays
     would run it where the program no longer did. Named at step 3, every deletion passing it refused."""

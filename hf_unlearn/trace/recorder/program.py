@@ -72,12 +72,32 @@ def callback_extra(trainer, step: int) -> dict:
     return {"callbacks": states}
 
 
+def added(trainer, guard, cb) -> None:
+    """A callback added while training (``add_callback`` from a callback): the run's record does not hold it and
+    replays do not run it. Watched from here on (its edits and reads named), and its arrival is a change."""
+    spec = {**callback_spec(cb), "replayable": False,
+            "why": "it was added while training, so the run's record does not hold it and replays do not run it"}
+    guard.watched[id(cb)] = spec
+    trainer._trace_watched.append((cb, spec))
+    guard.pending.append({"step": guard.step, "persistent": True, "seen": "program", "by": "code outside the record",
+                          "what": f"callback {type(cb).__qualname__} was added while training ({spec['why']})"})
+
+
 def guarded_call_event(trainer, event, args, state, control, **kwargs):
     """transformers' CallbackHandler.call_event, with each watched callback's event run inside the guard."""
     handler, guard = trainer.callback_handler, trainer._trace_guard
     procs = getattr(trainer, "_trace_processes", None)
     peers = {id(cb): spec["events"] for cb, spec in getattr(trainer, "_trace_watched", ()) if not spec["replayable"]}
+    if guard is not None:
+        present = {id(cb) for cb in handler.callbacks}
+        for cb in [cb for cb in trainer._trace_program_callbacks if id(cb) not in present]:
+            trainer._trace_program_callbacks.remove(cb)  # replays run it from the first step to the last
+            guard.pending.append({"step": guard.step, "persistent": True, "seen": "program",
+                                  "by": "code outside the record", "what": f"recorded callback {type(cb).__qualname__} "
+                                  "was removed while training (replays run it at every step)"})
     for cb in handler.callbacks:
+        if guard is not None and id(cb) not in guard.watched and not is_observer(cb):
+            added(trainer, guard, cb)
         spec = guard.watched.get(id(cb)) if guard is not None else None
         # a recorded callback sees the state through a view that notes reads of fields replays do not set
         view = StateView(state) if spec is not None and spec["replayable"] else None
