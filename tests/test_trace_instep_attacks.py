@@ -617,3 +617,26 @@ def test_a_recorded_callback_removed_while_training_is_refused(tmp_path):
     tok, data, run = _record(tmp_path, "llama", [RecordedSpikeGuard(expected), _removes_recorded_guard_at(AT)])
     assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, AT, lambda: [
         RecordedSpikeGuard(expected), _removes_recorded_guard_at(AT)], "was removed while training") == "refused"
+
+
+def _shrink_when_history_unseen(seen: dict):
+    class ShrinkWhenHistoryUnseen(TrainerCallback):
+        """As :func:`_shrink_when_loss_unseen`, deciding from ``state.log_history`` in ``on_step_end``."""
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            losses = [e["loss"] for e in state.log_history if "loss" in e]
+            if losses and seen.setdefault(state.global_step, losses[-1]) != losses[-1]:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.99)
+
+    return ShrinkWhenHistoryUnseen()
+
+
+@pytest.mark.slow
+def test_a_callback_deciding_from_the_log_history_is_refused(tmp_path):
+    """The same decision read from ``state.log_history``: refused, naming the callback."""
+    seen: dict = {}
+    tok, data, run = _record(tmp_path, "llama", [_shrink_when_history_unseen(seen)], logging_steps=1)
+    assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, 0, lambda: [_shrink_when_history_unseen(seen)],
+                                      "ShrinkWhenHistoryUnseen.on_step_end", logging_steps=1) == "refused"

@@ -14,8 +14,8 @@ notes a comparison or a truth test: printing, formatting or storing one is not a
 that acted only when the logged loss was one no recorded step logged was VERIFIED off the counterfactual).
 
 Not seen: code run under ``torch._C.DisableTorchFunction`` (which turns torch function modes off), reads through
-raw pointers, and decisions from such numbers through C functions (``math.isfinite``) or ones read elsewhere
-(``state.log_history``, which recorded callbacks may not read and watched ones are not given as logged numbers).
+raw pointers, decisions from such numbers through C functions (``math.isfinite``), and from what the callback reads
+elsewhere (the training dataset's rows, a file). ``state.log_history`` is handed over marked too.
 """
 
 from __future__ import annotations
@@ -76,10 +76,35 @@ class LoggedNumber(float):
     del _op, _compare, _keep
 
 
-def mark_logged(kwargs: dict) -> list:
-    """Hand a watched callback the data-following numbers of ``logs`` / ``metrics`` as :class:`LoggedNumber` (in
-    place); returns what :func:`unmark_logged` restores."""
+def _marked_entry(entry):
+    if not isinstance(entry, dict):
+        return entry
+    return {k: LoggedNumber(v, k) if type(v) is float and k not in CONTROL_LOGS else v for k, v in entry.items()}
+
+
+class MarkedHistory(list):
+    """``state.log_history`` as a watched callback sees it: the same entries, each read as a copy whose
+    data-following numbers are :class:`LoggedNumber` (saving it with ``json`` reads the plain entries)."""
+
+    def __getitem__(self, i):
+        out = list.__getitem__(self, i)
+        return MarkedHistory(out) if isinstance(i, slice) else _marked_entry(out)
+
+    def __iter__(self):
+        return (_marked_entry(e) for e in list.__iter__(self))
+
+    def __reversed__(self):
+        return (_marked_entry(e) for e in list.__reversed__(self))
+
+
+def mark_logged(kwargs: dict, state=None) -> list:
+    """Hand a watched callback the data-following numbers of ``logs`` / ``metrics`` and ``state.log_history`` as
+    :class:`LoggedNumber` (in place); returns what :func:`unmark_logged` restores."""
     marked = []
+    history = getattr(state, "log_history", None)
+    if type(history) is list and history:
+        state.log_history = MarkedHistory(history)
+        marked.append((state, "log_history", history))
     for name in ("logs", "metrics"):
         d = kwargs.get(name)
         if isinstance(d, dict):
@@ -93,8 +118,15 @@ def mark_logged(kwargs: dict) -> list:
 def unmark_logged(marked: list) -> None:
     """The plain numbers back, for the callbacks after it (what the watched callback replaced stays replaced)."""
     for d, k, v in marked:
-        if isinstance(d.get(k), LoggedNumber):
-            d[k] = v
+        if isinstance(d, dict):
+            if isinstance(d.get(k), LoggedNumber):
+                d[k] = v
+            continue
+        now = getattr(d, k)  # the state's history: the original list back, with what the callback did to it
+        if isinstance(now, MarkedHistory):
+            if len(now) != len(v) or any(a is not b for a, b in zip(list.__iter__(now), v)):
+                v[:] = list(list.__iter__(now))
+            setattr(d, k, v)
 
 
 class ValueReads(TorchFunctionMode):

@@ -107,7 +107,7 @@ def guarded_call_event(trainer, event, args, state, control, **kwargs):
                                       processing_class=handler.processing_class, optimizer=handler.optimizer,
                                       lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
                                       eval_dataloader=handler.eval_dataloader, **kwargs)
-        marked = mark_logged(kwargs) if event in peers.get(id(cb), ()) else []  # numbers that follow the data
+        marked = mark_logged(kwargs, state) if event in peers.get(id(cb), ()) else []  # numbers that follow the data
         try:
             if spec is not None and event in spec["events"]:
                 result = guard.around(cb, event, call, state_view=view)
