@@ -376,6 +376,8 @@ def test_hub_push_of_weights_changed_after_the_deletion_is_refused_before_upload
     sd[name] = sd[name].clone()
     sd[name].view(-1)[0] += 1e-3
     save_file(sd, weights, metadata={"format": "pt"})
+    # `trace verify OUT` says nothing verified of a single run's output (it names the replay/oracle pair to compare)
+    assert main(["trace", "verify", str(tmp_path / "out")]) != 0
     with local_hub(tmp_path / "hub") as (server, token):
         code = main(["hub", "push", str(tmp_path / "out" / "model"), "--repo", "org/t", "--deletion",
                      "--endpoint", server.url, "--token", token])
@@ -405,12 +407,13 @@ class _HalveUnexpectedAdapterGradients(TrainerCallback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", ["lora", "lora_mts"])
-def test_a_value_conditional_adapter_gradient_edit_on_a_gqa_lora_sft_run_is_refused(tmp_path, adapter):
-    """``trace_recording(SFTTrainer)`` with a LoRA adapter (and with ``modules_to_save``) on SmolLM2's shape (Llama,
-    grouped-query attention, tied embeddings, the GPT-2 vocabulary), a watched callback that halves the adapter's
-    gradients only when they are not the totals it met before: refused through ``forget`` for a step-0 and a step-2
-    deletion, before any compute, naming the callback."""
+@pytest.mark.parametrize("kind,adapter,precision", [("sft", "lora", "fp32"), ("sft", "lora_mts", "bf16"),
+                                                    ("dpo", "lora", "fp32")])
+def test_a_value_conditional_adapter_gradient_edit_on_a_gqa_lora_run_is_refused(tmp_path, kind, adapter, precision):
+    """``trace_recording(SFTTrainer)`` with a LoRA adapter (and with ``modules_to_save`` under bf16 autocast), and
+    ``trace_recording(DPOTrainer)`` with LoRA, on SmolLM2's shape (Llama, grouped-query attention, tied embeddings, the
+    GPT-2 vocabulary), a watched callback that halves the trainable gradients only when they are not the totals it
+    met before: refused through ``forget`` for a step-0 and a step-2 deletion, before any compute, naming it."""
     from hf_unlearn.trace import open_run
 
     from .test_real_configs import base_model, config_for, data_for, trainer_for, trainer_kwargs
@@ -418,10 +421,10 @@ def test_a_value_conditional_adapter_gradient_edit_on_a_gqa_lora_sft_run_is_refu
     class Guard(_HalveUnexpectedAdapterGradients):  # defined here: watched
         seen: dict = {}
 
-    trainer_for("sft", True)(model=base_model("sft", "llama_tied", "sdpa", tmp_path / "base"),
-                             args=config_for("sft", tmp_path / "rec", "fp32"), train_dataset=data_for("sft", "llama_tied"),
-                             trace_checkpoint_steps=2, trace_checkpoint_retention="even", callbacks=[Guard()],
-                             **trainer_kwargs("sft", "llama_tied", adapter)).train()
+    trainer_for(kind, True)(model=base_model(kind, "llama_tied", "sdpa", tmp_path / "base"),
+                            args=config_for(kind, tmp_path / "rec", precision), train_dataset=data_for(kind, "llama_tied"),
+                            trace_checkpoint_steps=2, trace_checkpoint_retention="even", callbacks=[Guard()],
+                            **trainer_kwargs(kind, "llama_tied", adapter)).train()
     run = open_run(tmp_path / "rec" / "trace")
     for step in (0, 2):
         kind, what = _forget_outcome(run.path, run.ids_at_steps([step])[:1], tmp_path / f"del{step}")
