@@ -258,7 +258,13 @@ def _ordinary_callbacks():
         def on_step_end(self, args, state, control, **kwargs):
             self.seen.append(state.global_step)
 
-    return [PrintLogs(), EarlyStoppingCallback(early_stopping_patience=100)]
+    class StopOnDivergence(TrainerCallback):  # a script's own stop rule: decides from the logged loss, reaches
+        # no tensor (its stop is the run's length, a recorded control)
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and logs.get("loss", 0.0) > 1e9:
+                control.should_training_stop = True
+
+    return [PrintLogs(), StopOnDivergence(), EarlyStoppingCallback(early_stopping_patience=100)]
 
 
 def test_ordinary_logging_eval_and_early_stopping_callbacks_still_verify(tmp_path):

@@ -97,6 +97,59 @@ class MarkedHistory(list):
         return (_marked_entry(e) for e in list.__reversed__(self))
 
 
+# what a callback's event is handed that leads to tensors (the model, the optimizer, ...), and ``kwargs``, which holds them
+REACHING_ARGUMENTS = frozenset({"model", "optimizer", "lr_scheduler", "kwargs", "train_dataloader", "eval_dataloader",
+                                "processing_class"})
+
+
+def _reaches(value) -> bool:
+    """A global or closure value through which code can reach the training's tensors."""
+    import types
+
+    if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+        return True
+    if isinstance(value, types.ModuleType):
+        return value.__name__.split(".")[0] in ("sys", "gc", "inspect", "torch", "ctypes", "builtins")
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        return not getattr(value, "__module__", "").startswith(("transformers.", "hf_unlearn."))
+    return type(value).__module__.split(".")[0] in ("transformers", "trl", "accelerate", "peft")
+
+
+def can_reach_tensors(cls) -> bool:
+    """Whether the code of a callback class (its own methods, nested functions included) loads what leads to the
+    training's tensors: an event's ``model`` / ``optimizer`` / ``kwargs`` argument, or a global or closure value
+    that is (or can find) them: the model, the trainer, ``sys``, a user function. A callback that cannot reach them
+    decides from a logged number only what the run's record keeps (when to stop, a learning rate)."""
+    import dis
+    import types
+
+    for c in cls.__mro__:
+        if c is object or c.__module__.startswith(("transformers.", "hf_unlearn.")):
+            continue
+        for v in vars(c).values():
+            fn = getattr(v, "__func__", v)
+            if not isinstance(fn, types.FunctionType):
+                continue
+            cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+            todo = [fn.__code__]
+            while todo:
+                code = todo.pop()
+                todo += [k for k in code.co_consts if isinstance(k, types.CodeType)]
+                for ins in dis.get_instructions(code):
+                    if ins.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")) and \
+                            ins.argval in REACHING_ARGUMENTS:
+                        return True
+                    if ins.opname.startswith(("LOAD_DEREF", "LOAD_CLASSDEREF")) and ins.argval in cells:
+                        try:
+                            if _reaches(cells[ins.argval].cell_contents):
+                                return True
+                        except ValueError:  # an empty cell
+                            pass
+                    if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _reaches(fn.__globals__.get(ins.argval)):
+                        return True
+    return False
+
+
 def mark_logged(kwargs: dict, state=None) -> list:
     """Hand a watched callback the data-following numbers of ``logs`` / ``metrics`` and ``state.log_history`` as
     :class:`LoggedNumber` (in place); returns what :func:`unmark_logged` restores."""

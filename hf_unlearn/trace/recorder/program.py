@@ -4,9 +4,11 @@ the whole-program digests read; every process's program compared with the others
 
 from __future__ import annotations
 
+import functools
+
 from ..digests import ProcessComparison
 from ..guards import StateView, callback_attributes, callback_spec, is_observer
-from ..value_reads import ValueReads, mark_logged, unmark_logged
+from ..value_reads import ValueReads, can_reach_tensors, mark_logged, unmark_logged
 
 GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
                 "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
@@ -72,6 +74,9 @@ def callback_extra(trainer, step: int) -> dict:
     return {"callbacks": states}
 
 
+reaches = functools.lru_cache(maxsize=None)(can_reach_tensors)
+
+
 def added(trainer, guard, cb) -> None:
     """A callback added while training (``add_callback`` from a callback): the run's record does not hold it and
     replays do not run it. Watched from here on (its edits and reads named), and its arrival is a change."""
@@ -107,7 +112,8 @@ def guarded_call_event(trainer, event, args, state, control, **kwargs):
                                       processing_class=handler.processing_class, optimizer=handler.optimizer,
                                       lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
                                       eval_dataloader=handler.eval_dataloader, **kwargs)
-        marked = mark_logged(kwargs, state) if event in peers.get(id(cb), ()) else []  # numbers that follow the data
+        # the numbers that follow the data, for a callback that could act on tensors from them
+        marked = mark_logged(kwargs, state) if event in peers.get(id(cb), ()) and reaches(type(cb)) else []
         try:
             if spec is not None and event in spec["events"]:
                 result = guard.around(cb, event, call, state_view=view)
