@@ -531,7 +531,7 @@ def _weight_at(step: int, on: str):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == step:
                 trainer = _the_trainer()
-                setattr(trainer if on == "instance" else WeightedTrainer, "unlabelled_weight", 2.0)
+                (trainer if on == "instance" else WeightedTrainer).unlabelled_weight = 2.0
 
         def on_train_end(self, args, state, control, **kwargs):
             WeightedTrainer.unlabelled_weight = 1.0
@@ -649,3 +649,28 @@ def test_a_callback_deciding_from_the_log_history_is_refused(tmp_path):
     tok, data, run = _record(tmp_path, "llama", [_shrink_when_history_unseen(seen)], logging_steps=1)
     assert _refused_or_counterfactual(tmp_path, "llama", run, tok, data, 0, lambda: [_shrink_when_history_unseen(seen)],
                                       "ShrinkWhenHistoryUnseen.on_step_end", logging_steps=1) == "refused"
+
+
+def test_value_reads_see_through_disabled_torch_functions():
+    """The monitor notes a read made under ``torch._C.DisableTorchFunction`` (a dispatch mode below the function
+    mode), a ``.numpy()`` of ``.data`` and a comparison of a logged number, and nothing for metadata."""
+    from hf_unlearn.trace.value_reads import LoggedNumber, ValueReads
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with ValueReads() as meta:
+        _ = (p.grad is None, p.shape, p.dtype, p.requires_grad, p.numel(), p.dim())
+    assert meta.first is None
+    with ValueReads() as hidden:
+        with torch._C.DisableTorchFunction():
+            float(p.grad.sum())
+    assert hidden.first is not None
+    with ValueReads() as raw:
+        with torch._C.DisableTorchFunction():
+            p.data.numpy()
+    assert raw.first is not None
+    with ValueReads() as logged:
+        f"{LoggedNumber(1.5, 'loss'):.3f}"  # formatting is not a decision
+        assert logged.first is None
+        assert LoggedNumber(1.5, "loss") * 2 > 1
+    assert logged.first == "a comparison of the logged loss"

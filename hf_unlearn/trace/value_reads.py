@@ -13,15 +13,18 @@ The numbers a watched callback is given that follow the data (``logs["loss"]``, 
 notes a comparison or a truth test: printing, formatting or storing one is not a decision, comparing it is (a callback
 that acted only when the logged loss was one no recorded step logged was VERIFIED off the counterfactual).
 
-Not seen: code run under ``torch._C.DisableTorchFunction`` (which turns torch function modes off), reads through
-raw pointers, decisions from such numbers through C functions (``math.isfinite``), and from what the callback reads
-elsewhere (the training dataset's rows, a file). ``state.log_history`` is handed over marked too.
+Operators that reach a tensor's data are also seen below torch functions (a dispatch mode), so code run under
+``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. Not seen: reads
+through raw pointers (``data_ptr`` and ``ctypes``), decisions from logged numbers through C functions
+(``math.isfinite``) or by a callback whose code cannot reach the tensors (its decision is then only what the run's
+record keeps: when to stop, a learning rate), and from what a callback reads elsewhere (the dataset's rows, a file).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # methods that read a tensor's metadata, not its values (properties such as .shape, .grad, .data are descriptors'
@@ -182,6 +185,20 @@ def unmark_logged(marked: list) -> None:
             setattr(d, k, v)
 
 
+class _DispatchReads(TorchDispatchMode):
+    """Every operator that reaches a tensor's data (``.data`` and ``.numpy()`` included, as a ``detach``), also under
+    ``torch._C.DisableTorchFunction``, which turns the function mode off."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.owner.first is None:
+            self.owner.first = str(func)
+        return func(*args, **(kwargs or {}))
+
+
 class ValueReads(TorchFunctionMode):
     """A torch function mode that notes the first function applied to a tensor's values (``first``) while it is on."""
 
@@ -191,9 +208,13 @@ class ValueReads(TorchFunctionMode):
 
     def __enter__(self):
         _ACTIVE.append(self)
-        return super().__enter__()
+        out = super().__enter__()
+        self._dispatch = _DispatchReads(self)  # below torch functions: what DisableTorchFunction hides
+        self._dispatch.__enter__()
+        return out
 
     def __exit__(self, *exc):
+        self._dispatch.__exit__(*exc)
         _ACTIVE.remove(self)
         return super().__exit__(*exc)
 
