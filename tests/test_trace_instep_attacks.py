@@ -674,3 +674,39 @@ def test_value_reads_see_through_disabled_torch_functions():
         assert logged.first is None
         assert LoggedNumber(1.5, "loss") * 2 > 1
     assert logged.first == "a comparison of the logged loss"
+
+
+# ---- a resumed recording ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_value_conditional_guard_in_a_resumed_recording_is_refused(tmp_path):
+    """The gradient guard in a recording stopped after step 4 and resumed from the Trainer's checkpoint-4
+    (``resume_from_checkpoint``): the reads of the steps before the stop are in the plan the resume keeps, those after
+    it are noted by the resumed run; a step-0 and a step-5 deletion are refused before any compute."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+
+    from .test_trace_common import train_args
+
+    cap = _calibrate(tmp_path, "llama")
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    kw = {**KW, "save_strategy": "steps", "save_steps": 4}
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 4
+
+    def trainer(*extra):
+        return TraceRecordingTrainer(model=config_model("llama", tok), args=train_args(tmp_path / "rec", **kw),
+                                     train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                     trace_checkpoint_steps=2, trace_checkpoint_retention="even",
+                                     callbacks=[_spike_guard(cap.grads, "pre"), *extra])
+
+    trainer(Stop()).train()
+    trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
+    run = tmp_path / "rec" / "trace"
+    assert open_run(run).total_steps == KW["max_steps"]
+    for step in (0, 5):
+        kind, what = _forget_outcome(run, open_run(run).ids_at_steps([step])[:1], tmp_path / f"del{step}")
+        assert kind == "refused" and "SpikeGuard.on_pre_optimizer_step" in what and "\n" not in what, (kind, what)
+        assert not (tmp_path / f"del{step}").exists()
