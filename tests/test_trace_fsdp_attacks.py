@@ -133,3 +133,16 @@ def test_a_buffer_edited_on_one_process_after_the_self_check_steps_is_a_change(t
     assert result["recording"] == "accepted", result
     assert "verified" not in result and result["codes"] != [0, 0], result
     assert "process 1's tensors held whole" in result["full_replay_without_deletion"], result
+
+
+@pytest.mark.slow
+def test_a_value_conditional_gradient_edit_on_one_process_is_refused(tmp_path):
+    """Issue #41, wave 5: a callback replays do not run that, on process 1 only, reads its gradient shard and halves it
+    when the total is not the one it met before (a no-op on every recorded step: nothing changed, nothing for the
+    processes' digests to differ in). The recording's other processes now run watched callbacks' events under the
+    value-read monitor too (hf_unlearn.trace.value_reads), and process 1's reads differ from process 0's: a change
+    of that step, and every deletion is refused before any compute."""
+    result = launch(tmp_path, "rank_local:rank_read")
+    assert result["recording"] == "accepted", result
+    assert "verified" not in result and 0 not in result["codes"], result
+    assert "reads of tensor values" in result["full_replay_without_deletion"], result

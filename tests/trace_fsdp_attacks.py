@@ -124,6 +124,32 @@ def _late_buffer_class():
     return EditBufferOnProcess1AfterStep1
 
 
+def _read_on_process1_class():
+    from transformers import TrainerCallback
+
+    class HalveUnexpectedGradientsOnProcess1(TrainerCallback):
+        """On process 1 only: notes its gradient shard's total at each step the first time it runs (the recording), and
+        halves the shard when a later run of the program (a plain Trainer's counterfactual in this process) meets
+        another total there: a no-op on every recorded step, a change on a deletion's."""
+
+        seen: dict = {}
+
+        def __init__(self, rank: int):
+            self.rank = rank
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if self.rank != 1:
+                return
+            local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                     for p in model.parameters() if p.grad is not None]
+            total = float(sum(g.double().sum() for g in local))
+            if self.seen.setdefault(state.global_step, total) != total:
+                for g in local:
+                    g.mul_(0.5)
+
+    return HalveUnexpectedGradientsOnProcess1
+
+
 def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str) -> None:
     """A run whose processes differ in what the plan does not record, deleted at step 0 (nothing left to compare with
     the recording): is the replay VERIFIED, and is its oracle the counterfactual (the same run, labels -100)?
@@ -147,7 +173,8 @@ def rank_local(out: Path, arch: str, reshard: bool, precision: str, attack: str)
     result = {"recording": outcome(lambda: TraceRecordingTrainer(
         model=rank_local_buffer(build_model(arch, tok), rank), train_dataset=data,
         callbacks=[HalveLearningRateOnProcess1(state.process_index)] if attack == "callback" else
-        [_late_buffer_class()(state.process_index)] if attack == "late_buffer" else [],
+        [_late_buffer_class()(state.process_index)] if attack == "late_buffer" else
+        [_read_on_process1_class()(state.process_index)] if attack == "rank_read" else [],
         args=fsdp_args(out / "ft", reshard, precision, **kw), data_collator=QACollator.from_tokenizer(tok),
         trace_dir=out / "trace", trace_checkpoint_steps=1).train())}
     if result["recording"] == "accepted":

@@ -628,6 +628,13 @@ def push_unlearned(
         scanner.refuse(hits, "the push")
         exact = info["extra"].get("exact_deletion") or {}
         manifest = build_manifest(staging, optimizer_root=exact.get("optimizer_root", ""), state_dict_names=names)
+        if exact.get("params_root") and exact["params_root"] not in (manifest["params_root"],
+                                                                     manifest["state_dict_root"]):
+            # the card would say these weights are the replayed state: `hub verify` fails it after the upload
+            raise UnlearnError(f"refusing to publish: the weights in {source} (root {manifest['params_root']}) are not "
+                               f"the exact deletion's replayed state (root {exact['params_root']}) that the card "
+                               "states; they were changed after the deletion: publish the model folder `forget` "
+                               "wrote, or run the deletion again")
         atomic_write_text(staging / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
         base = _base_model(staging, base_model, info, adapter, trace_dir)
         provenance = [f"{PROVENANCE_DIR}/{r}" for r in sorted(_provenance_rel(staging))]

@@ -14,7 +14,8 @@ included (private and callable ones), so a change anywhere is a difference with 
   ``requires_grad`` (their values are the exact checksums' business), hooks by the code they run;
 * ``code *``: the code of every function of every class the model's modules are made of, and of every function the
   modules' source modules (``modeling_llama``, ...) and ``torch.nn.functional`` hold (a monkeypatch changes it);
-* ``trainer *``: methods set on the trainer instance and its class's code; ``callback *``: the code of every
+* ``trainer *``: methods set on the trainer instance, its class's code and the module globals the user's trainer
+  code reads; ``callback *``: the code of every
   recorded callback and the module globals its code reads;
 * ``optimizer *``: its class, defaults, every param group's keys (values other than the learning rate are the
   plan's ``groups``), the parameters of each group by name, the keys of every parameter's state, its hooks;
@@ -300,6 +301,14 @@ def _class_code(cls, digester: Digester) -> str:
     return h.hexdigest()[:16]
 
 
+def _class_values(cls) -> dict:
+    """The plain class attributes of the user's own classes in ``cls``'s bases, by ``Class.name`` (a weight a user's
+    ``compute_loss`` reads as ``self.unlabelled_weight``, set on the class by a callback)."""
+    return {f"{c.__qualname__}.{k}": ("nan" if v != v else v) for c in cls.__mro__
+            if c is not object and not c.__module__.startswith((*FRAMEWORK_HOOKS, "builtins"))
+            for k, v in sorted(vars(c).items()) if type(v) in _EXACT_PLAIN and not k.startswith("__")}
+
+
 def _module_code(mod, digester: Digester) -> str:
     """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
     h = hashlib.sha256()
@@ -329,9 +338,10 @@ def _globals_of(cls, frameworks=("transformers.", "builtins")):
                     yield c.__module__, name, glob[name]
 
 
-def _globals_read(cls, digester: Digester) -> dict:
-    """The module globals the code of ``cls``'s own methods reads (plain values and callables), by name."""
-    return {f"{module}.{name}": digester.leaf(value) for module, name, value in _globals_of(cls)
+def _globals_read(cls, digester: Digester, skip=("transformers.", "builtins")) -> dict:
+    """The module globals the code of ``cls``'s own methods reads (plain values and callables), by name; classes
+    from the ``skip`` packages aside."""
+    return {f"{module}.{name}": digester.leaf(value) for module, name, value in _globals_of(cls, skip)
             if not isinstance(value, (types.ModuleType, type))}
 
 
@@ -433,13 +443,18 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         sources.add(type(m).__module__)
     for cls in (*classes, torch.Tensor):  # torch.Tensor: a method patched on it runs in every forward
         out[f"code class {_name(cls)}"] = _class_code(cls, d)
+        out.update((f"code class {_name(cls)} value {k}", v) for k, v in _class_values(cls).items())
     for mod_name in sorted(sources | set(CODE_MODULES)):
         mod = sys.modules.get(mod_name)
         if mod is not None:
             out[f"code module {mod_name}"] = _module_code(mod, d)
     if trainer is not None:
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
+        out.update((f"trainer class value {k}", v) for k, v in _class_values(type(trainer)).items())
         out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items() if _trainer_setting(k, v))
+        # a global the user's trainer code reads (a flag its compute_loss follows), which replays run in their process
+        out.update((f"trainer global {k}", v) for k, v in _globals_read(
+            type(trainer), d, skip=(*FRAMEWORK_HOOKS, "builtins")).items())
     for i, cb in enumerate(callbacks):
         out[f"callback {i} {_name(type(cb))} code"] = _class_code(type(cb), d)
         out.update((f"callback {i} global {k}", v) for k, v in _globals_read(type(cb), d).items())
@@ -578,6 +593,7 @@ class ProcessComparison:
     def __init__(self, model, optimizer, context, guard=None, step=None):
         self.model, self.optimizer, self.context, self.guard, self.step = model, optimizer, context, guard, step
         self.reported: set[str] = set()
+        self.reads: set[str] = set()  # watched callbacks' events that read tensor values on this process (program)
         self._versions: dict | None = None  # this process's tensors as the last optimizer step left them
         self._edited: list[str] = []
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -624,6 +640,8 @@ class ProcessComparison:
             state = program_state(self.model, self.optimizer, **self.context())
         parts = components(state)
         parts["tensors held whole (parameters, buffers, optimizer state)"] = exact_digest(sums)
+        if self.reads:  # a callback replays do not run that looked at values on some processes only
+            parts["watched callbacks' reads of tensor values"] = ", ".join(sorted(self.reads))
         if self._edited:  # on this process, between the last optimizer step and this one (its own shards too)
             parts["tensors written between optimizer steps"] = ", ".join(self._edited[:3]) + (
                 f" and {len(self._edited) - 3} more" if len(self._edited) > 3 else "")
@@ -636,7 +654,7 @@ class ProcessComparison:
             return
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.local())
-        self._edited, self._versions = [], self._local_versions()
+        self._edited, self._versions, self.reads = [], self._local_versions(), set()
         if self.guard is None:
             return
         step = self.step() if self.step is not None else self.guard.step

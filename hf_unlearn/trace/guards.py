@@ -61,6 +61,7 @@ from .dtensors import all_shards
 from .fidelity import FidelityError
 from .proven import unproven_steps
 from .trainers import _import, importable_name
+from .value_reads import ValueReads
 
 # the events a replay runs, at the points of a step where Trainer runs them
 REPLAYED_EVENTS = ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
@@ -624,6 +625,13 @@ def unproven_changes(changes: list[dict], header: dict, start: int, total: int) 
 
 
 # ---- the recording's live guard -------------------------------------------------------------------------------
+def _plain_numbers(trainer) -> dict:
+    """The trainer instance's plain numbers and strings (its counters included: compared only around one event)."""
+    if trainer is None:
+        return {}
+    return {k: v for k, v in vars(trainer).items() if type(v) in (int, float, str) and not k.startswith("_trace")}
+
+
 def _persistence(before: Snapshot, after: Snapshot, what: str) -> dict:
     """A change of the trainable set, a module attribute or the config stays in the model, and no checkpoint holds
     it (a replay rebuilds the model as it was when training started): no replay start after it helps."""
@@ -648,6 +656,7 @@ class ProgramGuard:
         self.pending: list[dict] = []
         self.recorded: list[dict] = []  # every change written to the plan (said when training ends)
         self.plan_lrs: list[float] | None = None
+        self.last_read: str | None = None  # what the last watched event run by around() read of tensor values
         inner = getattr(optimizer, "optimizer", optimizer)
         self._hooks = [inner.register_step_pre_hook(lambda *a: self.before_step()),
                        inner.register_step_post_hook(lambda *a: self.after_step())]
@@ -752,12 +761,36 @@ class ProgramGuard:
         if self.ref is not None:  # the scheduler sets the param groups between steps: the plan records them
             self.ref = self.ref._replace(controls={**self.ref.controls, "groups": before.controls["groups"]})
             self._compare(before, self.step)
-        result = call()
+        reads = None if spec["replayable"] else ValueReads()
+        self.last_read = None
+        trainer = (self.context() or {}).get("trainer") if self.context is not None else None
+        numbers = _plain_numbers(trainer)  # the trainer's counters move between events, never inside one
+        if reads is None:
+            result = call()
+        else:
+            with reads:
+                result = call()
         after = self._snapshot(grads=True, exact=True)
         what = describe_change(before, after)
+        now = _plain_numbers(trainer)
+        moved = [k for k in sorted(set(numbers) | set(now)) if numbers.get(k) != now.get(k)]
+        by = f"{type(callback).__qualname__}.{event} ({spec.get('why')})"
         if what and not spec["replayable"]:
-            self.pending.append({"step": self.step, "what": what, "by": f"{type(callback).__qualname__}.{event} "
-                                 f"({spec['why']})", **_persistence(before, after, what), **_scope(before, after)})
+            self.pending.append({"step": self.step, "what": what, "by": by, **_persistence(before, after, what),
+                                 **_scope(before, after)})
+        elif moved and not spec["replayable"]:  # a number on the trainer its code may read (a loss weight): it stays
+            # on the trainer, which a replay builds afresh
+            k = moved[0]
+            what = f"trainer.{k} {numbers.get(k)!r} -> {now.get(k)!r} (a number the trainer's code may read)"
+            self.pending.append({"step": self.step, "what": what, "by": by, "persistent": True, "seen": "program"})
+        if reads is not None:
+            self.last_read = reads.first
+        if not what and reads is not None and reads.first and not any(c["step"] == self.step and c.get("by") == by
+                                                           for c in self.pending):
+            # a no-op here, on the recorded values; on a deletion's it may act, and replays do not run it
+            self.pending.append({"step": self.step, "by": by, "read": True, "what": (
+                f"it read values a deletion changes ({reads.first}) and changed nothing; replays do not run it, so "
+                "what it does with a deletion's values (an edit only of values it did not expect) is not shown")})
         read = sorted(state_view.unreproduced) if state_view is not None else []
         if read:
             self.pending.append({"step": self.step, "by": f"{type(callback).__qualname__}.{event}", "persistent": True,

@@ -5,10 +5,12 @@ the whole-program digests read; every process's program compared with the others
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from ..digests import ProcessComparison
 from ..environment_reads import unwatched
 from ..guards import StateView, callback_attributes, callback_spec, is_observer
+from ..value_reads import ValueReads, can_reach_tensors, mark_logged, unmark_logged
 
 GUARD_CHECKS = ("per optimizer step: param-group settings at optimizer.step(), trainable set, module modes and "
                 "attributes, config, user hooks, module classes' forward, process-wide numerics, exact checksums of "
@@ -74,10 +76,35 @@ def callback_extra(trainer, step: int) -> dict:
     return {"callbacks": states}
 
 
+reaches = functools.lru_cache(maxsize=None)(can_reach_tensors)
+
+
+def added(trainer, guard, cb) -> None:
+    """A callback added while training (``add_callback`` from a callback): the run's record does not hold it and
+    replays do not run it. Watched from here on (its edits and reads named), and its arrival is a change."""
+    spec = {**callback_spec(cb), "replayable": False,
+            "why": "it was added while training, so the run's record does not hold it and replays do not run it"}
+    guard.watched[id(cb)] = spec
+    trainer._trace_watched.append((cb, spec))
+    guard.pending.append({"step": guard.step, "persistent": True, "seen": "program", "by": "code outside the record",
+                          "what": f"callback {type(cb).__qualname__} was added while training ({spec['why']})"})
+
+
 def guarded_call_event(trainer, event, args, state, control, **kwargs):
     """transformers' CallbackHandler.call_event, with each watched callback's event run inside the guard."""
     handler, guard = trainer.callback_handler, trainer._trace_guard
+    procs = getattr(trainer, "_trace_processes", None)
+    peers = {id(cb): spec["events"] for cb, spec in getattr(trainer, "_trace_watched", ()) if not spec["replayable"]}
+    if guard is not None:
+        present = {id(cb) for cb in handler.callbacks}
+        for cb in [cb for cb in trainer._trace_program_callbacks if id(cb) not in present]:
+            trainer._trace_program_callbacks.remove(cb)  # replays run it from the first step to the last
+            guard.pending.append({"step": guard.step, "persistent": True, "seen": "program",
+                                  "by": "code outside the record", "what": f"recorded callback {type(cb).__qualname__} "
+                                  "was removed while training (replays run it at every step)"})
     for cb in handler.callbacks:
+        if guard is not None and id(cb) not in guard.watched and not is_observer(cb):
+            added(trainer, guard, cb)
         spec = guard.watched.get(id(cb)) if guard is not None else None
         # a recorded callback sees the state through a view that notes reads of fields replays do not set
         view = StateView(state) if spec is not None and spec["replayable"] else None
@@ -88,11 +115,23 @@ def guarded_call_event(trainer, event, args, state, control, **kwargs):
                                       lr_scheduler=handler.lr_scheduler, train_dataloader=handler.train_dataloader,
                                       eval_dataloader=handler.eval_dataloader, **kwargs)
         replayed = any(cb is x for x in getattr(trainer, "_trace_program_callbacks", None) or ())
-        with contextlib.nullcontext() if replayed else unwatched():  # what replays do not run reads nothing
-            if spec is not None and event in spec["events"]:  # a replay depends on
-                result = guard.around(cb, event, call, state_view=view)
-            else:
-                result = call()
+        # the numbers that follow the data, for a callback that could act on tensors from them
+        marked = mark_logged(kwargs, state) if event in peers.get(id(cb), ()) and reaches(type(cb)) else []
+        try:
+            with contextlib.nullcontext() if replayed else unwatched():  # what replays do not run reads nothing
+                if spec is not None and event in spec["events"]:  # a replay depends on
+                    result = guard.around(cb, event, call, state_view=view)
+                    read = guard.last_read
+                elif guard is None and procs is not None and event in peers.get(id(cb), ()):
+                    with ValueReads() as reads:  # another process of the launch: its reads are compared with
+                        result = call()  # process 0's
+                    read = reads.first
+                else:
+                    result, read = call(), None
+        finally:
+            unmark_logged(marked)
+        if read and procs is not None:
+            procs.reads.add(f"{type(cb).__qualname__}.{event}")
         if result is not None:
             control = result
     return control

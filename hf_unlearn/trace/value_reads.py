@@ -1,0 +1,230 @@
+"""Whether code a replay does not run read tensor values: the evidence that its behaviour may follow the data.
+
+A watched callback (one replays do not run) that edits gradients or parameters only when they are not what it expects
+changes nothing on the recorded run, so the guards see no change and the proof, which replays without it, matches
+every step; a deletion trains on other values, where the same callback acts (issue #41, wave 5). Whether it *would*
+act cannot be shown without running it; that it *looked* can: any torch function applied to a tensor inside its
+event, other than reading metadata (shape, dtype, ``.grad``, ``requires_grad``, ...), is a read of values (or a
+write). A callback that never touches a tensor's values (a logging callback reading ``logs``, an early stopping
+callback reading ``metrics``) cannot decide from them.
+
+The numbers a watched callback is given that follow the data (``logs["loss"]``, ``grad_norm``, an evaluation's
+``metrics``; not the learning rate, the epoch or timings) are handed to it as :class:`LoggedNumber`, a float that
+notes a comparison or a truth test: printing, formatting or storing one is not a decision, comparing it is (a callback
+that acted only when the logged loss was one no recorded step logged was VERIFIED off the counterfactual).
+
+Operators that reach a tensor's data are also seen below torch functions (a dispatch mode), so code run under
+``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. Not seen: reads
+through raw pointers (``data_ptr`` and ``ctypes``), decisions from logged numbers through C functions
+(``math.isfinite``) or by a callback whose code cannot reach the tensors (its decision is then only what the run's
+record keeps: when to stop, a learning rate), and from what a callback reads elsewhere (the dataset's rows, a file).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# methods that read a tensor's metadata, not its values (properties such as .shape, .grad, .data are descriptors'
+# __get__, also metadata)
+METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+                      "is_contiguous", "stride", "storage_offset", "get_device", "__len__", "__hash__", "ndimension",
+                      "is_signed", "has_names", "is_inference", "is_set_to", "requires_grad_"})
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+# logged entries that are the run's controls or the clock, not numbers a deletion changes
+CONTROL_LOGS = frozenset({"learning_rate", "epoch", "step", "total_flos", "train_runtime", "train_samples_per_second",
+                          "train_steps_per_second", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"})
+_ACTIVE: list[ValueReads] = []
+
+
+class LoggedNumber(float):
+    """A logged number that follows the data; a comparison or truth test of it while a :class:`ValueReads` is on
+    is noted as a read (arithmetic keeps the mark)."""
+
+    __hash__ = float.__hash__
+
+    def __new__(cls, value, key: str):
+        out = super().__new__(cls, value)
+        out.key = key
+        return out
+
+    def _note(self):
+        if _ACTIVE and _ACTIVE[-1].first is None:
+            _ACTIVE[-1].first = f"a comparison of the logged {self.key}"
+
+    def _compare(op):
+        def compare(self, other):
+            self._note()
+            return getattr(float, op)(self, other)
+        return compare
+
+    def _keep(op):
+        def keep(self, *other):
+            out = getattr(float, op)(self, *other)
+            return LoggedNumber(out, self.key) if isinstance(out, float) else out
+        return keep
+
+    for _op in ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__"):
+        locals()[_op] = _compare(_op)
+    for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+                "__neg__", "__abs__", "__pow__"):
+        locals()[_op] = _keep(_op)
+    del _op, _compare, _keep
+
+
+def _marked_entry(entry):
+    if not isinstance(entry, dict):
+        return entry
+    return {k: LoggedNumber(v, k) if type(v) is float and k not in CONTROL_LOGS else v for k, v in entry.items()}
+
+
+class MarkedHistory(list):
+    """``state.log_history`` as a watched callback sees it: the same entries, each read as a copy whose
+    data-following numbers are :class:`LoggedNumber` (saving it with ``json`` reads the plain entries)."""
+
+    def __getitem__(self, i):
+        out = list.__getitem__(self, i)
+        return MarkedHistory(out) if isinstance(i, slice) else _marked_entry(out)
+
+    def __iter__(self):
+        return (_marked_entry(e) for e in list.__iter__(self))
+
+    def __reversed__(self):
+        return (_marked_entry(e) for e in list.__reversed__(self))
+
+
+# what a callback's event is handed that leads to tensors (the model, the optimizer, ...), and ``kwargs``, which holds them
+REACHING_ARGUMENTS = frozenset({"model", "optimizer", "lr_scheduler", "kwargs", "train_dataloader", "eval_dataloader",
+                                "processing_class"})
+
+
+def _reaches(value) -> bool:
+    """A global or closure value through which code can reach the training's tensors."""
+    import types
+
+    if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+        return True
+    if isinstance(value, types.ModuleType):
+        return value.__name__.split(".")[0] in ("sys", "gc", "inspect", "torch", "ctypes", "builtins")
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        return not getattr(value, "__module__", "").startswith(("transformers.", "hf_unlearn."))
+    return type(value).__module__.split(".")[0] in ("transformers", "trl", "accelerate", "peft")
+
+
+def can_reach_tensors(cls) -> bool:
+    """Whether the code of a callback class (its own methods, nested functions included) loads what leads to the
+    training's tensors: an event's ``model`` / ``optimizer`` / ``kwargs`` argument, or a global or closure value
+    that is (or can find) them: the model, the trainer, ``sys``, a user function. A callback that cannot reach them
+    decides from a logged number only what the run's record keeps (when to stop, a learning rate)."""
+    import dis
+    import types
+
+    for c in cls.__mro__:
+        if c is object or c.__module__.startswith(("transformers.", "hf_unlearn.")):
+            continue
+        for v in vars(c).values():
+            fn = getattr(v, "__func__", v)
+            if not isinstance(fn, types.FunctionType):
+                continue
+            cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+            todo = [fn.__code__]
+            while todo:
+                code = todo.pop()
+                todo += [k for k in code.co_consts if isinstance(k, types.CodeType)]
+                for ins in dis.get_instructions(code):
+                    if ins.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")) and \
+                            ins.argval in REACHING_ARGUMENTS:
+                        return True
+                    if ins.opname.startswith(("LOAD_DEREF", "LOAD_CLASSDEREF")) and ins.argval in cells:
+                        try:
+                            if _reaches(cells[ins.argval].cell_contents):
+                                return True
+                        except ValueError:  # an empty cell
+                            pass
+                    if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _reaches(fn.__globals__.get(ins.argval)):
+                        return True
+    return False
+
+
+def mark_logged(kwargs: dict, state=None) -> list:
+    """Hand a watched callback the data-following numbers of ``logs`` / ``metrics`` and ``state.log_history`` as
+    :class:`LoggedNumber` (in place); returns what :func:`unmark_logged` restores."""
+    marked = []
+    history = getattr(state, "log_history", None)
+    if type(history) is list and history:
+        state.log_history = MarkedHistory(history)
+        marked.append((state, "log_history", history))
+    for name in ("logs", "metrics"):
+        d = kwargs.get(name)
+        if isinstance(d, dict):
+            for k, v in list(d.items()):
+                if type(v) is float and k not in CONTROL_LOGS:
+                    d[k] = LoggedNumber(v, k)
+                    marked.append((d, k, v))
+    return marked
+
+
+def unmark_logged(marked: list) -> None:
+    """The plain numbers back, for the callbacks after it (what the watched callback replaced stays replaced)."""
+    for d, k, v in marked:
+        if isinstance(d, dict):
+            if isinstance(d.get(k), LoggedNumber):
+                d[k] = v
+            continue
+        now = getattr(d, k)  # the state's history: the original list back, with what the callback did to it
+        if isinstance(now, MarkedHistory):
+            if len(now) != len(v) or any(a is not b for a, b in zip(list.__iter__(now), v)):
+                v[:] = list(list.__iter__(now))
+            setattr(d, k, v)
+
+
+class _DispatchReads(TorchDispatchMode):
+    """Every operator that reaches a tensor's data (``.data`` and ``.numpy()`` included, as a ``detach``), also under
+    ``torch._C.DisableTorchFunction``, which turns the function mode off."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.owner.first is None:
+            self.owner.first = str(func)
+        return func(*args, **(kwargs or {}))
+
+
+class ValueReads(TorchFunctionMode):
+    """A torch function mode that notes the first function applied to a tensor's values (``first``) while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.first: str | None = None
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        out = super().__enter__()
+        self._dispatch = _DispatchReads(self)  # below torch functions: what DisableTorchFunction hides
+        self._dispatch.__enter__()
+        return out
+
+    def __exit__(self, *exc):
+        self._dispatch.__exit__(*exc)
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.first is None:
+            name = _name(func)
+            short = name.rsplit(".", 1)[-1]
+            if name != "getset_descriptor.__get__" and short not in METADATA and any(
+                    isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
+                self.first = name.replace("TensorBase.", "Tensor.").replace("getset_descriptor.__set__",
+                                                                            "a tensor attribute set")
+        return func(*args, **kwargs)
