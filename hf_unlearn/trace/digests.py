@@ -255,6 +255,13 @@ def tensor_text(t: torch.Tensor) -> str:
 # namespaces hold: a function's ``__code__``, defaults or closure can be replaced in place (the function stays the same
 # object), which such a cache did not see; a cache keyed on all of that costs more than it saves (most namespaces
 # reach a mutable object). Code objects themselves are immutable: :func:`code_digest` caches them.
+# Functions frameworks set on classes as a side effect of ordinary use, not code a step runs: transformers'
+# ``PreTrainedModel.initialize_weights`` sets ``torch.nn.Module.smart_apply`` (a function local to it) the first time
+# any model is initialised, so every module class's digest differed between a process that built a model with random
+# weights (a recording) and one that loaded it skipping initialisation (a replay in a fresh ``hf-unlearn forget``).
+SIDE_EFFECT_ATTRIBUTES = frozenset({("torch.nn.modules.module", "Module", "smart_apply")})
+
+
 def _class_code(cls, digester: Digester) -> str:
     """The code of every function defined by ``cls`` and its bases (a method patched on any of them changes it)."""
     h = hashlib.sha256()
@@ -262,6 +269,8 @@ def _class_code(cls, digester: Digester) -> str:
         if c is object:
             continue
         for k, v in sorted(vars(c).items()):
+            if (c.__module__, c.__qualname__, k) in SIDE_EFFECT_ATTRIBUTES:
+                continue
             fn = getattr(v, "__func__", v)
             if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
                 h.update(f"{c.__qualname__}.{k}={digester.text(fn, 1)}\n".encode())

@@ -1,0 +1,121 @@
+"""The deleting process's code compared with the recording's (issue #41 item 2, hf_unlearn/trace/program_code.py).
+
+A training script that monkeypatches a function before ``train()`` (here ``transformers.loss.loss_utils.
+fixed_cross_entropy``) runs code a fresh ``hf-unlearn forget`` does not have. When the patch changes nothing on the
+recorded rows, the environment probe and the proof match, and a replay without it is VERIFIED against the
+counterfactual of a program the user never ran. Each test builds that counterfactual itself (a plain ``Trainer`` with
+the patch, the deleted row's labels -100, the recorded normalisers) and requires a refusal before any compute naming
+the code, or VERIFIED and equal to it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_unlearn.errors import UnlearnError
+
+from .conftest import run_cli
+from .test_trace_common import config_model, get_trace_data, record
+from .test_trace_fidelity import independent_counterfactual
+
+KW = dict(gradient_accumulation_steps=1, max_steps=4)
+
+
+def _patched_cross_entropy(original):
+    """``fixed_cross_entropy`` doubled when a microbatch has fewer labelled tokens than the step's normaliser: with one
+    microbatch a step never on the recorded rows, always where a deletion made a row's labels -100."""
+    def fixed_cross_entropy(source, target, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        out = original(source, target, num_items_in_batch, ignore_index, **kwargs)
+        if num_items_in_batch is not None and int((target != ignore_index).sum()) < int(num_items_in_batch):
+            out = out * 2
+        return out
+    return fixed_cross_entropy
+
+
+class _Patched:
+    """The training script's patch, applied and removed."""
+
+    def __init__(self):
+        from transformers.loss import loss_utils
+
+        self.module, self.original = loss_utils, loss_utils.fixed_cross_entropy
+
+    def __enter__(self):
+        self.module.fixed_cross_entropy = _patched_cross_entropy(self.original)
+
+    def __exit__(self, *exc):
+        self.module.fixed_cross_entropy = self.original
+
+
+@pytest.fixture(scope="module")
+def patched_run(tmp_path_factory):
+    """A tiny GQA Llama (one key/value head) recorded with the patch in place (the script patched before train())."""
+    tmp = tmp_path_factory.mktemp("patched")
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    with _Patched():
+        record(tok, data, tmp / "rec", model=config_model("llama", tok), every=2, **KW)
+    return tok, data, tmp / "rec" / "trace"
+
+
+def _ids(run, step):
+    from hf_unlearn.trace import open_run
+
+    return open_run(run).ids_at_steps([step])[:1]
+
+
+def test_the_recording_seals_its_code(patched_run):
+    _, _, run = patched_run
+    code = json.loads((run / "header.json").read_text())["fidelity"]["guards"]["code"]
+    assert "module transformers.loss.loss_utils" in code and "class torch:Tensor" in code
+    assert "class transformers.models.llama.modeling_llama:LlamaAttention" in code
+    assert "class transformers.trainer:Trainer" in code  # the recorded trainer class, not the recording's subclass
+    assert not [k for k in code if "__main__" in k or "hf_unlearn" in k], code
+
+
+def test_a_patch_neutral_on_the_recorded_rows_is_refused_in_a_process_without_it(patched_run, tmp_path):
+    """Without the patch (a fresh ``hf-unlearn forget``, or this process with it removed) a step-0 deletion was
+    VERIFIED with the oracle off the plain Trainer with the patch; now refused before any compute, naming the module."""
+    _, _, run = patched_run
+    ids = _ids(run, 0)
+    request = tmp_path / "ids.jsonl"
+    request.write_text("".join(json.dumps(i) + "\n" for i in ids))
+    proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "cli", "--no-progress", "--oracle")
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "transformers.loss.loss_utils" in err and "other code than the recorded run" in err, err
+    assert "same patches applied" in err, err
+    assert not (tmp_path / "cli").exists()  # before any compute
+
+    from hf_unlearn import forget
+
+    with pytest.raises(UnlearnError, match=r"other code than the recorded run did: module transformers\.loss\."
+                                           r"loss_utils") as e:
+        forget(run, ids, tmp_path / "here", oracle=True, progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "here").exists()
+
+
+@pytest.mark.parametrize("step", [0, pytest.param(3, marks=pytest.mark.slow)])
+def test_with_the_patch_in_place_the_deletion_is_verified_and_equals_the_counterfactual(patched_run, tmp_path, step):
+    """The same code in the deleting process (the patch imported, as the refusal says): VERIFIED, and the oracle equals
+    a plain Trainer with the patch, the deleted row's labels -100 and the recorded normalisers; the receipt says how
+    many code entries were compared."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    tok, data, run = patched_run
+    ids = _ids(run, step)
+    with _Patched():
+        receipt = forget(run, ids, tmp_path / "del", oracle=True, progress=False)
+        assert receipt.evidence["verified"] is True, receipt.evidence
+        assert receipt.evidence["environment_probe"]["code"]["compared"] > 20, receipt.evidence["environment_probe"]
+        plain = independent_counterfactual(tok, data.select(range(16)), config_model("llama", tok), run, ids,
+                                           tmp_path / "plain", **KW)
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
