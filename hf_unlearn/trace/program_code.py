@@ -157,3 +157,13 @@ def _version_changes(recorded: dict) -> str:
         if now is not None and now != was:
             out.append(f"{mod} {was} -> {now}")
     return ", ".join(out)
+
+
+def code_checked(run) -> dict:
+    """:func:`check_code` on every process of a launch, one verdict (a difference on any process refuses on all,
+    naming it: :func:`~hf_unlearn.trace.processes.agreed`)."""
+    from .processes import agreed
+
+    out: dict = {}
+    agreed(lambda: out.update(check_code(run)))
+    return out

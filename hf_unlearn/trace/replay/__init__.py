@@ -41,6 +41,7 @@ from ..issued import believed
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
 from ..processes import agreed
+from ..program_code import code_checked
 from ..recorder import RecordingHooksTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
 from ..rows import check_rows
@@ -121,6 +122,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         if why:
             raise UnlearnError(f"{self.run.path}: {why}; exact deletion cannot be proven on this run, refusing before "
                                "any compute (record it again with the cause fixed)")
+        # the code this process runs is the recording's (a proof's or probe's replay: its caller checked it)
+        self._code = None if _self_check else code_checked(self.run)
         self.run = self.run.kept() if stop_step is None else self.run.cut(stop_step)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if self.out_dir is not None and self.out_dir.exists() and any(self.out_dir.iterdir()):
