@@ -119,3 +119,46 @@ def test_with_the_patch_in_place_the_deletion_is_verified_and_equals_the_counter
                                            tmp_path / "plain", **KW)
     oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
     assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+def test_a_run_recorded_before_code_was_sealed_keeps_working_and_says_so(patched_run, tmp_path):
+    """A run whose header seals no code digests (recorded before this release) is deleted as before; the receipt and
+    forget's output say the code was not compared."""
+    from hf_unlearn import forget
+
+    from .test_trace_common import copy_run, write_sealed_header
+
+    _, _, run = patched_run
+    old = copy_run(run, tmp_path / "old")
+    header = json.loads((old / "header.json").read_text())
+    del header["fidelity"]["guards"]["code"]
+    write_sealed_header(old, header)
+    lines = []
+    with _Patched():  # the recording's code, so the VERIFIED below is the counterfactual's (tested above)
+        receipt = forget(old, _ids(old, 0), tmp_path / "del", oracle=True, progress=False, log=lines.append)
+    assert receipt.evidence["verified"] is True
+    code = receipt.evidence["environment_probe"]["code"]
+    assert code["compared"] == 0 and "no code digests" in code["why"], code
+    assert any("code NOT compared" in line for line in lines), lines
+
+
+def test_the_code_seal_is_stable_across_processes_and_names_what_differs(patched_run, monkeypatch):
+    """The digests recomputed here equal the sealed ones (the patch in place); a class method patched, a class missing
+    and a module not importable are each named."""
+    from hf_unlearn.trace.program_code import code_differences, code_now
+
+    _, _, run = patched_run
+    header = json.loads((run / "header.json").read_text())
+    with _Patched():
+        assert code_differences(header) == []
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: x)
+    with _Patched():
+        assert code_differences(header) == ["class transformers.models.llama.modeling_llama:LlamaMLP"]
+    now = code_now(["class transformers.models.llama.modeling_llama:NoSuchClass", "module no_such_module_hfu",
+                    "class __main__:ScriptClass"])
+    assert now == {"class transformers.models.llama.modeling_llama:NoSuchClass": "not defined here",
+                   "module no_such_module_hfu": "not importable here (ModuleNotFoundError)",
+                   "class __main__:ScriptClass": "not defined here (a class of the training script: run the "
+                                                 "deletion from it)"}
