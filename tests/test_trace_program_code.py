@@ -73,6 +73,7 @@ def test_the_recording_seals_its_code(patched_run):
     assert "module transformers.loss.loss_utils" in code and "class torch:Tensor" in code
     assert "class transformers.models.llama.modeling_llama:LlamaAttention" in code
     assert "class transformers.trainer:Trainer" in code  # the recorded trainer class, not the recording's subclass
+    assert "class torch.optim.adamw:AdamW" in code and "module torch.optim.adam" in code  # Adam.step calls adam()
     assert not [k for k in code if "__main__" in k or "hf_unlearn" in k], code
 
 

@@ -717,7 +717,7 @@ class ProgramGuard:
         now = self._snapshot()
         if self.code is None:
             ctx = self.context() if self.context is not None else {}
-            self.code = sealed_code(self.model, ctx.get("trainer"), ctx.get("callbacks") or ())
+            self.code = sealed_code(self.model, ctx.get("trainer"), ctx.get("callbacks") or (), self.optimizer)
         self.grads = tensor_checksums(gradient_tensors(self.model))
         self._compare(now, self.step, in_step=True)
         self.ref = now

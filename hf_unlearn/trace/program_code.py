@@ -10,7 +10,8 @@ counterfactual of a program the user never ran.
 
 So the recording seals, at its first optimizer step, a digest of the code of every class its model is made of (the
 unsharded classes under FSDP2, and ``FSDPModule``), of ``torch.Tensor``, of the modules those classes come from and
-the modules a forward calls (:data:`~hf_unlearn.trace.digests.CODE_MODULES`), of the recorded trainer class (the
+the modules a forward calls (:data:`~hf_unlearn.trace.digests.CODE_MODULES`), of the optimizer's class and the
+modules its classes come from (``torch.optim.adam``: the function ``Adam.step`` calls), of the recorded trainer class (the
 user's, e.g. ``trl.SFTTrainer``, which replays compose with their own classes: not the recording's subclass) and of
 the recorded callbacks' classes (replays run them again); each by an importable ``module:qualname`` (the header's
 ``fidelity.guards.code``). Every deleting process recomputes them by name (a digest of code objects: milliseconds)
@@ -56,19 +57,23 @@ def _named(cls: type) -> str | None:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def sealed_code(model, trainer=None, callbacks=()) -> dict[str, str]:
+def sealed_code(model, trainer=None, callbacks=(), optimizer=None) -> dict[str, str]:
     """``{"class module:qualname" | "module name": digest}`` of the code this process runs for ``model`` (see the
     module docstring); what the recording seals at its first optimizer step."""
     classes: dict[type, None] = {}
     for m in model.modules():
         classes.update(dict.fromkeys(_unsharded(type(m))))
     classes[torch.Tensor] = None  # a method patched on it runs in every forward
+    # the optimizer's class, and the modules of its classes (``Adam.step`` calls ``torch.optim.adam.adam``)
+    opt = [c for c in type(getattr(optimizer, "optimizer", optimizer)).__mro__ if c is not object] if optimizer else []
+    classes.update(dict.fromkeys(opt[:1]))
     if trainer is not None:
         classes[recorded_trainer_class(type(trainer))] = None
     classes.update(dict.fromkeys(type(cb) for cb in callbacks))
     names = [n for n in (_named(c) for c in classes) if n is not None]
     # the modules a model's classes come from (the functions their forward calls), not the trainer's or callbacks'
-    modules = {c.__module__ for c in classes if issubclass(c, torch.nn.Module) and c.__module__ != SCRIPT}
+    modules = {c.__module__ for c in [*classes, *opt] if (issubclass(c, torch.nn.Module) or c in opt)
+               and c.__module__ != SCRIPT}
     modules |= set(CODE_MODULES)
     return code_now([f"class {n}" for n in names] + [f"module {m}" for m in sorted(modules) if m in sys.modules])
 
