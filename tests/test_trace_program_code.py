@@ -50,15 +50,18 @@ class _Patched:
         self.module.fixed_cross_entropy = self.original
 
 
-@pytest.fixture(scope="module")
-def patched_run(tmp_path_factory):
-    """A tiny GQA Llama (one key/value head) recorded with the patch in place (the script patched before train())."""
-    tmp = tmp_path_factory.mktemp("patched")
+def _record_patched(tmp, family: str):
     tok, data = get_trace_data()
     data = data.select(range(16))
     with _Patched():
-        record(tok, data, tmp / "rec", model=config_model("llama", tok), every=2, **KW)
+        record(tok, data, tmp / "rec", model=config_model(family, tok), every=2, **KW)
     return tok, data, tmp / "rec" / "trace"
+
+
+@pytest.fixture(scope="module")
+def patched_run(tmp_path_factory):
+    """A tiny GQA Llama (one key/value head) recorded with the patch in place (the script patched before train())."""
+    return _record_patched(tmp_path_factory.mktemp("patched"), "llama")
 
 
 def _ids(run, step):
@@ -79,9 +82,13 @@ def test_the_recording_seals_its_code(patched_run):
 
 def test_a_patch_neutral_on_the_recorded_rows_is_refused_in_a_process_without_it(patched_run, tmp_path):
     """Without the patch (a fresh ``hf-unlearn forget``, or this process with it removed) a step-0 deletion was
-    VERIFIED with the oracle off the plain Trainer with the patch; now refused before any compute, naming the module."""
-    _, _, run = patched_run
-    ids = _ids(run, 0)
+    VERIFIED with the oracle off the plain Trainer with the patch (21 of 21 tensors); now refused before any compute,
+    naming the module."""
+    _refused_without_the_patch(patched_run[2], _ids(patched_run[2], 0), tmp_path)
+
+
+def _refused_without_the_patch(run, ids, tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     request = tmp_path / "ids.jsonl"
     request.write_text("".join(json.dumps(i) + "\n" for i in ids))
     proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "cli", "--no-progress", "--oracle")
@@ -106,20 +113,34 @@ def test_with_the_patch_in_place_the_deletion_is_verified_and_equals_the_counter
     """The same code in the deleting process (the patch imported, as the refusal says): VERIFIED, and the oracle equals
     a plain Trainer with the patch, the deleted row's labels -100 and the recorded normalisers; the receipt says how
     many code entries were compared."""
+    _verified_with_the_patch(patched_run, "llama", step, tmp_path)
+
+
+def _verified_with_the_patch(recorded, family, step, tmp_path):
     from hf_unlearn import forget
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.run import load_checkpoint
 
-    tok, data, run = patched_run
+    tok, data, run = recorded
     ids = _ids(run, step)
     with _Patched():
         receipt = forget(run, ids, tmp_path / "del", oracle=True, progress=False)
         assert receipt.evidence["verified"] is True, receipt.evidence
         assert receipt.evidence["environment_probe"]["code"]["compared"] > 20, receipt.evidence["environment_probe"]
-        plain = independent_counterfactual(tok, data.select(range(16)), config_model("llama", tok), run, ids,
-                                           tmp_path / "plain", **KW)
+        plain = independent_counterfactual(tok, data, config_model(family, tok), run, ids, tmp_path / "plain", **KW)
     oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
     assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gpt_neox"])
+def test_the_patch_on_other_architectures(tmp_path, family):
+    """Qwen2 with grouped-query attention and GPT-NeoX: a step-0 and a mid-run deletion without the patch refused before
+    any compute (the CLI in a fresh process and this process), with it VERIFIED and equal to the counterfactual."""
+    recorded = _record_patched(tmp_path, family)
+    for step in (0, 2):
+        _refused_without_the_patch(recorded[2], _ids(recorded[2], step), tmp_path / f"refused{step}")
+        _verified_with_the_patch(recorded, family, step, tmp_path / f"verified{step}")
 
 
 def test_a_run_recorded_before_code_was_sealed_keeps_working_and_says_so(patched_run, tmp_path):
