@@ -95,7 +95,7 @@ def _refused_without_the_patch(run, ids, tmp_path):
     assert proc.returncode != 0, proc.stdout[-2000:]
     err = proc.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "transformers.loss.loss_utils" in err and "other code than the recorded run" in err, err
+    assert "other code than the recorded run did: module transformers.loss.loss_utils;" in err, err  # it alone
     assert "same patches applied" in err, err
     assert not (tmp_path / "cli").exists()  # before any compute
 
@@ -108,25 +108,52 @@ def _refused_without_the_patch(run, ids, tmp_path):
     assert not (tmp_path / "here").exists()
 
 
-@pytest.mark.parametrize("step", [0, pytest.param(3, marks=pytest.mark.slow)])
-def test_with_the_patch_in_place_the_deletion_is_verified_and_equals_the_counterfactual(patched_run, tmp_path, step):
-    """The same code in the deleting process (the patch imported, as the refusal says): VERIFIED, and the oracle equals
-    a plain Trainer with the patch, the deleted row's labels -100 and the recorded normalisers; the receipt says how
-    many code entries were compared."""
-    _verified_with_the_patch(patched_run, "llama", step, tmp_path)
+_CLI_WITH_THE_PATCH = """
+import sys
+from tests.test_trace_program_code import _Patched
+_Patched().__enter__()  # the training script's patch module, imported before the deletion
+from hf_unlearn.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
 
 
-def _verified_with_the_patch(recorded, family, step, tmp_path):
+@pytest.mark.parametrize("step,cli", [(0, True), pytest.param(3, False, marks=pytest.mark.slow)])
+def test_with_the_patch_in_place_the_deletion_is_verified_and_equals_the_counterfactual(patched_run, tmp_path, step,
+                                                                                       cli):
+    """The same code in the deleting process (the patch imported, as the refusal says; in a fresh process running the
+    CLI, and in this one): VERIFIED, and the oracle equals a plain Trainer with the patch, the deleted row's labels
+    -100 and the recorded normalisers; the receipt says how many code entries were compared."""
+    _verified_with_the_patch(patched_run, "llama", step, tmp_path, cli=cli)
+
+
+def _verified_with_the_patch(recorded, family, step, tmp_path, cli=False):
+    import os
+    import subprocess
+    import sys
+
     from hf_unlearn import forget
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.run import load_checkpoint
 
+    from .conftest import ROOT
+
     tok, data, run = recorded
     ids = _ids(run, step)
+    if cli:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ids.jsonl").write_text("".join(json.dumps(i) + "\n" for i in ids))
+        proc = subprocess.run([sys.executable, "-c", _CLI_WITH_THE_PATCH, "forget", str(run), "--ids",
+                               str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "del"), "--no-progress",
+                               "--oracle"], capture_output=True, text=True, cwd=str(ROOT),
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        evidence = json.loads((tmp_path / "del" / "receipt.json").read_text())["evidence"]
+    else:
+        with _Patched():
+            evidence = forget(run, ids, tmp_path / "del", oracle=True, progress=False).evidence
+    assert evidence["verified"] is True, evidence
+    assert evidence["environment_probe"]["code"]["compared"] > 20, evidence["environment_probe"]
     with _Patched():
-        receipt = forget(run, ids, tmp_path / "del", oracle=True, progress=False)
-        assert receipt.evidence["verified"] is True, receipt.evidence
-        assert receipt.evidence["environment_probe"]["code"]["compared"] > 20, receipt.evidence["environment_probe"]
         plain = independent_counterfactual(tok, data, config_model(family, tok), run, ids, tmp_path / "plain", **KW)
     oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
     assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
@@ -143,6 +170,7 @@ def test_the_patch_on_other_architectures(tmp_path, family):
         _verified_with_the_patch(recorded, family, step, tmp_path / f"verified{step}")
 
 
+@pytest.mark.slow  # a forget with its oracle (~10 s)
 def test_a_run_recorded_before_code_was_sealed_keeps_working_and_says_so(patched_run, tmp_path):
     """A run whose header seals no code digests (recorded before this release) is deleted as before; the receipt and
     forget's output say the code was not compared."""
@@ -184,3 +212,33 @@ def test_the_code_seal_is_stable_across_processes_and_names_what_differs(patched
                    "module no_such_module_hfu": "not importable here (ModuleNotFoundError)",
                    "class __main__:ScriptClass": "not defined here (a class of the training script: run the "
                                                  "deletion from it)"}
+
+
+_SIDE_EFFECTS = """
+import json, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from hf_unlearn.trace.digests import Digester, _class_code
+def digests():
+    return [_class_code(c, Digester()) for c in (torch.nn.Linear, torch.optim.AdamW, torch.optim.Adam)]
+before = digests()
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))  # initialize_weights: smart_apply
+torch.optim.AdamW(model.parameters())  # Optimizer.__init__ wraps AdamW.step (step.hooked)
+print(json.dumps([before, digests(), hasattr(torch.nn.Module, "smart_apply"), "step" in vars(torch.optim.AdamW)]))
+"""
+
+
+def test_what_frameworks_set_on_classes_while_a_program_runs_is_not_a_code_difference():
+    """In a fresh process: a model initialised (transformers sets ``torch.nn.Module.smart_apply``) and an AdamW built
+    (torch wraps ``AdamW.step`` in its profiling wrapper, on the class) change no class's code digest. Before, every
+    module class's digest differed between the recording process and a fresh ``forget``, which skips initialisation."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _SIDE_EFFECTS], capture_output=True, text=True, cwd=str(ROOT),
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, check=True)
+    before, after, smart_apply, wrapped = json.loads(out.stdout.splitlines()[-1])
+    assert smart_apply and wrapped  # the side effects happened
+    assert before == after

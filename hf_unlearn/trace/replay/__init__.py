@@ -122,8 +122,6 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         if why:
             raise UnlearnError(f"{self.run.path}: {why}; exact deletion cannot be proven on this run, refusing before "
                                "any compute (record it again with the cause fixed)")
-        # the code this process runs is the recording's (a proof's or probe's replay: its caller checked it)
-        self._code = None if _self_check else code_checked(self.run)
         self.run = self.run.kept() if stop_step is None else self.run.cut(stop_step)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if self.out_dir is not None and self.out_dir.exists() and any(self.out_dir.iterdir()):
@@ -185,6 +183,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._check_processes()
         check_device(header, self.args.device)
         check_stack(header, self.args.device)  # versions and CPU dispatch: refused here; threads: set by train()
+        # the code this process runs is the recording's (a proof's or probe's replay: its caller checked it)
+        self._code = None if self._self_check else code_checked(self.run)
         if self.store_policy == "redacted" and self.forget_ids:
             stored = set(document_ids(self.store, self.id_column))
             present = [i for i in self.forget_ids if i in stored]
