@@ -11,16 +11,17 @@ counterfactual of a program the user never ran.
 So the recording seals, at its first optimizer step, a digest of the code of every class its model is made of (the
 unsharded classes under FSDP2, and ``FSDPModule``), of ``torch.Tensor``, of the modules those classes come from and
 the modules a forward calls (:data:`~hf_unlearn.trace.digests.CODE_MODULES`), of the optimizer's class and the
-modules its classes come from (``torch.optim.adam``: the function ``Adam.step`` calls), of the recorded trainer class (the
-user's, e.g. ``trl.SFTTrainer``, which replays compose with their own classes: not the recording's subclass) and of
-the recorded callbacks' classes (replays run them again); each by an importable ``module:qualname`` (the header's
-``fidelity.guards.code``). Every deleting process recomputes them by name (a digest of code objects: milliseconds)
+modules its classes come from (``torch.optim.adam``: the function ``Adam.step`` calls), of the recorded trainer
+class (the user's, e.g. ``trl.SFTTrainer``, which replays compose with their own classes: not the recording's
+subclass) and of the recorded callbacks' classes (replays run them again); each by an importable
+``module:qualname`` (the header's ``fidelity.guards.code``). Every deleting process recomputes them by name (a digest of code objects: milliseconds)
 and refuses, before any compute, naming the first entries that differ.
 
 What is left out, and why: the training script's own module (``__main__``, which is the ``hf-unlearn`` command in a
 deleting process; a class it defines is compared where the deleting process defines it, and named as missing where
-not); classes defined inside a function (no name to find them by); and the attributes frameworks set on classes as a
-side effect of ordinary use (:data:`~hf_unlearn.trace.digests.SIDE_EFFECT_ATTRIBUTES`). The processes of a launch
+not); classes defined inside a function (no name to find them by); and what frameworks set on classes as a side
+effect of ordinary use (:data:`~hf_unlearn.trace.digests.SIDE_EFFECT_ATTRIBUTES`: transformers' ``smart_apply``;
+:data:`~hf_unlearn.trace.digests.PROFILE_WRAPPER`: torch's wrapper of an optimizer class's ``step``). The processes of a launch
 are compared with each other at every recorded step by the guards (a rank-local patch is a change).
 """
 
