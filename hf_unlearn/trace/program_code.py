@@ -34,7 +34,7 @@ import torch
 
 from ..errors import UnlearnError
 from .digests import CODE_MODULES, Digester, _class_code, _module_code
-from .trainers import recorded_trainer_class
+from .trainers import recorded_trainer, recorded_trainer_class
 
 SCRIPT = "__main__"
 
@@ -130,6 +130,7 @@ def check_code(run) -> dict:
     """Refuse in one line, before any compute, when this process's code differs from the recording's; returns what
     the receipt records (``{"compared": n}``, or ``{"compared": 0, "why": ...}`` for a run that seals none)."""
     header = run.header
+    recorded_trainer(header)  # a trainer class not installed here: named with what to install, as replays name it
     differ = code_differences(header)
     if differ is None:
         return {"compared": 0, "why": "the run seals no code digests (recorded before they were sealed, or without "
