@@ -242,3 +242,21 @@ def test_what_frameworks_set_on_classes_while_a_program_runs_is_not_a_code_diffe
     before, after, smart_apply, wrapped = json.loads(out.stdout.splitlines()[-1])
     assert smart_apply and wrapped  # the side effects happened
     assert before == after
+
+
+@pytest.mark.slow  # a two-stage recording and a two-stage forget with oracles in a fresh process (~40 s)
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_pipeline_recorded_here_is_deleted_by_a_fresh_cli_with_its_code_compared(tmp_path, lora):
+    """No over-refusal: SFT then SFT (stage 2 a LoRA on stage 1's model, or a full fine-tune), recorded in this
+    process, deleted by ``hf-unlearn forget STAGE1 STAGE2`` in a fresh one: VERIFIED, every stage's code compared."""
+    from .test_trace_common import ids_at_step
+    from .test_trace_pipeline import record_pipeline
+
+    s1, s2 = record_pipeline(tmp_path / "runs", lora=lora)
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps(i) + "\n" for i in ids_at_step(s1, 0)[:1]))
+    proc = run_cli("forget", s1, s2, "--ids", tmp_path / "ids.jsonl", "--out", tmp_path / "del", "--no-progress",
+                   "--oracle")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evidence = json.loads((tmp_path / "del" / "receipt.json").read_text())["evidence"]
+    assert evidence["verified"] is True
+    assert all(s["environment_probe"]["code"]["compared"] > 20 for s in evidence["pipeline"]), evidence["pipeline"]
