@@ -233,3 +233,13 @@ def recorded_normalisers_trainer(run_dir, base=None):
                 return super().training_step(model, inputs, num_items_in_batch)
 
     return RecordedNormalisers
+
+
+def rsqrt_other_bits():
+    """``torch.rsqrt`` as ``1 / sqrt(x)``: the same maths, other bits on some values (the RMSNorm of Llama and Qwen2
+    calls it). A process-wide patch outside the sealed code digests (hf_unlearn.trace.program_code, which refuses a
+    patched ``torch.nn.functional`` before the probe runs): what only the environment probe's numbers see."""
+    import torch
+
+    sqrt = torch.sqrt
+    return lambda x, *args, **kwargs: 1.0 / sqrt(x)

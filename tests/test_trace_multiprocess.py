@@ -94,8 +94,9 @@ def test_a_multi_process_run_is_proven_on_every_process_and_probed_on_every_proc
     every step proven, the proof names the processes it covered (every process replayed its slots and compared its
     own state at every step) and a deletion is VERIFIED and equal to the counterfactual. (b) `trace prove` in one
     process: refused before compute naming the command. (d) the deleting environment differing on process 1 only:
-    ``torch.nn.functional.silu`` replaced there (other bits) is refused by the probe before compute, naming the
-    step, the processes and the function; ``MKL_CBWR=COMPATIBLE`` in process 1's environment only (other matmul
+    ``torch.nn.functional.silu`` replaced there is refused by the sealed code digests before compute, naming the
+    module and process 1; ``torch.rsqrt`` replaced there (other bits, outside the sealed code) by the probe, naming
+    the step; ``MKL_CBWR=COMPATIBLE`` in process 1's environment only (other matmul
     bits on this CPU) is refused when the replay is built, naming process 1 and the variable."""
     from hf_unlearn.cli import main
 
@@ -109,17 +110,26 @@ def test_a_multi_process_run_is_proven_on_every_process_and_probed_on_every_proc
     assert clean["codes"] == [0, 0] and clean["verified"], clean
     # (b) the same run proven in one process
     assert main(["trace", "prove", str(tmp_path / "trace"), "--no-progress"]) != 0
-    # (d) a function replaced on process 1 only in the deleting process: the probe's refusal, on every process
+    # (d) a torch.nn.functional function replaced on process 1 only in the deleting process: the sealed code
+    # digests' refusal (hf_unlearn.trace.program_code), on every process, before any compute
     patched = result["patched_deletion"]
     assert patched["codes"] != [0, 0] and "verified" not in patched, patched
     refusals = _refusals(patched)
     assert len(refusals) == 4, patched  # the replay and the oracle, on both processes
+    for text in refusals:
+        assert "other code than the recorded run did: module torch.nn.functional" in text, text
+        assert "(on process(es) 1 of 2)" in text and "refusing before any compute" in text, text
+    assert not (tmp_path / "patched" / "replay").exists() and not (tmp_path / "patched" / "oracle").exists()
+    # (d) torch.rsqrt replaced on process 1 only (outside the sealed code): the probe's refusal, on every process
+    patched = result["rsqrt_deletion"]
+    assert patched["codes"] != [0, 0] and "verified" not in patched, patched
+    refusals = _refusals(patched)
+    assert len(refusals) == 4, patched
     for text in refusals:  # the oracle's probe, or the replay's own step 0 (before its first affected step 3)
         assert ("the deleting environment does not reproduce the recorded run" in text and "refusing before any "
                 "compute" in text) or "the replay engine does not reproduce the recorded run" in text, text
         assert "optimizer step 0" in text, text
-        assert "process 1's functions differ from process 0's: torch.nn.functional.silu" in text, text
-    assert not (tmp_path / "patched" / "replay").exists() and not (tmp_path / "patched" / "oracle").exists()
+    assert not (tmp_path / "rsqrt" / "replay").exists() and not (tmp_path / "rsqrt" / "oracle").exists()
     # (d) MKL_CBWR=COMPATIBLE in process 1's environment only, from the start of the deleting launch
     probe = launch(tmp_path / "probe", f"{engine}:probe:{tmp_path / 'trace'}")
     assert [p["mkl_cbwr"] for p in probe["per_process"]] == [None, "COMPATIBLE"]

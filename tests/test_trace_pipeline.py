@@ -17,7 +17,7 @@ import torch
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import config_model, get_trace_data, ids_at_step, record, tiny
+from .test_trace_common import config_model, get_trace_data, ids_at_step, record, rsqrt_other_bits, tiny
 from .test_trace_fidelity import independent_counterfactual
 
 KW = dict(gradient_accumulation_steps=1, max_steps=4)
@@ -374,19 +374,17 @@ def test_the_deletion_service_serves_a_pipeline_from_a_ledger_over_its_last_run(
 
 
 def test_a_pipeline_deletion_probes_the_deleting_environment(tmp_path, monkeypatch):
-    """ATTACK: the deleting process computes SiLU otherwise than the recording (``torch.nn.functional.silu`` replaced
-    by ``x * sigmoid(x)``: other bits). A single run's deletion is refused by its environment probe; a pipeline
+    """ATTACK: the deleting process computes RMSNorm otherwise than the recording (``torch.rsqrt`` replaced by
+    ``1 / sqrt(x)``: other bits; a patched ``torch.nn.functional`` is refused earlier, by the sealed code digests). A single run's deletion is refused by its environment probe; a pipeline
     deletion ran no probe, so a row of stage 1's step 0 (every step of both stages affected, none compared with the
     recording) had its replays and oracles equally wrong and was VERIFIED, each stage off the engine-free
     counterfactual chain. Now every stage it replays is probed before any compute, the refusal naming the stage."""
-    import torch.nn.functional as F
-
     from hf_unlearn.deletion import forget
     from hf_unlearn.trace.proof import ProofError
 
     runs = [str(r) for r in shared_pipeline()]
     ids = ids_at_step(runs[0], 0)[:1]
-    monkeypatch.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))
+    monkeypatch.setattr(torch, "rsqrt", rsqrt_other_bits())
     with pytest.raises(ProofError, match="the deleting environment does not reproduce") as e:
         forget(runs[0], ids, tmp_path / "single", oracle=True, progress=False)
     with pytest.raises(ProofError, match=r"^stage 1: .*the deleting environment does not reproduce") as e:

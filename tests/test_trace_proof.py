@@ -17,7 +17,15 @@ from transformers import TrainerCallback
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import config_model, copy_run, get_recorded, get_trace_data, record, write_sealed_header
+from .test_trace_common import (
+    config_model,
+    copy_run,
+    get_recorded,
+    get_trace_data,
+    record,
+    rsqrt_other_bits,
+    write_sealed_header,
+)
 from .test_trace_fidelity import independent_counterfactual
 
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
@@ -639,14 +647,12 @@ def test_a_proof_resumed_after_a_kill_does_not_prove_the_replays_that_run_throug
 
 
 def test_the_engine_classes_used_directly_are_not_verified_in_another_environment(tmp_path, monkeypatch):
-    """ATTACK: `RedactedReplayTrainer` + `OracleReplayTrainer` + `verify_replay` from Python, in a process whose SiLU
-    is computed otherwise than the recording's (other bits), for a step-0 deletion (no step of the replay or the
+    """ATTACK: `RedactedReplayTrainer` + `OracleReplayTrainer` + `verify_replay` from Python, in a process whose RMSNorm
+    is computed otherwise than the recording's (``torch.rsqrt`` patched: outside the sealed code digests) (other bits), for a step-0 deletion (no step of the replay or the
     oracle is compared with the recording): both were equally wrong and `verify` said VERIFIED (`forget`, `trace
     replay`, `trace oracle` and pipelines refuse it with their probe). Now the oracle, given no environment probe,
     re-runs its first step with no deletion before its own compute and refuses; in the recorded environment the same
     deletion is VERIFIED and equal to the engine-free counterfactual."""
-    import torch.nn.functional as F
-
     from hf_unlearn.trace import open_run
 
     from .test_trace_common import delete
@@ -657,7 +663,7 @@ def test_the_engine_classes_used_directly_are_not_verified_in_another_environmen
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([0])[:1]
     with monkeypatch.context() as m:
-        m.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))
+        m.setattr(torch, "rsqrt", rsqrt_other_bits())
         with pytest.raises(UnlearnError, match="the deleting environment does not reproduce") as e:
             delete(run, ids, tmp_path / "patched", start="full")
         assert "optimizer step 0" in str(e.value) and "\n" not in str(e.value)

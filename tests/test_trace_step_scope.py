@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import config_model, get_trace_data, record
+from .test_trace_common import config_model, get_trace_data, record, rsqrt_other_bits
 
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
 
@@ -125,10 +125,8 @@ def test_a_moment_edit_no_later_step_reads_is_caught_by_the_final_checkpoint(tmp
 
 def test_a_step_with_learning_rate_zero_is_still_probed_through_its_gradients(tmp_path, monkeypatch):
     """A warmup's first step has learning rate 0: it writes only the moments, which the step digest reads one step
-    later. A function replaced in the deleting process (other bits of ``silu``) must still be caught at step 0, by
+    later. A function replaced in the deleting process (other bits of ``torch.rsqrt``) must still be caught at step 0, by
     the gradients' digest, before any deleted row trains: the deletion of a step-1 row is refused, never VERIFIED."""
-    import torch.nn.functional as F
-
     from hf_unlearn import forget
     from hf_unlearn.trace import open_run
 
@@ -140,7 +138,7 @@ def test_a_step_with_learning_rate_zero_is_still_probed_through_its_gradients(tm
     header = open_run(run).header
     assert header["fidelity"]["proof"]["proven"]
     ids = open_run(run).ids_at_steps([1])[:1]
-    monkeypatch.setattr(F, "silu", lambda x, inplace=False: x * torch.sigmoid(x))  # the same maths, other bits
+    monkeypatch.setattr(torch, "rsqrt", rsqrt_other_bits())  # the same maths, other bits
     with pytest.raises(UnlearnError) as e:
         forget(run, ids, tmp_path / "patched", oracle=True, progress=False)
     assert "optimizer step 0" in str(e.value) and "gradients" in str(e.value), str(e.value)

@@ -220,7 +220,10 @@ class Digester:
         if hit is None:
             lines = []
             for k, v in sorted(vars(c).items()):
-                fn = getattr(v, "__func__", v)
+                if (c.__module__, c.__qualname__, k) in SIDE_EFFECT_ATTRIBUTES:
+                    continue
+                fn = _unwrapped(c, c, k, v)
+                fn = getattr(fn, "__func__", fn)
                 if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
                     lines.append(f"{c.__qualname__}.{k}={self.text(fn, 1)}\n")
             hit = self._classes[c] = "".join(lines).encode()
@@ -292,6 +295,31 @@ def tensor_text(t: torch.Tensor) -> str:
 # defaults and names are the same objects and it has nothing changeable in place (``_FUNCTIONS``): a function's
 # ``__code__`` or defaults replaced in place (the function stays the same object) is read again. Code objects are
 # immutable: :func:`code_digest` caches them.
+# Functions frameworks set on classes as a side effect of ordinary use, not code a step runs: transformers'
+# ``PreTrainedModel.initialize_weights`` sets ``torch.nn.Module.smart_apply`` (a function local to it) the first time
+# any model is initialised, so every module class's digest differed between a process that built a model with random
+# weights (a recording) and one that loaded it skipping initialisation (a replay in a fresh ``hf-unlearn forget``).
+SIDE_EFFECT_ATTRIBUTES = frozenset({("torch.nn.modules.module", "Module", "smart_apply")})
+# torch.optim.Optimizer.__init__ wraps its class's ``step`` in a profiling wrapper the first time an optimizer of that
+# class is built (``step.hooked``), setting it on the class itself (``AdamW.step``, which AdamW inherits otherwise): a
+# process that built an AdamW and one that did not yet differ there. The code digested is what the wrapper wraps, and
+# nothing where that is the step the class inherits.
+PROFILE_WRAPPER = "Optimizer.profile_hook_step.<locals>.wrapper"
+
+
+def _unwrapped(cls, owner: type, name: str, fn):
+    """``fn`` as :func:`_class_code` digests it (None: left out; see :data:`PROFILE_WRAPPER`)."""
+    code = getattr(fn, "__code__", None)  # the wrapper's own name (functools.wraps gave it the wrapped one's)
+    if getattr(code, "co_qualname", None) != PROFILE_WRAPPER or not hasattr(fn, "__wrapped__"):
+        return fn
+    inner = fn.__wrapped__
+    for base in cls.__mro__[cls.__mro__.index(owner) + 1:]:
+        if name in vars(base):
+            above = vars(base)[name]
+            return None if inner is above or inner is getattr(above, "__wrapped__", None) else inner
+    return inner
+
+
 def _class_code(cls, digester: Digester) -> str:
     """The code of every function defined by ``cls`` and its bases (a method patched on any of them changes it)."""
     h = hashlib.sha256()

@@ -59,6 +59,7 @@ from .checksums import (  # noqa: F401 - re-exported: they lived here
 from .digests import FRAMEWORK_HOOKS, VOLATILE_CONFIG  # noqa: F401 - re-exported: they lived here
 from .dtensors import all_shards
 from .fidelity import FidelityError
+from .program_code import sealed_code
 from .proven import unproven_steps
 from .trainers import _import, importable_name
 from .value_reads import ValueReads
@@ -657,6 +658,7 @@ class ProgramGuard:
         self.recorded: list[dict] = []  # every change written to the plan (said when training ends)
         self.plan_lrs: list[float] | None = None
         self.last_read: str | None = None  # what the last watched event run by around() read of tensor values
+        self.code: dict | None = None  # the code the first step ran, sealed (hf_unlearn.trace.program_code)
         inner = getattr(optimizer, "optimizer", optimizer)
         self._hooks = [inner.register_step_pre_hook(lambda *a: self.before_step()),
                        inner.register_step_post_hook(lambda *a: self.after_step())]
@@ -728,6 +730,9 @@ class ProgramGuard:
         step, after it; a watched callback's edits are checked exactly around its events) and the exact
         checksums of the gradients ``optimizer.step()`` is about to use."""
         now = self._snapshot()
+        if self.code is None:
+            ctx = self.context() if self.context is not None else {}
+            self.code = sealed_code(self.model, ctx.get("trainer"), ctx.get("callbacks") or (), self.optimizer)
         self.grads = tensor_checksums(gradient_tensors(self.model))
         self._compare(now, self.step, in_step=True)
         self.ref = now

@@ -42,6 +42,7 @@ from .fidelity import FidelityError
 from .guards import compare_fingerprint, guard_coverage, program_changes
 from .issued import issue
 from .processes import gathered, world_size
+from .program_code import code_checked
 from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     PROVE_COMMAND,
     ProofError,
@@ -374,6 +375,10 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
     refuses naming the fresh start (:func:`~hf_unlearn.trace.proven.fresh_start_failure`)."""
     wall = time.perf_counter()
     run = (run_path if isinstance(run_path, TraceRun) else open_run(run_path)).kept()
+    code = code_checked(run)  # first: the code this process runs is the recording's (trace.program_code)
+    if log:
+        log(f"code: the {code['compared']} classes and modules the run's first step ran have the recorded code here"
+            if code["compared"] else f"code NOT compared: {code['why']}")
     chosen = sorted(set(probe_steps(run)) | ({fresh_start} if fresh_start is not None else set()))
     steps = [s for s in chosen if s not in replayed]
     for s in steps:
@@ -381,7 +386,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
             found = _run_interval(run, s, s + 1, data_collator)
         except UnlearnError as e:
             if NO_FINGERPRINT in str(e):
-                return issue("environment", run, {"steps": [], "seconds": 0.0, "skipped": str(e)})
+                return issue("environment", run, {"steps": [], "seconds": 0.0, "skipped": str(e), "code": code})
             raise
         if found is not None and found.get("batch"):  # the collator given here (or the store) is not the run's: the
             raise UnlearnError(found["why"])  # user's to fix, not the environment's
@@ -407,7 +412,7 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
     if log and by_replay:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
             "deletion (before the first affected step), its state compared with the recording's fingerprint there")
-    return issue("environment", run, {"steps": steps, "seconds": round(seconds, 3),
+    return issue("environment", run, {"steps": steps, "seconds": round(seconds, 3), "code": code,
                                       **({"by_the_replay": by_replay} if by_replay else {})})
 
 

@@ -72,7 +72,7 @@ def finish(trainer) -> None:
     if guard is not None and step > 0:
         trainer._trace_header.setdefault("fidelity", {})["guards"] = {
             "final": {"step": step - 1, **guard.flush(step - 1), "ep": epoch_text(trainer.state.epoch)},
-            "checks": GUARD_CHECKS}
+            "checks": GUARD_CHECKS, **({"code": guard.code} if guard.code else {})}
     if guard is not None:
         guard.warn_changes(trainer.trace_dir)
     reads = getattr(trainer, "_trace_environment_reads", None)

@@ -42,6 +42,7 @@ from ..issued import believed
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
 from ..processes import agreed
+from ..program_code import code_checked
 from ..recorder import RecordingHooksTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
 from ..rows import check_rows
@@ -183,6 +184,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._check_processes()
         check_device(header, self.args.device)
         check_stack(header, self.args.device)  # versions and CPU dispatch: refused here; threads: set by train()
+        # the code this process runs is the recording's (a proof's or probe's replay: its caller checked it)
+        self._code = None if self._self_check else code_checked(self.run)
         if self.store_policy == "redacted" and self.forget_ids:
             stored = set(document_ids(self.store, self.id_column))
             present = [i for i in self.forget_ids if i in stored]

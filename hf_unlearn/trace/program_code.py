@@ -1,0 +1,176 @@
+"""The code the recorded run ran, compared in the deleting process before any compute.
+
+A replay rebuilds the model, the trainer and the recorded callbacks by name in the deleting process and runs the
+code those names hold *there*. A function the training script monkeypatched before ``train()`` (one of
+``torch.nn.functional``, ``transformers.loss.loss_utils.fixed_cross_entropy``, a model class's method) is code the
+deleting process may lack. The per-step guards digest it in the recording process only, and the environment probe and
+the proof compare numbers on the recorded rows only: a patch that changes nothing on them (it acts only on a row
+whose labels are all -100, which a deletion makes) left every check equal, and a deletion VERIFIED against the
+counterfactual of a program the user never ran.
+
+So the recording seals, at its first optimizer step, a digest of the code of every class its model is made of (the
+unsharded classes under FSDP2, and ``FSDPModule``), of ``torch.Tensor``, of the modules those classes come from and
+the modules a forward calls (:data:`~hf_unlearn.trace.digests.CODE_MODULES`), of the optimizer's class and the
+modules its classes come from (``torch.optim.adam``: the function ``Adam.step`` calls), of the recorded trainer
+class (the user's, e.g. ``trl.SFTTrainer``, which replays compose with their own classes: not the recording's
+subclass) and of the recorded callbacks' classes (replays run them again); each by an importable
+``module:qualname`` (the header's ``fidelity.guards.code``). Every deleting process recomputes them by name (a digest of code objects: milliseconds)
+and refuses, before any compute, naming the first entries that differ.
+
+What is left out, and why: the training script's own module (``__main__``, which is the ``hf-unlearn`` command in a
+deleting process; a class it defines is compared where the deleting process defines it, and named as missing where
+not); classes defined inside a function (no name to find them by); and what frameworks set on classes as a side
+effect of ordinary use (:data:`~hf_unlearn.trace.digests.SIDE_EFFECT_ATTRIBUTES`: transformers' ``smart_apply``;
+:data:`~hf_unlearn.trace.digests.PROFILE_WRAPPER`: torch's wrapper of an optimizer class's ``step``). The processes of a launch
+are compared with each other at every recorded step by the guards (a rank-local patch is a change).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+from ..errors import UnlearnError
+from .digests import CODE_MODULES, Digester, _class_code, _module_code
+from .trainers import recorded_trainer, recorded_trainer_class
+
+SCRIPT = "__main__"
+
+
+def _unsharded(cls: type) -> list[type]:
+    """``cls``, or for a class FSDP2's ``fully_shard`` made (``FSDPLlamaDecoderLayer``, created at run time under no
+    importable name) the class it subclassed and ``FSDPModule``, which a replay's sharding makes again."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return [cls]
+    if not issubclass(cls, FSDPModule):
+        return [cls]
+    return [next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule)), FSDPModule]
+
+
+def _named(cls: type) -> str | None:
+    """``module:qualname`` of a class a process can find again by name (None: defined inside a function)."""
+    if "<" in cls.__qualname__:
+        return None
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def sealed_code(model, trainer=None, callbacks=(), optimizer=None) -> dict[str, str]:
+    """``{"class module:qualname" | "module name": digest}`` of the code this process runs for ``model`` (see the
+    module docstring); what the recording seals at its first optimizer step."""
+    classes: dict[type, None] = {}
+    for m in model.modules():
+        classes.update(dict.fromkeys(_unsharded(type(m))))
+    classes[torch.Tensor] = None  # a method patched on it runs in every forward
+    # the optimizer's class, and the modules of its classes (``Adam.step`` calls ``torch.optim.adam.adam``)
+    opt = [c for c in type(getattr(optimizer, "optimizer", optimizer)).__mro__ if c is not object] if optimizer else []
+    classes.update(dict.fromkeys(opt[:1]))
+    if trainer is not None:
+        classes[recorded_trainer_class(type(trainer))] = None
+    classes.update(dict.fromkeys(type(cb) for cb in callbacks))
+    names = [n for n in (_named(c) for c in classes) if n is not None]
+    # the modules a model's classes come from (the functions their forward calls), not the trainer's or callbacks'
+    modules = {c.__module__ for c in [*classes, *opt] if (issubclass(c, torch.nn.Module) or c in opt)
+               and c.__module__ != SCRIPT}
+    modules |= set(CODE_MODULES)
+    return code_now([f"class {n}" for n in names] + [f"module {m}" for m in sorted(modules) if m in sys.modules])
+
+
+def _find(name: str):
+    """The class or module an entry names, in this process; a string saying why not where it cannot be found."""
+    kind, _, what = name.partition(" ")
+    module, _, qual = what.partition(":")
+    if module == SCRIPT:  # never imported: this process's __main__ is its own
+        found = sys.modules.get(SCRIPT)
+    else:
+        try:
+            found = sys.modules.get(module) or importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - not importable here: a difference, named
+            return f"not importable here ({type(e).__name__})"
+    if kind == "module":
+        return found
+    for part in qual.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return "not defined here" + (" (a class of the training script: run the deletion from it)"
+                                         if module == SCRIPT else "")
+    return found if isinstance(found, type) else "not a class here"
+
+
+def code_now(names) -> dict[str, str]:
+    """The digests of the entries ``names`` (as :func:`sealed_code` writes them) in this process; an entry that cannot
+    be found here gets the reason instead of a digest."""
+    d = Digester()
+    out = {}
+    for name in names:
+        found = _find(name)
+        if isinstance(found, str):
+            out[name] = found
+        elif name.startswith("module "):
+            out[name] = _module_code(found, d)
+        else:
+            out[name] = _class_code(found, d)
+    return out
+
+
+def code_differences(header: dict) -> list[str] | None:
+    """The sealed code entries whose digest differs in this process (``[]``: none), or None: the run seals none (it
+    was recorded before this release, or without guards)."""
+    recorded = ((header.get("fidelity") or {}).get("guards") or {}).get("code")
+    if not recorded:
+        return None
+    now = code_now(recorded)
+    return [k for k, v in recorded.items() if now.get(k) != v]
+
+
+def check_code(run) -> dict:
+    """Refuse in one line, before any compute, when this process's code differs from the recording's; returns what
+    the receipt records (``{"compared": n}``, or ``{"compared": 0, "why": ...}`` for a run that seals none)."""
+    header = run.header
+    recorded_trainer(header)  # a trainer class not installed here: named with what to install, as replays name it
+    differ = code_differences(header)
+    if differ is None:
+        return {"compared": 0, "why": "the run seals no code digests (recorded before they were sealed, or without "
+                                      "guards): code the training script patched that changed nothing on the "
+                                      "recorded rows is not compared with this process's"}
+    if differ:
+        shown = ", ".join(_short(k) for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+        versions = _version_changes(header.get("versions") or {})
+        raise UnlearnError(
+            f"{run.path}: this process runs other code than the recorded run did: {shown}"
+            + (f" (package versions differ: {versions})" if versions else "")
+            + "; a replay here would compute what the training script never ran, and a patch that changes nothing on "
+            "the recorded rows is invisible to the probe; refusing before any compute (run the deletion in an "
+            "environment with the same code: the same package versions and the same patches applied, e.g. import "
+            "the training script's patch module before the deletion, or delete from the training script itself)")
+    return {"compared": len(header["fidelity"]["guards"]["code"])}
+
+
+def _short(entry: str) -> str:
+    name = entry.replace(":", ".")
+    found = _find(entry)
+    return f"{name} ({found})" if isinstance(found, str) else name
+
+
+def _version_changes(recorded: dict) -> str:
+    out = []
+    for mod, was in recorded.items():
+        if mod in ("python", "hf_unlearn"):
+            continue
+        now = getattr(sys.modules.get(mod), "__version__", None)
+        if now is not None and now != was:
+            out.append(f"{mod} {was} -> {now}")
+    return ", ".join(out)
+
+
+def code_checked(run) -> dict:
+    """:func:`check_code` on every process of a launch, one verdict (a difference on any process refuses on all,
+    naming it: :func:`~hf_unlearn.trace.processes.agreed`)."""
+    from .processes import agreed
+
+    out: dict = {}
+    agreed(lambda: out.update(check_code(run)))
+    return out

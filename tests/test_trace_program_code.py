@@ -1,0 +1,262 @@
+"""The deleting process's code compared with the recording's (issue #41 item 2, hf_unlearn/trace/program_code.py).
+
+A training script that monkeypatches a function before ``train()`` (here ``transformers.loss.loss_utils.
+fixed_cross_entropy``) runs code a fresh ``hf-unlearn forget`` does not have. When the patch changes nothing on the
+recorded rows, the environment probe and the proof match, and a replay without it is VERIFIED against the
+counterfactual of a program the user never ran. Each test builds that counterfactual itself (a plain ``Trainer`` with
+the patch, the deleted row's labels -100, the recorded normalisers) and requires a refusal before any compute naming
+the code, or VERIFIED and equal to it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_unlearn.errors import UnlearnError
+
+from .conftest import run_cli
+from .test_trace_common import config_model, get_trace_data, record
+from .test_trace_fidelity import independent_counterfactual
+
+KW = dict(gradient_accumulation_steps=1, max_steps=4)
+
+
+def _patched_cross_entropy(original):
+    """``fixed_cross_entropy`` doubled when a microbatch has fewer labelled tokens than the step's normaliser: with one
+    microbatch a step never on the recorded rows, always where a deletion made a row's labels -100."""
+    def fixed_cross_entropy(source, target, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        out = original(source, target, num_items_in_batch, ignore_index, **kwargs)
+        if num_items_in_batch is not None and int((target != ignore_index).sum()) < int(num_items_in_batch):
+            out = out * 2
+        return out
+    return fixed_cross_entropy
+
+
+class _Patched:
+    """The training script's patch, applied and removed."""
+
+    def __init__(self):
+        from transformers.loss import loss_utils
+
+        self.module, self.original = loss_utils, loss_utils.fixed_cross_entropy
+
+    def __enter__(self):
+        self.module.fixed_cross_entropy = _patched_cross_entropy(self.original)
+
+    def __exit__(self, *exc):
+        self.module.fixed_cross_entropy = self.original
+
+
+def _record_patched(tmp, family: str):
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    with _Patched():
+        record(tok, data, tmp / "rec", model=config_model(family, tok), every=2, **KW)
+    return tok, data, tmp / "rec" / "trace"
+
+
+@pytest.fixture(scope="module")
+def patched_run(tmp_path_factory):
+    """A tiny GQA Llama (one key/value head) recorded with the patch in place (the script patched before train())."""
+    return _record_patched(tmp_path_factory.mktemp("patched"), "llama")
+
+
+def _ids(run, step):
+    from hf_unlearn.trace import open_run
+
+    return open_run(run).ids_at_steps([step])[:1]
+
+
+def test_the_recording_seals_its_code(patched_run):
+    _, _, run = patched_run
+    code = json.loads((run / "header.json").read_text())["fidelity"]["guards"]["code"]
+    assert "module transformers.loss.loss_utils" in code and "class torch:Tensor" in code
+    assert "class transformers.models.llama.modeling_llama:LlamaAttention" in code
+    assert "class transformers.trainer:Trainer" in code  # the recorded trainer class, not the recording's subclass
+    assert "class torch.optim.adamw:AdamW" in code and "module torch.optim.adam" in code  # Adam.step calls adam()
+    assert not [k for k in code if "__main__" in k or "hf_unlearn" in k], code
+
+
+def test_a_patch_neutral_on_the_recorded_rows_is_refused_in_a_process_without_it(patched_run, tmp_path):
+    """Without the patch (a fresh ``hf-unlearn forget``, or this process with it removed) a step-0 deletion was
+    VERIFIED with the oracle off the plain Trainer with the patch (21 of 21 tensors); now refused before any compute,
+    naming the module."""
+    _refused_without_the_patch(patched_run[2], _ids(patched_run[2], 0), tmp_path)
+
+
+def _refused_without_the_patch(run, ids, tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    request = tmp_path / "ids.jsonl"
+    request.write_text("".join(json.dumps(i) + "\n" for i in ids))
+    proc = run_cli("forget", run, "--ids", request, "--out", tmp_path / "cli", "--no-progress", "--oracle")
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "other code than the recorded run did: module transformers.loss.loss_utils;" in err, err  # it alone
+    assert "same patches applied" in err, err
+    assert not (tmp_path / "cli").exists()  # before any compute
+
+    from hf_unlearn import forget
+
+    with pytest.raises(UnlearnError, match=r"other code than the recorded run did: module transformers\.loss\."
+                                           r"loss_utils") as e:
+        forget(run, ids, tmp_path / "here", oracle=True, progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "here").exists()
+
+
+_CLI_WITH_THE_PATCH = """
+import sys
+from tests.test_trace_program_code import _Patched
+_Patched().__enter__()  # the training script's patch module, imported before the deletion
+from hf_unlearn.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("step,cli", [(0, True), pytest.param(3, False, marks=pytest.mark.slow)])
+def test_with_the_patch_in_place_the_deletion_is_verified_and_equals_the_counterfactual(patched_run, tmp_path, step,
+                                                                                       cli):
+    """The same code in the deleting process (the patch imported, as the refusal says; in a fresh process running the
+    CLI, and in this one): VERIFIED, and the oracle equals a plain Trainer with the patch, the deleted row's labels
+    -100 and the recorded normalisers; the receipt says how many code entries were compared."""
+    _verified_with_the_patch(patched_run, "llama", step, tmp_path, cli=cli)
+
+
+def _verified_with_the_patch(recorded, family, step, tmp_path, cli=False):
+    import os
+    import subprocess
+    import sys
+
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .conftest import ROOT
+
+    tok, data, run = recorded
+    ids = _ids(run, step)
+    if cli:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ids.jsonl").write_text("".join(json.dumps(i) + "\n" for i in ids))
+        proc = subprocess.run([sys.executable, "-c", _CLI_WITH_THE_PATCH, "forget", str(run), "--ids",
+                               str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "del"), "--no-progress",
+                               "--oracle"], capture_output=True, text=True, cwd=str(ROOT),
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        evidence = json.loads((tmp_path / "del" / "receipt.json").read_text())["evidence"]
+    else:
+        with _Patched():
+            evidence = forget(run, ids, tmp_path / "del", oracle=True, progress=False).evidence
+    assert evidence["verified"] is True, evidence
+    assert evidence["environment_probe"]["code"]["compared"] > 20, evidence["environment_probe"]
+    with _Patched():
+        plain = independent_counterfactual(tok, data, config_model(family, tok), run, ids, tmp_path / "plain", **KW)
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gpt_neox"])
+def test_the_patch_on_other_architectures(tmp_path, family):
+    """Qwen2 with grouped-query attention and GPT-NeoX: a step-0 and a mid-run deletion without the patch refused before
+    any compute (the CLI in a fresh process and this process), with it VERIFIED and equal to the counterfactual."""
+    recorded = _record_patched(tmp_path, family)
+    for step in (0, 2):
+        _refused_without_the_patch(recorded[2], _ids(recorded[2], step), tmp_path / f"refused{step}")
+        _verified_with_the_patch(recorded, family, step, tmp_path / f"verified{step}")
+
+
+@pytest.mark.slow  # a forget with its oracle (~10 s)
+def test_a_run_recorded_before_code_was_sealed_keeps_working_and_says_so(patched_run, tmp_path):
+    """A run whose header seals no code digests (recorded before this release) is deleted as before; the receipt and
+    forget's output say the code was not compared."""
+    from hf_unlearn import forget
+
+    from .test_trace_common import copy_run, write_sealed_header
+
+    _, _, run = patched_run
+    old = copy_run(run, tmp_path / "old")
+    header = json.loads((old / "header.json").read_text())
+    del header["fidelity"]["guards"]["code"]
+    write_sealed_header(old, header)
+    lines = []
+    with _Patched():  # the recording's code, so the VERIFIED below is the counterfactual's (tested above)
+        receipt = forget(old, _ids(old, 0), tmp_path / "del", oracle=True, progress=False, log=lines.append)
+    assert receipt.evidence["verified"] is True
+    code = receipt.evidence["environment_probe"]["code"]
+    assert code["compared"] == 0 and "no code digests" in code["why"], code
+    assert any("code NOT compared" in line for line in lines), lines
+
+
+def test_the_code_seal_is_stable_across_processes_and_names_what_differs(patched_run, monkeypatch):
+    """The digests recomputed here equal the sealed ones (the patch in place); a class method patched, a class missing
+    and a module not importable are each named."""
+    from hf_unlearn.trace.program_code import code_differences, code_now
+
+    _, _, run = patched_run
+    header = json.loads((run / "header.json").read_text())
+    with _Patched():
+        assert code_differences(header) == []
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: x)
+    with _Patched():
+        assert code_differences(header) == ["class transformers.models.llama.modeling_llama:LlamaMLP"]
+    now = code_now(["class transformers.models.llama.modeling_llama:NoSuchClass", "module no_such_module_hfu",
+                    "class __main__:ScriptClass"])
+    assert now == {"class transformers.models.llama.modeling_llama:NoSuchClass": "not defined here",
+                   "module no_such_module_hfu": "not importable here (ModuleNotFoundError)",
+                   "class __main__:ScriptClass": "not defined here (a class of the training script: run the "
+                                                 "deletion from it)"}
+
+
+_SIDE_EFFECTS = """
+import json, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from hf_unlearn.trace.digests import Digester, _class_code
+def digests():
+    return [_class_code(c, Digester()) for c in (torch.nn.Linear, torch.optim.AdamW, torch.optim.Adam)]
+before = digests()
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))  # initialize_weights: smart_apply
+torch.optim.AdamW(model.parameters())  # Optimizer.__init__ wraps AdamW.step (step.hooked)
+print(json.dumps([before, digests(), hasattr(torch.nn.Module, "smart_apply"), "step" in vars(torch.optim.AdamW)]))
+"""
+
+
+def test_what_frameworks_set_on_classes_while_a_program_runs_is_not_a_code_difference():
+    """In a fresh process: a model initialised (transformers sets ``torch.nn.Module.smart_apply``) and an AdamW built
+    (torch wraps ``AdamW.step`` in its profiling wrapper, on the class) change no class's code digest. Before, every
+    module class's digest differed between the recording process and a fresh ``forget``, which skips initialisation."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _SIDE_EFFECTS], capture_output=True, text=True, cwd=str(ROOT),
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, check=True)
+    before, after, smart_apply, wrapped = json.loads(out.stdout.splitlines()[-1])
+    assert smart_apply and wrapped  # the side effects happened
+    assert before == after
+
+
+@pytest.mark.slow  # a two-stage recording and a two-stage forget with oracles in a fresh process (~40 s)
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_pipeline_recorded_here_is_deleted_by_a_fresh_cli_with_its_code_compared(tmp_path, lora):
+    """No over-refusal: SFT then SFT (stage 2 a LoRA on stage 1's model, or a full fine-tune), recorded in this
+    process, deleted by ``hf-unlearn forget STAGE1 STAGE2`` in a fresh one: VERIFIED, every stage's code compared."""
+    from .test_trace_common import ids_at_step
+    from .test_trace_pipeline import record_pipeline
+
+    s1, s2 = record_pipeline(tmp_path / "runs", lora=lora)
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps(i) + "\n" for i in ids_at_step(s1, 0)[:1]))
+    proc = run_cli("forget", s1, s2, "--ids", tmp_path / "ids.jsonl", "--out", tmp_path / "del", "--no-progress",
+                   "--oracle")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evidence = json.loads((tmp_path / "del" / "receipt.json").read_text())["evidence"]
+    assert evidence["verified"] is True
+    assert all(s["environment_probe"]["code"]["compared"] > 20 for s in evidence["pipeline"]), evidence["pipeline"]
