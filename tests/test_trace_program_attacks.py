@@ -420,8 +420,9 @@ def test_exact_checksums_see_one_element_and_a_swap_on_both_paths():
 
 def test_a_model_class_patched_in_the_recording_process_only_is_refused(tmp_path):
     """``LlamaMLP.forward`` replaced by a wrapper (a kernel library or a user's monkeypatch) in the recording process
-    (its self-check, in the same process, reproduces); the deletion runs where the patch is gone: the replay's
-    controls (which function each module class runs) differ from the recording's at step 0, and the replay stops."""
+    (its self-check, in the same process, reproduces); the deletion runs where the patch is gone: the sealed code
+    digests name the class before any compute (before they were sealed, the replay's controls, which function each
+    module class runs, differed from the recording's at step 0, and the replay stopped)."""
     from transformers.models.llama import modeling_llama
 
     original = modeling_llama.LlamaMLP.forward
@@ -434,4 +435,5 @@ def test_a_model_class_patched_in_the_recording_process_only_is_refused(tmp_path
         _, _, run = _record(tmp_path, [], gradient_accumulation_steps=2)
     finally:
         modeling_llama.LlamaMLP.forward = original
-    _assert_refused(tmp_path, run, "functions module classes run as forward")
+    _assert_refused(tmp_path, run, "this process runs other code than the recorded run did: class "
+                                   "transformers.models.llama.modeling_llama.LlamaMLP")
