@@ -5,7 +5,7 @@ os.environ.get("CLIP"): args.max_grad_norm = 0.05``). Replays run that code agai
 variable it reads differs there, the replay and the oracle both follow the deleting process and agree with each
 other, not with the run that trained, and the environment probe sees it only at the steps it re-runs. So the
 recording notes every variable that code outside the frameworks read while ``train()`` ran (``os.environ[...]``,
-``.get``, ``in``, ``os.getenv``; a read through ``os.environ``'s own class, so code that holds ``os.environ`` under
+``.get``, ``in``, ``os.getenv``, and the same through ``os.environb`` and ``os.getenvb``; a read through ``os.environ``'s own class, so code that holds ``os.environ`` under
 another name is seen too), with a keyed digest of its value (the value is not written: it can be a secret); a
 deletion compares them before any compute, and the replay notes the reads its own run of that code makes.
 
@@ -88,6 +88,8 @@ def _in_bulk(key) -> bool:
 
 
 def _note(key, value) -> None:
+    if isinstance(key, bytes):  # a read through os.environb (os.getenvb): the same variable
+        key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
     if str(key).startswith(LAUNCH) or getattr(_bulk, "quiet", 0):
         return
     frame = sys._getframe(2)
@@ -108,8 +110,9 @@ def _note(key, value) -> None:
 def watching():
     """Note the environment variables that code outside the frameworks reads inside the block: yields
     ``{name: {"value": str | None (unset), "by": module}}``, the first read of each."""
-    if type(os.environ) is not _WatchedEnviron:
-        os.environ.__class__ = _WatchedEnviron  # the same object (every module's reference to it stays valid)
+    for env in (os.environ, getattr(os, "environb", None)):  # environb (os.getenvb): the same variables, as bytes
+        if env is not None and type(env) is not _WatchedEnviron:
+            env.__class__ = _WatchedEnviron  # the same object (every module's reference to it stays valid)
     log: dict = {}
     with _lock:
         _watching.append(log)

@@ -14,7 +14,9 @@ notes a comparison or a truth test: printing, formatting or storing one is not a
 that acted only when the logged loss was one no recorded step logged was VERIFIED off the counterfactual).
 
 Operators that reach a tensor's data are also seen below torch functions (a dispatch mode), so code run under
-``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. Not seen: reads
+``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. A watched callback holding a numpy view of memory it does not own
+(``tensor.numpy()``, taken outside its events) or a ``memoryview`` reads values through it with no torch function: its
+events count as reads (:func:`held_view`). Not seen: reads
 through raw pointers (``data_ptr`` and ``ctypes``), decisions from logged numbers through C functions
 (``math.isfinite``) or by a callback whose code cannot reach the tensors (its decision is then only what the run's
 record keeps: when to stop, a learning rate), and from what a callback reads elsewhere (the dataset's rows, a file).
@@ -183,6 +185,20 @@ def unmark_logged(marked: list) -> None:
             if len(now) != len(v) or any(a is not b for a, b in zip(list.__iter__(now), v)):
                 v[:] = list(list.__iter__(now))
             setattr(d, k, v)
+
+
+def held_view(callback) -> str | None:
+    """The attribute of ``callback`` (or an item of a list, tuple or dict it holds) that is a numpy array over memory
+    it does not own (what ``tensor.numpy()`` returns) or a ``memoryview``: reads and writes through it reach a
+    tensor's values with no torch function, so its events are value reads whether or not the monitor saw one."""
+    import sys
+
+    np = sys.modules.get("numpy")
+    for k, v in (vars(callback) if hasattr(callback, "__dict__") else {}).items():
+        for x in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(x, memoryview) or (np is not None and isinstance(x, np.ndarray) and not x.flags.owndata):
+                return f"{type(callback).__qualname__}.{k}"
+    return None
 
 
 class _DispatchReads(TorchDispatchMode):
