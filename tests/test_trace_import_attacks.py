@@ -14,7 +14,7 @@ import pytest
 from transformers import TrainerCallback
 
 from . import imported_config_attack as cfg
-from .test_trace_neutral_attacks import _differs_from_counterfactual, _record
+from .test_trace_neutral_attacks import _differs_from_counterfactual, _forget_outcome, _record
 
 LATE = 5
 
@@ -185,3 +185,31 @@ def test_running_state_is_not_compared(monkeypatch):
 
     names = {k.split(" global ", 1)[1] for k in replayed_globals({"callback 0": Counts})}
     assert names == {f"{__name__}._clip", f"{__name__}._clip default to"}, names
+
+
+class SetsADefault(TrainerCallback):
+    """A recorded callback that sets a variable when unset (``os.environ.setdefault``): it reads the variable, unset
+    while recording, and then sets it in the training process itself."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        os.environ.setdefault("HFU_TEST_IMP_SETDEFAULT", "offline")
+
+
+def test_a_variable_the_program_set_itself_is_its_own_state(tmp_path, monkeypatch):
+    """OVER-REFUSAL: the recording read the variable unset, then the program set it; the proof that ends the
+    recording replays that code in the same process, which now holds the value, so it stopped ("its value differs")
+    and the run was never proven; a deletion in that process (a notebook's next cell) was refused naming the
+    variable. A value the recording's own code set is sealed as the program's (a keyed digest): VERIFIED there and
+    equal to the counterfactual; another value is still refused."""
+    from hf_unlearn.trace import open_run
+
+    monkeypatch.delenv("HFU_TEST_IMP_SETDEFAULT", raising=False)
+    tok, data, run = _record(tmp_path, "llama", [SetsADefault()])
+    assert os.environ["HFU_TEST_IMP_SETDEFAULT"] == "offline"
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [SetsADefault()])
+    monkeypatch.setenv("HFU_TEST_IMP_SETDEFAULT", "online")
+    kind, what = _forget_outcome(run, ids, tmp_path / "other")
+    assert kind == "refused" and "HFU_TEST_IMP_SETDEFAULT" in what, what
