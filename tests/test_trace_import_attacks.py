@@ -26,7 +26,8 @@ def _clip(args, to=0.05):
 class ByDefault(TrainerCallback):
     """A default argument evaluated at import."""
 
-    def on_step_begin(self, args, state, control, _on=os.environ.get("HFU_TEST_IMP_DEFAULT"), **kwargs):
+    def on_step_begin(self, args, state, control, _on=os.environ.get("HFU_TEST_IMP_DEFAULT"),  # noqa: B008
+                      **kwargs):
         if state.global_step >= LATE and _on:
             _clip(args)
 
@@ -213,3 +214,82 @@ def test_a_variable_the_program_set_itself_is_its_own_state(tmp_path, monkeypatc
     monkeypatch.setenv("HFU_TEST_IMP_SETDEFAULT", "online")
     kind, what = _forget_outcome(run, ids, tmp_path / "other")
     assert kind == "refused" and "HFU_TEST_IMP_SETDEFAULT" in what, what
+
+
+def test_a_numpy_view_is_found_wherever_a_watched_callback_holds_it():
+    """An attribute, an item of one, a module global its code names, a closure cell; not an array of its own."""
+    import numpy as np
+    import torch
+
+    from hf_unlearn.trace.value_reads import held_view
+
+    weight = torch.ones(3)
+    _VIEWS["w"] = weight.numpy()
+
+    class OwnArray(TrainerCallback):
+        def __init__(self):
+            self.buf = np.zeros(3)
+
+    class InGlobal(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            _VIEWS["w"] *= 1
+
+    def in_closure(v):
+        class InClosure(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                v[0] = v[0]
+        return InClosure()
+
+    attribute = OwnArray()
+    attribute.views = [weight.numpy()]
+    assert held_view(OwnArray()) is None
+    assert held_view(attribute).endswith("OwnArray.views")
+    assert held_view(InGlobal()) == f"{__name__}._VIEWS"
+    assert "closure v" in held_view(in_closure(weight.numpy()))
+
+
+_VIEWS: dict = {}
+
+
+class ClipFromStep1(TrainerCallback):
+    """A recorded callback clipping from step 1 on while ``HFU_TEST_IMP_RESUME`` is set."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step >= 1 and os.environ.get("HFU_TEST_IMP_RESUME"):
+            _clip(args)
+
+
+def test_a_recording_resumed_with_another_environment(tmp_path, monkeypatch):
+    """ATTACK: stopped after step 4 with the variable unset, resumed (``resume_from_checkpoint``) with it set (the
+    sealed reads are the resumed run's: set); a step-1 deletion in a process with it set replays steps 1..3 clipped,
+    which the recording did not clip. Not fooled: refused before any compute (the resumed recording's guards did not
+    cover step 3, so no oracle deletion of it is VERIFIED; the same without the variable: an over-refusal of a
+    resumed run, left to the recorder's owners)."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+
+    from .test_trace_common import config_model, get_trace_data, train_args
+    from .test_trace_neutral_attacks import KW
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    kw = {**KW, "max_steps": 6, "save_strategy": "steps", "save_steps": 4}
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 4
+
+    def trainer(*extra):
+        return TraceRecordingTrainer(model=config_model("llama", tok), args=train_args(tmp_path / "rec", **kw),
+                                     train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                     trace_checkpoint_steps=2, callbacks=[ClipFromStep1(), *extra])
+
+    monkeypatch.delenv("HFU_TEST_IMP_RESUME", raising=False)
+    trainer(Stop()).train()
+    monkeypatch.setenv("HFU_TEST_IMP_RESUME", "1")
+    trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([1])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    # a VERIFIED here is wrong by construction: the replay clips steps 1..3, the program as it ran did not
+    assert kind == "refused" and "before any compute" in what and not (tmp_path / "del").exists(), what

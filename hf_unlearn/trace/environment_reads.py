@@ -2,12 +2,13 @@
 
 A recorded callback, a trainer subclass's ``compute_loss`` or a collator may act on ``os.environ`` (``if
 os.environ.get("CLIP"): args.max_grad_norm = 0.05``). Replays run that code again, in the deleting process: where a
-variable it reads differs there, the replay and the oracle both follow the deleting process and agree with each
-other, not with the run that trained, and the environment probe sees it only at the steps it re-runs. So the
-recording notes every variable that code outside the frameworks read while ``train()`` ran (``os.environ[...]``,
-``.get``, ``in``, ``os.getenv``, and the same through ``os.environb`` and ``os.getenvb``; a read through
-``os.environ``'s own class, so code that holds ``os.environ`` under another name is seen too), with a keyed digest of its value (the value is not written: it can be a secret); a
-deletion compares them before any compute, and the replay notes the reads its own run of that code makes.
+variable it reads differs there, the replay and the oracle both follow the deleting process and agree with each other,
+not with the run that trained, and the environment probe sees it only at the steps it re-runs. So the recording notes
+every variable that code outside the frameworks read while ``train()`` ran (``os.environ[...]``, ``.get``, ``in``,
+``os.getenv``, and the same through ``os.environb`` and ``os.getenvb``; a read through ``os.environ``'s own class, so
+code that holds ``os.environ`` under another name is seen too), with a keyed digest of its value (the value is not
+written: it can be a secret); a deletion compares them before any compute, and the replay notes the reads its own run
+of that code makes.
 
 Reads by installed packages (transformers, accelerate, torch, a logging integration: files under site-packages),
 this library and the standard library are left out: they read configuration (paths, logging, launchers, API keys),
