@@ -217,7 +217,8 @@ def test_a_variable_the_program_set_itself_is_its_own_state(tmp_path, monkeypatc
 
 
 def test_a_numpy_view_is_found_wherever_a_watched_callback_holds_it():
-    """An attribute, an item of one, a module global its code names, a closure cell; not an array of its own."""
+    """An attribute, an item of one, a module global its code names, a closure cell; not an array of its own (a view
+    of it included)."""
     import numpy as np
     import torch
 
@@ -228,7 +229,8 @@ def test_a_numpy_view_is_found_wherever_a_watched_callback_holds_it():
 
     class OwnArray(TrainerCallback):
         def __init__(self):
-            self.buf = np.zeros(3)
+            self.buf, self.part = np.zeros(3), np.zeros(4)[1:]  # a view, of its own array
+            self.raw = memoryview(bytearray(4))
 
     class InGlobal(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -241,7 +243,7 @@ def test_a_numpy_view_is_found_wherever_a_watched_callback_holds_it():
         return InClosure()
 
     attribute = OwnArray()
-    attribute.views = [weight.numpy()]
+    attribute.views = [weight.numpy()[1:]]
     assert held_view(OwnArray()) is None
     assert held_view(attribute).endswith("OwnArray.views")
     assert held_view(InGlobal()) == f"{__name__}._VIEWS"

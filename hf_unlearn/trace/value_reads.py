@@ -15,7 +15,7 @@ that acted only when the logged loss was one no recorded step logged was VERIFIE
 
 Operators that reach a tensor's data are also seen below torch functions (a dispatch mode), so code run under
 ``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. A watched callback
-holding a numpy view of memory it does not own (``tensor.numpy()``, taken outside its events; in its attributes,
+holding a numpy view of a tensor's memory (``tensor.numpy()``, taken outside its events; in its attributes,
 globals or closure) or a ``memoryview`` reads values through it with no torch function: its events count as reads
 (:func:`held_view`). Not seen: reads through raw pointers (``data_ptr`` and ``ctypes``), decisions from logged numbers
 through C functions (``math.isfinite``) or by a callback whose code cannot reach the tensors (its decision is then
@@ -189,8 +189,8 @@ def unmark_logged(marked: list) -> None:
 
 
 def held_view(callback) -> str | None:
-    """Where ``callback`` holds a numpy array over memory it does not own (what ``tensor.numpy()`` returns) or a
-    ``memoryview``: an attribute of it, a module global or closure cell its class's code names, or an item of a
+    """Where ``callback`` holds a numpy array or ``memoryview`` over a tensor's memory (what ``tensor.numpy()``
+    returns, a slice of it): an attribute of it, a module global or closure cell its class's code names, or an item of a
     list, tuple or dict held there. Reads and writes through it reach a tensor's values with no torch function, so
     its events are value reads whether or not the monitor saw one. None: it holds none."""
     import sys
@@ -198,8 +198,17 @@ def held_view(callback) -> str | None:
 
     np = sys.modules.get("numpy")
 
+    def over_tensor(x) -> bool:  # the array's (or memoryview's) memory is a tensor's: .base leads to it
+        for _ in range(8):
+            x = x.obj if isinstance(x, memoryview) else x.base if np is not None and isinstance(x, np.ndarray) else x
+            if isinstance(x, torch.Tensor):
+                return True
+            if x is None or not isinstance(x, (memoryview, *((np.ndarray,) if np is not None else ()))):
+                return False
+        return False
+
     def view(v) -> bool:
-        return any(isinstance(x, memoryview) or (np is not None and isinstance(x, np.ndarray) and not x.flags.owndata)
+        return any((isinstance(x, memoryview) or (np is not None and isinstance(x, np.ndarray))) and over_tensor(x)
                    for x in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)))
 
     places = [(f"{type(callback).__qualname__}.{k}", v) for k, v in getattr(callback, "__dict__", {}).items()]
