@@ -710,3 +710,33 @@ def test_the_value_conditional_guard_in_a_resumed_recording_is_refused(tmp_path)
         kind, what = _forget_outcome(run, open_run(run).ids_at_steps([step])[:1], tmp_path / f"del{step}")
         assert kind == "refused" and "SpikeGuard.on_pre_optimizer_step" in what and "\n" not in what, (kind, what)
         assert not (tmp_path / f"del{step}").exists()
+
+
+def _numpy_guard(seen: dict):
+    """A watched callback that keeps a numpy view of the final norm's weight (taken when the trainer is built, outside
+    any training event) and shrinks it, through the view, after a step whose total is not the one it saw there
+    first: no torch function runs in its event, so the value-read monitor saw nothing."""
+
+    class NumpyGuard(TrainerCallback):
+        def on_init_end(self, args, state, control, model=None, **kwargs):
+            self.view = model.model.norm.weight.detach().numpy()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            total = float(self.view.astype("float64").sum())
+            if seen.setdefault(state.global_step, total) != total:
+                self.view *= 0.99
+
+    return NumpyGuard()
+
+
+def test_a_watched_callback_reading_through_a_numpy_view_is_refused(tmp_path):
+    """ATTACK: the callback reads and edits the weight through a numpy view (``.numpy()`` shares the tensor's
+    memory): a no-op on every recorded step, active on a deletion's. Before, a step-3 deletion was VERIFIED with
+    the norm weight off the plain Trainer's counterfactual; now a watched callback holding a numpy view of memory it
+    does not own is a value read at each of its events, and the deletion is refused before any compute."""
+    seen: dict = {}
+    tok, data, run = _record(tmp_path, "llama", [_numpy_guard(seen)])
+    assert seen  # it ran at every step
+    kind = _refused_or_counterfactual(tmp_path, "llama", run, tok, data, AT, lambda: [_numpy_guard(seen)],
+                                      "NumpyGuard.on_optimizer_step")
+    assert kind == "refused"

@@ -375,10 +375,14 @@ def _globals_read(cls, digester: Digester, skip=("transformers.", "builtins")) -
 
 def _fixed_at_import(value) -> bool:
     """A value a module global holds as its module set it up when imported: a plain value, a tuple or frozenset of
-    them, or a function. Not an object (a logger's cache fills as a process runs) nor a list, dict or set (a history
-    the code appends to), which running code changes in place."""
+    them, a function, or a ``functools.partial`` of a function with such arguments. Not an object (a logger's cache
+    fills as a process runs) nor a list, dict or set (a history the code appends to), which running code changes in
+    place."""
     if type(value) in _EXACT_PLAIN or isinstance(value, types.FunctionType):
         return True
+    if isinstance(value, functools.partial):
+        return isinstance(value.func, types.FunctionType) and all(
+            _fixed_at_import(v) for v in (*value.args, *value.keywords.values()))
     return type(value) in (tuple, frozenset) and all(type(v) in _EXACT_PLAIN for v in value)
 
 
@@ -396,30 +400,102 @@ def replayed_classes(callbacks, trainer_class, collator) -> dict:
 
 
 def replayed_globals(classes: dict) -> dict[str, str]:
-    """``"<where> global <module>.<name>" -> stable text`` of the module globals that the code of the classes a
-    replay runs again (``{where: class}``: the recorded callbacks, the run's trainer class, its collator) reads
-    and that their module fixed when it was imported (:func:`_fixed_at_import`): a constant read from the environment
-    or a file at import takes another value in a deleting process that imports the module again."""
+    """``"<where> global <what>" -> stable text`` of the values fixed when their module was imported
+    (:func:`_fixed_at_import`) that the code of the classes a replay runs again (``{where: class}``: the recorded
+    callbacks, the run's trainer class, its collator) reads: a constant read from the environment or a file at import
+    takes another value in a deleting process that imports the module again. Read by every route that code reaches
+    (:func:`_import_time_reads`), not only the globals its methods name."""
     d = Digester()
-    return {f"{where} global {module}.{name}": _short(repr(d.leaf(value)))
+    return {f"{where} global {what}": _short(repr(d.leaf(value)))
             for where, cls in classes.items()
-            for module, name, value in _globals_of(cls, ("transformers.", "trl.", "builtins", "hf_unlearn."))
-            if _fixed_at_import(value) and name not in _globals_assigned(cls)}
+            for what, value in _import_time_reads(cls, ("transformers.", "trl.", "builtins", "hf_unlearn."),
+                                                  constructed=not where.startswith("callback")).items()}
 
 
-def _globals_assigned(cls) -> set[str]:
-    """The module globals the code of ``cls`` assigns (``global N; N += 1``): running state, not fixed at import."""
+_MISSING = object()
+
+
+def _user_code(module: str, filename: str | None) -> bool:
+    """Whether code is the program's own: not the frameworks', the standard library's or an installed package's."""
+    from .environment_reads import FRAMEWORKS, INSTALLED
+
+    top = (module or "").split(".", 1)[0]
+    return bool(top) and top not in FRAMEWORKS and top not in sys.stdlib_module_names and top != "builtins" \
+        and not any(p in (filename or "") for p in INSTALLED)
+
+
+def _import_time_reads(cls, frameworks, constructed: bool = True) -> dict:
+    """``{what: value}`` of every value fixed at import that the code of ``cls`` (its bases outside ``frameworks``)
+    reaches: its class attributes, its methods' default arguments and closure cells, the module globals they and
+    their nested functions (lambdas, inner functions) name, another module's attributes they name (``cfg.CLIP``), and
+    the same, transitively, for the program's own functions they call (a helper reading a constant, a
+    ``functools.partial``'s function). A global the code assigns (``global N; N += 1``) and an attribute it assigns
+    (``self.ON = ...``, ``cfg.CLIP = ...``) are running state, not compared. ``constructed=False``: a replay does not
+    run the class's constructor (a recorded callback, rebuilt with its recorded attributes): what only ``__init__``
+    reads is not compared."""
     import dis
 
-    out, codes = set(), [getattr(getattr(v, "__func__", v), "__code__", None) for c in cls.__mro__
-                         for v in vars(c).values()]
-    while codes:
-        code = codes.pop()
-        if code is None:
+    found: dict = {}  # what -> (kind, name, value): kind "global" (by STORE_GLOBAL) or "attr" (by STORE_ATTR)
+    stores = {"global": set(), "attr": set()}
+    todo, seen, stores_only = [], set(), set()
+    for c in cls.__mro__:
+        if c is object or c.__module__.startswith(frameworks):
             continue
-        out.update(i.argval for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL")
-        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return out
+        for k, v in vars(c).items():
+            fn = getattr(v, "__func__", v)
+            if isinstance(v, property):
+                todo += [f for f in (v.fget, v.fset) if isinstance(f, types.FunctionType)]
+            elif isinstance(fn, types.FunctionType):
+                todo.append(fn)
+                if k == "__init__" and not constructed:
+                    stores_only.add(id(fn))
+            elif not k.startswith("__") and _fixed_at_import(v):
+                found[f"{c.__module__}.{c.__qualname__}.{k}"] = ("attr", k, v)
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        where, glob, code = f"{fn.__module__}.{fn.__qualname__}", fn.__globals__, fn.__code__
+        if id(fn) in stores_only:
+            stores["attr"].update(i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR")
+            continue
+        named = code.co_varnames[code.co_posonlyargcount + code.co_argcount - len(fn.__defaults__ or ()):]
+        for name, v in (*zip(named, fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).items()):
+            if _fixed_at_import(v):
+                found[f"{where} default {name}"] = ("default", name, v)
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                if _fixed_at_import(cell.cell_contents):
+                    found[f"{where} closure {name}"] = ("default", name, cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        codes = [code]
+        while codes:
+            co = codes.pop()
+            codes += [c for c in co.co_consts if isinstance(c, types.CodeType)]
+            for i in dis.get_instructions(co):
+                if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                    stores["global"].add(i.argval)
+                elif i.opname in ("STORE_ATTR", "DELETE_ATTR"):
+                    stores["attr"].add(i.argval)
+            for name in co.co_names:
+                if name not in glob:
+                    continue
+                v = glob[name]
+                if _fixed_at_import(v):
+                    found[f"{fn.__module__}.{name}"] = ("global", name, v)
+                inner = v.func if isinstance(v, functools.partial) else v
+                if isinstance(inner, types.FunctionType) and _user_code(inner.__module__, inner.__code__.co_filename):
+                    todo.append(inner)
+                if isinstance(v, types.ModuleType) and _user_code(v.__name__, getattr(v, "__file__", None)):
+                    for attr in co.co_names:
+                        a = getattr(v, attr, _MISSING)
+                        if a is not _MISSING and _fixed_at_import(a):
+                            found[f"{v.__name__}.{attr}"] = ("attr", attr, a)
+                        if isinstance(a, types.FunctionType) and _user_code(a.__module__, a.__code__.co_filename):
+                            todo.append(a)
+    return {what: v for what, (kind, name, v) in found.items() if kind == "default" or name not in stores[kind]}
 
 
 def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), datasets=(), collator=None) -> dict:

@@ -2,12 +2,13 @@
 
 A recorded callback, a trainer subclass's ``compute_loss`` or a collator may act on ``os.environ`` (``if
 os.environ.get("CLIP"): args.max_grad_norm = 0.05``). Replays run that code again, in the deleting process: where a
-variable it reads differs there, the replay and the oracle both follow the deleting process and agree with each
-other, not with the run that trained, and the environment probe sees it only at the steps it re-runs. So the
-recording notes every variable that code outside the frameworks read while ``train()`` ran (``os.environ[...]``,
-``.get``, ``in``, ``os.getenv``; a read through ``os.environ``'s own class, so code that holds ``os.environ`` under
-another name is seen too), with a keyed digest of its value (the value is not written: it can be a secret); a
-deletion compares them before any compute, and the replay notes the reads its own run of that code makes.
+variable it reads differs there, the replay and the oracle both follow the deleting process and agree with each other,
+not with the run that trained, and the environment probe sees it only at the steps it re-runs. So the recording notes
+every variable that code outside the frameworks read while ``train()`` ran (``os.environ[...]``, ``.get``, ``in``,
+``os.getenv``, and the same through ``os.environb`` and ``os.getenvb``; a read through ``os.environ``'s own class, so
+code that holds ``os.environ`` under another name is seen too), with a keyed digest of its value (the value is not
+written: it can be a secret); a deletion compares them before any compute, and the replay notes the reads its own run
+of that code makes.
 
 Reads by installed packages (transformers, accelerate, torch, a logging integration: files under site-packages),
 this library and the standard library are left out: they read configuration (paths, logging, launchers, API keys),
@@ -59,6 +60,19 @@ class _WatchedEnviron(type(os.environ)):
             _note(key, value)
         return value
 
+    def __setitem__(self, key, value):
+        """A write, while a log is open, of a variable the program's code read before: its values are noted
+        (``"set"``). They are the program's own running state: a replay running that code writes them too, and a
+        deletion in the training process finds one there; both are the recording's values, not another
+        environment's."""
+        super().__setitem__(key, value)
+        if _watching:
+            name = os.fsdecode(key) if isinstance(key, bytes) else str(key)
+            with _lock:
+                for log in _watching:
+                    if name in log:
+                        log[name].setdefault("set", []).append(os.fsdecode(value))
+
     def __iter__(self):
         """Reading the whole environment (``os.environ.copy()``, ``{**os.environ}``, ``.items()``: a copy handed to a
         subprocess, mostly) reads every variable, during the iteration (``.items()``) or right after it, key by key
@@ -88,6 +102,8 @@ def _in_bulk(key) -> bool:
 
 
 def _note(key, value) -> None:
+    if isinstance(key, bytes):  # a read through os.environb (os.getenvb): the same variable
+        key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
     if str(key).startswith(LAUNCH) or getattr(_bulk, "quiet", 0):
         return
     frame = sys._getframe(2)
@@ -108,8 +124,9 @@ def _note(key, value) -> None:
 def watching():
     """Note the environment variables that code outside the frameworks reads inside the block: yields
     ``{name: {"value": str | None (unset), "by": module}}``, the first read of each."""
-    if type(os.environ) is not _WatchedEnviron:
-        os.environ.__class__ = _WatchedEnviron  # the same object (every module's reference to it stays valid)
+    for env in (os.environ, getattr(os, "environb", None)):  # environb (os.getenvb): the same variables, as bytes
+        if env is not None and type(env) is not _WatchedEnviron:
+            env.__class__ = _WatchedEnviron  # the same object (every module's reference to it stays valid)
     log: dict = {}
     with _lock:
         _watching.append(log)
@@ -142,8 +159,15 @@ def value_digest(key: bytes, name: str, value: str | None) -> str | None:
 
 def sealed(key: bytes, log: dict) -> dict:
     """What the header keeps of a recording's reads: ``{name: {"value": digest | None, "by": module}}``."""
-    return {name: {"value": value_digest(key, name, read["value"]), "by": read["by"]}
+    return {name: {"value": value_digest(key, name, read["value"]), "by": read["by"],
+                   **({"set": sorted({value_digest(key, name, v) for v in read["set"]})} if read.get("set") else {})}
             for name, read in sorted(log.items())}
+
+
+def _recorded(key: bytes, name: str, read: dict, value: str | None) -> bool:
+    """Whether ``value`` is one the recording's code met: the value it first read, or one it set itself."""
+    digest = value_digest(key, name, value)
+    return digest == read.get("value") or (digest is not None and digest in (read.get("set") or ()))
 
 
 def differences(key: bytes, recorded: dict, here: dict | None = None) -> list[str]:
@@ -153,7 +177,7 @@ def differences(key: bytes, recorded: dict, here: dict | None = None) -> list[st
     out = []
     for name, read in sorted(recorded.items()):
         now = here.get(name)
-        if value_digest(key, name, now) != read.get("value"):
+        if not _recorded(key, name, read, now):
             was = "unset" if read.get("value") is None else "set"
             is_ = "unset" if now is None else ("set to another value" if read.get("value") is not None else "set")
             out.append(f"{name} (read by {read.get('by', '?')}: {was} while recording, {is_} here)")
@@ -167,7 +191,7 @@ def unrecorded(key: bytes, recorded: dict, log: dict) -> list[str]:
     for name, read in sorted(log.items()):
         if name not in recorded:
             out.append(f"{name} (read by {read['by']}, which the recording's code never read)")
-        elif value_digest(key, name, read["value"]) != recorded[name].get("value"):
+        elif not _recorded(key, name, recorded[name], read["value"]):
             out.append(f"{name} (read by {read['by']}: its value differs from the recording's)")
     return out
 

@@ -62,7 +62,7 @@ from .fidelity import FidelityError
 from .program_code import sealed_code
 from .proven import unproven_steps
 from .trainers import _import, importable_name
-from .value_reads import ValueReads
+from .value_reads import ValueReads, held_view
 
 # the events a replay runs, at the points of a step where Trainer runs them
 REPLAYED_EVENTS = ("on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
@@ -789,6 +789,9 @@ class ProgramGuard:
             what = f"trainer.{k} {numbers.get(k)!r} -> {now.get(k)!r} (a number the trainer's code may read)"
             self.pending.append({"step": self.step, "what": what, "by": by, "persistent": True, "seen": "program"})
         if reads is not None:
+            view = None if reads.first else held_view(callback)
+            if view:  # reads and writes through it run no torch function
+                reads.first = f"a numpy view of a tensor's memory it holds, {view}"
             self.last_read = reads.first
         if not what and reads is not None and reads.first and not any(c["step"] == self.step and c.get("by") == by
                                                            for c in self.pending):

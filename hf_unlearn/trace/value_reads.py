@@ -14,10 +14,13 @@ notes a comparison or a truth test: printing, formatting or storing one is not a
 that acted only when the logged loss was one no recorded step logged was VERIFIED off the counterfactual).
 
 Operators that reach a tensor's data are also seen below torch functions (a dispatch mode), so code run under
-``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. Not seen: reads
-through raw pointers (``data_ptr`` and ``ctypes``), decisions from logged numbers through C functions
-(``math.isfinite``) or by a callback whose code cannot reach the tensors (its decision is then only what the run's
-record keeps: when to stop, a learning rate), and from what a callback reads elsewhere (the dataset's rows, a file).
+``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. A watched callback
+holding a numpy view of a tensor's memory (``tensor.numpy()``, taken outside its events; in its attributes,
+globals or closure) or a ``memoryview`` reads values through it with no torch function: its events count as reads
+(:func:`held_view`). Not seen: reads through raw pointers (``data_ptr`` and ``ctypes``), decisions from logged numbers
+through C functions (``math.isfinite``) or by a callback whose code cannot reach the tensors (its decision is then
+only what the run's record keeps: when to stop, a learning rate), and from what a callback reads elsewhere (the
+dataset's rows, a file).
 """
 
 from __future__ import annotations
@@ -183,6 +186,53 @@ def unmark_logged(marked: list) -> None:
             if len(now) != len(v) or any(a is not b for a, b in zip(list.__iter__(now), v)):
                 v[:] = list(list.__iter__(now))
             setattr(d, k, v)
+
+
+def held_view(callback) -> str | None:
+    """Where ``callback`` holds a numpy array or ``memoryview`` over a tensor's memory (what ``tensor.numpy()``
+    returns, a slice of it): an attribute of it, a module global or closure cell its class's code names, or an item of a
+    list, tuple or dict held there. Reads and writes through it reach a tensor's values with no torch function, so
+    its events are value reads whether or not the monitor saw one. None: it holds none."""
+    import sys
+    import types
+
+    np = sys.modules.get("numpy")
+
+    def over_tensor(x) -> bool:  # the array's (or memoryview's) memory is a tensor's: .base leads to it
+        for _ in range(8):
+            x = x.obj if isinstance(x, memoryview) else x.base if np is not None and isinstance(x, np.ndarray) else x
+            if isinstance(x, torch.Tensor):
+                return True
+            if x is None or not isinstance(x, (memoryview, *((np.ndarray,) if np is not None else ()))):
+                return False
+        return False
+
+    def view(v) -> bool:
+        return any((isinstance(x, memoryview) or (np is not None and isinstance(x, np.ndarray))) and over_tensor(x)
+                   for x in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)))
+
+    places = [(f"{type(callback).__qualname__}.{k}", v) for k, v in getattr(callback, "__dict__", {}).items()]
+    for c in type(callback).__mro__:
+        if c is object or c.__module__.startswith(("transformers.", "hf_unlearn.")):
+            continue
+        for fn in (getattr(v, "__func__", v) for v in vars(c).values()):
+            if isinstance(fn, types.FunctionType):
+                places += [(f"{fn.__module__}.{n}", fn.__globals__[n]) for n in fn.__code__.co_names
+                           if n in fn.__globals__]
+                places += [(f"{fn.__qualname__} closure {n}", cell.cell_contents)
+                           for n, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()) if _cell_has(cell)]
+    return next((where for where, v in places if view(v)), None)
+
+
+def _cell_has(cell) -> bool:
+    """Whether a closure cell holds a value (an empty one raises on reading)."""
+    try:
+        return cell.cell_contents is not _EMPTY_CELL
+    except ValueError:
+        return False
+
+
+_EMPTY_CELL = object()
 
 
 class _DispatchReads(TorchDispatchMode):
