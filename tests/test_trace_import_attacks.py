@@ -13,6 +13,8 @@ import os
 import pytest
 from transformers import TrainerCallback
 
+from hf_unlearn.errors import UnlearnError
+
 from . import imported_config_attack as cfg
 from .test_trace_neutral_attacks import _differs_from_counterfactual, _forget_outcome, _record
 
@@ -262,11 +264,11 @@ class ClipFromStep1(TrainerCallback):
 
 
 def test_a_recording_resumed_with_another_environment(tmp_path, monkeypatch):
-    """ATTACK: stopped after step 4 with the variable unset, resumed (``resume_from_checkpoint``) with it set (the
-    sealed reads are the resumed run's: set); a step-1 deletion in a process with it set replays steps 1..3 clipped,
-    which the recording did not clip. Not fooled: refused before any compute (the resumed recording's guards did not
-    cover step 3, so no oracle deletion of it is VERIFIED; the same without the variable: an over-refusal of a
-    resumed run, left to the recorder's owners)."""
+    """ATTACK: stopped after step 4 (a callback's early stop: the first process sealed the run) with the variable
+    unset, resumed (``resume_from_checkpoint``) with it set: a step-1 deletion in a process with it set would replay
+    steps 1..3 clipped, which the recording did not clip. The resume is refused, naming the variable. Resumed as it was
+    recorded, a step-1 deletion is VERIFIED and equal to the counterfactual (before, the resumed recording lost the
+    sealed fingerprint of step 3, the first process's final entry, and every oracle deletion was refused)."""
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer, open_run
 
@@ -289,9 +291,13 @@ def test_a_recording_resumed_with_another_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("HFU_TEST_IMP_RESUME", raising=False)
     trainer(Stop()).train()
     monkeypatch.setenv("HFU_TEST_IMP_RESUME", "1")
+    with pytest.raises(UnlearnError, match=r"cannot be resumed in this process: what the run's code read before it was "
+                                           r"stopped differs here: HFU_TEST_IMP_RESUME \(read by "):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
+    monkeypatch.delenv("HFU_TEST_IMP_RESUME")  # resumed as it was recorded: its deletions are exact
     trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([1])[:1]
     kind, what = _forget_outcome(run, ids, tmp_path / "del")
-    # a VERIFIED here is wrong by construction: the replay clips steps 1..3, the program as it ran did not
-    assert kind == "refused" and "before any compute" in what and not (tmp_path / "del").exists(), what
+    assert kind == "verified", what
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [ClipFromStep1()])

@@ -65,6 +65,12 @@ class TraceWriter:
             # (hf_unlearn.trace.guards.recorded_fingerprints), which the resumed process never saw: carried over
             first = next((e for e in plan if e.step == resume_step and e.j == 0), None)
             self.carried = {k: first.extra[k] for k in ("fp", "changed") if first is not None and k in first.extra}
+            if first is None and (self.run / "header.json").exists():  # the first process finished (stopped early):
+                # its last step's record is the sealed header's final entry, which this process's seal replaces
+                final = ((json.loads((self.run / "header.json").read_text()).get("fidelity") or {}).get("guards")
+                         or {}).get("final") or {}
+                if final.get("step") == resume_step - 1:
+                    self.carried = {k: final[k] for k in ("fp", "changed") if k in final}
             with open(wal_f, "r+b") as f:
                 f.truncate(len(kept) * RECORD_SIZE)
             with open(man_f, "r+b") as f:

@@ -10,6 +10,7 @@ from ...errors import UnlearnError
 from ...keys import key_fingerprint
 from ...utils import owner_only, private_dir
 from ..digests import replayed_classes, replayed_globals
+from ..environment_reads import differences, globals_differences
 from ..fidelity import save_buffers
 from ..files import model_file_digests
 from ..guards import ProgramGuard
@@ -84,6 +85,16 @@ def start(trainer) -> None:
     # that code finds them): sealed with the run (sealing.finish)
     trainer._trace_program_globals = replayed_globals(replayed_classes(
         trainer._trace_program_callbacks, type(trainer), trainer.data_collator))
+    earlier = previous.get("fidelity") or {}
+    trainer._trace_earlier_reads = earlier.get("environment_reads") or {}
+    if resume_step:  # the steps before it ran with what the first process's code read: so must the ones after
+        differ = differences(trainer._trace_key, trainer._trace_earlier_reads) + globals_differences(
+            trainer._trace_key, earlier.get("program_globals") or {}, trainer._trace_program_globals)
+        if differ:
+            raise UnlearnError(f"{run} cannot be resumed in this process: what the run's code read before it was "
+                               f"stopped differs here: {differ[0]}"
+                               f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}; resume with the "
+                               "environment it was recorded in")
     before = (previous.get("trainer") or {}).get("callbacks")
     if before is not None and before != header["trainer"]["callbacks"]:  # a replay runs one set over the run
         names = [[c["class"].rsplit(":", 1)[-1] for c in cbs] for cbs in (before, header["trainer"]["callbacks"])]

@@ -79,7 +79,8 @@ def finish(trainer) -> None:
     if not trainer._is_replay and reads is not None:  # every deleting process is compared with them
         key = trainer._trace_writer.key
         trainer._trace_header.setdefault("fidelity", {}).update(
-            environment_reads=sealed(key, reads),
+            # a resumed run: what the steps before the resume read stays (checked against this process when it resumed)
+            environment_reads={**sealed(key, reads), **(getattr(trainer, "_trace_earlier_reads", None) or {})},
             program_globals=sealed_globals(key, getattr(trainer, "_trace_program_globals", None) or {}))
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None
