@@ -269,27 +269,16 @@ def test_a_recording_resumed_with_another_environment(tmp_path, monkeypatch):
     steps 1..3 clipped, which the recording did not clip. The resume is refused, naming the variable. Resumed as it was
     recorded, a step-1 deletion is VERIFIED and equal to the counterfactual (before, the resumed recording lost the
     sealed fingerprint of step 3, the first process's final entry, and every oracle deletion was refused)."""
-    from hf_unlearn.data import QACollator
-    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace import open_run
 
-    from .test_trace_common import config_model, get_trace_data, train_args
-    from .test_trace_neutral_attacks import KW
+    from .test_trace_common import get_trace_data
+    from .test_trace_neutral_attacks import stopped_at_4_then_resumed
 
     tok, data = get_trace_data()
     data = data.select(range(24))
-    kw = {**KW, "max_steps": 6, "save_strategy": "steps", "save_steps": 4}
-
-    class Stop(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 4
-
-    def trainer(*extra):
-        return TraceRecordingTrainer(model=config_model("llama", tok), args=train_args(tmp_path / "rec", **kw),
-                                     train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
-                                     trace_checkpoint_steps=2, callbacks=[ClipFromStep1(), *extra])
-
+    trainer = stopped_at_4_then_resumed(tmp_path, tok, data, [ClipFromStep1()])
     monkeypatch.delenv("HFU_TEST_IMP_RESUME", raising=False)
-    trainer(Stop()).train()
+    trainer(trainer.stop_at_4).train()
     monkeypatch.setenv("HFU_TEST_IMP_RESUME", "1")
     with pytest.raises(UnlearnError, match=r"cannot be resumed in this process: what the run's code read before it was "
                                            r"stopped differs here: HFU_TEST_IMP_RESUME \(read by "):

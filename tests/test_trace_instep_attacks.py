@@ -14,10 +14,9 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_unlearn.errors import UnlearnError
-
 from .test_trace_common import config_model, get_trace_data, record
 from .test_trace_fidelity import independent_counterfactual
+from .test_trace_neutral_attacks import _forget_outcome, _the_trainer
 
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
 AT = 3
@@ -33,16 +32,6 @@ def _record(tmp_path, family, callbacks=(), name="rec", **kw):
            data_collator=kw.pop("data_collator", None) or QACollator.from_tokenizer(tok),
            trainer_kwargs=trainer_kwargs, **{**KW, **kw})
     return tok, data, tmp_path / name / "trace"
-
-
-def _forget_outcome(run, ids, out):
-    from hf_unlearn import forget
-
-    try:
-        receipt = forget(run, ids, out, oracle=True, progress=False)
-    except UnlearnError as e:
-        return "refused", str(e)
-    return ("verified" if receipt.evidence["verified"] is True else "not verified"), receipt
 
 
 def _off_counterfactual(tok, data, family, run, ids, out, callbacks=(), **kw):
@@ -539,18 +528,6 @@ def _weight_at(step: int, on: str):
     return SetWeight()
 
 
-def _the_trainer():
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        found = frame.f_locals.get("self")
-        if isinstance(found, Trainer):
-            return found
-        frame = frame.f_back
-    raise AssertionError("no trainer up the stack")
-
-
 @pytest.mark.parametrize("on", ["instance", pytest.param("class", marks=pytest.mark.slow)])
 def test_a_number_the_recorded_loss_reads_from_the_trainer_set_by_a_callback_is_refused(tmp_path, on):
     """A watched callback sets, at step 3, the number the recorded trainer's ``compute_loss`` weighs an unlabelled
@@ -682,27 +659,16 @@ def test_the_value_conditional_guard_in_a_resumed_recording_is_refused(tmp_path)
     """The gradient guard in a recording stopped after step 4 and resumed from the Trainer's checkpoint-4
     (``resume_from_checkpoint``): the reads of the steps before the stop are in the plan the resume keeps, those after
     it are noted by the resumed run; a step-0 and a step-5 deletion are refused before any compute."""
-    from hf_unlearn.data import QACollator
-    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace import open_run
 
-    from .test_trace_common import train_args
+    from .test_trace_neutral_attacks import stopped_at_4_then_resumed
 
     cap = _calibrate(tmp_path, "llama")
     tok, data = get_trace_data()
     data = data.select(range(24))
-    kw = {**KW, "save_strategy": "steps", "save_steps": 4}
-
-    class Stop(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 4
-
-    def trainer(*extra):
-        return TraceRecordingTrainer(model=config_model("llama", tok), args=train_args(tmp_path / "rec", **kw),
-                                     train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
-                                     trace_checkpoint_steps=2, trace_checkpoint_retention="even",
-                                     callbacks=[_spike_guard(cap.grads, "pre"), *extra])
-
-    trainer(Stop()).train()
+    trainer = stopped_at_4_then_resumed(tmp_path, tok, data, [_spike_guard(cap.grads, "pre")],
+                                        trace_checkpoint_retention="even")
+    trainer(trainer.stop_at_4).train()
     trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
     run = tmp_path / "rec" / "trace"
     assert open_run(run).total_steps == KW["max_steps"]

@@ -51,6 +51,30 @@ def _record(tmp_path, family, callbacks, **kw):
     return tok, data, tmp_path / "rec" / "trace"
 
 
+def stopped_at_4_then_resumed(tmp_path, tok, data, callbacks, **trace_kw):
+    """``trainer(*extra)``: a recording of a tiny Llama into ``tmp_path/rec`` (``KW``'s 6 steps, the Trainer
+    checkpointing every 4, a trace checkpoint every 2) with ``callbacks``; the caller runs
+    ``trainer(trainer.stop_at_4)`` (a watched callback: defined here, replays cannot import it) and then ``trainer()``
+    resumed from ``checkpoint-4``."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    from .test_trace_common import train_args
+
+    kw = {**KW, "save_strategy": "steps", "save_steps": 4}
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 4
+
+    def trainer(*extra):
+        return TraceRecordingTrainer(model=config_model("llama", tok), args=train_args(tmp_path / "rec", **kw),
+                                     train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+                                     trace_checkpoint_steps=2, callbacks=[*callbacks, *extra], **trace_kw)
+    trainer.stop_at_4 = Stop()
+    return trainer
+
+
 def _forget_outcome(run, ids, out):
     from hf_unlearn import forget
 
