@@ -41,7 +41,8 @@ import types
 import torch
 
 from .checksums import _own_state_tensors, exact_digest, state_tensors, tensor_checksums
-from .trainers import recorded_trainer_class
+from .environment_reads import is_user_code
+from .trainers import own_functions, recorded_trainer_class
 
 # config keys that say where a model came from, not what it computes
 VOLATILE_CONFIG = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
@@ -352,18 +353,11 @@ def _module_code(mod, digester: Digester) -> str:
 def _globals_of(cls, frameworks=("transformers.", "builtins")):
     """``(module, name, value)`` of each module global the code of ``cls``'s own methods (and its bases' outside
     ``frameworks``) reads."""
-    for c in cls.__mro__:
-        if c.__module__.startswith(frameworks) or c is object:
-            continue
-        for v in vars(c).values():
-            fn = getattr(v, "__func__", v)
-            code = getattr(fn, "__code__", None)
-            if code is None:
-                continue
-            glob = fn.__globals__
-            for name in code.co_names:
-                if name in glob:
-                    yield c.__module__, name, glob[name]
+    for c, _, fn in own_functions(cls, frameworks):
+        glob = fn.__globals__
+        for name in fn.__code__.co_names:
+            if name in glob:
+                yield c.__module__, name, glob[name]
 
 
 def _globals_read(cls, digester: Digester, skip=("transformers.", "builtins")) -> dict:
@@ -415,13 +409,6 @@ def replayed_globals(classes: dict) -> dict[str, str]:
 _MISSING = object()
 
 
-def _user_code(module: str, filename: str | None) -> bool:
-    """Whether code is the program's own: not the frameworks', the standard library's or an installed package's."""
-    from .environment_reads import FRAMEWORKS, INSTALLED
-
-    top = (module or "").split(".", 1)[0]
-    return bool(top) and top not in FRAMEWORKS and top not in sys.stdlib_module_names and top != "builtins" \
-        and not any(p in (filename or "") for p in INSTALLED)
 
 
 def _import_time_reads(cls, frameworks, constructed: bool = True) -> dict:
@@ -486,14 +473,14 @@ def _import_time_reads(cls, frameworks, constructed: bool = True) -> dict:
                 if _fixed_at_import(v):
                     found[f"{fn.__module__}.{name}"] = ("global", name, v)
                 inner = v.func if isinstance(v, functools.partial) else v
-                if isinstance(inner, types.FunctionType) and _user_code(inner.__module__, inner.__code__.co_filename):
+                if isinstance(inner, types.FunctionType) and is_user_code(inner.__module__, inner.__code__.co_filename):
                     todo.append(inner)
-                if isinstance(v, types.ModuleType) and _user_code(v.__name__, getattr(v, "__file__", None)):
+                if isinstance(v, types.ModuleType) and is_user_code(v.__name__, getattr(v, "__file__", None)):
                     for attr in co.co_names:
                         a = getattr(v, attr, _MISSING)
                         if a is not _MISSING and _fixed_at_import(a):
                             found[f"{v.__name__}.{attr}"] = ("attr", attr, a)
-                        if isinstance(a, types.FunctionType) and _user_code(a.__module__, a.__code__.co_filename):
+                        if isinstance(a, types.FunctionType) and is_user_code(a.__module__, a.__code__.co_filename):
                             todo.append(a)
     return {what: v for what, (kind, name, v) in found.items() if kind == "default" or name not in stores[kind]}
 

@@ -101,6 +101,13 @@ def _in_bulk(key) -> bool:
     return False
 
 
+def is_user_code(module: str | None, filename: str | None) -> bool:
+    """Whether code is the program's own: not this library's, the standard library's or an installed package's."""
+    top = (module or "").split(".", 1)[0]
+    return bool(top) and top not in FRAMEWORKS and top not in sys.stdlib_module_names \
+        and not any(p in (filename or "") for p in INSTALLED)
+
+
 def _note(key, value) -> None:
     if isinstance(key, bytes):  # a read through os.environb (os.getenvb): the same variable
         key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
@@ -112,8 +119,7 @@ def _note(key, value) -> None:
     if frame is None:
         return
     module = frame.f_globals.get("__name__") or "?"
-    top = module.split(".", 1)[0]
-    if top in FRAMEWORKS or top in sys.stdlib_module_names or any(p in frame.f_code.co_filename for p in INSTALLED):
+    if not is_user_code(module, frame.f_code.co_filename):
         return
     with _lock:
         for log in _watching:

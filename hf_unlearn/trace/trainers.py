@@ -162,3 +162,18 @@ def recorded_trainer_class(cls):
             continue
         return c
     return Trainer
+
+
+def own_functions(cls, skip=("transformers.", "hf_unlearn.")):
+    """``(class, name, function)`` of every plain function (a bound classmethod's or staticmethod's too) that
+    ``cls`` and its bases define, the bases from the ``skip`` packages and ``object`` aside: the code of a class
+    the user wrote, as the program digests and the value-read checks read it."""
+    import types
+
+    for c in cls.__mro__:
+        if c is object or c.__module__.startswith(skip):
+            continue
+        for name, v in vars(c).items():
+            fn = getattr(v, "__func__", v)
+            if isinstance(fn, types.FunctionType):
+                yield c, name, fn
