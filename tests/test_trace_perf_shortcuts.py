@@ -153,6 +153,121 @@ def test_a_function_read_once_is_read_again_when_anything_its_text_depends_on_ch
     assert program_state(model) == cached
 
 
+class _Marker:
+    """A class a kept namespace names (renaming it is a change)."""
+
+
+class _Target:
+    def act(self):
+        return 1
+
+
+class _OtherTarget:
+    def act(self):
+        return 1
+
+
+def _wrap(fn):
+    def wrapper(*a, **k):
+        return fn(*a, **k)
+    return wrapper
+
+
+class _UserLayer(torch.nn.Module):
+    """A module whose class namespace holds each kind of entry a kept digest must pin."""
+
+    kind = _Marker
+    holder = _Marker()
+
+    def forward(self, x, scale=1):
+        return x * scale
+
+    def keyed(self, x, *, k=1):
+        return x * k
+
+    @_wrap
+    def decorated(self, x):
+        return x
+
+    bound = _wrap(_Target().act)  # a bound method in a closure: written as its function and its object's class
+
+
+def test_a_kept_namespace_digest_equals_a_fresh_one_after_every_edit(monkeypatch):
+    """Classes' and modules' code digests are kept between snapshots (digests._NAMESPACES) while the objects they
+    depend on are the same: every edit of one of those objects, made in place, gives the digest a fresh read gives
+    (the cache cleared), and the edited program differs from the original."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from hf_unlearn.trace import digests
+    from hf_unlearn.trace.digests import describe_difference, program_state
+
+    tok, _ = get_trace_data()
+    model = tiny(tok)
+    model.add_module("user_layer", _UserLayer())
+    monkeypatch.setitem(vars(ml), "user_marker", _Marker)  # a module global class, named by the module's digest
+    original = program_state(model)
+    assert program_state(model) == original and id(_UserLayer) in digests._NAMESPACES  # kept
+
+    def fresh():
+        kept = program_state(model)
+        saved = dict(digests._NAMESPACES)
+        digests._NAMESPACES.clear()
+        try:
+            return kept, program_state(model)
+        finally:
+            digests._NAMESPACES.update(saved)
+
+    def other(self, x, scale=1):
+        return -x
+
+    inner = _UserLayer.__dict__["decorated"].__closure__[0]
+    forward = _UserLayer.__dict__["forward"]
+    edits = [
+        (lambda: setattr(_UserLayer, "forward", other), lambda: setattr(_UserLayer, "forward", forward)),
+        (_UserLayer.forward, "__code__", other.__code__),
+        (_UserLayer.forward, "__defaults__", (True,)),  # 1 == True: an equality test would keep the old text
+        (_UserLayer.forward, "__defaults__", (1.0,)),
+        (_UserLayer.forward, "__qualname__", "_UserLayer.renamed"),
+        (_UserLayer.keyed.__kwdefaults__, "k", True),  # a dict edited in place
+        (inner, "cell_contents", other),  # the decorated function replaced inside its wrapper's closure
+        (inner.cell_contents, "__code__", other.__code__),  # the wrapped function's code, one level down
+        (_Marker, "__qualname__", "_Renamed"),  # the class a class attribute and a module global name
+        (_Marker, "__module__", "elsewhere"),
+        (_UserLayer.holder, "__func__", other),  # an object in the namespace given a __func__ later
+        (_UserLayer.bound.__closure__[0].cell_contents.__self__, "__class__", _OtherTarget),  # a bound method's object, of another class now
+        (ml.rotate_half, "__code__", other.__code__),
+        (ml, "rotate_half", other),
+    ]
+    for edit in edits:
+        if callable(edit[0]) and len(edit) == 2:
+            do, undo = edit
+        else:
+            obj, attr, value = edit
+            is_dict = isinstance(obj, dict)
+            saved = obj[attr] if is_dict else getattr(obj, attr, digests._MISSING)
+
+            def do(obj=obj, attr=attr, value=value, is_dict=is_dict):
+                obj.__setitem__(attr, value) if is_dict else setattr(obj, attr, value)
+
+            def undo(obj=obj, attr=attr, saved=saved, is_dict=is_dict):
+                if is_dict:
+                    obj[attr] = saved
+                elif saved is digests._MISSING:
+                    delattr(obj, attr)
+                else:
+                    setattr(obj, attr, saved)
+        do()
+        try:
+            kept, read = fresh()
+            assert kept == read, (edit, describe_difference(read, kept))
+            assert describe_difference(original, kept), edit
+        finally:
+            undo()
+        kept, read = fresh()
+        assert kept == read == original, edit
+    assert _UserLayer.__dict__["forward"] is forward
+
+
 class _NeverKept(dict):
     """A function-text cache that never answers (every text read afresh)."""
 

@@ -216,19 +216,31 @@ class Digester:
     def class_lines(self, c: type) -> bytes:
         """``Class.name=<function text>`` of every function ``c`` itself defines, read once per snapshot: the
         module classes of a model share their bases (``nn.Module``'s ~200 functions), which each class's
-        :func:`_class_code` used to read again."""
+        :func:`_class_code` used to read again; and between snapshots while nothing it depends on moved
+        (:func:`_kept_namespace`)."""
         hit = self._classes.get(c)
         if hit is None:
-            lines = []
-            for k, v in sorted(vars(c).items()):
-                if (c.__module__, c.__qualname__, k) in SIDE_EFFECT_ATTRIBUTES:
-                    continue
-                fn = _unwrapped(c, c, k, v)
-                fn = getattr(fn, "__func__", fn)
-                if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
-                    lines.append(f"{c.__qualname__}.{k}={self.text(fn, 1)}\n")
-            hit = self._classes[c] = "".join(lines).encode()
+            hit = self._classes[c] = _kept_namespace(c, vars(c), lambda: self._class_lines(c))
         return hit
+
+    def _class_lines(self, c: type) -> tuple[bytes, list | None, list]:
+        lines, deps, watch = [], [], []
+        for k, v in sorted(vars(c).items()):
+            if (c.__module__, c.__qualname__, k) in SIDE_EFFECT_ATTRIBUTES:
+                continue
+            fn = _unwrapped(c, c, k, v)
+            if fn is not v:  # a profiling wrapper: what it digests depends on the bases' namespaces
+                deps = None
+            fn = getattr(fn, "__func__", fn)
+            if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
+                lines.append(f"{c.__qualname__}.{k}={self.text(fn, 1)}\n")
+                if deps is not None and type(v) in _WRAPPERS:
+                    deps.append(fn)
+                else:
+                    deps = None
+            elif type(v) not in _INERT:  # an object or class that may be given a __func__ later
+                watch.append(v)
+        return "".join(lines).encode(), deps, watch
 
     def own_tensor(self, t: torch.Tensor) -> str | None:
         """``tensor <dtype><shape> parameter <name>`` when ``t`` is one of the model's own parameters or buffers (the
@@ -340,14 +352,119 @@ def _class_values(cls) -> dict:
 
 def _module_code(mod, digester: Digester) -> str:
     """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
-    h = hashlib.sha256()
+    return _kept_namespace(mod, vars(mod), lambda: _module_lines(mod, digester))
+
+
+def _module_lines(mod, digester: Digester) -> tuple[str, list | None, list]:
+    h, deps, named, kept = hashlib.sha256(), [], [], True
     for k, v in sorted(vars(mod).items()):
         if isinstance(v, (types.FunctionType, functools.partial)) or (
                 isinstance(v, types.BuiltinFunctionType) and not k.startswith("__")):
             h.update(f"{k}={digester.text(v, 1)}\n".encode())
+            if type(v) is not types.BuiltinFunctionType:  # a builtin's text is its name and owner: fixed
+                kept = kept and type(v) is types.FunctionType
+                deps.append(v)
         elif isinstance(v, type):
             h.update(f"{k}={_name(v)}\n".encode())
-    return h.hexdigest()[:16]
+            named.append(v)
+    return h.hexdigest()[:16], deps if kept else None, named
+
+
+# ---- code digests kept between snapshots -------------------------------------------------------------------
+# A class's or module's namespace is read whole at every snapshot; what :meth:`Digester.class_lines` and
+# :func:`_module_code` make of it is kept while nothing it depends on can have moved, compared by identity: the same
+# keys bound to the same objects, and for each function written out the same code, defaults tuple, keyword-only
+# default values, closure cell contents, module and qualname (each function it names there too, at any depth;
+# each class it names there with the same module and qualname), and each object that could be given a ``__func__``
+# without being rebound (a class, a user object) still without one. The entry holds every object compared, so no
+# id is reused while it is kept. A function whose text depends on anything else (a default that is an object, whose
+# text follows its state; a ``functools.partial``, whose keywords are a dict; a bound method; torch's profiling
+# wrapper) makes its namespace read again at every snapshot, as before.
+_NAMESPACES: dict[int, tuple] = {}
+# a class's namespace entries whose function, if any, cannot change while the entry is the same object
+_WRAPPERS = frozenset({types.FunctionType, staticmethod, classmethod})
+# built-in types whose instances cannot be given a ``__func__`` (nor another class)
+_INERT = frozenset({*PLAIN, types.FunctionType, staticmethod, classmethod, property, dict, list, tuple, set,
+                    frozenset, types.GetSetDescriptorType, types.MemberDescriptorType, types.MethodDescriptorType,
+                    types.WrapperDescriptorType, types.BuiltinFunctionType, types.ClassMethodDescriptorType,
+                    types.MappingProxyType})
+_FIXED_TEXT = frozenset({torch.dtype, torch.device})  # immutable, written as str()
+
+
+def _function_parts(fn, out: list, seen: set) -> bool:
+    """Append to ``out`` the objects ``fn``'s text depends on (see :data:`_NAMESPACES`); False when it depends on
+    something identity does not pin (then nothing is kept). ``seen``: the functions already appended (a decorator's
+    closure may hold the function that holds it)."""
+    if type(fn) is not types.FunctionType:
+        return False
+    if id(fn) in seen:
+        return True
+    seen.add(id(fn))
+    kw, cells = fn.__kwdefaults__, fn.__closure__
+    out += (fn, fn.__code__, fn.__defaults__, fn.__module__, fn.__qualname__, kw)
+    inner = [*(fn.__defaults__ or ()), *(kw.values() if kw else ())]
+    if cells:
+        try:
+            inner += [c.cell_contents for c in cells]
+        except ValueError:  # an empty cell
+            return False
+    return all(_pinned(v, out, seen) for v in inner)
+
+
+def _pinned(v, out: list, seen: set) -> bool:
+    """Whether ``v``'s text is fixed by the objects appended to ``out``: a plain value, a dtype or device, a class (by
+    its name), a tuple or frozenset of such, or a function or bound method (by :func:`_function_parts`)."""
+    out.append(v)
+    t = type(v)
+    if t in _EXACT_PLAIN or t in _FIXED_TEXT:
+        return True
+    if t in (tuple, frozenset):
+        return all(_pinned(x, out, seen) for x in v)
+    if isinstance(v, type):
+        out += _class_names(v)
+        return True
+    if t is types.MethodType:  # its function, and the class of what it is bound to
+        owner = type(v.__self__)
+        out += (owner, *_class_names(owner))
+        v = v.__func__
+    return _function_parts(v, out, seen)
+
+
+def _class_names(cls: type) -> tuple:
+    """A class's module and qualname, interned (a built-in class makes a new string at every read): compared by
+    identity as the rest."""
+    return tuple(sys.intern(x) if type(x) is str else x for x in (cls.__module__, cls.__qualname__))
+
+
+def _namespace_parts(deps: list, watch: list) -> list | None:
+    out: list = []
+    seen: set = set()
+    for fn in deps:
+        if not _function_parts(fn, out, seen):
+            return None
+    for v in watch:
+        out += (v, getattr(v, "__func__", None), *(_class_names(v) if isinstance(v, type) else ()))
+    return out
+
+
+def _kept_namespace(owner, ns, compute):
+    """``compute()``'s result for ``owner``'s namespace ``ns``, reused from the last snapshot while nothing it depends
+    on moved (:data:`_NAMESPACES`). ``compute`` returns ``(result, functions or None, watched objects)``: the
+    functions its text read (None: not kept), and the classes it named or objects it must see gain a ``__func__``."""
+    keys, values = tuple(ns), tuple(ns.values())
+    hit = _NAMESPACES.get(id(owner))
+    if hit is not None and hit[0] is owner and hit[1] == keys and hit[3] == tuple(map(id, values)):
+        parts = _namespace_parts(hit[4], hit[5])
+        if parts is not None and hit[7] == list(map(id, parts)):
+            return hit[8]
+    result, deps, watch = compute()
+    parts = _namespace_parts(deps, watch) if deps is not None else None
+    if parts is None:
+        _NAMESPACES.pop(id(owner), None)
+    else:
+        _NAMESPACES[id(owner)] = (owner, keys, values, tuple(map(id, values)), deps, watch, parts,
+                                  list(map(id, parts)), result)
+    return result
 
 
 def _globals_of(cls, frameworks=("transformers.", "builtins")):
