@@ -389,6 +389,8 @@ _INERT = frozenset({*PLAIN, types.FunctionType, staticmethod, classmethod, prope
                     types.WrapperDescriptorType, types.BuiltinFunctionType, types.ClassMethodDescriptorType,
                     types.MappingProxyType})
 _FIXED_TEXT = frozenset({torch.dtype, torch.device})  # immutable, written as str()
+_CALLABLES = frozenset({types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodWrapperType,
+                        types.MethodDescriptorType})  # written by Digester.callable_text
 
 
 def _function_parts(fn, out: list, seen: set) -> bool:
@@ -427,7 +429,33 @@ def _pinned(v, out: list, seen: set) -> bool:
         owner = type(v.__self__)
         out += (owner, *_class_names(owner))
         v = v.__func__
+    elif t is not types.FunctionType:
+        return _object_parts(v, out, seen)
     return _function_parts(v, out, seen)
+
+
+def _object_parts(v, out: list, seen: set) -> bool:
+    """An object written as its class and attributes (a decorator's state, a sentinel): its class by name, and each
+    attribute, pinned in turn (the attributes' count first: one added shows); a built-in function, an enum member
+    or a ``torch.nn.Module`` (written as their names). Anything else (a tensor, a generator, one with its own
+    ``__repr__`` and no ``__dict__``) is not pinned."""
+    t = type(v)
+    if t in _CALLABLES:  # a built-in function or descriptor: its name and owner, fixed
+        return True
+    if isinstance(v, (enum.Enum, torch.nn.Module)) and not torch.is_tensor(v):  # by class (and member name)
+        out += (t, *_class_names(t), getattr(v, "_name_", None))
+        return True
+    attrs = getattr(v, "__dict__", None)
+    if type(attrs) is not dict or torch.is_tensor(v) or isinstance(v, (functools.partial, type, types.ModuleType)) \
+            or id(v) in seen:
+        return id(v) in seen
+    seen.add(id(v))
+    out += (t, *_class_names(t), len(attrs))
+    for k, x in attrs.items():
+        out.append(k)
+        if not _pinned(x, out, seen):
+            return False
+    return True
 
 
 def _class_names(cls: type) -> tuple:
