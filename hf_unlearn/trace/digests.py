@@ -34,6 +34,8 @@ import collections
 import enum
 import functools
 import hashlib
+import itertools
+import operator
 import os
 import sys
 import types
@@ -373,13 +375,12 @@ def _module_lines(mod, digester: Digester) -> tuple[str, list | None, list]:
 # ---- code digests kept between snapshots -------------------------------------------------------------------
 # A class's or module's namespace is read whole at every snapshot; what :meth:`Digester.class_lines` and
 # :func:`_module_code` make of it is kept while nothing it depends on can have moved, compared by identity: the same
-# keys bound to the same objects, and for each function written out the same code, defaults tuple, keyword-only
-# default values, closure cell contents, module and qualname (each function it names there too, at any depth;
-# each class it names there with the same module and qualname), and each object that could be given a ``__func__``
-# without being rebound (a class, a user object) still without one. The entry holds every object compared, so no
-# id is reused while it is kept. A function whose text depends on anything else (a default that is an object, whose
-# text follows its state; a ``functools.partial``, whose keywords are a dict; a bound method; torch's profiling
-# wrapper) makes its namespace read again at every snapshot, as before.
+# keys bound to the same objects, and everything the functions it wrote out depend on (:class:`_Pins`: their code,
+# defaults, closures, and what those hold, at any depth), and each object that could be given a ``__func__`` without
+# being rebound (a class, a user object) still without one. The entry holds every object compared, so no id is reused
+# while it is kept. A namespace whose text depends on anything identity cannot pin (a tensor or a list in a closure,
+# a ``functools.partial``, whose keywords are a dict, a bound method as a class attribute, torch's profiling wrapper)
+# is read again at every snapshot, as before.
 _NAMESPACES: dict[int, tuple] = {}
 # a class's namespace entries whose function, if any, cannot change while the entry is the same object
 _WRAPPERS = frozenset({types.FunctionType, staticmethod, classmethod})
@@ -393,86 +394,104 @@ _CALLABLES = frozenset({types.BuiltinFunctionType, types.WrapperDescriptorType, 
                         types.MethodDescriptorType})  # written by Digester.callable_text
 
 
-def _function_parts(fn, out: list, seen: set) -> bool:
-    """Append to ``out`` the objects ``fn``'s text depends on (see :data:`_NAMESPACES`); False when it depends on
-    something identity does not pin (then nothing is kept). ``seen``: the functions already appended (a decorator's
-    closure may hold the function that holds it)."""
-    if type(fn) is not types.FunctionType:
-        return False
-    if id(fn) in seen:
-        return True
-    seen.add(id(fn))
-    kw, cells = fn.__kwdefaults__, fn.__closure__
-    out += (fn, fn.__code__, fn.__defaults__, fn.__module__, fn.__qualname__, kw)
-    inner = [*(fn.__defaults__ or ()), *(kw.values() if kw else ())]
-    if cells:
+class _Pins:
+    """The objects a kept namespace's text depends on, by kind, so that :meth:`now` reads them all again with
+    C-level ``map`` calls (a snapshot reads some 900 functions this way): each function's code, defaults, keyword-only
+    defaults, module and qualname; each closure cell's contents; each dict's (keyword-only defaults, an object's
+    attributes) keys, values and size; each object's class and attribute dict; each class's module and qualname
+    (interned); each bound method's object's class; each watched object's ``__func__``."""
+
+    def __init__(self):
+        self.fns, self.cells, self.dicts, self.objs, self.classes, self.methods, self.watch = [], [], [], [], [], [], []
+        self.seen: set[int] = set()
+
+    def function(self, fn) -> bool:
+        """Pin a function (False: its text depends on something identity does not pin; nothing is kept)."""
+        if type(fn) is not types.FunctionType:
+            return False
+        if id(fn) in self.seen:  # a decorator's closure may hold the function that holds it
+            return True
+        self.seen.add(id(fn))
+        self.fns.append(fn)
+        kw, cells = fn.__kwdefaults__, fn.__closure__
+        inner = list(fn.__defaults__ or ())
+        if kw:
+            self.dicts.append(kw)
+            inner += [*kw, *kw.values()]
+        if cells:
+            try:
+                inner += [c.cell_contents for c in cells]
+            except ValueError:  # an empty cell
+                return False
+            self.cells += cells
+        return all(self.value(v) for v in inner)
+
+    def value(self, v) -> bool:
+        """Pin a value held by a function (default, closure) or an object: a plain value, a dtype or device, a class
+        (by its name), a tuple or frozenset of such, a function or bound method, a built-in function, an enum member
+        or ``torch.nn.Module`` (written by name), or an object written as its class and attributes. Anything else (a
+        tensor, a generator, a list, an object with its own ``__repr__`` and no ``__dict__``) is not pinned."""
+        t = type(v)
+        if t in _EXACT_PLAIN or t in _FIXED_TEXT or t in _CALLABLES:
+            return True
+        if t in (tuple, frozenset):  # immutable: its items are the same objects
+            return all(self.value(x) for x in v)
+        if isinstance(v, type):
+            self.classes.append(v)
+            return True
+        if t is types.MethodType:  # its function, and the class of what it is bound to
+            self.methods.append(v)
+            return self.function(v.__func__)
+        if t is types.FunctionType:
+            return self.function(v)
+        if torch.is_tensor(v) or isinstance(v, (functools.partial, types.ModuleType)):
+            return False
+        if isinstance(v, torch.nn.Module):  # written as its class
+            self.objs.append(v)
+            self.classes.append(t)
+            return True
+        attrs = getattr(v, "__dict__", None)
+        if type(attrs) is not dict:
+            return False
+        if id(v) in self.seen:
+            return True
+        self.seen.add(id(v))
+        self.objs.append(v)
+        self.classes.append(t)
+        self.dicts.append(attrs)
+        return all(self.value(x) for x in (*attrs, *attrs.values()))
+
+    def now(self) -> list | None:
+        """Everything pinned, read again (None: an empty cell or a name that is not a string, never kept)."""
         try:
-            inner += [c.cell_contents for c in cells]
-        except ValueError:  # an empty cell
-            return False
-    return all(_pinned(v, out, seen) for v in inner)
-
-
-def _pinned(v, out: list, seen: set) -> bool:
-    """Whether ``v``'s text is fixed by the objects appended to ``out``: a plain value, a dtype or device, a class (by
-    its name), a tuple or frozenset of such, or a function or bound method (by :func:`_function_parts`)."""
-    out.append(v)
-    t = type(v)
-    if t in _EXACT_PLAIN or t in _FIXED_TEXT:
-        return True
-    if t in (tuple, frozenset):
-        return all(_pinned(x, out, seen) for x in v)
-    if isinstance(v, type):
-        out += _class_names(v)
-        return True
-    if t is types.MethodType:  # its function, and the class of what it is bound to
-        owner = type(v.__self__)
-        out += (owner, *_class_names(owner))
-        v = v.__func__
-    elif t is not types.FunctionType:
-        return _object_parts(v, out, seen)
-    return _function_parts(v, out, seen)
-
-
-def _object_parts(v, out: list, seen: set) -> bool:
-    """An object written as its class and attributes (a decorator's state, a sentinel): its class by name, and each
-    attribute, pinned in turn (the attributes' count first: one added shows); a built-in function, an enum member
-    or a ``torch.nn.Module`` (written as their names). Anything else (a tensor, a generator, one with its own
-    ``__repr__`` and no ``__dict__``) is not pinned."""
-    t = type(v)
-    if t in _CALLABLES:  # a built-in function or descriptor: its name and owner, fixed
-        return True
-    if isinstance(v, (enum.Enum, torch.nn.Module)) and not torch.is_tensor(v):  # by class (and member name)
-        out += (t, *_class_names(t), getattr(v, "_name_", None))
-        return True
-    attrs = getattr(v, "__dict__", None)
-    if type(attrs) is not dict or torch.is_tensor(v) or isinstance(v, (functools.partial, type, types.ModuleType)) \
-            or id(v) in seen:
-        return id(v) in seen
-    seen.add(id(v))
-    out += (t, *_class_names(t), len(attrs))
-    for k, x in attrs.items():
-        out.append(k)
-        if not _pinned(x, out, seen):
-            return False
-    return True
-
-
-def _class_names(cls: type) -> tuple:
-    """A class's module and qualname, interned (a built-in class makes a new string at every read): compared by
-    identity as the rest."""
-    return tuple(sys.intern(x) if type(x) is str else x for x in (cls.__module__, cls.__qualname__))
-
-
-def _namespace_parts(deps: list, watch: list) -> list | None:
-    out: list = []
-    seen: set = set()
-    for fn in deps:
-        if not _function_parts(fn, out, seen):
+            return [*map(_CODE_OF, self.fns), *map(_DEFAULTS, self.fns), *map(_KWDEFAULTS, self.fns),
+                    *map(_MODULE, self.fns), *map(_QUALNAME, self.fns), *map(_CONTENTS, self.cells),
+                    *map(type, self.objs), *map(_vars_or_none, self.objs), *map(len, self.dicts),
+                    *itertools.chain.from_iterable(self.dicts), *itertools.chain.from_iterable(map(dict.values,
+                                                                                                    self.dicts)),
+                    *map(sys.intern, map(_MODULE, self.classes)), *map(sys.intern, map(_QUALNAME, self.classes)),
+                    *map(type, map(_SELF, self.methods)), *map(getattr, self.watch, itertools.repeat("__func__"),
+                                                                itertools.repeat(None))]
+        except (ValueError, TypeError):
             return None
-    for v in watch:
-        out += (v, getattr(v, "__func__", None), *(_class_names(v) if isinstance(v, type) else ()))
-    return out
+
+
+_CODE_OF, _DEFAULTS, _KWDEFAULTS = (operator.attrgetter(a) for a in ("__code__", "__defaults__", "__kwdefaults__"))
+_MODULE, _QUALNAME, _SELF = (operator.attrgetter(a) for a in ("__module__", "__qualname__", "__self__"))
+_CONTENTS = operator.attrgetter("cell_contents")
+
+
+def _vars_or_none(obj):
+    return getattr(obj, "__dict__", None)
+
+
+def _pins(deps: list, watch: list) -> _Pins | None:
+    pins = _Pins()
+    if not all(pins.function(fn) for fn in deps):
+        return None
+    pins.watch = list(watch)
+    pins.classes += [v for v in watch if isinstance(v, type)]
+    return pins
 
 
 def _kept_namespace(owner, ns, compute):
@@ -482,16 +501,16 @@ def _kept_namespace(owner, ns, compute):
     keys, values = tuple(ns), tuple(ns.values())
     hit = _NAMESPACES.get(id(owner))
     if hit is not None and hit[0] is owner and hit[1] == keys and hit[3] == tuple(map(id, values)):
-        parts = _namespace_parts(hit[4], hit[5])
-        if parts is not None and hit[7] == list(map(id, parts)):
-            return hit[8]
+        now = hit[4].now()
+        if now is not None and hit[6] == list(map(id, now)):
+            return hit[7]
     result, deps, watch = compute()
-    parts = _namespace_parts(deps, watch) if deps is not None else None
-    if parts is None:
+    pins = _pins(deps, watch) if deps is not None else None
+    now = pins.now() if pins is not None else None
+    if now is None:
         _NAMESPACES.pop(id(owner), None)
-    else:
-        _NAMESPACES[id(owner)] = (owner, keys, values, tuple(map(id, values)), deps, watch, parts,
-                                  list(map(id, parts)), result)
+    else:  # the entry holds every object read (``now``): their ids are not reused while it is kept
+        _NAMESPACES[id(owner)] = (owner, keys, values, tuple(map(id, values)), pins, now, list(map(id, now)), result)
     return result
 
 
