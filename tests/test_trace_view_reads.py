@@ -49,7 +49,7 @@ READS = {
     "data_ptr and ctypes": lambda p: ctypes.c_float.from_address(p.view(-1).data_ptr()).value,
     "pickle": lambda p: pickle.dumps(p.detach()), "clone": lambda p: p.clone(), "deepcopy": lambda p: copy.deepcopy(p),
     "to another dtype": lambda p: p.to(torch.float64), "reshape that copies": lambda p: p.t().reshape(-1),
-    "index by a tensor": lambda p: p[torch.tensor([0])], "in-place edit of a view": lambda p: p.data.view(-1)[0].add_(0),
+    "index by a tensor": lambda p: p[torch.tensor([0])], "index by a 0-dim tensor": lambda p: p[torch.tensor(1)], "in-place edit of a view": lambda p: p.data.view(-1)[0].add_(0),
     "setitem": lambda p: p.data.__setitem__(0, 1.0),
     "a view under DisableTorchFunction": _disabled(lambda p: p.grad.view(-1)),
     "numpy under DisableTorchFunction": _disabled(lambda p: p.data.numpy()),
