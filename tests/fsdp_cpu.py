@@ -50,8 +50,7 @@ def assert_sharded(model) -> int:
         assert isinstance(p, DTensor), f"{name} is not sharded ({type(p).__name__})"
         assert p.placements == (Shard(0),) and p.device_mesh.size() == world, f"{name}: {p.placements}"
         rows = -(-p.shape[0] // world)  # torch.chunk's rows per process
-        # the local shard's shape without to_local(), a view (a torch function on the values: a watched callback that
-        # ran it would be a change of the run, which replays do not run)
-        assert p._local_tensor.shape[0] == min(rows, max(0, p.shape[0] - dist.get_rank() * rows)), \
+        # to_local() is a view, not a value read: the watched callback that runs this blocks no deletion
+        assert p.to_local().shape[0] == min(rows, max(0, p.shape[0] - dist.get_rank() * rows)), \
             f"{name}: the local shard is not this process's dim-0 chunk"
     return len(params)

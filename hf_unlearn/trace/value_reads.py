@@ -4,9 +4,13 @@ A watched callback (one replays do not run) that edits gradients or parameters o
 changes nothing on the recorded run, so the guards see no change and the proof, which replays without it, matches
 every step; a deletion trains on other values, where the same callback acts (issue #41, wave 5). Whether it *would*
 act cannot be shown without running it; that it *looked* can: any torch function applied to a tensor inside its
-event, other than reading metadata (shape, dtype, ``.grad``, ``requires_grad``, ...), is a read of values (or a
-write). A callback that never touches a tensor's values (a logging callback reading ``logs``, an early stopping
-callback reading ``metrics``) cannot decide from them.
+event, other than reading metadata (shape, dtype, ``.grad``, ``requires_grad``, ``numel()``, ...) or taking a view
+(``view``, ``reshape``, ``t()``, ``detach()``, ``p[0]``, a DTensor's ``to_local()``, ...), is a read of values (or a
+write). A view holds no value of its own: what reads it later (``.item()``, a comparison, ``repr``, ``.numpy()``,
+``.tolist()``) is a torch function seen then, in whichever watched event runs it; a copy (``clone``, ``deepcopy``,
+``.to`` another dtype, a ``reshape`` that cannot view) reads. A callback that never touches a tensor's values (a
+logging callback reading ``logs`` or counting parameters, an early stopping callback reading ``metrics``) cannot
+decide from them.
 
 The numbers a watched callback is given that follow the data (``logs["loss"]``, ``grad_norm``, an evaluation's
 ``metrics``; not the learning rate, the epoch or timings) are handed to it as :class:`LoggedNumber`, a float that
@@ -17,13 +21,16 @@ Operators that reach a tensor's data are also seen below torch functions (a disp
 ``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. A watched callback
 holding a numpy view of a tensor's memory (``tensor.numpy()``, taken outside its events; in its attributes,
 globals or closure) or a ``memoryview`` reads values through it with no torch function: its events count as reads
-(:func:`held_view`). Not seen: reads through raw pointers (``data_ptr`` and ``ctypes``), decisions from logged numbers
-through C functions (``math.isfinite``) or by a callback whose code cannot reach the tensors (its decision is then
-only what the run's record keeps: when to stop, a learning rate), and from what a callback reads elsewhere (the
-dataset's rows, a file).
+(:func:`held_view`). Not seen: reads that run no operator under ``DisableTorchFunction`` (``tolist()``,
+``untyped_storage()``, ``data_ptr`` and ``ctypes``), anything under ``torch._C._DisableTorchDispatch`` with it,
+decisions from logged numbers through C functions (``math.isfinite``) or by a callback whose code cannot reach the
+tensors (its decision is then only what the run's record keeps: when to stop, a learning rate), and from what a
+callback reads elsewhere (the dataset's rows, a file).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,6 +42,43 @@ from torch.utils._pytree import tree_flatten
 METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
                       "is_contiguous", "stride", "storage_offset", "get_device", "__len__", "__hash__", "ndimension",
                       "is_signed", "has_names", "is_inference", "is_set_to", "requires_grad_"})
+# torch functions that return views of a tensor (or the tensor itself): no value is read by taking one, and what
+# the view reaches later is seen as it is read. They are let through here and the operators they run are judged
+# below (:func:`operator_reads`): a ``reshape`` or ``.to`` that copies is a read there. ``numpy``, ``tolist``,
+# ``data_ptr``, ``untyped_storage``, ``__repr__``, ``clone`` and ``__deepcopy__`` stay reads (their values leave
+# the tensor, or a pointer to them does).
+TENSOR_VIEWS = ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "t",
+                "transpose", "permute", "swapaxes", "swapdims", "movedim", "moveaxis", "narrow", "select",
+                "__getitem__", "expand", "expand_as", "split", "split_with_sizes", "chunk", "unbind", "diagonal",
+                "detach", "contiguous", "cpu", "to", "conj")
+_VIEWS = frozenset([getattr(torch.Tensor, n) for n in TENSOR_VIEWS] +
+                   [getattr(torch, n) for n in TENSOR_VIEWS if callable(getattr(torch, n, None)) and n[0] != "_"])
+
+
+def _is_view(func) -> bool:
+    try:
+        return func in _VIEWS
+    except TypeError:  # unhashable: not one of them
+        return False
+# operators that answer a tensor subclass's metadata query (sizes, strides): no values
+METADATA_OPERATORS = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
+                                "numel", "dim", "storage_offset", "is_contiguous"})
+
+
+@functools.lru_cache(maxsize=None)
+def operator_reads(func) -> bool:
+    """Whether an aten operator reads (or writes) a tensor's values: every one but a view and a metadata query. A
+    view is told by its schema's alias annotations: each output aliases an input (``Tensor(a)``) and nothing is
+    written (no ``(a!)``), as ``view``, ``select``, ``t``, ``detach``, ``split``; a copy (``clone``,
+    ``_to_copy``, ``_unsafe_view``), a reduction, ``_local_scalar_dense`` (``.item()``) or an in-place edit is a
+    read."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return True
+    if schema.name.split("::")[-1] in METADATA_OPERATORS:
+        return False
+    written = any(a.alias_info is not None and a.alias_info.is_write for a in (*schema.arguments, *schema.returns))
+    return written or not schema.returns or any(r.alias_info is None for r in schema.returns)
 
 
 def _name(func) -> str:
@@ -236,21 +280,24 @@ _EMPTY_CELL = object()
 
 
 class _DispatchReads(TorchDispatchMode):
-    """Every operator that reaches a tensor's data (``.data`` and ``.numpy()`` included, as a ``detach``), also under
-    ``torch._C.DisableTorchFunction``, which turns the function mode off."""
+    """Every operator that reaches a tensor's data (``.numpy()`` of ``.data`` included), also under
+    ``torch._C.DisableTorchFunction``, which turns the function mode off: there every operator is a read, views
+    included (a view taken where the function mode does not see what follows may be read by ``numpy()`` or
+    ``tolist()``, which run no operator)."""
 
     def __init__(self, owner):
         super().__init__()
         self.owner = owner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.owner.first is None:
+        if self.owner.first is None and (operator_reads(func) or torch._C._is_torch_function_all_disabled()):
             self.owner.first = str(func)
         return func(*args, **(kwargs or {}))
 
 
 class ValueReads(TorchFunctionMode):
-    """A torch function mode that notes the first function applied to a tensor's values (``first``) while it is on."""
+    """A torch function mode that notes the first function applied to a tensor's values (``first``) while it is on:
+    not a metadata read nor a view (whose operators the dispatch mode below judges)."""
 
     def __init__(self):
         super().__init__()
@@ -273,7 +320,7 @@ class ValueReads(TorchFunctionMode):
         if self.first is None:
             name = _name(func)
             short = name.rsplit(".", 1)[-1]
-            if name != "getset_descriptor.__get__" and short not in METADATA and any(
+            if name != "getset_descriptor.__get__" and short not in METADATA and not _is_view(func) and any(
                     isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
                 self.first = name.replace("TensorBase.", "Tensor.").replace("getset_descriptor.__set__",
                                                                             "a tensor attribute set")
