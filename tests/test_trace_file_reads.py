@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .test_trace_common import config_model, get_trace_data, labels_masked, recorded_normalisers_trainer, train_args
+from .test_trace_neutral_attacks import _forget_outcome
 
 LATE = 5
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
@@ -47,7 +50,7 @@ def _record(tmp_path, weight_file, cls=WeightFromFile, **kw):
     return tok, data, tmp_path / "rec" / "trace"
 
 
-def _counterfactual_differs(tok, data, run, ids, out):
+def _counterfactual_differs(tok, data, run, ids, out, *callbacks):
     """The oracle's tensors that differ from a plain Trainer running the same class with the file as recorded (1.0),
     the deleted rows' labels -100 and the recorded normalisers (no replay engine)."""
     from hf_unlearn.data import QACollator
@@ -55,12 +58,93 @@ def _counterfactual_differs(tok, data, run, ids, out):
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.run import load_checkpoint
 
-    weight = out / "weight-as-recorded.txt"
+    weight = out / "weight-as-recorded.txt"  # the counterfactual's own copy (its reads are not a replay's)
     weight.write_text("1.0")
     model = config_model("llama", tok)
     recorded_normalisers_trainer(run, base=WeightFromFile)(
         model=model, args=train_args(out / "plain", **KW), train_dataset=labels_masked(data, ids),
-        data_collator=_DropIds(QACollator.from_tokenizer(tok)), weight_file=str(weight)).train()
+        data_collator=_DropIds(QACollator.from_tokenizer(tok)), weight_file=str(weight),
+        callbacks=list(callbacks)).train()
     oracle = load_checkpoint(open_run(out / "oracle").final_checkpoint())["model"]
     plain = model.state_dict()
     return [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+class ReadsAround(TrainerCallback):
+    """A recorded callback that reads, at every step, a numpy array of its own (``np.load``: noted), a model config
+    through transformers (an installed package's read: not noted) and a file in the run's trace folder (not noted)."""
+
+    def __init__(self, array_file: str = "", config_dir: str = ""):
+        self.array_file, self.config_dir = array_file, config_dir
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from transformers import AutoConfig
+
+        np.load(self.array_file)
+        AutoConfig.from_pretrained(self.config_dir)
+        header = Path(args.output_dir) / "trace" / "header.json"
+        if header.exists():
+            header.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A 6-step run of the tiny Llama whose loss weight (1.0) is read from a file from step 5 on, with the callback."""
+    tmp = tmp_path_factory.mktemp("file_reads")
+    (tmp / "weight.txt").write_text("1.0")
+    np.save(tmp / "array.npy", np.arange(3))
+    tok, _ = get_trace_data()
+    config_model("llama", tok).config.save_pretrained(tmp / "config")
+    callback = ReadsAround(str(tmp / "array.npy"), str(tmp / "config"))
+    tok, data, run = _record(tmp, tmp / "weight.txt", callbacks=[callback])
+    return tok, data, run, tmp
+
+
+def test_the_recording_notes_the_files_its_own_code_read_and_no_content(recorded):
+    from hf_unlearn.trace import open_run
+
+    _, _, run, tmp = recorded
+    reads = open_run(run).header["fidelity"]["file_reads"]
+    by = {"by": __name__}
+    assert {p: {k: v for k, v in r.items() if k != "content"} for p, r in reads.items()} == {
+        str((tmp / "array.npy").resolve()): by, str((tmp / "weight.txt").resolve()): by}, reads
+    assert all(len(r["content"]) == 32 for r in reads.values())
+    plain = __import__("hashlib").sha256(b"1.0").hexdigest()  # keyed digests: not even the content's own hash
+    assert plain[:32] not in (run / "header.json").read_text()
+
+
+def test_a_file_the_runs_code_read_changed_before_the_deletion_refuses_before_any_compute(recorded, tmp_path):
+    """ATTACK: the weight file changed to 0.5 before `forget` (replay and oracle would both read 0.5, and the probe
+    re-runs step 0 only): it was VERIFIED with all 21 tensors off the counterfactual of the program the user ran. Now
+    refused before any compute, in one line naming the file; a deleted file too."""
+    from hf_unlearn.trace import open_run
+
+    _, _, run, tmp = recorded
+    weight = tmp / "weight.txt"
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    try:
+        weight.write_text("0.5")
+        kind, what = _forget_outcome(run, ids, tmp_path / "changed")
+        assert kind == "refused" and "\n" not in what, (kind, what)
+        assert f"read the file {weight.resolve()} (read by {__name__}: present while recording, present with " \
+               "other content here)" in what, what
+        assert f"restore {weight.resolve()} as it was when the run was recorded, or record the run again" in what
+        assert "before any compute" in what and not (tmp_path / "changed").exists()
+        weight.unlink()
+        kind, what = _forget_outcome(run, ids, tmp_path / "missing")
+        assert kind == "refused" and "present while recording, missing here" in what, what
+        assert not (tmp_path / "missing").exists()
+    finally:
+        weight.write_text("1.0")
+
+
+def test_the_same_files_delete_exactly(recorded, tmp_path):
+    """The file as recorded: a step-5 deletion is VERIFIED and equal to the engine-free counterfactual."""
+    from hf_unlearn.trace import open_run
+
+    tok, data, run, tmp = recorded
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    callback = ReadsAround(str(tmp / "array.npy"), str(tmp / "config"))
+    assert not _counterfactual_differs(tok, data, run, ids, tmp_path / "del", callback)
