@@ -23,16 +23,16 @@ KW = dict(gradient_accumulation_steps=1, max_steps=6)
 
 
 class WeightFromFile(Trainer):
-    """A user's trainer whose loss is scaled, from optimizer step 5 on, by a weight it reads from a file (named by a
-    JSON constructor argument: the replay rebuilds it)."""
+    """A user's trainer whose loss is scaled, from optimizer step 5 on (``from_step``), by a weight it reads from a
+    file (named by a JSON constructor argument: the replay rebuilds it)."""
 
-    def __init__(self, *args, weight_file: str = "", **kwargs):
+    def __init__(self, *args, weight_file: str = "", from_step: int = LATE, **kwargs):
         super().__init__(*args, **kwargs)
-        self.weight_file = weight_file
+        self.weight_file, self.from_step = weight_file, from_step
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.state.global_step >= LATE:
+        if self.state.global_step >= self.from_step:
             w = float(Path(self.weight_file).read_text())
             out = (out[0] * w, out[1]) if return_outputs else out * w
         return out
@@ -148,3 +148,27 @@ def test_the_same_files_delete_exactly(recorded, tmp_path):
     assert kind == "verified", receipt
     callback = ReadsAround(str(tmp / "array.npy"), str(tmp / "config"))
     assert not _counterfactual_differs(tok, data, run, ids, tmp_path / "del", callback)
+
+
+@pytest.mark.slow
+def test_a_file_changed_while_training_is_noted_and_refuses_every_deletion(tmp_path):
+    """A callback (one replays do not run) rewrites the weight file at step 3 while the loss reads it at every step:
+    no process can hold both contents, so the recording notes the step (each read hashes the file) and every deletion
+    is refused before any compute, naming the file and the step."""
+    from hf_unlearn.trace import open_run
+
+    weight = tmp_path / "weight.txt"
+    weight.write_text("1.0")
+
+    class Rewrite(TrainerCallback):  # defined here: watched, not replayed
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                weight.write_text("0.9")
+
+    _, _, run = _record(tmp_path, weight, from_step=0, callbacks=[Rewrite()])
+    fidelity = open_run(run).header["fidelity"]
+    assert fidelity["file_reads"][str(weight.resolve())]["changed"] == 3, fidelity["file_reads"]
+    assert not fidelity["recording"]["reproduced"]  # the proof, replaying with 0.9 from step 0, diverged at once
+    kind, what = _forget_outcome(run, open_run(run).ids_at_steps([0])[:1], tmp_path / "del")
+    assert kind == "refused" and "its content changed at optimizer step 3 while training" in what, what
+    assert not (tmp_path / "del").exists()
