@@ -172,3 +172,121 @@ def test_a_file_changed_while_training_is_noted_and_refuses_every_deletion(tmp_p
     kind, what = _forget_outcome(run, open_run(run).ids_at_steps([0])[:1], tmp_path / "del")
     assert kind == "refused" and "its content changed at optimizer step 3 while training" in what, what
     assert not (tmp_path / "del").exists()
+
+
+class _Rows(torch.utils.data.Dataset):
+    """A user's dataset reading its rows from a file (the data loader's reads: rows, checked by their digests)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return len(Path(self.path).read_text()) + i
+
+
+def test_what_the_programs_own_code_reads_is_noted_and_nothing_else(tmp_path, monkeypatch):
+    """Noted: ``open``, ``Path.read_bytes``, ``os.open`` read-only, ``np.load`` (a reader given the program's path),
+    each with its first step and a change at a later read. Not noted: writes, the excluded folders, an installed
+    package's own reads (transformers reading a config), the source ``inspect`` reads, the rows a
+    data loader reads, ``/proc``, code replays never run (``unwatched``)."""
+    import inspect
+    import linecache
+    import os
+
+    from transformers import AutoConfig, LlamaConfig
+
+    from hf_unlearn.trace.environment_reads import unwatched
+    from hf_unlearn.trace.file_reads import watching
+
+    a, b, arr, excluded = tmp_path / "a.txt", tmp_path / "b.bin", tmp_path / "x.npy", tmp_path / "out"
+    a.write_text("1")
+    b.write_bytes(b"2")
+    np.save(arr, np.zeros(2))
+    excluded.mkdir()
+    (excluded / "c.txt").write_text("3")
+    LlamaConfig().save_pretrained(tmp_path / "config")
+    step = [0]
+    with watching(exclude=[excluded], step=lambda: step[0]) as log:
+        with open(a) as f:
+            f.read()
+        b.read_bytes()
+        os.close(os.open(str(b), os.O_RDONLY))
+        np.load(arr)
+        step[0] = 2
+        a.write_text("changed")
+        a.read_text()
+        with open(tmp_path / "new.txt", "w") as f:
+            f.write("w")
+        (excluded / "c.txt").read_text()
+        AutoConfig.from_pretrained(tmp_path / "config")
+        linecache.clearcache()
+        inspect.getsource(_Rows)  # this file's source, read for display
+        list(torch.utils.data.DataLoader(_Rows(b), batch_size=2))
+        Path("/proc/self/status").read_text()
+        with unwatched():
+            (tmp_path / "new.txt").read_text()
+    assert {Path(p).name: (r["step"], r.get("changed"), r["by"]) for p, r in log.items()} == {
+        "a.txt": (0, 2, __name__), "b.bin": (0, None, __name__), "x.npy": (0, None, __name__)}, dict(log)
+    assert open is __import__("builtins").open and os.open.__module__ == "posix"  # nothing wrapped outside
+
+
+def test_a_path_naming_another_file_in_the_deleting_process_is_named(tmp_path, monkeypatch):
+    """A relative path read from the recording's working directory, and a link, are sealed by the file they named:
+    where the same path names another file (another working directory, a link pointing elsewhere), even with the
+    same content, the difference is named; a replay's read of a file the recording never read too."""
+    import os
+
+    from hf_unlearn.trace.file_reads import differences, sealed, unrecorded, watching
+
+    key = b"k" * 32
+    here, there = tmp_path / "here", tmp_path / "there"
+    for d in (here, there):
+        d.mkdir()
+        (d / "w.txt").write_text("1.0")
+    os.symlink(here / "w.txt", tmp_path / "link.txt")
+    monkeypatch.chdir(here)
+    with watching() as log:
+        Path("w.txt").read_text()
+        (tmp_path / "link.txt").read_text()
+    recorded = sealed(key, log)
+    assert recorded == {str(here / "w.txt"): {"content": recorded[str(here / "w.txt")]["content"], "by": __name__,
+                                              "as": "w.txt"}}, recorded  # one file, read by two names
+    assert differences(key, recorded) == [] and unrecorded(key, recorded, log) == []
+    monkeypatch.chdir(there)
+    assert differences(key, recorded) == [(str(here / "w.txt"), f"w.txt (read by {__name__}: it named "
+                                           f"{here / 'w.txt'} while recording, {there / 'w.txt'} here)")]
+    with watching() as replay:
+        Path("w.txt").read_text()
+    assert unrecorded(key, recorded, replay) == [
+        f"{there / 'w.txt'} (read by {__name__}, which the recording's code never read)"]
+    monkeypatch.chdir(here)
+    (here / "w.txt").write_text("0.5")
+    with watching() as replay:
+        Path("w.txt").read_text()
+    assert unrecorded(key, recorded, replay) == [
+        f"{here / 'w.txt'} (read by {__name__}: its content differs from the recording's)"]
+
+
+def test_hf_unlearn_forget_refuses_a_changed_file_before_any_compute(recorded, tmp_path):
+    """The attack through the command line, in a process of its own: `hf-unlearn forget` with the weight file changed
+    exits non-zero before any compute, naming the file and what to do."""
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.trace import open_run
+
+    from .conftest import run_cli
+
+    _, _, run, tmp = recorded
+    weight = tmp / "weight.txt"
+    write_ids(tmp_path / "ids.jsonl", open_run(run).ids_at_steps([LATE])[:1])
+    try:
+        weight.write_text("0.5")
+        proc = run_cli("forget", run, "--ids", tmp_path / "ids.jsonl", "--out", tmp_path / "del", "--oracle",
+                       "--no-progress")
+    finally:
+        weight.write_text("1.0")
+    assert proc.returncode != 0 and "VERIFIED" not in proc.stdout, proc.stdout[-2000:]
+    assert f"read the file {weight.resolve()}" in proc.stderr and "refusing before any compute (restore" in proc.stderr
+    assert not (tmp_path / "del").exists()
