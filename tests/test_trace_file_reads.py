@@ -7,7 +7,6 @@ step 0 only, which reads no file)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

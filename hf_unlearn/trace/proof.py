@@ -38,8 +38,8 @@ import time
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .environment_reads import differences
-from .file_reads import differences as file_differences
 from .fidelity import FidelityError
+from .file_reads import differences as file_differences
 from .guards import compare_fingerprint, guard_coverage, program_changes
 from .issued import issue
 from .processes import gathered, world_size

@@ -20,8 +20,8 @@ from ...errors import UnlearnError
 from ...utils import WeightsFollowUmask
 from ..base_source import release_live
 from ..environment_reads import watching
-from ..file_reads import watching as files_read
 from ..fidelity import prepare_cuda_determinism
+from ..file_reads import watching as files_read
 from ..packing import PACKED_IDS, SUPPORTED, pack_with_documents
 from ..plan import has_plan
 from ..preference import check_trainer_class, preference_mixins

@@ -11,8 +11,8 @@ from ...keys import key_fingerprint
 from ...utils import owner_only, private_dir
 from ..digests import replayed_classes, replayed_globals
 from ..environment_reads import differences, globals_differences
-from ..file_reads import differences as file_differences
 from ..fidelity import save_buffers
+from ..file_reads import differences as file_differences
 from ..files import model_file_digests
 from ..guards import ProgramGuard
 from ..lineage import record_lineage, weights_root

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from ..environment_reads import sealed, sealed_globals
-from ..file_reads import sealed as sealed_files
 from ..fidelity import changed_buffers
+from ..file_reads import sealed as sealed_files
 from ..lineage import final_is_output, live_output_root
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck

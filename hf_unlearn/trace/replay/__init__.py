@@ -36,9 +36,9 @@ from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
 from ..environment_reads import unrecorded, watching
+from ..fidelity import check_device, refusal, restore_layout
 from ..file_reads import unrecorded as unrecorded_files
 from ..file_reads import watching as files_read
-from ..fidelity import check_device, refusal, restore_layout
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..issued import believed
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
