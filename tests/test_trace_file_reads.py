@@ -71,7 +71,8 @@ def _counterfactual_differs(tok, data, run, ids, out, *callbacks):
 
 class ReadsAround(TrainerCallback):
     """A recorded callback that reads, at every step, a numpy array of its own (``np.load``: noted), a model config
-    through transformers (an installed package's read: not noted) and a file in the run's trace folder (not noted)."""
+    through transformers (an installed package's read: not noted) and the files the run writes into its trace folder
+    (not noted)."""
 
     def __init__(self, array_file: str = "", config_dir: str = ""):
         self.array_file, self.config_dir = array_file, config_dir
@@ -81,9 +82,10 @@ class ReadsAround(TrainerCallback):
 
         np.load(self.array_file)
         AutoConfig.from_pretrained(self.config_dir)
-        header = Path(args.output_dir) / "trace" / "header.json"
-        if header.exists():
-            header.read_bytes()
+        trace = Path(args.output_dir) / "trace"
+        for written in (trace / "header.json", trace / "wal.bin", trace / "progress.json"):  # wal.bin grows each step
+            if written.exists():
+                written.read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,6 @@ def test_the_same_files_delete_exactly(recorded, tmp_path):
     assert not _counterfactual_differs(tok, data, run, ids, tmp_path / "del", callback)
 
 
-@pytest.mark.slow
 def test_a_file_changed_while_training_is_noted_and_refuses_every_deletion(tmp_path):
     """A callback (one replays do not run) rewrites the weight file at step 3 while the loss reads it at every step:
     no process can hold both contents, so the recording notes the step (each read hashes the file) and every deletion
@@ -289,3 +290,38 @@ def test_hf_unlearn_forget_refuses_a_changed_file_before_any_compute(recorded, t
     assert proc.returncode != 0 and "VERIFIED" not in proc.stdout, proc.stdout[-2000:]
     assert f"read the file {weight.resolve()}" in proc.stderr and "refusing before any compute (restore" in proc.stderr
     assert not (tmp_path / "del").exists()
+
+
+class ReadsAFile(TrainerCallback):
+    """A recorded callback that reads a file at every step (and does nothing with it)."""
+
+    def __init__(self, path: str = ""):
+        self.path = path
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        Path(self.path).read_bytes()
+
+
+def test_a_pipeline_deletion_compares_every_stages_files_before_any_compute(tmp_path):
+    """Stage 2 of a pipeline was recorded with a callback reading a file; a pipeline deletion of a stage-1 row after
+    the file changed is refused before any compute, naming stage 2 and the file."""
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.trace.proof import ProofError
+
+    from .test_trace_common import ids_at_step, record, tiny
+    from .test_trace_pipeline import KW as PIPELINE
+    from .test_trace_pipeline import _from
+
+    tok, data = get_trace_data()
+    settings = tmp_path / "settings.bin"
+    settings.write_bytes(b"a")
+    t1 = record(tok, data.select(range(16)), tmp_path / "s1", model=tiny(tok), **PIPELINE)
+    t1.save_model(str(tmp_path / "s1"))
+    record(tok, data.select(range(16, 32)), tmp_path / "s2", model=_from(tmp_path / "s1"),
+           trainer_kwargs={"callbacks": [ReadsAFile(str(settings))]}, **PIPELINE)
+    runs = [str(tmp_path / "s1" / "trace"), str(tmp_path / "s2" / "trace")]
+    settings.write_bytes(b"b")
+    with pytest.raises(ProofError, match=rf"^stage 2: the recorded run's code read the file {settings.resolve()} ") as e:
+        forget(runs, ids_at_step(runs[0], 0)[:1], tmp_path / "pipeline", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and "before any compute" in str(e.value)
+    assert not (tmp_path / "pipeline").exists()
