@@ -325,3 +325,27 @@ def test_a_pipeline_deletion_compares_every_stages_files_before_any_compute(tmp_
         forget(runs, ids_at_step(runs[0], 0)[:1], tmp_path / "pipeline", oracle=True, progress=False)
     assert "\n" not in str(e.value) and "before any compute" in str(e.value)
     assert not (tmp_path / "pipeline").exists()
+
+
+def test_a_recording_resumed_where_a_file_its_code_read_changed_is_refused(tmp_path):
+    """Stopped after step 4 with a recorded callback reading a file at every step, the file changed, then resumed:
+    the steps after the resume would read other content than the ones before, so the resume is refused, naming the
+    file; restored, the resume seals the file as read before the stop."""
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_neutral_attacks import stopped_at_4_then_resumed
+
+    tok, data = get_trace_data()
+    settings = tmp_path / "settings.bin"
+    settings.write_bytes(b"a")
+    trainer = stopped_at_4_then_resumed(tmp_path, tok, data.select(range(24)), [ReadsAFile(str(settings))])
+    trainer(trainer.stop_at_4).train()
+    settings.write_bytes(b"b")
+    with pytest.raises(UnlearnError, match=rf"cannot be resumed in this process: .* differs here: {settings.resolve()} "
+                                           r"\(read by tests.test_trace_file_reads: present while recording, present "
+                                           r"with other content here\)"):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
+    settings.write_bytes(b"a")
+    trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
+    assert list(open_run(tmp_path / "rec" / "trace").header["fidelity"]["file_reads"]) == [str(settings.resolve())]
