@@ -188,7 +188,8 @@ class _Rows(torch.utils.data.Dataset):
 
 
 def test_what_the_programs_own_code_reads_is_noted_and_nothing_else(tmp_path, monkeypatch):
-    """Noted: ``open``, ``Path.read_bytes``, ``os.open`` read-only, ``np.load`` (a reader given the program's path),
+    """Noted: ``open``, ``Path.read_bytes``, ``os.open`` read-only, ``np.load`` and ``np.loadtxt`` (readers given the
+    program's path),
     each with its first step and a change at a later read. Not noted: writes, the excluded folders, an installed
     package's own reads (transformers reading a config), the source ``inspect`` reads, the rows a
     data loader reads, ``/proc``, code replays never run (``unwatched``)."""
@@ -205,6 +206,7 @@ def test_what_the_programs_own_code_reads_is_noted_and_nothing_else(tmp_path, mo
     a.write_text("1")
     b.write_bytes(b"2")
     np.save(arr, np.zeros(2))
+    np.savetxt(tmp_path / "t.csv", np.zeros(2))
     excluded.mkdir()
     (excluded / "c.txt").write_text("3")
     LlamaConfig().save_pretrained(tmp_path / "config")
@@ -215,6 +217,7 @@ def test_what_the_programs_own_code_reads_is_noted_and_nothing_else(tmp_path, mo
         b.read_bytes()
         os.close(os.open(str(b), os.O_RDONLY))
         np.load(arr)
+        np.loadtxt(tmp_path / "t.csv")  # numpy's text readers hold the open they were imported with
         step[0] = 2
         a.write_text("changed")
         a.read_text()
@@ -229,7 +232,8 @@ def test_what_the_programs_own_code_reads_is_noted_and_nothing_else(tmp_path, mo
         with unwatched():
             (tmp_path / "new.txt").read_text()
     assert {Path(p).name: (r["step"], r.get("changed"), r["by"]) for p, r in log.items()} == {
-        "a.txt": (0, 2, __name__), "b.bin": (0, None, __name__), "x.npy": (0, None, __name__)}, dict(log)
+        "a.txt": (0, 2, __name__), "b.bin": (0, None, __name__), "x.npy": (0, None, __name__),
+        "t.csv": (0, None, __name__)}, dict(log)
     assert open is __import__("builtins").open and os.open.__module__ == "posix"  # nothing wrapped outside
 
 

@@ -13,10 +13,13 @@ code makes.
 
 Left out: files opened by installed packages, this library and the standard library on their own account (a
 tokenizer's files, a logging integration's settings, the source ``linecache`` reads for a warning), the run's own trace
-folder and output folder (written by the run), the rows the Trainer's data loader reads (a dataset's or collator's
-reads under ``torch.utils.data``: the rows are checked by their keyed digests), ``/proc``, ``/sys`` and ``/dev``.
-Not seen: reads from C (a native library's ``fopen``, ``mmap``, ``np.memmap``, ``torch.load(mmap=True)``), a file
-object opened before ``train()``, ``io.FileIO`` and ``os.open`` bound under another name before training started.
+folder and output folder (written by the run), the rows the Trainer's data loader reads (a torch dataset's reads
+under ``torch.utils.data``: the rows are checked by their keyed digests), ``/proc``, ``/sys`` and ``/dev``. A
+collator's reads are noted: replays run it too.
+Not seen: reads from C (a native library's ``fopen``, ``mmap``, ``np.memmap``, ``torch.load(mmap=True)``,
+safetensors' ``safe_open``), a file object opened before ``train()``, ``io.FileIO``, and ``open`` or ``os.open`` bound
+under another name before training started (``from io import open as o``; ``tarfile``'s own; numpy's text readers'
+is followed).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import threading
 from .environment_reads import is_user_code, quiet
 
 # installed readers that open a file their caller names: the caller is who read it
-READERS = ("numpy", "torch.serialization", "safetensors", "pandas", "yaml", "toml", "tomli")
+READERS = ("numpy", "torch.serialization", "safetensors", "pandas", "yaml", "toml", "tomli", "PIL")
 # the standard library reading source code for display (a warning, a traceback): not the program's input
 DISPLAY = ("linecache", "tokenize", "inspect", "traceback")
 PSEUDO = ("/proc/", "/sys/", "/dev/")
@@ -150,8 +153,7 @@ def watching(exclude=(), step=None):
     log = FileReads(exclude, step)
     with _lock:
         if not _watching:
-            builtins.open = io.open = _open
-            os.open = _os_open
+            _wrap(_open, _os_open)
         _watching.append(log)
     try:
         yield log
@@ -159,8 +161,15 @@ def watching(exclude=(), step=None):
         with _lock:
             _watching.remove(log)
             if not _watching:
-                builtins.open = io.open = _ORIGINAL["open"]
-                os.open = _ORIGINAL["os.open"]
+                _wrap(_ORIGINAL["open"], _ORIGINAL["os.open"])
+
+
+def _wrap(opener, os_opener) -> None:
+    builtins.open = io.open = opener
+    os.open = os_opener
+    numpy_openers = getattr(sys.modules.get("numpy.lib._datasource"), "_file_openers", None)
+    if numpy_openers is not None and isinstance(getattr(numpy_openers, "_file_openers", None), dict):
+        numpy_openers._file_openers[None] = opener  # np.loadtxt / np.genfromtxt hold the open they were imported with
 
 
 def content_digest(key: bytes, path: str, sha: str | None) -> str | None:
