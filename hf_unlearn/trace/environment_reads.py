@@ -154,6 +154,11 @@ def unwatched():
         _bulk.quiet -= 1
 
 
+def quiet() -> bool:
+    """Whether this thread runs code a replay never runs (inside :func:`unwatched`): what it reads is not noted."""
+    return bool(getattr(_bulk, "quiet", 0))
+
+
 def value_digest(key: bytes, name: str, value: str | None) -> str | None:
     """A keyed digest of a variable's value (None: unset): equal values give equal digests under one run key,
     and the value cannot be read back from it."""

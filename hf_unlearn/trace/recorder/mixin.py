@@ -21,6 +21,7 @@ from ...utils import WeightsFollowUmask
 from ..base_source import release_live
 from ..environment_reads import watching
 from ..fidelity import prepare_cuda_determinism
+from ..file_reads import watching as files_read
 from ..packing import PACKED_IDS, SUPPORTED, pack_with_documents
 from ..plan import has_plan
 from ..preference import check_trainer_class, preference_mixins
@@ -223,7 +224,8 @@ class RecordingHooks(WeightsFollowUmask):
                                "(or resume_from_checkpoint)")
         self.accelerator.wait_for_everyone()  # every process checked before the main one writes
         self._trace_train_started = time.perf_counter()
-        with watching() as self._trace_environment_reads:  # what the run's own code reads (sealing.finish keeps it)
+        with watching() as self._trace_environment_reads, files_read(  # what the run's own code reads (sealed)
+                (self.trace_dir, self.args.output_dir), lambda: self.state.global_step) as self._trace_file_reads:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         try:

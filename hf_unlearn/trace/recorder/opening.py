@@ -12,6 +12,7 @@ from ...utils import owner_only, private_dir
 from ..digests import replayed_classes, replayed_globals
 from ..environment_reads import differences, globals_differences
 from ..fidelity import save_buffers
+from ..file_reads import differences as file_differences
 from ..files import model_file_digests
 from ..guards import ProgramGuard
 from ..lineage import record_lineage, weights_root
@@ -87,9 +88,11 @@ def start(trainer) -> None:
         trainer._trace_program_callbacks, type(trainer), trainer.data_collator))
     earlier = previous.get("fidelity") or {}
     trainer._trace_earlier_reads = earlier.get("environment_reads") or {}
+    trainer._trace_earlier_files = earlier.get("file_reads") or {}
     if resume_step:  # the steps before it ran with what the first process's code read: so must the ones after
         differ = differences(trainer._trace_key, trainer._trace_earlier_reads) + globals_differences(
-            trainer._trace_key, earlier.get("program_globals") or {}, trainer._trace_program_globals)
+            trainer._trace_key, earlier.get("program_globals") or {}, trainer._trace_program_globals) + [
+            why for _, why in file_differences(trainer._trace_key, trainer._trace_earlier_files)]
         if differ:
             raise UnlearnError(f"{run} cannot be resumed in this process: what the run's code read before it was "
                                f"stopped differs here: {differ[0]}"

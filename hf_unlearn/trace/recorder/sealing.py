@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..environment_reads import sealed, sealed_globals
 from ..fidelity import changed_buffers
+from ..file_reads import sealed as sealed_files
 from ..lineage import final_is_output, live_output_root
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck
@@ -81,6 +82,8 @@ def finish(trainer) -> None:
         trainer._trace_header.setdefault("fidelity", {}).update(
             # a resumed run: what the steps before the resume read stays (checked against this process when it resumed)
             environment_reads={**sealed(key, reads), **(getattr(trainer, "_trace_earlier_reads", None) or {})},
+            file_reads={**sealed_files(key, getattr(trainer, "_trace_file_reads", None) or {}),
+                        **(getattr(trainer, "_trace_earlier_files", None) or {})},
             program_globals=sealed_globals(key, getattr(trainer, "_trace_program_globals", None) or {}))
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None

@@ -37,6 +37,8 @@ from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
 from ..environment_reads import unrecorded, watching
 from ..fidelity import check_device, refusal, restore_layout
+from ..file_reads import unrecorded as unrecorded_files
+from ..file_reads import watching as files_read
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..issued import believed
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
@@ -251,10 +253,18 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         """Replay from the start checkpoint to the end of the plan; returns the final checkpoint dict. It runs with
         the recorded thread count and deterministic settings (:mod:`hf_unlearn.trace.stack`)."""
         self._probe_own_environment()
-        with pinned_stack(self.run.header), watching() as reads:
+        own = (self.run.path, self.out_dir, self.args.output_dir)  # what the engine writes, not the program's input
+        with pinned_stack(self.run.header), watching() as reads, files_read(own) as files:
             out = self._replay()
-        recorded = (self.run.header.get("fidelity") or {}).get("environment_reads")
+        fidelity = self.run.header.get("fidelity") or {}
+        recorded = fidelity.get("environment_reads")
         differ = unrecorded(self.run.key, recorded, reads) if recorded is not None else []
+        other = unrecorded_files(self.run.key, fidelity["file_reads"], files) if "file_reads" in fidelity else []
+        if other:  # the code the replay ran read other input than the recording's
+            raise UnlearnError(f"the replay of {self.run.path} ran code that read the file {other[0]}"
+                               f"{f' (and {len(other) - 1} more)' if len(other) > 1 else ''}: it may have acted "
+                               "otherwise than while recording, so this replay is not the recorded program's; restore "
+                               "the file as it was when the run was recorded, or record the run again")
         if differ:  # the code the replay ran acted on another environment than the recording's
             raise UnlearnError(f"the replay of {self.run.path} ran code that read the environment variable "
                                f"{differ[0]}{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: it may "
