@@ -228,7 +228,7 @@ def test_a_kept_namespace_digest_equals_a_fresh_one_after_every_edit(monkeypatch
     model.add_module("user_layer", _UserLayer())
     monkeypatch.setitem(vars(ml), "user_marker", _Marker)  # a module global class, named by the module's digest
     original = program_state(model)
-    assert program_state(model) == original and id(_UserLayer) in digests._NAMESPACES  # kept
+    assert program_state(model) == original and any(k[0] == id(_UserLayer) for k in digests._NAMESPACES)  # kept
 
     def fresh():
         kept = program_state(model)
@@ -290,6 +290,41 @@ def test_a_kept_namespace_digest_equals_a_fresh_one_after_every_edit(monkeypatch
         kept, read = fresh()
         assert kept == read == original, edit
     assert _UserLayer.__dict__["forward"] is forward
+
+
+def test_a_kept_optimizer_class_digest_follows_torchs_profiling_wrapper():
+    """The optimizer class whose ``step`` torch wrapped in its profiling wrapper is kept too: what the wrapper wraps
+    replaced, or the step it would inherit changed on a base class, gives the digest a fresh read gives."""
+    from hf_unlearn.trace import digests
+    from hf_unlearn.trace.digests import program_state
+
+    class Opt(torch.optim.SGD):
+        pass
+
+    model = torch.nn.Linear(2, 2)
+    opt = Opt(model.parameters(), lr=0.1)  # the first optimizer of this class: torch wraps Opt.step
+    assert getattr(Opt.__dict__["step"], "hooked", False)
+    original = program_state(model, opt)
+    assert any(k[0] == id(Opt) for k in digests._NAMESPACES)  # kept, wrapper and all
+
+    def step(self, closure=None):
+        return None
+
+    wrapper = Opt.__dict__["step"]
+    wrapped, sgd = wrapper.__wrapped__, torch.optim.SGD.__dict__["step"]
+    for do, undo in ((lambda: setattr(wrapper, "__wrapped__", step), lambda: setattr(wrapper, "__wrapped__", wrapped)),
+                     (lambda: setattr(torch.optim.SGD, "step", step), lambda: setattr(torch.optim.SGD, "step", sgd))):
+        do()
+        try:
+            kept = program_state(model, opt)
+            saved = dict(digests._NAMESPACES)
+            digests._NAMESPACES.clear()
+            assert kept == program_state(model, opt)
+            digests._NAMESPACES.update(saved)
+            assert kept != original
+        finally:
+            undo()
+        assert program_state(model, opt) == original
 
 
 class _NeverKept(dict):

@@ -222,7 +222,7 @@ class Digester:
         (:func:`_kept_namespace`)."""
         hit = self._classes.get(c)
         if hit is None:
-            hit = self._classes[c] = _kept_namespace(c, vars(c), lambda: self._class_lines(c))
+            hit = self._classes[c] = _kept_namespace(c, vars(c), lambda: self._class_lines(c), self.roots)
         return hit
 
     def _class_lines(self, c: type) -> tuple[bytes, list | None, list]:
@@ -231,8 +231,9 @@ class Digester:
             if (c.__module__, c.__qualname__, k) in SIDE_EFFECT_ATTRIBUTES:
                 continue
             fn = _unwrapped(c, c, k, v)
-            if fn is not v:  # a profiling wrapper: what it digests depends on the bases' namespaces
-                deps = None
+            if fn is not v and deps is not None:  # torch's profiling wrapper: what it digests depends on what it
+                # wraps (its attributes) and on the bases' namespaces
+                deps += [v, getattr(v, "__dict__", None), *(vars(b) for b in c.__mro__[1:])]
             fn = getattr(fn, "__func__", fn)
             if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
                 lines.append(f"{c.__qualname__}.{k}={self.text(fn, 1)}\n")
@@ -354,7 +355,7 @@ def _class_values(cls) -> dict:
 
 def _module_code(mod, digester: Digester) -> str:
     """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
-    return _kept_namespace(mod, vars(mod), lambda: _module_lines(mod, digester))
+    return _kept_namespace(mod, vars(mod), lambda: _module_lines(mod, digester), digester.roots)
 
 
 def _module_lines(mod, digester: Digester) -> tuple[str, list | None, list]:
@@ -398,53 +399,73 @@ class _Pins:
     """The objects a kept namespace's text depends on, by kind, so that :meth:`now` reads them all again with
     C-level ``map`` calls (a snapshot reads some 900 functions this way): each function's code, defaults, keyword-only
     defaults, module and qualname; each closure cell's contents; each dict's (keyword-only defaults, an object's
-    attributes) keys, values and size; each object's class and attribute dict; each class's module and qualname
-    (interned); each bound method's object's class; each watched object's ``__func__``."""
+    attributes) keys, values and size; each object's class and attribute dict; each class's and module's name
+    (interned); each bound method's object's class; each watched object's ``__func__``. What is pinned follows the
+    depth :meth:`Digester.text` reads a value at: below :data:`MAX_DEPTH` an object is written as its class alone,
+    at it an object with attributes too, and a container's items only above it."""
 
     def __init__(self):
         self.fns, self.cells, self.dicts, self.objs, self.classes, self.methods, self.watch = [], [], [], [], [], [], []
-        self.seen: set[int] = set()
+        self.modules: list = []
+        self.seen: set[tuple[int, int]] = set()
 
-    def function(self, fn) -> bool:
-        """Pin a function (False: its text depends on something identity does not pin; nothing is kept)."""
+    def function(self, fn, depth: int = 1) -> bool:
+        """Pin a function read at ``depth`` (False: its text depends on something identity does not pin; nothing is
+        kept): its defaults are read one level down (their items two), its closure at :data:`MAX_DEPTH`."""
         if type(fn) is not types.FunctionType:
             return False
-        if id(fn) in self.seen:  # a decorator's closure may hold the function that holds it
+        if (id(fn), depth) in self.seen:  # a decorator's closure may hold the function that holds it
             return True
-        self.seen.add(id(fn))
+        self.seen.add((id(fn), depth))
         self.fns.append(fn)
         kw, cells = fn.__kwdefaults__, fn.__closure__
-        inner = list(fn.__defaults__ or ())
+        inner = [*(fn.__defaults__ or ())]
         if kw:
             self.dicts.append(kw)
             inner += [*kw, *kw.values()]
+        if not all(self.value(v, depth + 2) for v in inner):
+            return False
         if cells:
             try:
-                inner += [c.cell_contents for c in cells]
+                contents = [c.cell_contents for c in cells]
             except ValueError:  # an empty cell
                 return False
             self.cells += cells
-        return all(self.value(v) for v in inner)
+            return all(self.value(v, MAX_DEPTH) for v in contents)
+        return True
 
-    def value(self, v) -> bool:
-        """Pin a value held by a function (default, closure) or an object: a plain value, a dtype or device, a class
-        (by its name), a tuple or frozenset of such, a function or bound method, a built-in function, an enum member
-        or ``torch.nn.Module`` (written by name), or an object written as its class and attributes. Anything else (a
-        tensor, a generator, a list, an object with its own ``__repr__`` and no ``__dict__``) is not pinned."""
+    def value(self, v, depth: int) -> bool:
+        """Pin a value read at ``depth`` (as :meth:`Digester.text` writes it): a plain value, a dtype, device, size or
+        code object, a built-in function, a class or module (by name), a function or bound method, a
+        ``torch.nn.Module`` or any object below the depth limit (by class), a tuple or frozenset of such, an object
+        with attributes (by class and attributes, each one level further down). Not pinned: a tensor (its values
+        are read), a ``functools.partial`` (its keywords are a dict), and a list, dict or set above the depth limit
+        (their items are read and can change in place)."""
         t = type(v)
         if t in _EXACT_PLAIN or t in _FIXED_TEXT or t in _CALLABLES:
             return True
-        if t in (tuple, frozenset):  # immutable: its items are the same objects
-            return all(self.value(x) for x in v)
+        if torch.is_tensor(v):
+            return False
         if isinstance(v, type):
             self.classes.append(v)
             return True
+        if isinstance(v, types.ModuleType):
+            self.modules.append(v)
+            return True
+        if depth > MAX_DEPTH and not isinstance(v, PLAIN):  # written as its class ("<torch.Size>" ...)
+            self.objs.append(v)
+            self.classes.append(t)
+            return True
         if t is types.MethodType:  # its function, and the class of what it is bound to
             self.methods.append(v)
-            return self.function(v.__func__)
+            return self.function(v.__func__, depth)
         if t is types.FunctionType:
-            return self.function(v)
-        if torch.is_tensor(v) or isinstance(v, (functools.partial, types.ModuleType)):
+            return self.function(v, depth)
+        if isinstance(v, (functools.partial, types.CodeType)):
+            return t is types.CodeType
+        if t in (tuple, frozenset):  # immutable: its items are the same objects
+            return all(self.value(x, depth + 1) for x in v)
+        if isinstance(v, (dict, list, tuple, set, frozenset)):
             return False
         if isinstance(v, torch.nn.Module):  # written as its class
             self.objs.append(v)
@@ -453,13 +474,15 @@ class _Pins:
         attrs = getattr(v, "__dict__", None)
         if type(attrs) is not dict:
             return False
-        if id(v) in self.seen:
-            return True
-        self.seen.add(id(v))
         self.objs.append(v)
         self.classes.append(t)
+        if depth >= MAX_DEPTH and not isinstance(v, (PLAIN, enum.Enum)):  # "Class(<builtins.dict>)"
+            return True
+        if (id(v), depth) in self.seen:
+            return True
+        self.seen.add((id(v), depth))
         self.dicts.append(attrs)
-        return all(self.value(x) for x in (*attrs, *attrs.values()))
+        return all(self.value(x, depth + 2) for x in (*attrs, *attrs.values()))
 
     def now(self) -> list | None:
         """Everything pinned, read again (None: an empty cell or a name that is not a string, never kept)."""
@@ -467,9 +490,9 @@ class _Pins:
             return [*map(_CODE_OF, self.fns), *map(_DEFAULTS, self.fns), *map(_KWDEFAULTS, self.fns),
                     *map(_MODULE, self.fns), *map(_QUALNAME, self.fns), *map(_CONTENTS, self.cells),
                     *map(type, self.objs), *map(_vars_or_none, self.objs), *map(len, self.dicts),
-                    *itertools.chain.from_iterable(self.dicts), *itertools.chain.from_iterable(map(dict.values,
-                                                                                                    self.dicts)),
+                    *itertools.chain.from_iterable(self.dicts), *itertools.chain.from_iterable(map(_VALUES, self.dicts)),
                     *map(sys.intern, map(_MODULE, self.classes)), *map(sys.intern, map(_QUALNAME, self.classes)),
+                    *map(sys.intern, map(_NAME, self.modules)),
                     *map(type, map(_SELF, self.methods)), *map(getattr, self.watch, itertools.repeat("__func__"),
                                                                 itertools.repeat(None))]
         except (ValueError, TypeError):
@@ -477,8 +500,9 @@ class _Pins:
 
 
 _CODE_OF, _DEFAULTS, _KWDEFAULTS = (operator.attrgetter(a) for a in ("__code__", "__defaults__", "__kwdefaults__"))
-_MODULE, _QUALNAME, _SELF = (operator.attrgetter(a) for a in ("__module__", "__qualname__", "__self__"))
-_CONTENTS = operator.attrgetter("cell_contents")
+_MODULE, _QUALNAME, _SELF, _NAME = (operator.attrgetter(a) for a in ("__module__", "__qualname__", "__self__",
+                                                                       "__name__"))
+_CONTENTS, _VALUES = operator.attrgetter("cell_contents"), operator.methodcaller("values")
 
 
 def _vars_or_none(obj):
@@ -486,20 +510,28 @@ def _vars_or_none(obj):
 
 
 def _pins(deps: list, watch: list) -> _Pins | None:
+    """``deps``: the functions a namespace's text read, and mappings (an attribute dict, a class namespace) whose
+    entries it depends on."""
     pins = _Pins()
-    if not all(pins.function(fn) for fn in deps):
+    mappings = [d for d in deps if isinstance(d, (dict, types.MappingProxyType))]
+    if not all(pins.function(fn) for fn in deps if not isinstance(fn, (dict, types.MappingProxyType))) \
+            or len(mappings) != sum(1 for d in deps if not callable(d)):
         return None
+    pins.dicts += mappings
     pins.watch = list(watch)
     pins.classes += [v for v in watch if isinstance(v, type)]
     return pins
 
 
-def _kept_namespace(owner, ns, compute):
+def _kept_namespace(owner, ns, compute, roots: dict):
     """``compute()``'s result for ``owner``'s namespace ``ns``, reused from the last snapshot while nothing it depends
-    on moved (:data:`_NAMESPACES`). ``compute`` returns ``(result, functions or None, watched objects)``: the
-    functions its text read (None: not kept), and the classes it named or objects it must see gain a ``__func__``."""
+    on moved (:data:`_NAMESPACES`), under the digester's ``roots`` (objects it writes by their path: a function holding
+    one is written otherwise by a digester without them). ``compute`` returns ``(result, functions or None, watched
+    objects)``: the functions its text read (None: not kept), and the classes it named or objects it must see gain a
+    ``__func__``."""
     keys, values = tuple(ns), tuple(ns.values())
-    hit = _NAMESPACES.get(id(owner))
+    key = (id(owner), *sorted(roots.items()))
+    hit = _NAMESPACES.get(key)
     if hit is not None and hit[0] is owner and hit[1] == keys and hit[3] == tuple(map(id, values)):
         now = hit[4].now()
         if now is not None and hit[6] == list(map(id, now)):
@@ -508,9 +540,9 @@ def _kept_namespace(owner, ns, compute):
     pins = _pins(deps, watch) if deps is not None else None
     now = pins.now() if pins is not None else None
     if now is None:
-        _NAMESPACES.pop(id(owner), None)
+        _NAMESPACES.pop(key, None)
     else:  # the entry holds every object read (``now``): their ids are not reused while it is kept
-        _NAMESPACES[id(owner)] = (owner, keys, values, tuple(map(id, values)), pins, now, list(map(id, now)), result)
+        _NAMESPACES[key] = (owner, keys, values, tuple(map(id, values)), pins, now, list(map(id, now)), result)
     return result
 
 
