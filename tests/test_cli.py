@@ -76,9 +76,10 @@ def test_hub_push_on_a_recorded_run_says_what_to_push(tmp_path, capsys):
     assert "card-info" not in err and err.count("\n") == 1
 
 
-def test_trace_verify_of_a_single_run_deletion_folder_names_the_two_folder_command(tmp_path, capsys):
+def test_trace_verify_of_a_single_run_deletion_folder_is_checked_as_a_deletion_folder(tmp_path, capsys):
     """`trace verify OUT` on a single run's `forget --oracle` output (OUT/replay, OUT/oracle, a receipt without
-    evidence.pipeline) said only "is not a pipeline deletion's receipt": it names the command that checks it."""
+    evidence.pipeline) said only "is not a pipeline deletion's receipt"; it checks such a folder whole now
+    (tests/test_forget.py), and one that is not a deletion's output is refused in one line naming what is wrong."""
     import json
 
     for sub in ("replay", "oracle", "model"):
@@ -86,4 +87,4 @@ def test_trace_verify_of_a_single_run_deletion_folder_names_the_two_folder_comma
     (tmp_path / "receipt.json").write_text(json.dumps({"mode": "exact", "evidence": {"verified": True}}))
     assert main(["trace", "verify", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert f"hf-unlearn trace verify {tmp_path / 'replay'} {tmp_path / 'oracle'}" in err and err.count("\n") == 1
+    assert "receipt.json is not an hf_unlearn forget receipt" in err and err.count("\n") == 1

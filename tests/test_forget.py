@@ -758,3 +758,46 @@ def test_data_parallel_runs_and_multi_process_launches_are_refused_before_any_co
     with pytest.raises(UnlearnError, match="forget runs an approximate method in one process"):
         forget(tmp_path / "some-model", ids, tmp_path / "out3", method="npo", progress=False)
     assert not (tmp_path / "out3").exists()
+
+
+def test_trace_verify_of_a_single_runs_output_checks_the_model_folder_and_the_request(tmp_path, capsys):
+    """`hf-unlearn trace verify OUT` of a single run's deletion (it used to refuse, naming the replay/oracle pair, whose
+    comparison says nothing of OUT/model) checks the whole folder: replay == oracle, the receipt's final root is the
+    replay's, its request is what the replay deleted, and OUT/model is the replayed state. Fooling it: a weight of
+    OUT/model changed after the deletion, an oracle from another deletion swapped in, the oracle removed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hf_unlearn import forget
+    from hf_unlearn.cli import main
+
+    run = get_recorded()
+    ids = ids_at_step(run, 6)
+    out, other = tmp_path / "out", tmp_path / "other"
+    assert forget(run, ids[:1], out, oracle=True, progress=False).evidence["verified"] is True
+    assert main(["trace", "verify", str(out)]) == 0
+    assert "the model folder is the replayed state" in capsys.readouterr().out
+
+    weights = out / "model" / "model.safetensors"
+    saved = weights.read_bytes()
+    sd = load_file(weights)
+    name = next(iter(sd))
+    sd[name] = sd[name].clone()
+    sd[name].view(-1)[0] += 1e-3
+    save_file(sd, weights, metadata={"format": "pt"})
+    assert main(["trace", "verify", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "does not hold the receipt's model" in err and "NOT VERIFIED" in err
+    weights.write_bytes(saved)
+    assert main(["trace", "verify", str(out)]) == 0
+    capsys.readouterr()
+
+    assert forget(run, ids[1:2], other, oracle=True, progress=False).evidence["verified"] is True
+    shutil.rmtree(out / "oracle")
+    shutil.copytree(other / "oracle", out / "oracle")  # another deletion's oracle: not this replay's
+    assert main(["trace", "verify", str(out)]) == 1
+    assert "replay vs oracle" in capsys.readouterr().err
+    shutil.rmtree(out / "oracle")
+    assert main(["trace", "verify", str(out)]) == 1
+    assert "no oracle output" in capsys.readouterr().err

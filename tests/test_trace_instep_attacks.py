@@ -371,7 +371,7 @@ def test_hub_push_of_weights_changed_after_the_deletion_is_refused_before_upload
     sd[name] = sd[name].clone()
     sd[name].view(-1)[0] += 1e-3
     save_file(sd, weights, metadata={"format": "pt"})
-    # `trace verify OUT` says nothing verified of a single run's output (it names the replay/oracle pair to compare)
+    # `trace verify OUT` checks the model folder too: the edited weight is named
     assert main(["trace", "verify", str(tmp_path / "out")]) != 0
     with local_hub(tmp_path / "hub") as (server, token):
         code = main(["hub", "push", str(tmp_path / "out" / "model"), "--repo", "org/t", "--deletion",

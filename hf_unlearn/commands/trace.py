@@ -414,13 +414,9 @@ def verify_cmd(args) -> int:
 
     _quiet()
     if args.oracle is None:
-        from ..errors import UnlearnError
-
         out = Path(args.out)
         if (out / "receipt.json").is_file() and (out / "replay").is_dir() and not (out / "stage-1").is_dir():
-            raise UnlearnError(f"{out} is the deletion of a single run: check its replay against its oracle with "
-                               f"`hf-unlearn trace verify {out / 'replay'} {out / 'oracle'}` (one folder: a pipeline "
-                               "deletion's output)")
+            return _verify_single(args)
         return _verify_pipeline(args)
     report = verify(args.out, args.oracle)
     if args.json:
@@ -457,21 +453,36 @@ def verify_cmd(args) -> int:
     return 1
 
 
+def _verify_single(args) -> int:
+    from ..deletion.pipeline import verify_single
+
+    return _verify_folder(args, verify_single(args.out), (
+        "VERIFIED: the replay is bit-identical to its oracle (provenance checked), the receipt's request is what it "
+        "deleted, and the model folder is the replayed state"),
+        "NOT VERIFIED: the deletion's output folder does not hold what its receipt says")
+
+
 def _verify_pipeline(args) -> int:
     from ..deletion.pipeline import verify_pipeline
 
-    report = verify_pipeline(args.out)
+    return _verify_folder(args, verify_pipeline(args.out), (
+        "VERIFIED: every replayed stage is bit-identical to its oracle, each stage's replay and oracle start from the "
+        "previous stage's (run ids and weights roots recomputed), and the model folder is the last stage's replayed "
+        "state"), "NOT VERIFIED: the pipeline deletion's chain does not hold")
+
+
+def _verify_folder(args, report: dict, verified: str, not_verified: str) -> int:
+    """Print a deletion output folder's check (:func:`~hf_unlearn.deletion.pipeline.verify_single` or
+    ``verify_pipeline``); exit 0 iff it verified."""
     if args.json:
         print(json.dumps(report, indent=1))
         return 0 if report["verified"] else 1
     for line in report["stages"]:
         print(line)
     if report["verified"]:
-        print("VERIFIED: every replayed stage is bit-identical to its oracle, each stage's replay and oracle start "
-              "from the previous stage's (run ids and weights roots recomputed), and the model folder is the last "
-              "stage's replayed state")
+        print(verified)
         return 0
     for p in report["problems"]:
         print(f"PROBLEM: {p}", file=sys.stderr)
-    print("NOT VERIFIED: the pipeline deletion's chain does not hold", file=sys.stderr)
+    print(not_verified, file=sys.stderr)
     return 1

@@ -473,24 +473,62 @@ def verify_pipeline(out) -> dict:
         lines.append(f"{name}: replay == oracle {'VERIFIED' if report['verified'] else 'NOT verified'}"
                      + (f", starts from stage {k}'s replayed output" if k and stages[k - 1].get("replayed") else ""))
     problems += _request_problems(out, receipt, stages)
-    last = prev.get("replay")
-    final = (receipt.get("state_hashes") or {}).get("trace_params_root")
-    if last is not None:
-        from ..trace.lineage import output_checkpoint
-
-        hashes = json.loads((output_checkpoint(last) / "hashes.json").read_text())
-        merged = output_root(last) if (last.header.get("model") or {}).get("peft") else None
-        if final not in (hashes["params_root"], merged):
-            problems.append("the receipt's final state root is not the last stage's replayed state")
-    from ..hub.publish import build_manifest
-
-    model_dir = out / "model"
-    if not model_dir.is_dir() or build_manifest(model_dir)["params_root"] != receipt["state_hashes"]["params_root"]:
-        problems.append(f"{model_dir} does not hold the receipt's model (weights root differs or folder missing)")
+    problems += _output_problems(out, receipt, prev.get("replay"), "the last stage's")
     return {"verified": not problems, "problems": problems, "stages": lines}
 
 
-def _request_problems(out: Path, receipt: dict, stages: list) -> list[str]:
+def verify_single(out) -> dict:
+    """Check a single run's deletion output folder (``forget RUN --oracle``'s ``OUT``) from its files, as
+    :func:`verify_pipeline` checks a pipeline's: the replay equals the oracle (bit for bit, provenance checked), the
+    receipt's request is what the replay deleted, its final state root is the replay's, and ``OUT/model`` holds the
+    receipt's model (a model edited after the deletion is not VERIFIED). Returns ``{"verified", "problems",
+    "stages", "report"}`` (``report``: :func:`~hf_unlearn.trace.verification.verify`'s, None without an oracle)."""
+    from ..trace.lineage import open_quietly
+    from ..trace.verification import verify
+
+    out = Path(out)
+    receipt = load_receipt(out)
+    replay, oracle = out / "replay", out / "oracle"
+    problems, lines, report = [], [], None
+    if not (replay / "header.json").is_file():
+        raise UnlearnError(f"{out} holds no replay output ({replay}): it is not the output folder of `hf-unlearn "
+                           "forget RUN`")
+    if not (oracle / "header.json").is_file():
+        problems.append(f"no oracle output ({oracle}): the deletion was not checked against the oracle (run "
+                        "`hf-unlearn forget RUN --oracle`)")
+    else:
+        report = verify(replay, oracle)
+        if not report["verified"]:
+            problems.append("replay vs oracle " + ("bit-identical but not proven: " + "; ".join(
+                report["provenance"]["problems"][:2] or [u["why"] for u in report["provenance"]["unproven"].values()])
+                if report["identical"] else "NOT identical"))
+        lines.append(f"replay == oracle {'VERIFIED' if report['verified'] else 'NOT verified'}")
+    problems += _request_problems(out, receipt, [{"replayed": True}], folder=lambda k: replay)
+    problems += _output_problems(out, receipt, open_quietly(replay), "the replayed")
+    return {"verified": not problems, "problems": problems, "stages": lines, "report": report}
+
+
+def _output_problems(out: Path, receipt: dict, last, whose: str) -> list[str]:
+    """The receipt's final state root against the last replay's state (``last``: its run), and ``OUT/model`` against
+    the receipt's published root."""
+    from ..hub.publish import build_manifest
+    from ..trace.lineage import output_checkpoint, output_root
+
+    problems = []
+    final = (receipt.get("state_hashes") or {}).get("trace_params_root")
+    if last is not None:
+        hashes = json.loads((output_checkpoint(last) / "hashes.json").read_text())
+        merged = output_root(last) if (last.header.get("model") or {}).get("peft") else None
+        if final not in (hashes["params_root"], merged):
+            problems.append(f"the receipt's final state root is not {whose} state")
+    model_dir = out / "model"
+    if not model_dir.is_dir() or build_manifest(model_dir)["params_root"] != receipt["state_hashes"]["params_root"]:
+        problems.append(f"{model_dir} does not hold the receipt's model (weights root differs or folder missing: "
+                        "edited after the deletion?)")
+    return problems
+
+
+def _request_problems(out: Path, receipt: dict, stages: list, folder=None) -> list[str]:
     """The receipt's request against what the replayed stages deleted (keyed tags, where the stage's key is the
     request's): each replayed stage deleted no id outside the request, and every id of the request was deleted by a
     replayed stage, or before (an earlier deletion's log), in a stage the replay's recorded parents reach. A receipt
@@ -503,21 +541,21 @@ def _request_problems(out: Path, receipt: dict, stages: list) -> list[str]:
     want, fp = set(request.get("tags") or []), request.get("key_fingerprint")
     problems, covered, first = [], set(), None
     for k, st in enumerate(stages):
-        folder = out / f"stage-{k + 1}" / "replay"
-        if not st.get("replayed") or not (folder / "header.json").is_file():
+        where = folder(k) if folder is not None else out / f"stage-{k + 1}" / "replay"
+        if not st.get("replayed") or not (where / "header.json").is_file():
             continue
-        if json.loads((folder / "header.json").read_text()).get("key_fingerprint") != fp:
-            if (folder / "private" / "hmac.key").is_file():
+        if json.loads((where / "header.json").read_text()).get("key_fingerprint") != fp:
+            if (where / "private" / "hmac.key").is_file():
                 return []  # a run with its own key (trace_key=): its tags are not comparable with the request's
             return [f"stage {k + 1}: the receipt's request is under key {fp}, not the key of the stage's tags: it "
                     "cannot be shown to be what this deletion deleted"]
-        first = folder if first is None else first
-        log = read_deletion_log(folder)
+        first = where if first is None else first
+        log = read_deletion_log(where)
         extra = set((log[-1].get("forget_tags") or []) if log else []) - want
         if extra:
             problems.append(f"stage {k + 1}: its replay deleted {len(extra)} id(s) that are not in the receipt's "
                             "request: another deletion's stage")
-        covered |= deleted_tags(folder)
+        covered |= deleted_tags(where)
     missing = want - covered
     parent = parent_path(open_quietly(first)) if first is not None else None
     if missing and parent is not None and (parent / "header.json").is_file():
