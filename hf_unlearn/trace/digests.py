@@ -530,9 +530,9 @@ def _kept_namespace(owner, ns, compute, roots: dict):
     objects)``: the functions its text read (None: not kept), and the classes it named or objects it must see gain a
     ``__func__``."""
     keys, values = tuple(ns), tuple(ns.values())
-    key = (id(owner), *sorted(roots.items()))
-    hit = _NAMESPACES.get(key)
-    if hit is not None and hit[0] is owner and hit[1] == keys and hit[3] == tuple(map(id, values)):
+    held = sorted(roots.items())  # one entry per namespace (the last digester's): memory stays bounded
+    hit = _NAMESPACES.get(id(owner))
+    if hit is not None and hit[0] is owner and hit[8] == held and hit[1] == keys and hit[3] == tuple(map(id, values)):
         now = hit[4].now()
         if now is not None and hit[6] == list(map(id, now)):
             return hit[7]
@@ -540,9 +540,10 @@ def _kept_namespace(owner, ns, compute, roots: dict):
     pins = _pins(deps, watch) if deps is not None else None
     now = pins.now() if pins is not None else None
     if now is None:
-        _NAMESPACES.pop(key, None)
+        _NAMESPACES.pop(id(owner), None)
     else:  # the entry holds every object read (``now``): their ids are not reused while it is kept
-        _NAMESPACES[key] = (owner, keys, values, tuple(map(id, values)), pins, now, list(map(id, now)), result)
+        _NAMESPACES[id(owner)] = (owner, keys, values, tuple(map(id, values)), pins, now, list(map(id, now)), result,
+                                  held)
     return result
 
 
