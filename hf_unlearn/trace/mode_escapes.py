@@ -1,0 +1,155 @@
+"""Ways out of the value-read monitor while a watched event runs (:mod:`hf_unlearn.trace.value_reads`).
+
+The monitor is a torch function mode and a dispatch mode; both are thread-local and can be switched off:
+``torch._C.DisableTorchFunction`` (and ``_DisableTorchDispatch`` with it), popping a mode off its stack
+(``torch._C._pop_torch_function_stack``, ``torch.utils._python_dispatch._pop_mode_temporarily``), skipping the next
+torch function, excluding the Python dispatch key, or running the read in another thread. Under them
+``float(p.sum())`` or ``p.tolist()`` reads a weight and no mode sees it (issue #41). Which value was read cannot
+be told there; that the monitor was left can: a Python profile and trace hook (this thread only, only while a
+watched event runs, dropped once a read is noted) checks that both modes are on
+
+- at every call, return and C call, in any frame but torch's and this package's own (their code pops a mode while
+  it handles an operator: the mode's own handler), and
+- at every bytecode of code that is neither torch's, this package's, the standard library's nor transformers'
+  (the callback's own code: ``with DisableTorchFunction(), _DisableTorchDispatch(): v = float(p)`` runs no call
+  at all inside the block),
+
+and notes the C functions that switch modes or hooks off (``_pop_torch_function_stack``,
+``_set_skip_next_torch_function``, ``_unset_dispatch_mode``, ``_disabled_torch_dispatch_impl``,
+``sys.settrace``/``setprofile``, ``_thread.start_new_thread`` from the callback's code) as reads even when the
+state is back by the next check. A thread the event starts through ``threading`` runs its whole life under a
+monitor of its own that notes to the event's (a read after the event ended is noted at the next watched event);
+work handed to a thread that was already running (``Executor.submit``, ``queue.Queue.put``, ``Event.set``,
+``Condition.notify``, ``SimpleQueue.put`` from the callback's code) is a read, since what that thread does with
+it is not seen.
+"""
+
+from __future__ import annotations
+
+import _thread
+import concurrent.futures
+import functools
+import os
+import queue
+import sys
+import sysconfig
+import threading
+
+import torch
+
+_C = torch._C
+_OWN = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+_STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+_LIBRARIES = ("transformers", "accelerate")
+
+# C functions that leave the monitor or blind its hooks (by identity; a read even if the state is back at once)
+ESCAPES = {f: f"{getattr(f, '__module__', None) or 'torch._C'}.{f.__name__}" for f in (
+    _C._pop_torch_function_stack, _C._pop_torch_dispatch_stack, _C._set_torch_function_state,
+    _C._set_skip_next_torch_function, _C._skip_one_hop_torch_function, _C._unset_dispatch_mode,
+    _C._set_dispatch_mode, _C._disabled_torch_dispatch_impl, sys.settrace, sys.setprofile)}
+# C functions that start a thread or hand work to one: reads when the callback's own code calls them
+HANDOFFS = {_thread.start_new_thread: "_thread.start_new_thread", queue.SimpleQueue.put: "queue.SimpleQueue.put",
+            queue.SimpleQueue.put_nowait: "queue.SimpleQueue.put_nowait"}
+# Python functions that hand work to a thread already running: reads when the callback's own code calls them
+HANDOFF_CODE = {f.__code__: f.__qualname__ for f in (
+    concurrent.futures.ThreadPoolExecutor.submit, concurrent.futures.Executor.map, queue.Queue.put,
+    threading.Event.set, threading.Condition.notify, threading.Condition.notify_all, threading.Semaphore.release,
+    threading.Barrier.wait)}
+OWN, LIBRARY, USER = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(filename: str) -> int:
+    """Whose code a file is: torch's or this package's (OWN: they pop a mode while handling an operator), the
+    standard library's or transformers' (LIBRARY), or anyone else's (USER: a callback's, a script's, a plugin's)."""
+    if filename.startswith(_OWN):
+        return OWN
+    if filename.startswith("<frozen") or any(f"{os.sep}{n}{os.sep}" in filename for n in _LIBRARIES):
+        return LIBRARY
+    path = os.path.realpath(filename) if filename.startswith(os.sep) else filename
+    return LIBRARY if path.startswith(_STDLIB) and f"{os.sep}site-packages{os.sep}" not in path else USER
+
+
+def _builtin_name(func) -> str | None:
+    """What a C call leaves the monitor by, or hands to a thread (None: neither)."""
+    try:
+        return ESCAPES.get(func) or HANDOFFS.get(func)
+    except TypeError:  # unhashable
+        return None
+
+
+class EscapeWatch:
+    """The hooks above, on the current thread, for ``monitor``: its ``on()`` (both its modes in force),
+    ``note(what)``, ``first`` (once a read is noted the hooks go quiet), ``handling`` (inside its own handler, its
+    mode popped by torch: only the callback's own code is checked there) and ``child()`` (a monitor to enter in a
+    thread the event starts). ``nested``: the watch of such a thread, where any thread started is a read (the
+    process-wide ``threading.settrace`` is the event's, for the event's time only)."""
+
+    def __init__(self, monitor, nested: bool = False):
+        self.monitor, self.nested = monitor, nested
+        self.saved = None
+
+    @property
+    def done(self) -> bool:
+        return self.monitor.first is not None
+
+    def start(self) -> None:
+        self.saved = (sys.gettrace(), sys.getprofile(), threading.gettrace())
+        sys.setprofile(self._profile)
+        sys.settrace(self._trace)
+        if not self.nested:
+            threading.settrace(self._thread_start)
+
+    def stop(self) -> None:
+        if self.saved is None:
+            return
+        trace, profile, thread_trace = self.saved
+        self.saved = None
+        sys.settrace(trace)
+        sys.setprofile(profile)
+        if not self.nested:
+            threading.settrace(thread_trace)
+
+    def _left(self, frame, kind: int) -> bool:
+        if self.monitor.on() or (kind != USER and self.monitor.handling):
+            return False
+        self.monitor.note("the value-read monitor switched off (a torch function or dispatch mode disabled or popped) in "
+                  f"{frame.f_code.co_qualname} ({os.path.basename(frame.f_code.co_filename)})")
+        return True
+
+    def _profile(self, frame, event, arg):
+        if self.done:
+            return
+        kind = _kind(frame.f_code.co_filename)
+        if kind == OWN:
+            return
+        if event == "c_call":
+            name = _builtin_name(arg)
+            if name is not None and (name in ESCAPES.values() or kind == USER or self.nested):
+                self.monitor.note(f"a call of {name}, which leaves the value-read monitor")
+                return
+        elif event == "call" and frame.f_code in HANDOFF_CODE and frame.f_back is not None and \
+                _kind(frame.f_back.f_code.co_filename) == USER:
+            self.monitor.note(f"work handed to another thread ({HANDOFF_CODE[frame.f_code]}), which the "
+                              "value-read monitor does not follow")
+            return
+        self._left(frame, kind)
+
+    def _trace(self, frame, event, arg):
+        if self.done or _kind(frame.f_code.co_filename) != USER:
+            return None
+        frame.f_trace_opcodes = True
+        return self._opcode
+
+    def _opcode(self, frame, event, arg):
+        if self.done or self._left(frame, USER):
+            return None
+        return self._opcode
+
+    def _thread_start(self, frame, event, arg):
+        """The first trace call of a thread started while the event runs: the thread runs under a monitor of its
+        own from here on (modes are thread-local), noting to this one's."""
+        sys.settrace(None)
+        self.monitor.child().__enter__()
+        tracer = sys.gettrace()
+        return tracer(frame, event, arg) if tracer is not None else None
