@@ -8,11 +8,11 @@ torch function, excluding the Python dispatch key, or running the read in anothe
 be told there; that the monitor was left can: a Python profile and trace hook (this thread only, only while a
 watched event runs, dropped once a read is noted) checks that both modes are on
 
-- at every call, return and C call, in any frame but torch's and this package's own (their code pops a mode while
-  it handles an operator: the mode's own handler), and
-- at every bytecode of code that is neither torch's, this package's, the standard library's nor transformers'
-  (the callback's own code: ``with DisableTorchFunction(), _DisableTorchDispatch(): v = float(p)`` runs no call
-  at all inside the block),
+- at every bytecode, call, return and C call of code that is neither torch's, this package's, the standard
+  library's nor transformers' (the callback's own code, other installed packages'; ``with DisableTorchFunction(), _DisableTorchDispatch(): v =
+  float(p)`` runs no call at all inside the block). Torch's own code pops a mode while it hands an operator to it
+  (in the standard library's ``contextlib`` too), so library frames are not checked: a mode left there is seen
+  when the callback's code runs again,
 
 and notes the C functions that switch modes or hooks off (``_pop_torch_function_stack``,
 ``_set_skip_next_torch_function``, ``_unset_dispatch_mode``, ``_disabled_torch_dispatch_impl``,
@@ -55,19 +55,23 @@ HANDOFF_CODE = {f.__code__: f.__qualname__ for f in (
     concurrent.futures.ThreadPoolExecutor.submit, concurrent.futures.Executor.map, queue.Queue.put,
     threading.Event.set, threading.Condition.notify, threading.Condition.notify_all, threading.Semaphore.release,
     threading.Barrier.wait)}
-OWN, LIBRARY, USER = 0, 1, 2
+OWN, LIBRARY, PACKAGE, USER = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=4096)
 def _kind(filename: str) -> int:
     """Whose code a file is: torch's or this package's (OWN: they pop a mode while handling an operator), the
-    standard library's or transformers' (LIBRARY), or anyone else's (USER: a callback's, a script's, a plugin's)."""
+    standard library's or transformers' (LIBRARY), another installed package's (PACKAGE: checked, but not while the
+    monitor's own handler runs, where an import torch starts runs finders such as setuptools'), or anyone else's
+    (USER: a callback's, a script's)."""
     if filename.startswith(_OWN):
         return OWN
     if filename.startswith("<frozen") or any(f"{os.sep}{n}{os.sep}" in filename for n in _LIBRARIES):
         return LIBRARY
     path = os.path.realpath(filename) if filename.startswith(os.sep) else filename
-    return LIBRARY if path.startswith(_STDLIB) and f"{os.sep}site-packages{os.sep}" not in path else USER
+    if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
+        return PACKAGE
+    return LIBRARY if path.startswith(_STDLIB) else USER
 
 
 def _builtin_name(func) -> str | None:
@@ -80,8 +84,8 @@ def _builtin_name(func) -> str | None:
 
 class EscapeWatch:
     """The hooks above, on the current thread, for ``monitor``: its ``on()`` (both its modes in force),
-    ``note(what)``, ``first`` (once a read is noted the hooks go quiet), ``handling`` (inside its own handler, its
-    mode popped by torch: only the callback's own code is checked there) and ``child()`` (a monitor to enter in a
+    ``note(what)``, ``first`` (once a read is noted the hooks go quiet), ``handling`` (inside its own handler, where
+    torch pops its mode) and ``child()`` (a monitor to enter in a
     thread the event starts). ``nested``: the watch of such a thread, where any thread started is a read (the
     process-wide ``threading.settrace`` is the event's, for the event's time only)."""
 
@@ -111,7 +115,7 @@ class EscapeWatch:
             threading.settrace(thread_trace)
 
     def _left(self, frame, kind: int) -> bool:
-        if self.monitor.on() or (kind != USER and self.monitor.handling):
+        if kind < PACKAGE or (kind == PACKAGE and self.monitor.handling) or self.monitor.on():
             return False
         self.monitor.note("the value-read monitor switched off (a torch function or dispatch mode disabled or popped) in "
                   f"{frame.f_code.co_qualname} ({os.path.basename(frame.f_code.co_filename)})")
@@ -136,13 +140,13 @@ class EscapeWatch:
         self._left(frame, kind)
 
     def _trace(self, frame, event, arg):
-        if self.done or _kind(frame.f_code.co_filename) != USER:
+        if self.done or _kind(frame.f_code.co_filename) < PACKAGE:
             return None
         frame.f_trace_opcodes = True
         return self._opcode
 
     def _opcode(self, frame, event, arg):
-        if self.done or self._left(frame, USER):
+        if self.done or self._left(frame, _kind(frame.f_code.co_filename)):
             return None
         return self._opcode
 
