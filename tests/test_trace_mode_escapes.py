@@ -110,7 +110,7 @@ ESCAPES = {
 NOT_READS = {
     "a thread touching no tensor": lambda p: _joined(threading.Thread(target=time.sleep, args=(0.001,))),
     "shapes and counts": lambda p: ([q.shape for q in [p]], p.numel(), p.view(-1).shape, p.grad is None),
-    "logging a dict": lambda p: warnings.warn(str({"loss": 1.0, "n": p.numel()})),
+    "logging a dict": lambda p: warnings.warn(str({"loss": 1.0, "n": p.numel()}), stacklevel=2),
     "a lock and a format": lambda p: _locked(f"{p.shape}"),
 }
 

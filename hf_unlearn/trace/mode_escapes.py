@@ -140,15 +140,14 @@ class EscapeWatch:
         self._left(frame, kind)
 
     def _trace(self, frame, event, arg):
-        if self.done or _kind(frame.f_code.co_filename) < PACKAGE:
+        kind = _kind(frame.f_code.co_filename)
+        if self.done or kind < PACKAGE:
             return None
         frame.f_trace_opcodes = True
-        return self._opcode
 
-    def _opcode(self, frame, event, arg):
-        if self.done or self._left(frame, _kind(frame.f_code.co_filename)):
-            return None
-        return self._opcode
+        def opcode(frame, event, arg):
+            return None if self.done or self._left(frame, kind) else opcode
+        return opcode
 
     def _thread_start(self, frame, event, arg):
         """The first trace call of a thread started while the event runs: the thread runs under a monitor of its

@@ -21,11 +21,11 @@ Operators that reach a tensor's data are also seen below torch functions (a disp
 ``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. A watched callback
 holding a numpy view of a tensor's memory (``tensor.numpy()``, taken outside its events; in its attributes,
 globals or closure) or a ``memoryview`` reads values through it with no torch function: its events count as reads
-(:func:`held_view`). Not seen: reads that run no operator under ``DisableTorchFunction`` (``tolist()``,
-``untyped_storage()``, ``data_ptr`` and ``ctypes``), anything under ``torch._C._DisableTorchDispatch`` with it,
-decisions from logged numbers through C functions (``math.isfinite``) or by a callback whose code cannot reach the
-tensors (its decision is then only what the run's record keeps: when to stop, a learning rate), and from what a
-callback reads elsewhere (the dataset's rows, a file).
+(:func:`held_view`). Leaving the monitor is a read too (``DisableTorchFunction`` with ``_DisableTorchDispatch``,
+a mode popped off its stack, the read run in another thread: :mod:`hf_unlearn.trace.mode_escapes`, which says what
+it does not see). Not seen: decisions from logged numbers through C functions (``math.isfinite``) or by a callback
+whose code cannot reach the tensors (its decision is then only what the run's record keeps: when to stop, a learning
+rate), and from what a callback reads elsewhere (the dataset's rows, a file).
 """
 
 from __future__ import annotations
