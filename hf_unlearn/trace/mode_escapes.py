@@ -5,30 +5,39 @@ The monitor is a torch function mode and a dispatch mode; both are thread-local 
 (``torch._C._pop_torch_function_stack``, ``torch.utils._python_dispatch._pop_mode_temporarily``), skipping the next
 torch function, excluding the Python dispatch key, or running the read in another thread. Under them
 ``float(p.sum())`` or ``p.tolist()`` reads a weight and no mode sees it (issue #41). Which value was read cannot
-be told there; that the monitor was left can: a Python profile and trace hook (this thread only, only while a
-watched event runs, dropped once a read is noted) checks that both modes are on
-
-- at every bytecode, call, return and C call of code that is neither torch's, this package's, the standard
-  library's nor transformers' (the callback's own code, other installed packages'; ``with DisableTorchFunction(), _DisableTorchDispatch(): v =
-  float(p)`` runs no call at all inside the block). Torch's own code pops a mode while it hands an operator to it
-  (in the standard library's ``contextlib`` too), so library frames are not checked: a mode left there is seen
-  when the callback's code runs again,
-
-and notes the C functions that switch modes or hooks off (``_pop_torch_function_stack``,
+be told there; that the monitor was left can. A Python profile hook (this thread only, only while a watched event
+runs, quiet once a read is noted) checks that both modes are in force at every call, return and C call of code that
+is neither torch's, this package's, the standard library's nor transformers' (the callback's own code, another
+installed package's), and at every return into such code; a trace hook checks at every bytecode of such code that
+holds a ``with`` statement (``with DisableTorchFunction(), _DisableTorchDispatch(): v = float(p)`` makes no call
+inside the block; a mode left any other way is left by a call, seen when it returns). Torch's own code pops a mode
+while it hands an operator to it (through ``contextlib`` too), so it is not checked until it returns into the
+callback's. The C functions that switch modes or hooks off (``_pop_torch_function_stack``,
 ``_set_skip_next_torch_function``, ``_unset_dispatch_mode``, ``_disabled_torch_dispatch_impl``,
-``sys.settrace``/``setprofile``, ``_thread.start_new_thread`` from the callback's code) as reads even when the
-state is back by the next check. A thread the event starts through ``threading`` runs its whole life under a
-monitor of its own that notes to the event's (a read after the event ended is noted at the next watched event);
-work handed to a thread that was already running (``Executor.submit``, ``queue.Queue.put``, ``Event.set``,
-``Condition.notify``, ``SimpleQueue.put`` from the callback's code) is a read, since what that thread does with
-it is not seen.
+``sys.settrace``/``setprofile``) are reads even when the state is back by the next check.
+
+A thread the event starts through ``threading`` runs its whole life under a monitor of its own that notes to the
+event's (a read after the event ended is noted by the next watched event); work handed from the callback's code to a
+thread already running (``Executor.submit``, ``queue.Queue.put``, ``Event.set``, ``Condition.notify``,
+``SimpleQueue.put``) or a thread started with ``_thread.start_new_thread`` is a read, since what that thread does is
+not seen. (A ``torch.jit.script`` or ``torch.compile``d function's operators are seen as any other's.)
+
+Not seen: a read done entirely inside torch's, the standard library's or transformers' code with the modes off and
+no code of the callback's running meanwhile (a torch function that turned both off and returned values: torch's own
+``repr`` turns only the dispatch mode off, and the function mode sees its reads); another installed package's code
+run by the monitor's own handler (a packaged tensor subclass's ``__torch_function__``); a thread already running
+before the event woken otherwise than above (a lock released by ``with``, a pipe, a file) or started by such a thread
+after the event; another process (``multiprocessing``, shared memory); a C extension reading a tensor's memory
+itself, not through aten operators (which the dispatch mode sees), or ``ctypes`` at an address taken outside the
+watched events. A thread the event started that reads once the event is over is named at the next watched event, a
+later step than its read. While a watched event runs, a debugger's or coverage tool's trace and profile functions
+are set aside (back after it); a callback that sets its own is a read.
 """
 
 from __future__ import annotations
 
 import _thread
 import concurrent.futures
-import functools
 import os
 import queue
 import sys
@@ -38,7 +47,8 @@ import threading
 import torch
 
 _C = torch._C
-_OWN = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+_SELF = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_OWN = (os.path.dirname(torch.__file__) + os.sep, _SELF)
 _STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
 _LIBRARIES = ("transformers", "accelerate")
 
@@ -55,15 +65,16 @@ HANDOFF_CODE = {f.__code__: f.__qualname__ for f in (
     concurrent.futures.ThreadPoolExecutor.submit, concurrent.futures.Executor.map, queue.Queue.put,
     threading.Event.set, threading.Condition.notify, threading.Condition.notify_all, threading.Semaphore.release,
     threading.Barrier.wait)}
-OWN, LIBRARY, PACKAGE, USER = 0, 1, 2, 3
+SELF, OWN, LIBRARY, PACKAGE, USER = -1, 0, 1, 2, 3
 
 
-@functools.lru_cache(maxsize=4096)
-def _kind(filename: str) -> int:
-    """Whose code a file is: torch's or this package's (OWN: they pop a mode while handling an operator), the
-    standard library's or transformers' (LIBRARY), another installed package's (PACKAGE: checked, but not while the
-    monitor's own handler runs, where an import torch starts runs finders such as setuptools'), or anyone else's
-    (USER: a callback's, a script's)."""
+_KINDS: dict[str, int] = {}
+_WITH = frozenset(n for n in ("BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH", "SETUP_ASYNC_WITH"))
+
+
+def _file_kind(filename: str) -> int:
+    if filename.startswith(_SELF):
+        return SELF
     if filename.startswith(_OWN):
         return OWN
     if filename.startswith("<frozen") or any(f"{os.sep}{n}{os.sep}" in filename for n in _LIBRARIES):
@@ -72,6 +83,32 @@ def _kind(filename: str) -> int:
     if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
         return PACKAGE
     return LIBRARY if path.startswith(_STDLIB) else USER
+
+
+def _kind(code) -> int:
+    """Whose code this is: this package's (SELF: the monitor's handlers) or torch's (OWN: they pop a mode while
+    handling an operator), the standard library's or transformers' (LIBRARY), another installed package's (PACKAGE:
+    checked, but not while the monitor's own handler runs, where an import torch starts runs finders such as
+    setuptools'), or anyone else's (USER: a callback's, a script's). Keyed by file name, whose hash a string keeps
+    (a code object's is computed at every lookup)."""
+    kind = _KINDS.get(code.co_filename)
+    if kind is None:
+        kind = _KINDS[code.co_filename] = _file_kind(code.co_filename)
+    return kind
+
+
+_WITHS: dict[int, tuple] = {}  # id(code) -> (code, whether it enters a context manager); holding the code keeps
+# its id from being reused
+
+
+def _has_with(code) -> bool:
+    """Whether ``code`` enters a context manager: only there can a mode be left with no call returning."""
+    import dis
+
+    seen = _WITHS.get(id(code))
+    if seen is None or seen[0] is not code:
+        seen = _WITHS[id(code)] = (code, any(i.opname in _WITH for i in dis.get_instructions(code)))
+    return seen[1]
 
 
 def _builtin_name(func) -> str | None:
@@ -85,17 +122,13 @@ def _builtin_name(func) -> str | None:
 class EscapeWatch:
     """The hooks above, on the current thread, for ``monitor``: its ``on()`` (both its modes in force),
     ``note(what)``, ``first`` (once a read is noted the hooks go quiet), ``handling`` (inside its own handler, where
-    torch pops its mode) and ``child()`` (a monitor to enter in a
-    thread the event starts). ``nested``: the watch of such a thread, where any thread started is a read (the
-    process-wide ``threading.settrace`` is the event's, for the event's time only)."""
+    torch pops its mode) and ``child()`` (a monitor to enter in a thread the event starts). ``nested``: the watch
+    of such a thread, where any thread started is a read (the process-wide ``threading.settrace`` is the event's,
+    for the event's time only)."""
 
     def __init__(self, monitor, nested: bool = False):
         self.monitor, self.nested = monitor, nested
         self.saved = None
-
-    @property
-    def done(self) -> bool:
-        return self.monitor.first is not None
 
     def start(self) -> None:
         self.saved = (sys.gettrace(), sys.getprofile(), threading.gettrace())
@@ -115,38 +148,51 @@ class EscapeWatch:
             threading.settrace(thread_trace)
 
     def _left(self, frame, kind: int) -> bool:
+        """Whether the monitor is off where code of ``kind`` runs (noted as a read)."""
         if kind < PACKAGE or (kind == PACKAGE and self.monitor.handling) or self.monitor.on():
             return False
-        self.monitor.note("the value-read monitor switched off (a torch function or dispatch mode disabled or popped) in "
-                  f"{frame.f_code.co_qualname} ({os.path.basename(frame.f_code.co_filename)})")
+        self.monitor.note("the value-read monitor switched off (a torch function or dispatch mode disabled or "
+                          f"popped) in {frame.f_code.co_qualname} ({os.path.basename(frame.f_code.co_filename)})")
         return True
 
     def _profile(self, frame, event, arg):
-        if self.done:
+        monitor = self.monitor
+        if monitor.first is not None:
             return
-        kind = _kind(frame.f_code.co_filename)
-        if kind == OWN:
+        code = frame.f_code
+        kind = _KINDS.get(code.co_filename)
+        if kind is None:
+            kind = _kind(code)
+        if event == "return":  # the state the caller resumes in (the monitor's own handlers return into C code
+            back = frame.f_back  # that restores its mode after them)
+            if kind == SELF or back is None:
+                return
+            if kind != USER:
+                kind, frame = _kind(back.f_code), back
+        elif kind <= OWN:
             return
-        if event == "c_call":
+        elif event == "c_call":
             name = _builtin_name(arg)
             if name is not None and (name in ESCAPES.values() or kind == USER or self.nested):
-                self.monitor.note(f"a call of {name}, which leaves the value-read monitor")
+                monitor.note(f"a call of {name}, which leaves the value-read monitor")
                 return
-        elif event == "call" and frame.f_code in HANDOFF_CODE and frame.f_back is not None and \
-                _kind(frame.f_back.f_code.co_filename) == USER:
-            self.monitor.note(f"work handed to another thread ({HANDOFF_CODE[frame.f_code]}), which the "
-                              "value-read monitor does not follow")
+        elif event == "call" and code in HANDOFF_CODE and frame.f_back is not None and \
+                _kind(frame.f_back.f_code) == USER:
+            monitor.note(f"work handed to another thread ({HANDOFF_CODE[code]}), which the value-read "
+                         "monitor does not follow")
             return
-        self._left(frame, kind)
+        if kind >= PACKAGE:
+            self._left(frame, kind)
 
     def _trace(self, frame, event, arg):
-        kind = _kind(frame.f_code.co_filename)
-        if self.done or kind < PACKAGE:
+        code = frame.f_code
+        kind = _kind(code)
+        if self.monitor.first is not None or kind < PACKAGE or not _has_with(code):
             return None
         frame.f_trace_opcodes = True
 
         def opcode(frame, event, arg):
-            return None if self.done or self._left(frame, kind) else opcode
+            return None if self.monitor.first is not None or self._left(frame, kind) else opcode
         return opcode
 
     def _thread_start(self, frame, event, arg):
