@@ -79,6 +79,35 @@ def _exit_stack(p):
         return float(p.sum())
 
 
+def _entered_by_map(p):
+    """Both switched off by C calls no profile hook sees (``list`` and ``map`` are types): only bytecodes show it."""
+    a, b = DF(), DD()
+    list(map(DF.__enter__, [a]))
+    list(map(DD.__enter__, [b]))
+    v = float(p.detach()[0, 0])
+    list(map(DD.__exit__, [b], [None], [None], [None]))
+    list(map(DF.__exit__, [a], [None], [None], [None]))
+    return v
+
+
+def _popped_by_torch(p):
+    """Both modes popped through torch's own Python helpers, which return into the callback with them off."""
+    from torch.overrides import _pop_mode, _push_mode
+    from torch.utils import _python_dispatch
+
+    f = _pop_mode()
+    d = _python_dispatch._pop_mode()
+    v = float(p.detach()[0, 0])
+    _python_dispatch._push_mode(d)
+    _push_mode(f)
+    return v
+
+
+def _subclass_disabled(p):
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.tolist()
+
+
 def _disabled(f):
     def run(p):
         with DF():
@@ -92,13 +121,13 @@ ESCAPES = {
     "data_ptr and ctypes under DisableTorchFunction": _disabled(
         lambda p: ctypes.c_float.from_address(p.data_ptr()).value),
     "numpy under DisableTorchFunction": _disabled(lambda p: p.detach().numpy()[0, 0]),
-    "tolist under DisableTorchFunctionSubclass": lambda p: torch._C.DisableTorchFunctionSubclass().__enter__() or
-    p.tolist(),
-    "float(sum) with dispatch disabled too": lambda p: _disabled(lambda q: DD().__enter__() or float(q.sum()))(p),
+    "tolist under DisableTorchFunctionSubclass": _subclass_disabled,
     "both off, one line": _both_off_one_line,
     "both off through an ExitStack": _exit_stack,
     "function mode popped, dispatch mode popped": _popped,
     "Python dispatch key excluded": _excluded,
+    "both entered through map, no with": _entered_by_map,
+    "both popped by torch's helpers": _popped_by_torch,
     "profile and trace hooks removed first": _blinded,
     "skip the next torch function": lambda p: torch._C._set_skip_next_torch_function(True) or p.tolist(),
     "a thread started and joined": _in_thread,

@@ -5,16 +5,16 @@ The monitor is a torch function mode and a dispatch mode; both are thread-local 
 (``torch._C._pop_torch_function_stack``, ``torch.utils._python_dispatch._pop_mode_temporarily``), skipping the next
 torch function, excluding the Python dispatch key, or running the read in another thread. Under them
 ``float(p.sum())`` or ``p.tolist()`` reads a weight and no mode sees it (issue #41). Which value was read cannot
-be told there; that the monitor was left can. A Python profile hook (this thread only, only while a watched event
-runs, quiet once a read is noted) checks that both modes are in force at every call, return and C call of code that
-is neither torch's, this package's, the standard library's nor transformers' (the callback's own code, another
-installed package's), and at every return into such code; a trace hook checks at every bytecode of such code that
-holds a ``with`` statement (``with DisableTorchFunction(), _DisableTorchDispatch(): v = float(p)`` makes no call
-inside the block; a mode left any other way is left by a call, seen when it returns). Torch's own code pops a mode
-while it hands an operator to it (through ``contextlib`` too), so it is not checked until it returns into the
-callback's. The C functions that switch modes or hooks off (``_pop_torch_function_stack``,
-``_set_skip_next_torch_function``, ``_unset_dispatch_mode``, ``_disabled_torch_dispatch_impl``,
-``sys.settrace``/``setprofile``) are reads even when the state is back by the next check.
+be told there; that the monitor was left can. A trace hook checks that both modes are in force at every bytecode of
+code that is neither torch's, this package's, the standard library's nor transformers' (the callback's own code,
+another installed package's: ``with DisableTorchFunction(), _DisableTorchDispatch(): v = float(p)`` makes no call
+inside the block, and ``list(map(DisableTorchFunction.__enter__, [d]))`` none the hooks see), and a profile hook at
+every call, return and C call of such code and every return into it; both on this thread only, only while a watched
+event runs, quiet once a read is noted. Torch's own code pops a mode while it hands an operator to it (through
+``contextlib`` too), so it is not checked until it returns into the callback's. The C functions that switch modes
+or hooks off (``_pop_torch_function_stack``, ``_set_skip_next_torch_function``, ``_unset_dispatch_mode``,
+``_disabled_torch_dispatch_impl``, ``sys.settrace``/``setprofile``) are reads even when the state is back by the
+next check.
 
 A thread the event starts through ``threading`` runs its whole life under a monitor of its own that notes to the
 event's (a read after the event ended is noted by the next watched event); work handed from the callback's code to a
@@ -26,12 +26,15 @@ Not seen: a read done entirely inside torch's, the standard library's or transfo
 no code of the callback's running meanwhile (a torch function that turned both off and returned values: torch's own
 ``repr`` turns only the dispatch mode off, and the function mode sees its reads); another installed package's code
 run by the monitor's own handler (a packaged tensor subclass's ``__torch_function__``); a thread already running
-before the event woken otherwise than above (a lock released by ``with``, a pipe, a file) or started by such a thread
-after the event; another process (``multiprocessing``, shared memory); a C extension reading a tensor's memory
-itself, not through aten operators (which the dispatch mode sees), or ``ctypes`` at an address taken outside the
-watched events. A thread the event started that reads once the event is over is named at the next watched event, a
-later step than its read. While a watched event runs, a debugger's or coverage tool's trace and profile functions
-are set aside (back after it); a callback that sets its own is a read.
+before the event woken otherwise than above (a lock released by ``with``, a pipe, a file, ``asyncio.to_thread``'s
+running pool) or started by such a thread after the event; another process (``multiprocessing``, shared memory); a
+C extension reading a tensor's memory itself, not through aten operators (which the dispatch mode sees), or
+``ctypes`` at an address taken outside the watched events; code that tampers with the monitor itself (its objects
+found through ``gc``, its frames' ``f_trace`` cleared, a code object's file name forged as torch's). A thread the
+event started that reads once the event is over is named at the next watched event, a later step than its read.
+While a watched event runs, a debugger's or coverage tool's trace and profile functions are set aside (back after
+it); a callback that sets its own is a read. Cost: only watched events run the hooks, about 30 us per parameter a
+callback's own loop visits (``benchmarks/bench_value_reads.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +72,6 @@ SELF, OWN, LIBRARY, PACKAGE, USER = -1, 0, 1, 2, 3
 
 
 _KINDS: dict[str, int] = {}
-_WITH = frozenset(n for n in ("BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH", "SETUP_ASYNC_WITH"))
 
 
 def _file_kind(filename: str) -> int:
@@ -95,20 +97,6 @@ def _kind(code) -> int:
     if kind is None:
         kind = _KINDS[code.co_filename] = _file_kind(code.co_filename)
     return kind
-
-
-_WITHS: dict[int, tuple] = {}  # id(code) -> (code, whether it enters a context manager); holding the code keeps
-# its id from being reused
-
-
-def _has_with(code) -> bool:
-    """Whether ``code`` enters a context manager: only there can a mode be left with no call returning."""
-    import dis
-
-    seen = _WITHS.get(id(code))
-    if seen is None or seen[0] is not code:
-        seen = _WITHS[id(code)] = (code, any(i.opname in _WITH for i in dis.get_instructions(code)))
-    return seen[1]
 
 
 def _builtin_name(func) -> str | None:
@@ -187,12 +175,16 @@ class EscapeWatch:
     def _trace(self, frame, event, arg):
         code = frame.f_code
         kind = _kind(code)
-        if self.monitor.first is not None or kind < PACKAGE or not _has_with(code):
+        if self.monitor.first is not None or kind < PACKAGE:
             return None
         frame.f_trace_opcodes = True
 
+        monitor, on = self.monitor, self.monitor.on
+
         def opcode(frame, event, arg):
-            return None if self.monitor.first is not None or self._left(frame, kind) else opcode
+            if monitor.first is None and (on() or not self._left(frame, kind)):
+                return opcode
+            return None
         return opcode
 
     def _thread_start(self, frame, event, arg):

@@ -329,14 +329,12 @@ class ValueReads(TorchFunctionMode):
         return ValueReads(owner=self)
 
     def on(self) -> bool:
-        """Both modes in force: torch function modes enabled and ours on its stack where it was pushed, ours on the
-        dispatch stack and the Python dispatch keys not excluded."""
-        C = torch._C
-        if not C._is_torch_function_mode_enabled() or any(C._dispatch_tls_is_dispatch_key_excluded(k)
-                                                          for k in _PYTHON_KEYS):
-            return False
+        """Both modes in force: torch function modes enabled, no torch function set to be skipped and ours on its
+        stack where it was pushed, ours on the dispatch stack and the Python dispatch keys not excluded (checked at
+        every bytecode of a watched callback's code: direct calls only)."""
         try:
-            return C._get_function_stack_at(self._at) is self and C._get_dispatch_stack_at(self._dat) is self._dispatch
+            return _mode_enabled() and not _skip_next() and not _excluded(_PYTHON) and not _excluded(_SNAPSHOT) \
+                and _function_at(self._at) is self and _dispatch_at(self._dat) is self._dispatch
         except (IndexError, RuntimeError):
             return False
 
@@ -380,4 +378,7 @@ class ValueReads(TorchFunctionMode):
             self.handling -= 1
 
 
-_PYTHON_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot)
+_PYTHON, _SNAPSHOT = torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot
+_mode_enabled, _skip_next = torch._C._is_torch_function_mode_enabled, torch._C._peek_should_skip_torch_function
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_function_at, _dispatch_at = torch._C._get_function_stack_at, torch._C._get_dispatch_stack_at
