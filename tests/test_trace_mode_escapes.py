@@ -131,6 +131,7 @@ ESCAPES = {
     "profile and trace hooks removed first": _blinded,
     "skip the next torch function": lambda p: torch._C._set_skip_next_torch_function(True) or p.tolist(),
     "a thread started and joined": _in_thread,
+    "a thread started by a thread it started": lambda p: _joined(threading.Thread(target=_in_thread, args=(p,))),
     "a thread pool made in the event": _in_pool,
     "a thread pool already running": lambda p: _POOL.submit(lambda: float(p.sum())).result(),
     "a queue to a running thread": lambda p: queue.Queue().put(p),

@@ -17,10 +17,11 @@ or hooks off (``_pop_torch_function_stack``, ``_set_skip_next_torch_function``, 
 next check.
 
 A thread the event starts through ``threading`` runs its whole life under a monitor of its own that notes to the
-event's (a read after the event ended is noted by the next watched event); work handed from the callback's code to a
-thread already running (``Executor.submit``, ``queue.Queue.put``, ``Event.set``, ``Condition.notify``,
-``SimpleQueue.put``) or a thread started with ``_thread.start_new_thread`` is a read, since what that thread does is
-not seen. (A ``torch.jit.script`` or ``torch.compile``d function's operators are seen as any other's.)
+event's, and so do the threads it starts (a read after the event ended is noted by the next watched event); work
+handed from the callback's code to a thread already running (``Executor.submit``, ``queue.Queue.put``,
+``Event.set``, ``Condition.notify``, ``SimpleQueue.put``) or a thread started with ``_thread.start_new_thread`` is a
+read, since what that thread does is not seen. (A ``torch.jit.script`` or ``torch.compile``d function's operators
+are seen as any other's.)
 
 Not seen: a read done entirely inside torch's, the standard library's or transformers' code with the modes off and
 no code of the callback's running meanwhile (a torch function that turned both off and returned values: torch's own
@@ -64,6 +65,7 @@ ESCAPES = {f: f"{getattr(f, '__module__', None) or 'torch._C'}.{f.__name__}" for
 HANDOFFS = {_thread.start_new_thread: "_thread.start_new_thread", queue.SimpleQueue.put: "queue.SimpleQueue.put",
             queue.SimpleQueue.put_nowait: "queue.SimpleQueue.put_nowait"}
 # Python functions that hand work to a thread already running: reads when the callback's own code calls them
+_THREAD_START = threading.Thread.start.__code__
 HANDOFF_CODE = {f.__code__: f.__qualname__ for f in (
     concurrent.futures.ThreadPoolExecutor.submit, concurrent.futures.Executor.map, queue.Queue.put,
     threading.Event.set, threading.Condition.notify, threading.Condition.notify_all, threading.Semaphore.release,
@@ -111,29 +113,25 @@ class EscapeWatch:
     """The hooks above, on the current thread, for ``monitor``: its ``on()`` (both its modes in force),
     ``note(what)``, ``first`` (once a read is noted the hooks go quiet), ``handling`` (inside its own handler, where
     torch pops its mode) and ``child()`` (a monitor to enter in a thread the event starts). ``nested``: the watch
-    of such a thread, where any thread started is a read (the process-wide ``threading.settrace`` is the event's,
-    for the event's time only)."""
+    of such a thread (which may run for the whole training), where an installed package's code is not traced
+    bytecode by bytecode."""
 
     def __init__(self, monitor, nested: bool = False):
         self.monitor, self.nested = monitor, nested
         self.saved = None
 
     def start(self) -> None:
-        self.saved = (sys.gettrace(), sys.getprofile(), threading.gettrace())
+        self.saved = (sys.gettrace(), sys.getprofile())
         sys.setprofile(self._profile)
         sys.settrace(self._trace)
-        if not self.nested:
-            threading.settrace(self._thread_start)
 
     def stop(self) -> None:
         if self.saved is None:
             return
-        trace, profile, thread_trace = self.saved
+        trace, profile = self.saved
         self.saved = None
         sys.settrace(trace)
         sys.setprofile(profile)
-        if not self.nested:
-            threading.settrace(thread_trace)
 
     def _left(self, frame, kind: int) -> bool:
         """Whether the monitor is off where code of ``kind`` runs (noted as a read)."""
@@ -159,9 +157,11 @@ class EscapeWatch:
                 kind, frame = _kind(back.f_code), back
         elif kind <= OWN:
             return
+        elif event == "call" and code is _THREAD_START:
+            self._watch_thread(frame.f_locals.get("self"))
         elif event == "c_call":
             name = _builtin_name(arg)
-            if name is not None and (name in ESCAPES.values() or kind == USER or self.nested):
+            if name is not None and (name in ESCAPES.values() or kind == USER):
                 monitor.note(f"a call of {name}, which leaves the value-read monitor")
                 return
         elif event == "call" and code in HANDOFF_CODE and frame.f_back is not None and \
@@ -175,9 +175,9 @@ class EscapeWatch:
     def _trace(self, frame, event, arg):
         code = frame.f_code
         kind = _kind(code)
-        if self.monitor.first is not None or kind < PACKAGE:
-            return None
-        frame.f_trace_opcodes = True
+        if self.monitor.first is not None or kind < PACKAGE or (self.nested and kind == PACKAGE):
+            return None  # a thread the event started: an installed package's code there (a logging service's
+        frame.f_trace_opcodes = True  # threads, which run for the whole training) is not traced bytecode by bytecode
 
         monitor, on = self.monitor, self.monitor.on
 
@@ -187,10 +187,14 @@ class EscapeWatch:
             return None
         return opcode
 
-    def _thread_start(self, frame, event, arg):
-        """The first trace call of a thread started while the event runs: the thread runs under a monitor of its
-        own from here on (modes are thread-local), noting to this one's."""
-        sys.settrace(None)
-        self.monitor.child().__enter__()
-        tracer = sys.gettrace()
-        return tracer(frame, event, arg) if tracer is not None else None
+    def _watch_thread(self, thread) -> None:
+        """A thread started here (``threading.Thread.start``) runs under a monitor of its own from its first line
+        to its end (modes are thread-local), noting to this one's; so do the threads it starts."""
+        run = getattr(thread, "run", None)
+        if run is None:
+            return
+
+        def watched_run():
+            self.monitor.child().__enter__()
+            return run()
+        thread.run = watched_run
