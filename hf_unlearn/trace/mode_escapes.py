@@ -63,7 +63,9 @@ ESCAPES = {f: f"{getattr(f, '__module__', None) or 'torch._C'}.{f.__name__}" for
     _C._set_dispatch_mode, _C._disabled_torch_dispatch_impl, sys.settrace, sys.setprofile)}
 # C functions that start a thread or hand work to one: reads when the callback's own code calls them
 HANDOFFS = {_thread.start_new_thread: "_thread.start_new_thread", queue.SimpleQueue.put: "queue.SimpleQueue.put",
-            queue.SimpleQueue.put_nowait: "queue.SimpleQueue.put_nowait"}
+            queue.SimpleQueue.put_nowait: "queue.SimpleQueue.put_nowait",
+            **({_thread.start_joinable_thread: "_thread.start_joinable_thread"}  # Python 3.13
+               if hasattr(_thread, "start_joinable_thread") else {})}
 # Python functions that hand work to a thread already running: reads when the callback's own code calls them
 _THREAD_START = threading.Thread.start.__code__
 HANDOFF_CODE = {f.__code__: f.__qualname__ for f in (
@@ -138,7 +140,8 @@ class EscapeWatch:
         if kind < PACKAGE or (kind == PACKAGE and self.monitor.handling) or self.monitor.on():
             return False
         self.monitor.note("the value-read monitor switched off (a torch function or dispatch mode disabled or "
-                          f"popped) in {frame.f_code.co_qualname} ({os.path.basename(frame.f_code.co_filename)})")
+                          f"popped) in {getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)} "
+                          f"({os.path.basename(frame.f_code.co_filename)})")
         return True
 
     def _profile(self, frame, event, arg):
