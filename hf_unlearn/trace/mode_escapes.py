@@ -200,4 +200,7 @@ class EscapeWatch:
         def watched_run():
             self.monitor.child().__enter__()
             return run()
-        thread.run = watched_run
+        try:
+            thread.run = watched_run
+        except (AttributeError, TypeError):  # a run that cannot be replaced: what the thread does is not seen
+            self.monitor.note(f"a thread started ({type(thread).__qualname__}) whose run cannot be watched")
