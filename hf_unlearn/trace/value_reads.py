@@ -21,11 +21,11 @@ Operators that reach a tensor's data are also seen below torch functions (a disp
 ``torch._C.DisableTorchFunction`` is seen too; ``state.log_history`` is handed over marked too. A watched callback
 holding a numpy view of a tensor's memory (``tensor.numpy()``, taken outside its events; in its attributes,
 globals or closure) or a ``memoryview`` reads values through it with no torch function: its events count as reads
-(:func:`held_view`). Not seen: reads that run no operator under ``DisableTorchFunction`` (``tolist()``,
-``untyped_storage()``, ``data_ptr`` and ``ctypes``), anything under ``torch._C._DisableTorchDispatch`` with it,
-decisions from logged numbers through C functions (``math.isfinite``) or by a callback whose code cannot reach the
-tensors (its decision is then only what the run's record keeps: when to stop, a learning rate), and from what a
-callback reads elsewhere (the dataset's rows, a file).
+(:func:`held_view`). Leaving the monitor is a read too (``DisableTorchFunction`` with ``_DisableTorchDispatch``,
+a mode popped off its stack, the read run in another thread: :mod:`hf_unlearn.trace.mode_escapes`, which says what
+it does not see). Not seen: decisions from logged numbers through C functions (``math.isfinite``) or by a callback
+whose code cannot reach the tensors (its decision is then only what the run's record keeps: when to stop, a learning
+rate), and from what a callback reads elsewhere (the dataset's rows, a file).
 """
 
 from __future__ import annotations
@@ -291,28 +291,75 @@ class _DispatchReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.owner.first is None and (operator_reads(func) or torch._C._is_torch_function_all_disabled()):
-            self.owner.first = str(func)
-        return func(*args, **(kwargs or {}))
+            self.owner.note(str(func))
+        self.owner.handling += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.owner.handling -= 1
+
+
+# what a thread a watched event started read after the event ended: noted by the next watched event
+LATE: list[str] = []
 
 
 class ValueReads(TorchFunctionMode):
     """A torch function mode that notes the first function applied to a tensor's values (``first``) while it is on:
-    not a metadata read nor a view (whose operators the dispatch mode below judges)."""
+    not a metadata read nor a view (whose operators the dispatch mode below judges). Leaving either mode, or running
+    code in another thread, while it is on is a read too (:mod:`hf_unlearn.trace.mode_escapes`). ``owner``: the
+    monitor of the watched event that started this thread, to which this one notes."""
 
-    def __init__(self):
+    def __init__(self, owner: ValueReads | None = None):
         super().__init__()
         self.first: str | None = None
+        self.owner = owner
+        self.handling = 0  # inside this monitor's own handlers, where torch pops its mode
+        self.closed = False
+
+    def note(self, what: str) -> None:
+        if self.owner is not None:
+            self.first = self.first or what
+            self.owner.note(f"a thread it started: {what}")
+        elif self.closed:
+            LATE.append(what)
+        elif self.first is None:
+            self.first = what
+
+    def child(self) -> ValueReads:
+        return ValueReads(owner=self)
+
+    def on(self) -> bool:
+        """Both modes in force: torch function modes enabled, no torch function set to be skipped and ours on its
+        stack where it was pushed, ours on the dispatch stack and the Python dispatch keys not excluded (checked at
+        every bytecode of a watched callback's code: direct calls only)."""
+        try:
+            return _mode_enabled() and not _skip_next() and not _excluded(_PYTHON) and not _excluded(_SNAPSHOT) \
+                and _function_at(self._at) is self and _dispatch_at(self._dat) is self._dispatch
+        except (IndexError, RuntimeError):
+            return False
 
     def __enter__(self):
-        _ACTIVE.append(self)
+        from .mode_escapes import EscapeWatch
+
+        if self.owner is None:
+            _ACTIVE.append(self)
+            if LATE:
+                self.first = f"a thread an earlier watched event started: {LATE.pop(0)}"
         out = super().__enter__()
+        self._at = torch._C._len_torch_function_stack() - 1
         self._dispatch = _DispatchReads(self)  # below torch functions: what DisableTorchFunction hides
         self._dispatch.__enter__()
+        self._dat = torch._C._len_torch_dispatch_stack() - 1
+        self._watch = EscapeWatch(self, nested=self.owner is not None)
+        self._watch.start()
         return out
 
     def __exit__(self, *exc):
+        self._watch.stop()
+        self.closed = True
         self._dispatch.__exit__(*exc)
-        _ACTIVE.remove(self)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -322,6 +369,16 @@ class ValueReads(TorchFunctionMode):
             short = name.rsplit(".", 1)[-1]
             if name != "getset_descriptor.__get__" and short not in METADATA and not _is_view(func) and any(
                     isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
-                self.first = name.replace("TensorBase.", "Tensor.").replace("getset_descriptor.__set__",
-                                                                            "a tensor attribute set")
-        return func(*args, **kwargs)
+                self.note(name.replace("TensorBase.", "Tensor.").replace("getset_descriptor.__set__",
+                                                                         "a tensor attribute set"))
+        self.handling += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.handling -= 1
+
+
+_PYTHON, _SNAPSHOT = torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot
+_mode_enabled, _skip_next = torch._C._is_torch_function_mode_enabled, torch._C._peek_should_skip_torch_function
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_function_at, _dispatch_at = torch._C._get_function_stack_at, torch._C._get_dispatch_stack_at
