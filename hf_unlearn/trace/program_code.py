@@ -51,6 +51,16 @@ def _unsharded(cls: type) -> list[type]:
     return [next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule)), FSDPModule]
 
 
+def _reference_modules(trainer) -> list:
+    """The modules of a preference trainer's reference model (DPO's ``ref_model``, unwrapped), whose forward every
+    step runs: a class the policy does not use (a reference of another architecture) is code the run ran too."""
+    ref = getattr(trainer, "ref_model", None)
+    if not isinstance(ref, torch.nn.Module):
+        return []
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    return list((unwrap(ref) if unwrap is not None else ref).modules())
+
+
 def _named(cls: type) -> str | None:
     """``module:qualname`` of a class a process can find again by name (None: defined inside a function)."""
     if "<" in cls.__qualname__:
@@ -62,7 +72,7 @@ def sealed_code(model, trainer=None, callbacks=(), optimizer=None) -> dict[str, 
     """``{"class module:qualname" | "module name": digest}`` of the code this process runs for ``model`` (see the
     module docstring); what the recording seals at its first optimizer step."""
     classes: dict[type, None] = {}
-    for m in model.modules():
+    for m in (*model.modules(), *_reference_modules(trainer)):
         classes.update(dict.fromkeys(_unsharded(type(m))))
     classes[torch.Tensor] = None  # a method patched on it runs in every forward
     # the optimizer's class, and the modules of its classes (``Adam.step`` calls ``torch.optim.adam.adam``)
