@@ -260,3 +260,83 @@ def test_a_pipeline_recorded_here_is_deleted_by_a_fresh_cli_with_its_code_compar
     evidence = json.loads((tmp_path / "del" / "receipt.json").read_text())["evidence"]
     assert evidence["verified"] is True
     assert all(s["environment_probe"]["code"]["compared"] > 20 for s in evidence["pipeline"]), evidence["pipeline"]
+
+
+class _TorchPatch:
+    """The training script's ``torch.rsqrt = ...`` (what ``LlamaRMSNorm`` calls): its result scaled on a microbatch
+    padded to one of ``lengths`` (those of the steps the environment probe does not re-run)."""
+
+    def __init__(self):
+        self.original, self.lengths = torch.rsqrt, set()
+
+    def __enter__(self):
+        original, lengths = self.original, self.lengths
+
+        def rsqrt(x, *args, **kwargs):
+            out = original(x, *args, **kwargs)
+            return out * 1.25 if x.dim() == 3 and x.shape[-2] in lengths else out
+
+        torch.rsqrt = rsqrt
+        return self
+
+    def __exit__(self, *exc):
+        torch.rsqrt = self.original
+
+
+def test_a_patch_of_a_torch_function_acting_only_at_steps_the_probe_skips_is_refused_without_it(tmp_path):
+    """Attack: the training script sets ``torch.rsqrt`` to a function that differs only on microbatches of the steps
+    the probe does not re-run (their padded lengths, learnt from a first recording's plan). Before: ``torch``'s own
+    namespace was not sealed, and a step-0 deletion in a process without the patch was VERIFIED while its oracle
+    differed from a plain Trainer with the patch, the deleted row's labels -100 and the recorded normalisers (21 of 21
+    tensors). Now: refused before any compute naming ``module torch``; with the patch in place VERIFIED and equal to
+    that counterfactual."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import probe_steps
+    from hf_unlearn.trace.run import load_checkpoint
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    with _TorchPatch() as patch:
+        record(tok, data, tmp_path / "order", model=config_model("llama", tok), every=2, **KW)
+        order = open_run(tmp_path / "order" / "trace")
+        probed = set(probe_steps(order))
+        lengths = {}
+        for e in order.plan:
+            lengths.setdefault(e.step in probed, set()).add(max(e.lens))
+        patch.lengths |= lengths[False] - lengths.get(True, set())
+        record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2, **KW)
+    run = open_run(tmp_path / "rec" / "trace")
+    assert patch.lengths and "module torch" in run.header["fidelity"]["guards"]["code"]
+    ids = run.ids_at_steps([0])[:1]
+    with pytest.raises(UnlearnError, match=r"other code than the recorded run did: module torch;") as e:
+        forget(run.path, ids, tmp_path / "without", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "without").exists()
+    with patch:
+        assert forget(run.path, ids, tmp_path / "with", oracle=True, progress=False).evidence["verified"] is True
+        plain = independent_counterfactual(tok, data, config_model("llama", tok), run.path, ids, tmp_path / "plain",
+                                           **KW)
+    oracle = load_checkpoint(open_run(tmp_path / "with" / "oracle").final_checkpoint())["model"]
+    assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+@pytest.mark.parametrize("where,name,entry", [
+    ("torch", "_foreach_mul_", "module torch"),  # what a foreach optimizer step calls
+    ("torch.autograd", "backward", "module torch.autograd"),
+    ("torch.nn.utils", "clip_grad_norm_", "module torch.nn.utils"),  # what Accelerator.clip_grad_norm_ calls
+    ("accelerate.utils.operations", "send_to_device", "module accelerate.utils.operations"),
+    ("transformers.trainer", "get_model_param_count", "module transformers.trainer"),
+])
+def test_the_functions_a_step_calls_by_name_are_sealed(patched_run, monkeypatch, where, name, entry):
+    """A function of torch's top level, autograd, gradient clipping, Accelerate's helpers or the trainer's module,
+    replaced (by a wrapper computing the same, as a patch neutral on the recorded rows would): named."""
+    import importlib
+
+    from hf_unlearn.trace.program_code import code_differences
+
+    header = json.loads((patched_run[2] / "header.json").read_text())
+    module = importlib.import_module(where)
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: original(*a, **k))
+    with _Patched():
+        assert code_differences(header) == [entry]

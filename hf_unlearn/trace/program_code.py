@@ -37,6 +37,11 @@ from .digests import CODE_MODULES, Digester, _class_code, _module_code
 from .trainers import recorded_trainer, recorded_trainer_class
 
 SCRIPT = "__main__"
+# the namespaces a training step looks functions up in by name when it calls them, besides its model's and optimizer's
+# modules: torch's top level (``torch.rsqrt`` in a norm, ``torch._foreach_*`` in a step), autograd (``backward``),
+# ``nn.Module``'s own module, gradient clipping, and Accelerate's helpers (``send_to_device``, ``Accelerator``'s)
+STEP_MODULES = ("torch", "torch.autograd", "torch.nn.modules.module", "torch.nn.utils", "torch.nn.utils.clip_grad",
+                "accelerate.utils.operations", "accelerate.accelerator")
 
 
 def _unsharded(cls: type) -> list[type]:
@@ -78,14 +83,19 @@ def sealed_code(model, trainer=None, callbacks=(), optimizer=None) -> dict[str, 
     # the optimizer's class, and the modules of its classes (``Adam.step`` calls ``torch.optim.adam.adam``)
     opt = [c for c in type(getattr(optimizer, "optimizer", optimizer)).__mro__ if c is not object] if optimizer else []
     classes.update(dict.fromkeys(opt[:1]))
-    if trainer is not None:
-        classes[recorded_trainer_class(type(trainer))] = None
+    # the trainer's classes' modules (the functions its step calls), not the recording's own subclass's
+    steps = [c for c in recorded_trainer_class(type(trainer)).__mro__ if c is not object] if trainer is not None else []
+    classes.update(dict.fromkeys(steps[:1]))
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None:
+        classes[type(accelerator)] = None  # its backward and clip_grad_norm_ run every step
     classes.update(dict.fromkeys(type(cb) for cb in callbacks))
     names = [n for n in (_named(c) for c in classes) if n is not None]
-    # the modules a model's classes come from (the functions their forward calls), not the trainer's or callbacks'
+    # the modules a model's classes come from (the functions their forward calls), not the callbacks'
     modules = {c.__module__ for c in [*classes, *opt] if (issubclass(c, torch.nn.Module) or c in opt)
                and c.__module__ != SCRIPT}
-    modules |= set(CODE_MODULES)
+    modules |= {c.__module__ for c in steps if c.__module__ != SCRIPT and not c.__module__.startswith("hf_unlearn.")}
+    modules |= {*CODE_MODULES, *STEP_MODULES}
     return code_now([f"class {n}" for n in names] + [f"module {m}" for m in sorted(modules) if m in sys.modules])
 
 
