@@ -234,3 +234,45 @@ class _UsesGlobals(TrainerCallback):
         _HISTORY.append(state.global_step)
         if state.global_step >= LATE and CLIP_AT_IMPORT:
             _helper(args)
+
+
+def _launch(out, phase: str, **env):
+    import os
+    import sys
+    from pathlib import Path
+
+    from .conftest import ROOT, free_port, run_launch
+
+    def cmd():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), str(ROOT / "tests" / "trace_rank_reads.py"), str(out), phase]
+
+    base = {k: v for k, v in os.environ.items() if k != "HFU_RANK1_SCALE"}
+    proc = run_launch(cmd, out, cwd=str(ROOT), env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
+                      timeout=900)
+    assert proc.returncode == 0 or phase != "record", proc.stderr[-4000:]
+    return [json.loads((Path(out) / f"{phase}-{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow  # three 2-process launches (about a minute)
+def test_a_read_on_process_1_only_is_sealed_and_compared_in_process_1(tmp_path):
+    """A user's ``compute_loss`` reads ``HFU_RANK1_SCALE`` on process 1 only (``if int(os.environ["RANK"]) == 1``).
+    Before: only process 0's reads were sealed, so a deleting launch without the variable was never compared on it
+    (and the code acts on it only where a deletion masks a row: the probe cannot see it). Now every process's reads
+    are sealed (``fidelity.process_environment_reads`` for the processes that read otherwise than process 0), each
+    process of a deleting launch is compared with its own, and a difference on any refuses on all before any compute,
+    naming the variable and the process; with the variable set as recorded the deletion runs (VERIFIED)."""
+    from hf_unlearn.trace import open_run
+
+    _launch(tmp_path, "record", HFU_RANK1_SCALE="1")
+    fidelity = open_run(tmp_path / "trace").header["fidelity"]
+    assert "HFU_RANK1_SCALE" not in fidelity["environment_reads"]
+    assert fidelity["process_environment_reads"]["1"]["HFU_RANK1_SCALE"]["value"] is not None
+    refused = _launch(tmp_path, "without")
+    assert all(r["code"] != 0 for r in refused), refused
+    for r in refused:
+        assert "HFU_RANK1_SCALE" in r["err"] and "on process 1 of 2" in r["err"] and "\n" not in r["err"], r
+    assert not (tmp_path / "del-without").exists()
+    done = _launch(tmp_path, "with", HFU_RANK1_SCALE="1")
+    assert [r["code"] for r in done] == [0, 0], done
+    assert json.loads((tmp_path / "del-with" / "receipt.json").read_text())["evidence"]["verified"] is True

@@ -340,3 +340,50 @@ def test_the_functions_a_step_calls_by_name_are_sealed(patched_run, monkeypatch,
     monkeypatch.setattr(module, name, lambda *a, **k: original(*a, **k))
     with _Patched():
         assert code_differences(header) == [entry]
+
+
+@pytest.mark.slow  # two recording launches, two forgets with oracles and a counterfactual (~30 s)
+def test_a_recording_resumed_without_the_first_launchs_patch_is_refused(tmp_path):
+    """Attack: stopped after step 4 (a callback's early stop: the first launch sealed the run) with the patch in place,
+    resumed (``resume_from_checkpoint``) in a process without it. Before: the seal was the resumed process's code, so
+    a step-1 deletion without the patch was VERIFIED while its oracle differed from a plain Trainer with the patch on
+    steps 0..3, the deleted row's labels -100 and the recorded normalisers (21 of 21 tensors). Now the resume is
+    refused, naming the module; resumed with the patch, the run seals it, a deletion without it is refused and one
+    with it is VERIFIED and equal to that counterfactual."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_neutral_attacks import _differs_from_counterfactual, _forget_outcome, stopped_at_4_then_resumed
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trainer = stopped_at_4_then_resumed(tmp_path, tok, data, [])
+    with _Patched():
+        trainer(trainer.stop_at_4).train()
+    resume = str(tmp_path / "rec" / "checkpoint-4")
+    with pytest.raises(UnlearnError, match=r"cannot be resumed in this process: it runs other code than the steps "
+                                           r"before the stop did: module transformers\.loss\.loss_utils;") as e:
+        trainer().train(resume_from_checkpoint=resume)
+    assert "\n" not in str(e.value)
+    with _Patched():
+        trainer().train(resume_from_checkpoint=resume)
+    run = tmp_path / "rec" / "trace"
+    assert "module transformers.loss.loss_utils" in open_run(run).header["fidelity"]["guards"]["code"]
+    ids = open_run(run).ids_at_steps([1])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "without")
+    assert kind == "refused" and "other code than the recorded run did" in why, why
+
+    patch = _Patched()
+
+    class PatchedThroughout(TrainerCallback):  # the program that ran: the patch on every step (both launches)
+        def on_train_begin(self, args, state, control, **kwargs):
+            patch.__enter__()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            patch.__exit__()
+
+    with _Patched():
+        kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [PatchedThroughout()])

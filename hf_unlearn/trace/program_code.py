@@ -169,6 +169,20 @@ def check_code(run) -> dict:
     return {"compared": len(header["fidelity"]["guards"]["code"])}
 
 
+def check_resumed_code(run_path, previous: dict) -> dict:
+    """A recording resumed in this process: refuse in one line when its code differs from the code the steps before
+    the stop ran (the previous launch's seal, ``previous``: its header). One seal covers the whole run, so the steps
+    before the resume must have run the code every deleting process is compared with. Returns those entries, for the
+    final seal to keep (``{}``: the previous launch sealed none, e.g. it crashed before its seal)."""
+    differ = code_differences(previous) or []
+    if differ:
+        shown = ", ".join(_short(k) for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+        raise UnlearnError(f"{run_path} cannot be resumed in this process: it runs other code than the steps before "
+                           f"the stop did: {shown}; a deletion replays both parts with one code, so resume with the "
+                           "code it was recorded with (the same package versions and patches applied)")
+    return dict(((previous.get("fidelity") or {}).get("guards") or {}).get("code") or {})
+
+
 def _short(entry: str) -> str:
     name = entry.replace(":", ".")
     found = _find(entry)

@@ -37,11 +37,11 @@ import time
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
-from .environment_reads import differences
+from .environment_reads import differences, recorded_reads
 from .fidelity import FidelityError
 from .guards import compare_fingerprint, guard_coverage, program_changes
 from .issued import issue
-from .processes import gathered, world_size
+from .processes import gathered, rank, world_size
 from .program_code import code_checked
 from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     PROVE_COMMAND,
@@ -484,11 +484,14 @@ def environment_refusal(run) -> str | None:
     """Why this process cannot delete from ``run``: environment variables the recorded run's own code read while
     training (a recorded callback, a trainer subclass, a collator: :mod:`~hf_unlearn.trace.environment_reads`) that
     it holds otherwise, which a replay here would act on (None: none, or a run recorded before they were noted)."""
-    recorded = (run.header.get("fidelity") or {}).get("environment_reads")
-    differ = differences(run.key, recorded) if recorded else []
-    if not differ:
+    recorded = recorded_reads(run.header.get("fidelity") or {}, rank())  # this process's rank's (they may differ)
+    everyone = gathered(differences(run.key, recorded) if recorded else [])  # every process of a launch: one verdict
+    found = [(r, d) for r, d in enumerate(everyone) if d]
+    if not found:
         return None
-    return (f"the recorded run's code read the environment variable {differ[0]}"
+    where, differ = found[0]
+    on = f" on process {where} of {len(everyone)}" if len(everyone) > 1 else ""
+    return (f"the recorded run's code read the environment variable {differ[0]}{on}"
             f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: a replay here runs that code on another "
             "environment than the recording's; refusing before any compute (set it as it was while recording, or run "
             "the deletion where the run was recorded)")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..environment_reads import sealed, sealed_globals
+from ..environment_reads import process_reads, sealed, sealed_globals
 from ..fidelity import changed_buffers
 from ..lineage import final_is_output, live_output_root
+from ..processes import gathered, world_size
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck
 from .program import GUARD_CHECKS
@@ -16,6 +17,7 @@ from .segments import epoch_text
 
 
 def finish(trainer) -> None:
+    logs = every_process_reads(trainer)  # a collective: every process of a launch, before any returns
     same, trainer._trace_same_settings = getattr(trainer, "_trace_same_settings", None), None
     if same is not None:
         same.close()
@@ -72,7 +74,8 @@ def finish(trainer) -> None:
     if guard is not None and step > 0:
         trainer._trace_header.setdefault("fidelity", {})["guards"] = {
             "final": {"step": step - 1, **guard.flush(step - 1), "ep": epoch_text(trainer.state.epoch)},
-            "checks": GUARD_CHECKS, **({"code": guard.code} if guard.code else {})}
+            "checks": GUARD_CHECKS, **({"code": {**guard.code, **getattr(trainer, "_trace_earlier_code", {})}}
+                                        if guard.code else {})}
     if guard is not None:
         guard.warn_changes(trainer.trace_dir)
     reads = getattr(trainer, "_trace_environment_reads", None)
@@ -82,8 +85,21 @@ def finish(trainer) -> None:
             # a resumed run: what the steps before the resume read stays (checked against this process when it resumed)
             environment_reads={**sealed(key, reads), **(getattr(trainer, "_trace_earlier_reads", None) or {})},
             program_globals=sealed_globals(key, getattr(trainer, "_trace_program_globals", None) or {}))
+        by_process = process_reads(key, logs, getattr(trainer, "_trace_earlier_process_reads", None)) if logs else {}
+        if by_process:  # the processes whose code read otherwise than process 0's: each compared with its own
+            trainer._trace_header["fidelity"]["process_environment_reads"] = by_process
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None
+
+
+def every_process_reads(trainer) -> list[dict] | None:
+    """Every process's environment reads of a multi-process recording, in rank order (None: one process, or a
+    replay): what process 1's code alone read is sealed too, and compared in the deleting launch's process 1."""
+    reads = getattr(trainer, "_trace_environment_reads", None)
+    if trainer._is_replay or reads is None or world_size() == 1 or getattr(trainer, "_trace_reads_gathered", False):
+        return None  # (finish runs again from on_train_end: on every process, so none gathers twice)
+    trainer._trace_reads_gathered = True
+    return gathered(reads)
 
 
 def output_root_now(trainer) -> str:

@@ -35,13 +35,13 @@ from pathlib import Path
 from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
-from ..environment_reads import unrecorded, watching
+from ..environment_reads import recorded_reads, unrecorded, watching
 from ..fidelity import check_device, refusal, restore_layout
 from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..issued import believed
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
-from ..processes import agreed
+from ..processes import agreed, rank
 from ..program_code import code_checked
 from ..recorder import RecordingHooksTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
@@ -253,7 +253,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._probe_own_environment()
         with pinned_stack(self.run.header), watching() as reads:
             out = self._replay()
-        recorded = (self.run.header.get("fidelity") or {}).get("environment_reads")
+        recorded = recorded_reads(self.run.header.get("fidelity") or {}, rank())  # this process's rank's
         differ = unrecorded(self.run.key, recorded, reads) if recorded is not None else []
         if differ:  # the code the replay ran acted on another environment than the recording's
             raise UnlearnError(f"the replay of {self.run.path} ran code that read the environment variable "
