@@ -103,3 +103,22 @@ def test_a_patch_of_the_reference_models_class_is_refused_without_it_and_verifie
     assert evidence["verified"] is True
     oracle = load_checkpoint(open_run(tmp_path / "with" / "oracle").final_checkpoint())["model"]
     assert not [n for n, t in oracle.items() if not torch.equal(t, plain["model"][n])]
+
+
+def test_a_function_set_on_the_reference_instance_is_refused_when_training_starts(tmp_path):
+    """Attack: the same patch set on the reference instance (``ref.gpt_neox.forward = ...``) rather than its class:
+    no class's code changes, and a replay loads the reference from its files without it. Refused when the recording
+    is built, naming the function (a forward hook is refused too)."""
+    from hf_unlearn.errors import UnlearnError
+
+    from .test_trace_dpo_attacks import recorder
+
+    tok, data = pairs(n=4)
+    saved_model(tmp_path / "base", tok)
+    ref = _reference(tmp_path, tok)
+    backbone = ref.gpt_neox
+    original = backbone.forward
+    backbone.forward = lambda *a, **k: original(*a, **k)
+    with pytest.raises(UnlearnError, match=r"the reference model carries a hook or function a replay does not run "
+                                           r"\(gpt_neox\.forward: tests\.test_trace_dpo_reference_code:"):
+        recorder(tmp_path / "rec", tok, data, tmp_path / "base", ref_model=ref)
