@@ -387,3 +387,37 @@ def test_a_recording_resumed_without_the_first_launchs_patch_is_refused(tmp_path
         kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
     assert kind == "verified", receipt
     assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [PatchedThroughout()])
+
+
+def test_a_patch_applied_while_training_is_sealed_as_not_reproducible(tmp_path):
+    """Attack: a watched callback (not replayed) sets ``torch.rsqrt`` to a wrapper at step 2 and leaves it: the seal
+    taken at the first step lacks it, and so does a deleting process, while steps 2.. ran it. The recording ends
+    sealed as not reproducible, naming the module; deletions are refused."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+
+    patch = _TorchPatch()
+
+    class PatchAtStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                patch.__enter__()
+
+    tok, data = get_trace_data()
+    try:
+        record(tok, data.select(range(16)), tmp_path / "rec", model=config_model("llama", tok), every=2,
+               trainer_kwargs={"callbacks": [PatchAtStep2()]}, **KW)
+    finally:
+        patch.__exit__()
+    run = open_run(tmp_path / "rec" / "trace")
+    why = run.header["fidelity"]["recording"]["why"]
+    assert "the code the run's first step ran changed while it trained (module torch)" in why, why
+    ids = run.ids_at_steps([2])[:1]
+    with pytest.raises(UnlearnError):  # not proven (the proof at the end of the recording was not run)
+        forget(run.path, ids, tmp_path / "del", oracle=True, progress=False)
+    from hf_unlearn.trace import OracleReplayTrainer
+
+    with pytest.raises(UnlearnError, match=r"does not reproduce this run \(the code the run's first step ran changed"):
+        OracleReplayTrainer(run, ids, out_dir=tmp_path / "oracle")  # built, as after a `trace prove`: refused

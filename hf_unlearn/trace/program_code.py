@@ -169,6 +169,20 @@ def check_code(run) -> dict:
     return {"compared": len(header["fidelity"]["guards"]["code"])}
 
 
+def code_changed(sealed: dict | None) -> str | None:
+    """Why the code the first step ran (``sealed``) is not the code the run ended with (a callback patched
+    ``torch.rsqrt`` at step 2 and left it): a replay runs one code over the whole run; None when the same."""
+    if not sealed:
+        return None
+    now = code_now(sealed)
+    differ = [k for k, v in sealed.items() if now.get(k) != v]
+    if not differ:
+        return None
+    return (f"the code the run's first step ran changed while it trained ({_short(differ[0])}"
+            f"{f' and {len(differ) - 1} more' if len(differ) > 1 else ''}): replays run one code over the whole run; "
+            "apply patches before train()")
+
+
 def check_resumed_code(run_path, previous: dict) -> dict:
     """A recording resumed in this process: refuse in one line when its code differs from the code the steps before
     the stop ran (the previous launch's seal, ``previous``: its header). One seal covers the whole run, so the steps

@@ -10,6 +10,7 @@ from ..environment_reads import process_reads, sealed, sealed_globals
 from ..fidelity import changed_buffers
 from ..lineage import final_is_output, live_output_root
 from ..processes import gathered, world_size
+from ..program_code import code_changed
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck
 from .program import GUARD_CHECKS
@@ -67,7 +68,8 @@ def finish(trainer) -> None:
     if not trainer._is_replay:
         changed = changed_buffers(trainer.accelerator.unwrap_model(trainer.model), trainer.trace_dir)
         why = (f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do not carry "
-               "it, so replays cannot follow it)") if changed else trainer._trace_changed_during_training()
+               "it, so replays cannot follow it)") if changed else (trainer._trace_changed_during_training()
+                                                              or code_changed(guard.code if guard else None))
         if why:
             trainer._trace_header["fidelity"] = {"recording": {
                 "checked": True, "reproduced": False, "steps": [0, step], "why": why}}
