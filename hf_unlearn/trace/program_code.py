@@ -13,7 +13,9 @@ unsharded classes under FSDP2, and ``FSDPModule``), of ``torch.Tensor``, of the 
 the modules a forward calls (:data:`~hf_unlearn.trace.digests.CODE_MODULES`), of the optimizer's class and the
 modules its classes come from (``torch.optim.adam``: the function ``Adam.step`` calls), of the recorded trainer
 class (the user's, e.g. ``trl.SFTTrainer``, which replays compose with their own classes: not the recording's
-subclass) and of the recorded callbacks' classes (replays run them again); each by an importable
+subclass) and the modules of its classes, of ``Accelerator``, of the recorded callbacks' classes (replays run them
+again), of a DPO reference model's classes, and of the namespaces a step looks functions up in by name
+(:data:`STEP_MODULES`: ``torch.rsqrt``, ``torch._foreach_*``, ``torch.autograd.backward``); each by an importable
 ``module:qualname`` (the header's ``fidelity.guards.code``). Every deleting process recomputes them by name (a digest of code objects: milliseconds)
 and refuses, before any compute, naming the first entries that differ.
 
@@ -22,7 +24,9 @@ deleting process; a class it defines is compared where the deleting process defi
 not); classes defined inside a function (no name to find them by); and what frameworks set on classes as a side
 effect of ordinary use (:data:`~hf_unlearn.trace.digests.SIDE_EFFECT_ATTRIBUTES`: transformers' ``smart_apply``;
 :data:`~hf_unlearn.trace.digests.PROFILE_WRAPPER`: torch's wrapper of an optimizer class's ``step``). The processes of a launch
-are compared with each other at every recorded step by the guards (a rank-local patch is a change).
+are compared with each other at every recorded step by the guards (a rank-local patch is a change). The seal is
+compared again when the recording ends (:func:`code_changed`: a patch applied while training) and when it is resumed
+(:func:`check_resumed_code`: one seal covers every launch of a run).
 """
 
 from __future__ import annotations
