@@ -234,3 +234,77 @@ class _UsesGlobals(TrainerCallback):
         _HISTORY.append(state.global_step)
         if state.global_step >= LATE and CLIP_AT_IMPORT:
             _helper(args)
+
+
+def _launch(out, phase: str, **env):
+    import os
+    import sys
+    from pathlib import Path
+
+    from .conftest import ROOT, free_port, run_launch
+
+    def cmd():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), str(ROOT / "tests" / "trace_rank_reads.py"), str(out), phase]
+
+    base = {k: v for k, v in os.environ.items() if k != "HFU_RANK1_SCALE"}
+    proc = run_launch(cmd, out, cwd=str(ROOT), env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
+                      timeout=900)
+    assert proc.returncode == 0 or phase != "record", proc.stderr[-4000:]
+    assert all((Path(out) / f"{phase}-{r}.json").is_file() for r in (0, 1)), proc.stderr[-4000:]
+    return [json.loads((Path(out) / f"{phase}-{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow  # four 2-process launches (about two minutes)
+def test_a_read_on_process_1_only_is_sealed_and_compared_in_process_1(tmp_path):
+    """A user's ``compute_loss`` reads ``HFU_RANK1_SCALE`` on process 1 only (``if int(os.environ["RANK"]) == 1``),
+    acting on it only where a deletion masks a row (the probe cannot see it). Before: only process 0's reads were
+    sealed; nothing compared the variable before compute, and process 1's replay, reading a variable "the recording's
+    code never read", stopped after its compute (process 0 then died in a collective), with the variable set as
+    recorded too: every deletion of the run was refused, late. Now every process's reads
+    are sealed (``fidelity.process_environment_reads`` for the processes that read otherwise than process 0), each
+    process of a deleting launch is compared with its own, and a difference on any refuses on all before any compute,
+    naming the variable and the process; with the variable set as recorded the deletion runs (VERIFIED)."""
+    from hf_unlearn.trace import open_run
+
+    _launch(tmp_path, "record", HFU_RANK1_SCALE="1")
+    fidelity = open_run(tmp_path / "trace").header["fidelity"]
+    assert "HFU_RANK1_SCALE" not in fidelity["environment_reads"]
+    assert fidelity["process_environment_reads"]["1"]["HFU_RANK1_SCALE"]["value"] is not None
+    refused = _launch(tmp_path, "without")
+    assert all(r["code"] != 0 for r in refused), refused
+    for r in refused:
+        assert "HFU_RANK1_SCALE" in r["err"] and "on process 1 of 2" in r["err"] and "\n" not in r["err"], r
+    assert not (tmp_path / "del-without").exists()
+    done = _launch(tmp_path, "with", HFU_RANK1_SCALE="1")
+    assert [r["code"] for r in done] == [0, 0], done
+    assert json.loads((tmp_path / "del-with" / "receipt.json").read_text())["evidence"]["verified"] is True
+
+    # the run as the previous release sealed it (process 0's reads only): the launch with the variable as recorded
+    # was refused after its compute, by process 1's replay ("never read"), and process 0 died in the next collective
+    from .test_trace_common import copy_run, write_sealed_header
+
+    old = copy_run(tmp_path / "trace", tmp_path / "old" / "trace")
+    header = json.loads((old / "header.json").read_text())
+    del header["fidelity"]["process_environment_reads"]
+    write_sealed_header(old, header)
+    before = _launch(tmp_path / "old", "with", HFU_RANK1_SCALE="1")
+    assert before[1]["code"] != 0 and "which the recording's code never read" in before[1]["err"], before
+
+
+def test_each_process_is_compared_with_its_own_ranks_reads():
+    """What is sealed per process (only the processes that read otherwise than process 0) and what each rank of a
+    deleting launch is compared with; a resumed run keeps the earlier launch's reads."""
+    from hf_unlearn.trace.environment_reads import process_reads, recorded_reads, sealed
+
+    key = b"k" * 32
+    zero = {"A": {"value": "1", "by": "cb"}}
+    one = {**zero, "X": {"value": "2", "by": "cb"}}
+    assert process_reads(key, [zero, zero]) == {}
+    by_process = process_reads(key, [zero, one])
+    assert list(by_process) == ["1"] and by_process["1"] == sealed(key, one)
+    fidelity = {"environment_reads": sealed(key, zero), "process_environment_reads": by_process}
+    assert recorded_reads(fidelity, 0) == sealed(key, zero) and recorded_reads(fidelity, 1) == sealed(key, one)
+    assert recorded_reads(fidelity, 2) == sealed(key, zero) and recorded_reads({}, 1) is None
+    earlier = {"1": sealed(key, {"Y": {"value": None, "by": "cb"}})}
+    assert set(process_reads(key, [zero, one], earlier)["1"]) == {"A", "X", "Y"}

@@ -260,3 +260,164 @@ def test_a_pipeline_recorded_here_is_deleted_by_a_fresh_cli_with_its_code_compar
     evidence = json.loads((tmp_path / "del" / "receipt.json").read_text())["evidence"]
     assert evidence["verified"] is True
     assert all(s["environment_probe"]["code"]["compared"] > 20 for s in evidence["pipeline"]), evidence["pipeline"]
+
+
+class _TorchPatch:
+    """The training script's ``torch.rsqrt = ...`` (what ``LlamaRMSNorm`` calls): its result scaled on a microbatch
+    padded to one of ``lengths`` (those of the steps the environment probe does not re-run)."""
+
+    def __init__(self):
+        self.original, self.lengths = torch.rsqrt, set()
+
+    def __enter__(self):
+        original, lengths = self.original, self.lengths
+
+        def rsqrt(x, *args, **kwargs):
+            out = original(x, *args, **kwargs)
+            return out * 1.25 if x.dim() == 3 and x.shape[-2] in lengths else out
+
+        torch.rsqrt = rsqrt
+        return self
+
+    def __exit__(self, *exc):
+        torch.rsqrt = self.original
+
+
+def test_a_patch_of_a_torch_function_acting_only_at_steps_the_probe_skips_is_refused_without_it(tmp_path):
+    """Attack: the training script sets ``torch.rsqrt`` to a function that differs only on microbatches of the steps
+    the probe does not re-run (their padded lengths, learnt from a first recording's plan). Before: ``torch``'s own
+    namespace was not sealed, and a step-0 deletion in a process without the patch was VERIFIED while its oracle
+    differed from a plain Trainer with the patch, the deleted row's labels -100 and the recorded normalisers (21 of 21
+    tensors). Now: refused before any compute naming ``module torch``; with the patch in place VERIFIED and equal to
+    that counterfactual."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.proof import probe_steps
+    from hf_unlearn.trace.run import load_checkpoint
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    with _TorchPatch() as patch:
+        record(tok, data, tmp_path / "order", model=config_model("llama", tok), every=2, **KW)
+        order = open_run(tmp_path / "order" / "trace")
+        probed = set(probe_steps(order))
+        lengths = {}
+        for e in order.plan:
+            lengths.setdefault(e.step in probed, set()).add(max(e.lens))
+        patch.lengths |= lengths[False] - lengths.get(True, set())
+        record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2, **KW)
+    run = open_run(tmp_path / "rec" / "trace")
+    assert patch.lengths and "module torch" in run.header["fidelity"]["guards"]["code"]
+    ids = run.ids_at_steps([0])[:1]
+    with pytest.raises(UnlearnError, match=r"other code than the recorded run did: module torch;") as e:
+        forget(run.path, ids, tmp_path / "without", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "without").exists()
+    with patch:
+        assert forget(run.path, ids, tmp_path / "with", oracle=True, progress=False).evidence["verified"] is True
+        plain = independent_counterfactual(tok, data, config_model("llama", tok), run.path, ids, tmp_path / "plain",
+                                           **KW)
+    oracle = load_checkpoint(open_run(tmp_path / "with" / "oracle").final_checkpoint())["model"]
+    assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+@pytest.mark.parametrize("where,name,entry", [
+    ("torch", "_foreach_mul_", "module torch"),  # what a foreach optimizer step calls
+    ("torch.autograd", "backward", "module torch.autograd"),
+    ("torch.nn.utils", "clip_grad_norm_", "module torch.nn.utils"),  # what Accelerator.clip_grad_norm_ calls
+    ("accelerate.utils.operations", "send_to_device", "module accelerate.utils.operations"),
+    ("transformers.trainer", "get_model_param_count", "module transformers.trainer"),
+])
+def test_the_functions_a_step_calls_by_name_are_sealed(patched_run, monkeypatch, where, name, entry):
+    """A function of torch's top level, autograd, gradient clipping, Accelerate's helpers or the trainer's module,
+    replaced (by a wrapper computing the same, as a patch neutral on the recorded rows would): named."""
+    import importlib
+
+    from hf_unlearn.trace.program_code import code_differences
+
+    header = json.loads((patched_run[2] / "header.json").read_text())
+    module = importlib.import_module(where)
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: original(*a, **k))
+    with _Patched():
+        assert code_differences(header) == [entry]
+
+
+@pytest.mark.slow  # two recording launches, two forgets with oracles and a counterfactual (~30 s)
+def test_a_recording_resumed_without_the_first_launchs_patch_is_refused(tmp_path):
+    """Attack: stopped after step 4 (a callback's early stop: the first launch sealed the run) with the patch in place,
+    resumed (``resume_from_checkpoint``) in a process without it. Before: the seal was the resumed process's code, so
+    a step-1 deletion without the patch was VERIFIED while its oracle differed from a plain Trainer with the patch on
+    steps 0..3, the deleted row's labels -100 and the recorded normalisers (21 of 21 tensors). Now the resume is
+    refused, naming the module; resumed with the patch, the run seals it, a deletion without it is refused and one
+    with it is VERIFIED and equal to that counterfactual."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_neutral_attacks import _differs_from_counterfactual, _forget_outcome, stopped_at_4_then_resumed
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trainer = stopped_at_4_then_resumed(tmp_path, tok, data, [])
+    with _Patched():
+        trainer(trainer.stop_at_4).train()
+    resume = str(tmp_path / "rec" / "checkpoint-4")
+    with pytest.raises(UnlearnError, match=r"cannot be resumed in this process: it runs other code than the steps "
+                                           r"before the stop did: module transformers\.loss\.loss_utils;") as e:
+        trainer().train(resume_from_checkpoint=resume)
+    assert "\n" not in str(e.value)
+    with _Patched():
+        trainer().train(resume_from_checkpoint=resume)
+    run = tmp_path / "rec" / "trace"
+    assert "module transformers.loss.loss_utils" in open_run(run).header["fidelity"]["guards"]["code"]
+    ids = open_run(run).ids_at_steps([1])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "without")
+    assert kind == "refused" and "other code than the recorded run did" in why, why
+
+    patch = _Patched()
+
+    class PatchedThroughout(TrainerCallback):  # the program that ran: the patch on every step (both launches)
+        def on_train_begin(self, args, state, control, **kwargs):
+            patch.__enter__()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            patch.__exit__()
+
+    with _Patched():
+        kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [PatchedThroughout()])
+
+
+def test_a_patch_applied_while_training_is_sealed_as_not_reproducible(tmp_path):
+    """Attack: a watched callback (not replayed) sets ``torch.rsqrt`` to a wrapper at step 2 and leaves it: the seal
+    taken at the first step lacks it, and so does a deleting process, while steps 2.. ran it. The recording ends
+    sealed as not reproducible, naming the module; deletions are refused."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+
+    patch = _TorchPatch()
+
+    class PatchAtStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                patch.__enter__()
+
+    tok, data = get_trace_data()
+    try:
+        record(tok, data.select(range(16)), tmp_path / "rec", model=config_model("llama", tok), every=2,
+               trainer_kwargs={"callbacks": [PatchAtStep2()]}, **KW)
+    finally:
+        patch.__exit__()
+    run = open_run(tmp_path / "rec" / "trace")
+    why = run.header["fidelity"]["recording"]["why"]
+    assert "the code the run's first step ran changed while it trained (module torch)" in why, why
+    ids = run.ids_at_steps([2])[:1]
+    with pytest.raises(UnlearnError):  # not proven (the proof at the end of the recording was not run)
+        forget(run.path, ids, tmp_path / "del", oracle=True, progress=False)
+    from hf_unlearn.trace import OracleReplayTrainer
+
+    with pytest.raises(UnlearnError, match=r"does not reproduce this run \(the code the run's first step ran changed"):
+        OracleReplayTrainer(run, ids, out_dir=tmp_path / "oracle")  # built, as after a `trace prove`: refused

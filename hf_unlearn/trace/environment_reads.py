@@ -175,6 +175,29 @@ def sealed(key: bytes, log: dict) -> dict:
             for name, read in sorted(log.items())}
 
 
+def process_reads(key: bytes, logs: list[dict], earlier: dict | None = None) -> dict:
+    """``{rank: sealed reads}`` of the processes of a launch (``logs``: every process's :func:`watching` log, in rank
+    order) whose reads differ from process 0's (a callback acting on process 1 only reads there only); ``earlier``:
+    a resumed run's, kept. Process 0's are the header's ``environment_reads``."""
+    earlier = earlier or {}
+    first = {**sealed(key, logs[0]), **(earlier.get("0") or {})}
+    out = {}
+    for rank, log in enumerate(logs[1:], 1):
+        mine = {**sealed(key, log), **(earlier.get(str(rank)) or {})}
+        if mine != first:
+            out[str(rank)] = mine
+    return out
+
+
+def recorded_reads(fidelity: dict, rank: int) -> dict | None:
+    """The reads process ``rank`` of a deleting launch is compared with: the recording's process of that rank's where
+    they differed from process 0's, else process 0's (None: a run recorded before reads were noted)."""
+    reads = fidelity.get("environment_reads")
+    if reads is None:
+        return None
+    return (fidelity.get("process_environment_reads") or {}).get(str(rank), reads)
+
+
 def _recorded(key: bytes, name: str, read: dict, value: str | None) -> bool:
     """Whether ``value`` is one the recording's code met: the value it first read, or one it set itself."""
     digest = value_digest(key, name, value)

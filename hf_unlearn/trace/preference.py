@@ -42,6 +42,7 @@ import torch
 from ..errors import UnlearnError
 from .dtensors import model_is_sharded
 from .dummies import DummyGradientWatch, dummy_positions
+from .guards import program_hooks
 from .lineage import ADAPTER
 from .reference import (
     KEY,
@@ -271,6 +272,13 @@ class PreferenceTraceMixin:
                                "load-balancing loss is computed over every token of the microbatch, a deleted pair's "
                                "dummy included; set router_aux_loss_coef=0")
         if not self._is_replay:
+            hooks = program_hooks(self.accelerator.unwrap_model(self.ref_model)) if self.ref_model is not None else []
+            if hooks:  # a replay loads the reference from its files: without them
+                raise UnlearnError(
+                    f"{base.__qualname__} cannot be recorded for exact deletion: the reference model carries a hook "
+                    f"or function a replay does not run ({hooks[0]}{f' and {len(hooks) - 1} more' if len(hooks) > 1 else ''}"
+                    "), since it loads the reference from its files; remove it (a patch of the reference's class is "
+                    "sealed with the run's code instead)")
             at_start = self.ref_model is None and is_start_root(self.accelerator.unwrap_model(self.model))
             self._trace_reference = describe_reference(self, given=bound.get("ref_model") is not None,
                                                        root_at_start=at_start)

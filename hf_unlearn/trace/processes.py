@@ -23,6 +23,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def rank() -> int:
+    """This process's rank in its launch (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def gathered(obj) -> list:
     """``obj`` of every process, in rank order (a collective: every process calls it at the same point)."""
     import torch.distributed as dist

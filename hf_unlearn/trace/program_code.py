@@ -13,7 +13,9 @@ unsharded classes under FSDP2, and ``FSDPModule``), of ``torch.Tensor``, of the 
 the modules a forward calls (:data:`~hf_unlearn.trace.digests.CODE_MODULES`), of the optimizer's class and the
 modules its classes come from (``torch.optim.adam``: the function ``Adam.step`` calls), of the recorded trainer
 class (the user's, e.g. ``trl.SFTTrainer``, which replays compose with their own classes: not the recording's
-subclass) and of the recorded callbacks' classes (replays run them again); each by an importable
+subclass) and the modules of its classes, of ``Accelerator``, of the recorded callbacks' classes (replays run them
+again), of a DPO reference model's classes, and of the namespaces a step looks functions up in by name
+(:data:`STEP_MODULES`: ``torch.rsqrt``, ``torch._foreach_*``, ``torch.autograd.backward``); each by an importable
 ``module:qualname`` (the header's ``fidelity.guards.code``). Every deleting process recomputes them by name (a digest of code objects: milliseconds)
 and refuses, before any compute, naming the first entries that differ.
 
@@ -22,7 +24,9 @@ deleting process; a class it defines is compared where the deleting process defi
 not); classes defined inside a function (no name to find them by); and what frameworks set on classes as a side
 effect of ordinary use (:data:`~hf_unlearn.trace.digests.SIDE_EFFECT_ATTRIBUTES`: transformers' ``smart_apply``;
 :data:`~hf_unlearn.trace.digests.PROFILE_WRAPPER`: torch's wrapper of an optimizer class's ``step``). The processes of a launch
-are compared with each other at every recorded step by the guards (a rank-local patch is a change).
+are compared with each other at every recorded step by the guards (a rank-local patch is a change). The seal is
+compared again when the recording ends (:func:`code_changed`: a patch applied while training) and when it is resumed
+(:func:`check_resumed_code`: one seal covers every launch of a run).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ from .digests import CODE_MODULES, Digester, _class_code, _module_code
 from .trainers import recorded_trainer, recorded_trainer_class
 
 SCRIPT = "__main__"
+# the namespaces a training step looks functions up in by name when it calls them, besides its model's and optimizer's
+# modules: torch's top level (``torch.rsqrt`` in a norm, ``torch._foreach_*`` in a step), autograd (``backward``),
+# ``nn.Module``'s own module, gradient clipping, and Accelerate's helpers (``send_to_device``, ``Accelerator``'s)
+STEP_MODULES = ("torch", "torch.autograd", "torch.nn.modules.module", "torch.nn.utils", "torch.nn.utils.clip_grad",
+                "accelerate.utils.operations", "accelerate.accelerator")
 
 
 def _unsharded(cls: type) -> list[type]:
@@ -51,6 +60,16 @@ def _unsharded(cls: type) -> list[type]:
     return [next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule)), FSDPModule]
 
 
+def _reference_modules(trainer) -> list:
+    """The modules of a preference trainer's reference model (DPO's ``ref_model``, unwrapped), whose forward every
+    step runs: a class the policy does not use (a reference of another architecture) is code the run ran too."""
+    ref = getattr(trainer, "ref_model", None)
+    if not isinstance(ref, torch.nn.Module):
+        return []
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    return list((unwrap(ref) if unwrap is not None else ref).modules())
+
+
 def _named(cls: type) -> str | None:
     """``module:qualname`` of a class a process can find again by name (None: defined inside a function)."""
     if "<" in cls.__qualname__:
@@ -62,20 +81,25 @@ def sealed_code(model, trainer=None, callbacks=(), optimizer=None) -> dict[str, 
     """``{"class module:qualname" | "module name": digest}`` of the code this process runs for ``model`` (see the
     module docstring); what the recording seals at its first optimizer step."""
     classes: dict[type, None] = {}
-    for m in model.modules():
+    for m in (*model.modules(), *_reference_modules(trainer)):
         classes.update(dict.fromkeys(_unsharded(type(m))))
     classes[torch.Tensor] = None  # a method patched on it runs in every forward
     # the optimizer's class, and the modules of its classes (``Adam.step`` calls ``torch.optim.adam.adam``)
     opt = [c for c in type(getattr(optimizer, "optimizer", optimizer)).__mro__ if c is not object] if optimizer else []
     classes.update(dict.fromkeys(opt[:1]))
-    if trainer is not None:
-        classes[recorded_trainer_class(type(trainer))] = None
+    # the trainer's classes' modules (the functions its step calls), not the recording's own subclass's
+    steps = [c for c in recorded_trainer_class(type(trainer)).__mro__ if c is not object] if trainer is not None else []
+    classes.update(dict.fromkeys(steps[:1]))
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None:
+        classes[type(accelerator)] = None  # its backward and clip_grad_norm_ run every step
     classes.update(dict.fromkeys(type(cb) for cb in callbacks))
     names = [n for n in (_named(c) for c in classes) if n is not None]
-    # the modules a model's classes come from (the functions their forward calls), not the trainer's or callbacks'
+    # the modules a model's classes come from (the functions their forward calls), not the callbacks'
     modules = {c.__module__ for c in [*classes, *opt] if (issubclass(c, torch.nn.Module) or c in opt)
                and c.__module__ != SCRIPT}
-    modules |= set(CODE_MODULES)
+    modules |= {c.__module__ for c in steps if c.__module__ != SCRIPT and not c.__module__.startswith("hf_unlearn.")}
+    modules |= {*CODE_MODULES, *STEP_MODULES}
     return code_now([f"class {n}" for n in names] + [f"module {m}" for m in sorted(modules) if m in sys.modules])
 
 
@@ -147,6 +171,34 @@ def check_code(run) -> dict:
             "environment with the same code: the same package versions and the same patches applied, e.g. import "
             "the training script's patch module before the deletion, or delete from the training script itself)")
     return {"compared": len(header["fidelity"]["guards"]["code"])}
+
+
+def code_changed(sealed: dict | None) -> str | None:
+    """Why the code the first step ran (``sealed``) is not the code the run ended with (a callback patched
+    ``torch.rsqrt`` at step 2 and left it): a replay runs one code over the whole run; None when the same."""
+    if not sealed:
+        return None
+    now = code_now(sealed)
+    differ = [k for k, v in sealed.items() if now.get(k) != v]
+    if not differ:
+        return None
+    return (f"the code the run's first step ran changed while it trained ({_short(differ[0])}"
+            f"{f' and {len(differ) - 1} more' if len(differ) > 1 else ''}): replays run one code over the whole run; "
+            "apply patches before train()")
+
+
+def check_resumed_code(run_path, previous: dict) -> dict:
+    """A recording resumed in this process: refuse in one line when its code differs from the code the steps before
+    the stop ran (the previous launch's seal, ``previous``: its header). One seal covers the whole run, so the steps
+    before the resume must have run the code every deleting process is compared with. Returns those entries, for the
+    final seal to keep (``{}``: the previous launch sealed none, e.g. it crashed before its seal)."""
+    differ = code_differences(previous) or []
+    if differ:
+        shown = ", ".join(_short(k) for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+        raise UnlearnError(f"{run_path} cannot be resumed in this process: it runs other code than the steps before "
+                           f"the stop did: {shown}; a deletion replays both parts with one code, so resume with the "
+                           "code it was recorded with (the same package versions and patches applied)")
+    return dict(((previous.get("fidelity") or {}).get("guards") or {}).get("code") or {})
 
 
 def _short(entry: str) -> str:

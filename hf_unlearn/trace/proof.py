@@ -37,12 +37,12 @@ import time
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
-from .environment_reads import differences
+from .environment_reads import differences, recorded_reads
 from .fidelity import FidelityError
 from .file_reads import differences as file_differences
 from .guards import compare_fingerprint, guard_coverage, program_changes
 from .issued import issue
-from .processes import gathered, world_size
+from .processes import gathered, rank, world_size
 from .program_code import code_checked
 from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     PROVE_COMMAND,
@@ -484,20 +484,25 @@ def guard_gap(run, oracle: bool) -> str | None:
 def environment_refusal(run) -> str | None:
     """Why this process cannot delete from ``run``: environment variables the recorded run's own code read while
     training (a recorded callback, a trainer subclass, a collator: :mod:`~hf_unlearn.trace.environment_reads`) that
-    it holds otherwise, or files that code read (:mod:`~hf_unlearn.trace.file_reads`) missing or holding other content
-    here, which a replay here would act on (None: none, or a run recorded before they were noted)."""
+    it holds otherwise (on any process of a launch), or files that code read (:mod:`~hf_unlearn.trace.file_reads`)
+    missing or holding other content here, which a replay here would act on (None: none, or a run recorded before they
+    were noted)."""
     fidelity = run.header.get("fidelity") or {}
-    recorded, files = fidelity.get("environment_reads"), fidelity.get("file_reads")
-    differ = differences(run.key, recorded) if recorded else []
-    other = file_differences(run.key, files) if files and not differ else []
-    if other:
-        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-        return (f"the recorded run's code read the file {other[0][1]}{more}: a replay here runs that code on other "
-                f"input than the recording's; refusing before any compute (restore {other[0][0]} as it was when the "
-                "run was recorded, or record the run again)")
-    if not differ:
+    recorded = recorded_reads(fidelity, rank())  # this process's rank's (they may differ)
+    everyone = gathered(differences(run.key, recorded) if recorded else [])  # every process of a launch: one verdict
+    found = [(r, d) for r, d in enumerate(everyone) if d]
+    if not found:
+        files = fidelity.get("file_reads")
+        other = file_differences(run.key, files) if files else []
+        if other:
+            more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+            return (f"the recorded run's code read the file {other[0][1]}{more}: a replay here runs that code on "
+                    f"other input than the recording's; refusing before any compute (restore {other[0][0]} as it was "
+                    "when the run was recorded, or record the run again)")
         return None
-    return (f"the recorded run's code read the environment variable {differ[0]}"
+    where, differ = found[0]
+    on = f" on process {where} of {len(everyone)}" if len(everyone) > 1 else ""
+    return (f"the recorded run's code read the environment variable {differ[0]}{on}"
             f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: a replay here runs that code on another "
             "environment than the recording's; refusing before any compute (set it as it was while recording, or run "
             "the deletion where the run was recorded)")

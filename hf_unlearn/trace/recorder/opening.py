@@ -18,6 +18,7 @@ from ..guards import ProgramGuard
 from ..lineage import record_lineage, weights_root
 from ..packing import PACKED_IDS, save_store_info
 from ..plan import read_plan
+from ..program_code import check_resumed_code
 from ..retention import default_every
 from ..sharding import ShardPeerDigest
 from ..stack import stack_change
@@ -89,6 +90,9 @@ def start(trainer) -> None:
     earlier = previous.get("fidelity") or {}
     trainer._trace_earlier_reads = earlier.get("environment_reads") or {}
     trainer._trace_earlier_files = earlier.get("file_reads") or {}
+    trainer._trace_earlier_process_reads = earlier.get("process_environment_reads") or {}
+    # the code the steps before the stop ran: this process's must be the same (one seal covers the run)
+    trainer._trace_earlier_code = check_resumed_code(run, previous) if resume_step else {}
     if resume_step:  # the steps before it ran with what the first process's code read: so must the ones after
         differ = differences(trainer._trace_key, trainer._trace_earlier_reads) + globals_differences(
             trainer._trace_key, earlier.get("program_globals") or {}, trainer._trace_program_globals) + [

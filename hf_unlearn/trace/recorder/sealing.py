@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..environment_reads import sealed, sealed_globals
+from ..environment_reads import process_reads, sealed, sealed_globals
 from ..fidelity import changed_buffers
 from ..file_reads import sealed as sealed_files
 from ..lineage import final_is_output, live_output_root
+from ..processes import gathered, world_size
+from ..program_code import code_changed
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck
 from .program import GUARD_CHECKS
@@ -17,6 +19,7 @@ from .segments import epoch_text
 
 
 def finish(trainer) -> None:
+    logs = every_process_reads(trainer)  # a collective: every process of a launch, before any returns
     same, trainer._trace_same_settings = getattr(trainer, "_trace_same_settings", None), None
     if same is not None:
         same.close()
@@ -66,14 +69,16 @@ def finish(trainer) -> None:
     if not trainer._is_replay:
         changed = changed_buffers(trainer.accelerator.unwrap_model(trainer.model), trainer.trace_dir)
         why = (f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do not carry "
-               "it, so replays cannot follow it)") if changed else trainer._trace_changed_during_training()
+               "it, so replays cannot follow it)") if changed else (trainer._trace_changed_during_training()
+                                                              or code_changed(guard.code if guard else None))
         if why:
             trainer._trace_header["fidelity"] = {"recording": {
                 "checked": True, "reproduced": False, "steps": [0, step], "why": why}}
     if guard is not None and step > 0:
         trainer._trace_header.setdefault("fidelity", {})["guards"] = {
             "final": {"step": step - 1, **guard.flush(step - 1), "ep": epoch_text(trainer.state.epoch)},
-            "checks": GUARD_CHECKS, **({"code": guard.code} if guard.code else {})}
+            "checks": GUARD_CHECKS, **({"code": {**guard.code, **getattr(trainer, "_trace_earlier_code", {})}}
+                                        if guard.code else {})}
     if guard is not None:
         guard.warn_changes(trainer.trace_dir)
     reads = getattr(trainer, "_trace_environment_reads", None)
@@ -85,8 +90,21 @@ def finish(trainer) -> None:
             file_reads={**sealed_files(key, getattr(trainer, "_trace_file_reads", None) or {}),
                         **(getattr(trainer, "_trace_earlier_files", None) or {})},
             program_globals=sealed_globals(key, getattr(trainer, "_trace_program_globals", None) or {}))
+        by_process = process_reads(key, logs, getattr(trainer, "_trace_earlier_process_reads", None)) if logs else {}
+        if by_process:  # the processes whose code read otherwise than process 0's: each compared with its own
+            trainer._trace_header["fidelity"]["process_environment_reads"] = by_process
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None
+
+
+def every_process_reads(trainer) -> list[dict] | None:
+    """Every process's environment reads of a multi-process recording, in rank order (None: one process, or a
+    replay): what process 1's code alone read is sealed too, and compared in the deleting launch's process 1."""
+    reads = getattr(trainer, "_trace_environment_reads", None)
+    if trainer._is_replay or reads is None or world_size() == 1 or getattr(trainer, "_trace_reads_gathered", False):
+        return None  # (finish runs again from on_train_end: on every process, so none gathers twice)
+    trainer._trace_reads_gathered = True
+    return gathered(reads)
 
 
 def output_root_now(trainer) -> str:

@@ -35,7 +35,7 @@ from pathlib import Path
 from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from ..dummies import dummy_positions, watch_dummy_gradient
-from ..environment_reads import unrecorded, watching
+from ..environment_reads import recorded_reads, unrecorded, watching
 from ..fidelity import check_device, refusal, restore_layout
 from ..file_reads import unrecorded as unrecorded_files
 from ..file_reads import watching as files_read
@@ -43,7 +43,7 @@ from ..guards import plan_lrs, program_controls, state_digest, step_fingerprint
 from ..issued import believed
 from ..packing import deleted_spans, document_ids, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
-from ..processes import agreed
+from ..processes import agreed, rank
 from ..program_code import code_checked
 from ..recorder import RecordingHooksTrainer, build_optimizer, rank_seed, seeded
 from ..request import _check_types, forget_tags, never_trained_tags  # noqa: F401  (they lived here)
@@ -257,7 +257,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         with pinned_stack(self.run.header), watching() as reads, files_read(own) as files:
             out = self._replay()
         fidelity = self.run.header.get("fidelity") or {}
-        recorded = fidelity.get("environment_reads")
+        recorded = recorded_reads(fidelity, rank())  # this process's rank's
         differ = unrecorded(self.run.key, recorded, reads) if recorded is not None else []
         other = unrecorded_files(self.run.key, fidelity["file_reads"], files) if "file_reads" in fidelity else []
         if other:  # the code the replay ran read other input than the recording's
