@@ -235,11 +235,25 @@ def recorded_normalisers_trainer(run_dir, base=None):
     return RecordedNormalisers
 
 
-def rsqrt_other_bits():
+def rsqrt_other_bits(monkeypatch=None):
     """``torch.rsqrt`` as ``1 / sqrt(x)``: the same maths, other bits on some values (the RMSNorm of Llama and Qwen2
-    calls it). A process-wide patch outside the sealed code digests (hf_unlearn.trace.program_code, which refuses a
-    patched ``torch.nn.functional`` before the probe runs): what only the environment probe's numbers see."""
+    calls it), standing for a numeric change no code digest shows (another MKL mode, another BLAS build): what only
+    the environment probe's numbers see. ``torch``'s own namespace is sealed (hf_unlearn.trace.program_code refuses a
+    patched ``torch.rsqrt`` before the probe runs), so its entry is hidden from the code comparison here, with
+    ``monkeypatch`` until the test ends, else for the rest of the process."""
     import torch
 
+    from hf_unlearn.trace import program_code
+
+    real = program_code.code_differences
+
+    def without_torch(header):
+        differ = real(header)
+        return None if differ is None else [k for k in differ if k != "module torch"]
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(program_code, "code_differences", without_torch)
+    else:
+        program_code.code_differences = without_torch
     sqrt = torch.sqrt
     return lambda x, *args, **kwargs: 1.0 / sqrt(x)

@@ -84,7 +84,7 @@ def test_an_outcome_issued_in_another_process_is_refused(deletion, tmp_path):
 
 
 def test_a_hand_written_probe_no_longer_hides_another_environment(deletion, tmp_path, monkeypatch):
-    """ATTACK, end to end: in a process whose RMSNorm computes other bits than the recording's (``torch.rsqrt`` patched: outside the sealed code digests), a step-0 deletion with
+    """ATTACK, end to end: in a process whose RMSNorm computes other bits than the recording's (``torch.rsqrt`` patched, its code entry hidden: a numeric change no code digest shows), a step-0 deletion with
     hand-written outcomes skipped every comparison with the recording (the replay's fresh start "probed", the oracle's
     own probe skipped): replay and oracle were equally wrong and agreed. Now refused before compute; the outcome
     `before_deletion` issues in this environment is a refusal naming step 0."""
@@ -93,7 +93,7 @@ def test_a_hand_written_probe_no_longer_hides_another_environment(deletion, tmp_
 
     run_dir, _, _ = deletion
     first = ids_at_step(run_dir, 0)[:1]
-    monkeypatch.setattr(torch, "rsqrt", rsqrt_other_bits())
+    monkeypatch.setattr(torch, "rsqrt", rsqrt_other_bits(monkeypatch))
     with pytest.raises(UnlearnError, match="environment_probe= was not issued"):
         OracleReplayTrainer(run_dir, first, out_dir=tmp_path / "oracle", environment_probe={"steps": [0], "seconds": 0})
     with pytest.raises(ProofError, match="optimizer step 0"):

@@ -95,7 +95,7 @@ def test_a_multi_process_run_is_proven_on_every_process_and_probed_on_every_proc
     own state at every step) and a deletion is VERIFIED and equal to the counterfactual. (b) `trace prove` in one
     process: refused before compute naming the command. (d) the deleting environment differing on process 1 only:
     ``torch.nn.functional.silu`` replaced there is refused by the sealed code digests before compute, naming the
-    module and process 1; ``torch.rsqrt`` replaced there (other bits, outside the sealed code) by the probe, naming
+    module and process 1; ``torch.rsqrt`` replaced there (other bits, its code entry hidden: a numeric change no code digest shows) by the probe, naming
     the step; ``MKL_CBWR=COMPATIBLE`` in process 1's environment only (other matmul
     bits on this CPU) is refused when the replay is built, naming process 1 and the variable."""
     from hf_unlearn.cli import main
@@ -120,7 +120,7 @@ def test_a_multi_process_run_is_proven_on_every_process_and_probed_on_every_proc
         assert "other code than the recorded run did: module torch.nn.functional" in text, text
         assert "(on process(es) 1 of 2)" in text and "refusing before any compute" in text, text
     assert not (tmp_path / "patched" / "replay").exists() and not (tmp_path / "patched" / "oracle").exists()
-    # (d) torch.rsqrt replaced on process 1 only (outside the sealed code): the probe's refusal, on every process
+    # (d) torch.rsqrt replaced on process 1 only (its code entry hidden): the probe's refusal, on every process
     patched = result["rsqrt_deletion"]
     assert patched["codes"] != [0, 0] and "verified" not in patched, patched
     refusals = _refusals(patched)

@@ -384,7 +384,7 @@ def test_a_pipeline_deletion_probes_the_deleting_environment(tmp_path, monkeypat
 
     runs = [str(r) for r in shared_pipeline()]
     ids = ids_at_step(runs[0], 0)[:1]
-    monkeypatch.setattr(torch, "rsqrt", rsqrt_other_bits())
+    monkeypatch.setattr(torch, "rsqrt", rsqrt_other_bits(monkeypatch))
     with pytest.raises(ProofError, match="the deleting environment does not reproduce") as e:
         forget(runs[0], ids, tmp_path / "single", oracle=True, progress=False)
     with pytest.raises(ProofError, match=r"^stage 1: .*the deleting environment does not reproduce") as e:

@@ -421,3 +421,40 @@ def test_a_patch_applied_while_training_is_sealed_as_not_reproducible(tmp_path):
 
     with pytest.raises(UnlearnError, match=r"does not reproduce this run \(the code the run's first step ran changed"):
         OracleReplayTrainer(run, ids, out_dir=tmp_path / "oracle")  # built, as after a `trace prove`: refused
+
+
+def test_a_torch_function_patched_for_one_step_and_put_back_is_a_program_change_of_that_step(tmp_path):
+    """Attack: a watched callback (not replayed) sets ``torch.rsqrt`` to a wrapper when step 2 begins and puts the
+    original back when it ends: the code seal at the first step and the one at the end agree, and a deletion process
+    without the patch matches both. The per-step digest reads ``torch``'s namespace too (digests.STEP_MODULES, kept
+    between steps), so step 2 is a program change named with the module, and a deletion whose replay passes it is
+    refused before any compute."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.guards import program_changes
+
+    patch = _TorchPatch()
+
+    class PatchStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                patch.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            patch.__exit__()
+
+    tok, data = get_trace_data()
+    try:
+        record(tok, data.select(range(16)), tmp_path / "rec", model=config_model("llama", tok), every=2,
+               trainer_kwargs={"callbacks": [PatchStep2()]}, **KW)
+    finally:
+        patch.__exit__()
+    run = open_run(tmp_path / "rec" / "trace")
+    changes = [c for c in program_changes(run.plan, run.header) if "code module torch" in c["what"]]
+    assert changes and changes[0]["step"] == 2, program_changes(run.plan, run.header)
+    ids = run.ids_at_steps([1])[:1]
+    with pytest.raises(UnlearnError) as e:
+        forget(run.path, ids, tmp_path / "del", oracle=True, progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "del").exists()

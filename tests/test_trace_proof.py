@@ -648,7 +648,7 @@ def test_a_proof_resumed_after_a_kill_does_not_prove_the_replays_that_run_throug
 
 def test_the_engine_classes_used_directly_are_not_verified_in_another_environment(tmp_path, monkeypatch):
     """ATTACK: `RedactedReplayTrainer` + `OracleReplayTrainer` + `verify_replay` from Python, in a process whose RMSNorm
-    is computed otherwise than the recording's (``torch.rsqrt`` patched: outside the sealed code digests) (other bits), for a step-0 deletion (no step of the replay or the
+    is computed otherwise than the recording's (``torch.rsqrt`` patched, its code entry hidden: a numeric change no code digest shows) (other bits), for a step-0 deletion (no step of the replay or the
     oracle is compared with the recording): both were equally wrong and `verify` said VERIFIED (`forget`, `trace
     replay`, `trace oracle` and pipelines refuse it with their probe). Now the oracle, given no environment probe,
     re-runs its first step with no deletion before its own compute and refuses; in the recorded environment the same
@@ -663,7 +663,7 @@ def test_the_engine_classes_used_directly_are_not_verified_in_another_environmen
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([0])[:1]
     with monkeypatch.context() as m:
-        m.setattr(torch, "rsqrt", rsqrt_other_bits())
+        m.setattr(torch, "rsqrt", rsqrt_other_bits(m))
         with pytest.raises(UnlearnError, match="the deleting environment does not reproduce") as e:
             delete(run, ids, tmp_path / "patched", start="full")
         assert "optimizer step 0" in str(e.value) and "\n" not in str(e.value)

@@ -10,7 +10,7 @@ the model is a tiny Llama with grouped-query attention (2 heads, 1 key-value hea
 MODE ``prove``: a clean run recorded without the end-of-recording proof, then ``hf-unlearn trace prove`` under the
 launch, a deletion of it (replay and oracle), and the same deletion with ``torch.nn.functional.silu`` replaced on
 process 1 only in the deleting process (the sealed code digests must refuse it), and with ``torch.rsqrt`` replaced
-there (outside the sealed code: the environment probe must refuse it). MODE ``attacks``: runs whose process 1 alone edits its program after optimizer step 1 (see
+there (its code entry hidden: the environment probe must refuse it). MODE ``attacks``: runs whose process 1 alone edits its program after optimizer step 1 (see
 :data:`ATTACKS`), each recorded as a user's script would (the default self-check), then a step-0 and a mid-run
 deletion (replay and oracle under the launch); where both succeed, the engine-free counterfactual (a plain Trainer,
 the same callback, the deleted row's labels -100, the recorded normalisers and seeds). MODE ``probe:RUN``: the
@@ -242,12 +242,12 @@ def prove_mode(engine: str, out: Path) -> dict:
         result["patched_deletion"] = delete(state, out / "trace", 3, out / "patched")
     finally:
         F.silu = silu
-    # process 1 alone computes RMSNorm otherwise (torch.rsqrt as 1 / sqrt: outside the sealed code): the probe's
+    # process 1 alone computes RMSNorm otherwise (torch.rsqrt as 1 / sqrt, its code entry hidden): the probe's
     from tests.test_trace_common import rsqrt_other_bits
 
     rsqrt = torch.rsqrt
     if state.process_index == 1:
-        torch.rsqrt = rsqrt_other_bits()
+        torch.rsqrt = rsqrt_other_bits()  # and the code comparison told to ignore it, for this process
     try:
         result["rsqrt_deletion"] = delete(state, out / "trace", 3, out / "rsqrt")
     finally:

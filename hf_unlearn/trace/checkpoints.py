@@ -49,7 +49,7 @@ from .checkpoint_files import (  # noqa: F401 - re-exported: they lived here
 )
 from .dtensors import full_optimizer_state, full_tensors, local, model_is_sharded
 from .files import check_sidecar, file_sha256, write_sidecar
-from .hashing import checkpoint_hashes, optimizer_param_names, root_hash, tensor_hash
+from .hashing import checkpoint_hashes, optimizer_param_names, root_hash, tensor_hash, tensor_hashes
 from .shards import check as check_shards
 from .shards import is_complete as shards_complete
 from .shards import is_sharded_checkpoint, local_keys, verify_files
@@ -161,7 +161,7 @@ class FrozenTensors:
             refs = base_source.match(frozen, model, where) if where is not None else {}
         self.dir.mkdir(parents=True, exist_ok=True)
         _save_safetensors({n: t for n, t in frozen.items() if n not in refs}, self.dir / "model.safetensors")
-        self.hashes = {n: tensor_hash(n, t) for n, t in frozen.items()}
+        self.hashes = tensor_hashes(frozen)  # on every core torch may use (the frozen base: most of the bytes)
         record = {"params": self.hashes, "root": root_hash(self.hashes)}
         if refs:
             record["source"] = base_source.describe(where, refs)

@@ -37,15 +37,10 @@ import sys
 import torch
 
 from ..errors import UnlearnError
-from .digests import CODE_MODULES, Digester, _class_code, _module_code
+from .digests import CODE_MODULES, STEP_MODULES, Digester, _class_code, _module_code  # noqa: F401 - re-exported
 from .trainers import recorded_trainer, recorded_trainer_class
 
 SCRIPT = "__main__"
-# the namespaces a training step looks functions up in by name when it calls them, besides its model's and optimizer's
-# modules: torch's top level (``torch.rsqrt`` in a norm, ``torch._foreach_*`` in a step), autograd (``backward``),
-# ``nn.Module``'s own module, gradient clipping, and Accelerate's helpers (``send_to_device``, ``Accelerator``'s)
-STEP_MODULES = ("torch", "torch.autograd", "torch.nn.modules.module", "torch.nn.utils", "torch.nn.utils.clip_grad",
-                "accelerate.utils.operations", "accelerate.accelerator")
 
 
 def _unsharded(cls: type) -> list[type]:
