@@ -120,9 +120,10 @@ import os, sys
 from hf_unlearn.deletion import DeletionLedger, journal as mod, service
 run, folder, what, point, arg = sys.argv[1:6]
 real = os.replace
-def replace(src, dst, *a, **k):  # killed after the record of that kind, before its head
-    last = open(os.path.join(folder, "ledger.jsonl")).read().splitlines()[-1]
-    if str(dst).endswith("head.json") and point.startswith("head:") and f'"type":"{point[5:]}"' in last:
+def replace(src, dst, *a, **k):  # killed after the record of that kind, before its head (the ledger is read only
+    # then: a file this script read while a replay runs would be a read the recorded program never made)
+    if str(dst).endswith("head.json") and point.startswith("head:") and f'"type":"{point[5:]}"' in open(
+            os.path.join(folder, "ledger.jsonl")).read().splitlines()[-1]:
         os._exit(137)
     return real(src, dst, *a, **k)
 mod.os.replace = replace
