@@ -491,7 +491,7 @@ class _Pins:
         return all(self.value(x, depth + 2) for x in (*attrs, *attrs.values()))
 
     def now(self) -> list | None:
-        """Everything pinned, read again (None: an empty cell or a name that is not a string, never kept)."""
+        """Everything pinned, read again (None: an empty cell, a name deleted or not a string: never kept)."""
         try:
             return [*map(_CODE_OF, self.fns), *map(_DEFAULTS, self.fns), *map(_KWDEFAULTS, self.fns),
                     *map(_MODULE, self.fns), *map(_QUALNAME, self.fns), *map(_CONTENTS, self.cells),
@@ -501,7 +501,7 @@ class _Pins:
                     *map(sys.intern, map(_NAME, self.modules)),
                     *map(type, map(_SELF, self.methods)), *map(getattr, self.watch, itertools.repeat("__func__"),
                                                                 itertools.repeat(None))]
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, AttributeError):  # an empty cell, a name deleted or not a string
             return None
 
 
