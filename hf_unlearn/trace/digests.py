@@ -239,7 +239,8 @@ class Digester:
             fn = _unwrapped(c, c, k, v)
             if fn is not v and deps is not None:  # torch's profiling wrapper: what it digests depends on what it
                 # wraps (its attributes) and on the bases' namespaces
-                deps += [v, getattr(v, "__dict__", None), *(vars(b) for b in c.__mro__[1:])]
+                attrs = getattr(v, "__dict__", None)
+                deps = None if attrs is None else deps + [v, attrs, *(vars(b) for b in c.__mro__[1:])]
             fn = getattr(fn, "__func__", fn)
             if isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)):
                 lines.append(f"{c.__qualname__}.{k}={self.text(fn, 1)}\n")
@@ -520,8 +521,7 @@ def _pins(deps: list, watch: list) -> _Pins | None:
     entries it depends on."""
     pins = _Pins()
     mappings = [d for d in deps if isinstance(d, (dict, types.MappingProxyType))]
-    if not all(pins.function(fn) for fn in deps if not isinstance(fn, (dict, types.MappingProxyType))) \
-            or len(mappings) != sum(1 for d in deps if not callable(d)):
+    if not all(pins.function(fn) for fn in deps if not isinstance(fn, (dict, types.MappingProxyType))):
         return None
     pins.dicts += mappings
     pins.watch = list(watch)
