@@ -709,3 +709,28 @@ def test_one_walk_of_the_module_tree_reads_what_the_separate_walks_read():
     assert got["hooks"] == sorted(f"{w}.{a.strip('_')}: {n}" for w, a, fn in found if (n := _hook_name(fn)))
     assert len(got["hooks"]) == 4 and any(h.startswith("model.embed_tokens.weight.backward_hooks") for h in got["hooks"])
     assert len(got["code"]) == len({type(mod) for mod in m.modules()})
+
+
+def test_the_kept_program_digest_is_a_fresh_one_after_every_edit_equality_cannot_see():
+    """state_digest_of keeps the last state's digest while the state is written out alike: values that compare
+    equal but are written otherwise (1 and True, 0.0 and -0.0, [1] and [True]) are a new digest."""
+    import hashlib
+
+    from hf_unlearn.trace import digests
+
+    def fresh(state):
+        h = hashlib.sha256()
+        for k in sorted(state):
+            h.update(f"{k}\0{state[k]!r}\n".encode())
+        return h.hexdigest()[:16]
+
+    base = {"args.lr": 0.001, "module a: flag": 1, "module a: zero": 0.0, "torch sdp": [True, False],
+            "code class X": "abc", "args.none": None}
+    edits = [{}, {"module a: flag": True}, {"module a: zero": -0.0}, {"torch sdp": [1, False]},
+             {"code class X": "abd"}, {"args.new": 1}, {"args.lr": 0.001 + 1e-18}, {"args.none": "None"}]
+    for edit in edits + edits[::-1]:
+        state = {**base, **edit}
+        assert digests.state_digest_of(state) == fresh(state), edit
+        assert digests.state_digest_of(dict(state)) == fresh(state), edit  # kept: the same digest
+    dropped = {k: v for k, v in base.items() if k != "args.none"}
+    assert digests.state_digest_of(dropped) == fresh(dropped)

@@ -13,6 +13,7 @@ import json
 
 import torch
 
+from . import module_tree
 from .dtensors import all_shards, local
 from .workers import map_tensors, nbytes
 
@@ -27,12 +28,13 @@ def state_tensors(model, optimizer, grads: bool = False) -> list[tuple[str, torc
 
 def _own_state_tensors(model, optimizer, grads: bool) -> list[tuple[str, torch.Tensor]]:
     out = []
-    params = list(model.named_parameters())  # one walk of the module tree, for the names below too
+    tree = module_tree.walk(model)  # one walk of the module tree, for the names below too
+    params = tree.parameters
     for n, p in params:
         out.append((n, p))
         if grads and p.grad is not None:
             out.append((f"{n} (gradient)", p.grad))
-    out += [(n, b) for n, b in model.named_buffers()]
+    out += tree.buffers
     if optimizer is not None:
         inner = getattr(optimizer, "optimizer", optimizer)
         names = {id(p): n for n, p in params}
@@ -135,8 +137,9 @@ def step_state_tensors(model, optimizer=None, scope: str = STEP_SCOPE) -> list[t
     worst, never missed."""
     if scope != STEP_SCOPE:
         return state_tensors(model, optimizer)
-    out = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    out += list(model.named_buffers())
+    tree = module_tree.walk(model)
+    out = [(n, p) for n, p in tree.parameters if p.requires_grad]
+    out += tree.buffers
     return [(n, local(t)) for n, t in out]
 
 

@@ -7,6 +7,8 @@ process's shard, the full tensor gathered); what the engine records and refuses 
 
 from __future__ import annotations
 
+from . import module_tree
+
 
 def is_sharded(t) -> bool:
     from torch.distributed.tensor import DTensor
@@ -44,7 +46,7 @@ def full_optimizer_state(osd: dict) -> dict:
 
 
 def model_is_sharded(model) -> bool:
-    return any(is_sharded(p) for p in model.parameters())
+    return any(is_sharded(p) for _, p in module_tree.walk(model).parameters)
 
 
 

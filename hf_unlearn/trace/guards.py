@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import UnlearnError
-from . import digests  # called through the module: a test may stand in for digests.program_state
+from . import digests, module_tree  # called through the module: a test may stand in for digests.program_state
 from .checksums import (  # noqa: F401 - re-exported: they lived here
     STEP_SCOPE,
     device_checksum,
@@ -74,6 +74,7 @@ REPRODUCED_STATE = frozenset({"global_step", "max_steps", "epoch", "is_world_pro
 PLAIN = (bool, int, float, str, type(None))
 VOLATILE_ATTRIBUTES = frozenset({"name_or_path"})  # a PreTrainedModel's: where it was loaded from
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, functools.partial)
+_EXACT_PLAIN = frozenset(PLAIN)
 
 
 class ProgramChangedError(FidelityError):
@@ -235,13 +236,12 @@ def _walk(model) -> dict:
     five walks of them were most of a snapshot's Python."""
     from torch.nn.modules import module as torch_module
 
-    trainable, modules, code, found = [], {}, set(), []
+    trainable, modules, found = [], {}, []
     for attr in MODULE_HOOKS:
         for fn in (getattr(torch_module, f"_global{attr}", None) or {}).values():
             found.append(("torch.nn (global)", attr, fn))
-    seen_modules, seen_params = set(), set()
-    for name, m in model.named_modules(remove_duplicate=False):
-        first = id(m) not in seen_modules
+    seen_params, forwards = set(), {}
+    for name, m, first in module_tree.walk(model).every:
         for k, p in m._parameters.items():
             if p is None:
                 continue
@@ -254,25 +254,27 @@ def _walk(model) -> dict:
                     found += [(full, attr, fn) for fn in (getattr(p, attr, None) or {}).values()]
         if not first:
             continue
-        seen_modules.add(id(m))
-        where, plain = name or "(the model)", {}
+        where = name or "(the model)"
         own = vars(m)
-        for k, v in own.items():  # one pass over the module's attributes (a LoRA model has ~1,000 modules)
-            if k[:1] != "_" and isinstance(v, PLAIN) and k not in VOLATILE_ATTRIBUTES:
-                plain[k] = v
-            if k == "forward" or isinstance(v, _FUNCTION_TYPES):
-                # a function held by the module instance (a replaced forward, model.loss_function = ...): a replay
-                # rebuilds the model from its config, without it
-                found.append((where, k, v))
+        # one pass over the module's attributes (a LoRA model has ~1,000 modules): its plain public ones
+        plain = {k: v for k, v in own.items() if k[:1] != "_" and (type(v) in _EXACT_PLAIN or isinstance(v, PLAIN))
+                 and k not in VOLATILE_ATTRIBUTES}
+        # a function held by the module instance (a replaced forward, model.loss_function = ...): a replay
+        # rebuilds the model from its config, without it
+        found += [(where, k, v) for k, v in own.items()
+                  if k == "forward" or (type(v) not in _EXACT_PLAIN and isinstance(v, _FUNCTION_TYPES))]
         for attr in MODULE_HOOKS:
             hooks = own[attr] if attr in own else getattr(m, attr, None)
             if hooks:
                 found += [(where, attr, fn) for fn in hooks.values()]
         modules[name] = plain
-        fn = getattr(type(m), "forward", None)
-        fn = getattr(fn, "__func__", fn)
-        code.add(f"{type(m).__module__}.{type(m).__qualname__}: {getattr(fn, '__module__', '?')}:"
-                 f"{getattr(fn, '__qualname__', type(fn).__qualname__)}")
+        cls = type(m)
+        if cls not in forwards:  # the function each class runs as forward, read once per walk
+            fn = getattr(cls, "forward", None)
+            fn = getattr(fn, "__func__", fn)
+            forwards[cls] = (f"{cls.__module__}.{cls.__qualname__}: {getattr(fn, '__module__', '?')}:"
+                             f"{getattr(fn, '__qualname__', type(fn).__qualname__)}")
+    code = set(forwards.values())
     hooks = sorted(f"{where}.{attr.strip('_')}: {n}" for where, attr, fn in found if (n := _hook_name(fn)))
     return {"trainable": trainable, "modules": modules, "hooks": hooks, "code": sorted(code)}
 
@@ -382,7 +384,7 @@ def snapshot(model, optimizer, grads: bool = False, buffers: bool = True, exact:
     (:func:`~hf_unlearn.trace.checksums.step_state_tensors`). ``controls``: already computed at this point."""
     tensors = state_tensors(model, optimizer, grads)
     if not buffers:
-        names = {n for n, _ in model.named_buffers()}
+        names = {n for n, _ in module_tree.walk(model).buffers}
         tensors = [(n, t) for n, t in tensors if n not in names]
     kept = [(n, t) for n, t in tensors if not n.endswith("(gradient)")]  # the same set at every point
     if exact == "step":
@@ -642,6 +644,18 @@ def _persistence(before: Snapshot, after: Snapshot, what: str) -> dict:
     return {}
 
 
+def _one_walk(method):
+    """A guard check, which runs no user code: one walk of the module tree for all it reads
+    (:func:`hf_unlearn.trace.module_tree.held`)."""
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        with module_tree.held(self.model):
+            return method(self, *args, **kwargs)
+
+    return checked
+
+
 class ProgramGuard:
     """Watches a recording: compares the live state and controls at the points the module docstring names, keeps
     each step's fingerprint and every program change until the recorder writes them into the plan."""
@@ -667,6 +681,7 @@ class ProgramGuard:
         for h in self._hooks:
             h.remove()
 
+    @_one_walk
     def _snapshot(self, grads: bool = False, exact: bool = False, whole: bool = True) -> Snapshot:
         """``whole=False``: the whole-program state is carried over from the reference (read once per step)."""
         now = snapshot(self.model, self.optimizer, grads=grads, exact=exact)
@@ -709,6 +724,7 @@ class ProgramGuard:
             self.fps[step - 1] = fp
         self.pending += carried.get("changed", [])
 
+    @_one_walk
     def between_steps(self, step: int, lrs: list[float]) -> None:
         """When step ``step``'s batches are fetched (before its checkpoint): a change since the last step is step
         ``step - 1``'s (the checkpoint at ``step`` holds it). The param groups' settings are the scheduler's here
@@ -724,6 +740,7 @@ class ProgramGuard:
         self.ref = now
         self.step, self.plan_lrs = step, lrs
 
+    @_one_walk
     def before_step(self) -> None:
         """Right before ``optimizer.step()``: the whole program (read once per step), a cheap check of the state
         (storage, version counters, samples: the exact checksums of the trainable parameters are read once per
@@ -738,6 +755,7 @@ class ProgramGuard:
         self.ref = now
         self.controls = now.controls
 
+    @_one_walk
     def after_step(self) -> None:
         """Right after ``optimizer.step()``: the step's fingerprint (the exact checksums of what the step wrote:
         :func:`~hf_unlearn.trace.checksums.step_state_tensors`) and the reference for the next check; its controls
