@@ -460,6 +460,31 @@ def test_a_torch_function_patched_for_one_step_and_put_back_is_a_program_change_
     assert "\n" not in str(e.value) and not (tmp_path / "del").exists()
 
 
+def test_a_resume_keeps_the_earlier_seal_and_the_first_step_it_covers(patched_run):
+    """What a resumed launch takes from the earlier launch's header (one process here): its code entries, compared
+    with this process's, and the first step the seal covers (0; an earlier ``code_from``; the resume step when the
+    earlier launch sealed no code), which :func:`unsealed_code_refusal` holds deletions to."""
+    from types import SimpleNamespace
+
+    from hf_unlearn.trace.program_code import resumed_code_checked, unsealed_code_refusal
+
+    _, _, run = patched_run
+    header = json.loads((run / "header.json").read_text())
+    with _Patched():
+        assert resumed_code_checked(run, header, 4) == (header["fidelity"]["guards"]["code"], 0)
+        header["fidelity"]["guards"]["code_from"] = 2
+        assert resumed_code_checked(run, header, 4)[1] == 2
+    with pytest.raises(UnlearnError, match="cannot be resumed in this process"):
+        resumed_code_checked(run, header, 4)
+    del header["fidelity"]["guards"]["code"]
+    assert resumed_code_checked(run, header, 4) == ({}, 4) and resumed_code_checked(run, {}, 3) == ({}, 3)
+    resumed = SimpleNamespace(path=run, header={"fidelity": {"guards": {"code": {}, "code_from": 4}}})
+    assert unsealed_code_refusal(resumed, 4) is None and unsealed_code_refusal(resumed, None) is None
+    assert "steps 0..3 ran is not sealed" in unsealed_code_refusal(resumed, 3)
+    whole = json.loads((run / "header.json").read_text())  # a seal from step 0: every deletion goes on
+    assert unsealed_code_refusal(SimpleNamespace(path=run, header=whole), 0) is None
+
+
 def _killed_at_5(tmp_path, tok, data):
     """``trainer``: as :func:`~tests.test_trace_neutral_attacks.stopped_at_4_then_resumed`; its first launch, with the
     patch in place, killed by an exception a callback raises after optimizer step 5 (the Trainer checkpointed at 4):
