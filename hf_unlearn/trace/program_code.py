@@ -28,9 +28,9 @@ are compared with each other at every recorded step by the guards (a rank-local 
 compared again when the recording ends (:func:`code_changed`: a patch applied while training) and when it is resumed
 (:func:`resumed_code_checked`, on every process of the launch: one seal covers every launch of a run). It is written
 into the run's header as soon as the first optimizer step ends, so a launch killed afterwards leaves it for its resume
-to compare with; a resume of a launch that left none (it ran without guards, or was killed under a release that sealed only
-at the end) seals from the resume step on, and a deletion whose rows first train before it
-is refused (:func:`unsealed_code_refusal`).
+to compare with; a resume of a launch that left none (it ran without guards, or was killed under a release that
+sealed only at the end) seals from the resume step on, and a deletion whose rows first train before it is refused
+(:func:`unsealed_code_refusal`).
 """
 
 from __future__ import annotations
@@ -205,9 +205,9 @@ def resumed_code_checked(run_path, previous: dict | None, resume_step: int) -> t
     on any process, a patch applied on process 1 alone, refuses on all, naming it: a refusal on process 0 alone left
     the others waiting in the next collective). ``previous``: the earlier launch's header, on the main process (the
     others get its seal from it). Returns the earlier seal's entries and the first step the run's seal covers
-    (:func:`sealed_from`): ``resume_step`` when the earlier launch sealed no code (it ran without guards, or
-    was killed under a release that sealed only at the end): the code of the steps
-    before the stop is unknown, and a deletion that replays them is refused (:func:`unsealed_code_refusal`)."""
+    (:func:`sealed_from`): ``resume_step`` when the earlier launch sealed no code (it ran without guards, or was
+    killed under a release that sealed only at the end): the code of the steps before the stop is unknown, and a
+    deletion whose rows first train there is refused (:func:`unsealed_code_refusal`)."""
     from .processes import agreed, gathered
 
     guards = ((previous or {}).get("fidelity") or {}).get("guards") or {}
@@ -240,8 +240,8 @@ def unsealed_code_refusal(run, first_affected: int | None) -> str | None:
     if first_affected is None or first_affected >= start:
         return None
     return (f"{run.path}: these ids are first trained at optimizer step {first_affected}, and the code optimizer "
-            f"steps 0..{start - 1} ran is not sealed (the launch that ran them stopped before it sealed its code and "
-            f"the run was resumed at step {start}): a patch that changes nothing on the recorded rows may have run "
+            f"steps 0..{start - 1} ran is not sealed (the launch that ran them left no code seal, and the run was "
+            f"resumed at step {start}): a patch that changes nothing on the recorded rows may have run "
             "there, so a replay is not shown to be the counterfactual; refusing before any compute (rows first "
             f"trained at step {start} or later can be deleted; record the run again to delete these)")
 
