@@ -458,3 +458,172 @@ def test_a_torch_function_patched_for_one_step_and_put_back_is_a_program_change_
     with pytest.raises(UnlearnError) as e:
         forget(run.path, ids, tmp_path / "del", oracle=True, progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "del").exists()
+
+
+def test_a_resume_keeps_the_earlier_seal_and_the_first_step_it_covers(patched_run):
+    """What a resumed launch takes from the earlier launch's header (one process here): its code entries, compared
+    with this process's, and the first step the seal covers (0; an earlier ``code_from``; the resume step when the
+    earlier launch sealed no code), which :func:`unsealed_code_refusal` holds deletions to."""
+    from types import SimpleNamespace
+
+    from hf_unlearn.trace.program_code import resumed_code_checked, unsealed_code_refusal
+
+    _, _, run = patched_run
+    header = json.loads((run / "header.json").read_text())
+    with _Patched():
+        assert resumed_code_checked(run, header, 4) == (header["fidelity"]["guards"]["code"], 0)
+        header["fidelity"]["guards"]["code_from"] = 2
+        assert resumed_code_checked(run, header, 4)[1] == 2
+    with pytest.raises(UnlearnError, match="cannot be resumed in this process"):
+        resumed_code_checked(run, header, 4)
+    del header["fidelity"]["guards"]["code"]
+    assert resumed_code_checked(run, header, 4) == ({}, 4) and resumed_code_checked(run, {}, 3) == ({}, 3)
+    resumed = SimpleNamespace(path=run, header={"fidelity": {"guards": {"code": {}, "code_from": 4}}})
+    assert unsealed_code_refusal(resumed, 4) is None and unsealed_code_refusal(resumed, None) is None
+    assert "steps 0..3 ran is not sealed" in unsealed_code_refusal(resumed, 3)
+    whole = json.loads((run / "header.json").read_text())  # a seal from step 0: every deletion goes on
+    assert unsealed_code_refusal(SimpleNamespace(path=run, header=whole), 0) is None
+
+
+def _killed_at_5(tmp_path, tok, data):
+    """``trainer``: as :func:`~tests.test_trace_neutral_attacks.stopped_at_4_then_resumed`; its first launch, with the
+    patch in place, killed by an exception a callback raises after optimizer step 5 (the Trainer checkpointed at 4):
+    the run is left unsealed, as a crash leaves it."""
+    from transformers import TrainerCallback
+
+    from .test_trace_neutral_attacks import stopped_at_4_then_resumed
+
+    class KilledAt5(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                raise RuntimeError("killed after step 5")
+
+    trainer = stopped_at_4_then_resumed(tmp_path, tok, data, [])
+    with _Patched(), pytest.raises(RuntimeError, match="killed after step 5"):
+        trainer(KilledAt5()).train()
+    header = json.loads((tmp_path / "rec" / "trace" / "header.json").read_text())
+    assert not header.get("sealed")
+    return trainer, header
+
+
+@pytest.mark.slow  # two recording launches, two forgets with oracles and a counterfactual (~40 s)
+def test_a_run_killed_after_its_first_steps_and_resumed_without_its_patch_is_refused(tmp_path):
+    """Attack: the first launch (the patch in place) is killed by a callback's exception after step 5, before the
+    run was sealed; it is resumed from the Trainer's ``checkpoint-4`` without the patch. Before: the code seal was
+    written only when training ended, so the killed launch left none, the resume had nothing to compare with and
+    sealed its own code: a step-1 deletion without the patch was VERIFIED against the counterfactual of a program
+    that never ran (21 of 21 tensors off a plain Trainer with the patch). Now the seal is in the header from the first optimizer step, the resume without the patch is
+    refused naming the module; the user's ordinary resume (with the patch) records on, and a deletion is refused
+    without the patch and VERIFIED with it, equal to a plain Trainer with the patch on every step."""
+    from transformers import TrainerCallback
+
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_neutral_attacks import _differs_from_counterfactual, _forget_outcome
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trainer, header = _killed_at_5(tmp_path, tok, data)
+    assert "module transformers.loss.loss_utils" in header["fidelity"]["guards"]["code"]
+    resume = str(tmp_path / "rec" / "checkpoint-4")
+    with pytest.raises(UnlearnError, match=r"cannot be resumed in this process: it runs other code than the steps "
+                                           r"before the stop did: module transformers\.loss\.loss_utils;") as e:
+        trainer().train(resume_from_checkpoint=resume)
+    assert "\n" not in str(e.value)
+    with _Patched():
+        trainer().train(resume_from_checkpoint=resume)
+    run = tmp_path / "rec" / "trace"
+    sealed = open_run(run).header
+    assert sealed["optimizer_steps"] == 6 and "code_from" not in sealed["fidelity"]["guards"]
+    ids = open_run(run).ids_at_steps([1])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "without")
+    assert kind == "refused" and "other code than the recorded run did" in why, why
+
+    patch = _Patched()
+
+    class PatchedThroughout(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            patch.__enter__()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            patch.__exit__()
+
+    with _Patched():
+        kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [PatchedThroughout()])
+
+
+@pytest.mark.slow  # two recording launches and three forgets (~40 s)
+def test_a_resumed_launch_that_left_no_code_seal_refuses_deletions_of_its_steps(tmp_path):
+    """The killed launch's header as a release that sealed code only at the end left it (no ``code``): the code steps
+    0..3 ran is unknown. The resume records on (the user's flow) and seals its own code from step 4
+    (``code_from``); a deletion of a row first trained at step 1 is refused before any compute, naming the unsealed
+    steps (forget, and a replay built directly), while one of a row first trained at step 5 is VERIFIED."""
+    from hf_unlearn.trace import ReplayTrainer, open_run
+
+    from .test_trace_neutral_attacks import _forget_outcome
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    trainer, header = _killed_at_5(tmp_path, tok, data)
+    del header["fidelity"]["guards"]["code"]
+    run = tmp_path / "rec" / "trace"
+    (run / "header.json").write_text(json.dumps(header))
+    with _Patched():
+        trainer().train(resume_from_checkpoint=str(tmp_path / "rec" / "checkpoint-4"))
+    sealed = open_run(run).header["fidelity"]["guards"]
+    assert sealed["code_from"] == 4 and "module transformers.loss.loss_utils" in sealed["code"]
+    opened = open_run(run)
+    early = [i for i in opened.ids_at_steps([1]) if i not in opened.ids_at_steps(range(1))][:1]
+    kind, why = _forget_outcome(run, early, tmp_path / "early")
+    assert kind == "refused" and "the code optimizer steps 0..3 ran is not sealed" in why and "\n" not in why, why
+    assert not (tmp_path / "early").exists()
+    with _Patched(), pytest.raises(UnlearnError, match=r"first trained at optimizer step 1, and the code optimizer "
+                                                        r"steps 0\.\.3 ran is not sealed"):
+        ReplayTrainer(run, forget_ids=early, out_dir=tmp_path / "replay")
+    late = [i for i in opened.ids_at_steps([5]) if i not in opened.ids_at_steps(range(5))][:1]
+    assert late
+    with _Patched():
+        kind, receipt = _forget_outcome(run, late, tmp_path / "late")
+    assert kind == "verified", receipt
+
+
+@pytest.mark.slow  # one 2-process launch each: a recording and its resume (about 40 s)
+@pytest.mark.parametrize("patched", [1, 0, -1])
+def test_a_code_change_on_one_process_refuses_the_resume_on_every_process(tmp_path, patched):
+    """A data-parallel recording stopped after step 2 and resumed with ``fixed_cross_entropy`` patched on one process
+    only. Before: the resumed code was compared on process 0 alone; patched on process 1, the difference was never
+    compared and the run trained on; patched on process 0, process 0 refused while process 1 went on into the next
+    collective (it hangs while process 0 lives; here it died with gloo's "Connection closed by peer" once process 0
+    exited, never with the refusal). Now both processes refuse in the same one line, naming the module and the
+    patched process, before any step, and the launch ends within its timeout. Patched on neither (-1): the resume
+    records on to step 4 and the run is proven at its end."""
+    import os
+    import sys
+
+    from hf_unlearn.keys import load_key
+
+    from .conftest import ROOT, free_port, run_launch
+
+    load_key()  # the run key both processes read (made here: two processes making it at once would race)
+
+    def cmd():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), str(ROOT / "tests" / "trace_rank_code.py"), str(tmp_path), str(patched)]
+
+    proc = run_launch(cmd, tmp_path, cwd=str(ROOT), timeout=300,
+                      env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((tmp_path / f"resume-{r}.json").read_text()) for r in (0, 1)]
+    header = json.loads((tmp_path / "trace" / "header.json").read_text())
+    if patched < 0:
+        assert results == [{"trained": True}] * 2, results
+        assert header["optimizer_steps"] == 4 and header["fidelity"]["recording"]["reproduced"] is True, header
+        assert "module transformers.loss.loss_utils" in header["fidelity"]["guards"]["code"]
+        return
+    errors = [r.get("error") for r in results]
+    assert errors[0] and errors[0] == errors[1], results
+    assert "other code than the steps before the stop did: module transformers.loss.loss_utils" in errors[0]
+    assert errors[0].endswith(f"(on process(es) {patched} of 2)") and "\n" not in errors[0], errors[0]
+    assert header["sealed"] and header["optimizer_steps"] == 2  # the first launch's sealed run: the resume wrote none

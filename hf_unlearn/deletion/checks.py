@@ -168,6 +168,11 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
         why = program_refusal(run.kept(), start) if cost["first_affected_step"] is not None else None
         if why:  # before any compute: a replay from there would not be the counterfactual of the run that trained
             raise ProgramChangedError(f"{source}: {who} cannot delete these ids: {why}")
+    from ..trace.program_code import unsealed_code_refusal
+
+    why = unsealed_code_refusal(run, cost["first_affected_step"])  # rows trained by code no seal covers
+    if why:
+        raise UnlearnError(why)
     from ..trace.trainers import recorded_trainer
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?

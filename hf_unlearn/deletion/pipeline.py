@@ -138,6 +138,7 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
     """Every check that costs no training, before any: the pipeline, the ids, each replayed stage's program and
     trainer, world size and collator."""
     from ..trace.guards import ProgramChangedError, program_refusal
+    from ..trace.program_code import unsealed_code_refusal
     from ..trace.trainers import recorded_trainer
 
     runs = open_pipeline(sources)
@@ -157,6 +158,11 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
             why = program_refusal(run.kept(), st)
             if why:
                 raise ProgramChangedError(f"{where}: {who} cannot run: {why}")
+        # rows trained by code no seal covers (a later stage's every step is affected: its start changes)
+        why = unsealed_code_refusal(run, s["cost"]["first_affected_step"] if cost["first_affected_stage"] == s["stage"]
+                                    else 0)
+        if why:
+            raise UnlearnError(f"stage {s['stage']}: {why}")
         recorded_trainer(run.header)
         s["collator"] = _run_collator(run, collator, data_collator)
     hazards = [f"stage {s['stage']}: {h}" for s, r in zip(cost["stages"], runs) for h in r.header.get("hazards", [])]

@@ -26,7 +26,11 @@ effect of ordinary use (:data:`~hf_unlearn.trace.digests.SIDE_EFFECT_ATTRIBUTES`
 :data:`~hf_unlearn.trace.digests.PROFILE_WRAPPER`: torch's wrapper of an optimizer class's ``step``). The processes of a launch
 are compared with each other at every recorded step by the guards (a rank-local patch is a change). The seal is
 compared again when the recording ends (:func:`code_changed`: a patch applied while training) and when it is resumed
-(:func:`check_resumed_code`: one seal covers every launch of a run).
+(:func:`resumed_code_checked`, on every process of the launch: one seal covers every launch of a run). It is written
+into the run's header as soon as the first optimizer step ends, so a launch killed afterwards leaves it for its resume
+to compare with; a resume of a launch that left none (it ran without guards, or was killed under a release that
+sealed only at the end) seals from the resume step on, and a deletion whose rows first train before it is refused
+(:func:`unsealed_code_refusal`).
 """
 
 from __future__ import annotations
@@ -186,7 +190,7 @@ def check_resumed_code(run_path, previous: dict) -> dict:
     """A recording resumed in this process: refuse in one line when its code differs from the code the steps before
     the stop ran (the previous launch's seal, ``previous``: its header). One seal covers the whole run, so the steps
     before the resume must have run the code every deleting process is compared with. Returns those entries, for the
-    final seal to keep (``{}``: the previous launch sealed none, e.g. it crashed before its seal)."""
+    final seal to keep (``{}``: the previous launch sealed none: :func:`resumed_code_checked`)."""
     differ = code_differences(previous) or []
     if differ:
         shown = ", ".join(_short(k) for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
@@ -194,6 +198,52 @@ def check_resumed_code(run_path, previous: dict) -> dict:
                            f"the stop did: {shown}; a deletion replays both parts with one code, so resume with the "
                            "code it was recorded with (the same package versions and patches applied)")
     return dict(((previous.get("fidelity") or {}).get("guards") or {}).get("code") or {})
+
+
+def resumed_code_checked(run_path, previous: dict | None, resume_step: int) -> tuple[dict, int]:
+    """:func:`check_resumed_code` on every process of a resumed launch, one verdict before any compute (a difference
+    on any process, a patch applied on process 1 alone, refuses on all, naming it: a refusal on process 0 alone left
+    the others waiting in the next collective). ``previous``: the earlier launch's header, on the main process (the
+    others get its seal from it). Returns the earlier seal's entries and the first step the run's seal covers
+    (:func:`sealed_from`): ``resume_step`` when the earlier launch sealed no code (it ran without guards, or was
+    killed under a release that sealed only at the end): the code of the steps before the stop is unknown, and a
+    deletion whose rows first train there is refused (:func:`unsealed_code_refusal`)."""
+    from .processes import agreed, gathered
+
+    guards = ((previous or {}).get("fidelity") or {}).get("guards") or {}
+    mine = {"code": guards.get("code") or {}, "from": int(guards.get("code_from") or 0)} if previous is not None \
+        else None
+    sent = gathered(mine)[0] or {"code": {}, "from": 0}
+    earlier: dict = {}
+    agreed(lambda: earlier.update(check_resumed_code(run_path, {"fidelity": {"guards": {"code": sent["code"]}}})))
+    return earlier, (sent["from"] if sent["code"] else resume_step)
+
+
+def sealed_from(header: dict) -> int:
+    """The first optimizer step the run's code seal covers (0: all of them; later when a launch that sealed no code
+    was resumed: :func:`resumed_code_checked`)."""
+    return int((((header.get("fidelity") or {}).get("guards") or {}).get("code_from")) or 0)
+
+
+def code_record(code: dict, earlier: dict | None, code_from: int) -> dict:
+    """The header's code seal (``fidelity.guards``): this launch's first step's code, the earlier launch's entries
+    kept (they ran first), and from which step it covers the run."""
+    return {"code": {**code, **(earlier or {})}, **({"code_from": code_from} if code_from else {})}
+
+
+def unsealed_code_refusal(run, first_affected: int | None) -> str | None:
+    """Why a deletion whose first deleted row trains at ``first_affected`` cannot be shown to be the counterfactual:
+    that step ran code no seal covers (before :func:`sealed_from`), so a patch neutral on the recorded rows could
+    have run there; None otherwise (a deletion of rows first trained from that step on replays sealed code only;
+    the steps before it train the recorded rows, which the replay's state checks compare)."""
+    start = sealed_from(run.header)
+    if first_affected is None or first_affected >= start:
+        return None
+    return (f"{run.path}: these ids are first trained at optimizer step {first_affected}, and the code optimizer "
+            f"steps 0..{start - 1} ran is not sealed (the launch that ran them left no code seal, and the run was "
+            f"resumed at step {start}): a patch that changes nothing on the recorded rows may have run "
+            "there, so a replay is not shown to be the counterfactual; refusing before any compute (rows first "
+            f"trained at step {start} or later can be deleted; record the run again to delete these)")
 
 
 def _short(entry: str) -> str:

@@ -53,6 +53,7 @@ class _TraceCallback(TrainerCallback):
         writer = self.trainer._trace_writer
         if writer is not None:
             writer.mark_completed(state.global_step)
+            sealing.code_at_first_step(self.trainer)  # the code its steps ran, kept if the launch is killed later
 
     def on_train_end(self, args, state, control, **kwargs):
         sealing.finish(self.trainer)

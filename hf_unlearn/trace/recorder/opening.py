@@ -18,7 +18,7 @@ from ..guards import ProgramGuard
 from ..lineage import record_lineage, weights_root
 from ..packing import PACKED_IDS, save_store_info
 from ..plan import read_plan
-from ..program_code import check_resumed_code
+from ..program_code import resumed_code_checked
 from ..retention import default_every
 from ..sharding import ShardPeerDigest
 from ..stack import stack_change
@@ -36,6 +36,15 @@ def start(trainer) -> None:
     trainer._trace_started = True
     trainer._trace_header_seed = trainer.args.seed
     trainer._trace_groups = None
+    resume_step = trainer.state.global_step if trainer._trace_resume else None
+    main = trainer.accelerator.is_main_process
+    previous = {}
+    if main and resume_step and (trainer.trace_dir / "header.json").exists():
+        previous = json.loads((trainer.trace_dir / "header.json").read_text())
+    # first, on every process (a collective): the code the steps before the stop ran must be every process's now
+    trainer._trace_earlier_code, trainer._trace_code_from = resumed_code_checked(
+        trainer.trace_dir, previous if main else None, resume_step) if resume_step else ({}, 0)
+    trainer._trace_code_written = False
     if trainer.accelerator.num_processes > 1 and not trainer._is_replay:
         trainer._trace_same_settings = SameOptimizerSettings(trainer.optimizer, lambda: trainer.state.global_step)
     if not trainer.accelerator.is_main_process:
@@ -55,7 +64,6 @@ def start(trainer) -> None:
         return
     served, hazards, notes = trainer.trace_preflight()
     run = trainer.trace_dir
-    resume_step = trainer.state.global_step if trainer._trace_resume else None
     trainer._trace_key = recording_key(run, trainer._trace_key_arg)
     max_steps = max(trainer.state.max_steps, 1)
     trainer._trace_total = max_steps
@@ -70,9 +78,6 @@ def start(trainer) -> None:
     index = id_index(served, trainer.id_column)
     lengths = trainer._trace_row_lengths(served)
     trainer._trace_lens = {i: lengths[n] for i, n in index.items()}
-    previous = {}
-    if resume_step and (run / "header.json").exists():
-        previous = json.loads((run / "header.json").read_text())
     header = trainer._trace_header_dict(served, fingerprint, hazards, notes)
     changed = stack_change(previous.get("numeric_stack"), header["numeric_stack"])
     if changed:  # the steps before the resume ran on another stack than the one every replay uses
@@ -91,8 +96,6 @@ def start(trainer) -> None:
     trainer._trace_earlier_reads = earlier.get("environment_reads") or {}
     trainer._trace_earlier_files = earlier.get("file_reads") or {}
     trainer._trace_earlier_process_reads = earlier.get("process_environment_reads") or {}
-    # the code the steps before the stop ran: this process's must be the same (one seal covers the run)
-    trainer._trace_earlier_code = check_resumed_code(run, previous) if resume_step else {}
     if resume_step:  # the steps before it ran with what the first process's code read: so must the ones after
         differ = differences(trainer._trace_key, trainer._trace_earlier_reads) + globals_differences(
             trainer._trace_key, earlier.get("program_globals") or {}, trainer._trace_program_globals) + [

@@ -11,7 +11,7 @@ from ..fidelity import changed_buffers
 from ..file_reads import sealed as sealed_files
 from ..lineage import final_is_output, live_output_root
 from ..processes import gathered, world_size
-from ..program_code import code_changed
+from ..program_code import code_changed, code_record
 from ..stack import numeric_stack, stack_change
 from . import keeper, selfcheck
 from .program import GUARD_CHECKS
@@ -77,8 +77,8 @@ def finish(trainer) -> None:
     if guard is not None and step > 0:
         trainer._trace_header.setdefault("fidelity", {})["guards"] = {
             "final": {"step": step - 1, **guard.flush(step - 1), "ep": epoch_text(trainer.state.epoch)},
-            "checks": GUARD_CHECKS, **({"code": {**guard.code, **getattr(trainer, "_trace_earlier_code", {})}}
-                                        if guard.code else {})}
+            "checks": GUARD_CHECKS, **(code_record(guard.code, getattr(trainer, "_trace_earlier_code", {}),
+                                                   getattr(trainer, "_trace_code_from", 0)) if guard.code else {})}
     if guard is not None:
         guard.warn_changes(trainer.trace_dir)
     reads = getattr(trainer, "_trace_environment_reads", None)
@@ -95,6 +95,19 @@ def finish(trainer) -> None:
             trainer._trace_header["fidelity"]["process_environment_reads"] = by_process
     trainer._trace_writer.seal(trainer._trace_header)
     trainer._trace_writer = None
+
+
+def code_at_first_step(trainer) -> None:
+    """Once the launch's first optimizer step has run: its code seal written into the run's header (not sealed yet),
+    so a launch killed afterwards leaves the code its steps ran for a resume to compare with
+    (:func:`~hf_unlearn.trace.program_code.resumed_code_checked`); :func:`finish` writes it again with the seal."""
+    guard, writer = trainer._trace_guard, trainer._trace_writer
+    if guard is None or writer is None or not guard.code or getattr(trainer, "_trace_code_written", True):
+        return
+    trainer._trace_code_written = True
+    trainer._trace_header.setdefault("fidelity", {}).setdefault("guards", {}).update(
+        code_record(guard.code, trainer._trace_earlier_code, trainer._trace_code_from))
+    writer.write_header(trainer._trace_header)
 
 
 def every_process_reads(trainer) -> list[dict] | None:

@@ -22,6 +22,7 @@ from ..guards import (
     run_event,
 )
 from ..hashing import checkpoint_hashes
+from ..program_code import unsealed_code_refusal
 from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
 from ..stack import environment_difference
@@ -45,6 +46,9 @@ class RecordedProgram:
             why = program_refusal(self.run, self.start_step)
             if why:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
+            why = unsealed_code_refusal(self.run, self.first_affected_step)
+            if why:  # the same on every process (read from the plan): all refuse here
+                raise UnlearnError(why)
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
         self._fp_scope = fingerprint_scope(self._recorded_fps)  # the state digests' tensors, as recorded
         self._neutral_controls = neutral_controls(self.run.header)  # proven steps whose controls differ, not the state
