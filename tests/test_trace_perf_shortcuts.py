@@ -734,3 +734,20 @@ def test_the_kept_program_digest_is_a_fresh_one_after_every_edit_equality_cannot
         assert digests.state_digest_of(dict(state)) == fresh(state), edit  # kept: the same digest
     dropped = {k: v for k, v in base.items() if k != "args.none"}
     assert digests.state_digest_of(dropped) == fresh(dropped)
+
+
+def test_a_container_of_plain_values_is_written_as_the_general_path_writes_it():
+    import random
+
+    from hf_unlearn.trace.digests import MAX_ITEMS, Digester, _short
+
+    rng = random.Random(0)
+    pool = [0, 1, -1, 2**70, 0.0, -0.0, 1.5, float("nan"), float("inf"), True, False, None, "", "a'b", 'q"', "é\n"]
+    values = [{}, [], {"default": 8}, ["default"], {1: "x", "y": None, 2.5: True}, [[1], 2], {"a": [1]},
+              list(range(MAX_ITEMS + 1)), {i: i for i in range(MAX_ITEMS + 1)}]
+    values += [{rng.choice(pool[9:]) if i % 2 else f"k{i}": rng.choice(pool) for i in range(rng.randint(0, 6))}
+               for _ in range(200)]
+    values += [[rng.choice(pool) for _ in range(rng.randint(0, 6))] for _ in range(200)]
+    for v in values:
+        fast, general = Digester(), Digester()
+        assert fast.leaf(v) == _short(general.text(v, 0)), v

@@ -160,6 +160,10 @@ class Digester:
             return "nan"
         if isinstance(value, PLAIN):
             return value
+        kind = type(value)
+        if (kind is dict or kind is list) and len(value) <= MAX_ITEMS and id(value) not in self.roots and all(
+                type(x) in _EXACT_PLAIN for x in (itertools.chain(value, value.values()) if kind is dict else value)):
+            return _short(repr(value))  # what text() writes of plain items (PEFT's ~700 {'default': 8}), at once
         return _short(self.text(value, 0))
 
     def text(self, obj, depth: int) -> str:
