@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
+from .. import module_tree
 from ..dummies import dummy_positions, watch_dummy_gradient
 from ..environment_reads import recorded_reads, unrecorded, watching
 from ..fidelity import check_device, refusal, restore_layout
@@ -416,11 +417,14 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             self._clip_grad_norm(model)
         self._event("on_pre_optimizer_step")
-        controls = program_controls(self.model, self.optimizer)
-        grads = self._gradient_digest(step)
+        with module_tree.held(self.model):  # one walk of the module tree for the checks before the step
+            controls = program_controls(self.model, self.optimizer)
+            grads = self._gradient_digest(step)
         self.optimizer.step()
-        self._step_fps[step] = step_fingerprint(controls, state_digest(self.model, self.optimizer, self._fp_scope),
-                                                plan_lrs(seg[0], len(self.optimizer.param_groups)), self._fp_scope)
+        with module_tree.held(self.model):  # and one after it
+            self._step_fps[step] = step_fingerprint(controls, state_digest(self.model, self.optimizer, self._fp_scope),
+                                                    plan_lrs(seg[0], len(self.optimizer.param_groups)),
+                                                    self._fp_scope)
         if grads is not None:
             self._step_fps[step]["g"] = grads
         self._event("on_optimizer_step")
