@@ -20,26 +20,19 @@ the one loading produced: the same tensor object (or its ``copy.deepcopy``), not
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 
 from ..errors import UnlearnError
 from ..models import GGUF_MARK, GGUFOrigin, load_model, mark_gguf  # noqa: F401 - GGUFOrigin, mark_gguf lived here
 from .files import file_sha256 as sha256
+from .peft_names import base_key  # noqa: F401 - lived here
 
-_PEFT_PREFIX = re.compile(r"^base_model\.model\.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what from_pretrained reads, one or sharded
 
 
 def stamp(t) -> tuple:
     """Identity and in-place version of a tensor: equal stamps mean the tensor was not replaced nor modified."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version)
-
-
-def base_key(name: str) -> str:
-    """The base model's own key of a (PEFT-wrapped) parameter name: ``base_model.model.X.base_layer.weight`` ->
-    ``X.weight``."""
-    return _PEFT_PREFIX.sub("", name).replace(".base_layer.", ".")
 
 
 def _base_model(model):

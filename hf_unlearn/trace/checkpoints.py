@@ -47,9 +47,22 @@ from .checkpoint_files import (  # noqa: F401 - re-exported: they lived here
     checkpoint_dir,
     tied_aliases,
 )
-from .dtensors import full_optimizer_state, full_tensors, local, model_is_sharded
+from .dtensors import full_optimizer_state, full_tensors, is_sharded, local, model_is_sharded
 from .files import check_sidecar, file_sha256, write_sidecar
-from .hashing import checkpoint_hashes, optimizer_param_names, root_hash, tensor_hash, tensor_hashes
+from .hashing import (
+    NAMES_KEY,
+    PLAIN,
+    checkpoint_hashes,
+    hash_name,
+    names_field,
+    optimizer_param_names,
+    plain_names,
+    root_hash,
+    tensor_hash,
+    tensor_hashes,
+    uses_plain_names,
+)
+from .peft_names import base_key
 from .shards import check as check_shards
 from .shards import is_complete as shards_complete
 from .shards import is_sharded_checkpoint, local_keys, verify_files
@@ -126,6 +139,10 @@ class FrozenTensors:
         self.dir = Path(run) / "checkpoints" / FROZEN_DIR
         self.source = None  # a model folder to reference frozen tensors in (trace_frozen_source); default: found
         self.hashes: dict[str, str] = {}
+        self.plain = True  # its hashes (and the run's checkpoints') name tensors as the plain model (hashing.PLAIN)
+        # {plain name: (stamp, hash, tensor)} of the weights the lineage hashed as training started
+        # (lineage.start_hashes, set by the recorder; dropped once the store is saved): see save()
+        self.start: dict | None = None
         self._stamps: dict[str, tuple] = {}
         self._params: dict = {}
         self.saved_step: int | None = None  # the checkpoint step this recording saved the store at
@@ -140,7 +157,7 @@ class FrozenTensors:
         params = dict(model.named_parameters(remove_duplicate=False))
         return {n: s for n, s in self._stamps.items() if n in params and stamp(params[n]) == s}
 
-    def save(self, model, tensors: dict, source: str | os.PathLike | None = None) -> None:
+    def save(self, model, tensors: dict, source: str | os.PathLike | None = None, start: dict | None = None) -> None:
         """Save the tensors among ``tensors`` that are parameters with ``requires_grad=False`` (once).
 
         With ``source`` (the model folder the frozen weights were loaded from), a frozen tensor whose dtype, shape
@@ -148,6 +165,11 @@ class FrozenTensors:
         it, the folder, cache snapshot or GGUF file the model was loaded from (``base_source.loaded_from``) is
         referenced the same way; nothing to reference: saved. The referenced files' SHA-256 and the checkpoints'
         per-tensor hashes (frozen tensors included) are checked at every load.
+
+        ``start`` (:attr:`start`, given when the store is saved with the step-0 checkpoint: in the same call as the
+        lineage hashed the starting weights, with only the recorder's code, which writes no weight, between): a
+        frozen tensor's hash is the lineage's when the model still holds it in the stamp the lineage hashed it in
+        (:meth:`_start_hashes`), so a LoRA recording hashes its frozen base once.
         """
         params = dict(model.named_parameters(remove_duplicate=False))
         frozen = {n: t for n, t in tensors.items() if n in params and not params[n].requires_grad}
@@ -161,8 +183,12 @@ class FrozenTensors:
             refs = base_source.match(frozen, model, where) if where is not None else {}
         self.dir.mkdir(parents=True, exist_ok=True)
         _save_safetensors({n: t for n, t in frozen.items() if n not in refs}, self.dir / "model.safetensors")
-        self.hashes = tensor_hashes(frozen)  # on every core torch may use (the frozen base: most of the bytes)
-        record = {"params": self.hashes, "root": root_hash(self.hashes)}
+        reuse = self._start_hashes(params, frozen, start)
+        self.start = None  # the starting tensors are not held for the store any longer
+        # the rest on every core torch may use (without the start's hashes: the frozen base, most of the bytes)
+        fresh = tensor_hashes({n: t for n, t in frozen.items() if n not in reuse}, self.plain)
+        self.hashes = {n: reuse[n] if n in reuse else fresh[n] for n in frozen}
+        record = {"params": self.hashes, "root": root_hash(self.hashes), **names_field(frozen, self.plain)}
         if refs:
             record["source"] = base_source.describe(where, refs)
             if where["kind"] == "gguf":
@@ -170,21 +196,38 @@ class FrozenTensors:
         atomic_write_text(self.dir / "hashes.json", json.dumps(record, indent=1, sort_keys=True))
         self._stamps = {n: base_source.stamp(params[n]) for n in frozen}
 
+    def _start_hashes(self, params: dict, frozen: dict, start: dict | None) -> dict[str, str]:
+        """The hashes of ``frozen`` tensors the lineage took as training started (``start``): each where the
+        model's parameter is still in the stamp the lineage hashed it in (same storage, offset, shape, in-place
+        version; so the bytes this store saves or references are the ones hashed) and its hash name is the name the
+        lineage hashed it under (the plain rule). Each store's hash is checked again at every load: a tensor changed
+        where a stamp cannot see (a ``.data`` write) is refused there, never passed."""
+        if not self.plain or not start:
+            return {}
+        return {n: start[base_key(n)][1] for n in frozen
+                if base_key(n) in start and not is_sharded(params[n]) and stamp(params[n]) == start[base_key(n)][0]}
+
+    def _read(self) -> dict:
+        record = json.loads((self.dir / "hashes.json").read_text())
+        self.hashes, self.plain = record["params"], uses_plain_names(record)
+        return record
+
     def adopt(self, model, names) -> None:
         """Take over an existing frozen store (a replay's output links its parent's) for the tensors ``names``
-        that ``model`` was just loaded with from it."""
+        that ``model`` was just loaded with from it (and its hash rule: the output's checkpoints follow it)."""
         if not (self.dir / "hashes.json").exists():
             return
-        self.hashes = json.loads((self.dir / "hashes.json").read_text())["params"]
+        self._read()
         params = dict(model.named_parameters(remove_duplicate=False))
         self._stamps = {n: stamp(params[n]) for n in names if n in params and n in self.hashes}
 
     def adopt_matching(self, model) -> None:
-        """Take over the saved frozen tensors that ``model`` holds with the same hashes (a resumed recording)."""
-        self.hashes = json.loads((self.dir / "hashes.json").read_text())["params"]
+        """Take over the saved frozen tensors that ``model`` holds with the same hashes (a resumed recording; its
+        checkpoints keep the store's hash rule)."""
+        self._read()
         params = dict(model.named_parameters(remove_duplicate=False))
-        self._stamps = {n: stamp(params[n]) for n, h in self.hashes.items()
-                        if n in params and not params[n].requires_grad and tensor_hash(n, params[n]) == h}
+        self._stamps = {n: stamp(params[n]) for n, h in self.hashes.items() if n in params and
+                        not params[n].requires_grad and tensor_hash(hash_name(n, self.plain), params[n]) == h}
 
     @property
     def exists(self) -> bool:
@@ -267,19 +310,19 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
     :func:`capture_state` already taken (a sharded run gathers it on every process, the main process writes it).
     """
     if state is None and model_is_sharded(model):  # FSDP2: every process writes its shards (hf_unlearn.trace.shards)
-        return save_sharded(run, step, model, optimizer)[0]
+        return save_sharded(run, step, model, optimizer, frozen.plain if frozen is not None else True)[0]
     d = checkpoint_dir(run, step)
     d.mkdir(parents=True, exist_ok=True)
     state = state if state is not None else capture_state(model, optimizer, step)
     if frozen is not None and not frozen.exists and not (frozen.dir / "hashes.json").exists():
-        frozen.save(model, state["model"], source=frozen.source)
+        frozen.save(model, state["model"], source=frozen.source, start=frozen.start if step == 0 else None)
         frozen.saved_step = step
     referenced = frozen.unchanged(model) & set(state["model"]) if frozen is not None else set()
     known = {n: frozen.hashes[n] for n in referenced} if referenced else None
     # hashed while the files are written (safetensors writes without the GIL): the same bytes, read in memory, about
     # half the wall time of one after the other; nothing can change them meanwhile (training waits for this call)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        hashes = pool.submit(checkpoint_hashes, state, known)
+        hashes = pool.submit(checkpoint_hashes, state, known, frozen.plain if frozen is not None else True)
         _write_state(d, step, state, referenced)
         hashes = hashes.result()
     atomic_write_text(d / "hashes.json", json.dumps(hashes, indent=1, sort_keys=True))
@@ -351,6 +394,8 @@ def load_checkpoint(path: Path, verify: bool = True, rank: int | None = None) ->
         state = _load_v2(path, rank)
     else:
         raise UnlearnError(f"{path} holds no checkpoint (no checkpoint.json or state.pt)")
+    if (path / "hashes.json").is_file():  # its hash rule: what hashes it again (checkpoint_hashes) follows
+        state[NAMES_KEY] = PLAIN if plain_names(json.loads((path / "hashes.json").read_text())) else "own"
     if verify:
         check_binding(path)
         if "local_shards" in state["optimizer"]:
@@ -371,7 +416,7 @@ def check_checkpoint_state(path: Path, state: dict) -> None:
     if check_sidecar(recorded_file) is False:
         raise UnlearnError(f"{recorded_file} does not match its SHA-256 sidecar: modified after it was written")
     recorded = json.loads(recorded_file.read_text())
-    actual = checkpoint_hashes(state)
+    actual = checkpoint_hashes(state, plain=plain_names(recorded))
     bad = [n for part in ("params", "optimizer") for n in sorted(set(recorded[part]) | set(actual[part]))
            if recorded[part].get(n) != actual[part].get(n)]
     if recorded.get("meta_sha256") != actual["meta_sha256"]:
@@ -394,6 +439,7 @@ def verify_checkpoint_files(path: Path) -> None:
         return
     check_binding(path)
     recorded = json.loads((path / "hashes.json").read_text())
+    plain = plain_names(recorded)
     meta = json.loads((path / "checkpoint.json").read_text())
     names = meta["param_names"]
     opt = meta["optimizer"]
@@ -403,12 +449,12 @@ def verify_checkpoint_files(path: Path) -> None:
     seen = set()
     seen_opt = set()
     if is_sharded_checkpoint(meta):  # every shard file's SHA-256, each full tensor assembled and hashed
-        bad, seen, seen_opt = verify_files(path, meta, by_idx)
+        bad, seen, seen_opt = verify_files(path, meta, by_idx, plain)
     else:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             for n in f.keys():
                 seen.add(n)
-                if tensor_hash(n, f.get_tensor(n)) != recorded["params"].get(n):
+                if tensor_hash(hash_name(n, plain), f.get_tensor(n)) != recorded["params"].get(n):
                     bad.append(n)
         with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
             for k in f.keys():
@@ -419,7 +465,7 @@ def verify_checkpoint_files(path: Path) -> None:
                     bad.append(name)
     for n in meta.get("frozen", []):  # one at a time (from the run's frozen store or the model folder)
         seen.add(n)
-        if tensor_hash(n, load_frozen(path.parent.parent, [n])[n]) != recorded["params"].get(n):
+        if tensor_hash(hash_name(n, plain), load_frozen(path.parent.parent, [n])[n]) != recorded["params"].get(n):
             bad.append(n)
     bad += sorted(set(recorded["params"]) - seen)
     import torch
@@ -519,6 +565,16 @@ def _frozen_entry(run: Path) -> dict | None:
     return {"root": json.loads(f.read_text())["root"], "hashes_sha256": file_sha256(f)} if f.exists() else None
 
 
+def run_uses_plain_names(run: Path) -> bool:
+    """The hash rule of a run's checkpoints (:func:`~hf_unlearn.trace.hashing.uses_plain_names`): its frozen store's,
+    else its last checkpoint's; True for a run with neither (what a recording writes)."""
+    run = Path(run)
+    frozen = run / "checkpoints" / FROZEN_DIR / "hashes.json"
+    cps = list_checkpoints(run)
+    f = frozen if frozen.is_file() else cps[max(cps)] / "hashes.json" if cps else None
+    return uses_plain_names(json.loads(f.read_text())) if f is not None else True
+
+
 def _link_tree(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for f in Path(src).iterdir():
@@ -537,6 +593,8 @@ def link_checkpoints(src: Path, writer, steps, model, frozen_names) -> None:
         d = checkpoint_dir(src, step)
         _link_tree(d, checkpoint_dir(writer.run, step))
         writer.index.adopt(step, index["checkpoints"][str(step)] if index else _entry(d))
+    if steps:  # the output's checkpoints hash as the run's did (a run recorded before the plain rule keeps its own)
+        writer.frozen.plain = uses_plain_names(json.loads((checkpoint_dir(src, max(steps)) / "hashes.json").read_text()))
     if (src / "checkpoints" / FROZEN_DIR).exists():
         _link_tree(src / "checkpoints" / FROZEN_DIR, writer.frozen.dir)
         writer.frozen.adopt(model, frozen_names)

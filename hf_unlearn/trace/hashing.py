@@ -16,9 +16,20 @@ import torch
 
 from ..utils import atomic_write_text
 from .dtensors import full, is_sharded
+from .peft_names import base_key
 from .workers import map_tensors, nbytes
 
 HASH_FORMAT = "hf_unlearn.state_hash.v1"
+# A checkpoint's ``hashes.json`` (and the frozen store's) with ``"tensor_names": "plain"`` hashes each model tensor under
+# the name the plain model gives it (:func:`~hf_unlearn.trace.peft_names.base_key`: a PEFT base tensor
+# ``base_model.model.X.base_layer.weight`` as ``X.weight``), its keys staying the tensors' own: the same hash the
+# lineage's start root takes of that tensor, so a LoRA recording hashes its frozen base once. Written only where a
+# name differs (a PEFT model); without the field each tensor is hashed under its own name (every run recorded before,
+# and every model whose names are the plain ones, where both rules are one). A mix-up of the two rules can only
+# refuse a checkpoint (the hashes differ), never pass one: each hash still covers the tensor's bytes.
+TENSOR_NAMES = "tensor_names"
+PLAIN = "plain"
+NAMES_KEY = "hash_names"  # a loaded checkpoint state's rule (load_checkpoint sets it): checkpoint_hashes follows it
 
 
 def tensor_hash(name: str, tensor: torch.Tensor) -> str:
@@ -34,14 +45,36 @@ def tensor_hash(name: str, tensor: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def tensor_hashes(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def tensor_hashes(named: Mapping[str, torch.Tensor], plain: bool = False) -> dict[str, str]:
     """:func:`tensor_hash` of every named tensor, on every core torch may use when each is a local CPU tensor (a
-    sharded one is gathered by a collective, which must run in the same order on every process: one at a time)."""
-    items = list(named.items())
-    if any(is_sharded(t) or t.device.type != "cpu" for _, t in items):
-        return {n: tensor_hash(n, t) for n, t in items}
-    hashes = map_tensors(lambda item: tensor_hash(*item), items, [nbytes(t) for _, t in items])
-    return {n: h for (n, _), h in zip(items, hashes)}
+    sharded one is gathered by a collective, which must run in the same order on every process: one at a time).
+    ``plain``: each hashed under :func:`hash_name` (keys unchanged)."""
+    items = [(n, hash_name(n, plain), t) for n, t in named.items()]
+    if any(is_sharded(t) or t.device.type != "cpu" for _, _, t in items):
+        return {n: tensor_hash(h, t) for n, h, t in items}
+    hashes = map_tensors(lambda item: tensor_hash(*item[1:]), items, [nbytes(t) for _, _, t in items])
+    return {n: h for (n, _, _), h in zip(items, hashes)}
+
+
+def hash_name(name: str, plain: bool) -> str:
+    """The name a model tensor is hashed under: the plain model's (``plain``, see :data:`TENSOR_NAMES`) or its own."""
+    return base_key(name) if plain else name
+
+
+def plain_names(hashes: Mapping[str, Any] | None) -> bool:
+    """Whether a ``hashes.json`` dict (a checkpoint's, the frozen store's) hashes model tensors under plain names."""
+    return (hashes or {}).get(TENSOR_NAMES) == PLAIN
+
+
+def uses_plain_names(hashes: Mapping[str, Any]) -> bool:
+    """Whether a ``hashes.json`` dict's model hashes follow the plain rule: it says so, or its names are all plain ones
+    (both rules are one). False: a PEFT run recorded before the rule (its later checkpoints keep its rule)."""
+    return plain_names(hashes) or not names_field(hashes.get("params", {}), True)
+
+
+def names_field(names, plain: bool) -> dict[str, str]:
+    """The ``tensor_names`` entry of a ``hashes.json`` over model tensors ``names``: only where the rule changes one."""
+    return {TENSOR_NAMES: PLAIN} if plain and any(base_key(n) != n for n in names) else {}
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -162,17 +195,21 @@ def state_hashes(model_or_state_dict, optimizer=None) -> StateHashes:
     return StateHashes(params=params, optimizer=opt)
 
 
-def checkpoint_hashes(state: Mapping[str, Any], known: Mapping[str, str] | None = None) -> dict[str, Any]:
+def checkpoint_hashes(state: Mapping[str, Any], known: Mapping[str, str] | None = None,
+                      plain: bool | None = None) -> dict[str, Any]:
     """The ``hashes.json`` of a checkpoint dict (``model``, ``optimizer``, ``param_names``, ``tied``, ``step``).
 
     Per-tensor hashes and roots of the parameters (each tied tensor once, under its first name) and of the
     optimizer state (named by parameter), plus ``meta_sha256`` over everything else a replay loads from the
     checkpoint (the step, the tie map, the parameter names and the optimizer's param-group hyperparameters).
     Recomputing it from a loaded checkpoint and comparing checks the checkpoint against what was saved.
-    ``known`` gives hashes already computed (frozen tensors, hashed once when they were saved).
+    ``known`` gives hashes already computed (frozen tensors, hashed once when they were saved). ``plain``: model
+    tensors hashed under the plain model's names (:data:`TENSOR_NAMES`); None: as the state was loaded
+    (:data:`NAMES_KEY`), a state captured live under plain names (what a recording writes).
     """
     known = known or {}
-    fresh = tensor_hashes({n: t for n, t in state["model"].items() if n not in known})
+    plain = state.get(NAMES_KEY, PLAIN) == PLAIN if plain is None else plain
+    fresh = tensor_hashes({n: t for n, t in state["model"].items() if n not in known}, plain)
     params = {n: known[n] if n in known else fresh[n] for n in state["model"]}
     opt = tensor_hashes(optimizer_tensors(state["optimizer"], state.get("param_names")))
     meta = {"step": state.get("step"), "tied": state.get("tied", {}), "param_names": state.get("param_names"),
@@ -180,7 +217,8 @@ def checkpoint_hashes(state: Mapping[str, Any], known: Mapping[str, str] | None 
     meta_sha = hashlib.sha256(json.dumps(meta, sort_keys=True, default=repr).encode()).hexdigest()
     hashes = StateHashes(params=params, optimizer=opt).to_dict()
     hashes.update(meta_sha256=meta_sha, tied=dict(state.get("tied", {})),
-                  elements={"params": sum(t.numel() for t in state["model"].values())})
+                  elements={"params": sum(t.numel() for t in state["model"].values())},
+                  **names_field(state["model"], plain))
     return hashes
 
 

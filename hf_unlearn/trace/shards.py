@@ -41,7 +41,7 @@ from ..utils import atomic_write_text
 from .checkpoint_files import CHECKPOINT_FORMAT, _flatten_optimizer, _save_safetensors, checkpoint_dir, tied_aliases
 from .dtensors import is_sharded, local
 from .files import file_sha256, write_sidecar
-from .hashing import checkpoint_hashes, optimizer_param_names, tensor_hash
+from .hashing import checkpoint_hashes, hash_name, optimizer_param_names, plain_names, tensor_hash
 
 PLACEMENT = "Shard(0)"
 KINDS = ("model", "optimizer")
@@ -73,10 +73,11 @@ def _mine(tensors: dict, rank: int) -> tuple[dict, dict]:
     return out, rows
 
 
-def save(run: Path | None, step: int, model, optimizer) -> tuple[Path | None, dict]:
+def save(run: Path | None, step: int, model, optimizer, plain: bool = True) -> tuple[Path | None, dict]:
     """Every process of a sharded run calls it (collectives): writes its shard files into ``run``'s checkpoint at
     ``step`` (nothing written when ``run`` is None), then the main process writes ``checkpoint.json``, ``hashes.json``
-    and its sidecar. Returns (the folder on the main process else None, the checkpoint's hashes on every process)."""
+    and its sidecar. Returns (the folder on the main process else None, the checkpoint's hashes on every process).
+    ``plain``: the run's hash rule (:data:`hf_unlearn.trace.hashing.TENSOR_NAMES`)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -102,7 +103,7 @@ def save(run: Path | None, step: int, model, optimizer) -> tuple[Path | None, di
     dist.all_gather_object(everyone, {"files": files, "rows": rows})
     state = {"step": step, "model": tensors, "tied": tied, "optimizer": osd,
              "param_names": optimizer_param_names(model, optimizer)}
-    hashes = checkpoint_hashes(state)  # full logical tensors, gathered one at a time (hashing.tensor_hash)
+    hashes = checkpoint_hashes(state, plain=plain)  # full logical tensors, gathered one at a time (hashing.tensor_hash)
     if d is None or rank != 0:
         return None, hashes
     sharding = {"world_size": world, "placement": PLACEMENT,
@@ -193,7 +194,8 @@ def check(path: Path, state: dict) -> None:
     """The model's per-tensor hashes and the metadata hash of a checkpoint loaded with this process's optimizer
     shards (the shards were checked by their files' SHA-256 as they were read)."""
     recorded = json.loads((Path(path) / "hashes.json").read_text())
-    actual = checkpoint_hashes({**state, "optimizer": {"state": {}, "param_groups": state["optimizer"]["param_groups"]}})
+    actual = checkpoint_hashes({**state, "optimizer": {"state": {}, "param_groups": state["optimizer"]["param_groups"]}},
+                               plain=plain_names(recorded))
     bad = sorted(n for n in set(recorded["params"]) | set(actual["params"])
                  if recorded["params"].get(n) != actual["params"].get(n))
     if recorded.get("meta_sha256") != actual["meta_sha256"]:
@@ -203,10 +205,10 @@ def check(path: Path, state: dict) -> None:
                            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}): modified after it was saved")
 
 
-def verify_files(path: Path, meta: dict, by_idx: dict) -> tuple[list[str], set, set]:
+def verify_files(path: Path, meta: dict, by_idx: dict, plain: bool = False) -> tuple[list[str], set, set]:
     """A deep check of a sharded checkpoint's tensors: every file's SHA-256, then each full tensor assembled on its
-    own and hashed (memory: the largest tensor). Returns (names that differ from ``hashes.json``, model and optimizer
-    names seen)."""
+    own and hashed (memory: the largest tensor; ``plain``: the ``hashes.json``'s rule). Returns (names that differ
+    from ``hashes.json``, model and optimizer names seen)."""
     sh = meta["sharding"]
     _check_files(path, ["checkpoint.json", *(f for kind in KINDS for f in sh["files"][kind])])
     recorded = json.loads((path / "hashes.json").read_text())
@@ -215,11 +217,11 @@ def verify_files(path: Path, meta: dict, by_idx: dict) -> tuple[list[str], set, 
         for key in load_file_keys(path / sh["files"][kind][0]):
             t = _assemble(path, sh["files"][kind], sh["rows"][kind], only={key})[key]
             if kind == "model":
-                name = key
+                name, hashed = key, hash_name(key, plain)
             else:
                 _, idx, entry = key.split(".", 2)
-                name = f"{by_idx.get(int(idx), idx)}.{entry}"
+                name = hashed = f"{by_idx.get(int(idx), idx)}.{entry}"
             seen[part].add(name)
-            if tensor_hash(name, t) != recorded[part].get(name):
+            if tensor_hash(hashed, t) != recorded[part].get(name):
                 bad.append(name)
     return bad, seen["params"], seen["optimizer"]

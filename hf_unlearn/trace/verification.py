@@ -23,7 +23,7 @@ from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .fidelity import fidelity_statement, refusal
 from .guards import describe_program_change, guard_coverage, program_changes, unproven_changes
-from .hashing import StateHashes, optimizer_tensors, tensor_hashes
+from .hashing import NAMES_KEY, PLAIN, StateHashes, optimizer_tensors, tensor_hashes
 from .proven import output_unproven, ranges, unproven_starts_clause, unproven_steps
 from .run import check_run, checkpoint_dir, list_checkpoints, load_checkpoint, read_deletion_log
 from .tags import run_key, verdict_mac
@@ -37,7 +37,8 @@ def _named_optimizer(state: dict) -> dict[str, torch.Tensor]:
 
 
 def state_roots(state: dict) -> StateHashes:
-    params = tensor_hashes(state["model"])
+    """The roots as the state's ``hashes.json`` computes them (its hash rule: :data:`~.hashing.NAMES_KEY`)."""
+    params = tensor_hashes(state["model"], state.get(NAMES_KEY, PLAIN) == PLAIN)
     opt = tensor_hashes(_named_optimizer(state))
     return StateHashes(params=params, optimizer=opt)
 

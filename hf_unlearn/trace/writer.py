@@ -13,7 +13,15 @@ import numpy as np
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
-from .checkpoints import INDEX_FORMAT, INDEX_NAME, CheckpointIndex, FrozenTensors, _entry, list_checkpoints
+from .checkpoints import (
+    INDEX_FORMAT,
+    INDEX_NAME,
+    CheckpointIndex,
+    FrozenTensors,
+    _entry,
+    list_checkpoints,
+    run_uses_plain_names,
+)
 from .compact import read_compact
 from .plan import (
     COMPACT_FILE,
@@ -52,6 +60,8 @@ class TraceWriter:
                                    "record into a new trace_dir")
             (self.run / COMPACT_FILE).unlink()
         header.pop("provenance", None)  # append-only files from here on (a replay copies its parent's header)
+        if resume_step is not None:  # its checkpoints keep the run's hash rule (one recorded before the plain rule)
+            self.frozen.plain = run_uses_plain_names(self.run)
         for name in SEALED_FILES + (LEGACY_PLAN_FILE, COMPACT_FILE, "deletion_log.jsonl"):
             side = self.run / f"{name}.sha256"
             if side.exists():

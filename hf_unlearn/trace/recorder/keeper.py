@@ -8,8 +8,8 @@ import json
 import logging
 
 from ...errors import UnlearnError
-from ..checkpoints import FROZEN_DIR, capture_state, checkpoint_bytes, checkpoint_dir
-from ..hashing import checkpoint_hashes
+from ..checkpoints import FROZEN_DIR, capture_state, checkpoint_bytes, checkpoint_dir, run_uses_plain_names
+from ..hashing import checkpoint_hashes, uses_plain_names
 from ..model_info import first_non_finite
 from ..retention import dense_steps, describe, factor_for_budget, final_keep, geometric_keep
 from ..retention import thin as retention_thin
@@ -24,7 +24,8 @@ def check_resumed_state(trainer, step: int) -> None:
     if not saved.is_file():
         return  # no recorded checkpoint at the resume step: the guards' missing fingerprint says so (verify)
     recorded = json.loads(saved.read_text())
-    now = checkpoint_hashes(capture_state(trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer, step))
+    now = checkpoint_hashes(capture_state(trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer, step),
+                            plain=uses_plain_names(recorded))
     for part in ("params_root", "optimizer_root"):
         if now.get(part) != recorded.get(part):
             raise UnlearnError(f"the state resumed from {trainer._trace_resume} at step {step} is not the recorded "
@@ -48,7 +49,7 @@ def checkpoint(trainer, step: int, final: bool = False) -> None:
     """Save the checkpoint after ``step`` optimizer steps (bound to the run by its index), then thin the kept set."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if trainer._trace_writer is None:  # a shard peer: writes its shards (hf_unlearn.trace.shards), joins the hashes
-        save_shards(trainer.trace_dir, step, model, trainer.optimizer)
+        save_shards(trainer.trace_dir, step, model, trainer.optimizer, run_uses_plain_names(trainer.trace_dir))
         trainer._trace_saved.add(step)
         return
     if not trainer._is_replay and trainer._trace_non_finite is None:

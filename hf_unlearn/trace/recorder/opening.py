@@ -127,6 +127,7 @@ def start(trainer) -> None:
     header["model"]["layout"] = save_buffers(trainer.accelerator.unwrap_model(trainer.model), run)
     trainer._trace_writer = TraceWriter(run, trainer._trace_key)
     trainer._trace_writer.frozen.source = trainer.trace_frozen_source
+    trainer._trace_writer.frozen.start = trainer._trace_start_hashes  # the frozen store takes their hashes
     if trainer.trace_guards:  # said from the start, so a run that crashes still says its steps were guarded
         header.setdefault("fidelity", {})["guards"] = {"checks": GUARD_CHECKS}
     trainer._trace_writer.open(header, resume_step=resume_step)

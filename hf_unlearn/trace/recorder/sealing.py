@@ -66,6 +66,8 @@ def finish(trainer) -> None:
             if trainer.is_fsdp_enabled or (fresh and final_is_output(trainer._trace_header))
             else output_root_now(trainer))
     trainer._trace_start_hashes = None  # they hold the starting tensors
+    if trainer._trace_writer is not None:
+        trainer._trace_writer.frozen.start = None
     if not trainer._is_replay:
         changed = changed_buffers(trainer.accelerator.unwrap_model(trainer.model), trainer.trace_dir)
         why = (f"the model's non-persistent buffer {changed[0]} changed during training (checkpoints do not carry "

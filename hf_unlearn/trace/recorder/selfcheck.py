@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..checkpoints import capture_state, checkpoint_dir
+from ..checkpoints import capture_state, checkpoint_dir, run_uses_plain_names
 from ..fidelity import SELF_CHECK_STEPS, in_memory_reference
 from ..hashing import checkpoint_hashes
 
@@ -26,7 +26,9 @@ def keep_reference(trainer, step: int) -> None:
         hashes = json.loads((checkpoint_dir(trainer.trace_dir, step) / "hashes.json").read_text())
     else:
         model = trainer.accelerator.unwrap_model(trainer.model)
-        hashes = checkpoint_hashes(capture_state(model, trainer.optimizer, step))
+        writer = trainer._trace_writer  # the run's hash rule (a resumed run recorded before the plain rule: its own)
+        plain = writer.frozen.plain if writer is not None else run_uses_plain_names(trainer.trace_dir)
+        hashes = checkpoint_hashes(capture_state(model, trainer.optimizer, step), plain=plain)
     trainer._trace_check_ref = in_memory_reference(step, hashes)
 
 

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from ...utils import owner_only, private_dir
-from ..checkpoints import link_checkpoints
+from ..checkpoints import link_checkpoints, run_uses_plain_names
 from ..compact import compact_run
 from ..fidelity import fidelity_statement
 from ..guards import callback_attributes
@@ -113,7 +113,8 @@ class OutputRun:
         if writer:
             return writer.save_checkpoint(step, self.model, self.optimizer)
         out = self.out_dir if self.out_dir is not None and not self.filter_rows else None  # as the main one's writer
-        self._gathered_hashes[step] = save_shards(out, step, self.model, self.optimizer)[1]
+        self._gathered_hashes[step] = save_shards(out, step, self.model, self.optimizer,
+                                                  run_uses_plain_names(self.run.path))[1]
         return None
 
     def _discard_output(self, writer: TraceWriter) -> None:

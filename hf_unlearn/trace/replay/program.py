@@ -21,7 +21,7 @@ from ..guards import (
     recorded_fingerprints,
     run_event,
 )
-from ..hashing import checkpoint_hashes
+from ..hashing import checkpoint_hashes, uses_plain_names
 from ..program_code import unsealed_code_refusal
 from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
@@ -181,7 +181,10 @@ class RecordedProgram:
         elif step in self._gathered_hashes:  # a sharded run's, gathered by _save_state
             actual = self._gathered_hashes.pop(step)
         else:
-            actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step))
+            # hashed under the rule of the state it is compared with (a run recorded before the plain rule: its own)
+            plain = uses_plain_names(json.loads((Path(recorded) / "hashes.json").read_text())) \
+                if recorded is not None else uses_plain_names(reference)
+            actual = checkpoint_hashes(capture_state(self.model, self.optimizer, step), plain=plain)
         if reference is not None:
             check_against_state(self.run.path, step, reference, actual, who=f"the {self.mode}",
                                 where=f"step {step} (the recording's own state, hashed in memory as it trained)")
