@@ -1,8 +1,10 @@
 """What the recorder's per-step checks cost, part by part, on a model of SmolLM2-135M's shape (no training):
 
-    PYTHONPATH=. python benchmarks/bench_guard_parts.py [--model smollm2|tiny] [--repeats 5] [--lora]
+    PYTHONPATH=. python benchmarks/bench_guard_parts.py [--model smollm2|tiny] [--repeats 5] [--lora] [--only]
 
-Prints the CPU and wall time (median of the repeats; the exact checksums hash on torch's threads) of each part the guards run once per optimizer step: the whole-program
+Prints the CPU and wall time (median of the repeats; the exact checksums hash on torch's threads) of a whole step's
+guard checks (``ProgramGuard``: when the batches are fetched, before and after ``optimizer.step()``; ``--only``: that
+alone), then of each part the guards run once per optimizer step: the whole-program
 digest (hf_unlearn.trace.digests.program_state), the cheap snapshot (storage, version counters, samples, controls),
 the exact checksums of the gradients (before optimizer.step()) and of what the step wrote (the trainable parameters
 and buffers, after it; every tensor with AdamW's moments for scale: what a watched callback's events cost), one AdamW
@@ -54,6 +56,7 @@ def main():
     from hf_unlearn.trace.checksums import gradient_tensors
     from hf_unlearn.trace.digests import program_state
     from hf_unlearn.trace.guards import (
+        ProgramGuard,
         program_controls,
         snapshot,
         state_tensors,
@@ -66,6 +69,7 @@ def main():
     p.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lora", action="store_true", help="a PEFT LoRA r=8 on q/v over the model (about 1,000 modules)")
+    p.add_argument("--only", action="store_true", help="only a step's guard checks (the first part)")
     a = p.parse_args()
     model = build_model(a.model)
     if a.lora:
@@ -80,7 +84,16 @@ def main():
     opt.step()
     args = TrainingArguments(output_dir="/tmp/bench_guard_parts", use_cpu=True, report_to=[])
     grads = gradient_tensors(model)
+    guard = ProgramGuard(model, opt, {}, context=lambda: {"args": args})
+    steps = iter(range(10**6))
+
+    def guarded_step():  # the checks when a step's batches are fetched, then optimizer.step() with its two checks
+        guard.between_steps(next(steps), [1e-3])
+        opt.step()
+
     parts = {
+        "a step's guard checks (batches fetched, before and after optimizer.step(); the AdamW step included)":
+            guarded_step,
         "whole-program digest (program_state)": lambda: program_state(model, opt, args=args),
         "cheap snapshot (storage, versions, samples, controls)": lambda: snapshot(model, opt),
         "  of which the program controls (modules' attributes, hooks, forward code)":
@@ -98,6 +111,7 @@ def main():
         "  of which the SHA-256 state hashes": lambda: checkpoint_hashes(capture_state(model, opt, 4)),
     }
     n = sum(q.numel() for q in model.parameters())
+    parts = {k: v for k, v in parts.items() if not a.only or k == next(iter(parts))}
     print(f"{a.model}: {n / 1e6:.1f}M parameters, {torch.get_num_threads()} torch thread(s) (hashing threads too); median of "
           f"{a.repeats}")
     for name, fn in parts.items():
@@ -109,6 +123,8 @@ def main():
             times.append((time.process_time() - t) * 1000)
             walls.append((time.perf_counter() - w) * 1000)
         print(f"  {name}: {statistics.median(times):.1f} ms CPU, {statistics.median(walls):.1f} ms wall")
+        if fn is guarded_step:
+            guard.close()  # the parts below time optimizer.step() alone
     if _TMP is not None:
         shutil.rmtree(_TMP, ignore_errors=True)
 

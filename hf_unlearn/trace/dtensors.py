@@ -11,9 +11,20 @@ from . import module_tree
 
 
 def is_sharded(t) -> bool:
-    from torch.distributed.tensor import DTensor
+    return isinstance(t, _dtensor())
 
-    return isinstance(t, DTensor)
+
+def _dtensor():
+    """``DTensor``, imported at the first call (a recorded step asks about each of its ~1,000 tensors a few times)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR = DTensor
+    return _DTENSOR
+
+
+_DTENSOR = None
 
 
 
