@@ -317,6 +317,8 @@ def describe_controls_change(before: dict, after: dict, modes: bool = True) -> s
         return f"requires_grad of {name} {name in a} -> {name in b} ({len(a ^ b)} parameter(s))"
     for name in before["modules"]:
         x, y = before["modules"][name], after["modules"].get(name, {})
+        if x == y:  # most modules (compared key by key below only when they differ)
+            continue
         for k in sorted(set(x) | set(y)):
             if x.get(k) != y.get(k) and (modes or k != "training"):
                 return f"{name or '(the model)'}.{k} {x.get(k)!r} -> {y.get(k)!r}"
@@ -406,7 +408,7 @@ def describe_change(before: Snapshot, after: Snapshot) -> str | None:
     what = describe_controls_change(before.controls, after.controls, modes=False)
     if what:
         return what
-    for name, (ptr, version) in before.storage.items():
+    for name, (ptr, version) in (() if before.storage == after.storage else before.storage.items()):
         now = after.storage.get(name)
         if now is not None and now[0] != ptr:
             return f"{name} was replaced (new storage)"
@@ -416,7 +418,7 @@ def describe_change(before: Snapshot, after: Snapshot) -> str | None:
     if new:
         return f"{new[0]} appeared"
     if before.exact is not None and after.exact is not None:
-        for name, value in before.exact.items():
+        for name, value in (() if before.exact == after.exact else before.exact.items()):
             if name in after.exact and after.exact[name] != value:
                 return f"the values of {name} changed (an edit through .data, which bumps no version counter)"
         return None
