@@ -97,8 +97,8 @@ def launch_key(run_dir: str | os.PathLike, key: bytes | None = None) -> bytes | 
         if found is None or key_fingerprint(found) != fingerprint:
             where = f"{own} holds key {key_fingerprint(found)}" if found is not None else (
                 f"{os.environ.get(KEY_ENV) and KEY_ENV or default_key_path()} holds another key or none")
-            raise UnlearnError(f"this process cannot find the key the main process records with (fingerprint "
-                               f"{fingerprint}; {where}): every process of a launch must read the same key, set "
+            raise UnlearnError(f"a process of the launch cannot find the key the main process records with "
+                               f"(fingerprint {fingerprint}; there {where}): every process of a launch must read the same key, set "
                                f"{KEY_FILE_ENV} (or {KEY_ENV}) to it on every process (on several machines: copy the "
                                "key file to each)")
 
