@@ -130,6 +130,9 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
     """Prove steps ``start..stop - 1`` in one replay from the kept checkpoint at ``start``: None when every step's
     state matched, else ``{"step", "why"}``. The steps whose controls differed with the state matched are appended to
     ``neutral``; ``on_checkpoint(step, neutral)`` is called at each kept checkpoint the replay matched on its way."""
+    # every process reads the run's key before the replay's first collective (a proof, a probe): one that cannot
+    # fails on every process, not alone while the others wait in the replay's set-up
+    agreed_value(lambda: run.key)
     try:
         trainer = _interval_replay(run, start, stop, data_collator, bar, on_checkpoint)
         trainer.train()
