@@ -20,6 +20,7 @@ which key a tag was made with. Rotation (:func:`rotate_key`) archives the old ke
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -71,8 +72,10 @@ def read_key_file(path: str | os.PathLike) -> bytes:
 def write_key_file(path: str | os.PathLike, key: bytes) -> bool:
     """Create ``path`` holding ``key`` (mode 0600, folder 0700) atomically; False if it already exists.
 
-    The key is written to a private temporary file and linked into place, so a concurrent reader never sees a
-    half-written key and two processes creating the key at once agree on one of them.
+    The key is written to a private temporary file and linked into place (a hard link is created only if the name
+    is free, atomically), so a concurrent reader never sees a half-written key and processes creating the key at
+    once (every process of a launch, first use) end with one key, the file's: each then reads the file. Where the
+    file system has no hard links, a lock file serialises the creators and the key is renamed into place.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -83,12 +86,39 @@ def write_key_file(path: str | os.PathLike, key: bytes) -> bool:
             f.write(key)
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise
+            return _rename_if_free(tmp, path)
         return True
-    except FileExistsError:
-        return False
     finally:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
+
+
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
+
+
+def _rename_if_free(tmp: Path, path: Path) -> bool:
+    """``tmp`` renamed to ``path`` unless that exists, under an exclusive lock on ``.NAME.lock`` (file systems
+    without hard links): the check and the rename are one step for every creator taking the lock."""
+    lock = os.open(path.parent / f".{path.name}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        try:
+            import fcntl
+        except ImportError:  # Windows: NTFS has hard links, so this path is not taken there
+            fcntl = None
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists() or path.is_symlink():
+            return False
+        os.replace(tmp, path)
+        return True
+    finally:
+        os.close(lock)  # releases the lock
 
 
 def load_key(path: str | os.PathLike | None = None, *, create: bool = True) -> bytes:

@@ -51,6 +51,52 @@ def test_concurrent_first_use_creates_one_key(key_file):
     assert [p.name for p in key_file.parent.iterdir()] == ["id_tag.key"]  # no temporary file left
 
 
+def test_processes_creating_the_key_at_once_end_with_one_key(key_file, tmp_path):
+    """Six interpreters (the processes of a launch on first use) wait for one moment and then create the key at once:
+    each returns the key the file holds, one key."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    go = time.time() + 3  # every interpreter is up by then; each spins until it, then loads the key
+    code = ("import sys,time\nfrom hf_unlearn.keys import load_key\n"
+            f"while time.time() < {go}: pass\nprint(load_key().hex())")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "HF_UNLEARN_KEY_FILE": str(key_file)}) for _ in range(6)]
+    keys = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert keys == {key_file.read_bytes().hex()}
+    assert key_file.stat().st_mode & 0o777 == 0o600 and key_file.parent.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in key_file.parent.iterdir()] == ["id_tag.key"]
+
+
+def test_without_hard_links_creators_still_end_with_one_key(key_file, monkeypatch):
+    """On a file system without hard links (os.link fails with EPERM) the creators take a lock and rename the key
+    into place only if the name is free: eight threads at once, one key, mode 0600."""
+    import errno
+    import os
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    keys, barrier = [], threading.Barrier(8)
+
+    def first_use():
+        barrier.wait()
+        keys.append(load_key())
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(keys) == 8 and len(set(keys)) == 1 and key_file.read_bytes() == keys[0]
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in key_file.parent.iterdir()) == [".id_tag.key.lock", "id_tag.key"]
+
+
 def test_cards_and_trace_tags_are_the_same_tags():
     key = b"k" * 32
     assert keyed_tag(3600, key) == tag(key, 3600) and keyed_tag("3600", key) != keyed_tag(3600, key)

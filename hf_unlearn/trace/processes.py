@@ -66,3 +66,24 @@ def agreed(check, *args) -> None:
     first.args = (f"{first} (on process(es) {', '.join(map(str, ranks))} of {len(everyone)})",)
     first.processes = ranks
     raise first from error
+
+
+def agreed_value(fn, *args):
+    """``fn(*args)`` on every process, its value returned; any failure on any process (an :class:`UnlearnError` or
+    another exception: a file one process cannot read) raised on every process as one :class:`UnlearnError` naming
+    the processes (:func:`agreed`). For the process-local work before a phase's first collective: a process failing
+    alone would leave the others in a collective it never joins (a hang, or objects of another collective mixed in)."""
+    if world_size() == 1:  # one process: its failure as it is
+        return fn(*args)
+    out = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        except UnlearnError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any local failure must be told to the other processes
+            raise UnlearnError(f"{type(e).__name__}: {e}") from e
+
+    agreed(run)
+    return out[0]

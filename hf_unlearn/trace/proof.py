@@ -42,7 +42,7 @@ from .fidelity import FidelityError
 from .file_reads import differences as file_differences
 from .guards import compare_fingerprint, guard_coverage, program_changes
 from .issued import issue
-from .processes import gathered, rank, world_size
+from .processes import agreed_value, gathered, rank, world_size
 from .program_code import code_checked
 from .proven import (  # noqa: F401 - re-exported: what is proven was read here
     PROVE_COMMAND,
@@ -130,6 +130,9 @@ def _run_interval(run, start: int, stop: int, data_collator=None, bar=None, neut
     """Prove steps ``start..stop - 1`` in one replay from the kept checkpoint at ``start``: None when every step's
     state matched, else ``{"step", "why"}``. The steps whose controls differed with the state matched are appended to
     ``neutral``; ``on_checkpoint(step, neutral)`` is called at each kept checkpoint the replay matched on its way."""
+    # every process reads the run's key before the replay's first collective (a proof, a probe): one that cannot
+    # fails on every process, not alone while the others wait in the replay's set-up
+    agreed_value(lambda: run.key)
     try:
         trainer = _interval_replay(run, start, stop, data_collator, bar, on_checkpoint)
         trainer.train()
@@ -224,10 +227,11 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
 
     log = log or (lambda msg: None)
     started, wall = time.process_time(), time.perf_counter()
-    run = open_run(run_path).kept()
+    # each process opens the run and its key itself, before any collective: a failure on one is every process's
+    run = agreed_value(_opened, run_path)
     check_world_size(run, "trace prove")
     main, total, kept = _is_main(), run.total_steps, starts(run)
-    state = _load_progress(run)
+    state = agreed_value(_load_progress, run)
     if state["upto"] or state["starts"]:
         log(f"resuming the proof of {run.path}: steps 0..{state['upto'] - 1} already proven")
         if 0 < state["upto"] < total:
@@ -274,12 +278,23 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
         record["neutral_controls"] = state["neutral"]
     record.update(cpu_seconds=round(time.process_time() - started, 3),
                   wall_seconds=round(time.perf_counter() - wall, 3))
-    if seal and main:
+    # every process returns once the main one sealed the proof (a process reading the header next), or every
+    # process raises the main one's failure to seal it
+    agreed_value(_finish, run, record, seal and main, main)
+    return record
+
+
+def _opened(run_path):
+    run = open_run(run_path).kept()
+    _ = run.key  # read here, not at its first use inside a replay's collectives
+    return run
+
+
+def _finish(run, record: dict, seal: bool, main: bool) -> None:
+    if seal:
         seal_proof(run.path, record)
     if main:  # done (a kill never gets here): a later prove starts afresh
         (run.path / PROGRESS).unlink(missing_ok=True)
-    gathered(None)  # every process returns once the main one sealed the proof (a process reading the header next)
-    return record
 
 
 def _sealed_continuous(run) -> dict | None:

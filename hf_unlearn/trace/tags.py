@@ -17,6 +17,9 @@ from pathlib import Path
 
 from ..errors import UnlearnError
 from ..keys import (
+    KEY_ENV,
+    KEY_FILE_ENV,
+    default_key_path,
     find_key,
     key_fingerprint,
     load_key,
@@ -69,6 +72,38 @@ def recording_key(run_dir: str | os.PathLike, key: bytes | None = None) -> bytes
     if key is not None or own.exists():
         return load_or_create_key(own, key)
     return load_key()
+
+
+def launch_key(run_dir: str | os.PathLike, key: bytes | None = None) -> bytes | None:
+    """The recording key, checked to be the one every process of the launch holds (a collective; one process:
+    :func:`recording_key`). The main process reads or creates it (created once: :func:`hf_unlearn.keys.load_key`),
+    the others then find the key of its fingerprint themselves (the run's own key file, else the library key or an
+    archived one); returns the key on the main process, None on the others. A process that cannot (another
+    ``$HF_UNLEARN_KEY_FILE``, a node without the key file) fails on every process in one line before any step, not
+    at the end of training when the run is proven on every process."""
+    from .processes import agreed_value, gathered, rank, world_size
+
+    if world_size() == 1:
+        return recording_key(run_dir, key)
+    main = rank() == 0
+    mine = agreed_value(lambda: recording_key(run_dir, key) if main else None)  # the others wait for it here
+    fingerprint = gathered(key_fingerprint(mine) if main else None)[0]
+
+    def held() -> None:
+        if main:
+            return
+        own = Path(run_dir).joinpath(*RUN_KEY)
+        found = read_key_file(own) if own.exists() else find_key(fingerprint)
+        if found is None or key_fingerprint(found) != fingerprint:
+            where = f"{own} holds key {key_fingerprint(found)}" if found is not None else (
+                f"{os.environ.get(KEY_ENV) and KEY_ENV or default_key_path()} holds another key or none")
+            raise UnlearnError(f"a process of the launch cannot find the key the main process records with "
+                               f"(fingerprint {fingerprint}; there {where}): every process of a launch must read the same key, set "
+                               f"{KEY_FILE_ENV} (or {KEY_ENV}) to it on every process (on several machines: copy the "
+                               "key file to each)")
+
+    agreed_value(held)
+    return mine
 
 
 def run_key(run_dir: str | os.PathLike, header: dict | None = None, *, required: bool = True) -> bytes | None:

@@ -23,7 +23,7 @@ from ..retention import default_every
 from ..sharding import ShardPeerDigest
 from ..stack import stack_change
 from ..store import id_index, save_store, store_sha256
-from ..tags import recording_key
+from ..tags import launch_key, recording_key
 from ..writer import TraceWriter
 from . import keeper, program
 from .header import describe_packing, save_model_files
@@ -38,6 +38,9 @@ def start(trainer) -> None:
     trainer._trace_groups = None
     resume_step = trainer.state.global_step if trainer._trace_resume else None
     main = trainer.accelerator.is_main_process
+    # the key, read or created once by the main process and found by every other (a collective): each process proves
+    # the run with it when train() ends
+    key = launch_key(trainer.trace_dir, trainer._trace_key_arg) if not trainer._is_replay else None
     previous = {}
     if main and resume_step and (trainer.trace_dir / "header.json").exists():
         previous = json.loads((trainer.trace_dir / "header.json").read_text())
@@ -64,7 +67,7 @@ def start(trainer) -> None:
         return
     served, hazards, notes = trainer.trace_preflight()
     run = trainer.trace_dir
-    trainer._trace_key = recording_key(run, trainer._trace_key_arg)
+    trainer._trace_key = key if key is not None else recording_key(run, trainer._trace_key_arg)
     max_steps = max(trainer.state.max_steps, 1)
     trainer._trace_total = max_steps
     trainer._trace_every = trainer.trace_checkpoint_steps or default_every(max_steps,
