@@ -7,7 +7,6 @@ import copy
 import json
 
 import torch
-from transformers import Trainer
 
 from ...errors import UnlearnError
 from ..rng import seeded
@@ -16,12 +15,12 @@ from .slots import dummy_row
 
 
 def check_dummy_has_no_influence(trainer, row: dict) -> None:
-    """A trainer with its own ``compute_loss`` must give a deleted slot's dummy row no weight: the loss's gradient
-    with respect to the dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term
-    on every token regardless of the labels would fail). The stock loss is covered by the labels check."""
+    """The trainer's loss must give a deleted slot's dummy row no weight: the loss's gradient with respect to the
+    dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term on every token
+    regardless of the labels would fail). Run for the stock ``Trainer.compute_loss`` too: the loss is the model's,
+    and a model can add a term over every token itself (a MoE router's load-balancing loss, ``output_router_logits``),
+    which no label check shows."""
     cls = recorded_trainer_class(type(trainer))
-    if cls.compute_loss is Trainer.compute_loss:
-        return
     row = probe_window(row)
     dummy = dummy_row(row, len(row["input_ids"]), trainer.dummy_token_id, trainer.id_column)
     batch = trainer._prepare_inputs(trainer.data_collator([dict(row), dummy]))
@@ -55,8 +54,19 @@ def check_dummy_has_no_influence(trainer, row: dict) -> None:
     part = None if grad is None else grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
     if part is not None and bool((part != 0).any()):
         raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
-                           "gradient (a term on tokens whose labels are -100?): a deleted slot would not have "
-                           "weight 0, so a replay would not delete it; weight every term by the labels")
+                           f"gradient ({_why_a_term_on_every_token(model)}): a deleted slot would not have weight 0, "
+                           "so a replay would not delete it; weight every term by the labels")
+
+
+def _why_a_term_on_every_token(model) -> str:
+    """The likely cause the probe names: the model's own router loss, or a loss term on tokens labelled -100."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        return ("the model's MoE router load-balancing loss, output_router_logits=True with router_aux_loss_coef="
+                f"{config.router_aux_loss_coef}, runs over every token of the microbatch, a deleted row's included; "
+                "set output_router_logits=False or router_aux_loss_coef=0")
+    return "a term on tokens whose labels are -100?"
 
 
 
