@@ -91,3 +91,111 @@ def test_a_moe_router_load_balancing_loss_under_a_plain_trainer_is_refused_or_co
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([AT])[:1]
     _assert_refused_or_equal(tok, data, lambda: _mixtral(tok), run, ids, tmp_path / "del", "router")
+
+
+# ---- SFTTrainer packing (bfd): padding-free rows whose documents attend to each other under SDPA ------------------
+def test_packed_sft_a_document_others_attend_to_is_refused_or_counterfactual(tmp_path):
+    """``packing=True`` (bfd) flattens a microbatch's documents into one sequence with restarting position ids. With
+    SDPA or eager attention (the CPU default; only varlen kernels cut the sequence at the documents' starts) a later
+    document attends to an earlier one. A deletion replaces the deleted document's tokens by dummies, which every later
+    document of the microbatch then attends to: replay == oracle, but the counterfactual (the document's labels -100,
+    its tokens still there) differs. Deleting a document that is not the last of its microbatch must be refused or be
+    equal to a plain SFTTrainer on the packed rows with that document's labels -100."""
+    from trl import SFTTrainer  # noqa: F401 - the counterfactual's base
+
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.store import load_store
+    from hf_unlearn.trace.tags import tag
+
+    from .test_trace_sft import PACKED, model, prompt_completion, record_sft, recorded_normalisers, sft_config
+
+    tok, data = prompt_completion()
+    try:
+        recorder = record_sft(tmp_path / "rec", tok, data, **PACKED)
+    except UnlearnError as e:
+        print("OUTCOME refused at construction:", e)
+        assert "\n" not in str(e) and "attend" in str(e), e
+        return
+    run_dir = tmp_path / "rec" / "trace"
+    run = open_run(run_dir)
+    store = load_store(run.store_path)
+    index = {tag(run.key, i): n for n, i in enumerate(store["id"])}
+    entry = next(e for e in run.plan if e.step == 1 and len(e.slots) > 1)
+    first_row = store[index[entry.slots[0]]]
+    forget = [first_row["packed_ids"][0]]  # the first document of the flattened microbatch: all the rest attend to it
+    kind, what = _forget_outcome(run_dir, forget, tmp_path / "del")
+    print("OUTCOME", kind, what if kind == "refused" else what.evidence.get("verified"))
+    if kind == "refused":
+        assert "\n" not in what and "attend" in what, what
+        return
+    assert kind == "verified", what.evidence
+
+    def labels_off(r):
+        if forget[0] not in r["packed_ids"]:
+            return {}
+        k = r["packed_ids"].index(forget[0])
+        a = sum(r["seq_lengths"][:k])
+        b = a + r["seq_lengths"][k]
+        return {"labels": r["labels"][:a] + [-100] * (b - a) + r["labels"][b:]}
+
+    plain = recorded_normalisers(run)(
+        model=model(tok), args=sft_config(tmp_path / "cf", dataset_kwargs={"skip_prepare_dataset": True}, **PACKED),
+        train_dataset=recorder.train_dataset.map(labels_off), processing_class=tok)
+    plain.train()
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    mine = plain.accelerator.unwrap_model(plain.model).state_dict()
+    off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
+    assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
+
+
+def _without_ids(collator):
+    return lambda features: collator([{k: v for k, v in f.items() if k != "id"} for f in features])
+
+
+# ---- a plain Trainer with DataCollatorWithFlattening: padding-free rows that attend to each other -------------------
+def test_flattened_rows_under_a_plain_trainer_a_row_others_attend_to_is_refused_or_counterfactual(tmp_path):
+    """``DataCollatorWithFlattening`` (a supported collator) concatenates a microbatch's rows into one sequence with
+    restarting position ids. transformers cuts the attention at the rows' starts only when the forward has no cache;
+    a plain ``Trainer`` leaves ``use_cache`` to the config (True for Llama), so under SDPA every later row of the
+    microbatch attends to the earlier ones. A deleted row's dummy (pad tokens) is then attended to where the
+    counterfactual (labels -100, tokens kept) attends to the row's tokens: deleting the first row of a microbatch must
+    be refused or equal a plain Trainer with the same collator and that row's labels -100."""
+    from transformers import DataCollatorWithFlattening
+
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    kw = dict(KW, per_device_train_batch_size=2)
+    make = lambda: config_model("llama", tok)  # noqa: E731 - GQA: one key/value head
+    try:
+        record(tok, data, tmp_path / "rec", model=make(), every=2, data_collator=DataCollatorWithFlattening(), **kw)
+    except UnlearnError as e:
+        print("OUTCOME refused at construction:", e)
+        assert "\n" not in str(e) and "attend" in str(e), e
+        return
+    run = tmp_path / "rec" / "trace"
+    opened = open_run(run)
+    from hf_unlearn.trace.tags import tag
+
+    first = next(e for e in opened.plan if e.step == AT).slots[0]
+    ids = [i for i in opened.ids_at_steps([AT]) if tag(opened.key, i) == first]  # the second row attends to it
+    kind, what = _forget_outcome(run, ids, tmp_path / "del")
+    print("OUTCOME", kind, what if kind == "refused" else what.evidence.get("verified"))
+    if kind == "refused":
+        assert "\n" not in what and "attend" in what, what
+        return
+    assert kind == "verified", what.evidence
+    from hf_unlearn.trace.run import load_checkpoint
+
+    model = make()
+    recorded_normalisers_trainer(run)(model=model, args=train_args(tmp_path / "cf", **kw),
+                                      train_dataset=labels_masked(data, ids),
+                                      data_collator=_without_ids(DataCollatorWithFlattening())).train()
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    mine = model.state_dict()
+    off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
+    assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
