@@ -199,3 +199,94 @@ def test_flattened_rows_under_a_plain_trainer_a_row_others_attend_to_is_refused_
     mine = model.state_dict()
     off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
     assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
+
+
+# ---- a user's callback (defined in the script: watched, not replayed) reconfigures the run at step AT ----------------
+def _reconfigure(what: str):
+    """A callback that, when step AT begins, does ``what``; every change is put back when step AT ends where the
+    attack is "for one step"."""
+    import copy
+
+    from .test_trace_neutral_attacks import _the_trainer
+
+    class Reconfigure(TrainerCallback):  # defined here: watched, not replayed
+        saved = None
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step != AT:
+                return
+            trainer = _the_trainer()
+            if what == "args_replaced":  # a new TrainingArguments object, not an edit of the recorded one
+                new = copy.copy(trainer.args)  # dataclasses.replace re-runs __post_init__, which resets accelerate
+                new.max_grad_norm = 0.05
+                trainer.args = new
+            elif what == "set_seed":
+                from transformers import set_seed
+
+                set_seed(1234)
+            elif what == "generation_config":
+                model.generation_config.temperature = 0.5
+                model.generation_config.do_sample = True
+            elif what == "pad_to_multiple_of":
+                getattr(trainer.data_collator, "collator", trainer.data_collator).pad_to_multiple_of = 64
+            elif what == "train_dataset_shuffled":
+                trainer.train_dataset = trainer.train_dataset.shuffle(seed=1)
+            elif what == "mkldnn_off_one_step":
+                self.saved = torch.backends.mkldnn.enabled
+                torch.backends.mkldnn.enabled = False
+            elif what == "flush_denormal_one_step":
+                torch.set_flush_denormal(True)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == AT + 1 and what == "mkldnn_off_one_step" and self.saved is not None:
+                torch.backends.mkldnn.enabled = self.saved
+            if state.global_step == AT + 1 and what == "flush_denormal_one_step":
+                torch.set_flush_denormal(False)
+
+    return Reconfigure()
+
+
+RECONFIGURATIONS = ("args_replaced", "set_seed", "generation_config", "pad_to_multiple_of", "train_dataset_shuffled",
+                    "mkldnn_off_one_step", "flush_denormal_one_step")
+
+
+@pytest.mark.parametrize("what", RECONFIGURATIONS)
+def test_a_callback_that_reconfigures_the_run_mid_run_is_refused_or_counterfactual(tmp_path, what):
+    """A watched callback reconfigures the run when step 3 begins: replaces ``trainer.args`` by a
+    copy with another clipping threshold, calls ``set_seed``, edits the generation config,
+    changes the collator's ``pad_to_multiple_of``, reassigns ``trainer.train_dataset`` to a shuffled copy, or flips a
+    numeric switch (oneDNN off, flush-denormal on) for one step. A step-3 deletion (GQA Llama, dropout 0.1: the RNG
+    matters) is refused before any compute naming the step, or VERIFIED and equal to a plain Trainer with the same
+    callback and the deleted row's labels -100."""
+    from transformers import DataCollatorForSeq2Seq
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    make = lambda: config_model("llama", tok, attention_dropout=0.1)  # noqa: E731 - GQA, a dropout the RNG draws
+    collator = QACollator.from_tokenizer(tok)
+    if what == "pad_to_multiple_of":
+        collator = DataCollatorForSeq2Seq(tok)
+    try:
+        record(tok, data, tmp_path / "rec", model=make(), every=2, data_collator=collator,
+               trainer_kwargs={"callbacks": [_reconfigure(what)]}, **KW)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.backends.mkldnn.enabled = True
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, what_ = _forget_outcome(run, ids, tmp_path / "del")
+    print("OUTCOME", what, kind, what_ if kind == "refused" else what_.evidence.get("verified"))
+    if kind == "verified":
+        try:
+            off = _oracle_off_counterfactual(tok, data, make, run, ids, tmp_path / "del", [_reconfigure(what)])
+        finally:
+            torch.set_flush_denormal(False)
+            torch.backends.mkldnn.enabled = True
+        assert not off, f"WRONG VERIFIED: {len(off)} tensors off the counterfactual, e.g. {off[:3]}"
+        return
+    assert kind == "refused", (kind, what_.evidence)
+    assert "\n" not in what_ and "step 3" in what_, what_
+    assert not (tmp_path / "del").exists()  # before any compute
