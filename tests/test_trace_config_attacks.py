@@ -290,3 +290,90 @@ def test_a_callback_that_reconfigures_the_run_mid_run_is_refused_or_counterfactu
     assert kind == "refused", (kind, what_.evidence)
     assert "\n" not in what_ and "step 3" in what_, what_
     assert not (tmp_path / "del").exists()  # before any compute
+
+
+# ---- LoRA (PEFT) on a GQA Llama: the adapter reconfigured mid-run by a user's callback -------------------------------
+def _lora(tok):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(config_model("llama", tok), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                 task_type="CAUSAL_LM"))
+
+
+def _adapter_attack(what: str):
+    class Adapter(TrainerCallback):  # defined here: watched, not replayed
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == AT:
+                if what == "scaling_in_place":  # the LoRA layer's scale dict edited in place
+                    for m in model.modules():
+                        if isinstance(getattr(m, "scaling", None), dict) and "default" in m.scaling:
+                            m.scaling["default"] = 3.0
+                elif what == "adapters_disabled_one_step":  # one layer's adapter (all: nothing would train)
+                    model.base_model.model.model.layers[0].self_attn.q_proj.enable_adapters(False)
+                elif what == "peft_config_field":  # a config field the live layers no longer read
+                    model.peft_config["default"].lora_dropout = 0.5
+            if state.global_step == AT + 1 and what == "adapters_disabled_one_step":
+                model.base_model.model.model.layers[0].self_attn.q_proj.enable_adapters(True)
+
+    return Adapter()
+
+
+@pytest.mark.parametrize("what", ["scaling_in_place", "adapters_disabled_one_step", "peft_config_field"])
+def test_a_lora_adapter_reconfigured_mid_run_is_refused_or_counterfactual(tmp_path, what):
+    """A watched callback edits a LoRA layer's ``scaling['default']`` in place, disables one layer's adapter for
+    one step, or edits a ``peft_config`` field, when step 3 begins. A step-3 deletion is refused before any compute naming
+    the step, or VERIFIED and equal to a plain Trainer (the same callback, the deleted row's labels -100)."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=_lora(tok), every=2, trainer_kwargs={"callbacks": [_adapter_attack(what)]},
+           **KW)
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "del")
+    print("OUTCOME", what, kind, why if kind == "refused" else why.evidence.get("verified"))
+    if kind == "verified":
+        model = _lora(tok)
+        independent_counterfactual(tok, data, model, run, ids, tmp_path / "plain", callbacks=[_adapter_attack(what)],
+                                   **KW)
+        oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+        mine = model.state_dict()
+        common = [n for n in oracle if n in mine]
+        assert len(common) == len(oracle), sorted(set(oracle) - set(mine))[:3]
+        off = [n for n in common if not torch.equal(oracle[n], mine[n])]
+        assert not off, f"WRONG VERIFIED: {len(off)} tensors off the counterfactual, e.g. {off[:3]}"
+        return
+    assert kind == "refused", (kind, why.evidence)
+    assert "\n" not in why and "step 3" in why, why
+    assert not (tmp_path / "del").exists()
+
+
+# ---- configurations users train with, no attack: a deletion must be VERIFIED and equal -------------------------------
+CONFIGS = {"group_by_length": dict(train_sampling_strategy="group_by_length", per_device_train_batch_size=2),
+           "accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
+           "eval_during_training": dict(eval_strategy="steps", eval_steps=2)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_gqa_run_in_a_common_configuration_is_verified_and_counterfactual(tmp_path, name):
+    """GQA Llama, dropout 0.1; ``group_by_length`` (its sampler draws from the RNG), gradient accumulation, evaluation
+    every two steps: a step-3 deletion by ``forget`` is VERIFIED and equal to a plain Trainer (evaluation left out:
+    it does not train)."""
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    train, held = data.select(range(24)), data.select(range(24, 28))
+    make = lambda: config_model("llama", tok, attention_dropout=0.1)  # noqa: E731
+    kw = CONFIGS[name]
+    extra = {"eval_dataset": held} if "eval_strategy" in kw else {}
+    record(tok, train, tmp_path / "rec", model=make(), every=2, trainer_kwargs=extra, **{**KW, **kw})
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "del")
+    print("OUTCOME", name, kind, why if kind == "refused" else why.evidence.get("verified"))
+    assert kind == "verified", why
+    plain_kw = {k: v for k, v in kw.items() if k not in ("eval_strategy", "eval_steps")}
+    off = _oracle_off_counterfactual(tok, train, make, run, ids, tmp_path / "del", **plain_kw)
+    assert not off, f"WRONG VERIFIED: {len(off)} tensors off the counterfactual, e.g. {off[:3]}"
