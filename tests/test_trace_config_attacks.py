@@ -154,7 +154,8 @@ def _without_ids(collator):
 
 
 # ---- a plain Trainer with DataCollatorWithFlattening: padding-free rows that attend to each other -------------------
-def test_flattened_rows_under_a_plain_trainer_a_row_others_attend_to_is_refused_or_counterfactual(tmp_path):
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_flattened_rows_under_a_plain_trainer_a_row_others_attend_to_is_refused_or_counterfactual(tmp_path, use_cache):
     """``DataCollatorWithFlattening`` (a supported collator) concatenates a microbatch's rows into one sequence with
     restarting position ids. transformers cuts the attention at the rows' starts only when the forward has no cache;
     a plain ``Trainer`` leaves ``use_cache`` to the config (True for Llama), so under SDPA every later row of the
@@ -169,7 +170,7 @@ def test_flattened_rows_under_a_plain_trainer_a_row_others_attend_to_is_refused_
 
     tok, data = get_trace_data()
     data = data.select(range(24))
-    kw = dict(KW, per_device_train_batch_size=2)
+    kw = dict(KW, per_device_train_batch_size=2, use_cache=use_cache)
     make = lambda: config_model("llama", tok)  # noqa: E731 - GQA: one key/value head
     try:
         record(tok, data, tmp_path / "rec", model=make(), every=2, data_collator=DataCollatorWithFlattening(), **kw)
