@@ -378,3 +378,67 @@ def test_a_gqa_run_in_a_common_configuration_is_verified_and_counterfactual(tmp_
     plain_kw = {k: v for k, v in kw.items() if k not in ("eval_strategy", "eval_steps")}
     off = _oracle_off_counterfactual(tok, train, make, run, ids, tmp_path / "del", **plain_kw)
     assert not off, f"WRONG VERIFIED: {len(off)} tensors off the counterfactual, e.g. {off[:3]}"
+
+
+# ---- a resumed run whose user changed the TrainingArguments between the two launches ---------------------------------
+RESUME_CHANGES = {"max_grad_norm": 0.05, "weight_decay": 0.5, "learning_rate": 1e-2}
+
+
+@pytest.mark.parametrize("field", list(RESUME_CHANGES))
+def test_a_run_resumed_with_other_arguments_is_refused_or_counterfactual(tmp_path, field):
+    """The first launch trains 4 of 6 steps and saves ``checkpoint-4``; the user edits one TrainingArguments field
+    (clipping threshold, weight decay, learning rate) and resumes from it. A step-0 deletion (its replay runs every
+    step, both launches' settings) is refused before any compute, or VERIFIED and equal to a plain Trainer run the
+    same way (stopped at 4, resumed with the edited field) with the deleted row's labels -100."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
+
+    class _StopAt4(TrainerCallback):  # defined here: watched (the first launch's stop, a recorded control)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                control.should_training_stop = True
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    first = {**KW, "save_strategy": "steps", "save_steps": 4}
+    second = {**first, field: RESUME_CHANGES[field]}
+
+    def launch(out, kw, callbacks, resume, trainer_cls=None, dataset=data, **extra):
+        cls = trainer_cls or TraceRecordingTrainer
+        trainer = cls(model=config_model("llama", tok), args=train_args(out, **kw), train_dataset=dataset,
+                      callbacks=callbacks, **extra)
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-4") if resume else None)
+        return trainer
+
+    rec = tmp_path / "rec"
+    trace_kw = dict(data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
+                    trace_checkpoint_retention="even")
+    launch(rec, first, [_StopAt4()], False, **trace_kw)
+    try:
+        launch(rec, second, [], True, **trace_kw)
+    except UnlearnError as e:
+        print("OUTCOME", field, "refused at resume:", e)
+        assert "\n" not in str(e) and field in str(e), e
+        return
+    run = rec / "trace"
+    ids = open_run(run).ids_at_steps([0])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "del")
+    print("OUTCOME", field, kind, why if kind == "refused" else why.evidence.get("verified"))
+    if kind == "refused":
+        assert "\n" not in why, why
+        assert not (tmp_path / "del").exists()
+        return
+    assert kind == "verified", why.evidence
+    plain_cls = recorded_normalisers_trainer(run)
+    collator = _DropIds(QACollator.from_tokenizer(tok))
+    masked = labels_masked(data, ids)
+    launch(tmp_path / "cf", first, [_StopAt4()], False, plain_cls, masked, data_collator=collator)
+    plain = launch(tmp_path / "cf", second, [], True, plain_cls, masked, data_collator=collator)
+    mine = plain.model.state_dict()
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
+    assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
