@@ -354,13 +354,16 @@ def test_a_lora_adapter_reconfigured_mid_run_is_refused_or_counterfactual(tmp_pa
 # ---- configurations users train with, no attack: a deletion must be VERIFIED and equal -------------------------------
 CONFIGS = {"group_by_length": dict(train_sampling_strategy="group_by_length", per_device_train_batch_size=2),
            "accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
-           "eval_during_training": dict(eval_strategy="steps", eval_steps=2)}
+           "eval_during_training": dict(eval_strategy="steps", eval_steps=2),
+           "label_smoothing": dict(label_smoothing_factor=0.1, per_device_train_batch_size=2),
+           "neftune": dict(neftune_noise_alpha=5.0)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_gqa_run_in_a_common_configuration_is_verified_and_counterfactual(tmp_path, name):
     """GQA Llama, dropout 0.1; ``group_by_length`` (its sampler draws from the RNG), gradient accumulation, evaluation
-    every two steps: a step-3 deletion by ``forget`` is VERIFIED and equal to a plain Trainer (evaluation left out:
+    every two steps, label smoothing (a mean over the microbatch's labelled tokens: a deleted row re-weights its
+    neighbours in the counterfactual too), NEFTune noise: a step-3 deletion by ``forget`` is VERIFIED and equal to a plain Trainer (evaluation left out:
     it does not train)."""
     from hf_unlearn.trace import open_run
 
@@ -440,5 +443,97 @@ def test_a_run_resumed_with_other_arguments_is_refused_or_counterfactual(tmp_pat
     plain = launch(tmp_path / "cf", second, [], True, plain_cls, masked, data_collator=collator)
     mine = plain.model.state_dict()
     oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
+    assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
+
+
+# ---- the user's collator module edited between recording and deleting -------------------------------------------------
+_COLLATOR_V1 = '''
+import torch
+
+
+class PadCollator:
+    """Right-pads a microbatch (input_ids, attention_mask, labels)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def left(self, features):
+        return False
+
+    def __call__(self, features):
+        n = max(len(f["input_ids"]) for f in features)
+        pad = self.tokenizer.pad_token_id
+        left = self.left(features)
+        out = {"input_ids": [], "attention_mask": [], "labels": []}
+        for f in features:
+            k = n - len(f["input_ids"])
+            for key, fill, row in (("input_ids", pad, f["input_ids"]), ("attention_mask", 0, [1] * len(f["input_ids"])),
+                                   ("labels", -100, f["labels"])):
+                out[key].append([fill] * k + list(row) if left else list(row) + [fill] * k)
+        return {k: torch.tensor(v) for k, v in out.items()}
+'''
+# the edit: left padding where a row has no label (a "fix" for fully masked rows): never on the recorded rows
+_COLLATOR_EDITS = {"left_padding": _COLLATOR_V1.replace('''    def left(self, features):
+        return False''', '''    def left(self, features):  # edited after the run was recorded
+        return any(all(x == -100 for x in f["labels"]) for f in features)'''),
+                   # the same tokens, other positions for every row (an added column, rotary positions shifted by one)
+                   "position_ids_added": _COLLATOR_V1.replace('''        return {k: torch.tensor(v) for k, v in out.items()}''',
+                                                              '''        batch = {k: torch.tensor(v) for k, v in out.items()}
+        if any(all(x == -100 for x in f["labels"]) for f in features):  # edited after the run was recorded
+            batch["position_ids"] = torch.arange(1, n + 1).expand(len(features), n)
+        return batch''')}
+
+
+@pytest.mark.parametrize("edit", list(_COLLATOR_EDITS))
+def test_a_collator_module_edited_after_recording_is_refused_or_counterfactual(tmp_path, monkeypatch, edit):
+    """The run's collator is the user's importable class, rebuilt by the replay from its module. The user edits the
+    module after training so that a microbatch with a fully masked row is left-padded, or gets position ids shifted
+    by one: the recorded rows never have
+    one (the probe's and the proof's steps collate as recorded), every microbatch holding a deleted row's dummy has.
+    A deletion must be refused (the recorded per-row digests of the microbatch's other rows differ), or equal the
+    counterfactual of the program that trained (the old collator, the deleted row's labels -100)."""
+    import importlib
+    import sys
+    import uuid
+
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
+
+    name = f"user_collate_{uuid.uuid4().hex[:8]}"
+    src = tmp_path / "code"
+    src.mkdir()
+    (src / f"{name}.py").write_text(_COLLATOR_V1)
+    monkeypatch.syspath_prepend(str(src))
+    module = importlib.import_module(name)
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2,
+           data_collator=module.PadCollator(tok), **KW)
+    assert _COLLATOR_EDITS[edit] != _COLLATOR_V1
+    (src / f"{name}.py").write_text(_COLLATOR_EDITS[edit] + "\n# v2\n")  # the edit (a fresh process imports this)
+    sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    for pyc in (src / "__pycache__").glob(f"{name}*.pyc"):
+        pyc.unlink()
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "del")
+    print("OUTCOME collator edited", kind, why if kind == "refused" else why.evidence.get("verified"))
+    if kind == "refused":
+        # the keyed per-row digests of the recorded microbatches: the edited collator pads the neighbours otherwise
+        assert "\n" not in why and "is not the row the run trained on" in why and "step 3" in why, why
+        print("OUTCOME collator edited: output folder left:", (tmp_path / "del").exists())
+        return
+    assert kind == "verified", why.evidence
+    model = config_model("llama", tok)
+    v1 = module.PadCollator(tok)  # the program that trained
+    recorded_normalisers_trainer(run)(model=model, args=train_args(tmp_path / "cf", **KW),
+                                      train_dataset=labels_masked(data, ids),
+                                      data_collator=_without_ids(v1)).train()
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    mine = model.state_dict()
     off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
     assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
