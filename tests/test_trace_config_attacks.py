@@ -90,7 +90,7 @@ def test_a_moe_router_load_balancing_loss_under_a_plain_trainer_is_refused_or_co
 
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([AT])[:1]
-    _assert_refused_or_equal(tok, data, lambda: _mixtral(tok), run, ids, tmp_path / "del", "router")
+    _assert_refused_or_equal(tok, data, lambda: _mixtral(tok), run, ids, tmp_path / "del", "router_aux_loss_coef")
 
 
 # ---- SFTTrainer packing (bfd): padding-free rows whose documents attend to each other under SDPA ------------------
@@ -563,4 +563,4 @@ def test_a_moe_router_without_its_loss_is_refused_or_counterfactual(tmp_path):
     record(tok, data, tmp_path / "rec", model=make(), every=2, **KW)
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([AT])[:1]
-    _assert_refused_or_equal(tok, data, make, run, ids, tmp_path / "del", "router")
+    _assert_refused_or_equal(tok, data, make, run, ids, tmp_path / "del", "router_aux_loss_coef")
