@@ -403,13 +403,13 @@ RESUME_CHANGES = {"max_grad_norm": 0.05, "weight_decay": 0.5, "learning_rate": 1
 @pytest.mark.parametrize("field", list(RESUME_CHANGES))
 def test_a_run_resumed_with_other_arguments_is_refused_or_counterfactual(tmp_path, field):
     """The first launch trains 4 of 6 steps and saves ``checkpoint-4``; the user edits one TrainingArguments field
-    (clipping threshold, weight decay, learning rate) and resumes from it. A step-0 deletion (its replay runs every
-    step, both launches' settings) is refused before any compute, or VERIFIED and equal to a plain Trainer run the
+    (clipping threshold, weight decay, learning rate) and resumes from it. Another clipping threshold or weight decay
+    is refused when the second launch starts (a replay runs one set of arguments); the learning rate, which the plan
+    records at every step, is not: a step-0 deletion is VERIFIED and equal to a plain Trainer run the
     same way (stopped at 4, resumed with the edited field) with the deleted row's labels -100."""
     from hf_unlearn.data import QACollator
     from hf_unlearn.demo import _DropIds
     from hf_unlearn.trace import TraceRecordingTrainer, open_run
-    from hf_unlearn.trace.run import load_checkpoint
 
     from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
 
@@ -577,3 +577,88 @@ def test_a_moe_router_without_its_loss_is_refused_or_counterfactual(tmp_path):
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([AT])[:1]
     _assert_refused_or_equal(tok, data, make, run, ids, tmp_path / "del", "router_aux_loss_coef")
+
+
+def test_a_run_resumed_with_clipping_lifted_where_it_never_acted_on_the_recorded_rows(tmp_path):
+    """The first launch clips at a threshold just above every gradient norm of its 4 steps (so it never acts on the
+    recorded rows); the user lifts clipping (``max_grad_norm=1e9``) and resumes. The proof replayed all 6 steps with
+    the resumed arguments and matched (clipping was neutral on the recorded rows), and a step-0 deletion whose
+    counterfactual's gradient norm crosses the first launch's threshold before step 4 (the test picks such a row)
+    was VERIFIED with 21 of 21 tensors off a plain Trainer run the same way (clipped, stopped at 4, resumed
+    unclipped) with that row's labels -100: the oracle was the never-clipped run. Now the resume is refused when the
+    second launch starts, naming the field."""
+    from transformers import Trainer
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
+
+    class StopAt4(TrainerCallback):  # defined here: watched
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                control.should_training_stop = True
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    unclipped = {**KW, "max_grad_norm": 1e9, "logging_steps": 1, "save_strategy": "steps", "save_steps": 4}
+
+    def launch(out, kw, resume, cls=TraceRecordingTrainer, dataset=data, callbacks=(), **extra):
+        trainer = cls(model=config_model("llama", tok), args=train_args(out, **kw), train_dataset=dataset,
+                      callbacks=list(callbacks), **extra)
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-4") if resume else None)
+        return trainer
+
+    def norms(trainer):
+        return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+    collator = _DropIds(QACollator.from_tokenizer(tok))
+    free = norms(launch(tmp_path / "free", unclipped, False, Trainer, data_collator=collator))
+    threshold = max(free[:4]) * 1.0001  # above every recorded norm of the first launch: it never clips them
+    first = {**unclipped, "max_grad_norm": threshold}
+    trace_kw = dict(data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
+                    trace_checkpoint_retention="even")
+    rec = tmp_path / "rec"
+    launch(rec, first, False, callbacks=[StopAt4()], **trace_kw)
+    run = rec / "trace"
+    plain_cls = recorded_normalisers_trainer(run)
+    try:
+        launch(rec, unclipped, True, **trace_kw)
+    except UnlearnError as e:  # refused when the second launch starts, naming the field
+        print("OUTCOME clipping lifted at resume: refused at resume:", e)
+        assert "\n" not in str(e) and "max_grad_norm" in str(e) and "resumed with other TrainingArguments" in str(e)
+        return
+    plain_cls = recorded_normalisers_trainer(run)
+    pick = None
+    for i in open_run(run).ids_at_steps([0]):  # a row whose deletion's norms cross the threshold before step 4
+        cf = norms(launch(tmp_path / f"probe{i}", {**unclipped, "max_steps": 4}, False, plain_cls,
+                          labels_masked(data, [i]), data_collator=collator))
+        if max(cf[:4]) > threshold:
+            pick = i
+            break
+    assert pick is not None, "no row of step 0 whose counterfactual crosses the threshold"
+    kind, why = _forget_outcome(run, [pick], tmp_path / "del")
+    print("OUTCOME clipping lifted at resume", kind, why if kind == "refused" else why.evidence.get("verified"))
+    if kind == "refused":
+        assert "\n" not in why, why
+        assert not (tmp_path / "del").exists()
+        return
+    assert kind == "verified", why.evidence
+    # the counterfactual's machinery reproduces the recording without a deletion (both launches, bit for bit)
+    launch(tmp_path / "same", first, False, plain_cls, data, callbacks=[StopAt4()], data_collator=collator)
+    same = launch(tmp_path / "same", unclipped, True, plain_cls, data, data_collator=collator).model.state_dict()
+    recorded = load_checkpoint(open_run(run).final_checkpoint())["model"]
+    assert all(torch.equal(t, same[n]) for n, t in recorded.items())
+    # and the oracle is the run without the first launch's clipping
+    everything_free = launch(tmp_path / "free_cf", {**unclipped, "save_strategy": "no"}, False, plain_cls,
+                             labels_masked(data, [pick]), data_collator=collator).model.state_dict()
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    print("OUTCOME oracle == the never-clipped run:", all(torch.equal(t, everything_free[n]) for n, t in oracle.items()))
+    masked = labels_masked(data, [pick])
+    launch(tmp_path / "cf", first, False, plain_cls, masked, callbacks=[StopAt4()], data_collator=collator)
+    plain = launch(tmp_path / "cf", unclipped, True, plain_cls, masked, data_collator=collator)
+    mine = plain.model.state_dict()
+    off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
+    assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
