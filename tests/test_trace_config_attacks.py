@@ -410,6 +410,7 @@ def test_a_run_resumed_with_other_arguments_is_refused_or_counterfactual(tmp_pat
     from hf_unlearn.data import QACollator
     from hf_unlearn.demo import _DropIds
     from hf_unlearn.trace import TraceRecordingTrainer, open_run
+    from hf_unlearn.trace.run import load_checkpoint
 
     from .test_trace_common import labels_masked, recorded_normalisers_trainer, train_args
 
