@@ -397,15 +397,16 @@ def test_a_gqa_run_in_a_common_configuration_is_verified_and_counterfactual(tmp_
 
 
 # ---- a resumed run whose user changed the TrainingArguments between the two launches ---------------------------------
-RESUME_CHANGES = {"max_grad_norm": 0.05, "weight_decay": 0.5, "learning_rate": 1e-2}
+RESUME_CHANGES = {"max_grad_norm": 0.05, "weight_decay": 0.5, "learning_rate": 1e-2, "gradient_checkpointing": True}
 
 
 @pytest.mark.parametrize("field", list(RESUME_CHANGES))
 def test_a_run_resumed_with_other_arguments_is_refused_or_counterfactual(tmp_path, field):
     """The first launch trains 4 of 6 steps and saves ``checkpoint-4``; the user edits one TrainingArguments field
-    (clipping threshold, weight decay, learning rate) and resumes from it. Another clipping threshold or weight decay
-    is refused when the second launch starts (a replay runs one set of arguments); the learning rate, which the plan
-    records at every step, is not: a step-0 deletion is VERIFIED and equal to a plain Trainer run the
+    (clipping threshold, weight decay, learning rate, activation checkpointing) and resumes from it. Another clipping
+    threshold or weight decay or activation checkpointing switched on to save memory is refused when the second launch starts (a replay runs one
+    set of arguments); the learning rate, which the plan records at every step, is not: a step-0 deletion is VERIFIED
+    and equal to a plain Trainer run the
     same way (stopped at 4, resumed with the edited field) with the deleted row's labels -100."""
     from hf_unlearn.data import QACollator
     from hf_unlearn.demo import _DropIds

@@ -119,8 +119,10 @@ REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "w
                "adam_beta2", "adam_epsilon", "learning_rate", "label_smoothing_factor", "bf16", "fp16", "tf32",
                "average_tokens_across_devices", "gradient_checkpointing", "gradient_checkpointing_kwargs",
                "torch_compile", "use_liger_kernel", "seed")
-# the ones the plan records at every step (the learning rate a replay writes into the optimizer)
-PER_STEP_ARGS = frozenset({"learning_rate"})
+# the one a resumed recording may change: the plan records the learning rate at every step (a replay writes it into
+# the optimizer). Not activation checkpointing: neutral on any rows, but a replay of the first launch's steps with it
+# runs other program controls than they did, which the proof refuses later, at deletion time
+RESUMABLE_ARGS = frozenset({"learning_rate"})
 
 
 def arithmetic_differences(recorded: dict, given: dict, header: dict, skip=frozenset()) -> list[str]:

@@ -24,7 +24,7 @@ from ..sharding import ShardPeerDigest
 from ..stack import stack_change
 from ..store import id_index, save_store, store_sha256
 from ..tags import recording_key
-from ..trainers import PER_STEP_ARGS, arithmetic_differences
+from ..trainers import RESUMABLE_ARGS, arithmetic_differences
 from ..writer import TraceWriter
 from . import keeper, program
 from .header import describe_packing, save_model_files
@@ -104,7 +104,7 @@ def start(trainer) -> None:
                                f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}; resume with the "
                                "environment it was recorded in")
     if resume_step and previous.get("training_args"):  # a replay runs one set of arguments over the whole run
-        differ = arithmetic_differences(previous["training_args"], header["training_args"], header, PER_STEP_ARGS)
+        differ = arithmetic_differences(previous["training_args"], header["training_args"], header, RESUMABLE_ARGS)
         if differ:
             raise UnlearnError(f"{run} is resumed with other TrainingArguments than its steps before {resume_step} "
                                f"ran: {'; '.join(differ)}; a replay runs one set of arguments over the whole run, so "
