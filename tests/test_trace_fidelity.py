@@ -41,7 +41,8 @@ def independent_counterfactual(tok, data, model, run_dir, forget, out, stop_at=N
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = stop_at is not None and state.global_step >= stop_at
+            if stop_at is not None and state.global_step >= stop_at:  # never False: that would undo max_steps' stop
+                control.should_training_stop = True
 
     RecordedNormalisers(model=model, args=train_args(out, **kw), train_dataset=masked, callbacks=[Stop(), *callbacks],
                         data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()

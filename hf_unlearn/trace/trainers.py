@@ -113,6 +113,29 @@ def is_default(header: dict) -> bool:
     return (header.get("trainer") or {}).get("class", DEFAULT_TRAINER) == DEFAULT_TRAINER
 
 
+# TrainingArguments that change a replay's arithmetic: a replay given its own args must agree on all of them, and so
+# must the launches of a resumed recording (a replay runs one set over the whole run)
+REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "weight_decay", "adam_beta1",
+               "adam_beta2", "adam_epsilon", "learning_rate", "label_smoothing_factor", "bf16", "fp16", "tf32",
+               "average_tokens_across_devices", "gradient_checkpointing", "gradient_checkpointing_kwargs",
+               "torch_compile", "use_liger_kernel", "seed")
+# the one a resumed recording may change: the plan records the learning rate at every step (a replay writes it into
+# the optimizer). Not activation checkpointing: neutral on any rows, but a replay of the first launch's steps with it
+# runs other program controls than they did, which the proof refuses later, at deletion time
+RESUMABLE_ARGS = frozenset({"learning_rate"})
+
+
+def arithmetic_differences(recorded: dict, given: dict, header: dict, skip=frozenset()) -> list[str]:
+    """The fields of :data:`REPLAY_ARGS` and of the recorded config subclass's own (SFTConfig: loss_type,
+    padding_free, ...) on which ``given`` (jsonable TrainingArguments) differs from ``recorded``, as
+    ``"name (given vs recorded recorded)"``."""
+    from transformers import TrainingArguments
+
+    own = sorted(config_fields(recorded_trainer(header)[1]) - config_fields(TrainingArguments) - set(CONSTRUCTION_ONLY))
+    return [f"{k} ({given.get(k)!r} vs recorded {recorded.get(k)!r})" for k in (*REPLAY_ARGS, *own)
+            if k not in skip and k in recorded and given.get(k) != recorded.get(k)]
+
+
 def config_fields(config_cls) -> set[str]:
     return {f.name for f in dataclasses.fields(config_cls) if f.init}
 

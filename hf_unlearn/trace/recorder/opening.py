@@ -24,6 +24,7 @@ from ..sharding import ShardPeerDigest
 from ..stack import stack_change
 from ..store import id_index, save_store, store_sha256
 from ..tags import launch_key, recording_key
+from ..trainers import RESUMABLE_ARGS, arithmetic_differences
 from ..writer import TraceWriter
 from . import keeper, program
 from .header import describe_packing, save_model_files
@@ -108,6 +109,13 @@ def start(trainer) -> None:
                                f"stopped differs here: {differ[0]}"
                                f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}; resume with the "
                                "environment it was recorded in")
+    if resume_step and previous.get("training_args"):  # a replay runs one set of arguments over the whole run
+        differ = arithmetic_differences(previous["training_args"], header["training_args"], header, RESUMABLE_ARGS)
+        if differ:
+            raise UnlearnError(f"{run} is resumed with other TrainingArguments than its steps before {resume_step} "
+                               f"ran: {'; '.join(differ)}; a replay runs one set of arguments over the whole run, so "
+                               "its earlier steps would run with the new ones (a clipping threshold that never acted "
+                               "on the recorded rows can act on a deletion's); resume with the recorded arguments")
     before = (previous.get("trainer") or {}).get("callbacks")
     if before is not None and before != header["trainer"]["callbacks"]:  # a replay runs one set over the run
         names = [[c["class"].rsplit(":", 1)[-1] for c in cbs] for cbs in (before, header["trainer"]["callbacks"])]

@@ -7,7 +7,6 @@ import copy
 import json
 
 import torch
-from transformers import Trainer
 
 from ...errors import UnlearnError
 from ..rng import seeded
@@ -16,15 +15,34 @@ from .slots import dummy_row
 
 
 def check_dummy_has_no_influence(trainer, row: dict) -> None:
-    """A trainer with its own ``compute_loss`` must give a deleted slot's dummy row no weight: the loss's gradient
-    with respect to the dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term
-    on every token regardless of the labels would fail). The stock loss is covered by the labels check."""
+    """The trainer's loss must give a deleted slot's dummy row no weight: the loss's gradient with respect to the
+    dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term on every token
+    regardless of the labels would fail). Run for the stock ``Trainer.compute_loss`` too: the loss is the model's,
+    and a model can add a term over every token itself (a MoE router's load-balancing loss, ``output_router_logits``),
+    which no label check shows. Run with the dummy after the real row and before it: a flattened (padding-free)
+    microbatch whose attention is not cut at the rows' starts lets a later row attend to the dummy, which only the
+    second order shows (the counterfactual's later rows attend to the deleted row's tokens, a replay's to dummies)."""
     cls = recorded_trainer_class(type(trainer))
-    if cls.compute_loss is Trainer.compute_loss:
-        return
     row = probe_window(row)
     dummy = dummy_row(row, len(row["input_ids"]), trainer.dummy_token_id, trainer.id_column)
-    batch = trainer._prepare_inputs(trainer.data_collator([dict(row), dummy]))
+    model = trainer.model
+    for dummy_first in (False, True):
+        if _dummy_gradient(trainer, cls, row, dummy, dummy_first):
+            why = (_why_a_term_on_every_token(model) if not dummy_first else
+                   "the real row after it attends to it: the microbatch's rows are flattened into one sequence whose "
+                   "attention is not cut at the rows' starts (a padding-free collator with use_cache=True, or an "
+                   "attention implementation that ignores the position ids' restarts), so the counterfactual's later "
+                   "rows attend to a deleted row's tokens and a replay's to dummies; set use_cache=False (the "
+                   "TrainingArguments default) or pad the rows instead")
+            raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
+                               f"gradient ({why}): a deleted slot would not have weight 0, so a replay would not "
+                               "delete it" + ("" if dummy_first else "; weight every term by the labels"))
+
+
+def _dummy_gradient(trainer, cls, row: dict, dummy: dict, dummy_first: bool) -> bool:
+    """Whether the loss of a microbatch of ``row`` and ``dummy`` (in that order, or the dummy first) gives the
+    dummy's input embeddings a non-zero gradient."""
+    batch = trainer._prepare_inputs(trainer.data_collator([dummy, dict(row)] if dummy_first else [dict(row), dummy]))
     model = trainer.model
     seen = {}
 
@@ -52,11 +70,24 @@ def check_dummy_has_no_influence(trainer, row: dict) -> None:
             trainer._metrics = saved
         own.restore()
     grad, n = seen["embeds"].grad, len(row["input_ids"])
-    part = None if grad is None else grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
-    if part is not None and bool((part != 0).any()):
-        raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
-                           "gradient (a term on tokens whose labels are -100?): a deleted slot would not have "
-                           "weight 0, so a replay would not delete it; weight every term by the labels")
+    if grad is None:
+        return False
+    if dummy_first:  # padded: row 0; flattened (one row): its first n tokens
+        part = grad[0, :n]
+    else:
+        part = grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
+    return bool((part != 0).any())
+
+
+def _why_a_term_on_every_token(model) -> str:
+    """The likely cause the probe names: the model's own router loss, or a loss term on tokens labelled -100."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        return ("the model's MoE router load-balancing loss, output_router_logits=True with router_aux_loss_coef="
+                f"{config.router_aux_loss_coef}, runs over every token of the microbatch, a deleted row's included; "
+                "set output_router_logits=False or router_aux_loss_coef=0")
+    return "a term on tokens whose labels are -100?"
 
 
 

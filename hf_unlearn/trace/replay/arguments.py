@@ -11,13 +11,8 @@ from transformers import TrainingArguments
 from ...errors import UnlearnError
 from ..recorder import _jsonable
 from ..sharding import replay_arguments
-from ..trainers import CONSTRUCTION_ONLY, config_fields, recorded_trainer
+from ..trainers import CONSTRUCTION_ONLY, REPLAY_ARGS, config_fields, recorded_trainer  # noqa: F401 - REPLAY_ARGS lived here
 
-# TrainingArguments that change a replay's arithmetic: a replay given its own args must agree on all of them.
-REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "weight_decay", "adam_beta1",
-               "adam_beta2", "adam_epsilon", "learning_rate", "label_smoothing_factor", "bf16", "fp16", "tf32",
-               "average_tokens_across_devices", "gradient_checkpointing", "gradient_checkpointing_kwargs",
-               "torch_compile", "use_liger_kernel", "seed")
 # what a recorded run did besides training that a replay does not do (it would need an eval set, or write checkpoints)
 NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False,
                 "do_eval": False}
