@@ -16,6 +16,10 @@ sealed output root hashing every tensor of a deep copy merged (``output_root_now
     git archive 49cd2be hf_unlearn | tar -x -C /tmp/parent
     PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3 --parent /tmp/parent/hf_unlearn
     PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3
+
+``--fp32``: both arms train with ``bf16=False``. TRL's configs default to bf16 autocast; on a CPU with native bf16
+(AVX-512 BF16, AMX) that is fast, on one without (AVX2 only) a step is several times slower and the recording's fixed
+costs vanish in it: compare ratios only between runs on one kind of CPU and precision.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", choices=["sft", "dpo"], default="dpo")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fp32", action="store_true",
+                   help="train in fp32 (bf16=False): TRL's configs default to bf16 autocast, which a CPU without native "
+                        "bf16 (AVX2 only) runs several times slower than fp32, hiding every fixed cost in it")
     p.add_argument("--parent", default=None, help="the parent commit's hf_unlearn/ folder (w42dpo's change); "
                                                     "without it: this code's shortcuts switched off")
     a = p.parse_args()
@@ -128,7 +135,8 @@ def main():
                 name = f"{arm}-{r}"
                 save = dict(save_strategy="steps", save_steps=4) if arm == "plain" else dict(save_strategy="no")
                 common = dict(output_dir=str(out / name), max_steps=steps, learning_rate=1e-4, max_length=64,
-                              report_to=[], seed=0, use_cpu=True, logging_steps=1000, disable_tqdm=True, **save)
+                              report_to=[], seed=0, use_cpu=True, logging_steps=1000, disable_tqdm=True, **save,
+                              **({"bf16": False} if a.fp32 else {}))
                 config = (SFTConfig(per_device_train_batch_size=4, **common) if kind == "sft" else
                           DPOConfig(per_device_train_batch_size=2, dataset_num_proc=None, **common))
                 lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],

@@ -299,7 +299,8 @@ def test_a_kept_optimizer_class_digest_follows_torchs_profiling_wrapper():
     from hf_unlearn.trace.digests import program_state
 
     class Opt(torch.optim.SGD):
-        pass
+        def step(self, closure=None):  # its own (an SGD made earlier in this process left SGD.step wrapped, and
+            return super().step(closure)  # torch wraps an inherited step only once, on the class that defines it)
 
     model = torch.nn.Linear(2, 2)
     opt = Opt(model.parameters(), lr=0.1)  # the first optimizer of this class: torch wraps Opt.step

@@ -133,9 +133,6 @@ def preflight(trainer) -> tuple:
             f"the data collator ({name}) gives the dummy row that replaces a deleted sample a label "
             f"(dummy_token_id={trainer.dummy_token_id}): a deleted slot would not have weight 0; add a `labels` column "
             "(-100 on ignored tokens) or pass dummy_token_id= a token the collator masks (its pad token)")
-    if not trainer._trace_probed:
-        trainer._trace_probed = True  # once, at construction: a forward and backward pass on two rows (DPO: two)
-        trainer._check_dummy_has_no_influence(probe_row(served, trainer.id_column))
     if trainer.neftune_noise_alpha is not None:
         notes.append(f"NEFTune (alpha {trainer.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
                      "microbatch's recorded seed")
@@ -155,6 +152,10 @@ def preflight(trainer) -> tuple:
         raise UnlearnError("TraceRecordingTrainer cannot record a run a replay reproduces: " + "; ".join(hazards)
                            + ". Fix this, or pass trace_allow_hazards=True to record anyway (inspect and verify "
                            "will then list what their verdicts do not cover)")
+    custom_loss = trainer.compute_loss_func is not None and not isinstance(trainer.compute_loss_func, str)
+    if not trainer._trace_probed and not (custom_loss and stock_loss):  # a compute_loss_func: a hazard (above)
+        trainer._trace_probed = True  # once, at construction, after the cheaper refusals: a forward and backward
+        trainer._check_dummy_has_no_influence(probe_row(served, trainer.id_column))  # pass on two rows (DPO: two)
     return served, hazards, notes
 
 

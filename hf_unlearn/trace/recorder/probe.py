@@ -9,6 +9,7 @@ import json
 import torch
 
 from ...errors import UnlearnError
+from ..guards import program_hooks
 from ..rng import seeded
 from ..trainers import recorded_trainer_class
 from .slots import dummy_row
@@ -28,7 +29,10 @@ def check_dummy_has_no_influence(trainer, row: dict) -> None:
     model = trainer.model
     for dummy_first in (False, True):
         if _dummy_gradient(trainer, cls, row, dummy, dummy_first):
-            why = (_why_a_term_on_every_token(model) if not dummy_first else
+            hooks = program_hooks(trainer.accelerator.unwrap_model(model))
+            why = (f"a hook or function a replay does not run is set on the model ({hooks[0]}), and it acts on the "
+                   "dummy row: remove it, or make it part of the model's code" if hooks and not dummy_first else
+                   _why_a_term_on_every_token(model) if not dummy_first else
                    "the real row after it attends to it: the microbatch's rows are flattened into one sequence whose "
                    "attention is not cut at the rows' starts (a padding-free collator with use_cache=True, or an "
                    "attention implementation that ignores the position ids' restarts), so the counterfactual's later "
