@@ -17,19 +17,10 @@ from hf_unlearn.errors import UnlearnError
 
 from .test_trace_common import config_model, get_trace_data, record
 from .test_trace_fidelity import independent_counterfactual
+from .test_trace_neutral_attacks import _forget_outcome
 
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
 AT = 3
-
-
-def _forget_outcome(run, ids, out):
-    from hf_unlearn import forget
-
-    try:
-        receipt = forget(run, ids, out, oracle=True, progress=False)
-    except UnlearnError as e:
-        return "refused", str(e)
-    return ("verified" if receipt.evidence["verified"] is True else "not verified"), receipt
 
 
 def _oracle_off_counterfactual(tok, data, make_model, run, ids, out, callbacks=(), **kw):
