@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_unlearn.errors import UnlearnError
 
@@ -350,7 +351,6 @@ def test_a_recording_resumed_without_the_first_launchs_patch_is_refused(tmp_path
     steps 0..3, the deleted row's labels -100 and the recorded normalisers (21 of 21 tensors). Now the resume is
     refused, naming the module; resumed with the patch, the run seals it, a deletion without it is refused and one
     with it is VERIFIED and equal to that counterfactual."""
-    from transformers import TrainerCallback
 
     from hf_unlearn.trace import open_run
 
@@ -374,19 +374,23 @@ def test_a_recording_resumed_without_the_first_launchs_patch_is_refused(tmp_path
     kind, why = _forget_outcome(run, ids, tmp_path / "without")
     assert kind == "refused" and "other code than the recorded run did" in why, why
 
-    patch = _Patched()
-
-    class PatchedThroughout(TrainerCallback):  # the program that ran: the patch on every step (both launches)
-        def on_train_begin(self, args, state, control, **kwargs):
-            patch.__enter__()
-
-        def on_train_end(self, args, state, control, **kwargs):
-            patch.__exit__()
-
     with _Patched():
         kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
     assert kind == "verified", receipt
-    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [PatchedThroughout()])
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [_PatchedThroughout()])
+
+
+class _PatchedThroughout(TrainerCallback):
+    """The program that ran: the patch on every step of every launch (for the counterfactual)."""
+
+    def __init__(self):
+        self.patch = _Patched()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.patch.__enter__()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.patch.__exit__()
 
 
 def test_a_patch_applied_while_training_is_sealed_as_not_reproducible(tmp_path):
@@ -515,7 +519,6 @@ def test_a_run_killed_after_its_first_steps_and_resumed_without_its_patch_is_ref
     that never ran (21 of 21 tensors off a plain Trainer with the patch). Now the seal is in the header from the first optimizer step, the resume without the patch is
     refused naming the module; the user's ordinary resume (with the patch) records on, and a deletion is refused
     without the patch and VERIFIED with it, equal to a plain Trainer with the patch on every step."""
-    from transformers import TrainerCallback
 
     from hf_unlearn.trace import open_run
 
@@ -539,19 +542,10 @@ def test_a_run_killed_after_its_first_steps_and_resumed_without_its_patch_is_ref
     kind, why = _forget_outcome(run, ids, tmp_path / "without")
     assert kind == "refused" and "other code than the recorded run did" in why, why
 
-    patch = _Patched()
-
-    class PatchedThroughout(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            patch.__enter__()
-
-        def on_train_end(self, args, state, control, **kwargs):
-            patch.__exit__()
-
     with _Patched():
         kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
     assert kind == "verified", receipt
-    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [PatchedThroughout()])
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "del", [_PatchedThroughout()])
 
 
 @pytest.mark.slow  # two recording launches and three forgets (~40 s)
