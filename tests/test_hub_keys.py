@@ -35,18 +35,24 @@ def test_a_key_others_can_read_is_refused(key_file):
         load_key(link)
 
 
-def test_concurrent_first_use_creates_one_key(key_file):
-    keys, barrier = [], threading.Barrier(8)
+def _first_uses(n: int) -> list:
+    """The keys ``n`` threads get from ``load_key()`` when they all call it at once."""
+    keys, barrier = [], threading.Barrier(n)
 
     def first_use():
         barrier.wait()
         keys.append(load_key())
 
-    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    threads = [threading.Thread(target=first_use) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return keys
+
+
+def test_concurrent_first_use_creates_one_key(key_file):
+    keys = _first_uses(8)
     assert len(keys) == 8 and len(set(keys)) == 1 and key_file.read_bytes() == keys[0]
     assert [p.name for p in key_file.parent.iterdir()] == ["id_tag.key"]  # no temporary file left
 
@@ -81,17 +87,7 @@ def test_without_hard_links_creators_still_end_with_one_key(key_file, monkeypatc
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    keys, barrier = [], threading.Barrier(8)
-
-    def first_use():
-        barrier.wait()
-        keys.append(load_key())
-
-    threads = [threading.Thread(target=first_use) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    keys = _first_uses(8)
     assert len(keys) == 8 and len(set(keys)) == 1 and key_file.read_bytes() == keys[0]
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in key_file.parent.iterdir()) == [".id_tag.key.lock", "id_tag.key"]
