@@ -16,6 +16,7 @@ sealed output root hashing every tensor of a deep copy merged (``output_root_now
     git archive 49cd2be hf_unlearn | tar -x -C /tmp/parent
     PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3 --parent /tmp/parent/hf_unlearn
     PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 3
+    PYTHONPATH=. python benchmarks/bench_overhead_ab.py --only dpo --repeats 5 --fp32 --no-parent  # the goal's ratio
 
 ``--fp32``: both arms train with ``bf16=False``. TRL's configs default to bf16 autocast; on a CPU with native bf16
 (AVX-512 BF16, AMX) that is fast, on one without (AVX2 only) a step is several times slower and the recording's fixed
@@ -94,6 +95,8 @@ def main():
     p.add_argument("--fp32", action="store_true",
                    help="train in fp32 (bf16=False): TRL's configs default to bf16 autocast, which a CPU without native "
                         "bf16 (AVX2 only) runs several times slower than fp32, hiding every fixed cost in it")
+    p.add_argument("--no-parent", action="store_true",
+                   help="two arms only, the plain trainer and the recording as it is (no `parent` arm)")
     p.add_argument("--parent", default=None, help="the parent commit's hf_unlearn/ folder (w42dpo's change); "
                                                     "without it: this code's shortcuts switched off")
     a = p.parse_args()
@@ -127,11 +130,11 @@ def main():
     kind = a.only
     steps, cls = {"sft": (12, SFTTrainer), "dpo": (8, DPOTrainer)}[kind]
     out = Path(tempfile.mkdtemp(prefix="bench_overhead_ab_"))
-    arms = ["plain", "parent", "now"]
+    arms = ["plain", "now"] if a.no_parent else ["plain", "parent", "now"]
     got: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
     try:
         for r in range(a.repeats):
-            for arm in arms[r % 3:] + arms[:r % 3]:
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
                 name = f"{arm}-{r}"
                 save = dict(save_strategy="steps", save_steps=4) if arm == "plain" else dict(save_strategy="no")
                 common = dict(output_dir=str(out / name), max_steps=steps, learning_rate=1e-4, max_length=64,
@@ -159,12 +162,13 @@ def main():
         shutil.rmtree(out, ignore_errors=True)
     train = {arm: statistics.median(x[1] for x in v) for arm, v in got.items()}
     whole = {arm: statistics.median(x[0] + x[1] for x in v) for arm, v in got.items()}
-    for arm in ("parent", "now"):
+    for arm in arms[1:]:
         print(f"{kind.upper()} {steps} steps: {arm:6s} recorded train() {train[arm]:.1f} s CPU = "
               f"{train[arm] / train['plain']:.3f}x plain ({train['plain']:.1f}); with construction "
               f"{whole[arm] / whole['plain']:.3f}x")
-    print("paired per repeat, now - parent, train() CPU s:",
-          [round(n[1] - q[1], 2) for q, n in zip(got["parent"], got["now"])])
+    other = arms[-2]
+    print(f"paired per repeat, now - {other}, train() CPU s:",
+          [round(n[1] - q[1], 2) for q, n in zip(got[other], got["now"])])
 
 
 if __name__ == "__main__":

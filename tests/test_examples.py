@@ -143,6 +143,7 @@ print(f"trainer: rank {args.process_index} of {args.world_size} ({args.distribut
 """
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_cpu_2proc_config_starts_two_processes_that_join_over_gloo(tmp_path):
     """`accelerate launch --config_file examples/accelerate/cpu_2proc.yaml` on a machine without CUDA: two
     processes, ranks 0 and 1, world size 2 in the processes' own state and in TrainingArguments (accelerate 1.x's

@@ -332,7 +332,8 @@ def test_a_peft_adapter_folder_is_merged_into_its_base_and_unlearned(tmp_path, t
     assert not (tmp_path / "out2").exists()
 
 
-@pytest.mark.parametrize("method", ["grad_ascent", "masc", "pdu"])
+@pytest.mark.parametrize("method", ["grad_ascent", pytest.param("masc", marks=pytest.mark.slow),
+                                    pytest.param("pdu", marks=pytest.mark.slow)])
 def test_one_author_ids_0_to_19_are_not_refused_for_the_methods_own_numbers(method, tmp_path, tiny_llama_dir):
     """Forgetting TOFU author 0 (ids 0..19): the card carries warmup_steps 0, lambda_forget 1.0, steps, MASC's
     probe size, a stop reason quoting its own rates and steps, and evaluation scores of 0.0. Those refused the forget (a false
@@ -701,6 +702,7 @@ def wrapped_qa_collator():
     return lambda rows: base(rows)
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_a_run_whose_collator_the_trace_cannot_rebuild_is_refused_up_front_then_takes_it(tmp_path):
     """forget() checks before any compute that the replay will have the run's collator; --collator / data_collator=
     supply it, and the batch digests of the plan confirm it is the same one (VERIFIED against the oracle)."""

@@ -82,6 +82,7 @@ def read(server, repo, revision, path) -> bytes:
         return f.read()
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -220,6 +221,7 @@ def test_no_token_or_a_bad_token_is_refused(client, hub, saved_model):
     assert not hub.store.exists("model", "org/tok")
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_server_failing_mid_upload_publishes_nothing_and_a_retry_succeeds(client, hub, saved_model):
     hub.store.create_repo("model", "org/flaky", private=False, author="alice")
     before = hub.store.refs("model", "org/flaky")
@@ -507,6 +509,7 @@ print(json.dumps({"race": results, "cut": first, "steal": steal, "again": [again
 """
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_concurrent_deletion_pushes_take_distinct_tags_and_tag_every_commit(client, hub, saved_model, tmp_path):
     import os
 
@@ -617,6 +620,7 @@ def _tamper(hub, tmp_path, branch, mutate, rewrite_manifest: bool):
                            operations=ops)
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_verify_checks_every_file_loads_the_model_and_states_what_it_proved(client, hub, saved_model, tmp_path):
     import os
     import re

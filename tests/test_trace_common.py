@@ -45,7 +45,8 @@ def tiny_config_kwargs(tok) -> dict:
 # families the trace tests build from a config by hand (model class, config class); GQA ones get one key/value head
 CONFIG_FAMILIES = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "mistral": ("MistralForCausalLM", "MistralConfig"),
                    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"), "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig"),
-                   "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig")}
+                   "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+                   "mixtral": ("MixtralForCausalLM", "MixtralConfig"), "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig")}
 
 
 def config_model(family: str, tok, seed: int = 0, **overrides):

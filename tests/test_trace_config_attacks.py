@@ -20,6 +20,7 @@ from .test_trace_fidelity import independent_counterfactual
 from .test_trace_neutral_attacks import _forget_outcome
 
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
+MOE_KW = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=6)  # one sample a microbatch
 AT = 3
 
 
@@ -71,8 +72,8 @@ def test_a_moe_router_load_balancing_loss_under_a_plain_trainer_is_refused_or_co
     this already; a plain ``Trainer`` must too (or be equal)."""
     tok, data = get_trace_data()
     data = data.select(range(24))
-    try:
-        record(tok, data, tmp_path / "rec", model=_mixtral(tok), every=2, **KW)
+    try:  # one sample per microbatch (several share an expert's gradient sum: refused on their own, below)
+        record(tok, data, tmp_path / "rec", model=_mixtral(tok), every=2, **MOE_KW)
     except UnlearnError as e:  # refused when the recording is built: the right outcome
         print("OUTCOME refused at construction:", e)
         assert "\n" not in str(e) and "router_aux_loss_coef" in str(e), e
@@ -81,7 +82,8 @@ def test_a_moe_router_load_balancing_loss_under_a_plain_trainer_is_refused_or_co
 
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([AT])[:1]
-    _assert_refused_or_equal(tok, data, lambda: _mixtral(tok), run, ids, tmp_path / "del", "router_aux_loss_coef")
+    _assert_refused_or_equal(tok, data, lambda: _mixtral(tok), run, ids, tmp_path / "del", "router_aux_loss_coef",
+                             **MOE_KW)
 
 
 # ---- SFTTrainer packing (bfd): padding-free rows whose documents attend to each other under SDPA ------------------
@@ -545,31 +547,48 @@ def test_a_collator_module_edited_after_recording_is_refused_or_counterfactual(t
     assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
 
 
-@pytest.mark.xfail(strict=True, reason="not a wrong VERIFIED, a failure after compute: forget of a Mixtral run replays "
-                   "and oracles, then stops at its publish check ('internal check: the weights saved in OUT/model ... "
-                   "are not the replayed state'): transformers 5 saves the fused expert tensors under the per-expert "
-                   "checkpoint names, whose root is not the replayed state dict's")
-def test_a_moe_router_without_its_loss_is_refused_or_counterfactual(tmp_path):
-    """Mixtral returning its router logits with ``router_aux_loss_coef=0``: no term over every token, so nothing
-    to refuse. A step-3 deletion is refused in one line before any compute, or VERIFIED and equal."""
+def _mixtral_without_aux_loss(tok):
     import transformers
-
-    from hf_unlearn.trace import open_run
 
     from .test_trace_common import tiny_config_kwargs
 
-    def make():
-        torch.manual_seed(0)
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            **tiny_config_kwargs(tok), num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-            output_router_logits=True, router_aux_loss_coef=0.0))
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **tiny_config_kwargs(tok), num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.0))
+
+
+def test_a_moe_router_without_its_loss_is_refused_or_counterfactual(tmp_path):
+    """Mixtral returning its router logits with ``router_aux_loss_coef=0``, one sample per microbatch (four
+    microbatches a step): no term over every token, and no other sample shares an expert's gradient sum. A step-3
+    deletion is refused in one line before any compute, or VERIFIED and equal. (``forget`` stopped at its internal
+    check after compute before: transformers saves the fused experts one tensor per expert.)"""
+    from hf_unlearn.trace import open_run
 
     tok, data = get_trace_data()
     data = data.select(range(24))
-    record(tok, data, tmp_path / "rec", model=make(), every=2, **KW)
+    record(tok, data, tmp_path / "rec", model=_mixtral_without_aux_loss(tok), every=2, **MOE_KW)
     run = tmp_path / "rec" / "trace"
     ids = open_run(run).ids_at_steps([AT])[:1]
-    _assert_refused_or_equal(tok, data, make, run, ids, tmp_path / "del", "router_aux_loss_coef")
+    assert _assert_refused_or_equal(tok, data, lambda: _mixtral_without_aux_loss(tok), run, ids, tmp_path / "del",
+                                    "router_aux_loss_coef", **MOE_KW) == "verified"
+
+
+@pytest.mark.parametrize("settings", [{"per_device_train_batch_size": 4}, {"per_device_train_batch_size": 2}])
+def test_moe_samples_sharing_a_microbatch_are_refused_at_construction(tmp_path, settings):
+    """Several samples in one microbatch of a MoE model: an expert's weight gradient sums over the tokens the
+    microbatch routes to it, and a deleted sample's dummy is routed elsewhere than the sample, so the other samples'
+    update is not the one of the run without it (a step-3 deletion was VERIFIED with 16 of 16 tensors off a plain
+    Trainer's counterfactual). Refused when the recording is built, naming the cause and the setting to use."""
+    tok, data = get_trace_data()
+    with pytest.raises(UnlearnError) as e:
+        record(tok, data.select(range(24)), tmp_path / "rec", model=_mixtral_without_aux_loss(tok), every=2,
+               **{**KW, **settings})
+    text = str(e.value)
+    assert "\n" not in text and "routes each token to a few experts" in text and "MixtralForCausalLM" in text
+    assert f"per_device_train_batch_size={settings['per_device_train_batch_size']}" in text
+    assert "record with per_device_train_batch_size=1" in text
+    assert not (tmp_path / "rec" / "trace" / "header.json").exists()
 
 
 def test_a_run_resumed_with_clipping_lifted_where_it_never_acted_on_the_recorded_rows(tmp_path):

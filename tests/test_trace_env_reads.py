@@ -175,6 +175,7 @@ class ClipFromImport(TrainerCallback):
             args.max_grad_norm = 0.05
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_a_callback_acting_on_a_constant_read_at_import_in_a_deleting_process(tmp_path):
     """ATTACK: the constant was None in the recording process; `hf-unlearn forget` in a process with the variable set
     imports the module again (to rebuild the callback) and the callback clips from step 5 on. It was VERIFIED with

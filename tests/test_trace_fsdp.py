@@ -60,6 +60,7 @@ def check(result: dict, reshard: bool, precision: str) -> None:
     assert result["forget"] == {"ok": True, "verified": True, "model_is_oracle": True, "step0_verified": True}
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_fsdp2_record_forget_verified_at_world_size_2(tmp_path):
     """The representative launch: Llama, full sharding, reshard_after_forward=True, fp32; an early and a late
     deletion replayed and verified bit for bit, equal to the engine-free counterfactual; another sharding and one

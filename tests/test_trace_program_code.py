@@ -81,6 +81,7 @@ def test_the_recording_seals_its_code(patched_run):
     assert not [k for k in code if "__main__" in k or "hf_unlearn" in k], code
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_a_patch_neutral_on_the_recorded_rows_is_refused_in_a_process_without_it(patched_run, tmp_path):
     """Without the patch (a fresh ``hf-unlearn forget``, or this process with it removed) a step-0 deletion was
     VERIFIED with the oracle off the plain Trainer with the patch (21 of 21 tensors); now refused before any compute,

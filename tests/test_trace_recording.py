@@ -194,6 +194,7 @@ def test_random_collator_reported_as_hazard(tmp_path):
     assert any("cannot be rebuilt" in n for n in header["notes"])
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_data_parallel_record_replay_oracle_under_accelerate_launch(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo): the plan holds both processes' slots and the
     world size; the CLI's replay == oracle bit for bit, a replay without deletions reproduces the recording, and a

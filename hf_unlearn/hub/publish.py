@@ -269,6 +269,40 @@ def renamed_on_save(folder: str | os.PathLike, model=None) -> dict[str, str]:
     return out
 
 
+def converted_on_save(folder: str | os.PathLike, model=None) -> tuple[list[str], list[str]]:
+    """(state-dict names, saved names) of the tensors ``save_pretrained`` writes as other tensors, not renamed but
+    split or merged by transformers' weight conversion (a Mixtral or Qwen-MoE layer's fused ``experts.gate_up_proj``
+    saved as one ``w1``/``w3`` pair per expert); ``([], [])`` when it converts nothing. Their bytes under the names
+    the model holds come only from loading the folder (:func:`loaded_model`)."""
+    model = model if model is not None else _meta_model(folder)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4
+        return [], []
+    if model is None:
+        return [], []
+    state = model.state_dict()
+    try:
+        saved = revert_weight_conversion(model, dict(state))
+    except Exception:
+        return [], []
+    renamed = renamed_on_save(folder, model)
+    held = sorted(set(state) - set(saved) - set(renamed.values()))
+    made = sorted(set(saved) - set(state) - set(renamed))
+    return (held, made) if held and made else ([], [])
+
+
+def loaded_model(folder: str | os.PathLike):
+    """The folder's model loaded with transformers as a user loads it (the class its config names, the saved dtype)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    return (cls or AutoModelForCausalLM).from_pretrained(folder, dtype="auto")
+
+
 def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
                    state_dict_names: list[str] | None = None) -> dict[str, Any]:
     """The state-hash manifest of the repository folder ``folder`` (see the module docstring for its scope).
@@ -298,6 +332,15 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
         full[held] = rehash(held, saved_name)
     for dup, src in ties.items():  # the tied name's tensor is the saved tensor's bytes under another name
         full[dup] = rehash(dup, as_held[src])
+    converted, made = converted_on_save(folder, model)
+    made = [n for n in made if n in params]
+    if converted and made:  # fused tensors saved split (MoE experts): hashed as the loaded model holds them
+        for name in made:
+            full.pop(name, None)
+        state = loaded_model(folder).state_dict()
+        for name in converted:
+            full[name] = tensor_hash(name, state[name])
+        del state
     hashes = StateHashes(params=params, optimizer_root=optimizer_root or "")
     file_hashes = hashed_files(folder)
     manifest = hashes.to_dict()
@@ -308,6 +351,7 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
         files=layout, not_saved=sorted((set(state_dict_names or ()) | set(ties)) - set(params) - set(renamed.values())),
         tied=dict(sorted(ties.items())), state_dict_root=root_hash(full),
         **({"renamed": dict(sorted(renamed.items()))} if renamed else {}),
+        **({"converted": {"held": converted, "saved": made}} if converted and made else {}),
         file_hashes=file_hashes, files_root=files_root(file_hashes),
     )
     return manifest

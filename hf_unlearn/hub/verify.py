@@ -50,6 +50,7 @@ from .publish import (
     hash_safetensors,
     hashed_files,
     hub_error,
+    loaded_model,
 )
 from .server import _front_matter
 
@@ -324,13 +325,7 @@ def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
         report.problems.append("no config.json: the revision does not load with transformers")
         return
     try:
-        import transformers
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(folder)
-        arch = (getattr(config, "architectures", None) or [None])[0]
-        cls = getattr(transformers, arch, None) if arch else None
-        model = (cls or AutoModelForCausalLM).from_pretrained(folder, dtype="auto")
+        model = loaded_model(folder)
     except Exception as e:
         report.problems.append(f"the revision does not load with transformers: {type(e).__name__}: "
                                f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
@@ -341,7 +336,12 @@ def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
     params = manifest.get("params") or {}
     renamed = manifest.get("renamed") or {}  # saved under another name than the model holds (GPT-NeoX's embed_out):
     held = {renamed.get(n, n): n for n in params}  # their bytes are checked by the state_dict_root below
-    differ = sorted(n for n in params if n not in renamed and n in loaded.params and loaded.params[n] != params[n])
+    converted = manifest.get("converted") or {}  # fused tensors saved split (MoE experts): the state_dict_root too
+    for saved in converted.get("saved") or []:
+        held.pop(saved, None)
+    held.update({name: name for name in converted.get("held") or []})
+    differ = sorted(n for n in params if n not in renamed and n in loaded.params and loaded.params[n] != params[n]
+                    and n not in (converted.get("held") or []))
     absent = sorted(saved for name, saved in held.items() if name not in loaded.params)
     extra = sorted(set(loaded.params) - set(held) - set(manifest.get("not_saved") or []))
     if differ or absent or extra:

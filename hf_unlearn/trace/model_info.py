@@ -27,6 +27,29 @@ def dynamic_rope(config) -> str | None:
     return found[0] if found else None
 
 
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def routed_experts(model) -> str | None:
+    """What makes ``model`` route each token to a few of several experts (a mixture of experts: Mixtral, Qwen-MoE,
+    OLMoE, DeepSeek...), named, or None. An expert's weight gradient is a sum over the tokens the microbatch routes to
+    it, so which other tokens share that sum (and where the zero terms of a row with no loss fall in it) depends on
+    every row of the microbatch: a deleted row's dummy, routed elsewhere, changes the other rows' update in the last
+    bits. Read from the config (``num_experts_per_tok`` with more than one expert) and from module class names."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_top_k", None)
+    counts = {n: getattr(config, n, None) for n in _EXPERT_COUNTS}
+    experts = next((f"{n}={v}" for n, v in counts.items() if isinstance(v, int) and v > 1), None)
+    if isinstance(top_k, int) and top_k > 0 and experts:
+        return f"{type(model).__name__}: {experts}, num_experts_per_tok={top_k}"
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if "SparseMoe" in kind or kind.endswith(("Experts", "MoE", "MoeBlock", "MoEBlock")):
+            return f"{type(model).__name__}: {name} is a {kind}"
+    return None
+
+
 def first_non_finite(model, skip=()) -> str | None:
     """The name of the first parameter holding a NaN or an infinity, or None. ``skip``: names already read and
     unchanged since (a LoRA run's frozen base, nearly all its bytes, read at its step-0 checkpoint)."""
