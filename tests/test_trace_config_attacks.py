@@ -674,3 +674,22 @@ def test_a_run_resumed_with_clipping_lifted_where_it_never_acted_on_the_recorded
     mine = plain.model.state_dict()
     off = [n for n, t in oracle.items() if not torch.equal(t, mine[n])]
     assert not off, f"WRONG VERIFIED: {len(off)} of {len(oracle)} tensors off the counterfactual, e.g. {off[:3]}"
+
+
+def test_routed_experts_names_moe_models_and_no_dense_one():
+    """The hazard's test of a model: MoE families are named, every dense family the tests build is not (the hazard
+    must not refuse an ordinary batch)."""
+    from hf_unlearn.models import build_tiny_model
+    from hf_unlearn.trace.model_info import routed_experts
+
+    from .test_trace_common import CONFIG_FAMILIES
+
+    tok, _ = get_trace_data()
+    moe = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+           "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32)}
+    for family in CONFIG_FAMILIES:
+        model = config_model(family, tok, **moe.get(family, {}))
+        named = routed_experts(model)
+        assert (named is not None) == (family in moe), (family, named)
+    assert routed_experts(build_tiny_model("gpt2", tok, hidden_size=32, num_layers=2, num_heads=2)) is None
