@@ -693,3 +693,88 @@ def test_routed_experts_names_moe_models_and_no_dense_one():
         named = routed_experts(model)
         assert (named is not None) == (family in moe), (family, named)
     assert routed_experts(build_tiny_model("gpt2", tok, hidden_size=32, num_layers=2, num_heads=2)) is None
+
+
+_PATCHING_CALLBACKS = '''
+import torch
+import torch.nn.functional as F
+from transformers import TrainerCallback
+
+ORIGINAL = F.silu
+
+
+class SiluPatch(TrainerCallback):
+    """Patches torch's SiLU (every Llama MLP calls it) from step 3 on; puts it back when training ends."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            torch.nn.functional.silu = lambda x, inplace=False: ORIGINAL(x) * 1.001
+
+    def on_train_end(self, args, state, control, **kwargs):
+        torch.nn.functional.silu = ORIGINAL
+
+
+class SampleCompletions(TrainerCallback):
+    """Greedy-decodes a prompt every 2 steps to watch progress (as trl's LogCompletionsCallback does)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % 2 == 0:
+            was = model.training
+            model.eval()
+            with torch.no_grad():
+                self.last = model.generate(input_ids=torch.tensor([[1, 5, 9]]), max_new_tokens=3,
+                                           do_sample=False).tolist()
+            model.train(was)
+'''
+
+
+def _callbacks_module(tmp_path, monkeypatch):
+    import importlib
+    import uuid
+
+    name = f"user_callbacks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / f"{name}.py").write_text(_PATCHING_CALLBACKS)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    return importlib.import_module(name)
+
+
+def test_an_importable_callback_patching_a_torch_function_mid_run_is_refused_naming_what_the_check_found(
+        tmp_path, monkeypatch):
+    """A replayed (importable) callback replaces ``torch.nn.functional.silu`` at step 3: the code the run's first
+    step ran changed while it trained, which the recording's self-check finds. A deletion is refused before any
+    compute, and the refusal says what the check found (it used to say only "prove the run once")."""
+    from hf_unlearn.trace import open_run
+
+    module = _callbacks_module(tmp_path, monkeypatch)
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    original = torch.nn.functional.silu
+    try:
+        record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2,
+               trainer_kwargs={"callbacks": [module.SiluPatch()]}, **KW)
+    finally:
+        torch.nn.functional.silu = original
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([0])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "refused" and "\n" not in why, why
+    assert "self-check found the engine does not reproduce it" in why and "torch.nn.functional" in why, why
+    assert not (tmp_path / "del").exists()
+
+
+def test_a_callback_generating_samples_during_training_is_verified_and_counterfactual(tmp_path, monkeypatch):
+    """A callback that greedy-decodes a prompt every two steps (``model.generate`` in eval mode, no gradient, as
+    TRL's completion-logging callbacks do): nothing a replay cannot reproduce, so a step-3 deletion is VERIFIED and
+    equal to a plain Trainer's counterfactual with the same callback."""
+    from hf_unlearn.trace import open_run
+
+    module = _callbacks_module(tmp_path, monkeypatch)
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2,
+           trainer_kwargs={"callbacks": [module.SampleCompletions()]}, **KW)
+    run = tmp_path / "rec" / "trace"
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    assert _assert_refused_or_equal(tok, data, lambda: config_model("llama", tok), run, ids, tmp_path / "del", "",
+                                    callbacks=[module.SampleCompletions()]) == "verified"
