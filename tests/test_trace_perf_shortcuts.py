@@ -483,11 +483,13 @@ def test_the_dpo_probe_runs_on_a_pairs_first_tokens_with_unequal_rows():
     from hf_unlearn.trace.preference import probe_pair
 
     row = {"prompt_ids": list(range(10)), "chosen_ids": list(range(20, 50)), "rejected_ids": list(range(60, 80))}
-    assert probe_pair(row) == {"prompt_ids": [6, 7, 8, 9], "chosen_ids": [20, 21, 22, 23], "rejected_ids": [60, 61, 62]}
-    short = {"prompt_ids": [1], "chosen_ids": [2, 3, 4], "rejected_ids": [5, 6, 7, 8, 9]}
-    assert probe_pair(short) == {"prompt_ids": [1], "chosen_ids": [2, 3, 4], "rejected_ids": [5, 6, 7, 8]}
+    assert probe_pair(row) == {"prompt_ids": [8, 9], "chosen_ids": [20, 21], "rejected_ids": [60]}
+    short = {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [5, 6, 7, 8, 9]}
+    assert probe_pair(short) == {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [5, 6]}  # still unequal
     same = {"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [5, 6]}
-    assert probe_pair(same) == same
+    assert probe_pair(same) == same  # equal rows stay equal: no padding the pair does not have
+    longer = {"prompt_ids": [1], "chosen_ids": [2, 3, 4], "rejected_ids": [5, 6, 7]}
+    assert probe_pair(longer) == {"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [5, 6]}
     images = {**row, "pixel_values": [[0.5]]}
     assert probe_pair(images) is images
 
