@@ -778,3 +778,36 @@ def test_a_callback_generating_samples_during_training_is_verified_and_counterfa
     ids = open_run(run).ids_at_steps([AT])[:1]
     assert _assert_refused_or_equal(tok, data, lambda: config_model("llama", tok), run, ids, tmp_path / "del", "",
                                     callbacks=[module.SampleCompletions()]) == "verified"
+
+
+def test_a_moe_run_recorded_before_the_hazard_is_refused_at_deletion_and_one_that_lists_it_says_so(
+        tmp_path, monkeypatch):
+    """A Mixtral run with four samples a microbatch recorded as an earlier release did (no hazard named): `forget`
+    and a replay refuse its deletions before any compute, naming the experts and the setting. Recorded with the
+    hazard allowed (``trace_allow_hazards=True``), the header lists it and the receipt carries it as a hazard."""
+    from hf_unlearn.trace import OracleReplayTrainer, open_run
+    from hf_unlearn.trace.recorder import preflight
+
+    tok, data = get_trace_data()
+    data = data.select(range(24))
+    with monkeypatch.context() as m:
+        m.setattr(preflight, "routed_experts", lambda model: None)  # the recorder of an earlier release
+        record(tok, data, tmp_path / "old", model=_mixtral_without_aux_loss(tok), every=2, **KW)
+    run = tmp_path / "old" / "trace"
+    assert not open_run(run).header.get("hazards")
+    ids = open_run(run).ids_at_steps([AT])[:1]
+    kind, why = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "refused" and "\n" not in why, why
+    assert "routes each token to a few experts" in why and "per_device_train_batch_size=4" in why, why
+    assert "recorded before the recorder refused it" in why and not (tmp_path / "del").exists()
+    with pytest.raises(UnlearnError, match="routes each token to a few experts"):
+        OracleReplayTrainer(run, ids, out_dir=tmp_path / "oracle")
+    assert not (tmp_path / "oracle").exists()
+
+    record(tok, data, tmp_path / "allowed", model=_mixtral_without_aux_loss(tok), every=2,
+           trainer_kwargs={"trace_allow_hazards": True}, **KW)
+    run = tmp_path / "allowed" / "trace"
+    assert any("routes each token to a few experts" in h for h in open_run(run).header["hazards"])
+    kind, receipt = _forget_outcome(run, ids, tmp_path / "del2")
+    assert kind != "refused", receipt
+    assert any("routes each token to a few experts" in h for h in receipt.evidence["hazards"])

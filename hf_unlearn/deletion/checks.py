@@ -173,6 +173,11 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     why = unsealed_code_refusal(run, cost["first_affected_step"])  # rows trained by code no seal covers
     if why:
         raise UnlearnError(why)
+    from ..trace.model_info import experts_refusal
+
+    why = experts_refusal(run)  # a MoE run recorded before the recorder refused several samples a microbatch
+    if why:
+        raise UnlearnError(why)
     from ..trace.trainers import recorded_trainer
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?

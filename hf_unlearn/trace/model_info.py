@@ -30,24 +30,71 @@ def dynamic_rope(config) -> str | None:
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
+EXPERTS_HAZARD = "routes each token to a few experts"  # the words the hazard and the refusal share
+
+
 def routed_experts(model) -> str | None:
     """What makes ``model`` route each token to a few of several experts (a mixture of experts: Mixtral, Qwen-MoE,
     OLMoE, DeepSeek...), named, or None. An expert's weight gradient is a sum over the tokens the microbatch routes to
     it, so which other tokens share that sum (and where the zero terms of a row with no loss fall in it) depends on
     every row of the microbatch: a deleted row's dummy, routed elsewhere, changes the other rows' update in the last
-    bits. Read from the config (``num_experts_per_tok`` with more than one expert) and from module class names."""
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_top_k", None)
-    counts = {n: getattr(config, n, None) for n in _EXPERT_COUNTS}
-    experts = next((f"{n}={v}" for n, v in counts.items() if isinstance(v, int) and v > 1), None)
-    if isinstance(top_k, int) and top_k > 0 and experts:
-        return f"{type(model).__name__}: {experts}, num_experts_per_tok={top_k}"
+    bits. Read from the config (:func:`routed_experts_config`) and from module class names."""
+    named = routed_experts_config(getattr(model, "config", None))
+    if named:
+        return f"{type(model).__name__}: {named}"
     for name, module in model.named_modules():
         kind = type(module).__name__
         if "SparseMoe" in kind or kind.endswith(("Experts", "MoE", "MoeBlock", "MoEBlock")):
             return f"{type(model).__name__}: {name} is a {kind}"
     return None
+
+
+def routed_experts_config(config) -> str | None:
+    """``num_experts_per_tok`` with more than one expert in a model config (its text config), named; else None."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_top_k", None)
+    counts = {n: getattr(config, n, None) for n in _EXPERT_COUNTS}
+    experts = next((f"{n}={v}" for n, v in counts.items() if isinstance(v, int) and v > 1), None)
+    return f"{experts}, num_experts_per_tok={top_k}" if isinstance(top_k, int) and top_k > 0 and experts else None
+
+
+def samples_sharing_a_microbatch(args) -> list[str]:
+    """The settings (``TrainingArguments`` or a header's dict of them) that put several samples in one microbatch."""
+    get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
+    batch = get("per_device_train_batch_size", 1) or 1
+    return [f"per_device_train_batch_size={batch}"] * (batch > 1) + ["packing=True"] * bool(get("packing", False))
+
+
+def experts_hazard(experts: str, shared: list[str]) -> str:
+    return (f"the model {EXPERTS_HAZARD} ({experts}) and a microbatch holds several samples ({', '.join(shared)}): an "
+            "expert's weight gradient sums over the tokens the microbatch routes to it, and a deleted sample's dummy "
+            "is routed elsewhere than the sample, so the other samples' update differs in the last bits from the run "
+            "without it; record with per_device_train_batch_size=1 (gradient_accumulation_steps for the same batch)"
+            + (" and without packing" if "packing=True" in shared else ""))
+
+
+def experts_refusal(run) -> str | None:
+    """Why no deletion from ``run`` can be exact, for a run recorded before the recorder named it a hazard: a
+    mixture-of-experts model (read from the run's saved config) whose microbatches held several samples. None when
+    it is not such a run, or when its header lists the hazard (recorded with ``trace_allow_hazards``: the verdicts
+    list it)."""
+    header = run.header
+    if any(EXPERTS_HAZARD in h for h in header.get("hazards") or []):
+        return None
+    shared = samples_sharing_a_microbatch(header.get("training_args") or {})
+    if not shared:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(run.path / "model")
+    except Exception:  # noqa: BLE001 - no config to read: the replay's own model checks name it
+        return None
+    named = routed_experts_config(config)
+    if not named:
+        return None
+    return (f"{run.path} cannot delete exactly: {experts_hazard(f'{type(config).__name__}: {named}', shared)} "
+            "(this run was recorded before the recorder refused it); record the run again so")
 
 
 def first_non_finite(model, skip=()) -> str | None:

@@ -10,7 +10,14 @@ from transformers import Trainer
 from ...data.collators import _importable_name
 from ...errors import UnlearnError
 from ..hashing import batch_digest
-from ..model_info import dropout_settings, dynamic_rope, peft_and_base, routed_experts
+from ..model_info import (
+    dropout_settings,
+    dynamic_rope,
+    experts_hazard,
+    peft_and_base,
+    routed_experts,
+    samples_sharing_a_microbatch,
+)
 from ..packing import packing_refusal
 from ..rng import seeded
 from ..sharding import unsharded_class
@@ -143,16 +150,9 @@ def preflight(trainer) -> tuple:
                        "replay from a checkpoint computes other positions and a mid-run deletion never verifies; "
                        "use a static rope type (default, linear, yarn, llama3)")
     experts = routed_experts(peft_and_base(trainer.accelerator.unwrap_model(trainer.model))[1])
-    shared = [f"per_device_train_batch_size={args.per_device_train_batch_size}"] if \
-        args.per_device_train_batch_size > 1 else []
-    shared += ["packing=True"] if getattr(args, "packing", False) else []
+    shared = samples_sharing_a_microbatch(args)
     if experts and shared:
-        hazards.append(f"the model routes each token to a few experts ({experts}) and a microbatch holds several "
-                       f"samples ({', '.join(shared)}): an expert's weight gradient sums over the tokens the "
-                       "microbatch routes to it, and a deleted sample's dummy is routed elsewhere than the sample, so "
-                       "the other samples' update differs in the last bits from the run without it; record with "
-                       "per_device_train_batch_size=1 (gradient_accumulation_steps for the same batch)"
-                       + (" and without packing" if getattr(args, "packing", False) else ""))
+        hazards.append(experts_hazard(experts, shared))
     if dropout_settings(trainer.accelerator.unwrap_model(trainer.model)):
         notes.append("dropout is active: reproduced by per-microbatch reseeding")
     if args.max_grad_norm and args.max_grad_norm > 0:

@@ -22,6 +22,7 @@ from ..guards import (
     run_event,
 )
 from ..hashing import checkpoint_hashes, uses_plain_names
+from ..model_info import experts_refusal
 from ..program_code import unsealed_code_refusal
 from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
@@ -48,6 +49,9 @@ class RecordedProgram:
                 raise ProgramChangedError(f"{self.run.path}: {why}; refusing before any compute")
             why = unsealed_code_refusal(self.run, self.first_affected_step)
             if why:  # the same on every process (read from the plan): all refuse here
+                raise UnlearnError(why)
+            why = experts_refusal(self.run) if self.forget_ids else None  # (read from the run's files: all alike)
+            if why:
                 raise UnlearnError(why)
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
         self._fp_scope = fingerprint_scope(self._recorded_fps)  # the state digests' tensors, as recorded
