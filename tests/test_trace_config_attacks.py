@@ -803,6 +803,10 @@ def test_a_moe_run_recorded_before_the_hazard_is_refused_at_deletion_and_one_tha
     with pytest.raises(UnlearnError, match="routes each token to a few experts"):
         OracleReplayTrainer(run, ids, out_dir=tmp_path / "oracle")
     assert not (tmp_path / "oracle").exists()
+    from hf_unlearn.deletion.pipeline import validate_pipeline
+
+    with pytest.raises(UnlearnError, match="stage 1: .*routes each token to a few experts"):  # as a pipeline's stage
+        validate_pipeline([str(run)], ids)
 
     record(tok, data, tmp_path / "allowed", model=_mixtral_without_aux_loss(tok), every=2,
            trainer_kwargs={"trace_allow_hazards": True}, **KW)
