@@ -241,55 +241,41 @@ def tied_names(folder: str | os.PathLike, model=None) -> dict[str, str]:
     return out
 
 
-def renamed_on_save(folder: str | os.PathLike, model=None) -> dict[str, str]:
-    """{saved name: state-dict name} for the tensors ``save_pretrained`` writes under another name than the model
-    holds them (transformers' weight conversion, e.g. GPT-NeoX's ``lm_head.weight`` saved as ``embed_out.weight``,
-    renamed back by ``from_pretrained``). {} when transformers renames nothing (or has no such mapping)."""
+def saved_as(folder: str | os.PathLike, model=None) -> tuple[dict[str, str], list[str], list[str]]:
+    """How ``save_pretrained`` writes the model's tensors where transformers' weight conversion changes them, from one
+    reverse conversion of the folder's model built on the meta device (no weights):
+
+    * ``renamed``: {saved name: state-dict name} for a tensor saved under another name (GPT-NeoX's ``lm_head.weight``
+      saved as ``embed_out.weight``, renamed back by ``from_pretrained``);
+    * ``held``, ``made``: the state-dict names of tensors saved split or merged into other tensors, and those saved
+      names (a Mixtral or Qwen-MoE layer's fused ``experts.gate_up_proj`` saved as one ``w1``/``w3`` pair per expert).
+      Their bytes under the names the model holds come only from loading the folder (:func:`loaded_model`).
+
+    ``({}, [], [])`` when transformers converts nothing (or has no such mapping: transformers 4)."""
     model = model if model is not None else _meta_model(folder)
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: saved names are the state-dict names
-        return {}
+        return {}, [], []
     if model is None:
-        return {}
+        return {}, [], []
     state = model.state_dict()
     try:
         saved = revert_weight_conversion(model, dict(state))
     except Exception:
-        return {}
+        return {}, [], []
     by_id: dict[int, list[str]] = {}
     for name, t in state.items():
         by_id.setdefault(id(t), []).append(name)
-    out = {}
+    renamed = {}
     for name, t in saved.items():
         if name not in state:  # a tied tensor keeps one of its own names; a renamed one gets a new name
             held = [n for n in by_id.get(id(t), []) if n not in saved]
             if held:
-                out[name] = held[0]
-    return out
-
-
-def converted_on_save(folder: str | os.PathLike, model=None) -> tuple[list[str], list[str]]:
-    """(state-dict names, saved names) of the tensors ``save_pretrained`` writes as other tensors, not renamed but
-    split or merged by transformers' weight conversion (a Mixtral or Qwen-MoE layer's fused ``experts.gate_up_proj``
-    saved as one ``w1``/``w3`` pair per expert); ``([], [])`` when it converts nothing. Their bytes under the names
-    the model holds come only from loading the folder (:func:`loaded_model`)."""
-    model = model if model is not None else _meta_model(folder)
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4
-        return [], []
-    if model is None:
-        return [], []
-    state = model.state_dict()
-    try:
-        saved = revert_weight_conversion(model, dict(state))
-    except Exception:
-        return [], []
-    renamed = renamed_on_save(folder, model)
+                renamed[name] = held[0]
     held = sorted(set(state) - set(saved) - set(renamed.values()))
     made = sorted(set(saved) - set(state) - set(renamed))
-    return (held, made) if held and made else ([], [])
+    return (renamed, held, made) if held and made else (renamed, [], [])
 
 
 def loaded_model(folder: str | os.PathLike):
@@ -318,7 +304,9 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
         raise UnlearnError(f"no safetensors weights in {folder}; save the model with save_pretrained() "
                            "(safetensors is the default) before publishing")
     model = _meta_model(folder)
-    renamed = {saved: held for saved, held in renamed_on_save(folder, model).items() if saved in params}
+    renamed, converted, made = saved_as(folder, model)
+    renamed = {saved: held for saved, held in renamed.items() if saved in params}
+    made = [n for n in made if n in params]
     as_held = {renamed.get(n, n): n for n in params}  # state-dict name -> saved name
     ties = {dup: src for dup, src in tied_names(folder, model).items() if src in as_held and dup not in as_held}
     full = {n: h for n, h in params.items() if n not in renamed}
@@ -332,8 +320,6 @@ def build_manifest(folder: str | os.PathLike, *, optimizer_root: str = "",
         full[held] = rehash(held, saved_name)
     for dup, src in ties.items():  # the tied name's tensor is the saved tensor's bytes under another name
         full[dup] = rehash(dup, as_held[src])
-    converted, made = converted_on_save(folder, model)
-    made = [n for n in made if n in params]
     if converted and made:  # fused tensors saved split (MoE experts): hashed as the loaded model holds them
         for name in made:
             full.pop(name, None)

@@ -340,8 +340,7 @@ def _check_loads(folder: Path, manifest: dict, report: VerifyReport) -> None:
     for saved in converted.get("saved") or []:
         held.pop(saved, None)
     held.update({name: name for name in converted.get("held") or []})
-    differ = sorted(n for n in params if n not in renamed and n in loaded.params and loaded.params[n] != params[n]
-                    and n not in (converted.get("held") or []))
+    differ = sorted(n for n in params if n not in renamed and n in loaded.params and loaded.params[n] != params[n])
     absent = sorted(saved for name, saved in held.items() if name not in loaded.params)
     extra = sorted(set(loaded.params) - set(held) - set(manifest.get("not_saved") or []))
     if differ or absent or extra:

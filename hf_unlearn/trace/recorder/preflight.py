@@ -143,13 +143,14 @@ def preflight(trainer) -> tuple:
     if trainer.neftune_noise_alpha is not None:
         notes.append(f"NEFTune (alpha {trainer.neftune_noise_alpha}) is reproduced: its noise is drawn under each "
                      "microbatch's recorded seed")
-    rope = dynamic_rope(getattr(peft_and_base(trainer.accelerator.unwrap_model(trainer.model))[1], "config", None))
+    base = peft_and_base(trainer.accelerator.unwrap_model(trainer.model))[1]
+    rope = dynamic_rope(getattr(base, "config", None))
     if rope:
         hazards.append(f"the model's rotary embedding is {rope!r} (rope_scaling / rope_parameters): its inv_freq "
                        "buffers change with the longest sequence seen so far, which no checkpoint holds, so a "
                        "replay from a checkpoint computes other positions and a mid-run deletion never verifies; "
                        "use a static rope type (default, linear, yarn, llama3)")
-    experts = routed_experts(peft_and_base(trainer.accelerator.unwrap_model(trainer.model))[1])
+    experts = routed_experts(base)
     shared = samples_sharing_a_microbatch(args)
     if experts and shared:
         hazards.append(experts_hazard(experts, shared))
