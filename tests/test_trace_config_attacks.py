@@ -815,3 +815,100 @@ def test_a_moe_run_recorded_before_the_hazard_is_refused_at_deletion_and_one_tha
     kind, receipt = _forget_outcome(run, ids, tmp_path / "del2")
     assert kind != "refused", receipt
     assert any("routes each token to a few experts" in h for h in receipt.evidence["hazards"])
+
+
+# ---- learning-rate schedulers stepped on evaluation metrics ----------------------------------------------------------
+PLATEAU_KW = dict(gradient_accumulation_steps=1, max_steps=6, lr_scheduler_type="reduce_lr_on_plateau",
+                  eval_strategy="steps", eval_steps=1, warmup_steps=0, logging_steps=1,
+                  # an absolute threshold between the two runs' improvements after the deleted row's step: the run
+                  # with the row improves enough, the run without it does not, and the scheduler cuts its rate
+                  lr_scheduler_kwargs={"patience": 1, "factor": 0.3, "threshold_mode": "abs", "threshold": 0.13})
+
+
+@pytest.mark.parametrize("schedule", ["reduce_lr_on_plateau", "greedy"])
+def test_a_learning_rate_schedule_stepped_on_evaluation_metrics_is_refused_at_construction(tmp_path, schedule):
+    """ReduceLROnPlateau and GreedyLR set the learning rate from evaluation metrics, which a deletion changes: the
+    recording crashed when training ended (its self-check's replay cannot be built without an evaluation), and a replay
+    would keep the recorded rates where the run without the rows chooses its own. Refused when the recording is built,
+    one line naming the setting and what to use."""
+    tok, data = get_trace_data()
+    with pytest.raises(UnlearnError) as e:
+        record(tok, data.select(range(16)), tmp_path / "rec", every=2, trainer_kwargs={"eval_dataset": data.select([0])},
+               **{**PLATEAU_KW, "lr_scheduler_type": schedule, "lr_scheduler_kwargs": {}})
+    text = str(e.value)
+    assert "\n" not in text and f"lr_scheduler_type='{schedule}' sets the learning rate from evaluation" in text, text
+    assert "use a schedule of the step alone" in text
+    assert not (tmp_path / "rec" / "trace" / "header.json").exists()
+
+
+def _plateau_run(tok, data, out, **trainer_kwargs):
+    torch.manual_seed(0)
+    from .test_trace_common import tiny
+
+    model = tiny(tok)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = record(tok, data, out, model=model, every=2,
+                     trainer_kwargs={"eval_dataset": data.select([0]), **trainer_kwargs}, **PLATEAU_KW)
+    return trainer, start
+
+
+def test_a_plateau_schedule_recorded_with_hazards_allowed_deletes_and_says_what_it_keeps(tmp_path):
+    """Recorded with ``trace_allow_hazards=True`` (evaluated on the row deleted later): training ends, ``forget``
+    replays with the recorded learning rates and the receipt carries the hazard. The hazard is real: a plain Trainer
+    without the row (labels -100, recorded normalisers) cuts its learning rate where the recorded run did not, and
+    ends elsewhere."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, tiny, train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    trainer, start = _plateau_run(tok, data, tmp_path / "rec", trace_allow_hazards=True)
+    recorded = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    run = tmp_path / "rec" / "trace"
+    assert any("reduce_lr_on_plateau" in h for h in open_run(run).header["hazards"])
+    ids = [data[0]["id"]]
+    kind, receipt = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "verified", receipt
+    assert any("sets the learning rate from evaluation metrics" in h for h in receipt.evidence["hazards"])
+    assert "1 recorded hazard(s)" in receipt.guarantee
+    model = tiny(tok)
+    model.load_state_dict(start)
+    plain = recorded_normalisers_trainer(run)(
+        model=model, args=train_args(tmp_path / "plain", **PLATEAU_KW), train_dataset=labels_masked(data, ids),
+        eval_dataset=data.select([0]), data_collator=_DropIds(QACollator.from_tokenizer(tok)))
+    plain.train()
+    assert [h["learning_rate"] for h in plain.state.log_history if "learning_rate" in h] != recorded
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    assert any(not torch.equal(t, model.state_dict()[n]) for n, t in oracle.items())  # why it is a hazard
+
+
+def test_a_plateau_run_recorded_before_the_hazard_is_refused_at_deletion(tmp_path, monkeypatch):
+    """A run recorded as an earlier release would have (no hazard named, no self-check: that one crashed): ``forget``,
+    a pipeline's stage and a replay with deletions refuse before any compute, naming the scheduler; a replay without
+    deletions (the proof) still runs on the recorded learning rates."""
+    from hf_unlearn.deletion.pipeline import validate_pipeline
+    from hf_unlearn.trace import OracleReplayTrainer
+    from hf_unlearn.trace.recorder import preflight
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    monkeypatch.setattr(preflight, "metric_schedule", lambda args: None)  # the recorder of an earlier release
+    _plateau_run(tok, data, tmp_path / "old", trace_self_check=False)
+    run = tmp_path / "old" / "trace"
+    ids = [data[0]["id"]]
+    kind, why = _forget_outcome(run, ids, tmp_path / "del")
+    assert kind == "refused" and "\n" not in why, why
+    assert "'reduce_lr_on_plateau' sets the learning rate from evaluation metrics" in why, why
+    assert "recorded before the recorder refused it" in why and not (tmp_path / "del").exists()
+    with pytest.raises(UnlearnError, match="stage 1: .*sets the learning rate from evaluation metrics"):
+        validate_pipeline([str(run)], ids)
+    with pytest.raises(UnlearnError, match="sets the learning rate from evaluation metrics"):
+        OracleReplayTrainer(run, ids, out_dir=tmp_path / "oracle")
+    assert not (tmp_path / "oracle").exists()
+    from .test_trace_common import replays_the_recording
+
+    assert replays_the_recording(run)

@@ -173,9 +173,9 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     why = unsealed_code_refusal(run, cost["first_affected_step"])  # rows trained by code no seal covers
     if why:
         raise UnlearnError(why)
-    from ..trace.model_info import experts_refusal
+    from ..trace.unlisted import unlisted_hazard
 
-    why = experts_refusal(run)  # a MoE run recorded before the recorder refused several samples a microbatch
+    why = unlisted_hazard(run)  # a hazard the recorder of an earlier release did not name (MoE, metric schedules)
     if why:
         raise UnlearnError(why)
     from ..trace.trainers import recorded_trainer

@@ -138,9 +138,9 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
     """Every check that costs no training, before any: the pipeline, the ids, each replayed stage's program and
     trainer, world size and collator."""
     from ..trace.guards import ProgramChangedError, program_refusal
-    from ..trace.model_info import experts_refusal
     from ..trace.program_code import unsealed_code_refusal
     from ..trace.trainers import recorded_trainer
+    from ..trace.unlisted import unlisted_hazard
 
     runs = open_pipeline(sources)
     cost = pipeline_cost(runs, request)
@@ -164,7 +164,7 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
                                     else 0)
         if why:
             raise UnlearnError(f"stage {s['stage']}: {why}")
-        why = experts_refusal(run) if s.get("ids") else None  # dummies only where this stage's own rows are deleted
+        why = unlisted_hazard(run) if s.get("ids") else None  # only where this stage's own rows are deleted
         if why:
             raise UnlearnError(f"stage {s['stage']}: {why}")
         recorded_trainer(run.header)

@@ -119,6 +119,32 @@ REPLAY_ARGS = ("neftune_noise_alpha", "max_grad_norm", "optim", "optim_args", "w
                "adam_beta2", "adam_epsilon", "learning_rate", "label_smoothing_factor", "bf16", "fp16", "tf32",
                "average_tokens_across_devices", "gradient_checkpointing", "gradient_checkpointing_kwargs",
                "torch_compile", "use_liger_kernel", "seed")
+# learning-rate schedulers transformers steps on evaluation metrics (ReduceLROnPlateau, GreedyLR): a replay evaluates
+# nothing and sets each step's recorded learning rates itself, so their decisions are recorded controls of the run
+# (like its length), and the replay's arguments name a step-only schedule (transformers refuses these without an
+# evaluation). A deletion's counterfactual would choose its own: a hazard at recording (recorder/preflight.py)
+METRIC_SCHEDULES = frozenset({"reduce_lr_on_plateau", "greedy"})
+STEP_ONLY_SCHEDULE = {"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {}}
+
+
+def metric_schedule(training_args) -> str | None:
+    """The run's learning-rate scheduler type when evaluation metrics step it, else None (``training_args``: the
+    header's recorded dict or a ``TrainingArguments``)."""
+    kind = (training_args.get("lr_scheduler_type") if isinstance(training_args, dict)
+            else getattr(training_args, "lr_scheduler_type", None))
+    kind = str(getattr(kind, "value", kind))
+    return kind if kind in METRIC_SCHEDULES else None
+
+
+SCHEDULE_HAZARD = "sets the learning rate from evaluation metrics"  # the words the hazard and the refusal share
+
+
+def schedule_hazard(kind: str) -> str:
+    return (f"lr_scheduler_type={kind!r} {SCHEDULE_HAZARD}, which a deletion changes: replays keep the recorded "
+            "learning rates, a run without the deleted rows would choose its own; use a schedule of the step alone "
+            "(linear, cosine, constant, ...)")
+
+
 # the one a resumed recording may change: the plan records the learning rate at every step (a replay writes it into
 # the optimizer). Not activation checkpointing: neutral on any rows, but a replay of the first launch's steps with it
 # runs other program controls than they did, which the proof refuses later, at deletion time

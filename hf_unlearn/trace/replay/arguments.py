@@ -11,7 +11,14 @@ from transformers import TrainingArguments
 from ...errors import UnlearnError
 from ..recorder import _jsonable
 from ..sharding import replay_arguments
-from ..trainers import CONSTRUCTION_ONLY, REPLAY_ARGS, config_fields, recorded_trainer  # noqa: F401 - REPLAY_ARGS lived here
+from ..trainers import (  # noqa: F401 - REPLAY_ARGS lived here
+    CONSTRUCTION_ONLY,
+    REPLAY_ARGS,
+    STEP_ONLY_SCHEDULE,
+    config_fields,
+    metric_schedule,
+    recorded_trainer,
+)
 
 # what a recorded run did besides training that a replay does not do (it would need an eval set, or write checkpoints)
 NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_at_end": False, "eval_on_start": False,
@@ -31,6 +38,8 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
     kwargs = {k: v for k, v in kwargs.items() if not (isinstance(v, str) and v.startswith("<") and v.endswith(">"))}
     kwargs.update(output_dir=str(output_dir), report_to=[], disable_tqdm=True,
                   use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()), **NOT_REPLAYED)
+    if metric_schedule(recorded):
+        kwargs.update(STEP_ONLY_SCHEDULE)
     if config_cls is not TrainingArguments:
         kwargs.update({k: v for k, v in CONSTRUCTION_ONLY.items() if k in names})
     kwargs.update(replay_arguments(header))  # an FSDP2 run: its recorded fsdp_config (hf_unlearn.trace.sharding)
@@ -40,10 +49,12 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
 
 def without_evaluation(args: TrainingArguments) -> TrainingArguments:
     """``args`` with evaluation, checkpoint saving and best-model loading off (a replay only re-executes the plan;
-    evaluating does not change the trace, and the kept model's step is a recorded control)."""
-    if all(getattr(args, k) == v for k, v in NOT_REPLAYED.items()):
+    evaluating does not change the trace, and the kept model's step is a recorded control; so are the learning rates
+    a metric-driven scheduler chose: :data:`METRIC_SCHEDULES`)."""
+    schedule = STEP_ONLY_SCHEDULE if metric_schedule(args) else {}
+    if not schedule and all(getattr(args, k) == v for k, v in NOT_REPLAYED.items()):
         return args
-    return dataclasses.replace(args, **NOT_REPLAYED)
+    return dataclasses.replace(args, **NOT_REPLAYED, **schedule)
 
 
 def _check_args(args: TrainingArguments, header: dict) -> None:

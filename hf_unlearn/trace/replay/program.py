@@ -22,12 +22,12 @@ from ..guards import (
     run_event,
 )
 from ..hashing import checkpoint_hashes, uses_plain_names
-from ..model_info import experts_refusal
 from ..program_code import unsealed_code_refusal
 from ..proven import fresh_start_refusal, neutral_controls, proof_starts
 from ..run import capture_state
 from ..stack import environment_difference
 from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class, recorded_trainer
+from ..unlisted import unlisted_hazard
 
 
 def step_ranges(matched: dict) -> dict:
@@ -50,7 +50,7 @@ class RecordedProgram:
             why = unsealed_code_refusal(self.run, self.first_affected_step)
             if why:  # the same on every process (read from the plan): all refuse here
                 raise UnlearnError(why)
-            why = experts_refusal(self.run) if self.forget_ids else None  # (read from the run's files: all alike)
+            why = unlisted_hazard(self.run) if self.forget_ids else None  # (read from the run's files: all alike)
             if why:
                 raise UnlearnError(why)
         self._recorded_fps = recorded_fingerprints(full, self.run.header)
