@@ -158,3 +158,104 @@ def test_a_stack_changed_during_training_is_a_hazard(tmp_path):
                **KW)
     hazards = json.loads((tmp_path / "rec" / "trace" / "header.json").read_text())["hazards"]
     assert any("numeric stack changed while training (threads 2 -> 1" in h for h in hazards), hazards
+
+
+def _confident_model(tok):
+    """The tiny Llama with its (tied) output embeddings scaled up: most tokens' probabilities fall near e^-50, so the
+    gradients of their rows are under 1e-19 and Adam's second moments of them are denormal floats."""
+    from .test_trace_common import tiny
+
+    torch.manual_seed(0)
+    model = tiny(tok)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(100.0)
+    return model
+
+
+def _denormal_moments(out) -> int:
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    state = load_checkpoint(open_run(out).final_checkpoint())["optimizer"]["state"]
+    tiny = torch.finfo(torch.float32).tiny
+    return sum(int(((t != 0) & (t.abs() < tiny)).sum()) for s in state.values() for t in s.values()
+               if torch.is_tensor(t) and t.is_floating_point())
+
+
+def test_a_deletion_in_a_process_that_flushes_denormals_replays_as_recorded(tmp_path, monkeypatch, capsys):
+    """``torch.set_flush_denormal(True)`` in the deleting process (it has no getter, and the numeric stack did not
+    record it): the oracle's Adam moments lost their denormal values and `forget` refused after compute, blaming the
+    engine. Now the recorded mode is pinned like the thread count: VERIFIED, the oracle equal to a plain Trainer's
+    counterfactual, the replay's moments still denormal where the run's were, and the caller's mode restored."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+    from hf_unlearn.trace.stack import flush_denormal
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    kw = dict(gradient_accumulation_steps=1, max_steps=6)
+    record(tok, data, tmp_path / "rec", model=_confident_model(tok), every=2, **kw)
+    run = tmp_path / "rec" / "trace"
+    assert open_run(run).header["numeric_stack"]["deterministic"]["flush_denormal"] is False
+    assert _denormal_moments(run) > 0  # the run's moments hold denormals: a flushing replay loses them
+    forget = open_run(run).ids_at_steps([3])[:1]
+    assert torch.set_flush_denormal(True)
+    try:
+        code, out = _forget(run, forget, tmp_path / "del", monkeypatch, capsys, "--oracle")
+        assert flush_denormal()  # the caller's mode, restored
+    finally:
+        torch.set_flush_denormal(False)
+    assert code == 0 and "VERIFIED" in out.out, out.out + out.err
+    assert _denormal_moments(tmp_path / "del" / "replay") > 0
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    plain = independent_counterfactual(tok, data, _confident_model(tok), run, forget, tmp_path / "plain", **kw)
+    assert all(torch.equal(t, plain[n]) for n, t in oracle.items())
+
+
+def test_a_mid_run_flush_of_denormals_is_a_stack_change(tmp_path):
+    from transformers import TrainerCallback
+
+    tok, data = get_trace_data()
+
+    class FlushLater(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                torch.set_flush_denormal(True)
+
+    try:
+        record(tok, data.select(range(8)), tmp_path / "rec", every=1, trainer_kwargs={"callbacks": [FlushLater()]},
+               **KW)
+    finally:
+        torch.set_flush_denormal(False)
+    hazards = json.loads((tmp_path / "rec" / "trace" / "header.json").read_text())["hazards"]
+    assert any("flush_denormal False -> True" in h for h in hazards), hazards
+
+
+def test_per_backend_float32_precision_records_and_is_pinned(tmp_path, monkeypatch, capsys):
+    """``TrainingArguments(tf32=True)`` on an Ampere GPU sets ``torch.backends.fp32_precision = "tf32"`` (torch >=
+    2.9), after which torch's legacy getters raise: every recording crashed in the numeric stack's reader. Now both
+    are read (the legacy ones as "per backend"), recorded, pinned for replays and restored after."""
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    torch.backends.fp32_precision = "tf32"
+    try:
+        record(tok, data.select(range(8)), tmp_path / "rec", every=1, **KW)
+    finally:
+        torch.backends.fp32_precision = "none"  # the legacy getters answer again
+    run = tmp_path / "rec" / "trace"
+    recorded = open_run(run).header["numeric_stack"]["deterministic"]
+    assert recorded["fp32_precision"]["fp32_precision"] == "tf32"
+    assert recorded["float32_matmul_precision"] == recorded["matmul_allow_tf32"] == "per backend"
+    seen = []
+    from hf_unlearn.trace import stack
+
+    real = stack.apply_deterministic_settings
+    monkeypatch.setattr(stack, "apply_deterministic_settings",
+                        lambda s: (real(s), seen.append(torch.backends.fp32_precision)))
+    code, out = _forget(run, open_run(run).ids_at_steps([1])[:1], tmp_path / "del", monkeypatch, capsys, "--oracle")
+    assert code == 0 and "VERIFIED" in out.out, out.out + out.err
+    receipt = json.loads((tmp_path / "del" / "receipt.json").read_text())
+    assert "float32 precision fp32_precision=tf32" in receipt["evidence"]["numeric_stack"]
+    assert "tf32" in seen and torch.backends.fp32_precision == "none"
+    assert torch.get_float32_matmul_precision() == "highest"

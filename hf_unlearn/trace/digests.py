@@ -45,6 +45,7 @@ import torch
 from . import module_tree
 from .checksums import _own_state_tensors, exact_digest, state_tensors, tensor_checksums
 from .environment_reads import is_user_code
+from .stack import cudnn_allow_tf32, float32_matmul_precision, flush_denormal, fp32_precision, matmul_allow_tf32
 from .trainers import own_functions, recorded_trainer_class
 
 # config keys that say where a model came from, not what it computes
@@ -829,15 +830,16 @@ def torch_state() -> dict:
     out = {"torch default_dtype": str(torch.get_default_dtype()), "torch threads": torch.get_num_threads(),
            "torch interop_threads": torch.get_num_interop_threads(),
            "torch deterministic": torch.are_deterministic_algorithms_enabled(),
-           "torch matmul_precision": torch.get_float32_matmul_precision(),
+           "torch matmul_precision": float32_matmul_precision(), "torch fp32_precision": fp32_precision(),
+           "torch flush_denormal": flush_denormal(),
            "torch grad_enabled": torch.is_grad_enabled(), "torch anomaly": torch.is_anomaly_enabled(),
            "torch mkldnn": b.mkldnn.enabled, "torch opt_einsum": b.opt_einsum.enabled,
            "torch cpu capability": b.cpu.get_cpu_capability(),
            "torch sdp": [b.cuda.flash_sdp_enabled(), b.cuda.mem_efficient_sdp_enabled(), b.cuda.math_sdp_enabled()],
            "torch mha fastpath": b.mha.get_fastpath_enabled(),
-           "torch cuda matmul": [b.cuda.matmul.allow_tf32, b.cuda.matmul.allow_fp16_reduced_precision_reduction,
+           "torch cuda matmul": [matmul_allow_tf32(), b.cuda.matmul.allow_fp16_reduced_precision_reduction,
                                  b.cuda.matmul.allow_bf16_reduced_precision_reduction],
-           "torch cudnn": [b.cudnn.enabled, b.cudnn.deterministic, b.cudnn.benchmark, b.cudnn.allow_tf32]}
+           "torch cudnn": [b.cudnn.enabled, b.cudnn.deterministic, b.cudnn.benchmark, cudnn_allow_tf32()]}
     out.update((f"environ {k}", v) for k, v in sorted(os.environ.items()) if k.startswith(NUMERIC_ENV))
     return out
 

@@ -61,6 +61,7 @@ from .dtensors import all_shards
 from .fidelity import FidelityError
 from .program_code import sealed_code
 from .proven import unproven_steps
+from .stack import cudnn_allow_tf32, float32_matmul_precision, flush_denormal, fp32_precision, matmul_allow_tf32
 from .trainers import _import, importable_name
 from .value_reads import ValueReads, held_view
 
@@ -285,9 +286,10 @@ def numeric_settings() -> dict:
     a replay runs with the recorded values is the numeric stack's record, not compared here.)"""
     b = torch.backends
     return {"threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "matmul_precision": torch.get_float32_matmul_precision(), "default_dtype": str(torch.get_default_dtype()),
-            "cuda_matmul_tf32": b.cuda.matmul.allow_tf32, "cudnn": [b.cudnn.enabled, b.cudnn.deterministic,
-                                                                     b.cudnn.benchmark, b.cudnn.allow_tf32],
+            "matmul_precision": float32_matmul_precision(), "default_dtype": str(torch.get_default_dtype()),
+            "fp32_precision": fp32_precision(), "flush_denormal": flush_denormal(),
+            "cuda_matmul_tf32": matmul_allow_tf32(), "cudnn": [b.cudnn.enabled, b.cudnn.deterministic,
+                                                               b.cudnn.benchmark, cudnn_allow_tf32()],
             "reduced_precision": [b.cuda.matmul.allow_fp16_reduced_precision_reduction,
                                   b.cuda.matmul.allow_bf16_reduced_precision_reduction],
             "mkldnn": b.mkldnn.enabled}

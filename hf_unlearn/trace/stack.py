@@ -36,31 +36,93 @@ def _library_version(pattern: str) -> str | None:
     return found.group(1) if found else None
 
 
+# torch >= 2.9 sets float32 precision per backend and operation (``torch.backends.<path>.fp32_precision``:
+# "ieee", "tf32", "bf16" or "none", which follows its parent). Once one is set, the legacy getters
+# (``torch.get_float32_matmul_precision()``, ``allow_tf32``) raise instead of answering: TrainingArguments(tf32=...)
+# on an Ampere GPU sets the new ones, so both are read here, the legacy ones where they still answer.
+FP32_PRECISION = ("fp32_precision", "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision", "mkldnn.conv.fp32_precision",
+                  "mkldnn.rnn.fp32_precision", "cuda.matmul.fp32_precision", "cudnn.fp32_precision",
+                  "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision")
+PER_BACKEND = "per backend"  # what a legacy getter reads once the per-backend settings are in use
+
+
+def _owner(path: str):
+    owner = torch.backends
+    for part in path.split(".")[:-1]:
+        owner = getattr(owner, part, None)
+    return owner if owner is not None and hasattr(owner, path.rsplit(".", 1)[-1]) else None
+
+
+def fp32_precision() -> dict:
+    """The per-backend float32 precision settings this torch has (:data:`FP32_PRECISION`)."""
+    return {p: getattr(_owner(p), p.rsplit(".", 1)[-1]) for p in FP32_PRECISION if _owner(p) is not None}
+
+
+def _legacy(read):
+    try:
+        return read()
+    except RuntimeError:  # the per-backend settings are in use (see FP32_PRECISION)
+        return PER_BACKEND
+
+
+def float32_matmul_precision() -> str:
+    return _legacy(torch.get_float32_matmul_precision)
+
+
+def matmul_allow_tf32():
+    return _legacy(lambda: bool(torch.backends.cuda.matmul.allow_tf32))
+
+
+def cudnn_allow_tf32():
+    return _legacy(lambda: bool(torch.backends.cudnn.allow_tf32))
+
+
+def flush_denormal() -> bool:
+    """Whether this process flushes denormal floats to zero (``torch.set_flush_denormal``, which has no getter): a
+    denormal times two reads back as zero. It changes the bits wherever a value falls below 1.2e-38 (Adam's second
+    moment of a gradient under 1e-19, the probability of a token far below the top one)."""
+    x = torch.tensor([torch.finfo(torch.float32).tiny / 4])
+    return bool((x * 2.0).item() == 0.0)
+
+
 def deterministic_settings() -> dict:
-    """The process-wide switches that select kernels (each one a replay sets to the recorded value)."""
+    """The process-wide switches that select kernels or round numbers (each one a replay sets to the recorded
+    value)."""
     return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
             "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-            "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "mkldnn_enabled": bool(torch.backends.mkldnn.enabled)}
+            "cudnn_allow_tf32": cudnn_allow_tf32(), "matmul_allow_tf32": matmul_allow_tf32(),
+            "float32_matmul_precision": float32_matmul_precision(),
+            "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
+            "fp32_precision": fp32_precision(), "flush_denormal": flush_denormal()}
 
 
 def apply_deterministic_settings(settings: dict) -> None:
+    """Set each recorded switch that differs here (one this process cannot read or set is left as it is: the
+    environment probe compares what the steps compute)."""
     if "deterministic_algorithms" in settings:
         torch.use_deterministic_algorithms(settings["deterministic_algorithms"],
                                            warn_only=settings.get("deterministic_warn_only", False))
     for key, (owner, attr) in {"cudnn_deterministic": (torch.backends.cudnn, "deterministic"),
                                "cudnn_benchmark": (torch.backends.cudnn, "benchmark"),
-                               "cudnn_allow_tf32": (torch.backends.cudnn, "allow_tf32"),
-                               "matmul_allow_tf32": (torch.backends.cuda.matmul, "allow_tf32"),
                                "mkldnn_enabled": (torch.backends.mkldnn, "enabled")}.items():
         if key in settings:
             setattr(owner, attr, settings[key])
-    if settings.get("float32_matmul_precision"):
-        torch.set_float32_matmul_precision(settings["float32_matmul_precision"])
+    for key, read, (owner, attr) in (("cudnn_allow_tf32", cudnn_allow_tf32, (torch.backends.cudnn, "allow_tf32")),
+                                     ("matmul_allow_tf32", matmul_allow_tf32,
+                                      (torch.backends.cuda.matmul, "allow_tf32"))):
+        if settings.get(key, PER_BACKEND) != PER_BACKEND and read() not in (PER_BACKEND, settings[key]):
+            setattr(owner, attr, settings[key])
+    recorded = settings.get("float32_matmul_precision") or PER_BACKEND
+    if recorded != PER_BACKEND and float32_matmul_precision() not in (PER_BACKEND, recorded):
+        torch.set_float32_matmul_precision(recorded)
+    here = fp32_precision()
+    for path, value in (settings.get("fp32_precision") or {}).items():
+        if path in here and here[path] != value:
+            setattr(_owner(path), path.rsplit(".", 1)[-1], value)
+    if "flush_denormal" in settings and flush_denormal() != settings["flush_denormal"]:
+        torch.set_flush_denormal(settings["flush_denormal"])
 
 
 def numeric_stack(device=None) -> dict:
@@ -139,7 +201,18 @@ def stack_statement(header: dict) -> str:
             + (f", CUDA {recorded['cuda']}" if recorded.get("cuda") else "")
             + (f", oneDNN {recorded['onednn']}" if recorded.get("onednn") else "")
             + (f", MKL {recorded['mkl']}" if recorded.get("mkl") else "")
-            + f", deterministic algorithms {'on' if recorded.get('deterministic', {}).get('deterministic_algorithms') else 'off'}")
+            + f", deterministic algorithms {'on' if recorded.get('deterministic', {}).get('deterministic_algorithms') else 'off'}"
+            + _precision_clause(recorded.get("deterministic") or {}))
+
+
+def _precision_clause(settings: dict) -> str:
+    """The float32 precision and denormal settings a replay pins, where they are not torch's defaults."""
+    precision = settings.get("fp32_precision") or {}
+    top = precision.get("fp32_precision")  # the backends read it where they set none of their own
+    set_ = {p: v for p, v in precision.items() if v not in ("none", "ieee") and (p == "fp32_precision" or v != top)
+            and not (p.startswith("cudnn.") and v == "tf32")}  # cuDNN's convolutions default to TF32
+    return ((", float32 precision " + ", ".join(f"{p}={v}" for p, v in set_.items()) if set_ else "")
+            + (", denormals flushed to zero" if settings.get("flush_denormal") else ""))
 # environment variables known to change the bits of a CPU or GPU computation (recorded, and named when a probe
 # fails; the probe is the guarantee, not this list)
 NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "OMP_", "KMP_")
