@@ -259,3 +259,34 @@ def test_per_backend_float32_precision_records_and_is_pinned(tmp_path, monkeypat
     assert "float32 precision fp32_precision=tf32" in receipt["evidence"]["numeric_stack"]
     assert "tf32" in seen and torch.backends.fp32_precision == "none"
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_a_deletion_in_a_process_without_the_flash_sdpa_kernel_replays_as_recorded(tmp_path, monkeypatch, capsys):
+    """``torch.backends.cuda.enable_flash_sdp(False)`` changes a CPU SDPA's bits too (another kernel runs): a deleting
+    process that set it (or imported a library that did) was refused by the environment probe, which could not name
+    the cause. The SDPA kernel switches are pinned with the numeric stack now: VERIFIED, the oracle equal to a plain
+    Trainer's counterfactual with the kernel on, and the caller's switch restored."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import tiny
+
+    tok, data = get_trace_data()
+    data = data.select(range(12))
+    kw = dict(gradient_accumulation_steps=1, max_steps=4)
+    torch.manual_seed(0)
+    record(tok, data, tmp_path / "rec", model=tiny(tok), every=2, **kw)
+    run = tmp_path / "rec" / "trace"
+    assert open_run(run).header["numeric_stack"]["deterministic"]["flash_sdp"] is True
+    forget = open_run(run).ids_at_steps([2])[:1]
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        code, out = _forget(run, forget, tmp_path / "del", monkeypatch, capsys, "--oracle")
+        assert not torch.backends.cuda.flash_sdp_enabled()  # the caller's, restored
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    assert code == 0 and "VERIFIED" in out.out, out.out + out.err
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    torch.manual_seed(0)
+    plain = independent_counterfactual(tok, data, tiny(tok), run, forget, tmp_path / "plain", **kw)
+    assert all(torch.equal(t, plain[n]) for n, t in oracle.items())

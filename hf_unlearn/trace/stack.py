@@ -85,6 +85,43 @@ def flush_denormal() -> bool:
     return bool((x * 2.0).item() == 0.0)
 
 
+def _set_attr(owner, attr):
+    return lambda value: setattr(owner, attr, value)
+
+
+def _library(name: str):
+    return lambda: getattr(getattr(torch.backends.cuda, name)(), "name", "").lower() or None
+
+
+_cuda, _matmul = torch.backends.cuda, torch.backends.cuda.matmul
+# switches that pick a kernel or its accumulation, each (key, read, set): which scaled-dot-product attention kernels
+# may run (disabling the flash one changes a CPU SDPA's bits), reduced-precision reductions, the BLAS and linear
+# algebra libraries a GPU dispatches to
+KERNEL_SWITCHES = (
+    ("flash_sdp", _cuda.flash_sdp_enabled, _cuda.enable_flash_sdp),
+    ("mem_efficient_sdp", _cuda.mem_efficient_sdp_enabled, _cuda.enable_mem_efficient_sdp),
+    ("math_sdp", _cuda.math_sdp_enabled, _cuda.enable_math_sdp),
+    ("cudnn_sdp", _cuda.cudnn_sdp_enabled, _cuda.enable_cudnn_sdp),
+    ("math_sdp_fp16_bf16_reduction", _cuda.fp16_bf16_reduction_math_sdp_allowed,
+     _cuda.allow_fp16_bf16_reduction_math_sdp),
+    ("cuda_fp16_reduced_precision_reduction", lambda: _matmul.allow_fp16_reduced_precision_reduction,
+     _set_attr(_matmul, "allow_fp16_reduced_precision_reduction")),
+    ("cuda_bf16_reduced_precision_reduction", lambda: _matmul.allow_bf16_reduced_precision_reduction,
+     _set_attr(_matmul, "allow_bf16_reduced_precision_reduction")),
+    ("cpu_fp16_reduced_precision_reduction", torch._C._get_cpu_allow_fp16_reduced_precision_reduction,
+     torch._C._set_cpu_allow_fp16_reduced_precision_reduction),
+    ("blas_library", _library("preferred_blas_library"), _cuda.preferred_blas_library),
+    ("linalg_library", _library("preferred_linalg_library"), _cuda.preferred_linalg_library),
+)
+
+
+def _read(read):
+    try:
+        return read()
+    except (RuntimeError, AttributeError, TypeError):  # not in this build: not recorded, not set
+        return None
+
+
 def deterministic_settings() -> dict:
     """The process-wide switches that select kernels or round numbers (each one a replay sets to the recorded
     value)."""
@@ -95,7 +132,8 @@ def deterministic_settings() -> dict:
             "cudnn_allow_tf32": cudnn_allow_tf32(), "matmul_allow_tf32": matmul_allow_tf32(),
             "float32_matmul_precision": float32_matmul_precision(),
             "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
-            "fp32_precision": fp32_precision(), "flush_denormal": flush_denormal()}
+            "fp32_precision": fp32_precision(), "flush_denormal": flush_denormal(),
+            **{key: _read(read) for key, read, _ in KERNEL_SWITCHES}}
 
 
 def apply_deterministic_settings(settings: dict) -> None:
@@ -123,6 +161,12 @@ def apply_deterministic_settings(settings: dict) -> None:
             setattr(_owner(path), path.rsplit(".", 1)[-1], value)
     if "flush_denormal" in settings and flush_denormal() != settings["flush_denormal"]:
         torch.set_flush_denormal(settings["flush_denormal"])
+    for key, read, write in KERNEL_SWITCHES:
+        if settings.get(key) is not None and _read(read) not in (None, settings[key]):
+            try:
+                write(settings[key])
+            except (RuntimeError, ValueError, TypeError):  # this build cannot: the environment probe compares
+                pass
 
 
 def numeric_stack(device=None) -> dict:
