@@ -45,6 +45,7 @@ import torch
 from . import module_tree
 from .checksums import _own_state_tensors, exact_digest, state_tensors, tensor_checksums
 from .environment_reads import is_user_code
+from .stack import NUMERIC_ENV as STACK_ENV
 from .stack import cudnn_allow_tf32, float32_matmul_precision, flush_denormal, fp32_precision, matmul_allow_tf32
 from .trainers import own_functions, recorded_trainer_class
 
@@ -79,9 +80,9 @@ RUNTIME_STATE = ("torch.distributed",)
 # fields a process of one launch legitimately holds for itself (left out when processes are compared)
 PROCESS_LOCAL = ("args.local_rank", "args.output_dir", "args.logging_dir", "args.run_name", "args._n_gpu",
                  "environ LOCAL_RANK", "environ RANK")
-# environment variables known to change the numbers a step computes (the probe, not this list, is the guarantee)
-NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_", "CUDNN_", "NCCL_", "OMP_", "KMP_",
-               "NVIDIA_TF32_OVERRIDE", "TORCH_", "PYTORCH_", "XLA_", "LOCAL_RANK", "RANK")
+# environment variables compared between the steps and processes of one run: the numeric stack's (recorded and
+# compared across machines; the probe, not the list, is the guarantee) and, within a run, every torch setting
+NUMERIC_ENV = (*STACK_ENV, "TORCH_", "PYTORCH_", "XLA_", "LOCAL_RANK", "RANK")
 # modules whose functions a model's forward calls besides its own classes' methods
 CODE_MODULES = ("torch.nn.functional", "transformers.activations", "transformers.masking_utils",
                 "transformers.modeling_rope_utils", "transformers.integrations.sdpa_attention",

@@ -259,7 +259,9 @@ def _precision_clause(settings: dict) -> str:
             + (", denormals flushed to zero" if settings.get("flush_denormal") else ""))
 # environment variables known to change the bits of a CPU or GPU computation (recorded, and named when a probe
 # fails; the probe is the guarantee, not this list)
-NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_WORKSPACE_CONFIG", "NCCL_", "OMP_", "KMP_")
+NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_", "CUBLASLT_", "CUDNN_", "NCCL_", "OMP_",
+               "KMP_", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_BLAS_PREFER_CUBLASLT",
+               "OPENBLAS_", "BLIS_")
 
 
 def numeric_environment() -> dict:
