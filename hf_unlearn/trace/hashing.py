@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UnlearnError
 from ..utils import atomic_write_text
 from .dtensors import full, is_sharded
 from .peft_names import base_key
@@ -121,12 +122,26 @@ def optimizer_tensors(optimizer_or_state: Any, param_names: list[str] | None = N
         names = {idx: param_names[pos] for pos, idx in enumerate(order) if pos < len(param_names)}
     out: dict[str, torch.Tensor] = {}
     for idx, entries in state_dict.get("state", {}).items():
-        prefix = names.get(idx, str(idx))
-        for key, value in entries.items():
-            if not torch.is_tensor(value):
-                value = torch.tensor(float(value), dtype=torch.float64)
-            out[f"{prefix}.{key}"] = value
+        _flatten_entries(out, names.get(idx, str(idx)), entries)
     return out
+
+
+def _flatten_entries(out: dict, prefix: str, entries: dict) -> None:
+    """One parameter's optimizer state into ``out``: nested dicts as dotted names (bitsandbytes keeps its quantised
+    state under ``__bnb_optimizer_quant_state__``), numbers as 0-dim float64, text as its UTF-8 bytes; None skipped."""
+    for key, value in entries.items():
+        name = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            _flatten_entries(out, name, value)
+        elif torch.is_tensor(value):
+            out[name] = value
+        elif isinstance(value, (bool, int, float)):
+            out[name] = torch.tensor(float(value), dtype=torch.float64)
+        elif isinstance(value, str):
+            out[name] = torch.tensor(list(value.encode("utf-8")), dtype=torch.uint8)
+        elif value is not None:
+            raise UnlearnError(f"optimizer state {name} holds a {type(value).__name__} object, which the trace cannot hash; use a "
+                               "torch or bitsandbytes optimizer whose state holds tensors and numbers")
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer) -> list[str]:
