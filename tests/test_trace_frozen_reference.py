@@ -208,3 +208,26 @@ def test_only_a_folder_from_pretrained_reads_counts_as_the_weights_source(tmp_pa
     model.save_pretrained(tmp_path / "weights")
     model.config._name_or_path = str(tmp_path / "weights")
     assert loaded_from(model) == {"kind": "safetensors", "path": str((tmp_path / "weights").resolve()), "revision": None}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_base_as_qlora_loads_it_is_refused_before_training(tmp_path, bits):
+    """QLoRA: the base loaded with ``BitsAndBytesConfig(load_in_4bit=True)``, LoRA on it. The recording trained, then
+    its self-check's replay (which rebuilds the base from its files, unquantized) crashed loading the quantized state
+    with a multi-page traceback. Refused when the recording is built, one line naming the quantization and what to
+    load instead; nothing written."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes (the eval extra)")
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tok, data = get_trace_data()
+    tiny(tok).save_pretrained(tmp_path / "base")
+    quant = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+             if bits == 4 else BitsAndBytesConfig(load_in_8bit=True))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
+    with pytest.raises(UnlearnError) as e:
+        record(tok, data, tmp_path / "rec", model=lora(base), max_steps=2)
+    text = str(e.value)
+    assert "\n" not in text and f"loaded quantized (bitsandbytes {bits}-bit, as QLoRA does)" in text, text
+    assert "load the base in bf16 or fp32" in text
+    assert not (tmp_path / "rec" / "trace" / "header.json").exists()

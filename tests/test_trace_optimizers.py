@@ -18,7 +18,7 @@ from .test_trace_neutral_attacks import _forget_outcome
 
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
 OPTIMIZERS = ["adamw_bnb_8bit", *[pytest.param(o, marks=pytest.mark.slow) for o in
-                                  ("paged_adamw_32bit", "lion_32bit", "adafactor", "adamw_torch_fused", "sgd",
+                                  ("paged_adamw_8bit", "paged_adamw_32bit", "lion_32bit", "adafactor", "adamw_torch_fused", "sgd",
                                    "rmsprop", "adagrad")]]
 
 

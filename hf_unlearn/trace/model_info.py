@@ -97,6 +97,18 @@ def experts_refusal(run) -> str | None:
             "(this run was recorded before the recorder refused it); record the run again so")
 
 
+def quantized(model) -> str | None:
+    """How ``model``'s weights were quantized when loaded (``quantization_config=``: bitsandbytes 4-bit or 8-bit, as
+    QLoRA loads its base, GPTQ, AWQ, ...), named, or None. A replay rebuilds the base from its files unquantized."""
+    if getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False):
+        return None
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    method = getattr(qc, "quant_method", None) or (qc.get("quant_method") if isinstance(qc, dict) else None)
+    method = str(getattr(method, "value", method) or "quantized")
+    bits = next((b for b, k in ((4, "load_in_4bit"), (8, "load_in_8bit")) if getattr(qc, k, False)), None)
+    return method + (f" {bits}-bit" if bits else "")
+
+
 def first_non_finite(model, skip=()) -> str | None:
     """The name of the first parameter holding a NaN or an infinity, or None. ``skip``: names already read and
     unchanged since (a LoRA run's frozen base, nearly all its bytes, read at its step-0 checkpoint)."""

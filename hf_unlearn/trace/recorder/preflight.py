@@ -15,6 +15,7 @@ from ..model_info import (
     dynamic_rope,
     experts_hazard,
     peft_and_base,
+    quantized,
     routed_experts,
     samples_sharing_a_microbatch,
 )
@@ -201,4 +202,9 @@ def check_model_rebuildable(trainer) -> None:
                            "importable transformers model with a config (pass model= to replays otherwise)")
     if peft and peft.get("why"):
         raise UnlearnError(f"a replay must rebuild the PEFT model and cannot: {peft['why']}")
+    how = quantized(base)
+    if how:
+        raise UnlearnError(f"a replay must rebuild the model and cannot: its base was loaded quantized ({how}, as "
+                           "QLoRA does), and a replay rebuilds the base from its files unquantized; load the base in "
+                           "bf16 or fp32 (LoRA on it records and deletes exactly)")
 
