@@ -383,3 +383,23 @@ def test_cli_forget_oracle_on_a_dpo_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     receipt = json.loads((tmp_path / "out" / "receipt.json").read_text())
     assert receipt["evidence"]["verified"] is True
+
+
+@pytest.mark.parametrize("name,why", [("KTOTrainer", "pairs each prompt with the completion of another row"),
+                                      ("RewardTrainer", "pads and pools its pairs its own way"),
+                                      ("DistillationTrainer", "samples from the model being trained")])
+def test_trl_trainers_a_recording_does_not_know_are_refused_when_wrapped(name, why):
+    """``trace_recording(KTOTrainer)`` and ``trace_recording(RewardTrainer)`` crashed deep in the trainer's
+    construction (a ``_prepare_dataset`` signature the recorder does not take); TRL's on-policy distillation trains on
+    what the model generates. Each is refused when wrapped, in one line, and so is a user's subclass of one."""
+    import trl
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import trace_recording
+
+    cls = getattr(trl, name)
+    for wrapped in (cls, type(f"My{name}", (cls,), {})):
+        with pytest.raises(UnlearnError) as e:
+            trace_recording(wrapped)
+        text = str(e.value)
+        assert "\n" not in text and why in text and f"{wrapped.__qualname__}" in text, text

@@ -79,7 +79,17 @@ REFUSED_OPTIONS = {
 }
 # Trainers that train on completions sampled from the model being trained (class names, TRL and TRL experimental).
 ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "NashMDTrainer", "XPOTrainer",
-                   "GKDTrainer", "AsyncGRPOTrainer", "GOLDTrainer", "MiniLLMTrainer")
+                   "GKDTrainer", "AsyncGRPOTrainer", "GOLDTrainer", "MiniLLMTrainer", "DistillationTrainer",
+                   "AsyncDistillationTrainer", "ServerDistillationTrainer")
+# the TRL trainers a recording knows (their data preparation, loss and dummy rows); another TRL trainer is refused
+# when trace_recording() is called, with why where it is known
+KNOWN_TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "_BaseTrainer", "BaseTrainer")
+UNKNOWN_TRL_TRAINERS = {
+    "KTOTrainer": "its loss's KL baseline pairs each prompt with the completion of another row of its batch, so "
+                  "deleting a row changes the other rows' terms, which no dummy row keeps",
+    "RewardTrainer": "it tokenizes, pads and pools its pairs its own way, which the recorder's dummy pair does not "
+                     "reproduce",
+}
 DPO_TRAINER = "DPOTrainer"
 RECORDING_MIXIN = "RecordingHooks"  # hf_unlearn.trace.recorder's hooks, whose dataset preparation DPO's skips
 STORE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -112,6 +122,18 @@ def refuse_online(trainer_cls) -> None:
             "produced; deleting a prompt changes those weights and hence every completion sampled after it (for every "
             "other prompt too), so the recorded plan is not the plan of the run without that prompt and no fixed-plan "
             "replay can reproduce it. Record offline trainers (SFTTrainer, DPOTrainer on a fixed preference dataset)")
+
+
+def refuse_unknown_trl(trainer_cls) -> None:
+    """Refuse, before any compute, a TRL trainer other than those a recording knows (:data:`KNOWN_TRL_TRAINERS`):
+    its data preparation and loss are its own (TRL's KTO and reward trainers crashed deep in construction)."""
+    found = next((c.__name__ for c in getattr(trainer_cls, "__mro__", ()) if c.__module__.startswith("trl.")
+                  and c.__name__ not in KNOWN_TRL_TRAINERS), None)
+    if found:
+        why = UNKNOWN_TRL_TRAINERS.get(found, "hf_unlearn does not know its data preparation and loss")
+        name = trainer_cls.__qualname__ + (f" ({found})" if found != trainer_cls.__qualname__ else "")
+        raise UnlearnError(f"{name} cannot be recorded for exact deletion: {why}. Record "
+                           "transformers' Trainer, TRL's SFTTrainer or DPOTrainer (or your subclass of one of them)")
 
 
 def is_dpo(trainer_cls) -> bool:
@@ -542,4 +564,5 @@ def preference_mixins(trainer_cls) -> tuple:
     """The mixins :func:`~hf_unlearn.trace.trace_recording` puts before ``TraceRecordingMixin`` for ``trainer_cls``
     (refusing, before any compute, trainers that generate their own data)."""
     refuse_online(trainer_cls)
+    refuse_unknown_trl(trainer_cls)
     return (PreferenceTraceMixin,) if is_dpo(trainer_cls) else ()
