@@ -80,7 +80,7 @@ def test_replays_of_a_recorded_fsdp2_run_that_cannot_reproduce_it_are_refused(tm
 
 @pytest.mark.parametrize("variable,value,match", [
     ("ACCELERATE_MIXED_PRECISION", "bf16", r"accelerate runs mixed precision 'bf16' .* TrainingArguments say 'no'"),
-    ("ACCELERATE_DYNAMO_BACKEND", "inductor", r"accelerate compiles the model with INDUCTOR .* torch_compile=False")])
+    ("ACCELERATE_DYNAMO_BACKEND", "inductor", r"accelerate compiles the model with INDUCTOR .*--dynamo_backend no")])
 def test_precision_or_compilation_only_the_launch_sets_is_refused(tmp_path, monkeypatch, variable, value, match):
     """``accelerate launch --mixed_precision bf16`` (or ``--dynamo_backend``, or a config file saying so) exports a
     variable accelerate obeys when the TrainingArguments say nothing; the run records, and a replay rebuilds, only
@@ -104,6 +104,25 @@ def test_precision_or_compilation_only_the_launch_sets_is_refused(tmp_path, monk
         ReplayTrainer(run, start="full")
     with pytest.raises(UnlearnError, match=match):
         OracleReplayTrainer(run, ids_at_step(run, 0)[:1], out_dir=tmp_path / "oracle")
+
+
+def test_torch_compile_is_refused_when_the_recording_is_built(tmp_path):
+    """``torch_compile=True`` recorded for the whole training, then every deletion was refused ("code class
+    LlamaForCausalLM ... changed at optimizer step 0": compilation replaces the model's code when training starts),
+    and the launch check's message even advised setting it. Refused at construction now, in one line."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    from .test_trace_common import get_trace_data, tiny, train_args
+
+    tok, data = get_trace_data()
+    with pytest.raises(UnlearnError) as refused:
+        TraceRecordingTrainer(model=tiny(tok), args=train_args(tmp_path / "ft", torch_compile=True), train_dataset=data,
+                              data_collator=QACollator.from_tokenizer(tok), trace_dir=tmp_path / "trace")
+    text = str(refused.value)
+    assert "\n" not in text and text.startswith("torch_compile=True (inductor)") and "torch_compile=False" in text
+    assert not (tmp_path / "trace" / "header.json").exists()
 
 
 @pytest.mark.slow

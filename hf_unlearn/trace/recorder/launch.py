@@ -43,18 +43,22 @@ def check_parallelism(trainer) -> None:
 
 
 def check_launch_settings(trainer) -> None:
-    """The mixed precision and compilation accelerate runs must be what the TrainingArguments say (bf16=/fp16=,
-    torch_compile=): the run records them and a replay rebuilds them, but accelerate takes
-    ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_BACKEND (what ``accelerate launch --mixed_precision /
-    --dynamo_backend`` or a config file exports) when they say nothing."""
+    """The mixed precision accelerate runs must be what the TrainingArguments say (bf16=/fp16=): the run records it
+    and a replay rebuilds it, but accelerate takes ACCELERATE_MIXED_PRECISION (what ``accelerate launch
+    --mixed_precision`` or a config file exports) when they say nothing. No compilation (``torch_compile=`` or
+    ACCELERATE_DYNAMO_BACKEND): it replaces the model's code when training starts, a program change at step 0."""
     args = trainer.args
+    if args.torch_compile:
+        raise UnlearnError(f"torch_compile=True ({args.torch_compile_backend or 'inductor'}): compilation replaces the "
+                           "model's code when training starts, which the recording's guards see as a program change "
+                           "at step 0, so every deletion from the run would be refused; train with torch_compile=False")
     backend = str(getattr(getattr(trainer.accelerator.state, "dynamo_plugin", None), "backend", "NO")).split(".")[-1]
-    if not args.torch_compile and backend.upper() != "NO":
+    if backend.upper() != "NO":
         raise UnlearnError(f"accelerate compiles the model with {backend} (ACCELERATE_DYNAMO_BACKEND="
                            f"{os.environ.get('ACCELERATE_DYNAMO_BACKEND')!r} in the environment: accelerate launch "
-                           "--dynamo_backend or a config file) but the TrainingArguments say torch_compile=False, "
-                           "which is what the run records and a replay rebuilds: set torch_compile=True (and "
-                           "torch_compile_backend) in the TrainingArguments or launch with --dynamo_backend no")
+                           "--dynamo_backend or a config file): compilation replaces the model's code when training "
+                           "starts, which the recording's guards see as a program change at step 0, so every deletion "
+                           "would be refused; launch with --dynamo_backend no")
     said = "fp16" if args.fp16 else "bf16" if args.bf16 else "no"
     live = str(trainer.accelerator.mixed_precision)
     if live != said:
