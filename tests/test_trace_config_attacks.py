@@ -897,6 +897,7 @@ def test_a_plateau_run_recorded_before_the_hazard_is_refused_at_deletion(tmp_pat
     tok, data = get_trace_data()
     data = data.select(range(16))
     monkeypatch.setattr(preflight, "metric_schedule", lambda args: None)  # the recorder of an earlier release
+    monkeypatch.setattr(preflight, "metric_scheduler", lambda scheduler, args: None)
     _plateau_run(tok, data, tmp_path / "old", trace_self_check=False)
     run = tmp_path / "old" / "trace"
     ids = [data[0]["id"]]
@@ -912,3 +913,28 @@ def test_a_plateau_run_recorded_before_the_hazard_is_refused_at_deletion(tmp_pat
     from .test_trace_common import replays_the_recording
 
     assert replays_the_recording(run)
+
+
+def _plateau_passed(tmp_path, tok, data, evaluate: str):
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    from .test_trace_common import tiny, train_args
+
+    model = tiny(tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return TraceRecordingTrainer(
+        model=model, args=train_args(tmp_path / evaluate, eval_strategy=evaluate, eval_steps=1), train_dataset=data,
+        eval_dataset=data.select([0]), data_collator=QACollator.from_tokenizer(tok),
+        optimizers=(opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt)), trace_dir=tmp_path / evaluate / "t")
+
+
+def test_a_plateau_scheduler_passed_in_optimizers_is_refused_only_where_the_run_evaluates(tmp_path):
+    """``optimizers=(opt, ReduceLROnPlateau(opt))``: transformers steps it after each evaluation, as it does the
+    ``lr_scheduler_type`` one (a hazard, refused); a run that never evaluates never steps it (recorded)."""
+    tok, data = get_trace_data()
+    _plateau_passed(tmp_path, tok, data, "no")
+    with pytest.raises(UnlearnError) as e:
+        _plateau_passed(tmp_path, tok, data, "steps")
+    assert "\n" not in str(e.value)
+    assert "the scheduler ReduceLROnPlateau passed in optimizers= sets the learning rate from evaluation" in str(e.value)

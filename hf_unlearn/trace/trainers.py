@@ -139,8 +139,29 @@ def metric_schedule(training_args) -> str | None:
 SCHEDULE_HAZARD = "sets the learning rate from evaluation metrics"  # the words the hazard and the refusal share
 
 
+def metric_scheduler(scheduler, args) -> str | None:
+    """``optimizers=(optimizer, scheduler)``'s scheduler when transformers steps it on evaluation metrics
+    (ReduceLROnPlateau, GreedyLR: after each evaluation, so only when the run evaluates), as the words
+    :func:`schedule_hazard` takes; else None."""
+    import torch
+
+    kinds = [torch.optim.lr_scheduler.ReduceLROnPlateau]
+    try:
+        from transformers.optimization import GreedyLR
+
+        kinds.append(GreedyLR)
+    except ImportError:  # an older transformers: no GreedyLR
+        pass
+    if scheduler is None or not isinstance(scheduler, tuple(kinds)) or str(getattr(
+            args.eval_strategy, "value", args.eval_strategy)) == "no":
+        return None
+    return f"the scheduler {type(scheduler).__name__} passed in optimizers="
+
+
 def schedule_hazard(kind: str) -> str:
-    return (f"lr_scheduler_type={kind!r} {SCHEDULE_HAZARD}, which a deletion changes: replays keep the recorded "
+    """``kind``: a ``lr_scheduler_type`` value, or the words :func:`metric_scheduler` returns."""
+    what = kind if kind.startswith("the scheduler") else f"lr_scheduler_type={kind!r}"
+    return (f"{what} {SCHEDULE_HAZARD}, which a deletion changes: replays keep the recorded "
             "learning rates, a run without the deleted rows would choose its own; use a schedule of the step alone "
             "(linear, cosine, constant, ...)")
 

@@ -23,7 +23,7 @@ from ..packing import packing_refusal
 from ..rng import seeded
 from ..sharding import unsharded_class
 from ..store import id_index
-from ..trainers import metric_schedule, recorded_trainer_class, schedule_hazard
+from ..trainers import metric_schedule, metric_scheduler, recorded_trainer_class, schedule_hazard
 from ..trainers import trainer_spec as _trainer_spec
 from .optimizers import optimizer_spec
 
@@ -133,7 +133,7 @@ def preflight(trainer) -> tuple:
     if args.fp16:
         hazards.append("fp16 with dynamic loss scaling: the grad scaler's state is not checkpointed, so replays "
                        "may scale (and skip) steps differently; use bf16 or fp32")
-    schedule = metric_schedule(args)
+    schedule = metric_schedule(args) or metric_scheduler(trainer.lr_scheduler, args)
     if schedule:
         hazards.append(schedule_hazard(schedule))
     if args.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
