@@ -85,33 +85,44 @@ def flush_denormal() -> bool:
     return bool((x * 2.0).item() == 0.0)
 
 
-def _set_attr(owner, attr):
-    return lambda value: setattr(owner, attr, value)
+def _call(path: str, *value):
+    """``torch.backends.cuda.<path>(*value)``, looked up when called (an older torch lacks some: AttributeError)."""
+    owner = torch.backends.cuda
+    for part in path.split(".")[:-1]:
+        owner = getattr(owner, part)
+    found = getattr(owner, path.rsplit(".", 1)[-1])
+    return found(*value) if callable(found) else found
+
+
+def _assign(path: str):
+    def write(value):
+        owner, attr = path.rsplit(".", 1)
+        setattr(_call(owner), attr, value)
+    return write
 
 
 def _library(name: str):
-    return lambda: getattr(getattr(torch.backends.cuda, name)(), "name", "").lower() or None
+    return lambda: getattr(_call(name), "name", "").lower() or None
 
 
-_cuda, _matmul = torch.backends.cuda, torch.backends.cuda.matmul
 # switches that pick a kernel or its accumulation, each (key, read, set): which scaled-dot-product attention kernels
 # may run (disabling the flash one changes a CPU SDPA's bits), reduced-precision reductions, the BLAS and linear
-# algebra libraries a GPU dispatches to
+# algebra libraries a GPU dispatches to. Looked up when read: one this torch lacks is neither recorded nor set.
 KERNEL_SWITCHES = (
-    ("flash_sdp", _cuda.flash_sdp_enabled, _cuda.enable_flash_sdp),
-    ("mem_efficient_sdp", _cuda.mem_efficient_sdp_enabled, _cuda.enable_mem_efficient_sdp),
-    ("math_sdp", _cuda.math_sdp_enabled, _cuda.enable_math_sdp),
-    ("cudnn_sdp", _cuda.cudnn_sdp_enabled, _cuda.enable_cudnn_sdp),
-    ("math_sdp_fp16_bf16_reduction", _cuda.fp16_bf16_reduction_math_sdp_allowed,
-     _cuda.allow_fp16_bf16_reduction_math_sdp),
-    ("cuda_fp16_reduced_precision_reduction", lambda: _matmul.allow_fp16_reduced_precision_reduction,
-     _set_attr(_matmul, "allow_fp16_reduced_precision_reduction")),
-    ("cuda_bf16_reduced_precision_reduction", lambda: _matmul.allow_bf16_reduced_precision_reduction,
-     _set_attr(_matmul, "allow_bf16_reduced_precision_reduction")),
-    ("cpu_fp16_reduced_precision_reduction", torch._C._get_cpu_allow_fp16_reduced_precision_reduction,
-     torch._C._set_cpu_allow_fp16_reduced_precision_reduction),
-    ("blas_library", _library("preferred_blas_library"), _cuda.preferred_blas_library),
-    ("linalg_library", _library("preferred_linalg_library"), _cuda.preferred_linalg_library),
+    ("flash_sdp", lambda: _call("flash_sdp_enabled"), lambda v: _call("enable_flash_sdp", v)),
+    ("mem_efficient_sdp", lambda: _call("mem_efficient_sdp_enabled"), lambda v: _call("enable_mem_efficient_sdp", v)),
+    ("math_sdp", lambda: _call("math_sdp_enabled"), lambda v: _call("enable_math_sdp", v)),
+    ("cudnn_sdp", lambda: _call("cudnn_sdp_enabled"), lambda v: _call("enable_cudnn_sdp", v)),
+    ("math_sdp_fp16_bf16_reduction", lambda: _call("fp16_bf16_reduction_math_sdp_allowed"),
+     lambda v: _call("allow_fp16_bf16_reduction_math_sdp", v)),
+    ("cuda_fp16_reduced_precision_reduction", lambda: _call("matmul.allow_fp16_reduced_precision_reduction"),
+     _assign("matmul.allow_fp16_reduced_precision_reduction")),
+    ("cuda_bf16_reduced_precision_reduction", lambda: _call("matmul.allow_bf16_reduced_precision_reduction"),
+     _assign("matmul.allow_bf16_reduced_precision_reduction")),
+    ("cpu_fp16_reduced_precision_reduction", lambda: torch._C._get_cpu_allow_fp16_reduced_precision_reduction(),
+     lambda v: torch._C._set_cpu_allow_fp16_reduced_precision_reduction(v)),
+    ("blas_library", _library("preferred_blas_library"), lambda v: _call("preferred_blas_library", v)),
+    ("linalg_library", _library("preferred_linalg_library"), lambda v: _call("preferred_linalg_library", v)),
 )
 
 
@@ -165,7 +176,7 @@ def apply_deterministic_settings(settings: dict) -> None:
         if settings.get(key) is not None and _read(read) not in (None, settings[key]):
             try:
                 write(settings[key])
-            except (RuntimeError, ValueError, TypeError):  # this build cannot: the environment probe compares
+            except (RuntimeError, ValueError, TypeError, AttributeError):  # this build cannot: the probe compares
                 pass
 
 
