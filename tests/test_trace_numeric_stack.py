@@ -182,6 +182,7 @@ def _denormal_moments(out) -> int:
                if torch.is_tensor(t) and t.is_floating_point())
 
 
+@pytest.mark.slow  # 13 s; the flash-kernel test below exercises the same pinning in the default suite
 def test_a_deletion_in_a_process_that_flushes_denormals_replays_as_recorded(tmp_path, monkeypatch, capsys):
     """``torch.set_flush_denormal(True)`` in the deleting process (it has no getter, and the numeric stack did not
     record it): the oracle's Adam moments lost their denormal values and `forget` refused after compute, blaming the
