@@ -81,7 +81,7 @@ def flush_denormal() -> bool:
     """Whether this process flushes denormal floats to zero (``torch.set_flush_denormal``, which has no getter): a
     denormal times two reads back as zero. It changes the bits wherever a value falls below 1.2e-38 (Adam's second
     moment of a gradient under 1e-19, the probability of a token far below the top one)."""
-    x = torch.tensor([torch.finfo(torch.float32).tiny / 4])
+    x = torch.tensor([torch.finfo(torch.float32).tiny / 4], dtype=torch.float32, device="cpu")  # whatever defaults
     return bool((x * 2.0).item() == 0.0)
 
 
