@@ -222,6 +222,7 @@ def string_id_data(tmp_path_factory, tofu_full):
     return path
 
 
+@pytest.mark.slow  # 20-30 s on 2 cores: the default suite stays under 15 minutes
 def test_approximate_forget_with_string_ids_and_evaluation(tmp_path, tiny_llama_dir, string_id_data):
     from hf_unlearn import forget
 

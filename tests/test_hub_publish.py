@@ -213,6 +213,7 @@ print(json.dumps({{
     assert out["same_weights"] and out["config_ok"] and out["verified"]
 
 
+@pytest.mark.slow  # 20-30 s on 2 cores: the default suite stays under 15 minutes
 def test_no_token_or_a_bad_token_is_refused(client, hub, saved_model):
     proc = client.cli("push", saved_model, "--repo", "org/tok", token=None)
     assert proc.returncode == 1 and "no Hugging Face token" in proc.stderr and "Traceback" not in proc.stderr
@@ -239,6 +240,7 @@ def test_server_failing_mid_upload_publishes_nothing_and_a_retry_succeeds(client
     assert set(hub.store.files("model", "org/flaky", "deletion-0001")[1]) == EXPECTED_FILES
 
 
+@pytest.mark.slow  # 20-30 s on 2 cores: the default suite stays under 15 minutes
 def test_tampered_weights_on_the_hub_fail_verification(client, hub, saved_model):
     from safetensors.torch import load_file, save_file
 

@@ -21,6 +21,7 @@ def launch(tmp_path, mode: str) -> dict:
     return run(tmp_path, "llama", True, "no", steps=mode, script=ATTACKS)
 
 
+@pytest.mark.slow  # 20-30 s on 2 cores: the default suite stays under 15 minutes
 def test_fsdp_settings_only_accelerates_environment_makes_are_refused_at_construction(tmp_path):
     """What ``accelerate launch --config_file`` exports fills the FSDP plugin's fields the TrainingArguments leave
     unset: CPU offload, activation checkpointing, ignored modules (parameters left unsharded, their gradients never
