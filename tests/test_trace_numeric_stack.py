@@ -291,3 +291,51 @@ def test_a_deletion_in_a_process_without_the_flash_sdpa_kernel_replays_as_record
     torch.manual_seed(0)
     plain = independent_counterfactual(tok, data, tiny(tok), run, forget, tmp_path / "plain", **kw)
     assert all(torch.equal(t, plain[n]) for n, t in oracle.items())
+
+
+@pytest.mark.slow  # 10 s; test_the_default_dtype_is_recorded_and_pinned checks the pinning in the default suite
+def test_a_deletion_in_a_process_whose_default_dtype_is_float64_replays_as_recorded(tmp_path, monkeypatch, capsys):
+    """``torch.set_default_dtype(torch.float64)`` in the deleting process: `forget` was refused as "this process runs
+    other code than the recorded run did: module torch" (set_default_dtype rebinds ``torch.Storage``), and a replay
+    would have built its model in float64. The recorded default dtype is pinned now, for the code check and while the
+    replay builds and trains: VERIFIED, float32, equal to a plain Trainer's counterfactual; the caller's restored."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import tiny
+
+    tok, data = get_trace_data()
+    data = data.select(range(12))
+    kw = dict(gradient_accumulation_steps=1, max_steps=4)
+    torch.manual_seed(0)
+    record(tok, data, tmp_path / "rec", model=tiny(tok), every=2, **kw)
+    run = tmp_path / "rec" / "trace"
+    forget = open_run(run).ids_at_steps([2])[:1]
+    torch.set_default_dtype(torch.float64)
+    try:
+        code, out = _forget(run, forget, tmp_path / "del", monkeypatch, capsys, "--oracle")
+        assert torch.get_default_dtype() == torch.float64  # the caller's, restored
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert code == 0 and "VERIFIED" in out.out, out.out + out.err
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    assert {t.dtype for t in oracle.values()} == {torch.float32}
+    torch.manual_seed(0)
+    plain = independent_counterfactual(tok, data, tiny(tok), run, forget, tmp_path / "plain", **kw)
+    assert all(torch.equal(t, plain[n]) for n, t in oracle.items())
+
+
+def test_the_default_dtype_is_recorded_and_pinned():
+    from hf_unlearn.trace.stack import apply_deterministic_settings, deterministic_settings, recorded_default_dtype
+
+    settings = deterministic_settings()
+    assert settings["default_dtype"] == "float32"
+    torch.set_default_dtype(torch.float64)
+    try:
+        with recorded_default_dtype({"numeric_stack": {"deterministic": settings}}):
+            assert torch.get_default_dtype() == torch.float32
+        assert torch.get_default_dtype() == torch.float64
+        apply_deterministic_settings(settings)
+        assert torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)

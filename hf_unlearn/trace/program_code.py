@@ -42,6 +42,7 @@ import torch
 
 from ..errors import UnlearnError
 from .digests import CODE_MODULES, STEP_MODULES, Digester, _class_code, _module_code  # noqa: F401 - re-exported
+from .stack import recorded_default_dtype
 from .trainers import recorded_trainer, recorded_trainer_class
 
 SCRIPT = "__main__"
@@ -145,7 +146,8 @@ def code_differences(header: dict) -> list[str] | None:
     recorded = ((header.get("fidelity") or {}).get("guards") or {}).get("code")
     if not recorded:
         return None
-    now = code_now(recorded)
+    with recorded_default_dtype(header):  # what a replay, which runs with it, runs
+        now = code_now(recorded)
     return [k for k, v in recorded.items() if now.get(k) != v]
 
 

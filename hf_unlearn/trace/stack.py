@@ -144,6 +144,7 @@ def deterministic_settings() -> dict:
             "float32_matmul_precision": float32_matmul_precision(),
             "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
             "fp32_precision": fp32_precision(), "flush_denormal": flush_denormal(),
+            "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
             **{key: _read(read) for key, read, _ in KERNEL_SWITCHES}}
 
 
@@ -170,6 +171,9 @@ def apply_deterministic_settings(settings: dict) -> None:
     for path, value in (settings.get("fp32_precision") or {}).items():
         if path in here and here[path] != value:
             setattr(_owner(path), path.rsplit(".", 1)[-1], value)
+    dtype = getattr(torch, settings.get("default_dtype") or "", None)
+    if isinstance(dtype, torch.dtype) and dtype != torch.get_default_dtype():  # a model a replay builds is built so
+        torch.set_default_dtype(dtype)
     if "flush_denormal" in settings and flush_denormal() != settings["flush_denormal"]:
         torch.set_flush_denormal(settings["flush_denormal"])
     for key, read, write in KERNEL_SWITCHES:
@@ -220,6 +224,22 @@ def stack_change(before: dict | None, after: dict | None) -> str | None:
     diff += [f"{k} {v!r} -> {after.get('deterministic', {}).get(k)!r}" for k, v in (before.get("deterministic") or {}).items()
              if (after.get("deterministic") or {}).get(k) != v]
     return ", ".join(diff) or None
+
+
+@contextlib.contextmanager
+def recorded_default_dtype(header: dict):
+    """The run's recorded default dtype while the block runs (``torch.set_default_dtype`` also rebinds
+    ``torch.Storage``, which the sealed code digests read)."""
+    recorded = ((header.get(HEADER_KEY) or {}).get("deterministic") or {}).get("default_dtype")
+    dtype, before = getattr(torch, recorded or "", None), torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or dtype == before:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 @contextlib.contextmanager

@@ -133,7 +133,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         created = self.out_dir is not None and not self.out_dir.exists()
         self._out_created = created
         try:
-            self._setup(header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs)
+            with pinned_stack(header):  # the model and optimizer built as the recording built them (default dtype)
+                self._setup(header, store, forget_ids, start, filter_rows, model, args, data_collator, **kwargs)
         except BaseException:
             # a refused replay leaves nothing behind (Trainer creates output_dir); the other processes of a launch
             # may remove it at the same moment, which must not replace the refusal with a FileNotFoundError
