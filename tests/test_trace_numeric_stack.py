@@ -262,6 +262,18 @@ def test_per_backend_float32_precision_records_and_is_pinned(tmp_path, monkeypat
     assert torch.get_float32_matmul_precision() == "highest"
 
 
+def _tiny_run(tmp_path):
+    """The tiny Llama recorded for 4 steps on 12 rows (a checkpoint every 2): tokenizer, rows, arguments, run."""
+    from .test_trace_common import tiny
+
+    tok, data = get_trace_data()
+    data = data.select(range(12))
+    kw = dict(gradient_accumulation_steps=1, max_steps=4)
+    torch.manual_seed(0)
+    record(tok, data, tmp_path / "rec", model=tiny(tok), every=2, **kw)
+    return tok, data, kw, tmp_path / "rec" / "trace"
+
+
 def test_a_deletion_in_a_process_without_the_flash_sdpa_kernel_replays_as_recorded(tmp_path, monkeypatch, capsys):
     """``torch.backends.cuda.enable_flash_sdp(False)`` changes a CPU SDPA's bits too (another kernel runs): a deleting
     process that set it (or imported a library that did) was refused by the environment probe, which could not name
@@ -272,12 +284,7 @@ def test_a_deletion_in_a_process_without_the_flash_sdpa_kernel_replays_as_record
 
     from .test_trace_common import tiny
 
-    tok, data = get_trace_data()
-    data = data.select(range(12))
-    kw = dict(gradient_accumulation_steps=1, max_steps=4)
-    torch.manual_seed(0)
-    record(tok, data, tmp_path / "rec", model=tiny(tok), every=2, **kw)
-    run = tmp_path / "rec" / "trace"
+    tok, data, kw, run = _tiny_run(tmp_path)
     assert open_run(run).header["numeric_stack"]["deterministic"]["flash_sdp"] is True
     forget = open_run(run).ids_at_steps([2])[:1]
     torch.backends.cuda.enable_flash_sdp(False)
@@ -304,12 +311,7 @@ def test_a_deletion_in_a_process_whose_default_dtype_is_float64_replays_as_recor
 
     from .test_trace_common import tiny
 
-    tok, data = get_trace_data()
-    data = data.select(range(12))
-    kw = dict(gradient_accumulation_steps=1, max_steps=4)
-    torch.manual_seed(0)
-    record(tok, data, tmp_path / "rec", model=tiny(tok), every=2, **kw)
-    run = tmp_path / "rec" / "trace"
+    tok, data, kw, run = _tiny_run(tmp_path)
     forget = open_run(run).ids_at_steps([2])[:1]
     torch.set_default_dtype(torch.float64)
     try:
