@@ -226,6 +226,9 @@ def stack_change(before: dict | None, after: dict | None) -> str | None:
     return ", ".join(diff) or None
 
 
+_WARNED: set = set()
+
+
 @contextlib.contextmanager
 def recorded_default_dtype(header: dict):
     """The run's recorded default dtype while the block runs (``torch.set_default_dtype`` also rebinds
@@ -251,7 +254,8 @@ def pinned_stack(header: dict):
         return
     threads, before, settings = int(recorded["threads"]), torch.get_num_threads(), deterministic_settings()
     asked = os.environ.get("HF_UNLEARN_THREADS")
-    if asked and asked.strip() != str(threads):
+    if asked and asked.strip() != str(threads) and (asked, threads) not in _WARNED:
+        _WARNED.add((asked, threads))  # once per process: a replay pins the stack to build and again to train
         logging.getLogger(__name__).warning(
             "HF_UNLEARN_THREADS=%s does not apply to this replay: the run was recorded with %d torch threads, and CPU "
             "results depend on the thread count, so the replay runs with %d", asked, threads, threads)
