@@ -25,6 +25,12 @@ NOT_REPLAYED = {"eval_strategy": "no", "save_strategy": "no", "load_best_model_a
                 "do_eval": False}
 
 
+def not_replayed(args) -> dict:
+    """The fields a replay sets for ``args`` (recorded dict or ``TrainingArguments``): :data:`NOT_REPLAYED`, and a
+    step-only schedule in place of one evaluation metrics step (its learning rates are the plan's)."""
+    return {**NOT_REPLAYED, **(STEP_ONLY_SCHEDULE if metric_schedule(args) else {})}
+
+
 def training_args_from_header(header: dict, output_dir, **overrides) -> TrainingArguments:
     """Rebuild the run's config (TrainingArguments, or its recorded subclass such as SFTConfig): the optimizer,
     clipping and loss settings the replay must share; fields that only prepare data are set as
@@ -37,9 +43,7 @@ def training_args_from_header(header: dict, output_dir, **overrides) -> Training
                             "resume_from_checkpoint", "output_dir", "fsdp", "parallelism_config")}
     kwargs = {k: v for k, v in kwargs.items() if not (isinstance(v, str) and v.startswith("<") and v.endswith(">"))}
     kwargs.update(output_dir=str(output_dir), report_to=[], disable_tqdm=True,
-                  use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()), **NOT_REPLAYED)
-    if metric_schedule(recorded):
-        kwargs.update(STEP_ONLY_SCHEDULE)
+                  use_cpu=recorded.get("use_cpu", not torch.cuda.is_available()), **not_replayed(recorded))
     if config_cls is not TrainingArguments:
         kwargs.update({k: v for k, v in CONSTRUCTION_ONLY.items() if k in names})
     kwargs.update(replay_arguments(header))  # an FSDP2 run: its recorded fsdp_config (hf_unlearn.trace.sharding)
@@ -51,10 +55,10 @@ def without_evaluation(args: TrainingArguments) -> TrainingArguments:
     """``args`` with evaluation, checkpoint saving and best-model loading off (a replay only re-executes the plan;
     evaluating does not change the trace, and the kept model's step is a recorded control; so are the learning rates
     a metric-driven scheduler chose: :data:`METRIC_SCHEDULES`)."""
-    schedule = STEP_ONLY_SCHEDULE if metric_schedule(args) else {}
-    if not schedule and all(getattr(args, k) == v for k, v in NOT_REPLAYED.items()):
+    off = not_replayed(args)
+    if all(getattr(args, k) == v for k, v in off.items()):
         return args
-    return dataclasses.replace(args, **NOT_REPLAYED, **schedule)
+    return dataclasses.replace(args, **off)
 
 
 def _check_args(args: TrainingArguments, header: dict) -> None:
