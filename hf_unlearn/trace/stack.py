@@ -55,7 +55,8 @@ def _owner(path: str):
 
 def fp32_precision() -> dict:
     """The per-backend float32 precision settings this torch has (:data:`FP32_PRECISION`)."""
-    return {p: getattr(_owner(p), p.rsplit(".", 1)[-1]) for p in FP32_PRECISION if _owner(p) is not None}
+    owners = {p: _owner(p) for p in FP32_PRECISION}  # read at every guard snapshot: each path walked once
+    return {p: getattr(o, p.rsplit(".", 1)[-1]) for p, o in owners.items() if o is not None}
 
 
 def _legacy(read):
