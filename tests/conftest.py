@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -88,6 +89,12 @@ func = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
 out = pathlib.Path(sys.argv[3])
 debug_launcher(lambda: func(out), num_processes=2)
 """
+
+
+def mentions(text: str, sample_id) -> bool:
+    """Whether ``text`` names ``sample_id`` as a word of its own: a numeric id such as 3600 also occurs by chance
+    inside a hex digest or key fingerprint, which does not carry it."""
+    return re.search(rf"(?<![0-9A-Za-z]){re.escape(str(sample_id))}(?![0-9A-Za-z])", text) is not None
 
 
 def free_port() -> int:
