@@ -390,17 +390,40 @@ def test_a_gqa_run_in_a_common_configuration_is_verified_and_counterfactual(tmp_
 
 
 # ---- a resumed run whose user changed the TrainingArguments between the two launches ---------------------------------
-RESUME_CHANGES = {"max_grad_norm": 0.05, "weight_decay": 0.5, "learning_rate": 1e-2, "gradient_checkpointing": True}
+RESUME_CHANGES = {"max_grad_norm": 0.05, "weight_decay": 0.5, "adam_beta2": 0.9, "learning_rate": 1e-2,
+                  "gradient_checkpointing": True}
+
+
+def test_optimizer_settings_a_resume_gives_are_accepted_only_when_the_live_groups_hold_the_recorded_ones():
+    """The live param groups decide: transformers restores them from the checkpoint on resume (weight decay, betas and
+    epsilon given to the second launch do not act, and a replay runs the recorded ones); a value that does reach
+    the groups (a user's code set it after loading) or a setting the groups do not hold is not accepted."""
+    from hf_unlearn.trace.trainers import optimizer_group_args, restored_by_optimizer
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(2))
+    recorded = {"weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+    given = {"weight_decay": 0.5, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_epsilon": 1e-6}
+    opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.0}, {"params": [b], "weight_decay": 0.0}])
+    assert optimizer_group_args(opt) == recorded
+    assert restored_by_optimizer(opt, recorded, given) == {"weight_decay", "adam_beta2", "adam_epsilon"}
+    opt.param_groups[0]["weight_decay"] = 0.5  # the given value reached the decay group: it acts
+    opt.param_groups[1]["betas"] = (0.9, 0.95)  # the groups disagree: no one value to compare
+    assert restored_by_optimizer(opt, recorded, given) == {"adam_epsilon"}
+    sgd = torch.optim.SGD([w], lr=0.1)  # holds a weight decay, no betas nor epsilon
+    assert restored_by_optimizer(sgd, recorded, given) == {"weight_decay"}
+    assert restored_by_optimizer(None, recorded, given) == set()
 
 
 @pytest.mark.parametrize("field", list(RESUME_CHANGES))
 def test_a_run_resumed_with_other_arguments_is_refused_or_counterfactual(tmp_path, field):
     """The first launch trains 4 of 6 steps and saves ``checkpoint-4``; the user edits one TrainingArguments field
-    (clipping threshold, weight decay, learning rate, activation checkpointing) and resumes from it. Another clipping
-    threshold or weight decay or activation checkpointing switched on to save memory is refused when the second launch starts (a replay runs one
-    set of arguments); the learning rate, which the plan records at every step, is not: a step-0 deletion is VERIFIED
-    and equal to a plain Trainer run the
-    same way (stopped at 4, resumed with the edited field) with the deleted row's labels -100."""
+    (clipping threshold, weight decay, Adam's beta2, learning rate, activation checkpointing) and resumes from it.
+    Another clipping threshold or activation checkpointing switched on to save memory is refused when the second
+    launch starts (a replay runs one set of arguments); the learning rate, which the plan records at every step, is
+    not, nor are weight decay and beta2, which do not act on a resume (transformers restores the checkpoint's param
+    groups; a warning says so): a step-0 deletion is VERIFIED and equal to a plain Trainer run the same way (stopped
+    at 4, resumed with the edited field) with the deleted row's labels -100."""
     from hf_unlearn.data import QACollator
     from hf_unlearn.demo import _DropIds
     from hf_unlearn.trace import TraceRecordingTrainer, open_run

@@ -172,6 +172,45 @@ def schedule_hazard(kind: str) -> str:
 RESUMABLE_ARGS = frozenset({"learning_rate"})
 
 
+def _group_value(groups: list[dict], read) -> float | None:
+    """One value ``read`` gives every param group (None when a group lacks it or they disagree)."""
+    try:
+        values = {float(read(g)) for g in groups}
+    except (KeyError, TypeError, IndexError, ValueError):
+        return None
+    return values.pop() if len(values) == 1 else None
+
+
+def optimizer_group_args(optimizer) -> dict[str, float]:
+    """The TrainingArguments the live optimizer's param groups hold: ``weight_decay`` (the decay group's: the
+    largest), ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``, where every group holds one value of it."""
+    groups = list(getattr(getattr(optimizer, "optimizer", optimizer), "param_groups", None) or [])
+    if not groups:
+        return {}
+    found = {"adam_beta1": _group_value(groups, lambda g: g["betas"][0]),
+             "adam_beta2": _group_value(groups, lambda g: g["betas"][1]),
+             "adam_epsilon": _group_value(groups, lambda g: g["eps"])}
+    try:
+        found["weight_decay"] = max(float(g["weight_decay"]) for g in groups)
+    except (KeyError, TypeError, ValueError):
+        pass
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def restored_by_optimizer(optimizer, recorded: dict, given: dict) -> set[str]:
+    """The optimizer settings (weight decay, Adam's betas and epsilon) a resumed launch was given other values of
+    that do not act: transformers restores the param groups from the checkpoint's optimizer state when it resumes,
+    so the live groups (``optimizer``'s, read after that) still hold the earlier launch's values, and the whole run
+    trains with them. Read from the live optimizer, not assumed: a value that does act is not in the set."""
+    live = optimizer_group_args(optimizer) if optimizer is not None else {}
+    out = set()
+    for k, v in live.items():
+        before, now = recorded.get(k), given.get(k)
+        if isinstance(before, (int, float)) and isinstance(now, (int, float)) and before != now and v == before:
+            out.add(k)
+    return out
+
+
 def arithmetic_differences(recorded: dict, given: dict, header: dict, skip=frozenset()) -> list[str]:
     """The fields of :data:`REPLAY_ARGS` and of the recorded config subclass's own (SFTConfig: loss_type,
     padding_free, ...) on which ``given`` (jsonable TrainingArguments) differs from ``recorded``, as

@@ -5,6 +5,7 @@ other than the main one only takes part in the collectives."""
 from __future__ import annotations
 
 import json
+import warnings
 
 from ...errors import UnlearnError
 from ...keys import key_fingerprint
@@ -24,7 +25,7 @@ from ..sharding import ShardPeerDigest
 from ..stack import stack_change
 from ..store import id_index, save_store, store_sha256
 from ..tags import launch_key, recording_key
-from ..trainers import RESUMABLE_ARGS, arithmetic_differences
+from ..trainers import RESUMABLE_ARGS, arithmetic_differences, restored_by_optimizer
 from ..writer import TraceWriter
 from . import keeper, program
 from .header import describe_packing, save_model_files
@@ -110,7 +111,16 @@ def start(trainer) -> None:
                                f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}; resume with the "
                                "environment it was recorded in")
     if resume_step and previous.get("training_args"):  # a replay runs one set of arguments over the whole run
-        differ = arithmetic_differences(previous["training_args"], header["training_args"], header, RESUMABLE_ARGS)
+        restored = restored_by_optimizer(trainer.optimizer, previous["training_args"], header["training_args"])
+        if restored:  # the run trains on with the earlier values (the checkpoint's param groups): so does a replay
+            given = ", ".join(f"{k}={header['training_args'][k]!r}" for k in sorted(restored))
+            kept = ", ".join(f"{k}={previous['training_args'][k]!r}" for k in sorted(restored))
+            header["training_args"].update({k: previous["training_args"][k] for k in restored})
+            warnings.warn(f"{run} is resumed with {given}, which does not act: transformers restores the optimizer's "
+                          f"param groups from the checkpoint, so the run goes on with {kept}, as recorded; to change "
+                          "them, start a new run", stacklevel=2)
+        differ = arithmetic_differences(previous["training_args"], header["training_args"], header,
+                                        RESUMABLE_ARGS | restored)
         if differ:
             raise UnlearnError(f"{run} is resumed with other TrainingArguments than its steps before {resume_step} "
                                f"ran: {'; '.join(differ)}; a replay runs one set of arguments over the whole run, so "
