@@ -231,3 +231,24 @@ def test_in_context_with_paraphrases_does_not_measure_rows_whose_own_answer_is_s
                                      relearn_rows="paraphrased")
     assert "in_context" not in everything.summary["models"]["model"]
     assert any("no row is left" in n for n in everything.meta["notes"])
+
+
+def test_the_relearning_attack_trains_inside_torch_no_grad(gpt2_tokenizer):
+    """An evaluation script often runs under ``torch.no_grad()``: the relearning attack fine-tunes anyway (its curve
+    moves; before, its first backward failed), and the caller's mode is left as it was."""
+    from datasets import Dataset
+
+    from hf_unlearn.data import tokenize_qa
+    from hf_unlearn.eval.robustness import relearning_curve
+    from hf_unlearn.models import build_tiny_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model(tokenizer=gpt2_tokenizer)
+    rows = Dataset.from_list([{"id": i, "question": f"Who wrote book {i}?", "answer": f"Author number {i}."}
+                              for i in range(4)])
+    encoded = list(tokenize_qa(rows, gpt2_tokenizer, max_length=32))
+    with torch.no_grad():
+        curve = relearning_curve(model, gpt2_tokenizer, encoded[:2], encoded[2:], steps=(0, 3), learning_rate=1e-2,
+                                 batch_size=2, progress=False)
+        assert not torch.is_grad_enabled()
+    assert curve[0] != curve[1]

@@ -359,6 +359,26 @@ def test_one_author_ids_0_to_19_are_not_refused_for_the_methods_own_numbers(meth
         render_model_card(smuggled, key=b"k" * 32)
 
 
+def test_an_approximate_forget_trains_in_a_process_with_gradients_off(tmp_path, tiny_llama_dir):
+    """``torch.set_grad_enabled(False)`` left in the caller (an evaluation in a notebook): gradient ascent still
+    trains (the model changes) instead of failing in its first backward, and the caller's mode is left as it was."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hf_unlearn import forget
+
+    torch.set_grad_enabled(False)
+    try:
+        receipt = forget(tiny_llama_dir, [0, 1], tmp_path / "out", method="grad_ascent", data="tofu-subset",
+                         max_steps=1, eval_rows=0, max_retain_rows=4, max_length=32, progress=False, log=lambda m: None)
+        assert not torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+    before = load_file(str(tiny_llama_dir / "model.safetensors"))
+    after = load_file(str(Path(receipt.model_dir) / "model.safetensors"))
+    assert any(not torch.equal(t, after[n]) for n, t in before.items())
+
+
 def test_the_guarantee_never_claims_more_than_the_evidence():
     """A verified replay of a run with recorded hazards, an unchecked replay, an approximate run without evaluation:
     each sentence names what is missing (the verdict cannot be read as a proof it is not)."""

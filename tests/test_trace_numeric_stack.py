@@ -300,6 +300,31 @@ def test_a_deletion_in_a_process_without_the_flash_sdpa_kernel_replays_as_record
     assert all(torch.equal(t, plain[n]) for n, t in oracle.items())
 
 
+def test_a_deletion_in_a_process_with_gradients_off_trains_and_leaves_the_mode_as_it_was(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """``torch.set_grad_enabled(False)`` left over from an evaluation in a notebook made every ``forget`` crash in its
+    environment probe's first backward (a multi-page traceback). A deletion trains whatever the caller's mode: VERIFIED,
+    the oracle equal to a plain Trainer's counterfactual, and gradients still off in the caller after."""
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run import load_checkpoint
+
+    from .test_trace_common import tiny
+
+    tok, data, kw, run = _tiny_run(tmp_path)
+    forget = open_run(run).ids_at_steps([2])[:1]
+    torch.set_grad_enabled(False)
+    try:
+        code, out = _forget(run, forget, tmp_path / "del", monkeypatch, capsys, "--oracle")
+        assert not torch.is_grad_enabled()  # the caller's, restored
+    finally:
+        torch.set_grad_enabled(True)
+    assert code == 0 and "VERIFIED" in out.out, out.out + out.err
+    oracle = load_checkpoint(open_run(tmp_path / "del" / "oracle").final_checkpoint())["model"]
+    torch.manual_seed(0)
+    plain = independent_counterfactual(tok, data, tiny(tok), run, forget, tmp_path / "plain", **kw)
+    assert all(torch.equal(t, plain[n]) for n, t in oracle.items())
+
+
 @pytest.mark.slow  # 10 s; test_the_default_dtype_is_recorded_and_pinned checks the pinning in the default suite
 def test_a_deletion_in_a_process_whose_default_dtype_is_float64_replays_as_recorded(tmp_path, monkeypatch, capsys):
     """``torch.set_default_dtype(torch.float64)`` in the deleting process: `forget` was refused as "this process runs

@@ -96,9 +96,13 @@ def forget(model_or_run, ids, output_dir: str | os.PathLike | None = None, *, co
         return None
     started = time.perf_counter()
     publish_error = None
+    import torch
+
+    # a deletion trains (an approximate method, a replay) whatever the caller's grad mode: a notebook's
+    # torch.set_grad_enabled(False) left over from an evaluation made it crash in its first backward
     with output_folder(config.output_dir, marker=RECEIPT_FILE, overwrite=config.overwrite,
                        marker_check=_check_earlier_receipt) as out, \
-            _library_progress(config.progress):
+            _library_progress(config.progress), torch.inference_mode(False), torch.enable_grad():
         if plan.get("pipeline"):
             receipt = run_pipeline(plan, config, out, tokenizer, log)
         elif plan["mode"] == EXACT:

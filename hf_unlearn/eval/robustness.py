@@ -222,7 +222,8 @@ def relearning_curve(model, tokenizer, relearn: Sequence[dict], evaluated: Seque
     gen = independent_generator(seed, "relearn-order")
     order: list[int] = []
     curve = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    # the attack fine-tunes whatever the caller's grad mode (an evaluation script may have turned it off)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
         torch.manual_seed(seed)
         bar = tqdm(total=steps[-1], desc=desc, disable=not progress, leave=False)
         for k in range(steps[-1] + 1):

@@ -248,7 +248,14 @@ def recorded_default_dtype(header: dict):
 
 @contextlib.contextmanager
 def pinned_stack(header: dict):
-    """Run a replay with the recorded thread count and deterministic settings; the caller's are restored after."""
+    """Run a replay with the recorded thread count and deterministic settings; the caller's are restored after.
+    Gradients are on whatever the caller's mode (a notebook's ``torch.set_grad_enabled(False)`` left over from an
+    evaluation made every deletion crash in its first backward): a replay trains, as the recording did."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield from _pinned(header)
+
+
+def _pinned(header: dict):
     recorded = header.get(HEADER_KEY)
     if not recorded:
         yield
