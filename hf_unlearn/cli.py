@@ -10,6 +10,7 @@ command runs, :mod:`hf_unlearn.runtime` sets thread defaults that hold up on a s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -150,7 +151,6 @@ def check_numeric_options(parser: argparse.ArgumentParser, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import UnlearnError
     from .runtime import prepare_environment, quiet_optional_backends
 
     prepare_environment()
@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     new_outputs = [getattr(args, name) for name in OUTPUT_OPTIONS
                    if isinstance(getattr(args, name, None), str) and not os.path.exists(getattr(args, name))]
     debug = bool(os.environ.get("HF_UNLEARN_DEBUG"))
+    with _terminate_as_exception():
+        return _run(args, parser, new_outputs, debug)
+
+
+def _run(args, parser, new_outputs: list[str], debug: bool) -> int:
+    from .errors import UnlearnError
+
     try:
         check_numeric_options(parser, args)  # before anything heavy (torch) loads, for every command
         if getattr(args, "precheck", None) is not None:  # a command's own cheap checks (names, files), likewise
@@ -179,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         _cleanup(new_outputs)
         print("hf-unlearn: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        _cleanup(new_outputs)
+        print("hf-unlearn: terminated (SIGTERM): what it was writing is removed, an output it was replacing is put "
+              "back", file=sys.stderr)
+        return 128 + 15
     except (UnlearnError, OSError) as e:
         _cleanup(new_outputs)
         if debug:
@@ -207,6 +219,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-unlearn: error: {type(e).__name__}: {_first_line(e)} (HF_UNLEARN_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return 1
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is: a scheduler's preemption, ``timeout``, or a launcher (torchrun,
+    ``accelerate launch``) stopping the other processes when one failed. Its default action ends the process at once,
+    leaving the output folder half-written and an output that ``--overwrite`` was replacing moved aside; as an
+    exception it unwinds like Ctrl-C, and every output folder cleans up after itself."""
+
+
+@contextlib.contextmanager
+def _terminate_as_exception():
+    """SIGTERM raises :class:`Terminated` while a command runs (then is ignored, so that the clean-up finishes), where
+    its handler is the default one and this is the main thread; the default is restored afterwards."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _first_line(e: BaseException) -> str:

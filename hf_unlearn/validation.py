@@ -434,24 +434,26 @@ def output_folder(path: str | os.PathLike, *, marker: str | None = None, overwri
     """
     p = check_new_output(path, overwrite_marker=marker, overwrite=overwrite, marker_check=marker_check)
     previous = None
-    if p.is_dir() and any(p.iterdir()):  # an earlier output of the same command, replaced on request
-        import tempfile
-
-        previous = Path(tempfile.mkdtemp(prefix=f".{p.name}.previous-", dir=p.parent))
-        p.rename(previous / p.name)
-    created = not p.exists()
-    p.mkdir(parents=True, exist_ok=True)
+    created = False
     try:
+        if p.is_dir() and any(p.iterdir()):  # an earlier output of the same command, replaced on request
+            import tempfile
+
+            previous = Path(tempfile.mkdtemp(prefix=f".{p.name}.previous-", dir=p.parent))
+            p.rename(previous / p.name)
+        created = not p.exists()
+        p.mkdir(parents=True, exist_ok=True)
         yield p
     except BaseException:
         if created and not os.environ.get("HF_UNLEARN_DEBUG"):
             shutil.rmtree(p, ignore_errors=True)
         else:
             remove_empty_dirs(p)
-        if previous is not None:
-            if p.exists():  # HF_UNLEARN_DEBUG kept the failed output: it stays beside the restored one
+        if previous is not None:  # (a signal may have come before the earlier output was moved aside)
+            if p.exists() and (previous / p.name).exists():  # HF_UNLEARN_DEBUG kept the failed output beside it
                 p.rename(p.with_name(f"{p.name}.failed-{previous.name.rsplit('-', 1)[-1]}"))
-            (previous / p.name).rename(p)
+            if (previous / p.name).exists():
+                (previous / p.name).rename(p)
             previous.rmdir()
         raise
     if previous is not None:

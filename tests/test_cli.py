@@ -88,3 +88,41 @@ def test_trace_verify_of_a_single_run_deletion_folder_is_checked_as_a_deletion_f
     assert main(["trace", "verify", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "receipt.json is not an hf_unlearn forget receipt" in err and err.count("\n") == 1
+
+
+def test_a_forget_stopped_by_sigterm_removes_its_output_and_puts_back_the_one_it_replaced(tmp_path):
+    """SIGTERM (a scheduler's preemption, ``timeout``, torchrun stopping the other processes when one failed) ended
+    ``hf-unlearn forget --overwrite`` at once: its new output half-written and the earlier one left hidden in a
+    ``.out.previous-*`` folder. It unwinds like Ctrl-C now: exit 143, one line, the earlier output back as it was."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from hf_unlearn import forget
+    from hf_unlearn.data.ids import write_ids
+
+    from .conftest import ROOT
+    from .test_trace_common import copy_run, get_recorded, ids_at_step
+
+    run = copy_run(get_recorded(), tmp_path / "run")
+    out = tmp_path / "out"
+    forget(run, ids_at_step(run, 6)[:1], out, progress=False, log=lambda m: None)  # the earlier output
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    write_ids(tmp_path / "ids.jsonl", ids_at_step(run, 2)[:1])
+    proc = subprocess.Popen([sys.executable, "-m", "hf_unlearn", "forget", str(run), "--ids", str(tmp_path / "ids.jsonl"),
+                             "--out", str(out), "--overwrite", "--oracle", "--no-progress"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (list(tmp_path.glob(".out.previous-*")) and out.is_dir()):  # the earlier output moved aside
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "forget never started writing"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
+    assert not list(tmp_path.glob(".out.*"))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert Path(out / "receipt.json").is_file()
