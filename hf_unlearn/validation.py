@@ -9,9 +9,11 @@ milliseconds (the Hub check is one TCP connect with a short timeout, done once p
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 from dataclasses import dataclass
@@ -391,6 +393,7 @@ def check_new_output(path: str | os.PathLike, *, overwrite_marker: str | None = 
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise UnlearnError(f"output {os.fspath(path)!r} exists and is a file; choose a folder name")
+    _check_nothing_stranded(p)
     if p.is_dir() and any(p.iterdir()):
         if overwrite and overwrite_marker and (p / overwrite_marker).is_file():
             if marker_check is not None:
@@ -403,6 +406,26 @@ def check_new_output(path: str | os.PathLike, *, overwrite_marker: str | None = 
         hint = " (or --overwrite to replace an earlier output of the same command)" if overwrite_marker else ""
         raise UnlearnError(f"output folder {os.fspath(path)!r} exists and is not empty; choose a new folder{hint}")
     return p
+
+
+def _check_nothing_stranded(p: Path) -> None:
+    """Refuse while an earlier output sits where :func:`output_folder` moves one aside to replace it (a command killed
+    by SIGKILL, or a power cut, before it put it back or removed it): it would otherwise be forgotten there."""
+    if not p.parent.is_dir():
+        return
+    for aside in sorted(p.parent.glob(f".{glob.escape(p.name)}.previous-*")):
+        if not aside.is_dir():
+            continue
+        if not (aside / p.name).exists():  # killed right after making it: nothing in it
+            with contextlib.suppress(OSError):
+                aside.rmdir()
+            continue
+        left = f"rm -r {shlex.quote(str(p))} && " if p.exists() else ""
+        raise UnlearnError(f"a command replacing {p} was killed before it finished: the output it replaced is in "
+                           f"{aside / p.name}{' and ' + str(p) + ' holds what the killed command wrote' if left else ''}"
+                           f"; keep the earlier output ({left}mv {shlex.quote(str(aside / p.name))} "
+                           f"{shlex.quote(str(p))} && rmdir {shlex.quote(str(aside))}) or discard it (rm -r "
+                           f"{shlex.quote(str(aside))}), then run again")
 
 
 def has_files(path: Path) -> bool:

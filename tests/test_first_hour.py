@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -254,6 +255,34 @@ def test_overwrite_keeps_the_earlier_output_until_the_new_one_is_done(tmp_path, 
         (p / "receipt.json").write_text("new")
     assert sorted(f.name for f in out.iterdir()) == ["receipt.json"] and (out / "receipt.json").read_text() == "new"
     assert sorted(f.name for f in tmp_path.iterdir()) == ["out"]  # nothing moved aside is left behind
+
+
+def test_an_earlier_output_stranded_by_a_killed_overwrite_is_named_not_forgotten(tmp_path, monkeypatch):
+    """SIGKILL (or a power cut) while ``--overwrite`` replaces an output leaves the earlier one moved aside in
+    ``.OUT.previous-*`` and the new one half-written in OUT. The next command on OUT refuses in one line naming
+    both and the commands that keep or discard the earlier output (which would otherwise be forgotten there); an
+    empty leftover (killed as it was made) is removed."""
+    from hf_unlearn.validation import check_new_output, output_folder
+
+    monkeypatch.delenv("HF_UNLEARN_DEBUG", raising=False)
+    out = tmp_path / "out"
+    aside = tmp_path / ".out.previous-abc123"
+    (aside / "out").mkdir(parents=True)
+    (aside / "out" / "receipt.json").write_text("earlier")
+    (out / "model").mkdir(parents=True)  # what the killed command wrote
+    for overwrite in (True, False):
+        with pytest.raises(UnlearnError) as e:
+            check_new_output(out, overwrite_marker="receipt.json", overwrite=overwrite)
+        msg = str(e.value)
+        assert "\n" not in msg and "was killed" in msg and str(aside / "out") in msg and f"rm -r {out}" in msg, msg
+    assert (aside / "out" / "receipt.json").read_text() == "earlier"  # nothing touched
+    shutil.rmtree(out)
+    os.rename(aside / "out", out)  # the user keeps the earlier output, as the message says
+    aside.rmdir()
+    (tmp_path / ".out.previous-empty1").mkdir()
+    with output_folder(out, marker="receipt.json", overwrite=True) as p:
+        (p / "receipt.json").write_text("new")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["out"]
 
 
 def test_every_option_of_every_command_has_help():
