@@ -410,7 +410,8 @@ def check_new_output(path: str | os.PathLike, *, overwrite_marker: str | None = 
 
 def _check_nothing_stranded(p: Path) -> None:
     """Refuse while an earlier output sits where :func:`output_folder` moves one aside to replace it (a command killed
-    by SIGKILL, or a power cut, before it put it back or removed it): it would otherwise be forgotten there."""
+    by SIGKILL, or a power cut, before it put it back or removed it): it would otherwise be forgotten there. (Another
+    command replacing the same output right now is refused too: two commands must not write one folder.)"""
     if not p.parent.is_dir():
         return
     for aside in sorted(p.parent.glob(f".{glob.escape(p.name)}.previous-*")):
@@ -421,7 +422,8 @@ def _check_nothing_stranded(p: Path) -> None:
                 aside.rmdir()
             continue
         left = f"rm -r {shlex.quote(str(p))} && " if p.exists() else ""
-        raise UnlearnError(f"a command replacing {p} was killed before it finished: the output it replaced is in "
+        raise UnlearnError(f"a command replacing {p} was killed before it finished (or is still running): the output "
+                           f"it replaced is in "
                            f"{aside / p.name}{' and ' + str(p) + ' holds what the killed command wrote' if left else ''}"
                            f"; keep the earlier output ({left}mv {shlex.quote(str(aside / p.name))} "
                            f"{shlex.quote(str(p))} && rmdir {shlex.quote(str(aside))}) or discard it (rm -r "
