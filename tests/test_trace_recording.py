@@ -233,3 +233,37 @@ def test_data_parallel_record_replay_oracle_under_accelerate_launch(tmp_path):
     with pytest.raises(UnlearnError, match=r"recorded with 2 process\(es\) and this replay has 1.*accelerate launch "
                                            r"--num_processes 2.*FSDP1 and DeepSpeed are not supported"):
         ReplayTrainer(tmp_path / "trace", start="full")
+
+
+def test_the_trainers_own_hub_uploads_never_carry_the_trace(tmp_path, monkeypatch):
+    """``push_to_hub=True`` uploads the whole output folder at every save, and ``trainer.push_to_hub()`` at the end:
+    with the trace in it (the default ``OUTPUT_DIR/trace``), the run's store (every training row and its id) and
+    every trace checkpoint went to the Hub repo, whose history no deletion reaches. Refused in one line before the
+    Trainer creates the repo (and ``push_to_hub()`` after training likewise); with ``trace_dir`` outside the output
+    folder the run records, pushes at every save and at the end, and the repo holds the model and no trace file."""
+    import transformers.utils.hub as transformers_hub
+    from huggingface_hub import HfApi
+
+    from hf_unlearn.demo import local_hub
+    from hf_unlearn.errors import UnlearnError
+
+    tok, data = get_trace_data()
+    data = data.select(range(8))
+    with local_hub(tmp_path / "hub") as (server, token):
+        monkeypatch.setattr(transformers_hub, "_hf_api", HfApi(endpoint=server.url, token=token))
+        hub = dict(push_to_hub=True, hub_model_id="demo/tiny", hub_token=token, save_strategy="steps", save_steps=1,
+                   gradient_accumulation_steps=1, max_steps=2)
+        with pytest.raises(UnlearnError) as e:
+            record(tok, data, tmp_path / "rec", **hub)
+        assert "\n" not in str(e.value) and "push_to_hub=True would upload" in str(e.value), e.value
+        assert "trace_dir= a folder outside output_dir" in str(e.value)
+        assert not HfApi(endpoint=server.url, token=token).repo_exists("demo/tiny")  # refused before the repo
+        trainer = record(tok, data, tmp_path / "plain", gradient_accumulation_steps=1, max_steps=1)
+        with pytest.raises(UnlearnError, match=r"push_to_hub\(\) would upload"):
+            trainer.push_to_hub()
+        trainer = record(tok, data, tmp_path / "out", trainer_kwargs={"trace_dir": tmp_path / "out-trace"}, **hub)
+        trainer.push_to_hub()
+        files = HfApi(endpoint=server.url, token=token).list_repo_files("demo/tiny")
+    assert "model.safetensors" in files, files
+    assert not [f for f in files if "trace" in f or f.endswith(".arrow")], files
+    assert (tmp_path / "out-trace" / "header.json").is_file()

@@ -59,6 +59,22 @@ class _TraceCallback(TrainerCallback):
         sealing.finish(self.trainer)
 
 
+def refuse_uploading_the_trace(args, trace_dir, when: str) -> None:
+    """The Trainer's own Hub uploads (``push_to_hub=True`` at every save, ``trainer.push_to_hub()``) send the whole
+    output folder: with the trace inside it, the run's store (every training row and its id) and every trace
+    checkpoint would go to a Hub repo, whose history no deletion reaches. Refused before anything is created."""
+    if args is None:
+        return
+    output = Path(args.output_dir).expanduser().resolve()
+    trace = Path(trace_dir).expanduser().resolve() if trace_dir is not None else output / "trace"
+    if trace != output and output not in trace.parents:
+        return
+    raise UnlearnError(f"{when} would upload {output} to the Hub with the run's trace in it ({trace}: every training "
+                       "row and its id, and every trace checkpoint), and a Hub repo keeps what it is given in its "
+                       "history, where no deletion reaches; pass trace_dir= a folder outside output_dir (e.g. "
+                       f"{output.parent / (output.name + '-trace')}), or publish with `hf-unlearn hub push`")
+
+
 class RecordingHooks(WeightsFollowUmask):
     """The ``transformers.Trainer`` hooks of a recording, shared by the recording and the replays (a replay writes
     a trace of its own). The arguments are documented on :class:`hf_unlearn.trace.recording.TraceRecordingMixin`,
@@ -84,6 +100,9 @@ class RecordingHooks(WeightsFollowUmask):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UnlearnError(f"{name} must be a positive int (or None for the default), not {value!r}")
         self._trace_arguments = {} if self._is_replay else bound_arguments(super().__init__, args, kwargs)
+        given = self._trace_arguments.get("args")
+        if given is not None and getattr(given, "push_to_hub", False):  # before the Trainer creates the Hub repo
+            refuse_uploading_the_trace(given, trace_dir, "push_to_hub=True")
         raw = self._trace_arguments.get("train_dataset")
         raw_ids = list(raw[id_column]) if id_column in getattr(raw, "column_names", ()) else None
         # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
@@ -205,6 +224,16 @@ class RecordingHooks(WeightsFollowUmask):
         return None
 
     # ---- training ----------------------------------------------------------------------------------------
+    def push_to_hub(self, *args, **kwargs):
+        if not self._is_replay:
+            refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub()")
+        return super().push_to_hub(*args, **kwargs)
+
+    def _push_from_checkpoint(self, checkpoint_folder):
+        if not self._is_replay:  # push_to_hub=True set on the arguments after construction
+            refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub=True")
+        return super()._push_from_checkpoint(checkpoint_folder)
+
     def get_train_dataloader(self):
         collator = self.data_collator
         self.data_collator = IdCarryingCollator(collator, self.id_column)
