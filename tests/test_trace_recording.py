@@ -267,3 +267,55 @@ def test_the_trainers_own_hub_uploads_never_carry_the_trace(tmp_path, monkeypatc
     assert "model.safetensors" in files, files
     assert not [f for f in files if "trace" in f or f.endswith(".arrow")], files
     assert (tmp_path / "out-trace" / "header.json").is_file()
+
+
+def test_a_tracker_set_to_upload_the_output_folder_is_refused_while_the_trace_is_inside_it(tmp_path, monkeypatch):
+    """Comet with ``COMET_LOG_ASSETS=1`` and DVCLive with ``HF_DVCLIVE_LOG_MODEL=all`` upload the whole output folder
+    (the trace's store of rows and ids with it) to their storage: refused at construction, naming the setting; the
+    same trackers without it, or with the trace outside the output folder, record. (Stand-ins for transformers'
+    callbacks, whose packages are not installed here: the same classes, without their package check.)"""
+    from transformers.integrations import CometCallback, DVCLiveCallback
+
+    from hf_unlearn.errors import UnlearnError
+
+    class Comet(CometCallback):
+        def __init__(self):
+            self._initialized, self._log_assets, self._experiment = False, False, None
+
+        def on_train_begin(self, *args, **kwargs):
+            pass
+
+        def on_log(self, *args, **kwargs):
+            pass
+
+        def on_train_end(self, *args, **kwargs):
+            pass
+
+    class DVCLive(DVCLiveCallback):
+        def __init__(self, log_model):
+            self._initialized, self.live, self._log_model = False, None, log_model
+
+        def on_train_begin(self, *args, **kwargs):
+            pass
+
+        def on_log(self, *args, **kwargs):
+            pass
+
+        def on_save(self, *args, **kwargs):
+            pass
+
+        def on_train_end(self, *args, **kwargs):
+            pass
+
+    tok, data = get_trace_data()
+    data = data.select(range(4))
+    kw = dict(gradient_accumulation_steps=1, max_steps=1)
+    monkeypatch.setenv("COMET_LOG_ASSETS", "1")
+    for callback, setting in ((Comet(), "COMET_LOG_ASSETS"), (DVCLive("all"), "HF_DVCLIVE_LOG_MODEL=all")):
+        with pytest.raises(UnlearnError) as e:
+            record(tok, data, tmp_path / "rec", trainer_kwargs={"callbacks": [callback]}, **kw)
+        assert "\n" not in str(e.value) and f"with {setting} would upload" in str(e.value), e.value
+    record(tok, data, tmp_path / "aside", trainer_kwargs={"callbacks": [Comet()], "trace_dir": tmp_path / "t"}, **kw)
+    monkeypatch.delenv("COMET_LOG_ASSETS")
+    record(tok, data, tmp_path / "quiet", trainer_kwargs={"callbacks": [Comet(), DVCLive(True)]}, **kw)
+    assert (tmp_path / "t" / "header.json").is_file() and (tmp_path / "quiet" / "trace" / "header.json").is_file()
