@@ -68,7 +68,8 @@ def test_the_mixin_is_the_trainer_hooks_and_the_extension_points():
         == {"_trace_after_train"}  # the end-of-train proof, the one thing the public mixin adds
     methods = {k for k, v in vars(RecordingHooks).items() if callable(v) and not k.startswith("__")}
     hooks = {"get_train_dataloader", "_prepare_dataset", "_remove_unused_columns", "train", "get_batch_samples",
-             "training_step", "_finalize_training"}
+             "training_step", "_finalize_training",
+             "push_to_hub", "_push_from_checkpoint"}  # the Trainer's Hub uploads: never the trace inside output_dir
     extension_points = {"trace_preflight", "_trace_check_parallelism", "_trace_served", "_trace_row_lengths",
                         "_trace_row_length", "_trace_dummy_row", "_trace_dummy_has_weight", "_trace_replay_arguments",
                         "_trace_changed_during_training", "_trace_header_dict", "_check_dummy_has_no_influence",

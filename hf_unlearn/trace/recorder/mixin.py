@@ -30,7 +30,20 @@ from ..rng import seeded
 from ..seeds import microbatch_seed, rank_seed
 from ..trainers import bound_arguments
 from ..writer import TraceWriter
-from . import header, keeper, launch, optimizers, preflight, probe, program, sealing, segments, selfcheck, slots
+from . import (
+    header,
+    keeper,
+    launch,
+    optimizers,
+    preflight,
+    probe,
+    program,
+    sealing,
+    segments,
+    selfcheck,
+    slots,
+    uploads,
+)
 from .header import non_finite_hazard
 from .opening import start
 from .slots import dummy_has_weight, dummy_row
@@ -57,45 +70,6 @@ class _TraceCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         sealing.finish(self.trainer)
-
-
-def refuse_uploading_the_trace(args, trace_dir, when: str) -> None:
-    """The Trainer's own Hub uploads (``push_to_hub=True`` at every save, ``trainer.push_to_hub()``) and trackers
-    logging it as assets send the whole output folder: with the trace inside it, the run's store (every training row
-    and its id) and every trace checkpoint would go to a Hub repo (or a tracker's storage), whose history no deletion
-    reaches. Refused before anything is created."""
-    if args is None:
-        return
-    output = Path(args.output_dir).expanduser().resolve()
-    trace = Path(trace_dir).expanduser().resolve() if trace_dir is not None else output / "trace"
-    if trace != output and output not in trace.parents:
-        return
-    where = "the Hub" if "push_to_hub" in when else "the tracker's storage"
-    raise UnlearnError(f"{when} would upload {output} to {where} with the run's trace in it ({trace}: every training "
-                       "row and its id, and every trace checkpoint), which keeps what it is given where no deletion "
-                       "reaches; pass trace_dir= a folder outside output_dir (e.g. "
-                       f"{output.parent / (output.name + '-trace')}), or publish with `hf-unlearn hub push`")
-
-
-_TRUE = {"1", "ON", "YES", "TRUE"}
-# transformers' experiment trackers that upload the whole output folder, and the setting that makes them (by class
-# name along the callback's MRO: their packages need not be installed for this module to load)
-_TRACKERS_UPLOADING_OUTPUT = {
-    "CometCallback": ("COMET_LOG_ASSETS", lambda cb: os.getenv("COMET_LOG_ASSETS", "").upper() in _TRUE),
-    "DagsHubCallback": ("HF_DAGSHUB_LOG_ARTIFACTS",
-                        lambda cb: os.getenv("HF_DAGSHUB_LOG_ARTIFACTS", "").upper() in _TRUE),
-    "DVCLiveCallback": ("HF_DVCLIVE_LOG_MODEL=all", lambda cb: getattr(cb, "_log_model", None) == "all"),
-}
-
-
-def tracker_uploading_output(callbacks) -> str | None:
-    """The first callback set to upload the whole output folder (a tracker's asset logging), named, or None."""
-    for cb in callbacks:
-        for cls in type(cb).__mro__:
-            setting, uploads = _TRACKERS_UPLOADING_OUTPUT.get(cls.__name__, (None, None))
-            if uploads is not None and uploads(cb):
-                return f"{type(cb).__name__} with {setting}"
-    return None
 
 
 class RecordingHooks(WeightsFollowUmask):
@@ -125,16 +99,16 @@ class RecordingHooks(WeightsFollowUmask):
         self._trace_arguments = {} if self._is_replay else bound_arguments(super().__init__, args, kwargs)
         given = self._trace_arguments.get("args")
         if given is not None and getattr(given, "push_to_hub", False):  # before the Trainer creates the Hub repo
-            refuse_uploading_the_trace(given, trace_dir, "push_to_hub=True")
+            uploads.refuse_uploading_the_trace(given, trace_dir, "push_to_hub=True")
         raw = self._trace_arguments.get("train_dataset")
         raw_ids = list(raw[id_column]) if id_column in getattr(raw, "column_names", ()) else None
         # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
         prepare_cuda_determinism(self._trace_arguments.get("args", kwargs.get("args")))
         self._trace_id_column = id_column  # SFTTrainer prepares (and packs) its dataset inside its constructor
         super().__init__(*args, **kwargs)
-        tracker = None if self._is_replay else tracker_uploading_output(self.callback_handler.callbacks)
+        tracker = None if self._is_replay else uploads.tracker_uploading_output(self.callback_handler.callbacks)
         if tracker:
-            refuse_uploading_the_trace(self.args, trace_dir, tracker)
+            uploads.refuse_uploading_the_trace(self.args, trace_dir, tracker)
         self.trace_self_check = trace_self_check
         self.trace_guards = trace_guards
         self._trace_guard = None  # the live program guard while recording (hf_unlearn.trace.guards)
@@ -252,12 +226,12 @@ class RecordingHooks(WeightsFollowUmask):
     # ---- training ----------------------------------------------------------------------------------------
     def push_to_hub(self, *args, **kwargs):
         if not self._is_replay:
-            refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub()")
+            uploads.refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub()")
         return super().push_to_hub(*args, **kwargs)
 
     def _push_from_checkpoint(self, checkpoint_folder):
         if not self._is_replay:  # push_to_hub=True set on the arguments after construction
-            refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub=True")
+            uploads.refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub=True")
         return super()._push_from_checkpoint(checkpoint_folder)
 
     def get_train_dataloader(self):
