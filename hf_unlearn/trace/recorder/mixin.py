@@ -30,23 +30,11 @@ from ..rng import seeded
 from ..seeds import microbatch_seed, rank_seed
 from ..trainers import bound_arguments
 from ..writer import TraceWriter
-from . import (
-    header,
-    keeper,
-    launch,
-    optimizers,
-    preflight,
-    probe,
-    program,
-    sealing,
-    segments,
-    selfcheck,
-    slots,
-    uploads,
-)
+from . import header, keeper, launch, optimizers, preflight, probe, program, sealing, segments, selfcheck, slots
 from .header import non_finite_hazard
 from .opening import start
 from .slots import dummy_has_weight, dummy_row
+from .uploads import refuse_uploading_the_trace, tracker_uploading_output
 
 RECORDING_MODULE = "hf_unlearn.trace.recording"  # where the classes trace_recording() builds say they live
 
@@ -99,16 +87,16 @@ class RecordingHooks(WeightsFollowUmask):
         self._trace_arguments = {} if self._is_replay else bound_arguments(super().__init__, args, kwargs)
         given = self._trace_arguments.get("args")
         if given is not None and getattr(given, "push_to_hub", False):  # before the Trainer creates the Hub repo
-            uploads.refuse_uploading_the_trace(given, trace_dir, "push_to_hub=True")
+            refuse_uploading_the_trace(given, trace_dir, "push_to_hub=True")
         raw = self._trace_arguments.get("train_dataset")
         raw_ids = list(raw[id_column]) if id_column in getattr(raw, "column_names", ()) else None
         # before the Trainer moves the model: cuBLAS reads its workspace setting when it first runs (replays too)
         prepare_cuda_determinism(self._trace_arguments.get("args", kwargs.get("args")))
         self._trace_id_column = id_column  # SFTTrainer prepares (and packs) its dataset inside its constructor
         super().__init__(*args, **kwargs)
-        tracker = None if self._is_replay else uploads.tracker_uploading_output(self.callback_handler.callbacks)
+        tracker = None if self._is_replay else tracker_uploading_output(self.callback_handler.callbacks)
         if tracker:
-            uploads.refuse_uploading_the_trace(self.args, trace_dir, tracker)
+            refuse_uploading_the_trace(self.args, trace_dir, tracker)
         self.trace_self_check = trace_self_check
         self.trace_guards = trace_guards
         self._trace_guard = None  # the live program guard while recording (hf_unlearn.trace.guards)
@@ -226,12 +214,12 @@ class RecordingHooks(WeightsFollowUmask):
     # ---- training ----------------------------------------------------------------------------------------
     def push_to_hub(self, *args, **kwargs):
         if not self._is_replay:
-            uploads.refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub()")
+            refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub()")
         return super().push_to_hub(*args, **kwargs)
 
     def _push_from_checkpoint(self, checkpoint_folder):
         if not self._is_replay:  # push_to_hub=True set on the arguments after construction
-            uploads.refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub=True")
+            refuse_uploading_the_trace(self.args, self.trace_dir, "push_to_hub=True")
         return super()._push_from_checkpoint(checkpoint_folder)
 
     def get_train_dataloader(self):
