@@ -231,13 +231,10 @@ def test_a_recording_resumed_with_another_reference_is_refused(tmp_path):
 def test_bf16_and_a_step_whose_every_pair_is_deleted_replay_as_documented(tmp_path):
     """Attack: a bf16 model (ref_model=None: TRL loads the reference in the policy's dtype) and a deletion of every
     pair of step 0, so both of its microbatches are dummies only, and of the first microbatch of step 1 (a step with
-    weighted pairs and a microbatch of dummies only, which the engine skips: zero gradient either way). The engine
-    skips a step left without a weighted pair (it keeps its boundary and learning rate but takes no optimizer step:
-    AdamW's moments and step count stay untouched), as for every recorded run (docs/exact-deletion.md); the DPO page said the oracle equals a plain
-    DPOTrainer whose deleted pairs have no completion token, which still steps AdamW on zero gradients (its step
-    count then differs), so that page's contract was wrong for this case. Outcome: replay == oracle VERIFIED == a plain
-    bf16 DPOTrainer whose deleted pairs have no completion token and which takes no optimizer step where every pair
-    is deleted (the page now says so); the plain run that does step differs."""
+    weighted pairs and a microbatch of dummies only). A plain DPOTrainer whose deleted pairs have no completion token
+    runs those microbatches and steps AdamW on zero gradients at step 0; the engine skipped both (a step count off the
+    plain run). Outcome: replay == oracle VERIFIED == the plain bf16 DPOTrainer that steps; one that skips step 0
+    differs."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -275,7 +272,7 @@ def test_bf16_and_a_step_whose_every_pair_is_deleted_replay_as_documented(tmp_pa
                 optimizer = super().create_optimizer(*args, **kwargs)
                 step = optimizer.step
 
-                def maybe_step(*a, **kw):  # no optimizer step where every pair is deleted
+                def maybe_step(*a, **kw):  # the engine's old skip of a step whose every pair is deleted
                     return None if self.state.global_step in skip else step(*a, **kw)
 
                 optimizer.step = maybe_step
@@ -288,8 +285,8 @@ def test_bf16_and_a_step_whose_every_pair_is_deleted_replay_as_documented(tmp_pa
         return state_of(trainer)
 
     oracle = load_state(tmp_path / "oracle")
-    assert compare_states(plain({0}), oracle)["identical"]
-    assert not compare_states(plain(set()), oracle)["identical"]  # AdamW stepped on zero gradients at step 0
+    assert compare_states(plain(set()), oracle)["identical"]  # AdamW stepped on zero gradients at step 0
+    assert not compare_states(plain({0}), oracle)["identical"]
 
 
 @pytest.mark.slow  # two processes (accelerate launch, gloo): a recording, replay, oracle and counterfactual (~1.5 min)

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from transformers import Trainer
 
 from hf_unlearn.trace.proof import prove_fresh_start
 
@@ -49,25 +50,48 @@ def test_random_deletion_with_baselines(tmp_path):
         assert not cmp["identical"] and cmp["params"]["mismatched_elements"] > 0 and cmp["params"]["l2"] > 0
 
 
-def test_emptied_segment_keeps_boundary_but_takes_no_step(tmp_path):
+
+class CountingTrainer(Trainer):
+    """A loss that keeps state across calls: every 8th row it has seen weighs double (a sample-count schedule)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.rows_seen = getattr(self, "rows_seen", 0) + inputs["input_ids"].shape[0]
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        scale = 2.0 if self.rows_seen % 8 == 0 else 1.0
+        return (loss[0] * scale, loss[1]) if return_outputs else loss * scale
+
+
+def test_a_step_whose_every_row_is_deleted_steps_on_zero_gradients_as_the_plain_run(tmp_path):
+    """Every row of optimizer step 5 deleted: the plain ``Trainer`` with those rows' labels masked still calls the
+    loss on them and steps AdamW on zero gradients (its moments decay, its step count grows). The engine skipped that
+    step (a VERIFIED step-5 deletion off the engine-free counterfactual in every tensor); it runs the dummies and steps
+    now: VERIFIED and equal to the counterfactual, AdamW stepped 8 times in 8 steps."""
     recorded = get_recorded()
     from hf_unlearn.trace import replay_cost
     from hf_unlearn.trace.run import load_checkpoint, open_run
+    from hf_unlearn.trace.verification import load_state
+
+    from .test_trace_common import tiny
+    from .test_trace_fidelity import independent_counterfactual
 
     forget = ids_at_step(recorded, 5)  # all 8 rows of optimizer step 5
     cost = replay_cost(open_run(recorded), forget)
     assert cost["segments_emptied"] == 1 and cost["start_checkpoint"] == 4
     replay, report = delete(recorded, forget, tmp_path)
     assert report["verified"]
-    assert replay.replay_stats["optimizer_steps_taken"] == replay.replay_stats["segments_replayed"] - 1 == 3
+    assert replay.replay_stats["optimizer_steps_taken"] == replay.replay_stats["segments_replayed"] == 4
     final = load_checkpoint(tmp_path / "replay" / "checkpoints" / "step-00000008")
     steps = {float(s["step"]) for s in final["optimizer"]["state"].values()}
-    assert steps == {7.0}  # AdamW stepped 7 times in 8 logical steps
+    assert steps == {8.0}  # AdamW stepped in every one of 8 logical steps
     from hf_unlearn.trace.plan import read_plan
 
     plan = read_plan(tmp_path / "replay")
     assert [e.step for e in plan] == [e // 2 for e in range(16)]
     assert all(s is None for e in plan if e.step == 5 for s in e.slots)
+    tok, data = get_trace_data()
+    plain = independent_counterfactual(tok, data, tiny(tok), recorded, forget, tmp_path / "plain")
+    oracle = load_state(tmp_path / "oracle")["model"]
+    assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
 
 
 def test_replay_reads_only_the_redacted_store(tmp_path):
@@ -192,3 +216,36 @@ def test_replay_model_card_states_roots_and_verdict(tmp_path, monkeypatch):
     exact = replay.unlearning_card_info()["extra"]["exact_deletion"]
     assert exact["verified"] and exact["params_root"] in text and "passed" in text
     assert not find_raw_ids(text, forget)
+
+
+def test_a_microbatch_of_deleted_rows_still_runs_the_loss_as_the_plain_run(tmp_path):
+    """One row per microbatch, accumulation 4, a loss that counts the rows it has seen (:class:`CountingTrainer`):
+    deleting a row leaves a microbatch of a dummy only. The engine skipped it, so the counter ran one row behind the
+    plain run's (which calls the loss on the masked row) and every later 8th row weighed double at the wrong place:
+    VERIFIED at step 0 and 1 with every tensor off the engine-free counterfactual. Now the dummy's microbatch runs:
+    VERIFIED and equal."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run, trace_recording
+    from hf_unlearn.trace.verification import load_state
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, tiny, train_args
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    kw = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=4)
+    trace_recording(CountingTrainer)(model=tiny(tok), args=train_args(tmp_path / "rec", **kw), train_dataset=data,
+                                     data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2,
+                                     trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    for step in (0, 1):
+        forget = open_run(run).ids_at_steps([step])[:1]
+        replay, report = delete(run, forget, tmp_path / f"del{step}")
+        assert report["verified"]
+        model = tiny(tok)
+        recorded_normalisers_trainer(run, base=CountingTrainer)(
+            model=model, args=train_args(tmp_path / f"plain{step}", **kw), train_dataset=labels_masked(data, forget),
+            data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
+        oracle = load_state(tmp_path / f"del{step}" / "oracle")["model"]
+        plain = model.state_dict()
+        assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])], step

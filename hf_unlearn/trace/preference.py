@@ -54,6 +54,7 @@ from .reference import (
     reference_root,
     save_reference,
 )
+from .rng import all_seeded
 from .stack import pinned_stack, stack_change
 from .trainers import bound_arguments
 
@@ -415,6 +416,9 @@ class PreferenceTraceMixin:
                            self.dummy_token_id, self.id_column)  # rows of unequal lengths, as most pairs have
         return dummy_pair_has_weight(collator, row) or dummy_pair_has_weight(collator, coded)
 
+    def _trace_dummies_only_run(self, entry) -> bool:
+        return True  # a dummy pair's per-pair loss is a constant: a microbatch of them is no NaN
+
     def _check_dummy_has_no_influence(self, row: dict) -> None:
         """DPOTrainer's loss on a real pair A beside a deleted slot's dummy pair D (A's own row lengths): the gradient
         at D's input embeddings (both of its rows) must be exactly zero, and the gradient at A's must be bit for bit
@@ -456,6 +460,7 @@ class PreferenceTraceMixin:
             with contextlib.ExitStack() as stack:
                 for w in (seen, *watches):
                     stack.enter_context(w)
+                stack.enter_context(all_seeded(0))  # two calls compared: the same draws in each
                 loss = self.compute_loss(model, self._prepare_inputs(collated))
                 loss.backward()
         except UnlearnError:

@@ -25,6 +25,17 @@ def rng_kept():
 
 
 @contextmanager
+def all_seeded(seed: int):
+    """Run a block with Python's, numpy's and torch's RNGs all seeded with ``seed`` and give the caller's streams back
+    after it: a check that runs the user's code twice compares the two calls, not two draws."""
+    with rng_kept():
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        yield
+
+
+@contextmanager
 def seeded(seed: int):
     """Run a block under ``seed`` without disturbing the caller's RNG streams."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

@@ -193,6 +193,12 @@ class RecordingHooks(WeightsFollowUmask):
     def _trace_dummy_has_weight(self, collator, row: dict) -> bool:
         return dummy_has_weight(collator, row)
 
+    def _trace_dummies_only_run(self, entry) -> bool:
+        """Whether a replay runs a microbatch of dummies only: yes with a recorded loss normaliser (its loss and
+        gradient are exactly 0); not where the loss is a per-microbatch mean (no normaliser, a hazard), which over no
+        token is NaN (DPO's per-pair mean keeps the dummies' slots: it runs)."""
+        return entry.norm is not None
+
     def _check_dummy_has_no_influence(self, row: dict) -> None:
         """The dummy-weight probe of a custom ``compute_loss`` (:func:`.probe.check_dummy_has_no_influence`; DPO's
         pairs have their own)."""

@@ -20,7 +20,7 @@ from ..model_info import (
     samples_sharing_a_microbatch,
 )
 from ..packing import packing_refusal
-from ..rng import seeded
+from ..rng import rng_kept, seeded
 from ..sharding import unsharded_class
 from ..store import id_index
 from ..trainers import metric_schedule, metric_scheduler, recorded_trainer_class, schedule_hazard
@@ -80,8 +80,16 @@ def preflight(trainer) -> tuple:
 
     Errors (an unusable dataset, a collator that gives a deleted slot weight, an optimizer or adapter a replay
     cannot rebuild) raise :class:`UnlearnError`; hazards (the replay would run but differ) raise too unless
-    ``trace_allow_hazards``. Run at construction, again when training starts.
+    ``trace_allow_hazards``. Run at construction, again when training starts, with every RNG stream (Python's,
+    numpy's, torch's) given back after it: the checks run the user's collator and ``compute_loss``, and a draw they
+    made would shift what the recorded run trains on (a loss drawing from ``random`` trained another model than the
+    same program without the recorder).
     """
+    with rng_kept():
+        return _preflight(trainer)
+
+
+def _preflight(trainer) -> tuple:
     try:
         import datasets
     except ImportError:  # pragma: no cover

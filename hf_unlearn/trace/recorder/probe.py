@@ -10,7 +10,7 @@ import torch
 
 from ...errors import UnlearnError
 from ..guards import program_hooks
-from ..rng import seeded
+from ..rng import all_seeded
 from ..trainers import recorded_trainer_class
 from .slots import dummy_row
 
@@ -41,12 +41,57 @@ def check_dummy_has_no_influence(trainer, row: dict) -> None:
             raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
                                f"gradient ({why}): a deleted slot would not have weight 0, so a replay would not "
                                "delete it" + ("" if dummy_first else "; weight every term by the labels"))
+    if _couples_rows(trainer, cls, row, dummy):
+        raise UnlearnError(f"{cls.__qualname__}.compute_loss weights a row by what the other rows of its microbatch "
+                           "hold: a row's gradient beside a deleted row's dummy is not the one beside a row whose "
+                           "labels are masked (the counterfactual), e.g. a normaliser counted on input_ids or "
+                           "attention_mask instead of the labels; deleting a row would re-weight the others, so a "
+                           "replay is not the run without it; divide by num_items_in_batch (the labelled tokens) instead")
 
 
 def _dummy_gradient(trainer, cls, row: dict, dummy: dict, dummy_first: bool) -> bool:
     """Whether the loss of a microbatch of ``row`` and ``dummy`` (in that order, or the dummy first) gives the
     dummy's input embeddings a non-zero gradient."""
-    batch = trainer._prepare_inputs(trainer.data_collator([dummy, dict(row)] if dummy_first else [dict(row), dummy]))
+    batch = trainer.data_collator([dummy, dict(row)] if dummy_first else [dict(row), dummy])
+    grad, n = _embedding_gradient(trainer, cls, batch), len(row["input_ids"])
+    if grad is None:
+        return False
+    if dummy_first:  # padded: row 0; flattened (one row): its first n tokens
+        part = grad[0, :n]
+    else:
+        part = grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
+    return bool((part != 0).any())
+
+
+def _couples_rows(trainer, cls, row: dict, dummy: dict) -> bool:
+    """Whether ``row``'s gradient beside the dummy differs from its gradient beside a copy of itself whose labels are
+    all -100 (what the counterfactual trains on in the deleted slot): a loss that reads a neighbour's tokens other
+    than through its labels (a normaliser counted on ``input_ids`` or ``attention_mask``, a batch statistic)
+    re-weights a row when its neighbour is deleted, and the dummy's own zero gradient does not show it."""
+    n = len(row["input_ids"])
+    masked = trainer.data_collator([dict(row), dict(row)])
+    labels = masked.get("labels")
+    if not torch.is_tensor(labels) or labels.dim() != 2:
+        return False  # no labels to mask: the loss is the model's own over every token (probed above)
+    labels = labels.clone()
+    if labels.shape[0] == 2:
+        labels[1] = -100
+    elif labels.shape[0] == 1 and labels.shape[1] >= 2 * n:  # padding-free: one flattened row
+        labels[0, n:2 * n] = -100
+    else:
+        return False
+    masked["labels"] = labels
+    beside_dummy = _embedding_gradient(trainer, cls, trainer.data_collator([dict(row), dict(dummy)]))
+    beside_masked = _embedding_gradient(trainer, cls, masked)
+    if beside_dummy is None or beside_masked is None:
+        return False
+    return not torch.equal(beside_dummy[0, :n], beside_masked[0, :n])
+
+
+def _embedding_gradient(trainer, cls, batch: dict):
+    """The gradient ``compute_loss`` gives the input embeddings of a collated microbatch (eval mode, seeded, every
+    attribute of the trainer put back after it), or None if none reaches them."""
+    batch = trainer._prepare_inputs(batch)
     model = trainer.model
     seen = {}
 
@@ -60,7 +105,7 @@ def _dummy_gradient(trainer, cls, row: dict, dummy: dict, dummy_first: bool) -> 
     own = _attributes_kept(trainer)  # the user's loss may count its calls: the probe is not one of them
     try:
         model.eval()  # no dropout: the probe's answer does not depend on a draw
-        with seeded(0):
+        with all_seeded(0):
             loss = trainer.compute_loss(model, batch, num_items_in_batch=torch.tensor(1.0, device=trainer.args.device))
             loss.backward()
     except Exception as e:  # noqa: BLE001 - the user's loss failed on a real row and a dummy
@@ -73,14 +118,7 @@ def _dummy_gradient(trainer, cls, row: dict, dummy: dict, dummy_first: bool) -> 
         if saved is not None:
             trainer._metrics = saved
         own.restore()
-    grad, n = seen["embeds"].grad, len(row["input_ids"])
-    if grad is None:
-        return False
-    if dummy_first:  # padded: row 0; flattened (one row): its first n tokens
-        part = grad[0, :n]
-    else:
-        part = grad[0, n:2 * n] if grad.shape[0] == 1 else grad[1, :n]  # 1 row: padding-free
-    return bool((part != 0).any())
+    return seen["embeds"].grad
 
 
 def _why_a_term_on_every_token(model) -> str:

@@ -6,8 +6,8 @@ One engine serves all of them, so "replay == oracle" tests the redaction, not tw
   param groups, and the recorded loss normaliser is passed as ``num_items_in_batch``;
 * a deleted slot is filled by a fixed dummy sequence of the recorded length (``dummy_token_id`` everywhere,
   full attention mask, every label ``-100``): its loss and gradient are exactly zero and the microbatch keeps
-  its shape; a microbatch of dummies only is skipped, and a segment with no weighted slot keeps its boundary
-  but takes no optimizer step (moments and step counter untouched);
+  its shape; a microbatch of dummies only runs as well, and a step whose every slot is deleted steps the optimizer
+  on zero gradients, as the plain run with those rows' labels masked does;
 * the arithmetic is ``Trainer.training_step``, ``Trainer._clip_grad_norm`` and the optimizer's own ``step``,
   exactly as in the recorded run, so replaying an unaffected prefix reproduces the recorded checkpoints bit
   for bit, and a suffix replay from a checkpoint equals a full replay.
@@ -368,15 +368,19 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
 
 
     def _run_segment(self, model, seg: list[PlanEntry]) -> int:
-        """Forward/backward every microbatch of a segment; step unless no slot carries weight. Returns 0/1.
+        """Forward/backward every microbatch of a segment, then the optimizer step. Returns 0/1 (1: stepped).
 
-        A microbatch is skipped only if no process has a weighted row in it (decided from the plan, so every
-        process skips the same ones and their gradient all-reduces stay matched).
+        A microbatch of dummies only runs too, and a step whose every slot is deleted still steps on zero
+        gradients: the plain run with those rows' labels masked calls ``compute_loss`` on them (a loss or callback
+        that counts its calls counts them) and steps AdamW on zero gradients (its moments decay, weight decay acts,
+        its step count grows). Skipped only by the ``filter`` baseline (its rows are gone) and where the loss is a
+        per-microbatch mean with no recorded normaliser (:meth:`_trace_dummies_only_run`: a mean over no token is
+        NaN); decided from the plan, so every process runs the same microbatches and their all-reduces stay matched.
         """
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         work = []
         for e in seg:
-            if not any(self._weighted(s) for s in e.slots):
+            if not any(self._weighted(s) for s in e.slots) and (self.filter_rows or not self._trace_dummies_only_run(e)):
                 continue
             marked = [] if self._holds_dummy(e) else None
             feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank, marked=marked)

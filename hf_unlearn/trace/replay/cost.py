@@ -21,7 +21,8 @@ def already_deleted(run: TraceRun, forget_ids) -> list:
 
 
 def emptied_steps(plan: list[PlanEntry], tags: set[str]) -> list[int]:
-    """Steps whose every slot is deleted (now or before): they keep their boundary but take no optimizer step."""
+    """Steps whose every slot is deleted (now or before): replayed on dummies only, the optimizer stepping on zero
+    gradients (as the plain run with those rows' labels masked)."""
     weighted: dict[int, bool] = {}
     for e in plan:
         weighted[e.step] = weighted.get(e.step, False) or any(s is not None and s not in tags for s in e.slots)
