@@ -93,6 +93,9 @@ def start(trainer) -> None:
     header["origin_run_id"] = header["run_id"]
     header["key_fingerprint"] = key_fingerprint(trainer._trace_key)
     header["trainer"].update(program.sort_callbacks(trainer))
+    loader = trainer.callback_handler.train_dataloader  # what a recorded callback's len(train_dataloader) gave
+    if loader is not None and hasattr(loader, "__len__"):
+        header["trainer"]["dataloader_len"] = len(loader)
     # what the modules of the code replays run again fixed when imported, as training starts (as a replay rebuilding
     # that code finds them): sealed with the run (sealing.finish)
     trainer._trace_program_globals = replayed_globals(replayed_classes(

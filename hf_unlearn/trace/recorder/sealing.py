@@ -52,6 +52,9 @@ def finish(trainer) -> None:
     trainer._trace_header.update(optimizer_steps=step, microbatches=trainer._trace_mb, finished=time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if not trainer._is_replay:
+        scheduler = getattr(trainer, "lr_scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "get_last_lr"):  # the rates after the last step's step():
+            trainer._trace_header["trainer"]["final_lrs"] = [float(x) for x in scheduler.get_last_lr()]  # callbacks
         changed = stack_change(trainer._trace_header.get("numeric_stack"), numeric_stack(trainer.args.device))
         if changed:
             trainer._trace_header["hazards"].append(

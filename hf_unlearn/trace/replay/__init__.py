@@ -20,7 +20,7 @@ This module holds :class:`ReplayTrainer`'s ``Trainer`` hooks (construction, ``cr
 segment loop) and the request classes; each other concern is a room of its own: ``cost`` (where a replay starts and
 what it costs), ``arguments`` (the TrainingArguments), ``model`` (a given model checked), ``start`` (the start state),
 ``checks`` (the refusals before compute), ``counterfactual`` (the microbatches with dummies), ``program`` (callbacks,
-fingerprints and checkpoints matched on the way), ``output`` (the output run), ``card`` (card info), ``composition``
+fingerprints and checkpoints matched on the way), ``stand_ins`` (the scheduler and loader a recorded callback is handed), ``output`` (the output run), ``card`` (card info), ``composition``
 (the recorded trainer class composed in) and ``baselines`` (the naive repack baseline). Publishing is not the
 engine's: :mod:`hf_unlearn.hub.replay` puts the Hub mixin above these classes.
 """

@@ -28,6 +28,7 @@ from ..run import capture_state
 from ..stack import environment_difference
 from ..trainers import PROCESSING_CLASS_DIR, is_default, load_processing_class, recorded_trainer
 from ..unlisted import unlisted_hazard
+from .stand_ins import ReplayedDataloader, ReplayedScheduler
 
 
 def step_ranges(matched: dict) -> dict:
@@ -108,9 +109,13 @@ class RecordedProgram:
     def _event(self, event: str) -> None:
         """Run a recorded callback event as the recording's Trainer did at this point of the step."""
         if self._program_callbacks:
+            if getattr(self, "_stand_ins", None) is None:
+                self._stand_ins = (ReplayedScheduler(self), ReplayedDataloader(
+                    self.run.header.get("trainer", {}).get("dataloader_len"), self.args.per_device_train_batch_size))
+            scheduler, loader = self._stand_ins
             run_event(self._program_callbacks, event, self.args, self.state, self.control, model=self.model,
-                      processing_class=self.processing_class, optimizer=self.optimizer, lr_scheduler=None,
-                      train_dataloader=None, eval_dataloader=None)
+                      processing_class=self.processing_class, optimizer=self.optimizer, lr_scheduler=scheduler,
+                      train_dataloader=loader, eval_dataloader=None)
 
     def _recorded_trainer_arguments(self) -> dict:
         """What the run's own trainer class takes beyond model/args/collator: its recorded arguments, the store as
