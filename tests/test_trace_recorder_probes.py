@@ -126,3 +126,26 @@ def test_the_checks_at_construction_leave_pythons_random_stream_alone(tmp_path):
     plain.train()
     state = plain.model.state_dict()
     assert not [n for n, t in recorded.items() if not torch.equal(t, state[n])]
+
+
+def test_a_parametrized_model_is_refused_at_construction(tmp_path):
+    """Attack: an identity ``torch.nn.utils.parametrize`` registered on one projection before training. A replay
+    rebuilds the model from its class and config, without it: the recording trained to the end and its proof died
+    in ``load_state_dict`` (missing ``...up_proj.weight``, unexpected ``...parametrizations.weight.original``), a
+    traceback. Now refused at construction in one line naming the module and what to do."""
+    from torch.nn.utils import parametrize
+
+    class Same(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    tok, data = get_trace_data()
+    model = tiny(tok)
+    parametrize.register_parametrization(model.model.layers[0].mlp.up_proj, "weight", Same())
+    with pytest.raises(UnlearnError, match=r"parametrize is registered on 1 module\(s\) \(model.layers.0.mlp.up_proj.weight"):
+        TraceRecordingTrainer(model=model, args=train_args(tmp_path / "rec", **KW), train_dataset=data.select(range(8)),
+                              data_collator=QACollator.from_tokenizer(tok))
+    assert not (tmp_path / "rec" / "trace").exists()
