@@ -309,3 +309,40 @@ def test_each_process_is_compared_with_its_own_ranks_reads():
     assert recorded_reads(fidelity, 2) == sealed(key, zero) and recorded_reads({}, 1) is None
     earlier = {"1": sealed(key, {"Y": {"value": None, "by": "cb"}})}
     assert set(process_reads(key, [zero, one], earlier)["1"]) == {"A", "X", "Y"}
+
+
+class ClipWhenTheCommandLineSays(TrainerCallback):
+    """A recorded callback: from optimizer step 5 on, clips gradients hard when the command line holds ``--hfu-clip``
+    (``in sys.argv``)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import sys
+
+        if state.global_step >= LATE and "--hfu-clip" in sys.argv:
+            args.max_grad_norm = 0.05
+
+
+def test_a_run_whose_code_read_the_command_line_is_refused_in_another_process(tmp_path, monkeypatch):
+    """Attack: a recorded callback acting on ``sys.argv`` (the training launch's ``--hfu-clip``); ``hf-unlearn forget``
+    runs with its own command line, so its replay and oracle agreed with each other and not with the run (a VERIFIED
+    step-5 deletion with every tensor off the counterfactual). The recording notes the read (no value: a keyed
+    digest of the arguments); a deleting process with another command line is refused before any compute, naming
+    the read; the same command line (the training process itself) deletes exactly."""
+    import sys
+
+    from hf_unlearn.trace import open_run
+
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--hfu-clip"])
+    tok, data, run = _record(tmp_path, "llama", [ClipWhenTheCommandLineSays()])
+    reads = json.loads((run / "header.json").read_text())["fidelity"]["environment_reads"]
+    assert list(reads) == ["sys.argv"] and reads["sys.argv"]["by"] == "tests.test_trace_env_reads"
+    assert "--hfu-clip" not in (run / "header.json").read_text()
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    kind, what = _forget_outcome(run, ids, tmp_path / "same")
+    assert kind == "verified"
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "same",
+                                            [ClipWhenTheCommandLineSays()])
+    monkeypatch.setattr(sys, "argv", ["hf-unlearn", "forget", str(run)])
+    kind, what = _forget_outcome(run, ids, tmp_path / "other")
+    assert kind == "refused" and "read sys.argv, the command line (read by tests.test_trace_env_reads)" in what, what
+    assert "before any compute" in what and not (tmp_path / "other").exists()

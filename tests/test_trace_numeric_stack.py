@@ -366,3 +366,23 @@ def test_the_default_dtype_is_recorded_and_pinned():
         assert torch.get_default_dtype() == torch.float32
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_recorded_hash_seed_is_required_of_the_deleting_process(tmp_path, monkeypatch, capsys):
+    """Attack: a loss iterating a set of strings (its order follows Python's string hashing) from step 5 on, recorded
+    under ``PYTHONHASHSEED=0`` and deleted under ``PYTHONHASHSEED=1``: the probe's steps did not reach it and the
+    deletion was VERIFIED with every tensor off the counterfactual. A recorded seed is part of the numeric stack now:
+    another one (or none) in the deleting process is refused before any compute, naming the seed to set."""
+    from hf_unlearn.trace import open_run
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    tok, data, kw, run = _tiny_run(tmp_path)
+    assert json.loads((run / "header.json").read_text())["numeric_stack"]["environment"]["PYTHONHASHSEED"] == "0"
+    forget = open_run(run).ids_at_steps([1])[:1]
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    code, out = _forget(run, forget, tmp_path / "other", monkeypatch, capsys)
+    assert code == 1 and "recorded with PYTHONHASHSEED=0 and this process has 1" in out.err
+    assert "run with PYTHONHASHSEED=0" in out.err and not (tmp_path / "other").exists()
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    code, out = _forget(run, forget, tmp_path / "same", monkeypatch, capsys, "--oracle")
+    assert code == 0 and "VERIFIED" in out.out

@@ -88,6 +88,52 @@ class _WatchedEnviron(type(os.environ)):
         _bulk.pending = collections.deque(keys)  # a complete iteration: its keys may be read next, in order
 
 
+# The command line is read like a variable: ``if "--aux" in sys.argv`` in a loss acts on the training launch's
+# arguments, and a deleting process (``hf-unlearn forget ...``) has others, so a read of ``sys.argv`` by the program's
+# code while it trains is noted under this name (its value: the arguments joined by NUL) and refuses a deletion, whose
+# replay cannot run under the recording's command line. Seen: indexing, slicing, ``in``, ``len``, iteration,
+# ``index``/``count`` on ``sys.argv`` as the block found it; not seen: a reference to the list taken before training
+# (``ARGV = sys.argv`` at import: a module global, which the sealed globals compare) and C code reading the list's
+# items directly (``" ".join(sys.argv)``).
+ARGV = "sys.argv"
+
+
+def argv_text(argv=None) -> str:
+    return "\0".join(sys.argv if argv is None else argv)
+
+
+class _WatchedArgv(list):
+    """``sys.argv`` while a log is open: every read by the program's code is noted as :data:`ARGV`."""
+
+    def _noted(self):
+        if _watching:
+            _note(ARGV, argv_text(list.__iter__(self)), depth=3)
+
+    def __getitem__(self, i):
+        self._noted()
+        return list.__getitem__(self, i)
+
+    def __iter__(self):
+        self._noted()
+        return list.__iter__(self)
+
+    def __contains__(self, x):
+        self._noted()
+        return list.__contains__(self, x)
+
+    def __len__(self):
+        self._noted()
+        return list.__len__(self)
+
+    def index(self, *args):
+        self._noted()
+        return list.index(self, *args)
+
+    def count(self, x):
+        self._noted()
+        return list.count(self, x)
+
+
 def _in_bulk(key) -> bool:
     """Whether this read is part of reading the whole environment (see ``_WatchedEnviron.__iter__``)."""
     if getattr(_bulk, "depth", 0):
@@ -108,12 +154,12 @@ def is_user_code(module: str | None, filename: str | None) -> bool:
         and not any(p in (filename or "") for p in INSTALLED)
 
 
-def _note(key, value) -> None:
+def _note(key, value, depth: int = 2) -> None:
     if isinstance(key, bytes):  # a read through os.environb (os.getenvb): the same variable
         key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
     if str(key).startswith(LAUNCH) or getattr(_bulk, "quiet", 0):
         return
-    frame = sys._getframe(2)
+    frame = sys._getframe(depth)
     while frame is not None and frame.f_globals.get("__name__") in _PASS_THROUGH:
         frame = frame.f_back
     if frame is None:
@@ -134,6 +180,9 @@ def watching():
         if env is not None and type(env) is not _WatchedEnviron:
             env.__class__ = _WatchedEnviron  # the same object (every module's reference to it stays valid)
     log: dict = {}
+    argv = sys.argv
+    if type(argv) is list:
+        sys.argv = _WatchedArgv(argv)
     with _lock:
         _watching.append(log)
     try:
@@ -141,6 +190,9 @@ def watching():
     finally:
         with _lock:
             _watching.remove(log)
+        if type(sys.argv) is _WatchedArgv and type(argv) is list:
+            argv[:] = list.__iter__(sys.argv)  # what the block wrote into it, in the caller's own list
+            sys.argv = argv
 
 
 @contextlib.contextmanager
@@ -210,8 +262,11 @@ def differences(key: bytes, recorded: dict, here: dict | None = None) -> list[st
     here = os.environ if here is None else here
     out = []
     for name, read in sorted(recorded.items()):
-        now = here.get(name)
+        now = argv_text() if name == ARGV else here.get(name)
         if not _recorded(key, name, read, now):
+            if name == ARGV:
+                out.append(f"{ARGV}, the command line (read by {read.get('by', '?')})")
+                continue
             was = "unset" if read.get("value") is None else "set"
             is_ = "unset" if now is None else ("set to another value" if read.get("value") is not None else "set")
             out.append(f"{name} (read by {read.get('by', '?')}: {was} while recording, {is_} here)")

@@ -37,7 +37,7 @@ import time
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
-from .environment_reads import differences, recorded_reads
+from .environment_reads import ARGV, differences, recorded_reads
 from .fidelity import FidelityError
 from .file_reads import differences as file_differences
 from .guards import compare_fingerprint, guard_coverage, program_changes
@@ -517,6 +517,12 @@ def environment_refusal(run) -> str | None:
         return None
     where, differ = found[0]
     on = f" on process {where} of {len(everyone)}" if len(everyone) > 1 else ""
+    argv = next((d for d in differ if d.startswith(ARGV)), None)
+    if argv:
+        return (f"the recorded run's code read {argv}{on} while it trained: a replay runs that code in the deleting "
+                "process, whose command line is not the training launch's; refusing before any compute (read the "
+                "command line before training, into TrainingArguments or the trainer's attributes, and record the "
+                "run again)")
     return (f"the recorded run's code read the environment variable {differ[0]}{on}"
             f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}: a replay here runs that code on another "
             "environment than the recording's; refusing before any compute (set it as it was while recording, or run "

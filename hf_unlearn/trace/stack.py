@@ -209,6 +209,11 @@ def check_stack(header: dict, device=None) -> None:
     here = numeric_stack(device)
     keys = FIXED_ON_CUDA if recorded.get("device_type") == "cuda" else FIXED
     diff = [f"{k} {here.get(k)!r} (recorded {recorded.get(k)!r})" for k in keys if recorded.get(k) != here.get(k)]
+    seed = (recorded.get("environment") or {}).get("PYTHONHASHSEED")
+    if seed is not None and os.environ.get("PYTHONHASHSEED") != seed:  # recorded unset: random, unrepeatable
+        raise UnlearnError(f"the run was recorded with PYTHONHASHSEED={seed} and this process has "
+                           f"{os.environ.get('PYTHONHASHSEED', 'none')}: Python's string hashes, so the order of a set "
+                           f"or dict of strings a loss or callback iterates, differ; run with PYTHONHASHSEED={seed}")
     if diff:
         env = environment_difference(recorded.get("environment")) if "environment" in recorded else None
         diff += [f"the numeric environment ({env})"] if env else []
@@ -304,7 +309,7 @@ def _precision_clause(settings: dict) -> str:
 # fails; the probe is the guarantee, not this list)
 NUMERIC_ENV = ("MKL_", "DNNL_", "ONEDNN_", "ATEN_CPU_CAPABILITY", "CUBLAS_", "CUBLASLT_", "CUDNN_", "NCCL_", "OMP_",
                "KMP_", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_BLAS_PREFER_CUBLASLT",
-               "OPENBLAS_", "BLIS_")
+               "OPENBLAS_", "BLIS_", "PYTHONHASHSEED")
 
 
 def numeric_environment() -> dict:

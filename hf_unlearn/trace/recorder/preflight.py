@@ -212,8 +212,7 @@ def check_model_rebuildable(trainer) -> None:
         raise UnlearnError(f"a replay must rebuild the PEFT model and cannot: {peft['why']}")
     parametrized = [name for name, m in model.named_modules() if getattr(m, "parametrizations", None)]
     if parametrized:
-        what = ", ".join(f"{parametrized[0]}.{k}" for k in getattr(model.get_submodule(parametrized[0]),
-                                                                    "parametrizations"))
+        what = ", ".join(f"{parametrized[0]}.{k}" for k in model.get_submodule(parametrized[0]).parametrizations)
         raise UnlearnError(f"a replay must rebuild the model and cannot: torch.nn.utils.parametrize is registered on "
                            f"{len(parametrized)} module(s) ({what} first), and a replay rebuilds the model from its "
                            "class and config, without them; remove them before training "
