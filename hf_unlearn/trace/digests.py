@@ -92,7 +92,7 @@ CODE_MODULES = ("torch.nn.functional", "transformers.activations", "transformers
 # ``nn.Module``'s own module, gradient clipping, and Accelerate's helpers (``send_to_device``, ``Accelerator``'s). The
 # per-step digest reads them too (a function patched for one step and put back): kept between steps, about 0.3 ms.
 STEP_MODULES = ("torch", "torch.autograd", "torch.nn.modules.module", "torch.nn.utils", "torch.nn.utils.clip_grad",
-                "accelerate.utils.operations", "accelerate.accelerator")
+                "accelerate.utils.operations", "accelerate.accelerator", "accelerate.optimizer", "torch.optim.optimizer")
 
 
 # ---- stable text of any object -----------------------------------------------------------------------------
@@ -753,6 +753,9 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         out[f"trainer class {_name(recorded_trainer_class(type(trainer)))}"] = _class_code(type(trainer), d)
         out.update((f"trainer class value {k}", v) for k, v in _class_values(type(trainer)).items())
         out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items() if _trainer_setting(k, v))
+        accelerator = getattr(trainer, "accelerator", None)  # a method patched on it (``backward``,
+        if accelerator is not None:  # ``clip_grad_norm_``) runs in every step; it has no instance callables else
+            out.update((f"accelerator.{k}", d.leaf(v)) for k, v in _patched_methods(accelerator))
         # a global the user's trainer code reads (a flag its compute_loss follows), which replays run in their process
         out.update((f"trainer global {k}", v) for k, v in _globals_read(
             type(trainer), d, skip=(*FRAMEWORK_HOOKS, "builtins")).items())
@@ -810,6 +813,14 @@ def optimizer_structure(model, optimizer, d: Digester) -> dict:
         out[f"optimizer group {i} params"] = _short(",".join(names.get(id(p), "?") for p in g["params"]))
         out[f"optimizer group {i} state keys"] = _short(repr(sorted({",".join(sorted(inner.state[p]))
                                                                      for p in g["params"] if p in inner.state})))
+    if inner is not optimizer:  # accelerate's wrapper: a ``step`` patched on it runs in every step
+        out.update((f"optimizer wrapper.{k}", d.leaf(v)) for k, v in _patched_methods(optimizer))
+    from torch.optim import optimizer as torch_optimizer
+
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):  # run by every optimizer's step
+        hooks = getattr(torch_optimizer, name, None) or {}
+        out[f"optimizer global {name.strip('_').removeprefix('global_')}"] = d.leaf(
+            [fn for fn in hooks.values() if not _module_of(fn).startswith("hf_unlearn.")])
     for k, v in vars(inner).items():
         if k in SKIPPED_OPTIMIZER:
             continue
@@ -817,6 +828,54 @@ def optimizer_structure(model, optimizer, d: Digester) -> dict:
             v = [fn for fn in v.values() if not _module_of(fn).startswith("hf_unlearn.")]
         out[f"optimizer.{k}"] = d.leaf(v)
     return out
+
+
+def _patched_methods(obj) -> list:
+    """The callables set on an instance that has none of its own (accelerate's ``Accelerator`` and optimizer
+    wrapper): a method patched on it, which a replay building its own does not have; this library's left out."""
+    return [(k, v) for k, v in vars(obj).items() if callable(v) and not isinstance(v, (type, torch.nn.Module))
+            and not _module_of(v).startswith("hf_unlearn.")]
+
+
+def unreplayed_methods(trainer, optimizer) -> list[str]:
+    """Code set on the objects a replay builds afresh, which it therefore does not run: methods patched on the
+    accelerator or on accelerate's optimizer wrapper, methods and step hooks set on the torch optimizer, torch's
+    global optimizer hooks (``register_optimizer_step_pre_hook``), and a torch function or dispatch mode the
+    program entered around ``train()`` (a replay runs in no mode of the user's); the frameworks' own left out. Set before training,
+    such code never shows as a change, and code that acts only on a deletion's rows passes the proof."""
+    from torch.optim import optimizer as torch_optimizer
+
+    def users(pairs):  # the frameworks' own (accelerate sets the wrapper's ``step``) are set up by a replay too
+        return [(k, fn) for k, fn in pairs if not _module_of(fn).startswith(FRAMEWORK_HOOKS)]
+
+    out = []
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None:
+        out += [f"accelerator.{k} = {_name_of(v)}" for k, v in users(_patched_methods(accelerator))]
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if optimizer is not None and inner is not optimizer:
+        out += [f"the optimizer wrapper's {k} = {_name_of(v)}" for k, v in users(_patched_methods(optimizer))]
+    if inner is not None:
+        out += [f"optimizer.{k} = {_name_of(v)}" for k, v in users(_patched_methods(inner))]
+        for k in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            out += [f"an optimizer step hook {_name_of(fn)}" for _, fn in users(
+                (k, fn) for fn in (getattr(inner, k, None) or {}).values())]
+    for k in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        out += [f"a global optimizer hook {_name_of(fn)}" for _, fn in users(
+            (k, fn) for fn in (getattr(torch_optimizer, k, None) or {}).values())]
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    out += [f"a torch mode active around train(), {_name(type(m))}" for m in
+            (*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack())
+            if not type(m).__module__.startswith("hf_unlearn.")]
+    return out
+
+
+def _name_of(fn) -> str:
+    while hasattr(fn, "func") or hasattr(fn, "__func__"):
+        fn = getattr(fn, "func", None) or fn.__func__
+    return f"{_module_of(fn) or '?'}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def _module_of(fn) -> str:

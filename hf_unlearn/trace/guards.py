@@ -707,7 +707,8 @@ class ProgramGuard:
 
     def start(self) -> None:
         """Before the first step: a user hook already registered is code a replay does not run."""
-        hooks = program_hooks(self.model)
+        hooks = program_hooks(self.model) + digests.unreplayed_methods(
+            (self.context() if self.context is not None else {}).get("trainer"), self.optimizer)
         if hooks:
             self.pending.append({"step": 0, "what": f"a hook or function a replay does not run is set: {hooks[0]}"
                                  + (f" (and {len(hooks) - 1} more)" if len(hooks) > 1 else ""), "persistent": True})
