@@ -437,3 +437,21 @@ def test_a_model_class_patched_in_the_recording_process_only_is_refused(tmp_path
         modeling_llama.LlamaMLP.forward = original
     _assert_refused(tmp_path, run, "this process runs other code than the recorded run did: class "
                                    "transformers.models.llama.modeling_llama.LlamaMLP")
+
+
+def test_a_torch_builtin_rebound_in_the_deleting_process_only_is_refused(tmp_path, monkeypatch):
+    """Attack: a ``sitecustomize`` of the deleting process only rebinds ``torch._C._nn.pad`` (the builtin
+    ``torch.nn.functional.pad`` calls, with which transformers' loss shifts the labels) to drop a row's labels only
+    when another row of the microbatch has none, which a deletion's dummy makes: the probe's steps (no deletion) were
+    equal, the sealed code held no ``torch._C`` namespace, and a step-3 deletion was VERIFIED with all 21 tensors off
+    the counterfactual. torch's C namespaces are sealed with the code now: refused before any compute, naming it."""
+    import torch
+
+    _, _, run = _record(tmp_path, [], gradient_accumulation_steps=2)
+    original = torch._C._nn.pad
+
+    def pad(input, *args, **kwargs):
+        return original(input, *args, **kwargs)
+
+    monkeypatch.setattr(torch._C._nn, "pad", pad)
+    _assert_refused(tmp_path, run, "this process runs other code than the recorded run did: module torch._C._nn")

@@ -89,10 +89,13 @@ CODE_MODULES = ("torch.nn.functional", "transformers.activations", "transformers
                 "transformers.loss.loss_utils", "transformers.modeling_utils")
 # the namespaces a training step looks functions up in by name when it calls them, besides its model's and optimizer's
 # modules: torch's top level (``torch.rsqrt`` in a norm, ``torch._foreach_*`` in a step), autograd (``backward``),
-# ``nn.Module``'s own module, gradient clipping, and Accelerate's helpers (``send_to_device``, ``Accelerator``'s). The
+# ``nn.Module``'s own module, gradient clipping, Accelerate's helpers (``send_to_device``, ``Accelerator``'s, its
+# optimizer wrapper's), the optimizer base class's module, and torch's C namespaces that ``torch.nn.functional``
+# calls into (``torch._C._nn.pad``: a builtin a ``sitecustomize`` can rebind in the deleting process only). The
 # per-step digest reads them too (a function patched for one step and put back): kept between steps, about 0.3 ms.
 STEP_MODULES = ("torch", "torch.autograd", "torch.nn.modules.module", "torch.nn.utils", "torch.nn.utils.clip_grad",
-                "accelerate.utils.operations", "accelerate.accelerator", "accelerate.optimizer", "torch.optim.optimizer")
+                "accelerate.utils.operations", "accelerate.accelerator", "accelerate.optimizer", "torch.optim.optimizer",
+                "torch._C._nn", "torch._C._linalg", "torch._C._fft", "torch._C._special")
 
 
 # ---- stable text of any object -----------------------------------------------------------------------------
