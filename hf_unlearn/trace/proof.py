@@ -411,7 +411,9 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
             causes = process_causes(recorded, gathered(process_numerics()))  # every process is here (agreed)
             cause = (f"; {'; '.join(causes)}" if causes else
                      "; no recorded numeric setting differs (another library build, CPU or a setting the record "
-                     "does not name)")
+                     "does not name" + (", or a program that keeps state no checkpoint holds: a counter on the "
+                                       "trainer or a callback, which a re-run from a kept checkpoint starts afresh)"
+                                       if s > 0 else ")"))
             where = (f" on process(es) {', '.join(map(str, found['processes']))} of {world_size()}"
                      if found.get("processes") and world_size() > 1 else "")
             if s == fresh_start:  # the steps before it (step 0 first) matched here: the start is the likely cause
