@@ -809,12 +809,13 @@ def test_a_moe_run_recorded_before_the_hazard_is_refused_at_deletion_and_one_tha
     and a replay refuse its deletions before any compute, naming the experts and the setting. Recorded with the
     hazard allowed (``trace_allow_hazards=True``), the header lists it and the receipt carries it as a hazard."""
     from hf_unlearn.trace import OracleReplayTrainer, open_run
-    from hf_unlearn.trace.recorder import preflight
+    from hf_unlearn.trace.recorder import preflight, probe
 
     tok, data = get_trace_data()
     data = data.select(range(24))
     with monkeypatch.context() as m:
         m.setattr(preflight, "routed_experts", lambda model: None)  # the recorder of an earlier release
+        m.setattr(probe, "_couples_rows", lambda *args: False)  # whose probe did not compare a row's neighbours
         record(tok, data, tmp_path / "old", model=_mixtral_without_aux_loss(tok), every=2, **KW)
     run = tmp_path / "old" / "trace"
     assert not open_run(run).header.get("hazards")

@@ -199,10 +199,10 @@ class RecordingHooks(WeightsFollowUmask):
         token is NaN (DPO's per-pair mean keeps the dummies' slots: it runs)."""
         return entry.norm is not None
 
-    def _check_dummy_has_no_influence(self, row: dict) -> None:
+    def _check_dummy_has_no_influence(self, row: dict) -> str | None:
         """The dummy-weight probe of a custom ``compute_loss`` (:func:`.probe.check_dummy_has_no_influence`; DPO's
-        pairs have their own)."""
-        probe.check_dummy_has_no_influence(self, row)
+        pairs have their own); a hazard it found, where hazards are allowed."""
+        return probe.check_dummy_has_no_influence(self, row)
 
     def _trace_start_weights(self, header: dict) -> None:
         """Called when the header's ``lineage`` was just computed from the weights training starts from (DPO: an

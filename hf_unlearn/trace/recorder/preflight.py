@@ -179,7 +179,9 @@ def _preflight(trainer) -> tuple:
     custom_loss = trainer.compute_loss_func is not None and not isinstance(trainer.compute_loss_func, str)
     if not trainer._trace_probed and not (custom_loss and stock_loss):  # a compute_loss_func: a hazard (above)
         trainer._trace_probed = True  # once, at construction, after the cheaper refusals: a forward and backward
-        trainer._check_dummy_has_no_influence(probe_row(served, trainer.id_column))  # pass on two rows (DPO: two)
+        coupled = trainer._check_dummy_has_no_influence(probe_row(served, trainer.id_column))  # two rows (DPO: two)
+        if coupled:  # allowed as a hazard (trace_allow_hazards): the run lists it
+            hazards.append(coupled)
     return served, hazards, notes
 
 

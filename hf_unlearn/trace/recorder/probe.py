@@ -10,19 +10,23 @@ import torch
 
 from ...errors import UnlearnError
 from ..guards import program_hooks
+from ..model_info import samples_sharing_a_microbatch
 from ..rng import all_seeded
 from ..trainers import recorded_trainer_class
 from .slots import dummy_row
 
 
-def check_dummy_has_no_influence(trainer, row: dict) -> None:
+def check_dummy_has_no_influence(trainer, row: dict) -> str | None:
     """The trainer's loss must give a deleted slot's dummy row no weight: the loss's gradient with respect to the
     dummy's input embeddings, in a microbatch beside a real row, must be exactly zero (a term on every token
     regardless of the labels would fail). Run for the stock ``Trainer.compute_loss`` too: the loss is the model's,
     and a model can add a term over every token itself (a MoE router's load-balancing loss, ``output_router_logits``),
     which no label check shows. Run with the dummy after the real row and before it: a flattened (padding-free)
     microbatch whose attention is not cut at the rows' starts lets a later row attend to the dummy, which only the
-    second order shows (the counterfactual's later rows attend to the deleted row's tokens, a replay's to dummies)."""
+    second order shows (the counterfactual's later rows attend to the deleted row's tokens, a replay's to dummies).
+    Then, where a microbatch holds several samples, the real row's gradient beside the dummy must be the one beside a
+    row whose labels are masked (:func:`_couples_rows`); with ``trace_allow_hazards`` a difference is returned as a
+    hazard instead of refused."""
     cls = recorded_trainer_class(type(trainer))
     row = probe_window(row)
     dummy = dummy_row(row, len(row["input_ids"]), trainer.dummy_token_id, trainer.id_column)
@@ -41,12 +45,16 @@ def check_dummy_has_no_influence(trainer, row: dict) -> None:
             raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
                                f"gradient ({why}): a deleted slot would not have weight 0, so a replay would not "
                                "delete it" + ("" if dummy_first else "; weight every term by the labels"))
-    if _couples_rows(trainer, cls, row, dummy):
-        raise UnlearnError(f"{cls.__qualname__}.compute_loss weights a row by what the other rows of its microbatch "
-                           "hold: a row's gradient beside a deleted row's dummy is not the one beside a row whose "
-                           "labels are masked (the counterfactual), e.g. a normaliser counted on input_ids or "
-                           "attention_mask instead of the labels; deleting a row would re-weight the others, so a "
-                           "replay is not the run without it; divide by num_items_in_batch (the labelled tokens) instead")
+    if samples_sharing_a_microbatch(trainer.args) and _couples_rows(trainer, cls, row, dummy):
+        why = (f"{cls.__qualname__}.compute_loss weights a row by what the other rows of its microbatch hold: a row's "
+               "gradient beside a deleted row's dummy is not the one beside a row whose labels are masked (the "
+               "counterfactual), e.g. a normaliser counted on input_ids or attention_mask instead of the labels; "
+               "deleting a row would re-weight the others, so a replay is not the run without it; divide by "
+               "num_items_in_batch (the labelled tokens) instead, or record with per_device_train_batch_size=1")
+        if not trainer.trace_allow_hazards:
+            raise UnlearnError(why)
+        return why  # a hazard the run lists
+    return None
 
 
 def _dummy_gradient(trainer, cls, row: dict, dummy: dict, dummy_first: bool) -> bool:
@@ -69,7 +77,9 @@ def _couples_rows(trainer, cls, row: dict, dummy: dict) -> bool:
     than through its labels (a normaliser counted on ``input_ids`` or ``attention_mask``, a batch statistic)
     re-weights a row when its neighbour is deleted, and the dummy's own zero gradient does not show it."""
     n = len(row["input_ids"])
-    masked = trainer.data_collator([dict(row), dict(row)])
+    with all_seeded(0):  # a collator that draws: the same draws for both microbatches
+        masked = trainer.data_collator([dict(row), dict(row)])
+        beside = trainer.data_collator([dict(row), dict(dummy)])
     labels = masked.get("labels")
     if not torch.is_tensor(labels) or labels.dim() != 2:
         return False  # no labels to mask: the loss is the model's own over every token (probed above)
@@ -81,7 +91,7 @@ def _couples_rows(trainer, cls, row: dict, dummy: dict) -> bool:
     else:
         return False
     masked["labels"] = labels
-    beside_dummy = _embedding_gradient(trainer, cls, trainer.data_collator([dict(row), dict(dummy)]))
+    beside_dummy = _embedding_gradient(trainer, cls, beside)
     beside_masked = _embedding_gradient(trainer, cls, masked)
     if beside_dummy is None or beside_masked is None:
         return False
