@@ -53,7 +53,8 @@ class IteratesTheLoader(TrainerCallback):
         next(iter(train_dataloader))
 
 
-@pytest.mark.parametrize("callback", [DecayByTheSchedulersRate, DecayInTheEpochsFirstHalf])
+@pytest.mark.parametrize("callback", [DecayByTheSchedulersRate,
+                                      pytest.param(DecayInTheEpochsFirstHalf, marks=pytest.mark.slow)])
 def test_a_callback_reading_the_scheduler_or_the_dataloader_replays_as_the_counterfactual(tmp_path, callback):
     """Attack (an ordinary program): a recorded callback reading ``lr_scheduler.get_last_lr()`` or
     ``len(train_dataloader)``. Replays handed it ``None``: the recording's own proof raised when ``train()`` ended

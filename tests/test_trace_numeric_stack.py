@@ -62,7 +62,7 @@ def _forget(run, forget, out, monkeypatch, capsys, *extra):
     return code, capsys.readouterr()
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "gpt2", "phi"])
+@pytest.mark.parametrize("family", ["gpt_neox", *[pytest.param(f, marks=pytest.mark.slow) for f in ("gpt2", "phi")]])
 def test_a_deletion_under_one_thread_replays_with_the_recorded_two(tmp_path, family, monkeypatch, capsys):
     """Record with 2 threads; forget with HF_UNLEARN_THREADS=1: the replay and the oracle run with 2 threads, VERIFIED,
     and the oracle equals a plain Trainer counterfactual computed with 2 threads, not the one computed with 1."""

@@ -84,6 +84,7 @@ def test_a_loss_normalised_by_the_microbatchs_non_pad_tokens_is_refused_at_const
     assert not (tmp_path / "rec" / "trace").exists()
 
 
+@pytest.mark.slow  # a recording, a deletion and a plain counterfactual (about 15 s)
 def test_a_loss_normalised_by_the_attention_mask_records_and_deletes_as_the_counterfactual(tmp_path):
     """The control: the same loss over the attention mask's tokens (the dummy keeps the deleted row's full mask)
     passes the probe, and a step-1 deletion is VERIFIED and equal to the plain ``Trainer`` with the row's labels

@@ -70,7 +70,8 @@ CASES = {"accelerator.backward": (_patch_backward, "accelerator.backward = tests
          "torch mode": (_mode_around_train, "a torch mode active around train(), tests.test_trace_unreplayed_code.")}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c == "accelerator.backward" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in CASES])
 def test_code_a_replay_does_not_build_is_named_when_recording_and_refuses_deletions(tmp_path, case):
     from hf_unlearn.data import QACollator
     from hf_unlearn.trace import TraceRecordingTrainer, open_run
