@@ -4,9 +4,11 @@ A verdict compares a replay with the oracle; both come from one engine, so they 
 reproduces what was trained (a cast buffer the checkpoints do not carry, a loss the engine does not run). Three
 things close that gap:
 
-* **the model's layout**: the dtype of every parameter and buffer, and the values of the non-persistent buffers
-  (rotary ``inv_freq``, ...) that ``state_dict`` checkpoints leave out, are recorded when training starts
-  (``model/buffers.safetensors``) and restored on every rebuilt model, so ``model.bfloat16()`` replays exactly;
+* **the model's layout**: the dtype of every parameter and buffer, the values of the non-persistent buffers
+  (rotary ``inv_freq``, ...) that ``state_dict`` checkpoints leave out, and the module attributes that disagree with
+  the config they were copied from (:func:`config_attributes`) are recorded when training starts
+  (``model/buffers.safetensors``, the header) and restored on every rebuilt model, so ``model.bfloat16()``,
+  ``resize_token_embeddings`` and a config edited after loading replay exactly;
 * **checkpoints passed**: every replay compares its state with each recorded checkpoint it reaches before the
   first affected step and stops at the first mismatch, naming the step and the tensor;
 * **the recording's self-check** (:mod:`hf_unlearn.trace.self_check`): while training the recorder hashes its own
@@ -58,8 +60,35 @@ def model_layout(model) -> dict:
         if buf.layout != torch.strided or buf.device.type == "meta":
             raise UnlearnError(f"the model's non-persistent buffer {name!r} is {buf.layout} on {buf.device}: a replay "
                                "cannot restore it (checkpoints do not carry it); make it a plain dense tensor")
-    return {"default": default, "tensors": {n: _dtype_name(t) for n, t in tensors.items() if _dtype_name(t) != default},
-            "buffers": sorted(buffers)}
+    layout = {"default": default,
+              "tensors": {n: _dtype_name(t) for n, t in tensors.items() if _dtype_name(t) != default},
+              "buffers": sorted(buffers)}
+    attributes = config_attributes(model)
+    if attributes:
+        layout["attributes"] = attributes
+    return layout
+
+
+_PLAIN = (bool, int, float, str)
+
+
+def config_attributes(model) -> dict:
+    """``{module: {attribute: value}}``: module attributes named like a field of the model's config that hold another
+    value than the config. A replay builds the modules from the config, which a module copied at construction:
+    ``resize_token_embeddings`` updates ``config.vocab_size`` and leaves ``LlamaModel.vocab_size``, and a config edited
+    after loading (``config.attention_dropout = 0.1``) leaves every attention module's copy (the run trains without
+    dropout, a replay built from the config with it). Recorded when training starts, given back to rebuilt models."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is None:
+        return {}
+    fields = {k: v for k, v in vars(text).items() if type(v) in _PLAIN}
+    out: dict = {}
+    for name, module in model.named_modules():
+        for k, v in vars(module).items():
+            if k in fields and type(v) in _PLAIN and v != fields[k]:
+                out.setdefault(name, {})[k] = v
+    return out
 
 
 def save_buffers(model, run: Path) -> dict:
@@ -99,6 +128,14 @@ def restore_layout(model, run, header: dict, given: bool = False) -> None:
     layout = (header.get("model") or {}).get("layout")
     if not layout:
         return
+    for module_name, attributes in (layout.get("attributes") or {}).items():
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            raise UnlearnError(f"the replay model has no module {module_name!r}, whose attributes the recorded "
+                               "model's forward read") from None
+        for k, v in attributes.items():
+            setattr(module, k, v)
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     for name, t in tensors.items():
