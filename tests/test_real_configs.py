@@ -98,6 +98,10 @@ def lora_config(family: str, adapter: str):
     if adapter == "full":
         return None
     targets = ["query_key_value"] if family == "gpt_neox" else ["q_proj", "v_proj"]
+    if adapter == "vera":
+        from peft import VeraConfig
+
+        return VeraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM")
     mts = ["lm_head"] if adapter == "lora_mts" and family not in ("llama_tied", "gemma3") else None
     if adapter == "lora_mts" and mts is None:  # a tied head cannot be a separate trainable copy: the last norm instead
         mts = ["norm"]
@@ -589,6 +593,31 @@ def test_smollm2_135m_lora_forget_oracle_equals_the_counterfactual(tmp_path, kin
 
 
 # ---- a LoRA run recorded data-parallel (DDP, 2 processes) through forget ---------------------------------------------
+@pytest.mark.slow  # a recording, a forget with its oracle and a counterfactual (~30 s of CPU)
+def test_a_vera_adapter_is_merged_published_and_equal_to_the_counterfactual(tmp_path):
+    """VeRA merges like LoRA (``merge_and_unload``): the recorder merged it for its output root, and `forget` then
+    refused it before compute as an adapter "which cannot be merged" (a hand-kept list of tuners). One predicate
+    decides now: VERIFIED, the merged model published and equal to the plain ``Trainer`` counterfactual."""
+    check_configuration(tmp_path, "qwen2", "vera", "trainer")
+
+
+def test_a_prompt_tuning_adapter_is_refused_when_the_trainer_is_built(tmp_path):
+    """Prompt tuning adds virtual tokens, no weight update: the recording trained every step and then crashed in its
+    seal (``merge_and_unload`` on the base, a traceback). Refused at construction now, naming what to use."""
+    import peft
+    from transformers import Trainer, TrainingArguments
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import trace_recording
+
+    model = peft.get_peft_model(real_shape("qwen2"), peft.PromptTuningConfig(num_virtual_tokens=4,
+                                                                              task_type="CAUSAL_LM"))
+    with pytest.raises(UnlearnError, match="PROMPT_TUNING adapter adds virtual tokens .* cannot be merged"):
+        trace_recording(Trainer)(model=model, args=TrainingArguments(**common_args(tmp_path / "rec")),
+                                 train_dataset=qa_rows(), **trainer_kwargs("trainer", "qwen2", "full"))
+    assert not (tmp_path / "rec" / "trace").exists()
+
+
 @pytest.mark.slow  # two processes: a recording, forget with its oracle and a counterfactual, under one launch (~60 s)
 def test_a_lora_run_recorded_with_ddp_is_deleted_by_forget_under_its_launch_as_the_counterfactual(tmp_path):
     """`torchrun --nproc_per_node 2` on CPU (gloo): a PEFT LoRA model (GQA Llama) recorded by a data-parallel

@@ -43,14 +43,12 @@ def check_output(run) -> None:
     except Exception as e:
         raise UnlearnError(f"{run.path}: its adapter config cannot be read ({type(e).__name__}); nothing was done") \
             from None
-    from peft.utils import PeftType
+    from ..trace.model_info import mergeable_adapter
 
-    mergeable = {PeftType.LORA, PeftType.LOHA, PeftType.LOKR, PeftType.IA3, PeftType.OFT, PeftType.BOFT,
-                 PeftType.ADALORA}
-    if config.peft_type not in mergeable:
+    if not mergeable_adapter(config):
         raise UnlearnError(f"{run.path} trained a {config.peft_type} adapter, which cannot be merged into its base; "
-                           "forget publishes merged models (LoRA, LoHa, LoKr, IA3, OFT, BOFT, AdaLoRA); delete with "
-                           "`hf-unlearn trace replay` instead; nothing was done")
+                           "forget publishes merged models (LoRA, DoRA, LoHa, LoKr, IA3, OFT, BOFT, AdaLoRA, VeRA, "
+                           "...); delete with `hf-unlearn trace replay` instead; nothing was done")
 
 
 def save_output(replay, replay_dir: Path, model_dir: Path) -> dict:

@@ -155,4 +155,15 @@ def _peft_info(model) -> dict | None:
     info = {"name": names[0], "config": peft_config[names[0]], "base": model.get_base_model()}
     if len(names) != 1:
         info["why"] = f"it has {len(names)} adapters ({names}); record runs with one adapter"
+    elif not mergeable_adapter(info["config"]):
+        info["why"] = (f"its {getattr(info['config'], 'peft_type', '?')} adapter adds virtual tokens or prompts "
+                       "instead of a weight update, and cannot be merged into the model, whose weights a recording "
+                       "hashes and a deletion publishes; use an adapter that merges (LoRA, DoRA, LoHa, LoKr, IA3, "
+                       "VeRA, ...)")
     return info
+
+
+def mergeable_adapter(config) -> bool:
+    """Whether a PEFT adapter's config is a weight update ``merge_and_unload`` folds into the base: every tuner but
+    prompt learning (prompt and prefix tuning, P-tuning) and adaption prompts."""
+    return not (getattr(config, "is_prompt_learning", False) or getattr(config, "is_adaption_prompt", False))
