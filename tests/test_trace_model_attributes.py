@@ -27,13 +27,22 @@ def _config_edited(tok):
     return model
 
 
-@pytest.mark.parametrize("build", [_resized, _config_edited])
+def _checkpointed(tok):
+    """``model.gradient_checkpointing_enable(...)`` called by the program, ``TrainingArguments`` left at
+    ``gradient_checkpointing=False`` (a common LoRA recipe): a replay built the model without it."""
+    model = config_model("llama", tok)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("build", [_resized, pytest.param(_config_edited, marks=pytest.mark.slow), _checkpointed])
 def test_a_module_attribute_left_behind_by_an_edit_replays_as_recorded(tmp_path, build):
     """Attack (ordinary programs): ``resize_token_embeddings`` recorded, proved, and then every deletion refused (the
     proof's replay rebuilt ``LlamaModel.vocab_size`` from the config: "other program controls"); an edited
-    ``config.attention_dropout`` sealed "the engine did not reproduce" and every deletion was refused. The recording
-    keeps the module attributes that disagree with the config and a replay gives them back: VERIFIED and equal to
-    the plain ``Trainer`` on the same model (GQA Llama)."""
+    ``config.attention_dropout`` sealed "the engine did not reproduce", and so did a program's own
+    ``gradient_checkpointing_enable()``: every deletion was refused. The recording keeps the module attributes that
+    disagree with the config, and the checkpointing, and a replay gives them back: VERIFIED and equal to the plain
+    ``Trainer`` on the same model (GQA Llama)."""
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.verification import load_state
 
@@ -43,7 +52,7 @@ def test_a_module_attribute_left_behind_by_an_edit_replays_as_recorded(tmp_path,
     data = data.select(range(16))
     record(tok, data, tmp_path / "rec", model=build(tok), **KW)
     run = open_run(tmp_path / "rec" / "trace")
-    assert run.header["model"]["layout"]["attributes"]
+    assert run.header["model"]["layout"].get("attributes" if build is not _checkpointed else "activation_checkpointing")
     assert run.header["fidelity"]["proof"]["proven"]
     forget = run.ids_at_steps([1])[:1]
     assert delete(run.path, forget, tmp_path / "del")[1]["verified"]

@@ -66,7 +66,36 @@ def model_layout(model) -> dict:
     attributes = config_attributes(model)
     if attributes:
         layout["attributes"] = attributes
+    checkpointing = activation_checkpointing(model)
+    if checkpointing is not None:
+        layout["activation_checkpointing"] = checkpointing
     return layout
+
+
+def activation_checkpointing(model) -> dict | None:
+    """``{"kwargs", "input_require_grads"}`` where the model's layers recompute their activations
+    (``model.gradient_checkpointing_enable(...)`` called by the program, whatever ``TrainingArguments`` say), else
+    None: a replay builds the model without it, and its backward then runs other kernels (every deletion was
+    refused after training). ``input_require_grads``: the input embeddings' output requires grad (PEFT sets it for a
+    checkpointed base)."""
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            fn = getattr(m, "_gradient_checkpointing_func", None)
+            kwargs = {k: v for k, v in (getattr(fn, "keywords", None) or {}).items() if type(v) in _PLAIN}
+            hooked = any(getattr(x, "_require_grads_hook", None) is not None for x in model.modules())
+            return {"kwargs": kwargs, "input_require_grads": hooked}
+    return None
+
+
+def _restore_checkpointing(model, wanted: dict) -> None:
+    """Turn on activation checkpointing as the recorded model had it (a replay's own arguments may already have)."""
+    if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        target = model.get_base_model() if hasattr(model, "get_base_model") else model
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(wanted.get("kwargs") or {}))
+    if wanted.get("input_require_grads") and not any(getattr(x, "_require_grads_hook", None) is not None
+                                                     for x in model.modules()):
+        target = model.get_base_model() if hasattr(model, "get_base_model") else model
+        target.enable_input_require_grads()
 
 
 _PLAIN = (bool, int, float, str)
@@ -136,6 +165,8 @@ def restore_layout(model, run, header: dict, given: bool = False) -> None:
                                "model's forward read") from None
         for k, v in attributes.items():
             setattr(module, k, v)
+    if layout.get("activation_checkpointing"):
+        _restore_checkpointing(model, layout["activation_checkpointing"])
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     for name, t in tensors.items():
