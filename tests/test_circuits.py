@@ -167,7 +167,7 @@ def _agreement(model, tok, rows, baseline, steps=(5, 1)):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_eap_ig_scores_agree_with_patching_the_edges(family):
     """EAP-IG approximates M(clean) - M(one edge patched to its baseline). On trained tiny models (every edge patched
     for real, one at a time) the rank correlation of |score| with |patching effect| stays at or above 0.6 (measured

@@ -228,6 +228,7 @@ def test_probability_forms_stay_finite_for_very_unlikely_answers():
     assert M.truth_ratio_forget_score([tr]) == 0.0 and M.truth_ratio_retain_score([tr]) == 0.0
 
 
+@pytest.mark.slow  # the attacks' CLI (~12 s); the attacks themselves are tested in the default suite
 def test_cli_attack_subset_and_few_shot_knowmem(tiny_llama_dir, tmp_path, capsys):
     import json
 

@@ -274,6 +274,7 @@ def test_without_the_eval_extra_rouge_l_is_said_to_be_missing_and_the_summary_en
     assert rows["to erase"].startswith(f"`rm -r {tiny_llama_dir}` once {tmp_path / 'out'}/model replaces it")
 
 
+@pytest.mark.slow  # LoRA approximate forget is in the default suite on Llama (a PEFT adapter folder); this GPT-2 repeat ~20 s
 def test_approximate_forget_with_lora_on_a_gpt2_family_model_saves_the_merged_model(tmp_path, gpt2_tokenizer,
                                                                                      string_id_data):
     """Another family (GPT-2: Conv1D layers, tied head) and LoRA: the saved model is the merged one, no adapter."""

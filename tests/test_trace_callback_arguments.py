@@ -80,6 +80,7 @@ def test_a_callback_reading_the_scheduler_or_the_dataloader_replays_as_the_count
     assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
 
 
+@pytest.mark.slow  # a recording whose proof fails (~6 s)
 def test_a_callback_iterating_the_dataloader_is_named_not_a_traceback(tmp_path):
     """A recorded callback that iterates ``train_dataloader``: no replay can serve the recorded loader's batches.
     The end-of-recording proof names it in one line (it raised ``TypeError`` on ``None`` before) and the run is left

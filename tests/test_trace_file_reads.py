@@ -17,6 +17,9 @@ from transformers import Trainer, TrainerCallback
 from .test_trace_common import config_model, get_trace_data, labels_masked, recorded_normalisers_trainer, train_args
 from .test_trace_neutral_attacks import _forget_outcome
 
+pytestmark = pytest.mark.xdist_group("test_trace_file_reads")  # its module fixtures are built once, on one worker
+
+
 LATE = 5
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
 
@@ -274,6 +277,7 @@ def test_a_path_naming_another_file_in_the_deleting_process_is_named(tmp_path, m
         f"{here / 'w.txt'} (read by {__name__}: its content differs from the recording's)"]
 
 
+@pytest.mark.slow  # the same refusal through the CLI (~15 s); the API's is in the default suite
 def test_hf_unlearn_forget_refuses_a_changed_file_before_any_compute(recorded, tmp_path):
     """The attack through the command line, in a process of its own: `hf-unlearn forget` with the weight file changed
     exits non-zero before any compute, naming the file and what to do."""

@@ -35,7 +35,7 @@ def _checkpointed(tok):
     return model
 
 
-@pytest.mark.parametrize("build", [_resized, pytest.param(_config_edited, marks=pytest.mark.slow), _checkpointed])
+@pytest.mark.parametrize("build", [_resized, *[pytest.param(b, marks=pytest.mark.slow) for b in (_config_edited, _checkpointed)]])
 def test_a_module_attribute_left_behind_by_an_edit_replays_as_recorded(tmp_path, build):
     """Attack (ordinary programs): ``resize_token_embeddings`` recorded, proved, and then every deletion refused (the
     proof's replay rebuilt ``LlamaModel.vocab_size`` from the config: "other program controls"); an edited

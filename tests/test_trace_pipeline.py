@@ -108,6 +108,7 @@ def _check_cases(tmp_path, family: str, runs, cases, lora: bool = False):
         assert verify_pipeline(out)["verified"], name
 
 
+@pytest.mark.slow  # two SFT stages, three deletions and their counterfactual chains (~20 s); SFT then DPO stays default
 def test_sft_then_sft_deletions_in_stage_1_stage_2_and_both_equal_the_counterfactual_chain(tmp_path):
     """Llama: stage 1 only, stage 2 only, both: each stage's replay == oracle == the engine-free counterfactual."""
     runs = shared_pipeline()

@@ -218,6 +218,7 @@ def test_replay_model_card_states_roots_and_verdict(tmp_path, monkeypatch):
     assert not find_raw_ids(text, forget)
 
 
+@pytest.mark.slow  # a recording, two deletions and two plain counterfactuals (~17 s); the whole-step case stays default
 def test_a_microbatch_of_deleted_rows_still_runs_the_loss_as_the_plain_run(tmp_path):
     """One row per microbatch, accumulation 4, a loss that counts the rows it has seen (:class:`CountingTrainer`):
     deleting a row leaves a microbatch of a dummy only. The engine skipped it, so the counter ran one row behind the

@@ -5,6 +5,7 @@ it)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -39,7 +40,9 @@ def model_from_run(run, weights_follow: bool = False):
         from peft import PeftConfig, get_peft_model
 
         adapter = PeftConfig.from_pretrained(str(run.path / "model" / "adapter"))
-        model = get_peft_model(model, adapter, adapter_name=info["peft"]["adapter_name"])
+        with warnings.catch_warnings():  # the rebuilt base is named by the run's folder; outputs name the recorded base
+            warnings.filterwarnings("ignore", message="The PEFT config's `base_model_name_or_path` was renamed")
+            model = get_peft_model(model, adapter, adapter_name=info["peft"]["adapter_name"])
     if info.get("frozen_parameters") is not None:  # the same parameters frozen as in the recorded run
         frozen = set(info["frozen_parameters"])
         for name, p in model.named_parameters(remove_duplicate=False):
