@@ -136,6 +136,7 @@ def test_cli_errors_are_one_line(tiny_llama_dir, task_folder, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err and (tmp_path / "full" / "x").read_text() == "keep me"
 
 
+@pytest.mark.slow  # two full fine-tunes and a Hub publish (~25 s)
 def test_full_finetune_models_from_folders_and_hub_publish(tiny_llama_dir, tmp_path):
     """--forget-model/--retain-model folders, --method svd; `hub push` publishes the result with the editor's card."""
     from hf_unlearn.hub.server import HubServer

@@ -145,6 +145,7 @@ def test_plain_answer_prompt_trailing_space_drops_the_first_answer_token(gpt2):
     assert gpt2.decode([t for t in own["labels"] if t != -100]) == " The author is Frank Herbert.<|endoftext|>"
 
 
+@pytest.mark.slow  # the real SmolLM2 tokenizer's chat template (~15 s)
 def test_smollm2_chat_template_with_the_system_prompt():
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer

@@ -49,6 +49,7 @@ def test_model_compared_with_itself_has_forget_quality_one_and_no_privleak(model
     assert again.summary["forget_probability"] == pytest.approx(result.summary["forget_probability"], rel=1e-5)
 
 
+@pytest.mark.slow  # a second evaluation of the same model (~15 s)
 def test_reference_added_after_the_fact_equals_one_given_up_front(model_and_tok, result, tmp_path):
     other = evaluate_tofu(*model_and_tok, **{**FAST, "max_new_tokens": 2})  # a second, unrelated-looking result
     later = TofuResult.from_json(other.to_json(tmp_path / "model.json")).with_reference(result.to_json(tmp_path / "r"))

@@ -98,6 +98,7 @@ def test_finetuning_raises_train_accuracy(finetuned):
     assert len(steps) == 8 and steps == sorted(steps)
 
 
+@pytest.mark.slow  # a random-label training run (~18 s); the analysis is tested on its outputs in the default suite
 def test_random_label_training_lowers_train_accuracy(finetuned, tmp_path):
     import copy
 
