@@ -105,33 +105,21 @@ def argv_text(argv=None) -> str:
 class _WatchedArgv(list):
     """``sys.argv`` while a log is open: every read by the program's code is noted as :data:`ARGV`."""
 
-    def _noted(self):
+
+def _noting(name: str):
+    read = getattr(list, name)
+
+    def method(self, *args):
         if _watching:
-            _note(ARGV, argv_text(list.__iter__(self)), depth=3)
+            _note(ARGV, argv_text(list.__iter__(self)))
+        return read(self, *args)
 
-    def __getitem__(self, i):
-        self._noted()
-        return list.__getitem__(self, i)
+    method.__name__ = name
+    return method
 
-    def __iter__(self):
-        self._noted()
-        return list.__iter__(self)
 
-    def __contains__(self, x):
-        self._noted()
-        return list.__contains__(self, x)
-
-    def __len__(self):
-        self._noted()
-        return list.__len__(self)
-
-    def index(self, *args):
-        self._noted()
-        return list.index(self, *args)
-
-    def count(self, x):
-        self._noted()
-        return list.count(self, x)
+for _name in ("__getitem__", "__iter__", "__contains__", "__len__", "index", "count"):
+    setattr(_WatchedArgv, _name, _noting(_name))
 
 
 def _in_bulk(key) -> bool:
@@ -154,12 +142,12 @@ def is_user_code(module: str | None, filename: str | None) -> bool:
         and not any(p in (filename or "") for p in INSTALLED)
 
 
-def _note(key, value, depth: int = 2) -> None:
+def _note(key, value) -> None:
     if isinstance(key, bytes):  # a read through os.environb (os.getenvb): the same variable
         key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
     if str(key).startswith(LAUNCH) or getattr(_bulk, "quiet", 0):
         return
-    frame = sys._getframe(depth)
+    frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__") in _PASS_THROUGH:
         frame = frame.f_back
     if frame is None:
