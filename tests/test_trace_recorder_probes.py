@@ -49,6 +49,32 @@ class AttentionNormaliser(_OwnNormaliser):
         return inputs["attention_mask"].sum()
 
 
+class EosCountNormaliser(_OwnNormaliser):
+    """Divides by the microbatch's sequences, counted by their end-of-sequence tokens on ``input_ids`` (a per-sequence
+    mean, as packing users write it): a deleted row keeps its EOS in the counterfactual, a replay's dummy has none."""
+
+    def tokens(self, inputs):
+        return (inputs["input_ids"] == self.processing_class.eos_token_id).sum().clamp(min=1)
+
+
+class ClampedMicrobatchMean(Trainer):
+    """A per-microbatch token mean with no normaliser (``model_accepts_loss_kwargs = False``: the ``Trainer`` divides
+    by the accumulation steps itself), clamped so that a microbatch with no labelled token gives 0, not NaN."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.model_accepts_loss_kwargs = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                             reduction="sum")
+        loss = ce / (targets != -100).sum().clamp(min=1)
+        return (loss, outputs) if return_outputs else loss
+
+
 class PythonRandomScale(Trainer):
     """A loss scaled by a draw from Python's ``random`` (seeded by the Trainer's ``set_seed``: the program is
     deterministic)."""
@@ -82,6 +108,47 @@ def test_a_loss_normalised_by_the_microbatchs_non_pad_tokens_is_refused_at_const
     with pytest.raises(UnlearnError, match="weights a row by what the other rows of its microbatch hold.*input_ids"):
         _trainer(NonPadNormaliser, tok, data.select(range(8)), tmp_path / "rec", recorded=True)
     assert not (tmp_path / "rec" / "trace").exists()
+
+
+def test_a_loss_normalised_by_the_count_of_end_of_sequence_tokens_is_refused_at_construction(tmp_path):
+    """Attack: a per-sequence mean counted by the EOS tokens of ``input_ids``. The coupling probe ran on a window of
+    8 tokens, which holds no EOS, so both of its microbatches looked alike, and a step-1 deletion was VERIFIED with
+    63 tensors off the counterfactual. The coupling check now runs on the whole row."""
+    tok, data = get_trace_data()
+    assert tok.eos_token_id in data[0]["input_ids"]  # the rows end with it, as SFT rows do
+    with pytest.raises(UnlearnError, match="weights a row by what the other rows of its microbatch hold"):
+        _trainer(EosCountNormaliser, tok, data.select(range(8)), tmp_path / "rec", recorded=True)
+
+
+def test_a_step_deleted_whole_under_a_clamped_mean_with_no_normaliser_steps_as_the_plain_run(tmp_path):
+    """Attack: a per-microbatch mean with no normaliser, clamped (a microbatch with no labelled token gives 0), and
+    every row of step 1 deleted. The plain ``Trainer`` with those labels masked steps AdamW on zero gradients; the
+    replay skipped the step (it took every loss with no normaliser for a NaN mean), and the deletion was VERIFIED
+    with every tensor off, the AdamW step counts too. The recording's probe now finds such a loss finite on a
+    microbatch of dummies (sealed in the header), and replays run it and step."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.verification import load_state
+
+    from .test_trace_common import delete, labels_masked
+
+    tok, data = get_trace_data()
+    data = data.select(range(8))
+    _trainer(ClampedMicrobatchMean, tok, data, tmp_path / "rec", recorded=True).train()
+    run = tmp_path / "rec" / "trace"
+    assert open_run(run).header["trainer"]["dummies_only_loss"] == "finite"
+    forget = open_run(run).ids_at_steps([1])
+    assert len(forget) == KW["per_device_train_batch_size"]  # the whole step
+    assert delete(run, forget, tmp_path / "del")[1]["verified"]
+    model = tiny(tok)
+    plain = ClampedMicrobatchMean(model=model, args=train_args(tmp_path / "plain", **KW),
+                                  train_dataset=labels_masked(data, forget), processing_class=tok,
+                                  data_collator=_DropIds(QACollator.from_tokenizer(tok)))
+    plain.train()
+    oracle = load_state(tmp_path / "del" / "oracle")
+    assert not [n for n, t in oracle["model"].items() if not torch.equal(t, model.state_dict()[n])]
+    assert {float(s["step"]) for s in oracle["optimizer"]["state"].values()} == {3.0}  # stepped at step 1 too
 
 
 @pytest.mark.slow  # a recording, a deletion and a plain counterfactual (about 15 s)

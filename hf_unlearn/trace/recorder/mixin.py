@@ -195,9 +195,10 @@ class RecordingHooks(WeightsFollowUmask):
 
     def _trace_dummies_only_run(self, entry) -> bool:
         """Whether a replay runs a microbatch of dummies only: yes with a recorded loss normaliser (its loss and
-        gradient are exactly 0); not where the loss is a per-microbatch mean (no normaliser, a hazard), which over no
-        token is NaN (DPO's per-pair mean keeps the dummies' slots: it runs)."""
-        return entry.norm is not None
+        gradient are exactly 0), and without one where the recording's probe found the loss of such a microbatch
+        finite (a sum divided by at least 1: the plain run steps on its zero gradients); not where it is a
+        per-microbatch mean, which over no token is NaN (DPO's per-pair mean keeps the dummies' slots: it runs)."""
+        return entry.norm is not None or self.run.header["trainer"].get("dummies_only_loss") == "finite"
 
     def _check_dummy_has_no_influence(self, row: dict) -> str | None:
         """The dummy-weight probe of a custom ``compute_loss`` (:func:`.probe.check_dummy_has_no_influence`; DPO's

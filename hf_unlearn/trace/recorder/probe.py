@@ -28,6 +28,8 @@ def check_dummy_has_no_influence(trainer, row: dict) -> str | None:
     row whose labels are masked (:func:`_couples_rows`); with ``trace_allow_hazards`` a difference is returned as a
     hazard instead of refused."""
     cls = recorded_trainer_class(type(trainer))
+    whole = row  # the coupling check compares the row's real tokens with the dummy's: a window could miss the token
+    whole_dummy = dummy_row(whole, len(whole["input_ids"]), trainer.dummy_token_id, trainer.id_column)  # it counts
     row = probe_window(row)
     dummy = dummy_row(row, len(row["input_ids"]), trainer.dummy_token_id, trainer.id_column)
     model = trainer.model
@@ -45,7 +47,8 @@ def check_dummy_has_no_influence(trainer, row: dict) -> str | None:
             raise UnlearnError(f"{cls.__qualname__}.compute_loss gives the dummy row that replaces a deleted sample a "
                                f"gradient ({why}): a deleted slot would not have weight 0, so a replay would not "
                                "delete it" + ("" if dummy_first else "; weight every term by the labels"))
-    if samples_sharing_a_microbatch(trainer.args) and _couples_rows(trainer, cls, row, dummy):
+    trainer._trace_trainer["dummies_only_loss"] = _dummies_only_loss(trainer, cls, dummy)
+    if samples_sharing_a_microbatch(trainer.args) and _couples_rows(trainer, cls, whole, whole_dummy):
         why = (f"{cls.__qualname__}.compute_loss weights a row by what the other rows of its microbatch hold: a row's "
                "gradient beside a deleted row's dummy is not the one beside a row whose labels are masked (the "
                "counterfactual), e.g. a normaliser counted on input_ids or attention_mask instead of the labels; "
@@ -101,23 +104,44 @@ def _couples_rows(trainer, cls, row: dict, dummy: dict) -> bool:
 def _embedding_gradient(trainer, cls, batch: dict):
     """The gradient ``compute_loss`` gives the input embeddings of a collated microbatch (eval mode, seeded, every
     attribute of the trainer put back after it), or None if none reaches them."""
+    return _run_loss(trainer, cls, batch, torch.tensor(1.0, device=trainer.args.device), backward=True)[1]
+
+
+def _dummies_only_loss(trainer, cls, dummy: dict) -> str:
+    """``"finite"`` or ``"not finite"``: the loss ``compute_loss`` returns on a microbatch of dummies only, called
+    without a normaliser (as a run with none calls it). The plain run with a step's every row masked calls the loss on
+    such a microbatch and steps the optimizer on what it gives: a finite loss (a sum over the labelled tokens divided
+    by at least 1) gives zero gradients, and replays run those microbatches and step too; a mean over no labelled
+    token is NaN, which the plain run would spread into every weight, and replays skip those microbatches (the
+    documented counterfactual). Sealed in the header, so every replay and oracle of the run decide alike."""
+    batch = trainer.data_collator([dict(dummy) for _ in range(2 if samples_sharing_a_microbatch(trainer.args) else 1)])
+    with torch.no_grad():
+        loss = _run_loss(trainer, cls, batch, None, backward=False)[0]
+    return "finite" if torch.is_tensor(loss) and bool(torch.isfinite(loss).all()) else "not finite"
+
+
+def _run_loss(trainer, cls, batch: dict, num_items, backward: bool):
+    """``(loss, gradient at the input embeddings or None)`` of ``compute_loss`` on a collated microbatch: eval mode,
+    seeded, every attribute of the trainer put back after it (the user's loss may count its calls: the probe is not
+    one of them)."""
     batch = trainer._prepare_inputs(batch)
     model = trainer.model
     seen = {}
 
     def capture(module, args, output):  # a leaf in place of the embeddings: its gradient is the dummy's weight
-        seen["embeds"] = output.detach().requires_grad_(True)
+        seen["embeds"] = output.detach().requires_grad_(backward)
         return seen["embeds"]
 
     handle = model.get_input_embeddings().register_forward_hook(capture)
     training = model.training
     saved = copy.deepcopy(getattr(trainer, "_metrics", None))  # SFTTrainer logs metrics in compute_loss: not ours
-    own = _attributes_kept(trainer)  # the user's loss may count its calls: the probe is not one of them
+    own = _attributes_kept(trainer)
     try:
         model.eval()  # no dropout: the probe's answer does not depend on a draw
         with all_seeded(0):
-            loss = trainer.compute_loss(model, batch, num_items_in_batch=torch.tensor(1.0, device=trainer.args.device))
-            loss.backward()
+            loss = trainer.compute_loss(model, batch, num_items_in_batch=num_items)
+            if backward:
+                loss.backward()
     except Exception as e:  # noqa: BLE001 - the user's loss failed on a real row and a dummy
         raise UnlearnError(f"{cls.__qualname__}.compute_loss fails on a microbatch of a training row and the dummy "
                            f"row that replaces a deleted sample: {e}") from None
@@ -128,7 +152,8 @@ def _embedding_gradient(trainer, cls, batch: dict):
         if saved is not None:
             trainer._metrics = saved
         own.restore()
-    return seen["embeds"].grad
+    embeds = seen.get("embeds")
+    return loss.detach() if torch.is_tensor(loss) else loss, None if embeds is None else embeds.grad
 
 
 def _why_a_term_on_every_token(model) -> str:

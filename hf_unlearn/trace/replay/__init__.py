@@ -373,9 +373,10 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         A microbatch of dummies only runs too, and a step whose every slot is deleted still steps on zero
         gradients: the plain run with those rows' labels masked calls ``compute_loss`` on them (a loss or callback
         that counts its calls counts them) and steps AdamW on zero gradients (its moments decay, weight decay acts,
-        its step count grows). Skipped only by the ``filter`` baseline (its rows are gone) and where the loss is a
-        per-microbatch mean with no recorded normaliser (:meth:`_trace_dummies_only_run`: a mean over no token is
-        NaN); decided from the plan, so every process runs the same microbatches and their all-reduces stay matched.
+        its step count grows). Skipped only by the ``filter`` baseline (its rows are gone) and where the loss has no
+        recorded normaliser and the recording's probe found its value over a microbatch of dummies not finite
+        (:meth:`_trace_dummies_only_run`: a mean over no token is NaN); decided from the plan and the sealed header,
+        so every process runs the same microbatches and their all-reduces stay matched.
         """
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         work = []
