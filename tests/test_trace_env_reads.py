@@ -122,17 +122,43 @@ def test_a_replay_reading_a_variable_the_recording_never_read_is_refused():
         "X (read by m: set while recording, set to another value here)"]
     import json as framework_like  # a read from a standard-library or framework module is not the program's
 
+    framework = {"__name__": "logging.handlers_like"}  # a standard-library module's function copying the environment
+    exec("import os\ndef copy_environment():\n    return {**os.environ, **os.environ.copy()}", framework)
     with watching() as quiet:
         framework_like.loads("1")
         os.path.expanduser("~")  # os.path reads HOME
         os.environ.get("LOCAL_RANK")  # a launcher's per-process variable (each process's fingerprints compare it)
         os.environ.get("MASTER_PORT")
-        copied = {**os.environ, **os.environ.copy(), **dict(os.environ.items())}  # a whole copy, for a subprocess
+        copied = framework["copy_environment"]()  # a whole copy, for a subprocess
     assert quiet == {} and copied["PATH"] == os.environ["PATH"]
-    with watching() as after_copy:  # a single read right after a whole copy is noted
-        dict(os.environ)
-        os.environ.get("HFU_TEST_NEVER_SET_C")
-    assert list(after_copy) == ["HFU_TEST_NEVER_SET_C"]
+
+
+@pytest.mark.parametrize("how", ["copy", "dict", "items", "unpack", "loop"])
+def test_a_whole_read_of_the_environment_by_the_programs_code_notes_every_variable(how, monkeypatch):
+    """Attack: ``os.environ.copy()`` (or ``dict(os.environ)``) in a recorded callback, acting from step 3 on a
+    variable set in the deleting process only: a whole read was not noted (left to the environment probe, which re-ran
+    step 2 only and compared the state before the callback acted), and the deletion was VERIFIED with every tensor
+    off the counterfactual. A whole read by the program's code now notes every variable and their names: a deleting
+    process holding any other value, or another variable, is refused; the same environment is not."""
+    from hf_unlearn.trace.environment_reads import ENVIRON, differences, sealed, watching
+
+    key = b"k" * 32
+    monkeypatch.setenv("HFU_TEST_WHOLE", "a")
+    read = {"copy": lambda: os.environ.copy(), "dict": lambda: dict(os.environ),
+            "items": lambda: dict(os.environ.items()), "unpack": lambda: {**os.environ},
+            "loop": lambda: {k: os.environ[k] for k in os.environ}}[how]
+    with watching() as log:
+        assert read()["HFU_TEST_WHOLE"] == "a"
+        os.environ.get("HFU_TEST_NEVER_SET_C")  # a single read after it is noted too
+    assert log["HFU_TEST_WHOLE"] == {"value": "a", "by": __name__} and "HFU_TEST_NEVER_SET_C" in log
+    assert ENVIRON in log and "LOCAL_RANK" not in log
+    recorded = sealed(key, log)
+    here = dict(os.environ)
+    assert differences(key, recorded, here) == []
+    assert differences(key, recorded, {**here, "HFU_TEST_WHOLE": "b"}) == [
+        f"HFU_TEST_WHOLE (read by {__name__}: set while recording, set to another value here)"]
+    assert [d.split(",")[0] for d in differences(key, recorded, {**here, "HFU_TEST_NEW": "1"})] == [ENVIRON]
+    assert differences(key, recorded, {**here, "LOCAL_RANK": "3"}) == []  # a launcher's variable: compared elsewhere
 
 
 class ReadsTheEnvironment(TrainerCallback):
@@ -349,3 +375,55 @@ def test_a_run_whose_code_read_the_command_line_is_refused_in_another_process(tm
     kind, what = _forget_outcome(run, ids, tmp_path / "other")
     assert kind == "refused" and "read sys.argv, the command line (read by tests.test_trace_env_reads)" in what, what
     assert "before any compute" in what and not (tmp_path / "other").exists()
+
+
+class ClipWhenArgparseSays(TrainerCallback):
+    """A recorded callback: from optimizer step 5 on, clips gradients hard when ``argparse`` finds ``--hfu-clip`` on
+    the command line (``parse_known_args()`` reads ``sys.argv`` inside the standard library)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import argparse
+
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--hfu-clip", action="store_true")
+        if state.global_step >= LATE and parser.parse_known_args()[0].hfu_clip:
+            args.max_grad_norm = 0.05
+
+
+class ClipWhenTheWholeEnvironmentSays(TrainerCallback):
+    """A recorded callback: from optimizer step 5 on, clips gradients hard when a copy of the whole environment holds
+    ``HFU_TEST_WHOLE_CLIP`` (read after the optimizer step)."""
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step + 1 >= LATE and "HFU_TEST_WHOLE_CLIP" in os.environ.copy():
+            args.max_grad_norm = 0.05
+
+
+@pytest.mark.parametrize("how", ["argparse", "whole environment"])
+def test_the_command_line_read_through_argparse_or_the_whole_environment_read_is_refused_elsewhere(
+        tmp_path, monkeypatch, how):
+    """Attack: the command line read through ``argparse`` (a read inside the standard library was not the
+    program's, so it was not noted), and the environment read whole in ``on_optimizer_step``: a deleting process with
+    ``--hfu-clip`` (or the variable) set gave a VERIFIED step-5 deletion with every tensor off the counterfactual.
+    Both reads are noted now and the deleting process is refused before any compute, naming the read."""
+    import sys
+
+    from hf_unlearn.trace import open_run
+
+    monkeypatch.delenv("HFU_TEST_WHOLE_CLIP", raising=False)
+    callback = ClipWhenArgparseSays() if how == "argparse" else ClipWhenTheWholeEnvironmentSays()
+    tok, data, run = _record(tmp_path, "llama", [callback])
+    reads = json.loads((run / "header.json").read_text())["fidelity"]["environment_reads"]
+    assert ("sys.argv" if how == "argparse" else "os.environ") in reads
+    ids = open_run(run).ids_at_steps([LATE])[:1]
+    if how == "whole environment":  # the same environment (the training process): deleted exactly
+        kind, receipt = _forget_outcome(run, ids, tmp_path / "same")
+        assert kind == "verified", receipt
+        assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "same", [callback])
+    if how == "argparse":
+        monkeypatch.setattr(sys, "argv", [*sys.argv, "--hfu-clip"])
+    else:
+        monkeypatch.setenv("HFU_TEST_WHOLE_CLIP", "1")
+    kind, what = _forget_outcome(run, ids, tmp_path / "other")
+    named = "sys.argv, the command line" if how == "argparse" else "os.environ, the names of the variables"
+    assert kind == "refused" and named in what and "before any compute" in what, what

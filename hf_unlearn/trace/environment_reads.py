@@ -74,9 +74,16 @@ class _WatchedEnviron(type(os.environ)):
                         log[name].setdefault("set", []).append(os.fsdecode(value))
 
     def __iter__(self):
-        """Reading the whole environment (``os.environ.copy()``, ``{**os.environ}``, ``.items()``: a copy handed to a
-        subprocess, mostly) reads every variable, during the iteration (``.items()``) or right after it, key by key
-        in its order (``dict(os.environ)``): not noted, or every deletion would compare ``PWD``."""
+        """Reading the whole environment (``os.environ.copy()``, ``{**os.environ}``, ``.items()``) reads every
+        variable, during the iteration (``.items()``) or right after it, key by key in its order
+        (``dict(os.environ)``). By a framework or the standard library (a copy handed to a subprocess), not noted.
+        By the program's own code, every variable is noted (:func:`_note_whole`): that code may act on any of them,
+        and no probe of the first steps sees what it does later (``os.environ.copy()`` in a callback from step 3). A
+        deletion in another process is then refused wherever a variable differs (``PWD`` included): read the
+        variables the program needs by name instead."""
+        reader = None
+        if _watching and not getattr(_bulk, "depth", 0) and not getattr(_bulk, "quiet", 0):
+            reader = _reader(sys._getframe(1), through_stdlib=False)
         _bulk.depth = getattr(_bulk, "depth", 0) + 1
         keys = []
         try:
@@ -86,6 +93,8 @@ class _WatchedEnviron(type(os.environ)):
         finally:
             _bulk.depth -= 1
         _bulk.pending = collections.deque(keys)  # a complete iteration: its keys may be read next, in order
+        if reader is not None:
+            _note_whole(self, keys, reader)
 
 
 # The command line is read like a variable: ``if "--aux" in sys.argv`` in a loss acts on the training launch's
@@ -142,22 +151,62 @@ def is_user_code(module: str | None, filename: str | None) -> bool:
         and not any(p in (filename or "") for p in INSTALLED)
 
 
+def _reader(frame, through_stdlib: bool) -> str | None:
+    """The module of the program's code that made a read (None: a framework's or the standard library's own), from
+    the frame that called the watched method: ``os``'s own helpers are passed through (``os.getenv``), and with
+    ``through_stdlib`` every standard-library frame (``argparse`` reading ``sys.argv`` for the program's
+    ``parse_known_args()``: the program acts on what it returns)."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or "?"
+        if name not in _PASS_THROUGH and not (through_stdlib and name.split(".", 1)[0] in sys.stdlib_module_names):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    module = frame.f_globals.get("__name__") or "?"
+    return module if is_user_code(module, frame.f_code.co_filename) else None
+
+
 def _note(key, value) -> None:
     if isinstance(key, bytes):  # a read through os.environb (os.getenvb): the same variable
         key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
     if str(key).startswith(LAUNCH) or getattr(_bulk, "quiet", 0):
         return
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__") in _PASS_THROUGH:
-        frame = frame.f_back
-    if frame is None:
-        return
-    module = frame.f_globals.get("__name__") or "?"
-    if not is_user_code(module, frame.f_code.co_filename):
-        return
+    module = _reader(sys._getframe(2), through_stdlib=key == ARGV)
+    if module is not None:
+        _log(str(key), value, module)
+
+
+# A whole read of the environment by the program's code (see ``_WatchedEnviron.__iter__``) is noted under this name
+# too, its value the sorted names of the variables it met: a variable set in a deleting process only is not among
+# the per-variable reads, and the program may act on it.
+ENVIRON = "os.environ"
+
+
+def _names_text(names) -> str:
+    return "\0".join(sorted(n for n in names if not n.startswith(LAUNCH)))
+
+
+def _note_whole(env, keys, module: str) -> None:
+    """Note every variable of a whole read of the environment (``env``: ``os.environ`` or ``os.environb``)."""
+    decoded = []
+    for k in keys:
+        name = os.fsdecode(k) if isinstance(k, bytes) else str(k)
+        if name.startswith(LAUNCH):
+            continue
+        decoded.append(name)
+        try:  # read under the hood: not a read of its own
+            value = env.decodevalue(env._data[env.encodekey(k)])
+        except KeyError:  # removed since
+            value = None
+        _log(name, None if value is None else os.fsdecode(value), module)
+    _log(ENVIRON, _names_text(decoded), module)
+
+
+def _log(key: str, value, module: str) -> None:
     with _lock:
         for log in _watching:
-            log.setdefault(str(key), {"value": value, "by": module})
+            log.setdefault(key, {"value": value, "by": module})
 
 
 @contextlib.contextmanager
@@ -250,10 +299,15 @@ def differences(key: bytes, recorded: dict, here: dict | None = None) -> list[st
     here = os.environ if here is None else here
     out = []
     for name, read in sorted(recorded.items()):
-        now = argv_text() if name == ARGV else here.get(name)
+        now = argv_text() if name == ARGV else _names_text(here) if name == ENVIRON else here.get(name)
         if not _recorded(key, name, read, now):
             if name == ARGV:
                 out.append(f"{ARGV}, the command line (read by {read.get('by', '?')})")
+                continue
+            if name == ENVIRON:
+                out.append(f"{ENVIRON}, the names of the variables (read whole by {read.get('by', '?')}: a variable "
+                           "is set here that was not while recording, or the reverse; read the variables the "
+                           "program needs by name instead)")
                 continue
             was = "unset" if read.get("value") is None else "set"
             is_ = "unset" if now is None else ("set to another value" if read.get("value") is not None else "set")
