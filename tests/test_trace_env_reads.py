@@ -399,7 +399,25 @@ class ClipWhenTheWholeEnvironmentSays(TrainerCallback):
             args.max_grad_norm = 0.05
 
 
-@pytest.mark.parametrize("how", ["argparse", "whole environment"])
+def test_a_read_of_the_command_line_through_argparse_is_the_programs():
+    """``argparse`` reads ``sys.argv`` inside the standard library, on the program's behalf: noted as the program's
+    read; the same parser run by a framework's code is not."""
+    import argparse
+
+    from hf_unlearn.trace.environment_reads import ARGV, watching
+
+    framework = {"__name__": "installed_framework", "argparse": argparse}  # an installed package's module
+    exec(compile("def parse():\n    return argparse.ArgumentParser(add_help=False).parse_known_args()",
+                 "/venv/lib/python3.11/site-packages/installed_framework.py", "exec"), framework)
+    with watching() as log:
+        argparse.ArgumentParser(add_help=False).parse_known_args()
+    assert log[ARGV]["by"] == __name__
+    with watching() as quiet:
+        framework["parse"]()
+    assert quiet == {}
+
+
+@pytest.mark.parametrize("how", [pytest.param("argparse", marks=pytest.mark.slow), "whole environment"])
 def test_the_command_line_read_through_argparse_or_the_whole_environment_read_is_refused_elsewhere(
         tmp_path, monkeypatch, how):
     """Attack: the command line read through ``argparse`` (a read inside the standard library was not the
