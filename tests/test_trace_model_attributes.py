@@ -59,3 +59,53 @@ def test_a_module_attribute_left_behind_by_an_edit_replays_as_recorded(tmp_path,
     plain = independent_counterfactual(tok, data, build(tok), run.path, forget, tmp_path / "plain", **KW)
     oracle = load_state(tmp_path / "del" / "oracle")["model"]
     assert not [n for n, t in oracle.items() if not torch.equal(t, plain[n])]
+
+
+def _trainer(tok, data, out, model):
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    from .test_trace_common import train_args
+
+    return TraceRecordingTrainer(model=model, args=train_args(out, **KW), train_dataset=data,
+                                 data_collator=QACollator.from_tokenizer(tok), trace_checkpoint_steps=2)
+
+
+def test_a_module_replaced_after_loading_is_refused_at_construction(tmp_path):
+    """Attack (C1): ``model.lm_head`` replaced by an ``nn.Linear`` with a bias before training trained the whole run,
+    and then ``train()`` raised ``Unexpected key(s) in state_dict: "lm_head.bias"`` in the recording's own proof (a
+    replay rebuilds the model from its class and config and loads every checkpoint into it strictly). The model a
+    replay builds is compared with the live one (names, shapes, dtypes, on the meta device) at construction, and
+    the first differing tensor is named in one line."""
+    from hf_unlearn.errors import UnlearnError
+
+    tok, data = get_trace_data()
+    model = config_model("llama", tok)
+    model.lm_head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with pytest.raises(UnlearnError, match=r"differs from this one at lm_head\.bias .*part of the model's class or "
+                                           "config") as e:
+        _trainer(tok, data.select(range(8)), tmp_path, model)
+    assert "\n" not in str(e.value)
+    model = config_model("llama", tok)
+    model.lm_head.to(torch.float64)  # a module cast alone: the replay's model would hold it in float32
+    with pytest.raises(UnlearnError, match=r"at lm_head\.weight \(float64 \[\d+, \d+\]; rebuilt: float32"):
+        _trainer(tok, data.select(range(8)), tmp_path, model)
+
+
+def _lora(tok):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(config_model("llama", tok), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                  modules_to_save=["lm_head"], task_type="CAUSAL_LM"))
+
+
+@pytest.mark.parametrize("build", [
+    _resized, _lora, lambda tok: config_model("gemma3", tok, tie_word_embeddings=True),
+    lambda tok: config_model("gpt_neox", tok), lambda tok: config_model("qwen2", tok).to(torch.bfloat16)],
+    ids=["resized", "lora", "gemma3-tied", "gpt_neox", "qwen2-bf16"])
+def test_ordinary_models_are_not_refused_as_unrebuildable(tmp_path, build):
+    """The comparison with the rebuilt model refuses none of the ordinary ones: tokens added and embeddings resized,
+    a LoRA adapter with a saved module, tied embeddings, GPT-NeoX, a model cast to bf16 (construction only; the
+    resized model's run is recorded and deleted above)."""
+    tok, data = get_trace_data()
+    _trainer(tok, data.select(range(8)), tmp_path, build(tok))

@@ -1,5 +1,6 @@
 """What the recording and the replays read off a model: its PEFT adapter and base model, its frozen parameters, its
-dropout, a rotary embedding that follows the sequence length, and a parameter holding a NaN."""
+dropout, a rotary embedding that follows the sequence length, a parameter holding a NaN, and the first tensor a replay's
+rebuilt model would hold otherwise."""
 
 from __future__ import annotations
 
@@ -167,3 +168,50 @@ def mergeable_adapter(config) -> bool:
     """Whether a PEFT adapter's config is a weight update ``merge_and_unload`` folds into the base: every tuner but
     prompt learning (prompt and prefix tuning, P-tuning) and adaption prompts."""
     return not (getattr(config, "is_prompt_learning", False) or getattr(config, "is_adaption_prompt", False))
+
+
+def rebuilt_state_difference(model) -> str | None:
+    """The first state-dict tensor (name, shape or dtype) in which the model a replay rebuilds differs from ``model``
+    (the live model, unwrapped, PEFT adapter included), described, or None. The replay's model is built as
+    :func:`hf_unlearn.trace.run_model.model_from_run` builds it (the class, the config saved and read back, the dtype,
+    the attention implementation, the saved adapter), on the meta device (no weights); a replay loads each checkpoint
+    into it strictly, so a module replaced or added after the model was built (``lm_head`` with a bias) trained for
+    hours and then failed that load. None too when the model cannot be built on the meta device (a replay's own
+    checks name what it cannot rebuild)."""
+    import tempfile
+    import warnings
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from .run_model import model_from_run
+    from .sharding import unsharded_class
+
+    peft, base = peft_and_base(model)
+    config = getattr(base, "config", None)
+    first = next(base.parameters(), None)
+    if config is None or first is None:
+        return None
+    cls = unsharded_class(type(base))
+    info = {"class": cls.__name__, "module": cls.__module__, "dtype": str(first.dtype).removeprefix("torch."),
+            "attn_implementation": getattr(config, "_attn_implementation", None),
+            "peft": {"adapter_name": peft["name"]} if peft else None}
+    try:
+        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config.save_pretrained(Path(folder) / "model")
+            if peft:
+                peft["config"].save_pretrained(str(Path(folder) / "model" / "adapter"))
+            with torch.device("meta"):
+                rebuilt = model_from_run(SimpleNamespace(header={"model": info}, path=Path(folder)))
+    except Exception:  # noqa: BLE001 - not buildable on the meta device: nothing compared here
+        return None
+    live, built = model.state_dict(), rebuilt.state_dict()
+    for name, t in live.items():
+        other = built.get(name)
+        if other is None:
+            return f"{name} (the rebuilt model has no such tensor)"
+        if tuple(other.shape) != tuple(t.shape) or other.dtype != t.dtype:
+            return (f"{name} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}; rebuilt: "
+                    f"{str(other.dtype).removeprefix('torch.')} {list(other.shape)})")
+    missing = next((name for name in built if name not in live), None)
+    return f"{missing} (the rebuilt model has it, the trained model does not)" if missing else None

@@ -16,6 +16,7 @@ from ..model_info import (
     experts_hazard,
     peft_and_base,
     quantized,
+    rebuilt_state_difference,
     routed_experts,
     samples_sharing_a_microbatch,
 )
@@ -224,4 +225,11 @@ def check_model_rebuildable(trainer) -> None:
         raise UnlearnError(f"a replay must rebuild the model and cannot: its base was loaded quantized ({how}, as "
                            "QLoRA does), and a replay rebuilds the base from its files unquantized; load the base in "
                            "bf16 or fp32 (LoRA on it records and deletes exactly)")
+    differs = rebuilt_state_difference(model)
+    if differs:
+        raise UnlearnError(f"a replay must rebuild the model and cannot: the model built from its class and config "
+                           f"differs from this one at {differs}, and a replay loads every checkpoint into that model "
+                           "(a module replaced or added after loading?); make the change part of the model's class "
+                           "or config (a config field its modules read), so that the model from_pretrained loads has "
+                           "it")
 
