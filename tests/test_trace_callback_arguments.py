@@ -46,6 +46,28 @@ class DecayInTheEpochsFirstHalf(TrainerCallback):
                         p.mul_(1 - 1e-3 * self.wd)
 
 
+class DecayByWhatTheArgumentsHold(TrainerCallback):
+    """Extra decay from everything else a replay's stand-ins give back: the scheduler's ``get_lr()``, ``base_lrs``
+    and ``optimizer`` (its param groups' rate), the loader's ``total_batch_size`` and the lengths of its dataset,
+    sampler and batch sampler; each with its own weight, after each optimizer step and at each step's end."""
+
+    def _decay(self, model, lr_scheduler, train_dataloader, scale):
+        values = [lr_scheduler.get_lr()[0], lr_scheduler.base_lrs[0], lr_scheduler.optimizer.param_groups[0]["lr"],
+                  1e-4 * train_dataloader.total_batch_size, 1e-5 * len(train_dataloader.dataset),
+                  1e-6 * len(train_dataloader.sampler), 1e-7 * len(train_dataloader.batch_sampler)]
+        factor = scale * sum(v * 3.0 ** -i for i, v in enumerate(values))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and p.dim() > 1:
+                    p.mul_(1 - factor)
+
+    def on_optimizer_step(self, args, state, control, model=None, lr_scheduler=None, train_dataloader=None, **kw):
+        self._decay(model, lr_scheduler, train_dataloader, 0.01)
+
+    def on_step_end(self, args, state, control, model=None, lr_scheduler=None, train_dataloader=None, **kw):
+        self._decay(model, lr_scheduler, train_dataloader, 0.001)
+
+
 class IteratesTheLoader(TrainerCallback):
     """Reads the loader's first batch at every step: a replay cannot serve it."""
 
@@ -53,14 +75,17 @@ class IteratesTheLoader(TrainerCallback):
         next(iter(train_dataloader))
 
 
-@pytest.mark.parametrize("callback", [DecayByTheSchedulersRate,
+@pytest.mark.parametrize("callback", [DecayByTheSchedulersRate, DecayByWhatTheArgumentsHold,
                                       pytest.param(DecayInTheEpochsFirstHalf, marks=pytest.mark.slow)])
 def test_a_callback_reading_the_scheduler_or_the_dataloader_replays_as_the_counterfactual(tmp_path, callback):
     """Attack (an ordinary program): a recorded callback reading ``lr_scheduler.get_last_lr()`` or
     ``len(train_dataloader)``. Replays handed it ``None``: the recording's own proof raised when ``train()`` ended
     and every deletion was refused for good. Now a replay hands it the recorded rates (the step the Trainer's
     scheduler stood at, before and after its ``step()``) and the recorded loader length: proven, and a step-3
-    deletion is VERIFIED and equal to the plain ``Trainer`` with the same callback (GQA Llama)."""
+    deletion is VERIFIED and equal to the plain ``Trainer`` with the same callback (GQA Llama). The same for the
+    scheduler's ``get_lr()``, ``base_lrs`` and ``optimizer`` and the loader's ``total_batch_size`` and dataset,
+    sampler and batch-sampler lengths (refused by replays before: the recording's proof failed and every deletion
+    was refused as unproven)."""
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.verification import load_state
 
@@ -92,3 +117,42 @@ def test_a_callback_iterating_the_dataloader_is_named_not_a_traceback(tmp_path):
         record(tok, data.select(range(8)), tmp_path / "rec", trainer_kwargs={"callbacks": [IteratesTheLoader()]},
                gradient_accumulation_steps=1, max_steps=2)
     assert not open_run(tmp_path / "rec" / "trace").header["fidelity"].get("proof", {}).get("proven")
+
+
+def test_what_the_stand_ins_cannot_give_is_named_with_what_to_read_instead():
+    """What a replay cannot answer exactly is refused in one line naming the attribute and what to read instead:
+    the scheduler's ``state_dict()`` (its other state is not recorded), ``get_lr()`` of a scheduler that is not a
+    ``LambdaLR`` (it depends on the scheduler's own state), the dataset's rows; a run recorded before these were
+    noted names them and says to record it again (its rates and loader length still answer)."""
+    from types import SimpleNamespace
+
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace.replay.stand_ins import ReplayedDataloader, ReplayedScheduler
+
+    def trainer(arguments):
+        header = {"trainer": {"final_lrs": [0.5], **({"callback_arguments": arguments} if arguments else {})}}
+        return SimpleNamespace(run=SimpleNamespace(plan=[], header=header), state=SimpleNamespace(global_step=3),
+                               optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+    recorded = {"scheduler": {"class": "StepLR", "base_lrs": [0.1], "get_lr_is_last_lr": False},
+                "dataloader": {"dataset_len": 24, "sampler_len": 24, "batch_sampler_len": 6, "total_batch_size": 4}}
+    scheduler, old = ReplayedScheduler(trainer(recorded)), ReplayedScheduler(trainer(None))
+    loader, old_loader = ReplayedDataloader(6, 4, recorded["dataloader"]), ReplayedDataloader(6, 4, {})
+    assert scheduler.base_lrs == [0.1] and old.get_last_lr() == [0.5] and len(old_loader) == 6
+    assert (len(loader.dataset), len(loader.sampler), len(loader.batch_sampler), loader.total_batch_size) == (24, 24,
+                                                                                                            6, 4)
+    for call, match in [
+        (scheduler.state_dict, r"lr_scheduler\.state_dict\(\), which a replay cannot reproduce .*read "
+                               r"lr_scheduler\.last_epoch, get_last_lr\(\) or base_lrs instead"),
+        (scheduler.get_lr, r"get_lr\(\) of a StepLR, .*call get_last_lr\(\)"),
+        (lambda: scheduler.lr_lambdas, r"read lr_scheduler\.lr_lambdas, .*get_last_lr\(\), get_lr\(\), base_lrs"),
+        (lambda: loader.dataset[0], r"indexes train_dataloader\.dataset, .*only len\(train_dataloader\.dataset\)"),
+        (lambda: loader.dataset.column_names, r"read \.column_names of train_dataloader\.dataset"),
+        (lambda: old.base_lrs, r"lr_scheduler\.base_lrs, which this run did not record .*record the run again"),
+        (old.get_lr, r"get_lr\(\), which this run did not record .*call get_last_lr\(\)"),
+        (lambda: old_loader.total_batch_size, r"train_dataloader\.total_batch_size, which this run did not record"),
+        (lambda: old_loader.sampler, r"train_dataloader\.sampler \(its length\), which this run did not record"),
+    ]:
+        with pytest.raises(UnlearnError, match=match) as e:
+            call()
+        assert "\n" not in str(e.value)

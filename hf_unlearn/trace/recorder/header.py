@@ -123,7 +123,8 @@ def build(trainer, served, fingerprint: str, hazards: list[str], notes: list[str
                     "store_sha256": fingerprint},
         "collator": spec,
         "trainer": {**trainer._trace_trainer, "dropped_rows": len(trainer._trace_dropped),
-                    "dropped_tags": sorted(tag(trainer._trace_key, i) for i in trainer._trace_dropped)},
+                    "dropped_tags": sorted(tag(trainer._trace_key, i) for i in trainer._trace_dropped),
+                    "callback_arguments": callback_arguments(trainer)},
         "dummy_token_id": trainer.dummy_token_id,
         "checkpoint_steps": trainer._trace_every,
         "checkpoint_retention": {"mode": trainer.trace_checkpoint_retention, "every": trainer._trace_every,
@@ -135,6 +136,44 @@ def build(trainer, served, fingerprint: str, hazards: list[str], notes: list[str
         "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
         "sharding": engine_spec(trainer),  # FSDP2: the sharding a replay must run (hf_unlearn.trace.sharding)
     }
+
+
+def _length(obj) -> int | None:
+    try:
+        return len(obj) if obj is not None and hasattr(obj, "__len__") else None
+    except TypeError:  # an iterable dataset's sampler
+        return None
+
+
+def callback_arguments(trainer) -> dict:
+    """What a recorded callback may read off the ``lr_scheduler`` and ``train_dataloader`` arguments besides the rates
+    and the loader's length, as training starts, for a replay's stand-ins (:mod:`hf_unlearn.trace.replay.stand_ins`):
+    the scheduler's class, its ``base_lrs`` and whether its ``get_lr()`` is a closed form of ``last_epoch`` (a
+    ``LambdaLR``: every schedule ``lr_scheduler_type`` builds but the plateau one), so that it equals
+    ``get_last_lr()`` outside ``step()``; the loader's dataset and sampler lengths and ``total_batch_size``. A deletion
+    keeps every slot of the schedule (a deleted row's slot trains a dummy), so these are the counterfactual's too."""
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    loader = trainer.callback_handler.train_dataloader
+    out = {}
+    if scheduler is not None:
+        base = getattr(scheduler, "base_lrs", None)
+        try:
+            base = [float(x) for x in base] if isinstance(base, (list, tuple)) else None
+        except (TypeError, ValueError):  # not numbers: a replay names it unrecorded
+            base = None
+        out["scheduler"] = {
+            "class": type(scheduler).__qualname__, "base_lrs": base,
+            "get_lr_is_last_lr": getattr(type(scheduler), "get_lr", None) is torch.optim.lr_scheduler.LambdaLR.get_lr}
+    if loader is not None:
+        try:
+            total = getattr(loader, "total_batch_size", None)
+        except Exception:  # noqa: BLE001 - a loader whose property needs what it does not have
+            total = None
+        out["dataloader"] = {"dataset_len": _length(getattr(loader, "dataset", None)),
+                             "sampler_len": _length(getattr(loader, "sampler", None)),
+                             "batch_sampler_len": _length(getattr(loader, "batch_sampler", None)),
+                             "total_batch_size": total if isinstance(total, int) else None}
+    return out
 
 
 def non_finite_hazard(trainer, what: str) -> None:
