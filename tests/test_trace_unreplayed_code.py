@@ -90,3 +90,31 @@ def test_code_a_replay_does_not_build_is_named_when_recording_and_refuses_deleti
     kind, what = _forget_outcome(run, open_run(run).ids_at_steps([2])[:1], tmp_path / "del")
     assert kind == "refused" and named in what, (kind, what)
     assert not (tmp_path / "del").exists()
+
+
+def test_a_frameworks_method_on_an_instance_is_digested_by_its_code_and_a_disguised_one_is_the_programs():
+    """A step wrapper torch sets on accelerate's optimizer wrapper holds per-process objects in its closure: digested
+    whole, each process of an FSDP2 launch read otherwise and every such run was refused as changed on some processes
+    only. A framework's method is digested by its code (and the code it wraps) now; a wrapper of the program's own made
+    with ``functools.wraps`` (which copies ``__module__``) is still the program's, digested whole and named."""
+    import functools
+
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from hf_unlearn.trace.digests import Digester, _module_of, _patched_text
+
+    def framework_wrapper(state):
+        @functools.wraps(AcceleratedOptimizer.step)
+        def step(*args, **kwargs):
+            return state, AcceleratedOptimizer.step(*args, **kwargs)
+        return step
+
+    here = {"__name__": "torch.optim.fake_framework"}  # the wrapper's code, as if torch's
+    exec(compile("import functools\n" + "def make(inner, state):\n"
+                 "    @functools.wraps(inner)\n    def step(*a, **k):\n        return state, inner(*a, **k)\n"
+                 "    return step\n", "/venv/lib/python3.11/site-packages/torch/optim/fake_framework.py", "exec"), here)
+    one, two = here["make"](AcceleratedOptimizer.step, {"rank": 0}), here["make"](AcceleratedOptimizer.step, {"rank": 1})
+    assert _patched_text(Digester(), one) == _patched_text(Digester(), two)
+    disguised = framework_wrapper({"rank": 0})
+    assert disguised.__module__ == "accelerate.optimizer" and _module_of(disguised) == __name__
+    assert _patched_text(Digester(), disguised) != _patched_text(Digester(), framework_wrapper({"rank": 1}))

@@ -758,7 +758,7 @@ def program_state(model, optimizer=None, args=None, trainer=None, callbacks=(), 
         out.update((f"trainer.{k}", d.leaf(v)) for k, v in vars(trainer).items() if _trainer_setting(k, v))
         accelerator = getattr(trainer, "accelerator", None)  # a method patched on it (``backward``,
         if accelerator is not None:  # ``clip_grad_norm_``) runs in every step; it has no instance callables else
-            out.update((f"accelerator.{k}", d.leaf(v)) for k, v in _patched_methods(accelerator))
+            out.update((f"accelerator.{k}", _patched_text(d, v)) for k, v in _patched_methods(accelerator))
         # a global the user's trainer code reads (a flag its compute_loss follows), which replays run in their process
         out.update((f"trainer global {k}", v) for k, v in _globals_read(
             type(trainer), d, skip=(*FRAMEWORK_HOOKS, "builtins")).items())
@@ -817,7 +817,7 @@ def optimizer_structure(model, optimizer, d: Digester) -> dict:
         out[f"optimizer group {i} state keys"] = _short(repr(sorted({",".join(sorted(inner.state[p]))
                                                                      for p in g["params"] if p in inner.state})))
     if inner is not optimizer:  # accelerate's wrapper: a ``step`` patched on it runs in every step
-        out.update((f"optimizer wrapper.{k}", d.leaf(v)) for k, v in _patched_methods(optimizer))
+        out.update((f"optimizer wrapper.{k}", _patched_text(d, v)) for k, v in _patched_methods(optimizer))
     from torch.optim import optimizer as torch_optimizer
 
     for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):  # run by every optimizer's step
@@ -882,9 +882,34 @@ def _name_of(fn) -> str:
 
 
 def _module_of(fn) -> str:
+    """The module whose code ``fn`` is: a function's by the globals its code runs in, which ``functools.wraps``
+    does not copy (a wrapper of the program's own named like accelerate's method is the program's)."""
     while hasattr(fn, "func") or hasattr(fn, "__func__"):  # functools.partial, bound methods
         fn = getattr(fn, "func", None) or fn.__func__
+    if isinstance(fn, types.FunctionType):
+        return fn.__globals__.get("__name__") or ""
     return getattr(fn, "__module__", None) or ""
+
+
+def _patched_text(d: Digester, fn):
+    """What the digests keep of a method set on an instance: a framework's own (torch's step wrapper on accelerate's
+    optimizer wrapper) by its code and the code it wraps, not its closure, which holds per-process objects (each
+    process of a launch read otherwise, and every FSDP2 run was refused as changed on some processes only); the
+    program's own whole."""
+    if not _module_of(fn).startswith(FRAMEWORK_HOOKS):
+        return d.leaf(fn)
+    parts = []
+    while fn is not None and len(parts) < MAX_DEPTH:
+        inner = fn
+        while hasattr(inner, "func") or hasattr(inner, "__func__"):
+            inner = getattr(inner, "func", None) or inner.__func__
+        code = getattr(inner, "__code__", None)
+        if not _module_of(inner).startswith(FRAMEWORK_HOOKS):
+            parts.append(str(d.leaf(inner)))
+            break
+        parts.append(f"{_name_of(inner)}:{code_digest(code) if code is not None else type(inner).__qualname__}")
+        fn = getattr(inner, "__wrapped__", None)
+    return " <- ".join(parts)
 
 
 def torch_state() -> dict:
