@@ -105,7 +105,8 @@ def lora_config(family: str, adapter: str):
     mts = ["lm_head"] if adapter == "lora_mts" and family not in ("llama_tied", "gemma3") else None
     if adapter == "lora_mts" and mts is None:  # a tied head cannot be a separate trainable copy: the last norm instead
         mts = ["norm"]
-    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=mts, task_type="CAUSAL_LM")
+    init = {"init_lora_weights": "pissa"} if adapter == "pissa" else {}
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=mts, task_type="CAUSAL_LM", **init)
 
 
 # ---- data: real text, real tokenizer --------------------------------------------------------------------------------
@@ -599,6 +600,70 @@ def test_a_vera_adapter_is_merged_published_and_equal_to_the_counterfactual(tmp_
     refused it before compute as an adapter "which cannot be merged" (a hand-kept list of tuners). One predicate
     decides now: VERIFIED, the merged model published and equal to the plain ``Trainer`` counterfactual."""
     check_configuration(tmp_path, "qwen2", "vera", "trainer")
+
+
+@pytest.mark.slow  # a recording, a forget with its oracle and a counterfactual (~20 s)
+def test_a_pissa_lora_is_merged_published_and_equal_to_the_counterfactual(tmp_path):
+    """PiSSA (``init_lora_weights="pissa"``) computes the adapter from an SVD of the base's weights; a replay rebuilt
+    the model with uninitialised base weights and ran that SVD on them (``linalg.svd: non-finite values``) in the
+    recording's proof or in ``forget``, at random. Rebuilt with PEFT's default initialisation now (a checkpoint holds
+    the weights), the deletion is VERIFIED and equal to the counterfactual."""
+    check_configuration(tmp_path, "llama_tied", "pissa", "sft")
+
+
+def test_a_weight_dependent_lora_initialisation_is_not_run_on_a_rebuilt_model(tmp_path, monkeypatch):
+    """The rule behind the test above, deterministic: a rebuilt model never runs PiSSA's SVD, and its adapter config
+    still says ``pissa`` (what is saved and published names the recorded initialisation)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import LoraLayer
+
+    from hf_unlearn.trace.run_model import model_from_run
+
+    model = get_peft_model(real_shape("llama_tied"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                init_lora_weights="pissa", task_type="CAUSAL_LM"))
+    model.base_model.model.config.save_pretrained(tmp_path / "model")
+    model.peft_config["default"].save_pretrained(str(tmp_path / "model" / "adapter"))
+
+    def no_svd(*args, **kwargs):
+        raise AssertionError("PiSSA's SVD ran on a rebuilt model")
+
+    monkeypatch.setattr(LoraLayer, "pissa_init", no_svd)
+    info = {"class": "LlamaForCausalLM", "module": "transformers", "dtype": "float32", "attn_implementation": "sdpa",
+            "peft": {"adapter_name": "default"}, "layout": {"buffers": {}}}
+    rebuilt = model_from_run(SimpleNamespace(header={"model": info}, path=tmp_path), weights_follow=True)
+    assert rebuilt.peft_config["default"].init_lora_weights == "pissa"
+    assert set(rebuilt.state_dict()) == set(model.state_dict())
+
+
+def test_a_lora_bias_on_layers_without_a_bias_is_refused_when_the_trainer_is_built(tmp_path):
+    """``lora_bias=True`` on Llama's bias-free projections trained to the end, then the recording's sealing merged the
+    adapter to hash the output and PEFT refused (``Impossible to merge LoRA with lora_bias=True``): the run was lost.
+    Refused at construction now, naming the setting."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(real_shape("llama_tied"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                lora_bias=True, task_type="CAUSAL_LM"))
+    from hf_unlearn.errors import UnlearnError
+
+    with pytest.raises(UnlearnError, match="lora_bias=True on layers without a bias"):
+        record(tmp_path, "llama_tied", "full", "trainer", model=model)
+    assert not (tmp_path / "rec" / "trace").exists()
+
+
+def test_dpos_copy_of_a_peft_models_adapter_is_named_with_what_to_do():
+    """A ``PeftModel`` given to ``DPOTrainer`` with ``ref_model=None``: trl copies its adapter into a second one named
+    ``ref``; the refusal said "record runs with one adapter" to a user who made one. It names trl's copy and the two
+    ways out now."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_unlearn.trace.model_info import peft_and_base
+
+    model = get_peft_model(real_shape("llama_tied"), LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    model.add_adapter("ref", LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    why = peft_and_base(model)[0]["why"]
+    assert "DPOTrainer copied the PeftModel's adapter into 'ref'" in why and "peft_config=" in why
 
 
 def test_a_prompt_tuning_adapter_is_refused_when_the_trainer_is_built(tmp_path):

@@ -156,11 +156,22 @@ def _peft_info(model) -> dict | None:
     info = {"name": names[0], "config": peft_config[names[0]], "base": model.get_base_model()}
     if len(names) != 1:
         info["why"] = f"it has {len(names)} adapters ({names}); record runs with one adapter"
+        if "ref" in names and len(names) == 2:  # trl's DPOTrainer copies a PeftModel's adapter as its reference
+            info["why"] = (f"it has 2 adapters ({names}): DPOTrainer copied the PeftModel's adapter into 'ref', its "
+                           "reference, as trl does for a PeftModel passed with ref_model=None; pass the base model "
+                           "with peft_config= instead (the reference is then the base, adapter disabled), or a "
+                           "ref_model=")
     elif not mergeable_adapter(info["config"]):
         info["why"] = (f"its {getattr(info['config'], 'peft_type', '?')} adapter adds virtual tokens or prompts "
                        "instead of a weight update, and cannot be merged into the model, whose weights a recording "
                        "hashes and a deletion publishes; use an adapter that merges (LoRA, DoRA, LoHa, LoKr, IA3, "
                        "VeRA, ...)")
+    elif getattr(info["config"], "lora_bias", False) and any(
+            getattr(getattr(m, "base_layer", None), "bias", 0) is None for m in model.modules()
+            if hasattr(m, "lora_A")):
+        info["why"] = ("its LoRA has lora_bias=True on layers without a bias, which PEFT cannot merge into the "
+                       "model (the recording hashes the merged model when training ends, and a deletion publishes "
+                       "it); set lora_bias=False, or target layers that have a bias")
     return info
 
 

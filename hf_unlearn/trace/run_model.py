@@ -12,6 +12,11 @@ import torch
 from ..utils import import_object
 
 
+# PEFT initialisations computed from the base's weights (an SVD, a quantisation error, activations): a rebuilt model's
+# base is uninitialised memory until a checkpoint is loaded into it, on which PiSSA's SVD failed (non-finite values)
+DATA_DEPENDENT_INITS = ("pissa", "olora", "corda", "eva", "loftq")
+
+
 def model_from_run(run, weights_follow: bool = False):
     """The run's model (its class, dtype, attention implementation and PEFT adapter) with fresh weights.
 
@@ -40,9 +45,14 @@ def model_from_run(run, weights_follow: bool = False):
         from peft import PeftConfig, get_peft_model
 
         adapter = PeftConfig.from_pretrained(str(run.path / "model" / "adapter"))
+        init = getattr(adapter, "init_lora_weights", None)
+        if isinstance(init, str) and init.startswith(DATA_DEPENDENT_INITS):
+            adapter.init_lora_weights = True  # the weights come from a checkpoint: no SVD of uninitialised memory
         with warnings.catch_warnings():  # the rebuilt base is named by the run's folder; outputs name the recorded base
             warnings.filterwarnings("ignore", message="The PEFT config's `base_model_name_or_path` was renamed")
             model = get_peft_model(model, adapter, adapter_name=info["peft"]["adapter_name"])
+        if isinstance(init, str):
+            model.peft_config[info["peft"]["adapter_name"]].init_lora_weights = init  # as recorded, for what is saved
     if info.get("frozen_parameters") is not None:  # the same parameters frozen as in the recorded run
         frozen = set(info["frozen_parameters"])
         for name, p in model.named_parameters(remove_duplicate=False):
