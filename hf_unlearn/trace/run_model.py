@@ -11,7 +11,6 @@ import torch
 
 from ..utils import import_object
 
-
 # PEFT initialisations computed from the base's weights (an SVD, a quantisation error, activations): a rebuilt model's
 # base is uninitialised memory until a checkpoint is loaded into it, on which PiSSA's SVD failed (non-finite values)
 DATA_DEPENDENT_INITS = ("pissa", "olora", "corda", "eva", "loftq")
