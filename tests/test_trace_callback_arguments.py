@@ -47,12 +47,14 @@ class DecayInTheEpochsFirstHalf(TrainerCallback):
 
 
 class DecayByWhatTheArgumentsHold(TrainerCallback):
-    """Extra decay from everything else a replay's stand-ins give back: the scheduler's ``get_lr()``, ``base_lrs``
+    """Extra decay from everything else a replay's stand-ins give back: the ``optimizer`` argument's rate (at
+    ``on_step_end`` the one the scheduler's ``step()`` just wrote), the scheduler's ``get_lr()``, ``base_lrs``
     and ``optimizer`` (its param groups' rate), the loader's ``total_batch_size`` and the lengths of its dataset,
     sampler and batch sampler; each with its own weight, after each optimizer step and at each step's end."""
 
-    def _decay(self, model, lr_scheduler, train_dataloader, scale):
-        values = [lr_scheduler.get_lr()[0], lr_scheduler.base_lrs[0], lr_scheduler.optimizer.param_groups[0]["lr"],
+    def _decay(self, model, lr_scheduler, train_dataloader, scale, optimizer):
+        values = [optimizer.param_groups[0]["lr"],  # read first: at on_step_end, the rate the scheduler just wrote
+                  lr_scheduler.get_lr()[0], lr_scheduler.base_lrs[0], lr_scheduler.optimizer.param_groups[0]["lr"],
                   1e-4 * train_dataloader.total_batch_size, 1e-5 * len(train_dataloader.dataset),
                   1e-6 * len(train_dataloader.sampler), 1e-7 * len(train_dataloader.batch_sampler)]
         factor = scale * sum(v * 3.0 ** -i for i, v in enumerate(values))
@@ -61,11 +63,13 @@ class DecayByWhatTheArgumentsHold(TrainerCallback):
                 if p.requires_grad and p.dim() > 1:
                     p.mul_(1 - factor)
 
-    def on_optimizer_step(self, args, state, control, model=None, lr_scheduler=None, train_dataloader=None, **kw):
-        self._decay(model, lr_scheduler, train_dataloader, 0.01)
+    def on_optimizer_step(self, args, state, control, model=None, lr_scheduler=None, train_dataloader=None,
+                          optimizer=None, **kw):
+        self._decay(model, lr_scheduler, train_dataloader, 0.01, optimizer)
 
-    def on_step_end(self, args, state, control, model=None, lr_scheduler=None, train_dataloader=None, **kw):
-        self._decay(model, lr_scheduler, train_dataloader, 0.001)
+    def on_step_end(self, args, state, control, model=None, lr_scheduler=None, train_dataloader=None, optimizer=None,
+                    **kw):
+        self._decay(model, lr_scheduler, train_dataloader, 0.001, optimizer)
 
 
 class IteratesTheLoader(TrainerCallback):

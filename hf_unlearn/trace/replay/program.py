@@ -110,9 +110,13 @@ class RecordedProgram:
         """Run a recorded callback event as the recording's Trainer did at this point of the step."""
         if self._program_callbacks:
             if getattr(self, "_stand_ins", None) is None:
+                trainer = self.run.header.get("trainer", {})
                 self._stand_ins = (ReplayedScheduler(self), ReplayedDataloader(
-                    self.run.header.get("trainer", {}).get("dataloader_len"), self.args.per_device_train_batch_size))
+                    trainer.get("dataloader_len"), self.args.per_device_train_batch_size,
+                    (trainer.get("callback_arguments") or {}).get("dataloader")))
             scheduler, loader = self._stand_ins
+            if event == "on_step_end":  # the recorded scheduler's step() wrote the next rates before this event
+                scheduler.write_rates()
             run_event(self._program_callbacks, event, self.args, self.state, self.control, model=self.model,
                       processing_class=self.processing_class, optimizer=self.optimizer, lr_scheduler=scheduler,
                       train_dataloader=loader, eval_dataloader=None)

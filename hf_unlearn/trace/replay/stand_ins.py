@@ -6,8 +6,6 @@ exactly; anything else is refused by name, with what to read instead."""
 
 from __future__ import annotations
 
-import sys
-
 from ...errors import UnlearnError
 from ..guards import plan_lrs
 
@@ -65,14 +63,22 @@ class ReplayedScheduler:
         its rates into the param groups at its ``step()``, after ``on_optimizer_step``: at ``on_step_end`` they held
         the next step's rates, which a replay writes only when that step begins; they are written here, as the
         scheduler did (at any other event they are already these)."""
+        self.write_rates()
+        opt = self._trainer.optimizer
+        return getattr(opt, "optimizer", opt)
+
+    def write_rates(self) -> None:
+        """Write the rates a ``LambdaLR`` holds now into the optimizer's param groups, as its ``step()`` did (the
+        replay calls it before ``on_step_end``, so a callback reading the ``optimizer`` argument's groups there reads
+        the next step's rates, as in the recorded run)."""
+        if not (self._recorded or {}).get("get_lr_is_last_lr"):
+            return
         opt = self._trainer.optimizer
         opt = getattr(opt, "optimizer", opt)
-        if (self._recorded or {}).get("get_lr_is_last_lr"):
-            rates = self.get_last_lr()
-            if len(rates) == len(opt.param_groups):
-                for group, rate in zip(opt.param_groups, rates):
-                    group["lr"] = rate
-        return opt
+        rates = self.get_last_lr()
+        if len(rates) == len(opt.param_groups):
+            for group, rate in zip(opt.param_groups, rates):
+                group["lr"] = rate
 
     @property
     def last_epoch(self) -> int:
@@ -131,10 +137,6 @@ class ReplayedDataloader:
     _PARTS = {"dataset": "dataset_len", "sampler": "sampler_len", "batch_sampler": "batch_sampler_len"}
 
     def __init__(self, length: int | None, batch_size: int, recorded: dict | None = None):
-        if recorded is None:  # built by the replay's _event (ReplayProgram), which passes the two recorded numbers
-            run = getattr(sys._getframe(1).f_locals.get("self"), "run", None)
-            header = getattr(run, "header", None) or {}
-            recorded = (header.get("trainer", {}).get("callback_arguments") or {}).get("dataloader")
         self._length, self.batch_size, self._recorded = length, batch_size, recorded
 
     def __len__(self) -> int:
