@@ -35,7 +35,19 @@ def _checkpointed(tok):
     return model
 
 
-@pytest.mark.parametrize("build", [_resized, *[pytest.param(b, marks=pytest.mark.slow) for b in (_config_edited, _checkpointed)]])
+def _attributes_set(tok):
+    """Attributes no config field names, set by the program after the model was built: an attention's ``scaling``,
+    the rotary embedding's ``attention_scaling``, a norm's ``variance_epsilon``. The proof failed at step 0 and every
+    deletion was refused without naming them."""
+    model = config_model("llama", tok)
+    model.model.layers[0].self_attn.scaling = 0.5
+    model.model.rotary_emb.attention_scaling = 0.7
+    model.model.norm.variance_epsilon = 1e-2
+    return model
+
+
+@pytest.mark.parametrize("build", [_resized, _attributes_set, *[pytest.param(b, marks=pytest.mark.slow)
+                                                                 for b in (_config_edited, _checkpointed)]])
 def test_a_module_attribute_left_behind_by_an_edit_replays_as_recorded(tmp_path, build):
     """Attack (ordinary programs): ``resize_token_embeddings`` recorded, proved, and then every deletion refused (the
     proof's replay rebuilt ``LlamaModel.vocab_size`` from the config: "other program controls"); an edited
@@ -53,6 +65,10 @@ def test_a_module_attribute_left_behind_by_an_edit_replays_as_recorded(tmp_path,
     record(tok, data, tmp_path / "rec", model=build(tok), **KW)
     run = open_run(tmp_path / "rec" / "trace")
     assert run.header["model"]["layout"].get("attributes" if build is not _checkpointed else "activation_checkpointing")
+    if build is _attributes_set:
+        assert run.header["model"]["layout"]["attributes"] == {"model.layers.0.self_attn": {"scaling": 0.5},
+                                                               "model.rotary_emb": {"attention_scaling": 0.7},
+                                                               "model.norm": {"variance_epsilon": 1e-2}}
     assert run.header["fidelity"]["proof"]["proven"]
     forget = run.ids_at_steps([1])[:1]
     assert delete(run.path, forget, tmp_path / "del")[1]["verified"]

@@ -49,9 +49,11 @@ def _non_persistent_buffers(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_layout(model) -> dict:
-    """The dtype of every parameter and buffer that differs from the first parameter's, and the non-persistent
-    buffer names; what :func:`restore_layout` needs besides a checkpoint. Refuses a buffer it could not restore."""
+def model_layout(model, rebuilt: dict | None = None) -> dict:
+    """The dtype of every parameter and buffer that differs from the first parameter's, the non-persistent buffer
+    names, and the module attributes a rebuilt model holds otherwise (``rebuilt``: those that differ from the model
+    a replay builds, :func:`hf_unlearn.trace.model_info.rebuilt_attributes`, with :func:`config_attributes`); what
+    :func:`restore_layout` needs besides a checkpoint. Refuses a buffer it could not restore."""
     default = _dtype_name(next(model.parameters()))
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
@@ -63,7 +65,9 @@ def model_layout(model) -> dict:
     layout = {"default": default,
               "tensors": {n: _dtype_name(t) for n, t in tensors.items() if _dtype_name(t) != default},
               "buffers": sorted(buffers)}
-    attributes = config_attributes(model)
+    attributes = {m: dict(values) for m, values in (rebuilt or {}).items()}
+    for module, values in config_attributes(model).items():
+        attributes.setdefault(module, {}).update(values)
     if attributes:
         layout["attributes"] = attributes
     checkpointing = activation_checkpointing(model)
@@ -120,11 +124,11 @@ def config_attributes(model) -> dict:
     return out
 
 
-def save_buffers(model, run: Path) -> dict:
+def save_buffers(model, run: Path, rebuilt: dict | None = None) -> dict:
     """Write the non-persistent buffers to ``run/model/buffers.safetensors``; return the layout with its digest."""
     from safetensors.torch import save_file
 
-    layout = model_layout(model)
+    layout = model_layout(model, rebuilt)
     path = Path(run) / BUFFERS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {n: b.detach().to("cpu").clone().contiguous() for n, b in _non_persistent_buffers(model).items()}

@@ -181,14 +181,12 @@ def mergeable_adapter(config) -> bool:
     return not (getattr(config, "is_prompt_learning", False) or getattr(config, "is_adaption_prompt", False))
 
 
-def rebuilt_state_difference(model) -> str | None:
-    """The first state-dict tensor (name, shape or dtype) in which the model a replay rebuilds differs from ``model``
-    (the live model, unwrapped, PEFT adapter included), described, or None. The replay's model is built as
+def rebuilt_on_meta(model):
+    """The model a replay rebuilds for ``model`` (the live model, unwrapped, PEFT adapter included), on the meta
+    device (no weights), or None where it cannot be built there. The replay's model is built as
     :func:`hf_unlearn.trace.run_model.model_from_run` builds it (the class, the config saved and read back, the dtype,
-    the attention implementation, the saved adapter), on the meta device (no weights); a replay loads each checkpoint
-    into it strictly, so a module replaced or added after the model was built (``lm_head`` with a bias) trained for
-    hours and then failed that load. None too when the model cannot be built on the meta device (a replay's own
-    checks name what it cannot rebuild)."""
+    the attention implementation, the saved adapter); the recording compares it with the live model before training
+    (:func:`rebuilt_state_difference`, :func:`rebuilt_attributes`)."""
     import tempfile
     import warnings
     from pathlib import Path
@@ -216,6 +214,17 @@ def rebuilt_state_difference(model) -> str | None:
                 rebuilt = model_from_run(SimpleNamespace(header={"model": info}, path=Path(folder)))
     except Exception:  # noqa: BLE001 - not buildable on the meta device: nothing compared here
         return None
+    return rebuilt
+
+
+def rebuilt_state_difference(model) -> str | None:
+    """The first state-dict tensor (name, shape or dtype) in which the model a replay rebuilds differs from ``model``,
+    described, or None (also where it cannot be built on the meta device: a replay's own checks name what it cannot
+    rebuild). A replay loads each checkpoint into that model strictly, so a module replaced or added after the model
+    was built (``lm_head`` with a bias) trained for hours and then failed that load."""
+    rebuilt = rebuilt_on_meta(model)
+    if rebuilt is None:
+        return None
     live, built = model.state_dict(), rebuilt.state_dict()
     for name, t in live.items():
         other = built.get(name)
@@ -226,3 +235,32 @@ def rebuilt_state_difference(model) -> str | None:
                     f"{str(other.dtype).removeprefix('torch.')} {list(other.shape)})")
     missing = next((name for name in built if name not in live), None)
     return f"{missing} (the rebuilt model has it, the trained model does not)" if missing else None
+
+
+def rebuilt_attributes(model) -> dict:
+    """``{module: {attribute: value}}``: the plain public attributes (numbers, strings, booleans) in which the live
+    model's modules differ from the model a replay rebuilds (:func:`rebuilt_on_meta`): set by the program after the
+    model was built (``self_attn.scaling``, ``rotary_emb.attention_scaling``, a norm's ``variance_epsilon``), which a
+    rebuilt model does not have; recorded when training starts and given back to rebuilt models (before, the proof
+    failed at step 0 and every deletion was refused without naming the attribute). ``training`` and activation
+    checkpointing are set by replays themselves; ``name_or_path`` is where the model was loaded from."""
+    rebuilt = rebuilt_on_meta(model)
+    if rebuilt is None:
+        return {}
+    built = dict(rebuilt.named_modules())
+    out: dict = {}
+    for name, module in model.named_modules():
+        other = built.get(name)
+        if other is None or type(other) is not type(module):
+            continue
+        theirs = vars(other)
+        for k, v in vars(module).items():
+            if k.startswith("_") or k in _SET_BY_REPLAYS or type(v) not in _PLAIN_ATTRIBUTES or k not in theirs:
+                continue
+            if type(theirs[k]) in _PLAIN_ATTRIBUTES and theirs[k] != v and v == v:
+                out.setdefault(name, {})[k] = v
+    return out
+
+
+_PLAIN_ATTRIBUTES = (bool, int, float, str)
+_SET_BY_REPLAYS = frozenset({"training", "gradient_checkpointing", "name_or_path"})  # the last: where it was loaded

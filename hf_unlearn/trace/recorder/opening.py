@@ -17,6 +17,7 @@ from ..file_reads import differences as file_differences
 from ..files import model_file_digests
 from ..guards import ProgramGuard
 from ..lineage import record_lineage, weights_root
+from ..model_info import rebuilt_attributes
 from ..packing import PACKED_IDS, save_store_info
 from ..plan import read_plan
 from ..program_code import resumed_code_checked
@@ -148,7 +149,8 @@ def start(trainer) -> None:
         keeper.check_resumed_state(trainer, resume_step)
     save_model_files(trainer, run)
     header["model"]["files"] = model_file_digests(run)  # sealed: an edited config is named, not blamed on the probe
-    header["model"]["layout"] = save_buffers(trainer.accelerator.unwrap_model(trainer.model), run)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    header["model"]["layout"] = save_buffers(model, run, rebuilt_attributes(model))
     trainer._trace_writer = TraceWriter(run, trainer._trace_key)
     trainer._trace_writer.frozen.source = trainer.trace_frozen_source
     trainer._trace_writer.frozen.start = trainer._trace_start_hashes  # the frozen store takes their hashes
