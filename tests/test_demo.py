@@ -68,6 +68,7 @@ def test_demo_runs_every_stage(small_demo):
     assert (out / "requests" / "author-2.jsonl").read_text().splitlines()[0] == "40"
 
 
+@pytest.mark.slow  # the demo run again (~20 s)
 def test_demo_runs_again_in_the_same_folder_and_refuses_foreign_ones(small_demo, tmp_path, monkeypatch, capsys):
     _no_data_dir(monkeypatch)
     code, _, out = small_demo

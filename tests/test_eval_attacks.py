@@ -117,6 +117,7 @@ def memorised_and_untrained():
     return memorised_model(), build_tiny_model("llama", tok, hidden_size=64, num_layers=2, num_heads=4, seed=1), tok
 
 
+@pytest.mark.slow  # a fine-tune and TOFU attacks (~15 s)
 def test_tofu_attacks_recognise_memorised_rows_and_not_the_reference_itself(memorised_and_untrained):
     from hf_unlearn.eval.tofu import evaluate_tofu
 

@@ -180,6 +180,7 @@ def test_prompt_format_specs_and_errors(gpt2):
         PromptFormat(chat_template=True).prompt_text(gpt2, Q)
 
 
+@pytest.mark.slow  # two TOFU evaluations (~9 s); the preset test beside it refuses a mixed reference too
 def test_evaluate_tofu_records_the_format_and_refuses_a_mixed_reference():
     from hf_unlearn.eval.tofu import evaluate_tofu
     from hf_unlearn.models import build_tiny_model, load_tokenizer

@@ -62,7 +62,7 @@ def modes_that_differ(root: Path, mask: int) -> dict[str, str]:
     return wrong
 
 
-@pytest.fixture(params=[0o000, 0o027], ids=["umask000", "umask027"])
+@pytest.fixture(params=[0o000, pytest.param(0o027, marks=pytest.mark.slow)], ids=["umask000", "umask027"])  # 027: slow
 def umask(request):
     old = os.umask(request.param)
     try:

@@ -249,6 +249,7 @@ def test_approximate_forget_with_string_ids_and_evaluation(tmp_path, tiny_llama_
     assert json.loads(text)["guarantee"] == receipt.guarantee and "guarantee" in receipt.summary_table()
 
 
+@pytest.mark.slow  # a whole approximate forget (~25 s); the default suite keeps the CLI forget summary tests
 def test_without_the_eval_extra_rouge_l_is_said_to_be_missing_and_the_summary_ends_with_what_holds_the_rows(
         tmp_path, tiny_llama_dir, string_id_data, monkeypatch):
     """Without rouge_score (the `eval` extra) ROUGE-L vanished from the receipt and the card with no word: forget says

@@ -59,6 +59,7 @@ def test_min_k_plus_plus_variance_floor():
         token_statistics(logits, labels, variance_floor=0.0)
 
 
+@pytest.mark.slow  # two TOFU evaluations (~10 s)
 def test_zlib_on_the_raw_or_the_decoded_answer():
     from hf_unlearn.data.tokenize import encode_qa
     from hf_unlearn.eval.tofu import evaluate_tofu
