@@ -143,8 +143,9 @@ def _run_loss(trainer, cls, batch: dict, num_items, backward: bool):
             if backward:
                 loss.backward()
     except Exception as e:  # noqa: BLE001 - the user's loss failed on a real row and a dummy
-        raise UnlearnError(f"{cls.__qualname__}.compute_loss fails on a microbatch of a training row and the dummy "
-                           f"row that replaces a deleted sample: {e}") from None
+        raise UnlearnError(f"{cls.__qualname__}.compute_loss fails on the recorder's probe, a microbatch of a training "
+                           f"row beside the dummy row that replaces a deleted sample: {e} (if the same trainer fails "
+                           "without the recorder too, the model or its adapter is the cause, not the dummy)") from None
     finally:
         handle.remove()
         model.zero_grad(set_to_none=True)
