@@ -22,7 +22,7 @@ def _empty_dirs(root) -> list[str]:
     return [d for d, subdirs, files in os.walk(root) if not subdirs and not files]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a module fixture was built again when xdist interleaved modules
 def small_demo(tmp_path_factory):
     """The whole demo at a small size (3 authors, short fine-tune): exact deletion, MASC, local Hub, verify."""
     import io

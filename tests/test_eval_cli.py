@@ -11,6 +11,7 @@ from .conftest import MUSE_DIR, TOFU_DIR
 TOFU = ["--tofu", str(TOFU_DIR), "--max-items", "2", "--max-new-tokens", "2", "--quiet"]
 
 
+@pytest.mark.slow  # three TOFU evaluations and a plot through the CLI (~20 s)
 def test_tofu_reference_then_tofu_with_reference_then_tradeoff(tiny_llama_dir, tmp_path, capsys):
     ref = tmp_path / "ref"
     assert main(["eval", "tofu-reference", str(tiny_llama_dir), "--out", str(ref), "--max-train-rows", "4", "--epochs", "1",
@@ -58,6 +59,7 @@ def test_bad_input_gives_one_line_errors(tiny_llama_dir, tmp_path, capsys):
     assert "forget01" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a quantized evaluation and MUSE through the CLI (~11 s)
 def test_quantized_and_muse_news(tiny_llama_dir, tmp_path):
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "q"

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.xdist_group("test_eval_robustness")  # its module fixtu
 MAX_LENGTH = 128
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a module fixture was built again when xdist interleaved modules
 def models(tmp_path_factory):
     """``(tokenizer, fine-tuned, gradient ascent, exact deletion)``; the fine-tune is recorded so that the exact
     deletion is the library's trace-preserving replay without the forget rows."""

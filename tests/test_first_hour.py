@@ -355,6 +355,7 @@ def _thread_probe(env: dict, load: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # several fresh processes under a simulated load (~12 s)
 def test_thread_defaults_degrade_with_load_and_respect_the_user(monkeypatch):
     busy = _thread_probe({}, load=50.0)
     assert busy == {"n": 1, "torch": 1, "policy": "PASSIVE"}

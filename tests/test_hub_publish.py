@@ -67,7 +67,7 @@ def client(hub, tmp_path):
     return Client(hub, tmp_path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a module fixture was built again when xdist interleaved modules
 def saved_model(tmp_path_factory, tiny_llama_dir):
     """A trainer-like output dir: tiny Llama (hidden 32, tied embeddings), GPT-2 tokenizer, unlearning_info.json."""
     from hf_unlearn.hub.publish import save_card_info
@@ -374,7 +374,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smuggled(tmp_path_factory, saved_model):
     """Every smuggling case pushed through the real client in one fresh interpreter; the results and the store."""
     import os

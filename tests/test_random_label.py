@@ -36,7 +36,7 @@ def _args(cls, tmp_path, epochs, **kw):
                max_length=32, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, **kw)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a module fixture was built again when xdist interleaved modules
 def finetuned(tmp_path_factory):
     """A tiny Llama fine-tuned on the separable task, with its accuracy before and after."""
     from hf_unlearn.models import build_tiny_model, load_tokenizer

@@ -120,7 +120,12 @@ def test_a_callback_iterating_the_dataloader_is_named_not_a_traceback(tmp_path):
     with pytest.warns(UserWarning, match="not proven .*a recorded callback iterates train_dataloader"):
         record(tok, data.select(range(8)), tmp_path / "rec", trainer_kwargs={"callbacks": [IteratesTheLoader()]},
                gradient_accumulation_steps=1, max_steps=2)
-    assert not open_run(tmp_path / "rec" / "trace").header["fidelity"].get("proof", {}).get("proven")
+    run = open_run(tmp_path / "rec" / "trace")
+    assert not run.header["fidelity"].get("proof", {}).get("proven")
+    from hf_unlearn.trace.proven import unproven_statement
+
+    # a deletion's refusal names the cause too (it said "prove the run once", which fails the same way)
+    assert "a recorded callback iterates train_dataloader" in unproven_statement(run.header, run.path, 0, 2)
 
 
 def test_what_the_stand_ins_cannot_give_is_named_with_what_to_read_instead():

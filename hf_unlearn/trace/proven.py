@@ -219,6 +219,8 @@ def unproven_statement(header: dict, run_path, first: int, stop: int, who: str =
         causes.insert(0, why[0])
     elif [s for s in unproven_steps(header, first, stop, fresh_start=False) if s not in through] or not causes:
         rec = (header.get("fidelity") or {}).get("recording") or {}
+        if rec.get("proof_failed"):  # the proof at the end of recording stopped: its own words (a stand-in, ...)
+            causes.append(f"the proof at the end of recording stopped: {rec['proof_failed']}")
         if rec.get("checked") and rec.get("reproduced") is False and rec.get("why"):  # say what the check found
             causes.append(f"the recording's own self-check found the engine does not reproduce it ({rec['why']})")
         causes.append(f"prove the run once (`{prove}`, about one training run's compute)")

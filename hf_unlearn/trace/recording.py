@@ -148,7 +148,7 @@ def prove_recording(trainer) -> None:
         import torch.distributed as dist
 
         dist.broadcast_object_list(run, src=0)
-    record = None
+    record, failed = None, None
     if run[0] and run[2]:  # the whole run proven (hf_unlearn.trace.proof): every step's state reproduced
         try:
             with rng_kept():
@@ -156,7 +156,8 @@ def prove_recording(trainer) -> None:
                                progress=not trainer.args.disable_tqdm, seal=False)
         except UnlearnError as e:  # a run the engine cannot prove as a whole (a resumed recording without
             # every step's fingerprint, a random collator allowed as a hazard, ...): never a crash at the end of
-            # train(); the self-check below decides, as for a longer run, and `trace prove` says why later
+            # train(); the self-check below decides, as for a longer run, and deletions name why (proof_failed)
+            failed = str(e)
             warnings.warn(f"{trainer.trace_dir}: the run was not proven at the end of recording ({e}); the "
                           "first step(s) are self-checked instead", stacklevel=2)
     if record is not None:
@@ -177,7 +178,7 @@ def prove_recording(trainer) -> None:
                                 reference=trainer._trace_check_ref)
         trainer._trace_check_ref = None
         if fid is not None:
-            fid["recording"] = result
+            fid["recording"] = {**result, **({"proof_failed": failed} if failed else {})}
     elif fid is not None and not fid.get("recording"):
         fid["recording"] = {"checked": False, "why": "trace_self_check=False"}
     else:
