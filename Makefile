@@ -26,7 +26,7 @@ demo: install   # offline, no data folder needed (the TOFU rows ship in the pack
 # two workers (pytest-xdist), one per core of CI's machine; TEST_WORKERS=0 runs in this process
 TEST_WORKERS ?= 2
 test: install-dev
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist load
 
 test-slow: install-dev
 	$(PYTHON) -m pytest -m slow

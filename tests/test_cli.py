@@ -90,6 +90,7 @@ def test_trace_verify_of_a_single_run_deletion_folder_is_checked_as_a_deletion_f
     assert "receipt.json is not an hf_unlearn forget receipt" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # a forget killed mid-run in a child process (~16 s)
 def test_a_forget_stopped_by_sigterm_removes_its_output_and_puts_back_the_one_it_replaced(tmp_path):
     """SIGTERM (a scheduler's preemption, ``timeout``, torchrun stopping the other processes when one failed) ended
     ``hf-unlearn forget --overwrite`` at once: its new output half-written and the earlier one left hidden in a

@@ -148,6 +148,7 @@ def _die_at(ledger, what: str, point: str, arg) -> None:
     assert proc.returncode == 137, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # crashes simulated in child processes (~12 s)
 def test_a_crash_between_a_record_and_its_head_is_visible_and_recovered_only_when_it_is_ours(tmp_path, capsys):
     ledger = three_requests(tmp_path)
     run = get_recorded()

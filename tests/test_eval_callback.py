@@ -22,6 +22,7 @@ def _trainer(tmp_path, model, tok, callback, max_steps=2):
                    callbacks=[callback])
 
 
+@pytest.mark.slow  # a Trainer run with evaluation and checkpoints (~12 s)
 def test_callback_logs_through_the_trainer_and_keeps_the_best_checkpoint(tmp_path, tiny_llama, gpt2_tokenizer):
     from hf_unlearn.eval.callback import UnlearningEvalCallback
 

@@ -115,6 +115,7 @@ def test_approximate_deletion_follows_the_umask(tmp_path, umask, tiny_llama_dir)
     assert modes_that_differ(tmp_path / "out", umask) == {}
 
 
+@pytest.mark.slow  # a pipeline deletion and a service batch (~11 s)
 def test_a_pipeline_deletion_and_a_service_batch_keep_every_private_file_owner_only(tmp_path):
     """Under umask 000: a two-stage pipeline recorded, deleted from (each stage's redacted store, replay and oracle),
     and a service batch on its first run (the ledger's private part, the batch's store, replay and oracle): every

@@ -335,7 +335,8 @@ def test_a_peft_adapter_folder_is_merged_into_its_base_and_unlearned(tmp_path, t
     assert not (tmp_path / "out2").exists()
 
 
-@pytest.mark.parametrize("method", ["grad_ascent", pytest.param("masc", marks=pytest.mark.slow),
+@pytest.mark.parametrize("method", [pytest.param("grad_ascent", marks=pytest.mark.slow),  # ~13 s each
+                                    pytest.param("masc", marks=pytest.mark.slow),
                                     pytest.param("pdu", marks=pytest.mark.slow)])
 def test_one_author_ids_0_to_19_are_not_refused_for_the_methods_own_numbers(method, tmp_path, tiny_llama_dir):
     """Forgetting TOFU author 0 (ids 0..19): the card carries warmup_steps 0, lambda_forget 1.0, steps, MASC's

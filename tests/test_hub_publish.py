@@ -175,6 +175,7 @@ def test_push_tag_download_verify_then_a_second_deletion(client, hub, saved_mode
     assert proc.returncode == 1 and "already has a tag 'deletion-0002'" in proc.stderr
 
 
+@pytest.mark.slow  # a recording pushed twice (~15 s)
 def test_trainer_mixin_push_and_python_api_roundtrip(client, hub):
     code = f"""
 import json, tempfile
@@ -857,6 +858,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # a LoRA recording, forget and push (~35 s); tests/test_real_configs.py publishes a merged LoRA in the default suite
 def test_a_lora_run_publishes_the_merged_model_that_loads_and_verifies(client):
     import os
 
