@@ -41,6 +41,7 @@ def small_demo(tmp_path_factory):
     return code, buf.getvalue(), out
 
 
+@pytest.mark.slow  # the whole demo (~95 s on one core); each stage has its own default tests
 def test_demo_runs_every_stage(small_demo):
     code, out_text, out = small_demo
     assert code == 0, out_text[-3000:]
