@@ -876,16 +876,21 @@ def unreplayed_methods(trainer, optimizer) -> list[str]:
 
 
 def _name_of(fn) -> str:
+    fn = _function_of(fn)
+    return f"{_module_of(fn) or '?'}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _function_of(fn):
+    """The function under ``functools.partial`` and bound-method layers."""
     while hasattr(fn, "func") or hasattr(fn, "__func__"):
         fn = getattr(fn, "func", None) or fn.__func__
-    return f"{_module_of(fn) or '?'}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    return fn
 
 
 def _module_of(fn) -> str:
     """The module whose code ``fn`` is: a function's by the globals its code runs in, which ``functools.wraps``
     does not copy (a wrapper of the program's own named like accelerate's method is the program's)."""
-    while hasattr(fn, "func") or hasattr(fn, "__func__"):  # functools.partial, bound methods
-        fn = getattr(fn, "func", None) or fn.__func__
+    fn = _function_of(fn)
     if isinstance(fn, types.FunctionType):
         return fn.__globals__.get("__name__") or ""
     return getattr(fn, "__module__", None) or ""
@@ -900,9 +905,7 @@ def _patched_text(d: Digester, fn):
         return d.leaf(fn)
     parts = []
     while fn is not None and len(parts) < MAX_DEPTH:
-        inner = fn
-        while hasattr(inner, "func") or hasattr(inner, "__func__"):
-            inner = getattr(inner, "func", None) or inner.__func__
+        inner = _function_of(fn)
         code = getattr(inner, "__code__", None)
         if not _module_of(inner).startswith(FRAMEWORK_HOOKS):
             parts.append(str(d.leaf(inner)))

@@ -244,6 +244,8 @@ def rebuilt_attributes(model) -> dict:
     rebuilt model does not have; recorded when training starts and given back to rebuilt models (before, the proof
     failed at step 0 and every deletion was refused without naming the attribute). ``training`` and activation
     checkpointing are set by replays themselves; ``name_or_path`` is where the model was loaded from."""
+    from .fidelity import _PLAIN  # the plain values the layout keeps of a module
+
     rebuilt = rebuilt_on_meta(model)
     if rebuilt is None:
         return {}
@@ -255,12 +257,11 @@ def rebuilt_attributes(model) -> dict:
             continue
         theirs = vars(other)
         for k, v in vars(module).items():
-            if k.startswith("_") or k in _SET_BY_REPLAYS or type(v) not in _PLAIN_ATTRIBUTES or k not in theirs:
+            if k.startswith("_") or k in _SET_BY_REPLAYS or type(v) not in _PLAIN or k not in theirs:
                 continue
-            if type(theirs[k]) in _PLAIN_ATTRIBUTES and theirs[k] != v and v == v:
+            if type(theirs[k]) in _PLAIN and theirs[k] != v and v == v:
                 out.setdefault(name, {})[k] = v
     return out
 
 
-_PLAIN_ATTRIBUTES = (bool, int, float, str)
 _SET_BY_REPLAYS = frozenset({"training", "gradient_checkpointing", "name_or_path"})  # the last: where it was loaded
