@@ -10,8 +10,6 @@ import pytest
 from hf_unlearn.cli import main
 from hf_unlearn.errors import UnlearnError
 
-pytestmark = pytest.mark.xdist_group("test_demo")  # its module fixtures are built once, on one worker
-
 
 def _no_data_dir(monkeypatch):
     """The demo needs no data folder: the TOFU rows ship inside the package."""

@@ -16,7 +16,6 @@ from hf_unlearn.eval.robustness import evaluate_robustness, recovery_fraction, s
 from .conftest import TOFU_DIR
 
 N_ROWS, FORGET_IDS = 30, list(range(20, 30))  # author 0 is kept, half of author 1 is forgotten
-pytestmark = pytest.mark.xdist_group("test_eval_robustness")  # its module fixtures are built once, on one worker
 
 
 MAX_LENGTH = 128

@@ -23,9 +23,6 @@ from hf_unlearn.hub.server import HubServer
 
 from .conftest import ROOT, TOKENIZERS, mentions, run_cli
 
-pytestmark = pytest.mark.xdist_group("test_hub_publish")  # its module fixtures are built once, on one worker
-
-
 TOKEN = "hf_unlearn_test_token"
 FORGET = list(range(3600, 3620))
 EXPECTED_FILES = {".gitattributes", "README.md", "config.json", "generation_config.json", "model.safetensors",

@@ -17,9 +17,6 @@ from hf_unlearn.methods.random_label import (
     assign_random_labels,
 )
 
-pytestmark = pytest.mark.xdist_group("test_random_label")  # its module fixtures are built once, on one worker
-
-
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "piano", "lemon", "chair"]
 
 

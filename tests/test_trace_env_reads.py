@@ -14,9 +14,6 @@ from transformers import TrainerCallback
 
 from .test_trace_neutral_attacks import _differs_from_counterfactual, _forget_outcome, _record
 
-pytestmark = pytest.mark.xdist_group("test_trace_env_reads")  # its module fixtures are built once, on one worker
-
-
 LATE = 5
 SECRET = "s3cr3t-value-never-written"
 

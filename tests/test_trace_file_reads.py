@@ -17,9 +17,6 @@ from transformers import Trainer, TrainerCallback
 from .test_trace_common import config_model, get_trace_data, labels_masked, recorded_normalisers_trainer, train_args
 from .test_trace_neutral_attacks import _forget_outcome
 
-pytestmark = pytest.mark.xdist_group("test_trace_file_reads")  # its module fixtures are built once, on one worker
-
-
 LATE = 5
 KW = dict(gradient_accumulation_steps=1, max_steps=6)
 
