@@ -11,6 +11,7 @@ the code, or VERIFIED and equal to it.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -285,13 +286,40 @@ class _TorchPatch:
         torch.rsqrt = self.original
 
 
-def test_a_patch_of_a_torch_function_acting_only_at_steps_the_probe_skips_is_refused_without_it(tmp_path):
-    """Attack: the training script sets ``torch.rsqrt`` to a function that differs only on microbatches of the steps
-    the probe does not re-run (their padded lengths, learnt from a first recording's plan). Before: ``torch``'s own
-    namespace was not sealed, and a step-0 deletion in a process without the patch was VERIFIED while its oracle
-    differed from a plain Trainer with the patch, the deleted row's labels -100 and the recorded normalisers (21 of 21
-    tensors). Now: refused before any compute naming ``module torch``; with the patch in place VERIFIED and equal to
-    that counterfactual."""
+class _RegistryPatch:
+    """The training script's ``ALL_ATTENTION_FUNCTIONS["sdpa"] = ...`` (transformers' attention registry, which
+    ``LlamaAttention.forward`` looks its function up in at every call): the attention output scaled on a microbatch
+    padded to one of ``lengths``. No class, module-level function or model attribute changes."""
+
+    def __init__(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.registry, self.original, self.lengths = ALL_ATTENTION_FUNCTIONS, ALL_ATTENTION_FUNCTIONS["sdpa"], set()
+
+    def __enter__(self):
+        original, lengths = self.original, self.lengths
+
+        def sdpa(module, query, *args, **kwargs):
+            out, weights = original(module, query, *args, **kwargs)
+            return (out * 1.25 if query.shape[-2] in lengths else out), weights
+
+        self.registry["sdpa"] = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        self.registry._local_mapping.pop("sdpa", None)
+
+
+@pytest.mark.parametrize("patched,named", [(_TorchPatch, "module torch;"),
+                                           (_RegistryPatch, "module transformers.")])
+def test_a_patch_acting_only_at_steps_the_probe_skips_is_refused_without_it(tmp_path, patched, named):
+    """Attack: the training script sets ``torch.rsqrt``, or transformers' attention registry entry, to a function
+    that differs only on microbatches of the steps the probe does not re-run (their padded lengths, learnt from a first
+    recording's plan). Before: ``torch``'s own namespace, and then the registry (a mapping, not a function), were not
+    sealed, and a step-0 deletion in a process without the patch was VERIFIED while its oracle differed from a plain
+    Trainer with the patch, the deleted row's labels -100 and the recorded normalisers (21 of 21 tensors; 63 entries
+    with the optimizer's for the registry). Now: refused before any compute naming the module; with the patch in
+    place VERIFIED and equal to that counterfactual."""
     from hf_unlearn import forget
     from hf_unlearn.trace import open_run
     from hf_unlearn.trace.proof import probe_steps
@@ -299,7 +327,7 @@ def test_a_patch_of_a_torch_function_acting_only_at_steps_the_probe_skips_is_ref
 
     tok, data = get_trace_data()
     data = data.select(range(16))
-    with _TorchPatch() as patch:
+    with patched() as patch:
         record(tok, data, tmp_path / "order", model=config_model("llama", tok), every=2, **KW)
         order = open_run(tmp_path / "order" / "trace")
         probed = set(probe_steps(order))
@@ -309,9 +337,9 @@ def test_a_patch_of_a_torch_function_acting_only_at_steps_the_probe_skips_is_ref
         patch.lengths |= lengths[False] - lengths.get(True, set())
         record(tok, data, tmp_path / "rec", model=config_model("llama", tok), every=2, **KW)
     run = open_run(tmp_path / "rec" / "trace")
-    assert patch.lengths and "module torch" in run.header["fidelity"]["guards"]["code"]
+    assert patch.lengths
     ids = run.ids_at_steps([0])[:1]
-    with pytest.raises(UnlearnError, match=r"other code than the recorded run did: module torch;") as e:
+    with pytest.raises(UnlearnError, match=r"other code than the recorded run did: " + re.escape(named)) as e:
         forget(run.path, ids, tmp_path / "without", oracle=True, progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "without").exists()
     with patch:
@@ -342,6 +370,30 @@ def test_the_functions_a_step_calls_by_name_are_sealed(patched_run, monkeypatch,
     monkeypatch.setattr(module, name, lambda *a, **k: original(*a, **k))
     with _Patched():
         assert code_differences(header) == [entry]
+
+
+@pytest.mark.parametrize("where,registry,key,entry", [
+    ("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", "sdpa", "module transformers.models.llama.modeling_llama"),
+    ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS", "sdpa", "module transformers.masking_utils"),
+    ("transformers.loss.loss_utils", "LOSS_MAPPING", "ForCausalLM", "module transformers.loss.loss_utils"),
+])
+def test_a_registry_entry_the_script_replaced_is_sealed(patched_run, monkeypatch, where, registry, key, entry):
+    """Transformers looks the attention function, the mask function and the loss up by name in module-level
+    registries at every call; an entry replaced (by a wrapper computing the same, as a patch neutral on the recorded
+    rows would) changes no class nor module function: named, in every module that holds the registry."""
+    import importlib
+
+    from hf_unlearn.trace.program_code import code_differences
+
+    header = json.loads((patched_run[2] / "header.json").read_text())
+    mapping = getattr(importlib.import_module(where), registry)
+    original = mapping[key]
+    monkeypatch.setitem(mapping, key, lambda *a, **k: original(*a, **k))
+    with _Patched():
+        assert entry in code_differences(header)
+    monkeypatch.undo()
+    with _Patched():
+        assert code_differences(header) == []
 
 
 @pytest.mark.slow  # two recording launches, two forgets with oracles and a counterfactual (~30 s)

@@ -31,6 +31,7 @@ step, :class:`ProcessComparison`).
 from __future__ import annotations
 
 import collections
+import collections.abc
 import enum
 import functools
 import hashlib
@@ -371,8 +372,34 @@ def _class_values(cls) -> dict:
 
 
 def _module_code(mod, digester: Digester) -> str:
-    """Every function and class a source module holds (what a monkeypatch of a module-level function changes)."""
+    """Every function and class a source module holds (what a monkeypatch of a module-level function changes), and
+    every registry of functions it holds (:func:`_registry_dicts`: an entry replaced changes what a forward calls)."""
     return _kept_namespace(mod, vars(mod), lambda: _module_lines(mod, digester), digester.roots)
+
+
+def _registry_dicts(v) -> list | None:
+    """The dicts a module-level registry of functions keeps its entries in, or None: not a registry. A registry is
+    a dict, or a transformers ``GeneralInterface`` (``ALL_ATTENTION_FUNCTIONS``, ``ALL_MASK_ATTENTION_FUNCTIONS``:
+    a class-wide mapping and the instance's own overrides), holding at least one function. Code looks a function up
+    in it by name at call time (``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)``,
+    ``LOSS_MAPPING[loss_type]``), so an entry a training script replaced is code the run ran, and no class or
+    module-level function shows it."""
+    if type(v) is dict:
+        dicts = [v]
+    elif isinstance(v, collections.abc.Mapping):  # not any object: a module attribute's getattr may run code
+        own = (getattr(v, "__dict__", None) or {}).get("_local_mapping")
+        shared = next((c.__dict__["_global_mapping"] for c in type(v).__mro__ if "_global_mapping" in c.__dict__), None)
+        if type(own) is not dict or type(shared) is not dict:
+            return None
+        dicts = [shared, own]
+    else:
+        return None
+    if len(dicts[0]) > _REGISTRY_MAX or not any(type(f) is types.FunctionType for d in dicts for f in d.values()):
+        return None
+    return dicts
+
+
+_REGISTRY_MAX = 256  # a module-level dict larger than this is data, not a registry of functions
 
 
 def _module_lines(mod, digester: Digester) -> tuple[str, list | None, list]:
@@ -387,6 +414,17 @@ def _module_lines(mod, digester: Digester) -> tuple[str, list | None, list]:
         elif isinstance(v, type):
             h.update(f"{k}={_name(v)}\n".encode())
             named.append(v)
+        elif not k.startswith("__") and (dicts := _registry_dicts(v)) is not None:
+            entries = {}
+            for d in dicts:  # the instance's overrides last: they win, as GeneralInterface.__getitem__ decides
+                entries.update(d)
+            for name, f in sorted(entries.items(), key=lambda kv: str(kv[0])):
+                h.update(f"{k}[{name!r}]={digester.text(f, 1)}\n".encode())
+                if type(f) is types.FunctionType:
+                    deps.append(f)
+                elif not (isinstance(f, type) or type(f) is types.BuiltinFunctionType):
+                    kept = False  # a partial or another callable: read again at every snapshot
+            deps += dicts  # pinned by keys, values and size: an entry replaced in place is seen
     return h.hexdigest()[:16], deps if kept else None, named
 
 

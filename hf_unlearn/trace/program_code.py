@@ -15,7 +15,9 @@ modules its classes come from (``torch.optim.adam``: the function ``Adam.step`` 
 class (the user's, e.g. ``trl.SFTTrainer``, which replays compose with their own classes: not the recording's
 subclass) and the modules of its classes, of ``Accelerator``, of the recorded callbacks' classes (replays run them
 again), of a DPO reference model's classes, and of the namespaces a step looks functions up in by name
-(:data:`STEP_MODULES`: ``torch.rsqrt``, ``torch._foreach_*``, ``torch.autograd.backward``); each by an importable
+(:data:`STEP_MODULES`: ``torch.rsqrt``, ``torch._foreach_*``, ``torch.autograd.backward``), the registries of
+functions those modules hold included (``ALL_ATTENTION_FUNCTIONS``, ``LOSS_MAPPING``: looked up by name at every call);
+each by an importable
 ``module:qualname`` (the header's ``fidelity.guards.code``). Every deleting process recomputes them by name (a digest of code objects: milliseconds)
 and refuses, before any compute, naming the first entries that differ.
 
