@@ -82,6 +82,21 @@ def test_the_recording_seals_its_code(patched_run):
     assert not [k for k in code if "__main__" in k or "hf_unlearn" in k], code
 
 
+def test_a_seal_written_by_another_release_is_named_not_blamed_on_the_modules(patched_run):
+    """A release that digests more of a module (the registries of functions) cannot recompute an older release's
+    digests: every module would differ and the refusal would blame code the user never changed. The seal carries its
+    format; another format refuses naming the release that recorded the run, before any compute."""
+    from hf_unlearn.trace.program_code import CODE_FORMAT, code_differences
+
+    header = json.loads((patched_run[2] / "header.json").read_text())
+    assert header["fidelity"]["guards"]["code_format"] == CODE_FORMAT
+    del header["fidelity"]["guards"]["code_format"]  # what the releases before formats were numbered wrote
+    with pytest.raises(UnlearnError, match=r"written by another hf_unlearn release \(code digest format 1, this "
+                                           r"release computes format 2; recorded with hf_unlearn ") as e:
+        code_differences(header)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_a_patch_neutral_on_the_recorded_rows_is_refused_in_a_process_without_it(patched_run, tmp_path):
     """Without the patch (a fresh ``hf-unlearn forget``, or this process with it removed) a step-0 deletion was

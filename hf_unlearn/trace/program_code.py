@@ -48,6 +48,9 @@ from .stack import recorded_default_dtype
 from .trainers import recorded_trainer, recorded_trainer_class
 
 SCRIPT = "__main__"
+# What a code digest covers, numbered: a run sealed under another number is compared by what it covered, which this
+# release cannot recompute (2: the registries of functions a module holds). Bumped with every such change.
+CODE_FORMAT = 2
 
 
 def _unsharded(cls: type) -> list[type]:
@@ -145,9 +148,17 @@ def code_now(names) -> dict[str, str]:
 def code_differences(header: dict) -> list[str] | None:
     """The sealed code entries whose digest differs in this process (``[]``: none), or None: the run seals none (it
     was recorded before this release, or without guards)."""
-    recorded = ((header.get("fidelity") or {}).get("guards") or {}).get("code")
+    guards = (header.get("fidelity") or {}).get("guards") or {}
+    recorded = guards.get("code")
     if not recorded:
         return None
+    if int(guards.get("code_format") or 1) != CODE_FORMAT:
+        raise UnlearnError(
+            f"the run's code seal was written by another hf_unlearn release (code digest format "
+            f"{int(guards.get('code_format') or 1)}, this release computes format {CODE_FORMAT}; recorded with "
+            f"hf_unlearn {(header.get('versions') or {}).get('hf_unlearn', 'unknown')}): its digests cannot be "
+            "recomputed here, so the code this process runs cannot be compared with the recording's; delete with the "
+            "release that recorded the run, or record it again with this one")
     with recorded_default_dtype(header):  # what a replay, which runs with it, runs
         now = code_now(recorded)
     return [k for k, v in recorded.items() if now.get(k) != v]
@@ -215,11 +226,13 @@ def resumed_code_checked(run_path, previous: dict | None, resume_step: int) -> t
     from .processes import agreed, gathered
 
     guards = ((previous or {}).get("fidelity") or {}).get("guards") or {}
-    mine = {"code": guards.get("code") or {}, "from": int(guards.get("code_from") or 0)} if previous is not None \
-        else None
+    mine = {"code": guards.get("code") or {}, "from": int(guards.get("code_from") or 0),
+            "format": guards.get("code_format")} if previous is not None else None
     sent = gathered(mine)[0] or {"code": {}, "from": 0}
     earlier: dict = {}
-    agreed(lambda: earlier.update(check_resumed_code(run_path, {"fidelity": {"guards": {"code": sent["code"]}}})))
+    seal = {"fidelity": {"guards": {"code": sent["code"], "code_format": sent.get("format")}},
+            "versions": (previous or {}).get("versions") or {}}
+    agreed(lambda: earlier.update(check_resumed_code(run_path, seal)))
     return earlier, (sent["from"] if sent["code"] else resume_step)
 
 
@@ -232,7 +245,8 @@ def sealed_from(header: dict) -> int:
 def code_record(code: dict, earlier: dict | None, code_from: int) -> dict:
     """The header's code seal (``fidelity.guards``): this launch's first step's code, the earlier launch's entries
     kept (they ran first), and from which step it covers the run."""
-    return {"code": {**code, **(earlier or {})}, **({"code_from": code_from} if code_from else {})}
+    return {"code": {**code, **(earlier or {})}, "code_format": CODE_FORMAT,
+            **({"code_from": code_from} if code_from else {})}
 
 
 def unsealed_code_refusal(run, first_affected: int | None) -> str | None:
