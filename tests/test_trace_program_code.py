@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -325,12 +326,40 @@ class _RegistryPatch:
         self.registry._local_mapping.pop("sdpa", None)
 
 
+class _KernelPatch:
+    """The training script's CPU kernel for ``aten::neg`` through ``torch.library`` (Llama's ``rotate_half`` calls the
+    operator): exact negation, halved on a tensor whose second-last size is one of ``lengths``. No Python namespace
+    changes: the dispatcher runs it."""
+
+    def __init__(self):
+        self.lengths, self.library = set(), None
+
+    def __enter__(self):
+        lengths = self.lengths
+
+        def neg(x):
+            out = x * -1.0
+            return out * 0.5 if x.dim() >= 2 and x.shape[-2] in lengths else out
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that a kernel is overridden: what the attack does
+            self.library = torch.library.Library("aten", "IMPL")
+            self.library.impl("neg", neg, "CPU")
+        return self
+
+    def __exit__(self, *exc):
+        self.library._destroy()
+
+
 @pytest.mark.parametrize("patched,named", [(_TorchPatch, "module torch;"),
-                                           (_RegistryPatch, "module transformers.")])
+                                           (_RegistryPatch, "module transformers."),
+                                           (_KernelPatch, "the kernels of torch's operators registered through "
+                                                          "torch.library (recorded: aten::neg/CPU; here: none)")])
 def test_a_patch_acting_only_at_steps_the_probe_skips_is_refused_without_it(tmp_path, patched, named):
     """Attack: the training script sets ``torch.rsqrt``, or transformers' attention registry entry, to a function
     that differs only on microbatches of the steps the probe does not re-run (their padded lengths, learnt from a first
-    recording's plan). Before: ``torch``'s own namespace, and then the registry (a mapping, not a function), were not
+    recording's plan), or a kernel of ``aten::neg`` registered through ``torch.library``. Before: ``torch``'s own
+    namespace, then the registry (a mapping, not a function) and the kernel (no Python namespace at all), were not
     sealed, and a step-0 deletion in a process without the patch was VERIFIED while its oracle differed from a plain
     Trainer with the patch, the deleted row's labels -100 and the recorded normalisers (21 of 21 tensors; 63 entries
     with the optimizer's for the registry). Now: refused before any compute naming the module; with the patch in

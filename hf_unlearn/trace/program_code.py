@@ -38,6 +38,7 @@ sealed only at the end) seals from the resume step on, and a deletion whose rows
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import torch
@@ -49,8 +50,40 @@ from .trainers import recorded_trainer, recorded_trainer_class
 
 SCRIPT = "__main__"
 # What a code digest covers, numbered: a run sealed under another number is compared by what it covered, which this
-# release cannot recompute (2: the registries of functions a module holds). Bumped with every such change.
+# release cannot recompute (2: the registries of functions a module holds, and the kernels of torch's operators
+# registered from Python). Bumped with every such change.
 CODE_FORMAT = 2
+# The seal's entry for kernels of torch's own operators registered through ``torch.library`` from outside torch
+KERNELS = "kernels torch.library"
+_OPERATOR_NAMESPACES = ("aten",)  # not prims: torch registers its own through torch.library as it imports them
+
+
+def user_kernels() -> str:
+    """The kernels of torch's own operators (``aten``) that code outside torch registered through
+    ``torch.library`` (``Library("aten", "IMPL").impl("neg", ...)``, ``@torch.library.impl``), as
+    ``ns::op/DispatchKey`` joined by spaces (``"none"``: none). Such a kernel replaces what every call of the operator
+    runs, below any Python namespace a digest reads (Llama's ``rotate_half`` calls ``aten::neg``), so a training script
+    that registered one ran code a deleting process without it does not. Meta kernels (shapes, no numbers) aside; the
+    dispatcher says where each kernel was registered, and torch's own registrations (its files, except the
+    user-facing ``torch.library`` modules) are not the program's."""
+    import torch.library
+
+    own = os.path.dirname(torch.__file__) + os.sep
+    found = []
+    for key in sorted(getattr(torch.library, "_impls", ())):
+        name, _, dispatch = key.rpartition("/")
+        ns, _, op = name.partition("/")
+        if dispatch == "Meta" or ns not in _OPERATOR_NAMESPACES:
+            continue
+        prefix = f"{dispatch}: registered at "
+        for line in torch._C._dispatch_dump(f"{ns}::{op}").splitlines():
+            if line.startswith(prefix):
+                where = line[len(prefix):].split(" :: ")[0].rsplit(":", 1)[0]
+                if not where.startswith(own) or os.path.basename(where) == "library.py" or \
+                        f"{os.sep}_library{os.sep}" in where:
+                    found.append(f"{ns}::{op}/{dispatch}")
+                break
+    return " ".join(found) or "none"
 
 
 def _unsharded(cls: type) -> list[type]:
@@ -105,7 +138,8 @@ def sealed_code(model, trainer=None, callbacks=(), optimizer=None) -> dict[str, 
                and c.__module__ != SCRIPT}
     modules |= {c.__module__ for c in steps if c.__module__ != SCRIPT and not c.__module__.startswith("hf_unlearn.")}
     modules |= {*CODE_MODULES, *STEP_MODULES}
-    return code_now([f"class {n}" for n in names] + [f"module {m}" for m in sorted(modules) if m in sys.modules])
+    return code_now([f"class {n}" for n in names] + [f"module {m}" for m in sorted(modules) if m in sys.modules]
+                    + [KERNELS])
 
 
 def _find(name: str):
@@ -135,6 +169,9 @@ def code_now(names) -> dict[str, str]:
     d = Digester()
     out = {}
     for name in names:
+        if name == KERNELS:
+            out[name] = user_kernels()
+            continue
         found = _find(name)
         if isinstance(found, str):
             out[name] = found
@@ -175,7 +212,9 @@ def check_code(run) -> dict:
                                       "guards): code the training script patched that changed nothing on the "
                                       "recorded rows is not compared with this process's"}
     if differ:
-        shown = ", ".join(_short(k) for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+        code = header["fidelity"]["guards"]["code"]
+        shown = ", ".join(_short(k, code) for k in differ[:3]) + (f" (and {len(differ) - 3} more)"
+                                                                   if len(differ) > 3 else "")
         versions = _version_changes(header.get("versions") or {})
         raise UnlearnError(
             f"{run.path}: this process runs other code than the recorded run did: {shown}"
@@ -196,7 +235,7 @@ def code_changed(sealed: dict | None) -> str | None:
     differ = [k for k, v in sealed.items() if now.get(k) != v]
     if not differ:
         return None
-    return (f"the code the run's first step ran changed while it trained ({_short(differ[0])}"
+    return (f"the code the run's first step ran changed while it trained ({_short(differ[0], sealed)}"
             f"{f' and {len(differ) - 1} more' if len(differ) > 1 else ''}): replays run one code over the whole run; "
             "apply patches before train()")
 
@@ -208,7 +247,9 @@ def check_resumed_code(run_path, previous: dict) -> dict:
     final seal to keep (``{}``: the previous launch sealed none: :func:`resumed_code_checked`)."""
     differ = code_differences(previous) or []
     if differ:
-        shown = ", ".join(_short(k) for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+        code = previous["fidelity"]["guards"]["code"]
+        shown = ", ".join(_short(k, code) for k in differ[:3]) + (f" (and {len(differ) - 3} more)"
+                                                                   if len(differ) > 3 else "")
         raise UnlearnError(f"{run_path} cannot be resumed in this process: it runs other code than the steps before "
                            f"the stop did: {shown}; a deletion replays both parts with one code, so resume with the "
                            "code it was recorded with (the same package versions and patches applied)")
@@ -264,7 +305,10 @@ def unsealed_code_refusal(run, first_affected: int | None) -> str | None:
             f"trained at step {start} or later can be deleted; record the run again to delete these)")
 
 
-def _short(entry: str) -> str:
+def _short(entry: str, recorded: dict | None = None) -> str:
+    if entry == KERNELS:
+        return (f"the kernels of torch's operators registered through torch.library (recorded: "
+                f"{(recorded or {}).get(KERNELS, '?')}; here: {user_kernels()})")
     name = entry.replace(":", ".")
     found = _find(entry)
     return f"{name} ({found})" if isinstance(found, str) else name
