@@ -50,12 +50,15 @@ def is_trace_run(path: str | os.PathLike) -> bool:
 
 
 def recorded_run_inside(path: str | os.PathLike) -> str | None:
-    """The recorded run a training output folder holds (``runs/ft/trace`` for ``runs/ft``), or None."""
+    """The recorded run a training output folder holds (``runs/ft/trace`` for ``runs/ft``), or None. A deletion
+    output holds two (``replay`` and ``oracle``): the one a next deletion starts from comes first, a run holding its
+    token store (``private/store``; the oracle keeps none) and, among those, one named ``replay``."""
     p = Path(path)
     if not p.is_dir() or is_trace_run(p):
         return None
-    runs = sorted(os.path.join(os.fspath(path), d.name) for d in p.iterdir() if d.is_dir() and is_trace_run(d))
-    return runs[0] if runs else None
+    runs = [d for d in p.iterdir() if d.is_dir() and is_trace_run(d)]
+    runs.sort(key=lambda d: (not (d / "private" / "store").is_dir(), d.name != "replay", d.name))
+    return os.path.join(os.fspath(path), runs[0].name) if runs else None
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,29 @@ def test_a_run_given_as_a_model_and_ids_not_in_the_run_are_refused_before_anythi
     _refuse_a_run_in_disguise(str(tmp_path / "ft"), ForgetConfig(output_dir=str(tmp_path / "o"), method="npo"), None)
 
 
+def test_a_deletion_output_given_as_a_run_points_to_its_replay_not_its_oracle(tmp_path, capsys):
+    """`forget OUT` on a deletion output named `OUT/oracle` ("oracle" sorts before "replay"), which keeps no token
+    store and so failed next; the hint names `OUT/replay`, the run a next deletion starts from."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.validation import recorded_run_inside
+
+    out = tmp_path / "out"
+    for name in ("oracle", "replay"):
+        (out / name).mkdir(parents=True)
+        for f in ("header.json", "plan.bin", "wal.bin"):
+            (out / name / f).write_text("")
+    (out / "replay" / "private" / "store").mkdir(parents=True)
+    (out / "model").mkdir()
+    assert recorded_run_inside(out) == str(out / "replay")
+    (tmp_path / "ids.jsonl").write_text("3600\n")
+    assert main(["forget", str(out), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert f"pass `{out / 'replay'}` for exact deletion" in err and "oracle" not in err, err
+    # without a store in either, the name decides: still the replay
+    shutil.rmtree(out / "replay" / "private")
+    assert recorded_run_inside(out) == str(out / "replay")
+
+
 def test_every_numeric_option_default_lies_in_its_range():
     """The one table of ranges (validation.OPTION_RANGES, > 0 for an option it does not list) admits every
     option's own default: a wrong entry would refuse a command run as documented."""
