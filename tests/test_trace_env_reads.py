@@ -52,7 +52,38 @@ def test_the_recording_notes_what_its_own_code_read_and_no_value(recorded):
     _, _, run = recorded
     text = (run / "header.json").read_text()
     reads = json.loads(text)["fidelity"]["environment_reads"]
-    assert reads == {"HFU_TEST_CLIP": {"value": None, "by": "tests.test_trace_env_reads"}}, reads  # no framework read
+    own = {k: v for k, v in reads.items() if not v.get("framework")}
+    assert own == {"HFU_TEST_CLIP": {"value": None, "by": "tests.test_trace_env_reads"}}, reads  # not the observer's
+    # the frameworks' reads during the steps (transformers at every attention call), none of this library's
+    assert reads["TRANSFORMERS_SDPA_FORCE_GQA"] == {"value": None, "by": "transformers.integrations.sdpa_attention",
+                                                    "framework": True}
+    assert not [v for v in reads.values() if v["by"].startswith("hf_unlearn")], reads
+
+
+def test_a_variable_a_framework_reads_at_every_step_set_otherwise_when_deleting_is_refused(tmp_path, monkeypatch):
+    """Attack: ``TRANSFORMERS_SDPA_FORCE_GQA=1`` while recording a GQA model (transformers reads it at every attention
+    call and lets SDPA repeat the key/value heads itself: on this CPU the same forward, a backward that differs past
+    32 tokens), unset when deleting; with the first steps' rows cut short the probe's steps match. Before: a
+    framework's read was not noted, and a step-0 deletion was VERIFIED with 36 entries off the counterfactual (a
+    failing probe blamed OMP_WAIT_POLICY). Now the frameworks' reads during the steps are noted; the probe's replay
+    reads the variable unset and refuses before the deletion's compute, naming it; with it set, VERIFIED and equal
+    to a plain Trainer's counterfactual."""
+    from hf_unlearn.trace import open_run
+
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    tok, data, run = _record(tmp_path, "llama", [])
+    assert json.loads((run / "header.json").read_text())["fidelity"]["environment_reads"][
+        "TRANSFORMERS_SDPA_FORCE_GQA"]["value"] is not None
+    ids = open_run(run).ids_at_steps([0])[:1]
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA")
+    kind, what = _forget_outcome(run, ids, tmp_path / "without")
+    assert kind == "refused" and "\n" not in what, (kind, what)
+    assert "TRANSFORMERS_SDPA_FORCE_GQA (read by transformers.integrations.sdpa_attention" in what, what
+    assert not (tmp_path / "without").exists()
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    kind, receipt = _forget_outcome(run, ids, tmp_path / "with")
+    assert kind == "verified", (kind, receipt)
+    assert not _differs_from_counterfactual(tok, data, "llama", run, ids, tmp_path / "with", [])
 
 
 def test_a_value_is_never_written(tmp_path, monkeypatch):
@@ -361,7 +392,8 @@ def test_a_run_whose_code_read_the_command_line_is_refused_in_another_process(tm
     monkeypatch.setattr(sys, "argv", [*sys.argv, "--hfu-clip"])
     tok, data, run = _record(tmp_path, "llama", [ClipWhenTheCommandLineSays()])
     reads = json.loads((run / "header.json").read_text())["fidelity"]["environment_reads"]
-    assert list(reads) == ["sys.argv"] and reads["sys.argv"]["by"] == "tests.test_trace_env_reads"
+    assert [k for k, v in reads.items() if not v.get("framework")] == ["sys.argv"]
+    assert reads["sys.argv"]["by"] == "tests.test_trace_env_reads"
     assert "--hfu-clip" not in (run / "header.json").read_text()
     ids = open_run(run).ids_at_steps([LATE])[:1]
     kind, what = _forget_outcome(run, ids, tmp_path / "same")

@@ -10,10 +10,12 @@ code that holds ``os.environ`` under another name is seen too), with a keyed dig
 written: it can be a secret); a deletion compares them before any compute, and the replay notes the reads its own run
 of that code makes.
 
-Reads by installed packages (transformers, accelerate, torch, a logging integration: files under site-packages),
-this library and the standard library are left out: they read configuration (paths, logging, launchers, API keys),
-and the numeric settings among them are the environment probe's and :data:`~hf_unlearn.trace.digests.NUMERIC_ENV`'s
-business. So is code of the user's own that is pip-installed rather than run from the project, and reads from C
+Reads by installed packages (transformers, accelerate, torch, a logging integration: files under site-packages)
+while the steps run are noted too, marked as the frameworks' (:func:`note_frameworks`: transformers reads
+``TRANSFORMERS_SDPA_FORCE_GQA`` at every attention call) and compared where a replay runs them again; what they read
+while setting up, and reads by this library and the standard library, are left out: configuration (paths, logging,
+launchers, API keys), whose numeric settings are the environment probe's and
+:data:`~hf_unlearn.trace.digests.NUMERIC_ENV`'s business. So is code of the user's own that is pip-installed rather than run from the project, and reads from C
 (``getenv`` in a native library): the probe, which re-runs recorded steps in the deleting process, is their
 guarantee.
 """
@@ -43,6 +45,7 @@ _PASS_THROUGH = frozenset({"os", "collections.abc", "_collections_abc", __name__
 _lock = threading.Lock()
 _bulk = threading.local()  # this thread's whole-environment iterations (depth, pending) and unwatched() depth
 _watching: list[dict] = []  # the read logs open now (a recording, a replay): key -> {"value", "by"}
+_frameworks: list[dict] = []  # those of them that note the frameworks' reads too (:func:`note_frameworks`)
 
 
 class _WatchedEnviron(type(os.environ)):
@@ -167,6 +170,20 @@ def _reader(frame, through_stdlib: bool) -> str | None:
     return module if is_user_code(module, frame.f_code.co_filename) else None
 
 
+def _framework_reader(frame) -> str | None:
+    """The installed package (not this library) whose code made a read, from the frame that called the watched
+    method (None: the standard library's, this library's, or the program's)."""
+    while frame is not None and (frame.f_globals.get("__name__") or "?") in _PASS_THROUGH:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    module = frame.f_globals.get("__name__") or "?"
+    top = module.split(".", 1)[0]
+    if top in FRAMEWORKS or top in sys.stdlib_module_names or not any(p in frame.f_code.co_filename for p in INSTALLED):
+        return None
+    return module
+
+
 def _note(key, value) -> None:
     if isinstance(key, bytes):  # a read through os.environb (os.getenvb): the same variable
         key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
@@ -175,6 +192,12 @@ def _note(key, value) -> None:
     module = _reader(sys._getframe(2), through_stdlib=key == ARGV)
     if module is not None:
         _log(str(key), value, module)
+    elif _frameworks and key != ARGV:
+        framework = _framework_reader(sys._getframe(2))
+        if framework is not None:
+            with _lock:
+                for log in _frameworks:
+                    log.setdefault(str(key), {"value": value, "by": framework, "framework": True})
 
 
 # A whole read of the environment by the program's code (see ``_WatchedEnviron.__iter__``) is noted under this name
@@ -227,9 +250,26 @@ def watching():
     finally:
         with _lock:
             _watching.remove(log)
+            if any(f is log for f in _frameworks):
+                _frameworks[:] = [f for f in _frameworks if f is not log]
         if type(sys.argv) is _WatchedArgv and type(argv) is list:
             argv[:] = list.__iter__(sys.argv)  # what the block wrote into it, in the caller's own list
             sys.argv = argv
+
+
+def note_frameworks(log: dict) -> None:
+    """From now on, ``log`` (open in :func:`watching`) notes the installed packages' reads too, each marked
+    ``"framework"``: called when a recording's first optimizer step starts and when a replay starts. A framework reads
+    variables that change what it computes while training runs (transformers' ``TRANSFORMERS_SDPA_FORCE_GQA`` at
+    every attention call, accelerate's and SageMaker's switches), and a deleting process that holds them otherwise
+    computes otherwise on rows the probe may never re-run (a backward that differs only past a length the first steps
+    never reach). What they read while setting up (before the first step) is configuration a replay sets up again
+    from the recorded arguments, and is not noted. Compared where a replay runs them again (:func:`unrecorded`: the
+    environment probe, before a deletion's compute), not before it: a framework sets some of them itself from the
+    arguments as it sets up (``ACCELERATE_USE_FSDP``), which a deleting process has not done yet."""
+    with _lock:
+        if not any(f is log for f in _frameworks):
+            _frameworks.append(log)
 
 
 @contextlib.contextmanager
@@ -260,7 +300,8 @@ def value_digest(key: bytes, name: str, value: str | None) -> str | None:
 def sealed(key: bytes, log: dict) -> dict:
     """What the header keeps of a recording's reads: ``{name: {"value": digest | None, "by": module}}``."""
     return {name: {"value": value_digest(key, name, read["value"]), "by": read["by"],
-                   **({"set": sorted({value_digest(key, name, v) for v in read["set"]})} if read.get("set") else {})}
+                   **({"set": sorted({value_digest(key, name, v) for v in read["set"]})} if read.get("set") else {}),
+                   **({"framework": True} if read.get("framework") else {})}
             for name, read in sorted(log.items())}
 
 
@@ -293,12 +334,15 @@ def _recorded(key: bytes, name: str, read: dict, value: str | None) -> bool:
     return digest == read.get("value") or (digest is not None and digest in (read.get("set") or ()))
 
 
-def differences(key: bytes, recorded: dict, here: dict | None = None) -> list[str]:
+def differences(key: bytes, recorded: dict, here: dict | None = None, frameworks: bool = False) -> list[str]:
     """The recorded reads whose variable this process holds otherwise, in words (``here``: the environment;
-    default ``os.environ``)."""
+    default ``os.environ``). The frameworks' reads (:func:`note_frameworks`) only with ``frameworks``: where the
+    frameworks have set up as the recording's did (a resumed recording, a failed probe naming its cause)."""
     here = os.environ if here is None else here
     out = []
     for name, read in sorted(recorded.items()):
+        if read.get("framework") and not frameworks:
+            continue
         now = argv_text() if name == ARGV else _names_text(here) if name == ENVIRON else here.get(name)
         if not _recorded(key, name, read, now):
             if name == ARGV:
@@ -321,7 +365,8 @@ def unrecorded(key: bytes, recorded: dict, log: dict) -> list[str]:
     out = []
     for name, read in sorted(log.items()):
         if name not in recorded:
-            out.append(f"{name} (read by {read['by']}, which the recording's code never read)")
+            if not read.get("framework"):  # a framework's path the recording did not take reads other settings
+                out.append(f"{name} (read by {read['by']}, which the recording's code never read)")
         elif not _recorded(key, name, recorded[name], read["value"]):
             out.append(f"{name} (read by {read['by']}: its value differs from the recording's)")
     return out

@@ -409,6 +409,12 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
         if found is not None:
             recorded = (run.header.get("numeric_stack") or {}).get("environment")
             causes = process_causes(recorded, gathered(process_numerics()))  # every process is here (agreed)
+            reads = recorded_reads(run.header.get("fidelity") or {}, rank())
+            read = differences(run.key, {k: v for k, v in reads.items() if v.get("framework")}, frameworks=True) \
+                if reads else []
+            if read:  # a variable a framework read while the run trained: the likelier cause, named first
+                causes = [f"an environment variable a framework read while the run trained differs here: "
+                          f"{', '.join(read[:3])}"] + causes
             cause = (f"; {'; '.join(causes)}" if causes else
                      "; no recorded numeric setting differs (another library build, CPU or a setting the record "
                      "does not name" + (", or a program that keeps state no checkpoint holds: a counter on the "

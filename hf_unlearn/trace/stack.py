@@ -318,12 +318,19 @@ def numeric_environment() -> dict:
 
 
 
+# OpenMP settings of how idle threads wait and where threads run: they change timing, never what is computed, so a
+# difference is not named as the cause of other numbers (the hf-unlearn command sets OMP_WAIT_POLICY=PASSIVE itself)
+TIMING_ONLY_ENV = frozenset({"OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV", "KMP_SETTINGS",
+                             "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY"})
+
+
 def environment_difference(recorded: dict | None, here: dict | None = None) -> str | None:
-    """The numeric environment variables that differ from the recording's, in words (None: none, or not recorded)."""
+    """The numeric environment variables that differ from the recording's, in words (None: none, or not recorded);
+    :data:`TIMING_ONLY_ENV` aside."""
     if recorded is None:
         return None
     here = numeric_environment() if here is None else here
     diff = [f"{k}={here.get(k)!r} (recorded {recorded.get(k)!r})" for k in sorted(set(recorded) | set(here))
-            if recorded.get(k) != here.get(k)]
+            if recorded.get(k) != here.get(k) and k not in TIMING_ONLY_ENV]
     return ", ".join(diff) or None
 

@@ -11,7 +11,7 @@ from ...errors import UnlearnError
 from ...keys import key_fingerprint
 from ...utils import owner_only, private_dir
 from ..digests import replayed_classes, replayed_globals
-from ..environment_reads import differences, globals_differences
+from ..environment_reads import differences, globals_differences, note_frameworks
 from ..fidelity import save_buffers
 from ..file_reads import differences as file_differences
 from ..files import model_file_digests
@@ -37,6 +37,8 @@ from .program import GUARD_CHECKS
 def start(trainer) -> None:
     """Called at the first segment of ``train()``: the main process writes the header and the store."""
     trainer._trace_started = True
+    if getattr(trainer, "_trace_environment_reads", None) is not None:
+        note_frameworks(trainer._trace_environment_reads)  # from the first step on, the frameworks' reads too
     trainer._trace_header_seed = trainer.args.seed
     trainer._trace_groups = None
     resume_step = trainer.state.global_step if trainer._trace_resume else None
@@ -106,7 +108,7 @@ def start(trainer) -> None:
     trainer._trace_earlier_files = earlier.get("file_reads") or {}
     trainer._trace_earlier_process_reads = earlier.get("process_environment_reads") or {}
     if resume_step:  # the steps before it ran with what the first process's code read: so must the ones after
-        differ = differences(trainer._trace_key, trainer._trace_earlier_reads) + globals_differences(
+        differ = differences(trainer._trace_key, trainer._trace_earlier_reads, frameworks=True) + globals_differences(
             trainer._trace_key, earlier.get("program_globals") or {}, trainer._trace_program_globals) + [
             why for _, why in file_differences(trainer._trace_key, trainer._trace_earlier_files)]
         if differ:

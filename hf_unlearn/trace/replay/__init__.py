@@ -36,7 +36,7 @@ from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from .. import module_tree
 from ..dummies import dummy_positions, watch_dummy_gradient
-from ..environment_reads import recorded_reads, unrecorded, watching
+from ..environment_reads import note_frameworks, recorded_reads, unrecorded, watching
 from ..fidelity import check_device, refusal, restore_layout
 from ..file_reads import unrecorded as unrecorded_files
 from ..file_reads import watching as files_read
@@ -257,6 +257,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
         self._probe_own_environment()
         own = (self.run.path, self.out_dir, self.args.output_dir)  # what the engine writes, not the program's input
         with pinned_stack(self.run.header), watching() as reads, files_read(own) as files:
+            note_frameworks(reads)  # compared with the recording's reads during its steps (unrecorded, below)
             out = self._replay()
         fidelity = self.run.header.get("fidelity") or {}
         recorded = recorded_reads(fidelity, rank())  # this process's rank's
