@@ -827,3 +827,40 @@ def test_trace_verify_of_a_single_runs_output_checks_the_model_folder_and_the_re
     shutil.rmtree(out / "oracle")
     assert main(["trace", "verify", str(out)]) == 1
     assert "no oracle output" in capsys.readouterr().err
+
+
+def test_rows_of_the_store_the_plan_never_reached_are_deleted_as_never_trained_on(tmp_path):
+    """max_steps shorter than an epoch: rows of the store the run never trained on were refused ("never appear in
+    the recorded plan; check the forget list") and stayed in the store of every later output. They leave the store
+    now, nothing is replayed for them, the receipt says they were never trained on; an id in neither the store nor
+    the plan is still refused, before anything loads."""
+    from hf_unlearn import forget
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.store import load_store
+
+    from .test_trace_common import record
+
+    tok, data = get_trace_data()
+    record(tok, data.select(range(16)), tmp_path / "rec", every=1, max_steps=1)  # 8 of the 16 rows served
+    run_dir = tmp_path / "rec" / "trace"
+    run = open_run(run_dir)
+    served = ids_at_step(run_dir, 0)
+    unplanned = [i for i in data.select(range(16))["id"] if i not in served]
+    assert len(served) == 8 and len(unplanned) == 8 and len(load_store(run.store_path)) == 16
+    receipt = forget(run_dir, [served[0], unplanned[0]], tmp_path / "out", oracle=True, tokenizer=tok,
+                     progress=False, log=lambda m: None)
+    assert receipt.ok and receipt.evidence["verified"] is True
+    cost = receipt.evidence["cost"]
+    assert cost["never_trained"] == 1 and cost["already_deleted"] == 0 and cost["slots_deleted"] == 1
+    assert receipt.evidence["redaction"]["rows_before"] == 16 and receipt.evidence["redaction"]["rows_after"] == 14
+    assert "1 of the ids were never trained on" in receipt.guarantee
+    stored = set(load_store(tmp_path / "out" / "replay" / "private" / "store")["id"])
+    assert served[0] not in stored and unplanned[0] not in stored and unplanned[1] in stored
+    # the next request deletes the next never-trained row from the output, and repeating the first is a no-op
+    again = forget(tmp_path / "out" / "replay", [unplanned[0], unplanned[1]], tmp_path / "again", oracle=True,
+                   progress=False, log=lambda m: None)
+    assert again.ok and again.evidence["cost"]["never_trained"] == 1 and again.evidence["cost"]["steps_to_replay"] == 0
+    assert again.state_hashes["trace_params_root"] == receipt.state_hashes["trace_params_root"]
+    with pytest.raises(UnlearnError, match=r"never appear in the recorded plan .*, nor in its token store: \[123456\]"):
+        forget(run_dir, [served[1], 123456], tmp_path / "bad", oracle=True, progress=False, log=lambda m: None)
+    assert not (tmp_path / "bad").exists()

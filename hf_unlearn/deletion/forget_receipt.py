@@ -55,6 +55,10 @@ class ForgetReceipt:
             caveat = (f"; but the run has {len(hazards)} recorded hazard(s) (see evidence.hazards), so the replay may "
                       "not reproduce what the original training computed") if hazards else ""
             caveat = preference_clause(self.evidence.get("preference"), bool(self.evidence.get("pipeline"))) + caveat
+            never = (self.evidence.get("cost") or {}).get("never_trained")
+            if never:  # rows the trainer dropped, or rows of the store the plan never reached (max_steps < an epoch)
+                caveat = (f"; {never} of the ids were never trained on (in the store, never in the recorded plan): "
+                          "removed from the store, nothing replayed for them") + caveat
             if (self.evidence.get("output") or {}).get("kind") == "merged adapter":
                 caveat = ("; the published model is the replayed adapter merged into its base (merge_and_unload with "
                           "the recorded numeric stack; the adapter itself is kept in evidence.output.adapter)" + caveat)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...errors import UnlearnError
 from ..packing import deleted_spans, emptied_rows, is_packed, load_map
 from ..plan import PlanEntry
-from ..request import forget_tags, never_trained_tags
+from ..request import forget_tags, never_trained_tags, unplanned_store_ids
 from ..run import TraceRun, open_run, read_deletion_log
 from ..tags import tag
 
@@ -54,7 +54,8 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
         raise UnlearnError(f"{run.path} has no checkpoint at or before step {first}; cannot replay")
     n_ids = len(set(forget_ids))
     dropped = never_trained_tags(run)
-    never = sum(tag(run.key, i) in dropped for i in set(forget_ids))
+    # never trained on: dropped by the trainer, or rows of the store the plan never reached (max_steps < an epoch)
+    never = sum(tag(run.key, i) in dropped for i in set(forget_ids)) + len(unplanned_store_ids(run, forget_ids))
     retention = run.header.get("checkpoint_retention") or {}
     minimum = total - first
     bound = None
@@ -86,16 +87,26 @@ def replay_cost(run: TraceRun, forget_ids) -> dict:
 
 def describe_cost(cost: dict) -> list[str]:
     """The cost estimate as the lines ``trace cost`` and ``forget`` print before any compute."""
+    never = cost.get("never_trained") or 0
+    never_line = [f"{never} of the id(s) were never trained on (rows the trainer's dataset preparation dropped, or "
+                  "rows of the store the plan never reached, max_steps shorter than an epoch): they leave the store, "
+                  "nothing is replayed for them"] if never else []
     if cost["first_affected_step"] is None:
+        if never == cost["forget_ids"]:
+            return [f"nothing to replay: the {never} id(s) were never trained on (rows the trainer's dataset "
+                    "preparation dropped, or rows of the store the plan never reached, max_steps shorter than an "
+                    "epoch): they leave the store"]
         kept = (f", or trained only after the kept model (load_best_model_at_end: the state after "
                 f"{cost['kept_step']} optimizer steps), which never saw them") if cost.get("kept_step") is not None else ""
-        return [f"nothing to replay: the {cost['forget_ids']} id(s) were deleted by an earlier request{kept}"]
+        return [f"nothing to replay: the {cost['forget_ids'] - never} id(s) were deleted by an earlier request{kept}",
+                *never_line]
     ratio = cost["ratio_to_minimum"]
     lines = [f"suffix replay from checkpoint step {cost['start_checkpoint']}: {cost['steps_to_replay']} of "
              f"{cost['total_steps']} steps ({100 * cost['fraction_replayed']:.1f}% of the run); the minimum is "
              f"{cost['minimum_steps']} steps (T - s, first affected step s = {cost['first_affected_step']}), ratio "
              + (f"{ratio:.2f}" if ratio is not None else "n/a")
              + (f" (the run's retention bound: at most {cost['bound_steps']:g} steps)" if cost["bound_steps"] else "")]
+    lines += never_line
     if cost.get("packed_rows_touched"):
         lines.append(f"packing: the documents sit in {cost['packed_rows_touched']} packed row slot(s), which stay; "
                      "their fragments become dummy tokens of the same length (the other documents are unchanged)")
