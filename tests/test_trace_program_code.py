@@ -440,6 +440,37 @@ def test_a_registry_entry_the_script_replaced_is_sealed(patched_run, monkeypatch
         assert code_differences(header) == []
 
 
+def test_a_registry_is_kept_between_steps_and_an_entry_changed_in_place_is_seen(monkeypatch):
+    """The per-step digest keeps a module's text while everything it read is the same objects; a registry holding a
+    ``functools.partial`` and a bound method (transformers' mask registry, ``torch._deprecated_attrs``) is kept too
+    (it was read again at every step: the tiny model's whole-program digest went from 12 to 24 ms), and what can
+    change in place (the partial's keywords, an entry rebound) is still seen."""
+    import functools
+    import sys
+    import types
+
+    from hf_unlearn.trace import digests
+
+    def mask(x, k=1):
+        return x
+
+    class Holder:
+        def method(self):
+            return 1
+
+    module = types.ModuleType("hfu_test_registry")
+    module.REGISTRY = {"partial": functools.partial(mask, k=1), "method": Holder().method, "plain": mask}
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    first = digests._module_code(module, digests.Digester())
+    assert digests._module_code(module, digests.Digester()) == first
+    assert id(module) in digests._NAMESPACES  # kept, not read again at every step
+    module.REGISTRY["partial"].keywords["k"] = 2
+    second = digests._module_code(module, digests.Digester())
+    assert second != first
+    module.REGISTRY["plain"] = lambda x, k=1: x
+    assert digests._module_code(module, digests.Digester()) != second
+
+
 @pytest.mark.slow  # two recording launches, two forgets with oracles and a counterfactual (~30 s)
 def test_a_recording_resumed_without_the_first_launchs_patch_is_refused(tmp_path):
     """Attack: stopped after step 4 (a callback's early stop: the first launch sealed the run) with the patch in place,

@@ -402,6 +402,28 @@ def _registry_dicts(v) -> list | None:
 _REGISTRY_MAX = 256  # a module-level dict larger than this is data, not a registry of functions
 
 
+def _registry_entry_pins(v, deps: list, depth: int = 0) -> bool:
+    """Add to ``deps`` what a registry entry's text depends on (functions, bound methods, the dicts of a
+    ``functools.partial``'s keywords or of a nested mapping: their items compared by identity); False where identity
+    cannot pin it (the module's text is then read again at every snapshot). A partial's function and arguments
+    cannot be rebound: only its keywords, a dict, can change in place."""
+    t = type(v)
+    if t in _EXACT_PLAIN or t is types.BuiltinFunctionType or isinstance(v, type):
+        return True
+    if t in (types.FunctionType, types.MethodType):
+        deps.append(v)
+        return True
+    if depth >= 2:
+        return False
+    if t is functools.partial:
+        deps.append(v.keywords)
+        return all(_registry_entry_pins(x, deps, depth + 1) for x in (v.func, *v.args, *v.keywords.values()))
+    if t is dict:
+        deps.append(v)
+        return all(_registry_entry_pins(x, deps, depth + 1) for x in v.values())
+    return False
+
+
 def _module_lines(mod, digester: Digester) -> tuple[str, list | None, list]:
     h, deps, named, kept = hashlib.sha256(), [], [], True
     for k, v in sorted(vars(mod).items()):
@@ -420,10 +442,7 @@ def _module_lines(mod, digester: Digester) -> tuple[str, list | None, list]:
                 entries.update(d)
             for name, f in sorted(entries.items(), key=lambda kv: str(kv[0])):
                 h.update(f"{k}[{name!r}]={digester.text(f, 1)}\n".encode())
-                if type(f) is types.FunctionType:
-                    deps.append(f)
-                elif not (isinstance(f, type) or type(f) is types.BuiltinFunctionType):
-                    kept = False  # a partial or another callable: read again at every snapshot
+                kept = _registry_entry_pins(f, deps) and kept  # else: read again at every snapshot
             deps += dicts  # pinned by keys, values and size: an entry replaced in place is seen
     return h.hexdigest()[:16], deps if kept else None, named
 
@@ -569,7 +588,8 @@ def _pins(deps: list, watch: list) -> _Pins | None:
     entries it depends on."""
     pins = _Pins()
     mappings = [d for d in deps if isinstance(d, (dict, types.MappingProxyType))]
-    if not all(pins.function(fn) for fn in deps if not isinstance(fn, (dict, types.MappingProxyType))):
+    if not all(pins.function(fn) if type(fn) is types.FunctionType else pins.value(fn, 1)
+               for fn in deps if not isinstance(fn, (dict, types.MappingProxyType))):
         return None
     pins.dicts += mappings
     pins.watch = list(watch)
