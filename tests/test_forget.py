@@ -803,7 +803,7 @@ def test_trace_verify_of_a_single_runs_output_checks_the_model_folder_and_the_re
     out, other = tmp_path / "out", tmp_path / "other"
     assert forget(run, ids[:1], out, oracle=True, progress=False).evidence["verified"] is True
     assert main(["trace", "verify", str(out)]) == 0
-    assert "the model folder is the replayed state" in capsys.readouterr().out
+    assert "the model folder (and a LoRA run's adapter folder) is the replayed state" in capsys.readouterr().out
 
     weights = out / "model" / "model.safetensors"
     saved = weights.read_bytes()

@@ -458,7 +458,7 @@ def _verify_single(args) -> int:
 
     return _verify_folder(args, verify_single(args.out), (
         "VERIFIED: the replay is bit-identical to its oracle (provenance checked), the receipt's request is what it "
-        "deleted, and the model folder is the replayed state"),
+        "deleted, and the model folder (and a LoRA run's adapter folder) is the replayed state"),
         "NOT VERIFIED: the deletion's output folder does not hold what its receipt says")
 
 

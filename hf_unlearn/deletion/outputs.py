@@ -136,3 +136,72 @@ def card_fields(exact: dict, replayed: dict) -> dict:
         return exact
     return {**exact, "params_root": replayed["params_root"], "replayed_params_root": exact.get("params_root"),
             "merged_adapter": True}
+
+
+def adapter_problems(out: Path, replay) -> list[str]:
+    """``OUT/adapter`` of a PEFT run's deletion against the replayed state (``replay``: the replay's run): the
+    adapter saved again from the replay's kept checkpoint, as :func:`save_output` saved it, must match it file for
+    file (``adapter_config.json`` field by field, naming what differs, and every tensor of
+    ``adapter_model.safetensors`` bit for bit), so `trace verify` covers the folder it says merges into ``OUT/model``.
+    An absent folder is not a problem (it is not published); a run without an adapter has none."""
+    import json
+    import tempfile
+
+    if replay is None or not is_adapter_run(replay.header):
+        return []
+    adapter_dir = Path(out) / ADAPTER_DIR
+    if not adapter_dir.is_dir():
+        return []
+    from ..trace.checkpoints import full_model_state, load_checkpoint
+    from ..trace.fidelity import restore_layout
+    from ..trace.lineage import output_checkpoint
+    from ..trace.run_model import model_from_run
+
+    model = model_from_run(replay, weights_follow=True)
+    restore_layout(model, replay.path, replay.header)
+    model.load_state_dict(full_model_state(load_checkpoint(output_checkpoint(replay))))
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="hfu-adapter-") as tmp:
+        model.save_pretrained(tmp)
+        _recorded_base(replay.path, Path(tmp))
+        want = json.loads((Path(tmp) / "adapter_config.json").read_text())
+        try:
+            have = json.loads((adapter_dir / "adapter_config.json").read_text())
+        except (OSError, ValueError) as e:
+            return [f"{adapter_dir / 'adapter_config.json'} cannot be read ({type(e).__name__}): the adapter is not the "
+                    "replayed one"]
+        fields = sorted(k for k in set(want) | set(have) if _config_value(want.get(k)) != _config_value(have.get(k)))
+        if fields:
+            problems.append(f"{adapter_dir / 'adapter_config.json'} differs from the replayed adapter's in "
+                            f"{', '.join(fields[:8])}{' ...' if len(fields) > 8 else ''} (edited after the deletion?)")
+        problems += _adapter_tensor_problems(adapter_dir, Path(tmp))
+    return problems
+
+
+def _config_value(value):
+    """A config field as compared: PEFT saves a set of module names (``target_modules``) as a list in the process's
+    set order, which changes with the hash seed, so a list of names compares as a set."""
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return sorted(set(value))
+    return value
+
+
+def _adapter_tensor_problems(adapter_dir: Path, expected_dir: Path) -> list[str]:
+    import torch
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors"
+    if not (expected_dir / name).is_file():  # an older PEFT's .bin: nothing this check can read alike
+        return []
+    try:
+        have = load_file(str(adapter_dir / name))
+    except Exception as e:  # a missing or damaged file
+        return [f"{adapter_dir / name} cannot be read ({type(e).__name__}): the adapter is not the replayed one"]
+    want = load_file(str(expected_dir / name))
+    differ = sorted(k for k in set(want) | set(have) if k not in want or k not in have
+                    or want[k].dtype != have[k].dtype or want[k].shape != have[k].shape
+                    or not torch.equal(want[k], have[k]))
+    if not differ:
+        return []
+    return [f"{adapter_dir / name} differs from the replayed adapter in {len(differ)} tensor(s) (e.g. "
+            f"{', '.join(differ[:3])}; edited after the deletion?)"]

@@ -535,6 +535,9 @@ def _output_problems(out: Path, receipt: dict, last, whose: str) -> list[str]:
     if not model_dir.is_dir() or build_manifest(model_dir)["params_root"] != receipt["state_hashes"]["params_root"]:
         problems.append(f"{model_dir} does not hold the receipt's model (weights root differs or folder missing: "
                         "edited after the deletion?)")
+    from .outputs import adapter_problems
+
+    problems += adapter_problems(out, last)  # OUT/adapter (a LoRA run's): the replayed adapter, config and tensors
     return problems
 
 

@@ -1,0 +1,79 @@
+"""A LoRA run's deletion output beyond its merged model: `trace verify OUT` checks `OUT/adapter` (tensors and the
+config fields that change numbers) against the replayed state, and `hub verify --expect-from` takes a LoRA run's
+replay (the published model is the merged one)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from .test_real_configs import forget_cli, record
+
+
+@pytest.fixture(scope="module")
+def lora_out(tmp_path_factory):
+    """A LoRA SFTTrainer run (SmolLM2's shape) and `forget --oracle` of one row: ``(run path, OUT)``."""
+    from hf_unlearn.trace import open_run
+
+    tmp = tmp_path_factory.mktemp("lora-out")
+    record(tmp, "llama_tied", "lora", "sft")
+    run = open_run(tmp / "rec" / "trace")
+    forget_cli(run.path, run.ids_at_steps([2])[:1], tmp / "out", "--oracle")
+    return run.path, tmp / "out"
+
+
+def _verify(out, capsys) -> tuple[int, str]:
+    from hf_unlearn.cli import main
+
+    capsys.readouterr()
+    rc = main(["trace", "verify", str(out)])
+    captured = capsys.readouterr()
+    return rc, captured.out + captured.err
+
+
+def test_trace_verify_refuses_a_tampered_adapter_naming_what_differs(lora_out, tmp_path, capsys):
+    """`trace verify OUT` said VERIFIED with OUT/adapter's weight changed by 1e-3, its lora_alpha doubled or its base
+    renamed, though the docs say the adapter merged equals OUT/model; each is NOT VERIFIED now, naming the file and
+    the field or tensor. A target_modules list saved in another order (PEFT writes a set) still verifies."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _, out = lora_out
+    rc, text = _verify(out, capsys)
+    assert rc == 0 and "VERIFIED" in text, text
+
+    weights = tmp_path / "w"
+    shutil.copytree(out, weights, symlinks=True)
+    path = weights / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1e-3
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    rc, text = _verify(weights, capsys)
+    assert rc == 1 and "adapter_model.safetensors differs from the replayed adapter in 1 tensor(s)" in text, text
+    assert name in text
+
+    for field, value in (("lora_alpha", 1234), ("base_model_name_or_path", "org/another-base"), ("r", 64)):
+        edited = tmp_path / field
+        shutil.copytree(out, edited, symlinks=True)
+        config_path = edited / "adapter" / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config[field] = value
+        config_path.write_text(json.dumps(config))
+        rc, text = _verify(edited, capsys)
+        assert rc == 1 and f"adapter_config.json differs from the replayed adapter's in {field}" in text, (field, text)
+
+    reordered = tmp_path / "reordered"
+    shutil.copytree(out, reordered, symlinks=True)
+    config_path = reordered / "adapter" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    assert isinstance(config["target_modules"], list) and len(config["target_modules"]) > 1
+    config["target_modules"] = list(reversed(config["target_modules"]))
+    config_path.write_text(json.dumps(config))
+    rc, text = _verify(reordered, capsys)
+    assert rc == 0, text
+    assert torch.equal(load_file(str(out / "adapter" / "adapter_model.safetensors"))[name],
+                       load_file(str(reordered / "adapter" / "adapter_model.safetensors"))[name])
