@@ -77,3 +77,30 @@ def test_trace_verify_refuses_a_tampered_adapter_naming_what_differs(lora_out, t
     assert rc == 0, text
     assert torch.equal(load_file(str(out / "adapter" / "adapter_model.safetensors"))[name],
                        load_file(str(reordered / "adapter" / "adapter_model.safetensors"))[name])
+
+
+def test_expect_from_a_lora_runs_replay_is_the_published_merged_root(lora_out, tmp_path):
+    """`hub verify --expect-from OUT/replay` took the replay's own root (adapter and base) while a LoRA deletion
+    publishes the merged model, so every honest LoRA publication checked that way FAILED; the expected root is the
+    merged one now, from the deletion log and from the sealed verification record alike. A log edited to another
+    root is refused (the run's integrity check), never turned into an expected root."""
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.hub.publish import build_manifest
+    from hf_unlearn.hub.verify import expected_from
+
+    _, out = lora_out
+    published = build_manifest(out / "model")["params_root"]
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["state_hashes"]["params_root"] == published != receipt["state_hashes"]["trace_params_root"]
+    assert expected_from(out / "replay", "org/lora")["expect_root"] == published
+    assert expected_from(out / "replay" / "deletion_log.jsonl", "org/lora")["expect_root"] == published
+    if (out / "replay" / "verification.json").is_file():
+        assert expected_from(out / "replay" / "verification.json", "org/lora")["expect_root"] == published
+    edited = tmp_path / "replay"
+    shutil.copytree(out / "replay", edited, symlinks=True)
+    log = edited / "deletion_log.jsonl"
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    entries[-1]["params_root"] = "0" * 64
+    log.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    with pytest.raises(UnlearnError, match="refusing to use it: deletion_log.jsonl does not match|not the final state"):
+        expected_from(log, "org/lora")

@@ -420,13 +420,37 @@ def expected_from(record: str | os.PathLike, repo_id: str, revision: str | None 
     if path.name == "verification.json":
         require_sealed_verdict(path.parent, f"{path}: not taking the expected root from it")
         try:
-            return {"expect_root": entries[0]["roots"]["a"]["params"]}
+            root = entries[0]["roots"]["a"]["params"]
         except (KeyError, TypeError):
             raise UnlearnError(f"{path} is not a replay verification record (no roots.a.params)") from None
+        return {"expect_root": _published_root(path, root)}
     root = entries[-1].get("params_root")
     if not isinstance(root, str) or not re.fullmatch(r"[0-9a-f]{64}", root):
         raise UnlearnError(f"{path}: its last entry records no params_root")
-    return {"expect_root": root}
+    return {"expect_root": _published_root(path, root)}
+
+
+def _published_root(path: Path, root: str) -> str:
+    """The root of the model a run publishes, given the root its ``path`` (deletion log, verification record)
+    records for its final state. A LoRA (PEFT) run records its replayed state (adapter and base), but publishes the
+    adapter merged into its base (``forget``'s ``OUT/model``): that root is recomputed here from the run's final
+    checkpoint, as ``forget`` merged it (the recorded numeric stack), once the checkpoint is the recorded state."""
+    folder = path.parent
+    try:
+        header = json.loads((folder / "header.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return root
+    if not (header.get("model") or {}).get("peft"):
+        return root
+    from ..trace.lineage import open_quietly, output_checkpoint, output_root
+
+    run = open_quietly(folder)
+    final = json.loads((output_checkpoint(run) / "hashes.json").read_text())["params_root"]
+    if final != root:
+        raise UnlearnError(f"{path} records the state {root[:12]}..., not the final state of the LoRA run {folder} "
+                           f"({final[:12]}...), and a LoRA run publishes its merged state: pass the forget output's "
+                           f"OUT/model (its {PUSH_LOG_FILE}) instead")
+    return output_root(run)
 
 
 def verify_on_hub(repo_id: str, revision: str | None = None, *, token: str | None = None,
