@@ -104,3 +104,14 @@ def test_expect_from_a_lora_runs_replay_is_the_published_merged_root(lora_out, t
     log.write_text("".join(json.dumps(e) + "\n" for e in entries))
     with pytest.raises(UnlearnError, match="refusing to use it: deletion_log.jsonl does not match|not the final state"):
         expected_from(log, "org/lora")
+
+
+def test_the_adapter_names_the_dtype_its_base_loads_in(lora_out):
+    """Merged into a base loaded in another dtype than the run trained it in (from_pretrained's float32 for a base
+    trained in bfloat16), the adapter is not OUT/model: its README and the receipt name the recorded dtype."""
+    _, out = lora_out
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["evidence"]["output"]["base_dtype"] == "float32"
+    readme = (out / "adapter" / "README.md").read_text()
+    assert "## Load the base in the dtype it trained in" in readme and "dtype=torch.float32" in readme
+

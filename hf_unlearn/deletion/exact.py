@@ -142,9 +142,11 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
         evidence["preference"] = preference_terms([run])
     if replayed.get("merged_adapter"):
         evidence["output"] = {"kind": "merged adapter", "adapter": replayed["adapter_dir"],
-                              "replayed_params_root": exact.get("replayed_params_root")}
+                              "replayed_params_root": exact.get("replayed_params_root"),
+                              **({"base_dtype": replayed["base_dtype"]} if replayed.get("base_dtype") else {})}
         log(f"output: the replayed adapter merged into its base in {model_dir} (what is published); the adapter "
-            f"itself in {replayed['adapter_dir']}")
+            f"itself in {replayed['adapter_dir']}" + (f" (load its base in {replayed['base_dtype']} to merge it to "
+                                                      "the published model)" if replayed.get("base_dtype") else ""))
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
         evidence["kept_model"] = run.header["kept_model"]
         log(f"kept model: {run.header['kept_model']['why']}")

@@ -160,8 +160,10 @@ class ForgetReceipt:
             if ev.get("rouge_l"):
                 rows.append(("eval", ev["rouge_l"]))
         if (ev.get("output") or {}).get("kind") == "merged adapter":
+            dtype = ev["output"].get("base_dtype")
             rows.append(("output", f"the replayed adapter merged into its base (model/, published); the adapter in "
-                                   f"{ev['output']['adapter']}"))
+                                   f"{ev['output']['adapter']}" + (f" (its base loads in {dtype} to merge to model/)"
+                                                                   if dtype else "")))
         rows.append(("state hashes", _state_hashes_line(self.state_hashes)))
         if self.published and self.published.get("error"):
             rows.append(("published", f"FAILED: {self.published['error']}"))

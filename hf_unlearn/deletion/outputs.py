@@ -64,7 +64,32 @@ def save_output(replay, replay_dir: Path, model_dir: Path) -> dict:
     for extra in ("training_args.bin",):  # the trainer's pickle is not part of an adapter folder
         (adapter_dir / extra).unlink(missing_ok=True)
     _recorded_base(replay.run.path, adapter_dir)
-    return _save_merged(replay_dir, model_dir, adapter_dir)
+    return {**_save_merged(replay_dir, model_dir, adapter_dir), **_base_dtype(replay.run.header, adapter_dir)}
+
+
+def _base_dtype(header: dict, adapter_dir: Path) -> dict:
+    """The dtype the run loaded its base in (``header.model.dtype``), said in the adapter's ``README.md``: the
+    adapter merged into a base loaded in another dtype (``from_pretrained`` loads float32 by default) is not the
+    published model. Returns ``{"base_dtype": ...}`` for the receipt's ``evidence.output`` (empty if unrecorded)."""
+    dtype = (header.get("model") or {}).get("dtype")
+    if not isinstance(dtype, str):
+        return {}
+    dtype = dtype.removeprefix("torch.")
+    readme = adapter_dir / "README.md"
+    if readme.is_file():
+        from ..utils import atomic_write_text
+
+        text = readme.read_text(encoding="utf-8")
+        if BASE_DTYPE_HEADING not in text:
+            atomic_write_text(readme, text.rstrip("\n") + f"\n\n{BASE_DTYPE_HEADING}\n\nThe run trained this adapter "
+                              f"on its base loaded in `{dtype}`: load the base in that dtype "
+                              f"(`AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch.{dtype})`). Merged "
+                              "(`merge_and_unload()`), it then equals the published merged model; a base loaded "
+                              "in another dtype (float32 is the default) gives other merged weights.\n")
+    return {"base_dtype": dtype}
+
+
+BASE_DTYPE_HEADING = "## Load the base in the dtype it trained in"
 
 
 def _recorded_base(run_path: Path, adapter_dir: Path) -> None:
@@ -114,7 +139,7 @@ def save_consolidated_output(run, state: dict, replay_dir: Path, model_dir: Path
     adapter_dir = model_dir.parent / ADAPTER_DIR
     save_consolidated(run, state, adapter_dir)  # the PEFT model's save_pretrained: the adapter's files
     _recorded_base(run.path, adapter_dir)
-    return _save_merged(replay_dir, model_dir, adapter_dir)
+    return {**_save_merged(replay_dir, model_dir, adapter_dir), **_base_dtype(run.header, adapter_dir)}
 
 
 def _save_merged(replay_dir: Path, model_dir: Path, adapter_dir: Path) -> dict:
