@@ -481,3 +481,41 @@ def test_ci_builds_a_new_environment_and_runs_the_readme_test_command_in_it():
     commands = [line for line in dry.splitlines() if "pip install" in line or "pytest" in line]
     assert len(commands) == 3 and all(line.lstrip("@").startswith("/ci/venv/bin/python") or
                                       "|| /ci/venv/bin/python -m pip" in line for line in commands), dry
+
+
+def test_an_attention_registered_by_the_training_script_is_named_before_any_compute(tmp_path, capsys):
+    """A model trained with an attention function its script registered by name (AttentionInterface.register +
+    set_attn_implementation) recorded and proved, but every `forget` failed with transformers' one line
+    'Specified attn_implementation="my_sdpa" is not supported'; it is refused before any compute now, saying the
+    deleting process lacks that registration and what to do, and goes on once it is registered."""
+    from transformers import AttentionInterface
+
+    from hf_unlearn.cli import main
+    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace.run_model import model_from_run
+
+    from .test_trace_common import copy_run, get_recorded, ids_at_step, write_sealed_header
+
+    run = copy_run(get_recorded(), tmp_path / "run")
+    header = json.loads((run / "header.json").read_text())
+    header["model"]["attn_implementation"] = "my_sdpa"
+    write_sealed_header(run, header)
+    (tmp_path / "ids.jsonl").write_text(json.dumps(ids_at_step(run, 6)[0]) + "\n")
+    capsys.readouterr()
+    assert main(["forget", str(run), "--ids", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "registered as 'my_sdpa' (AttentionInterface.register)" in lines[0], err
+    assert "register it before the deletion" in lines[0] and "not supported" not in lines[0]
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(UnlearnError, match="registered as 'my_sdpa'"):
+        model_from_run(open_run(run))  # any rebuild of the model says the same
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    AttentionInterface.register("my_sdpa", sdpa)
+    try:
+        from hf_unlearn.trace.run_model import check_attention
+
+        check_attention(open_run(run))  # registered in this process: accepted
+        assert model_from_run(open_run(run)).config._attn_implementation == "my_sdpa"
+    finally:
+        AttentionInterface._global_mapping.pop("my_sdpa", None)

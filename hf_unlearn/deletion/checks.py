@@ -181,6 +181,9 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     from ..trace.trainers import recorded_trainer
 
     recorded_trainer(run.header)  # the replay rebuilds the run's trainer (e.g. trl.SFTTrainer): importable here?
+    from ..trace.run_model import check_attention
+
+    check_attention(run)  # an attention function the training script registered by name: registered here too?
     check_output(run)  # a LoRA run is published merged: mergeable here?
     from ..trace.checkpoints import check_frozen_source
     from ..trace.reference import check_reference_files

@@ -16,6 +16,36 @@ from ..utils import import_object
 DATA_DEPENDENT_INITS = ("pissa", "olora", "corda", "eva", "loftq")
 
 
+def check_attention(run) -> None:
+    """Before any compute: the attention implementation the run's model (and a DPO reference) trained with is known
+    to this process. A training script may register its own under a name (``AttentionInterface.register("name",
+    fn)`` and ``attn_implementation="name"``); a deleting process that never ran that registration cannot rebuild
+    the model, and transformers' own error says only that the name "is not supported"."""
+    from ..errors import UnlearnError
+
+    names = [(run.header.get("model") or {}).get("attn_implementation"),
+             (run.header.get("reference_model") or {}).get("attn_implementation")]
+    unknown = sorted({n for n in names if isinstance(n, str) and not _attention_known(n)})
+    if not unknown:
+        return
+    name = unknown[0]
+    raise UnlearnError(f"{run.path} trained with the attention function its training script registered as {name!r} "
+                       "(AttentionInterface.register), and this process has no attention function by that name: "
+                       "register it before the deletion (import the module that registers it, e.g. `python -c "
+                       "\"import my_attention; from hf_unlearn.cli import main; main()\" forget ...`, or call "
+                       "hf_unlearn.forget from a script that imports it), or delete from the training script; nothing "
+                       "was done")
+
+
+def _attention_known(name: str) -> bool:
+    if "/" in name:  # a Hub kernel ("kernels-community/..."): transformers fetches it, or names what is missing
+        return True
+    from transformers import AttentionInterface
+
+    registered = set(AttentionInterface._global_mapping) | {"eager"}
+    return all(part in registered for part in name.split("|") if part != "paged") or name in registered
+
+
 def model_from_run(run, weights_follow: bool = False):
     """The run's model (its class, dtype, attention implementation and PEFT adapter) with fresh weights.
 
@@ -26,6 +56,7 @@ def model_from_run(run, weights_follow: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    check_attention(run)
     info = run.header["model"]
     config = AutoConfig.from_pretrained(run.path / "model")
     try:
