@@ -126,6 +126,28 @@ def test_torch_compile_is_refused_when_the_recording_is_built(tmp_path):
     assert not (tmp_path / "trace" / "header.json").exists()
 
 
+def test_a_model_compiled_by_the_script_is_refused_when_the_recording_is_built(tmp_path):
+    """``torch.compile(model)`` passed as the model (``remove_unused_columns=False``, as a plain Trainer needs for a
+    compiled model) trained every step, then crashed in the recording's proof (``type object 'OptimizedModule' has
+    no attribute '_from_config'``). Refused at construction now, in one line, as ``torch_compile=True`` is."""
+    import torch
+
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.errors import UnlearnError
+    from hf_unlearn.trace import TraceRecordingTrainer
+
+    from .test_trace_common import get_trace_data, tiny, train_args
+
+    tok, data = get_trace_data()
+    with pytest.raises(UnlearnError) as refused:
+        TraceRecordingTrainer(model=torch.compile(tiny(tok), backend="eager"),
+                              args=train_args(tmp_path / "ft", remove_unused_columns=False), train_dataset=data,
+                              data_collator=QACollator.from_tokenizer(tok), trace_dir=tmp_path / "trace")
+    text = str(refused.value)
+    assert "\n" not in text and text.startswith("the model is compiled (torch.compile(model))"), text
+    assert not (tmp_path / "trace" / "header.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("attack,refusal", [
     ("buffer", "refused: the processes were given different buffers"),

@@ -351,10 +351,55 @@ class _KernelPatch:
         self.library._destroy()
 
 
+class _AliasKernelPatch(_KernelPatch):
+    """The same on an alias key: ``aten::linear`` for ``CompositeImplicitAutograd`` (the dispatcher lists it as
+    ``CompositeImplicitAutograd[alias]``): the result halved on a microbatch of one of ``lengths``."""
+
+    def __enter__(self):
+        lengths = self.lengths
+
+        def linear(x, weight, bias=None):
+            out = torch.matmul(x, weight.t()) if bias is None else torch.addmm(bias, x.flatten(0, -2),
+                                                                              weight.t()).unflatten(0, x.shape[:-1])
+            return out * 0.5 if x.dim() >= 2 and x.shape[-2] in lengths else out
+
+        self.library = torch.library.Library("aten", "IMPL")
+        self.library.impl("linear", linear, "CompositeImplicitAutograd")
+        return self
+
+
+class _SavedTensorHooks:
+    """The training script's ``torch.autograd.graph.saved_tensors_hooks`` around everything (activation compression):
+    the unpacked tensor halved when it is one of ``lengths`` long. autograd's C++ state: no namespace shows it."""
+
+    def __init__(self):
+        self.lengths, self.context = set(), None
+
+    def __enter__(self):
+        lengths = self.lengths
+
+        def unpack(x):
+            return x * 0.5 if x.dim() >= 2 and x.shape[-2] in lengths and x.is_floating_point() else x
+
+        self.context = torch.autograd.graph.saved_tensors_hooks(lambda x: x, unpack)
+        self.context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.context.__exit__(*exc)
+
+
 @pytest.mark.parametrize("patched,named", [(_TorchPatch, "module torch;"),
                                            (_RegistryPatch, "module transformers."),
                                            (_KernelPatch, "the kernels of torch's operators registered through "
-                                                          "torch.library (recorded: aten::neg/CPU; here: none)")])
+                                                          "torch.library (recorded: aten::neg/CPU; here: none)"),
+                                           pytest.param(_AliasKernelPatch, "the kernels of torch's operators "
+                                                        "registered through torch.library (recorded: "
+                                                        "aten::linear/CompositeImplicitAutograd; here: none)",
+                                                        marks=pytest.mark.slow),
+                                           (_SavedTensorHooks, "autograd's saved-tensor hooks "
+                                                               "(torch.autograd.graph.saved_tensors_hooks; recorded: "
+                                                               "set, here: none)")])
 def test_a_patch_acting_only_at_steps_the_probe_skips_is_refused_without_it(tmp_path, patched, named):
     """Attack: the training script sets ``torch.rsqrt``, or transformers' attention registry entry, to a function
     that differs only on microbatches of the steps the probe does not re-run (their padded lengths, learnt from a first

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 
 import torch
@@ -55,35 +56,57 @@ SCRIPT = "__main__"
 CODE_FORMAT = 2
 # The seal's entry for kernels of torch's own operators registered through ``torch.library`` from outside torch
 KERNELS = "kernels torch.library"
-_OPERATOR_NAMESPACES = ("aten",)  # not prims: torch registers its own through torch.library as it imports them
+# The seal's entry for autograd's process-wide saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``)
+SAVED_TENSOR_HOOKS = "hooks torch.autograd.graph.saved_tensors_hooks"
+
+
+def saved_tensor_hooks() -> str:
+    """The text of the saved-tensor hooks autograd applies to every tensor a forward saves for the backward
+    (``with torch.autograd.graph.saved_tensors_hooks(pack, unpack):`` around training: activation offloading or
+    compression), ``"none"`` without them. They live in autograd's C++ state, where no Python namespace shows them,
+    and change what every backward computes with: a training script that set them ran code a deleting process
+    without them does not."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if hooks is None:
+        return "none"
+    d = Digester()
+    return " ".join(d.text(f, 1) for f in hooks)
+_OPERATOR_PREFIXES = ("aten::",)  # not prims: torch registers its own through torch.library as it imports them
 
 
 def user_kernels() -> str:
-    """The kernels of torch's own operators (``aten``) that code outside torch registered through
-    ``torch.library`` (``Library("aten", "IMPL").impl("neg", ...)``, ``@torch.library.impl``), as
-    ``ns::op/DispatchKey`` joined by spaces (``"none"``: none). Such a kernel replaces what every call of the operator
-    runs, below any Python namespace a digest reads (Llama's ``rotate_half`` calls ``aten::neg``), so a training script
-    that registered one ran code a deleting process without it does not. Meta kernels (shapes, no numbers) aside; the
-    dispatcher says where each kernel was registered, and torch's own registrations (its files, except the
-    user-facing ``torch.library`` modules) are not the program's."""
-    import torch.library
-
+    """The kernels of torch's own operators (``aten``) that code outside torch registered with the dispatcher
+    (``Library("aten", "IMPL").impl("neg", ...)``, ``@torch.library.impl``, ``torch._C._dispatch_library``, on a
+    backend key or an alias such as ``CompositeImplicitAutograd``), as ``ns::op/DispatchKey`` joined by spaces
+    (``"none"``: none). Such a kernel replaces what every call of the operator runs, below any Python namespace a
+    digest reads (Llama's ``rotate_half`` calls ``aten::neg``), so a training script that registered one ran code a
+    deleting process without it does not. Read from the dispatcher itself, every ``aten`` operator (about 3,000:
+    half a second), which says where each kernel was registered: torch's own (its C++ sources, its package's files
+    except the user-facing ``torch.library`` modules) are not the program's; Meta kernels (shapes, no numbers) aside."""
     own = os.path.dirname(torch.__file__) + os.sep
     found = []
-    for key in sorted(getattr(torch.library, "_impls", ())):
-        name, _, dispatch = key.rpartition("/")
-        ns, _, op = name.partition("/")
-        if dispatch == "Meta" or ns not in _OPERATOR_NAMESPACES:
-            continue
-        prefix = f"{dispatch}: registered at "
-        for line in torch._C._dispatch_dump(f"{ns}::{op}").splitlines():
-            if line.startswith(prefix):
-                where = line[len(prefix):].split(" :: ")[0].rsplit(":", 1)[0]
-                if not where.startswith(own) or os.path.basename(where) == "library.py" or \
-                        f"{os.sep}_library{os.sep}" in where:
-                    found.append(f"{ns}::{op}/{dispatch}")
-                break
-    return " ".join(found) or "none"
+    for op in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(_OPERATOR_PREFIXES)):
+        for line in torch._C._dispatch_dump(op).splitlines():
+            m = _REGISTERED.match(line)
+            if m is None or m.group(1) == "Meta":
+                continue
+            where = m.group(2)
+            if any(part in where for part in _TORCH_SOURCES) or (
+                    where.startswith(own) and os.path.basename(where) != "library.py"
+                    and f"{os.sep}_library{os.sep}" not in where):
+                continue
+            found.append(f"{op}/{m.group(1)}")
+    return " ".join(sorted(set(found))) or "none"
+
+
+# a dispatcher dump's kernel line: "CPU: registered at FILE:LINE :: ...", "CompositeImplicitAutograd[alias]: ...",
+# "CPU (inactive): ..." (a kernel registered over another keeps the other, inactive)
+_REGISTERED = re.compile(r"^(\w+)(?:\[alias\])?(?: \(inactive\))?: registered at (.+?):\d+(?: ::|$)")
+# where torch's own C++ registrations say they were made (its source tree at build time)
+_TORCH_SOURCES = (f"{os.sep}aten{os.sep}src{os.sep}", f"{os.sep}torch{os.sep}csrc{os.sep}")
+# the seal's entries read from process-wide state rather than found by name
+_PROCESS_WIDE = {KERNELS: user_kernels, SAVED_TENSOR_HOOKS: saved_tensor_hooks}
 
 
 def _unsharded(cls: type) -> list[type]:
@@ -139,7 +162,7 @@ def sealed_code(model, trainer=None, callbacks=(), optimizer=None) -> dict[str, 
     modules |= {c.__module__ for c in steps if c.__module__ != SCRIPT and not c.__module__.startswith("hf_unlearn.")}
     modules |= {*CODE_MODULES, *STEP_MODULES}
     return code_now([f"class {n}" for n in names] + [f"module {m}" for m in sorted(modules) if m in sys.modules]
-                    + [KERNELS])
+                    + [KERNELS, SAVED_TENSOR_HOOKS])
 
 
 def _find(name: str):
@@ -169,8 +192,8 @@ def code_now(names) -> dict[str, str]:
     d = Digester()
     out = {}
     for name in names:
-        if name == KERNELS:
-            out[name] = user_kernels()
+        if name in _PROCESS_WIDE:
+            out[name] = _PROCESS_WIDE[name]()
             continue
         found = _find(name)
         if isinstance(found, str):
@@ -309,6 +332,11 @@ def _short(entry: str, recorded: dict | None = None) -> str:
     if entry == KERNELS:
         return (f"the kernels of torch's operators registered through torch.library (recorded: "
                 f"{(recorded or {}).get(KERNELS, '?')}; here: {user_kernels()})")
+    if entry == SAVED_TENSOR_HOOKS:
+        was = "set" if (recorded or {}).get(entry, "none") != "none" else "none"
+        now = saved_tensor_hooks()
+        return (f"autograd's saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks; recorded: {was}, here: "
+                f"{'none' if now == 'none' else 'set' if was == 'none' else 'other hooks'})")
     name = entry.replace(":", ".")
     found = _find(entry)
     return f"{name} ({found})" if isinstance(found, str) else name

@@ -206,6 +206,10 @@ def check_optimizer_rebuildable(trainer) -> None:
 
 
 def check_model_rebuildable(trainer) -> None:
+    if getattr(trainer.model, "_orig_mod", None) is not None:  # torch.compile(model): an OptimizedModule
+        raise UnlearnError("the model is compiled (torch.compile(model)): compilation replaces the model's forward "
+                           "with generated kernels that a replay, which rebuilds the model from its class and config, "
+                           "does not run; record the model uncompiled (as torch_compile=True is refused)")
     model = trainer.accelerator.unwrap_model(trainer.model)
     peft, base = peft_and_base(model)
     if getattr(base, "config", None) is None or _importable_name(unsharded_class(type(base))) is None:
