@@ -72,6 +72,8 @@ def saved_tensor_hooks() -> str:
         return "none"
     d = Digester()
     return " ".join(d.text(f, 1) for f in hooks)
+
+
 _OPERATOR_PREFIXES = ("aten::",)  # not prims: torch registers its own through torch.library as it imports them
 
 
