@@ -390,16 +390,16 @@ class _SavedTensorHooks:
 
 
 @pytest.mark.parametrize("patched,named", [(_TorchPatch, "module torch;"),
-                                           (_RegistryPatch, "module transformers."),
+                                           pytest.param(_RegistryPatch, "module transformers.", marks=pytest.mark.slow),
                                            (_KernelPatch, "the kernels of torch's operators registered through "
                                                           "torch.library (recorded: aten::neg/CPU; here: none)"),
                                            pytest.param(_AliasKernelPatch, "the kernels of torch's operators "
                                                         "registered through torch.library (recorded: "
                                                         "aten::linear/CompositeImplicitAutograd; here: none)",
                                                         marks=pytest.mark.slow),
-                                           (_SavedTensorHooks, "autograd's saved-tensor hooks "
-                                                               "(torch.autograd.graph.saved_tensors_hooks; recorded: "
-                                                               "set, here: none)")])
+                                           pytest.param(_SavedTensorHooks, "autograd's saved-tensor hooks "
+                                                        "(torch.autograd.graph.saved_tensors_hooks; recorded: set, "
+                                                        "here: none)", marks=pytest.mark.slow)])
 def test_a_patch_acting_only_at_steps_the_probe_skips_is_refused_without_it(tmp_path, patched, named):
     """Attack: the training script sets ``torch.rsqrt``, or transformers' attention registry entry, to a function
     that differs only on microbatches of the steps the probe does not re-run (their padded lengths, learnt from a first

@@ -87,9 +87,14 @@ def user_kernels() -> str:
     half a second), which says where each kernel was registered: torch's own (its C++ sources, its package's files
     except the user-facing ``torch.library`` modules) are not the program's; Meta kernels (shapes, no numbers) aside."""
     own = os.path.dirname(torch.__file__) + os.sep
+    torch_own = [f"registered at {own}"] + [f"registered at {root}" for root in _build_roots()]
+    user_facing = [f"registered at {own}library.py", f"registered at {own}_library{os.sep}"]
     found = []
     for op in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(_OPERATOR_PREFIXES)):
-        for line in torch._C._dispatch_dump(op).splitlines():
+        dump = torch._C._dispatch_dump(op)
+        if dump.count("registered at ") == sum(map(dump.count, torch_own)) - sum(map(dump.count, user_facing)):
+            continue  # every kernel torch's own (counted in C: most operators, parsed no further)
+        for line in dump.splitlines():
             m = _REGISTERED.match(line)
             if m is None or m.group(1) == "Meta":
                 continue
@@ -107,6 +112,21 @@ def user_kernels() -> str:
 _REGISTERED = re.compile(r"^(\w+)(?:\[alias\])?(?: \(inactive\))?: registered at (.+?):\d+(?: ::|$)")
 # where torch's own C++ registrations say they were made (its source tree at build time)
 _TORCH_SOURCES = (f"{os.sep}aten{os.sep}src{os.sep}", f"{os.sep}torch{os.sep}csrc{os.sep}")
+
+
+def _build_roots() -> list[str]:
+    """The source-tree roots torch's own C++ kernels were registered from (``/__w/pytorch/pytorch/`` for a wheel
+    built on GitHub's runners), read from the dispatcher's entries of one operator: the fast path of
+    :func:`user_kernels` counts registrations under them without parsing each line."""
+    roots = set()
+    for line in torch._C._dispatch_dump("aten::add.Tensor").splitlines():
+        m = _REGISTERED.match(line)
+        if m is None:
+            continue
+        for part in _TORCH_SOURCES:
+            if part in m.group(2):
+                roots.add(m.group(2).split(part, 1)[0] + os.sep)
+    return sorted(r for r in roots if not any(r != o and r.startswith(o) for o in roots))  # counted once each
 # the seal's entries read from process-wide state rather than found by name
 _PROCESS_WIDE = {KERNELS: user_kernels, SAVED_TENSOR_HOOKS: saved_tensor_hooks}
 
