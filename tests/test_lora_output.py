@@ -106,6 +106,7 @@ def test_expect_from_a_lora_runs_replay_is_the_published_merged_root(lora_out, t
         expected_from(log, "org/lora")
 
 
+@pytest.mark.slow  # (the default suite stays under 15 minutes on 2 cores; `make test-slow`)
 def test_the_adapter_names_the_dtype_its_base_loads_in(lora_out):
     """Merged into a base loaded in another dtype than the run trained it in (from_pretrained's float32 for a base
     trained in bfloat16), the adapter is not OUT/model: its README and the receipt name the recorded dtype."""

@@ -391,8 +391,9 @@ class _SavedTensorHooks:
 
 @pytest.mark.parametrize("patched,named", [(_TorchPatch, "module torch;"),
                                            pytest.param(_RegistryPatch, "module transformers.", marks=pytest.mark.slow),
-                                           (_KernelPatch, "the kernels of torch's operators registered through "
-                                                          "torch.library (recorded: aten::neg/CPU; here: none)"),
+                                           pytest.param(_KernelPatch, "the kernels of torch's operators registered "
+                                                        "through torch.library (recorded: aten::neg/CPU; here: none)",
+                                                        marks=pytest.mark.slow),
                                            pytest.param(_AliasKernelPatch, "the kernels of torch's operators "
                                                         "registered through torch.library (recorded: "
                                                         "aten::linear/CompositeImplicitAutograd; here: none)",
