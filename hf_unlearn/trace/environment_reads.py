@@ -154,29 +154,30 @@ def is_user_code(module: str | None, filename: str | None) -> bool:
         and not any(p in (filename or "") for p in INSTALLED)
 
 
-def _reader(frame, through_stdlib: bool) -> str | None:
-    """The module of the program's code that made a read (None: a framework's or the standard library's own), from
-    the frame that called the watched method: ``os``'s own helpers are passed through (``os.getenv``), and with
-    ``through_stdlib`` every standard-library frame (``argparse`` reading ``sys.argv`` for the program's
-    ``parse_known_args()``: the program acts on what it returns)."""
+def _reading_frame(frame, through_stdlib: bool):
+    """The frame that made a read, from the frame that called the watched method: ``os``'s own helpers are passed
+    through (``os.getenv``), and with ``through_stdlib`` every standard-library frame (``argparse`` reading
+    ``sys.argv`` for the program's ``parse_known_args()``: the program acts on what it returns)."""
     while frame is not None:
         name = frame.f_globals.get("__name__") or "?"
         if name not in _PASS_THROUGH and not (through_stdlib and name.split(".", 1)[0] in sys.stdlib_module_names):
             break
         frame = frame.f_back
+    return frame
+
+
+def _reader(frame, through_stdlib: bool) -> str | None:
+    """The module of the program's code that made a read (None: a framework's or the standard library's own)."""
+    frame = _reading_frame(frame, through_stdlib)
     if frame is None:
         return None
     module = frame.f_globals.get("__name__") or "?"
     return module if is_user_code(module, frame.f_code.co_filename) else None
 
 
-def _framework_reader(frame) -> str | None:
-    """The installed package (not this library) whose code made a read, from the frame that called the watched
-    method (None: the standard library's, this library's, or the program's)."""
-    while frame is not None and (frame.f_globals.get("__name__") or "?") in _PASS_THROUGH:
-        frame = frame.f_back
-    if frame is None:
-        return None
+def _framework(frame) -> str | None:
+    """The installed package (not this library) whose code is ``frame`` (None: the standard library's, this
+    library's, or the program's)."""
     module = frame.f_globals.get("__name__") or "?"
     top = module.split(".", 1)[0]
     if top in FRAMEWORKS or top in sys.stdlib_module_names or not any(p in frame.f_code.co_filename for p in INSTALLED):
@@ -189,11 +190,14 @@ def _note(key, value) -> None:
         key, value = os.fsdecode(key), None if value is None else os.fsdecode(value)
     if str(key).startswith(LAUNCH) or getattr(_bulk, "quiet", 0):
         return
-    module = _reader(sys._getframe(2), through_stdlib=key == ARGV)
-    if module is not None:
+    frame = _reading_frame(sys._getframe(2), through_stdlib=key == ARGV)  # one walk, at every read (hot: per call)
+    if frame is None:
+        return
+    module = frame.f_globals.get("__name__") or "?"
+    if is_user_code(module, frame.f_code.co_filename):
         _log(str(key), value, module)
     elif _frameworks and key != ARGV:
-        framework = _framework_reader(sys._getframe(2))
+        framework = _framework(frame)
         if framework is not None:
             with _lock:
                 for log in _frameworks:
