@@ -259,6 +259,7 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_cli_circuit_anchors_cud_stratify(tiny_model_dir, tmp_path, capsys):
     ids = tmp_path / "ids.jsonl"
     ids.write_text("".join(f"{i}\n" for i in range(3960, 3972)))

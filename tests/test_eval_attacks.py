@@ -47,6 +47,7 @@ def test_min_k_scores_the_body_loss_and_zlib_the_whole_answer():
     assert M.mia_scores(stats, "text", k=0.5)["min_k"] == pytest.approx(9.0)
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_eos_never_predicted_no_longer_zeroes_extraction_strength():
     """A model that never emits EOS scored 0 extraction strength on every answer when EOS was scored."""
     from hf_unlearn.eval.tofu import evaluate_tofu

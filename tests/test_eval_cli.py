@@ -34,6 +34,7 @@ def test_tofu_reference_then_tofu_with_reference_then_tradeoff(tiny_llama_dir, t
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_tofu_with_forget_ids(tiny_llama_dir, tmp_path):
     out = tmp_path / "ids"
     assert main(["eval", "tofu", str(tiny_llama_dir), "--out", str(out), "--forget-ids", "3610-3611", *TOFU]) == 0

@@ -40,6 +40,7 @@ def test_quantize_rejects_bad_bits_and_unquantisable_models(tiny_llama):
         quantize_model(odd, bits=4)  # input sizes 16 and 48: no layer has whole 64-value blocks
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_evaluate_quantized_reports_before_and_after(gpt2_tokenizer):
     from hf_unlearn.models import build_tiny_model
 

@@ -113,6 +113,7 @@ def test_report_writes_tables_json_and_plots(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_cli_analyze_forgetting_end_to_end(tiny_llama_dir, tmp_path):
     from hf_unlearn.cli import main
 

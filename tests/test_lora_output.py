@@ -9,19 +9,36 @@ import shutil
 
 import pytest
 
-from .test_real_configs import forget_cli, record
+from .test_real_configs import check_configuration
 
 
 @pytest.fixture(scope="module")
 def lora_out(tmp_path_factory):
-    """A LoRA SFTTrainer run (SmolLM2's shape) and `forget --oracle` of one row: ``(run path, OUT)``."""
-    from hf_unlearn.trace import open_run
-
+    """A LoRA SFTTrainer run (SmolLM2's shape) and `forget --oracle` of a row of an early and of a late step,
+    checked against a plain SFTTrainer counterfactual (:func:`check_configuration`): ``(run path, OUT)``."""
     tmp = tmp_path_factory.mktemp("lora-out")
-    record(tmp, "llama_tied", "lora", "sft")
-    run = open_run(tmp / "rec" / "trace")
-    forget_cli(run.path, run.ids_at_steps([2])[:1], tmp / "out", "--oracle")
-    return run.path, tmp / "out"
+    check_configuration(tmp, "llama_tied", "lora", "sft")
+    return tmp / "rec" / "trace", tmp / "out"
+
+
+def test_forget_cli_on_a_gqa_lora_sftrainer_run_publishes_the_merged_counterfactual(lora_out):
+    """SmolLM2's shape (Llama, GQA, tied embeddings, the GPT-2 vocabulary), trace_recording(SFTTrainer) with
+    peft_config= LoRA, SDPA: `hf-unlearn forget --oracle` writes the merged model (loadable without peft), the
+    adapter beside it and a VERIFIED receipt whose state hashes are the published folder's; the merged model and
+    the oracle's state equal a plain SFTTrainer counterfactual bit for bit (the fixture)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_unlearn.hub.publish import build_manifest
+
+    _, out = lora_out
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert "the published model is the replayed adapter merged into its base" in receipt["guarantee"]
+    assert receipt["state_hashes"]["params_root"] == build_manifest(out / "model")["params_root"]
+    assert receipt["state_hashes"]["trace_params_root"] != receipt["state_hashes"]["params_root"]  # adapter + base
+    info = json.loads((out / "model" / "unlearning_info.json").read_text())
+    assert info["extra"]["exact_deletion"]["params_root"] == receipt["state_hashes"]["params_root"]
+    loaded = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert not any("lora" in n for n in loaded.state_dict())
 
 
 def _verify(out, capsys) -> tuple[int, str]:

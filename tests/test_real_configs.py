@@ -334,24 +334,7 @@ def check_configuration(tmp_path, family, adapter, kind, attn="sdpa", precision=
 
 
 # ---- the fast subset (default suite) --------------------------------------------------------------------------------
-def test_forget_cli_on_a_gqa_lora_sftrainer_run_publishes_the_merged_counterfactual(tmp_path):
-    """SmolLM2's shape (Llama, GQA, tied embeddings, the GPT-2 vocabulary), trace_recording(SFTTrainer) with
-    peft_config= LoRA, SDPA: `hf-unlearn forget --oracle` writes the merged model (loadable without peft), the
-    adapter beside it and a VERIFIED receipt whose state hashes are the published folder's; the merged model and
-    the oracle's state equal a plain SFTTrainer counterfactual bit for bit."""
-    from transformers import AutoModelForCausalLM
-
-    from hf_unlearn.hub.publish import build_manifest
-
-    receipt = check_configuration(tmp_path, "llama_tied", "lora", "sft")
-    out = tmp_path / "out"
-    assert "the published model is the replayed adapter merged into its base" in receipt["guarantee"]
-    assert receipt["state_hashes"]["params_root"] == build_manifest(out / "model")["params_root"]
-    assert receipt["state_hashes"]["trace_params_root"] != receipt["state_hashes"]["params_root"]  # adapter + base
-    info = json.loads((out / "model" / "unlearning_info.json").read_text())
-    assert info["extra"]["exact_deletion"]["params_root"] == receipt["state_hashes"]["params_root"]
-    loaded = AutoModelForCausalLM.from_pretrained(out / "model")
-    assert not any("lora" in n for n in loaded.state_dict())
+# (a LoRA SFTTrainer run through `forget --oracle`: tests/test_lora_output.py, which checks its output too)
 
 
 def deleted_odd_pairs(run):

@@ -14,6 +14,7 @@ import pytest
 from .conftest import ROOT
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_importing_the_engine_and_the_proof_loads_no_hub_module():
     """At run time, not only in the import graph: no string import, no lazy import at module level."""
     code = ("import sys, hf_unlearn.trace.replay, hf_unlearn.trace.proof, hf_unlearn.trace.recording\n"

@@ -170,7 +170,7 @@ def _freeze(model, kind: str):
     return get_peft_model(model, config)
 
 
-@pytest.mark.parametrize("kind", ["lora", "lora+modules_to_save", "frozen-layers"])
+@pytest.mark.parametrize("kind", ["lora", pytest.param("lora+modules_to_save", marks=pytest.mark.slow), "frozen-layers"])
 def test_only_what_trains_is_checkpointed(tmp_path, capsys, kind):
     """Checkpoints hold the trainable tensors (and their optimizer state); frozen ones are saved once and checked
     by their hashes at every load; replay == oracle, VERIFIED."""

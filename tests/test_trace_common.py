@@ -258,3 +258,13 @@ def rsqrt_other_bits(monkeypatch=None):
         program_code.code_differences = without_torch
     sqrt = torch.sqrt
     return lambda x, *args, **kwargs: 1.0 / sqrt(x)
+
+
+def slow_params(values, slow: set) -> list:
+    """``values`` for ``pytest.mark.parametrize``, those in ``slow`` marked ``slow`` (run with ``-m slow``): the
+    default suite keeps the others within its time budget."""
+    import pytest
+
+    values = list(values)
+    assert set(slow) <= set(values), set(slow) - set(values)
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]

@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from hf_unlearn.errors import UnlearnError
 
-from .test_trace_common import config_model, get_trace_data, record
+from .test_trace_common import config_model, get_trace_data, record, slow_params
 from .test_trace_fidelity import independent_counterfactual
 from .test_trace_neutral_attacks import _forget_outcome
 
@@ -257,7 +257,7 @@ RECONFIGURATIONS = ("args_replaced", "set_seed", "generation_config", "pad_to_mu
                     "mkldnn_off_one_step", "flush_denormal_one_step")
 
 
-@pytest.mark.parametrize("what", RECONFIGURATIONS)
+@pytest.mark.parametrize("what", slow_params(RECONFIGURATIONS, {"set_seed", "flush_denormal_one_step"}))
 def test_a_callback_that_reconfigures_the_run_mid_run_is_refused_or_counterfactual(tmp_path, what):
     """A watched callback reconfigures the run when step 3 begins: replaces ``trainer.args`` by a
     copy with another clipping threshold, calls ``set_seed``, edits the generation config,
@@ -365,7 +365,7 @@ CONFIGS = {"group_by_length": dict(train_sampling_strategy="group_by_length", pe
            "neftune": dict(neftune_noise_alpha=5.0)}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", slow_params(CONFIGS, {"group_by_length", "label_smoothing", "neftune"}))
 def test_a_gqa_run_in_a_common_configuration_is_verified_and_counterfactual(tmp_path, name):
     """GQA Llama, dropout 0.1; ``group_by_length`` (its sampler draws from the RNG), gradient accumulation, evaluation
     every two steps, label smoothing (a mean over the microbatch's labelled tokens: a deleted row re-weights its
@@ -415,7 +415,7 @@ def test_optimizer_settings_a_resume_gives_are_accepted_only_when_the_live_group
     assert restored_by_optimizer(None, recorded, given) == set()
 
 
-@pytest.mark.parametrize("field", list(RESUME_CHANGES))
+@pytest.mark.parametrize("field", slow_params(RESUME_CHANGES, {"weight_decay", "adam_beta2"}))
 def test_a_run_resumed_with_other_arguments_is_refused_or_counterfactual(tmp_path, field):
     """The first launch trains 4 of 6 steps and saves ``checkpoint-4``; the user edits one TrainingArguments field
     (clipping threshold, weight decay, Adam's beta2, learning rate, activation checkpointing) and resumes from it.
@@ -581,6 +581,7 @@ def _mixtral_without_aux_loss(tok):
         output_router_logits=True, router_aux_loss_coef=0.0))
 
 
+@pytest.mark.slow
 def test_a_moe_router_without_its_loss_is_refused_or_counterfactual(tmp_path):
     """Mixtral returning its router logits with ``router_aux_loss_coef=0``, one sample per microbatch (four
     microbatches a step): no term over every token, and no other sample shares an expert's gradient sum. A step-3
@@ -803,6 +804,7 @@ def test_a_callback_generating_samples_during_training_is_verified_and_counterfa
                                     callbacks=[module.SampleCompletions()]) == "verified"
 
 
+@pytest.mark.slow
 def test_a_moe_run_recorded_before_the_hazard_is_refused_at_deletion_and_one_that_lists_it_says_so(
         tmp_path, monkeypatch):
     """A Mixtral run with four samples a microbatch recorded as an earlier release did (no hazard named): `forget`

@@ -56,7 +56,7 @@ def _counterfactual_in_recorded_order(tok, data, run, forget, order: list[int], 
     return model.state_dict()
 
 
-@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("in_order", [pytest.param(True, marks=pytest.mark.slow), False])  # True: slow (budget)
 def test_worker_processes_delete_as_the_run_in_its_recorded_order(tmp_path, in_order):
     """Two loader workers (in order, and out of order with one slow batch): a mid-run deletion is VERIFIED and equal
     to a plain Trainer fed the recorded order with the deleted row's labels -100."""

@@ -200,6 +200,7 @@ def test_a_loss_divided_by_the_attention_tokens_deletes_as_its_counterfactual(tm
     assert compare_states(state_of(cf), load_state(tmp_path / "oracle"))["identical"]
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_a_recording_resumed_with_another_reference_is_refused(tmp_path):
     """Attack: a DPO recording crashes after step 3 and is resumed from checkpoint-2 with ref_model= another model.
     Before: accepted; the resumed header recorded only the new reference, so every replay ran all steps against it

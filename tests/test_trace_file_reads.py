@@ -332,6 +332,7 @@ def test_a_pipeline_deletion_compares_every_stages_files_before_any_compute(tmp_
     assert not (tmp_path / "pipeline").exists()
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_a_recording_resumed_where_a_file_its_code_read_changed_is_refused(tmp_path):
     """Stopped after step 4 with a recorded callback reading a file at every step, the file changed, then resumed:
     the steps after the resume would read other content than the ones before, so the resume is refused, naming the

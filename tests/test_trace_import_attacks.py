@@ -263,6 +263,7 @@ class ClipFromStep1(TrainerCallback):
             _clip(args)
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_a_recording_resumed_with_another_environment(tmp_path, monkeypatch):
     """ATTACK: stopped after step 4 (a callback's early stop: the first process sealed the run) with the variable
     unset, resumed (``resume_from_checkpoint``) with it set: a step-1 deletion in a process with it set would replay

@@ -113,7 +113,7 @@ def _spike_guard(expected: dict, where: str):
     return SpikeGuard()
 
 
-@pytest.mark.parametrize("where,family", [("pre", "llama"), ("post", "llama"),
+@pytest.mark.parametrize("where,family", [("pre", "llama"), pytest.param("post", "llama", marks=pytest.mark.slow),
                                           pytest.param("pre", "qwen2", marks=pytest.mark.slow),
                                           pytest.param("post", "gpt_neox", marks=pytest.mark.slow)])
 def test_a_watched_callback_that_edits_only_values_it_did_not_expect_is_refused(tmp_path, where, family):

@@ -754,3 +754,30 @@ def test_a_container_of_plain_values_is_written_as_the_general_path_writes_it():
     for v in values:
         fast, general = Digester(), Digester()
         assert fast.leaf(v) == _short(general.text(v, 0)), v
+
+
+def test_a_full_fine_tunes_step_0_checkpoint_takes_the_hashes_the_lineage_took(tmp_path, monkeypatch):
+    """A full fine-tune's step-0 checkpoint holds the weights the lineage hashed as training started, in the same
+    stamps: their hashes are taken from there instead of hashing every weight again; later checkpoints hash what
+    they hold, and the step-0 checkpoint's hashes are the ones its files give."""
+    from hf_unlearn.trace import checkpoints
+    from hf_unlearn.trace.checkpoints import checkpoint_dir, load_checkpoint
+
+    seen = []
+    slow = checkpoints.checkpoint_hashes
+
+    def spy(state, known=None, plain=None):
+        seen.append((state["step"], set(known or ()), set(state["model"])))
+        return slow(state, known, plain)
+
+    monkeypatch.setattr(checkpoints, "checkpoint_hashes", spy)
+    tok, data = get_trace_data()
+    record(tok, data.select(range(16)), tmp_path, every=1)
+    steps = [s[0] for s in seen]
+    recording = seen[:steps.index(0, 1)] if steps.count(0) > 1 else seen  # then the self-check's replay hashes
+    (_, known, names), = [s for s in recording if s[0] == 0]
+    assert known == names and names  # every weight's hash was the lineage's
+    assert all(not known for step, known, _ in recording if step > 0)
+    d = checkpoint_dir(tmp_path / "trace", 0)
+    assert slow(load_checkpoint(d, verify=False), plain=True) == json.loads((d / "hashes.json").read_text())
+    checkpoints.verify_checkpoint_files(d)

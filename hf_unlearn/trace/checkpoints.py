@@ -207,6 +207,12 @@ class FrozenTensors:
         return {n: start[base_key(n)][1] for n in frozen
                 if base_key(n) in start and not is_sharded(params[n]) and stamp(params[n]) == start[base_key(n)][0]}
 
+    def start_hashes_of(self, tensors: dict) -> dict[str, str]:
+        """The step-0 checkpoint's tensors whose hash the lineage took as training started (:attr:`start`, still held
+        when no frozen store took it: a full fine-tune), by the same rule as :meth:`_start_hashes`: a full fine-tune's
+        starting weights are hashed once, not again for its step-0 checkpoint."""
+        return self._start_hashes(tensors, tensors, self.start)
+
     def _read(self) -> dict:
         record = json.loads((self.dir / "hashes.json").read_text())
         self.hashes, self.plain = record["params"], uses_plain_names(record)
@@ -318,7 +324,9 @@ def save_checkpoint(run: Path, step: int, model, optimizer, frozen: FrozenTensor
         frozen.save(model, state["model"], source=frozen.source, start=frozen.start if step == 0 else None)
         frozen.saved_step = step
     referenced = frozen.unchanged(model) & set(state["model"]) if frozen is not None else set()
-    known = {n: frozen.hashes[n] for n in referenced} if referenced else None
+    known = {n: frozen.hashes[n] for n in referenced}
+    if step == 0 and frozen is not None:
+        known.update(frozen.start_hashes_of(state["model"]))
     # hashed while the files are written (safetensors writes without the GIL): the same bytes, read in memory, about
     # half the wall time of one after the other; nothing can change them meanwhile (training waits for this call)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

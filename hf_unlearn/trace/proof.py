@@ -23,8 +23,8 @@ the same, the state differs at that step and the proof names it.
   is VERIFIED only when every step its replay and its oracle run is proven (:mod:`hf_unlearn.trace.verification`);
   ``forget`` and ``trace replay`` refuse an unproven range unless the user accepts it.
 * :func:`probe_environment`: before any compute of a deletion, the deleting process(es) re-run the first recorded
-  step (and the kept-checkpoint step with the longest microbatch) with no deletion and compare them with the
-  recorded fingerprints; a difference refuses in one line, naming the numeric environment variables that differ
+  step and the run's longest microbatch (:mod:`~hf_unlearn.trace.longest_microbatch`; for a run recorded without
+  it, the kept-checkpoint step with the longest microbatch) with no deletion and compare them with the recording; a difference refuses in one line, naming the numeric environment variables that differ
   from the recording's. The probe, not the list, is the guarantee.
 """
 
@@ -37,6 +37,7 @@ import time
 
 from ..errors import UnlearnError
 from ..utils import atomic_write_text
+from . import longest_microbatch
 from .environment_reads import ARGV, differences, recorded_reads
 from .fidelity import FidelityError
 from .file_reads import differences as file_differences
@@ -359,12 +360,16 @@ def _is_main() -> bool:
 
 # ---- the deleting environment ---------------------------------------------------------------------------------
 def probe_steps(run) -> list[int]:
-    """Step 0, and among the steps that start at a kept checkpoint the one with the longest microbatch; none at or
-    after the first program change the recording found (the engine cannot reproduce those from a checkpoint: the
-    deletion's own check, :func:`~hf_unlearn.trace.guards.program_refusal`, names that change, not the probe)."""
+    """Step 0, and among the steps that start at a kept checkpoint the one with the longest microbatch (unless the
+    recording kept the run's longest microbatch's digests: :mod:`~hf_unlearn.trace.longest_microbatch` checks that
+    shape instead, for less compute); none at or after the first program change the recording found (the engine
+    cannot reproduce those from a checkpoint: the deletion's own check,
+    :func:`~hf_unlearn.trace.guards.program_refusal`, names that change, not the probe)."""
     total = run.total_steps
     if total == 0:
         return []
+    if longest_microbatch.applies(run):
+        return [0]
     changes = program_changes(run.served_plan or run.plan, run.header)
     first_change = changes[0]["step"] if changes else total
     starts = {c for c in run.checkpoints() if c < min(total, first_change)}
@@ -428,16 +433,21 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
                              f"{s}, re-run from its kept checkpoint with no deletion, ends in another state than the "
                              f"recording's{where}{cause}; refusing before any compute (run the deletion where the run "
                              "was recorded, with its environment)")
+    longest = longest_microbatch.check(run, data_collator)
     seconds = time.perf_counter() - wall
     by_replay = [s for s in chosen if s in replayed]
     if log and steps:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, steps))} re-run here with no deletion match the "
             f"recording ({seconds:.1f} s)")
+    if log and longest:
+        log(f"environment probe: the run's longest microbatch (step {longest['step']}, rows of up to "
+            f"{longest['tokens']} tokens) re-run alone from the step-0 checkpoint gives the recording's gradients")
     if log and by_replay:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
             "deletion (before the first affected step), its state compared with the recording's fingerprint there")
     return issue("environment", run, {"steps": steps, "seconds": round(seconds, 3), "code": code,
-                                      **({"by_the_replay": by_replay} if by_replay else {})})
+                                      **({"by_the_replay": by_replay} if by_replay else {}),
+                                      **({"longest_microbatch": longest} if longest else {})})
 
 
 def _rank_local(found: dict) -> str:

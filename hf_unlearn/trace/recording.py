@@ -26,7 +26,7 @@ import warnings
 from transformers import Trainer
 
 from ..errors import UnlearnError
-from . import recorder
+from . import longest_microbatch, recorder
 from .proof import AUTO_PROVE_SECONDS, prove
 from .recorder import (  # noqa: F401 - the recording's public names, at the path users import them from
     GUARD_CHECKS,
@@ -58,6 +58,7 @@ from .recorder import (  # noqa: F401 - the recording's public names, at the pat
 )
 from .recorder.mixin import RecordingHooks, with_recording
 from .rng import rng_kept
+from .run import open_run
 from .self_check import self_check
 
 
@@ -183,6 +184,13 @@ def prove_recording(trainer) -> None:
         fid["recording"] = {"checked": False, "why": "trace_self_check=False"}
     else:
         return
+    if fid is not None and run[0] and (fid.get("recording") or {}).get("reproduced"):
+        # the run's longest microbatch, as the engine computes it here: every deleting process must compute the same
+        with rng_kept():
+            longest = longest_microbatch.reference(open_run(trainer.trace_dir),
+                                                   data_collator=None if run[1] else trainer.data_collator)
+        if longest:
+            fid[longest_microbatch.KEY] = longest
     if fid is not None:
         TraceWriter(trainer.trace_dir, trainer._trace_key).reseal_header(header)
 

@@ -1,0 +1,131 @@
+"""The run's longest microbatch, re-run in the deleting process: the environment probe's check of the shape no kept
+checkpoint starts.
+
+The environment probe (:func:`hf_unlearn.trace.proof.probe_environment`) re-runs recorded steps from kept checkpoints,
+which only the steps that start at one can be. A kernel, hook or library that computes otherwise only at some
+shapes (a padded length the probed steps do not have) would pass it. So the recording also keeps, in the same
+process that trained (at the end of ``train()``, beside its self-check), what the replay engine computes for the
+run's **longest microbatch** (the most tokens in a row, as its padding reaches them) run alone as the first
+optimizer step from the step-0 checkpoint: the exact digests of the gradients it gives and of the trainable state
+after the update (:func:`reference`, sealed in the header's ``fidelity.longest_microbatch``). Every deleting process
+computes the same and compares (:func:`check`): a difference refuses before any compute. It costs one microbatch's
+forward and backward and one optimizer step, at recording and at each deletion.
+
+Not run where it proves nothing more or cannot be repeated as recorded (:func:`chosen`): the longest microbatch is
+in step 0 (the probe re-runs step 0 whole), a multi-process run (the probe's steps cover its processes), a compacted
+run (its plan keeps no per-microbatch batch digest), a deletion's output run (its rows are not the recording's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..errors import UnlearnError
+from .checksums import exact_digest, gradient_tensors, tensor_checksums
+from .plan import PlanEntry
+from .processes import world_size
+
+KEY = "longest_microbatch"  # the header's fidelity entry
+
+
+def chosen(run) -> PlanEntry | None:
+    """The microbatch the check re-runs: the run's longest (its longest row, then its most tokens; the first such),
+    or None where the check does not run (see the module docstring)."""
+    plan = run.plan
+    if not plan or run.compact or world_size() > 1 or (run.header.get("world_size") or 1) > 1:
+        return None
+    best = max(plan, key=lambda e: (max(e.lens or [0]), sum(e.lens or []), -e.mb))
+    return None if best.step == 0 else best
+
+
+def _alone(run, entry: PlanEntry):
+    """``run`` with one optimizer step: ``entry`` alone as step 0, with step 0's settings (learning rate, param
+    groups, epoch) and ``entry``'s own rows, slots, seed and loss normaliser."""
+    first = next(e for e in run.plan if e.step == 0)
+    holder = next(e for e in run.plan if e.step == entry.step and e.j == 0)
+    extra = {k: v for k, v in first.extra.items() if k not in ("rows", "fp", "changed")}
+    rows = holder.extra.get("rows")
+    if rows and entry.j < len(rows):
+        extra["rows"] = [rows[entry.j]]
+    solo = dataclasses.replace(entry, step=0, j=0, end=True, lr=first.lr, group_lrs=first.group_lrs,
+                               epoch=first.epoch, extra=extra)
+    return dataclasses.replace(run, plan=[solo], served_plan=run.served_plan or run.plan)
+
+
+def _digests(run, entry: PlanEntry, data_collator=None) -> dict:
+    """Re-run ``entry`` alone from the step-0 checkpoint with no deletion: ``{"g", "s"}``, the exact digests of the
+    gradients ``optimizer.step()`` used and of the trainable state after it."""
+    from .replay import ReplayTrainer
+
+    class LongestMicrobatchReplay(ReplayTrainer):
+        mode = "environment probe"
+        store_policy = "original"
+        _keep_final = False
+
+        def _start_step(self) -> int:
+            return 0
+
+        def _check_fidelity(self, step, saved) -> None:  # no recorded state is this step's: compared by the caller
+            return None
+
+        def _check_step_fingerprint(self, step) -> None:
+            return None
+
+        def _gradient_digest(self, step):
+            self._longest_grads = exact_digest(tensor_checksums(gradient_tensors(self.model)))
+            return self._longest_grads
+
+    trainer = LongestMicrobatchReplay(_alone(run, entry), forget_ids=(), out_dir=None, start="suffix", stop_step=1,
+                                      data_collator=data_collator, _self_check=True)
+    trainer.train()
+    return {"g": trainer._longest_grads, "s": trainer._step_fps[0]["s"]}
+
+
+def reference(run, data_collator=None) -> dict | None:
+    """What the recording process computes for :func:`chosen` (None: not run), for the header."""
+    entry = chosen(run)
+    if entry is None:
+        return None
+    wall = time.perf_counter()
+    return {"step": entry.step, "microbatch": entry.mb, "tokens": max(entry.lens), "batch": list(entry.batch or []),
+            **_digests(run, entry, data_collator), "seconds": round(time.perf_counter() - wall, 3)}
+
+
+def check(run, data_collator=None) -> dict | None:
+    """Re-run the recorded longest microbatch here and compare with the recording's digests; raise
+    :class:`~hf_unlearn.trace.proven.ProofError` on a difference. Returns ``{"step", "tokens", "seconds"}`` or
+    None when there is nothing to compare (no reference, or a run whose longest microbatch is not the recorded
+    one: a deletion's output)."""
+    from .proven import ProofError
+
+    if not applies(run):
+        return None
+    recorded, entry = run.header["fidelity"][KEY], chosen(run)
+    wall = time.perf_counter()
+    try:
+        found = _digests(run, entry, data_collator)
+    except UnlearnError as e:
+        raise ProofError(f"the deleting environment cannot re-run the recorded run's longest microbatch ({_where(entry)}"
+                         f"): {e}") from None
+    if found["g"] != recorded.get("g") or found["s"] != recorded.get("s"):
+        what = "gradients" if found["g"] != recorded.get("g") else "update (the gradients matched)"
+        raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: its longest "
+                         f"microbatch ({_where(entry)}), re-run alone from the step-0 checkpoint with no deletion, "
+                         f"gives another {what} than it gave in the recording process; something computes otherwise "
+                         "here at that shape only (a kernel, hook or library the probed steps did not reach); "
+                         "refusing before any compute (run the deletion where the run was recorded, with its "
+                         "environment)")
+    return {"step": entry.step, "tokens": max(entry.lens), "seconds": round(time.perf_counter() - wall, 3)}
+
+
+def applies(run) -> bool:
+    """Whether the recording kept the digests of this run's longest microbatch (:func:`check` compares them)."""
+    recorded = (run.header.get("fidelity") or {}).get(KEY)
+    entry = chosen(run) if recorded else None
+    return entry is not None and entry.mb == recorded.get("microbatch") and list(entry.batch or []) == recorded.get(
+        "batch") and max(entry.lens) == recorded.get("tokens")
+
+
+def _where(entry: PlanEntry) -> str:
+    return f"optimizer step {entry.step}, microbatch {entry.j}, rows of up to {max(entry.lens)} tokens"

@@ -1,0 +1,106 @@
+"""The environment probe's check of the run's longest microbatch (hf_unlearn.trace.longest_microbatch): recorded with
+the run, re-run in the deleting process, and what it catches that the probed steps do not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .test_trace_common import config_model, get_trace_data, record
+
+
+def _recorded(tmp_path):
+    """A tiny GQA Llama, 32 TOFU rows, 4 steps of 2 microbatches, checkpoints at 0, 2 and 4, proven when it ends; its
+    longest microbatch (109 tokens) is in step 3, which no checkpoint starts."""
+    from hf_unlearn.trace import open_run
+
+    tok, data = get_trace_data()
+    record(tok, data.select(range(8, 40)), tmp_path, model=config_model("llama", tok), every=2)
+    return open_run(tmp_path / "trace")
+
+
+class _NegAtLength:
+    """``aten::neg`` (rotary embeddings negate half of every query and key) registered for the CPU: exact negation,
+    except on tensors whose second-to-last dimension (the sequence) is ``length``, which it halves. Code no seal is
+    told about here (the test bypasses the code seal): what only the probe can catch."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __enter__(self):
+        import warnings
+
+        def neg(x):
+            if x.dim() >= 2 and x.shape[-2] == self.length:
+                return torch.mul(x, -0.5)
+            return torch.mul(x, -1)
+
+        self.lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            self.lib.impl("neg", neg, "CPU")
+        return self
+
+    def __exit__(self, *exc):
+        self.lib._destroy()
+
+
+def test_the_recording_keeps_its_longest_microbatchs_digests_and_the_probe_reruns_it(tmp_path):
+    """The run's longest microbatch is in a later step than 0: the recording keeps what the engine computes for it
+    alone from the step-0 checkpoint; a probe in an unchanged process re-runs it (and step 0) and passes, reporting
+    it, instead of a second whole step; a deletion's output run does not inherit it (its rows are not the
+    recording's)."""
+    from hf_unlearn.trace import longest_microbatch, proof
+
+    run = _recorded(tmp_path)
+    entry = longest_microbatch.chosen(run)
+    assert entry is not None and entry.step > 0
+    kept = run.header["fidelity"][longest_microbatch.KEY]
+    assert kept["step"] == entry.step and kept["tokens"] == max(entry.lens) == max(max(e.lens) for e in run.plan)
+    assert len(kept["g"]) == len(kept["s"]) == 16
+    assert proof.probe_steps(run) == [0]
+    lines = []
+    probed = proof.probe_environment(run.path, log=lines.append)
+    assert probed["steps"] == [0] and probed["longest_microbatch"]["step"] == entry.step
+    assert any("longest microbatch" in line for line in lines)
+    del run.header["fidelity"][longest_microbatch.KEY]  # a run recorded without it: the probe as before
+    assert not longest_microbatch.applies(run) and proof.probe_steps(run) == [0, 2]
+
+
+def test_code_acting_only_at_the_longest_microbatchs_length_is_refused_by_the_probe(tmp_path, monkeypatch):
+    """A kernel that computes otherwise only at the padded length of the run's longest microbatch, present in the
+    deleting process only, with the code seal bypassed (standing for any channel no seal names): step 0 re-run
+    matches, and the probe still refuses, naming the longest microbatch; without the kernel it passes."""
+    from hf_unlearn.trace import longest_microbatch, proof
+    from hf_unlearn.trace.proven import ProofError
+
+    run = _recorded(tmp_path)
+    entry = longest_microbatch.chosen(run)
+    length = max(entry.lens)
+    assert all(max(e.lens) < length for e in run.plan if e.step == 0)
+    monkeypatch.setattr(proof, "code_checked", lambda run: {"compared": 0, "why": "bypassed by the test"})
+    with _NegAtLength(length):
+        assert proof._run_interval(run, 0, 1) is None  # step 0 alone does not see it
+        with pytest.raises(ProofError) as e:
+            proof.probe_environment(run.path)
+    message = str(e.value)
+    assert "longest microbatch" in message and f"optimizer step {entry.step}" in message
+    assert f"{length} tokens" in message and "\n" not in message
+    assert proof.probe_environment(run.path)["longest_microbatch"]["tokens"] == length
+
+
+def test_the_longest_microbatch_is_not_rerun_where_it_proves_nothing_more(tmp_path):
+    """Its step is step 0 (the probe re-runs it whole), or the run is a compacted one or multi-process: none."""
+    import dataclasses
+
+    from hf_unlearn.trace import longest_microbatch
+
+    run = _recorded(tmp_path)
+    entry = longest_microbatch.chosen(run)
+    moved = [dataclasses.replace(e, step=0) if e.mb == entry.mb else e for e in run.plan]
+    assert longest_microbatch.chosen(dataclasses.replace(run, plan=moved)) is None
+    assert longest_microbatch.chosen(dataclasses.replace(run, header={**run.header, "world_size": 2})) is None
+    header = json.loads((run.path / "header.json").read_text())
+    assert header["fidelity"][longest_microbatch.KEY]["microbatch"] == entry.mb
