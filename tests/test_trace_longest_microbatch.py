@@ -104,3 +104,21 @@ def test_the_longest_microbatch_is_not_rerun_where_it_proves_nothing_more(tmp_pa
     assert longest_microbatch.chosen(dataclasses.replace(run, header={**run.header, "world_size": 2})) is None
     header = json.loads((run.path / "header.json").read_text())
     assert header["fidelity"][longest_microbatch.KEY]["microbatch"] == entry.mb
+
+
+def test_a_run_recorded_without_it_gets_it_from_trace_prove(tmp_path):
+    """``trace_self_check=False`` keeps no digests of the longest microbatch (the probe runs its second whole step
+    instead); ``trace prove``, which reproduces the whole run here, takes and seals them; a second proof keeps them."""
+    from hf_unlearn.trace import longest_microbatch, open_run, proof
+
+    tok, data = get_trace_data()
+    record(tok, data.select(range(8, 40)), tmp_path, model=config_model("llama", tok), every=2,
+           trainer_kwargs={"trace_self_check": False})
+    run = open_run(tmp_path / "trace")
+    assert longest_microbatch.KEY not in (run.header.get("fidelity") or {}) and proof.probe_steps(run) == [0, 2]
+    assert proof.prove(run.path, progress=False)["proven"]
+    kept = open_run(run.path).header["fidelity"][longest_microbatch.KEY]
+    assert kept["step"] == 3 and kept["tokens"] == 109
+    assert proof.probe_environment(run.path)["longest_microbatch"]["step"] == 3
+    proof.prove(run.path, progress=False)
+    assert open_run(run.path).header["fidelity"][longest_microbatch.KEY] == kept

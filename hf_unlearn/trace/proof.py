@@ -279,9 +279,13 @@ def prove(run_path, data_collator=None, progress: bool = True, seal: bool = True
         record["neutral_controls"] = state["neutral"]
     record.update(cpu_seconds=round(time.process_time() - started, 3),
                   wall_seconds=round(time.perf_counter() - wall, 3))
+    # a run recorded without its longest microbatch's digests (trace_self_check=False): taken here, where the whole
+    # run was just reproduced, for every later deletion's probe (longest_microbatch.reference: one process only)
+    longest = longest_microbatch.reference(run, data_collator) if (
+        seal and record["proven"] and longest_microbatch.KEY not in (run.header.get("fidelity") or {})) else None
     # every process returns once the main one sealed the proof (a process reading the header next), or every
     # process raises the main one's failure to seal it
-    agreed_value(_finish, run, record, seal and main, main)
+    agreed_value(_finish, run, record, seal and main, main, longest)
     return record
 
 
@@ -291,9 +295,9 @@ def _opened(run_path):
     return run
 
 
-def _finish(run, record: dict, seal: bool, main: bool) -> None:
+def _finish(run, record: dict, seal: bool, main: bool, longest: dict | None = None) -> None:
     if seal:
-        seal_proof(run.path, record)
+        seal_proof(run.path, record, longest)
     if main:  # done (a kill never gets here): a later prove starts afresh
         (run.path / PROGRESS).unlink(missing_ok=True)
 
@@ -340,12 +344,14 @@ def proof_record(run, upto: int, proven_starts: list[int], diverged: dict | None
     return record
 
 
-def seal_proof(run_path, record: dict) -> None:
-    """Write ``record`` into the run's ``header.json`` (``fidelity.proof``) under the run key's seal; the
-    progress file is done with."""
+def seal_proof(run_path, record: dict, longest: dict | None = None) -> None:
+    """Write ``record`` into the run's ``header.json`` (``fidelity.proof``; ``longest``: the longest microbatch's
+    digests, :mod:`~hf_unlearn.trace.longest_microbatch`) under the run key's seal; the progress file is done with."""
     run = open_run(run_path, check_checkpoints=False)
     header = read_header(run.path)
     header.setdefault("fidelity", {})["proof"] = record
+    if longest:
+        header["fidelity"][longest_microbatch.KEY] = longest
     TraceWriter(run.path, run.key).reseal_header(header)
 
 

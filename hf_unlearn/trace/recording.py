@@ -187,7 +187,7 @@ def prove_recording(trainer) -> None:
     if fid is not None and run[0] and (fid.get("recording") or {}).get("reproduced"):
         # the run's longest microbatch, as the engine computes it here: every deleting process must compute the same
         with rng_kept():
-            longest = longest_microbatch.reference(open_run(trainer.trace_dir),
+            longest = longest_microbatch.reference(open_run(trainer.trace_dir).kept(),
                                                    data_collator=None if run[1] else trainer.data_collator)
         if longest:
             fid[longest_microbatch.KEY] = longest
