@@ -1,6 +1,6 @@
-"""The environment probe with the run's longest microbatch (step 0 and that microbatch alone from the step-0
-checkpoint: hf_unlearn.trace.longest_microbatch) against the probe before it (step 0 and the kept-checkpoint step with
-the longest microbatch), CPU time, arms alternating in one process on one recorded run (a Llama of hidden 256 and 4
+"""The environment probe with the run's longest microbatch (step 0, the kept-checkpoint step with the longest
+microbatch, and the run's longest microbatch alone from the step-0 checkpoint: hf_unlearn.trace.longest_microbatch)
+against the probe without it (the two steps), CPU time, arms alternating in one process on one recorded run (a Llama of hidden 256 and 4
 layers, 16 steps of 4 TOFU rows of <= 128 tokens, a checkpoint every 8).
 
     PYTHONPATH=. python benchmarks/bench_probe_ab.py [--repeats 3]
@@ -30,7 +30,7 @@ def main():
            trainer_kwargs={"trace_self_check": 1})
     run = open_run(d / "trace")
     real = longest_microbatch.applies
-    times = {"with the longest microbatch": [], "before (a second whole step)": []}
+    times = {"with the longest microbatch": [], "without it (two steps)": []}
     for i in range(a.repeats):
         for arm in (list(times) if i % 2 == 0 else list(times)[::-1]):
             longest_microbatch.applies = real if arm.startswith("with") else (lambda r: False)

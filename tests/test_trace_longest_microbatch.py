@@ -60,10 +60,10 @@ def test_the_recording_keeps_its_longest_microbatchs_digests_and_the_probe_rerun
     kept = run.header["fidelity"][longest_microbatch.KEY]
     assert kept["step"] == entry.step and kept["tokens"] == max(entry.lens) == max(max(e.lens) for e in run.plan)
     assert len(kept["g"]) == len(kept["s"]) == 16
-    assert proof.probe_steps(run) == [0]
+    assert proof.probe_steps(run) == [0, 2]  # and a kept checkpoint's step: a shape between them, from a later state
     lines = []
     probed = proof.probe_environment(run.path, log=lines.append)
-    assert probed["steps"] == [0] and probed["longest_microbatch"]["step"] == entry.step
+    assert probed["steps"] == [0, 2] and probed["longest_microbatch"]["step"] == entry.step
     assert any("longest microbatch" in line for line in lines)
     del run.header["fidelity"][longest_microbatch.KEY]  # a run recorded without it: the probe as before
     assert not longest_microbatch.applies(run) and proof.probe_steps(run) == [0, 2]
@@ -87,7 +87,7 @@ def test_code_acting_only_at_the_longest_microbatchs_length_is_refused_by_the_pr
             proof.probe_environment(run.path)
     message = str(e.value)
     assert "longest microbatch" in message and f"optimizer step {entry.step}" in message
-    assert f"{length} tokens" in message and "\n" not in message
+    assert f"{length} tokens to a row as padded" in message and "\n" not in message
     assert proof.probe_environment(run.path)["longest_microbatch"]["tokens"] == length
 
 
@@ -115,10 +115,47 @@ def test_a_run_recorded_without_it_gets_it_from_trace_prove(tmp_path):
     record(tok, data.select(range(8, 40)), tmp_path, model=config_model("llama", tok), every=2,
            trainer_kwargs={"trace_self_check": False})
     run = open_run(tmp_path / "trace")
-    assert longest_microbatch.KEY not in (run.header.get("fidelity") or {}) and proof.probe_steps(run) == [0, 2]
+    assert longest_microbatch.KEY not in (run.header.get("fidelity") or {})
     assert proof.prove(run.path, progress=False)["proven"]
     kept = open_run(run.path).header["fidelity"][longest_microbatch.KEY]
     assert kept["step"] == 3 and kept["tokens"] == 109
     assert proof.probe_environment(run.path)["longest_microbatch"]["step"] == 3
     proof.prove(run.path, progress=False)
     assert open_run(run.path).header["fidelity"][longest_microbatch.KEY] == kept
+
+
+def test_a_dpo_runs_longest_microbatch_is_its_longest_pair_row_and_the_probe_passes(tmp_path):
+    """A DPO run's plan lengths hold both rows of a pair (the chosen one's above 32 bits): the longest microbatch is
+    the one with the longest row of either kind, named in tokens; an unchanged process's probe re-runs it and
+    passes (the reference model's forward included)."""
+    from hf_unlearn.trace import longest_microbatch, open_run, proof
+    from hf_unlearn.trace.preference import pair_rows
+
+    from .test_trace_dpo import pairs, record_dpo
+
+    tok, data = pairs(n=16)
+    record_dpo(tmp_path / "rec", tok, data, tmp_path / "base")
+    run = open_run(tmp_path / "rec" / "trace")
+    entry = longest_microbatch.chosen(run)
+    padded = {e.mb: max(r for n in e.lens for r in pair_rows(n)) for e in run.plan}  # chosen and rejected rows alike
+    assert entry is not None and padded[entry.mb] == max(padded.values()) < 1000
+    kept = run.header["fidelity"][longest_microbatch.KEY]
+    assert kept["tokens"] == padded[entry.mb] and kept["step"] == entry.step
+    assert proof.probe_environment(run.path)["longest_microbatch"]["tokens"] == padded[entry.mb]
+
+
+def test_the_longest_microbatch_is_the_longest_as_collated_padded_or_flattened(tmp_path):
+    """Padded, a microbatch's sequence is its longest row; flattened (padding_free, packing), all of its rows: the
+    one chosen is the longest as the model sees it (rows of 50 and 17 tokens are 67 flattened, less than 43 and 43)."""
+    import dataclasses
+
+    from hf_unlearn.trace import longest_microbatch
+
+    run = _recorded(tmp_path)
+    plan = [dataclasses.replace(e, lens=lens) for e, lens in zip(run.plan[:3], ([5, 5], [50, 17], [43, 43]))]
+    plan[1], plan[2] = dataclasses.replace(plan[1], step=1, mb=1), dataclasses.replace(plan[2], step=2, mb=2)
+    padded = dataclasses.replace(run, plan=plan)
+    flat = dataclasses.replace(padded, header={**run.header, "training_args": {
+        **run.header["training_args"], "padding_free": True}})
+    assert longest_microbatch.chosen(padded).mb == 1 and longest_microbatch.padded_length(padded, plan[1]) == 50
+    assert longest_microbatch.chosen(flat).mb == 2 and longest_microbatch.padded_length(flat, plan[2]) == 86

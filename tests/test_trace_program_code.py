@@ -795,3 +795,33 @@ def test_a_code_change_on_one_process_refuses_the_resume_on_every_process(tmp_pa
     assert "other code than the steps before the stop did: module transformers.loss.loss_utils" in errors[0]
     assert errors[0].endswith(f"(on process(es) {patched} of 2)") and "\n" not in errors[0], errors[0]
     assert header["sealed"] and header["optimizer_steps"] == 2  # the first launch's sealed run: the resume wrote none
+
+
+@pytest.mark.parametrize("named", ["torch's Python files", "torch's C++ build tree"])
+def test_a_kernel_that_names_torchs_own_files_as_where_it_was_registered_is_still_the_programs(named):
+    """The file a kernel names is the registering code's word (``torch._C._dispatch_library(..., file, line)``): an
+    ``aten::neg`` CPU kernel that says it was registered in torch's ``_tensor.py`` or in torch's C++ build tree is
+    named by the seal, as the program's (it is registered over torch's own, which stays inactive)."""
+    import gc
+    import os
+
+    import torch
+
+    from hf_unlearn.trace.program_code import user_kernels
+
+    where = (os.path.join(os.path.dirname(torch.__file__), "_tensor.py") if named.startswith("torch's Python")
+             else "/__w/pytorch/pytorch/build/aten/src/ATen/RegisterCPU_3.cpp")
+    assert user_kernels() == "none"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib = torch._C._dispatch_library("IMPL", "aten", "", where, 1)
+        lib.impl("neg", "CPU", lambda x: torch.mul(x, -0.5), False)
+    try:
+        assert torch.neg(torch.ones(1)).item() == -0.5
+        assert user_kernels() == "aten::neg/CPU"
+    finally:
+        del lib
+        gc.collect()
+    assert torch.neg(torch.ones(1)).item() == -1.0 and user_kernels() == "none"

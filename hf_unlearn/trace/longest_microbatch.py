@@ -1,15 +1,17 @@
 """The run's longest microbatch, re-run in the deleting process: the environment probe's check of the shape no kept
 checkpoint starts.
 
-The environment probe (:func:`hf_unlearn.trace.proof.probe_environment`) re-runs recorded steps from kept checkpoints,
-which only the steps that start at one can be. A kernel, hook or library that computes otherwise only at some
+The environment probe (:func:`hf_unlearn.trace.proof.probe_environment`) re-runs recorded steps from kept checkpoints
+(step 0 and the kept-checkpoint step with the longest microbatch), which only the steps that start at one can be. A kernel, hook or library that computes otherwise only at some
 shapes (a padded length the probed steps do not have) would pass it. So the recording also keeps, in the same
 process that trained (at the end of ``train()``, beside its self-check), what the replay engine computes for the
 run's **longest microbatch** (the most tokens in a row, as its padding reaches them) run alone as the first
 optimizer step from the step-0 checkpoint: the exact digests of the gradients it gives and of the trainable state
 after the update (:func:`reference`, sealed in the header's ``fidelity.longest_microbatch``). Every deleting process
 computes the same and compares (:func:`check`): a difference refuses before any compute. It costs one microbatch's
-forward and backward and one optimizer step, at recording and at each deletion.
+forward and backward, one optimizer step and a model rebuild, at recording and at each deletion. It runs the
+microbatch alone, once, from the step-0 weights: code that acts at that shape only after some calls, from some step
+or on other weights is not shown by it (the seals cover the program there).
 
 Not run where it proves nothing more or cannot be repeated as recorded (:func:`chosen`): the longest microbatch is
 in step 0 (the probe re-runs step 0 whole), a multi-process run (the probe's steps cover its processes), a compacted
@@ -24,6 +26,7 @@ import time
 from ..errors import UnlearnError
 from .checksums import exact_digest, gradient_tensors, tensor_checksums
 from .plan import PlanEntry
+from .preference import PAIR_ROWS, pair_rows
 from .processes import world_size
 
 KEY = "longest_microbatch"  # the header's fidelity entry
@@ -35,8 +38,22 @@ def chosen(run) -> PlanEntry | None:
     plan = run.plan
     if not plan or run.compact or world_size() > 1 or (run.header.get("world_size") or 1) > 1:
         return None
-    best = max(plan, key=lambda e: (max(e.lens or [0]), sum(e.lens or []), -e.mb))
+    best = max(plan, key=lambda e: (padded_length(run, e), sum(e.lens or []), -e.mb))
     return None if best.step == 0 else best
+
+
+def flattened(run) -> bool:
+    """Whether the run's collator flattens a microbatch's rows into one sequence (``padding_free``, ``packing``)."""
+    args = run.header.get("training_args") or {}
+    return bool(args.get("padding_free") or args.get("packing"))
+
+
+def padded_length(run, entry: PlanEntry) -> int:
+    """The sequence length of a microbatch as collated: its longest row (a DPO pair's plan length holds both of its
+    rows, :func:`~hf_unlearn.trace.preference.pair_rows`), or, flattened, all of its rows' tokens."""
+    rows = [r for n in entry.lens or [] for r in pair_rows(n)] if (run.header.get("dataset") or {}).get(
+        PAIR_ROWS) else list(entry.lens or [])
+    return (sum(rows) if flattened(run) else max(rows, default=0)) if rows else 0
 
 
 def _alone(run, entry: PlanEntry):
@@ -88,7 +105,7 @@ def reference(run, data_collator=None) -> dict | None:
     if entry is None:
         return None
     wall = time.perf_counter()
-    return {"step": entry.step, "microbatch": entry.mb, "tokens": max(entry.lens), "batch": list(entry.batch or []),
+    return {"step": entry.step, "microbatch": entry.mb, "tokens": padded_length(run, entry), "batch": list(entry.batch or []),
             **_digests(run, entry, data_collator), "seconds": round(time.perf_counter() - wall, 3)}
 
 
@@ -106,17 +123,17 @@ def check(run, data_collator=None) -> dict | None:
     try:
         found = _digests(run, entry, data_collator)
     except UnlearnError as e:
-        raise ProofError(f"the deleting environment cannot re-run the recorded run's longest microbatch ({_where(entry)}"
+        raise ProofError(f"the deleting environment cannot re-run the recorded run's longest microbatch ({_where(run, entry)}"
                          f"): {e}") from None
     if found["g"] != recorded.get("g") or found["s"] != recorded.get("s"):
-        what = "gradients" if found["g"] != recorded.get("g") else "update (the gradients matched)"
+        what = "gradients" if found["g"] != recorded.get("g") else "updated weights (the gradients matched)"
         raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: its longest "
-                         f"microbatch ({_where(entry)}), re-run alone from the step-0 checkpoint with no deletion, "
-                         f"gives another {what} than it gave in the recording process; something computes otherwise "
+                         f"microbatch ({_where(run, entry)}), re-run alone from the step-0 checkpoint with no deletion, "
+                         f"gives other {what} than it gave in the recording process; something computes otherwise "
                          "here at that shape only (a kernel, hook or library the probed steps did not reach); "
                          "refusing before any compute (run the deletion where the run was recorded, with its "
                          "environment)")
-    return {"step": entry.step, "tokens": max(entry.lens), "seconds": round(time.perf_counter() - wall, 3)}
+    return {"step": entry.step, "tokens": padded_length(run, entry), "seconds": round(time.perf_counter() - wall, 3)}
 
 
 def applies(run) -> bool:
@@ -124,8 +141,9 @@ def applies(run) -> bool:
     recorded = (run.header.get("fidelity") or {}).get(KEY)
     entry = chosen(run) if recorded else None
     return entry is not None and entry.mb == recorded.get("microbatch") and list(entry.batch or []) == recorded.get(
-        "batch") and max(entry.lens) == recorded.get("tokens")
+        "batch") and padded_length(run, entry) == recorded.get("tokens")
 
 
-def _where(entry: PlanEntry) -> str:
-    return f"optimizer step {entry.step}, microbatch {entry.j}, rows of up to {max(entry.lens)} tokens"
+def _where(run, entry: PlanEntry) -> str:
+    return (f"optimizer step {entry.step}, microbatch {entry.j}, {padded_length(run, entry)} tokens "
+            + ("flattened" if flattened(run) else "to a row as padded"))

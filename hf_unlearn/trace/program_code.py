@@ -86,31 +86,40 @@ def user_kernels() -> str:
     deleting process without it does not. Read from the dispatcher itself, every ``aten`` operator (about 3,000,
     about 0.1 s: torch's own registrations counted in C), which says where each kernel was registered: torch's own
     (its C++ sources, its package's files except the user-facing ``torch.library`` modules) are not the program's;
-    Meta kernels (shapes, no numbers) aside."""
+    Meta kernels (shapes, no numbers) aside. The file a kernel names is the registering code's word
+    (``torch._C._dispatch_library(..., file, line)``): a kernel registered over another (the other kept inactive,
+    which torch's own never are) is the program's whatever file it names, and one that names torch's own Python files
+    on a key that computes on the CPU or for every backend too (torch registers none there)."""
     own = os.path.dirname(torch.__file__) + os.sep
-    torch_own = [f"registered at {own}"] + [f"registered at {root}" for root in _build_roots()]
-    user_facing = [f"registered at {own}library.py", f"registered at {own}_library{os.sep}"]
+    built = [f"registered at {root}" for root in _build_roots()]
     found = []
     for op in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(_OPERATOR_PREFIXES)):
         dump = torch._C._dispatch_dump(op)
-        if dump.count("registered at ") == sum(map(dump.count, torch_own)) - sum(map(dump.count, user_facing)):
-            continue  # every kernel torch's own (counted in C: most operators, parsed no further)
+        if dump.count("registered at ") == sum(map(dump.count, built)) and " (inactive)" not in dump:
+            continue  # every kernel torch's own C++ (counted in C: most operators, parsed no further)
         for line in dump.splitlines():
             m = _REGISTERED.match(line)
             if m is None or m.group(1) == "Meta":
                 continue
-            where = m.group(2)
+            where, key = m.group(2), m.group(1)
+            if " (inactive)" in line.split(":", 1)[0]:  # a kernel registered over this one, whatever file it names:
+                found.append(f"{op}/{key}")  # torch registers none over its own (no inactive kernel in a clean one)
+                continue
             if any(part in where for part in _TORCH_SOURCES) or (
                     where.startswith(own) and os.path.basename(where) != "library.py"
-                    and f"{os.sep}_library{os.sep}" not in where):
+                    and f"{os.sep}_library{os.sep}" not in where and not _COMPUTES_HERE.match(key)):
                 continue
-            found.append(f"{op}/{m.group(1)}")
+            found.append(f"{op}/{key}")
     return " ".join(sorted(set(found))) or "none"
 
 
 # a dispatcher dump's kernel line: "CPU: registered at FILE:LINE :: ...", "CompositeImplicitAutograd[alias]: ...",
 # "CPU (inactive): ..." (a kernel registered over another keeps the other, inactive)
 _REGISTERED = re.compile(r"^(\w+)(?:\[alias\])?(?: \(inactive\))?: registered at (.+?):\d+(?: ::|$)")
+# the keys of kernels that compute on the CPU, or for every backend: torch registers none of them from its own Python
+# files (only CUDA and MPS ones, 2.13), so such a kernel that names one of those files as where it was registered (a
+# name the registering code gives itself: torch._C._dispatch_library(..., file, line)) is the program's
+_COMPUTES_HERE = re.compile(r"^(CPU|Composite\w*|Autograd\w*|CompositeImplicitAutograd\w*|Math|Default\w*)$")
 # where torch's own C++ registrations say they were made (its source tree at build time)
 _TORCH_SOURCES = (f"{os.sep}aten{os.sep}src{os.sep}", f"{os.sep}torch{os.sep}csrc{os.sep}")
 

@@ -23,8 +23,8 @@ the same, the state differs at that step and the proof names it.
   is VERIFIED only when every step its replay and its oracle run is proven (:mod:`hf_unlearn.trace.verification`);
   ``forget`` and ``trace replay`` refuse an unproven range unless the user accepts it.
 * :func:`probe_environment`: before any compute of a deletion, the deleting process(es) re-run the first recorded
-  step and the run's longest microbatch (:mod:`~hf_unlearn.trace.longest_microbatch`; for a run recorded without
-  it, the kept-checkpoint step with the longest microbatch) with no deletion and compare them with the recording; a difference refuses in one line, naming the numeric environment variables that differ
+  step, the kept-checkpoint step with the longest microbatch and, alone, the run's longest microbatch
+  (:mod:`~hf_unlearn.trace.longest_microbatch`) with no deletion and compare them with the recording; a difference refuses in one line, naming the numeric environment variables that differ
   from the recording's. The probe, not the list, is the guarantee.
 """
 
@@ -366,23 +366,21 @@ def _is_main() -> bool:
 
 # ---- the deleting environment ---------------------------------------------------------------------------------
 def probe_steps(run) -> list[int]:
-    """Step 0, and among the steps that start at a kept checkpoint the one with the longest microbatch (unless the
-    recording kept the run's longest microbatch's digests: :mod:`~hf_unlearn.trace.longest_microbatch` checks that
-    shape instead, for less compute); none at or after the first program change the recording found (the engine
-    cannot reproduce those from a checkpoint: the deletion's own check,
+    """Step 0, and among the steps that start at a kept checkpoint the one with the longest microbatch as collated
+    (:func:`~hf_unlearn.trace.longest_microbatch.padded_length`; the run's longest is checked besides, alone:
+    :mod:`~hf_unlearn.trace.longest_microbatch`); none at or after the first program change the recording found (the
+    engine cannot reproduce those from a checkpoint: the deletion's own check,
     :func:`~hf_unlearn.trace.guards.program_refusal`, names that change, not the probe)."""
     total = run.total_steps
     if total == 0:
         return []
-    if longest_microbatch.applies(run):
-        return [0]
     changes = program_changes(run.served_plan or run.plan, run.header)
     first_change = changes[0]["step"] if changes else total
     starts = {c for c in run.checkpoints() if c < min(total, first_change)}
     longest = {}
     for e in run.plan:
         if e.step in starts:
-            longest[e.step] = max(longest.get(e.step, 0), max(e.lens or [0]))
+            longest[e.step] = max(longest.get(e.step, 0), longest_microbatch.padded_length(run, e))
     other = max(sorted(longest), key=lambda s: longest[s], default=0)
     return [0] + ([other] if other != 0 else [])
 
