@@ -444,8 +444,9 @@ def probe_environment(run_path, data_collator=None, log=None, replayed=range(0),
         log(f"environment probe: optimizer step(s) {', '.join(map(str, steps))} re-run here with no deletion match the "
             f"recording ({seconds:.1f} s)")
     if log and longest:
-        log(f"environment probe: the run's longest microbatch (step {longest['step']}, rows of up to "
-            f"{longest['tokens']} tokens) re-run alone from the step-0 checkpoint gives the recording's gradients")
+        log(f"environment probe: the run's longest microbatch (step {longest['step']}, "
+            f"{longest['tokens']} tokens as collated) re-run alone from the step-0 checkpoint gives the recording's "
+            "gradients")
     if log and by_replay:
         log(f"environment probe: optimizer step(s) {', '.join(map(str, by_replay))} re-run by the replay itself with no "
             "deletion (before the first affected step), its state compared with the recording's fingerprint there")
