@@ -33,8 +33,8 @@ KEY = "longest_microbatch"  # the header's fidelity entry
 
 
 def chosen(run) -> PlanEntry | None:
-    """The microbatch the check re-runs: the run's longest (its longest row, then its most tokens; the first such),
-    or None where the check does not run (see the module docstring)."""
+    """The microbatch the check re-runs: the run's longest as collated (:func:`padded_length`, then its most tokens;
+    the first such), or None where the check does not run (see the module docstring)."""
     plan = run.plan
     if not plan or run.compact or world_size() > 1 or (run.header.get("world_size") or 1) > 1:
         return None
