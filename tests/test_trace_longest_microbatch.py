@@ -159,3 +159,29 @@ def test_the_longest_microbatch_is_the_longest_as_collated_padded_or_flattened(t
         **run.header["training_args"], "padding_free": True}})
     assert longest_microbatch.chosen(padded).mb == 1 and longest_microbatch.padded_length(padded, plan[1]) == 50
     assert longest_microbatch.chosen(flat).mb == 2 and longest_microbatch.padded_length(flat, plan[2]) == 86
+
+
+def test_a_deletions_output_uses_the_digests_only_where_its_longest_microbatch_is_untouched(tmp_path):
+    """``forget`` of a row outside the longest microbatch: the output run (``OUT/replay``, which a next deletion starts
+    from) keeps the digests and its probe re-runs that microbatch; a row of the longest microbatch deleted: its batch
+    is not the recording's, and the output's probe runs its two steps alone. Another step-0 checkpoint (a pipeline
+    stage from a new parent) is not the digests' start either."""
+    import dataclasses
+
+    from hf_unlearn import forget
+    from hf_unlearn.trace import longest_microbatch, open_run, proof
+
+    run = _recorded(tmp_path / "a")
+    entry = longest_microbatch.chosen(run)
+    elsewhere = [i for i in run.ids_at_steps([1]) if i not in run.ids_at_steps([entry.step])][:1]
+    forget(run.path, elsewhere, tmp_path / "out1", progress=False)
+    kept = open_run(tmp_path / "out1" / "replay")
+    assert longest_microbatch.applies(kept)
+    assert proof.probe_environment(kept.path)["longest_microbatch"]["step"] == entry.step
+    moved = dataclasses.replace(kept, header={**kept.header, "fidelity": {**kept.header["fidelity"], longest_microbatch.KEY: {
+        **kept.header["fidelity"][longest_microbatch.KEY], "start_root": "0" * 64}}})
+    assert not longest_microbatch.applies(moved)
+    inside = run.ids_at_steps([entry.step])  # the longest microbatch's step: its rows
+    forget(run.path, inside[:1] if entry.j == 0 else inside[-1:], tmp_path / "out2", progress=False)
+    touched = open_run(tmp_path / "out2" / "replay")
+    assert not longest_microbatch.applies(touched) and "longest_microbatch" not in proof.probe_environment(touched.path)

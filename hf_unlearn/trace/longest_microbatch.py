@@ -15,12 +15,14 @@ or on other weights is not shown by it (the seals cover the program there).
 
 Not run where it proves nothing more or cannot be repeated as recorded (:func:`chosen`): the longest microbatch is
 in step 0 (the probe re-runs step 0 whole), a multi-process run (the probe's steps cover its processes), a compacted
-run (its plan keeps no per-microbatch batch digest), a deletion's output run (its rows are not the recording's).
+run (its plan keeps no per-microbatch batch digest). A deletion's output run keeps the digests and uses them where its
+longest microbatch is the recording's, untouched (the same keyed batch digest), from the same step-0 checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 from ..errors import UnlearnError
@@ -99,14 +101,24 @@ def _digests(run, entry: PlanEntry, data_collator=None) -> dict:
     return {"g": trainer._longest_grads, "s": trainer._step_fps[0]["s"]}
 
 
+def _start_root(run) -> str | None:
+    """The params root of the run's step-0 checkpoint (what the check starts from), None without one."""
+    hashes = run.checkpoints().get(0)
+    hashes = hashes / "hashes.json" if hashes is not None else None
+    return json.loads(hashes.read_text()).get("params_root") if hashes is not None and hashes.is_file() else None
+
+
 def reference(run, data_collator=None) -> dict | None:
-    """What the recording process computes for :func:`chosen` (None: not run), for the header."""
+    """What the recording process computes for :func:`chosen` (None: not run), for the header: the digests, and what
+    they were computed from (the microbatch, its keyed batch digest and length, the step-0 checkpoint's root), so a
+    deletion's output run, which keeps them, uses them only where its own longest microbatch and start are those."""
     entry = chosen(run)
     if entry is None:
         return None
     wall = time.perf_counter()
-    return {"step": entry.step, "microbatch": entry.mb, "tokens": padded_length(run, entry), "batch": list(entry.batch or []),
-            **_digests(run, entry, data_collator), "seconds": round(time.perf_counter() - wall, 3)}
+    return {"step": entry.step, "microbatch": entry.mb, "tokens": padded_length(run, entry),
+            "batch": list(entry.batch or []), "start_root": _start_root(run), **_digests(run, entry, data_collator),
+            "seconds": round(time.perf_counter() - wall, 3)}
 
 
 def check(run, data_collator=None) -> dict | None:
@@ -141,7 +153,8 @@ def applies(run) -> bool:
     recorded = (run.header.get("fidelity") or {}).get(KEY)
     entry = chosen(run) if recorded else None
     return entry is not None and entry.mb == recorded.get("microbatch") and list(entry.batch or []) == recorded.get(
-        "batch") and padded_length(run, entry) == recorded.get("tokens")
+        "batch") and padded_length(run, entry) == recorded.get("tokens") and recorded.get("start_root") is not None \
+        and recorded["start_root"] == _start_root(run)
 
 
 def _where(run, entry: PlanEntry) -> str:

@@ -145,7 +145,6 @@ class OutputRun:
         header["fidelity"] = {**(header.get("fidelity") or {}), "checkpoints_matched": stats["checkpoints_matched"],
                               "fingerprints_matched": stats["fingerprints_matched"]}
         header["fidelity"].pop("start", None)  # the parent's own start is not this replay's
-        header["fidelity"].pop("longest_microbatch", None)  # nor its rows: the parent's longest microbatch
         if self._start_proof:  # how this replay's fresh start was proven (hf_unlearn.trace.proven.replay_start)
             header["fidelity"]["start"] = {**self._start_proof, "run_id": self.run.header.get("run_id")}
         last = self.run.total_steps - 1
