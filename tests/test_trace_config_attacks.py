@@ -615,6 +615,7 @@ def test_moe_samples_sharing_a_microbatch_are_refused_at_construction(tmp_path, 
     assert not (tmp_path / "rec" / "trace" / "header.json").exists()
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_a_run_resumed_with_clipping_lifted_where_it_never_acted_on_the_recorded_rows(tmp_path):
     """The first launch clips at a threshold just above every gradient norm of its 4 steps (so it never acts on the
     recorded rows); the user lifts clipping (``max_grad_norm=1e9``) and resumes. The proof replayed all 6 steps with
@@ -878,6 +879,7 @@ def _plateau_run(tok, data, out, **trainer_kwargs):
     return trainer, start
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_a_plateau_schedule_recorded_with_hazards_allowed_deletes_and_says_what_it_keeps(tmp_path):
     """Recorded with ``trace_allow_hazards=True`` (evaluated on the row deleted later): training ends, ``forget``
     replays with the recorded learning rates and the receipt carries the hazard. The hazard is real: a plain Trainer

@@ -198,6 +198,7 @@ class SetsADefault(TrainerCallback):
         os.environ.setdefault("HFU_TEST_IMP_SETDEFAULT", "offline")
 
 
+@pytest.mark.slow  # the default suite's time budget (`make test-slow` runs it)
 def test_a_variable_the_program_set_itself_is_its_own_state(tmp_path, monkeypatch):
     """OVER-REFUSAL: the recording read the variable unset, then the program set it; the proof that ends the
     recording replays that code in the same process, which now holds the value, so it stopped ("its value differs")
