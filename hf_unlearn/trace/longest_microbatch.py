@@ -128,15 +128,16 @@ def check(run, data_collator=None) -> dict | None:
     one: a deletion's output)."""
     from .proven import ProofError
 
-    if not applies(run):
+    entry = _recorded_entry(run)
+    if entry is None:
         return None
-    recorded, entry = run.header["fidelity"][KEY], chosen(run)
+    recorded = run.header["fidelity"][KEY]
     wall = time.perf_counter()
     try:
         found = _digests(run, entry, data_collator)
     except UnlearnError as e:
-        raise ProofError(f"the deleting environment cannot re-run the recorded run's longest microbatch ({_where(run, entry)}"
-                         f"): {e}") from None
+        raise ProofError(f"the deleting environment cannot re-run the recorded run's longest microbatch "
+                         f"({_where(run, entry)}): {e}") from None
     if found["g"] != recorded.get("g") or found["s"] != recorded.get("s"):
         what = "gradients" if found["g"] != recorded.get("g") else "updated weights (the gradients matched)"
         raise ProofError(f"the deleting environment does not reproduce the recorded run {run.path}: its longest "
@@ -150,11 +151,18 @@ def check(run, data_collator=None) -> dict | None:
 
 def applies(run) -> bool:
     """Whether the recording kept the digests of this run's longest microbatch (:func:`check` compares them)."""
+    return _recorded_entry(run) is not None
+
+
+def _recorded_entry(run) -> PlanEntry | None:
+    """This run's longest microbatch, where the recorded digests are its: the same microbatch, keyed batch digest and
+    length, from the same step-0 checkpoint (None: no digests, or another microbatch or start)."""
     recorded = (run.header.get("fidelity") or {}).get(KEY)
     entry = chosen(run) if recorded else None
-    return entry is not None and entry.mb == recorded.get("microbatch") and list(entry.batch or []) == recorded.get(
-        "batch") and padded_length(run, entry) == recorded.get("tokens") and recorded.get("start_root") is not None \
-        and recorded["start_root"] == _start_root(run)
+    if entry is None or entry.mb != recorded.get("microbatch") or list(entry.batch or []) != recorded.get("batch") \
+            or padded_length(run, entry) != recorded.get("tokens") or recorded.get("start_root") is None:
+        return None
+    return entry if recorded["start_root"] == _start_root(run) else None
 
 
 def _where(run, entry: PlanEntry) -> str:

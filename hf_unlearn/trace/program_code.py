@@ -119,7 +119,7 @@ _REGISTERED = re.compile(r"^(\w+)(?:\[alias\])?(?: \(inactive\))?: registered at
 # the keys of kernels that compute on the CPU, or for every backend: torch registers none of them from its own Python
 # files (only CUDA and MPS ones, 2.13), so such a kernel that names one of those files as where it was registered (a
 # name the registering code gives itself: torch._C._dispatch_library(..., file, line)) is the program's
-_COMPUTES_HERE = re.compile(r"^(CPU|Composite\w*|Autograd\w*|CompositeImplicitAutograd\w*|Math|Default\w*)$")
+_COMPUTES_HERE = re.compile(r"^(CPU|Composite\w*|Autograd\w*|Math|Default\w*)$")
 # where torch's own C++ registrations say they were made (its source tree at build time)
 _TORCH_SOURCES = (f"{os.sep}aten{os.sep}src{os.sep}", f"{os.sep}torch{os.sep}csrc{os.sep}")
 

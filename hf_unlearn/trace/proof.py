@@ -24,8 +24,8 @@ the same, the state differs at that step and the proof names it.
   ``forget`` and ``trace replay`` refuse an unproven range unless the user accepts it.
 * :func:`probe_environment`: before any compute of a deletion, the deleting process(es) re-run the first recorded
   step, the kept-checkpoint step with the longest microbatch and, alone, the run's longest microbatch
-  (:mod:`~hf_unlearn.trace.longest_microbatch`) with no deletion and compare them with the recording; a difference refuses in one line, naming the numeric environment variables that differ
-  from the recording's. The probe, not the list, is the guarantee.
+  (:mod:`~hf_unlearn.trace.longest_microbatch`) with no deletion and compare them with the recording; a difference
+  refuses in one line, naming the numeric environment variables that differ from the recording's. The probe, not the list, is the guarantee.
 """
 
 from __future__ import annotations
