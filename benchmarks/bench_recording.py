@@ -5,7 +5,8 @@ checkpoints) against a plain ``Trainer`` that saves a checkpoint at the same cad
     PYTHONPATH=. python benchmarks/bench_recording.py --model smollm2 --steps 32 --every 4 --accum 1 --pairs 2
     PYTHONPATH=. python benchmarks/bench_recording.py --model smollm2 --steps 8 --profile   # where the time goes
     BENCH_WALL=1 ... --profile --profile-out F   # the profile with a wall-clock timer, its pstats kept in F
-    ... --step-times   # each arm's wall time per optimizer step (checkpoint steps stand out)
+    ... --profile --profile-arm plain   # the plain Trainer under the same profiler, for the comparison
+    ... --step-times   # each arm's wall and CPU time per optimizer step (checkpoint steps stand out)
 
 ``smollm2`` is a randomly initialised ``LlamaConfig`` of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3
 key/value heads, MLP 1536, vocabulary 49152, tied embeddings): the GGUF weights in /work/shared are quantised,
@@ -78,23 +79,39 @@ def make_trainer(kind, model_kind, data, out, steps, every, accum):
 
 
 def step_timer():
-    """A callback that notes the wall time at the end of each optimizer step (checkpoint steps stand out)."""
+    """A callback that notes the wall and CPU time at the start of training, the end of each optimizer step and the
+    end of training (checkpoint steps stand out; the set-up and the sealing are the first and last parts)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.ends = []
 
+        def _note(self):
+            self.ends.append((time.perf_counter(), time.process_time()))
+
         def on_train_begin(self, args, state, control, **kwargs):
-            self.ends = [time.perf_counter()]
+            self.ends = []
+            self._note()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
+            self._note()
 
-        def steps(self):
-            return [round(b - a, 2) for a, b in zip(self.ends, self.ends[1:])]
+        def steps(self, which: int = 0):
+            """Seconds per optimizer step (``which``: 0 wall, 1 CPU)."""
+            return [round(b[which] - a[which], 2) for a, b in zip(self.ends, self.ends[1:])]
 
     return StepTimer()
+
+
+def summarise_steps(times: list[float], every: int) -> str:
+    """Median of the ordinary steps and of the checkpoint steps (those ending at a multiple of ``every``)."""
+    import statistics
+
+    kept = [t for i, t in enumerate(times, 1) if i % every == 0]
+    plain = [t for i, t in enumerate(times, 1) if i % every]
+    return (f"median ordinary step {statistics.median(plain):.2f} s, median checkpoint step "
+            f"{statistics.median(kept) if kept else float('nan'):.2f} s")
 
 
 def main():
@@ -106,13 +123,15 @@ def main():
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="profile one recording instead (top functions)")
     p.add_argument("--profile-out", help="with --profile: also write the pstats file here")
-    p.add_argument("--step-times", action="store_true", help="also print each arm's wall time per optimizer step")
+    p.add_argument("--profile-arm", choices=["trace", "plain"], default="trace",
+                   help="with --profile: which arm to profile (the plain Trainer for the comparison)")
+    p.add_argument("--step-times", action="store_true", help="also print each arm's wall and CPU time per optimizer step")
     a = p.parse_args()
     data = dataset(4 * a.accum * a.steps)
     tmp = Path(tempfile.mkdtemp(prefix="bench_recording_"))
     try:
         if a.profile:
-            trainer = make_trainer("trace", a.model, data, tmp / "prof", a.steps, a.every, a.accum)
+            trainer = make_trainer(a.profile_arm, a.model, data, tmp / "prof", a.steps, a.every, a.accum)
             prof = cProfile.Profile(time.perf_counter if os.environ.get("BENCH_WALL") else time.process_time)
             prof.runcall(trainer.train)
             if a.profile_out:
@@ -134,7 +153,9 @@ def main():
                 shutil.rmtree(out, ignore_errors=True)
                 print(f"  pair {r} {kind}: wall {wall[kind][-1]:.2f} s, CPU {cpu[kind][-1]:.2f} s", flush=True)
                 if a.step_times:
-                    print(f"    wall s per step: {timer.steps()}", flush=True)
+                    for which, name in ((0, "wall"), (1, "CPU")):
+                        print(f"    {name} s per step: {timer.steps(which)}; "
+                              f"{summarise_steps(timer.steps(which), a.every)}", flush=True)
         print(f"{a.model}, {a.steps} steps, {a.accum} microbatch(es) of 4 x 128 tokens per step, a checkpoint every "
               f"{a.every}, threads {os.environ.get('OMP_NUM_THREADS', 'default')}:")
         for name, d in (("wall", wall), ("CPU", cpu)):

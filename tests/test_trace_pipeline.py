@@ -392,3 +392,44 @@ def test_a_pipeline_deletion_probes_the_deleting_environment(tmp_path, monkeypat
         forget(runs, ids, tmp_path / "pipeline", oracle=True, progress=False)
     assert "\n" not in str(e.value) and "refusing before any compute" in str(e.value)
     assert not (tmp_path / "single").exists() and not (tmp_path / "pipeline").exists()
+
+
+def test_rows_a_stage_never_reached_are_answered_never_trained_not_unknown(tmp_path):
+    """Stage 1 trains 2 steps of 4 rows on its 16 rows (``max_steps`` shorter than an epoch): the 8 rows it never
+    reached are in its token store and in no step. With a stage-2 row, the pipeline deletion replays stage 2 alone,
+    says why stage 1 is unchanged, and equals the engine-free counterfactual (stage 2's plain Trainer run from the
+    unchanged stage-1 model); alone, it is refused before any compute naming the stage and why (both were refused as
+    ids "in no stage of the pipeline", which a single run answers "never trained on")."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.deletion import forget
+
+    tok, data = get_trace_data()
+    t1 = record(tok, data.select(range(16)), tmp_path / "s1", model=_model("llama", tok), **{**KW, "max_steps": 2})
+    t1.save_model(str(tmp_path / "s1"))
+    record(tok, data.select(range(16, 32)), tmp_path / "s2", model=_from(tmp_path / "s1"), **KW)
+    s1, s2 = tmp_path / "s1" / "trace", tmp_path / "s2" / "trace"
+    reached = set(ids_at_step(s1, 0) + ids_at_step(s1, 1))
+    unreached = [i for i in data.select(range(16))["id"] if i not in reached]
+    assert len(unreached) == 8
+    ids2 = ids_at_step(s2, 2)[:1]
+
+    write_ids(tmp_path / "ids.jsonl", unreached[:1] + ids2)
+    assert main(["trace", "cost", str(s1), str(s2), "--forget", str(tmp_path / "ids.jsonl")]) == 0
+    receipt = forget([str(s1), str(s2)], unreached[:1] + ids2, tmp_path / "out", oracle=True, progress=False)
+    assert receipt.evidence["verified"] is True
+    stages = receipt.evidence["pipeline"]
+    assert [s["replayed"] for s in stages] == [False, True] and "never trained on" in stages[0]["why"]
+    cf = independent_counterfactual(tok, data.select(range(16, 32)), _from(tmp_path / "s1"), s2, ids2,
+                                    tmp_path / "cf2", **KW)
+    for role in ("replay", "oracle"):
+        assert not _same(_final(tmp_path / "out" / "stage-2" / role), cf), role
+    from hf_unlearn.deletion.remains import still_holding
+
+    assert "from stage 1 on" in dict(still_holding(receipt))["still holds"]  # stage 1's store still holds the row
+
+    with pytest.raises(UnlearnError, match=r"^nothing to replay, no model of the pipeline changes: stage 1: .*"
+                                           r"1 never trained on .*max_steps shorter than an epoch.*"
+                                           r"stay only in the token store of their stage .*s1/trace/private/store"):
+        forget([str(s1), str(s2)], unreached[:2][1:], tmp_path / "alone", oracle=True, progress=False)
+    assert not (tmp_path / "alone").exists()

@@ -41,9 +41,11 @@ from .runs import _run_collator, with_replay_progress
 
 # ---- before any compute ----------------------------------------------------------------------------------------
 def stage_ids(run, ids) -> list:
-    """The ids of ``ids`` that stage ``run`` served (or deleted before, or dropped before training)."""
+    """The ids of ``ids`` that stage ``run`` served (or deleted before, or dropped before training, or holds in its
+    token store where its plan never reached them: ``max_steps`` shorter than an epoch)."""
     from ..trace.packing import document_tags, is_packed, load_map
     from ..trace.replay import never_trained_tags
+    from ..trace.request import unplanned_store_ids
     from ..trace.run import read_deletion_log
     from ..trace.tags import tag
 
@@ -54,7 +56,9 @@ def stage_ids(run, ids) -> list:
     known |= {t for entry in read_deletion_log(run.path) for t in entry.get("forget_tags", [])}
     known |= never_trained_tags(run)
     key = run.key
-    return [i for i in ids if tag(key, i) in known]
+    rest = [i for i in ids if tag(key, i) not in known]
+    unreached = set(unplanned_store_ids(run, rest)) if rest else set()  # the store is read only for these
+    return [i for i in ids if tag(key, i) in known or i in unreached]
 
 
 def open_pipeline(sources) -> list:
@@ -91,8 +95,7 @@ def pipeline_cost(runs, ids) -> dict:
         if first is None:
             cost = replay_cost(run, sids) if sids else None
             if cost is None or cost["first_affected_step"] is None:
-                entry.update(replayed=False, steps_to_replay=0, why="no id of the request in this stage (unchanged)"
-                             if not sids else "its ids were deleted before (unchanged)")
+                entry.update(replayed=False, steps_to_replay=0, why=_unchanged_why(cost))
             else:
                 first = k
                 entry.update(replayed=True, start_checkpoint=cost["start_checkpoint"],
@@ -112,6 +115,18 @@ def pipeline_cost(runs, ids) -> dict:
     return {"stages": stages, "first_affected_stage": None if first is None else first + 1,
             "total_steps_replayed": replayed, "pipeline_steps": total,
             "fraction_replayed": replayed / total if total else 0.0}
+
+
+def _unchanged_why(cost: dict | None) -> str:
+    """Why a stage before the first affected one is not replayed (``cost``: its :func:`replay_cost`, None without
+    ids)."""
+    if cost is None:
+        return "no id of the request in this stage (unchanged)"
+    never, before = cost["never_trained"], cost["already_deleted"]
+    parts = ([f"{before} deleted by an earlier request"] if before else []) + \
+        ([f"{never} never trained on (dropped by the trainer's dataset preparation, or rows of its store the plan "
+          "never reached: max_steps shorter than an epoch)"] if never else [])
+    return f"its id(s): {'; '.join(parts)} (unchanged)"
 
 
 def describe_pipeline_cost(cost: dict) -> list[str]:
@@ -144,6 +159,11 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
 
     runs = open_pipeline(sources)
     cost = pipeline_cost(runs, request)
+    if cost["first_affected_stage"] is None:  # no model changes: say why per stage, before any probe or load
+        held = [s for s in cost["stages"] if s["ids"]]
+        raise UnlearnError("nothing to replay, no model of the pipeline changes: " + "; ".join(
+            f"stage {s['stage']}: {s['why']}" for s in held) + "; rows never trained on stay only in the token "
+            f"store of their stage ({', '.join(s['run'] + '/private/store' for s in held)}): erase it there")
     for s, run in zip(cost["stages"], runs):
         if not s["replayed"]:
             continue
@@ -347,7 +367,8 @@ def run_pipeline(plan: dict, config, out: Path, tokenizer, log):
         stages.append(entry)
     plan["last_replay"] = prev_replay
     if replay is None:
-        raise UnlearnError("nothing to replay: every id of the request was deleted from the pipeline before")
+        raise UnlearnError("nothing to replay: every id of the request was deleted from the pipeline before or never "
+                           "trained on (see each stage's line above)")
     if not tokenizer and (runs[-1].path / PROCESSING_CLASS_DIR).is_dir():
         tokenizer = load_processing_class(runs[-1].path / PROCESSING_CLASS_DIR)
     model_dir = out / "model"

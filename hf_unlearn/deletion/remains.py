@@ -32,7 +32,9 @@ def still_holding(receipt) -> list[tuple[str, str]]:
     if receipt.mode != "exact":
         return _approximate(receipt, out, ledger)
     if receipt.evidence.get("pipeline"):
-        stage = next((s["stage"] for s in receipt.evidence["pipeline"] if s.get("replayed")), 1)
+        # the first stage holding an id of the request: replayed, or unchanged because it never trained on it (its
+        # token store still holds the row)
+        stage = next((s["stage"] for s in receipt.evidence["pipeline"] if s.get("replayed") or s.get("ids")), 1)
         last = max(s["stage"] for s in receipt.evidence["pipeline"])
         return [("still holds", f"the deleted rows: the recorded runs of the pipeline from stage {stage} on (their token "
                                 f"stores and checkpoints) and every model they trained; {out}/stage-{last}/replay holds "
