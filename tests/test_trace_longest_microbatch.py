@@ -11,14 +11,17 @@ import torch
 from .test_trace_common import config_model, get_trace_data, record
 
 
-def _recorded(tmp_path):
-    """A tiny GQA Llama, 32 TOFU rows, 4 steps of 2 microbatches, checkpoints at 0, 2 and 4, proven when it ends; its
-    longest microbatch (109 tokens) is in step 3, which no checkpoint starts."""
+def _recorded(tmp_path, attn: str | None = None):
+    """A tiny GQA Llama (SDPA, or ``attn``), 32 TOFU rows, 4 steps of 2 microbatches, checkpoints at 0, 2 and 4,
+    proven when it ends; its longest microbatch (109 tokens) is in step 3, which no checkpoint starts."""
     from hf_unlearn.trace import open_run
 
     tok, data = get_trace_data()
-    record(tok, data.select(range(8, 40)), tmp_path, model=config_model("llama", tok), every=2)
-    return open_run(tmp_path / "trace")
+    model = config_model("llama", tok, **({"attn_implementation": attn} if attn else {}))
+    record(tok, data.select(range(8, 40)), tmp_path, model=model, every=2)
+    run = open_run(tmp_path / "trace")
+    assert run.header["model"].get("attn_implementation") == (attn or "sdpa")
+    return run
 
 
 class _NegAtLength:
@@ -69,14 +72,16 @@ def test_the_recording_keeps_its_longest_microbatchs_digests_and_the_probe_rerun
     assert not longest_microbatch.applies(run) and proof.probe_steps(run) == [0, 2]
 
 
-def test_code_acting_only_at_the_longest_microbatchs_length_is_refused_by_the_probe(tmp_path, monkeypatch):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_code_acting_only_at_the_longest_microbatchs_length_is_refused_by_the_probe(tmp_path, monkeypatch, attn):
     """A kernel that computes otherwise only at the padded length of the run's longest microbatch, present in the
     deleting process only, with the code seal bypassed (standing for any channel no seal names): step 0 re-run
-    matches, and the probe still refuses, naming the longest microbatch; without the kernel it passes."""
+    matches, and the probe still refuses, naming the longest microbatch; without the kernel it passes. With SDPA
+    and with eager attention (the replay rebuilds the model with the recorded implementation)."""
     from hf_unlearn.trace import longest_microbatch, proof
     from hf_unlearn.trace.proven import ProofError
 
-    run = _recorded(tmp_path)
+    run = _recorded(tmp_path, attn)
     entry = longest_microbatch.chosen(run)
     length = max(entry.lens)
     assert all(max(e.lens) < length for e in run.plan if e.step == 0)
