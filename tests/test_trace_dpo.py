@@ -255,6 +255,47 @@ def test_dpo_a_loss_that_gives_the_dummy_pair_a_gradient_is_refused_or_stops_the
     assert not (tmp_path / "oracle").exists()
 
 
+def test_dpo_a_loss_reading_a_deleted_pairs_tokens_is_not_verified_the_oracle_being_the_counterfactual(tmp_path,
+                                                                                                        monkeypatch):
+    """ATTACK: DPO's loss scaled by how often a word occurs in the microbatch's inputs (from step 1 on: the
+    construction probe passes). The replay's dummy pair lacks the deleted pair's words; the oracle now trains the
+    deleted pair itself with its completion masks zeroed, which is the engine-free counterfactual bit for bit, so the
+    two differ and the deletion is not VERIFIED (with a dummy pair in the oracle too, they agreed: a wrong
+    VERIFIED)."""
+    import collections
+
+    from trl import DPOTrainer
+
+    from hf_unlearn.trace import compare_states, open_run
+    from hf_unlearn.trace.verification import load_state
+
+    from .trace_dummy_trainers import InputWeightedDPOTrainer
+
+    tok, data = pairs(n=8)
+    tokens = {r["id"]: tok(r["chosen"] + r["rejected"], add_special_tokens=False)["input_ids"] for r in data}
+    word = collections.Counter(t for ids in tokens.values() for t in ids).most_common(1)[0][0]
+    monkeypatch.setattr(InputWeightedDPOTrainer, "word", word)  # this process's class: the replays rebuild it
+    record_dpo(tmp_path / "rec", tok, data, tmp_path / "base", trainer_cls=InputWeightedDPOTrainer, max_steps=3)
+    run = open_run(tmp_path / "rec" / "trace")
+    forget = [i for i in run.ids_at_steps([2]) if word in tokens[i]][:1]
+    assert forget
+    _, oracle, report = forget_and_verify(tmp_path / "rec" / "trace", forget, tmp_path)
+    assert not report["identical"] and not report["verified"]
+    assert oracle.replay_stats["deleted_rows_trained_masked"] >= 1
+
+    class KeepIds(InputWeightedDPOTrainer):
+        def _set_signature_columns_if_needed(self):
+            super()._set_signature_columns_if_needed()
+            self._signature_columns = [*self._signature_columns, "id"]
+
+    cf = KeepIds(model=saved_model(tmp_path / "base", tok), args=dpo_config(tmp_path / "cf", max_steps=3),
+                 train_dataset=data, processing_class=tok)
+    cf.data_collator = MaskedPairs(cf.data_collator, forget)
+    cf.train()
+    assert compare_states(state_of(cf), load_state(tmp_path / "oracle"))["identical"]  # the oracle: the counterfactual
+    assert issubclass(InputWeightedDPOTrainer, DPOTrainer)
+
+
 @pytest.mark.slow  # a LoRA recording, replay, oracle and a plain counterfactual run (about 30 s of CPU)
 def test_dpo_lora_peft_config_reference_is_the_base_with_the_adapter_disabled(tmp_path):
     """peft_config= LoRA, ref_model=None, GPT-2, string ids: TRL's reference is the policy with its adapter disabled

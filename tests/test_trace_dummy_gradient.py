@@ -67,10 +67,12 @@ def test_a_loss_that_weights_the_dummy_later_is_refused_at_that_microbatch(tmp_p
     # the oracle (a full replay from step 0) of both rows passes step 0's dummy and stops at the first one with weight
     with pytest.raises(DummyInfluenceError, match="at optimizer step 2"):
         OracleReplayTrainer(run, early + late).train()
-    # without the check, the same late deletion would be VERIFIED: the check is what refuses it
+    # without the check the same late deletion is still not VERIFIED: the oracle trains the deleted row itself (its
+    # tokens kept, labels ignored), whose tokens this loss weights, so replay (a dummy there) and oracle differ; the
+    # check is what names the cause, before the step
     monkeypatch.setattr(replay_module, "watch_dummy_gradient", lambda model, mask: _NoWatch())
     _, report = delete(run, late, tmp_path / "unchecked")
-    assert report["verified"]
+    assert not report["identical"] and not report["verified"]
 
 
 class _NoWatch:
@@ -121,3 +123,51 @@ def test_the_check_locates_dummies_whatever_the_padding_side(tmp_path):
         assert bool(mask[dummy_pos[0]].any()) and not bool(mask[[i for i in range(len(feats)) if i not in dummy_pos]].any())
         masks.append(mask)
     assert not torch.equal(masks[0], masks[1])  # the dummy's tokens sit elsewhere with left padding: found both ways
+
+
+def test_a_loss_reading_the_deleted_rows_tokens_is_not_verified_the_oracle_being_the_counterfactual(tmp_path, capsys):
+    """ATTACK (a tester's wrong VERIFIED): the loss is scaled by how often a word occurs in the microbatch's inputs.
+    The construction probe's row lacks the word and a dummy gets exactly zero gradient, so the replay and the oracle
+    (both with a dummy in the deleted row's place) agreed and a deletion of a row holding the word was VERIFIED, 21/21
+    tensors off the counterfactual (the row's tokens kept, its labels ignored). The oracle now trains the deleted
+    rows themselves without weight: it is the engine-free counterfactual bit for bit, the replay is not, and the
+    deletion is NOT VERIFIED; a row without the word is VERIFIED and equal to its counterfactual."""
+    from hf_unlearn.cli import main
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.data.ids import write_ids
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run, trace_recording
+
+    from .test_trace_common import labels_masked, recorded_normalisers_trainer, tiny, train_args
+    from .test_trace_pipeline import _final, _same
+    from .trace_dummy_trainers import WORD, InputWeightedTrainer
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    trace_recording(InputWeightedTrainer)(
+        model=tiny(tok), args=_args(tmp_path / "rec"), train_dataset=data, data_collator=QACollator.from_tokenizer(tok),
+        trace_checkpoint_steps=2, trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    step2 = open_run(run).ids_at_steps([2])
+    rows = {r["id"]: r["input_ids"] for r in data}
+    holding, lacking = [i for i in step2 if WORD in rows[i]][:1], [i for i in step2 if WORD not in rows[i]][:1]
+    assert holding and lacking
+
+    def counterfactual(ids, name):
+        model = tiny(tok)
+        recorded_normalisers_trainer(run, base=InputWeightedTrainer)(
+            model=model, args=train_args(tmp_path / name, **KW), train_dataset=labels_masked(data, ids),
+            data_collator=_DropIds(QACollator.from_tokenizer(tok))).train()
+        return model.state_dict()
+
+    for ids, name, verified in ((holding, "holding", False), (lacking, "lacking", True)):
+        write_ids(tmp_path / f"{name}.jsonl", ids)
+        code = main(["forget", str(run), "--ids", str(tmp_path / f"{name}.jsonl"), "--out", str(tmp_path / name),
+                     "--oracle", "--no-progress"])
+        out = capsys.readouterr().out
+        cf = counterfactual(ids, f"cf-{name}")
+        assert not _same(_final(tmp_path / name / "oracle"), cf), name  # the oracle is the counterfactual
+        assert (code == 0) is verified and ("VERIFIED bit-identical" in out) is verified, name
+        assert bool(_same(_final(tmp_path / name / "replay"), cf)) is not verified, name
+        receipt = json.loads((tmp_path / name / "receipt.json").read_text())
+        assert receipt["evidence"]["verified"] is verified

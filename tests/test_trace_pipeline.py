@@ -426,7 +426,12 @@ def test_rows_a_stage_never_reached_are_answered_never_trained_not_unknown(tmp_p
         assert not _same(_final(tmp_path / "out" / "stage-2" / role), cf), role
     from hf_unlearn.deletion.remains import still_holding
 
-    assert "from stage 1 on" in dict(still_holding(receipt))["still holds"]  # stage 1's store still holds the row
+    held = dict(still_holding(receipt))["still holds"]  # stage 1's store alone holds the row there
+    assert "the token store of stage(s) 1 (rows never trained on there)" in held and "from stage 2 on" in held
+    assert main(["trace", "verify", str(tmp_path / "out")]) == 0  # the unreached id is answered, not missing
+
+    with pytest.raises(UnlearnError, match=r"^id '14' is str but the pipeline \(.*\) uses int ids"):
+        forget([str(s1), str(s2)], ["14"] + ids2, tmp_path / "typed", progress=False)
 
     with pytest.raises(UnlearnError, match=r"^nothing to replay, no model of the pipeline changes: stage 1: .*"
                                            r"1 never trained on .*max_steps shorter than an epoch.*"

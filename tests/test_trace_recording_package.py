@@ -73,6 +73,6 @@ def test_the_mixin_is_the_trainer_hooks_and_the_extension_points():
     extension_points = {"trace_preflight", "_trace_check_parallelism", "_trace_served", "_trace_row_lengths",
                         "_trace_row_length", "_trace_dummy_row", "_trace_dummy_has_weight", "_trace_replay_arguments",
                         "_trace_changed_during_training", "_trace_header_dict", "_check_dummy_has_no_influence",
-                        "_trace_dummies_only_run",
+                        "_trace_dummies_only_run", "_trace_masked_row",
                         "_trace_after_train", "_trace_start_weights"}
     assert methods == hooks | extension_points

@@ -83,6 +83,7 @@ def pipeline_cost(runs, ids) -> dict:
     seen = {i for p in per for i in p}
     unknown = [i for i in dict.fromkeys(ids) if i not in seen]
     if unknown:
+        _refuse_id_types(runs, unknown)
         raise UnlearnError(f"{len(unknown)} id(s) to forget appear in no stage of the pipeline "
                            f"({', '.join(str(r.path) for r in runs)}): {unknown[:20]}"
                            f"{' ...' if len(unknown) > 20 else ''}; check the forget list")
@@ -95,7 +96,7 @@ def pipeline_cost(runs, ids) -> dict:
         if first is None:
             cost = replay_cost(run, sids) if sids else None
             if cost is None or cost["first_affected_step"] is None:
-                entry.update(replayed=False, steps_to_replay=0, why=_unchanged_why(cost))
+                entry.update(replayed=False, steps_to_replay=0, why=_unchanged_why(cost), **({"cost": cost} if cost else {}))
             else:
                 first = k
                 entry.update(replayed=True, start_checkpoint=cost["start_checkpoint"],
@@ -115,6 +116,17 @@ def pipeline_cost(runs, ids) -> dict:
     return {"stages": stages, "first_affected_stage": None if first is None else first + 1,
             "total_steps_replayed": replayed, "pipeline_steps": total,
             "fraction_replayed": replayed / total if total else 0.0}
+
+
+def _refuse_id_types(runs, unknown: list) -> None:
+    """Ids found in no stage whose type no stage uses (``"14"`` where every stage's ids are ints): the type is the
+    error to name, as for one run, not their absence."""
+    from ..data.ids import check_id_types
+
+    types = {t for t in ({"int": int, "str": str}.get(r.header["dataset"].get("id_type")) for r in runs) if t}
+    if len(types) != 1:
+        return
+    check_id_types(unknown, types.pop(), what=f"the pipeline ({', '.join(str(r.path) for r in runs)})")
 
 
 def _unchanged_why(cost: dict | None) -> str:
@@ -161,9 +173,12 @@ def validate_pipeline(sources, request, oracle: bool = False, collator=None, dat
     cost = pipeline_cost(runs, request)
     if cost["first_affected_stage"] is None:  # no model changes: say why per stage, before any probe or load
         held = [s for s in cost["stages"] if s["ids"]]
+        never = [s for s in held if (s.get("cost") or {}).get("never_trained")]
         raise UnlearnError("nothing to replay, no model of the pipeline changes: " + "; ".join(
-            f"stage {s['stage']}: {s['why']}" for s in held) + "; rows never trained on stay only in the token "
-            f"store of their stage ({', '.join(s['run'] + '/private/store' for s in held)}): erase it there")
+            f"stage {s['stage']}: {s['why']}" for s in held)
+            + (f"; the rows never trained on stay only in the token store of their stage "
+               f"({', '.join(s['run'] + '/private/store' for s in never)}) and of any run it was replayed from: "
+               "erase them there" if never else ""))
     for s, run in zip(cost["stages"], runs):
         if not s["replayed"]:
             continue
@@ -568,6 +583,7 @@ def _request_problems(out: Path, receipt: dict, stages: list, folder=None) -> li
     replayed stage, or before (an earlier deletion's log), in a stage the replay's recorded parents reach. A receipt
     relabelled with ids a deletion did not touch (a stage-1 id on a stage-2-only deletion) is not verified."""
     from ..trace.lineage import find_pipeline, open_quietly, parent_path
+    from ..trace.request import never_trained_tags, unplanned_store_tags
     from ..trace.run import read_deletion_log
     from ..trace.verification import deleted_tags
 
@@ -596,6 +612,8 @@ def _request_problems(out: Path, receipt: dict, stages: list, folder=None) -> li
         try:
             for run in find_pipeline(parent):  # the unchanged stages before the first replayed one
                 missing -= deleted_tags(run.path)
+                if missing:  # or never trained on there: dropped by its trainer, or rows its plan never reached
+                    missing -= never_trained_tags(run) | unplanned_store_tags(run)
         except UnlearnError:
             pass
     if missing:

@@ -32,13 +32,15 @@ def still_holding(receipt) -> list[tuple[str, str]]:
     if receipt.mode != "exact":
         return _approximate(receipt, out, ledger)
     if receipt.evidence.get("pipeline"):
-        # the first stage holding an id of the request: replayed, or unchanged because it never trained on it (its
-        # token store still holds the row)
-        stage = next((s["stage"] for s in receipt.evidence["pipeline"] if s.get("replayed") or s.get("ids")), 1)
-        last = max(s["stage"] for s in receipt.evidence["pipeline"])
-        return [("still holds", f"the deleted rows: the recorded runs of the pipeline from stage {stage} on (their token "
-                                f"stores and checkpoints) and every model they trained; {out}/stage-{last}/replay holds "
-                                "none: the next request deletes from it"),
+        stages = receipt.evidence["pipeline"]
+        stage = next((s["stage"] for s in stages if s.get("replayed")), 1)
+        # stages before it that hold an id of the request never trained on it: only their token stores hold the row
+        stores = [s["stage"] for s in stages if s["stage"] < stage and s.get("ids")]
+        last = max(s["stage"] for s in stages)
+        return [("still holds", "the deleted rows: " + (f"the token store of stage(s) {', '.join(map(str, stores))} "
+                                                        "(rows never trained on there), " if stores else "")
+                 + f"the recorded runs of the pipeline from stage {stage} on (their token stores and checkpoints) and "
+                   f"every model they trained; {out}/stage-{last}/replay holds none: the next request deletes from it"),
                 ("to erase", "delete those runs (each stage's trace folder, and what its Trainer saved beside it) once "
                              f"you keep {out}")]
     run = Path(receipt.source)

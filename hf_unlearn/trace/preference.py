@@ -419,6 +419,12 @@ class PreferenceTraceMixin:
     def _trace_dummies_only_run(self, entry) -> bool:
         return True  # a dummy pair's per-pair loss is a constant: a microbatch of them is no NaN
 
+    def _trace_masked_row(self, row: dict) -> dict | None:
+        """The deleted pair as the counterfactual trains it: its tokens kept, both rows' completion masks zeroed (the
+        mark :class:`PairDummyCollator` reads); None for a run recorded before pair rows (its dummy, prompt-only, has
+        other row lengths than the pair)."""
+        return {**row, DUMMY_KEY: True} if self._pair_rows_recorded() else None
+
     def _check_dummy_has_no_influence(self, row: dict) -> None:
         """DPOTrainer's loss on a real pair A beside a deleted slot's dummy pair D (A's own row lengths): the gradient
         at D's input embeddings (both of its rows) must be exactly zero, and the gradient at A's must be bit for bit

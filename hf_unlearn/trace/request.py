@@ -68,17 +68,25 @@ def unplanned_store_ids(run: TraceRun, forget_ids) -> list:
     return [i for i in rest if i in stored]
 
 
+def unplanned_store_tags(run: TraceRun) -> set[str]:
+    """Keyed tags of every row of the run's token store that its plan never reached (:func:`unplanned_store_ids`):
+    what ``trace verify`` accepts as answered "never trained on" by a pipeline stage left unchanged."""
+    key = run.key
+    _, served, _ = _reach(run)
+    return {t for t in (tag(key, i) for i in _stored_ids(run, None)) if t not in served}
+
+
 def _stored_ids(run: TraceRun, wanted) -> set:
-    """The ids of ``wanted`` in the id column of the run's token store (``private/store``), read with ``pyarrow``
-    alone (no ``datasets``: ``forget`` checks a request before anything loads); empty without a store. The store is
-    checked against the run's fingerprint when a replay opens it."""
+    """The ids of ``wanted`` (None: all) in the id column of the run's token store (``private/store``), read with
+    ``pyarrow`` alone (no ``datasets``: ``forget`` checks a request before anything loads); empty without a store.
+    The store is checked against the run's fingerprint when a replay opens it."""
     store = run.store_path
     if is_packed(run.header) or not store.is_dir():
         return set()
     import pyarrow as pa
     import pyarrow.ipc
 
-    wanted, found = set(wanted), set()
+    wanted, found = (None if wanted is None else set(wanted)), set()
     id_column = run.id_column
     for f in sorted(store.glob("*.arrow")):
         try:
@@ -87,7 +95,8 @@ def _stored_ids(run: TraceRun, wanted) -> set:
         except (OSError, pa.ArrowInvalid) as e:
             raise UnlearnError(f"cannot read the token store file {f}: {e}; restore the run's store") from None
         if id_column in table.column_names:
-            found |= wanted.intersection(table.column(id_column).to_pylist())
+            column = table.column(id_column).to_pylist()
+            found |= set(column) if wanted is None else wanted.intersection(column)
     return found
 
 

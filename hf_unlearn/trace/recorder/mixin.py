@@ -33,7 +33,7 @@ from ..writer import TraceWriter
 from . import header, keeper, launch, optimizers, preflight, probe, program, sealing, segments, selfcheck, slots
 from .header import non_finite_hazard
 from .opening import start
-from .slots import dummy_has_weight, dummy_row
+from .slots import dummy_has_weight, dummy_row, masked_row
 from .uploads import refuse_uploading_the_trace, tracker_uploading_output
 
 RECORDING_MODULE = "hf_unlearn.trace.recording"  # where the classes trace_recording() builds say they live
@@ -192,6 +192,12 @@ class RecordingHooks(WeightsFollowUmask):
 
     def _trace_dummy_has_weight(self, collator, row: dict) -> bool:
         return dummy_has_weight(collator, row)
+
+    def _trace_masked_row(self, row: dict) -> dict | None:
+        """``row`` with no weight and its tokens kept (labels ignored, completion and assistant masks zeroed), as the
+        counterfactual trains a deleted row; None for a row with none of those columns (its weight is the
+        collator's)."""
+        return masked_row(row)
 
     def _trace_dummies_only_run(self, entry) -> bool:
         """Whether a replay runs a microbatch of dummies only: yes with a recorded loss normaliser (its loss and

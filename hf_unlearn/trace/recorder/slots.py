@@ -44,6 +44,32 @@ def dummy_row(template: dict, length: int, dummy_token_id: int, id_column: str) 
     return row
 
 
+WEIGHT_MASKS = ("completion_mask", "assistant_masks")  # TRL's per-token loss masks (1: trained on)
+
+
+def masked_row(row: dict) -> dict | None:
+    """``row`` as the counterfactual trains a deleted row: its tokens kept, every label ignored and every loss mask
+    zeroed; None when the row carries neither (its weight is decided by the collator alone)."""
+    out, touched = dict(row), False
+    if isinstance(row.get("labels"), list):
+        out["labels"], touched = [IGNORE_INDEX] * len(row["labels"]), True
+    for k in WEIGHT_MASKS:
+        if isinstance(row.get(k), list):
+            out[k], touched = [0] * len(row[k]), True
+    return out if touched else None
+
+
+TOKEN_COLUMNS = ("input_ids", "prompt_ids", "chosen_ids", "rejected_ids")  # a row's token ids (LM rows, pairs)
+
+
+def retokened(row: dict, marker: int) -> dict:
+    """``row`` with every token id replaced by another (``marker``, or ``marker + 1`` where the token is ``marker``):
+    collated beside the original, it locates the row's tokens in the batch
+    (:func:`~hf_unlearn.trace.dummies.dummy_positions`)."""
+    return {**row, **{k: [marker if t != marker else marker + 1 for t in row[k]]
+                      for k in TOKEN_COLUMNS if isinstance(row.get(k), list)}}
+
+
 def dummy_has_weight(collator, row: dict) -> bool:
     """True unless the collator gives the dummy row labels that are all ignored (weight exactly 0)."""
     labels = collator([dict(row)]).get("labels")

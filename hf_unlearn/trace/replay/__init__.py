@@ -199,6 +199,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                                    "redacted store")
         self._tag_index = {tag(self.run.key, i): n for i, n in id_index(self.store, self.id_column).items()}
         self._template = {k: v for k, v in self.store[0].items() if k != self.id_column}
+        self._masked_slots = 0  # the oracle's deleted slots trained as the rows themselves without weight
         self._spans, self._emptied = {}, set()  # packed rows: deleted fragments; rows left without weight
         self._dummy_spans = {}  # packed rows: every fragment that is a dummy (deleted now or before)
         if is_packed(header):
@@ -359,7 +360,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                              "total_steps": run.total_steps, "nothing_to_replay": replayed == 0,
                              "checkpoints_matched": list(self.checkpoints_matched),
                              "fingerprints_matched": step_ranges(self._fps_matched),
-                             "start_proof": self._start_proof}
+                             "start_proof": self._start_proof,
+                             **({"deleted_rows_trained_masked": self._masked_slots} if self.mode == "oracle" else {})}
         if writer:
             self._finish_output(writer)
         self.accelerator.wait_for_everyone()
@@ -460,7 +462,9 @@ class RedactedReplayTrainer(ReplayTrainer):
 
 
 class OracleReplayTrainer(ReplayTrainer):
-    """The trace oracle: a full replay from step 0 on the original store, deleted slots as weight-0 dummies."""
+    """The trace oracle: a full replay from step 0 on the original store, each deleted row trained as the
+    counterfactual has it, its tokens kept and its weight zero (dummies where that cannot be: see
+    :meth:`~hf_unlearn.trace.replay.counterfactual.CounterfactualBatches._masks_deleted`)."""
 
     mode = "oracle"
     store_policy = "original"

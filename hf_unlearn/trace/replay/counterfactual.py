@@ -12,6 +12,7 @@ from ..hashing import batch_digest
 from ..packing import with_dummies
 from ..plan import PlanEntry
 from ..recorder import keyed_batch_digest
+from ..recorder.slots import retokened
 from ..trainers import recorded_trainer
 
 IGNORE_INDEX = -100
@@ -27,14 +28,33 @@ class CounterfactualBatches:
     def _weighted(self, s) -> bool:
         return s is not None and s not in self.forget_tag_set and s not in self._emptied
 
+    def _masks_deleted(self) -> bool:
+        """Whether this replay trains the deleted rows themselves, their tokens kept and their labels ignored (the
+        counterfactual as defined), rather than dummies: the oracle, which reads the run's original store. The
+        replay, whose store no longer holds them, trains dummies of their lengths; replay == oracle then also proves
+        that the loss gives the deleted rows' tokens no weight (a loss scaled by what a microbatch's inputs hold
+        would differ). Packed runs keep dummies in both (a document's tokens sit inside a packed row)."""
+        return self.mode == "oracle" and not self.filter_rows and not self._spans and not self._dummy_spans
+
+    def _masked_row(self, row: dict) -> dict | None:
+        """The deleted ``row`` as the counterfactual trains it: every token kept, no weight (labels ignored, loss
+        masks zeroed: :meth:`_trace_masked_row`); None where the collator would still give it weight (the dummy is
+        used then)."""
+        masked = self._trace_masked_row(row)
+        if masked is None or self._trace_dummy_has_weight(self.data_collator, masked):
+            return None
+        return masked
+
     def _rows(self, e: PlanEntry, keep_dummies: bool, rank: int = 0,
               marked: list | None = None) -> tuple[list[dict], list[int]]:
-        """The microbatch's rows for process ``rank``, deleted slots as dummies. ``marked``, a list, receives the same
-        rows with another token in every dummy's place (deleted before included), which locates the dummies in the
+        """The microbatch's rows for process ``rank``, deleted slots as dummies (the oracle: the deleted rows
+        themselves without weight where it can, :meth:`_masks_deleted`). ``marked``, a list, receives the same
+        rows with another token in every deleted slot's place (deleted before included), which locates them in the
         collated batch (:func:`~hf_unlearn.trace.dummies.dummy_positions`) without reading the store again."""
         lo, hi = e.rank_slots(rank, self.accelerator.num_processes)
         slots = e.slots[lo:hi]
-        kept = [s for s in slots if s is not None and s not in self.forget_tag_set]
+        masking = keep_dummies and self._masks_deleted()
+        kept = [s for s in slots if s is not None and (s not in self.forget_tag_set or masking)]
         # one Arrow read per microbatch, as the training DataLoader does (a read per row cost replays ~9% per step)
         columns = self.store[[self._tag_index[s] for s in kept]] if kept else {}
         names = [k for k in columns if k != self.id_column]
@@ -43,8 +63,16 @@ class CounterfactualBatches:
         marker = self.dummy_token_id + 1
         for s, n in zip(slots, e.lens[lo:hi]):
             if s is None or s in self.forget_tag_set:
+                original = dict(zip(names, next(fetched))) if s is not None and masking else None
                 if keep_dummies:
                     dummy_pos.append(len(feats))
+                    masked = self._masked_row(original) if original is not None else None
+                    if masked is not None and self._trace_row_length(original) == n:
+                        feats.append(masked)
+                        self._masked_slots += 1
+                        if marked is not None:
+                            marked.append(retokened(masked, marker))
+                        continue
                     feats.append(self._trace_dummy_row(self._template, n, self.dummy_token_id))
                     if marked is not None:
                         marked.append(self._trace_dummy_row(self._template, n, marker))
