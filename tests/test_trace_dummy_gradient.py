@@ -171,3 +171,33 @@ def test_a_loss_reading_the_deleted_rows_tokens_is_not_verified_the_oracle_being
         assert bool(_same(_final(tmp_path / name / "replay"), cf)) is not verified, name
         receipt = json.loads((tmp_path / name / "receipt.json").read_text())
         assert receipt["evidence"]["verified"] is verified
+
+    # ATTACK (a tester's): a second request from the unverified deletion's replay (a row without the word) was
+    # VERIFIED against its own oracle, both starting from the first request's dummy, every tensor off the
+    # counterfactual of both requests: the run's sealed verdict says NOT verified, so it is refused before compute
+    code = main(["forget", str(tmp_path / "holding" / "replay"), "--ids", str(tmp_path / "lacking.jsonl"), "--out",
+                 str(tmp_path / "chained"), "--oracle", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "is the output of an exact deletion that was NOT verified" in err
+    assert not (tmp_path / "chained").exists()
+
+
+def test_an_oracle_that_trains_a_deleted_row_as_a_dummy_says_what_it_does_not_show(tmp_path):
+    """A collator that builds the labels from the tokens (``DataCollatorForLanguageModeling``, no labels column): a
+    deleted row cannot go into the oracle with its tokens and no weight, so the oracle trains the dummy there. The
+    deletion is VERIFIED (a plain loss), and the receipt counts those rows and says the verdict does not show the loss
+    ignores their tokens (a tester's loss reading them was VERIFIED with every tensor off, saying nothing)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_common import record
+
+    tok, data = get_trace_data()
+    data = data.select(range(16)).remove_columns(["labels"])
+    record(tok, data, tmp_path, data_collator=DataCollatorForLanguageModeling(tok, mlm=False), **KW)
+    run = tmp_path / "trace"
+    receipt = forget(run, open_run(run).ids_at_steps([2])[:1], tmp_path / "out", oracle=True, progress=False)
+    assert receipt.evidence["verified"] is True and receipt.evidence["oracle_dummies"] == 1
+    assert "the oracle trained 1 deleted row(s) or document(s) as dummies" in receipt.guarantee

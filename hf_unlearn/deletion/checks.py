@@ -139,6 +139,19 @@ def check_request(source, ids) -> None:
         _validate_run(os.fspath(source), ids)
 
 
+def _refuse_unverified_parent(run) -> None:
+    """A run that is an earlier deletion's replay whose own check against its oracle failed (its sealed
+    ``verification.json`` says not verified): the rows it deleted were not shown deleted as the counterfactual, so a
+    deletion from it cannot be either, however its own replay and oracle agree (both start from its dummies)."""
+    from ..trace.verification import VERIFICATION_FILE, sealed_verdict
+
+    verdict, _ = sealed_verdict(run.path)
+    if verdict is not None and not verdict.get("verified"):
+        raise UnlearnError(f"{run.path} is the output of an exact deletion that was NOT verified ({VERIFICATION_FILE}: "
+                           f"{verdict.get('verdict') or 'replay and oracle differ'}); a deletion from it cannot be "
+                           "verified: delete every id of both requests from the run it was replayed from")
+
+
 def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
     from ..data.ids import check_id_types
     from ..trace.run import open_run
@@ -146,6 +159,7 @@ def _validate_run(source: str, request: list, oracle: bool = False) -> dict:
 
     check_not_retired(source)
     run = open_run(source)
+    _refuse_unverified_parent(run)
     world = run.header.get("world_size", 1)
     if world != _launched():
         raise UnlearnError(f"{source} was recorded by {world} processes and replays only at that world size; this "

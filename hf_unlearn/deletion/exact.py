@@ -77,12 +77,14 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     own = output_unproven(json.loads((out / "replay" / "header.json").read_text()), out / "replay", "replay")
     if own and own["starts"]:
         log(f"UNPROVEN{' (accepted)' if config.accept_unproven else ''}: {own['why']}")
-    report = None
+    report, oracle_dummies = None, 0
     if config.oracle:
         t = time.perf_counter()
-        with_replay_progress(OracleReplayTrainer, "oracle (full replay)", config.progress)(
+        oracle = with_replay_progress(OracleReplayTrainer, "oracle (full replay)", config.progress)(
             run, ids, out_dir=out / "oracle", data_collator=plan["data_collator"],
-            environment_probe=plan.get("environment_probe")).train()
+            environment_probe=plan.get("environment_probe"))
+        oracle.train()
+        oracle_dummies = oracle.replay_stats.get("deleted_rows_trained_as_dummies") or 0
         report = verify(out / "replay", out / "oracle")
         timings["oracle_s"] = time.perf_counter() - t
         p, o = report["params"], report["optimizer"]
@@ -150,6 +152,12 @@ def _exact(plan: dict, config: ForgetConfig, out: Path, tokenizer, log) -> Forge
     if run.header.get("kept_model"):  # load_best_model_at_end: the output is the counterfactual of the kept model
         evidence["kept_model"] = run.header["kept_model"]
         log(f"kept model: {run.header['kept_model']['why']}")
+    if report is not None and oracle_dummies:
+        evidence["oracle_dummies"] = oracle_dummies
+        log(f"note: the oracle trained {oracle_dummies} deleted row(s) or document(s) as dummies, not as the rows "
+            "without weight (a packed row's documents, or a collator that builds labels from the tokens): for them the "
+            "verdict does not show that the loss ignores their tokens (the recording's probe and the per-microbatch "
+            "dummy check are the evidence there)")
     if report is not None:
         evidence["oracle"] = {"output": str(out / "oracle"), "roots": report["roots"],
                               "identical": bool(report["identical"]),

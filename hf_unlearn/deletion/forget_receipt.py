@@ -59,6 +59,10 @@ class ForgetReceipt:
             if never:  # rows the trainer dropped, or rows of the store the plan never reached (max_steps < an epoch)
                 caveat = (f"; {never} of the ids were never trained on (in the store, never in the recorded plan): "
                           "removed from the store, nothing replayed for them") + caveat
+            if self.evidence.get("oracle_dummies"):  # the oracle could not train them as the rows without weight
+                caveat = (f"; the oracle trained {self.evidence['oracle_dummies']} deleted row(s) or document(s) as "
+                          "dummies (packed documents, or labels the collator builds from tokens), so for them it does "
+                          "not show the loss ignores their tokens") + caveat
             if (self.evidence.get("output") or {}).get("kind") == "merged adapter":
                 caveat = ("; the published model is the replayed adapter merged into its base (merge_and_unload with "
                           "the recorded numeric stack; the adapter itself is kept in evidence.output.adapter)" + caveat)

@@ -199,7 +199,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                                    "redacted store")
         self._tag_index = {tag(self.run.key, i): n for i, n in id_index(self.store, self.id_column).items()}
         self._template = {k: v for k, v in self.store[0].items() if k != self.id_column}
-        self._masked_slots = 0  # the oracle's deleted slots trained as the rows themselves without weight
+        self._masked_slots = set()  # the oracle's deleted slots trained as the rows themselves without weight
+        self._dummy_slots = set()  # and those it trained as dummies (packed documents, a collator that labels tokens)
         self._spans, self._emptied = {}, set()  # packed rows: deleted fragments; rows left without weight
         self._dummy_spans = {}  # packed rows: every fragment that is a dummy (deleted now or before)
         if is_packed(header):
@@ -361,7 +362,9 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                              "checkpoints_matched": list(self.checkpoints_matched),
                              "fingerprints_matched": step_ranges(self._fps_matched),
                              "start_proof": self._start_proof,
-                             **({"deleted_rows_trained_masked": self._masked_slots} if self.mode == "oracle" else {})}
+                             **({"deleted_rows_trained_masked": len(self._masked_slots),
+                                 "deleted_rows_trained_as_dummies": len(self._dummy_slots)} if self.mode == "oracle"
+                                else {})}
         if writer:
             self._finish_output(writer)
         self.accelerator.wait_for_everyone()

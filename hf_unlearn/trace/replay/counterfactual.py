@@ -69,11 +69,13 @@ class CounterfactualBatches:
                     masked = self._masked_row(original) if original is not None else None
                     if masked is not None and self._trace_row_length(original) == n:
                         feats.append(masked)
-                        self._masked_slots += 1
+                        self._masked_slots.add((e.mb, s))
                         if marked is not None:
                             marked.append(retokened(masked, marker))
                         continue
                     feats.append(self._trace_dummy_row(self._template, n, self.dummy_token_id))
+                    if s is not None and self.mode == "oracle":  # a row of this request, not masked
+                        self._dummy_slots.add((e.mb, s))
                     if marked is not None:
                         marked.append(self._trace_dummy_row(self._template, n, marker))
                 continue
@@ -85,6 +87,8 @@ class CounterfactualBatches:
                 marked.append(with_dummies(row, self._dummy_spans[s], marker) if s in self._dummy_spans else dict(row))
             if s in self._spans:  # a packed row: its deleted documents become dummies of the same length
                 row = with_dummies(row, self._spans[s], self.dummy_token_id)
+                if self.mode == "oracle" and keep_dummies:
+                    self._dummy_slots.update((e.mb, s, k) for k in range(len(self._spans[s])))
             feats.append(row)
         return feats, dummy_pos
 
