@@ -182,22 +182,54 @@ def test_a_loss_reading_the_deleted_rows_tokens_is_not_verified_the_oracle_being
     assert not (tmp_path / "chained").exists()
 
 
-def test_an_oracle_that_trains_a_deleted_row_as_a_dummy_says_what_it_does_not_show(tmp_path):
-    """A collator that builds the labels from the tokens (``DataCollatorForLanguageModeling``, no labels column): a
-    deleted row cannot go into the oracle with its tokens and no weight, so the oracle trains the dummy there. The
-    deletion is VERIFIED (a plain loss), and the receipt counts those rows and says the verdict does not show the loss
-    ignores their tokens (a tester's loss reading them was VERIFIED with every tensor off, saying nothing)."""
+def test_a_collator_that_labels_the_tokens_deleted_rows_go_into_the_oracle_whole_labels_ignored_once_collated(
+        tmp_path):
+    """ATTACK (a tester's wrong VERIFIED): ``DataCollatorForLanguageModeling`` over rows without a labels column
+    builds the labels from the tokens, so a deleted row cannot be masked before collation; the oracle kept the dummy
+    there and the word-weighted loss was VERIFIED with every tensor off. The oracle now puts the row in whole and
+    ignores its labels once collated (located as the dummies are): it equals the engine-free counterfactual (the same
+    collator, the row's labels -100 after collation), the replay does not, NOT VERIFIED; a row without the word is
+    VERIFIED and equal to its counterfactual."""
     from transformers import DataCollatorForLanguageModeling
 
     from hf_unlearn.deletion import forget
-    from hf_unlearn.trace import open_run
+    from hf_unlearn.trace import open_run, trace_recording
 
-    from .test_trace_common import record
+    from .test_trace_common import recorded_normalisers_trainer, tiny, train_args
+    from .test_trace_pipeline import _final, _same
+    from .trace_dummy_trainers import WORD, InputWeightedTrainer
 
     tok, data = get_trace_data()
     data = data.select(range(16)).remove_columns(["labels"])
-    record(tok, data, tmp_path, data_collator=DataCollatorForLanguageModeling(tok, mlm=False), **KW)
-    run = tmp_path / "trace"
-    receipt = forget(run, open_run(run).ids_at_steps([2])[:1], tmp_path / "out", oracle=True, progress=False)
-    assert receipt.evidence["verified"] is True and receipt.evidence["oracle_dummies"] == 1
-    assert "the oracle trained 1 deleted row(s) or document(s) as dummies" in receipt.guarantee
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    trace_recording(InputWeightedTrainer)(model=tiny(tok), args=_args(tmp_path / "rec"), train_dataset=data,
+                                          data_collator=collator, trace_checkpoint_steps=2,
+                                          trace_checkpoint_retention="even").train()
+    run = tmp_path / "rec" / "trace"
+    rows = {r["id"]: r["input_ids"] for r in data}
+    step2 = open_run(run).ids_at_steps([2])
+    holding, lacking = [i for i in step2 if WORD in rows[i]][:1], [i for i in step2 if WORD not in rows[i]][:1]
+    assert holding and lacking
+
+    class MaskedAfterCollation:
+        def __init__(self, forget):
+            self.gone = {tuple(rows[i]) for i in forget}
+
+        def __call__(self, features):
+            batch = collator([{k: v for k, v in f.items() if k != "id"} for f in features])
+            for k, f in enumerate(features):
+                if tuple(f["input_ids"]) in self.gone:
+                    batch["labels"][k] = -100
+            return batch
+
+    for ids, name, verified in ((holding, "holding", False), (lacking, "lacking", True)):
+        receipt = forget(run, ids, tmp_path / name, oracle=True, progress=False)
+        model = tiny(tok)
+        recorded_normalisers_trainer(run, base=InputWeightedTrainer)(
+            model=model, args=train_args(tmp_path / f"cf-{name}", **KW), train_dataset=data,
+            data_collator=MaskedAfterCollation(ids)).train()
+        cf = model.state_dict()
+        assert not _same(_final(tmp_path / name / "oracle"), cf), name  # the oracle is the counterfactual
+        assert receipt.evidence["verified"] is verified, name
+        assert bool(_same(_final(tmp_path / name / "replay"), cf)) is not verified, name
+        assert not receipt.evidence.get("oracle_dummies") and "as dummies" not in receipt.guarantee

@@ -517,8 +517,9 @@ def test_packing_the_other_documents_per_token_losses_are_the_oracles_and_the_de
     """The microbatch holding the deleted document: the replay (redacted store) and the oracle (original store)
     collate the same tensors; at fixed weights every other document's per-token loss equals the recorded
     microbatch's bit for bit (same position ids: no document attends to another), the deleted document has no
-    labelled token left. And the oracle equals a plain SFTTrainer run on the packed rows with that document's
-    tokens replaced by dummies by hand and the recorded normalisers (no replay engine)."""
+    labelled token left. And the oracle (the document's tokens kept, its labels ignored) equals a plain SFTTrainer
+    run on the packed rows with that document's labels ignored by hand and the recorded normalisers (no replay
+    engine); replay == oracle is VERIFIED (the fixture), so the replay's dummies are that counterfactual too."""
 
     from hf_unlearn.data.collators import rebuild_collator
     from hf_unlearn.trace import compare_states
@@ -530,7 +531,9 @@ def test_packing_the_other_documents_per_token_losses_are_the_oracles_and_the_de
     row_tag = tag(run.key, store["id"][packed.row])
     entry = next(e for e in run.plan if row_tag in e.slots)
     ours, theirs = (t._collate(*t._rows(entry, keep_dummies=True)) for t in (replay, oracle))
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours if torch.is_tensor(ours[k]))
+    assert ours.keys() == theirs.keys()  # the oracle keeps the deleted document's tokens (labels ignored): the rest
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours if torch.is_tensor(ours[k]) and k != "input_ids")
+    assert not torch.equal(ours["input_ids"], theirs["input_ids"])
     index = {tag(run.key, i): n for n, i in enumerate(store["id"])}
     recorded = rebuild_collator(run.header["collator"], run.path / "collator")(
         [{k: v for k, v in store[index[s]].items() if k not in ("id", "packed_ids")} for s in entry.slots])
@@ -554,14 +557,12 @@ def test_packing_the_other_documents_per_token_losses_are_the_oracles_and_the_de
     assert (ours["labels"][0, offset + a:offset + b] == -100).all()  # the deleted document: no loss left
 
     RecordedNormalisers = recorded_normalisers(run)
-    dummy = run.header["dummy_token_id"]
 
     def by_hand(r):
         if packed.forget[0] not in r["packed_ids"]:
             return {}
         a, b = _span(r, r["packed_ids"].index(packed.forget[0]))
-        return {"input_ids": r["input_ids"][:a] + [dummy] * (b - a) + r["input_ids"][b:],
-                "labels": r["labels"][:a] + [-100] * (b - a) + r["labels"][b:]}
+        return {"labels": r["labels"][:a] + [-100] * (b - a) + r["labels"][b:]}  # its tokens kept, no weight
 
     counterfactual = RecordedNormalisers(
         model=model(packed.tok), args=sft_config(packed.tmp / "cf", dataset_kwargs={"skip_prepare_dataset": True},

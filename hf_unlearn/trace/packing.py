@@ -196,6 +196,21 @@ def with_dummies(row: dict, hit: list[int], dummy_token_id: int) -> dict:
     return row
 
 
+def with_labels_ignored(row: dict, hit: list[int]) -> dict:
+    """``row`` with fragments ``hit`` kept but without weight (their labels ignored, their document ids dropped as
+    :func:`with_dummies` drops them): a deleted document as the counterfactual trains it (the oracle's)."""
+    row = dict(row, labels=list(row["labels"]))
+    if PACKED_IDS in row:
+        row[PACKED_IDS] = list(row[PACKED_IDS])
+    frags = fragments(row)
+    for k in hit:
+        start, length = frags[k]
+        row["labels"][start:start + length] = [IGNORE_INDEX] * length
+        if PACKED_IDS in row:
+            row[PACKED_IDS][k] = None
+    return row
+
+
 def check_redacted_row(row: dict, hit: list[int], frags: list, dummy_token_id: int, where: str) -> None:
     """A redacted store's packed row must have the map's fragments and hold only dummies where documents were
     deleted (nothing smuggled back)."""

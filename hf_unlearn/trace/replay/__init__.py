@@ -391,7 +391,7 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                 continue
             marked = [] if self._holds_dummy(e) else None
             feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank, marked=marked)
-            batch = self._collate(feats, dummy_pos)
+            batch = self._collate(feats, dummy_pos, marked)
             mask = None if marked is None else dummy_positions(batch, self.data_collator(marked)).to(self.args.device)
             work.append((e, batch, mask))
         step = seg[0].step

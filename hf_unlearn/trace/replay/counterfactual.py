@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnlearnError
-from ..dummies import DummyInfluenceError, dummy_influence_message
+from ..dummies import DummyInfluenceError, dummy_influence_message, dummy_positions
 from ..hashing import batch_digest
-from ..packing import with_dummies
+from ..packing import with_dummies, with_labels_ignored
 from ..plan import PlanEntry
 from ..recorder import keyed_batch_digest
 from ..recorder.slots import retokened
@@ -33,8 +33,8 @@ class CounterfactualBatches:
         counterfactual as defined), rather than dummies: the oracle, which reads the run's original store. The
         replay, whose store no longer holds them, trains dummies of their lengths; replay == oracle then also proves
         that the loss gives the deleted rows' tokens no weight (a loss scaled by what a microbatch's inputs hold
-        would differ). Packed runs keep dummies in both (a document's tokens sit inside a packed row)."""
-        return self.mode == "oracle" and not self.filter_rows and not self._spans and not self._dummy_spans
+        would differ). In a packed run the deleted documents keep their tokens with their labels ignored."""
+        return self.mode == "oracle" and not self.filter_rows
 
     def _masked_row(self, row: dict) -> dict | None:
         """The deleted ``row`` as the counterfactual trains it: every token kept, no weight (labels ignored, loss
@@ -60,6 +60,7 @@ class CounterfactualBatches:
         names = [k for k in columns if k != self.id_column]
         fetched = iter(zip(*(columns[k] for k in names)))
         feats, dummy_pos = [], []
+        self._labels_after = False  # a deleted row whose labels only the collator sets: ignored once collated
         marker = self.dummy_token_id + 1
         for s, n in zip(slots, e.lens[lo:hi]):
             if s is None or s in self.forget_tag_set:
@@ -67,6 +68,8 @@ class CounterfactualBatches:
                 if keep_dummies:
                     dummy_pos.append(len(feats))
                     masked = self._masked_row(original) if original is not None else None
+                    if masked is None and original is not None and marked is not None and self._labels_collated():
+                        masked, self._labels_after = dict(original), True  # labelled by the collator: see _collate
                     if masked is not None and self._trace_row_length(original) == n:
                         feats.append(masked)
                         self._masked_slots.add((e.mb, s))
@@ -74,7 +77,7 @@ class CounterfactualBatches:
                             marked.append(retokened(masked, marker))
                         continue
                     feats.append(self._trace_dummy_row(self._template, n, self.dummy_token_id))
-                    if s is not None and self.mode == "oracle":  # a row of this request, not masked
+                    if s is not None and self.mode == "oracle" and marked is not None:  # trained here, not masked
                         self._dummy_slots.add((e.mb, s))
                     if marked is not None:
                         marked.append(self._trace_dummy_row(self._template, n, marker))
@@ -85,10 +88,11 @@ class CounterfactualBatches:
                                    f"{n}: the store is not the one the run read")
             if marked is not None:  # a copy: a collator may assign into its features
                 marked.append(with_dummies(row, self._dummy_spans[s], marker) if s in self._dummy_spans else dict(row))
-            if s in self._spans:  # a packed row: its deleted documents become dummies of the same length
+            if s in self._spans and masking:  # the oracle: the deleted documents kept, their labels ignored
+                row = with_labels_ignored(row, self._spans[s])
+                self._masked_slots.update((e.mb, s, k) for k in range(len(self._spans[s])))
+            elif s in self._spans:  # a packed row: its deleted documents become dummies of the same length
                 row = with_dummies(row, self._spans[s], self.dummy_token_id)
-                if self.mode == "oracle" and keep_dummies:
-                    self._dummy_slots.update((e.mb, s, k) for k in range(len(self._spans[s])))
             feats.append(row)
         return feats, dummy_pos
 
@@ -109,8 +113,20 @@ class CounterfactualBatches:
             raise DummyInfluenceError(f"{self.run.path}: " + dummy_influence_message(owner, e.step, e.mb, loss,
                                                                                      float(watch.largest)))
 
-    def _collate(self, feats: list[dict], dummy_pos: list[int]) -> dict:
+    def _labels_collated(self) -> bool:
+        """Whether the rows are language-model rows whose labels the collator builds (not DPO pairs, whose weight is
+        their completion mask): a deleted row can then go into the oracle whole, its labels ignored once collated."""
+        return "input_ids" in self._template
+
+    def _collate(self, feats: list[dict], dummy_pos: list[int], marked: list | None = None) -> dict:
         batch = self.data_collator(feats)
+        if getattr(self, "_labels_after", False):  # the oracle's deleted rows the collator labelled: ignored here
+            where = dummy_positions(batch, self.data_collator(marked))
+            labels = batch.get("labels")
+            if not torch.is_tensor(labels) or labels.shape != where.shape:
+                raise UnlearnError("the collator gives no labels of the tokens' shape, so a deleted row cannot be given "
+                                   "weight 0 in the oracle; replay with the collator the run was recorded with")
+            batch["labels"] = labels.masked_fill(where.to(labels.device), IGNORE_INDEX)
         labels = batch.get("labels")
         if dummy_pos and labels is not None and torch.is_tensor(labels) and labels.dim() >= 1 \
                 and labels.shape[0] == len(feats) and (labels[dummy_pos] != IGNORE_INDEX).any():
