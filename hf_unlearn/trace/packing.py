@@ -183,16 +183,11 @@ def emptied_rows(doc_map: dict, doc_tags: set[str]) -> set[str]:
 
 def with_dummies(row: dict, hit: list[int], dummy_token_id: int) -> dict:
     """``row`` with fragments ``hit`` replaced by dummy tokens (label ignored); lengths and position ids unchanged."""
-    row = dict(row, input_ids=list(row["input_ids"]), labels=list(row["labels"]))
-    if PACKED_IDS in row:
-        row[PACKED_IDS] = list(row[PACKED_IDS])
+    row = dict(with_labels_ignored(row, hit), input_ids=list(row["input_ids"]))
     frags = fragments(row)
     for k in hit:
         start, length = frags[k]
         row["input_ids"][start:start + length] = [dummy_token_id] * length
-        row["labels"][start:start + length] = [IGNORE_INDEX] * length
-        if PACKED_IDS in row:
-            row[PACKED_IDS][k] = None
     return row
 
 
