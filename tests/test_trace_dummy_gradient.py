@@ -233,3 +233,32 @@ def test_a_collator_that_labels_the_tokens_deleted_rows_go_into_the_oracle_whole
         assert receipt.evidence["verified"] is verified, name
         assert bool(_same(_final(tmp_path / name / "replay"), cf)) is not verified, name
         assert not receipt.evidence.get("oracle_dummies") and "as dummies" not in receipt.guarantee
+
+
+def test_a_not_pad_attention_mask_on_a_gqa_model_records_and_deletes_as_the_counterfactual(tmp_path):
+    """A tester's false refusal: ``QACollator(attention_mask="not_pad")`` (attention where ``input_ids`` is not the
+    pad token) on a grouped-query Llama was refused at construction as a loss that weights a row by its neighbours:
+    the dummy, made of pad tokens, was a row attending to nothing, which moves the whole microbatch to another SDPA
+    path. The dummy token is now the one beside the pad token there: the run records, and a deletion is VERIFIED and
+    equal to a plain Trainer run with the same collator and the row's labels ignored."""
+    from hf_unlearn.data import QACollator
+    from hf_unlearn.deletion import forget
+    from hf_unlearn.demo import _DropIds
+    from hf_unlearn.trace import open_run
+
+    from .test_trace_common import config_model, labels_masked, record, recorded_normalisers_trainer, train_args
+    from .test_trace_pipeline import _final, _same
+
+    tok, data = get_trace_data()
+    data = data.select(range(16))
+    collator = QACollator.from_tokenizer(tok, attention_mask="not_pad")
+    record(tok, data, tmp_path, model=config_model("llama", tok), data_collator=collator, **KW)
+    run = tmp_path / "trace"
+    assert open_run(run).header["dummy_token_id"] != tok.pad_token_id
+    ids = open_run(run).ids_at_steps([2])[:1]
+    receipt = forget(run, ids, tmp_path / "out", oracle=True, progress=False)
+    assert receipt.evidence["verified"] is True
+    model = config_model("llama", tok)
+    recorded_normalisers_trainer(run)(model=model, args=train_args(tmp_path / "cf", **KW),
+                                      train_dataset=labels_masked(data, ids), data_collator=_DropIds(collator)).train()
+    assert not _same(_final(tmp_path / "out" / "replay"), model.state_dict())

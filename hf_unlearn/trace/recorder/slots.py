@@ -97,10 +97,16 @@ def dropped_rows(trainer, raw_ids: list | None) -> list:
 
 
 def default_dummy_token(trainer) -> int:
+    """The pad token, except under a collator that masks attention where ``input_ids`` is the pad token
+    (``QACollator(attention_mask="not_pad")``): there a dummy of pad tokens would be a row attending to nothing,
+    which sends the whole microbatch through another attention path (other bits for every row with grouped-query
+    SDPA), so a token beside it is used (its labels are ignored all the same)."""
     collator = trainer.data_collator
     for owner in (collator, getattr(collator, "tokenizer", None), trainer.processing_class):
         pad = getattr(owner, "pad_token_id", None)
         if isinstance(pad, int):
+            if getattr(collator, "attention_mask", None) == "not_pad":
+                return pad - 1 if pad > 0 else pad + 1
             return pad
     return 0
 
