@@ -91,11 +91,12 @@ class MaskedPairs:
         return batch
 
 
-def counterfactual(tmp_path, tok, data, base, forget, family="llama", **kw):
-    """A plain DPOTrainer (no recording, no replay engine) whose deleted pairs have no completion token."""
+def counterfactual(tmp_path, tok, data, base, forget, family="llama", trainer_cls=None, **kw):
+    """A plain DPOTrainer (``trainer_cls``: that subclass; no recording, no replay engine) whose deleted pairs have no
+    completion token."""
     from trl import DPOTrainer
 
-    class KeepIds(DPOTrainer):
+    class KeepIds(trainer_cls or DPOTrainer):
         def _set_signature_columns_if_needed(self):
             super()._set_signature_columns_if_needed()
             self._signature_columns = [*self._signature_columns, "id"]
@@ -283,16 +284,9 @@ def test_dpo_a_loss_reading_a_deleted_pairs_tokens_is_not_verified_the_oracle_be
     assert not report["identical"] and not report["verified"]
     assert oracle.replay_stats["deleted_rows_trained_masked"] >= 1
 
-    class KeepIds(InputWeightedDPOTrainer):
-        def _set_signature_columns_if_needed(self):
-            super()._set_signature_columns_if_needed()
-            self._signature_columns = [*self._signature_columns, "id"]
-
-    cf = KeepIds(model=saved_model(tmp_path / "base", tok), args=dpo_config(tmp_path / "cf", max_steps=3),
-                 train_dataset=data, processing_class=tok)
-    cf.data_collator = MaskedPairs(cf.data_collator, forget)
-    cf.train()
-    assert compare_states(state_of(cf), load_state(tmp_path / "oracle"))["identical"]  # the oracle: the counterfactual
+    cf = counterfactual(tmp_path, tok, data, tmp_path / "base", forget, trainer_cls=InputWeightedDPOTrainer,
+                        max_steps=3)
+    assert compare_states(cf, load_state(tmp_path / "oracle"))["identical"]  # the oracle: the counterfactual
     assert issubclass(InputWeightedDPOTrainer, DPOTrainer)
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from ...data.collators import rebuild_collator
 from ...errors import UnlearnError
 from .. import module_tree
-from ..dummies import dummy_positions, watch_dummy_gradient
+from ..dummies import watch_dummy_gradient
 from ..environment_reads import note_frameworks, recorded_reads, unrecorded, watching
 from ..fidelity import check_device, refusal, restore_layout
 from ..file_reads import unrecorded as unrecorded_files
@@ -391,8 +391,8 @@ class ReplayTrainer(ReplayStart, ReplayChecks, CounterfactualBatches, RecordedPr
                 continue
             marked = [] if self._holds_dummy(e) else None
             feats, dummy_pos = self._rows(e, keep_dummies=not self.filter_rows, rank=rank, marked=marked)
-            batch = self._collate(feats, dummy_pos, marked)
-            mask = None if marked is None else dummy_positions(batch, self.data_collator(marked)).to(self.args.device)
+            batch, mask = self._collate_located(feats, dummy_pos, marked)
+            mask = None if mask is None else mask.to(self.args.device)
             work.append((e, batch, mask))
         step = seg[0].step
         self.state.global_step = step

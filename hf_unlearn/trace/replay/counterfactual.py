@@ -118,15 +118,27 @@ class CounterfactualBatches:
         their completion mask): a deleted row can then go into the oracle whole, its labels ignored once collated."""
         return "input_ids" in self._template
 
-    def _collate(self, feats: list[dict], dummy_pos: list[int], marked: list | None = None) -> dict:
+    def _collate_located(self, feats: list[dict], dummy_pos: list[int], marked: list | None):
+        """The collated microbatch and where its deleted slots' tokens sit in it (``marked``: :meth:`_rows`'s; None
+        without it), found with one collation of ``marked``; the oracle's deleted rows that only the collator labels
+        (:meth:`_rows`) get their labels ignored there."""
+        if marked is None:
+            return self._collate(feats, dummy_pos), None
         batch = self.data_collator(feats)
-        if getattr(self, "_labels_after", False):  # the oracle's deleted rows the collator labelled: ignored here
-            where = dummy_positions(batch, self.data_collator(marked))
+        where = dummy_positions(batch, self.data_collator(marked))
+        if getattr(self, "_labels_after", False):
             labels = batch.get("labels")
             if not torch.is_tensor(labels) or labels.shape != where.shape:
                 raise UnlearnError("the collator gives no labels of the tokens' shape, so a deleted row cannot be given "
                                    "weight 0 in the oracle; replay with the collator the run was recorded with")
             batch["labels"] = labels.masked_fill(where.to(labels.device), IGNORE_INDEX)
+        return self._checked(batch, feats, dummy_pos), where
+
+    def _collate(self, feats: list[dict], dummy_pos: list[int]) -> dict:
+        return self._checked(self.data_collator(feats), feats, dummy_pos)
+
+    def _checked(self, batch: dict, feats: list[dict], dummy_pos: list[int]) -> dict:
+        """``batch``, refused where the collator gave a dummy slot a label."""
         labels = batch.get("labels")
         if dummy_pos and labels is not None and torch.is_tensor(labels) and labels.dim() >= 1 \
                 and labels.shape[0] == len(feats) and (labels[dummy_pos] != IGNORE_INDEX).any():
